@@ -1,0 +1,57 @@
+"""Argument checks shared by every encoding: each error names the argument and what would be valid."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+
+def positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def even_positive_int(name: str, value: Any) -> int:
+    positive_int(name, value)
+    if value % 2:
+        raise ValueError(
+            f"{name} must be even (channels are rotated or encoded in pairs), got {value}; "
+            f"use {value - 1} or {value + 1}"
+        )
+    return value
+
+
+def base_value(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a real number > 1, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value) or value <= 1.0:
+        raise ValueError(f"{name} must be a finite number > 1 (10000 is the usual choice), got {value}")
+    return value
+
+
+def float_tensor(name: str, x: Any) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}; cast it with .float()")
+    return x
+
+
+def int_tensor(name: str, x: Any) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be an integer torch.Tensor, got {type(x).__name__}")
+    if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+        raise TypeError(
+            f"{name} must hold integer positions (torch.long or torch.int32), got dtype {x.dtype}; "
+            "float positions lose integers above 256 in bf16/fp16"
+        )
+    return x
+
+
+def same_device(names: tuple[str, str], a: torch.Tensor, b: torch.Tensor) -> None:
+    if a.device != b.device:
+        raise ValueError(f"{names[0]} is on {a.device} but {names[1]} is on {b.device}; move both to one device")

@@ -1,0 +1,47 @@
+"""Learned absolute positions (GPT-2, BERT): a table of ``max_positions`` rows, and nothing past it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from posenc._checks import int_tensor, positive_int
+from posenc.encoding import ActsOn
+
+
+class LearnedAbsolute(nn.Module):
+    """max_positions: rows in the table; dim: model width. Position >= max_positions is an error, never a clamp."""
+
+    acts_on = ActsOn.INPUT
+
+    def __init__(self, max_positions: int, dim: int) -> None:
+        super().__init__()
+        self.max_positions = positive_int("max_positions", max_positions)
+        self.dim = positive_int("dim", dim)
+        self.table = nn.Embedding(max_positions, dim)
+        nn.init.normal_(self.table.weight, std=0.02)
+
+    @classmethod
+    def from_model_dims(
+        cls, *, dim: int, num_heads: int, head_dim: int, max_positions: int, **options: Any
+    ) -> LearnedAbsolute:
+        return cls(max_positions, dim, **options)
+
+    def forward(self, positions: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """positions: (...) integer in [0, max_positions). Returns (..., dim)."""
+        int_tensor("positions", positions)
+        if positions.numel():
+            low, high = int(positions.min()), int(positions.max())
+            if low < 0 or high >= self.max_positions:
+                raise ValueError(
+                    f"position {high if high >= self.max_positions else low} is outside the learned table of "
+                    f"max_positions={self.max_positions} rows (valid: 0..{self.max_positions - 1}); a learned "
+                    "absolute encoding has nothing to say past its table: build it with a larger max_positions"
+                )
+        out = self.table(positions)
+        return out if dtype is None else out.to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"max_positions={self.max_positions}, dim={self.dim}"

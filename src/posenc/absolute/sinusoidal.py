@@ -1,0 +1,50 @@
+"""Sinusoidal absolute positions (Vaswani et al., 2017): PE(p, 2i) = sin(p / base^(2i/d)), PE(p, 2i+1) = cos."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from posenc._checks import base_value, even_positive_int, int_tensor
+from posenc.encoding import ActsOn
+
+
+def sinusoidal_table(
+    positions: torch.Tensor, dim: int, *, base: float = 10000.0, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """positions: (...) integer, any size (no table limit). Returns (..., dim) in ``dtype``.
+
+    Angles in float64, then cast: float32 angles lose the phase of the fast channels past ~1e5 positions.
+    """
+    int_tensor("positions", positions)
+    even_positive_int("dim", dim)
+    base_value("base", base)
+    inv_freq = base ** (-torch.arange(0, dim, 2, dtype=torch.float64, device=positions.device) / dim)
+    angles = positions.to(torch.float64)[..., None] * inv_freq  # (..., dim/2)
+    return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2).to(dtype)
+
+
+class Sinusoidal(nn.Module):
+    """dim: model width d (even); base: 10000 in the paper. No parameters and no maximum position."""
+
+    acts_on = ActsOn.INPUT
+
+    def __init__(self, dim: int, *, base: float = 10000.0) -> None:
+        super().__init__()
+        self.dim = even_positive_int("dim", dim)
+        self.base = base_value("base", base)
+
+    @classmethod
+    def from_model_dims(
+        cls, *, dim: int, num_heads: int, head_dim: int, max_positions: int, **options: Any
+    ) -> Sinusoidal:
+        return cls(dim, **options)
+
+    def forward(self, positions: torch.Tensor, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """positions: (...) integer >= 0. Returns (..., dim)."""
+        return sinusoidal_table(positions, self.dim, base=self.base, dtype=dtype)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, base={self.base}"

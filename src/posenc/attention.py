@@ -1,0 +1,162 @@
+"""One reference causal attention that takes any encoding, with grouped-query heads and a KV cache.
+
+It reads only the encoding's ``acts_on`` declaration: QK encodings rotate q and k before they enter the cache,
+score-bias encodings add ``score_bias(q_positions, k_positions)`` to the logits, and input encodings are applied
+to the embeddings by ``add_input_encoding`` (the model's job, not attention's). Shape key: b batch, s new tokens,
+t cached + new tokens, h query heads, g key/value heads, d head dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from posenc._checks import float_tensor, positive_int
+from posenc.encoding import ActsOn
+from posenc.positions import resolve_positions
+
+
+@dataclasses.dataclass
+class KVCache:
+    """Keys (b, g, t, d) as they enter attention (rotated, for RoPE), values, and key positions (b or 1, t)."""
+
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def update(
+        self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Append the new tokens; returns everything cached so far."""
+        if self.k is None:
+            self.k, self.v, self.positions = k, v, positions
+        else:
+            assert self.v is not None and self.positions is not None
+            batch = max(self.positions.shape[0], positions.shape[0])
+            self.positions = torch.cat((self.positions.expand(batch, -1), positions.expand(batch, -1)), dim=1)
+            self.k = torch.cat((self.k, k), dim=2)
+            self.v = torch.cat((self.v, v), dim=2)
+        return self.k, self.v, self.positions
+
+
+def add_input_encoding(x: torch.Tensor, encoding: nn.Module | None, positions: torch.Tensor) -> torch.Tensor:
+    """x: (b, s, dim); positions: (b or 1, s). Adds the encoding if it acts on the input, else returns x."""
+    if encoding is None or encoding.acts_on is not ActsOn.INPUT:
+        return x
+    return x + encoding(positions).to(x.dtype)
+
+
+def causal_mask(q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
+    """(q_len, k_len) bool, True where attention is allowed: the last q_len of k_len tokens are the queries."""
+    return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(diagonal=k_len - q_len)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with grouped-query heads.
+
+    dim: model width; num_heads: h; num_kv_heads: g (divides h; default h); encoding: any registered encoding
+    (or None). The encoding may be shared by every layer of a model.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        *,
+        num_kv_heads: int | None = None,
+        encoding: nn.Module | None = None,
+        bias: bool = False,
+    ) -> None:
+        super().__init__()
+        positive_int("dim", dim)
+        positive_int("num_heads", num_heads)
+        num_kv_heads = num_heads if num_kv_heads is None else positive_int("num_kv_heads", num_kv_heads)
+        if dim % num_heads:
+            raise ValueError(f"dim={dim} must be divisible by num_heads={num_heads}")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, dim // num_heads
+        self.q_proj = nn.Linear(dim, num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(dim, num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(dim, num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * self.head_dim, dim, bias=bias)
+        self.encoding = encoding
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        positions: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        return_attention: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x: (b, s, dim). positions: (s,) or (b, s) ids (default: continue from the cache, else 0..s-1).
+
+        Returns (b, s, dim); with ``return_attention`` also the probabilities (b, h, s, t) in float32.
+        """
+        float_tensor("x", x)
+        if x.dim() != 3:
+            raise ValueError(f"x must be (b, s, dim), got shape {tuple(x.shape)}")
+        b, s, _ = x.shape
+        offset = cache.length if cache is not None and positions is None else 0
+        pos = resolve_positions(s, batch=b, positions=positions, offset=offset, device=x.device)
+        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+
+        acts_on = self.encoding.acts_on if self.encoding is not None else ActsOn.NONE
+        if acts_on is ActsOn.QK:
+            q, k = self.encoding(q, k, positions=pos)
+        k_pos = pos
+        if cache is not None:
+            k, v, k_pos = cache.update(k, v, pos)
+        t = k.shape[2]
+        if self.num_kv_heads != self.num_heads:
+            k = k.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
+            v = v.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
+
+        allowed = causal_mask(s, t, x.device)
+        bias = self.encoding.score_bias(pos, k_pos) if acts_on is ActsOn.SCORE_BIAS else None
+        out, probs = attend(q, k, v, allowed, bias, need_probs=return_attention)
+        out = self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
+        return (out, probs) if return_attention else out
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    need_probs: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """q: (b, h, s, d); k, v: (b, h, t, d); allowed: (s, t) bool; bias: (b or 1, h, s, t) or None.
+
+    A score bias is added in float32 (ALiBi's slope * 8192 has no exact bf16 value), so low-precision inputs
+    are attended in float32 when a bias is present. Returns ((b, h, s, d) in q's dtype, probs or None).
+    """
+    s, t = allowed.shape
+    if need_probs:
+        wide = q.float()
+        scores = wide @ k.float().transpose(-1, -2) / math.sqrt(q.shape[-1])
+        if bias is not None:
+            scores = scores + bias.float()
+        probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
+        return (probs @ v.float()).to(q.dtype), probs
+    if bias is None:
+        if s == t:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True), None
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed), None
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    mask = bias.to(dtype).masked_fill(~allowed, float("-inf"))
+    out = F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), attn_mask=mask)
+    return out.to(q.dtype), None

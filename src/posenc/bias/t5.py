@@ -1,0 +1,103 @@
+"""T5's relative position bias (Raffel et al., 2020): distances bucketed (exact when small, logarithmic up to
+``max_distance``), one learned scalar per bucket and head."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from posenc._checks import int_tensor, positive_int
+from posenc.bias.base import ScoreBias
+
+
+def _check_buckets(num_buckets: int, max_distance: int, bidirectional: bool) -> None:
+    positive_int("num_buckets", num_buckets)
+    positive_int("max_distance", max_distance)
+    per_direction = num_buckets // 2 if bidirectional else num_buckets
+    max_exact = per_direction // 2
+    if max_exact < 1:
+        raise ValueError(
+            f"num_buckets={num_buckets} is too small: need at least {4 if bidirectional else 2} "
+            f"({'bidirectional' if bidirectional else 'causal'})"
+        )
+    if max_distance <= max_exact:
+        raise ValueError(
+            f"max_distance={max_distance} is too small for num_buckets={num_buckets}: it must be > {max_exact} "
+            f"(the exact buckets cover distances 0..{max_exact - 1}; logarithmic ones reach max_distance)"
+        )
+
+
+def t5_relative_bucket(
+    relative_position: torch.Tensor, *, bidirectional: bool, num_buckets: int = 32, max_distance: int = 128
+) -> torch.Tensor:
+    """Bucket of each relative position (key position - query position), same shape, int64.
+
+    Matches Hugging Face T5's ``_relative_position_bucket`` exactly, including its float32 logarithm, since
+    bucket edges are where two implementations can disagree.
+    """
+    int_tensor("relative_position", relative_position)
+    _check_buckets(num_buckets, max_distance, bidirectional)
+    relative_position = relative_position.to(torch.long)
+    buckets = torch.zeros_like(relative_position)
+    if bidirectional:
+        num_buckets //= 2
+        buckets = buckets + (relative_position > 0).to(torch.long) * num_buckets
+        distance = relative_position.abs()
+    else:
+        distance = (-relative_position).clamp(min=0)
+    max_exact = num_buckets // 2
+    is_small = distance < max_exact
+    # distance is >= max_exact wherever this branch is used; clamp keeps log(0) out of the unused lanes.
+    large = max_exact + (
+        torch.log(distance.clamp(min=1).float() / max_exact)
+        / math.log(max_distance / max_exact)
+        * (num_buckets - max_exact)
+    ).to(torch.long)
+    large = large.clamp(max=num_buckets - 1)
+    return buckets + torch.where(is_small, distance, large)
+
+
+class T5Bias(ScoreBias):
+    """num_heads: h; num_buckets, max_distance: as in T5; bidirectional: True for encoders, False for decoders.
+
+    ``table`` is a (num_buckets, h) learned embedding.
+    """
+
+    def __init__(
+        self, num_heads: int, *, num_buckets: int = 32, max_distance: int = 128, bidirectional: bool = False
+    ) -> None:
+        super().__init__()
+        self.num_heads = positive_int("num_heads", num_heads)
+        _check_buckets(num_buckets, max_distance, bidirectional)
+        self.num_buckets = num_buckets
+        self.max_distance = max_distance
+        self.bidirectional = bool(bidirectional)
+        self.table = nn.Embedding(num_buckets, num_heads)
+        nn.init.normal_(self.table.weight, std=0.02)
+
+    @classmethod
+    def from_model_dims(cls, *, dim: int, num_heads: int, head_dim: int, max_positions: int, **options: Any) -> T5Bias:
+        return cls(num_heads, **options)
+
+    def buckets(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
+        """q_positions: (b, sq), k_positions: (b, sk). Returns (b, sq, sk) int64 bucket ids."""
+        relative = k_positions[:, None, :] - q_positions[:, :, None]
+        return t5_relative_bucket(
+            relative,
+            bidirectional=self.bidirectional,
+            num_buckets=self.num_buckets,
+            max_distance=self.max_distance,
+        )
+
+    def score_bias(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
+        """q_positions: (b, sq), k_positions: (b, sk) integer. Returns (b, h, sq, sk) in the table's dtype."""
+        return self.table(self.buckets(q_positions, k_positions)).permute(0, 3, 1, 2)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_heads={self.num_heads}, num_buckets={self.num_buckets}, "
+            f"max_distance={self.max_distance}, bidirectional={self.bidirectional}"
+        )

@@ -1,0 +1,21 @@
+"""What every encoding declares: where in the transformer it acts.
+
+The reference attention and the lab's model read only this declaration, so a new family needs no special case
+anywhere else:
+
+* ``INPUT``: ``encoding(positions) -> (..., s, dim)`` is added to the token embeddings.
+* ``QK``: ``encoding(q, k, positions=...) -> (q, k)`` rotates queries and keys.
+* ``SCORE_BIAS``: ``encoding.score_bias(q_positions, k_positions) -> (b, h, sq, sk)`` is added to the logits.
+* ``NONE``: nothing; order comes from the causal mask alone.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ActsOn(str, enum.Enum):
+    INPUT = "input"
+    QK = "queries_and_keys"
+    SCORE_BIAS = "score_bias"
+    NONE = "nothing"

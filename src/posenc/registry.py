@@ -1,0 +1,51 @@
+"""One registry: encoding name -> class. Scaling types have theirs in ``posenc.rope.frequencies.SCALINGS``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from posenc.absolute import LearnedAbsolute, Sinusoidal
+from posenc.bias import ALiBi, T5Bias
+from posenc.nope import NoPE
+from posenc.rope import RoPE
+
+ENCODINGS: dict[str, type[nn.Module]] = {
+    "learned": LearnedAbsolute,
+    "sinusoidal": Sinusoidal,
+    "t5": T5Bias,
+    "alibi": ALiBi,
+    "nope": NoPE,
+    "rope": RoPE,
+}
+
+
+def available() -> list[str]:
+    """Names of the registered encodings."""
+    return list(ENCODINGS)
+
+
+def _lookup(name: str) -> type[nn.Module]:
+    if name not in ENCODINGS:
+        raise ValueError(f"unknown encoding {name!r}; known encodings: {', '.join(ENCODINGS)}")
+    return ENCODINGS[name]
+
+
+def build(name: str, /, *args: Any, **kwargs: Any) -> nn.Module:
+    """Construct an encoding by name with its own arguments, e.g. ``build("rope", 64, base=500000.0)``."""
+    return _lookup(name)(*args, **kwargs)
+
+
+def build_for_model(
+    name: str, /, *, dim: int, num_heads: int, head_dim: int, max_positions: int, **kwargs: Any
+) -> nn.Module:
+    """Construct an encoding from a model's sizes, so a model can take any name without special cases.
+
+    dim: model width; head_dim: per-head width; max_positions: the training length (the learned table's size);
+    kwargs: options of that family's constructor (e.g. ``base``, ``rope_parameters``, ``num_buckets``); an
+    option the family does not take is a TypeError, never silently dropped.
+    """
+    return _lookup(name).from_model_dims(
+        dim=dim, num_heads=num_heads, head_dim=head_dim, max_positions=max_positions, **kwargs
+    )

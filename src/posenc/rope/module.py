@@ -1,0 +1,181 @@
+"""``RoPE``: a thin holder of a validated config and a lazily grown cos/sin table.
+
+Share one instance across all layers of a model: the table is built once per device and grows on demand, to the
+next power of two past the largest position seen (there is no fixed maximum). Angles are computed in float64 and
+stored as float32, so a bf16 model at position 2**20 rotates as exactly as at position 20.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from posenc._checks import float_tensor, same_device
+from posenc.encoding import ActsOn
+from posenc.positions import resolve_positions
+from posenc.rope.apply import apply_rotary
+from posenc.rope.frequencies import SEQ_LEN_DEPENDENT
+from posenc.rope.parameters import RopeSpec, compute_frequencies, parse_rope_parameters
+
+Layout = Literal["bhsd", "bshd"]
+
+# Beyond this many positions the table would cost more than computing angles for the positions asked for.
+_TABLE_LIMIT = 1 << 16
+
+
+def angles_to_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, attention_factor: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions: (...) integer; inv_freq: (r/2,) float64. Returns cos, sin: (..., r/2) float32.
+
+    The product is taken in float64: in float32, position 1e6 times a frequency near 1 is off by ~0.06 rad.
+    """
+    angles = positions.to(torch.float64)[..., None] * inv_freq.to(device=positions.device, dtype=torch.float64)
+    cos, sin = angles.cos(), angles.sin()
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
+    return cos.to(torch.float32), sin.to(torch.float32)
+
+
+class RoPE(nn.Module):
+    """Rotary position embedding (Su et al., 2021) for queries and keys.
+
+    head_dim: d; rotary_dim: r <= d, even (default d; the last d - r channels pass through);
+    base: theta (default 10000, or ``rope_parameters['rope_theta']``);
+    interleaved: adjacent pairs (RoFormer, GPT-J) if True, else split-half (Llama's ``rotate_half``);
+    rope_parameters: a Hugging Face-style dict (``rope_type``, ``rope_theta``, ``partial_rotary_factor``, ...);
+    max_position_embeddings: the model's trained length, used by the length-dependent scaling types.
+    """
+
+    acts_on = ActsOn.QK
+
+    def __init__(
+        self,
+        head_dim: int,
+        *,
+        rotary_dim: int | None = None,
+        base: float | None = None,
+        interleaved: bool = False,
+        rope_parameters: Mapping[str, Any] | None = None,
+        max_position_embeddings: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.spec: RopeSpec = parse_rope_parameters(head_dim, rope_parameters, base=base, rotary_dim=rotary_dim)
+        if max_position_embeddings is not None and (
+            isinstance(max_position_embeddings, bool)
+            or not isinstance(max_position_embeddings, int)
+            or max_position_embeddings <= 0
+        ):
+            raise ValueError(f"max_position_embeddings must be a positive integer, got {max_position_embeddings!r}")
+        self.interleaved = bool(interleaved)
+        self.max_position_embeddings = max_position_embeddings
+        # Plain attributes, not buffers: derived from the config, rebuilt per device on first use, so the
+        # module is safe to create on the meta device and never goes stale after .to().
+        self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @classmethod
+    def from_model_dims(cls, *, dim: int, num_heads: int, head_dim: int, max_positions: int, **options: Any) -> RoPE:
+        # The training length is what the length-dependent scaling types extend from.
+        return cls(head_dim, **{"max_position_embeddings": max_positions, **options})
+
+    @property
+    def head_dim(self) -> int:
+        return self.spec.head_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.spec.rotary_dim
+
+    @property
+    def base(self) -> float:
+        return self.spec.base
+
+    @property
+    def rope_type(self) -> str:
+        return self.spec.rope_type
+
+    def frequencies(self, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
+        """Returns (inv_freq (r/2,) float64 on the CPU, attention_factor) for a sequence of ``seq_len``."""
+        return compute_frequencies(self.spec, max_position_embeddings=self.max_position_embeddings, seq_len=seq_len)
+
+    def cos_sin(self, positions: torch.Tensor, *, seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: (...) integer tensor. Returns cos, sin: (..., r/2) float32 on positions' device.
+
+        seq_len: the sequence length that length-dependent types scale for (default: max(positions) + 1).
+        """
+        if positions.is_floating_point() or positions.dtype == torch.bool:
+            raise TypeError(f"positions must be an integer tensor, got dtype {positions.dtype}")
+        if positions.numel() == 0:
+            empty = torch.empty((*positions.shape, self.rotary_dim // 2), device=positions.device)
+            return empty, empty.clone()
+        needed = int(positions.max()) + 1 if positions.device.type != "meta" else 1
+        if self.spec.rope_type in SEQ_LEN_DEPENDENT or needed > _TABLE_LIMIT:
+            inv_freq, factor = self.frequencies(seq_len if seq_len is not None else needed)
+            return angles_to_cos_sin(positions, inv_freq, factor)
+        cos, sin = self._table(positions.device, needed)
+        return cos[positions], sin[positions]
+
+    def _table(self, device: torch.device, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        table = self._tables.get(device)
+        if table is None or table[0].shape[0] < needed:
+            size = max(256, 1 << (needed - 1).bit_length())
+            inv_freq, factor = self.frequencies()
+            table = angles_to_cos_sin(torch.arange(size, device=device), inv_freq, factor)
+            self._tables[device] = table
+        return table
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        *,
+        positions: torch.Tensor | None = None,
+        offset: int | torch.Tensor = 0,
+        layout: Layout = "bhsd",
+        seq_len: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate queries and keys by their absolute positions.
+
+        q: (b, h_q, s, d), k: (b, h_k, s, d) for layout "bhsd"; (b, s, h, d) for "bshd". h_q may differ from h_k.
+        positions: (s,) or (b, s) integer ids (e.g. packed documents restarting at 0); default 0..s-1.
+        offset: int or (b,) tensor added to the positions (tokens already in a KV cache).
+        Returns new (q, k) with the input dtypes.
+        """
+        float_tensor("q", q)
+        float_tensor("k", k)
+        same_device(("q", "k"), q, k)
+        if q.dtype != k.dtype:
+            raise ValueError(f"q and k must have the same dtype, got {q.dtype} and {k.dtype}")
+        if layout not in ("bhsd", "bshd"):
+            raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
+        for name, t in (("q", q), ("k", k)):
+            if t.dim() != 4 or t.shape[-1] != self.head_dim:
+                raise ValueError(
+                    f"{name} must be 4-D ({'b, h, s, d' if layout == 'bhsd' else 'b, s, h, d'}) with "
+                    f"d = head_dim = {self.head_dim}, got shape {tuple(t.shape)}"
+                )
+        seq_axis = 2 if layout == "bhsd" else 1
+        if q.shape[0] != k.shape[0] or q.shape[seq_axis] != k.shape[seq_axis]:
+            raise ValueError(
+                f"q and k must share batch and sequence sizes, got {tuple(q.shape)} and {tuple(k.shape)} "
+                f"(layout {layout!r})"
+            )
+        pos = resolve_positions(
+            q.shape[seq_axis], batch=q.shape[0], positions=positions, offset=offset, device=q.device
+        )
+        cos, sin = self.cos_sin(pos, seq_len=seq_len)  # (b or 1, s, r/2)
+        head_axis = 1 if layout == "bhsd" else 2
+        cos, sin = cos.unsqueeze(head_axis), sin.unsqueeze(head_axis)
+        return (
+            apply_rotary(q, cos, sin, interleaved=self.interleaved),
+            apply_rotary(k, cos, sin, interleaved=self.interleaved),
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, base={self.base}, "
+            f"rope_type={self.rope_type!r}, interleaved={self.interleaved}"
+        )

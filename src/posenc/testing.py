@@ -1,0 +1,156 @@
+"""float64 references written for clarity, one tolerance table, and input generators.
+
+Used by the tests and the benchmarks; every fast path in posenc is compared against these. The references loop
+over pairs and positions the way the papers write the math, and compute everything in float64.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# (atol, rtol) for comparing a result in `dtype` against the float64 reference, for elementwise ops (a rotation,
+# an embedding). rtol is one unit in the last place of the dtype: the best a result rounded once can do, plus
+# the float32 intermediate rounding. Reductions (attention) use REDUCTION_TOLERANCES.
+TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float64: (1e-12, 1e-12),
+    torch.float32: (1e-6, 2.0**-20),
+    torch.bfloat16: (1e-6, 2.0**-7),
+    torch.float16: (1e-6, 2.0**-10),
+}
+REDUCTION_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float64: (1e-10, 1e-10),
+    torch.float32: (1e-5, 1e-4),
+    torch.bfloat16: (2e-2, 2e-2),
+    torch.float16: (2e-3, 2e-3),
+}
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def assert_close(actual: torch.Tensor, reference: torch.Tensor, *, reduction: bool = False, msg: str = "") -> None:
+    """Compare ``actual`` (any dtype) with a float64 ``reference`` using the tolerance of ``actual.dtype``."""
+    table = REDUCTION_TOLERANCES if reduction else TOLERANCES
+    atol, rtol = table[actual.dtype]
+    torch.testing.assert_close(
+        actual.to(torch.float64), reference.to(torch.float64), atol=atol, rtol=rtol, msg=msg or None
+    )
+
+
+def rope_inv_freq_reference(rotary_dim: int, base: float) -> list[float]:
+    """theta_i = base^(-2i/r), i = 0..r/2-1 (Su et al., Eq. 15)."""
+    return [base ** (-2.0 * i / rotary_dim) for i in range(rotary_dim // 2)]
+
+
+def rope_reference(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    rotary_dim: int | None = None,
+    base: float = 10000.0,
+    interleaved: bool = False,
+    inv_freq: list[float] | torch.Tensor | None = None,
+    attention_factor: float = 1.0,
+) -> torch.Tensor:
+    """Rotate x (..., s, d) by positions (s,) or broadcastable to x.shape[:-1]; float64 result.
+
+    Pair i is channels (2i, 2i+1) when interleaved, else (i, i + r/2); it turns by angle position * theta_i.
+    The channels past rotary_dim are copied. ``attention_factor`` scales the rotated channels (YaRN's mscale).
+    """
+    x = x.to(torch.float64)
+    d = x.shape[-1]
+    r = d if rotary_dim is None else rotary_dim
+    thetas = rope_inv_freq_reference(r, base) if inv_freq is None else [float(t) for t in inv_freq]
+    pos = positions.to(torch.float64)
+    out = x.clone()
+    for i, theta in enumerate(thetas):
+        a, b = (2 * i, 2 * i + 1) if interleaved else (i, i + r // 2)
+        angle = pos * theta
+        cos, sin = torch.cos(angle) * attention_factor, torch.sin(angle) * attention_factor
+        out[..., a] = x[..., a] * cos - x[..., b] * sin
+        out[..., b] = x[..., b] * cos + x[..., a] * sin
+    return out
+
+
+def sinusoidal_reference(positions: torch.Tensor, dim: int, *, base: float = 10000.0) -> torch.Tensor:
+    """PE(p, 2i) = sin(p / base^(2i/d)), PE(p, 2i+1) = cos(p / base^(2i/d)) (Vaswani et al., §3.5)."""
+    pos = positions.to(torch.float64)
+    out = torch.empty((*positions.shape, dim), dtype=torch.float64)
+    for i in range(dim // 2):
+        angle = pos / base ** (2.0 * i / dim)
+        out[..., 2 * i] = torch.sin(angle)
+        out[..., 2 * i + 1] = torch.cos(angle)
+    return out
+
+
+def alibi_slopes_reference(num_heads: int) -> list[float]:
+    """Press et al.'s slopes: geometric from 2^(-8/n); for non-powers of two, the closest lower power of two's
+    slopes followed by every other slope of twice that power (the paper's reference code)."""
+
+    def power_of_two(n: int) -> list[float]:
+        start = 2 ** (-(2 ** -(math.log2(n) - 3)))
+        return [start * start**i for i in range(n)]
+
+    if math.log2(num_heads).is_integer():
+        return power_of_two(num_heads)
+    closest = 2 ** math.floor(math.log2(num_heads))
+    return power_of_two(closest) + alibi_slopes_reference(2 * closest)[0::2][: num_heads - closest]
+
+
+def alibi_bias_reference(num_heads: int, q_positions: list[int], k_positions: list[int]) -> torch.Tensor:
+    """(h, sq, sk): -slope_h * |m - n|; no causal mask."""
+    slopes = alibi_slopes_reference(num_heads)
+    return torch.tensor(
+        [[[-s * abs(m - n) for n in k_positions] for m in q_positions] for s in slopes], dtype=torch.float64
+    )
+
+
+def t5_bucket_reference(relative_position: int, *, bidirectional: bool, num_buckets: int, max_distance: int) -> int:
+    """T5's bucket for one relative position (key - query), written out with Python integers and floats."""
+    bucket = 0
+    if bidirectional:
+        num_buckets //= 2
+        if relative_position > 0:
+            bucket += num_buckets
+        distance = abs(relative_position)
+    else:
+        distance = max(-relative_position, 0)
+    max_exact = num_buckets // 2
+    if distance < max_exact:
+        return bucket + distance
+    scaled = math.log(distance / max_exact) / math.log(max_distance / max_exact) * (num_buckets - max_exact)
+    return bucket + min(max_exact + int(scaled), num_buckets - 1)
+
+
+def attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Causal softmax(q k^T / sqrt(d) + bias) v in float64. q: (b, h, s, d); k, v: (b, g, s, d), g | h."""
+    q, k, v = (t.to(torch.float64) for t in (q, k, v))
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    s = q.shape[2]
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if bias is not None:
+        scores = scores + bias.to(torch.float64)
+    future = torch.ones(s, s, dtype=torch.bool).triu(1)
+    return scores.masked_fill(future, float("-inf")).softmax(-1) @ v
+
+
+def random_qk(
+    batch: int,
+    q_heads: int,
+    k_heads: int,
+    seq: int,
+    head_dim: int,
+    *,
+    dtype: torch.dtype = torch.float32,
+    layout: str = "bhsd",
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random q (b, h_q, s, d) and k (b, h_k, s, d) (or bshd), drawn in float64 and cast to ``dtype``."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(batch, h, seq, head_dim) if layout == "bhsd" else (batch, seq, h, head_dim) for h in (q_heads, k_heads)]
+    q, k = (torch.randn(shape, generator=gen, dtype=torch.float64).to(device=device, dtype=dtype) for shape in shapes)
+    return q, k
