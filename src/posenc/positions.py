@@ -45,12 +45,12 @@ def resolve_positions(
         pos = torch.arange(seq_len, device=device, dtype=torch.long)[None, :]
     else:
         int_tensor("positions", positions)
+        as_given = tuple(positions.shape)
         if positions.dim() == 1:
             positions = positions[None, :]
         if positions.dim() != 2 or positions.shape[-1] != seq_len or positions.shape[0] not in (1, batch):
             raise ValueError(
-                f"positions must have shape ({seq_len},) or ({batch}, {seq_len}) to match the sequence, "
-                f"got {tuple(positions.shape)}"
+                f"positions must have shape ({seq_len},) or ({batch}, {seq_len}) to match the sequence, got {as_given}"
             )
         pos = positions.to(device=device, dtype=torch.long)
     pos = pos + offset

@@ -1,0 +1,33 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+import posenc
+from posenc.testing import assert_close, sinusoidal_reference
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("dim", "base"), [(2, 10000.0), (64, 10000.0), (30, 500.0)])
+def test_sinusoidal_matches_reference(dtype, dim, base):
+    positions = torch.tensor([0, 1, 7, 217, 4095, 2**20 - 1])
+    out = posenc.Sinusoidal(dim, base=base)(positions, dtype=dtype)
+    assert out.shape == (6, dim) and out.dtype == dtype
+    assert_close(out, sinusoidal_reference(positions, dim, base=base))
+
+
+def test_sinusoidal_any_position_and_batched_shape():
+    enc = posenc.Sinusoidal(8)
+    out = enc(torch.arange(12).view(3, 4) + 10**7)
+    assert out.shape == (3, 4, 8)
+    assert_close(out[0, 0], sinusoidal_reference(torch.tensor([10**7]), 8)[0])
+
+
+def test_learned_table_lookup_and_bounds():
+    enc = posenc.LearnedAbsolute(16, 8)
+    positions = torch.tensor([[0, 5, 15]])
+    torch.testing.assert_close(enc(positions), enc.table.weight[positions])
+    with pytest.raises(ValueError, match=r"position 16 is outside the learned table of max_positions=16"):
+        enc(torch.tensor([3, 16]))
+    with pytest.raises(ValueError, match="outside the learned table"):
+        enc(torch.tensor([-1]))

@@ -1,0 +1,69 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import posenc
+from posenc.testing import t5_bucket_reference
+
+CONFIGS = [(32, 128), (32, 64), (16, 32), (8, 20), (64, 256), (4, 3)]
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+@pytest.mark.parametrize(("num_buckets", "max_distance"), CONFIGS)
+def test_buckets_match_hugging_face_t5_and_reference(bidirectional, num_buckets, max_distance):
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    if bidirectional and num_buckets < 4:
+        pytest.skip("bidirectional needs num_buckets >= 4")
+    relative = torch.arange(-3000, 3001)
+    ours = posenc.t5_relative_bucket(
+        relative, bidirectional=bidirectional, num_buckets=num_buckets, max_distance=max_distance
+    )
+    hf = T5Attention._relative_position_bucket(
+        relative, bidirectional=bidirectional, num_buckets=num_buckets, max_distance=max_distance
+    )
+    assert torch.equal(ours, hf)
+    reference = torch.tensor(
+        [
+            t5_bucket_reference(r, bidirectional=bidirectional, num_buckets=num_buckets, max_distance=max_distance)
+            for r in relative.tolist()
+        ]
+    )
+    # The float64 reference and T5's float32 logarithm agree everywhere on this range (no edge falls between).
+    assert torch.equal(ours, reference)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    config=st.sampled_from(CONFIGS),
+    bidirectional=st.booleans(),
+    a=st.integers(0, 10_000),
+    b=st.integers(0, 10_000),
+)
+def test_buckets_monotone_in_distance(config, bidirectional, a, b):
+    num_buckets, max_distance = config
+    near, far = sorted((a, b))
+    kwargs = dict(bidirectional=bidirectional, num_buckets=num_buckets, max_distance=max_distance)
+    # Attending back (negative relative position) and, when bidirectional, forward.
+    for sign in (-1, 1) if bidirectional else (-1,):
+        bucket_near, bucket_far = posenc.t5_relative_bucket(torch.tensor([sign * near, sign * far]), **kwargs).tolist()
+        assert bucket_near <= bucket_far
+
+
+def test_bias_uses_table_and_offset():
+    t5 = posenc.T5Bias(3, num_buckets=8, max_distance=16)
+    bias = t5.bias(2, 6, offset=4)  # queries at 4, 5; keys 0..5
+    assert bias.shape == (3, 2, 6)
+    for qi, qpos in enumerate((4, 5)):
+        for kpos in range(6):
+            bucket = t5_bucket_reference(kpos - qpos, bidirectional=False, num_buckets=8, max_distance=16)
+            torch.testing.assert_close(bias[:, qi, kpos], t5.table.weight[bucket])
+
+
+def test_causal_future_shares_bucket_zero():
+    # In a causal T5 every future key maps to bucket 0, like distance 0 (the mask hides it anyway).
+    buckets = posenc.t5_relative_bucket(torch.tensor([0, 1, 50]), bidirectional=False)
+    assert buckets.tolist() == [0, 0, 0]

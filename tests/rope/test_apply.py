@@ -1,0 +1,211 @@
+"""apply_rotary and RoPE against the float64 reference, and the properties of a rotation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import posenc
+from posenc.testing import DTYPES, assert_close, random_qk, rope_inv_freq_reference, rope_reference
+
+
+def half_to_full_perm(rotary_dim: int) -> list[int]:
+    """Channel order that turns a split-half layout into an interleaved one: pair i is (i, i + r/2)."""
+    half = rotary_dim // 2
+    return [c for i in range(half) for c in (i, i + half)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, *DTYPES])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize(("head_dim", "rotary_dim"), [(64, 64), (80, 32), (7, 4), (33, 32), (2, 2)])
+@pytest.mark.parametrize("seq", [1, 7, 217])
+def test_rope_module_matches_reference(dtype, interleaved, head_dim, rotary_dim, seq):
+    rope = posenc.RoPE(head_dim, rotary_dim=rotary_dim, interleaved=interleaved, base=10000.0)
+    q, k = random_qk(2, 4, 2, seq, head_dim, dtype=dtype)
+    q_out, k_out = rope(q, k)
+    positions = torch.arange(seq)[:, None]  # broadcast over (b, h, s) -> position per s
+    for out, x in ((q_out, q), (k_out, k)):
+        assert out.dtype == dtype and out.shape == x.shape
+        ref = rope_reference(x, positions.squeeze(-1), rotary_dim=rotary_dim, interleaved=interleaved)
+        assert_close(out, ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_large_positions_stay_exact(dtype):
+    # bf16/fp16 positions cannot even represent 2**20 - 1; float32 angles would be off by ~0.06 rad there.
+    rope = posenc.RoPE(128)
+    q, k = random_qk(1, 2, 1, 3, 128, dtype=dtype)
+    positions = torch.tensor([2**20 - 1, 2**20 - 2, 12345])
+    q_out, _ = rope(q, k, positions=positions)
+    assert_close(q_out, rope_reference(q, positions))
+
+
+def test_apply_rotary_half_sized_cos_sin_and_partial_channels_untouched():
+    x = torch.randn(2, 3, 5, 10)
+    angles = torch.randn(5, 3)
+    out = posenc.apply_rotary(x, angles.cos(), angles.sin())
+    assert torch.equal(out[..., 6:], x[..., 6:])
+    ref = rope_reference(x, torch.zeros(5), rotary_dim=6, inv_freq=[1.0, 1.0, 1.0])  # identity
+    assert not torch.allclose(out.double(), ref)  # a real rotation happened
+    # Rotating back (conjugate) returns the input.
+    back = posenc.apply_rotary(out, angles.cos(), angles.sin(), conjugate=True)
+    assert_close(back, x.double())
+
+
+def test_apply_rotary_does_not_modify_input():
+    x = torch.randn(1, 2, 4, 8)
+    before = x.clone()
+    angles = torch.randn(4, 4)
+    posenc.apply_rotary(x, angles.cos(), angles.sin(), interleaved=True)
+    assert torch.equal(x, before)
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_layouts_agree(layout):
+    rope = posenc.RoPE(16)
+    q, k = random_qk(2, 4, 2, 9, 16, layout="bhsd")
+    q_ref, k_ref = rope(q, k)
+    if layout == "bshd":
+        q_out, k_out = rope(q.transpose(1, 2), k.transpose(1, 2), layout="bshd")
+        q_out, k_out = q_out.transpose(1, 2), k_out.transpose(1, 2)
+    else:
+        q_out, k_out = rope(q, k)
+    assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
+
+
+def test_positions_forms_agree():
+    rope = posenc.RoPE(8)
+    q, k = random_qk(3, 2, 2, 5, 8)
+    default = rope(q, k)
+    explicit = rope(q, k, positions=torch.arange(5))
+    assert all(torch.equal(a, b) for a, b in zip(default, explicit, strict=True))
+    # An integer offset equals positions offset..offset+s-1, and per-batch offsets pick per-row positions.
+    shifted = rope(q, k, offset=11)
+    assert torch.equal(shifted[0], rope(q, k, positions=torch.arange(11, 16))[0])
+    offsets = torch.tensor([0, 3, 100])
+    per_batch = rope(q, k, offset=offsets)
+    for i, off in enumerate(offsets.tolist()):
+        assert torch.equal(per_batch[0][i], rope(q[i : i + 1], k[i : i + 1], offset=off)[0][0])
+
+
+def test_packed_positions_restart_per_document():
+    # Two documents packed in one row: the second restarts at 0 and must rotate like a fresh sequence.
+    rope = posenc.RoPE(8)
+    q, k = random_qk(1, 2, 2, 7, 8)
+    packed = torch.tensor([[0, 1, 2, 3, 0, 1, 2]])
+    q_out, _ = rope(q, k, positions=packed)
+    alone, _ = rope(q[:, :, 4:], k[:, :, 4:])
+    assert torch.equal(q_out[:, :, 4:], alone)
+
+
+def test_cache_grows_lazily_and_is_reused():
+    rope = posenc.RoPE(8)
+    q, k = random_qk(1, 1, 1, 4, 8)
+    rope(q, k)
+    size = rope._tables[(torch.device("cpu"), torch.float32)][0].shape[0]
+    rope(q, k, offset=size + 10)  # past the table: it grows instead of failing
+    assert rope._tables[(torch.device("cpu"), torch.float32)][0].shape[0] > size + 13
+    table = rope._tables[(torch.device("cpu"), torch.float32)][0]
+    rope(q, k, offset=3)
+    assert rope._tables[(torch.device("cpu"), torch.float32)][0] is table
+
+
+def test_meta_device_construction():
+    with torch.device("meta"):
+        rope = posenc.RoPE(64)
+        q = torch.empty(1, 2, 5, 64)
+    out, _ = rope(q, q)
+    assert out.device.type == "meta" and out.shape == q.shape
+
+
+def test_matches_hugging_face_llama_apply_rotary_pos_emb():
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    config = LlamaConfig(hidden_size=256, num_attention_heads=4, rope_theta=500000.0)
+    hf_rope = LlamaRotaryEmbedding(config)
+    q, k = random_qk(2, 4, 4, 33, 64, seed=3)
+    position_ids = torch.arange(7, 40)[None].expand(2, -1)
+    cos, sin = hf_rope(q, position_ids)
+    hf_q, hf_k = apply_rotary_pos_emb(q, k, cos, sin)
+    rope = posenc.RoPE(64, base=500000.0)
+    ours_q, ours_k = rope(q, k, positions=position_ids)
+    # HF multiplies positions by inv_freq in float32 (angle error ~ position * 2**-24 rad); ours takes the
+    # product in float64. Both are within that bound of each other, and ours is the closer to float64.
+    torch.testing.assert_close(ours_q, hf_q, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours_k, hf_k, atol=1e-5, rtol=1e-5)
+    ref = rope_reference(q, position_ids[:, None, :], base=500000.0)
+    assert (ours_q.double() - ref).abs().max() <= (hf_q.double() - ref).abs().max()
+
+    # Given the same cos/sin, the rotation itself is HF's rotate_half formula.
+    our_cos, our_sin = rope.cos_sin(position_ids)
+    full_cos, full_sin = torch.cat((our_cos, our_cos), -1), torch.cat((our_sin, our_sin), -1)
+    hf_q2, hf_k2 = apply_rotary_pos_emb(q, k, full_cos, full_sin)
+    torch.testing.assert_close(ours_q, hf_q2, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ours_k, hf_k2, atol=1e-6, rtol=1e-6)
+
+
+def test_rope_frequencies_default():
+    inv_freq, factor = posenc.rope_frequencies(64, {"rope_type": "default", "rope_theta": 10000.0})
+    assert inv_freq.dtype == torch.float32 and inv_freq.shape == (32,) and factor == 1.0
+    expected = torch.tensor(rope_inv_freq_reference(64, 10000.0), dtype=torch.float64)
+    torch.testing.assert_close(inv_freq, expected.float(), atol=0, rtol=0)
+    partial, _ = posenc.rope_frequencies(80, {"rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+    assert partial.shape == (20,)
+
+
+# --- properties ---------------------------------------------------------------------------------------------
+
+_settings = settings(max_examples=40, deadline=None)
+dims = st.sampled_from([(2, 2), (8, 8), (10, 6), (16, 16), (33, 32)])
+positions_st = st.integers(min_value=0, max_value=100_000)
+
+
+@_settings
+@given(
+    dims=dims, m=positions_st, n=positions_st, shift=positions_st, interleaved=st.booleans(), seed=st.integers(0, 2**16)
+)
+def test_scores_depend_only_on_relative_position(dims, m, n, shift, interleaved, seed):
+    head_dim, rotary_dim = dims
+    rope = posenc.RoPE(head_dim, rotary_dim=rotary_dim, interleaved=interleaved)
+    q, k = random_qk(1, 1, 1, 1, head_dim, dtype=torch.float64, seed=seed)
+
+    def score(pq: int, pk: int) -> float:
+        q_rot, _ = rope(q, q, positions=torch.tensor([pq]))
+        _, k_rot = rope(k, k, positions=torch.tensor([pk]))
+        return float((q_rot * k_rot).sum())
+
+    # float64 inputs get float64 cos/sin; angles up to 2e5 rad keep ~1e-11 absolute accuracy.
+    assert math.isclose(score(m, n), score(m + shift, n + shift), rel_tol=1e-9, abs_tol=1e-9)
+
+
+@_settings
+@given(dims=dims, p=positions_st, interleaved=st.booleans(), seed=st.integers(0, 2**16))
+def test_rotation_keeps_norms_and_inverse_undoes_it(dims, p, interleaved, seed):
+    head_dim, rotary_dim = dims
+    rope = posenc.RoPE(head_dim, rotary_dim=rotary_dim, interleaved=interleaved)
+    x = torch.randn(2, 3, 4, head_dim, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    positions = torch.arange(p, p + 4)
+    out, _ = rope(x, x, positions=positions)
+    torch.testing.assert_close(out.norm(dim=-1), x.norm(dim=-1), atol=1e-12, rtol=1e-12)
+    cos, sin = rope.cos_sin(positions, dtype=torch.float64)
+    back = posenc.apply_rotary(out, cos, sin, interleaved=interleaved, conjugate=True)
+    torch.testing.assert_close(back, x, atol=1e-12, rtol=1e-12)
+
+
+@_settings
+@given(rotary=st.sampled_from([2, 4, 8, 32]), extra=st.sampled_from([0, 1, 6]), p=positions_st)
+def test_layouts_agree_under_channel_permutation(rotary, extra, p):
+    head_dim = rotary + extra
+    perm = half_to_full_perm(rotary) + list(range(rotary, head_dim))
+    x = torch.randn(1, 2, 3, head_dim, dtype=torch.float64)
+    positions = torch.arange(p, p + 3)
+    split, _ = posenc.RoPE(head_dim, rotary_dim=rotary)(x, x, positions=positions)
+    inter, _ = posenc.RoPE(head_dim, rotary_dim=rotary, interleaved=True)(
+        x[..., perm], x[..., perm], positions=positions
+    )
+    torch.testing.assert_close(inter, split[..., perm], atol=0, rtol=0)

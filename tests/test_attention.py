@@ -1,0 +1,96 @@
+"""The reference attention with every encoding: against a float64 reference, and KV-cache decode = full pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import posenc
+from posenc.attention import CausalSelfAttention, KVCache, add_input_encoding
+from posenc.testing import assert_close, attention_reference
+
+DIM, HEADS, KV_HEADS, HEAD_DIM = 32, 4, 2, 8
+
+
+def make_encoding(name: str) -> torch.nn.Module:
+    return posenc.build_for_model(name, dim=DIM, num_heads=HEADS, head_dim=HEAD_DIM, max_positions=64)
+
+
+def run(attn: CausalSelfAttention, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None):
+    return attn(add_input_encoding(x, attn.encoding, positions), positions=positions, cache=cache)
+
+
+@pytest.mark.parametrize("name", posenc.available())
+@pytest.mark.parametrize("kv_heads", [HEADS, KV_HEADS])
+@pytest.mark.parametrize("start", [0, 9])
+def test_kv_cache_decode_equals_full_forward(name, kv_heads, start):
+    torch.manual_seed(0)
+    encoding = make_encoding(name).double()
+    attn = CausalSelfAttention(DIM, HEADS, num_kv_heads=kv_heads, encoding=encoding).double()
+    x = torch.randn(2, 12, DIM, dtype=torch.float64)
+    positions = torch.arange(start, start + 12)[None]
+    full = run(attn, x, positions)
+
+    cache = KVCache()
+    pieces = [run(attn, x[:, :5], positions[:, :5], cache)]  # prefill
+    for i in range(5, 12):  # then one token at a time
+        pieces.append(run(attn, x[:, i : i + 1], positions[:, i : i + 1], cache))
+    assert cache.length == 12
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["rope", "nope", "alibi", "t5"])
+def test_cache_continues_positions_by_default(name):
+    torch.manual_seed(0)
+    attn = CausalSelfAttention(DIM, HEADS, encoding=make_encoding(name)).double()
+    x = torch.randn(1, 6, DIM, dtype=torch.float64)
+    full = attn(x)
+    cache = KVCache()
+    out = torch.cat([attn(x[:, :4], cache=cache), attn(x[:, 4:5], cache=cache), attn(x[:, 5:], cache=cache)], 1)
+    torch.testing.assert_close(out, full, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["nope", "rope", "alibi", "t5"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_matches_float64_reference(name, dtype):
+    torch.manual_seed(1)
+    encoding = make_encoding(name)
+    attn = CausalSelfAttention(DIM, HEADS, num_kv_heads=KV_HEADS, encoding=encoding)
+    x = torch.randn(2, 10, DIM)
+    out = attn.to(dtype)(x.to(dtype))
+
+    # The same computation written out in float64.
+    attn64 = attn.double()
+    x64 = x.to(dtype).double()
+    b, s, _ = x64.shape
+    q = attn64.q_proj(x64).view(b, s, HEADS, HEAD_DIM).transpose(1, 2)
+    k = attn64.k_proj(x64).view(b, s, KV_HEADS, HEAD_DIM).transpose(1, 2)
+    v = attn64.v_proj(x64).view(b, s, KV_HEADS, HEAD_DIM).transpose(1, 2)
+    bias = None
+    if name == "rope":
+        q, k = posenc.testing.rope_reference(q, torch.arange(s)), posenc.testing.rope_reference(k, torch.arange(s))
+    elif name in ("alibi", "t5"):
+        pos = torch.arange(s)[None]
+        bias = encoding.double().score_bias(pos, pos).masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), 0)
+    heads = attention_reference(q, k, v, bias=bias)
+    expected = attn64.o_proj(heads.transpose(1, 2).reshape(b, s, DIM))
+    assert_close(out, expected, reduction=True)
+
+
+def test_return_attention_probabilities_sum_to_one_and_are_causal():
+    attn = CausalSelfAttention(DIM, HEADS, encoding=make_encoding("alibi"))
+    x = torch.randn(1, 7, DIM)
+    out, probs = attn(x, return_attention=True)
+    torch.testing.assert_close(out, attn(x), atol=1e-5, rtol=1e-5)
+    assert probs.shape == (1, HEADS, 7, 7)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(1, HEADS, 7))
+    assert (probs[..., torch.ones(7, 7, dtype=torch.bool).triu(1)] == 0).all()
+
+
+def test_one_encoding_shared_by_layers():
+    rope = make_encoding("rope")
+    layers = [CausalSelfAttention(DIM, HEADS, encoding=rope) for _ in range(3)]
+    x = torch.randn(1, 5, DIM)
+    for layer in layers:
+        x = x + layer(x)
+    assert len(rope._tables) == 1  # one cos/sin table served every layer

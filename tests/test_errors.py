@@ -1,0 +1,176 @@
+"""Every bad input is a ValueError/TypeError that names the argument and what would be valid."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import posenc
+
+x = torch.randn(1, 2, 4, 8)
+q = torch.randn(1, 2, 4, 8)
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "match"),
+    [
+        (lambda: posenc.RoPE(0), ValueError, "head_dim must be a positive integer"),
+        (lambda: posenc.RoPE(8, rotary_dim=10), ValueError, r"rotary_dim=10 must be <= head_dim=8"),
+        (lambda: posenc.RoPE(8, rotary_dim=5), ValueError, r"rotary_dim must be even.*use 4 or 6"),
+        (lambda: posenc.RoPE(7), ValueError, r"rotary_dim must be even.*use 6 or 8"),
+        (lambda: posenc.RoPE(8, rotary_dim=0), ValueError, "rotary_dim must be a positive integer"),
+        (lambda: posenc.RoPE(8, base=1.0), ValueError, r"base must be a finite number > 1"),
+        (lambda: posenc.RoPE(8, base=math.inf), ValueError, r"base must be a finite number > 1"),
+        (lambda: posenc.RoPE(8, base=math.nan), ValueError, r"base must be a finite number > 1"),
+        (lambda: posenc.RoPE(8, base="1e4"), TypeError, r"base must be a real number"),
+        (
+            lambda: posenc.RoPE(8, rope_parameters={"rope_type": "warp"}),
+            ValueError,
+            r"unknown rope_type 'warp'; known types: .*default",
+        ),
+        (
+            lambda: posenc.RoPE(8, rope_parameters=[("rope_type", "default")]),
+            TypeError,
+            r"rope_parameters must be a dict",
+        ),
+        (
+            lambda: posenc.RoPE(8, rope_parameters={"rope_theta": 0.5}),
+            ValueError,
+            r"rope_parameters\['rope_theta'\] must be a finite number > 1",
+        ),
+        (
+            lambda: posenc.RoPE(8, rope_parameters={"partial_rotary_factor": 1.5}),
+            ValueError,
+            r"partial_rotary_factor must be in \(0, 1\]",
+        ),
+        (
+            lambda: posenc.RoPE(8, rotary_dim=4, rope_parameters={"partial_rotary_factor": 1.0}),
+            ValueError,
+            r"rotary_dim=4 disagrees with partial_rotary_factor",
+        ),
+        (
+            lambda: posenc.RoPE(8, base=500.0, rope_parameters={"rope_theta": 10000.0}),
+            ValueError,
+            r"base=500.0 disagrees with rope_parameters\['rope_theta'\]",
+        ),
+        (
+            lambda: posenc.RoPE(8, max_position_embeddings=0),
+            ValueError,
+            "max_position_embeddings must be a positive integer",
+        ),
+        (lambda: posenc.ALiBi(0), ValueError, "num_heads must be a positive integer"),
+        (lambda: posenc.ALiBi(-3), ValueError, "num_heads must be a positive integer"),
+        (lambda: posenc.T5Bias(0), ValueError, "num_heads must be a positive integer"),
+        (
+            lambda: posenc.T5Bias(4, num_buckets=32, max_distance=16),
+            ValueError,
+            r"max_distance=16 is too small for num_buckets=32: it must be > 16",
+        ),
+        (
+            lambda: posenc.T5Bias(4, num_buckets=2, bidirectional=True),
+            ValueError,
+            r"num_buckets=2 is too small: need at least 4",
+        ),
+        (lambda: posenc.Sinusoidal(7), ValueError, r"dim must be even"),
+        (lambda: posenc.Sinusoidal(0), ValueError, r"dim must be a positive integer"),
+        (lambda: posenc.Sinusoidal(8, base=-2.0), ValueError, r"base must be a finite number > 1"),
+        (lambda: posenc.LearnedAbsolute(0, 8), ValueError, "max_positions must be a positive integer"),
+        (lambda: posenc.build("xpos"), ValueError, r"unknown encoding 'xpos'; known encodings: learned, .*rope"),
+        (
+            lambda: posenc.build_for_model("alibi", dim=8, num_heads=2, head_dim=4, max_positions=8, base=3.0),
+            TypeError,
+            "base",
+        ),
+        (lambda: posenc.CausalSelfAttention(30, 4), ValueError, r"dim=30 must be divisible by num_heads=4"),
+        (
+            lambda: posenc.CausalSelfAttention(32, 4, num_kv_heads=3),
+            ValueError,
+            r"num_heads=4 must be a multiple of num_kv_heads=3",
+        ),
+    ],
+)
+def test_constructor_errors(make, error, match):
+    with pytest.raises(error, match=match):
+        make()
+
+
+rope = posenc.RoPE(8)
+angles = torch.randn(4, 4)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda: rope(q.long(), q), TypeError, r"q must be a floating-point tensor, got dtype torch.int64"),
+        (lambda: rope(q, q.double()), ValueError, r"q and k must have the same dtype"),
+        (lambda: rope(torch.randn(1, 2, 4, 6), q), ValueError, r"q must be 4-D .* d = head_dim = 8"),
+        (lambda: rope(q[0], q[0]), ValueError, r"q must be 4-D"),
+        (lambda: rope(q, q[:, :, :3]), ValueError, "q and k must share batch and sequence sizes"),
+        (
+            lambda: rope(q, q, positions=torch.arange(5)),
+            ValueError,
+            r"positions must have shape \(4,\) or \(1, 4\) to match the sequence, got \(5,\)",
+        ),
+        (lambda: rope(q, q, positions=torch.arange(4.0)), TypeError, r"positions must hold integer positions"),
+        (lambda: rope(q, q, positions=torch.tensor([0, -1, 2, 3])), ValueError, "positions must be >= 0"),
+        (lambda: rope(q, q, offset=-1), ValueError, r"offset must be >= 0"),
+        (lambda: rope(q, q, offset=torch.tensor([-2])), ValueError, r"offset must be >= 0"),
+        (lambda: rope(q, q, offset=torch.tensor([1, 2, 3])), ValueError, r"offset must be an int or a tensor of shape"),
+        (lambda: rope(q, q, offset=1.5), TypeError, r"offset must be an int"),
+        (lambda: rope(q, q, layout="sbhd"), ValueError, r"layout must be 'bhsd' or 'bshd'"),
+        (
+            lambda: posenc.apply_rotary(x, angles.cos()[:, :3], angles.sin()),
+            ValueError,
+            "cos and sin must have the same shape",
+        ),
+        (
+            lambda: posenc.apply_rotary(x, torch.ones(4, 5), torch.ones(4, 5)),
+            ValueError,
+            r"cos.shape\[-1\]=5 pairs needs 2\*5=10 channels but x.shape\[-1\]=8",
+        ),
+        (
+            lambda: posenc.apply_rotary(x, torch.ones(3, 4), torch.ones(3, 4)),
+            ValueError,
+            r"do not broadcast to x.shape\[:-1\] \+ \(r/2,\)",
+        ),
+        (
+            lambda: posenc.apply_rotary(x, torch.ones(2, 1, 4, 4), torch.ones(2, 1, 4, 4)),
+            ValueError,
+            "do not broadcast",
+        ),
+        (
+            lambda: posenc.apply_rotary(x.int(), angles.cos(), angles.sin()),
+            TypeError,
+            "x must be a floating-point tensor",
+        ),
+        (
+            lambda: posenc.apply_rotary(x, angles.cos().half().long(), angles.sin()),
+            TypeError,
+            "cos must be a floating-point tensor",
+        ),
+        (
+            lambda: posenc.apply_rotary(x, angles.cos(), angles.sin(), backend="cuda-magic"),
+            ValueError,
+            "backend must be one of",
+        ),
+        (
+            lambda: posenc.apply_rotary(x, angles.cos().to("meta"), angles.sin()),
+            ValueError,
+            r"x is on cpu but cos is on meta",
+        ),
+        (lambda: posenc.ALiBi(4).bias(0, 3), ValueError, "q_len must be a positive integer"),
+        (lambda: posenc.ALiBi(4).bias(2, 3, offset=-1), ValueError, "offset must be an int >= 0"),
+        (
+            lambda: posenc.t5_relative_bucket(torch.tensor([1.0]), bidirectional=False),
+            TypeError,
+            "relative_position must hold integer positions",
+        ),
+        (lambda: posenc.Sinusoidal(8)(torch.tensor([0.5])), TypeError, "positions must hold integer positions"),
+        (lambda: posenc.CausalSelfAttention(32, 4)(torch.randn(2, 32)), ValueError, r"x must be \(b, s, dim\)"),
+    ],
+)
+def test_call_errors(call, error, match):
+    with pytest.raises(error, match=match):
+        call()

@@ -1,0 +1,54 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import posenc
+from posenc.cli import main
+from posenc.encoding import ActsOn
+
+
+def test_registry_lists_six_families_with_declarations():
+    assert posenc.available() == ["learned", "sinusoidal", "t5", "alibi", "nope", "rope"]
+    expected = {
+        "learned": ActsOn.INPUT,
+        "sinusoidal": ActsOn.INPUT,
+        "t5": ActsOn.SCORE_BIAS,
+        "alibi": ActsOn.SCORE_BIAS,
+        "nope": ActsOn.NONE,
+        "rope": ActsOn.QK,
+    }
+    for name, where in expected.items():
+        enc = posenc.build_for_model(name, dim=16, num_heads=2, head_dim=8, max_positions=32)
+        assert enc.acts_on is where
+
+
+def test_build_passes_family_arguments():
+    rope = posenc.build("rope", 16, base=500000.0, interleaved=True)
+    assert isinstance(rope, posenc.RoPE) and rope.base == 500000.0 and rope.interleaved
+    t5 = posenc.build_for_model("t5", dim=16, num_heads=2, head_dim=8, max_positions=32, num_buckets=16)
+    assert t5.num_buckets == 16
+
+
+def test_import_has_no_side_effects():
+    code = (
+        "import torch; n = torch.get_num_threads(); import posenc; assert torch.get_num_threads() == n; "
+        "import sys; assert 'matplotlib' not in sys.modules and 'transformers' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_cli_info(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    for name in posenc.available():
+        assert name in out
+    assert "rope types:" in out and "backends:" in out
+
+
+def test_cli_unknown_command_exits_with_usage():
+    with pytest.raises(SystemExit) as err:
+        main(["nonsense"])
+    assert err.value.code == 2
