@@ -1,0 +1,55 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import posenc
+from posenc.distributed import shard_positions
+
+
+def test_load_balanced_chunks():
+    # 2 ranks, 8 tokens -> 4 chunks of 2: rank 0 takes chunks 0 and 3, rank 1 takes 1 and 2.
+    assert shard_positions(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert shard_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
+    assert shard_positions(8, 2, 1, load_balance=False).tolist() == [4, 5, 6, 7]
+
+
+@settings(max_examples=40, deadline=None)
+@given(world=st.integers(1, 8), per_chunk=st.integers(1, 16), balance=st.booleans())
+def test_shards_partition_the_sequence_and_balance_causal_work(world, per_chunk, balance):
+    seq_len = per_chunk * 2 * world
+    shards = [shard_positions(seq_len, world, r, load_balance=balance) for r in range(world)]
+    assert torch.equal(torch.cat(shards).sort().values, torch.arange(seq_len))
+    if balance:
+        # Causal work of a token at position p is p + 1 keys: every rank gets the same total.
+        work = {int((s + 1).sum()) for s in shards}
+        assert len(work) == 1
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("balance", [False, True])
+def test_rope_on_a_shard_equals_rows_of_the_whole(interleaved, balance):
+    rope = posenc.RoPE(16, rotary_dim=12, interleaved=interleaved)
+    q, k = torch.randn(2, 4, 24, 16), torch.randn(2, 2, 24, 16)
+    full_q, full_k = rope(q, k)
+    for rank in range(3):
+        pos = shard_positions(24, 3, rank, load_balance=balance)
+        shard_q, shard_k = rope(q[:, :, pos], k[:, :, pos], positions=pos, seq_len=24)
+        assert torch.equal(shard_q, full_q[:, :, pos]) and torch.equal(shard_k, full_k[:, :, pos])
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "match"),
+    [
+        ((10, 2, 0), {}, r"seq_len=10 must be divisible by 4 \(2 \* world_size.*pad the sequence to 12"),
+        ((10, 4, 0), {"load_balance": False}, r"seq_len=10 must be divisible by 4 \(world_size\)"),
+        ((8, 2, 2), {}, r"rank must be an int in \[0, 2\)"),
+        ((8, 0, 0), {}, "world_size must be a positive integer"),
+        ((0, 2, 0), {}, "seq_len must be a positive integer"),
+    ],
+)
+def test_errors(args, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        shard_positions(*args, **kwargs)
