@@ -26,7 +26,7 @@ def main(out_dir: str, configs: list[dict]) -> None:
         rope = posenc.RoPE(16, rope_parameters=params or None, max_position_embeddings=16)
         positions = torch.arange(seq_len)
         cos, sin = rope.cos_sin(positions, seq_len=seq_len)
-        inv_freq, factor = rope.frequencies(seq_len)
+        inv_freq, _ = rope.frequencies(seq_len)
         for mine in (cos, sin, inv_freq):
             gathered = [torch.empty_like(mine) for _ in range(world)]
             dist.all_gather(gathered, mine.contiguous())
