@@ -4,16 +4,18 @@ from posenc.absolute import LearnedAbsolute, Sinusoidal, sinusoidal_table
 from posenc.attention import CausalSelfAttention, KVCache, add_input_encoding
 from posenc.bias import ALiBi, T5Bias, alibi_bias, alibi_slopes, t5_relative_bucket
 from posenc.encoding import ActsOn
+from posenc.kernels import cpu_available, triton_available
 from posenc.nope import NoPE
 from posenc.registry import available, build, build_for_model
-from posenc.rope import RoPE, apply_rotary, rope_frequencies
+from posenc.rope import MRoPE, RoPE, apply_rotary, apply_rotary_, apply_rotary_qk, rope_frequencies
 
 __version__ = "0.1.0"
 
 
 def available_backends() -> list[str]:
-    """Rotation backends usable in this process."""
-    return ["torch"]
+    """Rotation backends usable in this process: "torch" always; "cpu" once the fused CPU kernel has built and
+    loaded (the first call builds it, about a second); "triton" when Triton imports and a CUDA device is present."""
+    return ["torch"] + ["cpu"] * cpu_available() + ["triton"] * triton_available()
 
 
 __all__ = [
@@ -22,6 +24,7 @@ __all__ = [
     "CausalSelfAttention",
     "KVCache",
     "LearnedAbsolute",
+    "MRoPE",
     "NoPE",
     "RoPE",
     "Sinusoidal",
@@ -31,6 +34,8 @@ __all__ = [
     "alibi_bias",
     "alibi_slopes",
     "apply_rotary",
+    "apply_rotary_",
+    "apply_rotary_qk",
     "available",
     "available_backends",
     "build",

@@ -17,16 +17,24 @@ from torch import nn
 
 from posenc._checks import float_tensor, positive_int
 from posenc.encoding import ActsOn
+from posenc.kernels.flex_bias import attend_flex, use_flex
 from posenc.positions import resolve_positions
 
 
 @dataclasses.dataclass
 class KVCache:
-    """Keys (b, g, t, d) as they enter attention (rotated, for RoPE), values, and key positions (b or 1, t)."""
+    """Keys (b, g, t, d) as they enter attention (rotated, for RoPE), values, and key positions (b or 1, t).
+
+    For a RoPE in 'consistent' mode whose frequencies change with the length (dynamic NTK, LongRoPE) it also keeps
+    ``unrotated_k`` and the ``inv_freq`` that ``k`` was rotated with: ``k`` is extended while the frequencies stay
+    the same and rebuilt from ``unrotated_k`` (never re-rotated, so no rounding accumulates) when they change.
+    """
 
     k: torch.Tensor | None = None
     v: torch.Tensor | None = None
     positions: torch.Tensor | None = None
+    unrotated_k: torch.Tensor | None = None
+    rotated_with: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -45,6 +53,29 @@ class KVCache:
             self.k = torch.cat((self.k, k), dim=2)
             self.v = torch.cat((self.v, v), dim=2)
         return self.k, self.v, self.positions
+
+    def update_rotating(
+        self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, encoding: nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """Append unrotated keys k: (b, g, s, d) and rotate every cached key with the frequencies of the whole
+        sequence, max(positions) + 1, re-rotating the old keys only when those frequencies changed.
+
+        Returns (rotated keys (b, g, t, d), values, key positions (b or 1, t), the seq_len used).
+        """
+        if self.unrotated_k is None and self.k is not None:
+            raise ValueError("this KVCache holds keys rotated by another encoding; start a new KVCache()")
+        new_k, old_k = k, self.k
+        self.k = self.unrotated_k
+        unrotated, v, k_pos = self.update(k, v, positions)
+        self.unrotated_k = unrotated
+        seq_len = int(k_pos.max()) + 1
+        inv_freq = encoding.frequencies(seq_len)[0]
+        if old_k is not None and self.rotated_with is not None and torch.equal(inv_freq, self.rotated_with):
+            self.k = torch.cat((old_k, encoding.rotate(new_k, positions, seq_len=seq_len)), dim=2)
+        else:
+            self.k = encoding.rotate(unrotated, k_pos, seq_len=seq_len)
+            self.rotated_with = inv_freq
+        return self.k, v, k_pos, seq_len
 
 
 def add_input_encoding(x: torch.Tensor, encoding: nn.Module | None, positions: torch.Tensor) -> torch.Tensor:
@@ -113,19 +144,27 @@ class CausalSelfAttention(nn.Module):
         v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
 
         acts_on = self.encoding.acts_on if self.encoding is not None else ActsOn.NONE
-        if acts_on is ActsOn.QK:
-            q, k = self.encoding(q, k, positions=pos)
         k_pos = pos
-        if cache is not None:
-            k, v, k_pos = cache.update(k, v, pos)
+        if acts_on is ActsOn.QK and cache is not None and getattr(self.encoding, "rotates_cached_keys", False):
+            k, v, k_pos, seq_len = cache.update_rotating(k, v, pos, self.encoding)
+            q = self.encoding.rotate(q, pos, seq_len=seq_len)
+        else:
+            if acts_on is ActsOn.QK:
+                q, k = self.encoding(q, k, positions=pos)
+            if cache is not None:
+                k, v, k_pos = cache.update(k, v, pos)
         t = k.shape[2]
         if self.num_kv_heads != self.num_heads:
             k = k.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
             v = v.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
 
         allowed = causal_mask(s, t, x.device)
-        bias = self.encoding.score_bias(pos, k_pos) if acts_on is ActsOn.SCORE_BIAS else None
-        out, probs = attend(q, k, v, allowed, bias, need_probs=return_attention)
+        if acts_on is ActsOn.SCORE_BIAS and use_flex(self.encoding, q, k, v, need_probs=return_attention):
+            # FlexAttention computes the bias inside the kernel: no (b, h, s, t) mask is built.
+            out, probs = attend_flex(q, k, v, self.encoding, pos, k_pos), None
+        else:
+            bias = self.encoding.score_bias(pos, k_pos) if acts_on is ActsOn.SCORE_BIAS else None
+            out, probs = attend(q, k, v, allowed, bias, need_probs=return_attention)
         out = self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
         return (out, probs) if return_attention else out
 

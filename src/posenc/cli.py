@@ -30,8 +30,220 @@ def _add_info(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_info)
 
 
+def _rope_param(text: str) -> tuple[str, object]:
+    import json
+
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE (e.g. beta_fast=16), got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def _add_figure_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("what to draw (give --config, or any of the others; defaults: d=64, base=10000)")
+    g.add_argument("--config", metavar="JSON", help="figure config, or a Hugging Face model config.json")
+    g.add_argument("--head-dim", type=int, help="d per attention head (default 64)")
+    g.add_argument("--base", type=float, help="rope_theta (default 10000)")
+    g.add_argument("--rope-type", help="a RoPE scaling type (see `posenc info`)")
+    g.add_argument("--factor", type=float, help="the scaling type's context extension factor")
+    g.add_argument(
+        "--rope-param",
+        type=_rope_param,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="another rope_parameters entry, e.g. beta_fast=16 (repeatable; VALUE is read as JSON if it parses)",
+    )
+    g.add_argument("--train-len", type=int, help="training context L (default 2048)")
+    g.add_argument("--eval-len", type=int, help="extended context (default 4 * train-len)")
+    g.add_argument("--num-heads", type=int, help="heads for the bias matrices (default 8)")
+
+
+def _figure_config(args: argparse.Namespace):  # -> posenc.analysis.FigureConfig | None
+    from posenc.analysis import FigureConfig
+
+    flags = {
+        "head_dim": args.head_dim,
+        "base": args.base,
+        "rope_type": args.rope_type,
+        "train_len": args.train_len,
+        "eval_len": args.eval_len,
+        "num_heads": args.num_heads,
+    }
+    params = dict(args.rope_param)
+    if args.factor is not None:
+        params["factor"] = args.factor
+    if args.config is not None:
+        given = [f"--{k.replace('_', '-')}" for k, v in flags.items() if v is not None] + (
+            ["--rope-param"] * bool(params)
+        )
+        if given:
+            raise ValueError(f"--config already says what to draw; drop {', '.join(sorted(set(given)))}")
+        return FigureConfig.from_json(args.config)
+    if not params and all(v is None for v in flags.values()):
+        return None  # the default, or the run's own model for --run / report
+    return FigureConfig.from_flags(rope_parameters=params, **flags)
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from posenc.analysis.plots import check_names, figure_inputs, write_figures
+
+    try:
+        names = check_names(args.names)
+        inputs = figure_inputs(_figure_config(args), args.run)
+        paths = write_figures(args.out, names, inputs, svg=args.svg, dpi=args.dpi)
+    except (ValueError, TypeError) as err:
+        print(f"posenc plot: error: {err}", file=sys.stderr)
+        return 2
+    for path in paths:
+        print(path)
+    return 0
+
+
+def _add_plot(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plot", help="write the analysis figures (PNG, optionally SVG) drawn from the real code")
+    p.add_argument("names", nargs="*", metavar="NAME", help="figures to draw (default: all); see the list below")
+    p.add_argument("--out", required=True, help="directory to write NAME.png (and NAME.svg) into")
+    p.add_argument("--svg", action="store_true", help="also write SVG")
+    p.add_argument("--dpi", type=int, default=110, help="PNG resolution (default 110)")
+    p.add_argument(
+        "--run",
+        metavar="DIR",
+        help="a lab run folder: attention_entropy draws the entropy it measured, and the figures are drawn for "
+        "its model unless options say otherwise",
+    )
+    _add_figure_options(p)
+    from posenc.analysis.plots import FIGURES
+
+    p.epilog = "figures: " + ", ".join(FIGURES)
+    p.set_defaults(func=_plot)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from posenc.analysis.report import write_report
+
+    try:
+        path = write_report(
+            args.run_dir, out=args.out, config=_figure_config(args), figures=None if args.figures else []
+        )
+    except (ValueError, TypeError) as err:
+        print(f"posenc report: error: {err}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
+def _add_report(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("report", help="write a self-contained report.html for a lab run folder")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a folder written by `posenc lab` (holds results.csv)")
+    p.add_argument("--out", help="where to write the page (default RUN_DIR/report.html)")
+    p.add_argument("--no-figures", dest="figures", action="store_false", help="leave out the analysis figures")
+    _add_figure_options(p)
+    p.set_defaults(func=_report)
+
+
+def _comma_names(text: str) -> tuple[str, ...]:
+    """'rope,alibi' -> ('rope', 'alibi'); 'none' -> () (for --extensions none)."""
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    return () if names == ("none",) else names
+
+
+def _comma_ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(n) for n in text.split(",") if n.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 64,128,256, got {text!r}") from None
+
+
+# flag -> LabConfig field, for the flags that override a preset's value.
+_LAB_OVERRIDES = {
+    "encodings": "encodings",
+    "extensions": "extensions",
+    "seed": "seed",
+    "seeds": "num_seeds",
+    "corpus": "corpus",
+    "train_len": "train_len",
+    "eval_lengths": "eval_lengths",
+    "score_len": "score_len",
+    "eval_windows": "eval_windows",
+    "steps": "steps",
+    "batch_size": "batch_size",
+    "lr": "lr",
+    "dim": "dim",
+    "layers": "layers",
+    "heads": "heads",
+    "finetune_steps": "finetune_steps",
+    "task": "task",
+}
+
+
+def _lab(args: argparse.Namespace) -> int:
+    import shlex
+
+    from posenc.lab.runner import run_command
+
+    overrides = {field: getattr(args, flag) for flag, field in _LAB_OVERRIDES.items()}
+    # The command as given (flags in a fixed order), recorded in results.json and report.md.
+    given = [f"--preset {args.preset}"] + [
+        f"--{flag.replace('_', '-')} {shlex.quote(_flag_text(getattr(args, flag)))}"
+        for flag in (*_LAB_OVERRIDES, "out", "threads", "device")
+        if getattr(args, flag) is not None
+    ]
+    return run_command(
+        preset=args.preset,
+        out=args.out,
+        overrides=overrides,
+        threads=args.threads,
+        device=args.device or "cpu",
+        progress=args.progress,
+        command="posenc lab " + " ".join(given),
+    )
+
+
+def _flag_text(value: object) -> str:
+    if isinstance(value, tuple):
+        return ",".join(str(v) for v in value) or "none"
+    return str(value)
+
+
+def _add_lab(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "lab",
+        help="train a tiny byte-level LM per encoding and measure how each extrapolates (nothing to download)",
+        description="Train one tiny byte-level language model per encoding on the Python standard library's "
+        "source, evaluate each at 1x-8x its training length with a sliding window, apply the RoPE extensions, "
+        "and write results.csv, results.json, report.md and plots to --out. Rerunning resumes.",
+    )
+    p.add_argument("--preset", choices=("quick", "default", "full"), default="default", help="sizes and budget")
+    p.add_argument("--out", help="run folder (default lab-runs/PRESET); rerun the same command to resume")
+    p.add_argument("--encodings", type=_comma_names, help="comma list (default all: learned,sinusoidal,t5,...)")
+    p.add_argument("--extensions", type=_comma_names, help="comma list of pi,ntk,dynamic,yarn,llama3, or none")
+    p.add_argument("--seed", type=int, help="first seed (default 0)")
+    p.add_argument("--seeds", type=int, help="number of seeds (default 1; full: 3)")
+    p.add_argument("--corpus", help="a text file or a directory of text files (default: the Python stdlib)")
+    p.add_argument("--train-len", type=int, help="training context in bytes (eval lengths follow at 1x-8x)")
+    p.add_argument("--eval-lengths", type=_comma_ints, help="comma list of eval lengths, each >= --train-len")
+    p.add_argument("--score-len", type=int, help="final bytes of every window that are scored (<= --train-len)")
+    p.add_argument("--eval-windows", type=int, help="windows per eval length")
+    p.add_argument("--steps", type=int, help="training steps")
+    p.add_argument("--batch-size", type=int, help="windows per training step")
+    p.add_argument("--lr", type=float, help="peak learning rate")
+    p.add_argument("--dim", type=int, help="model width")
+    p.add_argument("--layers", type=int, help="transformer blocks")
+    p.add_argument("--heads", type=int, help="attention heads")
+    p.add_argument("--finetune-steps", type=int, help="fine-tune pi and yarn at each target length (0: none)")
+    p.add_argument("--task", choices=("copy", "passkey"), help="also measure exact-match accuracy on a task")
+    p.add_argument("--threads", type=int, help="torch.set_num_threads(N) for this run (default: torch's choice)")
+    p.add_argument("--device", help="torch device (default cpu)")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    p.set_defaults(func=_lab)
+
+
 # Each entry adds one subcommand's parser; the parser's `func` does the work.
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_info]
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_info, _add_plot, _add_report, _add_lab]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,4 +1,5 @@
-"""Apply a rotation given cos/sin: the pure-torch path, for both pair layouts and partial rotation.
+"""Apply a rotation given cos/sin: the pure-torch path (both pair layouts, partial rotation) and the public
+entry points that route to the fused kernels of ``posenc.kernels``.
 
 Shape key: b batch, h heads, s sequence, d head dim, r rotary dim (even, <= d).
 ``cos``/``sin`` hold one value per pair, (..., r/2), and are float32 (or float64) whatever ``x`` is: the
@@ -7,9 +8,15 @@ rotation is done in the wider of the two dtypes and cast back to ``x.dtype`` onc
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
 from posenc._checks import float_tensor, same_device
+from posenc.kernels.layout import check_table_call, rotary_kind, token_positions
+from posenc.kernels.ops import choose_backend, rotary_copy, rotary_inplace
+
+Backend = Literal["auto", "torch", "triton", "cpu"]
 
 
 def check_rotary_args(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> int:
@@ -86,6 +93,77 @@ def apply_rotary_torch(
     return torch.cat((rotated, x[..., rotary:]), dim=-1)
 
 
+def _rotate(
+    xs: dict[str, torch.Tensor],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    interleaved: bool,
+    conjugate: bool,
+    positions: torch.Tensor | None,
+    offset: int | torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+    layout: str | None,
+    backend: str,
+    inplace: bool,
+) -> list[torch.Tensor]:
+    """The one path behind apply_rotary, apply_rotary_qk and apply_rotary_: check, pick a backend, rotate."""
+    kind = rotary_kind(layout, positions, offset, cu_seqlens)
+    offsets, offset_int = None, 0
+    if kind == "broadcast":
+        for name, x in xs.items():
+            try:
+                check_rotary_args(x, cos, sin)
+            except ValueError as error:
+                raise ValueError(f"{name}: {error}") from None
+    else:
+        offsets, offset_int = check_table_call(
+            xs, cos, sin, kind, positions=positions, offset=offset, cu_seqlens=cu_seqlens
+        )
+    tensors = list(xs.values())
+    if len({x.dtype for x in tensors}) > 1:
+        raise ValueError(f"{' and '.join(xs)} must share a dtype, got {', '.join(str(x.dtype) for x in tensors)}")
+    chosen = choose_backend(backend, tensors, cos, sin, kind, inplace=inplace)
+    if chosen != "torch":
+        args = (cos, sin, positions, offsets, offset_int, cu_seqlens, kind, interleaved, conjugate, chosen)
+        if inplace:
+            rotary_inplace(tensors, *args)
+            return tensors
+        return rotary_copy(tensors, *args)
+
+    if kind != "broadcast":
+        # Gather the table rows once per token; (b or 1, s, r/2) gains a head axis where x has one.
+        first = tensors[0]
+        batch = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else first.shape[0]
+        seq = first.shape[{"bhsd": 2, "bshd": 1, "varlen": 0}[kind]]
+        pos = token_positions(
+            kind,
+            batch,
+            seq,
+            positions=positions,
+            offsets=offsets,
+            offset=offset_int,
+            cu_seqlens=cu_seqlens,
+            device=first.device,
+        )
+        cos, sin = cos[pos], sin[pos]
+        if kind == "varlen":
+            cos, sin = cos[0, :, None], sin[0, :, None]
+        else:
+            head_axis = 1 if kind == "bhsd" else 2
+            cos, sin = cos.unsqueeze(head_axis), sin.unsqueeze(head_axis)
+    outs = []
+    for x in tensors:
+        if inplace:
+            rotary_dim = 2 * cos.shape[-1]
+            rotated = apply_rotary_torch(x[..., :rotary_dim], cos, sin, interleaved=interleaved, conjugate=conjugate)
+            x.narrow(-1, 0, rotary_dim).copy_(rotated)
+            outs.append(x)
+        else:
+            outs.append(apply_rotary_torch(x, cos, sin, interleaved=interleaved, conjugate=conjugate))
+    return outs
+
+
 def apply_rotary(
     x: torch.Tensor,
     cos: torch.Tensor,
@@ -93,17 +171,104 @@ def apply_rotary(
     *,
     interleaved: bool = False,
     conjugate: bool = False,
-    backend: str = "auto",
+    positions: torch.Tensor | None = None,
+    offset: int | torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    layout: Literal["bhsd", "bshd"] | None = None,
+    backend: Backend = "auto",
 ) -> torch.Tensor:
     """Rotate the first ``2 * cos.shape[-1]`` channels of ``x``; the rest pass through unchanged.
 
-    x: (..., d) any float dtype; cos, sin: float32 (or float64), broadcastable to x.shape[:-1] + (r/2,).
+    x: (..., d) any float dtype. Two ways to give the angles (see ``posenc.kernels.layout``):
+
+    * cos, sin: float32 (or float64), broadcastable to x.shape[:-1] + (r/2,) (positions, offset, cu_seqlens
+      and layout left None);
+    * cos, sin: (n_positions, r/2) tables, read at each token's position: ``positions`` (s,) or (b, s) ids,
+      plus ``offset`` (int, or (b,) per sequence; default 0..s-1 + offset); x is (b, h, s, d) for
+      ``layout="bhsd"`` (default) or (b, s, h, d) for "bshd"; with ``cu_seqlens`` (n_seq + 1,) x is packed
+      (total_tokens, h, d) and positions restart at 0 in every sequence (plus ``offset``).
+
     interleaved: adjacent pairs (x0, x1), (x2, x3), ... if True, else split-half pairs (i, i + r/2).
     conjugate: rotate by the negative angle (the inverse rotation).
-    backend: "auto" or "torch".
+    backend: "auto" (Triton on CUDA tensors, the compiled CPU kernel on CPU tensors, else torch), "torch",
+    "triton" or "cpu". The fused backends do not differentiate cos/sin; "auto" uses torch when those need grad.
     Returns a new tensor with x's shape and dtype; ``x`` is not modified.
     """
-    check_rotary_args(x, cos, sin)
-    if backend not in ("auto", "torch"):
-        raise ValueError(f"backend must be one of 'auto', 'torch', got {backend!r}")
-    return apply_rotary_torch(x, cos, sin, interleaved=interleaved, conjugate=conjugate)
+    (out,) = _rotate(
+        {"x": x},
+        cos,
+        sin,
+        interleaved=interleaved,
+        conjugate=conjugate,
+        positions=positions,
+        offset=offset,
+        cu_seqlens=cu_seqlens,
+        layout=layout,
+        backend=backend,
+        inplace=False,
+    )
+    return out
+
+
+def apply_rotary_qk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    interleaved: bool = False,
+    conjugate: bool = False,
+    positions: torch.Tensor | None = None,
+    offset: int | torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    layout: Literal["bhsd", "bshd"] | None = None,
+    backend: Backend = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``apply_rotary`` of q and k with the same angles, in one kernel launch on the fused backends.
+
+    q: (b, h_q, s, d), k: (b, h_k, s, d) (or as the layout says); h_q may differ from h_k (GQA). Returns (q, k).
+    """
+    q_out, k_out = _rotate(
+        {"q": q, "k": k},
+        cos,
+        sin,
+        interleaved=interleaved,
+        conjugate=conjugate,
+        positions=positions,
+        offset=offset,
+        cu_seqlens=cu_seqlens,
+        layout=layout,
+        backend=backend,
+        inplace=False,
+    )
+    return q_out, k_out
+
+
+def apply_rotary_(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    interleaved: bool = False,
+    conjugate: bool = False,
+    positions: torch.Tensor | None = None,
+    offset: int | torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    layout: Literal["bhsd", "bshd"] | None = None,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """In-place ``apply_rotary``: writes channels 0..r-1 of x and no others; returns x. Differentiable."""
+    _rotate(
+        {"x": x},
+        cos,
+        sin,
+        interleaved=interleaved,
+        conjugate=conjugate,
+        positions=positions,
+        offset=offset,
+        cu_seqlens=cu_seqlens,
+        layout=layout,
+        backend=backend,
+        inplace=True,
+    )
+    return x

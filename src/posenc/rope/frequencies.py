@@ -5,11 +5,15 @@ Every function here works in float64 and returns ``(inv_freq, attention_factor)`
 float64 until the cos/sin table is built is what makes position 2**20 as exact as position 20.
 
 A scaling type is one function plus one line in ``SCALINGS``. Kernels never change for it: they consume cos/sin.
+The functions take plain, already validated and resolved values (``posenc.rope.parameters`` owns the dict keys,
+the defaults and the fallbacks); each follows the formula of Hugging Face ``transformers``' function of the same
+name in ``modeling_rope_utils.py``, branch for branch, but in float64.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -26,10 +30,166 @@ def default(*, rotary_dim: int, base: float, **_: object) -> tuple[torch.Tensor,
     return default_inv_freq(rotary_dim, base), 1.0
 
 
+def linear(*, rotary_dim: int, base: float, factor: float, **_: object) -> tuple[torch.Tensor, float]:
+    """Position interpolation (Chen et al., 2023; kaiokendev): positions / factor, i.e. every frequency / factor."""
+    return default_inv_freq(rotary_dim, base) / factor, 1.0
+
+
+def ntk(*, rotary_dim: int, base: float, factor: float, **_: object) -> tuple[torch.Tensor, float]:
+    """Static NTK-aware scaling (bloc97, 2023; YaRN §3.1): base * factor^(r/(r-2)).
+
+    The exponent is chosen so the highest frequency (i = 0) is unchanged and the lowest (i = r/2 - 1) is divided by
+    exactly ``factor``: high frequencies extrapolate, low ones interpolate. Not in ``transformers``; it equals
+    ``dynamic`` at the length where dynamic's scale reaches ``factor``, max_position_embeddings * (2 - 1/factor).
+    """
+    return default_inv_freq(rotary_dim, base * factor ** (rotary_dim / (rotary_dim - 2))), 1.0
+
+
+def dynamic(
+    *,
+    rotary_dim: int,
+    base: float,
+    factor: float,
+    max_position_embeddings: int,
+    seq_len: int | None = None,
+    **_: object,
+) -> tuple[torch.Tensor, float]:
+    """Dynamic NTK (emozilla, 2023): NTK-aware with the factor that the current length needs.
+
+    base' = base * (factor * L / max_position_embeddings - (factor - 1))^(r/(r-2)), L = max(seq_len, max_pos).
+    Equals ``default`` for every seq_len <= max_position_embeddings (and for seq_len None).
+    """
+    length = max_position_embeddings if seq_len is None else max(seq_len, max_position_embeddings)
+    scale = factor * length / max_position_embeddings - (factor - 1)
+    return default_inv_freq(rotary_dim, base * scale ** (rotary_dim / (rotary_dim - 2))), 1.0
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature: 0.1 * mscale * ln(scale) + 1 for scale > 1, else 1."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn(
+    *,
+    rotary_dim: int,
+    base: float,
+    factor: float,
+    original_max_position_embeddings: int,
+    beta_fast: float = 32.0,
+    beta_slow: float = 1.0,
+    mscale: float | None = None,
+    mscale_all_dim: float | None = None,
+    attention_factor: float | None = None,
+    truncate: bool = True,
+    **_: object,
+) -> tuple[torch.Tensor, float]:
+    """YaRN (Peng et al., 2023): NTK-by-parts interpolation plus an attention temperature.
+
+    Pairs that turn more than ``beta_fast`` times over the original length keep their frequency, pairs that turn
+    fewer than ``beta_slow`` times are divided by ``factor``, and a linear ramp joins the two. The attention
+    factor is, unless given: mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are non-zero
+    (DeepSeek), else mscale(factor).
+    """
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = yarn_mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        # The (fractional) dim index whose pair turns `rotations` times over the original length.
+        return (
+            rotary_dim * math.log(original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+        )
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    # Hugging Face clamps high to rotary_dim - 1 (not r/2 - 1); kept for bit-compatibility.
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # a zero-width ramp would divide by zero
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0.0, 1.0)
+    inv_freq = default_inv_freq(rotary_dim, base)
+    return inv_freq / factor * ramp + inv_freq * (1.0 - ramp), float(attention_factor)
+
+
+def longrope(
+    *,
+    rotary_dim: int,
+    base: float,
+    short_factor: Sequence[float],
+    long_factor: Sequence[float],
+    original_max_position_embeddings: int,
+    factor: float | None = None,
+    attention_factor: float | None = None,
+    seq_len: int | None = None,
+    **_: object,
+) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Ding et al., 2024; Phi-3): one searched rescale factor per pair.
+
+    ``long_factor`` once the sequence passes ``original_max_position_embeddings``, ``short_factor`` before (and when
+    seq_len is None). Attention factor, unless given: sqrt(1 + ln(factor) / ln(original)) for factor > 1, else 1.
+    """
+    if attention_factor is None:
+        if factor is None:
+            raise ValueError("longrope needs `factor` (or `attention_factor`) to set the attention factor")
+        attention_factor = (
+            1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original_max_position_embeddings))
+        )
+    chosen = long_factor if seq_len and seq_len > original_max_position_embeddings else short_factor
+    return default_inv_freq(rotary_dim, base) / torch.tensor(chosen, dtype=torch.float64), float(attention_factor)
+
+
+def llama3(
+    *,
+    rotary_dim: int,
+    base: float,
+    factor: float,
+    low_freq_factor: float,
+    high_freq_factor: float,
+    original_max_position_embeddings: int,
+    **_: object,
+) -> tuple[torch.Tensor, float]:
+    """Llama 3.1: wavelengths below original/high_freq_factor are kept, those above original/low_freq_factor
+    are divided by ``factor``, and the band between is interpolated smoothly in 1/wavelength."""
+    inv_freq = default_inv_freq(rotary_dim, base)
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = original_max_position_embeddings / low_freq_factor
+    high_freq_wavelen = original_max_position_embeddings / high_freq_factor
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled), 1.0
+
+
+def proportional(
+    *, rotary_dim: int, base: float, partial_rotary_factor: float = 1.0, factor: float = 1.0, **_: object
+) -> tuple[torch.Tensor, float]:
+    """Proportional RoPE (Hugging Face, Gemma-style): the first ``partial_rotary_factor`` of the pairs turn with
+    the frequencies of the *full* head (exponent over r, not over the rotated part); the rest get frequency 0.
+
+    Unlike partial rotation it keeps all r channels in the rotation (r = head_dim), so the unrotated pairs are
+    (i, i + r/2) for the high i, not the trailing channels. All frequencies are then divided by ``factor``.
+    """
+    rotated = int(partial_rotary_factor * rotary_dim // 2)
+    inv_freq = 1.0 / base ** (torch.arange(0, 2 * rotated, 2, dtype=torch.float64) / rotary_dim)
+    inv_freq = torch.cat((inv_freq, torch.zeros(rotary_dim // 2 - rotated, dtype=torch.float64)))
+    return inv_freq / factor, 1.0
+
+
 # name -> function(*, rotary_dim, base, seq_len, max_position_embeddings, **type_parameters)
 SCALINGS: dict[str, ScalingFn] = {
     "default": default,
+    "linear": linear,
+    "ntk": ntk,
+    "dynamic": dynamic,
+    "yarn": yarn,
+    "longrope": longrope,
+    "llama3": llama3,
+    "proportional": proportional,
 }
 
 # Types whose frequencies change with the current sequence length (they cannot be tabulated once).
-SEQ_LEN_DEPENDENT: frozenset[str] = frozenset()
+SEQ_LEN_DEPENDENT: frozenset[str] = frozenset({"dynamic", "longrope"})

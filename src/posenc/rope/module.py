@@ -15,8 +15,9 @@ from torch import nn
 
 from posenc._checks import float_tensor, same_device
 from posenc.encoding import ActsOn
+from posenc.kernels.ops import BACKENDS
 from posenc.positions import resolve_positions
-from posenc.rope.apply import apply_rotary
+from posenc.rope.apply import Backend, apply_rotary, apply_rotary_qk
 from posenc.rope.frequencies import SEQ_LEN_DEPENDENT
 from posenc.rope.parameters import RopeSpec, compute_frequencies, parse_rope_parameters
 
@@ -27,9 +28,12 @@ _TABLE_LIMIT = 1 << 16
 
 
 def angles_to_cos_sin(
-    positions: torch.Tensor, inv_freq: torch.Tensor, attention_factor: float = 1.0
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    attention_factor: float = 1.0,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions: (...) integer; inv_freq: (r/2,) float64. Returns cos, sin: (..., r/2) float32.
+    """positions: (...) integer; inv_freq: (r/2,) float64. Returns cos, sin: (..., r/2) in ``dtype``.
 
     The product is taken in float64: in float32, position 1e6 times a frequency near 1 is off by ~0.06 rad.
     """
@@ -37,7 +41,7 @@ def angles_to_cos_sin(
     cos, sin = angles.cos(), angles.sin()
     if attention_factor != 1.0:
         cos, sin = cos * attention_factor, sin * attention_factor
-    return cos.to(torch.float32), sin.to(torch.float32)
+    return cos.to(dtype), sin.to(dtype)
 
 
 class RoPE(nn.Module):
@@ -47,7 +51,18 @@ class RoPE(nn.Module):
     base: theta (default 10000, or ``rope_parameters['rope_theta']``);
     interleaved: adjacent pairs (RoFormer, GPT-J) if True, else split-half (Llama's ``rotate_half``);
     rope_parameters: a Hugging Face-style dict (``rope_type``, ``rope_theta``, ``partial_rotary_factor``, ...);
-    max_position_embeddings: the model's trained length, used by the length-dependent scaling types.
+    max_position_embeddings: the model's trained length, used by the length-dependent scaling types;
+    backend: "auto" | "torch" | "triton" | "cpu", passed to ``apply_rotary`` (auto: Triton on CUDA, the fused CPU
+    kernel on CPU, else torch);
+    mode: how ``dynamic`` and ``longrope`` (whose frequencies change with the sequence length) behave:
+
+    * ``"hf"`` (default): what Hugging Face computes. Each call scales for max(positions) + 1; ``dynamic`` also
+      keeps the largest length seen so far and falls back to plain RoPE only when a call is shorter than
+      ``max_position_embeddings`` (``transformers``' ``dynamic_rope_update``). With a KV cache, keys keep the
+      frequencies they were rotated with, so decoding past the switch differs from a full forward.
+    * ``"consistent"``: stateless; every call scales for its own max(positions) + 1, and ``CausalSelfAttention``
+      keeps the keys unrotated in the ``KVCache`` and re-rotates them when the frequencies change, so every score of
+      a step uses one set of frequencies and token-by-token decoding equals a full forward.
     """
 
     acts_on = ActsOn.QK
@@ -61,20 +76,26 @@ class RoPE(nn.Module):
         interleaved: bool = False,
         rope_parameters: Mapping[str, Any] | None = None,
         max_position_embeddings: int | None = None,
+        mode: Literal["hf", "consistent"] = "hf",
+        backend: Backend = "auto",
     ) -> None:
         super().__init__()
-        self.spec: RopeSpec = parse_rope_parameters(head_dim, rope_parameters, base=base, rotary_dim=rotary_dim)
-        if max_position_embeddings is not None and (
-            isinstance(max_position_embeddings, bool)
-            or not isinstance(max_position_embeddings, int)
-            or max_position_embeddings <= 0
-        ):
-            raise ValueError(f"max_position_embeddings must be a positive integer, got {max_position_embeddings!r}")
+        self.spec: RopeSpec = parse_rope_parameters(
+            head_dim, rope_parameters, base=base, rotary_dim=rotary_dim, max_position_embeddings=max_position_embeddings
+        )
+        if mode not in ("hf", "consistent"):
+            raise ValueError(f"mode must be 'hf' (Hugging Face's numbers) or 'consistent', got {mode!r}")
+        self.mode = mode
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(repr(b) for b in BACKENDS)}, got {backend!r}")
+        self.backend = backend
         self.interleaved = bool(interleaved)
         self.max_position_embeddings = max_position_embeddings
+        # 'hf' dynamic NTK state: the largest length seen (transformers' max_seq_len_cached).
+        self._hf_scaled_len = max_position_embeddings
         # Plain attributes, not buffers: derived from the config, rebuilt per device on first use, so the
         # module is safe to create on the meta device and never goes stale after .to().
-        self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
     def from_model_dims(cls, *, dim: int, num_heads: int, head_dim: int, max_positions: int, **options: Any) -> RoPE:
@@ -99,10 +120,33 @@ class RoPE(nn.Module):
 
     def frequencies(self, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
         """Returns (inv_freq (r/2,) float64 on the CPU, attention_factor) for a sequence of ``seq_len``."""
-        return compute_frequencies(self.spec, max_position_embeddings=self.max_position_embeddings, seq_len=seq_len)
+        return compute_frequencies(self.spec, seq_len=seq_len)
 
-    def cos_sin(self, positions: torch.Tensor, *, seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: (...) integer tensor. Returns cos, sin: (..., r/2) float32 on positions' device.
+    @property
+    def rotates_cached_keys(self) -> bool:
+        """True when the attention must keep keys unrotated and rotate them at read ('consistent' + a type whose
+        frequencies change with the length)."""
+        return self.mode == "consistent" and self.spec.rope_type in SEQ_LEN_DEPENDENT
+
+    def _scaling_length(self, positions: torch.Tensor) -> int | None:
+        """The seq_len a forward call scales for; advances the 'hf' dynamic NTK state as transformers does."""
+        if self.spec.rope_type not in SEQ_LEN_DEPENDENT or positions.numel() == 0:
+            return None
+        length = int(positions.max()) + 1
+        if self.mode == "consistent" or self.spec.rope_type != "dynamic":
+            return length
+        assert self._hf_scaled_len is not None and self.max_position_embeddings is not None
+        seen = self._hf_scaled_len
+        if length > seen:  # growth: scale for the new longest length
+            self._hf_scaled_len = length
+        if length < self.max_position_embeddings < seen:  # reset: back to the original frequencies
+            self._hf_scaled_len = self.max_position_embeddings
+        return self._hf_scaled_len
+
+    def cos_sin(
+        self, positions: torch.Tensor, *, seq_len: int | None = None, dtype: torch.dtype = torch.float32
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: (...) integer tensor. Returns cos, sin: (..., r/2) in ``dtype`` on positions' device.
 
         seq_len: the sequence length that length-dependent types scale for (default: max(positions) + 1).
         """
@@ -114,17 +158,17 @@ class RoPE(nn.Module):
         needed = int(positions.max()) + 1 if positions.device.type != "meta" else 1
         if self.spec.rope_type in SEQ_LEN_DEPENDENT or needed > _TABLE_LIMIT:
             inv_freq, factor = self.frequencies(seq_len if seq_len is not None else needed)
-            return angles_to_cos_sin(positions, inv_freq, factor)
-        cos, sin = self._table(positions.device, needed)
+            return angles_to_cos_sin(positions, inv_freq, factor, dtype)
+        cos, sin = self._table(positions.device, needed, dtype)
         return cos[positions], sin[positions]
 
-    def _table(self, device: torch.device, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        table = self._tables.get(device)
+    def _table(self, device: torch.device, needed: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        table = self._tables.get((device, dtype))
         if table is None or table[0].shape[0] < needed:
             size = max(256, 1 << (needed - 1).bit_length())
             inv_freq, factor = self.frequencies()
-            table = angles_to_cos_sin(torch.arange(size, device=device), inv_freq, factor)
-            self._tables[device] = table
+            table = angles_to_cos_sin(torch.arange(size, device=device), inv_freq, factor, dtype)
+            self._tables[(device, dtype)] = table
         return table
 
     def forward(
@@ -142,6 +186,8 @@ class RoPE(nn.Module):
         q: (b, h_q, s, d), k: (b, h_k, s, d) for layout "bhsd"; (b, s, h, d) for "bshd". h_q may differ from h_k.
         positions: (s,) or (b, s) integer ids (e.g. packed documents restarting at 0); default 0..s-1.
         offset: int or (b,) tensor added to the positions (tokens already in a KV cache).
+        seq_len: the length ``dynamic`` / ``longrope`` scale for (default: max(positions) + 1; for ``dynamic`` in
+        'hf' mode, the largest length seen, see the class docstring).
         Returns new (q, k) with the input dtypes.
         """
         float_tensor("q", q)
@@ -166,16 +212,32 @@ class RoPE(nn.Module):
         pos = resolve_positions(
             q.shape[seq_axis], batch=q.shape[0], positions=positions, offset=offset, device=q.device
         )
-        cos, sin = self.cos_sin(pos, seq_len=seq_len)  # (b or 1, s, r/2)
+        if seq_len is None:
+            seq_len = self._scaling_length(pos)
+        # float32 tables for every activation dtype but float64, whose callers want float64 exactness.
+        table_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        cos, sin = self.cos_sin(pos, seq_len=seq_len, dtype=table_dtype)  # (b or 1, s, r/2)
         head_axis = 1 if layout == "bhsd" else 2
         cos, sin = cos.unsqueeze(head_axis), sin.unsqueeze(head_axis)
-        return (
-            apply_rotary(q, cos, sin, interleaved=self.interleaved),
-            apply_rotary(k, cos, sin, interleaved=self.interleaved),
-        )
+        return apply_rotary_qk(q, k, cos, sin, interleaved=self.interleaved, backend=self.backend)
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor, *, seq_len: int | None = None) -> torch.Tensor:
+        """Rotate one tensor x: (b, h, t, d) by positions: (b or 1, t) integer ids, with the frequencies for
+        ``seq_len`` (default max(positions) + 1); no state is read or changed. Used to (re-)rotate cached keys.
+        Returns x's shape and dtype."""
+        float_tensor("x", x)
+        if x.dim() != 4 or x.shape[-1] != self.head_dim or positions.dim() != 2 or positions.shape[-1] != x.shape[2]:
+            raise ValueError(
+                f"x must be (b, h, t, d={self.head_dim}) and positions (b or 1, t), got {tuple(x.shape)} and "
+                f"{tuple(positions.shape)}"
+            )
+        dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        cos, sin = self.cos_sin(positions, seq_len=seq_len, dtype=dtype)
+        return apply_rotary(x, cos.unsqueeze(1), sin.unsqueeze(1), interleaved=self.interleaved, backend=self.backend)
 
     def extra_repr(self) -> str:
         return (
             f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, base={self.base}, "
-            f"rope_type={self.rope_type!r}, interleaved={self.interleaved}"
+            f"rope_type={self.rope_type!r}, interleaved={self.interleaved}, mode={self.mode!r}, "
+            f"backend={self.backend!r}"
         )

@@ -1,11 +1,14 @@
 """Hugging Face-style ``rope_parameters`` dicts: parse, validate (raise, never warn), and normalise.
 
-The math in ``frequencies`` takes plain values; this module is the only place that knows the dict keys.
+The math in ``frequencies`` takes plain values; this module is the only place that knows the dict keys, their
+valid ranges, their defaults, and the fallbacks Hugging Face applies (``original_max_position_embeddings`` ->
+``max_position_embeddings``; a missing YaRN / LongRoPE ``factor`` -> max / original).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -15,9 +18,41 @@ from posenc._checks import base_value, even_positive_int
 from posenc.rope.frequencies import SCALINGS
 
 # Per rope_type: keys that must be present and keys that may be present (beyond the common ones).
-REQUIRED_KEYS: dict[str, frozenset[str]] = {"default": frozenset()}
-OPTIONAL_KEYS: dict[str, frozenset[str]] = {"default": frozenset()}
+REQUIRED_KEYS: dict[str, frozenset[str]] = {
+    "default": frozenset(),
+    "linear": frozenset({"factor"}),
+    "ntk": frozenset({"factor"}),
+    "dynamic": frozenset({"factor"}),
+    "yarn": frozenset({"factor"}),
+    "longrope": frozenset({"short_factor", "long_factor"}),
+    "llama3": frozenset({"factor", "low_freq_factor", "high_freq_factor"}),
+    "proportional": frozenset(),
+}
+OPTIONAL_KEYS: dict[str, frozenset[str]] = {
+    "default": frozenset(),
+    "linear": frozenset(),
+    "ntk": frozenset(),
+    "dynamic": frozenset(),
+    "yarn": frozenset(
+        {
+            "original_max_position_embeddings",
+            "beta_fast",
+            "beta_slow",
+            "mscale",
+            "mscale_all_dim",
+            "attention_factor",
+            "truncate",
+        }
+    ),
+    "longrope": frozenset({"original_max_position_embeddings", "factor", "attention_factor"}),
+    "llama3": frozenset({"original_max_position_embeddings"}),
+    "proportional": frozenset({"factor"}),
+}
 COMMON_KEYS = frozenset({"rope_type", "type", "rope_theta", "partial_rotary_factor"})
+# Types that extend from a trained length: it comes from `original_max_position_embeddings`, else the model's max.
+_NEEDS_ORIGINAL = frozenset({"yarn", "longrope", "llama3"})
+# A `factor` of None here means "max_position_embeddings / original_max_position_embeddings" (DeepSeek, Phi-3).
+_IMPLICIT_FACTOR = frozenset({"yarn", "longrope"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +60,8 @@ class RopeSpec:
     """A validated RoPE configuration with plain values.
 
     rotary_dim: channels rotated per head (even, <= head_dim); base: rope_theta;
-    params: the type's own parameters, keyed as in Hugging Face configs.
+    params: the type's own parameters, keyed as in Hugging Face configs, defaults and fallbacks resolved;
+    max_position_embeddings: the model's trained length (``dynamic`` scales from it), or None.
     """
 
     head_dim: int
@@ -33,6 +69,117 @@ class RopeSpec:
     base: float
     rope_type: str = "default"
     params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    max_position_embeddings: int | None = None
+
+
+def _real(key: str, value: Any, *, low: float, low_inclusive: bool, hint: str = "") -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise TypeError(f"rope_parameters['{key}'] must be a finite real number, got {value!r}{hint}")
+    if value < low or (value == low and not low_inclusive):
+        bound = f">= {low}" if low_inclusive else f"> {low}"
+        raise ValueError(f"rope_parameters['{key}'] must be {bound}, got {value!r}{hint}")
+    return float(value)
+
+
+def _positive_int(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{key} must be a positive integer (a sequence length), got {value!r}")
+    return value
+
+
+def _factor_list(key: str, value: Any, pairs: int) -> tuple[float, ...]:
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
+        raise TypeError(f"rope_parameters['{key}'] must be a list of {pairs} positive numbers, got {value!r}")
+    if len(value) != pairs:
+        raise ValueError(
+            f"rope_parameters['{key}'] must hold rotary_dim / 2 = {pairs} factors (one per rotated pair), "
+            f"got {len(value)}"
+        )
+    for i, item in enumerate(value):
+        _real(f"{key}'][{i}", item, low=0.0, low_inclusive=False, hint=f" (every entry of {key} must be > 0)")
+    return tuple(float(item) for item in value)
+
+
+def _resolve(rope_type: str, params: dict[str, Any], rotary_dim: int, max_pos: int | None) -> dict[str, Any]:
+    """Check every value's type and range, apply Hugging Face's defaults and fallbacks. Returns new params."""
+    out = dict(params)
+    for key in ("low_freq_factor", "high_freq_factor"):
+        if key in out:
+            out[key] = _real(key, out[key], low=0.0, low_inclusive=False)
+    for key in ("beta_fast", "beta_slow", "attention_factor"):
+        if key in out:
+            out[key] = _real(key, out[key], low=0.0, low_inclusive=False)
+    for key in ("mscale", "mscale_all_dim"):
+        if key in out:
+            out[key] = _real(key, out[key], low=0.0, low_inclusive=True)
+    if "truncate" in out and not isinstance(out["truncate"], bool):
+        raise TypeError(f"rope_parameters['truncate'] must be True or False, got {out['truncate']!r}")
+    for key in ("short_factor", "long_factor"):
+        if key in out:
+            out[key] = _factor_list(key, out[key], rotary_dim // 2)
+
+    if rope_type in _NEEDS_ORIGINAL:
+        if "original_max_position_embeddings" in out:
+            _positive_int(
+                "rope_parameters['original_max_position_embeddings']", out["original_max_position_embeddings"]
+            )
+        elif max_pos is not None:
+            out["original_max_position_embeddings"] = max_pos
+        else:
+            raise ValueError(
+                f"rope_type {rope_type!r} needs the trained length: give rope_parameters"
+                "['original_max_position_embeddings'] or max_position_embeddings"
+            )
+    if rope_type == "dynamic" and max_pos is None:
+        raise ValueError(
+            "rope_type 'dynamic' needs max_position_embeddings (the trained length it scales from); pass "
+            "max_position_embeddings=..."
+        )
+    if rope_type in ("ntk", "dynamic") and rotary_dim < 4:
+        raise ValueError(f"rope_type {rope_type!r} needs rotary_dim >= 4 (its exponent is r/(r-2)), got {rotary_dim}")
+
+    if out.get("factor") is not None:
+        out["factor"] = _real("factor", out["factor"], low=1.0, low_inclusive=True, hint=" (1 means no scaling)")
+    elif rope_type in _IMPLICIT_FACTOR and max_pos is not None:
+        implicit = max_pos / out["original_max_position_embeddings"]
+        if implicit < 1.0:
+            raise ValueError(
+                f"rope_parameters['factor'] is missing and max_position_embeddings / original_max_position_embeddings"
+                f" = {max_pos} / {out['original_max_position_embeddings']} = {implicit} < 1; give a factor >= 1"
+            )
+        out["factor"] = implicit
+    elif rope_type == "yarn":
+        raise ValueError("rope_parameters['factor'] is None: give a factor >= 1 or max_position_embeddings")
+    elif rope_type == "longrope" and "attention_factor" not in out:
+        raise ValueError(
+            "rope_type 'longrope' needs rope_parameters['factor'] >= 1 (or 'attention_factor', or "
+            "max_position_embeddings to infer factor = max / original)"
+        )
+    else:
+        out.pop("factor", None)
+
+    if rope_type == "yarn":
+        beta_fast, beta_slow = out.setdefault("beta_fast", 32.0), out.setdefault("beta_slow", 1.0)
+        if beta_fast <= beta_slow:
+            raise ValueError(
+                f"rope_parameters['beta_fast'] must be > rope_parameters['beta_slow'] (defaults 32 and 1), got "
+                f"beta_fast={beta_fast} and beta_slow={beta_slow}"
+            )
+    if rope_type == "llama3" and out["low_freq_factor"] >= out["high_freq_factor"]:
+        raise ValueError(
+            f"rope_parameters['low_freq_factor'] must be < rope_parameters['high_freq_factor'] (Llama 3.1 uses 1 "
+            f"and 4), got low_freq_factor={out['low_freq_factor']} and high_freq_factor={out['high_freq_factor']}"
+        )
+    return out
+
+
+def _partial_rotary_factor(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0.0 < value <= 1.0):
+        raise ValueError(
+            f"partial_rotary_factor must be in (0, 1] (rope_parameters['partial_rotary_factor'], the fraction of "
+            f"head_dim that rotates), got {value!r}"
+        )
+    return float(value)
 
 
 def parse_rope_parameters(
@@ -41,13 +188,18 @@ def parse_rope_parameters(
     *,
     base: float | None = None,
     rotary_dim: int | None = None,
+    max_position_embeddings: int | None = None,
 ) -> RopeSpec:
-    """Validate a Hugging Face-style dict and resolve the rotary dim and base.
+    """Validate a Hugging Face-style dict and resolve the rotary dim, the base and the type's parameters.
 
-    ``base`` / ``rotary_dim`` given explicitly must agree with ``rope_theta`` / ``partial_rotary_factor``.
+    ``base`` / ``rotary_dim`` given explicitly must agree with ``rope_theta`` / ``partial_rotary_factor``. Keys set
+    to None count as absent (Hugging Face configs write ``"attention_factor": null``). ``type`` is accepted as the
+    legacy spelling of ``rope_type``. Every bad value raises a ValueError or TypeError naming the key.
     """
     if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0:
         raise ValueError(f"head_dim must be a positive integer, got {head_dim!r}")
+    if max_position_embeddings is not None:
+        _positive_int("max_position_embeddings", max_position_embeddings)
     if rope_parameters is None:
         rope_parameters = {}
     if not isinstance(rope_parameters, Mapping):
@@ -61,6 +213,23 @@ def parse_rope_parameters(
     if rope_type not in SCALINGS:
         raise ValueError(f"unknown rope_type {rope_type!r}; known types: {', '.join(sorted(SCALINGS))}")
 
+    required = REQUIRED_KEYS[rope_type]
+    missing = sorted(required - params.keys())
+    if missing:
+        raise ValueError(f"rope_type {rope_type!r} needs the key(s) {', '.join(missing)} in rope_parameters")
+    nullable = {"factor"} if rope_type in _IMPLICIT_FACTOR else set()
+    for key in sorted(required - nullable):
+        if params[key] is None:
+            raise ValueError(f"rope_parameters['{key}'] is None; rope_type {rope_type!r} needs a value")
+    params = {key: value for key, value in params.items() if value is not None or key in nullable}
+    allowed = required | OPTIONAL_KEYS[rope_type]
+    unknown = sorted(params.keys() - allowed - COMMON_KEYS)
+    if unknown:
+        raise ValueError(
+            f"rope_parameters has key(s) {', '.join(unknown)} that rope_type {rope_type!r} does not use; "
+            f"it accepts {', '.join(sorted(allowed | COMMON_KEYS))}"
+        )
+
     theta = params.pop("rope_theta", None)
     if theta is not None and base is not None and float(theta) != float(base):
         raise ValueError(f"base={base} disagrees with rope_parameters['rope_theta']={theta}; give one of them")
@@ -69,14 +238,20 @@ def parse_rope_parameters(
     else:
         theta = base_value("base", 10000.0 if base is None else base)
 
-    factor = params.pop("partial_rotary_factor", None)
-    if factor is not None:
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (0.0 < factor <= 1.0):
-            raise ValueError(f"partial_rotary_factor must be in (0, 1], got {factor!r}")
-        from_factor = int(head_dim * factor)
+    partial = params.pop("partial_rotary_factor", None)
+    if partial is not None:
+        partial = _partial_rotary_factor(partial)
+    if rope_type == "proportional":
+        # Proportional RoPE rotates every channel and zeroes the frequencies of the tail pairs instead.
+        if rotary_dim is not None and rotary_dim != head_dim:
+            raise ValueError(f"rope_type 'proportional' rotates all head_dim={head_dim} channels; drop rotary_dim")
+        params["partial_rotary_factor"] = 1.0 if partial is None else partial
+        rotary_dim = head_dim
+    elif partial is not None:
+        from_factor = int(head_dim * partial)
         if rotary_dim is not None and rotary_dim != from_factor:
             raise ValueError(
-                f"rotary_dim={rotary_dim} disagrees with partial_rotary_factor={factor} "
+                f"rotary_dim={rotary_dim} disagrees with partial_rotary_factor={partial} "
                 f"(which gives {from_factor} of head_dim={head_dim}); give one of them"
             )
         rotary_dim = from_factor
@@ -86,29 +261,24 @@ def parse_rope_parameters(
     if rotary_dim > head_dim:
         raise ValueError(f"rotary_dim={rotary_dim} must be <= head_dim={head_dim}")
 
-    required = REQUIRED_KEYS.get(rope_type, frozenset())
-    missing = sorted(required - params.keys())
-    if missing:
-        raise ValueError(f"rope_type {rope_type!r} needs the key(s) {', '.join(missing)} in rope_parameters")
-    allowed = required | OPTIONAL_KEYS.get(rope_type, frozenset())
-    unknown = sorted(params.keys() - allowed)
-    if unknown:
-        raise ValueError(
-            f"rope_parameters has key(s) {', '.join(unknown)} that rope_type {rope_type!r} does not use; "
-            f"it accepts {', '.join(sorted(allowed | COMMON_KEYS)) or 'none'}"
-        )
-    return RopeSpec(head_dim=head_dim, rotary_dim=rotary_dim, base=theta, rope_type=rope_type, params=params)
+    params = _resolve(rope_type, params, rotary_dim, max_position_embeddings)
+    return RopeSpec(
+        head_dim=head_dim,
+        rotary_dim=rotary_dim,
+        base=theta,
+        rope_type=rope_type,
+        params=params,
+        max_position_embeddings=max_position_embeddings,
+    )
 
 
-def compute_frequencies(
-    spec: RopeSpec, *, max_position_embeddings: int | None = None, seq_len: int | None = None
-) -> tuple[torch.Tensor, float]:
-    """(inv_freq (r/2,) float64, attention_factor) for a validated spec."""
+def compute_frequencies(spec: RopeSpec, *, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
+    """(inv_freq (r/2,) float64, attention_factor) for a validated spec and the current sequence length."""
     return SCALINGS[spec.rope_type](
         rotary_dim=spec.rotary_dim,
         base=spec.base,
         seq_len=seq_len,
-        max_position_embeddings=max_position_embeddings,
+        max_position_embeddings=spec.max_position_embeddings,
         **spec.params,
     )
 
@@ -123,8 +293,9 @@ def rope_frequencies(
     """Inverse frequencies and attention factor for a Hugging Face-style config.
 
     Returns (inv_freq, attention_factor): inv_freq is (rotary_dim // 2,) float32, computed in float64 and rounded
-    once; attention_factor multiplies cos and sin (1.0 except for YaRN / LongRoPE).
+    once; attention_factor multiplies cos and sin (1.0 except for YaRN / LongRoPE). ``seq_len`` matters only to
+    ``dynamic`` and ``longrope``.
     """
-    spec = parse_rope_parameters(head_dim, rope_parameters)
-    inv_freq, factor = compute_frequencies(spec, max_position_embeddings=max_position_embeddings, seq_len=seq_len)
+    spec = parse_rope_parameters(head_dim, rope_parameters, max_position_embeddings=max_position_embeddings)
+    inv_freq, factor = compute_frequencies(spec, seq_len=seq_len)
     return inv_freq.to(torch.float32), float(factor)

@@ -1,0 +1,113 @@
+"""Peak memory and time of causal attention with ALiBi / T5 biases: the materialized (b, h, s, t) mask versus
+FlexAttention's score_mod, at s = t = 8192 (inference, float32).
+
+Each case runs in a fresh process, so the peak resident memory (ru_maxrss) of that process, minus its size
+after building the inputs, is what the attention itself added; on CUDA the peak allocated memory is used.
+
+    python benchmarks/bias_memory.py                    # CPU, s = 8192, 8 heads: a few minutes on 2 cores
+    python benchmarks/bias_memory.py --device cuda --seq 16384
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+CASES = [(encoding, path) for encoding in ("alibi", "t5") for path in ("materialized", "flex")]
+
+
+def run_one(encoding_name: str, path: str, seq: int, heads: int, head_dim: int, device: str) -> dict:
+    from posenc import ALiBi, T5Bias
+    from posenc.attention import attend, causal_mask
+    from posenc.kernels.flex_bias import attend_flex
+
+    torch.manual_seed(0)
+    encoding = (ALiBi(heads) if encoding_name == "alibi" else T5Bias(heads)).to(device)
+    q, k, v = (torch.randn(1, heads, seq, head_dim, device=device) for _ in range(3))
+    pos = torch.arange(seq, device=device)[None]
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    else:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    with torch.no_grad():
+        if path == "flex":
+            # The first call compiles; its peak counts (compilation is part of what flex costs on first use).
+            attend_flex(q, k, v, encoding, pos, pos)
+        start = time.perf_counter()
+        if path == "flex":
+            attend_flex(q, k, v, encoding, pos, pos)
+        else:
+            attend(q, k, v, causal_mask(seq, seq, q.device), encoding.score_bias(pos, pos))
+        if device == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    if device == "cuda":
+        peak = torch.cuda.max_memory_allocated() - before
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    return {
+        "encoding": encoding_name,
+        "path": path,
+        "seq": seq,
+        "heads": heads,
+        "head_dim": head_dim,
+        "device": device,
+        "peak_mib": round(peak / 2**20, 1),
+        "seconds": round(seconds, 3),
+        "torch": torch.__version__,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--seq", type=int, default=8192)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--csv", type=Path, default=Path("docs/results/bias_memory_cpu.csv"))
+    parser.add_argument("--one", nargs=2, metavar=("ENCODING", "PATH"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(run_one(*args.one, args.seq, args.heads, args.head_dim, args.device)))
+        return
+    rows = []
+    for encoding, path in CASES:
+        command = [
+            sys.executable,
+            __file__,
+            "--one",
+            encoding,
+            path,
+            "--seq",
+            str(args.seq),
+            "--heads",
+            str(args.heads),
+            "--head-dim",
+            str(args.head_dim),
+            "--device",
+            args.device,
+        ]
+        done = subprocess.run(command, capture_output=True, text=True, check=True)
+        row = json.loads(done.stdout.strip().splitlines()[-1])
+        rows.append(row)
+        print(f"{encoding:>6} {path:>13}: peak +{row['peak_mib']:>9.1f} MiB, {row['seconds']:.2f} s", flush=True)
+    args.csv.parent.mkdir(parents=True, exist_ok=True)
+    with args.csv.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {args.csv}")
+
+
+if __name__ == "__main__":
+    main()

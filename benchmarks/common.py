@@ -1,0 +1,108 @@
+"""Shared by the benchmark scripts: timing percentiles, the environment stamped on every row, CSV output.
+
+Rows are long format: op, provider, mode, dtype, shape, p20, p50, p80 (milliseconds), ratio_to_copy (the copy
+provider's p50 over this provider's p50, so 1.0 is the bandwidth floor), device, torch, commit.
+"""
+
+from __future__ import annotations
+
+import csv
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+COLUMNS = (
+    "op",
+    "provider",
+    "mode",
+    "dtype",
+    "shape",
+    "p20",
+    "p50",
+    "p80",
+    "ratio_to_copy",
+    "device",
+    "torch",
+    "commit",
+)
+
+
+def commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def device_name(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    return f"cpu x{torch.get_num_threads()}"
+
+
+def measure(
+    fn: Callable[[], object], *, reps: int, device: str, setup: Callable[[], object] | None = None
+) -> list[float]:
+    """Milliseconds of ``fn`` over ``reps`` runs after two warm-ups; ``setup`` runs untimed before each."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    for _ in range(2):
+        if setup is not None:
+            setup()
+        fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        if setup is not None:
+            setup()
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def measure_interleaved(
+    cases: dict[str, tuple[Callable[[], object], Callable[[], object] | None]], *, reps: int, device: str
+) -> dict[str, list[float]]:
+    """Milliseconds per case, name -> (fn, setup or None), taking turns rep by rep: on a shared machine a burst
+    of load then slows every provider alike instead of whichever ran during it, which keeps ratios honest."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for rep in range(reps + 2):
+        for name, (fn, setup) in cases.items():
+            if setup is not None:
+                setup()
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            if rep >= 2:  # two warm-up rounds
+                times[name].append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def percentiles(times: list[float]) -> tuple[float, float, float]:
+    q = statistics.quantiles(times, n=10, method="inclusive")
+    return q[1], statistics.median(times), q[7]
+
+
+def write_rows(rows: list[dict], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def print_row(row: dict) -> None:
+    print(
+        f"{row['op']:>6} {row['provider']:>24} {row['mode']:>7} {row['dtype']:>8} {row['shape']:>32} "
+        f"p50 {row['p50']:9.3f} ms  ratio_to_copy {row['ratio_to_copy']:.2f}",
+        flush=True,
+    )

@@ -1,0 +1,148 @@
+"""RoPE on q (b, 32, s, 128) and k (b, 8, s, 128): every provider against a plain copy of the same bytes.
+
+Providers: posenc-cpu / posenc-triton (fused, one call for q and k), posenc-torch (the pure-torch path),
+hf-eager (Hugging Face's ``q * cos + rotate_half(q) * sin`` with full-width cos/sin in x's dtype),
+torch.compile(hf-eager), copy (``clone()`` of q and k: the memory-bandwidth floor), and on a GPU liger
+(Liger-Kernel's rope) and flash-attn (``apply_rotary_emb``) when installed. Modes: fwd, bwd (the backward alone,
+on a retained graph), fwd+bwd. The copy of each mode moves the same bytes as the op (two clones for fwd+bwd).
+
+    python benchmarks/rope.py                       # CPU defaults, a few minutes on 2 cores
+    python benchmarks/rope.py --device cuda --seqs 1024 4096 16384 32768 --reps 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from common import commit, device_name, measure_interleaved, percentiles, print_row, write_rows
+from posenc import apply_rotary_qk
+from posenc.testing import random_qk
+
+HEADS_Q, HEADS_K, HEAD_DIM = 32, 8, 128
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def hf_eager(q, k, cos, sin):
+    """transformers' apply_rotary_pos_emb, as Llama calls it (cos/sin (1, 1, s, d) in x's dtype)."""
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def tables(seq: int, dtype: torch.dtype, device: str):
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float64) / HEAD_DIM)
+    angles = torch.arange(seq, dtype=torch.float64)[:, None] * inv_freq
+    half_cos, half_sin = angles.cos().float().to(device), angles.sin().float().to(device)  # posenc: (s, r/2) fp32
+    full = torch.cat((angles, angles), dim=-1)
+    hf_cos, hf_sin = (t.to(device=device, dtype=dtype)[None, None] for t in (full.cos(), full.sin()))
+    return half_cos, half_sin, hf_cos, hf_sin
+
+
+def providers(device: str, seq: int, dtype: torch.dtype) -> dict[str, Callable]:
+    """name -> f(q, k) returning the rotated (q, k) (or the copies)."""
+    half_cos, half_sin, hf_cos, hf_sin = tables(seq, dtype, device)
+    result: dict[str, Callable] = {"copy": lambda q, k: (q.clone(), k.clone())}
+    fused = "posenc-cpu" if device == "cpu" else "posenc-triton"
+    backend = "cpu" if device == "cpu" else "triton"
+    result[fused] = lambda q, k: apply_rotary_qk(q, k, half_cos, half_sin, backend=backend)
+    result["posenc-torch"] = lambda q, k: apply_rotary_qk(q, k, half_cos, half_sin, backend="torch")
+    result["hf-eager"] = lambda q, k: hf_eager(q, k, hf_cos, hf_sin)
+    compiled = torch.compile(hf_eager)
+    result["torch.compile(hf-eager)"] = lambda q, k: compiled(q, k, hf_cos, hf_sin)
+    if device == "cuda" and importlib.util.find_spec("liger_kernel") is not None:
+        from liger_kernel.ops.rope import LigerRopeFunction
+
+        liger_cos, liger_sin = hf_cos[0], hf_sin[0]  # (1, s, d)
+        result["liger"] = lambda q, k: LigerRopeFunction.apply(q, k, liger_cos, liger_sin)
+    if device == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        from flash_attn.layers.rotary import apply_rotary_emb
+
+        # flash-attn wants (b, s, h, d); the transposed views keep the same bytes and strides it handles.
+        result["flash-attn"] = lambda q, k: (
+            apply_rotary_emb(q.transpose(1, 2), half_cos, half_sin),
+            apply_rotary_emb(k.transpose(1, 2), half_cos, half_sin),
+        )
+    return result
+
+
+def make_case(name: str, fn: Callable, mode: str, q: torch.Tensor, k: torch.Tensor):
+    """(timed function, untimed setup or None) for one provider and mode."""
+    if name == "copy":
+        # The floor for each mode: the bytes a rotation must read and write once (twice for fwd+bwd).
+        copies = 2 if mode == "fwd+bwd" else 1
+        return (lambda: [fn(q, k) for _ in range(copies)]), None
+    if mode == "fwd":
+
+        def forward():
+            with torch.no_grad():
+                fn(q, k)
+
+        return forward, None
+    qg, kg = q.detach().requires_grad_(), k.detach().requires_grad_()
+    grads = (torch.randn_like(q), torch.randn_like(k))
+
+    def clear():
+        qg.grad, kg.grad = None, None
+
+    if mode == "fwd+bwd":
+        return (lambda: torch.autograd.backward(fn(qg, kg), grads)), clear
+    outs = fn(qg, kg)  # bwd alone: one graph, its backward replayed
+    return (lambda: torch.autograd.backward(outs, grads, retain_graph=True)), clear
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--seqs", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
+    parser.add_argument("--modes", nargs="+", default=["fwd", "bwd", "fwd+bwd"], choices=["fwd", "bwd", "fwd+bwd"])
+    parser.add_argument("--providers", nargs="*", default=None, help="subset of provider names (default: all)")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--csv", type=Path, default=Path("docs/results/rope_cpu.csv"))
+    args = parser.parse_args()
+
+    env = {"device": device_name(args.device), "torch": torch.__version__, "commit": commit()}
+    rows = []
+    for seq in args.seqs:
+        for dtype_name in args.dtypes:
+            dtype = DTYPES[dtype_name]
+            q, k = random_qk(args.batch, HEADS_Q, HEADS_K, seq, HEAD_DIM, dtype=dtype, device=args.device)
+            chosen = providers(args.device, seq, dtype)
+            if args.providers:
+                chosen = {n: f for n, f in chosen.items() if n in args.providers or n == "copy"}
+            shape = f"b={args.batch},hq={HEADS_Q},hk={HEADS_K},s={seq},d={HEAD_DIM}"
+            for mode in args.modes:
+                cases = {name: make_case(name, fn, mode, q, k) for name, fn in chosen.items()}
+                times = measure_interleaved(cases, reps=args.reps, device=args.device)
+                results = {name: percentiles(t) for name, t in times.items()}
+                copy_p50 = results["copy"][1]
+                for name, (p20, p50, p80) in results.items():
+                    row = {
+                        "op": "rope",
+                        "provider": name,
+                        "mode": mode,
+                        "dtype": dtype_name,
+                        "shape": shape,
+                        "p20": round(p20, 4),
+                        "p50": round(p50, 4),
+                        "p80": round(p80, 4),
+                        "ratio_to_copy": round(copy_p50 / p50, 3),
+                        **env,
+                    }
+                    rows.append(row)
+                    print_row(row)
+    write_rows(rows, args.csv)
+    print(f"wrote {len(rows)} rows to {args.csv}")
+
+
+if __name__ == "__main__":
+    main()

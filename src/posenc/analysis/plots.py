@@ -1,0 +1,470 @@
+"""The eight figures of ``posenc plot``, each drawn from the analysis functions and so from the real modules.
+
+Figures are ``matplotlib.figure.Figure`` objects made directly, never through pyplot: no backend is selected, no
+global state changes and no window opens, and PNG/SVG come from matplotlib's Agg/SVG canvases. matplotlib is
+imported when the first figure is drawn, not with this module. ``FIGURES`` maps each name to its drawing
+function; ``render`` draws one, ``write_figures`` writes files, ``png_bytes`` gives the bytes the report embeds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import math
+import textwrap
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from posenc.absolute import Sinusoidal
+from posenc.analysis.bias import bias_matrix
+from posenc.analysis.config import FigureConfig
+from posenc.analysis.decay import long_term_decay
+from posenc.analysis.entropy import EntropyResult, attention_entropy
+from posenc.analysis.frequencies import frequency_table
+from posenc.analysis.invariance import relative_invariance
+from posenc.analysis.layout import rotary_pairs
+from posenc.analysis.run import run_entropy, run_figure_config
+from posenc.analysis.wavelengths import wavelengths
+from posenc.bias import ALiBi, T5Bias
+from posenc.rope.module import RoPE
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+
+@dataclasses.dataclass(frozen=True)
+class FigureInputs:
+    """config: what to draw; entropy: measured attention entropy for figure 8 (e.g. from a lab run) with a
+    label saying where it came from, or None to compute it on a small random model."""
+
+    config: FigureConfig = dataclasses.field(default_factory=FigureConfig)
+    entropy: dict[str, EntropyResult] | None = None
+    entropy_source: str = ""
+
+
+def _new_figure(width: float, height: float) -> Figure:
+    # Imported here so that the registry (and `posenc --help`) loads without matplotlib.
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width, height), layout="constrained")
+
+
+def figure_inputs(config: FigureConfig | None = None, run_dir: str | Path | None = None) -> FigureInputs:
+    """Inputs for the figures; with ``run_dir``, figure 8 draws the attention entropy that lab run measured, and
+    without a config the figures are drawn for the run's own model (see ``run_figure_config``)."""
+    if run_dir is None:
+        return FigureInputs(config=config or FigureConfig())
+    config = config or run_figure_config(run_dir) or FigureConfig()
+    measured = run_entropy(run_dir)
+    if measured is None:
+        raise ValueError(
+            f"run folder {str(run_dir)!r} has no measured attention entropy (no entropy.csv, no entropy_by_layer "
+            "column in results.csv); leave out --run to compute entropy on a small random model"
+        )
+    return FigureInputs(config=config, entropy=measured[0], entropy_source=measured[1])
+
+
+def _rope(config: FigureConfig) -> RoPE:
+    return RoPE(config.head_dim, **config.rope_kwargs())
+
+
+def _config_label(config: FigureConfig, *, full: bool = False) -> str:
+    """'yarn, d=64, base=10000, factor=4'; with ``full`` all the type's scalar parameters (lists left out)."""
+    label = f"{config.rope_type}, d={config.head_dim}, base={config.base:g}"
+    if config.spec.rotary_dim != config.head_dim:
+        label += f", r={config.spec.rotary_dim}"
+    if not full and config.spec.params.get("factor"):
+        label += f", factor={config.spec.params['factor']:g}"
+    own = {k: v for k, v in config.spec.params.items() if not isinstance(v, (list, tuple))}
+    if not full or not own:
+        return label
+    label += ", " + ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in own.items())
+    return textwrap.fill(label, 100)  # long parameter lists go on more lines rather than off the figure
+
+
+def _factor(config: FigureConfig) -> float:
+    factor = config.spec.params.get("factor")
+    return float(factor) if factor else max(config.eval_len / config.train_len, 1.0)
+
+
+# -- 1 ---------------------------------------------------------------------------------------------------------
+def phase_difference(inputs: FigureInputs) -> Figure:
+    """Two vectors rotated by m theta and n theta: their score depends only on (m - n) theta."""
+    config = inputs.config
+    rope = _rope(config)
+    layout = rotary_pairs(rope)
+    generator = torch.Generator().manual_seed(0)
+    m = torch.randint(0, 200, (400,), generator=generator)
+    n = torch.randint(0, 200, (400,), generator=generator)
+    positions = torch.cat((torch.tensor([5, 2, 9, 6]), m, n))
+    s = positions.shape[0]
+    # The frequencies RoPE's forward uses for these positions (length-dependent types scale for max + 1).
+    inv_freq, _ = rope.frequencies(int(positions.max()) + 1)
+    pair = 1 if inv_freq.shape[0] > 1 and inv_freq[1] > 0 else 0
+    a = int(torch.nonzero(layout.pair == pair)[0])
+    b = int(layout.partner[a])
+    theta = float(inv_freq[pair])
+
+    d = config.head_dim
+    q = torch.zeros(d, dtype=torch.float64)
+    k = torch.zeros(d, dtype=torch.float64)
+    q[a], q[b] = 1.0, 0.25
+    k[a], k[b] = 0.8, -0.3
+    rotated_q, rotated_k = rope(q.expand(1, 1, s, d), k.expand(1, 1, s, d), positions=positions)
+    rq, rk = rotated_q[0, 0][:, [a, b]], rotated_k[0, 0][:, [a, b]]  # (s, 2): the chosen pair's plane
+
+    fig = _new_figure(11, 4.8)
+    left, right = fig.subplots(1, 2, width_ratios=[1, 1.4])
+    circle = torch.linspace(0, 2 * math.pi, 200)
+    left.plot(circle.cos(), circle.sin(), color="0.85", lw=1)
+    for (iq, ik), style, (mm, nn) in (((0, 1), "-", (5, 2)), ((2, 3), "--", (9, 6))):
+        for row, color, name, pos in ((rq[iq], "C0", "q", mm), (rk[ik], "C3", "k", nn)):
+            left.annotate(
+                "",
+                xy=(float(row[0]), float(row[1])),
+                xytext=(0, 0),
+                arrowprops={"arrowstyle": "-|>", "color": color, "ls": style, "lw": 1.8},
+            )
+            left.text(1.12 * float(row[0]), 1.12 * float(row[1]), f"{name} at {pos}", color=color, ha="center")
+    left.set_aspect("equal")
+    left.set_xlim(-1.4, 1.4)
+    left.set_ylim(-1.4, 1.4)
+    left.set_xlabel(f"channel {a}")
+    left.set_ylabel(f"channel {b}")
+    left.set_title(f"pair {pair}: (m, n) = (5, 2) and (9, 6)\nsame m - n = 3, same angle 3θ = {3 * theta:.2f} rad")
+
+    count = m.shape[0]
+    scores = (rq[4 : 4 + count] * rk[4 + count :]).sum(dim=-1)  # q at m_j against k at n_j
+    phase = ((m - n).double() * theta) % (2 * math.pi)
+    right.scatter(phase, scores, s=8, color="C0", label="RoPE(q at m) · RoPE(k at n), 400 random (m, n)")
+    grid = torch.linspace(0, 2 * math.pi, 200, dtype=torch.float64)
+    # The same score written as a function of the angle alone: Re[(q_a + i q_b)(k_a - i k_b) e^{i(m-n)θ}].
+    z = complex(float(rq[0, 0]), float(rq[0, 1])) * complex(float(rk[1, 0]), -float(rk[1, 1]))
+    z *= complex(math.cos(-3 * theta), math.sin(-3 * theta))
+    curve = [(z * complex(math.cos(g), math.sin(g))).real for g in grid.tolist()]
+    right.plot(grid, curve, color="C1", lw=1, label="Re[q k* e^{i(m-n)θ}]")
+    right.set_xlabel("(m - n) θ mod 2π  [rad]")
+    right.set_ylabel("score of the pair (dot product)")
+    right.set_title(f"the score depends on m - n only (θ_{pair} = {theta:.3g} rad / position)")
+    right.legend(loc="lower left", fontsize=8)
+    fig.suptitle(f"RoPE phase difference ({_config_label(config, full=True)})")
+    return fig
+
+
+# -- 2 ---------------------------------------------------------------------------------------------------------
+def pair_layouts(inputs: FigureInputs) -> Figure:
+    """Which channels are rotated together in adjacent-pair (interleaved) and split-half RoPE."""
+    config = inputs.config
+    d = config.head_dim if config.head_dim <= 16 else 16
+    fraction = config.spec.rotary_dim / config.head_dim
+    rotary = max(2, round(d * fraction / 2) * 2)
+    from matplotlib.patches import Arc, Rectangle
+
+    fig = _new_figure(11, 4.6)
+    axes = fig.subplots(2, 1)
+    for ax, interleaved, name in (
+        (axes[0], True, "adjacent pairs (interleaved=True: RoFormer, GPT-J)"),
+        (axes[1], False, "split half (interleaved=False: Llama's rotate_half)"),
+    ):
+        layout = rotary_pairs(RoPE(d, rotary_dim=rotary, base=config.base, interleaved=interleaved))
+        colors = [f"C{i % 10}" for i in range(rotary // 2)]
+        for c in range(d):
+            i = int(layout.pair[c])
+            ax.add_patch(Rectangle((c, 0), 0.9, 0.9, color=colors[i] if i >= 0 else "0.85"))
+            ax.text(c + 0.45, 0.45, str(c), ha="center", va="center", fontsize=9)
+            ax.text(c + 0.45, -0.35, f"θ{i}" if i >= 0 else "-", ha="center", va="center", fontsize=8)
+            partner = int(layout.partner[c])
+            if partner > c:
+                width = partner - c
+                ax.add_patch(
+                    Arc((c + 0.45 + width / 2, 0.9), width, 0.5 + 0.25 * width, theta1=0, theta2=180, color=colors[i])
+                )
+        ax.set_xlim(-0.2, d + 0.1)
+        ax.set_ylim(-0.7, 0.9 + 0.3 + 0.15 * d)
+        ax.set_xticks([])  # the boxes carry the channel numbers
+        ax.set_yticks([])
+        ax.set_xlabel("channel index within a head (below: the frequency θ_i it turns with)")
+        ax.set_title(name, fontsize=10)
+        for side in ("top", "right", "left"):
+            ax.spines[side].set_visible(False)
+    passthrough = f", channels {rotary}..{d - 1} pass through" if rotary < d else ""
+    fig.suptitle(f"Which channels rotate together: d={d} shown, r={rotary}{passthrough}; colour = frequency pair")
+    return fig
+
+
+# -- 3 ---------------------------------------------------------------------------------------------------------
+def invariance_heatmaps(inputs: FigureInputs) -> Figure:
+    """Score of a fixed q, k over positions (m, n): constant along diagonals for RoPE, not for sinusoidal."""
+    config = inputs.config
+    length = 64
+    results = {
+        f"RoPE ({config.rope_type})": relative_invariance(_rope(config), length),
+        "sinusoidal (added to q and k)": relative_invariance(Sinusoidal(config.head_dim, base=config.base), length),
+    }
+    fig = _new_figure(14, 4.6)
+    axes = fig.subplots(1, 3)
+    for ax, (name, result) in zip(axes[:2], results.items(), strict=True):
+        image = ax.imshow(result.scores.numpy(), origin="lower", cmap="viridis")
+        ax.set_xlabel("key position n")
+        ax.set_ylabel("query position m")
+        ax.set_title(f"{name}\nmax spread along m - n: {result.max_spread:.2g}", fontsize=10)
+        fig.colorbar(image, ax=ax, label="q·k / √d")
+    for name, result in results.items():
+        # Spread 0 cannot go on a log axis; the floor is far below float32 resolution.
+        axes[2].semilogy(result.offsets, result.spread.clamp(min=1e-17), label=name)
+    axes[2].set_xlabel("relative position m - n")
+    axes[2].set_ylabel("max - min of the score along the diagonal")
+    axes[2].set_title("spread per diagonal (0 = relative)", fontsize=10)
+    axes[2].legend(fontsize=8)
+    fig.suptitle(f"Relative invariance: one fixed q and k (norm √(d/2)) at every (m, n), d={config.head_dim}")
+    return fig
+
+
+# -- 4 ---------------------------------------------------------------------------------------------------------
+def decay_curves(inputs: FigureInputs) -> Figure:
+    """RoFormer's long-term decay bound for several bases (and the configured scaling type)."""
+    config = inputs.config
+    # Every distance up to 16k; past that a log-spaced sample, which the log axis shows just as well.
+    if config.eval_len <= 1 << 14:
+        distances = torch.arange(config.eval_len + 1)
+    else:
+        distances = torch.logspace(0, math.log10(config.eval_len), 4096).round().long().unique()
+    keep = distances > 0  # distance 0 has no place on the log axis
+    fig = _new_figure(9, 5)
+    ax = fig.subplots()
+    bases = sorted({500.0, 10000.0, 500000.0, config.base})
+    partial = {k: v for k, v in config.rope_parameters.items() if k == "partial_rotary_factor"}
+    for base in bases:
+        result = long_term_decay(config.head_dim, rope_parameters={"rope_theta": base, **partial}, distances=distances)
+        ax.plot(result.distances[keep], result.bound[keep], lw=1, label=f"default, base={base:g}")
+    if config.rope_type != "default":
+        result = long_term_decay(
+            config.head_dim,
+            rope_parameters=config.rope_parameters,
+            distances=distances,
+            max_position_embeddings=config.train_len,
+        )
+        ax.plot(result.distances[keep], result.bound[keep], lw=1.4, color="k", label=_config_label(config))
+    ax.axvline(config.train_len, color="0.5", ls=":", label=f"training length L={config.train_len}")
+    ax.set_xscale("log")
+    ax.set_xlabel("relative distance |m - n|  [positions]")
+    ax.set_ylabel("bound: (2/r) Σ_j |Σ_{i<j} e^{i(m-n)θ_i}|  (× attention factor²)")
+    ax.set_title(f"Long-term decay (Su et al. §3.4.3), d={config.head_dim}")
+    ax.legend(fontsize=8)
+    return fig
+
+
+# -- 5 ---------------------------------------------------------------------------------------------------------
+def wavelength_bars(inputs: FigureInputs) -> Figure:
+    """Wavelength 2π/θ_i of every pair against the training length."""
+    config = inputs.config
+    result = wavelengths(config.head_dim, config.train_len, rope_parameters=config.rope_parameters)
+    fig = _new_figure(10, 5)
+    ax = fig.subplots()
+    pairs = result.pair
+    finite = torch.isfinite(result.base_wavelength)
+    ax.semilogy(pairs[finite], result.base_wavelength[finite], "o-", ms=3, color="C0", label="default RoPE")
+    if result.rope_type != "default":
+        shown = torch.isfinite(result.wavelength)
+        ax.semilogy(pairs[shown], result.wavelength[shown], "s-", ms=3, color="C3", label=_config_label(config))
+        kept = result.unchanged & shown
+        ax.semilogy(pairs[kept], result.wavelength[kept], "o", mfc="none", ms=9, color="k", label="left unchanged")
+    ax.axhline(config.train_len, color="k", ls="--", label=f"training length L={config.train_len}")
+    ax.axhline(config.eval_len, color="0.5", ls=":", label=f"evaluation length {config.eval_len}")
+    partial = int((result.partial & torch.isfinite(result.wavelength)).sum())
+    ax.set_xlabel("frequency pair i")
+    ax.set_ylabel("wavelength 2π/θ_i  [positions]")
+    label = _config_label(config, full=True) if result.rope_type != "default" else "default RoPE"
+    ax.set_title(
+        f"Wavelengths per frequency pair: {partial} of {pairs.shape[0]} turn less than once within L\n({label})"
+    )
+    ax.legend(fontsize=8)
+    return fig
+
+
+# -- 6 ---------------------------------------------------------------------------------------------------------
+def scaled_frequencies(inputs: FigureInputs) -> Figure:
+    """inv_freq per pair under every registered scaling type, for one base, head dim and length."""
+    config = inputs.config
+    own = {k: v for k, v in config.rope_parameters.items() if k not in ("rope_type", "type", "rope_theta")}
+    parameters = {config.rope_type: own} if config.rope_type != "default" else {}
+    table = frequency_table(
+        config.head_dim,
+        base=config.base,
+        partial_rotary_factor=config.rope_parameters.get("partial_rotary_factor"),
+        train_len=config.train_len,
+        factor=_factor(config),
+        seq_len=config.eval_len,
+        parameters=parameters,
+    )
+    fig = _new_figure(13, 5)
+    left, right = fig.subplots(1, 2)
+    ratio = table.ratio_to_default()
+    pairs = torch.arange(table.inv_freq.shape[1])
+    for t, name in enumerate(table.rope_types):
+        style = "-" if t < 10 else "--"
+        label = f"{name} (attention factor {float(table.attention_factor[t]):.3g})"
+        positive = table.inv_freq[t] > 0  # zero-frequency pairs cannot go on a log axis
+        left.semilogy(pairs[positive], table.inv_freq[t][positive], style, lw=1.2, label=label)
+        right.plot(pairs, ratio[t], style, lw=1.2, label=name)
+    left.set_xlabel("frequency pair i")
+    left.set_ylabel("θ_i  [rad / position]")
+    left.set_title("inverse frequencies", fontsize=10)
+    left.legend(fontsize=7)
+    right.set_xlabel("frequency pair i")
+    right.set_ylabel("θ_i / θ_i(default)")
+    right.set_title("ratio to default (1 = pair left alone)", fontsize=10)
+    fig.suptitle(
+        f"RoPE scaling types: d={config.head_dim}, base={config.base:g}, L={table.train_len}, "
+        f"factor={_factor(config):g}, frequencies for a sequence of {table.seq_len}"
+    )
+    return fig
+
+
+# -- 7 ---------------------------------------------------------------------------------------------------------
+def bias_heatmaps(inputs: FigureInputs) -> Figure:
+    """ALiBi's and T5's additive score bias as (query, key) matrices."""
+    config = inputs.config
+    length = 32
+    h = config.num_heads
+    alibi = bias_matrix(ALiBi(h), length)
+    t5 = bias_matrix(T5Bias(h, num_buckets=32, max_distance=128), length)
+    panels = [
+        (alibi[0], f"ALiBi head 0 (slope {float(ALiBi(h).slopes[0]):.3g})"),
+        (alibi[h - 1], f"ALiBi head {h - 1} (slope {float(ALiBi(h).slopes[h - 1]):.3g})"),
+        (t5[0], "T5 head 0 (random init;\nequal values share a bucket)"),
+    ]
+    fig = _new_figure(14, 4.6)
+    axes = fig.subplots(1, 3)
+    for ax, (matrix, title) in zip(axes, panels, strict=True):
+        shown = matrix.masked_fill(~torch.isfinite(matrix), float("nan"))
+        image = ax.imshow(shown.numpy(), origin="upper", cmap="magma")
+        ax.set_xlabel("key position n")
+        ax.set_ylabel("query position m")
+        ax.set_title(title, fontsize=10)
+        fig.colorbar(image, ax=ax, label="bias added to the logit")
+    fig.suptitle(f"Score-bias encodings, {length} x {length}, h={h} (blank: masked future, -inf)")
+    return fig
+
+
+# -- 8 ---------------------------------------------------------------------------------------------------------
+ENTROPY_LENGTHS = (16, 32, 64, 128, 256)
+ENTROPY_ENCODINGS = ("rope", "alibi", "nope", "sinusoidal")
+
+
+def random_model_entropy(
+    config: FigureConfig, lengths: Sequence[int] = ENTROPY_LENGTHS, encodings: Sequence[str] = ENTROPY_ENCODINGS
+) -> dict[str, EntropyResult]:
+    """Entropy of the lab's byte model at initialisation (2 layers, 2 heads of config.head_dim, MLP ratio 1).
+
+    RoPE uses ``config.rope_parameters``; the others their defaults. Inputs are seeded random bytes.
+    """
+    from posenc.lab.model import VOCAB_SIZE, ByteLM, ModelSpec
+
+    spec = ModelSpec(
+        dim=2 * config.head_dim, layers=2, heads=2, max_positions=max(config.train_len, max(lengths)), mlp_ratio=1
+    )
+    tokens = torch.randint(0, VOCAB_SIZE, (1, max(lengths)), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for name in encodings:
+        torch.manual_seed(0)
+        options = {"rope_parameters": config.rope_parameters} if name == "rope" else {}
+        model = ByteLM(spec, name, options)
+        results[name] = attention_entropy(model, lengths, inputs=tokens)
+    return results
+
+
+def entropy_curves(inputs: FigureInputs) -> Figure:
+    """Mean attention entropy against length, per encoding (from a run, or a small random model)."""
+    config = inputs.config
+    if inputs.entropy is not None:
+        results, source = inputs.entropy, inputs.entropy_source or "measured"
+    else:
+        results = random_model_entropy(config)
+        source = "computed on a small random model (untrained lab ByteLM, random bytes): no run given"
+    fig = _new_figure(9, 5)
+    ax = fig.subplots()
+    longest = 1
+    for name, result in results.items():
+        mean = result.entropy.mean(dim=(1, 2))
+        ax.plot(result.lengths, mean, "o-", ms=3, label=name)
+        longest = max(longest, int(result.lengths.max()))
+    shortest = min(int(r.lengths.min()) for r in results.values())
+    grid = torch.arange(shortest, longest + 1, dtype=torch.float64)
+    # No query of a length-L sequence can spread over more than L keys: log L bounds every definition.
+    ax.plot(grid, grid.log(), color="0.5", ls="--", lw=1, label="log L: uniform over all L keys (the maximum)")
+    if inputs.entropy is None:
+        # What attention_entropy averages (every query row, row m over m + 1 keys) when attention is uniform.
+        rows = torch.arange(1, longest + 1, dtype=torch.float64).log().cumsum(0) / torch.arange(1, longest + 1)
+        ax.plot(grid, rows[shortest - 1 :], color="0.5", ls=":", label="uniform causal attention, mean over rows")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length  [tokens]")
+    ax.set_ylabel("mean attention entropy  [nats]")
+    ax.set_title(f"Attention entropy against length\n{source}", fontsize=10)
+    ax.legend(fontsize=8)
+    return fig
+
+
+FIGURES: dict[str, Callable[[FigureInputs], Figure]] = {
+    "phase_difference": phase_difference,
+    "pair_layouts": pair_layouts,
+    "relative_invariance": invariance_heatmaps,
+    "long_term_decay": decay_curves,
+    "wavelengths": wavelength_bars,
+    "scaled_frequencies": scaled_frequencies,
+    "bias_matrices": bias_heatmaps,
+    "attention_entropy": entropy_curves,
+}
+
+
+def check_names(names: Sequence[str] | None) -> list[str]:
+    """The figure names to draw (all when None or empty); an unknown name is a ValueError listing the known."""
+    if not names:
+        return list(FIGURES)
+    unknown = [n for n in names if n not in FIGURES]
+    if unknown:
+        raise ValueError(f"unknown figure(s) {', '.join(map(repr, unknown))}; known figures: {', '.join(FIGURES)}")
+    return list(dict.fromkeys(names))
+
+
+def render(name: str, inputs: FigureInputs | None = None) -> Figure:
+    """Draw one figure by name."""
+    (name,) = check_names([name])
+    return FIGURES[name](inputs or FigureInputs())
+
+
+def png_bytes(fig: Figure, *, dpi: int = 110) -> bytes:
+    """The figure as PNG bytes (matplotlib's Agg canvas)."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=dpi)
+    return buffer.getvalue()
+
+
+def write_figures(
+    out_dir: str | Path,
+    names: Sequence[str] | None = None,
+    inputs: FigureInputs | None = None,
+    *,
+    svg: bool = False,
+    dpi: int = 110,
+) -> list[Path]:
+    """Write ``<name>.png`` (and ``<name>.svg`` with ``svg``) for each figure into ``out_dir``. Returns the paths."""
+    names = check_names(names)
+    if isinstance(dpi, bool) or not isinstance(dpi, int) or not 10 <= dpi <= 1200:
+        raise ValueError(f"dpi must be an integer in [10, 1200], got {dpi!r}")
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {str(out)!r} is a file; give a directory for the figures")
+    out.mkdir(parents=True, exist_ok=True)
+    inputs = inputs or FigureInputs()
+    written = []
+    for name in names:
+        fig = FIGURES[name](inputs)
+        for suffix in ("png", "svg") if svg else ("png",):
+            path = out / f"{name}.{suffix}"
+            fig.savefig(path, format=suffix, dpi=dpi)
+            written.append(path)
+    return written

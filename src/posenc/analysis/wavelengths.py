@@ -1,0 +1,80 @@
+"""Wavelengths of the RoPE frequency pairs against the training context.
+
+Pair i turns by theta_i per position, so it repeats every lambda_i = 2 pi / theta_i = 2 pi base^(2i/r) positions.
+Pairs with lambda_i > L never complete a turn within the training length L: the model only saw a fraction of
+their circle, which is why NTK-by-parts, YaRN and Llama 3 interpolate those and leave the fast ones alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from posenc._checks import positive_int
+from posenc.rope.module import RoPE
+from posenc.rope.parameters import compute_frequencies
+
+
+@dataclasses.dataclass(frozen=True)
+class WavelengthResult:
+    """Per rotated pair i (shape (r/2,) each): inv_freq theta_i float64 under the configuration; wavelength
+    2 pi / theta_i in positions; base_inv_freq / base_wavelength for plain RoPE with the same base and rotary dim;
+    train_len L. Derived: rotations (turns within L), partial (True where the pair turns less than once within
+    L) and unchanged (True where the scaling left theta_i exactly as plain RoPE has it)."""
+
+    inv_freq: torch.Tensor
+    wavelength: torch.Tensor
+    base_inv_freq: torch.Tensor
+    base_wavelength: torch.Tensor
+    train_len: int
+    rope_type: str
+    attention_factor: float
+
+    @property
+    def pair(self) -> torch.Tensor:
+        return torch.arange(self.inv_freq.shape[0])
+
+    @property
+    def rotations(self) -> torch.Tensor:
+        return self.train_len / self.wavelength
+
+    @property
+    def partial(self) -> torch.Tensor:
+        return self.wavelength > self.train_len
+
+    @property
+    def unchanged(self) -> torch.Tensor:
+        return self.inv_freq == self.base_inv_freq
+
+
+def wavelengths(
+    head_dim: int,
+    train_len: int,
+    *,
+    base: float | None = None,
+    rope_parameters: Mapping[str, Any] | None = None,
+    seq_len: int | None = None,
+) -> WavelengthResult:
+    """Wavelength of every frequency pair for one RoPE configuration, and for plain RoPE beside it.
+
+    head_dim: d; train_len: the training context L (RoPE's ``max_position_embeddings``); base / rope_parameters:
+    as for ``posenc.RoPE``; seq_len: the length that length-dependent types (dynamic) scale for.
+    """
+    positive_int("train_len", train_len)
+    rope = RoPE(head_dim, base=base, rope_parameters=rope_parameters, max_position_embeddings=train_len)
+    inv_freq, factor = rope.frequencies(seq_len)
+    plain = dataclasses.replace(rope.spec, rope_type="default", params={})
+    base_inv_freq, _ = compute_frequencies(plain)
+    return WavelengthResult(
+        inv_freq=inv_freq,
+        wavelength=2 * math.pi / inv_freq,
+        base_inv_freq=base_inv_freq,
+        base_wavelength=2 * math.pi / base_inv_freq,
+        train_len=train_len,
+        rope_type=rope.rope_type,
+        attention_factor=float(factor),
+    )

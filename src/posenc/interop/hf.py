@@ -1,0 +1,166 @@
+"""Hugging Face configs -> ``posenc.RoPE``: the rotation a model does, from its config.json.
+
+Reads both forms ``transformers`` has used: the new ``rope_parameters`` dict and the old ``rope_scaling`` dict with
+top-level ``rope_theta`` / ``partial_rotary_factor`` / ``rotary_pct`` / ``rotary_emb_base`` / ``head_dim`` /
+``original_max_position_embeddings``, plus the per-model spellings that decide the layout (GPT-J's absolute
+``rotary_dim`` with adjacent pairs, DeepSeek's ``rope_interleave``, Qwen2-VL's ``mrope_section``). ``transformers``
+is not imported: a config object is read through ``to_dict()``.
+
+Layout notes: DeepSeek-V3 (``rope_interleave``) rotates adjacent pairs of the rope part ``q[..., -64:]`` and then
+stores the result de-interleaved (evens then odds); posenc writes the pairs back in place. Both orders give the same
+q.k scores. DeepSeek's extra softmax scale mscale(factor, mscale_all_dim)^2 belongs to its attention, not to RoPE.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from posenc.rope.module import RoPE
+from posenc.rope.mrope import MRoPE
+
+# Model types whose rotation pairs adjacent channels (x0, x1), (x2, x3), ... (rotate_every_two / view_as_complex).
+_INTERLEAVED_MODELS = frozenset({"gptj", "codegen", "deepseek_v2"})
+# Model types whose config class defaults rope_interleave to True (DeepSeek-V3's config.json omits the key).
+_INTERLEAVE_DEFAULTS = {"deepseek_v3": True}
+# Model types whose rotary dim is given in channels (`rotary_dim`), not as a fraction.
+_ABSOLUTE_ROTARY_DIM = frozenset({"gptj", "codegen"})
+# Defaults a model class applies when its config.json omits the key.
+_PARTIAL_DEFAULTS = {"gpt_neox": 0.25}
+_MROPE_DEFAULTS = {"qwen2_vl": [16, 24, 24], "qwen2_5_vl": [16, 24, 24], "qwen2_vl_text": [16, 24, 24]}
+# Legacy type names -> the type transformers maps them to.
+_LEGACY_TYPES = {"su": "longrope", "mrope": "default"}
+_NEEDS_ORIGINAL = frozenset({"llama3", "yarn", "longrope"})
+
+
+def _load(config: Any) -> tuple[dict[str, Any], float]:
+    """Returns (the config as a plain dict, the model class' default theta)."""
+    if isinstance(config, (str, os.PathLike)):
+        path = Path(config)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"config must be a config.json or a folder holding one; {str(path)!r} is neither")
+        with path.open() as f:
+            loaded = json.load(f)
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{str(path)!r} must hold a JSON object, got {type(loaded).__name__}")
+        return loaded, 10000.0
+    if isinstance(config, Mapping):
+        return dict(config), 10000.0
+    if callable(getattr(config, "to_dict", None)):
+        return dict(config.to_dict()), float(getattr(config, "default_theta", 10000.0))
+    raise TypeError(
+        f"config must be a transformers config object, a dict, or a path to a config.json, got {type(config).__name__}"
+    )
+
+
+def _first(cfg: Mapping[str, Any], *keys: str) -> Any:
+    """The first of ``keys`` present in cfg with a value that is not None."""
+    for key in keys:
+        if cfg.get(key) is not None:
+            return cfg[key]
+    return None
+
+
+def rope_kwargs_from_config(config: Any, *, layer_type: str | None = None) -> dict[str, Any]:
+    """The ``RoPE`` (or ``MRoPE``) constructor arguments a model's config implies, as a dict with ``head_dim``.
+
+    config: a ``transformers`` config object, a dict, or a path to a config.json (or its folder).
+    layer_type: for configs with one rope dict per layer type (e.g. "sliding_attention"), which one to read.
+    """
+    cfg, default_theta = _load(config)
+    if not (cfg.get("rope_parameters") or cfg.get("rope_scaling") or "rope_theta" in cfg) and isinstance(
+        cfg.get("text_config"), Mapping
+    ):
+        cfg = {"model_type": cfg.get("model_type"), **cfg["text_config"]}  # vision-language: the text model's RoPE
+    model_type = str(cfg.get("model_type") or "")
+
+    rope = _first(cfg, "rope_parameters", "rope_scaling") or {}
+    if not isinstance(rope, Mapping):
+        raise TypeError(f"config's rope_parameters / rope_scaling must be a dict, got {type(rope).__name__}")
+    rope = dict(rope)
+    nested = [key for key in rope if key in set(cfg.get("layer_types") or ())]
+    if nested:
+        if layer_type not in nested:
+            raise ValueError(f"this config has one rope dict per layer type; pass layer_type= one of {nested}")
+        rope = dict(rope[layer_type] or {})
+    elif layer_type is not None:
+        raise ValueError(f"layer_type={layer_type!r} given but the config has a single rope dict; drop layer_type")
+
+    rope_type = rope.pop("rope_type", None) or rope.pop("type", None) or "default"
+    rope.pop("type", None)
+    rope_type = _LEGACY_TYPES.get(rope_type, rope_type)
+    if model_type == "phi3" and rope_type == "yarn":
+        rope_type = "longrope"  # Phi3Config maps its legacy 'yarn' to LongRoPE
+
+    mrope_section = rope.pop("mrope_section", None)
+    if rope.pop("mrope_interleaved", False):
+        raise ValueError("interleaved M-RoPE (Qwen3-VL's mrope_interleaved) is not supported; posenc has Qwen2-VL's")
+    if mrope_section is None:
+        mrope_section = _MROPE_DEFAULTS.get(model_type)
+
+    theta = _first(rope, "rope_theta")
+    if theta is None:
+        theta = _first(cfg, "rope_theta", "rotary_emb_base")
+    rope["rope_theta"] = float(default_theta if theta is None else theta)
+
+    if model_type in _ABSOLUTE_ROTARY_DIM:
+        rotary_dim = cfg.get("rotary_dim")
+        rope.pop("partial_rotary_factor", None)
+    else:
+        rotary_dim = None
+        partial = _first(rope, "partial_rotary_factor")
+        if partial is None:
+            partial = _first(cfg, "partial_rotary_factor", "rotary_pct")
+        if partial is None:
+            partial = _PARTIAL_DEFAULTS.get(model_type)
+        if partial is not None:
+            rope["partial_rotary_factor"] = partial
+
+    max_pos = _first(cfg, "max_position_embeddings", "n_positions")
+    if rope_type in _NEEDS_ORIGINAL and cfg.get("original_max_position_embeddings") is not None:
+        # transformers gives a top-level original_max_position_embeddings priority (Phi-3 keeps it there).
+        rope["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
+
+    head_dim = _first(cfg, "qk_rope_head_dim", "head_dim")
+    if head_dim is None:
+        hidden, heads = _first(cfg, "hidden_size", "n_embd", "d_model"), _first(cfg, "num_attention_heads", "n_head")
+        if hidden is None or heads is None:
+            raise ValueError("config needs head_dim, or hidden_size and num_attention_heads, to size the rotation")
+        head_dim = hidden // heads
+
+    kwargs: dict[str, Any] = {
+        "head_dim": head_dim,
+        "rope_parameters": {"rope_type": rope_type, **rope},
+        "max_position_embeddings": max_pos,
+        "interleaved": model_type in _INTERLEAVED_MODELS
+        or bool(cfg.get("rope_interleave", _INTERLEAVE_DEFAULTS.get(model_type, False))),
+    }
+    if rotary_dim is not None:
+        kwargs["rotary_dim"] = rotary_dim
+    if mrope_section is not None:
+        kwargs["mrope_section"] = list(mrope_section)
+    return kwargs
+
+
+def rope_from_config(config: Any, *, layer_type: str | None = None, mode: Literal["hf", "consistent"] = "hf") -> RoPE:
+    """A ``posenc.RoPE`` that rotates exactly as the model does: frequencies, attention factor, rotary dim and
+    pair layout. Returns an ``MRoPE`` for Qwen2-VL-style configs (``mrope_section``).
+
+    config: a ``transformers`` config object, a dict, or a path to a config.json (or its folder), old or new form.
+    mode: 'hf' (Hugging Face's numbers, the default) or 'consistent'; see ``RoPE``.
+    """
+    kwargs = rope_kwargs_from_config(config, layer_type=layer_type)
+    head_dim = kwargs.pop("head_dim")
+    if "mrope_section" in kwargs:
+        return MRoPE(head_dim, mode=mode, **kwargs)
+    return RoPE(head_dim, mode=mode, **kwargs)
+
+
+# Last, because patch.py imports rope_kwargs_from_config from this module. Re-exported: `as` marks them public.
+from posenc.interop.patch import patch_model as patch_model  # noqa: E402
+from posenc.interop.patch import unpatch_model as unpatch_model  # noqa: E402

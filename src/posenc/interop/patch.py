@@ -1,0 +1,602 @@
+"""Run a loaded ``transformers`` model's RoPE through posenc, in place: ``patch_model`` / ``unpatch_model``.
+
+What is replaced, per patched model and nothing else in the process:
+
+* the model's ``*RotaryEmbedding`` module becomes a ``PosencRotaryEmbedding``: cos/sin of shape (b, s, r/2) in
+  float32, from float64 angles (``posenc.rope.module.angles_to_cos_sin``), instead of Hugging Face's (b, s, r);
+* each attention module gets an instance-level ``forward``: a copy of its class's forward function whose globals
+  resolve ``apply_rotary_pos_emb`` to posenc's rotation (``posenc.apply_rotary_qk``, any backend). The class, the
+  modeling module and every other model of the same class are untouched, and the copy is plain Python, so
+  ``torch.compile`` traces it like the original.
+
+In ``mode="consistent"`` with a type whose frequencies change with the length (``dynamic``, ``longrope``), keys go
+into the KV cache unrotated and the attention rotates all of them at read with the frequencies of the current
+step (the copy's ``ALL_ATTENTION_FUNCTIONS`` is wrapped for that), so every score of a step uses one set of
+frequencies and cached decoding equals a full forward pass. This needs a cache that returns the past keys in order
+without gaps (``DynamicCache``, what ``generate`` uses by default, sliding-window layers included); a
+``StaticCache`` is not supported in that mode.
+
+Shape key: b batch, h heads, s new tokens, t tokens in the cache (t >= s), d head dim, r rotary dim.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import importlib
+import json
+import math
+import os
+import types
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from posenc.interop.hf import rope_kwargs_from_config
+from posenc.rope.apply import apply_rotary, apply_rotary_qk
+from posenc.rope.frequencies import SEQ_LEN_DEPENDENT
+from posenc.rope.module import RoPE, angles_to_cos_sin
+
+# model_type -> (transformers.models.<name>, its rotary embedding class, its attention class).
+_ARCHITECTURES: dict[str, tuple[str, str, str]] = {
+    "gemma": ("gemma", "GemmaRotaryEmbedding", "GemmaAttention"),
+    "gpt_neox": ("gpt_neox", "GPTNeoXRotaryEmbedding", "GPTNeoXAttention"),
+    "llama": ("llama", "LlamaRotaryEmbedding", "LlamaAttention"),
+    "mistral": ("mistral", "MistralRotaryEmbedding", "MistralAttention"),
+    "phi3": ("phi3", "Phi3RotaryEmbedding", "Phi3Attention"),
+    "qwen2": ("qwen2", "Qwen2RotaryEmbedding", "Qwen2Attention"),
+    "qwen3": ("qwen3", "Qwen3RotaryEmbedding", "Qwen3Attention"),
+}
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_ARCHITECTURES)
+
+# The names a patched attention forward resolves differently from its modeling module.
+_ROTATION_NAME = "apply_rotary_pos_emb"
+_ATTENTION_REGISTRY_NAME = "ALL_ATTENTION_FUNCTIONS"
+_STATE_ATTR = "_posenc_patch"
+
+
+@dataclasses.dataclass(frozen=True)
+class PatchReport:
+    """What ``patch_model`` did. architecture: the config's model_type; rope_type ... backend: the installed
+    ``RoPE``'s settings; rotary_modules: the names of the replaced rotary embedding modules; attention_modules: how
+    many attention modules rotate with posenc; config_changed: True when ``model.config`` was rewritten;
+    rope_parameters: ``model.config.rope_parameters`` after patching."""
+
+    architecture: str
+    rope_type: str
+    head_dim: int
+    rotary_dim: int
+    interleaved: bool
+    mode: str
+    backend: str
+    rotary_modules: tuple[str, ...]
+    attention_modules: int
+    config_changed: bool
+    rope_parameters: Mapping[str, Any]
+
+    def __str__(self) -> str:
+        config = f"; config.rope_parameters = {dict(self.rope_parameters)}" if self.config_changed else ""
+        return (
+            f"posenc patched {self.architecture}: {', '.join(self.rotary_modules)} and {self.attention_modules} "
+            f"attention modules -> rope_type={self.rope_type!r}, rotary_dim={self.rotary_dim}/{self.head_dim}, "
+            f"interleaved={self.interleaved}, mode={self.mode!r}, backend={self.backend!r}{config}"
+        )
+
+
+@dataclasses.dataclass
+class _PatchState:
+    """What ``unpatch_model`` puts back."""
+
+    report: PatchReport
+    rotary: list[tuple[nn.Module, str, nn.Module]]  # (parent, attribute, original module)
+    attention: list[nn.Module]
+    config: Any
+    original_config_values: dict[str, Any]  # attribute -> its value before patching
+
+
+class PosencRotaryEmbedding(nn.Module):
+    """Stands in for a model's ``*RotaryEmbedding``: ``forward(x, position_ids) -> (cos, sin)``.
+
+    x: (b, s, hidden), only its dtype is read; position_ids: (b or 1, s) integer.
+    Returns cos, sin: (b or 1, s, r/2), float64 for a float64 model else float32 (one value per rotated pair,
+    posenc's convention, consumed by the patched attention's rotation, not by Hugging Face's).
+
+    Fixed types keep their float64 frequencies in a buffer that follows device moves but never dtype casts, so the
+    forward has no data-dependent step and ``torch.compile`` traces it without a graph break. ``dynamic`` and
+    ``longrope`` ask the ``RoPE`` for the frequencies of each call's length (``RoPE._scaling_length``: in 'hf' mode
+    with transformers' dynamic NTK state).
+    """
+
+    inv_freq: torch.Tensor
+
+    def __init__(self, rope: RoPE) -> None:
+        super().__init__()
+        self.rope = rope
+        self.length_dependent = rope.rope_type in SEQ_LEN_DEPENDENT
+        inv_freq, attention_factor = rope.frequencies()
+        self.register_buffer("inv_freq", inv_freq.to(torch.float64), persistent=False)
+        self.attention_factor = float(attention_factor)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> PosencRotaryEmbedding:
+        # model.half() / .to(bfloat16) cast every float buffer; the frequencies must stay float64 (a bf16 inv_freq
+        # is off by 2**-9, i.e. whole turns at position 1e4), so only the device move is kept.
+        frequencies = self.inv_freq
+        super()._apply(fn, recurse)
+        self._buffers["inv_freq"] = frequencies.to(device=self.inv_freq.device)
+        return self
+
+    def forward(
+        self, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer_type is not None:
+            raise ValueError(f"per-layer-type RoPE (layer_type={layer_type!r}) is not supported by posenc's patch")
+        dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        if self.length_dependent:
+            return self.rope.cos_sin(position_ids, seq_len=self.rope._scaling_length(position_ids), dtype=dtype)
+        return angles_to_cos_sin(position_ids, self.inv_freq, self.attention_factor, dtype)
+
+    def extra_repr(self) -> str:
+        return f"rope_type={self.rope.rope_type!r}, rotary_dim={self.rope.rotary_dim}, mode={self.rope.mode!r}"
+
+
+def _rotate_qk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    unsqueeze_dim: int = 1,
+    *,
+    interleaved: bool,
+    backend: str,
+    keys: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """posenc's ``apply_rotary_pos_emb``: q (b, h_q, s, d), k (b, h_k, s, d); cos, sin (b or 1, s, r/2).
+
+    keys=False leaves k unrotated (it is rotated at read, see ``_attend_with_rotated_keys``).
+    """
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    if not keys:
+        return apply_rotary(q, cos, sin, interleaved=interleaved, backend=backend), k
+    return apply_rotary_qk(q, k, cos, sin, interleaved=interleaved, backend=backend)
+
+
+def _attend_with_rotated_keys(
+    attend: Callable[..., Any],
+    rope: RoPE,
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    """'consistent' mode: rotate every key, cached ones included, with the frequencies of this step, then attend.
+
+    query: (b, h_q, s, d), already rotated; key: (b, h_k, t, d) unrotated, the t - s cached keys first. The cached
+    keys' positions continue backwards from the first new token's (rows with left padding get negative positions
+    on their pad slots, which the mask hides).
+    """
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None:
+        raise RuntimeError(
+            "posenc's 'consistent' mode needs the position_ids the model passes to its attention; this model did "
+            "not pass them (patch with mode='hf')"
+        )
+    new, total = query.shape[-2], key.shape[-2]
+    key_positions = position_ids
+    if total > new:
+        past = position_ids[:, :1] - (total - new) + torch.arange(total - new, device=position_ids.device)
+        key_positions = torch.cat((past, position_ids), dim=-1)
+    key = rope.rotate(key, key_positions, seq_len=rope._scaling_length(position_ids))
+    return attend(module, query, key, value, attention_mask, *args, **kwargs)
+
+
+class _KeysRotatedAtRead:
+    """Stands in for ``ALL_ATTENTION_FUNCTIONS`` inside a patched attention forward ('consistent' mode)."""
+
+    def __init__(self, functions: Any, rope: RoPE) -> None:
+        self._functions = functions
+        self._rope = rope
+
+    def get_interface(self, implementation: str, default: Callable[..., Any]) -> Callable[..., Any]:
+        return functools.partial(
+            _attend_with_rotated_keys, self._functions.get_interface(implementation, default), self._rope
+        )
+
+
+def _innermost(func: Callable[..., Any]) -> types.FunctionType:
+    """The function under its functools.wraps decorators."""
+    while hasattr(func, "__wrapped__"):
+        func = func.__wrapped__
+    return func
+
+
+def _with_globals(func: types.FunctionType, replacements: Mapping[str, Any]) -> types.FunctionType:
+    """A copy of ``func`` in which the global names in ``replacements`` resolve to the given objects.
+
+    Decorators made with ``functools.wraps`` (transformers' ``deprecate_kwarg``) are copied too, each with a closure
+    that calls the copy below it, so the copy behaves as the original in everything else.
+    """
+    inner = getattr(func, "__wrapped__", None)
+    if inner is None:
+        namespace = dict(func.__globals__)
+        namespace.update(replacements)
+        # Without __name__, torch.compile guards these globals through this dict; with it, dynamo would look
+        # the names up in the modeling module (sys.modules[__name__]) and find transformers' functions there.
+        namespace.pop("__name__", None)
+        closure = func.__closure__
+        new_func = types.FunctionType(func.__code__, namespace, func.__name__, func.__defaults__, closure)
+    else:
+        new_inner = _with_globals(inner, replacements)
+        cells = func.__closure__ or ()
+        slots = [i for i, cell in enumerate(cells) if _cell_holds(cell, inner)]
+        if len(slots) != 1:
+            raise RuntimeError(
+                f"cannot patch {func.__qualname__}: its decorator does not hold the wrapped function in a closure; "
+                "this transformers version is not supported by posenc.interop.patch"
+            )
+        new_cells = tuple(types.CellType(new_inner) if i == slots[0] else cell for i, cell in enumerate(cells))
+        new_func = types.FunctionType(func.__code__, func.__globals__, func.__name__, func.__defaults__, new_cells)
+        new_func.__wrapped__ = new_inner
+    new_func.__kwdefaults__ = copy.copy(func.__kwdefaults__)
+    new_func.__qualname__ = func.__qualname__
+    new_func.__module__ = func.__module__
+    new_func.__doc__ = func.__doc__
+    return new_func
+
+
+def _cell_holds(cell: types.CellType, obj: object) -> bool:
+    try:
+        return cell.cell_contents is obj
+    except ValueError:  # an empty cell
+        return False
+
+
+def _architecture(model: nn.Module) -> tuple[str, type[nn.Module], type[nn.Module]]:
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if not isinstance(model, nn.Module) or model_type is None:
+        raise TypeError(
+            f"model must be a loaded transformers model (an nn.Module with a .config), got {type(model).__name__}"
+        )
+    if model_type not in _ARCHITECTURES:
+        raise ValueError(
+            f"posenc cannot patch model_type {model_type!r} ({type(model).__name__}); supported architectures: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    package, rotary_name, attention_name = _ARCHITECTURES[model_type]
+    modeling = importlib.import_module(f"transformers.models.{package}.modeling_{package}")
+    return model_type, getattr(modeling, rotary_name), getattr(modeling, attention_name)
+
+
+def _hf_rope_parameters(intended: RoPE, given: Mapping[str, Any]) -> dict[str, Any]:
+    """The rope_parameters to write into a transformers config for a posenc spec (posenc-only types translated)."""
+    params = dict(given)
+    if intended.rope_type == "ntk":
+        # Static NTK is plain RoPE with base * factor^(r/(r-2)) (posenc.rope.frequencies.ntk); the frequency check
+        # in _new_config_rope proves the translation.
+        r = intended.rotary_dim
+        base = intended.base * float(intended.spec.params["factor"]) ** (r / (r - 2))
+        params = {key: params[key] for key in ("partial_rotary_factor",) if key in params}
+        params.update({"rope_type": "default", "rope_theta": base})
+    return params
+
+
+def _same_frequencies(a: RoPE, b: RoPE) -> bool:
+    if (a.rotary_dim, a.interleaved) != (b.rotary_dim, b.interleaved):
+        return False
+    if (a.rope_type in SEQ_LEN_DEPENDENT) != (b.rope_type in SEQ_LEN_DEPENDENT):
+        return False
+    lengths = {a.max_position_embeddings, a.spec.params.get("original_max_position_embeddings")} - {None}
+    for seq_len in [None, 1, *(n * k + extra for n in lengths for k, extra in ((1, 0), (1, 1), (2, 0), (8, 0)))]:
+        (fa, sa), (fb, sb) = a.frequencies(seq_len), b.frequencies(seq_len)
+        if not (torch.allclose(fa, fb, rtol=1e-12, atol=0.0) and math.isclose(sa, sb, rel_tol=1e-9)):
+            return False
+    return True
+
+
+def _new_config_rope(
+    config: Any, rope_parameters: Mapping[str, Any], *, mode: str, backend: str
+) -> tuple[dict[str, Any], RoPE]:
+    """Validate the requested rope_parameters and return (the config attributes to set, the RoPE to install).
+
+    The RoPE is read back from a config rebuilt by the model's own config class from the new values, and must
+    rotate exactly as requested: that is what makes save_pretrained + from_pretrained reproduce the patched model.
+    """
+    if not isinstance(rope_parameters, Mapping):
+        raise TypeError(
+            "rope_parameters must be a dict like {'rope_type': 'yarn', 'factor': 4.0}, got "
+            f"{type(rope_parameters).__name__}"
+        )
+    current = rope_kwargs_from_config(config)
+    base_params = current["rope_parameters"]
+    given = dict(rope_parameters)
+    if "type" in given and "rope_type" not in given:  # the legacy spelling; transformers' configs want rope_type
+        given["rope_type"] = given.pop("type")
+    # Changing the scaling keeps the model's base and rotary fraction unless they are given.
+    for key in ("rope_theta", "partial_rotary_factor"):
+        if key not in given and key in base_params:
+            given[key] = base_params[key]
+    head_dim = current["head_dim"]
+    intended = RoPE(
+        head_dim,
+        rope_parameters=given,
+        max_position_embeddings=current["max_position_embeddings"],
+        interleaved=current["interleaved"],
+        mode=mode,
+        backend=backend,
+    )
+    hf_params = _hf_rope_parameters(intended, given)
+    values: dict[str, Any] = {"rope_parameters": hf_params}
+    # Phi-3 keeps original_max_position_embeddings at the top level, and transformers lets it win over the dict's.
+    if "original_max_position_embeddings" in hf_params and hasattr(config, "original_max_position_embeddings"):
+        values["original_max_position_embeddings"] = hf_params["original_max_position_embeddings"]
+    try:
+        rebuilt = type(config).from_dict({**config.to_dict(), **copy.deepcopy(values)})
+        kwargs = rope_kwargs_from_config(rebuilt)
+        installed = RoPE(kwargs.pop("head_dim"), mode=mode, backend=backend, **kwargs)
+    except (ValueError, TypeError, KeyError) as error:
+        raise ValueError(
+            f"{type(config).__name__} cannot hold rope_parameters={hf_params}: {error}. Saving the patched model "
+            "would not reproduce it; choose a rope_type this architecture's config accepts"
+        ) from error
+    if not _same_frequencies(intended, installed):
+        raise ValueError(
+            f"{type(config).__name__} stores rope_parameters={hf_params} as {rebuilt.rope_parameters}, which rotates "
+            "differently; saving the patched model would not reproduce it. Choose a rope_type this architecture's "
+            "config accepts (e.g. Phi-3 takes only 'default' and 'longrope')"
+        )
+    values["rope_parameters"] = copy.deepcopy(rebuilt.rope_parameters)
+    return values, installed
+
+
+def patch_model(
+    model: nn.Module,
+    *,
+    backend: str = "auto",
+    rope_parameters: Mapping[str, Any] | None = None,
+    mode: Literal["hf", "consistent"] = "hf",
+) -> PatchReport:
+    """Replace the RoPE computation (cos/sin and the rotation) of a loaded ``transformers`` model with posenc's.
+
+    model: a model of a supported architecture (``SUPPORTED_ARCHITECTURES``: Llama, Mistral, Qwen2, Qwen3,
+    Phi-3 incl. LongRoPE, GPT-NeoX incl. partial rotary, Gemma), e.g. ``AutoModelForCausalLM.from_pretrained(...)``.
+    backend: the rotation backend, as for ``posenc.apply_rotary`` ("auto", "torch", "triton", "cpu").
+    rope_parameters: None keeps the model's RoPE (logits equal the unpatched model's within the dtype's tolerance);
+    a dict such as ``{"rope_type": "yarn", "factor": 4.0}`` changes the scaling in place and rewrites
+    ``model.config.rope_parameters`` to match, so ``save_pretrained`` + plain ``from_pretrained`` reproduce it.
+    ``rope_theta`` and ``partial_rotary_factor`` default to the model's. posenc's ``ntk`` is written as the
+    equivalent ``default`` config with a larger ``rope_theta``.
+    mode: "hf" (Hugging Face's numbers, also for ``dynamic`` / ``longrope`` with a KV cache) or "consistent" (keys
+    cached unrotated and rotated at read with each step's frequencies, so cached decoding equals a full forward).
+    Returns a ``PatchReport``. Raises ValueError for an unsupported architecture or a model already patched.
+    """
+    model_type, rotary_cls, attention_cls = _architecture(model)
+    if getattr(model, _STATE_ATTR, None) is not None:
+        raise ValueError("model is already patched by posenc; call unpatch_model(model) first")
+    config = model.config
+    rotary = [(name, module) for name, module in model.named_modules() if isinstance(module, rotary_cls)]
+    attention = [module for module in model.modules() if isinstance(module, attention_cls)]
+    if not rotary or not attention:
+        raise ValueError(
+            f"found {len(rotary)} {rotary_cls.__name__} and {len(attention)} {attention_cls.__name__} modules in "
+            f"this {model_type} model; posenc needs at least one of each to patch it"
+        )
+
+    # Everything that can fail runs before the model or its config is touched. RoPE validates mode and backend.
+    if rope_parameters is None:
+        values: dict[str, Any] = {}
+        kwargs = rope_kwargs_from_config(config)
+        rope = RoPE(kwargs.pop("head_dim"), mode=mode, backend=backend, **kwargs)
+        if rope.rope_type == "dynamic" and mode == "hf":
+            # Continue transformers' dynamic NTK state where the model left it.
+            rope._hf_scaled_len = max(int(module.max_seq_len_cached) for _, module in rotary)
+    else:
+        values, rope = _new_config_rope(config, rope_parameters, mode=mode, backend=backend)
+    forwards = {cls: _patched_forward(cls, rope) for cls in {type(module) for module in attention}}
+
+    originals = {key: getattr(config, key) for key in values}  # _new_config_rope only sets existing attributes
+    for key, value in values.items():
+        setattr(config, key, value)
+    replacement = PosencRotaryEmbedding(rope).to(next((p.device for p in model.parameters()), torch.device("cpu")))
+    named = dict(model.named_modules())
+    swapped = []
+    for name, module in rotary:
+        parent_name, _, attr = name.rpartition(".")
+        setattr(named[parent_name], attr, replacement)
+        swapped.append((named[parent_name], attr, module))
+    for module in attention:
+        # An instance attribute: nn.Module.__call__ finds it before the class's forward.
+        module.forward = types.MethodType(forwards[type(module)], module)
+
+    report = PatchReport(
+        architecture=model_type,
+        rope_type=rope.rope_type,
+        head_dim=rope.head_dim,
+        rotary_dim=rope.rotary_dim,
+        interleaved=rope.interleaved,
+        mode=mode,
+        backend=backend,
+        rotary_modules=tuple(name for name, _ in rotary),
+        attention_modules=len(attention),
+        config_changed=bool(values),
+        rope_parameters=copy.deepcopy(config.rope_parameters),
+    )
+    object.__setattr__(model, _STATE_ATTR, _PatchState(report, swapped, attention, config, originals))
+    return report
+
+
+def _patched_forward(cls: type[nn.Module], rope: RoPE) -> types.FunctionType:
+    """One copy of ``cls.forward`` per patched model and attention class, shared by its layers (one set of
+    torch.compile guards), rotating with posenc."""
+    func = cls.forward
+    namespace = _innermost(func).__globals__
+    if _ROTATION_NAME not in _innermost(func).__code__.co_names or _ROTATION_NAME not in namespace:
+        raise RuntimeError(
+            f"{cls.__qualname__}.forward does not call {_ROTATION_NAME}; this transformers version is not supported "
+            "by posenc.interop.patch"
+        )
+    keys_at_read = rope.rotates_cached_keys
+    replacements: dict[str, Any] = {
+        _ROTATION_NAME: functools.partial(
+            _rotate_qk, interleaved=rope.interleaved, backend=rope.backend, keys=not keys_at_read
+        )
+    }
+    if keys_at_read:
+        if _ATTENTION_REGISTRY_NAME not in namespace:
+            raise RuntimeError(
+                f"{cls.__qualname__}.forward does not use {_ATTENTION_REGISTRY_NAME}; mode='consistent' is not "
+                "supported for it in this transformers version (use mode='hf')"
+            )
+        replacements[_ATTENTION_REGISTRY_NAME] = _KeysRotatedAtRead(namespace[_ATTENTION_REGISTRY_NAME], rope)
+    return _with_globals(func, replacements)
+
+
+def is_patched(model: nn.Module) -> bool:
+    """True when ``patch_model`` patched this model and ``unpatch_model`` has not undone it."""
+    return getattr(model, _STATE_ATTR, None) is not None
+
+
+def unpatch_model(model: nn.Module) -> PatchReport:
+    """Undo ``patch_model``: the original rotary modules, the class's attention forward, and the config's rope
+    values as they were before patching. Returns the report of the patch that was undone."""
+    state: _PatchState | None = getattr(model, _STATE_ATTR, None)
+    if state is None:
+        raise ValueError("model is not patched by posenc (patch_model was not called, or unpatch_model already was)")
+    for parent, attr, original in state.rotary:
+        # The originals were outside the module tree while patched: follow any device move made meanwhile.
+        original.to(device=getattr(parent, attr).inv_freq.device)
+        setattr(parent, attr, original)
+    for module in state.attention:
+        module.__dict__.pop("forward", None)
+    for key, value in state.original_config_values.items():
+        setattr(state.config, key, value)
+    object.__delattr__(model, _STATE_ATTR)
+    return state.report
+
+
+def tiny_model_from_config(
+    config: str | os.PathLike[str] | Mapping[str, Any],
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
+    vocab_size: int = 256,
+    max_position_embeddings: int | None = None,
+    keep_scaling: bool = False,
+    seed: int = 0,
+    attn_implementation: str = "sdpa",
+) -> nn.Module:
+    """A small randomly initialised causal LM of the architecture in a ``config.json``, with its RoPE.
+
+    config: a path to a config.json (or its folder) or the dict it holds; its ``model_type`` must be in
+    ``SUPPORTED_ARCHITECTURES``. The architecture's code, ``rope_theta``, rotary fraction and pair layout come from
+    it; the sizes from the arguments (head_dim defaults to hidden_size // num_heads; num_kv_heads to num_heads).
+    max_position_embeddings: the trained length the scaling types extend from (default: the config's).
+    keep_scaling: keep the config's rope scaling (LongRoPE factor lists must then fit the head dim); by default the
+    model gets plain RoPE, to which ``patch_model(model, rope_parameters=...)`` applies an extension later.
+    Returns an unpatched ``transformers`` ``*ForCausalLM`` in float32, eval mode; ``model(input_ids).logits`` is
+    (b, s, vocab_size).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if isinstance(config, (str, os.PathLike)):
+        path = Path(config)
+        path = path / "config.json" if path.is_dir() else path
+        if not path.is_file():
+            raise FileNotFoundError(f"config must be a config.json or a folder holding one; {str(path)!r} is neither")
+        source = json.loads(path.read_text())
+    elif isinstance(config, Mapping):
+        source = dict(config)
+    else:
+        raise TypeError(f"config must be a path to a config.json or a dict, got {type(config).__name__}")
+    model_type = source.get("model_type")
+    if model_type not in _ARCHITECTURES:
+        raise ValueError(
+            f"config's model_type {model_type!r} is not supported; supported architectures: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    for name, value in (
+        ("hidden_size", hidden_size),
+        ("num_layers", num_layers),
+        ("num_heads", num_heads),
+        ("vocab_size", vocab_size),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads <= 0 or num_heads % kv_heads:
+        raise ValueError(f"num_kv_heads must be a positive divisor of num_heads={num_heads}, got {num_kv_heads!r}")
+    if head_dim is None:
+        if hidden_size % num_heads:
+            raise ValueError(f"hidden_size={hidden_size} must be divisible by num_heads={num_heads}, or give head_dim")
+        head_dim = hidden_size // num_heads
+    if model_type == "gpt_neox" and head_dim * num_heads != hidden_size:
+        raise ValueError(
+            f"GPT-NeoX ties head_dim to hidden_size / num_heads = {hidden_size / num_heads}; drop head_dim"
+        )
+    if model_type == "gpt_neox" and kv_heads != num_heads:
+        raise ValueError("GPT-NeoX has no grouped-query attention; leave num_kv_heads unset")
+    if max_position_embeddings is not None and (
+        isinstance(max_position_embeddings, bool)
+        or not isinstance(max_position_embeddings, int)
+        or max_position_embeddings <= 0
+    ):
+        raise ValueError(f"max_position_embeddings must be a positive integer, got {max_position_embeddings!r}")
+
+    rope = rope_kwargs_from_config(source)
+    params = dict(rope["rope_parameters"])
+    if not keep_scaling:
+        params = {key: params[key] for key in ("rope_theta", "partial_rotary_factor") if key in params}
+        params["rope_type"] = "default"
+    trained = max_position_embeddings if max_position_embeddings is not None else rope["max_position_embeddings"]
+    sizes: dict[str, Any] = {
+        "hidden_size": hidden_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "intermediate_size": 4 * hidden_size,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": trained,
+        "rope_parameters": params,
+        "pad_token_id": None,
+        "bos_token_id": None,
+        "eos_token_id": None,
+    }
+    if model_type == "gpt_neox":
+        del sizes["num_key_value_heads"], sizes["head_dim"]
+    kept = {key: value for key, value in source.items() if key in _KEPT_KEYS}
+    if not keep_scaling:
+        kept.pop("original_max_position_embeddings", None)
+    hf_config = AutoConfig.for_model(model_type, **kept, **sizes)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(
+            hf_config, dtype=torch.float32, attn_implementation=attn_implementation
+        )
+    return model.eval()
+
+
+# config.json keys that describe the architecture's behaviour (kept from the source); sizes and token ids are not.
+_KEPT_KEYS = frozenset(
+    {
+        "hidden_act",
+        "rms_norm_eps",
+        "layer_norm_eps",
+        "attention_bias",
+        "mlp_bias",
+        "use_parallel_residual",
+        "sliding_window",
+        "use_sliding_window",
+        "original_max_position_embeddings",
+        "rope_interleave",
+    }
+)

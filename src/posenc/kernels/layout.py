@@ -1,0 +1,216 @@
+"""How a rotary call says where each token is, checked once and brought to the form every backend reads.
+
+Two ways to pass cos/sin (r = rotary dim, pairs r/2):
+
+* broadcast: cos, sin broadcast to x.shape[:-1] + (r/2,) (the default; ``kind="broadcast"``);
+* table: cos, sin are (n, r/2) tables and row ``p`` rotates a token at position ``p``. Positions come from
+  ``positions`` ((s,) or (b, s) ids), ``offset`` (an int, or (b,) per sequence) added to them (or to 0..s-1),
+  or ``cu_seqlens`` ((n_seq + 1,) prefix sums, x packed as (total, h, d), positions restarting at 0 per
+  sequence, plus ``offset``), as flash-attention's varlen API. ``kind`` is then "bhsd", "bshd" or "varlen".
+
+Every backend sees x as a (n0, n1, n2, d) view with rows (i0, i1, i2) = (batch, head, token); in table mode the
+token axis is the one positions index. Shape key: b batch, h heads, s sequence, d head dim.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from posenc._checks import float_tensor, int_tensor
+
+Kind = Literal["broadcast", "bhsd", "bshd", "varlen"]
+KINDS = ("broadcast", "bhsd", "bshd", "varlen")
+
+
+def rotary_kind(
+    layout: str | None, positions: torch.Tensor | None, offset: object, cu_seqlens: torch.Tensor | None
+) -> Kind:
+    """Which way cos/sin are read; raises if ``layout`` is given where it has no meaning."""
+    table = positions is not None or offset is not None or cu_seqlens is not None
+    if not table:
+        if layout is not None:
+            raise ValueError(
+                f"layout={layout!r} only applies when cos/sin are tables read at positions; pass positions=, "
+                "offset= or cu_seqlens=, or drop layout (broadcast cos/sin need no layout)"
+            )
+        return "broadcast"
+    if cu_seqlens is not None:
+        if layout is not None:
+            raise ValueError("with cu_seqlens x is packed as (total_tokens, h, d); drop layout")
+        return "varlen"
+    layout = "bhsd" if layout is None else layout
+    if layout not in ("bhsd", "bshd"):
+        raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
+    return layout  # type: ignore[return-value]
+
+
+def check_table_call(
+    xs: dict[str, torch.Tensor],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kind: Kind,
+    *,
+    positions: torch.Tensor | None,
+    offset: int | torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+) -> tuple[torch.Tensor | None, int]:
+    """Validate a table-mode call; returns (offsets as a (b,) int64 tensor or None, int offset).
+
+    xs: name -> tensor, (b, h, s, d) / (b, s, h, d) / (total, h, d) by ``kind``; tensors may differ in h only.
+    Data-dependent checks (positions inside the table, cu_seqlens ascending) are skipped under torch.compile,
+    where they would break the graph.
+    """
+    float_tensor("cos", cos)
+    float_tensor("sin", sin)
+    if cos.dim() != 2 or cos.shape != sin.shape:
+        raise ValueError(
+            f"with positions/offset/cu_seqlens, cos and sin are tables of shape (n_positions, r/2); got "
+            f"{tuple(cos.shape)} and {tuple(sin.shape)}"
+        )
+    half = cos.shape[1]
+    rank = 3 if kind == "varlen" else 4
+    axes = {"bhsd": "(b, h, s, d)", "bshd": "(b, s, h, d)", "varlen": "(total_tokens, h, d)"}[kind]
+    first = next(iter(xs.values()))
+    for name, x in xs.items():
+        float_tensor(name, x)
+        if x.device != cos.device or x.device != sin.device:
+            raise ValueError(
+                f"{name} is on {x.device} but cos/sin on {cos.device}/{sin.device}; move all to one device"
+            )
+        if x.dim() != rank:
+            raise ValueError(f"{name} must be {rank}-D {axes} for this call, got shape {tuple(x.shape)}")
+        if half == 0 or 2 * half > x.shape[-1]:
+            raise ValueError(
+                f"cos.shape[-1]={half} pairs needs {2 * half} channels but {name}.shape[-1]={x.shape[-1]}; "
+                "the table holds one value per pair, (n_positions, rotary_dim // 2)"
+            )
+        token_axes = (0,) if kind == "varlen" else (0, 2) if kind == "bhsd" else (0, 1)
+        if any(x.shape[a] != first.shape[a] for a in token_axes):
+            raise ValueError(
+                f"all inputs must share their batch and token sizes {axes}; got {tuple(first.shape)} and "
+                f"{tuple(x.shape)} for {name}"
+            )
+    batch, seq = (1, first.shape[0]) if kind == "varlen" else (first.shape[0], first.shape[2 if kind == "bhsd" else 1])
+    check_data = not torch.compiler.is_compiling()
+
+    if cu_seqlens is not None:
+        int_tensor("cu_seqlens", cu_seqlens)
+        if positions is not None:
+            raise ValueError("positions cannot be combined with cu_seqlens: packed sequences count from 0 (+ offset)")
+        if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+            raise ValueError(f"cu_seqlens must be 1-D (n_seq + 1,), got shape {tuple(cu_seqlens.shape)}")
+        if cu_seqlens.device != first.device:
+            raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but x on {first.device}")
+        batch = cu_seqlens.shape[0] - 1
+        if check_data:
+            if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != seq:
+                raise ValueError(
+                    f"cu_seqlens must start at 0 and end at total_tokens={seq}, got "
+                    f"{int(cu_seqlens[0])} .. {int(cu_seqlens[-1])}"
+                )
+            if bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
+                raise ValueError("cu_seqlens must be non-decreasing (prefix sums of sequence lengths)")
+
+    offsets, offset_int = None, 0
+    if isinstance(offset, torch.Tensor):
+        int_tensor("offset", offset)
+        if offset.dim() != 1 or offset.shape[0] != batch:
+            raise ValueError(
+                f"offset must be an int or a ({batch},) tensor (one per sequence), got shape {tuple(offset.shape)}"
+            )
+        if offset.device != first.device:
+            raise ValueError(f"offset is on {offset.device} but x on {first.device}")
+        if check_data and bool((offset < 0).any()):
+            raise ValueError("offset must be >= 0, got a negative entry")
+        offsets = offset.to(torch.long)
+    elif offset is not None:
+        if isinstance(offset, bool) or not isinstance(offset, int):
+            raise TypeError(f"offset must be an int or an integer tensor, got {type(offset).__name__}")
+        if offset < 0:
+            raise ValueError(f"offset must be >= 0, got {offset}")
+        offset_int = offset
+
+    if positions is not None:
+        int_tensor("positions", positions)
+        if (
+            positions.dim() not in (1, 2)
+            or positions.shape[-1] != seq
+            or (positions.dim() == 2 and (positions.shape[0] not in (1, batch)))
+        ):
+            raise ValueError(f"positions must have shape ({seq},) or ({batch}, {seq}), got {tuple(positions.shape)}")
+        if positions.device != first.device:
+            raise ValueError(f"positions is on {positions.device} but x on {first.device}")
+    if check_data and seq > 0:
+        pos = token_positions(
+            kind,
+            batch,
+            seq,
+            positions=positions,
+            offsets=offsets,
+            offset=offset_int,
+            cu_seqlens=cu_seqlens,
+            device=first.device,
+        )
+        low, high = int(pos.min()), int(pos.max())
+        if low < 0 or high >= cos.shape[0]:
+            raise ValueError(
+                f"positions reach {low} .. {high} but the cos/sin table has {cos.shape[0]} rows; "
+                f"build the table for at least {high + 1} positions"
+            )
+    return offsets, offset_int
+
+
+def token_positions(
+    kind: Kind,
+    batch: int,
+    seq: int,
+    *,
+    positions: torch.Tensor | None,
+    offsets: torch.Tensor | None,
+    offset: int,
+    cu_seqlens: torch.Tensor | None,
+    device: torch.device,
+) -> torch.Tensor:
+    """The table row of every token: (b or 1, s) int64, or (1, total_tokens) for varlen.
+
+    ``batch`` is b (the number of packed sequences for varlen); ``seq`` is s (total_tokens for varlen).
+    """
+    if kind == "varlen":
+        assert cu_seqlens is not None
+        cu = cu_seqlens.to(torch.long)
+        token = torch.arange(seq, device=device)
+        # searchsorted finds each token's sequence without a Python loop over sequences.
+        sequence = torch.searchsorted(cu[1:], token, right=True)
+        pos = token - cu[sequence] + (offsets[sequence] if offsets is not None else 0) + offset
+        return pos[None]
+    pos = torch.arange(seq, device=device)[None] if positions is None else positions.to(torch.long).reshape(-1, seq)
+    if offsets is not None:
+        pos = pos + offsets[:, None]
+    return pos + offset if offset else pos
+
+
+def canonical(x: torch.Tensor, kind: Kind) -> torch.Tensor:
+    """The (n0, n1, n2, d) view of x whose rows are (batch, head, token); no copy.
+
+    broadcast: x of 1 to 4 dims, padded with leading 1s; bhsd: x itself; bshd: heads and tokens swapped;
+    varlen: (total, h, d) seen as (1, h, total, d).
+    """
+    if kind == "bshd":
+        return x.transpose(1, 2)
+    if kind == "varlen":
+        return x.transpose(0, 1)[None]
+    if kind == "broadcast":
+        return x.reshape((1,) * (4 - x.dim()) + tuple(x.shape)) if x.dim() < 4 else x
+    return x
+
+
+def canonical_cos(cos: torch.Tensor, x: torch.Tensor, kind: Kind) -> torch.Tensor:
+    """cos as a (n0 or 1, n1 or 1, rows, r/2) view read at (i0, i1, row); no copy.
+
+    broadcast: cos expanded to x's rows (row = token index); table: the (n, r/2) table (row = position).
+    """
+    if kind == "broadcast":
+        return canonical(cos.expand(*x.shape[:-1], cos.shape[-1]), kind)
+    return cos.expand(1, 1, *cos.shape)

@@ -1,0 +1,315 @@
+"""The fused kernels as ``torch.library`` custom ops, with fake and autograd registrations, and backend choice.
+
+``posenc::rotary`` returns rotated copies of a list of tensors (q, or q and k: one launch); ``posenc::rotary_``
+rotates them in place. Their fake implementations let ``torch.compile(fullgraph=True)`` trace through without
+running a kernel; the backward is the same op with ``conjugate`` flipped (a rotation's inverse is its transpose),
+so a kernel never needs a separate backward. The fused kernels do not differentiate cos/sin: when cos or sin
+needs a gradient, "auto" picks the pure-torch path and an explicit fused backend raises.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+
+from posenc.kernels.cpu_rope import DTYPE_CODES, cpu_available, cpu_unavailable_reason, rope_cpu
+from posenc.kernels.layout import KINDS, Kind, canonical, canonical_cos, token_positions
+
+BACKENDS = ("auto", "torch", "triton", "cpu")
+
+
+@functools.cache
+def _triton_module_or_error() -> tuple[object | None, str]:
+    try:
+        from posenc.kernels import triton_rope
+    except Exception as error:  # ImportError, or triton failing to find a driver
+        return None, f"importing triton failed: {error}"
+    return triton_rope, ""
+
+
+@torch.compiler.assume_constant_result
+def triton_available() -> bool:
+    """True when Triton imports and a CUDA device is present (the auto backend's condition for CUDA tensors)."""
+    return torch.cuda.is_available() and _triton_module_or_error()[0] is not None
+
+
+@torch.compiler.assume_constant_result
+def _cpu_built() -> bool:
+    return cpu_available()
+
+
+def _fused_problem(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, kind: str, inplace: bool) -> str:
+    """Why the fused kernels cannot take this call, or "" when they can."""
+    if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
+        return "cos/sin require grad and the fused kernels do not differentiate them"
+    if kind == "broadcast" and any(x.dim() > 4 or x.dim() == 0 for x in xs):
+        return "with broadcast cos/sin the fused kernels take x of 1 to 4 dims; reshape x or pass a table"
+    if any(x.dtype not in DTYPE_CODES for x in xs):
+        return f"the fused kernels take {list(DTYPE_CODES)}, got {xs[0].dtype}"
+    if len({x.dtype for x in xs}) > 1:
+        return "q and k have different dtypes"
+    if inplace and any(x.shape[-1] > 1 and x.stride(-1) != 1 for x in xs):
+        return "in place needs unit stride in the last dim"
+    return ""
+
+
+def choose_backend(
+    backend: str, xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, kind: str, *, inplace: bool = False
+) -> str:
+    """Resolve "auto" to "triton" (CUDA tensors), "cpu" (CPU tensors) or "torch"; check an explicit choice.
+
+    Raises ValueError naming what is wrong when an explicit fused backend cannot take the call.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(repr(b) for b in BACKENDS)}, got {backend!r}")
+    if backend == "torch":
+        return "torch"
+    problem = _fused_problem(xs, cos, sin, kind, inplace)
+    device = xs[0].device.type
+    if backend == "auto":
+        if problem:
+            return "torch"
+        if device == "cuda" and triton_available():
+            return "triton"
+        if device == "cpu" and _cpu_built():
+            return "cpu"
+        return "torch"
+    if problem:
+        raise ValueError(f"backend={backend!r} cannot take this call: {problem}; use backend='torch'")
+    if backend == "cpu":
+        if device != "cpu":
+            raise ValueError(f"backend='cpu' needs CPU tensors, got {device}; use 'auto' or 'triton' for CUDA")
+        if not _cpu_built():
+            raise RuntimeError(f"backend='cpu' is unavailable: {cpu_unavailable_reason()}; use backend='torch'")
+        return "cpu"
+    module, reason = _triton_module_or_error()
+    if module is None:
+        raise RuntimeError(f"backend='triton' is unavailable: {reason}; use backend='torch' or 'cpu'")
+    return "triton"
+
+
+def _launch(
+    xs: Sequence[torch.Tensor],
+    outs: Sequence[torch.Tensor],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor | None,
+    offsets: torch.Tensor | None,
+    offset: int,
+    cu_seqlens: torch.Tensor | None,
+    kind: Kind,
+    interleaved: bool,
+    conjugate: bool,
+    backend: str,
+    copy_tail: bool,
+) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    wide = torch.float64 if torch.float64 in (xs[0].dtype, cos.dtype) else torch.float32
+    cos, sin = cos.to(wide), sin.to(wide)
+    if cos.stride() != sin.stride() or (cos.shape[-1] > 1 and cos.stride(-1) != 1):
+        cos, sin = cos.contiguous(), sin.contiguous()
+    views = [canonical(x, kind) for x in xs]
+    out_views = [canonical(o, kind) for o in outs]
+    coss = [canonical_cos(cos, x, kind) for x in xs]
+    sins = [canonical_cos(sin, x, kind) for x in xs]
+    if backend == "cpu":
+        pos = None
+        if kind != "broadcast":
+            batch = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else views[0].shape[0]
+            pos = token_positions(
+                kind,
+                batch,
+                views[0].shape[2],
+                positions=positions,
+                offsets=offsets,
+                offset=offset,
+                cu_seqlens=cu_seqlens,
+                device=xs[0].device,
+            )
+            offset = 0
+        for view, out, c, s in zip(views, out_views, coss, sins, strict=True):
+            rope_cpu(view, out, c, s, pos, interleaved=interleaved, conjugate=conjugate, copy_tail=copy_tail)
+        return
+    if backend != "triton":
+        raise ValueError(f"the rotary ops run backend 'cpu' or 'triton', got {backend!r}")
+    module, reason = _triton_module_or_error()
+    if module is None:
+        raise RuntimeError(f"backend='triton' is unavailable: {reason}")
+    if positions is not None and positions.dim() == 1:
+        positions = positions[None]
+    module.rope_triton(  # type: ignore[attr-defined]
+        views,
+        out_views,
+        coss,
+        sins,
+        positions=positions,
+        offsets=offsets,
+        offset=offset,
+        cu_seqlens=cu_seqlens,
+        interleaved=interleaved,
+        conjugate=conjugate,
+        copy_tail=copy_tail,
+    )
+
+
+def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
+    return x if x.shape[-1] <= 1 or x.stride(-1) == 1 else x.contiguous()
+
+
+def _rotary_impl(
+    xs: list[torch.Tensor],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor | None,
+    offsets: torch.Tensor | None,
+    offset: int,
+    cu_seqlens: torch.Tensor | None,
+    kind: str,
+    interleaved: bool,
+    conjugate: bool,
+    backend: str,
+) -> list[torch.Tensor]:
+    """Rotated copies of xs (see ``posenc.apply_rotary``'s arguments); channels past r are copied."""
+    xs = [_unit_last_stride(x) for x in xs]
+    outs = [torch.empty_like(x) for x in xs]
+    _launch(xs, outs, cos, sin, positions, offsets, offset, cu_seqlens, kind, interleaved, conjugate, backend, True)  # type: ignore[arg-type]
+    return outs
+
+
+rotary = torch.library.custom_op("posenc::rotary", mutates_args=())(_rotary_impl)
+
+
+@rotary.register_fake
+def _rotary_fake(xs, cos, sin, positions, offsets, offset, cu_seqlens, kind, interleaved, conjugate, backend):
+    return [torch.empty_like(_unit_last_stride(x)) for x in xs]
+
+
+def _rotary_setup(ctx, inputs, output) -> None:
+    _, cos, sin, positions, offsets, offset, cu_seqlens, kind, interleaved, conjugate, backend = inputs
+    ctx.save_for_backward(cos, sin, positions, offsets, cu_seqlens)
+    ctx.options = (offset, kind, interleaved, conjugate, backend)
+
+
+def _rotate_grads(ctx, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    cos, sin, positions, offsets, cu_seqlens = ctx.saved_tensors
+    offset, kind, interleaved, conjugate, backend = ctx.options
+    present = [i for i, g in enumerate(grads) if g is not None]
+    result: list[torch.Tensor | None] = [None] * len(grads)
+    if present:
+        rotated = rotary(
+            [grads[i] for i in present],
+            cos,
+            sin,
+            positions,
+            offsets,
+            offset,
+            cu_seqlens,
+            kind,
+            interleaved,
+            not conjugate,
+            backend,
+        )
+        for i, g in zip(present, rotated, strict=True):
+            result[i] = g
+    return result
+
+
+def _rotary_backward(ctx, grads):
+    return _rotate_grads(ctx, grads), None, None, None, None, None, None, None, None, None, None
+
+
+rotary.register_autograd(_rotary_backward, setup_context=_rotary_setup)
+
+
+def _rotary_inplace_impl(
+    xs: list[torch.Tensor],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor | None,
+    offsets: torch.Tensor | None,
+    offset: int,
+    cu_seqlens: torch.Tensor | None,
+    kind: str,
+    interleaved: bool,
+    conjugate: bool,
+    backend: str,
+) -> None:
+    """Rotate xs in place: only channels 0..r-1 are written."""
+    _launch(xs, xs, cos, sin, positions, offsets, offset, cu_seqlens, kind, interleaved, conjugate, backend, False)  # type: ignore[arg-type]
+
+
+rotary_ = torch.library.custom_op("posenc::rotary_", mutates_args=("xs",))(_rotary_inplace_impl)
+
+
+@rotary_.register_fake
+def _rotary_inplace_fake(xs, cos, sin, positions, offsets, offset, cu_seqlens, kind, interleaved, conjugate, backend):
+    return None
+
+
+class _RotaryInPlace(torch.autograd.Function):
+    """Autograd for the in-place op (torch.library cannot register autograd for a mutating op)."""
+
+    @staticmethod
+    def forward(ctx, options, cos, sin, positions, offsets, cu_seqlens, *xs):
+        offset, kind, interleaved, conjugate, backend = options
+        rotary_(list(xs), cos, sin, positions, offsets, offset, cu_seqlens, kind, interleaved, conjugate, backend)
+        ctx.mark_dirty(*xs)
+        ctx.save_for_backward(cos, sin, positions, offsets, cu_seqlens)
+        ctx.options = options
+        return xs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None, None, None, None, None, *_rotate_grads(ctx, grads))
+
+
+def _dispatcher_needed(xs: Sequence[torch.Tensor]) -> bool:
+    # The op adds ~150 us of Python dispatch; only tracing and autograd need it, so plain eager calls (decoding
+    # one token at a time) go straight to the kernel.
+    return torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(x.requires_grad for x in xs))
+
+
+def rotary_copy(
+    xs: Sequence[torch.Tensor],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor | None,
+    offsets: torch.Tensor | None,
+    offset: int,
+    cu_seqlens: torch.Tensor | None,
+    kind: str,
+    interleaved: bool,
+    conjugate: bool,
+    backend: str,
+) -> list[torch.Tensor]:
+    """``posenc::rotary``, or its implementation directly when neither tracing nor autograd is involved."""
+    op = rotary if _dispatcher_needed(xs) else _rotary_impl
+    return op(list(xs), cos, sin, positions, offsets, offset, cu_seqlens, kind, interleaved, conjugate, backend)
+
+
+def rotary_inplace(
+    xs: Sequence[torch.Tensor],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor | None,
+    offsets: torch.Tensor | None,
+    offset: int,
+    cu_seqlens: torch.Tensor | None,
+    kind: str,
+    interleaved: bool,
+    conjugate: bool,
+    backend: str,
+) -> None:
+    """``rotary_`` with autograd when any x requires grad (the gradient is rotated back, like the copy's)."""
+    if not _dispatcher_needed(xs):
+        _rotary_inplace_impl(
+            list(xs), cos, sin, positions, offsets, offset, cu_seqlens, kind, interleaved, conjugate, backend
+        )
+    elif torch.is_grad_enabled() and any(x.requires_grad for x in xs):
+        options = (offset, kind, interleaved, conjugate, backend)
+        _RotaryInPlace.apply(options, cos, sin, positions, offsets, cu_seqlens, *xs)
+    else:
+        rotary_(list(xs), cos, sin, positions, offsets, offset, cu_seqlens, kind, interleaved, conjugate, backend)

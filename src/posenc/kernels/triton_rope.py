@@ -1,0 +1,271 @@
+"""Triton rotary kernel and its launcher (no autograd here; see ``posenc.kernels.ops``).
+
+One launch rotates q and k together (GQA: different head counts). Each program rotates BLOCK_S tokens of one
+head: it loads the cos/sin rows of those tokens once, rotates the r/2 pairs in float32 (float64 if cos is
+float64) and stores in x's dtype; with COPY_TAIL it also copies channels r..d-1. The backward of a rotation is
+the same kernel with CONJUGATE (the rotation by -angle is the transpose).
+
+Positions, per token t of sequence i0: ``POS[i0, t]`` (HAS_POS) or t, plus ``OFFSETS[i0]`` (HAS_OFFSETS) plus
+``offset``; with IS_VARLEN the tokens are packed (t is global), i0 is found by binary search in CU_SEQLENS and
+the position restarts at 0 per sequence. The layout of x comes in as strides of the canonical (n0, n1, n2, d)
+view (batch, head, token, channel) of ``posenc.kernels.layout``; only the channel stride must be 1.
+
+Importing this module imports triton; set TRITON_INTERPRET=1 before importing it to run on CPU tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+@triton.jit
+def _rope_kernel(
+    Q,
+    K,
+    OUT_Q,
+    OUT_K,
+    COS,
+    SIN,
+    POS,
+    OFFSETS,
+    CU_SEQLENS,
+    offset,
+    n2,
+    heads_q,
+    half,
+    tail,
+    n_seq,
+    search_steps,
+    sq0,
+    sq1,
+    sq2,
+    sk0,
+    sk1,
+    sk2,
+    soq0,
+    soq1,
+    soq2,
+    sok0,
+    sok1,
+    sok2,
+    cq0,
+    cq1,
+    cq2,
+    ck0,
+    ck1,
+    ck2,
+    sp0,
+    sp1,
+    BLOCK_S: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    CONJUGATE: tl.constexpr,
+    HAS_POS: tl.constexpr,
+    HAS_OFFSETS: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    COPY_TAIL: tl.constexpr,
+):
+    pid_s = tl.program_id(0)
+    i0 = tl.program_id(1).to(tl.int64)
+    head = tl.program_id(2).to(tl.int64)
+    # Programs past heads_q rotate k: the same code with k's pointers and strides.
+    if head < heads_q:
+        X = Q + i0 * sq0 + head * sq1
+        OUT = OUT_Q + i0 * soq0 + head * soq1
+        CS = i0 * cq0 + head * cq1
+        x_row = sq2
+        out_row = soq2
+        c_row = cq2
+    else:
+        X = K + i0 * sk0 + (head - heads_q) * sk1
+        OUT = OUT_K + i0 * sok0 + (head - heads_q) * sok1
+        CS = i0 * ck0 + (head - heads_q) * ck1
+        x_row = sk2
+        out_row = sok2
+        c_row = ck2
+
+    t = pid_s * BLOCK_S + tl.arange(0, BLOCK_S).to(tl.int64)
+    t_ok = t < n2
+    if IS_VARLEN:
+        # Sequence of each packed token: the number of cu_seqlens[1:] entries <= t, by binary search.
+        lo = tl.zeros((BLOCK_S,), dtype=tl.int64)
+        hi = tl.zeros((BLOCK_S,), dtype=tl.int64) + n_seq
+        for _ in range(search_steps):
+            active = lo < hi
+            mid = (lo + hi) // 2
+            edge = tl.load(CU_SEQLENS + mid + 1, mask=active & t_ok, other=0).to(tl.int64)
+            right = active & (edge <= t)
+            lo = tl.where(right, mid + 1, lo)
+            hi = tl.where(active & (edge > t), mid, hi)
+        seq = tl.minimum(lo, n_seq - 1)
+        pos = t - tl.load(CU_SEQLENS + seq, mask=t_ok, other=0).to(tl.int64)
+        if HAS_OFFSETS:
+            pos += tl.load(OFFSETS + seq, mask=t_ok, other=0)
+    else:
+        pos = tl.load(POS + i0 * sp0 + t * sp1, mask=t_ok, other=0).to(tl.int64) if HAS_POS else t
+        if HAS_OFFSETS:
+            pos += tl.load(OFFSETS + i0)
+    pos += offset
+
+    pair = tl.arange(0, BLOCK_H)
+    pair_ok = pair < half
+    ok = t_ok[:, None] & pair_ok[None, :]
+    c_off = CS + pos[:, None] * c_row + pair[None, :]
+    cos = tl.load(COS + c_off, mask=ok, other=0.0)
+    sin = tl.load(SIN + c_off, mask=ok, other=0.0)
+    if CONJUGATE:
+        sin = -sin
+    x_base = X + t[:, None] * x_row
+    out_base = OUT + t[:, None] * out_row
+    if INTERLEAVED:
+        # One contiguous load of all 2 * BLOCK_H channels, split into the even and odd ones in registers.
+        channel = tl.arange(0, 2 * BLOCK_H)
+        ok2 = t_ok[:, None] & (channel < 2 * half)[None, :]
+        x = tl.load(x_base + channel[None, :], mask=ok2, other=0.0).to(cos.dtype)
+        x1, x2 = tl.split(tl.reshape(x, (BLOCK_S, BLOCK_H, 2)))
+        out = tl.join(x1 * cos - x2 * sin, x2 * cos + x1 * sin)
+        tl.store(
+            out_base + channel[None, :], tl.reshape(out, (BLOCK_S, 2 * BLOCK_H)).to(OUT.dtype.element_ty), mask=ok2
+        )
+    else:
+        x1 = tl.load(x_base + pair[None, :], mask=ok, other=0.0).to(cos.dtype)
+        x2 = tl.load(x_base + half + pair[None, :], mask=ok, other=0.0).to(cos.dtype)
+        tl.store(out_base + pair[None, :], (x1 * cos - x2 * sin).to(OUT.dtype.element_ty), mask=ok)
+        tl.store(out_base + half + pair[None, :], (x2 * cos + x1 * sin).to(OUT.dtype.element_ty), mask=ok)
+    if COPY_TAIL:
+        for start in range(0, tail, BLOCK_T):
+            channel = 2 * half + start + tl.arange(0, BLOCK_T)
+            ok_t = t_ok[:, None] & (channel < 2 * half + tail)[None, :]
+            tl.store(out_base + channel[None, :], tl.load(x_base + channel[None, :], mask=ok_t), mask=ok_t)
+
+
+def interpreted() -> bool:
+    """True when this module was imported under TRITON_INTERPRET=1 (the kernel then runs on CPU tensors)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_rope_kernel, InterpretedFunction)
+
+
+def _check(name: str, t: torch.Tensor, device: torch.device) -> None:
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but x is on {device}; move both to one device")
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(
+            f"{name} must have unit stride in its last (channel) dim, got strides {t.stride()}; "
+            "any batch/head/token strides work, but pass .contiguous() for a transposed last dim"
+        )
+
+
+def rope_triton(
+    xs: Sequence[torch.Tensor],
+    outs: Sequence[torch.Tensor],
+    coss: Sequence[torch.Tensor],
+    sins: Sequence[torch.Tensor],
+    *,
+    positions: torch.Tensor | None,
+    offsets: torch.Tensor | None,
+    offset: int,
+    cu_seqlens: torch.Tensor | None,
+    interleaved: bool,
+    conjugate: bool,
+    copy_tail: bool,
+) -> None:
+    """Rotate one or two tensors (q, or q and k) in one launch, writing into outs (which may be xs).
+
+    xs, outs: canonical (n0, n_heads, n2, d) views of one dtype, q and k may differ in n_heads only;
+    coss, sins: per x, (c0, c1, rows, r/2) views with unit last stride and the same strides for cos and sin;
+    positions: (n0 or 1, n2) integer or None; offsets: (n0,) int64 (n_seq for varlen) or None;
+    cu_seqlens: (n_seq + 1,) int32/int64 for packed tokens (then n0 = 1 and n2 = total tokens) or None.
+    """
+    if len(xs) not in (1, 2) or not len(xs) == len(outs) == len(coss) == len(sins):
+        raise ValueError(f"pass one or two tensors with one out and cos/sin each, got {len(xs)} and {len(outs)}")
+    q = xs[0]
+    device = q.device
+    if device.type != "cuda" and not interpreted():
+        raise ValueError(
+            f"backend='triton' needs CUDA tensors, got {device}; on CPU use backend='cpu' (Triton runs on CPU "
+            "tensors only when TRITON_INTERPRET=1 was set before posenc.kernels.triton_rope was imported)"
+        )
+    for i, (x, out, cos, sin) in enumerate(zip(xs, outs, coss, sins, strict=True)):
+        name = "q" if i == 0 else "k"
+        if x.dim() != 4 or out.shape != x.shape:
+            raise ValueError(
+                f"{name} and its output must be (n0, heads, tokens, d) views of one shape, got {tuple(x.shape)} "
+                f"and {tuple(out.shape)}"
+            )
+        if x.shape[0] != q.shape[0] or x.shape[2] != q.shape[2]:
+            raise ValueError(f"q and k must share batch and token sizes, got {tuple(q.shape)} and {tuple(x.shape)}")
+        if x.dtype not in _DTYPES or out.dtype != q.dtype or x.dtype != q.dtype:
+            raise TypeError(f"q, k and outputs must share one dtype among {_DTYPES}, got {x.dtype} / {out.dtype}")
+        if cos.dtype not in (torch.float32, torch.float64) or sin.dtype != cos.dtype or cos.dtype != coss[0].dtype:
+            raise TypeError(f"cos and sin must be float32 (or float64), one dtype, got {cos.dtype} and {sin.dtype}")
+        if cos.dim() != 4 or cos.stride() != sin.stride() or cos.shape != sin.shape:
+            raise ValueError(f"cos and sin must be 4-D views of one shape and strides, got {tuple(cos.shape)}")
+        if cos.data_ptr() != coss[0].data_ptr() or sin.data_ptr() != sins[0].data_ptr():
+            raise ValueError("q and k must read views of the same cos/sin tensors")
+        for label, t in ((name, x), (f"{name}'s output", out), ("cos", cos), ("sin", sin)):
+            _check(label, t, device)
+    half = coss[0].shape[-1]
+    n0, _, n2, d = q.shape
+    if 2 * half > d:
+        raise ValueError(f"cos has {half} pairs, more than d={d} channels hold")
+    for name, t in (("positions", positions), ("offsets", offsets), ("cu_seqlens", cu_seqlens)):
+        if t is not None:
+            _check(name, t, device)
+    if q.numel() == 0:
+        return
+    k, out_k, cos_k = (xs[1], outs[1], coss[1]) if len(xs) == 2 else (q, outs[0], coss[0])
+    heads_q, heads_k = q.shape[1], (xs[1].shape[1] if len(xs) == 2 else 0)
+
+    def cos_strides(c: torch.Tensor) -> tuple[int, int, int]:
+        return tuple(0 if c.shape[i] == 1 else c.stride(i) for i in range(3))  # type: ignore[return-value]
+
+    pos_strides = (0, 0)
+    if positions is not None:
+        pos_strides = (0 if positions.shape[0] == 1 else positions.stride(0), positions.stride(1))
+    n_seq = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else 1
+    block_h = triton.next_power_of_2(half)
+    block_s = max(1, min(triton.next_power_of_2(n2), 4096 // (2 * block_h)))
+    grid = (triton.cdiv(n2, block_s), n0, heads_q + heads_k)
+    dummy = q  # stands in for absent optional pointers; never read (the matching constexpr is False)
+    _rope_kernel[grid](
+        q,
+        k,
+        outs[0],
+        out_k,
+        coss[0],
+        sins[0],
+        positions if positions is not None else dummy,
+        offsets if offsets is not None else dummy,
+        cu_seqlens if cu_seqlens is not None else dummy,
+        offset,
+        n2,
+        heads_q,
+        half,
+        d - 2 * half,
+        n_seq,
+        n_seq.bit_length() + 1,  # binary-search steps over n_seq + 1 edges
+        *q.stride()[:3],
+        *k.stride()[:3],
+        *outs[0].stride()[:3],
+        *out_k.stride()[:3],
+        *cos_strides(coss[0]),
+        *cos_strides(cos_k),
+        *pos_strides,
+        BLOCK_S=block_s,
+        BLOCK_H=block_h,
+        BLOCK_T=min(64, triton.next_power_of_2(max(d - 2 * half, 1))),
+        INTERLEAVED=interleaved,
+        CONJUGATE=conjugate,
+        HAS_POS=positions is not None,
+        HAS_OFFSETS=offsets is not None,
+        IS_VARLEN=cu_seqlens is not None,
+        COPY_TAIL=copy_tail and d > 2 * half,
+    )

@@ -1,0 +1,285 @@
+"""The lab's configuration: one frozen dataclass, three named presets, and the RoPE extensions it applies.
+
+Every field is validated in ``__post_init__`` with a message naming the field and the fix, so a bad command
+fails before any training starts. ``make_config(preset, **overrides)`` is how the command line builds one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from posenc.registry import ENCODINGS
+
+TASKS = ("copy", "passkey")
+
+
+def _pi(factor: float, train_len: int) -> dict[str, Any]:
+    return {"rope_type": "linear", "factor": factor}
+
+
+def _ntk(factor: float, train_len: int) -> dict[str, Any]:
+    return {"rope_type": "ntk", "factor": factor}
+
+
+def _dynamic(factor: float, train_len: int) -> dict[str, Any]:
+    # Dynamic NTK adapts to the length it sees, so it takes no target: factor 2 is emozilla's setting and makes
+    # Hugging Face's alpha = 2 * s - 1 at s times the trained length, Qwen's ntk_alpha at powers of two.
+    return {"rope_type": "dynamic", "factor": 2.0}
+
+
+def _yarn(factor: float, train_len: int) -> dict[str, Any]:
+    # beta_fast / beta_slow at the paper's values; the attention factor defaults to 0.1 ln(factor) + 1 (Eq. 22).
+    return {
+        "rope_type": "yarn",
+        "factor": factor,
+        "original_max_position_embeddings": train_len,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+    }
+
+
+def _llama3(factor: float, train_len: int) -> dict[str, Any]:
+    return {
+        "rope_type": "llama3",
+        "factor": factor,
+        "original_max_position_embeddings": train_len,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+    }
+
+
+# Training-free RoPE extensions: name -> rope_parameters for a target of ``factor`` times the training length.
+EXTENSIONS = {"pi": _pi, "ntk": _ntk, "dynamic": _dynamic, "yarn": _yarn, "llama3": _llama3}
+# The extensions their papers fine-tune briefly at the target length (PI Table 3, YaRN §4).
+FINETUNABLE = ("pi", "yarn")
+
+
+def extension_rope_parameters(name: str, factor: float, train_len: int) -> dict[str, Any]:
+    """rope_parameters for extension ``name`` extending ``train_len`` by ``factor`` (> 1)."""
+    if name not in EXTENSIONS:
+        raise ValueError(f"unknown extension {name!r}; known: {', '.join(EXTENSIONS)}")
+    return EXTENSIONS[name](float(factor), train_len)
+
+
+@dataclasses.dataclass(frozen=True)
+class LabConfig:
+    """One lab run.
+
+    Model: dim, layers, heads. Training: train_len (bytes per training window), steps, batch_size, lr,
+    warmup_fraction (of steps, linear), min_lr_fraction (cosine floor), weight_decay, grad_clip.
+    Evaluation: eval_lengths (context lengths, each >= train_len), score_len (final bytes of every window that
+    are scored, the same bytes at every length), eval_windows (windows per length), eval_batch_size.
+    What: encodings, extensions (RoPE, applied to the trained rope model), finetune_steps (for pi and yarn at
+    each target length; 0 = none), finetune_lr, task (None, "copy" or "passkey"), task_samples.
+    Data and seeds: corpus (None = the Python standard library), max_corpus_bytes (None = all),
+    val_fraction, seed, num_seeds (seeds seed .. seed + num_seeds - 1).
+    """
+
+    dim: int
+    layers: int
+    heads: int
+    train_len: int
+    steps: int
+    batch_size: int
+    lr: float
+    eval_lengths: tuple[int, ...]
+    score_len: int
+    eval_windows: int
+    eval_batch_size: int = 16
+    warmup_fraction: float = 0.05
+    min_lr_fraction: float = 0.1
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    encodings: tuple[str, ...] = tuple(ENCODINGS)
+    extensions: tuple[str, ...] = tuple(EXTENSIONS)
+    finetune_steps: int = 0
+    finetune_lr: float | None = None
+    task: str | None = None
+    task_samples: int = 32
+    corpus: str | None = None
+    max_corpus_bytes: int | None = None
+    val_fraction: float = 0.1
+    seed: int = 0
+    num_seeds: int = 1
+
+    def __post_init__(self) -> None:
+        for name in (
+            "dim", "layers", "heads", "train_len", "steps", "batch_size", "score_len",
+            "eval_windows", "eval_batch_size", "task_samples", "num_seeds",
+        ):  # fmt: skip
+            _positive_int(name, getattr(self, name))
+        for name in ("finetune_steps", "seed"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        _positive_float("lr", self.lr)
+        if self.finetune_lr is not None:
+            _positive_float("finetune_lr", self.finetune_lr)
+        for name, low, high in (
+            ("warmup_fraction", 0.0, 1.0),
+            ("min_lr_fraction", 0.0, 1.0),
+            ("val_fraction", 0.0, 1.0),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value < high:
+                raise ValueError(f"{name} must be a number in [{low}, {high}), got {value!r}")
+        if self.val_fraction == 0:
+            raise ValueError("val_fraction must be > 0: evaluation needs held-out text")
+        for name in ("weight_decay", "grad_clip"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+        if self.dim % self.heads or (self.dim // self.heads) % 2:
+            raise ValueError(
+                f"dim={self.dim} must be a multiple of heads={self.heads} with an even head_dim (RoPE rotates pairs); "
+                f"e.g. dim={2 * self.heads * max(1, round(self.dim / (2 * self.heads)))}"
+            )
+        self._check_names("encodings", self.encodings, tuple(ENCODINGS), allow_empty=False)
+        self._check_names("extensions", self.extensions, tuple(EXTENSIONS), allow_empty=True)
+        if self.extensions and "rope" not in self.encodings:
+            raise ValueError(
+                f"extensions {', '.join(self.extensions)} extend the trained rope model: add rope to encodings, "
+                "or pass no extensions"
+            )
+        if not self.eval_lengths or not isinstance(self.eval_lengths, tuple):
+            raise ValueError(f"eval_lengths must be a non-empty tuple of lengths, got {self.eval_lengths!r}")
+        for length in self.eval_lengths:
+            _positive_int("eval_lengths", length)
+            if length < self.train_len:
+                raise ValueError(
+                    f"eval length {length} is shorter than train_len={self.train_len}: the lab measures "
+                    "extrapolation, so every eval length must be >= the training length"
+                )
+        if list(self.eval_lengths) != sorted(set(self.eval_lengths)):
+            raise ValueError(f"eval_lengths must be increasing without repeats, got {self.eval_lengths}")
+        if self.score_len > self.train_len:
+            raise ValueError(
+                f"score_len={self.score_len} must be <= train_len={self.train_len}: every length, the training "
+                "length included, scores the same final bytes of each window"
+            )
+        if self.task is not None and self.task not in TASKS:
+            raise ValueError(f"unknown task {self.task!r}; known tasks: {', '.join(TASKS)} (or none)")
+        if self.max_corpus_bytes is not None:
+            _positive_int("max_corpus_bytes", self.max_corpus_bytes)
+
+    @staticmethod
+    def _check_names(field: str, names: tuple[str, ...], known: tuple[str, ...], *, allow_empty: bool) -> None:
+        if not isinstance(names, tuple) or not all(isinstance(n, str) for n in names):
+            raise TypeError(f"{field} must be a tuple of names, got {names!r}")
+        if not names and not allow_empty:
+            raise ValueError(f"{field} must name at least one of: {', '.join(known)}")
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise ValueError(f"unknown {field}: {', '.join(unknown)}; known {field}: {', '.join(known)}")
+        if len(set(names)) != len(names):
+            raise ValueError(f"{field} names something twice: {', '.join(names)}")
+
+    @property
+    def seeds(self) -> tuple[int, ...]:
+        return tuple(range(self.seed, self.seed + self.num_seeds))
+
+    @property
+    def extension_lengths(self) -> tuple[int, ...]:
+        """The eval lengths past the training length: the targets of the RoPE extensions."""
+        return tuple(n for n in self.eval_lengths if n > self.train_len)
+
+    @property
+    def resolved_finetune_lr(self) -> float:
+        # A tenth of the peak rate: the PI and YaRN fine-tunes use a small fraction of the pretraining rate.
+        return self.finetune_lr if self.finetune_lr is not None else self.lr / 10
+
+    def results_key(self) -> dict[str, Any]:
+        """The fields that change a unit's numbers. The others (encodings, extensions, num_seeds) only choose
+        which units run, and fine-tunes carry their step count in their own name."""
+        selecting = {"encodings", "extensions", "num_seeds", "seed", "finetune_steps"}
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in selecting}
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _positive_float(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+
+_FACTORS = (1, 2, 4, 8)
+
+PRESETS: dict[str, LabConfig] = {
+    # For tests and a first look: seconds, numbers are noise.
+    "quick": LabConfig(
+        dim=32,
+        layers=1,
+        heads=2,
+        train_len=16,
+        steps=40,
+        batch_size=8,
+        lr=3e-3,
+        eval_lengths=tuple(16 * f for f in _FACTORS),
+        score_len=8,
+        eval_windows=16,
+        task_samples=8,
+        max_corpus_bytes=1 << 20,
+    ),
+    # <= 5 minutes on 2 CPU cores for everything; the run in docs/lab.md.
+    "default": LabConfig(
+        dim=64,
+        layers=2,
+        heads=4,
+        train_len=64,
+        steps=1200,
+        batch_size=32,
+        lr=3e-3,
+        eval_lengths=tuple(64 * f for f in _FACTORS),
+        score_len=32,
+        eval_windows=256,
+        finetune_steps=50,
+    ),
+    # Three seeds, a wider model and longer training: mean and spread over seeds.
+    "full": LabConfig(
+        dim=128,
+        layers=4,
+        heads=4,
+        train_len=128,
+        steps=4000,
+        batch_size=32,
+        lr=2e-3,
+        eval_lengths=tuple(128 * f for f in _FACTORS),
+        score_len=64,
+        eval_windows=512,
+        finetune_steps=200,
+        num_seeds=3,
+    ),
+}
+
+
+def make_config(preset: str = "default", **overrides: Any) -> LabConfig:
+    """A preset with some fields replaced (None values are ignored, so unset command-line flags pass through).
+
+    Changing ``train_len`` without ``eval_lengths`` keeps the preset's multiples (1x, 2x, 4x, 8x), and
+    ``score_len`` follows at half the training length unless given.
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; known presets: {', '.join(PRESETS)}")
+    base = PRESETS[preset]
+    changes: Mapping[str, Any] = {k: v for k, v in overrides.items() if v is not None}
+    fields = {f.name for f in dataclasses.fields(LabConfig)}
+    unknown = sorted(set(changes) - fields)
+    if unknown:
+        raise TypeError(f"unknown LabConfig field(s): {', '.join(unknown)}; fields: {', '.join(sorted(fields))}")
+    changes = dict(changes)
+    if "train_len" in changes:
+        train_len = changes["train_len"]
+        if "eval_lengths" not in changes and isinstance(train_len, int):
+            changes["eval_lengths"] = tuple(train_len * n // base.train_len for n in base.eval_lengths)
+        if "score_len" not in changes and isinstance(train_len, int):
+            changes["score_len"] = max(1, train_len // 2)
+    for name in ("encodings", "extensions", "eval_lengths"):
+        if name in changes and isinstance(changes[name], list):
+            changes[name] = tuple(changes[name])
+    return dataclasses.replace(base, **changes)

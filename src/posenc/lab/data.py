@@ -1,0 +1,160 @@
+"""The lab's text: a byte corpus, its hash, a deterministic train/validation split, and batches.
+
+The built-in corpus is the CPython standard library's own source, found at run time through ``sysconfig``, so
+``posenc lab`` works on a fresh machine with nothing downloaded. Files are read in sorted order and hashed, and
+the hash is recorded with every result: two runs on the same Python see the same bytes, and a run on another
+Python says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import sysconfig
+from pathlib import Path
+
+import torch
+
+# Directories that are not the standard library proper: third-party packages live under the stdlib path on
+# many installs, and distributions strip the test suites (Debian's libpython3-testsuite), so leaving them out
+# keeps the built-in corpus the same across installs of one Python version.
+_SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
+# A directory corpus reads the files a text editor would open; binary files would be noise for a byte LM.
+_TEXT_SUFFIXES = frozenset({".py", ".txt", ".md", ".rst", ".c", ".h", ".json", ".toml", ".cfg", ".ini", ".html"})
+# Files are joined with a separator that cannot occur in UTF-8 text, so no window mistakes two files for one.
+FILE_SEPARATOR = b"\n\x00\n"
+
+
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    """Bytes of a corpus split once: ``train`` the first (1 - val_fraction), ``val`` the rest.
+
+    source: where it came from (a path, or "python-stdlib"); sha256: hash of the joined bytes; files: how many.
+    """
+
+    source: str
+    sha256: str
+    files: int
+    train: torch.Tensor  # (n_train,) uint8
+    val: torch.Tensor  # (n_val,) uint8
+
+    @property
+    def size(self) -> int:
+        return self.train.numel() + self.val.numel()
+
+
+def stdlib_path() -> Path:
+    """The running Python's standard-library directory."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def corpus_files(root: Path, *, stdlib: bool = False) -> list[Path]:
+    """Text files under ``root`` in sorted order (by path relative to root); ``root`` itself if it is a file.
+
+    stdlib: read only ``*.py`` and skip the directories that some installs strip or extend (see above).
+    """
+    if root.is_file():
+        return [root]
+    suffixes = {".py"} if stdlib else _TEXT_SUFFIXES
+    files = []
+    for directory, subdirs, names in os.walk(root):
+        # Pruned in place so os.walk never descends into site-packages (often larger than the stdlib itself).
+        subdirs[:] = [d for d in subdirs if d not in _SKIPPED_DIRS]
+        files.extend(Path(directory, n) for n in names if Path(n).suffix in suffixes)
+    return sorted((f for f in files if f.is_file()), key=lambda p: p.relative_to(root).as_posix())
+
+
+def load_corpus(
+    path: str | Path | None = None, *, val_fraction: float = 0.1, max_bytes: int | None = None, min_bytes: int = 1
+) -> Corpus:
+    """Read a corpus and split it: the first (1 - val_fraction) of the bytes train, the rest validate.
+
+    path: a text file or a directory of text files; None for the built-in CPython standard library.
+    max_bytes: keep only the first ``max_bytes`` bytes (after joining; the hash covers what is kept).
+    min_bytes: raise a ValueError naming the corpus if it holds fewer bytes than this.
+    The validation part is one contiguous tail, so long evaluation windows never cross into training text.
+    """
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction!r}")
+    if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0):
+        raise ValueError(f"max_bytes must be a positive integer or None, got {max_bytes!r}")
+    if path is None:
+        root, source, stdlib = stdlib_path(), "python-stdlib", True
+        if not root.is_dir():
+            raise ValueError(f"the Python standard library was not found at {root}; pass --corpus PATH")
+    else:
+        root, stdlib = Path(path).expanduser(), False
+        source = str(root)
+        if not root.exists():
+            raise ValueError(f"corpus path {str(root)!r} does not exist; pass a text file or a directory of text files")
+    files = corpus_files(root, stdlib=stdlib)
+    if not files:
+        raise ValueError(
+            f"corpus directory {source!r} holds no text files (looked for {', '.join(sorted(_TEXT_SUFFIXES))})"
+        )
+    data = _join(files, max_bytes)
+    if len(data) < min_bytes:
+        raise ValueError(
+            f"corpus {source!r} holds {len(data)} bytes, but this configuration needs at least {min_bytes} "
+            "(training windows plus validation windows at the longest eval length); use a larger corpus or "
+            "shorter lengths / fewer eval windows"
+        )
+    tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    split = len(data) - int(len(data) * val_fraction)
+    return Corpus(
+        source=source,
+        sha256=hashlib.sha256(data).hexdigest(),
+        files=len(files),
+        train=tensor[:split],
+        val=tensor[split:],
+    )
+
+
+def _join(files: list[Path], max_bytes: int | None) -> bytes:
+    parts, total = [], 0
+    for f in files:
+        chunk = f.read_bytes()
+        parts.append(chunk)
+        total += len(chunk) + len(FILE_SEPARATOR)
+        if max_bytes is not None and total >= max_bytes:
+            break
+    data = FILE_SEPARATOR.join(parts)
+    return data if max_bytes is None else data[:max_bytes]
+
+
+def train_starts(data: torch.Tensor, *, seq_len: int, batch_size: int, steps: int, seed: int) -> torch.Tensor:
+    """Random window starts into ``data`` (n,), the same for the same seed on every machine.
+
+    Returns (steps, batch_size) int64; ``windows_at(data, starts[i], seq_len)`` is step i's batch.
+    """
+    if data.numel() < seq_len + 1:
+        raise ValueError(f"training text has {data.numel()} bytes, fewer than one window of {seq_len + 1}")
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, data.numel() - seq_len, (steps, batch_size), generator=generator)
+
+
+def windows_at(data: torch.Tensor, starts: torch.Tensor, length: int) -> torch.Tensor:
+    """Windows of ``length + 1`` bytes starting at ``starts`` (k,). Returns (k, length + 1) int64: inputs are
+    [:, :-1], next-byte targets [:, 1:]."""
+    return data[starts[:, None] + torch.arange(length + 1)].long()
+
+
+def eval_window_ends(data: torch.Tensor, *, longest: int, count: int) -> torch.Tensor:
+    """``count`` end offsets into ``data`` (n,), evenly spread, each with room for a window of ``longest + 1``.
+
+    A window of any length L <= longest ending at the same end scores the same final bytes, so every length is
+    judged on identical targets. Returns (count,) int64: exclusive ends.
+    """
+    room = data.numel() - (longest + 1)
+    if room < 0 or count > room + 1:
+        raise ValueError(
+            f"validation text has {data.numel()} bytes: too few for {count} windows of {longest + 1}; "
+            "use a larger corpus, fewer eval windows, or shorter eval lengths"
+        )
+    return (longest + 1 + torch.linspace(0, room, count, dtype=torch.float64).floor()).long()
+
+
+def windows_ending(data: torch.Tensor, ends: torch.Tensor, length: int) -> torch.Tensor:
+    """Windows of ``length + 1`` bytes ending (exclusive) at ``ends`` (k,). Returns (k, length + 1) int64."""
+    return windows_at(data, ends - (length + 1), length)

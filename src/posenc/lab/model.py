@@ -1,0 +1,130 @@
+"""A tiny pre-norm decoder-only byte-level language model that takes any registered encoding by name.
+
+One encoding instance is built by ``posenc.registry.build_for_model`` and shared by every layer, and the model
+reads only its ``acts_on`` declaration (through ``add_input_encoding`` and ``CausalSelfAttention``), so there is
+no special case for any family. Shape key: b batch, s sequence, v vocabulary (256 bytes), l layers, h heads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from posenc.attention import CausalSelfAttention, add_input_encoding
+from posenc.registry import build_for_model
+
+VOCAB_SIZE = 256  # bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """dim: model width; layers: blocks; heads: attention heads (dim % heads == 0);
+    max_positions: the training length (the learned table's size, the length RoPE extensions extend from)."""
+
+    dim: int
+    layers: int
+    heads: int
+    max_positions: int
+    mlp_ratio: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("dim", "layers", "heads", "max_positions", "mlp_ratio"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ModelSpec.{name} must be a positive integer, got {value!r}")
+        if self.dim % self.heads:
+            raise ValueError(f"ModelSpec.dim={self.dim} must be divisible by heads={self.heads}")
+        if (self.dim // self.heads) % 2:
+            raise ValueError(
+                f"ModelSpec: head_dim = dim / heads = {self.dim // self.heads} must be even (RoPE rotates pairs); "
+                "change dim or heads"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.heads
+
+
+class Block(nn.Module):
+    """x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, spec: ModelSpec, encoding: nn.Module) -> None:
+        super().__init__()
+        self.attn_norm = nn.LayerNorm(spec.dim)
+        self.attn = CausalSelfAttention(spec.dim, spec.heads, encoding=encoding)
+        self.mlp_norm = nn.LayerNorm(spec.dim)
+        self.mlp = nn.Sequential(
+            nn.Linear(spec.dim, spec.mlp_ratio * spec.dim), nn.GELU(), nn.Linear(spec.mlp_ratio * spec.dim, spec.dim)
+        )
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, *, return_attention: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x: (b, s, dim). Returns (b, s, dim) and, with return_attention, probabilities (b, h, s, s) float32."""
+        if return_attention:
+            out, probs = self.attn(self.attn_norm(x), positions=positions, return_attention=True)
+        else:
+            out, probs = self.attn(self.attn_norm(x), positions=positions), None
+        x = x + out
+        return x + self.mlp(self.mlp_norm(x)), probs
+
+
+class ByteLM(nn.Module):
+    """Byte-level decoder-only transformer.
+
+    spec: sizes; encoding: a registered encoding name; encoding_options: that family's constructor options (e.g.
+    ``{"rope_parameters": {"rope_type": "yarn", "factor": 4.0, ...}}``), passed to ``build_for_model``.
+
+    The byte embedding E is initialised N(0, 1/dim) and scaled by sqrt(dim) on input (Vaswani et al.; fairseq, whose
+    language models the ALiBi paper compares), so bytes enter at unit scale, as large as a sinusoidal encoding,
+    and the tied output head starts with unit-scale logits.
+    """
+
+    def __init__(self, spec: ModelSpec, encoding: str, encoding_options: Mapping[str, Any] | None = None) -> None:
+        super().__init__()
+        self.spec = spec
+        self.encoding_name = encoding
+        self.encoding = build_for_model(
+            encoding,
+            dim=spec.dim,
+            num_heads=spec.heads,
+            head_dim=spec.head_dim,
+            max_positions=spec.max_positions,
+            **dict(encoding_options or {}),
+        )
+        self.embed = nn.Embedding(VOCAB_SIZE, spec.dim)
+        self.blocks = nn.ModuleList(Block(spec, self.encoding) for _ in range(spec.layers))
+        self.norm = nn.LayerNorm(spec.dim)
+        # GPT-2's init for the projections; encodings with parameters (learned, t5) keep their class's init.
+        for module in self.blocks.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=0.02)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+        nn.init.normal_(self.embed.weight, std=spec.dim**-0.5)
+        self.embed_scale = math.sqrt(spec.dim)
+
+    def forward(
+        self, tokens: torch.Tensor, *, return_attention: bool = False
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """tokens: (b, s) int64 bytes. Returns logits (b, s, v) and, with return_attention, one (b, h, s, s)
+        float32 probability tensor per layer (else an empty list)."""
+        positions = torch.arange(tokens.shape[1], device=tokens.device)[None]
+        x = add_input_encoding(self.embed(tokens) * self.embed_scale, self.encoding, positions)
+        attentions = []
+        for block in self.blocks:
+            x, probs = block(x, positions, return_attention=return_attention)
+            if probs is not None:
+                attentions.append(probs)
+        return F.linear(self.norm(x), self.embed.weight), attentions
+
+
+def next_byte_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """logits: (b, s, v); targets: (b, s) the next bytes. Returns per-position losses (b, s) in nats, float32."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none").view(targets.shape)

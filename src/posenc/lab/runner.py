@@ -1,0 +1,464 @@
+"""``posenc lab``: plan the units of a run, run the ones not done yet, and write the report.
+
+A unit is one thing that finishes and is saved on its own: training and evaluating one encoding with one seed,
+evaluating one training-free RoPE extension of the trained rope model, or fine-tuning one extension at one target
+length. Each unit lives in ``OUT/runs/<name>/seed<seed>/``; its ``metrics.json`` is written last, atomically, so its
+presence means the unit is done. Weights are saved (atomically) before evaluation starts, so an interrupted
+evaluation resumes without retraining. Everything is checked before the first unit starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from posenc.lab import store
+from posenc.lab.config import FINETUNABLE, LabConfig, extension_rope_parameters, make_config
+from posenc.lab.data import Corpus, eval_window_ends, load_corpus, windows_ending
+from posenc.lab.evaluate import LengthResult, evaluate_length, task_accuracy, task_samples
+from posenc.lab.model import ByteLM, ModelSpec
+from posenc.lab.train import TrainResult, train
+
+FORMAT_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """encoding: the trained family; extension: "none" or a RoPE extension of the trained rope model;
+    finetune_steps / target_len: for a fine-tuned extension, its steps and the one length it is tuned for."""
+
+    encoding: str
+    seed: int
+    extension: str = "none"
+    finetune_steps: int = 0
+    target_len: int | None = None
+
+    @property
+    def name(self) -> str:
+        if self.extension == "none":
+            return self.encoding
+        if self.finetune_steps:
+            return f"{self.encoding}+{self.extension}+ft{self.finetune_steps}-len{self.target_len}"
+        return f"{self.encoding}+{self.extension}"
+
+    def folder(self, out: Path) -> Path:
+        return out / "runs" / self.name / f"seed{self.seed}"
+
+
+def plan(config: LabConfig) -> list[Unit]:
+    """Every unit of a run, in the order they run: per seed, the encodings, then the extensions, then fine-tunes."""
+    units = []
+    for seed in config.seeds:
+        units += [Unit(encoding, seed) for encoding in config.encodings]
+        units += [Unit("rope", seed, extension) for extension in config.extensions]
+        if config.finetune_steps:
+            units += [
+                Unit("rope", seed, extension, config.finetune_steps, length)
+                for extension in config.extensions
+                if extension in FINETUNABLE
+                for length in config.extension_lengths
+            ]
+    return units
+
+
+def model_spec(config: LabConfig) -> ModelSpec:
+    return ModelSpec(dim=config.dim, layers=config.layers, heads=config.heads, max_positions=config.train_len)
+
+
+def check_corpus(corpus: Corpus, config: LabConfig) -> None:
+    """Raise a ValueError, before anything trains, if the corpus cannot feed this configuration."""
+    longest = max(config.eval_lengths)
+    val_needed = longest + config.eval_windows
+    if corpus.val.numel() < val_needed:
+        raise ValueError(
+            f"corpus {corpus.source!r} holds too little text: {corpus.size} bytes, whose validation part "
+            f"({config.val_fraction:.0%}) has {corpus.val.numel()} bytes, but {config.eval_windows} eval windows "
+            f"at length {longest} need {val_needed}; use a larger corpus, fewer --eval-windows or shorter "
+            "--eval-lengths"
+        )
+    train_needed = (longest if config.finetune_steps and config.extensions else config.train_len) + 1
+    if corpus.train.numel() < train_needed:
+        raise ValueError(
+            f"corpus {corpus.source!r} holds too little text: its training part has {corpus.train.numel()} bytes, "
+            f"fewer than one window of {train_needed}; use a larger corpus"
+        )
+
+
+def config_id(config: LabConfig, corpus_sha256: str) -> str:
+    """A short hash of everything that changes a unit's numbers."""
+    key = json.dumps(
+        {"config": config.results_key(), "corpus": corpus_sha256, "format": FORMAT_VERSION}, sort_keys=True
+    )
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def claim_folder(out: Path, config: LabConfig, corpus: Corpus, ident: str) -> None:
+    """Refuse a folder that holds results of another configuration or corpus (they would mix in one report)."""
+    path = out / "config.json"
+    if path.exists():
+        previous = store.read_json(path)
+        if previous.get("config_id") != ident:
+            # Through JSON, so tuples compare equal to the lists they were stored as.
+            old, new = previous.get("results_key", {}), json.loads(json.dumps(config.results_key()))
+            changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+            if previous.get("corpus_sha256") != corpus.sha256:
+                changed.append("corpus (different bytes)")
+            raise ValueError(
+                f"{out} holds a lab run with a different configuration (differs in: {', '.join(changed) or 'format'}); "
+                "pass another --out, or delete that folder to start over"
+            )
+        return
+    store.write_json(
+        path,
+        {"config_id": ident, "results_key": config.results_key(), "corpus_sha256": corpus.sha256},
+    )
+
+
+class Lab:
+    """One run of the lab: ``Lab(config, out).run()``.
+
+    progress: tqdm bars with tokens/s; device: where models run ("cpu", "cuda"); echo: where status lines go.
+    """
+
+    def __init__(
+        self,
+        config: LabConfig,
+        out: str | Path,
+        *,
+        progress: bool = True,
+        device: str = "cpu",
+        command: str = "",
+        echo: Callable[[str], None] = print,
+    ) -> None:
+        self.config = config
+        self.out = Path(out)
+        self.progress = progress
+        self.device = torch.device(device)
+        self.command = command
+        self.echo = echo
+        self.spec = model_spec(config)
+        self.prepared = False
+
+    def prepare(self) -> None:
+        """Read and check the corpus, the task and the output folder. Raises before any training starts."""
+        config = self.config
+        start = time.perf_counter()
+        self.corpus = load_corpus(config.corpus, val_fraction=config.val_fraction, max_bytes=config.max_corpus_bytes)
+        check_corpus(self.corpus, config)
+        self.ends = eval_window_ends(self.corpus.val, longest=max(config.eval_lengths), count=config.eval_windows)
+        if config.task is not None:  # fails now if the task does not fit the shortest window
+            task_samples(config.task, windows_ending(self.corpus.val, self.ends[:1], config.train_len), seed=0)
+        self.config_id = config_id(config, self.corpus.sha256)
+        if self.out.exists() and not self.out.is_dir():
+            raise ValueError(f"--out {self.out} exists and is not a folder")
+        claim_folder(self.out, config, self.corpus, self.config_id)
+        self.prepared = True
+        self.prepare_seconds = time.perf_counter() - start
+
+    def run(self) -> dict[str, Any]:
+        """Run every unit not done yet and write results.csv, results.json, report.md and the plots.
+
+        Returns the results.json content."""
+        from posenc.lab import report
+
+        start_wall, start_cpu = time.perf_counter(), time.process_time()
+        ran_prepare = not self.prepared
+        if ran_prepare:
+            self.prepare()
+        units = plan(self.config)
+        metrics, ran = [], 0
+        for index, unit in enumerate(units, 1):
+            done = unit.folder(self.out) / "metrics.json"
+            if done.exists():
+                unit_metrics = store.read_json(done)
+                if unit_metrics.get("config_id") != self.config_id:
+                    raise ValueError(f"{done} belongs to another configuration; delete it or use another --out")
+                self.echo(f"[{index}/{len(units)}] {unit.name} seed {unit.seed}: done earlier, skipped")
+            else:
+                self.echo(f"[{index}/{len(units)}] {unit.name} seed {unit.seed}")
+                unit_metrics = self._run_unit(unit)
+                ran += 1
+            metrics.append(unit_metrics)
+        timings = {
+            # Reading the corpus counts even when prepare() ran before run().
+            "wall_seconds": time.perf_counter() - start_wall + (0.0 if ran_prepare else self.prepare_seconds),
+            "cpu_seconds": time.process_time() - start_cpu,
+            "units_run": ran,
+            "units_skipped": len(units) - ran,
+        }
+        results = self._results(metrics, timings)
+        report.write_all(self.out, results)
+        self.echo(report.summary_tables(results))
+        return results
+
+    # --- units ---
+
+    def _run_unit(self, unit: Unit) -> dict[str, Any]:
+        folder = unit.folder(self.out)
+        if unit.extension == "none":
+            model, train_info = self._trained(
+                unit, lambda: ByteLM(self.spec, unit.encoding), seq_len=self.config.train_len
+            )
+            lengths = list(self.config.eval_lengths)
+            models = {n: model for n in lengths}
+            rope_parameters = {}
+        elif not unit.finetune_steps:
+            train_info = None
+            lengths = list(self.config.extension_lengths)
+            rope_parameters = {n: self._rope_parameters(unit.extension, n) for n in lengths}
+            models = {n: self._extended(unit.seed, rope_parameters[n]) for n in lengths}
+        else:
+            n = unit.target_len
+            assert n is not None
+            lengths, rope_parameters = [n], {n: self._rope_parameters(unit.extension, n)}
+            model, train_info = self._trained(unit, lambda: self._extended(unit.seed, rope_parameters[n]), seq_len=n)
+            models = {n: model}
+        results = self._evaluate(unit, models, lengths)
+        unit_metrics = {
+            "config_id": self.config_id,
+            "unit": dataclasses.asdict(unit),
+            "name": unit.name,
+            "train": train_info,
+            "rope_parameters": {str(n): p for n, p in rope_parameters.items()},
+            "eval": [dataclasses.asdict(r) for r in results],
+        }
+        store.write_json(folder / "metrics.json", unit_metrics)
+        return unit_metrics
+
+    def _rope_parameters(self, extension: str, length: int) -> dict[str, Any]:
+        return extension_rope_parameters(extension, length / self.config.train_len, self.config.train_len)
+
+    def _extended(self, seed: int, rope_parameters: dict[str, Any]) -> ByteLM:
+        """The trained rope model of ``seed`` with its RoPE rebuilt from ``rope_parameters`` (same weights)."""
+        model = ByteLM(self.spec, "rope", {"rope_parameters": rope_parameters})
+        store.load_weights(model, Unit("rope", seed).folder(self.out) / "model.safetensors")
+        return model.to(self.device)
+
+    def _trained(self, unit: Unit, build: Callable[[], ByteLM], *, seq_len: int) -> tuple[ByteLM, dict[str, Any]]:
+        """Train the model that ``build`` makes for ``unit`` and save it, or load it if an earlier invocation saved
+        it. A fresh model's initial weights depend on the unit's seed alone, whatever ran before in this process."""
+        torch.manual_seed(unit.seed)
+        model = build()
+        folder = unit.folder(self.out)
+        weights, info_path = folder / "model.safetensors", folder / "train.json"
+        if weights.exists() and info_path.exists():
+            info = store.read_json(info_path)
+            if info.get("config_id") == self.config_id:
+                store.load_weights(model, weights)
+                self.echo(f"  weights saved earlier, loaded from {weights}")
+                return model.to(self.device), info
+        config = self.config
+        if unit.finetune_steps:
+            steps, lr, seed = unit.finetune_steps, config.resolved_finetune_lr, unit.seed
+            # The same bytes per step as pretraining; the rate stays constant after warmup, as in PI and YaRN.
+            batch_size, min_lr_fraction = max(1, config.batch_size * config.train_len // seq_len), 1.0
+        else:
+            steps, lr, seed = config.steps, config.lr, unit.seed
+            batch_size, min_lr_fraction = config.batch_size, config.min_lr_fraction
+        model = model.to(self.device)
+        result: TrainResult = train(
+            model,
+            self.corpus.train,
+            seq_len=seq_len,
+            batch_size=batch_size,
+            steps=steps,
+            lr=lr,
+            seed=seed,
+            warmup_fraction=config.warmup_fraction,
+            min_lr_fraction=min_lr_fraction,
+            weight_decay=config.weight_decay,
+            grad_clip=config.grad_clip,
+            desc=f"train {unit.name} seed {unit.seed}",
+            progress=self.progress,
+        )
+        info = {
+            "config_id": self.config_id,
+            "steps": result.steps,
+            "batch_size": batch_size,
+            "seq_len": seq_len,
+            "lr": lr,
+            "tokens": result.tokens,
+            "seconds": round(result.seconds, 3),
+            "tokens_per_second": round(result.tokens_per_second, 1),
+            "final_loss_bits_per_byte": result.final_loss / math.log(2),
+            "loss_curve": result.loss_curve,
+        }
+        # Weights first, then train.json: train.json present means the weights beside it are complete.
+        store.save_weights(model, weights, metadata={"encoding": unit.encoding, "unit": unit.name})
+        store.write_json(info_path, info)
+        self.echo(
+            f"  trained {result.tokens:,} tokens in {result.seconds:.1f} s ({result.tokens_per_second:,.0f} tokens/s), "
+            f"final loss {info['final_loss_bits_per_byte']:.3f} bits/byte"
+        )
+        return model, info
+
+    def _evaluate(self, unit: Unit, models: dict[int, ByteLM], lengths: list[int]) -> list[LengthResult]:
+        config = self.config
+        total = sum(config.eval_windows * n for n in lengths)
+        results = []
+        with tqdm(
+            total=total,
+            unit="tok",
+            unit_scale=True,
+            desc=f"eval {unit.name} seed {unit.seed}",
+            disable=not self.progress,
+            leave=False,
+        ) as bar:
+            for n in lengths:
+                result = evaluate_length(
+                    models[n],
+                    self.corpus.val,
+                    self.ends,
+                    n,
+                    score_len=config.score_len,
+                    batch_size=config.eval_batch_size,
+                    bar=bar,
+                )
+                if config.task is not None and result.applicable:
+                    filler = windows_ending(self.corpus.val, self.ends[: config.task_samples], n)
+                    samples = task_samples(config.task, filler, seed=unit.seed)
+                    accuracy = task_accuracy(models[n], samples, batch_size=config.eval_batch_size)
+                    result = dataclasses.replace(result, task_accuracy=accuracy)
+                results.append(result)
+        shown = ", ".join(
+            f"{r.eval_len}: {r.bits_per_byte:.3f}" if r.applicable else f"{r.eval_len}: n/a" for r in results
+        )
+        self.echo(f"  bits/byte by length: {shown}")
+        return results
+
+    # --- results ---
+
+    def _results(self, metrics: list[dict[str, Any]], timings: dict[str, Any]) -> dict[str, Any]:
+        config = self.config
+        rows = []
+        for unit_metrics in metrics:
+            unit = unit_metrics["unit"]
+            for r in unit_metrics["eval"]:
+                entropy = r["entropy_by_layer"]
+                rows.append(
+                    {
+                        "encoding": unit["encoding"],
+                        "extension": unit["extension"],
+                        "finetune_steps": unit["finetune_steps"],
+                        "train_len": config.train_len,
+                        "eval_len": r["eval_len"],
+                        "factor": r["eval_len"] / config.train_len,
+                        "seed": unit["seed"],
+                        "bits_per_byte": r["bits_per_byte"],
+                        "applicable": r["applicable"],
+                        "reason": r["reason"],
+                        "entropy": sum(entropy) / len(entropy) if entropy else None,
+                        "entropy_by_layer": entropy,
+                        "task": config.task or "",
+                        "task_accuracy": r["task_accuracy"],
+                        "scored_bytes": r["scored_bytes"],
+                        "loss_by_position": r["loss_by_position"],
+                        "position_bin": r["position_bin"],
+                    }
+                )
+        units = {
+            f"{m['name']}/seed{m['unit']['seed']}": {
+                "train": None if m["train"] is None else {k: v for k, v in m["train"].items() if k != "loss_curve"},
+                "eval_seconds": round(sum(r["seconds"] for r in m["eval"]), 3),
+                "rope_parameters": m["rope_parameters"],
+            }
+            for m in metrics
+        }
+        return {
+            "command": self.command,
+            "config": dataclasses.asdict(config),
+            "config_id": self.config_id,
+            "corpus": {
+                "source": self.corpus.source,
+                "sha256": self.corpus.sha256,
+                "files": self.corpus.files,
+                "bytes": self.corpus.size,
+                "train_bytes": self.corpus.train.numel(),
+                "val_bytes": self.corpus.val.numel(),
+            },
+            "seeds": list(config.seeds),
+            "versions": _versions(),
+            "machine": {
+                "platform": platform.platform(),
+                "processor": platform.processor() or platform.machine(),
+                "cpu_count": _cpu_count(),
+                "torch_threads": torch.get_num_threads(),
+                "device": str(self.device),
+            },
+            "timings": {**timings, "units": units},
+            "rows": rows,
+        }
+
+
+def _cpu_count() -> int | None:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count()
+
+
+def _versions() -> dict[str, str]:
+    import matplotlib
+    import numpy
+    import safetensors
+
+    import posenc
+
+    return {
+        "posenc": posenc.__version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": numpy.__version__,
+        "safetensors": safetensors.__version__,
+        "matplotlib": matplotlib.__version__,
+        "executable": sys.executable,
+    }
+
+
+def run_command(
+    *,
+    preset: str,
+    out: str | Path | None,
+    overrides: dict[str, Any],
+    threads: int | None = None,
+    device: str = "cpu",
+    progress: bool = True,
+    command: str = "",
+) -> int:
+    """What ``posenc lab`` does once its flags are parsed. Returns the exit status: 0 done, 2 bad input (said
+    on stderr before anything trains), 130 interrupted (finished units are kept; rerun to resume)."""
+    # Under lab-runs/, which the repository's .gitignore already leaves out.
+    out = out or Path("lab-runs") / preset
+    try:
+        config = make_config(preset, **overrides)
+        if threads is not None:
+            if isinstance(threads, bool) or not isinstance(threads, int) or threads <= 0:
+                raise ValueError(f"--threads must be a positive integer, got {threads!r}")
+            torch.set_num_threads(threads)
+        lab = Lab(config, out, progress=progress, device=device, command=command)
+        lab.prepare()
+    except (ValueError, TypeError) as error:
+        print(f"posenc lab: error: {error}", file=sys.stderr)
+        return 2
+    try:
+        lab.run()
+    except KeyboardInterrupt:
+        print(
+            f"\nposenc lab: interrupted; every finished run is saved in {out}. "
+            "Run the same command again to continue where it stopped.",
+            file=sys.stderr,
+        )
+        return 130
+    return 0

@@ -1,0 +1,62 @@
+"""Files that survive Ctrl-C: every write goes to a temporary file in the same folder and is renamed over the
+target with ``os.replace``, which is atomic on POSIX and Windows. A reader therefore sees the old file, the new
+file, or no file, never half of one; a killed writer leaves at most a ``*.tmp`` file, which readers ignore."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from safetensors.torch import load_model, save_model
+from torch import nn
+
+
+@contextlib.contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """Yields a temporary path beside ``path``; on success it replaces ``path``, on any error it is removed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # A fresh name that the writer creates (not mkstemp's file, whose 0600 mode would survive the rename).
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp"
+    try:
+        yield Path(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        # BaseException: a Ctrl-C in the middle of a write must not leave the temporary file behind either.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def write_text(path: Path, text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+def write_bytes(path: Path, data: bytes) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+
+
+def write_json(path: Path, obj: Any) -> None:
+    write_text(path, json.dumps(obj, indent=1, sort_keys=True) + "\n")
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def save_weights(model: nn.Module, path: Path, metadata: dict[str, str] | None = None) -> None:
+    """Weights in safetensors. ``save_model`` (not ``save_file``) because the shared encoding appears under
+    every layer, and safetensors refuses tensors that share memory unless it deduplicates them itself."""
+    with atomic_path(path) as tmp:
+        save_model(model, str(tmp), metadata=metadata)
+
+
+def load_weights(model: nn.Module, path: Path) -> None:
+    """Load weights saved by ``save_weights`` into a model of the same shape (strict)."""
+    load_model(model, str(path), strict=True)

@@ -1,0 +1,79 @@
+"""`posenc plot` and `posenc report`: parse, delegate, and turn bad input into a clear message and exit code 2."""
+
+from __future__ import annotations
+
+import json
+
+from posenc.cli import main
+
+
+def test_plot_writes_the_named_figures(tmp_path, capsys):
+    assert (
+        main(
+            [
+                "plot",
+                "wavelengths",
+                "pair_layouts",
+                "--out",
+                str(tmp_path),
+                "--rope-type",
+                "yarn",
+                "--factor",
+                "8",
+                "--rope-param",
+                "beta_fast=16",
+                "--train-len",
+                "512",
+            ]
+        )
+        == 0
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pair_layouts.png", "wavelengths.png"]
+    assert str(tmp_path / "wavelengths.png") in capsys.readouterr().out
+
+
+def test_plot_with_a_config_file(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"head_dim": 32, "rope_parameters": {"rope_type": "linear", "factor": 2.0}}))
+    assert main(["plot", "scaled_frequencies", "--out", str(tmp_path / "out"), "--config", str(config), "--svg"]) == 0
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["scaled_frequencies.png", "scaled_frequencies.svg"]
+
+
+def test_plot_bad_input(tmp_path, capsys, make_run):
+    assert main(["plot", "spiral", "--out", str(tmp_path)]) == 2
+    assert "unknown figure(s) 'spiral'" in capsys.readouterr().err
+    assert main(["plot", "wavelengths", "--out", str(tmp_path), "--rope-type", "yarn"]) == 2
+    assert "rope_type 'yarn' needs the key(s) factor" in capsys.readouterr().err
+    config = tmp_path / "c.json"
+    config.write_text("{}")
+    assert main(["plot", "--out", str(tmp_path), "--config", str(config), "--base", "500"]) == 2
+    assert "--config already says what to draw; drop --base" in capsys.readouterr().err
+    assert main(["plot", "attention_entropy", "--out", str(tmp_path), "--run", str(tmp_path)]) == 2
+    assert "has no results.csv" in capsys.readouterr().err
+    run = make_run(tmp_path / "run", entropy=False, lab_png=False)
+    assert main(["plot", "attention_entropy", "--out", str(tmp_path), "--run", str(run)]) == 2
+    assert "has no measured attention entropy" in capsys.readouterr().err
+    assert not list(tmp_path.glob("*.png"))
+
+
+def test_report(tmp_path, capsys, make_run):
+    run = make_run(tmp_path / "run", entropy=False, lab_png=False)
+    assert main(["report", str(run), "--no-figures"]) == 0
+    assert (run / "report.html").is_file() and capsys.readouterr().out.strip() == str(run / "report.html")
+    (tmp_path / "empty").mkdir()
+    assert main(["report", str(tmp_path / "empty")]) == 2
+    assert "has no results.csv" in capsys.readouterr().err
+
+
+def test_the_reports_plot_command_reproduces_its_config(tmp_path):
+    import shlex
+
+    from posenc.analysis import FigureConfig
+    from posenc.analysis.report import plot_command
+    from posenc.cli import _figure_config, build_parser
+
+    params = {"rope_type": "longrope", "rope_theta": 500.0, "factor": 4.0}
+    params |= {"short_factor": [1.0] * 8, "long_factor": [1.0 + i / 4 for i in range(8)]}
+    config = FigureConfig(head_dim=16, rope_parameters=params, train_len=128, num_heads=2)
+    args = build_parser().parse_args(shlex.split(plot_command(config, tmp_path / "my run"))[1:])
+    assert _figure_config(args) == config and args.run == str(tmp_path / "my run")

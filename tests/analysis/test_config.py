@@ -1,0 +1,81 @@
+"""FigureConfig: validated by the real RoPE parser; reads its own JSON or a Hugging Face config.json."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from posenc.analysis import FigureConfig
+
+
+def test_defaults():
+    config = FigureConfig()
+    assert (config.head_dim, config.base, config.rope_type, config.train_len, config.eval_len) == (
+        64,
+        10000.0,
+        "default",
+        2048,
+        8192,
+    )
+
+
+def test_from_flags():
+    config = FigureConfig.from_flags(rope_type="yarn", base=500000.0, rope_parameters={"factor": 8.0}, train_len=512)
+    assert config.rope_type == "yarn" and config.base == 500000.0 and config.spec.params["factor"] == 8.0
+    assert config.eval_len == 2048
+    with pytest.raises(ValueError, match="rope_type is given twice"):
+        FigureConfig.from_flags(rope_type="yarn", rope_parameters={"rope_type": "linear"})
+
+
+def test_hugging_face_config(tmp_path):
+    llama = {
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "num_attention_heads": 32,
+        "max_position_embeddings": 131072,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "vocab_size": 128256,
+    }
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(llama))
+    config = FigureConfig.from_json(path)
+    assert (config.head_dim, config.num_heads, config.train_len, config.eval_len) == (128, 32, 8192, 131072)
+    assert config.rope_type == "llama3" and config.base == 500000.0
+
+
+def test_own_json(tmp_path):
+    path = tmp_path / "figures.json"
+    path.write_text(json.dumps({"head_dim": 32, "rope_parameters": {"rope_type": "linear", "factor": 2.0}}))
+    config = FigureConfig.from_json(path)
+    assert config.head_dim == 32 and config.rope_type == "linear"
+
+
+def test_bad_input_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="rope_type 'yarn' needs the key"):
+        FigureConfig(rope_parameters={"rope_type": "yarn"})
+    with pytest.raises(ValueError, match="unknown rope_type"):
+        FigureConfig(rope_parameters={"rope_type": "warp"})
+    with pytest.raises(ValueError, match="eval_len=100 must be >= train_len=2048"):
+        FigureConfig(eval_len=100)
+    with pytest.raises(ValueError, match="head_dim must be a positive integer"):
+        FigureConfig(head_dim=0)
+    with pytest.raises(TypeError, match="rope_parameters must be a dict"):
+        FigureConfig(rope_parameters=[1])
+    with pytest.raises(ValueError, match="unknown key\\(s\\) colour"):
+        FigureConfig.from_mapping({"colour": "red"})
+    with pytest.raises(ValueError, match="does not exist"):
+        FigureConfig.from_json(tmp_path / "missing.json")
+    broken = tmp_path / "broken.json"
+    broken.write_text("{")
+    with pytest.raises(ValueError, match="is not valid JSON"):
+        FigureConfig.from_json(broken)
+    with pytest.raises(ValueError, match="hidden_size and num_attention_heads"):
+        FigureConfig.from_mapping({"model_type": "x"})

@@ -1,0 +1,86 @@
+"""frequency_table: every registered scaling type side by side, computed by RoPE itself."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import posenc
+from posenc.analysis import EXAMPLE_ROPE_PARAMETERS, example_rope_parameters, frequency_table
+from posenc.rope import frequencies as rope_frequencies_module
+from posenc.rope.frequencies import SCALINGS, default_inv_freq
+
+
+def test_covers_every_registered_type():
+    table = frequency_table(64, train_len=1024, factor=4.0)
+    assert table.rope_types == tuple(SCALINGS)
+    assert table.inv_freq.shape == (len(SCALINGS), 32)
+    assert table.seq_len == 4096
+    for name, params, row, factor in zip(
+        table.rope_types, table.parameters, table.inv_freq, table.attention_factor, strict=True
+    ):
+        # Each row is what a RoPE built with that type's parameters uses at seq_len.
+        rope = posenc.RoPE(64, rope_parameters={"rope_type": name, **params}, max_position_embeddings=1024)
+        expected, expected_factor = rope.frequencies(4096)
+        assert torch.equal(row, expected), name
+        assert factor.item() == expected_factor
+
+
+def test_rows_by_hand():
+    table = frequency_table(32, base=500.0, train_len=256, factor=8.0)
+    plain = default_inv_freq(32, 500.0)
+    row = dict(zip(table.rope_types, table.inv_freq, strict=True))
+    assert torch.equal(row["default"], plain)
+    torch.testing.assert_close(row["linear"], plain / 8.0, rtol=1e-15, atol=0)
+    # Static NTK keeps the fastest pair and divides the slowest by exactly the factor.
+    assert row["ntk"][0] == plain[0]
+    assert row["ntk"][-1].item() == pytest.approx(plain[-1].item() / 8.0, rel=1e-12)
+    ratio = table.ratio_to_default()
+    assert torch.equal(ratio[table.rope_types.index("default")], torch.ones(16, dtype=torch.float64))
+
+
+def test_every_type_has_an_example_that_validates():
+    assert set(SCALINGS) <= set(EXAMPLE_ROPE_PARAMETERS)
+    for name in SCALINGS:
+        params = example_rope_parameters(name, rotary_dim=64, train_len=2048)
+        posenc.RoPE(64, rope_parameters={"rope_type": name, **params}, max_position_embeddings=2048)
+
+
+def test_user_parameters_replace_the_example():
+    yarn = {"factor": 8.0, "beta_fast": 16.0, "original_max_position_embeddings": 512}
+    table = frequency_table(64, train_len=512, rope_types=["default", "yarn"], parameters={"yarn": yarn})
+    assert table.rope_types == ("default", "yarn") and table.parameters[1] == yarn
+    rope = posenc.RoPE(64, rope_parameters={"rope_type": "yarn", **yarn}, max_position_embeddings=512)
+    assert torch.equal(table.inv_freq[1], rope.frequencies()[0])
+
+
+def test_partial_rotation_pads_with_nan():
+    table = frequency_table(64, partial_rotary_factor=0.5, train_len=512)
+    row = dict(zip(table.rope_types, table.inv_freq, strict=True))
+    assert table.inv_freq.shape[1] == 32  # proportional rotates every channel
+    assert bool(row["default"][16:].isnan().all()) and not bool(row["default"][:16].isnan().any())
+    assert bool((row["proportional"][16:] == 0).all()) and bool((row["proportional"][:16] > 0).all())
+    rows = table.to_rows()
+    assert len([r for r in rows if r["rope_type"] == "default"]) == 16
+    assert {"rope_type", "pair", "inv_freq", "wavelength", "attention_factor"} == set(rows[0])
+
+
+def test_a_new_type_without_an_example_is_named(monkeypatch):
+    monkeypatch.setitem(rope_frequencies_module.SCALINGS, "brand_new", rope_frequencies_module.default)
+    with pytest.raises(ValueError, match="'brand_new' is registered in SCALINGS but has no example parameters"):
+        frequency_table(64)
+
+
+def test_bad_input_is_a_clear_error():
+    with pytest.raises(ValueError, match="factor must be a number >= 1"):
+        frequency_table(64, factor=0.5)
+    with pytest.raises(ValueError, match="unknown rope_type 'warp'"):
+        frequency_table(64, rope_types=["default", "warp"])
+    with pytest.raises(ValueError, match="parameters names unknown rope_type"):
+        frequency_table(64, parameters={"warp": {}})
+    with pytest.raises(ValueError, match="rope_types is empty"):
+        frequency_table(64, rope_types=[])
+    with pytest.raises(ValueError, match="names a different rope_type"):
+        frequency_table(64, parameters={"linear": {"rope_type": "ntk", "factor": 2.0}})
+    with pytest.raises(ValueError, match="needs the key"):
+        frequency_table(64, parameters={"linear": {}})

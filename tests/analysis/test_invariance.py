@@ -1,0 +1,72 @@
+"""relative_invariance: RoPE and the score biases are functions of m - n only; absolute encodings are not."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import posenc
+from posenc.analysis import relative_invariance
+
+
+def test_rope_spread_is_zero_and_sinusoidal_is_large():
+    rope = relative_invariance(posenc.RoPE(64), 64)
+    sinusoidal = relative_invariance(posenc.Sinusoidal(64), 64)
+    assert rope.max_spread < 1e-5
+    # The cross terms <q, p_n> + <p_m, k> have the size of |q| |p| / sqrt(d) = 0.5: far from zero.
+    assert sinusoidal.max_spread > 0.1
+    assert rope.scores.shape == (64, 64) and rope.offsets.tolist() == list(range(-63, 64))
+
+
+def test_scores_are_the_rotated_dot_products():
+    # Hand-derived for d = 2: q, k rotate by m and n radians (theta_0 = 1), so the score is |q||k| cos(angle).
+    result = relative_invariance(posenc.RoPE(2), 5, seed=3)
+    q, k = torch.randn(2, 2, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    q, k = q / q.norm(), k / k.norm()  # norm sqrt(d/2) = 1
+    angle_q, angle_k = math.atan2(q[1], q[0]), math.atan2(k[1], k[0])
+    for m in range(5):
+        for n in range(5):
+            expected = math.cos(angle_q + m - angle_k - n) / math.sqrt(2)
+            assert result.scores[m, n].item() == pytest.approx(expected, abs=1e-6)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    half=st.integers(2, 48),  # ntk's exponent r / (r - 2) needs r >= 4
+    base=st.floats(2.0, 1e6),
+    interleaved=st.booleans(),
+    rope_type=st.sampled_from(["default", "linear", "ntk", "yarn"]),
+)
+def test_rope_is_relative_for_any_config(half, base, interleaved, rope_type):
+    params = {"rope_type": rope_type, "rope_theta": base}
+    if rope_type != "default":
+        params["factor"] = 4.0
+    rope = posenc.RoPE(2 * half, interleaved=interleaved, rope_parameters=params, max_position_embeddings=64)
+    assert relative_invariance(rope, 48).max_spread < 1e-5
+
+
+@pytest.mark.parametrize("encoding", [posenc.ALiBi(4), posenc.T5Bias(4), posenc.NoPE()], ids=["alibi", "t5", "nope"])
+def test_relative_biases_and_nope_have_no_spread(encoding):
+    result = relative_invariance(encoding, 40, head_dim=16, head=0)
+    assert result.max_spread < 1e-12
+
+
+def test_learned_absolute_is_not_relative():
+    assert relative_invariance(posenc.LearnedAbsolute(64, 32), 64).max_spread > 1e-3
+
+
+def test_bad_input_is_a_clear_error():
+    with pytest.raises(TypeError, match="posenc encoding module"):
+        relative_invariance(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="head_dim is needed"):
+        relative_invariance(posenc.ALiBi(4))
+    with pytest.raises(ValueError, match="head must be an int in"):
+        relative_invariance(posenc.ALiBi(4), head_dim=8, head=4)
+    with pytest.raises(ValueError, match="disagrees with the encoding's width 64"):
+        relative_invariance(posenc.RoPE(64), head_dim=32)
+    with pytest.raises(ValueError, match="length must be a positive integer"):
+        relative_invariance(posenc.RoPE(64), 0)

@@ -1,0 +1,32 @@
+"""rotary_pairs: the pairing read off the RoPE module matches both documented layouts."""
+
+from __future__ import annotations
+
+import pytest
+
+import posenc
+from posenc.analysis import rotary_pairs
+
+
+@pytest.mark.parametrize(("head_dim", "rotary_dim"), [(8, 8), (12, 8), (64, 64), (2, 2)])
+def test_layouts(head_dim, rotary_dim):
+    half = rotary_dim // 2
+    adjacent = rotary_pairs(posenc.RoPE(head_dim, rotary_dim=rotary_dim, interleaved=True))
+    split = rotary_pairs(posenc.RoPE(head_dim, rotary_dim=rotary_dim, interleaved=False))
+    passthrough = [-1] * (head_dim - rotary_dim)
+    assert adjacent.partner.tolist() == [c ^ 1 for c in range(rotary_dim)] + passthrough
+    assert adjacent.pair.tolist() == [c // 2 for c in range(rotary_dim)] + passthrough
+    assert split.partner.tolist() == [(c + half) % rotary_dim for c in range(rotary_dim)] + passthrough
+    assert split.pair.tolist() == [c % half for c in range(rotary_dim)] + passthrough
+
+
+def test_zero_frequency_pairs_pass_through():
+    rope = posenc.RoPE(16, rope_parameters={"rope_type": "proportional", "partial_rotary_factor": 0.5})
+    layout = rotary_pairs(rope)
+    # Pairs 0..3 turn; pairs 4..7 (channels 4..7 and 12..15) have frequency 0.
+    assert layout.pair.tolist() == [0, 1, 2, 3, -1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1]
+
+
+def test_needs_a_rope():
+    with pytest.raises(TypeError, match=r"needs a posenc\.RoPE"):
+        rotary_pairs(posenc.ALiBi(2))

@@ -1,0 +1,67 @@
+"""wavelengths: 2 pi base^(2i/d) per pair, and which pairs the by-parts scalings leave alone."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from posenc.analysis import wavelengths
+
+
+@settings(max_examples=25, deadline=None)
+@given(half=st.integers(1, 64), base=st.floats(2.0, 1e7), train_len=st.integers(1, 1 << 17))
+def test_wavelength_of_pair_i(half, base, train_len):
+    d = 2 * half
+    result = wavelengths(d, train_len, base=base)
+    expected = torch.tensor([2 * math.pi * base ** (2 * i / d) for i in range(half)], dtype=torch.float64)
+    torch.testing.assert_close(result.wavelength, expected, rtol=1e-12, atol=0)
+    assert torch.equal(result.partial, expected > train_len)
+    torch.testing.assert_close(result.rotations, train_len / expected, rtol=1e-12, atol=0)
+    assert bool(result.unchanged.all())
+
+
+def test_default_64_at_2048_by_hand():
+    # lambda_i > 2048 <=> 2 pi 10000^(i/32) > 2048 <=> i > 32 log(2048 / 2 pi) / log(10000) = 20.1.
+    result = wavelengths(64, 2048)
+    assert result.partial.nonzero().flatten().tolist() == list(range(21, 32))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    half=st.integers(4, 64),
+    base=st.floats(100.0, 1e6),
+    train_len=st.integers(256, 1 << 15),
+    beta_fast=st.floats(2.0, 32.0),
+    factor=st.floats(1.5, 32.0),
+    truncate=st.booleans(),
+)
+def test_yarn_leaves_alone_exactly_the_pairs_shorter_than_l_over_beta_fast(
+    half, base, train_len, beta_fast, factor, truncate
+):
+    params = {"rope_type": "yarn", "rope_theta": base, "factor": factor, "beta_fast": beta_fast, "truncate": truncate}
+    result = wavelengths(2 * half, train_len, rope_parameters=params)
+    threshold = train_len / beta_fast
+    # Exactly at the threshold the ramp is 0 as well (<=, not <): keep to the generic case.
+    assume(not bool(torch.isclose(result.base_wavelength, torch.tensor(threshold, dtype=torch.float64)).any()))
+    assert torch.equal(result.unchanged, result.base_wavelength < threshold)
+
+
+def test_llama3_leaves_alone_the_pairs_shorter_than_l_over_high_freq_factor():
+    params = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    result = wavelengths(128, 8192, base=500000.0, rope_parameters=params)
+    assert torch.equal(result.unchanged, result.base_wavelength < 8192 / 4.0)
+    far = result.base_wavelength > 8192
+    torch.testing.assert_close(result.inv_freq[far], result.base_inv_freq[far] / 8.0, rtol=1e-15, atol=0)
+
+
+def test_bad_input_is_a_clear_error():
+    with pytest.raises(ValueError, match="train_len must be a positive integer"):
+        wavelengths(64, 0)
+    with pytest.raises(ValueError, match="unknown rope_type 'nope'"):
+        wavelengths(64, 2048, rope_parameters={"rope_type": "nope"})
+    with pytest.raises(ValueError, match="needs the key"):
+        wavelengths(64, 2048, rope_parameters={"rope_type": "linear"})

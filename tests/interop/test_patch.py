@@ -1,0 +1,522 @@
+"""patch_model / unpatch_model on tiny random transformers models of every supported architecture.
+
+The models are built from configs here (no download) with initializer_range 0.3, so attention is peaked enough
+for the rotation to matter: a 5% change of rope_theta moves the float32 logits by 0.08-0.9, while posenc and
+transformers agree to ~1e-5. Each patched model is compared with an identical unpatched copy that goes through
+the same calls (dynamic NTK keeps state between calls in transformers, and so does posenc's 'hf' mode).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from posenc.interop.patch import (
+    SUPPORTED_ARCHITECTURES,
+    PosencRotaryEmbedding,
+    is_patched,
+    patch_model,
+    tiny_model_from_config,
+    unpatch_model,
+)
+
+transformers = pytest.importorskip("transformers")
+
+CONFIGS = Path(__file__).parents[1] / "fixtures" / "configs"
+TRAINED = 16  # max_position_embeddings of the tiny models: prompts of 10 + 12 new tokens cross it
+SIZES = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=128,
+    vocab_size=128,
+    max_position_embeddings=TRAINED,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=None,
+    initializer_range=0.3,
+)
+ARCH_SIZES: dict[str, dict[str, Any]] = {
+    "llama": dict(num_key_value_heads=2),
+    "mistral": dict(num_key_value_heads=2),
+    "qwen2": dict(num_key_value_heads=2),
+    "qwen3": dict(num_key_value_heads=2, head_dim=16),
+    "phi3": dict(num_key_value_heads=2),
+    "gpt_neox": dict(rotary_pct=0.5),  # partial rotary: 8 of 16 channels
+    "gemma": dict(num_key_value_heads=2, head_dim=16),
+}
+ROTARY_PAIRS = {"gpt_neox": 4}  # others rotate all 16 channels: 8 pairs
+
+
+def rope_case(arch: str, rope_type: str) -> dict[str, Any]:
+    """Config keys for a rope_type on an architecture (trained length 16)."""
+    partial = {"partial_rotary_factor": 0.5} if arch == "gpt_neox" else {}
+    pairs = ROTARY_PAIRS.get(arch, 8)
+    params: dict[str, Any] = {
+        "default": {},
+        "linear": {"factor": 2.0},
+        "dynamic": {"factor": 2.0},
+        "yarn": {"factor": 4.0, "original_max_position_embeddings": TRAINED},
+        "llama3": {
+            "factor": 4.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8,
+        },
+        "longrope": {
+            "short_factor": [1.0 + i / 8 for i in range(pairs)],
+            "long_factor": [2.0 + 3 * i for i in range(pairs)],
+            "factor": 4.0,
+        },
+    }[rope_type]
+    out: dict[str, Any] = {"rope_parameters": {"rope_type": rope_type, "rope_theta": 10000.0, **partial, **params}}
+    if rope_type == "longrope":
+        out["max_position_embeddings"] = 4 * TRAINED
+        if arch == "phi3":  # Phi-3 keeps it at the top level
+            out["original_max_position_embeddings"] = TRAINED
+        else:
+            out["rope_parameters"]["original_max_position_embeddings"] = TRAINED
+    return out
+
+
+def build(arch: str, rope_type: str = "default", **overrides: Any) -> Any:
+    config = transformers.AutoConfig.for_model(arch, **{**SIZES, **ARCH_SIZES[arch], **rope_case(arch, rope_type)})
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def tokens(batch: int = 2, length: int = 28, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def modeling(arch: str) -> Any:
+    return importlib.import_module(f"transformers.models.{arch}.modeling_{arch}")
+
+
+GENERATE = dict(max_new_tokens=12, do_sample=False, return_dict_in_generate=True, output_logits=True)
+FP32 = dict(atol=1e-4, rtol=1e-4)  # float32 logits of magnitude ~10 after two layers: observed <= 1.4e-5
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Matmuls of 64 x 64: a second thread only adds synchronisation, which on a loaded 2-core runner costs ~20 ms
+    # per op. Restored for the rest of the suite.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# Every architecture with every rope_type its transformers config accepts (Phi-3: default and longrope only).
+LOGIT_CASES = [
+    (arch, rope_type)
+    for arch in SUPPORTED_ARCHITECTURES
+    for rope_type in (
+        ("default", "longrope") if arch == "phi3" else ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
+    )
+]
+
+
+@pytest.mark.parametrize(("arch", "rope_type"), LOGIT_CASES)
+def test_float32_logits_match_transformers(arch: str, rope_type: str) -> None:
+    reference = build(arch, rope_type)
+    patched = copy.deepcopy(reference)
+    report = patch_model(patched)
+    assert report.rope_type == rope_type and report.attention_modules == 2 and not report.config_changed
+    ids = tokens()
+    with torch.no_grad():
+        for length in (10, 28, 20, 12):  # below, past, between and back below the trained length (dynamic NTK state)
+            torch.testing.assert_close(patched(ids[:, :length]).logits, reference(ids[:, :length]).logits, **FP32)
+
+
+# Greedy generation: every architecture, plus the types whose frequencies change while decoding.
+GENERATE_CASES = [(arch, "default") for arch in SUPPORTED_ARCHITECTURES] + [
+    ("llama", "dynamic"),
+    ("llama", "longrope"),
+    ("phi3", "longrope"),
+    ("gpt_neox", "dynamic"),
+    ("qwen2", "yarn"),
+]
+
+
+@pytest.mark.parametrize(("arch", "rope_type"), GENERATE_CASES)
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_greedy_generation_matches_transformers(arch: str, rope_type: str, use_cache: bool) -> None:
+    reference = build(arch, rope_type)
+    patched = copy.deepcopy(reference)
+    patch_model(patched)
+    prompt = tokens(length=10)
+    with torch.no_grad():
+        expected = reference.generate(prompt, use_cache=use_cache, **GENERATE)
+        got = patched.generate(prompt, use_cache=use_cache, **GENERATE)
+    assert torch.equal(got.sequences, expected.sequences)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(expected.logits), **FP32)
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHITECTURES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_error_is_no_larger_than_transformers_own(arch: str, dtype: torch.dtype) -> None:
+    # In bf16/fp16 both implementations round (transformers casts cos/sin to the model dtype, posenc rotates in
+    # float32), and a random two-layer model amplifies any rounding; the fair bound is the error of each against
+    # the float64 model. The mean error is the stable statistic (posenc's is at or below transformers' for every
+    # case here); the max, one element of chaotic noise, gets a loose bound that still catches a wrong rotation.
+    model = build(arch)
+    ids = tokens()
+    with torch.no_grad():
+        exact = model.to(torch.float64)(ids).logits
+        hf = model.to(dtype)(ids).logits.double()
+        patch_model(model)
+        ours = model(ids).logits.double()
+    hf_error, our_error = (hf - exact).abs(), (ours - exact).abs()
+    assert our_error.mean() <= 1.1 * hf_error.mean()
+    assert our_error.max() <= 2.0 * hf_error.max()
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHITECTURES)
+def test_transformers_rotary_code_is_not_called_after_patching(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    mod = modeling(arch)
+    rotary_cls = type(build(arch).get_decoder().rotary_emb)
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("transformers' rotary code was called")
+
+    # Installed before patching, so the patched forward's copy of the module namespace holds them too.
+    for name in ("apply_rotary_pos_emb", "rotate_half"):
+        monkeypatch.setattr(mod, name, refuse)
+    monkeypatch.setattr(rotary_cls, "forward", refuse)
+    unpatched, patched = build(arch), build(arch)
+    report = patch_model(patched)
+    assert report.rotary_modules
+    with torch.no_grad():
+        with pytest.raises(AssertionError, match="rotary code was called"):
+            unpatched(tokens())
+        patched(tokens())
+        patched.generate(tokens(length=4), max_new_tokens=3, do_sample=False)
+
+
+def test_other_models_and_the_classes_are_untouched() -> None:
+    mod = modeling("llama")
+    class_forward, module_function = mod.LlamaAttention.forward, mod.apply_rotary_pos_emb
+    bystander = build("llama")
+    patched = copy.deepcopy(bystander)
+    ids = tokens()
+    with torch.no_grad():
+        before = bystander(ids).logits
+        patch_model(patched)
+        patched(ids)
+        after = bystander(ids).logits
+    assert torch.equal(before, after)
+    assert mod.LlamaAttention.forward is class_forward and mod.apply_rotary_pos_emb is module_function
+    assert type(bystander.model.rotary_emb) is mod.LlamaRotaryEmbedding
+    assert all("forward" not in layer.self_attn.__dict__ for layer in bystander.model.layers)
+    assert isinstance(patched.model.rotary_emb, PosencRotaryEmbedding)
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_unpatch_restores_the_original_bit_for_bit(backend: str) -> None:
+    model = build("llama", "dynamic")
+    original_rotary, original_rope = model.model.rotary_emb, model.config.rope_parameters
+    ids = tokens()
+    with torch.no_grad():
+        before = model(ids[:, :12]).logits
+        patch_model(model, backend=backend, rope_parameters={"rope_type": "yarn", "factor": 4.0})
+        assert is_patched(model) and model.config.rope_parameters["rope_type"] == "yarn"
+        model(ids)
+        report = unpatch_model(model)
+        after = model(ids[:, :12]).logits
+    assert report.rope_type == "yarn" and not is_patched(model)
+    assert torch.equal(before, after)
+    assert model.model.rotary_emb is original_rotary and model.config.rope_parameters is original_rope
+    assert all("forward" not in layer.self_attn.__dict__ for layer in model.model.layers)
+
+
+def test_frequencies_stay_float64_through_dtype_casts() -> None:
+    model = build("llama")
+    patch_model(model)
+    model.to(torch.bfloat16)
+    assert model.model.rotary_emb.inv_freq.dtype == torch.float64
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+NEW_SCALINGS = [
+    ("llama", {"rope_type": "yarn", "factor": 4.0}),
+    ("llama", {"rope_type": "dynamic", "factor": 2.0}),
+    ("llama", {"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0}),
+    ("llama", {"rope_type": "ntk", "factor": 4.0}),  # posenc-only: written as default with a larger rope_theta
+    ("qwen2", {"type": "yarn", "factor": 4.0, "beta_fast": 16.0}),  # the legacy spelling of rope_type
+    ("gpt_neox", {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}),
+    ("phi3", rope_case("phi3", "longrope")["rope_parameters"] | {"original_max_position_embeddings": 8}),
+]
+
+
+@pytest.mark.parametrize(("arch", "rope_parameters"), NEW_SCALINGS)
+def test_new_scaling_survives_save_and_plain_reload(arch: str, rope_parameters: dict, tmp_path: Path) -> None:
+    model = build(arch)
+    ids = tokens()
+    with torch.no_grad():
+        original = model(ids).logits
+        report = patch_model(model, rope_parameters=rope_parameters)
+        patched = model(ids).logits
+        model.save_pretrained(tmp_path)
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+        plain = reloaded(ids).logits
+    assert report.config_changed
+    written = json.loads((tmp_path / "config.json").read_text())["rope_parameters"]
+    asked = rope_parameters.get("rope_type", rope_parameters.get("type"))
+    expected_type = "default" if asked == "ntk" else asked
+    assert written["rope_type"] == expected_type and report.rope_parameters["rope_type"] == expected_type
+    assert type(reloaded.get_decoder().rotary_emb) is type(build(arch).get_decoder().rotary_emb)
+    assert (patched - original).abs().max() > 1e-2  # the scaling changed the model
+    torch.testing.assert_close(patched, plain, **FP32)
+
+
+def test_ntk_is_written_as_default_with_the_equivalent_theta() -> None:
+    model = build("llama")
+    patch_model(model, rope_parameters={"rope_type": "ntk", "factor": 4.0})
+    assert model.config.rope_parameters["rope_type"] == "default"
+    assert model.config.rope_parameters["rope_theta"] == pytest.approx(10000.0 * 4.0 ** (16 / 14), rel=1e-12)
+
+
+def test_keeps_model_theta_and_partial_factor_unless_given() -> None:
+    model = build("gpt_neox")
+    report = patch_model(model, rope_parameters={"rope_type": "linear", "factor": 2.0})
+    assert report.rotary_dim == 8 and model.config.rope_parameters["partial_rotary_factor"] == 0.5
+    assert model.config.rope_parameters["rope_theta"] == 10000.0
+
+
+@pytest.mark.parametrize(("rope_type", "left_pad"), [("dynamic", 0), ("longrope", 0), ("dynamic", 3)])
+def test_consistent_mode_makes_cached_decoding_equal_full_forwards(rope_type: str, left_pad: int) -> None:
+    # One layer: with more, the deeper layers' cached keys and values come from hidden states computed under the
+    # frequencies of earlier steps, which no re-rotation can change (see the module docstring). left_pad: the
+    # second prompt starts with that many pad tokens, so the rows' positions differ.
+    reference = build("llama", rope_type, num_hidden_layers=1)
+    prompt = tokens(length=10)
+    mask = torch.ones_like(prompt)
+    prompt[1, :left_pad], mask[1, :left_pad] = 0, 0
+    generate = dict(GENERATE, attention_mask=mask)
+    logits = {}
+    for mode in ("hf", "consistent"):
+        model = copy.deepcopy(reference)
+        patch_model(model, mode=mode)
+        with torch.no_grad():
+            for use_cache in (True, False):
+                steps = model.generate(prompt, use_cache=use_cache, **generate).logits
+                logits[mode, use_cache] = torch.stack(steps)
+    with torch.no_grad():
+        transformers_full = torch.stack(reference.generate(prompt, use_cache=False, **generate).logits)
+    # Without a cache every step is a full forward, where both modes compute transformers' numbers ...
+    torch.testing.assert_close(logits["consistent", False], transformers_full, **FP32)
+    torch.testing.assert_close(logits["hf", False], transformers_full, **FP32)
+    # ... and with one, only 'consistent' still does; 'hf' keeps keys rotated with older frequencies.
+    torch.testing.assert_close(logits["consistent", True], transformers_full, **FP32)
+    assert (logits["hf", True] - transformers_full).abs().max() > 1e-2
+
+
+def test_hf_mode_continues_the_dynamic_state_of_the_model() -> None:
+    reference = build("llama", "dynamic")
+    ids = tokens()
+    with torch.no_grad():
+        reference(ids)  # transformers now scales every call shorter than 28 but longer than 16 for 28
+        model = copy.deepcopy(reference)
+        patch_model(model)
+        torch.testing.assert_close(model(ids[:, :20]).logits, reference(ids[:, :20]).logits, **FP32)
+
+
+def test_consistent_mode_equals_hf_mode_for_fixed_types() -> None:
+    hf_model = build("llama", "yarn")
+    consistent = copy.deepcopy(hf_model)
+    patch_model(hf_model, mode="hf")
+    patch_model(consistent, mode="consistent")
+    with torch.no_grad():
+        assert torch.equal(consistent(tokens()).logits, hf_model(tokens()).logits)
+
+
+def test_compiles_without_graph_breaks(monkeypatch: pytest.MonkeyPatch) -> None:
+    mod = modeling("llama")
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("transformers' rotary code was called")
+
+    monkeypatch.setattr(mod, "apply_rotary_pos_emb", refuse)
+    model = build("llama")
+    patch_model(model)
+    ids = tokens()
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            eager = model(ids).logits
+            compiled = torch.compile(model, backend="eager", fullgraph=True)(ids).logits
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(compiled, eager, **FP32)
+
+
+def test_report_describes_the_patch() -> None:
+    model = build("gpt_neox")
+    report = patch_model(model, backend="torch")
+    text = str(report)
+    assert report.architecture == "gpt_neox" and report.rotary_modules == ("gpt_neox.rotary_emb",)
+    assert (report.head_dim, report.rotary_dim, report.interleaved) == (16, 8, False)
+    assert "gpt_neox" in text and "backend='torch'" in text
+
+
+# --- errors -------------------------------------------------------------------------------------------------
+
+
+def test_unknown_architecture_names_the_supported_ones() -> None:
+    config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=32)
+    model = transformers.GPT2LMHeadModel(config)
+    with pytest.raises(ValueError, match=r"'gpt2'.*llama.*qwen3") as error:
+        patch_model(model)
+    assert all(name in str(error.value) for name in SUPPORTED_ARCHITECTURES)
+    assert not is_patched(model)
+
+
+def test_not_a_model() -> None:
+    with pytest.raises(TypeError, match="transformers model"):
+        patch_model(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"mode": "fast"}, ValueError, "mode must be 'hf'"),
+        ({"backend": "cuda"}, ValueError, "backend must be one of"),
+        ({"rope_parameters": [("rope_type", "yarn")]}, TypeError, "rope_parameters must be a dict"),
+        ({"rope_parameters": {"rope_type": "su-per"}}, ValueError, "unknown rope_type"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 0.5}}, ValueError, "factor"),
+    ],
+)
+def test_bad_arguments(kwargs: dict, error: type[Exception], match: str) -> None:
+    model = build("llama")
+    with pytest.raises(error, match=match):
+        patch_model(model, **kwargs)
+    assert not is_patched(model) and model.config.rope_parameters["rope_type"] == "default"
+
+
+def test_scaling_the_architecture_config_cannot_hold_is_refused() -> None:
+    model = build("phi3")  # Phi3Config reads every rope_type but default / longrope as something else
+    with pytest.raises(ValueError, match=r"Phi3Config.*would not reproduce"):
+        patch_model(model, rope_parameters={"rope_type": "yarn", "factor": 4.0})
+    assert not is_patched(model) and model.config.rope_parameters["rope_type"] == "default"
+
+
+def test_patch_twice_and_unpatch_twice() -> None:
+    model = build("llama")
+    patch_model(model)
+    with pytest.raises(ValueError, match="already patched"):
+        patch_model(model, rope_parameters={"rope_type": "linear", "factor": 2.0})
+    unpatch_model(model)
+    with pytest.raises(ValueError, match="not patched"):
+        unpatch_model(model)
+
+
+# --- tiny_model_from_config (the lab's HF-architecture model) -------------------------------------------------
+
+
+def test_tiny_model_from_a_real_config_keeps_its_rope_base() -> None:
+    model = tiny_model_from_config(CONFIGS / "llama-3.1-8b.json", max_position_embeddings=32)
+    config = model.config
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.vocab_size) == (
+        64,
+        2,
+        4,
+        256,
+    )
+    assert config.rope_parameters["rope_theta"] == 500000.0 and config.rope_parameters["rope_type"] == "default"
+    assert config.max_position_embeddings == 32
+    with torch.no_grad():
+        assert model(torch.zeros(1, 5, dtype=torch.long)).logits.shape == (1, 5, 256)
+    report = patch_model(model, rope_parameters={"rope_type": "yarn", "factor": 4.0})
+    assert report.rope_parameters["original_max_position_embeddings"] == 32
+
+
+def test_tiny_model_keeps_partial_rotary_and_optionally_the_scaling() -> None:
+    neox = tiny_model_from_config(CONFIGS / "gpt-neox-20b.json", max_position_embeddings=32)
+    assert patch_model(neox).rotary_dim == 4  # rotary_pct 0.25 of head_dim 16
+    llama = tiny_model_from_config(CONFIGS / "llama-3.1-8b.json", keep_scaling=True)
+    assert llama.config.rope_parameters["rope_type"] == "llama3"
+    assert llama.config.rope_parameters["original_max_position_embeddings"] == 8192
+
+
+def test_tiny_model_is_reproducible_and_seeded() -> None:
+    source = json.loads((CONFIGS / "qwen2.5-7b-instruct-yarn.json").read_text())
+    a, b = tiny_model_from_config(source, seed=3), tiny_model_from_config(source, seed=3)
+    c = tiny_model_from_config(source, seed=4)
+    assert torch.equal(a.lm_head.weight, b.lm_head.weight) and not torch.equal(a.lm_head.weight, c.lm_head.weight)
+
+
+@pytest.mark.parametrize(
+    ("config", "kwargs", "match"),
+    [
+        ({"model_type": "gpt2"}, {}, "not supported"),
+        ({"model_type": "llama"}, {"num_heads": 0}, "num_heads must be a positive integer"),
+        ({"model_type": "llama"}, {"num_kv_heads": 3}, "num_kv_heads must be a positive divisor"),
+        ({"model_type": "llama"}, {"hidden_size": 66}, "divisible by num_heads"),
+        ({"model_type": "gpt_neox"}, {"head_dim": 32}, "GPT-NeoX ties head_dim"),
+        ({"model_type": "gpt_neox"}, {"num_kv_heads": 2}, "no grouped-query attention"),
+        ({"model_type": "llama"}, {"max_position_embeddings": 0}, "max_position_embeddings must be a positive"),
+    ],
+)
+def test_tiny_model_bad_arguments(config: dict, kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        tiny_model_from_config(config, **kwargs)
+
+
+def test_tiny_model_missing_file_or_wrong_type(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"config\.json"):
+        tiny_model_from_config(tmp_path)
+    with pytest.raises(TypeError, match=r"path to a config\.json or a dict"):
+        tiny_model_from_config(42)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "rope_parameters",
+    [
+        {"rope_type": "linear", "factor": 4.0},
+        {"rope_type": "ntk", "factor": 4.0},
+        {"rope_type": "dynamic", "factor": 2.0},
+        {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0},
+        {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
+    ],
+)
+def test_lab_extensions_apply_to_a_tiny_model(rope_parameters: dict) -> None:
+    # The lab's training-free study: train at 32 tokens, then evaluate at 4x with each extension.
+    model = tiny_model_from_config(CONFIGS / "llama-3.1-8b.json", max_position_embeddings=32)
+    patch_model(model, rope_parameters=rope_parameters)
+    with torch.no_grad():
+        logits = model(torch.randint(0, 256, (2, 128), generator=torch.Generator().manual_seed(0))).logits
+    assert logits.shape == (2, 128, 256) and torch.isfinite(logits).all()
+
+
+def test_training_through_the_patch_gives_transformers_gradients() -> None:
+    reference = build("qwen3", "yarn")
+    patched = copy.deepcopy(reference)
+    patch_model(patched)
+    ids = tokens()
+    for model in (reference, patched):
+        model(ids, labels=ids).loss.backward()
+    for (name, ours), theirs in zip(patched.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_a_deep_copy_of_a_patched_model_is_patched_on_its_own() -> None:
+    model = build("llama")
+    ids = tokens()
+    with torch.no_grad():
+        original = model(ids).logits
+        patch_model(model, rope_parameters={"rope_type": "linear", "factor": 2.0})
+        scaled = model(ids).logits
+        twin = copy.deepcopy(model)
+        assert torch.equal(twin(ids).logits, scaled)
+        unpatch_model(twin)
+        assert torch.equal(twin(ids).logits, original)
+        assert is_patched(model) and torch.equal(model(ids).logits, scaled)

@@ -1,0 +1,232 @@
+"""rope_from_config against the models' own rotary code in transformers, for hand-written real configs.
+
+For each fixture the same config.json feeds transformers' config class and rotary embedding (and the model's own
+apply function: rotate_half, partial rotary, GPT-J's rotate_every_two, DeepSeek's interleave) and posenc's
+``rope_from_config``; the rotated q and k must agree within transformers' float32 error, bounded per element by
+(|x1| + |x2|) * attention_factor * (angle * (ln(base) + 9) * 2^-24 + 4 * 2^-24) + 4 * 2^-24 * |out| (its angle is
+a float32 product of a float32 frequency; ours is taken in float64).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from posenc import RoPE
+from posenc.interop import rope_from_config, rope_kwargs_from_config
+from posenc.rope.mrope import MRoPE
+
+transformers = pytest.importorskip("transformers")
+
+CONFIGS = Path(__file__).parents[1] / "fixtures" / "configs"
+EPS32 = 2.0**-24
+
+# model_type -> (modeling module, rotary class, config class)
+HF_MODELS = {
+    "llama": ("llama", "LlamaRotaryEmbedding", "LlamaConfig"),
+    "qwen2": ("qwen2", "Qwen2RotaryEmbedding", "Qwen2Config"),
+    "phi3": ("phi3", "Phi3RotaryEmbedding", "Phi3Config"),
+    "gpt_neox": ("gpt_neox", "GPTNeoXRotaryEmbedding", "GPTNeoXConfig"),
+    "deepseek_v3": ("deepseek_v3", "DeepseekV3RotaryEmbedding", "DeepseekV3Config"),
+    "gptj": ("gptj", "GPTJRotaryEmbedding", "GPTJConfig"),
+    "qwen2_vl": ("qwen2_vl", "Qwen2VLRotaryEmbedding", "Qwen2VLTextConfig"),
+}
+
+
+def load(name: str) -> dict[str, Any]:
+    return json.loads((CONFIGS / name).read_text())
+
+
+def hf_config(cfg: dict[str, Any]) -> Any:
+    module, _, config_class = HF_MODELS[cfg["model_type"]]
+    configs = importlib.import_module(f"transformers.models.{module}.configuration_{module}")
+    return getattr(configs, config_class)(**{k: v for k, v in cfg.items() if k != "model_type"})
+
+
+def hf_rotate(cfg: dict[str, Any], q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
+    """transformers' rotation of q, k: (b, h, s, d) at positions (b, s) (or (3, b, s) for M-RoPE)."""
+    model_type = cfg["model_type"]
+    module, rotary_class, _ = HF_MODELS[model_type]
+    modeling = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+    rotary = getattr(modeling, rotary_class)(hf_config(cfg))
+    if model_type == "gptj":  # (b, s, h, d) and sin first; only the first rotary_dim channels
+        sin, cos = rotary(q, positions)
+        r = cfg["rotary_dim"]
+        out = []
+        for x in (q.transpose(1, 2), k.transpose(1, 2)):
+            rotated = modeling.apply_rotary_pos_emb(x[..., :r], sin, cos)
+            out.append(torch.cat((rotated, x[..., r:]), dim=-1).transpose(1, 2))
+        return tuple(out)
+    cos, sin = rotary(q, positions)
+    if model_type == "deepseek_v3":
+        return modeling.apply_rotary_pos_emb_interleave(q, k, cos, sin)
+    return modeling.apply_rotary_pos_emb(q, k, cos, sin)
+
+
+def bound(rope: RoPE, x: torch.Tensor, out: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Per-element bound on |ours - transformers'| for x: (b, h, s, d) rotated at positions: (b, s)."""
+    inv, factor = rope.frequencies(int(positions.max()) + 1)
+    angles = positions[:, None, :, None].double() * inv  # (b, 1, s, r/2)
+    per_pair = factor * (angles * (math.log(rope.base) + 9) * EPS32 + 4 * EPS32)
+    half = rope.rotary_dim // 2
+    if rope.interleaved:
+        pair_abs = x[..., 0 : 2 * half : 2].abs() + x[..., 1 : 2 * half : 2].abs()
+        pair = (pair_abs * per_pair).repeat_interleave(2, dim=-1)
+    else:
+        pair_abs = x[..., :half].abs() + x[..., half : 2 * half].abs()
+        pair = torch.cat((pair_abs * per_pair, pair_abs * per_pair), dim=-1)
+    pair = torch.cat((pair, torch.zeros_like(x[..., 2 * half :])), dim=-1)
+    return pair + 4 * EPS32 * (out.abs() + x.abs())
+
+
+def reinterleave(x: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    """DeepSeek stores rotated pairs as (evens, odds); posenc keeps them in place: put them back in place."""
+    out = x.clone()
+    out[..., 0:rotary_dim:2], out[..., 1:rotary_dim:2] = x[..., : rotary_dim // 2], x[..., rotary_dim // 2 : rotary_dim]
+    return out
+
+
+FIXTURES = sorted(p.name for p in CONFIGS.glob("*.json"))
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_rotates_exactly_as_the_model(name: str) -> None:
+    cfg = load(name)
+    rope = rope_from_config(CONFIGS / name)
+    max_pos = cfg.get("max_position_embeddings", cfg.get("n_positions"))
+    gen = torch.Generator().manual_seed(0)
+    # a call that stays inside the original length, then one that passes it (LongRoPE switches to long factors)
+    for positions in (torch.tensor([[0, 1, 2, 3, 217, 423, 2047]]), torch.tensor([[0, 7, 2047, 4096, max_pos - 1]])):
+        positions = positions.clamp(max=max_pos - 1)
+        s = positions.shape[1]
+        q = torch.randn(1, 3, s, rope.head_dim, generator=gen)
+        k = torch.randn(1, 3, s, rope.head_dim, generator=gen)
+        hf_positions = positions.expand(3, 1, s) if isinstance(rope, MRoPE) else positions
+        hf_q, hf_k = hf_rotate(cfg, q, k, hf_positions)
+        our_q, our_k = rope(q, k, positions=hf_positions)
+        for ours, theirs, x in ((our_q, hf_q, q), (our_k, hf_k, k)):
+            if cfg["model_type"] == "deepseek_v3":
+                theirs = reinterleave(theirs, rope.rotary_dim)
+            excess = (ours - theirs).abs() - bound(rope, x, theirs, positions)
+            assert excess.max() <= 0, f"{name}: max excess {excess.max():.3g}"
+
+
+EXPECTED = {
+    "llama-3.1-8b.json": dict(head_dim=128, rotary_dim=128, base=500000.0, rope_type="llama3", interleaved=False),
+    "llama-3.1-8b-new-form.json": dict(head_dim=128, rotary_dim=128, base=500000.0, rope_type="llama3"),
+    "qwen2.5-7b-instruct-yarn.json": dict(head_dim=128, rotary_dim=128, base=1e6, rope_type="yarn"),
+    "phi-3-mini-128k-instruct.json": dict(head_dim=96, rotary_dim=96, rope_type="longrope"),
+    "deepseek-v3.json": dict(head_dim=64, rotary_dim=64, rope_type="yarn", interleaved=True),
+    "gpt-neox-20b.json": dict(head_dim=96, rotary_dim=24, base=10000.0, interleaved=False),
+    "gpt-j-6b.json": dict(head_dim=256, rotary_dim=64, interleaved=True),
+    "qwen2-vl-7b-instruct.json": dict(head_dim=128, rotary_dim=128, rope_type="default", mrope_section=(16, 24, 24)),
+}
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_reads_dims_type_and_layout(name: str) -> None:
+    rope = rope_from_config(CONFIGS / name)
+    for attr, value in EXPECTED[name].items():
+        assert getattr(rope, attr) == value, (name, attr)
+
+
+def test_known_numbers_of_real_models() -> None:
+    phi3 = rope_from_config(CONFIGS / "phi-3-mini-128k-instruct.json")
+    # factor = 131072 / 4096 = 32 (top-level original length), attention factor sqrt(1 + ln 32 / ln 4096)
+    assert phi3.frequencies()[1] == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)), abs=1e-12)
+    deepseek = rope_from_config(CONFIGS / "deepseek-v3.json")
+    assert deepseek.frequencies()[1] == 1.0  # mscale == mscale_all_dim: the ratio is 1
+    qwen = rope_from_config(CONFIGS / "qwen2.5-7b-instruct-yarn.json")
+    assert qwen.frequencies()[1] == pytest.approx(0.1 * math.log(4.0) + 1, abs=1e-12)
+
+
+@pytest.mark.parametrize("name", ["llama-3.1-8b.json", "qwen2.5-7b-instruct-yarn.json", "gpt-neox-20b.json"])
+def test_path_dict_folder_and_config_object_agree(name: str, tmp_path: Path) -> None:
+    cfg = load(name)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    specs = [
+        rope_from_config(source).spec for source in (CONFIGS / name, str(CONFIGS / name), cfg, tmp_path, hf_config(cfg))
+    ]
+    assert all(spec == specs[0] for spec in specs)
+
+
+def test_old_and_new_forms_agree() -> None:
+    old = rope_from_config(CONFIGS / "llama-3.1-8b.json")
+    new = rope_from_config(CONFIGS / "llama-3.1-8b-new-form.json")
+    assert old.spec == new.spec
+
+
+def test_legacy_spellings() -> None:
+    base = {"hidden_size": 64, "num_attention_heads": 2, "max_position_embeddings": 128}
+    su = {
+        **base,
+        "model_type": "phi3",
+        "rope_scaling": {"type": "su", "short_factor": [1.0] * 16, "long_factor": [2.0] * 16},
+    }
+    assert rope_from_config(su).rope_type == "longrope"
+    phi_yarn = {**su, "rope_scaling": {**su["rope_scaling"], "type": "yarn"}}
+    assert rope_from_config(phi_yarn).rope_type == "longrope"  # Phi3Config's mapping
+    partial = {**base, "partial_rotary_factor": 0.5, "rope_theta": 500.0}
+    rope = rope_from_config(partial)
+    assert (rope.rotary_dim, rope.base) == (16, 500.0)
+    assert rope_from_config({**base, "head_dim": 16}).head_dim == 16
+
+
+def test_mode_passes_through() -> None:
+    rope = rope_from_config(CONFIGS / "phi-3-mini-128k-instruct.json", mode="consistent")
+    assert rope.mode == "consistent" and rope.rotates_cached_keys
+
+
+def test_per_layer_rope_dicts_need_a_layer_type() -> None:
+    cfg = {
+        "hidden_size": 64,
+        "num_attention_heads": 2,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        },
+    }
+    with pytest.raises(ValueError, match=re.escape("pass layer_type= one of ['sliding_attention', 'full_attention']")):
+        rope_from_config(cfg)
+    assert rope_from_config(cfg, layer_type="full_attention").rope_type == "linear"
+    with pytest.raises(ValueError, match="the config has a single rope dict; drop layer_type"):
+        rope_from_config(load("llama-3.1-8b.json"), layer_type="full_attention")
+
+
+@pytest.mark.parametrize(
+    ("config", "error", "match"),
+    [
+        (42, TypeError, "config must be a transformers config object, a dict, or a path"),
+        ("/nonexistent/config.json", FileNotFoundError, "is neither"),
+        ({"num_attention_heads": 2}, ValueError, "config needs head_dim, or hidden_size and num_attention_heads"),
+        ({"head_dim": 8, "rope_scaling": [1, 2]}, TypeError, "rope_parameters / rope_scaling must be a dict"),
+        ({"head_dim": 8, "rope_scaling": {"type": "magic"}}, ValueError, "unknown rope_type 'magic'"),
+        (
+            {"head_dim": 8, "rope_parameters": {"mrope_section": [1, 1, 2], "mrope_interleaved": True}},
+            ValueError,
+            "interleaved M-RoPE (Qwen3-VL's mrope_interleaved) is not supported",
+        ),
+    ],
+)
+def test_bad_configs(config: Any, error: type, match: str) -> None:
+    with pytest.raises(error, match=re.escape(match)):
+        rope_from_config(config)
+
+
+def test_kwargs_are_the_constructor_arguments() -> None:
+    kwargs = rope_kwargs_from_config(CONFIGS / "gpt-j-6b.json")
+    assert kwargs == {
+        "head_dim": 256,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "max_position_embeddings": 2048,
+        "interleaved": True,
+        "rotary_dim": 64,
+    }

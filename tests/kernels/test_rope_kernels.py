@@ -1,0 +1,324 @@
+"""The fused rotary backends (cpu: compiled C++; triton: interpreted on CPU here, native on a GPU through
+scripts/gpu_check.sh) and the torch path, against the float64 reference with the shared tolerance table.
+
+The exhaustive grid runs on the cpu backend; the interpreted Triton kernel gets a representative one.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import posenc
+from posenc import apply_rotary, apply_rotary_, apply_rotary_qk
+from posenc.kernels import choose_backend
+from posenc.testing import TOLERANCES, assert_close, rope_inv_freq_reference, rope_reference
+
+TRITON_DEVICE = "cuda" if os.environ.get("POSENC_TRITON_NATIVE") == "1" else "cpu"
+DEVICE = {"cpu": "cpu", "torch": "cpu", "triton": TRITON_DEVICE}
+ALL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+KINDS = ("broadcast", "offset", "per_sequence", "position_ids", "varlen")
+
+
+def table(rotary_dim: int, n: int, *, factor: float = 1.0, dtype: torch.dtype = torch.float32):
+    """(n, r/2) cos/sin tables from float64 angles, like RoPE's."""
+    inv_freq = torch.tensor(rope_inv_freq_reference(rotary_dim, 10000.0), dtype=torch.float64)
+    angles = torch.arange(n, dtype=torch.float64)[:, None] * inv_freq
+    return (angles.cos() * factor).to(dtype), (angles.sin() * factor).to(dtype)
+
+
+def make_case(kind: str, *, b: int, hq: int, hk: int, s: int, d: int, dtype: torch.dtype, seed: int = 0):
+    """Inputs and call arguments for one way of giving positions, plus the reference positions per token.
+
+    Returns (q, k, kwargs for apply_rotary minus cos/sin, ref_positions broadcastable to q.shape[:-1],
+    a function making cos/sin of the right form from (n, r/2) tables).
+    """
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
+
+    if kind == "varlen":
+        lengths = [s, max(s // 3, 1), 0, 2][: max(b, 2)]
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+        total = int(cu[-1])
+        offsets = torch.arange(len(lengths)) * 5
+        q, k = randn(total, hq, d), randn(total, hk, d)
+        ref = torch.cat([torch.arange(n) + int(o) for n, o in zip(lengths, offsets, strict=True)])[:, None]
+        return q, k, {"cu_seqlens": cu, "offset": offsets}, ref, lambda c: c
+    layout = "bshd" if kind == "per_sequence" else "bhsd"
+    shape = (lambda h: (b, s, h, d)) if layout == "bshd" else (lambda h: (b, h, s, d))
+    q, k = randn(*shape(hq)), randn(*shape(hk))
+    if kind == "broadcast":
+        # (s, r/2) broadcast against (b, h, s, r/2): token i uses row i.
+        return q, k, {}, torch.arange(s)[None, None], lambda c: c[:s]
+    if kind == "offset":
+        return q, k, {"offset": 11}, (torch.arange(s) + 11)[None, None], lambda c: c
+    if kind == "per_sequence":
+        offsets = torch.arange(b) * 13 + 2
+        ref = (torch.arange(s)[None] + offsets[:, None])[:, :, None]  # (b, s, 1) against (b, s, h)
+        return q, k, {"offset": offsets, "layout": "bshd"}, ref, lambda c: c
+    positions = torch.randint(0, 300, (b, s), generator=gen)
+    return q, k, {"positions": positions}, positions[:, None], lambda c: c
+
+
+def rotate(backend, q, k, cos, sin, kwargs, **extra):
+    device = DEVICE[backend]
+    moved = {key: (v.to(device) if isinstance(v, torch.Tensor) else v) for key, v in kwargs.items()}
+    outs = apply_rotary_qk(
+        q.to(device), k.to(device), cos.to(device), sin.to(device), backend=backend, **moved, **extra
+    )
+    return tuple(o.cpu() for o in outs)
+
+
+def check_forward_backward(backend, kind, *, b, hq, hk, s, d, r, dtype, interleaved, factor=1.0):
+    q, k, kwargs, ref_pos, form = make_case(kind, b=b, hq=hq, hk=hk, s=s, d=d, dtype=dtype)
+    cos, sin = (form(t) for t in table(r, 320, factor=factor))
+    q_in, k_in = q.clone(), k.clone()
+    q_out, k_out = rotate(backend, q, k, cos, sin, kwargs, interleaved=interleaved)
+    assert q_out.dtype == dtype and q_out.shape == q.shape and k_out.shape == k.shape
+    for x, out in ((q, q_out), (k, k_out)):
+        expected = rope_reference(x, ref_pos, rotary_dim=r, interleaved=interleaved, attention_factor=factor)
+        assert_close(out, expected, msg=f"{backend} {kind} {dtype} d={d} r={r} s={s}")
+    assert torch.equal(q, q_in) and torch.equal(k, k_in), "out-of-place must leave its inputs untouched"
+    # The backward rotates the incoming gradient by -angle (times the attention factor).
+    if backend != "torch":
+        device = DEVICE[backend]
+        qg, kg = (x.to(device).requires_grad_() for x in (q, k))
+        moved = {key: (v.to(device) if isinstance(v, torch.Tensor) else v) for key, v in kwargs.items()}
+        outs = apply_rotary_qk(
+            qg, kg, cos.to(device), sin.to(device), interleaved=interleaved, backend=backend, **moved
+        )
+        grads = [torch.randn(o.shape, dtype=torch.float64).to(dtype) for o in outs]
+        torch.autograd.backward(outs, [g.to(device) for g in grads])
+        for x, g in ((qg, grads[0]), (kg, grads[1])):
+            expected = rope_reference(g, -ref_pos, rotary_dim=r, interleaved=interleaved, attention_factor=factor)
+            assert_close(x.grad.cpu(), expected, msg=f"backward {backend} {kind} {dtype}")
+
+
+# The exhaustive grid on the compiled CPU kernel: every way of giving positions x dtypes x layouts x sizes.
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize(("d", "r", "s"), [(64, 64, 217), (80, 80, 7), (96, 48, 1), (128, 96, 7), (256, 256, 217)])
+def test_cpu_matches_reference(kind, dtype, interleaved, d, r, s):
+    check_forward_backward("cpu", kind, b=2, hq=4, hk=2, s=s, d=d, r=r, dtype=dtype, interleaved=interleaved)
+
+
+# Interpreted Triton: each feature at least once, with the odd sizes, both layouts and every dtype.
+@pytest.mark.parametrize(
+    ("kind", "dtype", "interleaved", "d", "r", "s"),
+    [
+        ("broadcast", torch.float32, False, 64, 64, 217),
+        ("broadcast", torch.bfloat16, True, 80, 80, 7),
+        ("offset", torch.float16, False, 96, 48, 7),
+        ("offset", torch.float32, True, 128, 96, 1),
+        ("per_sequence", torch.bfloat16, False, 64, 32, 217),
+        ("per_sequence", torch.float32, True, 256, 256, 7),
+        ("position_ids", torch.float16, True, 64, 64, 7),
+        ("position_ids", torch.float32, False, 80, 64, 217),
+        ("varlen", torch.bfloat16, False, 64, 64, 7),
+        ("varlen", torch.float32, True, 96, 96, 217),
+    ],
+)
+def test_triton_matches_reference(kind, dtype, interleaved, d, r, s):
+    check_forward_backward("triton", kind, b=2, hq=3, hk=1, s=s, d=d, r=r, dtype=dtype, interleaved=interleaved)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+@pytest.mark.parametrize("kind", ["broadcast", "varlen"])
+def test_attention_factor_is_folded_in(backend, kind):
+    check_forward_backward(
+        backend, kind, b=2, hq=2, hk=1, s=7, d=64, r=64, dtype=torch.float32, interleaved=False, factor=1.2
+    )
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_gradcheck_float64(backend, kind):
+    q, _, kwargs, _, form = make_case(kind, b=2, hq=2, hk=1, s=5, d=8, dtype=torch.float64)
+    cos, sin = (form(t) for t in table(6, 320, dtype=torch.float64))
+    x = q.clone().requires_grad_()
+    assert torch.autograd.gradcheck(lambda t: apply_rotary(t, cos, sin, backend=backend, **kwargs), (x,))
+
+
+def test_gradcheck_float64_through_cos_sin_on_the_torch_path():
+    x = torch.randn(1, 2, 5, 8, dtype=torch.float64, requires_grad=True)
+    angles = torch.randn(5, 3, dtype=torch.float64)
+    cos, sin = angles.cos().requires_grad_(), angles.sin().requires_grad_()
+    assert choose_backend("auto", [x], cos, sin, "broadcast") == "torch"
+    assert torch.autograd.gradcheck(lambda a, c, s: apply_rotary(a, c, s), (x, cos, sin))
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("kind", ["broadcast", "per_sequence", "varlen"])
+def test_in_place_writes_exactly_the_rotated_channels(backend, interleaved, kind):
+    device = DEVICE[backend]
+    q, _, kwargs, _, form = make_case(kind, b=2, hq=3, hk=1, s=7, d=80, dtype=torch.bfloat16)
+    cos, sin = (form(t).to(device) for t in table(48, 320))
+    kwargs = {key: (v.to(device) if isinstance(v, torch.Tensor) else v) for key, v in kwargs.items()}
+    q = q.to(device)
+    expected = apply_rotary(q, cos, sin, interleaved=interleaved, backend=backend, **kwargs)
+    x = q.clone()
+    returned = apply_rotary_(x, cos, sin, interleaved=interleaved, backend=backend, **kwargs)
+    assert returned is x
+    assert torch.equal(x[..., 48:], q[..., 48:]), "channels past rotary_dim must not be written"
+    assert torch.equal(x, expected)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+def test_in_place_backward_matches_out_of_place(backend):
+    device = DEVICE[backend]
+    cos, sin = (t.to(device) for t in table(32, 16))
+    leaf = torch.randn(2, 3, 7, 40, device=device, requires_grad=True)
+    grad = torch.randn(2, 3, 7, 40, device=device)
+    apply_rotary(leaf * 1.0, cos, sin, offset=4, backend=backend).backward(grad)
+    expected, leaf.grad = leaf.grad, None
+    x = leaf * 1.0  # a non-leaf, as activations are
+    apply_rotary_(x, cos, sin, offset=4, backend=backend).backward(grad)
+    assert_close(leaf.grad.double(), expected.double())
+
+
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_strided_views_and_single_tensor(backend):
+    """Non-contiguous inputs (a slice of a fused qkv projection) rotate like contiguous ones."""
+    device = DEVICE[backend]
+    cos, sin = (t.to(device) for t in table(64, 16))
+    qkv = torch.randn(2, 7, 3, 4, 64, device=device)  # (b, s, 3, h, d)
+    q = qkv[:, :, 0]  # (b, s, h, d), not contiguous
+    out = apply_rotary(q, cos, sin, layout="bshd", offset=0, backend=backend)
+    expected = apply_rotary(q.contiguous(), cos, sin, layout="bshd", offset=0, backend="torch")
+    assert_close(out.cpu(), expected.cpu().double())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cpu_16_bit_conversions_are_exact(dtype):
+    """With sin = 0 the kernel computes round(x * c) for every finite 16-bit x; torch rounds the same product."""
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    x = bits.view(dtype)
+    x = x[torch.isfinite(x)].reshape(1, 1, -1, 2)
+    x = torch.cat([x[..., :1], x[..., 1:]], dim=-1)  # (1, 1, n, 2): one pair per token
+    c = torch.full((x.shape[2], 1), 0.7, dtype=torch.float32)
+    out = apply_rotary(x, c, torch.zeros_like(c), backend="cpu")
+    expected = torch.cat([x[..., :1].float() * c, x[..., 1:].float() * c], dim=-1).to(dtype)
+    same = (out.float() == expected.float()) | (out.isnan() & expected.isnan())
+    assert bool(same.all())
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    cos, sin = table(64, 32)
+
+    def attention_inputs(q, k):
+        q, k = apply_rotary_qk(q, k, cos, sin, offset=3)
+        return apply_rotary(q * 2.0, cos[:7], sin[:7]) + 1.0, k
+
+    q, k = torch.randn(2, 4, 7, 64), torch.randn(2, 2, 7, 64)
+    compiled = torch.compile(attention_inputs, fullgraph=True)
+    for got, want in zip(compiled(q, k), attention_inputs(q, k), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+def test_torch_compile_fullgraph_backward():
+    cos, sin = table(64, 32)
+    q = torch.randn(2, 4, 7, 64, requires_grad=True)
+    compiled = torch.compile(
+        lambda x: apply_rotary(x, cos, sin, offset=2, backend="cpu").square().sum(), fullgraph=True, backend="aot_eager"
+    )
+    compiled(q).backward()
+    want = torch.autograd.grad(apply_rotary(q, cos, sin, offset=2, backend="torch").square().sum(), q)[0]
+    torch.testing.assert_close(q.grad, want, atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    s=st.integers(1, 40),
+    half=st.integers(1, 24),
+    extra=st.integers(0, 5),
+    heads=st.integers(1, 3),
+    interleaved=st.booleans(),
+    dtype=st.sampled_from(ALL_DTYPES),
+)
+def test_cpu_inverse_and_norm_properties(s, half, extra, heads, interleaved, dtype):
+    """Rotating back with conjugate recovers x; a rotation keeps every pair's length."""
+    d = 2 * half + 2 * extra
+    x = torch.randn(1, heads, s, d, dtype=torch.float64)
+    cos, sin = table(2 * half, s + 8, dtype=torch.float64)
+    out = apply_rotary(x, cos, sin, offset=8, backend="cpu")
+    back = apply_rotary(out, cos, sin, offset=8, conjugate=True, backend="cpu")
+    torch.testing.assert_close(back, x, atol=1e-12, rtol=1e-12)
+    lowp = apply_rotary(x.to(dtype), cos.float(), sin.float(), offset=8, interleaved=interleaved, backend="cpu")
+    pairs = (
+        (lambda t: t[..., : 2 * half].unflatten(-1, (half, 2)))
+        if interleaved
+        else (lambda t: torch.stack((t[..., :half], t[..., half : 2 * half]), dim=-1))
+    )
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(
+        pairs(lowp.double()).norm(dim=-1), pairs(x.to(dtype).double()).norm(dim=-1), atol=4 * atol, rtol=4 * rtol
+    )
+
+
+def test_auto_picks_the_fused_cpu_kernel_and_falls_back_to_torch():
+    x = torch.randn(1, 2, 3, 8)
+    cos, sin = table(8, 3)
+    assert "cpu" in posenc.available_backends()
+    assert choose_backend("auto", [x], cos, sin, "broadcast") == "cpu"
+    assert choose_backend("auto", [x], cos.requires_grad_(), sin, "broadcast") == "torch"
+    assert choose_backend("auto", [x.reshape(1, 1, 2, 3, 8)], cos.detach(), sin, "broadcast") == "torch"
+
+
+def test_rope_module_passes_backend_through():
+    q, k = torch.randn(2, 4, 9, 64), torch.randn(2, 2, 9, 64)
+    fused = posenc.RoPE(64, rotary_dim=48, backend="cpu")(q, k, offset=torch.tensor([0, 5]))
+    plain = posenc.RoPE(64, rotary_dim=48, backend="torch")(q, k, offset=torch.tensor([0, 5]))
+    for a, b in zip(fused, plain, strict=True):
+        assert_close(a, b.double())
+    with pytest.raises(ValueError, match="backend must be one of"):
+        posenc.RoPE(64, backend="cuda")
+
+
+def test_errors_name_the_argument_and_the_fix():
+    x = torch.randn(2, 3, 5, 16)
+    cos, sin = table(16, 8)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        apply_rotary(x, cos[:5], sin[:5], backend="fast")
+    with pytest.raises(ValueError, match="layout='bshd' only applies"):
+        apply_rotary(x, cos[:5], sin[:5], layout="bshd")
+    with pytest.raises(ValueError, match="layout must be 'bhsd' or 'bshd'"):
+        apply_rotary(x, cos, sin, offset=0, layout="sbhd")
+    with pytest.raises(ValueError, match="tables of shape"):
+        apply_rotary(x, cos[None], sin[None], offset=0)
+    with pytest.raises(ValueError, match="table has 8 rows"):
+        apply_rotary(x, cos, sin, offset=4)
+    with pytest.raises(ValueError, match="must be 4-D"):
+        apply_rotary(x[0], cos, sin, offset=0)
+    with pytest.raises(ValueError, match=r"offset must be an int or a \(2,\) tensor"):
+        apply_rotary(x, cos, sin, offset=torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match="offset must be >= 0"):
+        apply_rotary(x, cos, sin, offset=-1)
+    with pytest.raises(TypeError, match="offset must be an int"):
+        apply_rotary(x, cos, sin, offset=1.5)
+    with pytest.raises(ValueError, match=r"positions must have shape \(5,\) or \(2, 5\)"):
+        apply_rotary(x, cos, sin, positions=torch.arange(4))
+    packed = torch.randn(6, 2, 16)
+    with pytest.raises(ValueError, match="end at total_tokens=6"):
+        apply_rotary(packed, cos, sin, cu_seqlens=torch.tensor([0, 2, 5]))
+    with pytest.raises(ValueError, match="non-decreasing"):
+        apply_rotary(packed, cos, sin, cu_seqlens=torch.tensor([0, 4, 2, 6]))
+    with pytest.raises(ValueError, match="cannot be combined with cu_seqlens"):
+        apply_rotary(packed, cos, sin, cu_seqlens=torch.tensor([0, 6]), positions=torch.arange(6))
+    with pytest.raises(ValueError, match="drop layout"):
+        apply_rotary(packed, cos, sin, cu_seqlens=torch.tensor([0, 6]), layout="bhsd")
+    with pytest.raises(ValueError, match="must share a dtype"):
+        apply_rotary_qk(x, x.double(), cos[:5], sin[:5])
+    with pytest.raises(ValueError, match="share their batch and token sizes"):
+        apply_rotary_qk(x, x[:, :, :4], cos, sin, offset=0)
+    with pytest.raises(ValueError, match="cos/sin require grad"):
+        apply_rotary(x, cos[:5].clone().requires_grad_(), sin[:5], backend="cpu")
+    with pytest.raises(ValueError, match="x: cos/sin of shape"):
+        apply_rotary(x, cos, sin)

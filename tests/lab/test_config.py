@@ -1,0 +1,117 @@
+"""LabConfig validation, presets, overrides, and the rope_parameters of every extension."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+import posenc
+from posenc.lab.config import EXTENSIONS, PRESETS, LabConfig, extension_rope_parameters, make_config
+from posenc.rope.frequencies import default_inv_freq
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_presets_are_valid_and_cover_every_encoding(name):
+    config = PRESETS[name]
+    assert set(config.encodings) == set(posenc.available())
+    assert set(config.extensions) == set(EXTENSIONS)
+    assert config.eval_lengths == tuple(config.train_len * f for f in (1, 2, 4, 8))
+    assert config.extension_lengths == config.eval_lengths[1:]
+
+
+def test_full_preset_has_three_seeds():
+    assert PRESETS["full"].seeds == (0, 1, 2)
+    assert make_config("full", seed=5).seeds == (5, 6, 7)
+
+
+def test_train_len_override_keeps_the_multiples_and_halves_score_len():
+    config = make_config("default", train_len=32)
+    assert config.eval_lengths == (32, 64, 128, 256)
+    assert config.score_len == 16
+    explicit = make_config("default", train_len=32, eval_lengths=[32, 96], score_len=8)
+    assert explicit.eval_lengths == (32, 96) and explicit.score_len == 8
+
+
+def test_none_overrides_pass_through():
+    assert make_config("quick", steps=None, lr=None) == PRESETS["quick"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"encodings": ("rope", "xpos")}, "unknown encodings: xpos"),
+        ({"encodings": ()}, "encodings must name at least one"),
+        ({"encodings": ("rope", "rope")}, "names something twice"),
+        ({"extensions": ("pi", "longrope2")}, "unknown extensions: longrope2"),
+        ({"encodings": ("alibi",)}, "add rope to encodings"),
+        ({"eval_lengths": (16, 8)}, "eval length 8 is shorter than train_len=16"),
+        ({"eval_lengths": (32, 16, 64)}, "increasing without repeats"),
+        ({"eval_lengths": ()}, "non-empty tuple"),
+        ({"score_len": 17}, "score_len=17 must be <= train_len=16"),
+        ({"task": "needle"}, "unknown task 'needle'"),
+        ({"steps": 0}, "steps must be a positive integer"),
+        ({"lr": -1.0}, "lr must be a finite number > 0"),
+        ({"lr": float("nan")}, "lr must be a finite number > 0"),
+        ({"dim": 30, "heads": 4}, "dim=30 must be a multiple of heads=4"),
+        ({"dim": 36, "heads": 4}, "even head_dim"),
+        ({"val_fraction": 0.0}, "val_fraction must be > 0"),
+        ({"warmup_fraction": 1.5}, "warmup_fraction must be a number in"),
+        ({"finetune_steps": -1}, "finetune_steps must be an integer >= 0"),
+        ({"max_corpus_bytes": 0}, "max_corpus_bytes must be a positive integer"),
+    ],
+)
+def test_bad_values_name_the_field(overrides, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        make_config("quick", **overrides)
+
+
+def test_unknown_preset_and_unknown_field():
+    with pytest.raises(ValueError, match="unknown preset 'huge'; known presets: quick, default, full"):
+        make_config("huge")
+    with pytest.raises(TypeError, match="unknown LabConfig field"):
+        make_config("quick", num_layers=2)
+    with pytest.raises(TypeError, match="encodings must be a tuple of names"):
+        dataclasses.replace(PRESETS["quick"], encodings="rope")
+
+
+def test_results_key_ignores_what_only_selects_units():
+    base = PRESETS["default"]
+    assert base.results_key() == make_config("default", encodings=("rope",), extensions=(), seed=3).results_key()
+    assert base.results_key() != make_config("default", steps=7).results_key()
+
+
+@pytest.mark.parametrize("name", list(EXTENSIONS))
+@pytest.mark.parametrize("factor", [2, 4, 8])
+def test_every_extension_builds_a_rope_module(name, factor):
+    params = extension_rope_parameters(name, factor, 64)
+    rope = posenc.RoPE(16, rope_parameters=params, max_position_embeddings=64)
+    inv_freq, attention_factor = rope.frequencies(seq_len=64 * factor)
+    default = default_inv_freq(16, 10000.0)
+    assert inv_freq.shape == (8,)
+    # Every extension slows (or keeps) every frequency: none rotates faster than the trained model.
+    assert bool((inv_freq <= default * (1 + 1e-12)).all())
+    if name == "pi":
+        torch.testing.assert_close(inv_freq, default / factor, rtol=1e-12, atol=0)
+    if name == "yarn":
+        assert attention_factor == pytest.approx(0.1 * math.log(factor) + 1)
+    else:
+        assert attention_factor == 1.0
+
+
+def test_dynamic_is_the_trained_rope_at_the_training_length():
+    rope = posenc.RoPE(16, rope_parameters=extension_rope_parameters("dynamic", 4, 64), max_position_embeddings=64)
+    torch.testing.assert_close(rope.frequencies(seq_len=64)[0], default_inv_freq(16, 10000.0), rtol=0, atol=0)
+
+
+def test_unknown_extension():
+    with pytest.raises(ValueError, match="unknown extension 'rerope'"):
+        extension_rope_parameters("rerope", 2, 64)
+
+
+def test_config_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        PRESETS["quick"].steps = 3  # type: ignore[misc]
+    assert isinstance(PRESETS["quick"], LabConfig)

@@ -1,0 +1,126 @@
+"""The corpus: file order, hash, split, the stdlib walk, and deterministic batches and eval windows."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from posenc.lab import data
+from posenc.lab.data import (
+    FILE_SEPARATOR,
+    corpus_files,
+    eval_window_ends,
+    load_corpus,
+    train_starts,
+    windows_at,
+    windows_ending,
+)
+
+
+def test_directory_corpus_is_sorted_joined_hashed_and_split(corpus_dir):
+    files = corpus_files(corpus_dir)
+    relative = [f.relative_to(corpus_dir).as_posix() for f in files]
+    assert relative == sorted(relative) and "pkg/module_1.py" in relative
+    joined = FILE_SEPARATOR.join(f.read_bytes() for f in files)
+    corpus = load_corpus(corpus_dir, val_fraction=0.25)
+    assert corpus.sha256 == hashlib.sha256(joined).hexdigest()
+    assert corpus.files == len(files) and corpus.size == len(joined)
+    assert corpus.val.numel() == int(len(joined) * 0.25)
+    assert bytes(torch.cat((corpus.train, corpus.val)).tolist()) == joined
+    assert load_corpus(corpus_dir, val_fraction=0.25).sha256 == corpus.sha256
+
+
+def test_single_file_corpus_and_max_bytes(tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_bytes(b"abcdefghij" * 100)
+    corpus = load_corpus(path, max_bytes=300)
+    assert corpus.files == 1 and corpus.size == 300
+    assert corpus.sha256 == hashlib.sha256(b"abcdefghij" * 30).hexdigest()
+
+
+def test_stdlib_walk_skips_third_party_and_test_suites(tmp_path):
+    for name in ("os.py", "json/__init__.py", "site-packages/numpy/core.py", "test/test_os.py", "data.txt"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("x = 1\n")
+    found = [f.relative_to(tmp_path).as_posix() for f in corpus_files(tmp_path, stdlib=True)]
+    assert found == ["json/__init__.py", "os.py"]
+    assert "data.txt" in [f.name for f in corpus_files(tmp_path)]
+
+
+def test_builtin_corpus_is_this_pythons_stdlib(monkeypatch, corpus_dir):
+    # The real stdlib takes a second to read; the walk and the "python-stdlib" label are what is tested here.
+    monkeypatch.setattr(data, "stdlib_path", lambda: corpus_dir)
+    corpus = load_corpus(None, max_bytes=2000)
+    assert corpus.source == "python-stdlib" and corpus.size == 2000
+
+
+def test_real_stdlib_path_holds_the_stdlib():
+    path = data.stdlib_path()
+    assert (path / "os.py").is_file() and (path / "json" / "__init__.py").is_file()
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda tmp: tmp / "missing", "does not exist"),
+        (lambda tmp: tmp, "holds no text files"),
+    ],
+)
+def test_bad_corpus_paths(tmp_path, make, message):
+    with pytest.raises(ValueError, match=message):
+        load_corpus(make(tmp_path))
+
+
+def test_too_little_text_and_bad_arguments(tmp_path):
+    path = tmp_path / "a.txt"
+    path.write_text("tiny")
+    with pytest.raises(ValueError, match="holds 4 bytes, but this configuration needs at least 100"):
+        load_corpus(path, min_bytes=100)
+    with pytest.raises(ValueError, match="val_fraction must be in"):
+        load_corpus(path, val_fraction=1.0)
+    with pytest.raises(ValueError, match="max_bytes must be a positive integer"):
+        load_corpus(path, max_bytes=0)
+
+
+def test_train_starts_depend_on_the_seed_only():
+    text = torch.arange(1000, dtype=torch.int64).to(torch.uint8)
+    a = train_starts(text, seq_len=16, batch_size=4, steps=5, seed=3)
+    assert torch.equal(a, train_starts(text, seq_len=16, batch_size=4, steps=5, seed=3))
+    assert not torch.equal(a, train_starts(text, seq_len=16, batch_size=4, steps=5, seed=4))
+    assert a.shape == (5, 4) and int(a.max()) + 17 <= 1000
+    with pytest.raises(ValueError, match="fewer than one window of 17"):
+        train_starts(text[:10], seq_len=16, batch_size=4, steps=5, seed=3)
+
+
+def test_windows_at_gives_inputs_and_next_byte_targets():
+    text = torch.arange(50, dtype=torch.int64).to(torch.uint8)
+    batch = windows_at(text, torch.tensor([0, 10]), 4)
+    assert batch.dtype == torch.int64
+    assert batch.tolist() == [[0, 1, 2, 3, 4], [10, 11, 12, 13, 14]]
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    size=st.integers(80, 400),
+    count=st.integers(1, 20),
+    lengths=st.lists(st.integers(1, 64), min_size=1, max_size=4, unique=True),
+)
+def test_every_length_ends_on_the_same_bytes(size, count, lengths):
+    text = torch.randint(0, 256, (size,), generator=torch.Generator().manual_seed(size)).to(torch.uint8)
+    longest = max(lengths)
+    if count > size - longest:
+        with pytest.raises(ValueError, match="too few"):
+            eval_window_ends(text, longest=longest, count=count)
+        return
+    ends = eval_window_ends(text, longest=longest, count=count)
+    assert ends.shape == (count,) and int(ends.min()) >= longest + 1 and int(ends.max()) <= size
+    shortest = min(lengths)
+    tails = [windows_ending(text, ends, n)[:, -(shortest + 1) :] for n in lengths]
+    for tail in tails[1:]:
+        assert torch.equal(tail, tails[0])
+    for n in lengths:
+        assert windows_ending(text, ends, n).shape == (count, n + 1)

@@ -1,0 +1,139 @@
+"""Sliding-window evaluation: the same scored bytes at every length, bits per byte, entropy, not-applicable
+learned tables, and the copy / passkey tasks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from posenc.lab.data import eval_window_ends, windows_ending
+from posenc.lab.evaluate import attention_entropy, evaluate_length, task_accuracy, task_samples
+from posenc.lab.model import ByteLM, ModelSpec, next_byte_loss
+
+SPEC = ModelSpec(dim=16, layers=2, heads=2, max_positions=8)
+TEXT = torch.randint(0, 256, (600,), generator=torch.Generator().manual_seed(0)).to(torch.uint8)
+
+
+def context_free(model: ByteLM) -> ByteLM:
+    """Zero every block's output projections: the logits then depend on the current byte alone."""
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.o_proj.weight.zero_()
+            block.mlp[2].weight.zero_()
+            block.mlp[2].bias.zero_()
+    return model
+
+
+@pytest.mark.parametrize("encoding", ["rope", "alibi", "sinusoidal"])
+def test_a_context_free_model_scores_the_same_at_every_length(encoding):
+    # If each length scored different bytes, a model that ignores context would score differently.
+    torch.manual_seed(0)
+    model = context_free(ByteLM(SPEC, encoding))
+    if encoding == "sinusoidal":  # the input encoding would still differ by position; take it out
+        model.encoding.forward = lambda positions, dtype=torch.float32: torch.zeros(*positions.shape, 16)
+    ends = eval_window_ends(TEXT, longest=64, count=9)
+    scores = [evaluate_length(model, TEXT, ends, n, score_len=4, batch_size=4).bits_per_byte for n in (8, 16, 64)]
+    assert scores[0] == pytest.approx(scores[1], rel=1e-6) and scores[0] == pytest.approx(scores[2], rel=1e-6)
+
+
+def test_bits_per_byte_is_the_mean_loss_of_the_final_bytes_in_bits():
+    torch.manual_seed(0)
+    model = ByteLM(SPEC, "rope")
+    ends = eval_window_ends(TEXT, longest=32, count=5)
+    result = evaluate_length(model, TEXT, ends, 32, score_len=6, batch_size=2)
+    batch = windows_ending(TEXT, ends, 32)
+    with torch.no_grad():
+        losses = next_byte_loss(model(batch[:, :-1])[0], batch[:, 1:]).double()
+    assert result.applicable and result.scored_bytes == 30
+    # rel 1e-6: evaluation runs the float32 attention that returns probabilities, this check the fused one.
+    assert result.bits_per_byte == pytest.approx(float(losses[:, -6:].mean()) / math.log(2), rel=1e-6)
+    assert len(result.loss_by_position) == 32 and result.position_bin == 1
+    assert result.loss_by_position[-1] == pytest.approx(float(losses[:, -1].mean()) / math.log(2), abs=1e-5)
+    assert len(result.entropy_by_layer) == SPEC.layers
+
+
+def test_loss_by_position_is_binned_for_long_windows():
+    model = ByteLM(SPEC, "nope")
+    ends = eval_window_ends(TEXT, longest=256, count=2)
+    result = evaluate_length(model, TEXT, ends, 256, score_len=4)
+    assert len(result.loss_by_position) == 64 and result.position_bin == 4
+
+
+def test_attention_entropy_of_uniform_causal_attention_is_log_of_the_keys_seen():
+    length = 6
+    allowed = torch.ones(length, length).tril()
+    probs = (allowed / allowed.sum(-1, keepdim=True)).expand(2, 3, length, length)
+    expected = sum(math.log(i + 1) for i in range(length - 2, length)) / 2  # last two query rows
+    torch.testing.assert_close(attention_entropy(probs, 2), torch.full((2,), expected, dtype=torch.float64))
+    one_hot = torch.eye(length).expand(1, 1, length, length)
+    assert float(attention_entropy(one_hot, length)) == 0.0
+
+
+def test_learned_past_its_table_is_not_applicable_with_the_reason():
+    model = ByteLM(SPEC, "learned")
+    ends = eval_window_ends(TEXT, longest=16, count=3)
+    inside = evaluate_length(model, TEXT, ends, 8, score_len=4)
+    past = evaluate_length(model, TEXT, ends, 16, score_len=4)
+    assert inside.applicable and inside.bits_per_byte is not None
+    assert not past.applicable and past.bits_per_byte is None
+    assert "outside the learned table of max_positions=8" in past.reason
+
+
+def test_other_errors_are_not_mistaken_for_not_applicable():
+    model = ByteLM(SPEC, "rope")
+
+    def broken(*args, **kwargs):
+        raise ValueError("something else went wrong")
+
+    model.blocks[0].attn.forward = broken
+    ends = eval_window_ends(TEXT, longest=16, count=3)
+    with pytest.raises(ValueError, match="something else went wrong"):
+        evaluate_length(model, TEXT, ends, 16, score_len=4)
+    with pytest.raises(ValueError, match="score_len must be in"):
+        evaluate_length(ByteLM(SPEC, "rope"), TEXT, ends, 8, score_len=9)
+
+
+class Oracle(nn.Module):
+    """Predicts ``targets`` (k, L) for the k known input rows (a stand-in for a perfect model)."""
+
+    def __init__(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        super().__init__()
+        self.inputs, self.targets = inputs, targets
+        self.anchor = nn.Parameter(torch.zeros(1))
+
+    def forward(self, tokens):
+        rows = [int((self.inputs == t).all(1).nonzero()[0]) for t in tokens]
+        return nn.functional.one_hot(self.targets[rows], 256).float(), []
+
+
+@pytest.mark.parametrize("kind", ["passkey", "copy"])
+def test_task_layout_and_exact_match(kind):
+    filler = windows_ending(TEXT, eval_window_ends(TEXT, longest=64, count=4), 64)
+    samples = task_samples(kind, filler, seed=1)
+    assert samples.inputs.shape == (4, 64)
+    full = torch.cat((samples.inputs, samples.answers[:, -1:]), dim=1)
+    # The answer is written near the start (the needle) and predicted at the end.
+    answer = bytes(samples.answers[0].tolist())
+    assert answer in bytes(full[0, :40].tolist()) and bytes(full[0, -len(answer) :].tolist()) == answer
+    if kind == "passkey":
+        assert answer.isdigit() and len(answer) == 5
+    targets = full[:, 1:]
+    assert task_accuracy(Oracle(samples.inputs, targets), samples, batch_size=3) == 1.0
+    wrong = targets.clone()
+    wrong[1, -2] = (wrong[1, -2] + 1) % 256  # one wrong answer byte for sample 1
+    assert task_accuracy(Oracle(samples.inputs, wrong), samples) == 0.75
+    wrong_filler = targets.clone()
+    wrong_filler[2, 5] = (wrong_filler[2, 5] + 1) % 256  # a wrong prediction outside the answer does not count
+    assert task_accuracy(Oracle(samples.inputs, wrong_filler), samples) == 1.0
+    assert torch.equal(task_samples(kind, filler, seed=1).answers, samples.answers)
+
+
+def test_task_needs_room_and_a_known_kind():
+    filler = windows_ending(TEXT, eval_window_ends(TEXT, longest=16, count=2), 16)
+    with pytest.raises(ValueError, match="the passkey task needs windows of 35 bytes of context, more than 16"):
+        task_samples("passkey", filler, seed=0)
+    with pytest.raises(ValueError, match="unknown task 'needle'"):
+        task_samples("needle", filler, seed=0)

@@ -1,0 +1,94 @@
+"""ByteLM: every encoding through the same code, one shared encoding instance, causality, and extensions
+loading the trained rope weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import posenc
+from posenc.lab.config import EXTENSIONS, extension_rope_parameters
+from posenc.lab.model import ByteLM, ModelSpec, next_byte_loss
+
+SPEC = ModelSpec(dim=16, layers=2, heads=2, max_positions=8)
+
+
+@pytest.mark.parametrize("encoding", posenc.available())
+def test_every_encoding_runs_with_one_shared_instance(encoding):
+    torch.manual_seed(0)
+    model = ByteLM(SPEC, encoding)
+    assert all(block.attn.encoding is model.encoding for block in model.blocks)
+    tokens = torch.randint(0, 256, (3, 8))
+    logits, attentions = model(tokens, return_attention=True)
+    assert logits.shape == (3, 8, 256) and len(attentions) == SPEC.layers
+    for probs in attentions:
+        assert probs.shape == (3, 2, 8, 8)
+        torch.testing.assert_close(probs.sum(-1), torch.ones(3, 2, 8))
+        assert bool((probs.triu(diagonal=1) == 0).all())  # causal
+    plain, none = model(tokens)
+    assert none == [] and torch.allclose(plain, logits, atol=1e-5)
+
+
+@settings(max_examples=10, deadline=None)
+@given(encoding=st.sampled_from(posenc.available()), cut=st.integers(1, 7))
+def test_changing_later_bytes_never_changes_earlier_logits(encoding, cut):
+    torch.manual_seed(1)
+    model = ByteLM(SPEC, encoding)
+    tokens = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(cut))
+    changed = tokens.clone()
+    changed[:, cut:] = (changed[:, cut:] + 1) % 256
+    with torch.no_grad():
+        a, _ = model(tokens)
+        b, _ = model(changed)
+    torch.testing.assert_close(a[:, :cut], b[:, :cut], rtol=1e-5, atol=1e-5)
+
+
+def test_learned_table_refuses_to_run_past_its_size():
+    model = ByteLM(SPEC, "learned")
+    with pytest.raises(ValueError, match="outside the learned table of max_positions=8"):
+        model(torch.zeros(1, 9, dtype=torch.long))
+
+
+@pytest.mark.parametrize("extension", list(EXTENSIONS))
+def test_extended_model_takes_the_trained_rope_weights(extension):
+    torch.manual_seed(0)
+    trained = ByteLM(SPEC, "rope")
+    params = extension_rope_parameters(extension, 4.0, SPEC.max_positions)
+    extended = ByteLM(SPEC, "rope", {"rope_parameters": params})
+    extended.load_state_dict(trained.state_dict(), strict=True)
+    assert extended.encoding.rope_type == params["rope_type"]
+    assert extended.encoding.max_position_embeddings == SPEC.max_positions
+    tokens = torch.randint(0, 256, (1, 32))
+    with torch.no_grad():
+        differs = not torch.allclose(trained(tokens)[0], extended(tokens)[0])
+    assert differs  # the rebuilt RoPE really rotates differently at 4x the trained length
+
+
+def test_unknown_options_are_errors_not_ignored():
+    with pytest.raises(TypeError):
+        ByteLM(SPEC, "alibi", {"base": 500.0})
+    with pytest.raises(ValueError, match="unknown encoding 'xpos'"):
+        ByteLM(SPEC, "xpos")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"dim": 0}, "ModelSpec.dim must be a positive integer"),
+        ({"dim": 18, "heads": 4}, "divisible by heads=4"),
+        ({"dim": 12, "heads": 4}, "head_dim = dim / heads = 3 must be even"),
+    ],
+)
+def test_model_spec_validation(kwargs, message):
+    base = {"dim": 16, "layers": 1, "heads": 2, "max_positions": 8}
+    with pytest.raises(ValueError, match=message):
+        ModelSpec(**{**base, **kwargs})
+
+
+def test_next_byte_loss_is_cross_entropy_per_position():
+    logits = torch.randn(2, 5, 256, dtype=torch.float64)
+    targets = torch.randint(0, 256, (2, 5))
+    expected = -logits.log_softmax(-1).gather(-1, targets[..., None])[..., 0]
+    torch.testing.assert_close(next_byte_loss(logits, targets), expected.float())

@@ -1,0 +1,229 @@
+"""End to end on tiny corpora: what a run writes, resuming, interrupts, determinism and bad input."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+
+import pytest
+
+from posenc.cli import main
+from posenc.lab import runner
+from posenc.lab.config import make_config
+from posenc.lab.report import PLOTS
+from posenc.lab.runner import Lab, plan
+
+REQUIRED = ("encoding", "extension", "train_len", "eval_len", "seed", "bits_per_byte")
+
+
+def rows_of(out):
+    return list(csv.DictReader(io.StringIO((out / "results.csv").read_text())))
+
+
+def quiet(config, out, **kwargs):
+    return Lab(config, out, progress=False, echo=lambda line: None, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, corpus_dir):
+    """One complete tiny run with every encoding, extension and a 2-step fine-tune."""
+    config = make_config(
+        "quick",
+        corpus=str(corpus_dir),
+        dim=16,
+        layers=1,
+        heads=2,
+        train_len=8,
+        steps=6,
+        batch_size=4,
+        eval_windows=4,
+        finetune_steps=2,
+    )
+    out = tmp_path_factory.mktemp("run")
+    results = quiet(config, out, command="posenc lab --test").run()
+    return config, out, results
+
+
+def test_a_run_writes_csv_json_report_and_plots(finished):
+    config, out, results = finished
+    rows = rows_of(out)
+    assert set(REQUIRED) <= set(rows[0])
+    # 6 encodings x 4 lengths, 5 extensions x 3 lengths, pi and yarn fine-tuned at each of 3 lengths
+    assert len(rows) == 6 * 4 + 5 * 3 + 2 * 3 == len(results["rows"])
+    assert {r["encoding"] for r in rows} == set(config.encodings)
+    assert {r["extension"] for r in rows} == {"none", *config.extensions}
+    assert {(r["extension"], r["eval_len"]) for r in rows if r["finetune_steps"] == "2"} == {
+        (e, str(n)) for e in ("pi", "yarn") for n in (16, 32, 64)
+    }
+    for row in rows:
+        if row["encoding"] == "learned" and int(row["eval_len"]) > 8:
+            assert row["applicable"] == "False" and row["bits_per_byte"] == ""
+            assert "max_positions=8" in row["reason"]
+        else:
+            assert row["applicable"] == "True" and 0 < float(row["bits_per_byte"]) < 12
+            assert len(json.loads(row["entropy_by_layer"])) == 1
+    stored = json.loads((out / "results.json").read_text())
+    assert stored["corpus"]["sha256"] == results["corpus"]["sha256"] and stored["seeds"] == [0]
+    assert {"torch", "python", "posenc"} <= set(stored["versions"]) and stored["machine"]["cpu_count"] >= 1
+    assert stored["timings"]["units_run"] == len(plan(config)) and stored["command"] == "posenc lab --test"
+    report = (out / "report.md").read_text()
+    assert "| learned | " in report and "n/a" in report and "rope+yarn+ft2" in report
+    for name in PLOTS:
+        assert (out / name).read_bytes().startswith(b"\x89PNG\r\n\x1a\n"), name
+        assert f"]({name})" in report
+    assert not list(out.rglob("*.tmp"))
+
+
+def test_extensions_really_change_the_rope_model(finished):
+    _, out, _ = finished
+    by = {(r["extension"], r["finetune_steps"], r["eval_len"]): r["bits_per_byte"] for r in rows_of(out)}
+    for extension in ("pi", "ntk", "yarn", "llama3"):
+        assert by[(extension, "0", "64")] != by[("none", "0", "64")], extension
+
+
+def test_rerun_skips_everything_it_finished(finished, monkeypatch):
+    config, out, _ = finished
+    before = (out / "results.csv").read_text()
+    monkeypatch.setattr(runner, "train", lambda *a, **k: pytest.fail("a finished unit was trained again"))
+    again = quiet(config, out).run()
+    assert again["timings"]["units_run"] == 0 and (out / "results.csv").read_text() == before
+
+
+def test_ctrl_c_keeps_finished_units_and_resuming_gives_the_same_numbers(tiny_config, tmp_path, monkeypatch):
+    config = tiny_config(encodings=("learned", "sinusoidal", "rope"), extensions=("pi",), finetune_steps=2)
+    reference = tmp_path / "reference"
+    quiet(config, reference).run()
+    out = tmp_path / "interrupted"
+    calls = []
+    real_train = runner.train
+
+    def interrupted_third_time(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_train(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "train", interrupted_third_time)
+    with pytest.raises(KeyboardInterrupt):
+        quiet(config, out).run()
+    done = sorted(p.parent.parent.name for p in out.rglob("metrics.json"))
+    assert done == ["learned", "sinusoidal"]
+    assert not list(out.rglob("*.tmp")) and not (out / "results.csv").exists()
+    monkeypatch.setattr(runner, "train", real_train)
+    resumed = quiet(config, out).run()
+    assert resumed["timings"]["units_skipped"] == 2
+    # Same seed, same numbers: trained in another order of process states, the results are byte-identical.
+    assert (out / "results.csv").read_text() == (reference / "results.csv").read_text()
+
+
+def test_interrupted_evaluation_resumes_without_retraining(tiny_config, tmp_path, monkeypatch):
+    config = tiny_config(encodings=("alibi",), extensions=())
+    out = tmp_path / "run"
+    real = runner.evaluate_length
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "evaluate_length", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        quiet(config, out).run()
+    folder = out / "runs" / "alibi" / "seed0"
+    assert sorted(p.name for p in folder.iterdir()) == ["model.safetensors", "train.json"]
+    monkeypatch.setattr(runner, "evaluate_length", real)
+    monkeypatch.setattr(runner, "train", lambda *a, **k: pytest.fail("trained again"))
+    results = quiet(config, out).run()
+    assert len(results["rows"]) == 4 and (folder / "metrics.json").exists()
+
+
+def test_run_command_reports_an_interrupt(tiny_config, tmp_path, monkeypatch, capsys):
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "train", interrupt)
+    overrides = {k: v for k, v in vars(tiny_config(encodings=("nope",), extensions=())).items()}
+    status = runner.run_command(preset="quick", out=tmp_path / "r", overrides=overrides, progress=False)
+    assert status == 130
+    assert "interrupted; every finished run is saved" in capsys.readouterr().err
+
+
+def test_a_folder_of_another_configuration_is_refused(finished):
+    config, out, _ = finished
+    changed = make_config("quick", **{**vars(config), "steps": 7})
+    with pytest.raises(ValueError, match=r"different configuration \(differs in: steps\)"):
+        quiet(changed, out).prepare()
+    # Selecting fewer units of the same configuration is fine.
+    quiet(make_config("quick", **{**vars(config), "encodings": ("alibi",), "extensions": ()}), out).prepare()
+
+
+def test_multiple_seeds_report_mean_and_spread(tiny_config, tmp_path):
+    config = tiny_config(encodings=("rope",), extensions=("pi",), num_seeds=2)
+    results = quiet(config, tmp_path).run()
+    assert {r["seed"] for r in results["rows"]} == {0, 1}
+    assert "±" in (tmp_path / "report.md").read_text()
+
+
+def test_task_accuracy_is_reported_by_length(tiny_config, tmp_path):
+    config = tiny_config(
+        encodings=("learned", "rope"), extensions=("yarn",), task="passkey", train_len=40, eval_lengths=(40, 80)
+    )
+    rows = quiet(config, tmp_path).run()["rows"]
+    measured = {(r["encoding"], r["extension"], r["eval_len"]): r["task_accuracy"] for r in rows}
+    assert measured[("learned", "none", 80)] is None  # not applicable past the table
+    assert all(0.0 <= measured[k] <= 1.0 for k in measured if k != ("learned", "none", 80))
+    assert "passkey task: exact-match accuracy" in (tmp_path / "report.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("setup", "message"),
+    [
+        (lambda tmp, cfg: cfg(corpus=str(tmp / "nowhere")), "does not exist"),
+        (lambda tmp, cfg: cfg(corpus=_small_file(tmp)), "holds too little text"),
+        (lambda tmp, cfg: cfg(task="copy"), "the copy task needs windows of"),
+        (lambda tmp, cfg: cfg(eval_windows=10**6), "holds too little text"),
+    ],
+)
+def test_bad_input_fails_before_any_training(tiny_config, tmp_path, monkeypatch, setup, message):
+    monkeypatch.setattr(runner, "train", lambda *a, **k: pytest.fail("training started"))
+    with pytest.raises(ValueError, match=message):
+        quiet(setup(tmp_path, tiny_config), tmp_path / "out").run()
+
+
+def test_out_must_be_a_folder(tiny_config, tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="exists and is not a folder"):
+        quiet(tiny_config(), tmp_path / "file").prepare()
+
+
+def _small_file(tmp):
+    path = tmp / "small.txt"
+    path.write_text("print('hello')\n" * 4)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--encodings", "rope,xpos"], "unknown encodings: xpos"),
+        (["--eval-lengths", "4,8"], "eval length 4 is shorter than train_len=16"),
+        (["--extensions", "pi", "--encodings", "alibi"], "add rope to encodings"),
+        (["--threads", "0"], "--threads must be a positive integer"),
+    ],
+)
+def test_cli_bad_input_exits_2_with_the_reason(corpus_dir, tmp_path, capsys, flags, message):
+    status = main(["lab", "--preset", "quick", "--corpus", str(corpus_dir), "--out", str(tmp_path), *flags])
+    assert status == 2
+    err = capsys.readouterr().err
+    assert err.startswith("posenc lab: error:") and message in err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_quick_preset_from_the_command_line(corpus_dir, tmp_path, capsys):
+    out = tmp_path / "quick"
+    status = main(["lab", "--preset", "quick", "--corpus", str(corpus_dir), "--out", str(out), "--no-progress"])
+    assert status == 0
+    printed = capsys.readouterr().out
+    assert "Bits per byte, trained at 16" in printed and "| rope+yarn |" in printed
+    stored = json.loads((out / "results.json").read_text())
+    assert stored["command"] == f"posenc lab --preset quick --corpus {corpus_dir} --out {out}"
+    assert stored["config"]["steps"] == 40

@@ -1,0 +1,57 @@
+"""Atomic writes: a failed or interrupted write leaves the old file and no temporary file."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from posenc.lab import store
+from posenc.lab.model import ByteLM, ModelSpec
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_a_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path, error):
+    path = tmp_path / "metrics.json"
+    store.write_json(path, {"done": 1})
+    with pytest.raises(error), store.atomic_path(path) as tmp:
+        tmp.write_text('{"done": ')  # half written
+        raise error()
+    assert store.read_json(path) == {"done": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.json"]
+
+
+def test_writes_create_folders_and_replace(tmp_path):
+    path = tmp_path / "a" / "b" / "report.md"
+    store.write_text(path, "one")
+    store.write_text(path, "two")
+    store.write_bytes(tmp_path / "x.bin", b"\x00\x01")
+    assert path.read_text() == "two" and (tmp_path / "x.bin").read_bytes() == b"\x00\x01"
+    assert not list(tmp_path.rglob("*.tmp"))
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask  # readable like any file the user writes
+
+
+@pytest.mark.parametrize("encoding", ["t5", "learned", "rope"])
+def test_weights_round_trip_with_the_shared_encoding(tmp_path, encoding):
+    spec = ModelSpec(dim=16, layers=2, heads=2, max_positions=8)
+    torch.manual_seed(0)
+    model = ByteLM(spec, encoding)
+    store.save_weights(model, tmp_path / "model.safetensors", metadata={"encoding": encoding})
+    torch.manual_seed(1)
+    other = ByteLM(spec, encoding)
+    store.load_weights(other, tmp_path / "model.safetensors")
+    for (name, a), b in zip(model.state_dict().items(), other.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    # The shared table is still one tensor after loading, not one copy per layer.
+    if encoding == "t5":
+        assert other.blocks[0].attn.encoding.table.weight is other.encoding.table.weight
+
+
+def test_loading_into_another_shape_fails(tmp_path):
+    spec = ModelSpec(dim=16, layers=1, heads=2, max_positions=8)
+    store.save_weights(ByteLM(spec, "rope"), tmp_path / "m.safetensors")
+    with pytest.raises(RuntimeError):
+        store.load_weights(ByteLM(spec, "learned"), tmp_path / "m.safetensors")

@@ -1,0 +1,71 @@
+"""The training loop: schedule, determinism, and that it learns."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from posenc.lab.model import ByteLM, ModelSpec
+from posenc.lab.train import LOSS_POINTS, lr_at, make_optimizer, train
+
+SPEC = ModelSpec(dim=16, layers=1, heads=2, max_positions=8)
+TEXT = torch.tensor(list(b"abcdefgh" * 200), dtype=torch.uint8)
+
+
+@given(steps=st.integers(1, 500), warmup=st.floats(0.0, 0.9), floor=st.floats(0.0, 0.99))
+def test_schedule_warms_up_linearly_then_decays_to_the_floor(steps, warmup, floor):
+    rates = [lr_at(s, steps=steps, lr=2.0, warmup_fraction=warmup, min_lr_fraction=floor) for s in range(steps)]
+    n_warm = math.ceil(warmup * steps)
+    for s in range(n_warm):
+        assert rates[s] == pytest.approx(2.0 * (s + 1) / n_warm)
+    decay = rates[n_warm:]
+    assert all(a >= b - 1e-12 for a, b in itertools.pairwise(decay))
+    assert all(2.0 * floor - 1e-12 <= r <= 2.0 + 1e-12 for r in decay)
+    if len(decay) > 1:
+        assert decay[0] == pytest.approx(2.0) and decay[-1] == pytest.approx(2.0 * floor)
+
+
+def test_constant_after_warmup_when_the_floor_is_one():
+    rates = [lr_at(s, steps=20, lr=1.0, warmup_fraction=0.1, min_lr_fraction=1.0) for s in range(20)]
+    assert rates[:2] == [0.5, 1.0] and all(r == pytest.approx(1.0) for r in rates[2:])
+
+
+def run(seed: int, encoding: str = "rope") -> tuple[ByteLM, float]:
+    torch.manual_seed(seed)
+    model = ByteLM(SPEC, encoding)
+    result = train(model, TEXT, seq_len=8, batch_size=8, steps=40, lr=1e-2, seed=seed, progress=False)
+    return model, result.final_loss
+
+
+def test_same_seed_same_weights_other_seed_other_weights():
+    a, loss_a = run(0)
+    b, loss_b = run(0)
+    c, _ = run(1)
+    assert loss_a == loss_b
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+        assert torch.equal(x, y), name
+    assert any(not torch.equal(x, z) for x, z in zip(a.state_dict().values(), c.state_dict().values(), strict=True))
+
+
+@pytest.mark.parametrize("encoding", ["rope", "t5", "learned"])
+def test_it_learns_a_periodic_text(encoding):
+    torch.manual_seed(0)
+    model = ByteLM(SPEC, encoding)
+    result = train(model, TEXT, seq_len=8, batch_size=8, steps=60, lr=1e-2, seed=0, progress=False)
+    assert result.loss_curve[0][1] > 5.0  # ~ln(256) at the start
+    assert result.final_loss < 1.0  # "abcdefgh" repeats: each byte follows from the one before
+    assert result.tokens == 60 * 8 * 8 and len(result.loss_curve) == min(LOSS_POINTS, 60)
+    assert result.loss_curve[-1][0] == 60 and not model.training
+
+
+def test_weight_decay_only_on_matrices():
+    model = ByteLM(SPEC, "t5")
+    decay, no_decay = make_optimizer(model, lr=1e-3, weight_decay=0.1).param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))

@@ -1,0 +1,115 @@
+"""M-RoPE against transformers' Qwen2-VL rotary embedding and rotation, and its own properties."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+import torch
+
+from posenc.rope.module import RoPE
+from posenc.rope.mrope import MRoPE, mrope_axis_of_pair, mrope_cos_sin
+
+
+def _qwen2_vl(head_dim: int, section: list[int], rope_parameters: dict[str, Any], max_pos: int = 4096) -> Any:
+    pytest.importorskip("transformers")
+    from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLTextConfig
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLRotaryEmbedding
+
+    config = Qwen2VLTextConfig(
+        hidden_size=2 * head_dim,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=head_dim,
+        max_position_embeddings=max_pos,
+        rope_parameters={**rope_parameters, "mrope_section": section},
+    )
+    return Qwen2VLRotaryEmbedding(config)
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "section", "rope_parameters"),
+    [
+        (128, [16, 24, 24], {"rope_type": "default", "rope_theta": 1000000.0}),
+        (64, [8, 12, 12], {"rope_type": "default", "rope_theta": 10000.0}),
+        (32, [2, 4, 6, 4], {"rope_type": "default", "rope_theta": 10000.0}),  # a 4th section cycles back to t
+        (
+            64,
+            [8, 12, 12],
+            {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 1024},
+        ),
+    ],
+)
+def test_matches_qwen2_vl(head_dim: int, section: list[int], rope_parameters: dict[str, Any]) -> None:
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import apply_rotary_pos_emb
+
+    hf_rotary = _qwen2_vl(head_dim, section, rope_parameters)
+    gen = torch.Generator().manual_seed(1)
+    b, s = 2, 23
+    t_ids = torch.arange(s).expand(b, s)
+    positions = torch.stack(
+        (t_ids, torch.randint(0, 50, (b, s), generator=gen), torch.randint(0, 3000, (b, s), generator=gen))
+    )
+    q = torch.randn(b, 3, s, head_dim, generator=gen)
+    k = torch.randn(b, 1, s, head_dim, generator=gen)
+    hf_cos, hf_sin = hf_rotary(q, positions)
+    hf_q, hf_k = apply_rotary_pos_emb(q, k, hf_cos, hf_sin)
+
+    rope = MRoPE(head_dim, mrope_section=section, rope_parameters=rope_parameters, max_position_embeddings=4096)
+    our_q, our_k = rope(q, k, positions=positions)
+    inv, factor = rope.frequencies()
+    cos, sin = mrope_cos_sin(positions, inv, rope.mrope_section, factor)
+    # float32 angles in transformers: positions up to 3000 times float32 inv_freq, ~1e-7 relative each
+    angle_tol = factor * (positions.max().item() * 2e-6 + 1e-6)
+    half = head_dim // 2
+    torch.testing.assert_close(cos, hf_cos[..., :half], rtol=0.0, atol=angle_tol)
+    torch.testing.assert_close(sin, hf_sin[..., :half], rtol=0.0, atol=angle_tol)
+    for ours, theirs, x in ((our_q, hf_q, q), (our_k, hf_k, k)):
+        torch.testing.assert_close(ours, theirs, rtol=0.0, atol=2 * angle_tol * x.abs().max().item())
+
+
+def test_text_positions_equal_plain_rope() -> None:
+    rope = MRoPE(64, mrope_section=[8, 12, 12], rope_parameters={"rope_theta": 1e6})
+    plain = RoPE(64, rope_parameters={"rope_theta": 1e6})
+    q = torch.randn(1, 2, 9, 64, dtype=torch.float64)
+    ids = torch.arange(5, 14)[None]
+    three = ids.expand(3, 1, 9)
+    for a, b in zip(rope(q, q, positions=three), plain(q, q, positions=ids), strict=True):
+        torch.testing.assert_close(a, b, rtol=0.0, atol=0.0)
+    for a, b in zip(rope(q, q, positions=ids), plain(q, q, positions=ids), strict=True):  # 2-D ids: plain RoPE
+        torch.testing.assert_close(a, b, rtol=0.0, atol=0.0)
+
+
+def test_each_section_reads_its_axis() -> None:
+    axis = mrope_axis_of_pair([2, 3, 1, 2])
+    assert axis.tolist() == [0, 0, 1, 1, 1, 2, 0, 0]
+    inv = torch.ones(8, dtype=torch.float64)
+    positions = torch.tensor([5, 7, 11]).view(3, 1, 1)
+    cos, _ = mrope_cos_sin(positions, inv, [2, 3, 1, 2])
+    torch.testing.assert_close(cos[0, 0], torch.tensor([5, 5, 7, 7, 7, 11, 5, 5.0]).cos())
+
+
+@pytest.mark.parametrize(
+    ("section", "error", "match"),
+    [
+        ([16, 24, 23], ValueError, "mrope_section [16, 24, 23] must sum to rotary_dim / 2 = 64"),
+        ([16, 0, 48], ValueError, "mrope_section[1] must be a positive integer"),
+        ("16,24,24", TypeError, "mrope_section must be a list of positive ints"),
+        ([], TypeError, "mrope_section must be a list of positive ints"),
+    ],
+)
+def test_bad_sections(section: Any, error: type, match: str) -> None:
+    with pytest.raises(error, match=re.escape(match)):
+        MRoPE(128, mrope_section=section)
+
+
+def test_bad_positions() -> None:
+    rope = MRoPE(16, mrope_section=[2, 3, 3])
+    q = torch.randn(2, 1, 5, 16)
+    with pytest.raises(ValueError, match=re.escape("positions must have shape (3, b, s) = (3, 2, 5)")):
+        rope(q, q, positions=torch.zeros(2, 2, 5, dtype=torch.long))
+    with pytest.raises(TypeError, match="positions must hold integer positions"):
+        rope(q, q, positions=torch.zeros(3, 2, 5))
+    with pytest.raises(ValueError, match="positions must be >= 0"):
+        rope(q, q, positions=-torch.ones(3, 2, 5, dtype=torch.long))

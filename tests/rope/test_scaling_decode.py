@@ -1,0 +1,132 @@
+"""Decoding across the dynamic-NTK / LongRoPE switch with a KV cache, in both modes.
+
+'consistent': token-by-token decoding equals a full forward pass of the same prefix (every score of a step uses
+the frequencies of the whole sequence). 'hf': equals transformers' LlamaAttention + LlamaRotaryEmbedding +
+DynamicCache step by step, including dynamic NTK's stateful growth and reset.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from posenc import CausalSelfAttention, KVCache, RoPE
+
+HEAD_DIM, HEADS, KV_HEADS, MAX_POS, PREFILL, TOTAL = 16, 4, 2, 16, 10, 40
+TYPES: dict[str, dict[str, Any]] = {
+    "dynamic": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0},
+    "longrope": {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": [1.0 + 0.05 * i for i in range(HEAD_DIM // 2)],
+        "long_factor": [1.0 + 0.9 * i for i in range(HEAD_DIM // 2)],
+        "factor": 4.0,
+        "original_max_position_embeddings": MAX_POS,
+    },
+}
+
+
+def decode(attn: CausalSelfAttention, x: torch.Tensor) -> torch.Tensor:
+    """Prefill PREFILL tokens, then one token at a time; returns (b, TOTAL, dim)."""
+    cache = KVCache()
+    outs = [attn(x[:, :PREFILL], cache=cache)]
+    outs += [attn(x[:, t : t + 1], cache=cache) for t in range(PREFILL, x.shape[1])]
+    return torch.cat(outs, dim=1)
+
+
+def make(rope_type: str, mode: str) -> tuple[CausalSelfAttention, torch.Tensor]:
+    torch.manual_seed(0)
+    rope = RoPE(HEAD_DIM, rope_parameters=TYPES[rope_type], max_position_embeddings=MAX_POS, mode=mode)
+    attn = CausalSelfAttention(HEADS * HEAD_DIM, HEADS, num_kv_heads=KV_HEADS, encoding=rope).double()
+    return attn, torch.randn(2, TOTAL, HEADS * HEAD_DIM, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("rope_type", list(TYPES))
+def test_consistent_decoding_equals_full_forward(rope_type: str) -> None:
+    attn, x = make(rope_type, "consistent")
+    stepped = decode(attn, x)
+    for t in range(TOTAL):
+        full = attn(x[:, : t + 1])[:, -1]  # a fresh full forward of the prefix, final frequencies for all
+        torch.testing.assert_close(stepped[:, t], full, rtol=1e-12, atol=1e-12, msg=f"step {t}")
+
+
+@pytest.mark.parametrize("rope_type", list(TYPES))
+def test_hf_decoding_differs_from_full_forward_past_the_switch(rope_type: str) -> None:
+    attn, x = make(rope_type, "hf")
+    full_before = attn(x[:, :MAX_POS])[:, -1]  # first: 'hf' dynamic NTK keeps the longest length it has seen
+    stepped = decode(attn, x)
+    before = (stepped[:, MAX_POS - 1] - full_before).abs().max()
+    after = (stepped[:, -1] - attn(x)[:, -1]).abs().max()
+    assert before < 1e-12 < 1e-3 < after  # stale keys: the documented Hugging Face behaviour
+
+
+def test_consistent_cache_rerotates_only_when_frequencies_change(monkeypatch: pytest.MonkeyPatch) -> None:
+    attn, x = make("longrope", "consistent")
+    rope = attn.encoding
+    rotated_lengths: list[int] = []
+    original = rope.rotate
+
+    def counting(t: torch.Tensor, positions: torch.Tensor, **kw: Any) -> torch.Tensor:
+        rotated_lengths.append(t.shape[2])
+        return original(t, positions, **kw)
+
+    monkeypatch.setattr(rope, "rotate", counting)
+    decode(attn, x)
+    # per call: keys then the query. Prefill rotates 10 keys; steps rotate 1 key, except the step that crosses
+    # the original length (position 16, seq_len 17), which rebuilds all 17 keys from the unrotated copy.
+    keys = rotated_lengths[0::2]
+    assert keys[0] == PREFILL
+    assert keys[1:] == [MAX_POS + 1 if t == MAX_POS else 1 for t in range(PREFILL, TOTAL)]
+
+
+def _hf_attention(rope_type: str) -> tuple[Any, Any, Any]:
+    transformers = pytest.importorskip("transformers")
+    from transformers.cache_utils import DynamicCache
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
+
+    config = transformers.LlamaConfig(
+        hidden_size=HEADS * HEAD_DIM,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=MAX_POS,
+        rope_parameters=dict(TYPES[rope_type]),
+        attn_implementation="sdpa",
+    )
+    return LlamaAttention(config, layer_idx=0).double(), LlamaRotaryEmbedding(config), DynamicCache(config=config)
+
+
+@pytest.mark.parametrize("rope_type", list(TYPES))
+def test_hf_mode_decodes_like_transformers(rope_type: str) -> None:
+    attn, x = make(rope_type, "hf")
+    hf_attn, hf_rotary, hf_cache = _hf_attention(rope_type)
+    hf_attn.load_state_dict(attn.state_dict())
+
+    def hf_step(chunk: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cos_sin = hf_rotary(chunk, positions[None].expand(chunk.shape[0], -1))
+        return hf_attn(chunk, position_embeddings=cos_sin, attention_mask=None, cache=hf_cache)[0]
+
+    with torch.no_grad():
+        theirs = [hf_step(x[:, :PREFILL], torch.arange(PREFILL))]
+        theirs += [hf_step(x[:, t : t + 1], torch.tensor([t])) for t in range(PREFILL, TOTAL)]
+        ours = decode(attn, x)
+    # transformers builds cos/sin in float32 (angle error <= 40 * 1e-6 here); the rest is float64
+    torch.testing.assert_close(ours, torch.cat(theirs, dim=1), rtol=0.0, atol=2e-5)
+
+
+def test_hf_dynamic_state_grows_and_resets_like_transformers() -> None:
+    """The call sequence long -> shorter but past the max -> below the max -> long again."""
+    _, hf_rotary, _ = _hf_attention("dynamic")
+    rope = RoPE(HEAD_DIM, rope_parameters=TYPES["dynamic"], max_position_embeddings=MAX_POS)
+    half = HEAD_DIM // 2
+    for length in (8, 40, 20, 17, 12, 30, 64, 16):
+        positions = torch.arange(length)[None]
+        hf_cos, hf_sin = hf_rotary(torch.zeros(1), positions)
+        # x1 = 1, x2 = 0 in every pair: the rotated pair is (cos, sin), so forward shows the frequencies it used
+        unit = torch.cat((torch.ones(half), torch.zeros(half))).double().expand(1, 1, length, HEAD_DIM)
+        rotated, _ = rope(unit, unit, positions=positions)
+        torch.testing.assert_close(rotated[0, 0, :, :half], hf_cos[0, :, :half].double(), rtol=0.0, atol=1e-5)
+        torch.testing.assert_close(rotated[0, 0, :, half:], hf_sin[0, :, :half].double(), rtol=0.0, atol=1e-5)
+        assert rope._hf_scaled_len == int(hf_rotary.max_seq_len_cached), length
