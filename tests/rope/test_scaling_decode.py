@@ -129,4 +129,4 @@ def test_hf_dynamic_state_grows_and_resets_like_transformers() -> None:
         rotated, _ = rope(unit, unit, positions=positions)
         torch.testing.assert_close(rotated[0, 0, :, :half], hf_cos[0, :, :half].double(), rtol=0.0, atol=1e-5)
         torch.testing.assert_close(rotated[0, 0, :, half:], hf_sin[0, :, :half].double(), rtol=0.0, atol=1e-5)
-        assert rope._hf_scaled_len == int(hf_rotary.max_seq_len_cached), length
+        assert rope.hf_scaled_len == int(hf_rotary.max_seq_len_cached), length

@@ -107,7 +107,7 @@ class PosencRotaryEmbedding(nn.Module):
 
     Fixed types keep their float64 frequencies in a buffer that follows device moves but never dtype casts, so the
     forward has no data-dependent step and ``torch.compile`` traces it without a graph break. ``dynamic`` and
-    ``longrope`` ask the ``RoPE`` for the frequencies of each call's length (``RoPE._scaling_length``: in 'hf' mode
+    ``longrope`` ask the ``RoPE`` for the frequencies of each call's length (``RoPE.scaling_length``: in 'hf' mode
     with transformers' dynamic NTK state).
     """
 
@@ -136,7 +136,7 @@ class PosencRotaryEmbedding(nn.Module):
             raise ValueError(f"per-layer-type RoPE (layer_type={layer_type!r}) is not supported by posenc's patch")
         dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         if self.length_dependent:
-            return self.rope.cos_sin(position_ids, seq_len=self.rope._scaling_length(position_ids), dtype=dtype)
+            return self.rope.cos_sin(position_ids, seq_len=self.rope.scaling_length(position_ids), dtype=dtype)
         return angles_to_cos_sin(position_ids, self.inv_freq, self.attention_factor, dtype)
 
     def extra_repr(self) -> str:
@@ -192,7 +192,7 @@ def _attend_with_rotated_keys(
     if total > new:
         past = position_ids[:, :1] - (total - new) + torch.arange(total - new, device=position_ids.device)
         key_positions = torch.cat((past, position_ids), dim=-1)
-    key = rope.rotate(key, key_positions, seq_len=rope._scaling_length(position_ids))
+    key = rope.rotate(key, key_positions, seq_len=rope.scaling_length(position_ids))
     return attend(module, query, key, value, attention_mask, *args, **kwargs)
 
 
@@ -395,7 +395,7 @@ def patch_model(
         rope = RoPE(kwargs.pop("head_dim"), mode=mode, backend=backend, **kwargs)
         if rope.rope_type == "dynamic" and mode == "hf":
             # Continue transformers' dynamic NTK state where the model left it.
-            rope._hf_scaled_len = max(int(module.max_seq_len_cached) for _, module in rotary)
+            rope.hf_scaled_len = max(int(module.max_seq_len_cached) for _, module in rotary)
     else:
         values, rope = _new_config_rope(config, rope_parameters, mode=mode, backend=backend)
     forwards = {cls: _patched_forward(cls, rope) for cls in {type(module) for module in attention}}

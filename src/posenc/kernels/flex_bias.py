@@ -91,16 +91,17 @@ def score_mod_for(encoding: nn.Module, q_positions: torch.Tensor, k_positions: t
 
 def use_flex(encoding: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, need_probs: bool) -> bool:
     """Whether ``attend_flex`` should replace the materialized bias for this call (see the module docstring)."""
-    if need_probs or not isinstance(encoding, (ALiBi, T5Bias)) or not flex_available():
+    # Cheap checks first: flex_available() imports dynamo, which costs seconds on a process's first call.
+    if need_probs or not isinstance(encoding, (ALiBi, T5Bias)):
         return False
     if q.device.type == "cuda":
-        return True
+        return flex_available()
     if q.device.type != "cpu":
         return False
     needs_grad = torch.is_grad_enabled() and (
         any(t.requires_grad for t in (q, k, v)) or any(p.requires_grad for p in encoding.parameters())
     )
-    return not needs_grad and q.shape[2] * k.shape[2] >= CPU_MIN_SCORES
+    return not needs_grad and q.shape[2] * k.shape[2] >= CPU_MIN_SCORES and flex_available()
 
 
 def attend_flex(

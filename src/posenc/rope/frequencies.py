@@ -40,7 +40,8 @@ def ntk(*, rotary_dim: int, base: float, factor: float, **_: object) -> tuple[to
 
     The exponent is chosen so the highest frequency (i = 0) is unchanged and the lowest (i = r/2 - 1) is divided by
     exactly ``factor``: high frequencies extrapolate, low ones interpolate. Not in ``transformers``; it equals
-    ``dynamic`` at the length where dynamic's scale reaches ``factor``, max_position_embeddings * (2 - 1/factor).
+    ``dynamic`` with the same ``factor`` at the length where dynamic's scale reaches ``factor``,
+    max_position_embeddings * (2 - 1/factor).
     """
     return default_inv_freq(rotary_dim, base * factor ** (rotary_dim / (rotary_dim - 2))), 1.0
 

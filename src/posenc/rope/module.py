@@ -62,7 +62,9 @@ class RoPE(nn.Module):
       frequencies they were rotated with, so decoding past the switch differs from a full forward.
     * ``"consistent"``: stateless; every call scales for its own max(positions) + 1, and ``CausalSelfAttention``
       keeps the keys unrotated in the ``KVCache`` and re-rotates them when the frequencies change, so every score of
-      a step uses one set of frequencies and token-by-token decoding equals a full forward.
+      a step uses one set of frequencies. For one attention layer, token-by-token decoding then equals a full
+      forward; in a deeper stack, the cached keys and values of later layers were computed from hidden states of
+      earlier steps, which no re-rotation can revisit, so there the guarantee is per score, not end to end.
     """
 
     acts_on = ActsOn.QK
@@ -92,7 +94,7 @@ class RoPE(nn.Module):
         self.interleaved = bool(interleaved)
         self.max_position_embeddings = max_position_embeddings
         # 'hf' dynamic NTK state: the largest length seen (transformers' max_seq_len_cached).
-        self._hf_scaled_len = max_position_embeddings
+        self.hf_scaled_len = max_position_embeddings
         # Plain attributes, not buffers: derived from the config, rebuilt per device on first use, so the
         # module is safe to create on the meta device and never goes stale after .to().
         self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -128,20 +130,20 @@ class RoPE(nn.Module):
         frequencies change with the length)."""
         return self.mode == "consistent" and self.spec.rope_type in SEQ_LEN_DEPENDENT
 
-    def _scaling_length(self, positions: torch.Tensor) -> int | None:
+    def scaling_length(self, positions: torch.Tensor) -> int | None:
         """The seq_len a forward call scales for; advances the 'hf' dynamic NTK state as transformers does."""
         if self.spec.rope_type not in SEQ_LEN_DEPENDENT or positions.numel() == 0:
             return None
         length = int(positions.max()) + 1
         if self.mode == "consistent" or self.spec.rope_type != "dynamic":
             return length
-        assert self._hf_scaled_len is not None and self.max_position_embeddings is not None
-        seen = self._hf_scaled_len
+        assert self.hf_scaled_len is not None and self.max_position_embeddings is not None
+        seen = self.hf_scaled_len
         if length > seen:  # growth: scale for the new longest length
-            self._hf_scaled_len = length
+            self.hf_scaled_len = length
         if length < self.max_position_embeddings < seen:  # reset: back to the original frequencies
-            self._hf_scaled_len = self.max_position_embeddings
-        return self._hf_scaled_len
+            self.hf_scaled_len = self.max_position_embeddings
+        return self.hf_scaled_len
 
     def cos_sin(
         self, positions: torch.Tensor, *, seq_len: int | None = None, dtype: torch.dtype = torch.float32
@@ -213,7 +215,7 @@ class RoPE(nn.Module):
             q.shape[seq_axis], batch=q.shape[0], positions=positions, offset=offset, device=q.device
         )
         if seq_len is None:
-            seq_len = self._scaling_length(pos)
+            seq_len = self.scaling_length(pos)
         # float32 tables for every activation dtype but float64, whose callers want float64 exactness.
         table_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         cos, sin = self.cos_sin(pos, seq_len=seq_len, dtype=table_dtype)  # (b or 1, s, r/2)

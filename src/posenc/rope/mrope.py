@@ -118,7 +118,7 @@ class MRoPE(RoPE):
         if bool((pos < 0).any()):
             raise ValueError("positions must be >= 0, got a negative entry")
         if seq_len is None:
-            seq_len = self._scaling_length(pos)
+            seq_len = self.scaling_length(pos)
         inv_freq, factor = self.frequencies(seq_len)
         dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         cos, sin = mrope_cos_sin(pos, inv_freq, self.mrope_section, factor, dtype)  # (b or 1, s, r/2)
