@@ -72,6 +72,8 @@ def test_a_run_writes_csv_json_report_and_plots(finished):
     for name in PLOTS:
         assert (out / name).read_bytes().startswith(b"\x89PNG\r\n\x1a\n"), name
         assert f"]({name})" in report
+    page = (out / "report.html").read_text()  # the self-contained page of posenc.analysis, at every run's end
+    assert "rope+yarn" in page and page.count("data:image/png;base64,") >= len(PLOTS)
     assert not list(out.rglob("*.tmp"))
 
 

@@ -69,3 +69,12 @@ def test_weight_decay_only_on_matrices():
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+def test_every_step_loss_is_kept_and_the_summaries_come_from_it():
+    torch.manual_seed(0)
+    result = train(ByteLM(SPEC, "alibi"), TEXT, seq_len=8, batch_size=8, steps=30, lr=1e-2, seed=0, progress=False)
+    losses = torch.tensor(result.losses)
+    assert losses.shape == (30,) and losses.dtype == torch.float32
+    assert result.final_loss == float(losses[-3:].mean())
+    assert result.loss_curve == [(s + 1, round(float(x), 5)) for s, x in enumerate(losses)]

@@ -5,10 +5,15 @@ evaluating one training-free RoPE extension of the trained rope model, or fine-t
 length. Each unit lives in ``OUT/runs/<name>/seed<seed>/``; its ``metrics.json`` is written last, atomically, so its
 presence means the unit is done. Weights are saved (atomically) before evaluation starts, so an interrupted
 evaluation resumes without retraining. Everything is checked before the first unit starts.
+
+Under torchrun (``Ranks`` of several processes) every rank runs every unit in lockstep: training splits each
+global batch across ranks, evaluation splits the lengths, and rank 0 alone writes files and prints. Rank 0 also
+decides which units are done and broadcasts it, so the ranks never disagree about what to run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -22,11 +27,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from posenc.lab import store
 from posenc.lab.config import FINETUNABLE, LabConfig, extension_rope_parameters, make_config
 from posenc.lab.data import Corpus, eval_window_ends, load_corpus, windows_ending
+from posenc.lab.dist import Ranks, process_group
 from posenc.lab.evaluate import LengthResult, evaluate_length, task_accuracy, task_samples
 from posenc.lab.model import ByteLM, ModelSpec
 from posenc.lab.train import TrainResult, train
@@ -96,6 +103,38 @@ def check_corpus(corpus: Corpus, config: LabConfig) -> None:
         )
 
 
+def check_world_size(config: LabConfig, world_size: int) -> None:
+    """Raise a ValueError, before anything trains, if a global batch cannot be split evenly across the ranks."""
+    if world_size == 1:
+        return
+    Ranks(0, world_size).batch_slice(config.batch_size, what="batch_size")
+    if config.finetune_steps and any(e in FINETUNABLE for e in config.extensions):
+        for length in config.extension_lengths:
+            finetune_batch = finetune_batch_size(config, length)
+            if finetune_batch % world_size:
+                raise ValueError(
+                    f"the fine-tune at length {length} uses a global batch of {finetune_batch} windows (batch_size * "
+                    f"train_len / {length}), which {world_size} processes cannot split evenly; use fewer processes, "
+                    "a larger --batch-size, or --finetune-steps 0"
+                )
+
+
+def finetune_batch_size(config: LabConfig, seq_len: int) -> int:
+    """Windows per fine-tuning step at ``seq_len``: the same bytes per step as pretraining."""
+    return max(1, config.batch_size * config.train_len // seq_len)
+
+
+def assign_lengths(lengths: list[int], world_size: int) -> list[list[int]]:
+    """Eval lengths per rank, each rank's in the given order: longest first to the least loaded rank (the cost of
+    a length is taken as its tokens, the same windows at every length). One rank gets them all."""
+    load, assigned = [0] * world_size, [[] for _ in range(world_size)]
+    for length in sorted(lengths, reverse=True):
+        rank = load.index(min(load))
+        load[rank] += length
+        assigned[rank].append(length)
+    return [[n for n in lengths if n in mine] for mine in assigned]
+
+
 def config_id(config: LabConfig, corpus_sha256: str) -> str:
     """A short hash of everything that changes a unit's numbers."""
     key = json.dumps(
@@ -130,6 +169,8 @@ class Lab:
     """One run of the lab: ``Lab(config, out).run()``.
 
     progress: tqdm bars with tokens/s; device: where models run ("cpu", "cuda"); echo: where status lines go.
+    ranks: this process among several (torchrun); None = the default process group if one is initialised, else
+    one process. Only rank 0 shows progress, echoes and writes; every rank's ``run`` returns the same results.
     """
 
     def __init__(
@@ -141,34 +182,67 @@ class Lab:
         device: str = "cpu",
         command: str = "",
         echo: Callable[[str], None] = print,
+        ranks: Ranks | None = None,
     ) -> None:
         self.config = config
         self.out = Path(out)
-        self.progress = progress
+        self.ranks = ranks or Ranks.current()
+        self.progress = progress and self.ranks.is_main
         self.device = torch.device(device)
         self.command = command
-        self.echo = echo
+        self.echo = echo if self.ranks.is_main else _silent
         self.spec = model_spec(config)
         self.prepared = False
 
     def prepare(self) -> None:
         """Read and check the corpus, the task and the output folder. Raises before any training starts."""
-        config = self.config
+        config, ranks = self.config, self.ranks
         start = time.perf_counter()
+        check_world_size(config, ranks.world_size)
         self.corpus = load_corpus(config.corpus, val_fraction=config.val_fraction, max_bytes=config.max_corpus_bytes)
         check_corpus(self.corpus, config)
         self.ends = eval_window_ends(self.corpus.val, longest=max(config.eval_lengths), count=config.eval_windows)
         if config.task is not None:  # fails now if the task does not fit the shortest window
             task_samples(config.task, windows_ending(self.corpus.val, self.ends[:1], config.train_len), seed=0)
         self.config_id = config_id(config, self.corpus.sha256)
-        if self.out.exists() and not self.out.is_dir():
-            raise ValueError(f"--out {self.out} exists and is not a folder")
-        claim_folder(self.out, config, self.corpus, self.config_id)
+        if ranks.world_size > 1:
+            self._check_ranks_agree()
+
+        def claim() -> None:
+            if self.out.exists() and not self.out.is_dir():
+                raise ValueError(f"--out {self.out} exists and is not a folder")
+            claim_folder(self.out, config, self.corpus, self.config_id)
+
+        ranks.decide(claim)
+        if ranks.world_size > 1:
+            self._check_out_shared()
         self.prepared = True
         self.prepare_seconds = time.perf_counter() - start
 
+    def _check_ranks_agree(self) -> None:
+        # Every rank reads the corpus itself; on several machines they could read different files.
+        seen = self.ranks.all_gather(self.corpus.sha256)
+        if len(set(seen)) > 1:
+            raise ValueError(
+                "the ranks read different corpora (sha256 by rank: "
+                + ", ".join(f"{r}: {h[:12]}" for r, h in enumerate(seen))
+                + "); pass --corpus with a path that holds the same text on every machine"
+            )
+
+    def _check_out_shared(self) -> None:
+        # The other ranks load the weights rank 0 saves, so they must see its folder.
+        self.ranks.barrier()
+        path = self.out / "config.json"
+        sees = path.exists() and store.read_json(path).get("config_id") == self.config_id
+        blind = [r for r, ok in enumerate(self.ranks.all_gather(sees)) if not ok]
+        if blind:
+            raise ValueError(
+                f"rank(s) {', '.join(map(str, blind))} cannot see {path}, which rank 0 wrote: every process must see "
+                "the same --out folder (one machine, or a shared filesystem)"
+            )
+
     def run(self) -> dict[str, Any]:
-        """Run every unit not done yet and write results.csv, results.json, report.md and the plots.
+        """Run every unit not done yet and write results.csv, results.json, report.md, the plots and report.html.
 
         Returns the results.json content."""
         from posenc.lab import report
@@ -180,11 +254,8 @@ class Lab:
         units = plan(self.config)
         metrics, ran = [], 0
         for index, unit in enumerate(units, 1):
-            done = unit.folder(self.out) / "metrics.json"
-            if done.exists():
-                unit_metrics = store.read_json(done)
-                if unit_metrics.get("config_id") != self.config_id:
-                    raise ValueError(f"{done} belongs to another configuration; delete it or use another --out")
+            unit_metrics = self.ranks.decide(lambda unit=unit: self._finished(unit))
+            if unit_metrics is not None:
                 self.echo(f"[{index}/{len(units)}] {unit.name} seed {unit.seed}: done earlier, skipped")
             else:
                 self.echo(f"[{index}/{len(units)}] {unit.name} seed {unit.seed}")
@@ -199,9 +270,28 @@ class Lab:
             "units_skipped": len(units) - ran,
         }
         results = self._results(metrics, timings)
-        report.write_all(self.out, results)
+        if self.ranks.is_main:
+            from posenc.analysis import write_report
+
+            report.write_all(self.out, results)
+            # The self-contained page: the tables and plots above plus the figures of this run's RoPE config.
+            html = write_report(self.out)
         self.echo(report.summary_tables(results))
+        if self.ranks.is_main:
+            self.echo(f"report: {html}")
+        # So that run() returning means the report exists, on every rank.
+        self.ranks.barrier()
         return results
+
+    def _finished(self, unit: Unit) -> dict[str, Any] | None:
+        """The metrics of ``unit`` if an earlier invocation finished it, else None."""
+        done = unit.folder(self.out) / "metrics.json"
+        if not done.exists():
+            return None
+        unit_metrics = store.read_json(done)
+        if unit_metrics.get("config_id") != self.config_id:
+            raise ValueError(f"{done} belongs to another configuration; delete it or use another --out")
+        return unit_metrics
 
     # --- units ---
 
@@ -234,7 +324,8 @@ class Lab:
             "rope_parameters": {str(n): p for n, p in rope_parameters.items()},
             "eval": [dataclasses.asdict(r) for r in results],
         }
-        store.write_json(folder / "metrics.json", unit_metrics)
+        if self.ranks.is_main:
+            store.write_json(folder / "metrics.json", unit_metrics)
         return unit_metrics
 
     def _rope_parameters(self, extension: str, length: int) -> dict[str, Any]:
@@ -253,17 +344,24 @@ class Lab:
         model = build()
         folder = unit.folder(self.out)
         weights, info_path = folder / "model.safetensors", folder / "train.json"
-        if weights.exists() and info_path.exists():
-            info = store.read_json(info_path)
-            if info.get("config_id") == self.config_id:
-                store.load_weights(model, weights)
-                self.echo(f"  weights saved earlier, loaded from {weights}")
-                return model.to(self.device), info
+
+        def saved_info() -> dict[str, Any] | None:
+            if weights.exists() and info_path.exists():
+                info = store.read_json(info_path)
+                if info.get("config_id") == self.config_id:
+                    return info
+            return None
+
+        info = self.ranks.decide(saved_info)
+        if info is not None:
+            store.load_weights(model, weights)
+            self.echo(f"  weights saved earlier, loaded from {weights}")
+            return model.to(self.device), info
         config = self.config
         if unit.finetune_steps:
             steps, lr, seed = unit.finetune_steps, config.resolved_finetune_lr, unit.seed
             # The same bytes per step as pretraining; the rate stays constant after warmup, as in PI and YaRN.
-            batch_size, min_lr_fraction = max(1, config.batch_size * config.train_len // seq_len), 1.0
+            batch_size, min_lr_fraction = finetune_batch_size(config, seq_len), 1.0
         else:
             steps, lr, seed = config.steps, config.lr, unit.seed
             batch_size, min_lr_fraction = config.batch_size, config.min_lr_fraction
@@ -282,6 +380,7 @@ class Lab:
             grad_clip=config.grad_clip,
             desc=f"train {unit.name} seed {unit.seed}",
             progress=self.progress,
+            ranks=self.ranks,
         )
         info = {
             "config_id": self.config_id,
@@ -294,10 +393,14 @@ class Lab:
             "tokens_per_second": round(result.tokens_per_second, 1),
             "final_loss_bits_per_byte": result.final_loss / math.log(2),
             "loss_curve": result.loss_curve,
+            "losses": result.losses,
         }
-        # Weights first, then train.json: train.json present means the weights beside it are complete.
-        store.save_weights(model, weights, metadata={"encoding": unit.encoding, "unit": unit.name})
-        store.write_json(info_path, info)
+        if self.ranks.is_main:
+            # Weights first, then train.json: train.json present means the weights beside it are complete.
+            store.save_weights(model, weights, metadata={"encoding": unit.encoding, "unit": unit.name})
+            store.write_json(info_path, info)
+        # The other ranks may load these weights next (an extension of the rope model): not before they exist.
+        self.ranks.barrier()
         self.echo(
             f"  trained {result.tokens:,} tokens in {result.seconds:.1f} s ({result.tokens_per_second:,.0f} tokens/s), "
             f"final loss {info['final_loss_bits_per_byte']:.3f} bits/byte"
@@ -306,8 +409,10 @@ class Lab:
 
     def _evaluate(self, unit: Unit, models: dict[int, ByteLM], lengths: list[int]) -> list[LengthResult]:
         config = self.config
-        total = sum(config.eval_windows * n for n in lengths)
-        results = []
+        # Each length is evaluated whole by one rank, exactly as one process would, so splitting changes no number.
+        mine = assign_lengths(lengths, self.ranks.world_size)[self.ranks.rank]
+        total = sum(config.eval_windows * n for n in mine)
+        local: dict[int, LengthResult] = {}
         with tqdm(
             total=total,
             unit="tok",
@@ -316,7 +421,7 @@ class Lab:
             disable=not self.progress,
             leave=False,
         ) as bar:
-            for n in lengths:
+            for n in mine:
                 result = evaluate_length(
                     models[n],
                     self.corpus.val,
@@ -331,7 +436,9 @@ class Lab:
                     samples = task_samples(config.task, filler, seed=unit.seed)
                     accuracy = task_accuracy(models[n], samples, batch_size=config.eval_batch_size)
                     result = dataclasses.replace(result, task_accuracy=accuracy)
-                results.append(result)
+                local[n] = result
+        gathered = {n: r for part in self.ranks.all_gather(local) for n, r in part.items()}
+        results = [gathered[n] for n in lengths]
         shown = ", ".join(
             f"{r.eval_len}: {r.bits_per_byte:.3f}" if r.applicable else f"{r.eval_len}: n/a" for r in results
         )
@@ -370,7 +477,9 @@ class Lab:
                 )
         units = {
             f"{m['name']}/seed{m['unit']['seed']}": {
-                "train": None if m["train"] is None else {k: v for k, v in m["train"].items() if k != "loss_curve"},
+                "train": None
+                if m["train"] is None
+                else {k: v for k, v in m["train"].items() if k not in ("loss_curve", "losses")},
                 "eval_seconds": round(sum(r["seconds"] for r in m["eval"]), 3),
                 "rope_parameters": m["rope_parameters"],
             }
@@ -396,10 +505,16 @@ class Lab:
                 "cpu_count": _cpu_count(),
                 "torch_threads": torch.get_num_threads(),
                 "device": str(self.device),
+                "processes": self.ranks.world_size,
+                "backend": dist.get_backend() if self.ranks.world_size > 1 else None,
             },
             "timings": {**timings, "units": units},
             "rows": rows,
         }
+
+
+def _silent(line: str) -> None:
+    """The echo of ranks other than 0."""
 
 
 def _cpu_count() -> int | None:
@@ -438,27 +553,36 @@ def run_command(
     command: str = "",
 ) -> int:
     """What ``posenc lab`` does once its flags are parsed. Returns the exit status: 0 done, 2 bad input (said
-    on stderr before anything trains), 130 interrupted (finished units are kept; rerun to resume)."""
+    on stderr before anything trains), 130 interrupted (finished units are kept; rerun to resume).
+
+    Started by torchrun (WORLD_SIZE > 1), the process joins torchrun's group for the run and leaves it at the end;
+    only rank 0 prints. Without torchrun nothing distributed is touched."""
     # Under lab-runs/, which the repository's .gitignore already leaves out.
     out = out or Path("lab-runs") / preset
-    try:
-        config = make_config(preset, **overrides)
-        if threads is not None:
-            if isinstance(threads, bool) or not isinstance(threads, int) or threads <= 0:
-                raise ValueError(f"--threads must be a positive integer, got {threads!r}")
-            torch.set_num_threads(threads)
-        lab = Lab(config, out, progress=progress, device=device, command=command)
-        lab.prepare()
-    except (ValueError, TypeError) as error:
-        print(f"posenc lab: error: {error}", file=sys.stderr)
-        return 2
-    try:
-        lab.run()
-    except KeyboardInterrupt:
-        print(
-            f"\nposenc lab: interrupted; every finished run is saved in {out}. "
-            "Run the same command again to continue where it stopped.",
-            file=sys.stderr,
-        )
-        return 130
+    # torchrun sets RANK for every process; read here so that an error joining the group is said once too.
+    speaks = os.environ.get("RANK", "0") == "0"
+    with contextlib.ExitStack() as group:
+        try:
+            ranks, resolved = group.enter_context(process_group(device))
+            config = make_config(preset, **overrides)
+            if threads is not None:
+                if isinstance(threads, bool) or not isinstance(threads, int) or threads <= 0:
+                    raise ValueError(f"--threads must be a positive integer, got {threads!r}")
+                torch.set_num_threads(threads)
+            lab = Lab(config, out, progress=progress, device=str(resolved), command=command, ranks=ranks)
+            lab.prepare()
+        except (ValueError, TypeError) as error:
+            if speaks:
+                print(f"posenc lab: error: {error}", file=sys.stderr)
+            return 2
+        try:
+            lab.run()
+        except KeyboardInterrupt:
+            if speaks:
+                print(
+                    f"\nposenc lab: interrupted; every finished run is saved in {out}. "
+                    "Run the same command again to continue where it stopped.",
+                    file=sys.stderr,
+                )
+            return 130
     return 0

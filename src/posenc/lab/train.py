@@ -2,18 +2,25 @@
 
 Deterministic for a given seed on a given machine: the batches come from ``data.train_starts`` (its own seeded
 generator) and the loop draws no other random numbers (the model has no dropout).
+
+With several processes (``ranks.world_size > 1``, inside torchrun's process group) every rank draws the same
+global batches and takes its equal slice of each; DistributedDataParallel averages the gradients, so each step
+is the one-process step up to the order of float additions.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import time
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
 from posenc.lab.data import train_starts, windows_at
+from posenc.lab.dist import Ranks
 from posenc.lab.model import ByteLM, next_byte_loss
 
 # Training losses are kept as this many averages over equal stretches of steps (a curve small enough for JSON).
@@ -22,14 +29,16 @@ LOSS_POINTS = 50
 
 @dataclasses.dataclass(frozen=True)
 class TrainResult:
-    """steps, tokens: what was trained; seconds: wall time of the loop; final_loss: mean loss (nats per byte)
-    over the last tenth of the steps; loss_curve: (step, mean loss) over up to LOSS_POINTS equal stretches."""
+    """steps, tokens: what was trained (tokens over all ranks); seconds: wall time of the loop; final_loss: mean
+    loss (nats per byte) over the last tenth of the steps; loss_curve: (step, mean loss) over up to LOSS_POINTS
+    equal stretches; losses: every step's loss on its whole global batch, (steps,) float32 values."""
 
     steps: int
     tokens: int
     seconds: float
     final_loss: float
     loss_curve: list[tuple[int, float]]
+    losses: list[float] = dataclasses.field(default_factory=list)
 
     @property
     def tokens_per_second(self) -> float:
@@ -69,18 +78,24 @@ def train(
     grad_clip: float = 1.0,
     desc: str = "train",
     progress: bool = True,
+    ranks: Ranks | None = None,
 ) -> TrainResult:
     """Train ``model`` in place on random windows of ``data`` (n,) uint8.
 
     seq_len: bytes per window the model sees; the batches depend only on (data, seq_len, batch_size, steps, seed).
-    Shows a progress bar in tokens/s unless ``progress`` is False.
+    batch_size: the global batch; with ``ranks`` of several processes (in an initialised process group) each
+    takes rows ``ranks.batch_slice(batch_size)`` of it, and batch_size must divide evenly. Every rank ends with
+    the same weights and returns the same losses. Shows a progress bar in tokens/s unless ``progress`` is False.
     """
-    starts = train_starts(data, seq_len=seq_len, batch_size=batch_size, steps=steps, seed=seed)
+    ranks = ranks or Ranks()
+    rows = ranks.batch_slice(batch_size)
+    starts = train_starts(data, seq_len=seq_len, batch_size=batch_size, steps=steps, seed=seed)[:, rows]
     optimizer = make_optimizer(model, lr=lr, weight_decay=weight_decay)
     device = next(model.parameters()).device
+    forward = _data_parallel(model, device) if ranks.world_size > 1 else model
     losses = torch.empty(steps)
     model.train()
-    tokens_per_step = batch_size * seq_len
+    tokens_per_step = batch_size * seq_len  # over all ranks: the bar shows the run's throughput
     start = time.perf_counter()
     with tqdm(
         total=steps * tokens_per_step, unit="tok", unit_scale=True, desc=desc, disable=not progress, leave=False
@@ -91,7 +106,7 @@ def train(
                     step, steps=steps, lr=lr, warmup_fraction=warmup_fraction, min_lr_fraction=min_lr_fraction
                 )
             batch = windows_at(data, starts[step], seq_len).to(device)
-            logits, _ = model(batch[:, :-1])
+            logits, _ = forward(batch[:, :-1])
             loss = next_byte_loss(logits, batch[:, 1:]).mean()
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -100,10 +115,13 @@ def train(
             optimizer.step()
             losses[step] = loss.detach()
             bar.update(tokens_per_step)
-            if step % 20 == 0 or step == steps - 1:
+            if step % 20 == 0 or step == steps - 1:  # shown: this rank's share of the batch
                 bar.set_postfix(loss=f"{losses[step].item():.3f}", refresh=False)
     seconds = time.perf_counter() - start
     model.eval()
+    # Each rank's loss is a mean over the same number of tokens, so their mean is the global batch's mean loss.
+    # One reduction after the loop, not one per step: the loss never feeds back into training.
+    losses = ranks.all_reduce_mean(losses.to(device)).cpu()
     tail = max(1, steps // 10)
     return TrainResult(
         steps=steps,
@@ -111,7 +129,18 @@ def train(
         seconds=seconds,
         final_loss=float(losses[-tail:].mean()),
         loss_curve=_curve(losses),
+        losses=losses.tolist(),
     )
+
+
+def _data_parallel(model: ByteLM, device: torch.device) -> DistributedDataParallel:
+    """``model`` wrapped to average its gradients over the default process group during backward."""
+    # No buffer sync before each forward: the encodings' buffers (slopes, cos/sin tables) are computed identically
+    # on every rank from the config, and RoPE's table grows lazily, so broadcasting them would only cost time.
+    # torch 2.13 renamed the option; torch >= 2.4 (our floor) has the old name.
+    renamed = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+    options = {"forward_sync_buffers": False} if renamed else {"broadcast_buffers": False}
+    return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None, **options)
 
 
 def _curve(losses: torch.Tensor) -> list[tuple[int, float]]:

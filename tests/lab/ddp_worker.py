@@ -1,0 +1,43 @@
+"""Run by torchrun from test_ddp.py; not collected by pytest (no test_ prefix).
+
+Runs ``posenc lab`` with the given arguments, exactly as the command line does, and records what this process
+did to LOG_DIR/rank<RANK>.json: the exit status, every file it wrote (each write goes through
+``store.atomic_path``), and everything it printed to stdout and stderr (progress bars included).
+Usage: python ddp_worker.py LOG_DIR lab-arguments...
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import sys
+from pathlib import Path
+
+from posenc.cli import main
+from posenc.lab import store
+
+
+def run(log_dir: str, argv: list[str]) -> int:
+    rank = int(os.environ.get("RANK", "0"))
+    written: list[str] = []
+    real_atomic_path = store.atomic_path
+
+    @contextlib.contextmanager
+    def recording(path: Path):
+        written.append(str(path))
+        with real_atomic_path(path) as tmp:
+            yield tmp
+
+    store.atomic_path = recording
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        status = main(["lab", *argv])
+    log = {"status": status, "written": written, "stdout": stdout.getvalue(), "stderr": stderr.getvalue()}
+    Path(log_dir, f"rank{rank}.json").write_text(json.dumps(log))
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(run(sys.argv[1], sys.argv[2:]))

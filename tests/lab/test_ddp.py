@@ -1,0 +1,178 @@
+"""The lab under torchrun: 2 processes on gloo train like 1, only rank 0 writes or prints, and reruns resume.
+
+Tolerance for the training losses: relative 1e-5 (about 80 float32 epsilons). Two ranks compute the same step
+with other float additions: each rank's loss is a mean over half the batch and the two means are averaged, the
+gradients are summed across ranks by gloo, and the ranks run 1 torch thread where the reference runs the
+session's. Each reorder costs a few ulps (measured: at most 1.7e-7 relative over these steps), and AdamW carries
+it forward, so the bound leaves room for that growth over a few steps. Mistakes are far larger (measured by
+breaking train.py on purpose): both ranks taking the first half of each batch puts every step off, by up to 1e-1
+relative; no gradient averaging (no DDP) leaves step 0 equal and puts the later steps off by up to 5e-3.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from posenc.cli import main
+from posenc.lab.config import make_config
+from posenc.lab.dist import Ranks
+from posenc.lab.runner import Lab
+
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(), reason="torch built without gloo"
+)
+
+WORKER = Path(__file__).with_name("ddp_worker.py")
+LOSS_RTOL = 1e-5
+# Two layers share the t5 bias table (a parameter used twice per step); yarn is loaded from rank 0's rope
+# weights on every rank; its fine-tunes at 16 and 32 use global batches of 4 and 2 windows.
+TINY = {
+    "dim": 16,
+    "layers": 2,
+    "heads": 2,
+    "train_len": 8,
+    "eval_lengths": (8, 16, 32),
+    "steps": 6,
+    "batch_size": 8,
+    "eval_windows": 4,
+    "encodings": ("rope", "t5"),
+    "extensions": ("yarn",),
+    "finetune_steps": 2,
+}
+FLAGS = [
+    "--preset", "quick", "--dim", "16", "--layers", "2", "--heads", "2", "--train-len", "8",
+    "--eval-lengths", "8,16,32", "--steps", "6", "--batch-size", "8", "--eval-windows", "4",
+    "--encodings", "rope,t5", "--extensions", "yarn", "--finetune-steps", "2",
+]  # fmt: skip
+TRAINED = ("rope", "t5", "rope+yarn+ft2-len16", "rope+yarn+ft2-len32")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_lab(logs: Path, *args: str, ok: bool = True) -> dict[int, dict]:
+    """``posenc lab ARGS`` in 2 processes under torchrun; returns each rank's log (see ddp_worker.py).
+    ok: whether torchrun must succeed (else it must fail)."""
+    logs.mkdir(parents=True)
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
+        "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(WORKER), str(logs), *args,
+    ]  # fmt: skip
+    result = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert (result.returncode == 0) == ok, result.stdout[-3000:] + result.stderr[-3000:]
+    return {rank: json.loads((logs / f"rank{rank}.json").read_text()) for rank in (0, 1)}
+
+
+def train_info(out: Path, unit: str) -> dict:
+    return json.loads((out / "runs" / unit / "seed0" / "train.json").read_text())
+
+
+def metrics(out: Path, unit: str) -> dict:
+    return json.loads((out / "runs" / unit / "seed0" / "metrics.json").read_text())
+
+
+def without_seconds(eval_results: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k != "seconds"} for r in eval_results]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, corpus_dir):
+    """A one-process run, a two-process run of the same command, and a two-process rerun of it after the
+    rope+yarn unit's metrics were deleted (as if its evaluation had been interrupted)."""
+    root = tmp_path_factory.mktemp("ddp")
+    flags = [*FLAGS, "--corpus", str(corpus_dir)]
+    assert main(["lab", *flags, "--out", str(root / "one"), "--no-progress"]) == 0
+    first = torchrun_lab(root / "logs-first", *flags, "--out", str(root / "two"))
+    before = {p: p.read_bytes() for p in (root / "two" / "runs").rglob("*") if p.is_file()}
+    yarn = root / "two" / "runs" / "rope+yarn" / "seed0" / "metrics.json"
+    yarn_metrics = json.loads(yarn.read_text())
+    yarn.unlink()
+    again = torchrun_lab(root / "logs-again", *flags, "--out", str(root / "two"))
+    return {"root": root, "first": first, "again": again, "before": before, "yarn_metrics": yarn_metrics}
+
+
+def test_two_ranks_give_the_one_process_losses(runs):
+    one, two = runs["root"] / "one", runs["root"] / "two"
+    for unit in TRAINED:
+        reference, split = train_info(one, unit), train_info(two, unit)
+        assert len(split["losses"]) == split["steps"] and split["batch_size"] == reference["batch_size"]
+        assert split["tokens"] == reference["tokens"]  # tokens of the whole global batch, not one rank's
+        torch.testing.assert_close(
+            torch.tensor(split["losses"]),
+            torch.tensor(reference["losses"]),
+            rtol=LOSS_RTOL,
+            atol=0,
+            msg=lambda m, unit=unit: f"{unit}: {m}",
+        )
+    assert json.loads((two / "results.json").read_text())["machine"]["processes"] == 2
+
+
+def test_only_rank_0_writes_files_and_prints(runs):
+    rank0, rank1 = runs["first"][0], runs["first"][1]
+    assert rank0["status"] == rank1["status"] == 0
+    assert rank1["written"] == [] and rank1["stdout"] == "" and "tok" not in rank1["stderr"]
+    out = runs["root"] / "two"
+    written = {Path(p).relative_to(out).as_posix() for p in rank0["written"]}
+    assert {"config.json", "results.csv", "report.md"} <= written
+    assert {f"runs/{u}/seed0/model.safetensors" for u in TRAINED} <= written
+    assert "Bits per byte, trained at 8" in rank0["stdout"] and "train rope seed 0" in rank0["stderr"]
+    assert not list(out.rglob("*.tmp"))
+
+
+def test_a_rerun_under_torchrun_resumes_what_is_missing_and_skips_the_rest(runs):
+    rank0, rank1 = runs["again"][0], runs["again"][1]
+    out = runs["root"] / "two"
+    assert rank1["written"] == [] and rank1["stdout"] == ""
+    # Nothing trained again: rope+yarn re-evaluated from the saved rope weights, every other unit skipped.
+    runs_written = sorted(Path(p).relative_to(out).as_posix() for p in rank0["written"] if "/runs/" in p)
+    assert runs_written == ["runs/rope+yarn/seed0/metrics.json"]
+    assert rank0["stdout"].count("done earlier, skipped") == 4
+    for path, content in runs["before"].items():
+        if path.name != "metrics.json" or path.parent.parent.name != "rope+yarn":
+            assert path.read_bytes() == content, path
+    # The resumed evaluation (split across the ranks again) gives the same numbers as the first.
+    assert without_seconds(metrics(out, "rope+yarn")["eval"]) == without_seconds(runs["yarn_metrics"]["eval"])
+    assert json.loads((out / "results.json").read_text())["timings"]["units_skipped"] == 4
+
+
+def test_evaluation_split_across_ranks_equals_one_process(runs, corpus_dir, tmp_path):
+    """The two-process run's saved weights, evaluated again by one process: identical numbers, every unit."""
+    copy = tmp_path / "copy"
+    shutil.copytree(runs["root"] / "two", copy)
+    for path in copy.rglob("metrics.json"):
+        path.unlink()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks ran, so that the same weights give the same bits
+    try:
+        config = make_config("quick", corpus=str(corpus_dir), **TINY)
+        Lab(config, copy, progress=False, echo=lambda line: None, ranks=Ranks()).run()
+    finally:
+        torch.set_num_threads(threads)
+    for unit in (*TRAINED, "rope+yarn"):
+        split = metrics(runs["root"] / "two", unit)["eval"]
+        assert without_seconds(metrics(copy, unit)["eval"]) == without_seconds(split), unit
+
+
+def test_a_refusal_seen_by_rank_0_stops_every_rank_once(runs, corpus_dir):
+    """Rank 0 reads the folder and refuses it; rank 1 must stop with it (not wait), and the reason is said once."""
+    out = runs["root"] / "two"
+    flags = [*FLAGS, "--corpus", str(corpus_dir), "--steps", "7", "--out", str(out), "--no-progress"]
+    logs = torchrun_lab(runs["root"] / "logs-refused", *flags, ok=False)
+    assert logs[0]["status"] == logs[1]["status"] == 2
+    assert "different configuration (differs in: steps)" in logs[0]["stderr"] and logs[1]["stderr"] == ""
+    assert logs[0]["written"] == logs[1]["written"] == []
