@@ -7,6 +7,11 @@ over pairs and positions the way the papers write the math, and compute everythi
 from __future__ import annotations
 
 import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
@@ -154,3 +159,19 @@ def random_qk(
     shapes = [(batch, h, seq, head_dim) if layout == "bhsd" else (batch, seq, h, head_dim) for h in (q_heads, k_heads)]
     q, k = (torch.randn(shape, generator=gen, dtype=torch.float64).to(device=device, dtype=dtype) for shape in shapes)
     return q, k
+
+
+def run_torchrun(
+    script: str | Path, *args: str, nproc: int = 2, timeout: float = 300.0
+) -> subprocess.CompletedProcess[str]:
+    """Run ``script ARGS`` in ``nproc`` local processes under ``torch.distributed.run`` on a free loopback port,
+    one torch thread each (2 processes on 2 cores). Returns the finished process with its captured output."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={nproc}",
+        "--master-addr=127.0.0.1", f"--master-port={port}", str(script), *args,
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)

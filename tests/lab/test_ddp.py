@@ -12,11 +12,7 @@ relative; no gradient averaging (no DDP) leaves step 0 equal and puts the later 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +23,7 @@ from posenc.cli import main
 from posenc.lab.config import make_config
 from posenc.lab.dist import Ranks
 from posenc.lab.runner import Lab
+from posenc.testing import run_torchrun
 
 pytestmark = pytest.mark.skipif(
     not dist.is_available() or not dist.is_gloo_available(), reason="torch built without gloo"
@@ -57,23 +54,11 @@ FLAGS = [
 TRAINED = ("rope", "t5", "rope+yarn+ft2-len16", "rope+yarn+ft2-len32")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def torchrun_lab(logs: Path, *args: str, ok: bool = True) -> dict[int, dict]:
     """``posenc lab ARGS`` in 2 processes under torchrun; returns each rank's log (see ddp_worker.py).
     ok: whether torchrun must succeed (else it must fail)."""
     logs.mkdir(parents=True)
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
-        "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(WORKER), str(logs), *args,
-    ]  # fmt: skip
-    result = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
+    result = run_torchrun(WORKER, str(logs), *args, timeout=120)
     assert (result.returncode == 0) == ok, result.stdout[-3000:] + result.stderr[-3000:]
     return {rank: json.loads((logs / f"rank{rank}.json").read_text()) for rank in (0, 1)}
 
