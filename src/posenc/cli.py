@@ -177,6 +177,7 @@ _LAB_OVERRIDES = {
     "heads": "heads",
     "finetune_steps": "finetune_steps",
     "task": "task",
+    "hf_config": "hf_config",
 }
 
 
@@ -236,6 +237,12 @@ def _add_lab(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--heads", type=int, help="attention heads")
     p.add_argument("--finetune-steps", type=int, help="fine-tune pi and yarn at each target length (0: none)")
     p.add_argument("--task", choices=("copy", "passkey"), help="also measure exact-match accuracy on a task")
+    p.add_argument(
+        "--hf-config",
+        metavar="PATH",
+        help="build the rope model as this config.json's Hugging Face architecture (random init, the lab's sizes; "
+        "runs rope only; needs transformers)",
+    )
     p.add_argument("--threads", type=int, help="torch.set_num_threads(N) for this run (default: torch's choice)")
     p.add_argument("--device", help="torch device (default cpu)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")

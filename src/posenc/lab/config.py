@@ -104,6 +104,7 @@ class LabConfig:
     val_fraction: float = 0.1
     seed: int = 0
     num_seeds: int = 1
+    hf_config: str | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -139,6 +140,8 @@ class LabConfig:
             )
         self._check_names("encodings", self.encodings, tuple(ENCODINGS), allow_empty=False)
         self._check_names("extensions", self.extensions, tuple(EXTENSIONS), allow_empty=True)
+        if self.hf_config is not None:  # before the extensions' check, whose advice would not fit here
+            self._check_hf_config()
         if self.extensions and "rope" not in self.encodings:
             raise ValueError(
                 f"extensions {', '.join(self.extensions)} extend the trained rope model: add rope to encodings, "
@@ -164,6 +167,29 @@ class LabConfig:
             raise ValueError(f"unknown task {self.task!r}; known tasks: {', '.join(TASKS)} (or none)")
         if self.max_corpus_bytes is not None:
             _positive_int("max_corpus_bytes", self.max_corpus_bytes)
+
+    def _check_hf_config(self) -> None:
+        # Only the file is read here: transformers is imported when the model is built, not to validate.
+        from posenc.lab.hf_model import read_hf_config, require_transformers
+
+        if not isinstance(self.hf_config, str):
+            raise TypeError(f"hf_config must be a path (str) to a config.json, got {self.hf_config!r}")
+        read_hf_config(self.hf_config)
+        require_transformers()
+        if self.encodings != ("rope",):
+            raise ValueError(
+                f"hf_config builds only the rope model as a Hugging Face architecture, but encodings are "
+                f"{', '.join(self.encodings)}; pass --encodings rope (the default with --hf-config)"
+            )
+
+    @property
+    def architecture(self) -> str:
+        """The rope model's architecture: the hf_config's model_type, or "posenc" for the lab's own ByteLM."""
+        if self.hf_config is None:
+            return "posenc"
+        from posenc.lab.hf_model import read_hf_config
+
+        return read_hf_config(self.hf_config)["model_type"]
 
     @staticmethod
     def _check_names(field: str, names: tuple[str, ...], known: tuple[str, ...], *, allow_empty: bool) -> None:
@@ -194,8 +220,15 @@ class LabConfig:
     def results_key(self) -> dict[str, Any]:
         """The fields that change a unit's numbers. The others (encodings, extensions, num_seeds) only choose
         which units run, and fine-tunes carry their step count in their own name."""
-        selecting = {"encodings", "extensions", "num_seeds", "seed", "finetune_steps"}
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in selecting}
+        selecting = {"encodings", "extensions", "num_seeds", "seed", "finetune_steps", "hf_config"}
+        key = {k: v for k, v in dataclasses.asdict(self).items() if k not in selecting}
+        if self.hf_config is not None:
+            # What the file says, not where it is: an edited config.json must not resume an older run's units.
+            # Absent without one, so the runs made before hf_config existed keep their config_id.
+            from posenc.lab.hf_model import read_hf_config
+
+            key["hf_config"] = read_hf_config(self.hf_config)
+        return key
 
 
 def _positive_int(name: str, value: Any) -> None:
@@ -279,6 +312,9 @@ def make_config(preset: str = "default", **overrides: Any) -> LabConfig:
             changes["eval_lengths"] = tuple(train_len * n // base.train_len for n in base.eval_lengths)
         if "score_len" not in changes and isinstance(train_len, int):
             changes["score_len"] = max(1, train_len // 2)
+    if changes.get("hf_config") is not None and "encodings" not in changes:
+        # A Hugging Face architecture replaces the rope model only, so the run is that model's alone.
+        changes["encodings"] = ("rope",)
     for name in ("encodings", "extensions", "eval_lengths"):
         if name in changes and isinstance(changes[name], list):
             changes[name] = tuple(changes[name])

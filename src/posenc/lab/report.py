@@ -20,6 +20,7 @@ from posenc.lab import store
 
 CSV_COLUMNS = (
     "encoding",
+    "architecture",
     "extension",
     "finetune_steps",
     "train_len",

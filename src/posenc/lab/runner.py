@@ -298,9 +298,7 @@ class Lab:
     def _run_unit(self, unit: Unit) -> dict[str, Any]:
         folder = unit.folder(self.out)
         if unit.extension == "none":
-            model, train_info = self._trained(
-                unit, lambda: ByteLM(self.spec, unit.encoding), seq_len=self.config.train_len
-            )
+            model, train_info = self._trained(unit, lambda: self._build(unit.encoding), seq_len=self.config.train_len)
             lengths = list(self.config.eval_lengths)
             models = {n: model for n in lengths}
             rope_parameters = {}
@@ -333,9 +331,18 @@ class Lab:
 
     def _extended(self, seed: int, rope_parameters: dict[str, Any]) -> ByteLM:
         """The trained rope model of ``seed`` with its RoPE rebuilt from ``rope_parameters`` (same weights)."""
-        model = ByteLM(self.spec, "rope", {"rope_parameters": rope_parameters})
+        model = self._build("rope", rope_parameters)
         store.load_weights(model, Unit("rope", seed).folder(self.out) / "model.safetensors")
         return model.to(self.device)
+
+    def _build(self, encoding: str, rope_parameters: dict[str, Any] | None = None) -> ByteLM:
+        """A fresh model of ``encoding``: the config's Hugging Face architecture (rope only) or a ``ByteLM``."""
+        if self.config.hf_config is not None:
+            from posenc.lab.hf_model import HFByteLM
+
+            return HFByteLM(self.spec, self.config.hf_config, rope_parameters)  # type: ignore[return-value]
+        options = None if rope_parameters is None else {"rope_parameters": rope_parameters}
+        return ByteLM(self.spec, encoding, options)
 
     def _trained(self, unit: Unit, build: Callable[[], ByteLM], *, seq_len: int) -> tuple[ByteLM, dict[str, Any]]:
         """Train the model that ``build`` makes for ``unit`` and save it, or load it if an earlier invocation saved
@@ -449,6 +456,7 @@ class Lab:
 
     def _results(self, metrics: list[dict[str, Any]], timings: dict[str, Any]) -> dict[str, Any]:
         config = self.config
+        architecture = config.architecture
         rows = []
         for unit_metrics in metrics:
             unit = unit_metrics["unit"]
@@ -457,6 +465,7 @@ class Lab:
                 rows.append(
                     {
                         "encoding": unit["encoding"],
+                        "architecture": architecture,
                         "extension": unit["extension"],
                         "finetune_steps": unit["finetune_steps"],
                         "train_len": config.train_len,
@@ -489,6 +498,7 @@ class Lab:
             "command": self.command,
             "config": dataclasses.asdict(config),
             "config_id": self.config_id,
+            "architecture": architecture,
             "corpus": {
                 "source": self.corpus.source,
                 "sha256": self.corpus.sha256,

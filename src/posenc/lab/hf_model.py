@@ -1,0 +1,102 @@
+"""The lab's rope model built as a Hugging Face architecture (``posenc lab --hf-config PATH``).
+
+``HFByteLM`` wraps a small randomly initialised ``transformers`` causal LM of the config's architecture behind the
+interface the lab's training and evaluation use for ``ByteLM``: ``forward(tokens, return_attention=...)`` returning
+logits and per-layer attention probabilities, ``spec``, ``encoding``, safetensors weights through ``state_dict``.
+A RoPE extension is applied with ``posenc.interop.patch_model``, so training and evaluation have no special case.
+
+Importing this module does not import ``transformers``; building a model does. Shape key: b batch, s sequence,
+v vocabulary (256 bytes), h heads.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from posenc.lab.model import VOCAB_SIZE, ModelSpec
+
+
+def require_transformers() -> None:
+    """Raise a ValueError saying how to install transformers if it is missing (found without importing it)."""
+    if importlib.util.find_spec("transformers") is None:
+        raise ValueError("--hf-config needs the transformers package, which is not installed; pip install transformers")
+
+
+def read_hf_config(path: str) -> dict[str, Any]:
+    """The dict in the config.json at ``path`` (a file, or a folder holding config.json), checked to name a
+    supported architecture. Raises ValueError naming --hf-config and the fix; transformers is not imported."""
+    from posenc.interop.patch import SUPPORTED_ARCHITECTURES
+
+    file = Path(path)
+    file = file / "config.json" if file.is_dir() else file
+    if not file.is_file():
+        raise ValueError(f"hf_config (--hf-config) {path!r} is not a config.json or a folder holding one")
+    try:
+        source = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"hf_config (--hf-config) {str(file)!r} is not readable JSON: {error}") from error
+    if not isinstance(source, dict):
+        raise ValueError(f"hf_config (--hf-config) {str(file)!r} must hold a JSON object, not {type(source).__name__}")
+    model_type = source.get("model_type")
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"hf_config (--hf-config) {str(file)!r} has model_type {model_type!r}, which the lab cannot build; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return source
+
+
+class HFByteLM(nn.Module):
+    """A byte-level ``transformers`` causal LM of the architecture in ``hf_config``, sized by ``spec``.
+
+    spec: dim, layers, heads and max_positions (the training length, written as max_position_embeddings);
+    hf_config: the config.json's path (architecture, rope_theta, rotary fraction, norms come from it; its rope
+    scaling is dropped); rope_parameters: None for the plain RoPE the model trains with, or an extension's
+    rope_parameters (``posenc.lab.config.extension_rope_parameters``) installed by ``patch_model``.
+    The weights come from torch's global generator, like ``ByteLM``'s, so the caller's seed decides them.
+    """
+
+    def __init__(self, spec: ModelSpec, hf_config: str, rope_parameters: Mapping[str, Any] | None = None) -> None:
+        super().__init__()
+        require_transformers()
+        from posenc.interop.patch import patch_model, tiny_model_from_config
+
+        self.spec = spec
+        source = read_hf_config(hf_config)
+        self.architecture = source["model_type"]
+        self.encoding_name = "rope"
+        # ByteLM's shared encoding; here the RoPE lives inside the Hugging Face model.
+        self.encoding = None
+        # tiny_model_from_config seeds its own generator; draw that seed from the global one so the caller's
+        # torch.manual_seed decides the weights, as it does for ByteLM.
+        seed = int(torch.randint(0, 2**31 - 1, ()).item())
+        # The lab's sizes replace the file's, also where the rotation is sized from them (its head_dim is dropped).
+        sized = {k: v for k, v in source.items() if k != "head_dim"}
+        sized.update(hidden_size=spec.dim, num_attention_heads=spec.heads, max_position_embeddings=spec.max_positions)
+        self.hf = tiny_model_from_config(
+            sized,
+            hidden_size=spec.dim,
+            num_layers=spec.layers,
+            num_heads=spec.heads,
+            vocab_size=VOCAB_SIZE,
+            max_position_embeddings=spec.max_positions,
+            seed=seed,
+            attn_implementation="eager",  # the only implementation that returns attention probabilities
+        )
+        self.patch_report = None if rope_parameters is None else patch_model(self.hf, rope_parameters=rope_parameters)
+
+    def forward(
+        self, tokens: torch.Tensor, *, return_attention: bool = False
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """tokens: (b, s) int64 bytes. Returns logits (b, s, v) and, with return_attention, one (b, h, s, s)
+        float32 probability tensor per layer (else an empty list)."""
+        out = self.hf(input_ids=tokens, output_attentions=return_attention, use_cache=False)
+        attentions = [a.float() for a in out.attentions] if return_attention else []
+        return out.logits, attentions

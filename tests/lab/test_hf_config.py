@@ -1,0 +1,138 @@
+"""posenc lab --hf-config: the rope model built as a Hugging Face architecture (tiny, random init)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from posenc.cli import main
+from posenc.lab.config import extension_rope_parameters, make_config
+from posenc.lab.model import ModelSpec
+
+pytest.importorskip("transformers")
+
+CONFIGS = {
+    "llama": {"model_type": "llama", "rope_theta": 10000.0, "hidden_act": "silu", "rms_norm_eps": 1e-6},
+    # Partial rotary: a quarter of each head's dims rotate.
+    "gpt_neox": {"model_type": "gpt_neox", "rotary_pct": 0.5, "rope_theta": 10000, "use_parallel_residual": True},
+}
+
+
+def write_config(folder: Path, source: dict) -> str:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "config.json"
+    path.write_text(json.dumps(source))
+    return str(path)
+
+
+@pytest.mark.parametrize("model_type", sorted(CONFIGS))
+def test_a_lab_run_on_a_hugging_face_architecture(model_type, corpus_dir, tmp_path, capsys):
+    path = write_config(tmp_path / "cfg", CONFIGS[model_type])
+    out = tmp_path / "run"
+    flags = ["--preset", "quick", "--corpus", str(corpus_dir), "--hf-config", path, "--out", str(out)]
+    flags += ["--dim", "16", "--heads", "2", "--layers", "1", "--train-len", "8", "--eval-lengths", "8,16"]
+    flags += ["--steps", "4", "--eval-windows", "4", "--extensions", "pi,yarn", "--no-progress"]
+    assert main(["lab", *flags]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["architecture"] == model_type
+    assert results["config"]["hf_config"] == path
+    assert results["config"]["encodings"] == ["rope"]  # restricted automatically
+    assert "--hf-config" in results["command"]
+    rows = {(r["extension"], r["eval_len"]): r for r in results["rows"]}
+    assert set(rows) == {("none", 8), ("none", 16), ("pi", 16), ("yarn", 16)}
+    for row in rows.values():
+        assert row["architecture"] == model_type and row["applicable"]
+        assert 0 < row["bits_per_byte"] < 16 and len(row["entropy_by_layer"]) == 1 and row["entropy"] > 0
+    with open(out / "results.csv") as f:
+        assert {r["architecture"] for r in csv.DictReader(f)} == {model_type}
+    units = results["timings"]["units"]
+    assert units["rope+yarn/seed0"]["rope_parameters"]["16"]["rope_type"] == "yarn"
+    assert units["rope+pi/seed0"]["rope_parameters"]["16"]["rope_type"] == "linear"
+
+
+@pytest.mark.parametrize("model_type", sorted(CONFIGS))
+def test_extensions_change_the_hugging_face_model(model_type, tmp_path):
+    from posenc.lab.hf_model import HFByteLM
+
+    path = write_config(tmp_path, CONFIGS[model_type])
+    spec = ModelSpec(dim=16, layers=2, heads=2, max_positions=8)
+    torch.manual_seed(0)
+    base = HFByteLM(spec, path)
+    assert base.hf.config.max_position_embeddings == 8 and base.hf.config.vocab_size == 256
+    assert type(base.hf).__name__.lower().startswith(model_type.replace("_", ""))
+    with torch.no_grad():  # sharper attention than the 0.02 init, so positions matter in the logits
+        for p in base.parameters():
+            if p.dim() >= 2:
+                p.mul_(20)
+    tokens = torch.randint(0, 256, (2, 16))
+    logits, attentions = base(tokens, return_attention=True)
+    assert logits.shape == (2, 16, 256) and len(attentions) == 2
+    assert attentions[0].shape == (2, 2, 16, 16) and attentions[0].dtype == torch.float32
+    torch.testing.assert_close(attentions[0].sum(-1), torch.ones(2, 2, 16))
+    for extension in ("pi", "yarn"):
+        extended = HFByteLM(spec, path, extension_rope_parameters(extension, 2.0, 8))
+        extended.load_state_dict(base.state_dict(), strict=True)
+        other, _ = extended(tokens)
+        # Positions inside the trained length: PI changes them, YaRN keeps its high frequencies.
+        assert (other - logits).abs().max() > 1e-3
+    # The same seed gives the same weights; another seed others.
+    weights = {}
+    for seed in (0, 0, 1):
+        torch.manual_seed(seed)
+        weights.setdefault(seed, []).append(HFByteLM(spec, path).state_dict())
+    for name, value in weights[0][0].items():
+        assert torch.equal(value, weights[0][1][name])
+    assert any(not torch.equal(value, weights[1][0][name]) for name, value in weights[0][0].items())
+
+
+@pytest.mark.parametrize(
+    ("setup", "message"),
+    [
+        (lambda tmp: str(tmp / "missing.json"), "is not a config.json"),
+        (lambda tmp: write_config(tmp, {"model_type": "bert"}), "model_type 'bert'"),
+        (lambda tmp: write_config(tmp, {"rope_theta": 1.0}), "model_type None"),
+    ],
+)
+def test_bad_hf_config_fails_before_training(setup, message, tmp_path, corpus_dir):
+    with pytest.raises(ValueError, match=message):
+        make_config("quick", corpus=str(corpus_dir), hf_config=setup(tmp_path))
+
+
+def test_other_encodings_with_hf_config_are_refused(tmp_path, corpus_dir, capsys):
+    path = write_config(tmp_path, CONFIGS["llama"])
+    with pytest.raises(ValueError, match="--encodings rope"):
+        make_config("quick", hf_config=path, encodings=("rope", "alibi"))
+    status = main(["lab", "--preset", "quick", "--hf-config", path, "--encodings", "alibi", "--out", str(tmp_path)])
+    assert status == 2 and "--encodings rope" in capsys.readouterr().err
+
+
+def test_importing_the_lab_does_not_import_transformers():
+    code = "import sys, posenc.lab, posenc.lab.hf_model; assert 'transformers' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_missing_transformers_is_a_clear_error(tmp_path, monkeypatch):
+    import importlib.util
+
+    path = write_config(tmp_path, CONFIGS["llama"])
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a)
+    )
+    with pytest.raises(ValueError, match="pip install transformers"):
+        make_config("quick", hf_config=path)
+
+
+def test_the_config_files_contents_key_the_results(tmp_path):
+    path = write_config(tmp_path, CONFIGS["llama"])
+    plain = make_config("quick").results_key()
+    assert "hf_config" not in plain  # runs made without --hf-config keep their config_id
+    first = make_config("quick", hf_config=path).results_key()
+    write_config(tmp_path, {**CONFIGS["llama"], "rope_theta": 500000.0})
+    assert make_config("quick", hf_config=path).results_key() != first
