@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 import posenc
 from posenc import apply_rotary, apply_rotary_, apply_rotary_qk
 from posenc.kernels import choose_backend
+from posenc.rope.apply import rotate_pairs
 from posenc.testing import TOLERANCES, assert_close, rope_inv_freq_reference, rope_reference
 
 TRITON_DEVICE = "cuda" if os.environ.get("POSENC_TRITON_NATIVE") == "1" else "cpu"
@@ -197,17 +198,22 @@ def test_strided_views_and_single_tensor(backend):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_cpu_16_bit_conversions_are_exact(dtype):
-    """With sin = 0 the kernel computes round(x * c) for every finite 16-bit x; torch rounds the same product."""
-    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
-    x = bits.view(dtype)
-    x = x[torch.isfinite(x)].reshape(1, 1, -1, 2)
-    x = torch.cat([x[..., :1], x[..., 1:]], dim=-1)  # (1, 1, n, 2): one pair per token
-    c = torch.full((x.shape[2], 1), 0.7, dtype=torch.float32)
-    out = apply_rotary(x, c, torch.zeros_like(c), backend="cpu")
-    expected = torch.cat([x[..., :1].float() * c, x[..., 1:].float() * c], dim=-1).to(dtype)
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("half", [1, 8, 40, 64])
+@pytest.mark.parametrize("scale", [0.7, 1.0])
+def test_cpu_16_bit_conversions_are_exact(dtype, interleaved, half, scale):
+    """With sin = 0 every product is exact until the one rounding of x * c (or a NaN where the partner is
+    infinite), so the kernel must give torch's float32 result bit for bit, for every 16-bit x: subnormals,
+    infinities and NaNs included. The pair counts reach every step kind of the vector path: 32-pair and 16-pair
+    steps and masked tails, in both layouts."""
+    x = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    x = x[torch.randperm(x.numel(), generator=torch.Generator().manual_seed(half))]
+    x = torch.cat([x, x[: -x.numel() % (2 * half)]]).reshape(1, 1, -1, 2 * half)
+    c = torch.full((x.shape[2], half), scale, dtype=torch.float32)
+    out = apply_rotary(x, c, torch.zeros_like(c), interleaved=interleaved, backend="cpu")
+    expected = rotate_pairs(x.float(), c, torch.zeros_like(c), interleaved=interleaved).to(dtype)
     same = (out.float() == expected.float()) | (out.isnan() & expected.isnan())
-    assert bool(same.all())
+    assert bool(same.all()), f"{int((~same).sum())} of {same.numel()} values differ"
 
 
 def test_torch_compile_fullgraph_matches_eager():

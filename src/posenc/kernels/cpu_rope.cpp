@@ -7,11 +7,14 @@
 #include <cstring>
 #include <type_traits>
 
-// The fp16 path uses the AVX-512 conversion instructions where the build CPU has them (-march=native); the
+// The 16-bit paths use AVX-512 conversion instructions where the build CPU has them (-march=native); the
 // portable integer conversions below stay for every other CPU.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define POSENC_AVX512_F16 1
+#define POSENC_AVX512 1
 #include <immintrin.h>
+#if defined(__AVX512BF16__)
+#define POSENC_AVX512_BF16 1
+#endif
 #endif
 
 namespace {
@@ -105,59 +108,177 @@ struct Args {
   int32_t threads;
 };
 
-#ifdef POSENC_AVX512_F16
-// 16 fp16 lanes <-> float with vcvtph2ps / vcvtps2ph: exact IEEE conversions (subnormals included, round to
-// nearest even), so they match torch bit for bit; gcc does not emit them from the portable code above, and the
-// integer rounding there costs several instructions per element (measured: fp16 forward 0.65 -> 0.80 of a copy).
-// bf16 keeps the portable code: vcvtneps2bf16 (which also flushes subnormals, unlike torch) measured no faster.
+#ifdef POSENC_AVX512
+// AVX-512 rows for the 16-bit types. On this path the rotation is bound by instruction count rather than memory
+// (an out-of-place call writes into freshly faulted pages that are already in cache), so each conversion is the
+// fewest instructions that give torch's bits. gcc vectorizes the portable code above too, but its bf16 rounding
+// costs about ten instructions per 16 values (measured: bf16 forward 0.78x of a copy, fp16 0.65x).
+//
+// A lanes policy converts 16 values <-> one float vector: to_float(16 values in a __m256i),
+// widen(32 values) -> two float vectors, pack(a, b) -> the 32 values of a then b, rounded to nearest even.
 struct F16Lanes {
+  // vcvtph2ps / vcvtps2ph are exact IEEE conversions (subnormals included, round to nearest even), as torch's.
   static __m512 to_float(__m256i v) { return _mm512_cvtph_ps(v); }
-  static __m256i from_float(__m512 f) { return _mm512_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static void widen(__m512i w, __m512& lo, __m512& hi) {
+    lo = _mm512_cvtph_ps(_mm512_castsi512_si256(w));
+    hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(w, 1));
+  }
+  static void split_pairs(__m512i w, __m512& x1, __m512& x2) {
+    x1 = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(w));
+    x2 = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(w, 16)));
+  }
+  static __m256i narrow(__m512 f) { return _mm512_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static __m512i pack(__m512 a, __m512 b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(narrow(a)), narrow(b), 1);
+  }
 };
 
-inline void rotate_row_f16(const uint16_t* xr, uint16_t* orow, const float* c, const float* s, int64_t half,
-                           float sign, bool interleaved) {
-  // 16 pairs per step; the last partial step is masked, so every size takes this path.
-  const __m512 sg = _mm512_set1_ps(sign);
-  for (int64_t i = 0; i < half; i += 16) {
-    const __mmask16 m = half - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (half - i)) - 1);
-    const __m512 ci = _mm512_maskz_loadu_ps(m, c + i);
-    const __m512 si = _mm512_mul_ps(sg, _mm512_maskz_loadu_ps(m, s + i));
-    __m256i a, b;
-    if (interleaved) {
-      // One 32-bit word holds a pair: its low half is x1, its high half x2.
-      const __m512i w = _mm512_maskz_loadu_epi32(m, xr + 2 * i);
-      a = _mm512_cvtepi32_epi16(w);
-      b = _mm512_cvtepi32_epi16(_mm512_srli_epi32(w, 16));
+#ifdef POSENC_AVX512_BF16
+struct BF16Lanes {
+  // A bf16 is the high half of its float: one zero-masked vpermw moves 16 of them into place.
+  static __m512i spread(int first) {
+    alignas(64) int16_t index[32];
+    for (int j = 0; j < 16; ++j) index[2 * j] = 0, index[2 * j + 1] = static_cast<int16_t>(first + j);
+    return _mm512_load_si512(index);
+  }
+  static __m512 to_float(__m256i v) {
+    return _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, spread(0), _mm512_castsi256_si512(v)));
+  }
+  static void widen(__m512i w, __m512& lo, __m512& hi) {
+    lo = _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, spread(0), w));
+    hi = _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, spread(16), w));
+  }
+  static void split_pairs(__m512i w, __m512& x1, __m512& x2) {
+    // A pair's 32-bit word holds x1 in its low half and x2 in its high half, which is already float position.
+    x1 = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+    x2 = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+  static __m256i rounded(__m512 f) {
+    // The portable store<bf16, float> on 16 lanes: round to nearest even, NaN kept quiet.
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i high = _mm512_srli_epi32(u, 16);
+    const __m512i odd = _mm512_and_si512(high, _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16);
+    r = _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), high, _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
+  }
+  static __m512i pack(__m512 a, __m512 b) {
+    // vcvtne2ps2bf16 rounds to nearest even and quiets NaNs as torch does, but flushes subnormal floats to zero
+    // (torch keeps them). A flushed lane reads as +-0, so only steps with a zero result pay for the exact test,
+    // and only steps with a subnormal one take the integer rounding.
+    const __m512i r = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a));
+    if (__builtin_expect(_mm512_testn_epi16_mask(r, _mm512_set1_epi16(0x7FFF)) != 0, 0) &&
+        (_mm512_fpclass_ps_mask(a, 0x20) | _mm512_fpclass_ps_mask(b, 0x20)) != 0)
+      return _mm512_inserti64x4(_mm512_castsi256_si512(rounded(a)), rounded(b), 1);
+    return r;
+  }
+};
+#endif
+
+// (o1, o2) = (x1 cos - x2 sin, x2 cos + x1 sin), or with sin negated (the backward).
+template <bool Conj>
+inline void rotate_pair(__m512 x1, __m512 x2, __m512 c, __m512 s, __m512& o1, __m512& o2) {
+  if constexpr (Conj) {
+    o1 = _mm512_fmadd_ps(x1, c, _mm512_mul_ps(x2, s));
+    o2 = _mm512_fmsub_ps(x2, c, _mm512_mul_ps(x1, s));
+  } else {
+    o1 = _mm512_fmsub_ps(x1, c, _mm512_mul_ps(x2, s));
+    o2 = _mm512_fmadd_ps(x2, c, _mm512_mul_ps(x1, s));
+  }
+}
+
+// Split-half rows, 32 pairs per step: whole 64-byte loads and stores of x1, x2, o1 and o2.
+template <typename Lanes, bool Conj>
+inline void rotate_split_32(const uint16_t* xr, uint16_t* orow, const float* c, const float* s, int64_t i,
+                            int64_t half) {
+  __m512 x1a, x1b, x2a, x2b, o1a, o1b, o2a, o2b;
+  Lanes::widen(_mm512_loadu_si512(xr + i), x1a, x1b);
+  Lanes::widen(_mm512_loadu_si512(xr + i + half), x2a, x2b);
+  rotate_pair<Conj>(x1a, x2a, _mm512_loadu_ps(c + i), _mm512_loadu_ps(s + i), o1a, o2a);
+  rotate_pair<Conj>(x1b, x2b, _mm512_loadu_ps(c + i + 16), _mm512_loadu_ps(s + i + 16), o1b, o2b);
+  _mm512_storeu_si512(orow + i, Lanes::pack(o1a, o1b));
+  _mm512_storeu_si512(orow + i + half, Lanes::pack(o2a, o2b));
+}
+
+// 16 pairs at pair index i: every interleaved step, and split-half rows' last steps. Masked is only the row's
+// last partial step (a masked store that first touches a fresh page can take a microcode assist).
+template <typename Lanes, bool Interleaved, bool Conj, bool Masked>
+inline void rotate_step_16(const uint16_t* xr, uint16_t* orow, const float* c, const float* s, int64_t i,
+                           int64_t half, __mmask16 m) {
+  __m512 ci, si, x1, x2, o1, o2;
+  if constexpr (Masked) {
+    ci = _mm512_maskz_loadu_ps(m, c + i);
+    si = _mm512_maskz_loadu_ps(m, s + i);
+    if constexpr (Interleaved) {
+      Lanes::split_pairs(_mm512_maskz_loadu_epi32(m, xr + 2 * i), x1, x2);
     } else {
-      a = _mm256_maskz_loadu_epi16(m, xr + i);
-      b = _mm256_maskz_loadu_epi16(m, xr + i + half);
+      x1 = Lanes::to_float(_mm256_maskz_loadu_epi16(m, xr + i));
+      x2 = Lanes::to_float(_mm256_maskz_loadu_epi16(m, xr + i + half));
     }
-    const __m512 x1 = F16Lanes::to_float(a), x2 = F16Lanes::to_float(b);
-    const __m256i o1 = F16Lanes::from_float(_mm512_fmsub_ps(x1, ci, _mm512_mul_ps(x2, si)));
-    const __m256i o2 = F16Lanes::from_float(_mm512_fmadd_ps(x2, ci, _mm512_mul_ps(x1, si)));
-    if (interleaved) {
-      const __m512i w = _mm512_or_si512(_mm512_cvtepu16_epi32(o1), _mm512_slli_epi32(_mm512_cvtepu16_epi32(o2), 16));
-      _mm512_mask_storeu_epi32(orow + 2 * i, m, w);
+  } else {
+    ci = _mm512_loadu_ps(c + i);
+    si = _mm512_loadu_ps(s + i);
+    if constexpr (Interleaved) {
+      Lanes::split_pairs(_mm512_loadu_si512(xr + 2 * i), x1, x2);
     } else {
-      _mm256_mask_storeu_epi16(orow + i, m, o1);
-      _mm256_mask_storeu_epi16(orow + i + half, m, o2);
+      x1 = Lanes::to_float(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + i)));
+      x2 = Lanes::to_float(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + i + half)));
     }
+  }
+  rotate_pair<Conj>(x1, x2, ci, si, o1, o2);
+  const __m512i out = Lanes::pack(o1, o2);
+  if constexpr (Interleaved) {
+    // 16-bit lane 2p of the output takes o1[p] (the low 256 bits of the pack), lane 2p+1 takes o2[p].
+    const __m512i weave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                           6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i woven = _mm512_permutexvar_epi16(weave, out);
+    if constexpr (Masked) {
+      _mm512_mask_storeu_epi32(orow + 2 * i, m, woven);
+    } else {
+      _mm512_storeu_si512(orow + 2 * i, woven);
+    }
+  } else if constexpr (Masked) {
+    _mm256_mask_storeu_epi16(orow + i, m, _mm512_castsi512_si256(out));
+    _mm256_mask_storeu_epi16(orow + i + half, m, _mm512_extracti64x4_epi64(out, 1));
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(orow + i), _mm512_castsi512_si256(out));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(orow + i + half), _mm512_extracti64x4_epi64(out, 1));
+  }
+}
+
+// The lanes policy of a storage type, or void where the portable loop is used.
+template <typename T>
+struct LanesOf {
+  using type = void;
+};
+template <>
+struct LanesOf<f16> {
+  using type = F16Lanes;
+};
+#ifdef POSENC_AVX512_BF16
+template <>
+struct LanesOf<bf16> {
+  using type = BF16Lanes;
+};
+#endif
+
+template <typename Lanes, bool Interleaved, bool Conj>
+inline void rotate_row_16bit(const uint16_t* xr, uint16_t* orow, const float* c, const float* s, int64_t half) {
+  int64_t i = 0;
+  if constexpr (!Interleaved) {
+    for (; i + 32 <= half; i += 32) rotate_split_32<Lanes, Conj>(xr, orow, c, s, i, half);
+  }
+  for (; i + 16 <= half; i += 16) rotate_step_16<Lanes, Interleaved, Conj, false>(xr, orow, c, s, i, half, 0);
+  if (i < half) {
+    const auto m = static_cast<__mmask16>((1u << (half - i)) - 1);
+    rotate_step_16<Lanes, Interleaved, Conj, true>(xr, orow, c, s, i, half, m);
   }
 }
 #endif
 
+// The portable row: any storage type, math in C.
 template <typename T, typename C>
-inline void rotate_row(const T* xr, T* orow, const C* c, const C* s, int64_t half, int64_t tail, C sign,
-                       bool interleaved, bool copy_tail) {
-#ifdef POSENC_AVX512_F16
-  if constexpr (std::is_same_v<T, f16> && std::is_same_v<C, float>) {
-    rotate_row_f16(reinterpret_cast<const uint16_t*>(xr), reinterpret_cast<uint16_t*>(orow), c, s, half, sign,
-                   interleaved);
-    if (copy_tail && tail > 0) std::memcpy(orow + 2 * half, xr + 2 * half, tail * sizeof(T));
-    return;
-  }
-#endif
+inline void rotate_row(const T* xr, T* orow, const C* c, const C* s, int64_t half, C sign, bool interleaved) {
   // In place, orow == xr: each pair is read before it is written and pairs are disjoint, so the vectorizer may
   // ignore the apparent aliasing.
   if (interleaved) {
@@ -175,33 +296,86 @@ inline void rotate_row(const T* xr, T* orow, const C* c, const C* s, int64_t hal
       orow[i + half] = store<T, C>(x2 * ci + x1 * si);
     }
   }
-  if (copy_tail && tail > 0) std::memcpy(orow + 2 * half, xr + 2 * half, tail * sizeof(T));
+}
+
+// The loop over rows; row(x_row, out_row, cos_row, sin_row) rotates one. Row kernels are chosen once per call, so
+// the per-row work is the address arithmetic below (a row of d = 128 bf16 is only two vector steps).
+template <typename T, typename C, typename Row>
+void rotate_rows(const Args& args, Row row) {
+  // Work items are (i0, block of BLOCK positions along dim 2, i1): the cos/sin rows of one block stay in cache
+  // while every head (dim 1) uses them, instead of being streamed once per head.
+  constexpr int64_t BLOCK = 32;
+  const int64_t blocks = (args.n[2] + BLOCK - 1) / BLOCK;
+  const int64_t items = args.n[0] * blocks * args.n[1];
+#pragma omp parallel num_threads(args.threads)
+  {
+    // Each thread's own copy of the arguments: the vector stores may alias any memory, and a shared struct would
+    // be reloaded after every row.
+    const Args a = args;
+    const T* x = static_cast<const T*>(a.x);
+    T* out = static_cast<T*>(a.out);
+    const C* cos_ = static_cast<const C*>(a.cos);
+    const C* sin_ = static_cast<const C*>(a.sin);
+    const int64_t n1 = a.n[1], n2 = a.n[2], tail = a.d - 2 * a.half, row_bytes = a.d * int64_t(sizeof(T));
+    const bool copy_tail = a.copy_tail && tail > 0;
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < items; ++item) {
+      const int64_t i1 = item % n1, blk = (item / n1) % blocks, i0 = item / (n1 * blocks);
+      const int64_t start = blk * BLOCK, end = (blk + 1) * BLOCK < n2 ? (blk + 1) * BLOCK : n2;
+      const T* xr = x + i0 * a.xs[0] + i1 * a.xs[1] + start * a.xs[2];
+      T* orow = out + i0 * a.os[0] + i1 * a.os[1] + start * a.os[2];
+      const int64_t ch = i0 * a.cs[0] + i1 * a.cs[1];
+      const int64_t* ph = a.pos ? a.pos + i0 * a.ps[0] : nullptr;
+      // The next item's rows of x are a jump away (another head, or the next block), where the hardware
+      // prefetchers lose the stream; fetching each of them one item ahead measured 0.84 -> 0.92 of a copy (bf16).
+      const char* next = nullptr;
+      int64_t next_rows = 0;
+      if (item + 1 < items) {
+        const int64_t j1 = (item + 1) % n1, jblk = ((item + 1) / n1) % blocks, j0 = (item + 1) / (n1 * blocks);
+        next = reinterpret_cast<const char*>(x + j0 * a.xs[0] + j1 * a.xs[1] + jblk * BLOCK * a.xs[2]);
+        next_rows = ((jblk + 1) * BLOCK < n2 ? (jblk + 1) * BLOCK : n2) - jblk * BLOCK;
+      }
+      for (int64_t i2 = start; i2 < end; ++i2, xr += a.xs[2], orow += a.os[2]) {
+        if (i2 - start < next_rows) {
+          const char* ahead = next + (i2 - start) * a.xs[2] * int64_t(sizeof(T));
+          for (int64_t byte = 0; byte < row_bytes; byte += 64) __builtin_prefetch(ahead + byte, 0, 2);
+        }
+        const int64_t co = ch + (ph ? ph[i2 * a.ps[1]] : i2) * a.cs[2];
+        row(xr, orow, cos_ + co, sin_ + co);
+        if (copy_tail) std::memcpy(orow + 2 * a.half, xr + 2 * a.half, tail * sizeof(T));
+      }
+    }
+  }
 }
 
 template <typename T, typename C>
 void rotate(const Args& a) {
-  const T* x = static_cast<const T*>(a.x);
-  T* out = static_cast<T*>(a.out);
-  const C* cos_ = static_cast<const C*>(a.cos);
-  const C* sin_ = static_cast<const C*>(a.sin);
-  const int64_t n0 = a.n[0], n1 = a.n[1], n2 = a.n[2];
-  const C sign = a.conjugate ? C(-1) : C(1);
-  // Work items are (i0, block of BLOCK positions along dim 2, i1): the cos/sin rows of one block stay in cache
-  // while every head (dim 1) uses them, instead of being streamed once per head.
-  constexpr int64_t BLOCK = 32;
-  const int64_t blocks = (n2 + BLOCK - 1) / BLOCK;
-  const int64_t items = n0 * blocks * n1;
-#pragma omp parallel for num_threads(a.threads) schedule(static)
-  for (int64_t item = 0; item < items; ++item) {
-    const int64_t i1 = item % n1, blk = (item / n1) % blocks, i0 = item / (n1 * blocks);
-    const int64_t end = (blk + 1) * BLOCK < n2 ? (blk + 1) * BLOCK : n2;
-    for (int64_t i2 = blk * BLOCK; i2 < end; ++i2) {
-      const int64_t p = a.pos ? a.pos[i0 * a.ps[0] + i2 * a.ps[1]] : i2;
-      const int64_t co = i0 * a.cs[0] + i1 * a.cs[1] + p * a.cs[2];
-      rotate_row<T, C>(x + i0 * a.xs[0] + i1 * a.xs[1] + i2 * a.xs[2], out + i0 * a.os[0] + i1 * a.os[1] + i2 * a.os[2],
-                       cos_ + co, sin_ + co, a.half, a.d - 2 * a.half, sign, a.interleaved, a.copy_tail);
+  const int64_t half = a.half;
+#ifdef POSENC_AVX512
+  using Lanes = typename LanesOf<T>::type;
+  if constexpr (std::is_same_v<C, float> && !std::is_void_v<Lanes>) {
+    using U = const uint16_t*;
+    auto run = [&](auto interleaved, auto conj) {
+      rotate_rows<T, C>(a, [half](const T* xr, T* orow, const C* c, const C* s) {
+        rotate_row_16bit<Lanes, decltype(interleaved)::value, decltype(conj)::value>(
+            reinterpret_cast<U>(xr), reinterpret_cast<uint16_t*>(orow), c, s, half);
+      });
+    };
+    using Yes = std::true_type;
+    using No = std::false_type;
+    if (a.interleaved) {
+      a.conjugate ? run(Yes{}, Yes{}) : run(Yes{}, No{});
+    } else {
+      a.conjugate ? run(No{}, Yes{}) : run(No{}, No{});
     }
+    return;
   }
+#endif
+  const C sign = a.conjugate ? C(-1) : C(1);
+  const bool interleaved = a.interleaved;
+  rotate_rows<T, C>(a, [=](const T* xr, T* orow, const C* c, const C* s) {
+    rotate_row<T, C>(xr, orow, c, s, half, sign, interleaved);
+  });
 }
 
 }  // namespace

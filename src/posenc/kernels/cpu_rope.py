@@ -75,13 +75,12 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
-@functools.cache
-def _library() -> tuple[ctypes.CDLL | None, str]:
-    """(the loaded library, "") or (None, why it could not be built)."""
+def build_library(source: bytes) -> tuple[ctypes.CDLL | None, str]:
+    """Compile ``source`` (the text of cpu_rope.cpp, this one or another revision's) into a shared library cached
+    on disk under a hash of the source, flags, compiler and CPU, and load it: (library, "") or (None, why not)."""
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         return None, "no C++ compiler found (set CXX or install g++)"
-    source = SOURCE.read_bytes()
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as error:
@@ -91,20 +90,26 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     target = directory / f"cpu_rope_{key.hexdigest()[:16]}.so"
     if not target.exists():
         directory.mkdir(parents=True, exist_ok=True)
-        # Build under a unique name and rename: concurrent first uses (test workers) never see half a file.
-        fd, partial = tempfile.mkstemp(suffix=".so", dir=directory)
-        os.close(fd)
-        result = subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", partial], capture_output=True, text=True, timeout=300
-        )
-        if result.returncode != 0:
-            os.unlink(partial)
-            return None, f"building {SOURCE.name} failed:\n{result.stderr[-2000:]}"
-        os.replace(partial, target)
+        # Build under unique names and rename: concurrent first uses (test workers) never see half a file.
+        with tempfile.TemporaryDirectory(dir=directory) as scratch:
+            source_path, partial = Path(scratch) / SOURCE.name, Path(scratch) / "partial.so"
+            source_path.write_bytes(source)
+            result = subprocess.run(
+                [compiler, *FLAGS, str(source_path), "-o", str(partial)], capture_output=True, text=True, timeout=300
+            )
+            if result.returncode != 0:
+                return None, f"building {SOURCE.name} failed:\n{result.stderr[-2000:]}"
+            os.replace(partial, target)
     library = ctypes.CDLL(str(target))
     library.posenc_rope.argtypes = (ctypes.POINTER(_Args), ctypes.c_int32, ctypes.c_int32)
     library.posenc_rope.restype = ctypes.c_int
     return library, ""
+
+
+@functools.cache
+def _library() -> tuple[ctypes.CDLL | None, str]:
+    """(the loaded library built from this package's cpu_rope.cpp, "") or (None, why it could not be built)."""
+    return build_library(SOURCE.read_bytes())
 
 
 def cpu_available() -> bool:
@@ -130,6 +135,7 @@ def rope_cpu(
     interleaved: bool,
     conjugate: bool,
     copy_tail: bool,
+    library: ctypes.CDLL | None = None,
 ) -> None:
     """Write the rotation of x into out (which may be x itself). No autograd.
 
@@ -137,8 +143,11 @@ def rope_cpu(
     cos, sin: (c0, c1, rows, r/2) views (strides may be 0) with unit last stride, float32 or float64;
     positions: None (row = i2) or (n0 or 1, n2) int64, the cos/sin row of each token.
     copy_tail: also copy channels r..d-1 (out-of-place); in place they are already there.
+    library: one from ``build_library`` (benchmarks compare kernel revisions); default this package's.
     """
-    library, reason = _library()
+    reason = ""
+    if library is None:
+        library, reason = _library()
     if library is None:
         raise RuntimeError(f"the CPU rotary kernel is unavailable: {reason}; use backend='torch'")
     if x.dim() != 4 or out.shape != x.shape:

@@ -1,0 +1,108 @@
+"""The CPU rotary kernel of this working tree against the one of an earlier git revision, side by side in one run.
+
+Both kernels are built from source (cached like the package's own) and called on the same tensors, taking turns
+rep by rep with ``copy`` (``clone()`` of q and k, the floor of an out-of-place op) so that load on a shared machine
+hits them alike. Forward, out-of-place, q (1, 32, s, 128) and k (1, 8, s, 128), split-half; ``--inplace`` times the
+in-place variant against ``copy_`` into preallocated tensors instead.
+
+    python benchmarks/cpu_kernel_ab.py --baseline 2978b28
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+from pathlib import Path
+
+import torch
+
+from common import commit, device_name, measure_interleaved, percentiles, print_row, write_rows
+from posenc.kernels.cpu_rope import SOURCE, build_library, rope_cpu
+from posenc.testing import random_qk
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def source_at(revision: str) -> bytes:
+    """cpu_rope.cpp as committed at ``revision``."""
+    root = Path(__file__).resolve().parents[1]
+    path = SOURCE.resolve().relative_to(root).as_posix()
+    return subprocess.run(
+        ["git", "show", f"{revision}:{path}"], cwd=root, capture_output=True, check=True, timeout=30
+    ).stdout
+
+
+def make_cases(libraries: dict, dtype: torch.dtype, seq: int, *, inplace: bool) -> dict:
+    """name -> (timed function, None): copy, then each library's kernel on the same q and k."""
+    q, k = random_qk(1, 32, 8, seq, 128, dtype=dtype)
+    angles = torch.arange(seq, dtype=torch.float64)[:, None] / 10000.0 ** (
+        torch.arange(0, 128, 2, dtype=torch.float64) / 128
+    )
+    cos, sin = (t.float()[None, None] for t in (angles.cos(), angles.sin()))
+    targets = (q.clone(), k.clone())
+
+    def run(library) -> None:
+        for x, target in zip((q, k), targets, strict=True):
+            # In place the targets are rotated again each rep (norms are kept, so the values stay tame).
+            source, out = (target, target) if inplace else (x, torch.empty_like(x))
+            rope_cpu(
+                source, out, cos, sin, None, interleaved=False, conjugate=False, copy_tail=not inplace, library=library
+            )
+
+    def copy() -> None:
+        if inplace:
+            for target, x in zip(targets, (q, k), strict=True):
+                target.copy_(x)
+        else:
+            q.clone(), k.clone()
+
+    return {"copy": (copy, None)} | {name: (lambda lib=lib: run(lib), None) for name, lib in libraries.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--baseline", required=True, help="git revision whose cpu_rope.cpp is the baseline")
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16", "fp16"], choices=list(DTYPES))
+    parser.add_argument("--reps", type=int, default=40)
+    parser.add_argument("--inplace", action="store_true")
+    parser.add_argument("--csv", type=Path, default=None)
+    args = parser.parse_args()
+
+    libraries = {}
+    for name, source in ((f"kernel@{args.baseline}", source_at(args.baseline)), ("kernel@tree", SOURCE.read_bytes())):
+        library, reason = build_library(source)
+        if library is None:
+            raise SystemExit(f"{name}: {reason}")
+        libraries[name] = library
+
+    env = {"device": device_name("cpu"), "torch": torch.__version__, "commit": commit()}
+    mode = "fwd-inplace" if args.inplace else "fwd"
+    rows = []
+    for dtype_name in args.dtypes:
+        cases = make_cases(libraries, DTYPES[dtype_name], args.seq, inplace=args.inplace)
+        times = measure_interleaved(cases, reps=args.reps, device="cpu")
+        copy_p50 = percentiles(times["copy"])[1]
+        for name, samples in times.items():
+            p20, p50, p80 = percentiles(samples)
+            row = {
+                "op": "rope",
+                "provider": name,
+                "mode": mode,
+                "dtype": dtype_name,
+                "shape": f"b=1,hq=32,hk=8,s={args.seq},d=128",
+                "p20": round(p20, 4),
+                "p50": round(p50, 4),
+                "p80": round(p80, 4),
+                "ratio_to_copy": round(copy_p50 / p50, 3),
+                **env,
+            }
+            rows.append(row)
+            print_row(row)
+    if args.csv is not None:
+        write_rows(rows, args.csv)
+        print(f"wrote {len(rows)} rows to {args.csv}")
+
+
+if __name__ == "__main__":
+    main()
