@@ -380,17 +380,29 @@ void rotate(const Args& a) {
 
 }  // namespace
 
-// dtype: 0 float32, 1 bfloat16, 2 float16, 3 float64; wide: cos/sin (and the math) in double. Returns 0, or 1
-// for a combination that was not compiled.
-extern "C" int posenc_rope(const Args* a, int32_t dtype, int32_t wide) {
-  switch (dtype * 2 + wide) {
-    case 0: rotate<float, float>(*a); return 0;
-    case 1: rotate<float, double>(*a); return 0;
-    case 2: rotate<bf16, float>(*a); return 0;
-    case 3: rotate<bf16, double>(*a); return 0;
-    case 4: rotate<f16, float>(*a); return 0;
-    case 5: rotate<f16, double>(*a); return 0;
-    case 7: rotate<double, double>(*a); return 0;
-    default: return 1;
+static_assert(sizeof(Args) == 184, "Args must match the struct format in cpu_rope.py");
+
+// Each job is one Args, packed by cpu_rope.py (copied out, so the buffer needs no alignment). dtype: 0 float32,
+// 1 bfloat16, 2 float16, 3 float64; wide: cos/sin (and the math) in double. Returns 0, or 1 for a combination
+// that was not compiled.
+extern "C" int posenc_rope_jobs(const char* packed, int32_t count, int32_t dtype, int32_t wide) {
+  for (int32_t job = 0; job < count; ++job) {
+    Args a;
+    std::memcpy(&a, packed + job * sizeof(Args), sizeof(Args));
+    switch (dtype * 2 + wide) {
+      case 0: rotate<float, float>(a); break;
+      case 1: rotate<float, double>(a); break;
+      case 2: rotate<bf16, float>(a); break;
+      case 3: rotate<bf16, double>(a); break;
+      case 4: rotate<f16, float>(a); break;
+      case 5: rotate<f16, double>(a); break;
+      case 7: rotate<double, double>(a); break;
+      default: return 1;
+    }
   }
+  return 0;
+}
+
+extern "C" int posenc_rope(const char* packed, int32_t dtype, int32_t wide) {
+  return posenc_rope_jobs(packed, 1, dtype, wide);
 }

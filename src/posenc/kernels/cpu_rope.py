@@ -18,8 +18,10 @@ import hashlib
 import os
 import platform
 import shutil
+import struct
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -32,26 +34,10 @@ GRAIN = 32768  # elements per thread, at::internal::GRAIN_SIZE
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
 
 
-class _Args(ctypes.Structure):
-    # Mirrors `struct Args` in cpu_rope.cpp field by field.
-    _fields_ = (
-        ("x", ctypes.c_void_p),
-        ("out", ctypes.c_void_p),
-        ("cos", ctypes.c_void_p),
-        ("sin", ctypes.c_void_p),
-        ("pos", ctypes.c_void_p),
-        ("n", ctypes.c_int64 * 3),
-        ("d", ctypes.c_int64),
-        ("half", ctypes.c_int64),
-        ("xs", ctypes.c_int64 * 3),
-        ("os", ctypes.c_int64 * 3),
-        ("cs", ctypes.c_int64 * 3),
-        ("ps", ctypes.c_int64 * 2),
-        ("interleaved", ctypes.c_int32),
-        ("conjugate", ctypes.c_int32),
-        ("copy_tail", ctypes.c_int32),
-        ("threads", ctypes.c_int32),
-    )
+# Mirrors `struct Args` in cpu_rope.cpp: five pointers (x, out, cos, sin, pos), sixteen int64 (n[3], d, half,
+# xs[3], os[3], cs[3], ps[2]) and four int32 (interleaved, conjugate, copy_tail, threads). Packed with struct, which
+# costs a microsecond where building a ctypes.Structure with its arrays cost about ten.
+_ARGS = struct.Struct("=5Q16q4i")
 
 
 def _cache_dir() -> Path:
@@ -101,8 +87,11 @@ def build_library(source: bytes) -> tuple[ctypes.CDLL | None, str]:
                 return None, f"building {SOURCE.name} failed:\n{result.stderr[-2000:]}"
             os.replace(partial, target)
     library = ctypes.CDLL(str(target))
-    library.posenc_rope.argtypes = (ctypes.POINTER(_Args), ctypes.c_int32, ctypes.c_int32)
+    library.posenc_rope.argtypes = (ctypes.c_char_p, ctypes.c_int32, ctypes.c_int32)
     library.posenc_rope.restype = ctypes.c_int
+    if hasattr(library, "posenc_rope_jobs"):  # older revisions (benchmarks/cpu_kernel_ab.py) have one job a call
+        library.posenc_rope_jobs.argtypes = (ctypes.c_char_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32)
+        library.posenc_rope_jobs.restype = ctypes.c_int
     return library, ""
 
 
@@ -121,8 +110,7 @@ def cpu_unavailable_reason() -> str:
     return _library()[1]
 
 
-def _strides(t: torch.Tensor) -> ctypes.Array:
-    return (ctypes.c_int64 * 3)(*t.stride()[:3])
+Job = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def rope_cpu(
@@ -145,54 +133,124 @@ def rope_cpu(
     copy_tail: also copy channels r..d-1 (out-of-place); in place they are already there.
     library: one from ``build_library`` (benchmarks compare kernel revisions); default this package's.
     """
+    rope_cpu_jobs(
+        [(x, out, cos, sin)],
+        positions,
+        interleaved=interleaved,
+        conjugate=conjugate,
+        copy_tail=copy_tail,
+        library=library,
+    )
+
+
+def rope_cpu_jobs(
+    jobs: Sequence[Job],
+    positions: torch.Tensor | None,
+    *,
+    interleaved: bool,
+    conjugate: bool,
+    copy_tail: bool,
+    library: ctypes.CDLL | None = None,
+) -> None:
+    """``rope_cpu`` for several (x, out, cos, sin) of one dtype (q and k) in one call into the library."""
     reason = ""
     if library is None:
         library, reason = _library()
     if library is None:
         raise RuntimeError(f"the CPU rotary kernel is unavailable: {reason}; use backend='torch'")
-    if x.dim() != 4 or out.shape != x.shape:
-        raise ValueError(f"x and out must be (n0, n1, n2, d) of one shape, got {tuple(x.shape)} and {tuple(out.shape)}")
-    for name, t in (("x", x), ("out", out), ("cos", cos), ("sin", sin)):
-        if t.device.type != "cpu":
-            raise ValueError(f"{name} is on {t.device}; the CPU kernel reads CPU tensors only")
-        if t.shape[-1] > 1 and t.stride(-1) != 1:
-            raise ValueError(
-                f"{name} must have unit stride in its last dim, got strides {t.stride()}; pass .contiguous()"
+    if positions is not None:
+        if positions.dtype != torch.long or positions.dim() != 2 or not positions.is_cpu:
+            raise TypeError(f"positions must be a 2-D int64 CPU tensor, got {positions.dtype} {tuple(positions.shape)}")
+        pos_ptr = positions.data_ptr()
+        pos_strides = (positions.stride(0) if positions.shape[0] > 1 else 0, positions.stride(1))
+    else:
+        pos_ptr, pos_strides = 0, (0, 0)
+    threads = torch.get_num_threads()
+    packed, dtype, wide = [], None, False
+    for x, out, cos, sin in jobs:
+        shape, cos_shape, cos_strides = tuple(x.shape), tuple(cos.shape), cos.stride()
+        _check_job(x, out, cos, sin, shape, cos_shape, table=positions is not None)
+        if dtype is None:
+            dtype, wide = x.dtype, cos.dtype == torch.float64
+        elif x.dtype != dtype or (cos.dtype == torch.float64) != wide:
+            raise TypeError("every job of one call must share x's dtype and cos/sin's dtype")
+        numel = shape[0] * shape[1] * shape[2] * shape[3]
+        if numel == 0:
+            continue
+        xs, os_ = x.stride(), out.stride()
+        packed.append(
+            _ARGS.pack(
+                x.data_ptr(),
+                out.data_ptr(),
+                cos.data_ptr(),
+                sin.data_ptr(),
+                pos_ptr,
+                shape[0],
+                shape[1],
+                shape[2],
+                shape[3],
+                cos_shape[3],
+                xs[0],
+                xs[1],
+                xs[2],
+                os_[0],
+                os_[1],
+                os_[2],
+                0 if cos_shape[0] == 1 else cos_strides[0],
+                0 if cos_shape[1] == 1 else cos_strides[1],
+                0 if cos_shape[2] == 1 else cos_strides[2],
+                pos_strides[0],
+                pos_strides[1],
+                int(interleaved),
+                int(conjugate),
+                int(copy_tail),
+                # Like torch's own kernels, small tensors stay on one thread: waking others costs more than they
+                # save.
+                max(1, min(threads, numel // GRAIN)),
             )
+        )
+    if not packed:
+        return
+    code = DTYPE_CODES[dtype]
+    if len(packed) == 1:
+        status = library.posenc_rope(packed[0], code, int(wide))
+    else:
+        status = library.posenc_rope_jobs(b"".join(packed), len(packed), code, int(wide))
+    if status != 0:
+        raise TypeError(f"the CPU kernel has no variant for x {dtype} with cos/sin {'float64' if wide else 'float32'}")
+
+
+def _check_job(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    shape: tuple[int, ...],
+    cos_shape: tuple[int, ...],
+    *,
+    table: bool,
+) -> None:
+    """What the C code trusts: shapes, dtypes, devices, unit last strides. (With a table, that every position is
+    a row of it is checked once upstream, in ``posenc.kernels.layout.check_table_call``.)"""
+    if len(shape) != 4 or tuple(out.shape) != shape:
+        raise ValueError(f"x and out must be (n0, n1, n2, d) of one shape, got {shape} and {tuple(out.shape)}")
+    if not (x.is_cpu and out.is_cpu and cos.is_cpu and sin.is_cpu):
+        devices = ", ".join(f"{n} on {t.device}" for n, t in (("x", x), ("out", out), ("cos", cos), ("sin", sin)))
+        raise ValueError(f"the CPU kernel reads CPU tensors only, got {devices}")
+    if shape[3] > 1 and (x.stride(3) != 1 or out.stride(3) != 1):
+        raise ValueError(f"x and out must have unit stride in their last dim, got {x.stride()} and {out.stride()}")
+    if len(cos_shape) != 4 or cos.stride() != sin.stride() or tuple(sin.shape) != cos_shape:
+        raise ValueError(f"cos and sin must be 4-D views of one shape and strides, got {cos_shape}")
+    if cos_shape[3] > 1 and cos.stride(3) != 1:
+        raise ValueError(f"cos/sin must have unit stride in their last dim, got {cos.stride()}; pass .contiguous()")
     if x.dtype not in DTYPE_CODES or out.dtype != x.dtype:
         raise TypeError(f"x and out must share a dtype among {list(DTYPE_CODES)}, got {x.dtype} and {out.dtype}")
     if cos.dtype not in (torch.float32, torch.float64) or sin.dtype != cos.dtype:
         raise TypeError(f"cos and sin must both be float32 or both float64, got {cos.dtype} and {sin.dtype}")
-    wide = cos.dtype == torch.float64
-    if x.dtype == torch.float64 and not wide:
+    if x.dtype == torch.float64 and cos.dtype != torch.float64:
         raise TypeError("float64 x needs float64 cos/sin (the math runs in the wider dtype)")
-    if cos.dim() != 4 or cos.stride() != sin.stride() or cos.shape != sin.shape:
-        raise ValueError(f"cos and sin must be 4-D views of one shape and strides, got {tuple(cos.shape)}")
-    if positions is not None and (positions.dtype != torch.long or positions.dim() != 2):
-        raise TypeError(f"positions must be a 2-D int64 tensor, got {positions.dtype} {tuple(positions.shape)}")
-    if x.numel() == 0:
-        return
-    pos_strides = (0, 0)
-    if positions is not None:
-        pos_strides = (positions.stride(0) if positions.shape[0] > 1 else 0, positions.stride(1))
-    args = _Args(
-        x.data_ptr(),
-        out.data_ptr(),
-        cos.data_ptr(),
-        sin.data_ptr(),
-        positions.data_ptr() if positions is not None else None,
-        (ctypes.c_int64 * 3)(*x.shape[:3]),
-        x.shape[3],
-        cos.shape[3],
-        _strides(x),
-        _strides(out),
-        (ctypes.c_int64 * 3)(*(0 if cos.shape[i] == 1 else cos.stride(i) for i in range(3))),
-        (ctypes.c_int64 * 2)(*pos_strides),
-        int(interleaved),
-        int(conjugate),
-        int(copy_tail),
-        # Like torch's own kernels, small tensors stay on one thread: waking others costs more than they save.
-        max(1, min(torch.get_num_threads(), x.numel() // GRAIN)),
-    )
-    if library.posenc_rope(ctypes.byref(args), DTYPE_CODES[x.dtype], int(wide)) != 0:
-        raise TypeError(f"the CPU kernel has no variant for x {x.dtype} with cos/sin {cos.dtype}")
+    if cos_shape[3] * 2 > shape[3]:
+        raise ValueError(f"cos has {cos_shape[3]} pairs but x has only {shape[3]} channels")
+    for axis in range(2 if table else 3):
+        if cos_shape[axis] != 1 and cos_shape[axis] != shape[axis]:
+            raise ValueError(f"cos of shape {cos_shape} does not broadcast to x's {shape[:3]}")

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from posenc.kernels.cpu_rope import DTYPE_CODES, cpu_available, cpu_unavailable_reason, rope_cpu
+from posenc.kernels.cpu_rope import DTYPE_CODES, cpu_available, cpu_unavailable_reason, rope_cpu_jobs
 from posenc.kernels.layout import KINDS, Kind, canonical, canonical_cos, token_positions
 
 BACKENDS = ("auto", "torch", "triton", "cpu")
@@ -130,8 +130,8 @@ def _launch(
                 device=xs[0].device,
             )
             offset = 0
-        for view, out, c, s in zip(views, out_views, coss, sins, strict=True):
-            rope_cpu(view, out, c, s, pos, interleaved=interleaved, conjugate=conjugate, copy_tail=copy_tail)
+        jobs = list(zip(views, out_views, coss, sins, strict=True))
+        rope_cpu_jobs(jobs, pos, interleaved=interleaved, conjugate=conjugate, copy_tail=copy_tail)
         return
     if backend != "triton":
         raise ValueError(f"the rotary ops run backend 'cpu' or 'triton', got {backend!r}")
