@@ -7,6 +7,7 @@ provider's p50 over this provider's p50, so 1.0 is the bandwidth floor), device,
 from __future__ import annotations
 
 import csv
+import ctypes
 import statistics
 import subprocess
 import time
@@ -29,6 +30,35 @@ COLUMNS = (
     "torch",
     "commit",
 )
+
+
+ALLOCATION_MODES = ("fresh", "reuse", "system")
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4  # glibc's mallopt parameters
+
+
+def set_allocation(mode: str) -> str:
+    """Pin how glibc hands out the large CPU buffers (torch's CPU allocator sits on malloc); returns a label.
+
+    An out-of-place op's time on CPU depends on whether its output comes from fresh pages (the OS zero-fills
+    each 4 KiB page on first touch, which dominates a copy) or from heap memory freed by an earlier call. With
+    glibc's defaults that depends on sizes and on what ran before (its mmap threshold adapts to freed blocks), so
+    providers taking turns in one run would see different regimes. "fresh": every block of 128 KiB or more is
+    mapped and unmapped, so every call faults its pages; "reuse": nothing is unmapped or trimmed, so buffers are
+    recycled; "system": glibc's defaults.
+    """
+    if mode == "system":
+        return "alloc=system"
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return "alloc=system (no mallopt)"
+    if mode == "fresh":
+        ok = mallopt(_M_MMAP_THRESHOLD, 128 * 1024)
+    elif mode == "reuse":
+        ok = mallopt(_M_MMAP_MAX, 0) and mallopt(_M_TRIM_THRESHOLD, 2**30)
+    else:
+        raise ValueError(f"allocation mode must be one of {ALLOCATION_MODES}, got {mode!r}")
+    return f"alloc={mode}" if ok else "alloc=system (mallopt refused)"
 
 
 def commit() -> str:

@@ -16,7 +16,16 @@ from pathlib import Path
 
 import torch
 
-from common import commit, device_name, measure_interleaved, percentiles, print_row, write_rows
+from common import (
+    ALLOCATION_MODES,
+    commit,
+    device_name,
+    measure_interleaved,
+    percentiles,
+    print_row,
+    set_allocation,
+    write_rows,
+)
 from posenc.kernels.cpu_rope import SOURCE, build_library, rope_cpu
 from posenc.testing import random_qk
 
@@ -67,6 +76,12 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=40)
     parser.add_argument("--inplace", action="store_true")
     parser.add_argument("--csv", type=Path, default=None)
+    parser.add_argument(
+        "--alloc",
+        default="fresh",
+        choices=ALLOCATION_MODES,
+        help="CPU output buffers: fresh pages every call (default), recycled heap memory, or glibc's defaults",
+    )
     args = parser.parse_args()
 
     libraries = {}
@@ -76,7 +91,8 @@ def main() -> None:
             raise SystemExit(f"{name}: {reason}")
         libraries[name] = library
 
-    env = {"device": device_name("cpu"), "torch": torch.__version__, "commit": commit()}
+    device = f"{device_name('cpu')}, {set_allocation(args.alloc)}"
+    env = {"device": device, "torch": torch.__version__, "commit": commit()}
     mode = "fwd-inplace" if args.inplace else "fwd"
     rows = []
     for dtype_name in args.dtypes:

@@ -5,6 +5,8 @@ hf-eager (Hugging Face's ``q * cos + rotate_half(q) * sin`` with full-width cos/
 torch.compile(hf-eager), copy (``clone()`` of q and k: the memory-bandwidth floor), and on a GPU liger
 (Liger-Kernel's rope) and flash-attn (``apply_rotary_emb``) when installed. Modes: fwd, bwd (the backward alone,
 on a retained graph), fwd+bwd. The copy of each mode moves the same bytes as the op (two clones for fwd+bwd).
+On CPU, ``--alloc`` pins where output buffers come from (``common.set_allocation``): fresh pages every call
+(default; the OS zero-filling them is most of a copy's time) or recycled heap memory (``--alloc reuse``).
 
     python benchmarks/rope.py                       # CPU defaults, a few minutes on 2 cores
     python benchmarks/rope.py --device cuda --seqs 1024 4096 16384 32768 --reps 50
@@ -19,7 +21,16 @@ from pathlib import Path
 
 import torch
 
-from common import commit, device_name, measure_interleaved, percentiles, print_row, write_rows
+from common import (
+    ALLOCATION_MODES,
+    commit,
+    device_name,
+    measure_interleaved,
+    percentiles,
+    print_row,
+    set_allocation,
+    write_rows,
+)
 from posenc import apply_rotary_qk
 from posenc.testing import random_qk
 
@@ -108,9 +119,18 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--csv", type=Path, default=Path("docs/results/rope_cpu.csv"))
+    parser.add_argument(
+        "--alloc",
+        default="fresh",
+        choices=ALLOCATION_MODES,
+        help="CPU output buffers: fresh pages every call (default), recycled heap memory, or glibc's defaults",
+    )
     args = parser.parse_args()
 
-    env = {"device": device_name(args.device), "torch": torch.__version__, "commit": commit()}
+    device = device_name(args.device)
+    if args.device == "cpu":
+        device = f"{device}, {set_allocation(args.alloc)}"
+    env = {"device": device, "torch": torch.__version__, "commit": commit()}
     rows = []
     for seq in args.seqs:
         for dtype_name in args.dtypes:

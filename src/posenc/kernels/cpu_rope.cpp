@@ -246,6 +246,27 @@ inline void rotate_step_16(const uint16_t* xr, uint16_t* orow, const float* c, c
   }
 }
 
+// float32 split-half rows: gcc's vectorization of the portable loop pays a prologue and an epilogue per row of only
+// four vector steps (measured with recycled buffers: 0.78x of a copy before).
+template <bool Conj>
+inline void rotate_row_f32_split(const float* xr, float* orow, const float* c, const float* s, int64_t half) {
+  int64_t i = 0;
+  __m512 o1, o2;
+  for (; i + 16 <= half; i += 16) {
+    rotate_pair<Conj>(_mm512_loadu_ps(xr + i), _mm512_loadu_ps(xr + i + half), _mm512_loadu_ps(c + i),
+                      _mm512_loadu_ps(s + i), o1, o2);
+    _mm512_storeu_ps(orow + i, o1);
+    _mm512_storeu_ps(orow + i + half, o2);
+  }
+  if (i < half) {
+    const auto m = static_cast<__mmask16>((1u << (half - i)) - 1);
+    rotate_pair<Conj>(_mm512_maskz_loadu_ps(m, xr + i), _mm512_maskz_loadu_ps(m, xr + i + half),
+                      _mm512_maskz_loadu_ps(m, c + i), _mm512_maskz_loadu_ps(m, s + i), o1, o2);
+    _mm512_mask_storeu_ps(orow + i, m, o1);
+    _mm512_mask_storeu_ps(orow + i + half, m, o2);
+  }
+}
+
 // The lanes policy of a storage type, or void where the portable loop is used.
 template <typename T>
 struct LanesOf {
@@ -369,6 +390,17 @@ void rotate(const Args& a) {
       a.conjugate ? run(No{}, Yes{}) : run(No{}, No{});
     }
     return;
+  }
+  if constexpr (std::is_same_v<T, float> && std::is_same_v<C, float>) {
+    if (!a.interleaved) {
+      const auto run = [&](auto conj) {
+        rotate_rows<T, C>(a, [half](const T* xr, T* orow, const C* c, const C* s) {
+          rotate_row_f32_split<decltype(conj)::value>(xr, orow, c, s, half);
+        });
+      };
+      a.conjugate ? run(std::true_type{}) : run(std::false_type{});
+      return;
+    }
   }
 #endif
   const C sign = a.conjugate ? C(-1) : C(1);
