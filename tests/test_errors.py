@@ -158,7 +158,7 @@ angles = torch.randn(4, 4)
         (
             lambda: posenc.apply_rotary(x, angles.cos().to("meta"), angles.sin()),
             ValueError,
-            r"x is on cpu but cos is on meta",
+            r"cos is on meta but sin is on cpu",
         ),
         (lambda: posenc.ALiBi(4).bias(0, 3), ValueError, "q_len must be a positive integer"),
         (lambda: posenc.ALiBi(4).bias(2, 3, offset=-1), ValueError, "offset must be an int >= 0"),

@@ -108,16 +108,21 @@ def _launch(
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     wide = torch.float64 if torch.float64 in (xs[0].dtype, cos.dtype) else torch.float32
-    cos, sin = cos.to(wide), sin.to(wide)
+    if cos.dtype != wide or sin.dtype != wide:
+        cos, sin = cos.to(wide), sin.to(wide)
     if cos.stride() != sin.stride() or (cos.shape[-1] > 1 and cos.stride(-1) != 1):
         cos, sin = cos.contiguous(), sin.contiguous()
     views = [canonical(x, kind) for x in xs]
     out_views = [canonical(o, kind) for o in outs]
-    coss = [canonical_cos(cos, x, kind) for x in xs]
-    sins = [canonical_cos(sin, x, kind) for x in xs]
     if backend == "cpu":
         pos = None
-        if kind != "broadcast":
+        if kind == "broadcast":
+            # The CPU kernel broadcasts size-1 dims itself (stride 0): cos padded to 4-D, not expanded per x.
+            cos4, sin4 = canonical(cos, kind), canonical(sin, kind)
+            coss, sins = [cos4] * len(xs), [sin4] * len(xs)
+        else:
+            coss = [canonical_cos(cos, x, kind) for x in xs]
+            sins = [canonical_cos(sin, x, kind) for x in xs]
             batch = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else views[0].shape[0]
             pos = token_positions(
                 kind,
@@ -133,6 +138,8 @@ def _launch(
         jobs = list(zip(views, out_views, coss, sins, strict=True))
         rope_cpu_jobs(jobs, pos, interleaved=interleaved, conjugate=conjugate, copy_tail=copy_tail)
         return
+    coss = [canonical_cos(cos, x, kind) for x in xs]
+    sins = [canonical_cos(sin, x, kind) for x in xs]
     if backend != "triton":
         raise ValueError(f"the rotary ops run backend 'cpu' or 'triton', got {backend!r}")
     module, reason = _triton_module_or_error()

@@ -21,19 +21,31 @@ Backend = Literal["auto", "torch", "triton", "cpu"]
 
 def check_rotary_args(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> int:
     """Validate and return r/2. Raises with the argument's name and the fix."""
-    float_tensor("x", x)
+    half = check_cos_sin(cos, sin)
+    check_x_for(x, cos, half)
+    return half
+
+
+def check_cos_sin(cos: torch.Tensor, sin: torch.Tensor) -> int:
+    """The checks of ``check_rotary_args`` that involve cos and sin only (once per call for q and k); r/2."""
     float_tensor("cos", cos)
     float_tensor("sin", sin)
-    same_device(("x", "cos"), x, cos)
-    same_device(("x", "sin"), x, sin)
+    same_device(("cos", "sin"), cos, sin)
     if cos.shape != sin.shape:
         raise ValueError(f"cos and sin must have the same shape, got {tuple(cos.shape)} and {tuple(sin.shape)}")
     if cos.dim() == 0:
         raise ValueError("cos must have a last dimension of r/2 (one value per rotated pair), got a scalar")
-    half = cos.shape[-1]
+    return cos.shape[-1]
+
+
+def check_x_for(x: torch.Tensor, cos: torch.Tensor, half: int, name: str = "x") -> None:
+    """The checks of ``check_rotary_args`` that involve x (called ``name`` in errors): dtype, device, and cos
+    broadcasting to its rows."""
+    float_tensor(name, x)
+    same_device((name, "cos"), x, cos)
     if half == 0 or 2 * half > x.shape[-1]:
         raise ValueError(
-            f"cos.shape[-1]={half} pairs needs 2*{half}={2 * half} channels but x.shape[-1]={x.shape[-1]}; "
+            f"cos.shape[-1]={half} pairs needs 2*{half}={2 * half} channels but {name}.shape[-1]={x.shape[-1]}; "
             "cos/sin hold one value per pair, (..., rotary_dim // 2)"
         )
     target = (*x.shape[:-1], half)
@@ -43,10 +55,9 @@ def check_rotary_args(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
     )
     if not broadcasts:
         raise ValueError(
-            f"cos/sin of shape {tuple(cos.shape)} do not broadcast to x.shape[:-1] + (r/2,) = {target}; "
-            "for x in (b, h, s, d) pass cos of shape (s, r/2), (b, 1, s, r/2) or (1, 1, s, r/2)"
+            f"cos/sin of shape {tuple(cos.shape)} do not broadcast to {name}.shape[:-1] + (r/2,) = {target}; "
+            f"for {name} in (b, h, s, d) pass cos of shape (s, r/2), (b, 1, s, r/2) or (1, 1, s, r/2)"
         )
-    return half
 
 
 def compute_dtype(x: torch.Tensor, cos: torch.Tensor) -> torch.dtype:
@@ -111,11 +122,9 @@ def _rotate(
     kind = rotary_kind(layout, positions, offset, cu_seqlens)
     offsets, offset_int = None, 0
     if kind == "broadcast":
+        half = check_cos_sin(cos, sin)
         for name, x in xs.items():
-            try:
-                check_rotary_args(x, cos, sin)
-            except ValueError as error:
-                raise ValueError(f"{name}: {error}") from None
+            check_x_for(x, cos, half, name)
     else:
         offsets, offset_int = check_table_call(
             xs, cos, sin, kind, positions=positions, offset=offset, cu_seqlens=cu_seqlens
