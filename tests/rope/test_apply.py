@@ -92,6 +92,35 @@ def test_positions_forms_agree():
         assert torch.equal(per_batch[0][i], rope(q[i : i + 1], k[i : i + 1], offset=off)[0][0])
 
 
+@pytest.mark.parametrize(
+    "rope_parameters",
+    [
+        {"rope_type": "default"},
+        {"rope_type": "linear", "factor": 4.0},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float64, *DTYPES])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_table_read_equals_gathered_cos_sin(rope_parameters, dtype, layout, interleaved):
+    """An int offset (or none) lets RoPE hand the kernels its cached table; explicit positions gather cos/sin per
+    token. Both read the same float values, so the results agree bit for bit, partial rotation included."""
+    rope = posenc.RoPE(12, rotary_dim=8, interleaved=interleaved, rope_parameters=rope_parameters)
+    q, k = random_qk(2, 4, 2, 9, 12, dtype=dtype, layout=layout)
+    for offset in (0, 37):
+        table = rope(q, k, offset=offset, layout=layout)
+        gathered = rope(q, k, positions=torch.arange(offset, offset + 9), layout=layout)
+        assert all(torch.equal(a, b) for a, b in zip(table, gathered, strict=True))
+
+
 def test_packed_positions_restart_per_document():
     # Two documents packed in one row: the second restarts at 0 and must rotate like a fresh sequence.
     rope = posenc.RoPE(8)

@@ -211,13 +211,26 @@ class RoPE(nn.Module):
                 f"q and k must share batch and sequence sizes, got {tuple(q.shape)} and {tuple(k.shape)} "
                 f"(layout {layout!r})"
             )
-        pos = resolve_positions(
-            q.shape[seq_axis], batch=q.shape[0], positions=positions, offset=offset, device=q.device
-        )
-        if seq_len is None:
-            seq_len = self.scaling_length(pos)
         # float32 tables for every activation dtype but float64, whose callers want float64 exactness.
         table_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        seq = q.shape[seq_axis]
+        if (
+            positions is None
+            and type(offset) is int
+            and offset >= 0
+            and offset + seq <= _TABLE_LIMIT
+            and self.spec.rope_type not in SEQ_LEN_DEPENDENT
+            and q.device.type != "meta"
+        ):
+            # Positions offset..offset+s-1 and frequencies that do not depend on the length: the kernels read the
+            # cached table at those rows, with no per-token gather of cos/sin (~10% of a prefill call on CPU).
+            cos, sin = self._table(q.device, max(offset + seq, 1), table_dtype)
+            return apply_rotary_qk(
+                q, k, cos, sin, offset=offset, layout=layout, interleaved=self.interleaved, backend=self.backend
+            )
+        pos = resolve_positions(seq, batch=q.shape[0], positions=positions, offset=offset, device=q.device)
+        if seq_len is None:
+            seq_len = self.scaling_length(pos)
         cos, sin = self.cos_sin(pos, seq_len=seq_len, dtype=table_dtype)  # (b or 1, s, r/2)
         head_axis = 1 if layout == "bhsd" else 2
         cos, sin = cos.unsqueeze(head_axis), sin.unsqueeze(head_axis)
