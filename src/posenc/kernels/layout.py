@@ -142,7 +142,14 @@ def check_table_call(
             raise ValueError(f"positions must have shape ({seq},) or ({batch}, {seq}), got {tuple(positions.shape)}")
         if positions.device != first.device:
             raise ValueError(f"positions is on {positions.device} but x on {first.device}")
-    if check_data and seq > 0:
+    if seq > 0 and positions is None and offsets is None and cu_seqlens is None:
+        # offset..offset+s-1: the range is known without building it (a decode step's common case).
+        if offset_int + seq > cos.shape[0]:
+            raise ValueError(
+                f"positions reach {offset_int} .. {offset_int + seq - 1} but the cos/sin table has {cos.shape[0]} "
+                f"rows; build the table for at least {offset_int + seq} positions"
+            )
+    elif check_data and seq > 0:
         pos = token_positions(
             kind,
             batch,
