@@ -61,6 +61,41 @@ def set_allocation(mode: str) -> str:
     return f"alloc={mode}" if ok else "alloc=system (mallopt refused)"
 
 
+def add_allocation_argument(parser) -> None:
+    """``--alloc`` for the CPU benchmarks (see ``set_allocation``)."""
+    parser.add_argument(
+        "--alloc",
+        default="fresh",
+        choices=ALLOCATION_MODES,
+        help="CPU output buffers: fresh pages every call (default), recycled heap memory, or glibc's defaults",
+    )
+
+
+def rows_against_copy(
+    times: dict[str, list[float]], *, op: str, mode: str, dtype: str, shape: str, env: dict
+) -> list[dict]:
+    """One long-format row per case of ``times`` (which has a "copy" case), printed as it is made."""
+    copy_p50 = percentiles(times["copy"])[1]
+    rows = []
+    for name, samples in times.items():
+        p20, p50, p80 = percentiles(samples)
+        row = {
+            "op": op,
+            "provider": name,
+            "mode": mode,
+            "dtype": dtype,
+            "shape": shape,
+            "p20": round(p20, 4),
+            "p50": round(p50, 4),
+            "p80": round(p80, 4),
+            "ratio_to_copy": round(copy_p50 / p50, 3),
+            **env,
+        }
+        rows.append(row)
+        print_row(row)
+    return rows
+
+
 def commit() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)

@@ -17,12 +17,11 @@ from pathlib import Path
 import torch
 
 from common import (
-    ALLOCATION_MODES,
+    add_allocation_argument,
     commit,
     device_name,
     measure_interleaved,
-    percentiles,
-    print_row,
+    rows_against_copy,
     set_allocation,
     write_rows,
 )
@@ -76,12 +75,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=40)
     parser.add_argument("--inplace", action="store_true")
     parser.add_argument("--csv", type=Path, default=None)
-    parser.add_argument(
-        "--alloc",
-        default="fresh",
-        choices=ALLOCATION_MODES,
-        help="CPU output buffers: fresh pages every call (default), recycled heap memory, or glibc's defaults",
-    )
+    add_allocation_argument(parser)
     args = parser.parse_args()
 
     libraries = {}
@@ -98,23 +92,8 @@ def main() -> None:
     for dtype_name in args.dtypes:
         cases = make_cases(libraries, DTYPES[dtype_name], args.seq, inplace=args.inplace)
         times = measure_interleaved(cases, reps=args.reps, device="cpu")
-        copy_p50 = percentiles(times["copy"])[1]
-        for name, samples in times.items():
-            p20, p50, p80 = percentiles(samples)
-            row = {
-                "op": "rope",
-                "provider": name,
-                "mode": mode,
-                "dtype": dtype_name,
-                "shape": f"b=1,hq=32,hk=8,s={args.seq},d=128",
-                "p20": round(p20, 4),
-                "p50": round(p50, 4),
-                "p80": round(p80, 4),
-                "ratio_to_copy": round(copy_p50 / p50, 3),
-                **env,
-            }
-            rows.append(row)
-            print_row(row)
+        shape = f"b=1,hq=32,hk=8,s={args.seq},d=128"
+        rows += rows_against_copy(times, op="rope", mode=mode, dtype=dtype_name, shape=shape, env=env)
     if args.csv is not None:
         write_rows(rows, args.csv)
         print(f"wrote {len(rows)} rows to {args.csv}")

@@ -22,12 +22,11 @@ from pathlib import Path
 import torch
 
 from common import (
-    ALLOCATION_MODES,
+    add_allocation_argument,
     commit,
     device_name,
     measure_interleaved,
-    percentiles,
-    print_row,
+    rows_against_copy,
     set_allocation,
     write_rows,
 )
@@ -119,12 +118,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--csv", type=Path, default=Path("docs/results/rope_cpu.csv"))
-    parser.add_argument(
-        "--alloc",
-        default="fresh",
-        choices=ALLOCATION_MODES,
-        help="CPU output buffers: fresh pages every call (default), recycled heap memory, or glibc's defaults",
-    )
+    add_allocation_argument(parser)
     args = parser.parse_args()
 
     device = device_name(args.device)
@@ -143,23 +137,7 @@ def main() -> None:
             for mode in args.modes:
                 cases = {name: make_case(name, fn, mode, q, k) for name, fn in chosen.items()}
                 times = measure_interleaved(cases, reps=args.reps, device=args.device)
-                results = {name: percentiles(t) for name, t in times.items()}
-                copy_p50 = results["copy"][1]
-                for name, (p20, p50, p80) in results.items():
-                    row = {
-                        "op": "rope",
-                        "provider": name,
-                        "mode": mode,
-                        "dtype": dtype_name,
-                        "shape": shape,
-                        "p20": round(p20, 4),
-                        "p50": round(p50, 4),
-                        "p80": round(p80, 4),
-                        "ratio_to_copy": round(copy_p50 / p50, 3),
-                        **env,
-                    }
-                    rows.append(row)
-                    print_row(row)
+                rows += rows_against_copy(times, op="rope", mode=mode, dtype=dtype_name, shape=shape, env=env)
     write_rows(rows, args.csv)
     print(f"wrote {len(rows)} rows to {args.csv}")
 

@@ -1,0 +1,71 @@
+"""``posenc.RoPE`` as attention layers call it, against the bare kernel call and a copy: a prefill and a decode.
+
+Cases, taking turns rep by rep: ``copy`` (clone of q and k), ``apply_rotary_qk`` (cos/sin already gathered, so the
+kernel call alone), ``RoPE(offset=...)`` (an int offset: the module hands the kernels its cached table) and
+``RoPE(positions=...)`` (the same positions as ids: cos/sin gathered per token first).
+
+    python benchmarks/rope_module.py --csv docs/results/rope_module_cpu.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from common import (
+    add_allocation_argument,
+    commit,
+    device_name,
+    measure_interleaved,
+    rows_against_copy,
+    set_allocation,
+    write_rows,
+)
+from posenc import RoPE, apply_rotary_qk
+from posenc.testing import random_qk
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def make_cases(rope: RoPE, dtype: torch.dtype, seq: int, offset: int, device: str) -> dict:
+    q, k = random_qk(1, 32, 8, seq, 128, dtype=dtype, device=device)
+    positions = torch.arange(offset, offset + seq, device=device)
+    cos, sin = rope.cos_sin(positions, dtype=torch.float32)
+    return {
+        "copy": (lambda: (q.clone(), k.clone()), None),
+        "apply_rotary_qk": (lambda: apply_rotary_qk(q, k, cos, sin), None),
+        "RoPE(offset=...)": (lambda: rope(q, k, offset=offset), None),
+        "RoPE(positions=...)": (lambda: rope(q, k, positions=positions), None),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
+    parser.add_argument("--csv", type=Path, default=None)
+    add_allocation_argument(parser)
+    args = parser.parse_args()
+
+    device = device_name(args.device)
+    if args.device == "cpu":
+        device = f"{device}, {set_allocation(args.alloc)}"
+    env = {"device": device, "torch": torch.__version__, "commit": commit()}
+    rope = RoPE(128)
+    rows = []
+    with torch.no_grad():
+        for mode, seq, offset, reps in (("prefill", 4096, 0, 30), ("decode", 1, 4095, 2000)):
+            for dtype_name in args.dtypes:
+                cases = make_cases(rope, DTYPES[dtype_name], seq, offset, args.device)
+                times = measure_interleaved(cases, reps=reps, device=args.device)
+                shape = f"b=1,hq=32,hk=8,s={seq},d=128,offset={offset}"
+                rows += rows_against_copy(times, op="rope-module", mode=mode, dtype=dtype_name, shape=shape, env=env)
+    if args.csv is not None:
+        write_rows(rows, args.csv)
+        print(f"wrote {len(rows)} rows to {args.csv}")
+
+
+if __name__ == "__main__":
+    main()
