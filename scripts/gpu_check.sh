@@ -15,5 +15,6 @@ python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no C
   POSENC_TRITON_NATIVE=1 TRITON_INTERPRET=0 python -m pytest -q tests/kernels -p no:cacheprovider
   python benchmarks/rope.py --device cuda --seqs 1024 4096 16384 32768 --dtypes fp32 bf16 --reps 50 \
     --csv docs/results/rope_gpu.csv
+  python benchmarks/rope_module.py --device cuda --csv docs/results/rope_module_gpu.csv
   python benchmarks/bias_memory.py --device cuda --seq 8192 --csv docs/results/bias_memory_gpu.csv
 } 2>&1 | tee "$log"
