@@ -120,6 +120,11 @@ def _launch(
             # The CPU kernel broadcasts size-1 dims itself (stride 0): cos padded to 4-D, not expanded per x.
             cos4, sin4 = canonical(cos, kind), canonical(sin, kind)
             coss, sins = [cos4] * len(xs), [sin4] * len(xs)
+        elif kind != "varlen" and positions is None and offsets is None:
+            # Rows offset..offset+s-1 of the table, read as token i2 -> row i2 of the slice: no positions tensor.
+            seq = views[0].shape[2]
+            cos4, sin4 = (t[offset : offset + seq][None, None] for t in (cos, sin))
+            coss, sins = [cos4] * len(xs), [sin4] * len(xs)
         else:
             coss = [canonical_cos(cos, x, kind) for x in xs]
             sins = [canonical_cos(sin, x, kind) for x in xs]
