@@ -71,6 +71,15 @@ def add_allocation_argument(parser) -> None:
     )
 
 
+def environment(device: str, alloc: str) -> dict:
+    """The columns every row carries (device, torch, commit); on CPU this pins the allocation regime first
+    (``set_allocation``) and names it in the device column."""
+    name = device_name(device)
+    if device == "cpu":
+        name = f"{name}, {set_allocation(alloc)}"
+    return {"device": name, "torch": torch.__version__, "commit": commit()}
+
+
 def rows_against_copy(
     times: dict[str, list[float]], *, op: str, mode: str, dtype: str, shape: str, env: dict
 ) -> list[dict]:

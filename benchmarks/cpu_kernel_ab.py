@@ -18,11 +18,9 @@ import torch
 
 from common import (
     add_allocation_argument,
-    commit,
-    device_name,
+    environment,
     measure_interleaved,
     rows_against_copy,
-    set_allocation,
     write_rows,
 )
 from posenc.kernels.cpu_rope import SOURCE, build_library, rope_cpu
@@ -85,8 +83,7 @@ def main() -> None:
             raise SystemExit(f"{name}: {reason}")
         libraries[name] = library
 
-    device = f"{device_name('cpu')}, {set_allocation(args.alloc)}"
-    env = {"device": device, "torch": torch.__version__, "commit": commit()}
+    env = environment("cpu", args.alloc)
     mode = "fwd-inplace" if args.inplace else "fwd"
     rows = []
     for dtype_name in args.dtypes:

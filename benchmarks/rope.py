@@ -23,11 +23,9 @@ import torch
 
 from common import (
     add_allocation_argument,
-    commit,
-    device_name,
+    environment,
     measure_interleaved,
     rows_against_copy,
-    set_allocation,
     write_rows,
 )
 from posenc import apply_rotary_qk
@@ -121,10 +119,7 @@ def main() -> None:
     add_allocation_argument(parser)
     args = parser.parse_args()
 
-    device = device_name(args.device)
-    if args.device == "cpu":
-        device = f"{device}, {set_allocation(args.alloc)}"
-    env = {"device": device, "torch": torch.__version__, "commit": commit()}
+    env = environment(args.device, args.alloc)
     rows = []
     for seq in args.seqs:
         for dtype_name in args.dtypes:

@@ -16,11 +16,9 @@ import torch
 
 from common import (
     add_allocation_argument,
-    commit,
-    device_name,
+    environment,
     measure_interleaved,
     rows_against_copy,
-    set_allocation,
     write_rows,
 )
 from posenc import RoPE, apply_rotary_qk
@@ -49,10 +47,7 @@ def main() -> None:
     add_allocation_argument(parser)
     args = parser.parse_args()
 
-    device = device_name(args.device)
-    if args.device == "cpu":
-        device = f"{device}, {set_allocation(args.alloc)}"
-    env = {"device": device, "torch": torch.__version__, "commit": commit()}
+    env = environment(args.device, args.alloc)
     rope = RoPE(128)
     rows = []
     with torch.no_grad():
