@@ -19,15 +19,8 @@ from posenc.kernels.ops import choose_backend, rotary_copy, rotary_inplace
 Backend = Literal["auto", "torch", "triton", "cpu"]
 
 
-def check_rotary_args(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> int:
-    """Validate and return r/2. Raises with the argument's name and the fix."""
-    half = check_cos_sin(cos, sin)
-    check_x_for(x, cos, half)
-    return half
-
-
 def check_cos_sin(cos: torch.Tensor, sin: torch.Tensor) -> int:
-    """The checks of ``check_rotary_args`` that involve cos and sin only (once per call for q and k); r/2."""
+    """Validate cos and sin (once per call, for q and k alike) and return r/2; errors name the argument."""
     float_tensor("cos", cos)
     float_tensor("sin", sin)
     same_device(("cos", "sin"), cos, sin)
@@ -39,8 +32,8 @@ def check_cos_sin(cos: torch.Tensor, sin: torch.Tensor) -> int:
 
 
 def check_x_for(x: torch.Tensor, cos: torch.Tensor, half: int, name: str = "x") -> None:
-    """The checks of ``check_rotary_args`` that involve x (called ``name`` in errors): dtype, device, and cos
-    broadcasting to its rows."""
+    """Validate x (called ``name`` in errors) against checked cos/sin: dtype, device, channels for r/2 pairs, and
+    cos broadcasting to its rows."""
     float_tensor(name, x)
     same_device((name, "cos"), x, cos)
     if half == 0 or 2 * half > x.shape[-1]:
@@ -90,7 +83,8 @@ def apply_rotary_torch(
     interleaved: bool = False,
     conjugate: bool = False,
 ) -> torch.Tensor:
-    """Pure-torch rotation, differentiable, any float dtype. Validates nothing (see ``check_rotary_args``).
+    """Pure-torch rotation, differentiable, any float dtype. Validates nothing (see ``check_cos_sin`` and
+    ``check_x_for``).
 
     x: (..., d); cos, sin: broadcastable to (..., r/2). Returns x's shape and dtype; channels r.. are copied.
     """
