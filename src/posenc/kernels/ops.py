@@ -90,6 +90,59 @@ def choose_backend(
     return "triton"
 
 
+def _wide_cos_sin(
+    xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin as the kernels read them: float32 (float64 when x or cos is), one set of strides, unit last stride."""
+    wide = torch.float64 if torch.float64 in (xs[0].dtype, cos.dtype) else torch.float32
+    if cos.dtype != wide or sin.dtype != wide:
+        cos, sin = cos.to(wide), sin.to(wide)
+    if cos.stride() != sin.stride() or (cos.shape[-1] > 1 and cos.stride(-1) != 1):
+        cos, sin = cos.contiguous(), sin.contiguous()
+    return cos, sin
+
+
+def triton_plan(
+    xs: Sequence[torch.Tensor],
+    outs: Sequence[torch.Tensor],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor | None,
+    offsets: torch.Tensor | None,
+    offset: int,
+    cu_seqlens: torch.Tensor | None,
+    kind: Kind,
+    interleaved: bool,
+    conjugate: bool,
+    copy_tail: bool,
+):  # -> posenc.kernels.triton_rope.Launch | None (imported lazily: importing it imports triton)
+    """The Triton launch that rotating xs into outs makes (arguments as ``_rotary_impl``'s); None if xs are empty.
+
+    Needs no GPU: ``posenc.kernels.triton_targets`` compiles these plans for GPU architectures on any machine.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    module, reason = _triton_module_or_error()
+    if module is None:
+        raise RuntimeError(f"backend='triton' is unavailable: {reason}")
+    cos, sin = _wide_cos_sin(xs, cos, sin)
+    if positions is not None and positions.dim() == 1:
+        positions = positions[None]
+    return module.plan_launch(  # type: ignore[attr-defined]
+        [canonical(x, kind) for x in xs],
+        [canonical(o, kind) for o in outs],
+        [canonical_cos(cos, x, kind) for x in xs],
+        [canonical_cos(sin, x, kind) for x in xs],
+        positions=positions,
+        offsets=offsets,
+        offset=offset,
+        cu_seqlens=cu_seqlens,
+        interleaved=interleaved,
+        conjugate=conjugate,
+        copy_tail=copy_tail,
+    )
+
+
 def _launch(
     xs: Sequence[torch.Tensor],
     outs: Sequence[torch.Tensor],
@@ -105,66 +158,45 @@ def _launch(
     backend: str,
     copy_tail: bool,
 ) -> None:
+    if backend == "triton":
+        plan = triton_plan(
+            xs, outs, cos, sin, positions, offsets, offset, cu_seqlens, kind, interleaved, conjugate, copy_tail
+        )
+        _triton_module_or_error()[0].launch(plan)  # type: ignore[union-attr]
+        return
+    if backend != "cpu":
+        raise ValueError(f"the rotary ops run backend 'cpu' or 'triton', got {backend!r}")
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    wide = torch.float64 if torch.float64 in (xs[0].dtype, cos.dtype) else torch.float32
-    if cos.dtype != wide or sin.dtype != wide:
-        cos, sin = cos.to(wide), sin.to(wide)
-    if cos.stride() != sin.stride() or (cos.shape[-1] > 1 and cos.stride(-1) != 1):
-        cos, sin = cos.contiguous(), sin.contiguous()
+    cos, sin = _wide_cos_sin(xs, cos, sin)
     views = [canonical(x, kind) for x in xs]
     out_views = [canonical(o, kind) for o in outs]
-    if backend == "cpu":
-        pos = None
-        if kind == "broadcast":
-            # The CPU kernel broadcasts size-1 dims itself (stride 0): cos padded to 4-D, not expanded per x.
-            cos4, sin4 = canonical(cos, kind), canonical(sin, kind)
-            coss, sins = [cos4] * len(xs), [sin4] * len(xs)
-        elif kind != "varlen" and positions is None and offsets is None:
-            # Rows offset..offset+s-1 of the table, read as token i2 -> row i2 of the slice: no positions tensor.
-            seq = views[0].shape[2]
-            cos4, sin4 = (t[offset : offset + seq][None, None] for t in (cos, sin))
-            coss, sins = [cos4] * len(xs), [sin4] * len(xs)
-        else:
-            coss = [canonical_cos(cos, x, kind) for x in xs]
-            sins = [canonical_cos(sin, x, kind) for x in xs]
-            batch = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else views[0].shape[0]
-            pos = token_positions(
-                kind,
-                batch,
-                views[0].shape[2],
-                positions=positions,
-                offsets=offsets,
-                offset=offset,
-                cu_seqlens=cu_seqlens,
-                device=xs[0].device,
-            )
-            offset = 0
-        jobs = list(zip(views, out_views, coss, sins, strict=True))
-        rope_cpu_jobs(jobs, pos, interleaved=interleaved, conjugate=conjugate, copy_tail=copy_tail)
-        return
-    coss = [canonical_cos(cos, x, kind) for x in xs]
-    sins = [canonical_cos(sin, x, kind) for x in xs]
-    if backend != "triton":
-        raise ValueError(f"the rotary ops run backend 'cpu' or 'triton', got {backend!r}")
-    module, reason = _triton_module_or_error()
-    if module is None:
-        raise RuntimeError(f"backend='triton' is unavailable: {reason}")
-    if positions is not None and positions.dim() == 1:
-        positions = positions[None]
-    module.rope_triton(  # type: ignore[attr-defined]
-        views,
-        out_views,
-        coss,
-        sins,
-        positions=positions,
-        offsets=offsets,
-        offset=offset,
-        cu_seqlens=cu_seqlens,
-        interleaved=interleaved,
-        conjugate=conjugate,
-        copy_tail=copy_tail,
-    )
+    pos = None
+    if kind == "broadcast":
+        # The CPU kernel broadcasts size-1 dims itself (stride 0): cos padded to 4-D, not expanded per x.
+        cos4, sin4 = canonical(cos, kind), canonical(sin, kind)
+        coss, sins = [cos4] * len(xs), [sin4] * len(xs)
+    elif kind != "varlen" and positions is None and offsets is None:
+        # Rows offset..offset+s-1 of the table, read as token i2 -> row i2 of the slice: no positions tensor.
+        seq = views[0].shape[2]
+        cos4, sin4 = (t[offset : offset + seq][None, None] for t in (cos, sin))
+        coss, sins = [cos4] * len(xs), [sin4] * len(xs)
+    else:
+        coss = [canonical_cos(cos, x, kind) for x in xs]
+        sins = [canonical_cos(sin, x, kind) for x in xs]
+        batch = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else views[0].shape[0]
+        pos = token_positions(
+            kind,
+            batch,
+            views[0].shape[2],
+            positions=positions,
+            offsets=offsets,
+            offset=offset,
+            cu_seqlens=cu_seqlens,
+            device=xs[0].device,
+        )
+    jobs = list(zip(views, out_views, coss, sins, strict=True))
+    rope_cpu_jobs(jobs, pos, interleaved=interleaved, conjugate=conjugate, copy_tail=copy_tail)
 
 
 def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:

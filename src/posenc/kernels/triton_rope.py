@@ -16,6 +16,7 @@ Importing this module imports triton; set TRITON_INTERPRET=1 before importing it
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -38,8 +39,6 @@ def _rope_kernel(
     offset,
     n2,
     heads_q,
-    half,
-    tail,
     n_seq,
     search_steps,
     sq0,
@@ -62,6 +61,9 @@ def _rope_kernel(
     ck2,
     sp0,
     sp1,
+    HALF: tl.constexpr,
+    TAIL: tl.constexpr,
+    DENSE_COS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -75,21 +77,23 @@ def _rope_kernel(
     pid_s = tl.program_id(0)
     i0 = tl.program_id(1).to(tl.int64)
     head = tl.program_id(2).to(tl.int64)
-    # Programs past heads_q rotate k: the same code with k's pointers and strides.
+    # Programs past heads_q rotate k: the same code with k's pointers and strides. The row strides are cast so
+    # that both branches agree on the type: Triton passes an int argument as i32, or i64 past 2**31, or as the
+    # constant 1, and a variable may not change type between the branches of an `if`.
     if head < heads_q:
         X = Q + i0 * sq0 + head * sq1
         OUT = OUT_Q + i0 * soq0 + head * soq1
         CS = i0 * cq0 + head * cq1
-        x_row = sq2
-        out_row = soq2
-        c_row = cq2
+        x_row = tl.cast(sq2, tl.int64)
+        out_row = tl.cast(soq2, tl.int64)
+        c_row = tl.cast(cq2, tl.int64)
     else:
         X = K + i0 * sk0 + (head - heads_q) * sk1
         OUT = OUT_K + i0 * sok0 + (head - heads_q) * sok1
         CS = i0 * ck0 + (head - heads_q) * ck1
-        x_row = sk2
-        out_row = sok2
-        c_row = ck2
+        x_row = tl.cast(sk2, tl.int64)
+        out_row = tl.cast(sok2, tl.int64)
+        c_row = tl.cast(ck2, tl.int64)
 
     t = pid_s * BLOCK_S + tl.arange(0, BLOCK_S).to(tl.int64)
     t_ok = t < n2
@@ -115,8 +119,12 @@ def _rope_kernel(
     pos += offset
 
     pair = tl.arange(0, BLOCK_H)
-    pair_ok = pair < half
+    pair_ok = pair < HALF
     ok = t_ok[:, None] & pair_ok[None, :]
+    if DENSE_COS:
+        # Rows HALF apart (a contiguous table): a constant row stride lets the compiler vectorise the loads when
+        # HALF is not a multiple of 16 (d = 80, 96), which a runtime stride cannot promise.
+        c_row = HALF
     c_off = CS + pos[:, None] * c_row + pair[None, :]
     cos = tl.load(COS + c_off, mask=ok, other=0.0)
     sin = tl.load(SIN + c_off, mask=ok, other=0.0)
@@ -127,7 +135,7 @@ def _rope_kernel(
     if INTERLEAVED:
         # One contiguous load of all 2 * BLOCK_H channels, split into the even and odd ones in registers.
         channel = tl.arange(0, 2 * BLOCK_H)
-        ok2 = t_ok[:, None] & (channel < 2 * half)[None, :]
+        ok2 = t_ok[:, None] & (channel < 2 * HALF)[None, :]
         x = tl.load(x_base + channel[None, :], mask=ok2, other=0.0).to(cos.dtype)
         x1, x2 = tl.split(tl.reshape(x, (BLOCK_S, BLOCK_H, 2)))
         out = tl.join(x1 * cos - x2 * sin, x2 * cos + x1 * sin)
@@ -136,13 +144,13 @@ def _rope_kernel(
         )
     else:
         x1 = tl.load(x_base + pair[None, :], mask=ok, other=0.0).to(cos.dtype)
-        x2 = tl.load(x_base + half + pair[None, :], mask=ok, other=0.0).to(cos.dtype)
+        x2 = tl.load(x_base + HALF + pair[None, :], mask=ok, other=0.0).to(cos.dtype)
         tl.store(out_base + pair[None, :], (x1 * cos - x2 * sin).to(OUT.dtype.element_ty), mask=ok)
-        tl.store(out_base + half + pair[None, :], (x2 * cos + x1 * sin).to(OUT.dtype.element_ty), mask=ok)
+        tl.store(out_base + HALF + pair[None, :], (x2 * cos + x1 * sin).to(OUT.dtype.element_ty), mask=ok)
     if COPY_TAIL:
-        for start in range(0, tail, BLOCK_T):
-            channel = 2 * half + start + tl.arange(0, BLOCK_T)
-            ok_t = t_ok[:, None] & (channel < 2 * half + tail)[None, :]
+        for start in range(0, TAIL, BLOCK_T):
+            channel = 2 * HALF + start + tl.arange(0, BLOCK_T)
+            ok_t = t_ok[:, None] & (channel < 2 * HALF + TAIL)[None, :]
             tl.store(out_base + channel[None, :], tl.load(x_base + channel[None, :], mask=ok_t), mask=ok_t)
 
 
@@ -163,7 +171,16 @@ def _check(name: str, t: torch.Tensor, device: torch.device) -> None:
         )
 
 
-def rope_triton(
+@dataclass(frozen=True)
+class Launch:
+    """One launch of ``_rope_kernel``: its grid, positional arguments and constexpr keyword arguments."""
+
+    grid: tuple[int, int, int]
+    args: tuple[object, ...]
+    constants: dict[str, int | bool]
+
+
+def plan_launch(
     xs: Sequence[torch.Tensor],
     outs: Sequence[torch.Tensor],
     coss: Sequence[torch.Tensor],
@@ -176,23 +193,19 @@ def rope_triton(
     interleaved: bool,
     conjugate: bool,
     copy_tail: bool,
-) -> None:
-    """Rotate one or two tensors (q, or q and k) in one launch, writing into outs (which may be xs).
+) -> Launch | None:
+    """Check a call and lay out the kernel's arguments: one launch for q, or q and k; None if there is nothing to do.
 
     xs, outs: canonical (n0, n_heads, n2, d) views of one dtype, q and k may differ in n_heads only;
     coss, sins: per x, (c0, c1, rows, r/2) views with unit last stride and the same strides for cos and sin;
     positions: (n0 or 1, n2) integer or None; offsets: (n0,) int64 (n_seq for varlen) or None;
     cu_seqlens: (n_seq + 1,) int32/int64 for packed tokens (then n0 = 1 and n2 = total tokens) or None.
+    Nothing here needs a GPU, so ``posenc.kernels.triton_targets`` compiles the very launch a call makes.
     """
     if len(xs) not in (1, 2) or not len(xs) == len(outs) == len(coss) == len(sins):
         raise ValueError(f"pass one or two tensors with one out and cos/sin each, got {len(xs)} and {len(outs)}")
     q = xs[0]
     device = q.device
-    if device.type != "cuda" and not interpreted():
-        raise ValueError(
-            f"backend='triton' needs CUDA tensors, got {device}; on CPU use backend='cpu' (Triton runs on CPU "
-            "tensors only when TRITON_INTERPRET=1 was set before posenc.kernels.triton_rope was imported)"
-        )
     for i, (x, out, cos, sin) in enumerate(zip(xs, outs, coss, sins, strict=True)):
         name = "q" if i == 0 else "k"
         if x.dim() != 4 or out.shape != x.shape:
@@ -220,7 +233,7 @@ def rope_triton(
         if t is not None:
             _check(name, t, device)
     if q.numel() == 0:
-        return
+        return None
     k, out_k, cos_k = (xs[1], outs[1], coss[1]) if len(xs) == 2 else (q, outs[0], coss[0])
     heads_q, heads_k = q.shape[1], (xs[1].shape[1] if len(xs) == 2 else 0)
 
@@ -233,9 +246,8 @@ def rope_triton(
     n_seq = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else 1
     block_h = triton.next_power_of_2(half)
     block_s = max(1, min(triton.next_power_of_2(n2), 4096 // (2 * block_h)))
-    grid = (triton.cdiv(n2, block_s), n0, heads_q + heads_k)
     dummy = q  # stands in for absent optional pointers; never read (the matching constexpr is False)
-    _rope_kernel[grid](
+    args = (
         q,
         k,
         outs[0],
@@ -248,8 +260,6 @@ def rope_triton(
         offset,
         n2,
         heads_q,
-        half,
-        d - 2 * half,
         n_seq,
         n_seq.bit_length() + 1,  # binary-search steps over n_seq + 1 edges
         *q.stride()[:3],
@@ -259,13 +269,32 @@ def rope_triton(
         *cos_strides(coss[0]),
         *cos_strides(cos_k),
         *pos_strides,
-        BLOCK_S=block_s,
-        BLOCK_H=block_h,
-        BLOCK_T=min(64, triton.next_power_of_2(max(d - 2 * half, 1))),
-        INTERLEAVED=interleaved,
-        CONJUGATE=conjugate,
-        HAS_POS=positions is not None,
-        HAS_OFFSETS=offsets is not None,
-        IS_VARLEN=cu_seqlens is not None,
-        COPY_TAIL=copy_tail and d > 2 * half,
     )
+    constants = {
+        "HALF": half,
+        "TAIL": d - 2 * half,
+        "DENSE_COS": cos_strides(coss[0])[2] == half and cos_strides(cos_k)[2] == half,
+        "BLOCK_S": block_s,
+        "BLOCK_H": block_h,
+        "BLOCK_T": min(64, triton.next_power_of_2(max(d - 2 * half, 1))),
+        "INTERLEAVED": interleaved,
+        "CONJUGATE": conjugate,
+        "HAS_POS": positions is not None,
+        "HAS_OFFSETS": offsets is not None,
+        "IS_VARLEN": cu_seqlens is not None,
+        "COPY_TAIL": copy_tail and d > 2 * half,
+    }
+    return Launch((triton.cdiv(n2, block_s), n0, heads_q + heads_k), args, constants)
+
+
+def launch(plan: Launch | None) -> None:
+    """Run a planned launch (None: nothing to do). The tensors must be on CUDA, or on the CPU when interpreted."""
+    if plan is None:
+        return
+    device = plan.args[0].device  # type: ignore[attr-defined]
+    if device.type != "cuda" and not interpreted():
+        raise ValueError(
+            f"backend='triton' needs CUDA tensors, got {device}; on CPU use backend='cpu' (Triton runs on CPU "
+            "tensors only when TRITON_INTERPRET=1 was set before posenc.kernels.triton_rope was imported)"
+        )
+    _rope_kernel[plan.grid](*plan.args, **plan.constants)
