@@ -37,6 +37,7 @@ def _rope_kernel(
     OFFSETS,
     CU_SEQLENS,
     offset,
+    n0,
     n2,
     heads_q,
     n_seq,
@@ -74,9 +75,13 @@ def _rope_kernel(
     IS_VARLEN: tl.constexpr,
     COPY_TAIL: tl.constexpr,
 ):
-    pid_s = tl.program_id(0)
-    i0 = tl.program_id(1).to(tl.int64)
-    head = tl.program_id(2).to(tl.int64)
+    # One flat grid of (head, i0, token block), token blocks fastest: CUDA caps grid dims 1 and 2 at 65535, which
+    # a batch, or the heads axis of a broadcast call given x as (b * s, h, d), can pass.
+    pid = tl.program_id(0).to(tl.int64)
+    n_blocks = tl.cdiv(n2, BLOCK_S)
+    pid_s = pid % n_blocks
+    i0 = (pid // n_blocks) % n0
+    head = pid // (n_blocks * n0)
     # Programs past heads_q rotate k: the same code with k's pointers and strides. The row strides are cast so
     # that both branches agree on the type: Triton passes an int argument as i32, or i64 past 2**31, or as the
     # constant 1, and a variable may not change type between the branches of an `if`.
@@ -175,7 +180,7 @@ def _check(name: str, t: torch.Tensor, device: torch.device) -> None:
 class Launch:
     """One launch of ``_rope_kernel``: its grid, positional arguments and constexpr keyword arguments."""
 
-    grid: tuple[int, int, int]
+    grid: tuple[int]
     args: tuple[object, ...]
     constants: dict[str, int | bool]
 
@@ -258,6 +263,7 @@ def plan_launch(
         offsets if offsets is not None else dummy,
         cu_seqlens if cu_seqlens is not None else dummy,
         offset,
+        n0,
         n2,
         heads_q,
         n_seq,
@@ -284,7 +290,7 @@ def plan_launch(
         "IS_VARLEN": cu_seqlens is not None,
         "COPY_TAIL": copy_tail and d > 2 * half,
     }
-    return Launch((triton.cdiv(n2, block_s), n0, heads_q + heads_k), args, constants)
+    return Launch((triton.cdiv(n2, block_s) * n0 * (heads_q + heads_k),), args, constants)
 
 
 def launch(plan: Launch | None) -> None:
