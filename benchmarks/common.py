@@ -26,6 +26,7 @@ COLUMNS = (
     "p50",
     "p80",
     "ratio_to_copy",
+    "gb_per_s",
     "device",
     "torch",
     "commit",
@@ -81,9 +82,20 @@ def environment(device: str, alloc: str) -> dict:
 
 
 def rows_against_copy(
-    times: dict[str, list[float]], *, op: str, mode: str, dtype: str, shape: str, env: dict
+    times: dict[str, list[float]],
+    *,
+    op: str,
+    mode: str,
+    dtype: str,
+    shape: str,
+    env: dict,
+    copy_bytes: int | None = None,
 ) -> list[dict]:
-    """One long-format row per case of ``times`` (which has a "copy" case), printed as it is made."""
+    """One long-format row per case of ``times`` (which has a "copy" case), printed as it is made.
+
+    copy_bytes: bytes the copy case reads plus writes; each row's gb_per_s is then that over its p50, the effective
+    bandwidth of an op that moves only what it must (against a GPU's HBM peak, or the copy's own row).
+    """
     copy_p50 = percentiles(times["copy"])[1]
     rows = []
     for name, samples in times.items():
@@ -98,6 +110,7 @@ def rows_against_copy(
             "p50": round(p50, 4),
             "p80": round(p80, 4),
             "ratio_to_copy": round(copy_p50 / p50, 3),
+            "gb_per_s": round(copy_bytes / (p50 * 1e-3) / 1e9, 1) if copy_bytes else "",
             **env,
         }
         rows.append(row)
@@ -177,6 +190,7 @@ def write_rows(rows: list[dict], path: Path) -> None:
 def print_row(row: dict) -> None:
     print(
         f"{row['op']:>6} {row['provider']:>24} {row['mode']:>7} {row['dtype']:>8} {row['shape']:>32} "
-        f"p50 {row['p50']:9.3f} ms  ratio_to_copy {row['ratio_to_copy']:.2f}",
+        f"p50 {row['p50']:9.3f} ms  ratio_to_copy {row['ratio_to_copy']:.2f}"
+        + (f"  {row['gb_per_s']:7.1f} GB/s" if row.get("gb_per_s") else ""),
         flush=True,
     )

@@ -15,7 +15,6 @@ On CPU, ``--alloc`` pins where output buffers come from (``common.set_allocation
 from __future__ import annotations
 
 import argparse
-import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 
@@ -65,14 +64,26 @@ def providers(device: str, seq: int, dtype: torch.dtype) -> dict[str, Callable]:
     result["hf-eager"] = lambda q, k: hf_eager(q, k, hf_cos, hf_sin)
     compiled = torch.compile(hf_eager)
     result["torch.compile(hf-eager)"] = lambda q, k: compiled(q, k, hf_cos, hf_sin)
-    if device == "cuda" and importlib.util.find_spec("liger_kernel") is not None:
-        from liger_kernel.ops.rope import LigerRopeFunction
+    if device == "cuda":
+        result.update(outside_providers(hf_cos, hf_sin, half_cos, half_sin))
+    return result
 
+
+def outside_providers(hf_cos, hf_sin, half_cos, half_sin) -> dict[str, Callable]:
+    """Liger-Kernel's and flash-attention's rotary kernels, where importable (scripts/gpu_prepare.sh)."""
+    result: dict[str, Callable] = {}
+    try:
+        from liger_kernel.ops.rope import LigerRopeFunction
+    except ImportError as error:
+        print(f"liger: not importable ({error}); skipped")
+    else:
         liger_cos, liger_sin = hf_cos[0], hf_sin[0]  # (1, s, d)
         result["liger"] = lambda q, k: LigerRopeFunction.apply(q, k, liger_cos, liger_sin)
-    if device == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+    try:
         from flash_attn.layers.rotary import apply_rotary_emb
-
+    except ImportError as error:
+        print(f"flash-attn: not importable ({error}); skipped")
+    else:
         # flash-attn wants (b, s, h, d); the transposed views keep the same bytes and strides it handles.
         result["flash-attn"] = lambda q, k: (
             apply_rotary_emb(q.transpose(1, 2), half_cos, half_sin),
@@ -132,7 +143,10 @@ def main() -> None:
             for mode in args.modes:
                 cases = {name: make_case(name, fn, mode, q, k) for name, fn in chosen.items()}
                 times = measure_interleaved(cases, reps=args.reps, device=args.device)
-                rows += rows_against_copy(times, op="rope", mode=mode, dtype=dtype_name, shape=shape, env=env)
+                copy_bytes = 2 * (q.nbytes + k.nbytes) * (2 if mode == "fwd+bwd" else 1)
+                rows += rows_against_copy(
+                    times, op="rope", mode=mode, dtype=dtype_name, shape=shape, env=env, copy_bytes=copy_bytes
+                )
     write_rows(rows, args.csv)
     print(f"wrote {len(rows)} rows to {args.csv}")
 

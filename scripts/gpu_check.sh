@@ -1,20 +1,45 @@
 #!/usr/bin/env bash
-# On a machine with a CUDA GPU: run the kernel tests with Triton compiled for the GPU (not interpreted), then the
-# GPU benchmarks, writing CSVs under docs/results/ and the log to docs/results/gpu_check.log.
+# On a machine with a CUDA GPU: the kernel tests with Triton compiled for the GPU (not interpreted), then the GPU
+# benchmarks, the issue's goal first (s = 16k, bf16 and fp32). Each step runs under its own time limit and a
+# failing step is logged without stopping the next, so one slow or broken step cannot cost the measurements.
+# Needs torch with CUDA, triton, pytest, hypothesis and transformers; posenc itself is read from src/.
+# Liger and flash-attention join the comparison when importable: scripts/gpu_prepare.sh puts them in .gpu/site.
 #
-#   bash scripts/gpu_check.sh            # about 5 minutes on one H100/H200
-set -euo pipefail
+#   bash scripts/gpu_check.sh                     # about 6 minutes on one H200; results in docs/results/
+#   RESULTS=$OUT bash scripts/gpu_check.sh        # through the device tool: run(carry=[".gpu"], timeout_s=540)
+set -uo pipefail
 cd "$(dirname "$0")/.."
-mkdir -p docs/results
-log=docs/results/gpu_check.log
-python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device: this script is for GPU machines')"
+PY=${PYTHON:-python3}
+RESULTS=${RESULTS:-docs/results}
+export PYTHONPATH="$PWD/src:$PWD/.gpu/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+mkdir -p "$RESULTS"
+$PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device: this script is for GPU machines')" ||
+  exit 1
+
+failed=0
+step() { # step SECONDS NAME COMMAND...
+  local limit=$1 name=$2 status
+  shift 2
+  echo "=== $name (limit ${limit} s) $(date -u +%H:%M:%S)"
+  timeout "$limit" "$@"
+  status=$?
+  if [ "$status" -ne 0 ]; then
+    echo "=== $name FAILED (exit $status)"
+    failed=1
+  fi
+}
+
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
   # POSENC_TRITON_NATIVE=1: tests/conftest.py leaves TRITON_INTERPRET off and the Triton cases run on CUDA.
-  POSENC_TRITON_NATIVE=1 TRITON_INTERPRET=0 python -m pytest -q tests/kernels -p no:cacheprovider
-  python benchmarks/rope.py --device cuda --seqs 1024 4096 16384 32768 --dtypes fp32 bf16 --reps 50 \
-    --csv docs/results/rope_gpu.csv
-  python benchmarks/rope_module.py --device cuda --csv docs/results/rope_module_gpu.csv
-  python benchmarks/bias_memory.py --device cuda --seq 8192 --csv docs/results/bias_memory_gpu.csv
-} 2>&1 | tee "$log"
+  step 200 "kernel tests, Triton compiled for the GPU" env POSENC_TRITON_NATIVE=1 TRITON_INTERPRET=0 \
+    $PY -m pytest -q tests/kernels -p no:cacheprovider
+  step 150 "RoPE forward at 16k, the goal" $PY benchmarks/rope.py --device cuda --seqs 16384 --dtypes bf16 fp32 \
+    --modes fwd --reps 50 --csv "$RESULTS/rope_gpu_16k.csv"
+  step 200 "RoPE sweep" $PY benchmarks/rope.py --device cuda --seqs 1024 4096 16384 32768 --dtypes bf16 fp32 \
+    --reps 30 --csv "$RESULTS/rope_gpu.csv"
+  step 60 "RoPE module" $PY benchmarks/rope_module.py --device cuda --csv "$RESULTS/rope_module_gpu.csv"
+  step 60 "bias memory" $PY benchmarks/bias_memory.py --device cuda --seq 8192 --csv "$RESULTS/bias_memory_gpu.csv"
+  echo "=== done $(date -u +%H:%M:%S); a step failed: $failed"
+} 2>&1 | tee "$RESULTS/gpu_check.log"
