@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 import posenc
 from posenc import apply_rotary, apply_rotary_, apply_rotary_qk
 from posenc.kernels import choose_backend
+from posenc.kernels.cpu_rope import rope_cpu
 from posenc.rope.apply import rotate_pairs
 from posenc.testing import TOLERANCES, assert_close, rope_inv_freq_reference, rope_reference
 
@@ -195,6 +196,23 @@ def test_strided_views_and_single_tensor(backend):
     out = apply_rotary(q, cos, sin, layout="bshd", offset=0, backend=backend)
     expected = apply_rotary(q.contiguous(), cos, sin, layout="bshd", offset=0, backend="torch")
     assert_close(out.cpu(), expected.cpu().double())
+
+
+def test_cpu_launcher_enters_a_table_at_first_row_and_checks_the_rows_it_reads():
+    """The int-offset fast path: the C kernel reads rows first_row.. of the (n, r/2) table with no positions
+    tensor; a 4-D view of the same rows gives the same bits, and rows past the table are refused, not read."""
+    x = torch.randn(2, 3, 5, 20)
+    cos, sin = table(16, 40)
+    out, out_view = torch.empty_like(x), torch.empty_like(x)
+    rope_cpu(x, out, cos, sin, None, first_row=30, interleaved=True, conjugate=False, copy_tail=True)
+    expected = rope_reference(x, (torch.arange(5) + 30)[None, None], rotary_dim=16, interleaved=True)
+    assert_close(out, expected)
+    view_cos, view_sin = cos[30:35][None, None], sin[30:35][None, None]
+    rope_cpu(x, out_view, view_cos, view_sin, None, interleaved=True, conjugate=False, copy_tail=True)
+    assert torch.equal(out, out_view)
+    for first_row in (36, -1):
+        with pytest.raises(ValueError, match=f"tokens read rows {first_row} .. {first_row + 4} but cos/sin have 40"):
+            rope_cpu(x, out, cos, sin, None, first_row=first_row, interleaved=True, conjugate=False, copy_tail=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -120,6 +120,7 @@ def rope_cpu(
     sin: torch.Tensor,
     positions: torch.Tensor | None,
     *,
+    first_row: int = 0,
     interleaved: bool,
     conjugate: bool,
     copy_tail: bool,
@@ -128,14 +129,16 @@ def rope_cpu(
     """Write the rotation of x into out (which may be x itself). No autograd.
 
     x, out: (n0, n1, n2, d) CPU, same dtype (float32/bfloat16/float16/float64), unit last stride;
-    cos, sin: (c0, c1, rows, r/2) views (strides may be 0) with unit last stride, float32 or float64;
-    positions: None (row = i2) or (n0 or 1, n2) int64, the cos/sin row of each token.
+    cos, sin: float32 or float64 with unit last stride and one set of strides, either (c0, c1, rows, r/2) views
+    (strides may be 0) read at (i0, i1, row), or (rows, r/2) tables read at row for every (i0, i1);
+    positions: None (row = first_row + i2) or (n0 or 1, n2) int64 (row = first_row + positions[i0, i2]);
     copy_tail: also copy channels r..d-1 (out-of-place); in place they are already there.
     library: one from ``build_library`` (benchmarks compare kernel revisions); default this package's.
     """
     rope_cpu_jobs(
         [(x, out, cos, sin)],
         positions,
+        first_row=first_row,
         interleaved=interleaved,
         conjugate=conjugate,
         copy_tail=copy_tail,
@@ -147,6 +150,7 @@ def rope_cpu_jobs(
     jobs: Sequence[Job],
     positions: torch.Tensor | None,
     *,
+    first_row: int = 0,
     interleaved: bool,
     conjugate: bool,
     copy_tail: bool,
@@ -165,50 +169,17 @@ def rope_cpu_jobs(
         pos_strides = (positions.stride(0) if positions.shape[0] > 1 else 0, positions.stride(1))
     else:
         pos_ptr, pos_strides = 0, (0, 0)
+    flags = (int(interleaved), int(conjugate), int(copy_tail))
     threads = torch.get_num_threads()
     packed, dtype, wide = [], None, False
     for x, out, cos, sin in jobs:
-        shape, cos_shape, cos_strides = tuple(x.shape), tuple(cos.shape), cos.stride()
-        _check_job(x, out, cos, sin, shape, cos_shape, table=positions is not None)
         if dtype is None:
             dtype, wide = x.dtype, cos.dtype == torch.float64
         elif x.dtype != dtype or (cos.dtype == torch.float64) != wide:
             raise TypeError("every job of one call must share x's dtype and cos/sin's dtype")
-        numel = shape[0] * shape[1] * shape[2] * shape[3]
-        if numel == 0:
-            continue
-        xs, os_ = x.stride(), out.stride()
-        packed.append(
-            _ARGS.pack(
-                x.data_ptr(),
-                out.data_ptr(),
-                cos.data_ptr(),
-                sin.data_ptr(),
-                pos_ptr,
-                shape[0],
-                shape[1],
-                shape[2],
-                shape[3],
-                cos_shape[3],
-                xs[0],
-                xs[1],
-                xs[2],
-                os_[0],
-                os_[1],
-                os_[2],
-                0 if cos_shape[0] == 1 else cos_strides[0],
-                0 if cos_shape[1] == 1 else cos_strides[1],
-                0 if cos_shape[2] == 1 else cos_strides[2],
-                pos_strides[0],
-                pos_strides[1],
-                int(interleaved),
-                int(conjugate),
-                int(copy_tail),
-                # Like torch's own kernels, small tensors stay on one thread: waking others costs more than they
-                # save.
-                max(1, min(threads, numel // GRAIN)),
-            )
-        )
+        job = _pack_job(x, out, cos, sin, pos_ptr, pos_strides, first_row, flags, threads)
+        if job is not None:
+            packed.append(job)
     if not packed:
         return
     code = DTYPE_CODES[dtype]
@@ -220,37 +191,77 @@ def rope_cpu_jobs(
         raise TypeError(f"the CPU kernel has no variant for x {dtype} with cos/sin {'float64' if wide else 'float32'}")
 
 
-def _check_job(
+def _pack_job(
     x: torch.Tensor,
     out: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    shape: tuple[int, ...],
-    cos_shape: tuple[int, ...],
-    *,
-    table: bool,
-) -> None:
-    """What the C code trusts: shapes, dtypes, devices, unit last strides. (With a table, that every position is
-    a row of it is checked once upstream, in ``posenc.kernels.layout.check_table_call``.)"""
-    if len(shape) != 4 or tuple(out.shape) != shape:
-        raise ValueError(f"x and out must be (n0, n1, n2, d) of one shape, got {shape} and {tuple(out.shape)}")
+    pos_ptr: int,
+    pos_strides: tuple[int, int],
+    first_row: int,
+    flags: tuple[int, int, int],
+    threads: int,
+) -> bytes | None:
+    """Check what the C code trusts (shapes, dtypes, devices, strides, the rows it reads without positions) and
+    pack one job's ``struct Args``; None for an empty x. Each tensor's metadata is read once: on a decode step
+    this function is a good part of the call. (With positions, that every one is a row of the table is checked
+    once upstream, in ``posenc.kernels.layout.check_table_call``.)"""
+    shape, x_strides, out_strides = x.shape, x.stride(), out.stride()
+    cos_shape, cos_strides = cos.shape, cos.stride()
+    if len(shape) != 4 or out.shape != shape:
+        raise ValueError(f"x and out must be (n0, n1, n2, d) of one shape, got {tuple(shape)} and {tuple(out.shape)}")
     if not (x.is_cpu and out.is_cpu and cos.is_cpu and sin.is_cpu):
         devices = ", ".join(f"{n} on {t.device}" for n, t in (("x", x), ("out", out), ("cos", cos), ("sin", sin)))
         raise ValueError(f"the CPU kernel reads CPU tensors only, got {devices}")
-    if shape[3] > 1 and (x.stride(3) != 1 or out.stride(3) != 1):
-        raise ValueError(f"x and out must have unit stride in their last dim, got {x.stride()} and {out.stride()}")
-    if len(cos_shape) != 4 or cos.stride() != sin.stride() or tuple(sin.shape) != cos_shape:
-        raise ValueError(f"cos and sin must be 4-D views of one shape and strides, got {cos_shape}")
-    if cos_shape[3] > 1 and cos.stride(3) != 1:
-        raise ValueError(f"cos/sin must have unit stride in their last dim, got {cos.stride()}; pass .contiguous()")
+    n0, n1, n2, d = shape
+    if d > 1 and (x_strides[3] != 1 or out_strides[3] != 1):
+        raise ValueError(f"x and out must have unit stride in their last dim, got {x_strides} and {out_strides}")
     if x.dtype not in DTYPE_CODES or out.dtype != x.dtype:
         raise TypeError(f"x and out must share a dtype among {list(DTYPE_CODES)}, got {x.dtype} and {out.dtype}")
     if cos.dtype not in (torch.float32, torch.float64) or sin.dtype != cos.dtype:
         raise TypeError(f"cos and sin must both be float32 or both float64, got {cos.dtype} and {sin.dtype}")
     if x.dtype == torch.float64 and cos.dtype != torch.float64:
         raise TypeError("float64 x needs float64 cos/sin (the math runs in the wider dtype)")
-    if cos_shape[3] * 2 > shape[3]:
-        raise ValueError(f"cos has {cos_shape[3]} pairs but x has only {shape[3]} channels")
-    for axis in range(2 if table else 3):
+    if sin.shape != cos_shape or sin.stride() != cos_strides:
+        raise ValueError(f"cos and sin must be views of one shape and strides, got {tuple(cos_shape)}")
+    if len(cos_shape) == 2:  # a (rows, r/2) table: the same rows for every (i0, i1)
+        cos_shape, cos_strides = (1, 1, *cos_shape), (0, 0, *cos_strides)
+    elif len(cos_shape) != 4:
+        raise ValueError(f"cos/sin must be (rows, r/2) tables or 4-D (c0, c1, rows, r/2) views, got {tuple(cos_shape)}")
+    half, rows = cos_shape[3], cos_shape[2]
+    if half > 1 and cos_strides[3] != 1:
+        raise ValueError(f"cos/sin must have unit stride in their last dim, got {cos_strides}; pass .contiguous()")
+    if 2 * half > d:
+        raise ValueError(f"cos has {half} pairs but x has only {d} channels")
+    for axis in (0, 1):
         if cos_shape[axis] != 1 and cos_shape[axis] != shape[axis]:
-            raise ValueError(f"cos of shape {cos_shape} does not broadcast to x's {shape[:3]}")
+            raise ValueError(f"cos of shape {tuple(cos_shape)} does not broadcast to x's {tuple(shape[:3])}")
+    broadcast_row = rows == 1 and first_row == 0  # one row for every token
+    if pos_ptr == 0 and n2 > 0 and not broadcast_row and (first_row < 0 or first_row + n2 > rows):
+        raise ValueError(f"tokens read rows {first_row} .. {first_row + n2 - 1} but cos/sin have {rows} rows")
+    numel = n0 * n1 * n2 * d
+    if numel == 0:
+        return None
+    row_stride = 0 if rows == 1 else cos_strides[2]
+    skip = first_row * row_stride * cos.element_size()
+    return _ARGS.pack(
+        x.data_ptr(),
+        out.data_ptr(),
+        cos.data_ptr() + skip,
+        sin.data_ptr() + skip,
+        pos_ptr,
+        n0,
+        n1,
+        n2,
+        d,
+        half,
+        *x_strides[:3],
+        *out_strides[:3],
+        0 if cos_shape[0] == 1 else cos_strides[0],
+        0 if cos_shape[1] == 1 else cos_strides[1],
+        row_stride,
+        *pos_strides,
+        *flags,
+        # Like torch's own kernels, small tensors stay on one thread: waking others costs more than they save.
+        max(1, min(threads, numel // GRAIN)),
+    )

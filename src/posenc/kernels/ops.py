@@ -169,34 +169,26 @@ def _launch(
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     cos, sin = _wide_cos_sin(xs, cos, sin)
-    views = [canonical(x, kind) for x in xs]
-    out_views = [canonical(o, kind) for o in outs]
-    pos = None
+    pos, first_row = None, 0
     if kind == "broadcast":
         # The CPU kernel broadcasts size-1 dims itself (stride 0): cos padded to 4-D, not expanded per x.
-        cos4, sin4 = canonical(cos, kind), canonical(sin, kind)
-        coss, sins = [cos4] * len(xs), [sin4] * len(xs)
+        cos, sin = canonical(cos, kind), canonical(sin, kind)
     elif kind != "varlen" and positions is None and offsets is None:
-        # Rows offset..offset+s-1 of the table, read as token i2 -> row i2 of the slice: no positions tensor.
-        seq = views[0].shape[2]
-        cos4, sin4 = (t[offset : offset + seq][None, None] for t in (cos, sin))
-        coss, sins = [cos4] * len(xs), [sin4] * len(xs)
+        # Positions offset..offset+s-1: the kernel enters the (n, r/2) table at row offset, no positions tensor.
+        first_row = offset
     else:
-        coss = [canonical_cos(cos, x, kind) for x in xs]
-        sins = [canonical_cos(sin, x, kind) for x in xs]
-        batch = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else views[0].shape[0]
         pos = token_positions(
             kind,
-            batch,
-            views[0].shape[2],
+            cu_seqlens.shape[0] - 1 if cu_seqlens is not None else xs[0].shape[0],
+            canonical(xs[0], kind).shape[2],
             positions=positions,
             offsets=offsets,
             offset=offset,
             cu_seqlens=cu_seqlens,
             device=xs[0].device,
         )
-    jobs = list(zip(views, out_views, coss, sins, strict=True))
-    rope_cpu_jobs(jobs, pos, interleaved=interleaved, conjugate=conjugate, copy_tail=copy_tail)
+    jobs = [(canonical(x, kind), canonical(o, kind), cos, sin) for x, o in zip(xs, outs, strict=True)]
+    rope_cpu_jobs(jobs, pos, first_row=first_row, interleaved=interleaved, conjugate=conjugate, copy_tail=copy_tail)
 
 
 def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
