@@ -142,7 +142,7 @@ def check_table_call(
             raise ValueError(f"positions must have shape ({seq},) or ({batch}, {seq}), got {tuple(positions.shape)}")
         if positions.device != first.device:
             raise ValueError(f"positions is on {positions.device} but x on {first.device}")
-    if seq > 0 and positions is None and offsets is None and cu_seqlens is None:
+    if seq > 0 and consecutive_rows(kind, positions, offsets):
         # offset..offset+s-1: the range is known without building it (a decode step's common case).
         if offset_int + seq > cos.shape[0]:
             raise ValueError(
@@ -167,6 +167,12 @@ def check_table_call(
                 f"build the table for at least {high + 1} positions"
             )
     return offsets, offset_int
+
+
+def consecutive_rows(kind: Kind, positions: torch.Tensor | None, offsets: torch.Tensor | None) -> bool:
+    """True when token i of every sequence reads table row offset + i (an int offset, or none): every backend then
+    reads rows offset..offset+s-1 as a slice of the table, with no positions tensor built or gathered."""
+    return kind in ("bhsd", "bshd") and positions is None and offsets is None
 
 
 def token_positions(

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from posenc.kernels.cpu_rope import DTYPE_CODES, cpu_available, cpu_unavailable_reason, rope_cpu_jobs
-from posenc.kernels.layout import KINDS, Kind, canonical, canonical_cos, token_positions
+from posenc.kernels.layout import KINDS, Kind, canonical, canonical_cos, consecutive_rows, token_positions
 
 BACKENDS = ("auto", "torch", "triton", "cpu")
 
@@ -173,8 +173,8 @@ def _launch(
     if kind == "broadcast":
         # The CPU kernel broadcasts size-1 dims itself (stride 0): cos padded to 4-D, not expanded per x.
         cos, sin = canonical(cos, kind), canonical(sin, kind)
-    elif kind != "varlen" and positions is None and offsets is None:
-        # Positions offset..offset+s-1: the kernel enters the (n, r/2) table at row offset, no positions tensor.
+    elif consecutive_rows(kind, positions, offsets):
+        # The kernel enters the (n, r/2) table at row offset.
         first_row = offset
     else:
         pos = token_positions(

@@ -13,7 +13,7 @@ from typing import Literal
 import torch
 
 from posenc._checks import float_tensor, same_device
-from posenc.kernels.layout import check_table_call, rotary_kind, token_positions
+from posenc.kernels.layout import check_table_call, consecutive_rows, rotary_kind, token_positions
 from posenc.kernels.ops import choose_backend, rotary_copy, rotary_inplace
 
 Backend = Literal["auto", "torch", "triton", "cpu"]
@@ -135,21 +135,25 @@ def _rotate(
         return rotary_copy(tensors, *args)
 
     if kind != "broadcast":
-        # Gather the table rows once per token; (b or 1, s, r/2) gains a head axis where x has one.
+        # The table rows of the tokens, (b or 1, s, r/2): a slice when they are consecutive, else gathered once per
+        # token; then a head axis where x has one.
         first = tensors[0]
         batch = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else first.shape[0]
         seq = first.shape[{"bhsd": 2, "bshd": 1, "varlen": 0}[kind]]
-        pos = token_positions(
-            kind,
-            batch,
-            seq,
-            positions=positions,
-            offsets=offsets,
-            offset=offset_int,
-            cu_seqlens=cu_seqlens,
-            device=first.device,
-        )
-        cos, sin = cos[pos], sin[pos]
+        if consecutive_rows(kind, positions, offsets):
+            cos, sin = cos[None, offset_int : offset_int + seq], sin[None, offset_int : offset_int + seq]
+        else:
+            pos = token_positions(
+                kind,
+                batch,
+                seq,
+                positions=positions,
+                offsets=offsets,
+                offset=offset_int,
+                cu_seqlens=cu_seqlens,
+                device=first.device,
+            )
+            cos, sin = cos[pos], sin[pos]
         if kind == "varlen":
             cos, sin = cos[0, :, None], sin[0, :, None]
         else:
