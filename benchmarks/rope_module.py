@@ -2,7 +2,9 @@
 
 Cases, taking turns rep by rep: ``copy`` (clone of q and k), ``apply_rotary_qk`` (cos/sin already gathered, so the
 kernel call alone), ``RoPE(offset=...)`` (an int offset: the module hands the kernels its cached table) and
-``RoPE(positions=...)`` (the same positions as ids: cos/sin gathered per token first).
+``RoPE(positions=...)`` (the same positions as ids: cos/sin gathered per token first), and where transformers is
+installed ``hf-llama`` (Llama's rotary embedding computing cos/sin for the position ids, then
+``apply_rotary_pos_emb``: what a Hugging Face attention layer runs per call).
 
     python benchmarks/rope_module.py --csv docs/results/rope_module_cpu.csv
 """
@@ -10,6 +12,7 @@ kernel call alone), ``RoPE(offset=...)`` (an int offset: the module hands the ke
 from __future__ import annotations
 
 import argparse
+import importlib.util
 from pathlib import Path
 
 import torch
@@ -31,12 +34,25 @@ def make_cases(rope: RoPE, dtype: torch.dtype, seq: int, offset: int, device: st
     q, k = random_qk(1, 32, 8, seq, 128, dtype=dtype, device=device)
     positions = torch.arange(offset, offset + seq, device=device)
     cos, sin = rope.cos_sin(positions, dtype=torch.float32)
-    return {
+    cases = {
         "copy": (lambda: (q.clone(), k.clone()), None),
         "apply_rotary_qk": (lambda: apply_rotary_qk(q, k, cos, sin), None),
         "RoPE(offset=...)": (lambda: rope(q, k, offset=offset), None),
         "RoPE(positions=...)": (lambda: rope(q, k, positions=positions), None),
     }
+    if importlib.util.find_spec("transformers") is not None:
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+        config = LlamaConfig(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128)
+        hf_rope, position_ids = LlamaRotaryEmbedding(config).to(device), positions[None]
+
+        def hf_llama():
+            hf_cos, hf_sin = hf_rope(q, position_ids)
+            return apply_rotary_pos_emb(q, k, hf_cos, hf_sin)
+
+        cases["hf-llama"] = (hf_llama, None)
+    return cases
 
 
 def main() -> None:

@@ -111,14 +111,27 @@ def test_positions_forms_agree():
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_table_read_equals_gathered_cos_sin(rope_parameters, dtype, layout, interleaved):
-    """An int offset (or none) lets RoPE hand the kernels its cached table; explicit positions gather cos/sin per
-    token. Both read the same float values, so the results agree bit for bit, partial rotation included."""
+    """With frequencies that do not depend on the length, RoPE hands the kernels its cached table and the tokens'
+    positions (an int offset: a slice of it). That reads the same float values as cos/sin gathered per token first
+    and passed for broadcasting, so the results agree bit for bit, partial rotation included."""
     rope = posenc.RoPE(12, rotary_dim=8, interleaved=interleaved, rope_parameters=rope_parameters)
     q, k = random_qk(2, 4, 2, 9, 12, dtype=dtype, layout=layout)
-    for offset in (0, 37):
-        table = rope(q, k, offset=offset, layout=layout)
-        gathered = rope(q, k, positions=torch.arange(offset, offset + 9), layout=layout)
-        assert all(torch.equal(a, b) for a, b in zip(table, gathered, strict=True))
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5], [0, 1, 2, 3, 0, 1, 2, 3, 4]])
+    calls = [
+        ({"offset": 0}, torch.arange(9)[None]),
+        ({"offset": 37}, torch.arange(37, 46)[None]),
+        ({"offset": torch.tensor([5, 70])}, torch.arange(9) + torch.tensor([[5], [70]])),
+        ({"positions": ids[0]}, ids[:1]),
+        ({"positions": ids, "offset": 11}, ids + 11),
+        ({"positions": ids, "offset": torch.tensor([0, 3])}, ids + torch.tensor([[0], [3]])),
+    ]
+    head_axis = 1 if layout == "bhsd" else 2
+    table_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    for kwargs, positions in calls:
+        cos, sin = (t.unsqueeze(head_axis) for t in rope.cos_sin(positions, dtype=table_dtype))
+        expected = posenc.apply_rotary_qk(q, k, cos, sin, interleaved=interleaved)
+        got = rope(q, k, layout=layout, **kwargs)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True)), kwargs
 
 
 def test_packed_positions_restart_per_document():

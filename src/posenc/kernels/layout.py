@@ -139,7 +139,10 @@ def check_table_call(
             or positions.shape[-1] != seq
             or (positions.dim() == 2 and (positions.shape[0] not in (1, batch)))
         ):
-            raise ValueError(f"positions must have shape ({seq},) or ({batch}, {seq}), got {tuple(positions.shape)}")
+            raise ValueError(
+                f"positions must have shape ({seq},) or ({batch}, {seq}) to match the sequence, got "
+                f"{tuple(positions.shape)}"
+            )
         if positions.device != first.device:
             raise ValueError(f"positions is on {positions.device} but x on {first.device}")
     if seq > 0 and consecutive_rows(kind, positions, offsets):
@@ -161,7 +164,9 @@ def check_table_call(
             device=first.device,
         )
         low, high = int(pos.min()), int(pos.max())
-        if low < 0 or high >= cos.shape[0]:
+        if low < 0:
+            raise ValueError(f"positions must be >= 0, got a negative entry ({low}); positions index the table rows")
+        if high >= cos.shape[0]:
             raise ValueError(
                 f"positions reach {low} .. {high} but the cos/sin table has {cos.shape[0]} rows; "
                 f"build the table for at least {high + 1} positions"
