@@ -1,10 +1,11 @@
 """``posenc.RoPE`` as attention layers call it, against the bare kernel call and a copy: a prefill and a decode.
 
 Cases, taking turns rep by rep: ``copy`` (clone of q and k), ``apply_rotary_qk`` (cos/sin already gathered, so the
-kernel call alone), ``RoPE(offset=...)`` (an int offset: the module hands the kernels its cached table) and
-``RoPE(positions=...)`` (the same positions as ids: cos/sin gathered per token first), and where transformers is
-installed ``hf-llama`` (Llama's rotary embedding computing cos/sin for the position ids, then
-``apply_rotary_pos_emb``: what a Hugging Face attention layer runs per call).
+kernel call alone), ``RoPE(offset=...)`` (an int offset: the module hands the kernels its cached table),
+``RoPE(positions=...)`` (the same positions as ids), and where transformers is installed, Hugging Face's
+``apply_rotary_pos_emb`` (its eager formula, cos/sin given: against ``apply_rotary_qk``) and ``hf-llama`` (Llama's
+rotary embedding computing cos/sin for the position ids, then ``apply_rotary_pos_emb``: what a Hugging Face
+attention layer runs per call, against ``RoPE``).
 
     python benchmarks/rope_module.py --csv docs/results/rope_module_cpu.csv
 """
@@ -51,6 +52,8 @@ def make_cases(rope: RoPE, dtype: torch.dtype, seq: int, offset: int, device: st
             hf_cos, hf_sin = hf_rope(q, position_ids)
             return apply_rotary_pos_emb(q, k, hf_cos, hf_sin)
 
+        given_cos, given_sin = hf_rope(q, position_ids)
+        cases["apply_rotary_pos_emb"] = (lambda: apply_rotary_pos_emb(q, k, given_cos, given_sin), None)
         cases["hf-llama"] = (hf_llama, None)
     return cases
 
