@@ -213,6 +213,34 @@ def test_cpu_launcher_enters_a_table_at_first_row_and_checks_the_rows_it_reads()
     for first_row in (36, -1):
         with pytest.raises(ValueError, match=f"tokens read rows {first_row} .. {first_row + 4} but cos/sin have 40"):
             rope_cpu(x, out, cos, sin, None, first_row=first_row, interleaved=True, conjugate=False, copy_tail=True)
+    with pytest.raises(ValueError, match="first_row=3 applies only without positions"):
+        positions = torch.zeros(1, 5, dtype=torch.long)
+        rope_cpu(x, out, cos, sin, positions, first_row=3, interleaved=True, conjugate=False, copy_tail=True)
+    with pytest.raises(ValueError, match=r"tokens read rows 0 .. 4 but cos/sin have 1 rows"):
+        rope_cpu(x, out, cos[:1], sin[:1], None, interleaved=True, conjugate=False, copy_tail=True)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_fused_backends_take_what_the_torch_path_takes(backend):
+    """Calls the fused kernels once refused or mishandled: strided position ids and offsets, broadcast cos/sin
+    with (b, s, h, d) GQA tensors (q and k differ in their third axis), an empty q beside a non-empty k."""
+    device = DEVICE[backend]
+    cos, sin = (t.to(device) for t in table(16, 64))
+    q, k = torch.randn(2, 3, 5, 16, device=device), torch.randn(2, 2, 5, 16, device=device)
+    calls = [
+        (q, k, cos, sin, {"offset": torch.tensor([3, 0, 7, 0], device=device)[::2]}),
+        (q, k, cos, sin, {"offset": torch.tensor(4, device=device).expand(2)}),
+        (q, k, cos, sin, {"positions": torch.arange(10, device=device)[::2]}),
+        (q, k, cos, sin, {"positions": torch.arange(10, device=device).reshape(5, 2).t()}),
+        (q.transpose(1, 2), k.transpose(1, 2), cos[:5, None], sin[:5, None], {}),
+        (q[:, :0], k, cos[:5], sin[:5], {}),
+    ]
+    for q_in, k_in, c, s, kwargs in calls:
+        expected = apply_rotary_qk(q_in, k_in, c, s, backend="torch", **kwargs)
+        got = apply_rotary_qk(q_in, k_in, c, s, backend=backend, **kwargs)
+        for a, b in zip(got, expected, strict=True):
+            assert a.shape == b.shape
+            assert_close(a.cpu(), b.cpu().double(), msg=f"{backend} {kwargs}")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -8,6 +8,7 @@ subprocess: Triton's compiler does not work inside a process that runs its inter
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -18,6 +19,8 @@ import pytest
 
 @pytest.fixture(scope="module")
 def compiled() -> list[dict]:
+    if importlib.util.find_spec("triton.backends.nvidia") is None:
+        pytest.skip("this triton build has no NVIDIA backend to compile for")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     command = [sys.executable, "-W", "ignore", "-m", "posenc.kernels.triton_targets", "--json"]
     result = subprocess.run(

@@ -134,6 +134,14 @@ def test_table_read_equals_gathered_cos_sin(rope_parameters, dtype, layout, inte
         assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True)), kwargs
 
 
+def test_empty_batch_with_per_sequence_offsets():
+    rope = posenc.RoPE(8)
+    q, k = torch.randn(0, 2, 5, 8), torch.randn(0, 1, 5, 8)
+    for kwargs in ({"offset": torch.zeros(0, dtype=torch.long)}, {"positions": torch.arange(5), "offset": 3}):
+        q_out, k_out = rope(q, k, **kwargs)
+        assert q_out.shape == q.shape and k_out.shape == k.shape
+
+
 def test_packed_positions_restart_per_document():
     # Two documents packed in one row: the second restarts at 0 and must rotate like a fresh sequence.
     rope = posenc.RoPE(8)

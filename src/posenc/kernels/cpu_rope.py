@@ -131,7 +131,9 @@ def rope_cpu(
     x, out: (n0, n1, n2, d) CPU, same dtype (float32/bfloat16/float16/float64), unit last stride;
     cos, sin: float32 or float64 with unit last stride and one set of strides, either (c0, c1, rows, r/2) views
     (strides may be 0) read at (i0, i1, row), or (rows, r/2) tables read at row for every (i0, i1);
-    positions: None (row = first_row + i2) or (n0 or 1, n2) int64 (row = first_row + positions[i0, i2]);
+    positions: None (row = first_row + i2) or (n0 or 1, n2) int64 (row = positions[i0, i2], unchecked here:
+    ``posenc.kernels.layout.check_table_call`` checks them against the table once per call);
+    first_row: the first table row read without positions (an int offset); must be 0 with positions;
     copy_tail: also copy channels r..d-1 (out-of-place); in place they are already there.
     library: one from ``build_library`` (benchmarks compare kernel revisions); default this package's.
     """
@@ -163,6 +165,8 @@ def rope_cpu_jobs(
     if library is None:
         raise RuntimeError(f"the CPU rotary kernel is unavailable: {reason}; use backend='torch'")
     if positions is not None:
+        if first_row:
+            raise ValueError(f"first_row={first_row} applies only without positions; add it to the positions")
         if positions.dtype != torch.long or positions.dim() != 2 or not positions.is_cpu:
             raise TypeError(f"positions must be a 2-D int64 CPU tensor, got {positions.dtype} {tuple(positions.shape)}")
         pos_ptr = positions.data_ptr()
@@ -224,7 +228,8 @@ def _pack_job(
         raise TypeError("float64 x needs float64 cos/sin (the math runs in the wider dtype)")
     if sin.shape != cos_shape or sin.stride() != cos_strides:
         raise ValueError(f"cos and sin must be views of one shape and strides, got {tuple(cos_shape)}")
-    if len(cos_shape) == 2:  # a (rows, r/2) table: the same rows for every (i0, i1)
+    table = len(cos_shape) == 2
+    if table:  # a (rows, r/2) table: the same rows for every (i0, i1)
         cos_shape, cos_strides = (1, 1, *cos_shape), (0, 0, *cos_strides)
     elif len(cos_shape) != 4:
         raise ValueError(f"cos/sin must be (rows, r/2) tables or 4-D (c0, c1, rows, r/2) views, got {tuple(cos_shape)}")
@@ -236,7 +241,7 @@ def _pack_job(
     for axis in (0, 1):
         if cos_shape[axis] != 1 and cos_shape[axis] != shape[axis]:
             raise ValueError(f"cos of shape {tuple(cos_shape)} does not broadcast to x's {tuple(shape[:3])}")
-    broadcast_row = rows == 1 and first_row == 0  # one row for every token
+    broadcast_row = rows == 1 and first_row == 0 and not table  # a 4-D view's size-1 token axis broadcasts
     if pos_ptr == 0 and n2 > 0 and not broadcast_row and (first_row < 0 or first_row + n2 > rows):
         raise ValueError(f"tokens read rows {first_row} .. {first_row + n2 - 1} but cos/sin have {rows} rows")
     numel = n0 * n1 * n2 * d

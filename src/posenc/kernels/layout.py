@@ -152,7 +152,7 @@ def check_table_call(
                 f"positions reach {offset_int} .. {offset_int + seq - 1} but the cos/sin table has {cos.shape[0]} "
                 f"rows; build the table for at least {offset_int + seq} positions"
             )
-    elif check_data and seq > 0:
+    elif check_data and seq > 0 and batch > 0:
         pos = token_positions(
             kind,
             batch,

@@ -102,7 +102,7 @@ def _wide_cos_sin(
     return cos, sin
 
 
-def triton_plan(
+def triton_plans(
     xs: Sequence[torch.Tensor],
     outs: Sequence[torch.Tensor],
     cos: torch.Tensor,
@@ -115,8 +115,9 @@ def triton_plan(
     interleaved: bool,
     conjugate: bool,
     copy_tail: bool,
-):  # -> posenc.kernels.triton_rope.Launch | None (imported lazily: importing it imports triton)
-    """The Triton launch that rotating xs into outs makes (arguments as ``_rotary_impl``'s); None if xs are empty.
+) -> list:  # of posenc.kernels.triton_rope.Launch (imported lazily: importing it imports triton)
+    """The Triton launches that rotating xs into outs makes (arguments as ``_rotary_impl``'s): one for q and k
+    together, or one each where their (batch, token) sizes differ (broadcast cos/sin allow that); none if empty.
 
     Needs no GPU: ``posenc.kernels.triton_targets`` compiles these plans for GPU architectures on any machine.
     """
@@ -126,21 +127,33 @@ def triton_plan(
     if module is None:
         raise RuntimeError(f"backend='triton' is unavailable: {reason}")
     cos, sin = _wide_cos_sin(xs, cos, sin)
-    if positions is not None and positions.dim() == 1:
-        positions = positions[None]
-    return module.plan_launch(  # type: ignore[attr-defined]
-        [canonical(x, kind) for x in xs],
-        [canonical(o, kind) for o in outs],
-        [canonical_cos(cos, x, kind) for x in xs],
-        [canonical_cos(sin, x, kind) for x in xs],
-        positions=positions,
-        offsets=offsets,
-        offset=offset,
-        cu_seqlens=cu_seqlens,
-        interleaved=interleaved,
-        conjugate=conjugate,
-        copy_tail=copy_tail,
-    )
+    if positions is not None:
+        positions = (positions[None] if positions.dim() == 1 else positions).contiguous()
+    # The kernel indexes offsets and cu_seqlens as dense arrays.
+    offsets = offsets.contiguous() if offsets is not None else None
+    cu_seqlens = cu_seqlens.contiguous() if cu_seqlens is not None else None
+    pairs = [(canonical(x, kind), canonical(o, kind), x) for x, o in zip(xs, outs, strict=True) if x.numel()]
+    first = pairs[0][0].shape if pairs else None
+    together = all(v.shape[0] == first[0] and v.shape[2] == first[2] for v, _, _ in pairs)  # type: ignore[index]
+    groups = [pairs] if together else [[pair] for pair in pairs]
+    plans = []
+    for group in groups:
+        plan = module.plan_launch(  # type: ignore[attr-defined]
+            [v for v, _, _ in group],
+            [o for _, o, _ in group],
+            [canonical_cos(cos, x, kind) for _, _, x in group],
+            [canonical_cos(sin, x, kind) for _, _, x in group],
+            positions=positions,
+            offsets=offsets,
+            offset=offset,
+            cu_seqlens=cu_seqlens,
+            interleaved=interleaved,
+            conjugate=conjugate,
+            copy_tail=copy_tail,
+        )
+        if plan is not None:
+            plans.append(plan)
+    return plans
 
 
 def _launch(
@@ -159,10 +172,11 @@ def _launch(
     copy_tail: bool,
 ) -> None:
     if backend == "triton":
-        plan = triton_plan(
+        plans = triton_plans(
             xs, outs, cos, sin, positions, offsets, offset, cu_seqlens, kind, interleaved, conjugate, copy_tail
         )
-        _triton_module_or_error()[0].launch(plan)  # type: ignore[union-attr]
+        for plan in plans:
+            _triton_module_or_error()[0].launch(plan)  # type: ignore[union-attr]
         return
     if backend != "cpu":
         raise ValueError(f"the rotary ops run backend 'cpu' or 'triton', got {backend!r}")

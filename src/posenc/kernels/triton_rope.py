@@ -238,6 +238,8 @@ def plan_launch(
         if t is not None:
             _check(name, t, device)
     if q.numel() == 0:
+        if len(xs) == 2 and xs[1].numel():
+            raise ValueError("q is empty but k is not: plan k alone (posenc.kernels.ops.triton_plans does)")
         return None
     k, out_k, cos_k = (xs[1], outs[1], coss[1]) if len(xs) == 2 else (q, outs[0], coss[0])
     heads_q, heads_k = q.shape[1], (xs[1].shape[1] if len(xs) == 2 else 0)
@@ -290,7 +292,12 @@ def plan_launch(
         "IS_VARLEN": cu_seqlens is not None,
         "COPY_TAIL": copy_tail and d > 2 * half,
     }
-    return Launch((triton.cdiv(n2, block_s) * n0 * (heads_q + heads_k),), args, constants)
+    programs = triton.cdiv(n2, block_s) * n0 * (heads_q + heads_k)
+    if programs > 2**31 - 1:
+        raise ValueError(
+            f"this call needs {programs} Triton programs, past CUDA's grid limit of 2**31 - 1; split the batch"
+        )
+    return Launch((programs,), args, constants)
 
 
 def launch(plan: Launch | None) -> None:

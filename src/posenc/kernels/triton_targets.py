@@ -95,14 +95,14 @@ def compile_launch(launch: Launch, arch: int = 90) -> CompiledRope:
 
 
 def _case_plans() -> dict[str, Launch]:
-    """Representative launches, as ``posenc.kernels.ops.triton_plan`` lays them out for real calls.
+    """Representative launches, as ``posenc.kernels.ops.triton_plans`` lays them out for real calls.
 
     Shapes are small (the plan, not the data, is what gets compiled) but keep what the compiler specialises on:
     sizes and strides divisible by 16 where a real prefill's are, odd head dims where a model's are.
     """
     import torch
 
-    from posenc.kernels.ops import triton_plan
+    from posenc.kernels.ops import triton_plans
 
     def plan(dtype, *, d, r, s=512, hq=8, hk=2, layout="bhsd", interleaved=False, conjugate=False, how="offset"):
         shape = (lambda h: (2, h, s, d)) if layout == "bhsd" else (lambda h: (2, s, h, d))
@@ -123,9 +123,10 @@ def _case_plans() -> dict[str, Launch]:
             kind, cu_seqlens, offsets = "varlen", torch.tensor([0, s // 3, s]), torch.zeros(2, dtype=torch.long)
         inplace = how == "in_place"
         outs = xs if inplace else [torch.empty_like(x) for x in xs]
-        return triton_plan(
+        (launch,) = triton_plans(
             xs, outs, cos, cos, positions, offsets, offset, cu_seqlens, kind, interleaved, conjugate, not inplace
         )
+        return launch
 
     bf16, fp16, fp32, fp64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
     plans = {
@@ -142,11 +143,10 @@ def _case_plans() -> dict[str, Launch]:
     }
     # q's token stride past 2**31 (Triton passes it as i64) while k's is i32: both must still compile.
     base = plans["bf16 d128 split-half offset"]
-    assert base is not None
     args = list(base.args)
     args[_jit_function().arg_names.index("sq2")] = 2**33
     plans["bf16 q token stride past 2**31"] = replace(base, args=tuple(args))
-    return {name: p for name, p in plans.items() if p is not None}
+    return plans
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -233,6 +233,11 @@ class RoPE(nn.Module):
         table_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         seq = q.shape[seq_axis]
         if self.spec.rope_type not in SEQ_LEN_DEPENDENT and q.device.type != "meta":
+            # Position ids and offsets may come from the CPU for CUDA activations, as resolve_positions allows.
+            if isinstance(positions, torch.Tensor):
+                positions = positions.to(q.device)
+            if isinstance(offset, torch.Tensor):
+                offset = offset.to(q.device)
             last = _last_position(seq, q.shape[0], positions, offset)
             if last is not None and last < _TABLE_LIMIT:
                 # Frequencies that do not depend on the length: the kernels read the cached table at the tokens'
