@@ -158,11 +158,15 @@ def measure_interleaved(
     cases: dict[str, tuple[Callable[[], object], Callable[[], object] | None]], *, reps: int, device: str
 ) -> dict[str, list[float]]:
     """Milliseconds per case, name -> (fn, setup or None), taking turns rep by rep: on a shared machine a burst
-    of load then slows every provider alike instead of whichever ran during it, which keeps ratios honest."""
+    of load then slows every provider alike instead of whichever ran during it, which keeps ratios honest. The
+    order rotates each rep, so no case always runs right after the same one: on CPU the case after a copy ran
+    40-100 us slower at s = 1024 than the same call placed elsewhere (caches and the OpenMP pool it inherits)."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     times: dict[str, list[float]] = {name: [] for name in cases}
+    names = list(cases)
     for rep in range(reps + 2):
-        for name, (fn, setup) in cases.items():
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
+            fn, setup = cases[name]
             if setup is not None:
                 setup()
             sync()
