@@ -146,6 +146,10 @@ def test_gradcheck_float64(backend, kind):
     cos, sin = (form(t) for t in table(6, 320, dtype=torch.float64))
     x = q.clone().requires_grad_()
     assert torch.autograd.gradcheck(lambda t: apply_rotary(t, cos, sin, backend=backend, **kwargs), (x,))
+    # The backward is the rotation by -angle through the same path, so it is differentiable too.
+    assert torch.autograd.gradgradcheck(lambda t: apply_rotary(t, cos, sin, backend=backend, **kwargs), (x,))
+    in_place = lambda t: apply_rotary_(t.clone(), cos, sin, backend=backend, **kwargs)  # noqa: E731
+    assert torch.autograd.gradcheck(in_place, (x,)) and torch.autograd.gradgradcheck(in_place, (x,))
 
 
 def test_gradcheck_float64_through_cos_sin_on_the_torch_path():
@@ -283,6 +287,14 @@ def test_torch_compile_fullgraph_backward():
     )
     compiled(q).backward()
     want = torch.autograd.grad(apply_rotary(q, cos, sin, offset=2, backend="torch").square().sum(), q)[0]
+    torch.testing.assert_close(q.grad, want, atol=1e-5, rtol=1e-5)
+    q.grad = None
+    in_place = torch.compile(
+        lambda x: apply_rotary_(x * 1.0, cos, sin, offset=2, backend="cpu").square().sum(),
+        fullgraph=True,
+        backend="aot_eager",
+    )
+    in_place(q).backward()
     torch.testing.assert_close(q.grad, want, atol=1e-5, rtol=1e-5)
 
 
