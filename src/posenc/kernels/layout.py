@@ -163,7 +163,7 @@ def check_table_call(
             cu_seqlens=cu_seqlens,
             device=first.device,
         )
-        low, high = int(pos.min()), int(pos.max())
+        low, high = torch.stack(torch.aminmax(pos)).tolist()  # one device sync, not two
         if low < 0:
             raise ValueError(f"positions must be >= 0, got a negative entry ({low}); positions index the table rows")
         if high >= cos.shape[0]:
