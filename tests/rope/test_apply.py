@@ -134,6 +134,37 @@ def test_table_read_equals_gathered_cos_sin(rope_parameters, dtype, layout, inte
         assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True)), kwargs
 
 
+@settings(max_examples=30, deadline=None)
+@given(
+    batch=st.integers(1, 3),
+    seq=st.integers(1, 40),
+    how=st.sampled_from(["int", "per_sequence", "ids", "ids+int", "ids+per_sequence"]),
+    layout=st.sampled_from(["bhsd", "bshd"]),
+    interleaved=st.booleans(),
+    backend=st.sampled_from(["auto", "torch"]),
+    seed=st.integers(0, 2**16),
+)
+def test_rope_table_path_equals_gathered_cos_sin_for_any_positions(batch, seq, how, layout, interleaved, backend, seed):
+    """Property form of the test above: any batch, length and way of giving positions, on both backends."""
+    gen = torch.Generator().manual_seed(seed)
+    rope = posenc.RoPE(10, rotary_dim=8, interleaved=interleaved, backend=backend)
+    q, k = random_qk(batch, 3, 1, seq, 10, layout=layout, seed=seed)
+    offsets = torch.randint(0, 500, (batch,), generator=gen)
+    ids = torch.randint(0, 300, (batch, seq), generator=gen)
+    kwargs, positions = {
+        "int": ({"offset": int(offsets[0])}, torch.arange(seq)[None] + int(offsets[0])),
+        "per_sequence": ({"offset": offsets}, torch.arange(seq)[None] + offsets[:, None]),
+        "ids": ({"positions": ids}, ids),
+        "ids+int": ({"positions": ids[0], "offset": 7}, ids[:1] + 7),
+        "ids+per_sequence": ({"positions": ids, "offset": offsets}, ids + offsets[:, None]),
+    }[how]
+    head_axis = 1 if layout == "bhsd" else 2
+    cos, sin = (t.unsqueeze(head_axis) for t in rope.cos_sin(positions))
+    expected = posenc.apply_rotary_qk(q, k, cos, sin, interleaved=interleaved, backend=backend)
+    got = rope(q, k, layout=layout, **kwargs)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
 def test_empty_batch_with_per_sequence_offsets():
     rope = posenc.RoPE(8)
     q, k = torch.randn(0, 2, 5, 8), torch.randn(0, 1, 5, 8)
