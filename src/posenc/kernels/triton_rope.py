@@ -247,6 +247,9 @@ def plan_launch(
     def cos_strides(c: torch.Tensor) -> tuple[int, int, int]:
         return tuple(0 if c.shape[i] == 1 else c.stride(i) for i in range(3))  # type: ignore[return-value]
 
+    q_cos_strides, k_cos_strides = cos_strides(coss[0]), cos_strides(cos_k)
+    tail = d - 2 * half
+
     pos_strides = (0, 0)
     if positions is not None:
         pos_strides = (0 if positions.shape[0] == 1 else positions.stride(0), positions.stride(1))
@@ -274,23 +277,23 @@ def plan_launch(
         *k.stride()[:3],
         *outs[0].stride()[:3],
         *out_k.stride()[:3],
-        *cos_strides(coss[0]),
-        *cos_strides(cos_k),
+        *q_cos_strides,
+        *k_cos_strides,
         *pos_strides,
     )
     constants = {
         "HALF": half,
-        "TAIL": d - 2 * half,
-        "DENSE_COS": cos_strides(coss[0])[2] == half and cos_strides(cos_k)[2] == half,
+        "TAIL": tail,
+        "DENSE_COS": q_cos_strides[2] == half and k_cos_strides[2] == half,
         "BLOCK_S": block_s,
         "BLOCK_H": block_h,
-        "BLOCK_T": min(64, triton.next_power_of_2(max(d - 2 * half, 1))),
+        "BLOCK_T": min(64, triton.next_power_of_2(max(tail, 1))),
         "INTERLEAVED": interleaved,
         "CONJUGATE": conjugate,
         "HAS_POS": positions is not None,
         "HAS_OFFSETS": offsets is not None,
         "IS_VARLEN": cu_seqlens is not None,
-        "COPY_TAIL": copy_tail and d > 2 * half,
+        "COPY_TAIL": copy_tail and tail > 0,
     }
     programs = triton.cdiv(n2, block_s) * n0 * (heads_q + heads_k)
     if programs > 2**31 - 1:
@@ -300,10 +303,8 @@ def plan_launch(
     return Launch((programs,), args, constants)
 
 
-def launch(plan: Launch | None) -> None:
-    """Run a planned launch (None: nothing to do). The tensors must be on CUDA, or on the CPU when interpreted."""
-    if plan is None:
-        return
+def launch(plan: Launch) -> None:
+    """Run a planned launch. The tensors must be on CUDA, or on the CPU when interpreted."""
     device = plan.args[0].device  # type: ignore[attr-defined]
     if device.type != "cuda" and not interpreted():
         raise ValueError(
