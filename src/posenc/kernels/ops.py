@@ -302,34 +302,39 @@ def _rotary_inplace_fake(xs, cos, sin, positions, offsets, offset, cu_seqlens, k
     return None
 
 
-def _wanted_grads(ctx, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
-    # Inputs 0-5 are options, cos, sin, positions, offsets, cu_seqlens (never differentiated here).
-    return [g if wanted else None for g, wanted in zip(grads, ctx.needs_input_grad[6:], strict=True)]
+class _EagerRotation(torch.autograd.Function):
+    """What the eager autograd Functions share: the saved tensors and options, and the backward, which rotates the
+    wanted gradients back through ``rotary_copy`` (so it is itself differentiable: double backward)."""
+
+    @staticmethod
+    def _save(ctx, options, cos, sin, positions, offsets, cu_seqlens) -> None:
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(cos, sin, positions, offsets, cu_seqlens)
+        ctx.options = options
+
+    @staticmethod
+    def backward(ctx, *grads):
+        # Inputs 0-5 are options, cos, sin, positions, offsets, cu_seqlens (never differentiated here).
+        wanted = [g if need else None for g, need in zip(grads, ctx.needs_input_grad[6:], strict=True)]
+        return (None, None, None, None, None, None, *_rotate_grads(ctx, wanted, rotary_copy))
 
 
-class _RotaryCopy(torch.autograd.Function):
+class _RotaryCopy(_EagerRotation):
     """Eager autograd for the out-of-place rotation: what ``posenc::rotary`` registers, without the custom op's
     dispatch, which cost 0.3-0.9 ms of a forward+backward of q and k (measured against this class side by side).
-    Traced calls use the op, which graphs can hold; the backward goes through ``rotary_copy`` and so is itself
-    differentiable (double backward)."""
+    Traced calls use the op, which graphs can hold."""
 
     @staticmethod
     def forward(ctx, options, cos, sin, positions, offsets, cu_seqlens, *xs):
         offset, kind, interleaved, conjugate, backend = options
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(cos, sin, positions, offsets, cu_seqlens)
-        ctx.options = options
+        _EagerRotation._save(ctx, options, cos, sin, positions, offsets, cu_seqlens)
         outs = _rotary_impl(
             list(xs), cos, sin, positions, offsets, offset, cu_seqlens, kind, interleaved, conjugate, backend
         )
         return tuple(outs)
 
-    @staticmethod
-    def backward(ctx, *grads):
-        return (None, None, None, None, None, None, *_rotate_grads(ctx, _wanted_grads(ctx, grads), rotary_copy))
 
-
-class _RotaryInPlace(torch.autograd.Function):
+class _RotaryInPlace(_EagerRotation):
     """Autograd for the in-place rotation (torch.library cannot register autograd for a mutating op)."""
 
     @staticmethod
@@ -337,15 +342,9 @@ class _RotaryInPlace(torch.autograd.Function):
         offset, kind, interleaved, conjugate, backend = options
         rotate = rotary_ if torch.compiler.is_compiling() else _rotary_inplace_impl
         rotate(list(xs), cos, sin, positions, offsets, offset, cu_seqlens, kind, interleaved, conjugate, backend)
-        ctx.set_materialize_grads(False)
+        _EagerRotation._save(ctx, options, cos, sin, positions, offsets, cu_seqlens)
         ctx.mark_dirty(*xs)
-        ctx.save_for_backward(cos, sin, positions, offsets, cu_seqlens)
-        ctx.options = options
         return xs
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return (None, None, None, None, None, None, *_rotate_grads(ctx, _wanted_grads(ctx, grads), rotary_copy))
 
 
 def _needs_grad(xs: Sequence[torch.Tensor]) -> bool:
