@@ -245,6 +245,15 @@ def test_fused_backends_take_what_the_torch_path_takes(backend):
         for a, b in zip(got, expected, strict=True):
             assert a.shape == b.shape
             assert_close(a.cpu(), b.cpu().double(), msg=f"{backend} {kwargs}")
+    # One offset for all sequences as a 0-d or (1,) tensor reads the rows an int offset reads, packed batches too.
+    by_int = apply_rotary_qk(q, k, cos, sin, offset=4, backend=backend)
+    packed, cu_seqlens = torch.randn(7, 2, 16, device=device), torch.tensor([0, 3, 7], device=device)
+    packed_by_int = apply_rotary(packed, cos, sin, cu_seqlens=cu_seqlens, offset=4, backend=backend)
+    for single in (torch.tensor(4, device=device), torch.tensor([4], device=device)):
+        got = apply_rotary_qk(q, k, cos, sin, offset=single, backend=backend)
+        assert all(torch.equal(a, b) for a, b in zip(got, by_int, strict=True)), single.shape
+        got = apply_rotary(packed, cos, sin, cu_seqlens=cu_seqlens, offset=single, backend=backend)
+        assert torch.equal(got, packed_by_int), single.shape
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -363,6 +372,10 @@ def test_errors_name_the_argument_and_the_fix():
         apply_rotary(x[0], cos, sin, offset=0)
     with pytest.raises(ValueError, match=r"offset must be an int or a \(2,\) tensor"):
         apply_rotary(x, cos, sin, offset=torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match=r"offset must be an int or a \(2,\) tensor"):
+        apply_rotary(x, cos, sin, offset=torch.tensor([[1]]))
+    with pytest.raises(ValueError, match="table has 8 rows"):
+        apply_rotary(x, cos, sin, offset=torch.tensor(4))
     with pytest.raises(ValueError, match="offset must be >= 0"):
         apply_rotary(x, cos, sin, offset=-1)
     with pytest.raises(TypeError, match="offset must be an int"):

@@ -120,6 +120,8 @@ def test_table_read_equals_gathered_cos_sin(rope_parameters, dtype, layout, inte
     calls = [
         ({"offset": 0}, torch.arange(9)[None]),
         ({"offset": 37}, torch.arange(37, 46)[None]),
+        ({"offset": torch.tensor(37)}, torch.arange(37, 46)[None]),
+        ({"positions": ids, "offset": torch.tensor([11])}, ids + 11),
         ({"offset": torch.tensor([5, 70])}, torch.arange(9) + torch.tensor([[5], [70]])),
         ({"positions": ids[0]}, ids[:1]),
         ({"positions": ids, "offset": 11}, ids + 11),

@@ -56,7 +56,8 @@ def check_table_call(
     offset: int | torch.Tensor | None,
     cu_seqlens: torch.Tensor | None,
 ) -> tuple[torch.Tensor | None, int]:
-    """Validate a table-mode call; returns (offsets as a (b,) int64 tensor or None, int offset).
+    """Validate a table-mode call; returns (offsets as a (b,) int64 tensor or None, int offset). A tensor offset
+    is (b,), or 0-d / (1,) for all sequences alike.
 
     xs: name -> tensor, (b, h, s, d) / (b, s, h, d) / (total, h, d) by ``kind``; tensors may differ in h only.
     Data-dependent checks (positions inside the table, cu_seqlens ascending) are skipped under torch.compile,
@@ -116,10 +117,12 @@ def check_table_call(
     offsets, offset_int = None, 0
     if isinstance(offset, torch.Tensor):
         int_tensor("offset", offset)
-        if offset.dim() != 1 or offset.shape[0] != batch:
+        if offset.dim() > 1 or offset.numel() not in (1, batch):
             raise ValueError(
                 f"offset must be an int or a ({batch},) tensor (one per sequence), got shape {tuple(offset.shape)}"
             )
+        # One offset for every sequence, as a 0-d or (1,) tensor: the same as resolve_positions accepts.
+        offset = offset.reshape(1).expand(batch) if offset.shape != (batch,) else offset
         if offset.device != first.device:
             raise ValueError(f"offset is on {offset.device} but x on {first.device}")
         if check_data and bool((offset < 0).any()):

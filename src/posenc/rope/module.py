@@ -46,11 +46,13 @@ def angles_to_cos_sin(
 
 def _last_position(seq: int, batch: int, positions: torch.Tensor | None, offset: int | torch.Tensor) -> int | None:
     """The largest position a forward call reads, or None when its arguments take the general path (where
-    ``resolve_positions`` checks them and broadcasts a single offset)."""
+    ``resolve_positions`` checks them and raises)."""
     if isinstance(offset, torch.Tensor):
-        if offset.dim() != 1 or offset.shape[0] != batch or offset.is_floating_point() or offset.dtype == torch.bool:
+        if offset.dim() > 1 or offset.numel() not in (1, batch):
             return None
-        top = int(offset.max()) if batch else 0
+        if offset.is_floating_point() or offset.dtype == torch.bool:
+            return None
+        top = int(offset.max()) if offset.numel() else 0
     elif type(offset) is int and offset >= 0:
         top = offset
     else:
