@@ -55,13 +55,15 @@ def check_table_call(
     positions: torch.Tensor | None,
     offset: int | torch.Tensor | None,
     cu_seqlens: torch.Tensor | None,
+    rows_checked: bool = False,
 ) -> tuple[torch.Tensor | None, int]:
     """Validate a table-mode call; returns (offsets as a (b,) int64 tensor or None, int offset). A tensor offset
     is (b,), or 0-d / (1,) for all sequences alike.
 
     xs: name -> tensor, (b, h, s, d) / (b, s, h, d) / (total, h, d) by ``kind``; tensors may differ in h only.
     Data-dependent checks (positions inside the table, cu_seqlens ascending) are skipped under torch.compile,
-    where they would break the graph.
+    where they would break the graph; ``rows_checked`` (the caller knows every position is >= 0 and inside the
+    table) skips the positions' and offsets' ones.
     """
     float_tensor("cos", cos)
     float_tensor("sin", sin)
@@ -125,7 +127,7 @@ def check_table_call(
         offset = offset.reshape(1).expand(batch) if offset.shape != (batch,) else offset
         if offset.device != first.device:
             raise ValueError(f"offset is on {offset.device} but x on {first.device}")
-        if check_data and bool((offset < 0).any()):
+        if check_data and not rows_checked and bool((offset < 0).any()):
             raise ValueError("offset must be >= 0, got a negative entry")
         offsets = offset.to(torch.long)
     elif offset is not None:
@@ -155,7 +157,7 @@ def check_table_call(
                 f"positions reach {offset_int} .. {offset_int + seq - 1} but the cos/sin table has {cos.shape[0]} "
                 f"rows; build the table for at least {offset_int + seq} positions"
             )
-    elif check_data and seq > 0 and batch > 0:
+    elif check_data and not rows_checked and seq > 0 and batch > 0:
         pos = token_positions(
             kind,
             batch,

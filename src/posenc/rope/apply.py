@@ -98,7 +98,7 @@ def apply_rotary_torch(
     return torch.cat((rotated, x[..., rotary:]), dim=-1)
 
 
-def _rotate(
+def rotate_tensors(
     xs: dict[str, torch.Tensor],
     cos: torch.Tensor,
     sin: torch.Tensor,
@@ -111,8 +111,13 @@ def _rotate(
     layout: str | None,
     backend: str,
     inplace: bool,
+    rows_checked: bool = False,
 ) -> list[torch.Tensor]:
-    """The one path behind apply_rotary, apply_rotary_qk and apply_rotary_: check, pick a backend, rotate."""
+    """The one path behind apply_rotary, apply_rotary_qk, apply_rotary_ and RoPE: check, pick a backend, rotate.
+
+    xs: name (for errors) -> tensor. rows_checked: the caller has made sure that every position is >= 0 and a
+    row of the table (RoPE sizes its table for them), so the table-mode range check is skipped.
+    """
     kind = rotary_kind(layout, positions, offset, cu_seqlens)
     offsets, offset_int = None, 0
     if kind == "broadcast":
@@ -121,7 +126,7 @@ def _rotate(
             check_x_for(x, cos, half, name)
     else:
         offsets, offset_int = check_table_call(
-            xs, cos, sin, kind, positions=positions, offset=offset, cu_seqlens=cu_seqlens
+            xs, cos, sin, kind, positions=positions, offset=offset, cu_seqlens=cu_seqlens, rows_checked=rows_checked
         )
     tensors = list(xs.values())
     if len({x.dtype for x in tensors}) > 1:
@@ -201,7 +206,7 @@ def apply_rotary(
     "triton" or "cpu". The fused backends do not differentiate cos/sin; "auto" uses torch when those need grad.
     Returns a new tensor with x's shape and dtype; ``x`` is not modified.
     """
-    (out,) = _rotate(
+    (out,) = rotate_tensors(
         {"x": x},
         cos,
         sin,
@@ -235,7 +240,7 @@ def apply_rotary_qk(
 
     q: (b, h_q, s, d), k: (b, h_k, s, d) (or as the layout says); h_q may differ from h_k (GQA). Returns (q, k).
     """
-    q_out, k_out = _rotate(
+    q_out, k_out = rotate_tensors(
         {"q": q, "k": k},
         cos,
         sin,
@@ -265,7 +270,7 @@ def apply_rotary_(
     backend: Backend = "auto",
 ) -> torch.Tensor:
     """In-place ``apply_rotary``: writes channels 0..r-1 of x and no others; returns x. Differentiable."""
-    _rotate(
+    rotate_tensors(
         {"x": x},
         cos,
         sin,

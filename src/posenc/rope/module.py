@@ -17,7 +17,7 @@ from posenc._checks import float_tensor, same_device
 from posenc.encoding import ActsOn
 from posenc.kernels.ops import BACKENDS
 from posenc.positions import resolve_positions
-from posenc.rope.apply import Backend, apply_rotary, apply_rotary_qk
+from posenc.rope.apply import Backend, apply_rotary, apply_rotary_qk, rotate_tensors
 from posenc.rope.frequencies import SEQ_LEN_DEPENDENT
 from posenc.rope.parameters import RopeSpec, compute_frequencies, parse_rope_parameters
 
@@ -44,24 +44,36 @@ def angles_to_cos_sin(
     return cos.to(dtype), sin.to(dtype)
 
 
-def _last_position(seq: int, batch: int, positions: torch.Tensor | None, offset: int | torch.Tensor) -> int | None:
-    """The largest position a forward call reads, or None when its arguments take the general path (where
-    ``resolve_positions`` checks them and raises)."""
+def _position_bounds(
+    seq: int, batch: int, positions: torch.Tensor | None, offset: int | torch.Tensor
+) -> tuple[int, int] | None:
+    """(low, high): every position a forward call reads lies in low..high (with per-sequence offsets the bounds
+    need not be reached), read with one device sync at most; None when the arguments take the general path
+    (where ``resolve_positions`` checks them and raises)."""
+    low = high = 0
+    reductions = []  # (min, max) pairs of the offset and position tensors
     if isinstance(offset, torch.Tensor):
         if offset.dim() > 1 or offset.numel() not in (1, batch):
             return None
         if offset.is_floating_point() or offset.dtype == torch.bool:
             return None
-        top = int(offset.max()) if offset.numel() else 0
+        if offset.numel():
+            reductions.append(offset)
     elif type(offset) is int and offset >= 0:
-        top = offset
+        low = high = offset
     else:
         return None
     if positions is None:
-        return top + seq - 1
-    if positions.is_floating_point() or positions.dtype == torch.bool or positions.numel() == 0:
+        high += seq - 1
+    elif positions.is_floating_point() or positions.dtype == torch.bool or positions.numel() == 0:
         return None
-    return top + int(positions.max())
+    else:
+        reductions.append(positions)
+    if reductions:
+        values = torch.stack([m.to(torch.long) for t in reductions for m in torch.aminmax(t)]).tolist()
+        low += sum(values[0::2])
+        high += sum(values[1::2])
+    return low, high
 
 
 class RoPE(nn.Module):
@@ -240,23 +252,29 @@ class RoPE(nn.Module):
                 positions = positions.to(q.device)
             if isinstance(offset, torch.Tensor):
                 offset = offset.to(q.device)
-            last = _last_position(seq, q.shape[0], positions, offset)
-            if last is not None and last < _TABLE_LIMIT:
+            bounds = _position_bounds(seq, q.shape[0], positions, offset)
+            if bounds is not None and bounds[1] < _TABLE_LIMIT:
                 # Frequencies that do not depend on the length: the kernels read the cached table at the tokens'
                 # rows (a slice for an int offset), with no per-token cos/sin built here first (measured: 4-6% of a
-                # CPU prefill call; at decode size ~35 us of a ~100 us call with position ids).
-                cos, sin = self._table(q.device, max(last + 1, 1), table_dtype)
-                return apply_rotary_qk(
-                    q,
-                    k,
+                # CPU prefill call; at decode size ~35 us of a ~100 us call with position ids). The table covers
+                # every row up to the bound, so when no position can be negative the rows need no second check
+                # (on CUDA a device sync each).
+                cos, sin = self._table(q.device, max(bounds[1] + 1, 1), table_dtype)
+                q, k = rotate_tensors(
+                    {"q": q, "k": k},
                     cos,
                     sin,
+                    interleaved=self.interleaved,
+                    conjugate=False,
                     positions=positions,
                     offset=offset,
+                    cu_seqlens=None,
                     layout=layout,
-                    interleaved=self.interleaved,
                     backend=self.backend,
+                    inplace=False,
+                    rows_checked=bounds[0] >= 0,
                 )
+                return q, k
         pos = resolve_positions(seq, batch=q.shape[0], positions=positions, offset=offset, device=q.device)
         if seq_len is None:
             seq_len = self.scaling_length(pos)
