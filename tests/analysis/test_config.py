@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+import torch
 
+from posenc import RoPE
 from posenc.analysis import FigureConfig
+from posenc.interop import rope_from_config
 
 
 def test_defaults():
@@ -79,3 +83,18 @@ def test_bad_input_is_a_clear_error(tmp_path):
         FigureConfig.from_json(broken)
     with pytest.raises(ValueError, match="hidden_size and num_attention_heads"):
         FigureConfig.from_mapping({"model_type": "x"})
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[1] / "fixtures" / "configs").glob("*.json")))
+def test_a_hugging_face_config_draws_the_rope_the_model_does(path):
+    """Every stored model config gives the figures the RoPE that rope_from_config (checked against transformers in
+    tests/interop) builds: rotary dim, pair layout, and frequencies and attention factor at and past train_len."""
+    config = FigureConfig.from_json(path)
+    model = rope_from_config(path)
+    drawn = RoPE(config.head_dim, **config.rope_kwargs())
+    assert (drawn.rotary_dim, drawn.interleaved) == (model.rotary_dim, model.interleaved)
+    for seq_len in (config.train_len, config.eval_len):
+        inv_freq, factor = drawn.frequencies(seq_len)
+        expected_inv_freq, expected_factor = model.frequencies(seq_len)
+        torch.testing.assert_close(inv_freq, expected_inv_freq, rtol=0, atol=0)
+        assert factor == pytest.approx(expected_factor, rel=1e-12), seq_len

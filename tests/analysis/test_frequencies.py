@@ -55,14 +55,27 @@ def test_user_parameters_replace_the_example():
 
 
 def test_partial_rotation_pads_with_nan():
-    table = frequency_table(64, partial_rotary_factor=0.5, train_len=512)
+    # A type given its own partial rotation has fewer pairs than the others: NaN past them.
+    table = frequency_table(64, train_len=512, parameters={"linear": {"factor": 2.0, "partial_rotary_factor": 0.5}})
     row = dict(zip(table.rope_types, table.inv_freq, strict=True))
-    assert table.inv_freq.shape[1] == 32  # proportional rotates every channel
-    assert bool(row["default"][16:].isnan().all()) and not bool(row["default"][:16].isnan().any())
-    assert bool((row["proportional"][16:] == 0).all()) and bool((row["proportional"][:16] > 0).all())
+    assert table.inv_freq.shape[1] == 32
+    assert bool(row["linear"][16:].isnan().all()) and not bool(row["linear"][:16].isnan().any())
+    assert bool((row["proportional"][8:] == 0).all()) and bool((row["proportional"][:8] > 0).all())
     rows = table.to_rows()
-    assert len([r for r in rows if r["rope_type"] == "default"]) == 16
+    assert len([r for r in rows if r["rope_type"] == "linear"]) == 16
     assert {"rope_type", "pair", "inv_freq", "wavelength", "attention_factor"} == set(rows[0])
+
+
+def test_a_common_partial_rotation_leaves_proportional_out():
+    """partial_rotary_factor is a fraction of channels for every type but 'proportional', where it is the fraction
+    of the whole head's pairs that turn: that row would hold other frequencies, so it is left out (or refused)."""
+    table = frequency_table(64, partial_rotary_factor=0.5, train_len=512)
+    assert "proportional" not in table.rope_types and table.inv_freq.shape[1] == 16
+    assert not bool(table.inv_freq.isnan().any())
+    linear = table.ratio_to_default()[table.rope_types.index("linear")]
+    torch.testing.assert_close(linear, torch.full((16,), 0.25, dtype=torch.float64))
+    with pytest.raises(ValueError, match="'proportional' turns pairs of the whole head"):
+        frequency_table(64, partial_rotary_factor=0.5, rope_types=["default", "proportional"])
 
 
 def test_a_new_type_without_an_example_is_named(monkeypatch):

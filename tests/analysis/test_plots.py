@@ -92,3 +92,73 @@ def test_bad_input_is_a_clear_error(tmp_path):
         write_figures(tmp_path / "file", ["wavelengths"])
     with pytest.raises(ValueError, match=r"has no results\.csv"):
         figure_inputs(FigureConfig(), tmp_path)
+
+
+def test_wavelengths_of_a_length_dependent_type_are_drawn_at_the_evaluation_length():
+    """Dynamic NTK equals default RoPE up to its trained length: drawn there it would look unchanged."""
+    config = FigureConfig(head_dim=32, rope_parameters={"rope_type": "dynamic", "factor": 4.0}, train_len=256)
+    ax = render("wavelengths", FigureInputs(config=config)).axes[0]
+    plain, scaled = (torch.tensor(line.get_ydata()) for line in ax.get_lines()[:2])
+    assert bool((scaled[1:] > plain[1:]).all()), "dynamic NTK stretches every pair but the first"
+    assert "frequencies at length 1024" in ax.get_title()
+
+
+def test_frequency_figures_keep_proportional_and_partial_rotation_apart():
+    """'proportional' reads partial_rotary_factor as the fraction of pairs that turn: configured so, the other types
+    still rotate the whole head, and every ratio to default is 1 (left alone) or 0 (stands still) or in between."""
+    config = FigureConfig(rope_parameters={"rope_type": "proportional", "partial_rotary_factor": 0.25})
+    right = render("scaled_frequencies", FigureInputs(config=config)).axes[1]
+    ratios = torch.cat([torch.tensor(line.get_ydata(), dtype=torch.float64) for line in right.get_lines()])
+    assert float(ratios[ratios.isfinite()].max()) <= 1.0 + 1e-12
+    decay = render("long_term_decay", FigureInputs(config=config)).axes[0]
+    assert [line.get_label() for line in decay.get_lines()][:3] == [f"default, base={b}" for b in (500, 10000, 500000)]
+    assert decay.get_lines()[0].get_ydata()[0] > 15  # distance 1 on 32 pairs, not on 8: near 32 * ... / 32 = 16
+    title = render("wavelengths", FigureInputs(config=config)).axes[0].get_title()
+    assert "24 of 32 turn less than once within L (24 never turn)" in title
+
+
+def test_bias_figure_shows_the_extreme_alibi_heads_and_is_reproducible():
+    """For 12 heads ALiBi's slopes are not sorted (heads 8..11 interleave the next power of two's): the steepest is
+    head 8, the flattest head 7. The T5 panel is seeded and masks the future like the ALiBi panels."""
+    inputs = FigureInputs(config=FigureConfig(num_heads=12))
+    fig = render("bias_matrices", inputs)
+    titles = [ax.get_title() for ax in fig.axes if ax.get_label() != "<colorbar>"]
+    assert titles[0].startswith("ALiBi head 8, the steepest") and titles[1].startswith("ALiBi head 7, the flattest")
+    t5 = torch.tensor(fig.axes[2].get_images()[0].get_array().filled(float("nan")))
+    assert bool(t5.triu(1).isnan()[torch.ones(32, 32, dtype=torch.bool).triu(1)].all())
+    assert not bool(t5.tril().isnan().any())
+    assert png_bytes(fig, dpi=40) == png_bytes(render("bias_matrices", inputs), dpi=40)
+
+
+def test_figures_leave_the_global_generator_alone():
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    render("attention_entropy")
+    render("bias_matrices")
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_phase_title_states_the_angle_the_arrows_make():
+    import math
+
+    from matplotlib.text import Annotation
+
+    ax = render("phase_difference").axes[0]
+    q5, k2, q9, k6 = [a.xy for a in ax.texts if isinstance(a, Annotation)]
+
+    def angle(q, k):
+        return math.atan2(k[0] * q[1] - k[1] * q[0], k[0] * q[0] + k[1] * q[1]) % (2 * math.pi)
+
+    assert angle(q5, k2) == pytest.approx(angle(q9, k6), abs=1e-9)
+    assert f"→ {angle(q5, k2):.2f} rad in both" in ax.get_title()
+
+
+def test_entropy_curves_past_ten_differ_by_line_style():
+    results = {
+        f"encoding {i}": EntropyResult(lengths=torch.tensor([8, 16]), entropy=torch.rand(2, 1, 1).double(), source="")
+        for i in range(12)
+    }
+    ax = render("attention_entropy", FigureInputs(entropy=results, entropy_source="test")).axes[0]
+    styles = [(line.get_color(), line.get_linestyle()) for line in ax.get_lines()[:12]]
+    assert len(set(styles)) == 12

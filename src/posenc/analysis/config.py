@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from posenc._checks import positive_int
+from posenc.interop.hf import rope_kwargs_from_config
 from posenc.rope.parameters import RopeSpec, parse_rope_parameters
 
 # Keys of a Hugging Face model config.json that say something about positions; the rest are ignored there.
@@ -27,7 +28,9 @@ class FigureConfig:
     ``factor``, ...); train_len: the training context L (passed to RoPE as ``max_position_embeddings``);
     eval_len: the longer context an extension is evaluated at (default 4 * train_len; length-dependent types
     scale for it);
-    num_heads: h, for the ALiBi / T5 bias matrices and the random model.
+    num_heads: h, for the ALiBi / T5 bias matrices and the random model;
+    interleaved: adjacent pairs (RoFormer, GPT-J, DeepSeek) rather than split halves, which decides the channels
+    figure 1 draws (frequencies do not depend on it).
     """
 
     head_dim: int = 64
@@ -37,6 +40,7 @@ class FigureConfig:
     train_len: int = 2048
     eval_len: int | None = None
     num_heads: int = 8
+    interleaved: bool = False
 
     def __post_init__(self) -> None:
         positive_int("head_dim", self.head_dim)
@@ -50,6 +54,8 @@ class FigureConfig:
                 "extension is evaluated at"
             )
         positive_int("num_heads", self.num_heads)
+        if not isinstance(self.interleaved, bool):
+            raise TypeError(f"interleaved must be True or False, got {self.interleaved!r}")
         if not isinstance(self.rope_parameters, Mapping):
             raise TypeError(
                 "rope_parameters must be a dict like {'rope_type': 'default', 'rope_theta': 10000.0}, "
@@ -78,17 +84,21 @@ class FigureConfig:
 
     def rope_kwargs(self) -> dict[str, Any]:
         """Arguments for ``posenc.RoPE(head_dim, **kwargs)`` that build the RoPE this config describes."""
-        return {"rope_parameters": dict(self.rope_parameters), "max_position_embeddings": self.train_len}
+        return {
+            "rope_parameters": dict(self.rope_parameters),
+            "max_position_embeddings": self.train_len,
+            "interleaved": self.interleaved,
+        }
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> FigureConfig:
         """Build from this class's fields, or from a Hugging Face model ``config.json`` dict.
 
-        A Hugging Face config (one with ``hidden_size`` / ``num_attention_heads``) gives head_dim (``head_dim`` or
-        hidden_size / num_attention_heads), rope_parameters (``rope_parameters``, or the older ``rope_scaling`` plus
-        ``rope_theta`` and ``partial_rotary_factor``), train_len (``original_max_position_embeddings`` if the
-        scaling names one, else ``max_position_embeddings``) and eval_len (``max_position_embeddings`` when it is
-        longer than train_len, else 4 * train_len).
+        A Hugging Face config (one with ``hidden_size`` / ``num_attention_heads`` / ``model_type``) is read the way
+        ``posenc.interop.rope_from_config`` reads it (old and new forms, GPT-J's absolute ``rotary_dim``,
+        GPT-NeoX's ``rotary_pct``, DeepSeek's ``qk_rope_head_dim``, Phi-3's top-level original length); train_len
+        is the original (trained) length the scaling names, else ``max_position_embeddings``, and eval_len is
+        ``max_position_embeddings`` when it is longer than train_len, else 4 * train_len.
         """
         if not isinstance(data, Mapping):
             raise TypeError(f"a figure config must be a JSON object (a dict), got {type(data).__name__}")
@@ -105,32 +115,29 @@ class FigureConfig:
 
     @classmethod
     def _from_hugging_face(cls, data: Mapping[str, Any]) -> FigureConfig:
-        num_heads = data.get("num_attention_heads")
-        head_dim = data.get("head_dim")
-        if head_dim is None:
-            hidden = data.get("hidden_size")
-            if not isinstance(hidden, int) or not isinstance(num_heads, int) or num_heads <= 0:
-                raise ValueError(
-                    "a Hugging Face config needs head_dim, or hidden_size and num_attention_heads, to give the "
-                    f"head dim; got hidden_size={hidden!r}, num_attention_heads={num_heads!r}"
-                )
-            head_dim = hidden // num_heads
-        rope = dict(data.get("rope_parameters") or data.get("rope_scaling") or {})
-        if "rope_theta" in data:
-            rope.setdefault("rope_theta", data["rope_theta"])
-        if "partial_rotary_factor" in data:
-            rope.setdefault("partial_rotary_factor", data["partial_rotary_factor"])
-        rope.setdefault("rope_theta", 10000.0)
-        max_positions = data.get("max_position_embeddings")
+        # The RoPE a model does, read as posenc.interop.rope_from_config reads it (every per-model spelling), then
+        # said in this class's terms: an absolute rotary dim as a fraction, and a factor the model leaves implicit
+        # (max / original: Phi-3, DeepSeek) made explicit, because the figures scale from train_len = the original.
+        kwargs = rope_kwargs_from_config(data)
+        head_dim = kwargs["head_dim"]
+        rope = dict(kwargs["rope_parameters"])
+        if "rotary_dim" in kwargs:
+            rope["partial_rotary_factor"] = kwargs["rotary_dim"] / head_dim
+        max_positions = kwargs["max_position_embeddings"]
+        spec = parse_rope_parameters(head_dim, rope, max_position_embeddings=max_positions)
+        if rope.get("factor") is None and "factor" in spec.params:
+            rope["factor"] = spec.params["factor"]
         train_len = rope.get("original_max_position_embeddings") or max_positions or cls.train_len
         # A config that extends past its training length says how far; otherwise look 4x past it.
         eval_len = max_positions if max_positions and max_positions > train_len else 4 * train_len
+        num_heads = data.get("num_attention_heads") or data.get("n_head")
         return cls(
             head_dim=head_dim,
             rope_parameters=rope,
             train_len=train_len,
             eval_len=eval_len,
             num_heads=num_heads if num_heads is not None else cls.num_heads,
+            interleaved=kwargs["interleaved"],
         )
 
     @classmethod

@@ -124,8 +124,9 @@ def frequency_table(
 ) -> FrequencyTable:
     """inv_freq under each scaling type for one config, computed by ``posenc.RoPE`` itself.
 
-    head_dim: d; base: rope_theta; partial_rotary_factor: given to every type (the fraction of channels rotated;
-    for 'proportional', the fraction of pairs that turn); train_len: the trained context, RoPE's
+    head_dim: d; base: rope_theta; partial_rotary_factor: the fraction of channels every type rotates
+    ('proportional', which reads that key as the fraction of pairs that turn, keeps its own and is left out when
+    the fraction is below 1); train_len: the trained context, RoPE's
     ``max_position_embeddings``; factor: the extension ratio each example uses; seq_len: the length the
     length-dependent types scale for (default ``factor * train_len``, the extended context);
     rope_types: which types (default every type in ``SCALINGS`` now); parameters: per type, rope_parameters that
@@ -135,15 +136,24 @@ def frequency_table(
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1.0:
         raise ValueError(f"factor must be a number >= 1 (the context extension ratio), got {factor!r}")
     seq_len = positive_int("seq_len", seq_len) if seq_len is not None else round(factor * train_len)
+    common = {} if partial_rotary_factor is None else {"partial_rotary_factor": partial_rotary_factor}
+    rotary = parse_rope_parameters(head_dim, common).rotary_dim
+    # 'proportional' reads partial_rotary_factor as the fraction of pairs that turn, over the whole head: beside
+    # types that rotate part of the head its pairs are other frequencies, and no ratio to default means anything.
     names = tuple(SCALINGS) if rope_types is None else tuple(rope_types)
+    if rotary < head_dim and "proportional" in names:
+        if rope_types is not None:
+            raise ValueError(
+                f"rope_type 'proportional' turns pairs of the whole head and cannot share a table whose types rotate "
+                f"{rotary} of {head_dim} channels (partial_rotary_factor={partial_rotary_factor}); leave one out"
+            )
+        names = tuple(name for name in names if name != "proportional")
     if not names:
         raise ValueError("rope_types is empty; leave it out to show every type in SCALINGS")
     parameters = dict(parameters or {})
     unknown = sorted(set(parameters) - set(SCALINGS))
     if unknown:
         raise ValueError(f"parameters names unknown rope_type(s) {', '.join(unknown)}; known: {', '.join(SCALINGS)}")
-    common = {} if partial_rotary_factor is None else {"partial_rotary_factor": partial_rotary_factor}
-    rotary = parse_rope_parameters(head_dim, common).rotary_dim
     used, rows, factors = [], [], []
     for name in names:
         if name in parameters:
@@ -151,7 +161,9 @@ def frequency_table(
             if own.pop("rope_type", name) != name or own.pop("type", name) != name:
                 raise ValueError(f"parameters[{name!r}] names a different rope_type; key it by its own type")
         else:
-            own = {**example_rope_parameters(name, rotary_dim=rotary, train_len=train_len, factor=factor), **common}
+            own = example_rope_parameters(name, rotary_dim=rotary, train_len=train_len, factor=factor)
+            if name != "proportional":  # its own partial_rotary_factor means something else (above)
+                own = {**own, **common}
         rope = RoPE(head_dim, base=base, rope_parameters={"rope_type": name, **own}, max_position_embeddings=train_len)
         inv_freq, attention_factor = rope.frequencies(seq_len)
         used.append(own)

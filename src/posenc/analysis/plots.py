@@ -29,6 +29,7 @@ from posenc.analysis.layout import rotary_pairs
 from posenc.analysis.run import run_entropy, run_figure_config
 from posenc.analysis.wavelengths import wavelengths
 from posenc.bias import ALiBi, T5Bias
+from posenc.rope.frequencies import SEQ_LEN_DEPENDENT
 from posenc.rope.module import RoPE
 
 if TYPE_CHECKING:
@@ -85,6 +86,11 @@ def _config_label(config: FigureConfig, *, full: bool = False) -> str:
     return textwrap.fill(label, 100)  # long parameter lists go on more lines rather than off the figure
 
 
+def _length_note(config: FigureConfig) -> str:
+    """', frequencies at L=8192' for types whose frequencies depend on the length, else ''."""
+    return f", frequencies at length {config.eval_len}" if config.rope_type in SEQ_LEN_DEPENDENT else ""
+
+
 def _factor(config: FigureConfig) -> float:
     factor = config.spec.params.get("factor")
     return float(factor) if factor else max(config.eval_len / config.train_len, 1.0)
@@ -134,7 +140,14 @@ def phase_difference(inputs: FigureInputs) -> Figure:
     left.set_ylim(-1.4, 1.4)
     left.set_xlabel(f"channel {a}")
     left.set_ylabel(f"channel {b}")
-    left.set_title(f"pair {pair}: (m, n) = (5, 2) and (9, 6)\nsame m - n = 3, same angle 3θ = {3 * theta:.2f} rad")
+    # The angle from k to q: the unrotated pair's own angle, turned by (m - n)θ = 3θ; the same for both (m, n).
+    start = math.atan2(q[b] * k[a] - q[a] * k[b], q[a] * k[a] + q[b] * k[b])
+    angle = math.atan2(rq[0, 1] * rk[1, 0] - rq[0, 0] * rk[1, 1], rq[0, 0] * rk[1, 0] + rq[0, 1] * rk[1, 1])
+    left.set_title(
+        f"pair {pair}: (m, n) = (5, 2) and (9, 6), the same m - n = 3\nangle k→q: {start:.2f} rad unrotated, "
+        f"+ 3θ = {3 * theta:.2f} → {angle % (2 * math.pi):.2f} rad in both",
+        fontsize=10,
+    )
 
     count = m.shape[0]
     scores = (rq[4 : 4 + count] * rk[4 + count :]).sum(dim=-1)  # q at m_j against k at n_j
@@ -236,10 +249,15 @@ def decay_curves(inputs: FigureInputs) -> Figure:
     fig = _new_figure(9, 5)
     ax = fig.subplots()
     bases = sorted({500.0, 10000.0, 500000.0, config.base})
-    partial = {k: v for k, v in config.rope_parameters.items() if k == "partial_rotary_factor"}
+    # The comparison curves rotate the configured channels; 'proportional' reads partial_rotary_factor as the
+    # fraction of pairs that turn, over the whole head, so beside it they rotate the whole head.
+    partial = {}
+    if config.rope_type != "proportional" and "partial_rotary_factor" in config.rope_parameters:
+        partial = {"partial_rotary_factor": config.rope_parameters["partial_rotary_factor"]}
     for base in bases:
         result = long_term_decay(config.head_dim, rope_parameters={"rope_theta": base, **partial}, distances=distances)
-        ax.plot(result.distances[keep], result.bound[keep], lw=1, label=f"default, base={base:g}")
+        rotary = f", r={2 * result.inv_freq.shape[0]}" if 2 * result.inv_freq.shape[0] != config.head_dim else ""
+        ax.plot(result.distances[keep], result.bound[keep], lw=1, label=f"default, base={base:g}{rotary}")
     if config.rope_type != "default":
         result = long_term_decay(
             config.head_dim,
@@ -261,12 +279,18 @@ def decay_curves(inputs: FigureInputs) -> Figure:
 def wavelength_bars(inputs: FigureInputs) -> Figure:
     """Wavelength 2π/θ_i of every pair against the training length."""
     config = inputs.config
-    result = wavelengths(config.head_dim, config.train_len, rope_parameters=config.rope_parameters)
+    # Length-dependent types (dynamic, longrope) drawn as they stand at the evaluation length, as in figure 6.
+    result = wavelengths(
+        config.head_dim, config.train_len, rope_parameters=config.rope_parameters, seq_len=config.eval_len
+    )
     fig = _new_figure(10, 5)
     ax = fig.subplots()
     pairs = result.pair
     finite = torch.isfinite(result.base_wavelength)
-    ax.semilogy(pairs[finite], result.base_wavelength[finite], "o-", ms=3, color="C0", label="default RoPE")
+    plain = f"default RoPE (base={config.base:g}" + (
+        f", r={2 * pairs.shape[0]})" if 2 * pairs.shape[0] != config.head_dim else ")"
+    )
+    ax.semilogy(pairs[finite], result.base_wavelength[finite], "o-", ms=3, color="C0", label=plain)
     if result.rope_type != "default":
         shown = torch.isfinite(result.wavelength)
         ax.semilogy(pairs[shown], result.wavelength[shown], "s-", ms=3, color="C3", label=_config_label(config))
@@ -274,12 +298,16 @@ def wavelength_bars(inputs: FigureInputs) -> Figure:
         ax.semilogy(pairs[kept], result.wavelength[kept], "o", mfc="none", ms=9, color="k", label="left unchanged")
     ax.axhline(config.train_len, color="k", ls="--", label=f"training length L={config.train_len}")
     ax.axhline(config.eval_len, color="0.5", ls=":", label=f"evaluation length {config.eval_len}")
-    partial = int((result.partial & torch.isfinite(result.wavelength)).sum())
+    # A pair of frequency 0 (proportional's still pairs) has an infinite wavelength: it never turns at all.
+    partial = int(result.partial.sum())
+    still = int(torch.isinf(result.wavelength).sum())
+    never = f" ({still} never turn)" if still else ""  # after "within L"
     ax.set_xlabel("frequency pair i")
     ax.set_ylabel("wavelength 2π/θ_i  [positions]")
-    label = _config_label(config, full=True) if result.rope_type != "default" else "default RoPE"
+    label = _config_label(config, full=True) if result.rope_type != "default" else plain
     ax.set_title(
-        f"Wavelengths per frequency pair: {partial} of {pairs.shape[0]} turn less than once within L\n({label})"
+        f"Wavelengths per frequency pair: {partial} of {pairs.shape[0]} turn less than once within L{never}\n"
+        f"({label}{_length_note(config)})"
     )
     ax.legend(fontsize=8)
     return fig
@@ -291,10 +319,12 @@ def scaled_frequencies(inputs: FigureInputs) -> Figure:
     config = inputs.config
     own = {k: v for k, v in config.rope_parameters.items() if k not in ("rope_type", "type", "rope_theta")}
     parameters = {config.rope_type: own} if config.rope_type != "default" else {}
+    # 'proportional' reads partial_rotary_factor as its own (the fraction of pairs that turn): it stays in `own`.
+    channels = None if config.rope_type == "proportional" else config.rope_parameters.get("partial_rotary_factor")
     table = frequency_table(
         config.head_dim,
         base=config.base,
-        partial_rotary_factor=config.rope_parameters.get("partial_rotary_factor"),
+        partial_rotary_factor=channels,
         train_len=config.train_len,
         factor=_factor(config),
         seq_len=config.eval_len,
@@ -330,12 +360,22 @@ def bias_heatmaps(inputs: FigureInputs) -> Figure:
     config = inputs.config
     length = 32
     h = config.num_heads
+    slopes = ALiBi(h).slopes
     alibi = bias_matrix(ALiBi(h), length)
-    t5 = bias_matrix(T5Bias(h, num_buckets=32, max_distance=128), length)
+    # Seeded, and without touching the global generator: the same figure on every run.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        t5_bias = T5Bias(h, num_buckets=32, max_distance=128)
+    t5 = bias_matrix(t5_bias, length)
+    # A causal T5 bias has a value for future keys too (bucket 0's); the causal mask hides them, so does the figure.
+    future = torch.ones(length, length, dtype=torch.bool).triu(1)
+    t5 = t5.masked_fill(future, float("-inf"))
+    # For a head count that is not a power of two the slopes are not sorted: find the extremes.
+    steep, flat = int(slopes.argmax()), int(slopes.argmin())
     panels = [
-        (alibi[0], f"ALiBi head 0 (slope {float(ALiBi(h).slopes[0]):.3g})"),
-        (alibi[h - 1], f"ALiBi head {h - 1} (slope {float(ALiBi(h).slopes[h - 1]):.3g})"),
-        (t5[0], "T5 head 0 (random init;\nequal values share a bucket)"),
+        (alibi[steep], f"ALiBi head {steep}, the steepest (slope {float(slopes[steep]):.3g})"),
+        (alibi[flat], f"ALiBi head {flat}, the flattest (slope {float(slopes[flat]):.3g})"),
+        (t5[0], "T5 head 0 (random init, seed 0;\nequal values share a bucket)"),
     ]
     fig = _new_figure(14, 4.6)
     axes = fig.subplots(1, 3)
@@ -370,9 +410,10 @@ def random_model_entropy(
     tokens = torch.randint(0, VOCAB_SIZE, (1, max(lengths)), generator=torch.Generator().manual_seed(0))
     results = {}
     for name in encodings:
-        torch.manual_seed(0)
         options = {"rope_parameters": config.rope_parameters} if name == "rope" else {}
-        model = ByteLM(spec, name, options)
+        with torch.random.fork_rng(devices=[]):  # seeded weights, the caller's generator state left as it was
+            torch.manual_seed(0)
+            model = ByteLM(spec, name, options)
         results[name] = attention_entropy(model, lengths, inputs=tokens)
     return results
 
@@ -388,9 +429,10 @@ def entropy_curves(inputs: FigureInputs) -> Figure:
     fig = _new_figure(9, 5)
     ax = fig.subplots()
     longest = 1
-    for name, result in results.items():
+    for index, (name, result) in enumerate(results.items()):
         mean = result.entropy.mean(dim=(1, 2))
-        ax.plot(result.lengths, mean, "o-", ms=3, label=name)
+        # Past matplotlib's 10 colours the cycle repeats: tell those curves apart by their line.
+        ax.plot(result.lengths, mean, "o-" if index < 10 else "s--", ms=3, label=name)
         longest = max(longest, int(result.lengths.max()))
     shortest = min(int(r.lengths.min()) for r in results.values())
     grid = torch.arange(shortest, longest + 1, dtype=torch.float64)
