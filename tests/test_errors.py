@@ -116,6 +116,10 @@ angles = torch.randn(4, 4)
         (lambda: rope(q, q, positions=torch.arange(4.0)), TypeError, r"positions must hold integer positions"),
         (lambda: rope(q, q, positions=torch.tensor([0, -1, 2, 3])), ValueError, "positions must be >= 0"),
         (lambda: rope(q, q, offset=-1), ValueError, r"offset must be >= 0"),
+        # A table read at -1 would wrap around to its last row; past its start, a bare IndexError.
+        (lambda: rope.cos_sin(torch.tensor([-1])), ValueError, r"positions must be >= 0, got a negative entry \(-1\)"),
+        (lambda: rope.cos_sin(torch.tensor([3, -1000])), ValueError, r"positions must be >= 0"),
+        (lambda: posenc.apply_rotary(torch.tensor(1.0), *rope.cos_sin(torch.arange(4))), ValueError, "got a scalar"),
         (lambda: rope(q, q, offset=torch.tensor([-2])), ValueError, r"offset must be >= 0"),
         (lambda: rope(q, q, offset=torch.tensor([1, 2, 3])), ValueError, r"offset must be an int or a tensor of shape"),
         (lambda: rope(q, q, offset=1.5), TypeError, r"offset must be an int"),

@@ -23,7 +23,10 @@ def resolve_positions(
 
     positions: (s,) or (b, s) integer tensor, or None for ``offset + arange(s)``.
     offset: int >= 0, or an integer tensor of shape (b,) (one offset per sequence). Added to ``positions``.
+    The checks of tensor values (no negative offset or position) are skipped under torch.compile, where they would
+    break the graph.
     """
+    check_data = not torch.compiler.is_compiling()
     if isinstance(offset, torch.Tensor):
         int_tensor("offset", offset)
         if offset.dim() == 0:
@@ -33,7 +36,7 @@ def resolve_positions(
                 f"offset must be an int or a tensor of shape ({batch},) (one per sequence), "
                 f"got shape {tuple(offset.shape)}"
             )
-        if bool((offset < 0).any()):
+        if check_data and bool((offset < 0).any()):
             raise ValueError("offset must be >= 0 (it counts tokens already in the cache), got a negative entry")
         offset = offset.to(device=device, dtype=torch.long)[:, None]
     elif isinstance(offset, bool) or not isinstance(offset, int):
@@ -54,6 +57,6 @@ def resolve_positions(
             )
         pos = positions.to(device=device, dtype=torch.long)
     pos = pos + offset
-    if positions is not None and pos.numel() and bool((pos < 0).any()):
+    if check_data and positions is not None and pos.numel() and bool((pos < 0).any()):
         raise ValueError("positions must be >= 0, got a negative entry")
     return pos

@@ -190,6 +190,70 @@ def test_in_place_backward_matches_out_of_place(backend):
     assert_close(leaf.grad.double(), expected.double())
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+def test_in_place_on_views_of_a_fused_projection_keeps_every_gradient(backend):
+    """q and k rotated in place as slices of one qkv projection: the gradient reaches all of the projection (q, k
+    and v rows) as on the torch path. (The fused Functions once took x after cos/sin, and autograd routes a view's
+    base gradient through the first input: the whole projection got a gradient of zero.)"""
+    device = DEVICE[backend]
+    cos, sin = (t.to(device).double() for t in table(8, 16))
+
+    def projection_grad(backend: str) -> torch.Tensor:
+        weight = torch.randn(3 * 2 * 8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        weight = weight.to(device).requires_grad_()
+        x = torch.randn(2, 5, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).to(device)
+        qkv = (x @ weight.t()).view(2, 5, 3, 2, 8)  # (b, s, 3, h, d)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        apply_rotary_(q, cos, sin, layout="bshd", offset=0, backend=backend)
+        apply_rotary_(k, cos, sin, layout="bshd", offset=0, backend=backend)
+        scores = torch.einsum("bshd,bthd->bhst", q, k)
+        torch.einsum("bhst,bthd->bshd", scores.softmax(-1), v).square().sum().backward()
+        return weight.grad.cpu()
+
+    got, expected = projection_grad(backend), projection_grad("torch")
+    assert bool((got.view(3, -1).norm(dim=1) > 0).all())
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+def test_in_place_bumps_the_version_so_stale_saved_tensors_raise(backend):
+    """A graph that saved x before an in-place rotation must refuse to backward, as for any in-place op."""
+    device = DEVICE[backend]
+    cos, sin = (t.to(device) for t in table(8, 16))
+    weight = torch.randn(3, 8, device=device, requires_grad=True)
+    x = torch.randn(3, 8, device=device)
+    product = (x * weight).sum()  # saves x for weight's gradient
+    version = x._version
+    apply_rotary_(x, cos[:3], sin[:3], backend=backend)
+    assert x._version > version
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        product.backward()
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch", "cpu", "triton"])
+def test_in_place_refuses_memory_shared_by_an_expanded_view(backend):
+    device = DEVICE.get(backend, "cpu")
+    cos, sin = (t.to(device) for t in table(8, 16))
+    x = torch.randn(1, 1, 5, 8, device=device).expand(1, 3, 5, 8)
+    with pytest.raises(ValueError, match=r"x repeats its memory along dim 1 .* rotate a copy \(x.clone\(\)\)"):
+        apply_rotary_(x, cos[:5], sin[:5], backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_empty_inputs_and_gradient_flags(backend):
+    """All-empty q and k (an empty batch or prefill) rotate to empty outputs; an output whose input needs no
+    gradient does not need one (k beside a q that does)."""
+    device = DEVICE[backend]
+    cos, sin = (t.to(device) for t in table(8, 16))
+    for shape in ((0, 2, 5, 8), (2, 0, 5, 8), (2, 2, 0, 8)):
+        q, k = torch.randn(shape, device=device), torch.randn(shape, device=device)
+        q_out, k_out = apply_rotary_qk(q, k, cos, sin, offset=0, backend=backend)
+        assert q_out.shape == shape and k_out.shape == shape
+    q = torch.randn(1, 2, 5, 8, device=device, requires_grad=True)
+    q_out, k_out = apply_rotary_qk(q, torch.randn(1, 1, 5, 8, device=device), cos, sin, offset=0, backend=backend)
+    assert q_out.requires_grad and not k_out.requires_grad
+
+
 @pytest.mark.parametrize("backend", ["cpu", "triton"])
 def test_strided_views_and_single_tensor(backend):
     """Non-contiguous inputs (a slice of a fused qkv projection) rotate like contiguous ones."""

@@ -169,6 +169,20 @@ def test_rope_table_path_equals_gathered_cos_sin_for_any_positions(batch, seq, h
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
 
 
+@pytest.mark.parametrize("rope_type", ["default", "yarn"])
+def test_rope_with_position_tensors_compiles_without_graph_breaks(rope_type):
+    """Packed position ids and per-sequence offsets under torch.compile(fullgraph=True): no data-dependent step
+    (no table sized by the largest position, no range check), the same values as eager."""
+    params = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32} if rope_type == "yarn" else {}
+    rope = posenc.RoPE(16, rotary_dim=12, rope_parameters=params or None)
+    q, k = random_qk(2, 4, 2, 7, 16)
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2], [0, 1, 2, 3, 0, 1, 2]])
+    offsets = torch.tensor([5, 70])
+    compiled = torch.compile(lambda q, k, p, o: rope(q, k, positions=p, offset=o), fullgraph=True)
+    for got, want in zip(compiled(q, k, ids, offsets), rope(q, k, positions=ids, offset=offsets), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
 def test_empty_batch_with_per_sequence_offsets():
     rope = posenc.RoPE(8)
     q, k = torch.randn(0, 2, 5, 8), torch.randn(0, 1, 5, 8)

@@ -135,6 +135,8 @@ def triton_plans(
     offsets = offsets.contiguous() if offsets is not None else None
     cu_seqlens = cu_seqlens.contiguous() if cu_seqlens is not None else None
     pairs = [(canonical(x, kind), canonical(o, kind), x) for x, o in zip(xs, outs, strict=True) if x.numel()]
+    if not pairs:  # nothing to rotate: an empty batch, heads or sequence
+        return []
     first = pairs[0][0].shape if pairs else None
     together = all(v.shape[0] == first[0] and v.shape[2] == first[2] for v, _, _ in pairs)  # type: ignore[index]
     groups = [pairs] if together else [[pair] for pair in pairs]
@@ -292,6 +294,11 @@ def _rotary_inplace_impl(
 ) -> None:
     """Rotate xs in place: only channels 0..r-1 are written."""
     _launch(xs, xs, cos, sin, positions, offsets, offset, cu_seqlens, kind, interleaved, conjugate, backend, False)  # type: ignore[arg-type]
+    # The kernels write through pointers, which autograd does not see: without the bump, a graph that saved x
+    # before this call would compute its gradient from the rotated values instead of raising.
+    for x in xs:
+        if not x.is_inference():
+            torch.autograd.graph.increment_version(x)
 
 
 rotary_ = torch.library.custom_op("posenc::rotary_", mutates_args=("xs",))(_rotary_inplace_impl)
@@ -302,21 +309,33 @@ def _rotary_inplace_fake(xs, cos, sin, positions, offsets, offset, cu_seqlens, k
     return None
 
 
+# The trailing inputs of the eager autograd Functions, after the rotated tensors: options, cos, sin, positions,
+# offsets, cu_seqlens (never differentiated here).
+_TRAILING = 6
+
+
 class _EagerRotation(torch.autograd.Function):
-    """What the eager autograd Functions share: the saved tensors and options, and the backward, which rotates the
-    wanted gradients back through ``rotary_copy`` (so it is itself differentiable: double backward)."""
+    """What the eager autograd Functions share: the inputs' order, (*xs, options, cos, sin, positions, offsets,
+    cu_seqlens), the saved tensors and options, and the backward, which rotates the wanted gradients back through
+    ``rotary_copy`` (so it is itself differentiable: double backward).
+
+    The rotated tensors come first because, when x is a view rotated in place (q sliced out of a fused qkv
+    projection), autograd's CopySlices routes the gradient of the view's base through the Function's first input:
+    with x anywhere else, every other channel of the base got a gradient of zero."""
 
     @staticmethod
-    def _save(ctx, options, cos, sin, positions, offsets, cu_seqlens) -> None:
+    def _unpack(ctx, args: tuple) -> tuple:
+        """Save what the backward needs; returns (xs, options, cos, sin, positions, offsets, cu_seqlens)."""
+        xs, (options, cos, sin, positions, offsets, cu_seqlens) = args[:-_TRAILING], args[-_TRAILING:]
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(cos, sin, positions, offsets, cu_seqlens)
         ctx.options = options
+        return list(xs), options, cos, sin, positions, offsets, cu_seqlens
 
     @staticmethod
     def backward(ctx, *grads):
-        # Inputs 0-5 are options, cos, sin, positions, offsets, cu_seqlens (never differentiated here).
-        wanted = [g if need else None for g, need in zip(grads, ctx.needs_input_grad[6:], strict=True)]
-        return (None, None, None, None, None, None, *_rotate_grads(ctx, wanted, rotary_copy))
+        wanted = [g if need else None for g, need in zip(grads, ctx.needs_input_grad, strict=False)]
+        return (*_rotate_grads(ctx, wanted, rotary_copy), *([None] * _TRAILING))
 
 
 class _RotaryCopy(_EagerRotation):
@@ -325,12 +344,13 @@ class _RotaryCopy(_EagerRotation):
     Traced calls use the op, which graphs can hold."""
 
     @staticmethod
-    def forward(ctx, options, cos, sin, positions, offsets, cu_seqlens, *xs):
-        offset, kind, interleaved, conjugate, backend = options
-        _EagerRotation._save(ctx, options, cos, sin, positions, offsets, cu_seqlens)
-        outs = _rotary_impl(
-            list(xs), cos, sin, positions, offsets, offset, cu_seqlens, kind, interleaved, conjugate, backend
+    def forward(ctx, *args):
+        xs, (offset, kind, interleaved, conjugate, backend), cos, sin, positions, offsets, cu_seqlens = (
+            _EagerRotation._unpack(ctx, args)
         )
+        outs = _rotary_impl(xs, cos, sin, positions, offsets, offset, cu_seqlens, kind, interleaved, conjugate, backend)
+        # An output whose input needs no gradient (k beside a q that does) does not need one either.
+        ctx.mark_non_differentiable(*(out for x, out in zip(xs, outs, strict=True) if not x.requires_grad))
         return tuple(outs)
 
 
@@ -338,13 +358,14 @@ class _RotaryInPlace(_EagerRotation):
     """Autograd for the in-place rotation (torch.library cannot register autograd for a mutating op)."""
 
     @staticmethod
-    def forward(ctx, options, cos, sin, positions, offsets, cu_seqlens, *xs):
-        offset, kind, interleaved, conjugate, backend = options
+    def forward(ctx, *args):
+        xs, (offset, kind, interleaved, conjugate, backend), cos, sin, positions, offsets, cu_seqlens = (
+            _EagerRotation._unpack(ctx, args)
+        )
         rotate = rotary_ if torch.compiler.is_compiling() else _rotary_inplace_impl
-        rotate(list(xs), cos, sin, positions, offsets, offset, cu_seqlens, kind, interleaved, conjugate, backend)
-        _EagerRotation._save(ctx, options, cos, sin, positions, offsets, cu_seqlens)
+        rotate(xs, cos, sin, positions, offsets, offset, cu_seqlens, kind, interleaved, conjugate, backend)
         ctx.mark_dirty(*xs)
-        return xs
+        return tuple(xs)
 
 
 def _needs_grad(xs: Sequence[torch.Tensor]) -> bool:
@@ -371,7 +392,7 @@ def rotary_copy(
         return rotary(list(xs), *args)
     if _needs_grad(xs):
         options = (offset, kind, interleaved, conjugate, backend)
-        return list(_RotaryCopy.apply(options, cos, sin, positions, offsets, cu_seqlens, *xs))
+        return list(_RotaryCopy.apply(*xs, options, cos, sin, positions, offsets, cu_seqlens))
     return _rotary_impl(list(xs), *args)
 
 
@@ -391,7 +412,7 @@ def rotary_inplace(
     """``rotary_`` with autograd when any x requires grad (the gradient is rotated back, like the copy's)."""
     if _needs_grad(xs):
         options = (offset, kind, interleaved, conjugate, backend)
-        _RotaryInPlace.apply(options, cos, sin, positions, offsets, cu_seqlens, *xs)
+        _RotaryInPlace.apply(*xs, options, cos, sin, positions, offsets, cu_seqlens)
     elif torch.compiler.is_compiling():
         rotary_(list(xs), cos, sin, positions, offsets, offset, cu_seqlens, kind, interleaved, conjugate, backend)
     else:

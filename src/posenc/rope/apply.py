@@ -36,6 +36,8 @@ def check_x_for(x: torch.Tensor, cos: torch.Tensor, half: int, name: str = "x") 
     cos broadcasting to its rows."""
     float_tensor(name, x)
     same_device((name, "cos"), x, cos)
+    if x.dim() == 0:
+        raise ValueError(f"{name} must have a last dimension of channels (..., d), got a scalar")
     if half == 0 or 2 * half > x.shape[-1]:
         raise ValueError(
             f"cos.shape[-1]={half} pairs needs 2*{half}={2 * half} channels but {name}.shape[-1]={x.shape[-1]}; "
@@ -119,6 +121,16 @@ def rotate_tensors(
     row of the table (RoPE sizes its table for them), so the table-mode range check is skipped.
     """
     kind = rotary_kind(layout, positions, offset, cu_seqlens)
+    if inplace:
+        for name, x in xs.items():
+            strides = zip(x.shape, x.stride(), strict=True)
+            shared = [dim for dim, (size, step) in enumerate(strides) if size > 1 and not step]
+            if shared:
+                raise ValueError(
+                    f"{name} repeats its memory along dim {shared[0]} (stride 0: an expanded view), so rotating it in "
+                    f"place would rotate those elements more than once; rotate a copy ({name}.clone()) or use "
+                    "apply_rotary"
+                )
     offsets, offset_int = None, 0
     if kind == "broadcast":
         half = check_cos_sin(cos, sin)

@@ -69,6 +69,8 @@ def _position_bounds(
         return None
     else:
         reductions.append(positions)
+    if reductions and torch.compiler.is_compiling():
+        return None  # reading the bounds would break the graph; the general path needs none for these types
     if reductions:
         values = torch.stack([m.to(torch.long) for t in reductions for m in torch.aminmax(t)]).tolist()
         low += sum(values[0::2])
@@ -187,9 +189,20 @@ class RoPE(nn.Module):
         if positions.is_floating_point() or positions.dtype == torch.bool:
             raise TypeError(f"positions must be an integer tensor, got dtype {positions.dtype}")
         if positions.numel() == 0:
-            empty = torch.empty((*positions.shape, self.rotary_dim // 2), device=positions.device)
+            empty = torch.empty((*positions.shape, self.rotary_dim // 2), device=positions.device, dtype=dtype)
             return empty, empty.clone()
-        needed = int(positions.max()) + 1 if positions.device.type != "meta" else 1
+        if torch.compiler.is_compiling() and self.spec.rope_type not in SEQ_LEN_DEPENDENT:
+            # Traced: a table sized by max(positions) would be a data-dependent step that breaks the graph; the
+            # angles give the values the table holds.
+            inv_freq, factor = self.frequencies()
+            return angles_to_cos_sin(positions, inv_freq, factor, dtype)
+        if positions.device.type == "meta":
+            needed = 1
+        else:
+            low, high = torch.stack(torch.aminmax(positions)).tolist()  # one device sync, not two
+            if low < 0:  # a table would wrap around to its last rows
+                raise ValueError(f"positions must be >= 0, got a negative entry ({low})")
+            needed = high + 1
         if self.spec.rope_type in SEQ_LEN_DEPENDENT or needed > _TABLE_LIMIT:
             inv_freq, factor = self.frequencies(seq_len if seq_len is not None else needed)
             return angles_to_cos_sin(positions, inv_freq, factor, dtype)
