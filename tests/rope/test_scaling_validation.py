@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 from posenc import RoPE, rope_frequencies
 from posenc.rope.frequencies import SCALINGS
@@ -46,6 +47,8 @@ LONG = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0]
         ({**LONG, "long_factor": [1.0] * 16}, ValueError, "factors (one per rotated pair), got 16"),
         ({**LONG, "long_factor": [1.0] * 7 + [0.0]}, ValueError, "every entry of long_factor must be > 0"),
         ({**LONG, "short_factor": [1.0] * 7 + [-1.0]}, ValueError, "every entry of short_factor must be > 0"),
+        ({**LONG, "long_factor": [2.0] * 7 + [0.0]}, ValueError, "rope_parameters['long_factor'][7] must be > 0"),
+        ({**LONG, "long_factor": [2.0] * 7 + ["2"]}, TypeError, "['long_factor'][7] must be a finite real number"),
         ({**LONG, "short_factor": "1.0"}, TypeError, "short_factor'] must be a list of 8 positive numbers"),
         ({"partial_rotary_factor": 0.0}, ValueError, "partial_rotary_factor must be in (0, 1]"),
         ({"partial_rotary_factor": 1.5}, ValueError, "partial_rotary_factor must be in (0, 1]"),
@@ -127,3 +130,14 @@ def test_bad_mode_and_max_length() -> None:
 def test_legacy_type_key_and_nulls_are_accepted() -> None:
     legacy = RoPE(16, rope_parameters={"type": "linear", "factor": 2.0, "attention_factor": None})
     assert legacy.rope_type == "linear"
+
+
+def test_factor_lists_may_be_tensors_or_numpy() -> None:
+    """Factors read from a checkpoint or computed with numpy give the frequencies the Python list gives."""
+    import numpy as np
+
+    expected = RoPE(16, rope_parameters={**LONG, "original_max_position_embeddings": 8, "factor": 4.0}).frequencies(64)
+    for convert in (torch.tensor, np.array, lambda v: list(np.array(v, dtype=np.float32))):
+        params = {**LONG, "short_factor": convert(LONG["short_factor"]), "long_factor": convert(LONG["long_factor"])}
+        got = RoPE(16, rope_parameters={**params, "original_max_position_embeddings": 8, "factor": 4.0}).frequencies(64)
+        assert torch.equal(got[0], expected[0]) and got[1] == expected[1]

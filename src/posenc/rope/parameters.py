@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -72,12 +73,17 @@ class RopeSpec:
     max_position_embeddings: int | None = None
 
 
-def _real(key: str, value: Any, *, low: float, low_inclusive: bool, hint: str = "") -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise TypeError(f"rope_parameters['{key}'] must be a finite real number, got {value!r}{hint}")
+def _real(key: str, value: Any, *, low: float, low_inclusive: bool, hint: str = "", index: int | None = None) -> float:
+    """value as a float in range; key (and index, for an entry of a list) name it in errors. Numbers of any kind
+    are taken: Python's, numpy's, and one-element tensors (factor lists saved as tensors)."""
+    name = f"rope_parameters['{key}']" + (f"[{index}]" if index is not None else "")
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_complex:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise TypeError(f"{name} must be a finite real number, got {value!r}{hint}")
     if value < low or (value == low and not low_inclusive):
         bound = f">= {low}" if low_inclusive else f"> {low}"
-        raise ValueError(f"rope_parameters['{key}'] must be {bound}, got {value!r}{hint}")
+        raise ValueError(f"{name} must be {bound}, got {value!r}{hint}")
     return float(value)
 
 
@@ -95,9 +101,8 @@ def _factor_list(key: str, value: Any, pairs: int) -> tuple[float, ...]:
             f"rope_parameters['{key}'] must hold rotary_dim / 2 = {pairs} factors (one per rotated pair), "
             f"got {len(value)}"
         )
-    for i, item in enumerate(value):
-        _real(f"{key}'][{i}", item, low=0.0, low_inclusive=False, hint=f" (every entry of {key} must be > 0)")
-    return tuple(float(item) for item in value)
+    hint = f" (every entry of {key} must be > 0)"
+    return tuple(_real(key, item, low=0.0, low_inclusive=False, hint=hint, index=i) for i, item in enumerate(value))
 
 
 def _resolve(rope_type: str, params: dict[str, Any], rotary_dim: int, max_pos: int | None) -> dict[str, Any]:
