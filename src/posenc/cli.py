@@ -62,8 +62,11 @@ def _add_figure_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-heads", type=int, help="heads for the bias matrices (default 8)")
 
 
-def _figure_config(args: argparse.Namespace):  # -> posenc.analysis.FigureConfig | None
+def _figure_config(args: argparse.Namespace, run_dir: str | None = None):  # -> posenc.analysis.FigureConfig | None
+    """The figure config the options describe, or None for the default (the run's own model with ``run_dir``).
+    With ``run_dir``, sizes the options leave out (head dim, lengths, heads) are the run's, not the defaults."""
     from posenc.analysis import FigureConfig
+    from posenc.analysis.run import run_figure_config
 
     flags = {
         "head_dim": args.head_dim,
@@ -75,6 +78,11 @@ def _figure_config(args: argparse.Namespace):  # -> posenc.analysis.FigureConfig
     }
     params = dict(args.rope_param)
     if args.factor is not None:
+        if params.get("factor", args.factor) != args.factor:
+            raise ValueError(
+                f"factor is given twice with different values: --factor {args.factor:g} and "
+                f"--rope-param factor={params['factor']}; keep one"
+            )
         params["factor"] = args.factor
     if args.config is not None:
         given = [f"--{k.replace('_', '-')}" for k, v in flags.items() if v is not None] + (
@@ -85,6 +93,10 @@ def _figure_config(args: argparse.Namespace):  # -> posenc.analysis.FigureConfig
         return FigureConfig.from_json(args.config)
     if not params and all(v is None for v in flags.values()):
         return None  # the default, or the run's own model for --run / report
+    run = run_figure_config(run_dir) if run_dir is not None else None
+    if run is not None:
+        sizes = ("head_dim", "num_heads") + (("train_len", "eval_len") if flags["train_len"] is None else ())
+        flags.update({key: getattr(run, key) for key in sizes if flags[key] is None})
     return FigureConfig.from_flags(rope_parameters=params, **flags)
 
 
@@ -93,7 +105,7 @@ def _plot(args: argparse.Namespace) -> int:
 
     try:
         names = check_names(args.names)
-        inputs = figure_inputs(_figure_config(args), args.run)
+        inputs = figure_inputs(_figure_config(args, args.run), args.run)
         paths = write_figures(args.out, names, inputs, svg=args.svg, dpi=args.dpi)
     except (ValueError, TypeError) as err:
         print(f"posenc plot: error: {err}", file=sys.stderr)
@@ -127,7 +139,7 @@ def _report(args: argparse.Namespace) -> int:
 
     try:
         path = write_report(
-            args.run_dir, out=args.out, config=_figure_config(args), figures=None if args.figures else []
+            args.run_dir, out=args.out, config=_figure_config(args, args.run_dir), figures=None if args.figures else []
         )
     except (ValueError, TypeError) as err:
         print(f"posenc report: error: {err}", file=sys.stderr)

@@ -77,3 +77,33 @@ def test_the_reports_plot_command_reproduces_its_config(tmp_path):
     config = FigureConfig(head_dim=16, rope_parameters=params, train_len=128, num_heads=2)
     args = build_parser().parse_args(shlex.split(plot_command(config, tmp_path / "my run"))[1:])
     assert _figure_config(args) == config and args.run == str(tmp_path / "my run")
+
+
+def test_figure_options_name_each_value_once_and_keep_the_runs_sizes(tmp_path, capsys, make_run):
+    from posenc.analysis.run import run_figure_config
+    from posenc.cli import _figure_config, build_parser
+
+    def config(*words: str, run: str | None = None):
+        return _figure_config(build_parser().parse_args(["plot", "--out", str(tmp_path), *words]), run)
+
+    assert main(["plot", "--out", str(tmp_path), "--rope-type", "yarn", "--factor", "4", "--rope-param", "factor=8"])
+    assert "factor is given twice with different values" in capsys.readouterr().err
+    assert config("--rope-type", "yarn", "--factor", "4", "--rope-param", "factor=4").spec.params["factor"] == 4.0
+    # The legacy key names the type: no rope_type 'default' added beside it.
+    assert config("--rope-param", "type=linear", "--rope-param", "factor=2").rope_type == "linear"
+    # A head of one pair: the figures leave out the types that need four channels (ntk, dynamic).
+    assert main(["plot", "scaled_frequencies", "--out", str(tmp_path / "small"), "--head-dim", "2"]) == 0
+    # Options over a run change what they name; sizes they leave out stay the run's.
+    run = make_run(tmp_path / "run", entropy=False, lab_png=False)
+    sizes = {"dim": 32, "heads": 2, "train_len": 16, "eval_lengths": [16, 32, 128]}
+    (run / "results.json").write_text(json.dumps({"config": sizes}))
+    own = run_figure_config(run)
+    assert own is not None and (own.head_dim, own.eval_len) == (16, 128)
+    scaled = config("--rope-type", "linear", "--factor", "2", run=str(run))
+    assert (scaled.head_dim, scaled.train_len, scaled.eval_len, scaled.num_heads) == (
+        own.head_dim,
+        own.train_len,
+        own.eval_len,
+        own.num_heads,
+    )
+    assert config("--train-len", "64", run=str(run)).eval_len == 256

@@ -161,7 +161,8 @@ class FigureConfig:
             if key in rope and rope[key] != value:
                 raise ValueError(f"{key} is given twice with different values: {rope[key]!r} and {value!r}")
             rope[key] = value
-        rope.setdefault("rope_type", "default")
+        if "type" not in rope:  # the legacy spelling names the type itself
+            rope.setdefault("rope_type", "default")
         rope.setdefault("rope_theta", 10000.0)
         given = {"head_dim": head_dim, "train_len": train_len, "eval_len": eval_len, "num_heads": num_heads}
         return cls(rope_parameters=rope, **{k: v for k, v in given.items() if v is not None})

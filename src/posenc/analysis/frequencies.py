@@ -17,7 +17,7 @@ import torch
 from posenc._checks import positive_int
 from posenc.rope.frequencies import SCALINGS
 from posenc.rope.module import RoPE
-from posenc.rope.parameters import parse_rope_parameters
+from posenc.rope.parameters import NEEDS_FOUR_CHANNELS, parse_rope_parameters
 
 # rope_type -> (rotary_dim, train_len, factor) -> the type's own rope_parameters (Hugging Face key names).
 # factor is the context extension ratio shown; train_len is the original (trained) context.
@@ -148,6 +148,8 @@ def frequency_table(
                 f"{rotary} of {head_dim} channels (partial_rotary_factor={partial_rotary_factor}); leave one out"
             )
         names = tuple(name for name in names if name != "proportional")
+    if rotary < 4 and rope_types is None:  # a head of one pair: the NTK types are undefined there
+        names = tuple(name for name in names if name not in NEEDS_FOUR_CHANNELS)
     if not names:
         raise ValueError("rope_types is empty; leave it out to show every type in SCALINGS")
     parameters = dict(parameters or {})

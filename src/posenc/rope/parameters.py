@@ -73,6 +73,10 @@ class RopeSpec:
     max_position_embeddings: int | None = None
 
 
+# Types whose exponent r/(r-2) needs a rotary dim of at least 4.
+NEEDS_FOUR_CHANNELS = ("ntk", "dynamic")
+
+
 def _real(key: str, value: Any, *, low: float, low_inclusive: bool, hint: str = "", index: int | None = None) -> float:
     """value as a float in range; key (and index, for an entry of a list) name it in errors. Numbers of any kind
     are taken: Python's, numpy's, and one-element tensors (factor lists saved as tensors)."""
@@ -140,7 +144,7 @@ def _resolve(rope_type: str, params: dict[str, Any], rotary_dim: int, max_pos: i
             "rope_type 'dynamic' needs max_position_embeddings (the trained length it scales from); pass "
             "max_position_embeddings=..."
         )
-    if rope_type in ("ntk", "dynamic") and rotary_dim < 4:
+    if rope_type in NEEDS_FOUR_CHANNELS and rotary_dim < 4:
         raise ValueError(f"rope_type {rope_type!r} needs rotary_dim >= 4 (its exponent is r/(r-2)), got {rotary_dim}")
 
     if out.get("factor") is not None:
