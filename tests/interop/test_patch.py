@@ -17,7 +17,10 @@ from typing import Any
 import pytest
 import torch
 
+from posenc.interop import patch as patch_module
+from posenc.interop import rope_from_config
 from posenc.interop.patch import (
+    _WHOLE_HEAD_ATTENTION,
     SUPPORTED_ARCHITECTURES,
     PosencRotaryEmbedding,
     is_patched,
@@ -320,6 +323,33 @@ def test_consistent_mode_makes_cached_decoding_equal_full_forwards(rope_type: st
     assert (logits["hf", True] - transformers_full).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_consistent_mode_refuses_a_static_cache(rope_type: str) -> None:
+    # A StaticCache hands the attention its whole max_cache_len buffer, so counting the keys' positions back from
+    # the new tokens puts every slot at a wrong position (logits off by ~10, other tokens): an error instead.
+    model = build("llama", rope_type, num_hidden_layers=1)
+    patch_model(model, mode="consistent")
+    prompt = tokens(length=10)
+    with torch.no_grad():
+        with pytest.raises(TypeError, match=r"got a StaticCache with StaticLayer layers.*DynamicCache.*mode='hf'"):
+            model.generate(prompt, cache_implementation="static", **GENERATE)
+        model.generate(prompt, **GENERATE)  # the default DynamicCache still works
+
+
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_hf_mode_with_a_static_cache_matches_transformers(rope_type: str) -> None:
+    # What the consistent-mode error advises: 'hf' mode with a StaticCache gives transformers' numbers.
+    reference = build("llama", rope_type, num_hidden_layers=1)
+    patched = copy.deepcopy(reference)
+    patch_model(patched)
+    prompt = tokens(length=10)
+    with torch.no_grad():
+        expected = reference.generate(prompt, cache_implementation="static", **GENERATE)
+        got = patched.generate(prompt, cache_implementation="static", **GENERATE)
+    assert torch.equal(got.sequences, expected.sequences)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(expected.logits), **FP32)
+
+
 def test_hf_mode_continues_the_dynamic_state_of_the_model() -> None:
     reference = build("llama", "dynamic")
     ids = tokens()
@@ -366,6 +396,90 @@ def test_report_describes_the_patch() -> None:
     assert report.architecture == "gpt_neox" and report.rotary_modules == ("gpt_neox.rotary_emb",)
     assert (report.head_dim, report.rotary_dim, report.interleaved) == (16, 8, False)
     assert "gpt_neox" in text and "backend='torch'" in text
+
+
+# --- partial_rotary_factor as each model's own code reads it ---------------------------------------------------
+
+
+def build_partial(arch: str, rope_type: str = "default", **params: Any) -> Any:
+    """A tiny model whose config says partial_rotary_factor=0.5 (GPT-NeoX: rotary_pct too)."""
+    rope = {"rope_type": rope_type, "rope_theta": 10000.0, "partial_rotary_factor": 0.5, **params}
+    config = transformers.AutoConfig.for_model(arch, **{**SIZES, **ARCH_SIZES[arch], "rope_parameters": rope})
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+# transformers' default RoPE for Llama, Mistral, Qwen2/3 and Gemma ignores the factor and rotates all 16 channels;
+# GPT-NeoX and Phi-3 rotate the first 8.
+PARTIAL_ROTARY_DIMS = {"llama": 16, "mistral": 16, "qwen2": 16, "qwen3": 16, "gemma": 16, "gpt_neox": 8, "phi3": 8}
+
+
+@pytest.mark.parametrize(("arch", "rotary_dim"), PARTIAL_ROTARY_DIMS.items())
+def test_partial_rotary_factor_is_read_as_the_model_reads_it(arch: str, rotary_dim: int) -> None:
+    reference = build_partial(arch)
+    patched = copy.deepcopy(reference)
+    report = patch_model(patched)
+    assert report.rotary_dim == rotary_dim
+    ids = tokens()
+    positions = torch.arange(28)[None]
+    hf_cos, hf_sin = reference.get_decoder().rotary_emb(torch.zeros(1, 28, 64), positions)  # (1, s, r), halves equal
+    cos, sin = rope_from_config(reference.config).cos_sin(positions)  # (1, s, r/2)
+    with torch.no_grad():
+        torch.testing.assert_close(patched(ids).logits, reference(ids).logits, **FP32)
+    torch.testing.assert_close(cos, hf_cos[..., : rotary_dim // 2], atol=1e-6, rtol=0)
+    torch.testing.assert_close(sin, hf_sin[..., : rotary_dim // 2], atol=1e-6, rtol=0)
+
+
+def test_whole_head_architectures_are_the_ones_whose_attention_cannot_rotate_part() -> None:
+    # _WHOLE_HEAD_ATTENTION against the installed transformers: their apply_rotary_pos_emb fails on cos/sin that
+    # cover half the head, the others rotate that half and pass the rest through.
+    q = torch.randn(1, 2, 3, 16)
+    cos, sin = torch.ones(1, 3, 8), torch.zeros(1, 3, 8)
+    for arch in SUPPORTED_ARCHITECTURES:
+        if arch in _WHOLE_HEAD_ATTENTION:
+            with pytest.raises(RuntimeError, match="size of tensor"):
+                modeling(arch).apply_rotary_pos_emb(q, q, cos, sin)
+        else:
+            assert torch.equal(modeling(arch).apply_rotary_pos_emb(q, q, cos, sin)[0], q)
+
+
+@pytest.mark.parametrize(
+    "rope_parameters",
+    [
+        {"rope_type": "default", "partial_rotary_factor": 0.5},  # transformers would rotate the whole head
+        {"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5},  # LlamaAttention would crash
+    ],
+)
+def test_new_partial_rotary_on_a_whole_head_architecture_is_refused(rope_parameters: dict) -> None:
+    model = build("llama")
+    with pytest.raises(ValueError, match=r"rotates all 16 channels.*Drop partial_rotary_factor"):
+        patch_model(model, rope_parameters=rope_parameters)
+    assert not is_patched(model) and model.config.rope_parameters["rope_type"] == "default"
+
+
+def test_a_rope_that_rotates_fewer_channels_than_the_model_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The safety net under rope_kwargs_from_config: simulate it reading a factor the model ignores (the old bug).
+    read = patch_module.rope_kwargs_from_config
+
+    def misread(config: Any) -> dict[str, Any]:
+        kwargs = read(config)
+        kwargs["rope_parameters"]["partial_rotary_factor"] = 0.5
+        return kwargs
+
+    monkeypatch.setattr(patch_module, "rope_kwargs_from_config", misread)
+    model = build("llama")
+    original = model.model.rotary_emb
+    with pytest.raises(ValueError, match=r"LlamaRotaryEmbedding \(model.rotary_emb\) does: it has 8 frequencies"):
+        patch_model(model)
+    assert not is_patched(model) and model.model.rotary_emb is original
+
+
+def test_a_rope_with_another_attention_scaling_than_the_model_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = build("llama", "yarn")
+    monkeypatch.setattr(model.model.rotary_emb, "attention_scaling", 2.0)
+    with pytest.raises(ValueError, match=r"attention scaling is 2.0, posenc's 1.13"):
+        patch_model(model)
+    assert not is_patched(model)
 
 
 # --- errors -------------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ import torch
 
 from posenc import RoPE
 from posenc.interop import rope_from_config, rope_kwargs_from_config
+from posenc.interop.hf import _DEFAULT_IGNORES_PARTIAL
 from posenc.rope.mrope import MRoPE
 
 transformers = pytest.importorskip("transformers")
@@ -230,3 +231,39 @@ def test_kwargs_are_the_constructor_arguments() -> None:
         "interleaved": True,
         "rotary_dim": 64,
     }
+
+
+# Model types whose default RoPE reads partial_rotary_factor in transformers 5.x (the reviewer's list).
+DEFAULT_READS_PARTIAL = ["gpt_neox", "glm", "nemotron", "persimmon", "phi", "phi3", "qwen3_next", "stablelm"]
+
+
+@pytest.mark.parametrize("model_type", sorted(_DEFAULT_IGNORES_PARTIAL) + DEFAULT_READS_PARTIAL)
+def test_default_rope_reads_partial_rotary_factor_as_the_model_does(model_type: str) -> None:
+    # Every entry of the table, and the readers, against the installed transformers: the model's own rotary class
+    # built from a config with partial_rotary_factor=0.5 and head_dim 16 has 8 frequencies (whole head) or 4.
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    rope_parameters = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    if "_vl" in model_type:  # M-RoPE: sections of the 8 pairs of head_dim 16 (the default [16, 24, 24] needs 128)
+        rope_parameters["mrope_section"] = [2, 3, 3]
+    config = transformers.AutoConfig.for_model(
+        model_type,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=16,
+        rope_parameters=rope_parameters,
+    ).get_text_config()
+    module = model_type_to_module_name(model_type)
+    modeling = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+    rotary = [
+        cls
+        for name, cls in vars(modeling).items()
+        if name.endswith("RotaryEmbedding") and hasattr(cls, "compute_default_rope_parameters")
+    ]
+    assert len(rotary) == 1, rotary
+    hf = rotary[0](config)
+    ours, factor = rope_from_config(config).frequencies()
+    assert hf.inv_freq.numel() == (8 if model_type in _DEFAULT_IGNORES_PARTIAL else 4)
+    torch.testing.assert_close(ours, hf.inv_freq.double(), rtol=1e-6, atol=0)
+    assert factor == hf.attention_scaling

@@ -30,6 +30,47 @@ _INTERLEAVE_DEFAULTS = {"deepseek_v3": True}
 _ABSOLUTE_ROTARY_DIM = frozenset({"gptj", "codegen"})
 # Defaults a model class applies when its config.json omits the key.
 _PARTIAL_DEFAULTS = {"gpt_neox": 0.25}
+# Model types whose 'default' RoPE (their rotary class's compute_default_rope_parameters in transformers 5.x) rotates
+# the whole head and never reads partial_rotary_factor, although their configs accept the key. Their scaled types
+# (ROPE_INIT_FUNCTIONS) do read it. Others, e.g. gpt_neox, phi, phi3, stablelm, persimmon, glm, nemotron and
+# qwen3_next, honour it; so does a config without a model_type. Each entry is checked against the installed
+# transformers by tests/interop/test_rope_from_config.py, and patch_model compares with the model's own inv_freq.
+_DEFAULT_IGNORES_PARTIAL = frozenset(
+    {
+        "apertus",
+        "arcee",
+        "cohere",
+        "cohere2",
+        "ernie4_5",
+        "exaone4",
+        "gemma",
+        "gemma2",
+        "gpt_oss",
+        "granite",
+        "granitemoe",
+        "helium",
+        "hunyuan_v1_dense",
+        "llama",
+        "ministral",
+        "mistral",
+        "mixtral",
+        "olmo",
+        "olmo2",
+        "olmoe",
+        "phimoe",
+        "qwen2",
+        "qwen2_5_vl",
+        "qwen2_5_vl_text",
+        "qwen2_moe",
+        "qwen2_vl",
+        "qwen2_vl_text",
+        "qwen3",
+        "qwen3_moe",
+        "seed_oss",
+        "smollm3",
+        "starcoder2",
+    }
+)
 _MROPE_DEFAULTS = {"qwen2_vl": [16, 24, 24], "qwen2_5_vl": [16, 24, 24], "qwen2_vl_text": [16, 24, 24]}
 # Legacy type names -> the type transformers maps them to.
 _LEGACY_TYPES = {"su": "longrope", "mrope": "default"}
@@ -71,6 +112,10 @@ def rope_kwargs_from_config(config: Any, *, layer_type: str | None = None) -> di
 
     config: a ``transformers`` config object, a dict, or a path to a config.json (or its folder).
     layer_type: for configs with one rope dict per layer type (e.g. "sliding_attention"), which one to read.
+
+    The rotary fraction is the one the model's own code uses: with rope_type 'default', Llama, Mistral, Qwen2/3,
+    Gemma and the other model types whose default RoPE ignores ``partial_rotary_factor`` rotate the whole head, so
+    the factor is dropped for them; GPT-NeoX, Phi-3 and the like, and every scaled type, keep it.
     """
     cfg, default_theta = _load(config)
     if not (cfg.get("rope_parameters") or cfg.get("rope_scaling") or "rope_theta" in cfg) and isinstance(
@@ -110,6 +155,10 @@ def rope_kwargs_from_config(config: Any, *, layer_type: str | None = None) -> di
 
     if model_type in _ABSOLUTE_ROTARY_DIM:
         rotary_dim = cfg.get("rotary_dim")
+        rope.pop("partial_rotary_factor", None)
+    elif rope_type == "default" and model_type in _DEFAULT_IGNORES_PARTIAL:
+        # transformers rotates all head_dim channels here whatever the factor says; so must posenc.
+        rotary_dim = None
         rope.pop("partial_rotary_factor", None)
     else:
         rotary_dim = None

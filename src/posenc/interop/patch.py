@@ -13,8 +13,13 @@ In ``mode="consistent"`` with a type whose frequencies change with the length (`
 into the KV cache unrotated and the attention rotates all of them at read with the frequencies of the current
 step (the copy's ``ALL_ATTENTION_FUNCTIONS`` is wrapped for that), so every score of a step uses one set of
 frequencies and cached decoding equals a full forward pass. This needs a cache that returns the past keys in order
-without gaps (``DynamicCache``, what ``generate`` uses by default, sliding-window layers included); a
-``StaticCache`` is not supported in that mode.
+without gaps (``DynamicCache``, what ``generate`` uses by default, sliding-window layers included). A
+``StaticCache`` returns its whole fixed-size buffer, so the keys' positions cannot be counted back from the new
+tokens: the patched attention raises a TypeError when it is given one in that mode (``mode="hf"`` takes it).
+
+Before anything is replaced, the posenc RoPE is checked against the model's own rotary embedding: the same number
+of frequencies, the same inv_freq within the buffer's rounding, the same attention scaling; a mismatch is an error,
+never a silently different model.
 
 Shape key: b batch, h heads, s new tokens, t tokens in the cache (t >= s), d head dim, r rotary dim.
 """
@@ -52,6 +57,12 @@ _ARCHITECTURES: dict[str, tuple[str, str, str]] = {
     "qwen3": ("qwen3", "Qwen3RotaryEmbedding", "Qwen3Attention"),
 }
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_ARCHITECTURES)
+# Architectures whose apply_rotary_pos_emb rotates all head_dim channels (no pass-through part): a rotary dim below
+# head_dim crashes their unpatched forward, so a saved config asking for one would not load into a working model.
+_WHOLE_HEAD_ATTENTION = frozenset({"gemma", "llama", "mistral", "qwen2", "qwen3"})
+# inv_freq agreement with a float32 frequency buffer: transformers' float32 pow is off by up to
+# (ln(base) + 8) * 2**-24 relative (~1.3e-6 at base 5e5); a wrong rotary dim, base or scaling is off by far more.
+_FREQUENCY_RTOL = 1e-5
 
 # The names a patched attention forward resolves differently from its modeling module.
 _ROTATION_NAME = "apply_rotary_pos_emb"
@@ -178,8 +189,9 @@ def _attend_with_rotated_keys(
     """'consistent' mode: rotate every key, cached ones included, with the frequencies of this step, then attend.
 
     query: (b, h_q, s, d), already rotated; key: (b, h_k, t, d) unrotated, the t - s cached keys first. The cached
-    keys' positions continue backwards from the first new token's (rows with left padding get negative positions
-    on their pad slots, which the mask hides).
+    keys' positions continue backwards from the first new token's. In rows with left padding that count reaches
+    below 0 exactly on the pad slots, which the mask hides; they are rotated as position 0 (RoPE takes no negative
+    positions), which changes no score that is used.
     """
     position_ids = kwargs.get("position_ids")
     if position_ids is None:
@@ -191,7 +203,7 @@ def _attend_with_rotated_keys(
     key_positions = position_ids
     if total > new:
         past = position_ids[:, :1] - (total - new) + torch.arange(total - new, device=position_ids.device)
-        key_positions = torch.cat((past, position_ids), dim=-1)
+        key_positions = torch.cat((past.clamp_min(0), position_ids), dim=-1)
     key = rope.rotate(key, key_positions, seq_len=rope.scaling_length(position_ids))
     return attend(module, query, key, value, attention_mask, *args, **kwargs)
 
@@ -300,13 +312,66 @@ def _same_frequencies(a: RoPE, b: RoPE) -> bool:
     return True
 
 
+def _require_same_rotation(rope: RoPE, rotary: list[tuple[str, nn.Module]], architecture: str) -> None:
+    """Raise ValueError unless ``rope`` rotates as each of the model's own rotary modules does.
+
+    rotary: (name, ``*RotaryEmbedding`` module) pairs. Compared: the number of frequencies (r/2, so the rotary dim),
+    inv_freq (r/2,) within the buffer's rounding, and the attention scaling. The modules' ``original_inv_freq`` is
+    used where they have it: their ``inv_freq`` follows the dynamic NTK / LongRoPE state of the last call, while
+    ``rope.frequencies()`` is the set for no length, as ``original_inv_freq`` is.
+    """
+    ours, factor = rope.frequencies()
+    for name, module in rotary:
+        theirs = getattr(module, "original_inv_freq", None)
+        if not isinstance(theirs, torch.Tensor):
+            theirs = getattr(module, "inv_freq", None)
+        scaling = getattr(module, "attention_scaling", None)
+        if not isinstance(theirs, torch.Tensor) or not isinstance(scaling, (int, float, torch.Tensor)):
+            raise RuntimeError(
+                f"{type(module).__name__} has no inv_freq or attention_scaling to check posenc's RoPE against; this "
+                "transformers version is not supported by posenc.interop.patch"
+            )
+        if theirs.is_meta:  # not materialised yet: nothing to compare
+            continue
+        # A model cast to bf16/fp16 casts these buffers too: allow their rounding.
+        finfo = torch.finfo(theirs.dtype)
+        rtol, atol = max(_FREQUENCY_RTOL, finfo.eps), finfo.tiny
+        theirs = theirs.detach().to(device="cpu", dtype=torch.float64).flatten()
+        scaling = float(scaling)
+        problem = None
+        if theirs.numel() != ours.numel():
+            problem = (
+                f"it has {theirs.numel()} frequencies (rotary dim {2 * theirs.numel()}), posenc {ours.numel()} "
+                f"(rotary dim {rope.rotary_dim} of head_dim {rope.head_dim})"
+            )
+        elif not torch.allclose(ours, theirs, rtol=rtol, atol=atol):
+            worst = ((ours - theirs).abs() / theirs.abs().clamp_min(atol)).max().item()
+            problem = f"inv_freq differs by up to {worst:.3g} relative (allowed {rtol:.3g})"
+        elif not math.isclose(factor, scaling, rel_tol=1e-6):
+            problem = f"its attention scaling is {scaling!r}, posenc's {factor!r}"
+        if problem is not None:
+            raise ValueError(
+                f"posenc's RoPE for this {architecture} config (rope_type={rope.rope_type!r}) does not rotate as the "
+                f"model's {type(module).__name__} ({name}) does: {problem}. Patching would change the model's "
+                "logits, so the model is left as it was; this is a gap in posenc.interop.rope_kwargs_from_config "
+                "for this transformers version (please report it with the config's rope_parameters)"
+            )
+
+
 def _new_config_rope(
-    config: Any, rope_parameters: Mapping[str, Any], *, mode: str, backend: str
+    config: Any,
+    rope_parameters: Mapping[str, Any],
+    *,
+    mode: str,
+    backend: str,
+    architecture: str,
+    rotary_cls: type[nn.Module],
 ) -> tuple[dict[str, Any], RoPE]:
     """Validate the requested rope_parameters and return (the config attributes to set, the RoPE to install).
 
     The RoPE is read back from a config rebuilt by the model's own config class from the new values, and must
-    rotate exactly as requested: that is what makes save_pretrained + from_pretrained reproduce the patched model.
+    rotate exactly as requested and as a fresh ``rotary_cls`` built from that config does: that is what makes
+    save_pretrained + from_pretrained reproduce the patched model.
     """
     if not isinstance(rope_parameters, Mapping):
         raise TypeError(
@@ -331,6 +396,12 @@ def _new_config_rope(
         mode=mode,
         backend=backend,
     )
+    if architecture in _WHOLE_HEAD_ATTENTION and intended.rotary_dim != head_dim:
+        raise ValueError(
+            f"{type(config).__name__}'s attention rotates all {head_dim} channels of each head, so it cannot hold "
+            f"partial_rotary_factor={given.get('partial_rotary_factor')!r} (rotary dim {intended.rotary_dim}): the "
+            "saved model would not run. Drop partial_rotary_factor from rope_parameters"
+        )
     hf_params = _hf_rope_parameters(intended, given)
     values: dict[str, Any] = {"rope_parameters": hf_params}
     # Phi-3 keeps original_max_position_embeddings at the top level, and transformers lets it win over the dict's.
@@ -351,6 +422,7 @@ def _new_config_rope(
             "differently; saving the patched model would not reproduce it. Choose a rope_type this architecture's "
             "config accepts (e.g. Phi-3 takes only 'default' and 'longrope')"
         )
+    _require_same_rotation(installed, [("built from the new config", rotary_cls(rebuilt))], architecture)
     values["rope_parameters"] = copy.deepcopy(rebuilt.rope_parameters)
     return values, installed
 
@@ -373,8 +445,10 @@ def patch_model(
     ``rope_theta`` and ``partial_rotary_factor`` default to the model's. posenc's ``ntk`` is written as the
     equivalent ``default`` config with a larger ``rope_theta``.
     mode: "hf" (Hugging Face's numbers, also for ``dynamic`` / ``longrope`` with a KV cache) or "consistent" (keys
-    cached unrotated and rotated at read with each step's frequencies, so cached decoding equals a full forward).
-    Returns a ``PatchReport``. Raises ValueError for an unsupported architecture or a model already patched.
+    cached unrotated and rotated at read with each step's frequencies, so cached decoding equals a full forward;
+    it needs a ``DynamicCache``, and the patched attention raises TypeError when given a ``StaticCache``).
+    Returns a ``PatchReport``. Raises ValueError for an unsupported architecture, a model already patched, or a
+    RoPE that would not rotate as the model's own rotary embedding does (checked before anything is replaced).
     """
     model_type, rotary_cls, attention_cls = _architecture(model)
     if getattr(model, _STATE_ATTR, None) is not None:
@@ -393,11 +467,14 @@ def patch_model(
         values: dict[str, Any] = {}
         kwargs = rope_kwargs_from_config(config)
         rope = RoPE(kwargs.pop("head_dim"), mode=mode, backend=backend, **kwargs)
+        _require_same_rotation(rope, rotary, model_type)
         if rope.rope_type == "dynamic" and mode == "hf":
             # Continue transformers' dynamic NTK state where the model left it.
             rope.hf_scaled_len = max(int(module.max_seq_len_cached) for _, module in rotary)
     else:
-        values, rope = _new_config_rope(config, rope_parameters, mode=mode, backend=backend)
+        values, rope = _new_config_rope(
+            config, rope_parameters, mode=mode, backend=backend, architecture=model_type, rotary_cls=rotary_cls
+        )
     forwards = {cls: _patched_forward(cls, rope) for cls in {type(module) for module in attention}}
 
     originals = {key: getattr(config, key) for key in values}  # _new_config_rope only sets existing attributes
@@ -454,7 +531,50 @@ def _patched_forward(cls: type[nn.Module], rope: RoPE) -> types.FunctionType:
                 "supported for it in this transformers version (use mode='hf')"
             )
         replacements[_ATTENTION_REGISTRY_NAME] = _KeysRotatedAtRead(namespace[_ATTENTION_REGISTRY_NAME], rope)
+        return _checking_the_cache(_with_globals(func, replacements))
     return _with_globals(func, replacements)
+
+
+def _checking_the_cache(forward: types.FunctionType) -> types.FunctionType:
+    """'consistent' mode: ``forward`` preceded by ``_require_growing_cache`` on the cache it is given.
+
+    The cache is found by type, not by name: transformers has called the argument past_key_values, cache and (in
+    GPT-NeoX) layer_past, positionally or by keyword.
+    """
+    cache_utils = importlib.import_module("transformers.cache_utils")
+    cache_cls, growing_layer = getattr(cache_utils, "Cache", None), getattr(cache_utils, "DynamicLayer", None)
+    if not (isinstance(cache_cls, type) and isinstance(growing_layer, type)):
+        raise RuntimeError(
+            "transformers.cache_utils has no Cache / DynamicLayer; mode='consistent' is not supported for this "
+            "transformers version (use mode='hf')"
+        )
+
+    @functools.wraps(forward)
+    def checked(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, cache_cls):
+                _require_growing_cache(value, growing_layer)
+        return forward(self, *args, **kwargs)
+
+    return checked
+
+
+def _require_growing_cache(cache: Any, growing_layer: type) -> None:
+    """Raise TypeError unless every layer of ``cache`` appends new keys after the cached ones (a ``DynamicLayer``,
+    sliding or quantized); a fixed-size layer (``StaticLayer``) returns its whole buffer, whose slots do not sit
+    at the positions that 'consistent' mode counts back from the new tokens."""
+    kinds = {type(layer) for layer in getattr(cache, "layers", None) or ()}
+    replicate = getattr(cache, "layer_class_to_replicate", None)
+    if isinstance(replicate, type):  # the class of the layers a lazily built cache will add
+        kinds.add(replicate)
+    fixed = sorted(kind.__name__ for kind in kinds if not issubclass(kind, growing_layer))
+    if fixed:
+        raise TypeError(
+            "posenc's mode='consistent' rotates every cached key at read and needs a cache that returns the past "
+            f"keys in order without gaps, like DynamicCache; got a {type(cache).__name__} with {', '.join(fixed)} "
+            "layers, whose fixed-size buffers would give the keys wrong positions. Use a DynamicCache (generate's "
+            "default: drop cache_implementation='static') or patch the model with mode='hf'"
+        )
 
 
 def is_patched(model: nn.Module) -> bool:
