@@ -463,3 +463,32 @@ def test_errors_name_the_argument_and_the_fix():
         apply_rotary(x, cos[:5].clone().requires_grad_(), sin[:5], backend="cpu")
     with pytest.raises(ValueError, match=r"cos/sin of shape \(8, 8\) do not broadcast to x.shape"):
         apply_rotary(x, cos, sin)
+
+
+def test_triton_launches_on_the_tensors_gpu(monkeypatch):
+    """Triton launches on the current CUDA device: tensors on another GPU must make theirs current first (as
+    flash-attention's and Liger's launchers do). Checked with a stand-in kernel; no GPU needed."""
+    import contextlib
+
+    from posenc.kernels import triton_rope
+
+    entered: list[torch.device] = []
+
+    @contextlib.contextmanager
+    def device_guard(device):
+        entered.append(device)
+        yield
+
+    launched: list[int] = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **constants: launched.append(len(entered))
+
+    class OnSecondGpu:
+        device = torch.device("cuda", 1)
+
+    monkeypatch.setattr(torch.cuda, "device", device_guard)
+    monkeypatch.setattr(triton_rope, "_rope_kernel", Kernel())
+    triton_rope.launch(triton_rope.Launch((1,), [OnSecondGpu()], {}))
+    assert entered == [torch.device("cuda", 1)] and launched == [1], "the kernel ran outside the device guard"

@@ -311,4 +311,10 @@ def launch(plan: Launch) -> None:
             f"backend='triton' needs CUDA tensors, got {device}; on CPU use backend='cpu' (Triton runs on CPU "
             "tensors only when TRITON_INTERPRET=1 was set before posenc.kernels.triton_rope was imported)"
         )
-    _rope_kernel[plan.grid](*plan.args, **plan.constants)
+    if device.type != "cuda":
+        _rope_kernel[plan.grid](*plan.args, **plan.constants)
+        return
+    # Triton launches on the current device and its stream: for tensors on another GPU (cuda:1 while cuda:0 is
+    # current) the kernel would run on the wrong device with foreign pointers. Make theirs current for the launch.
+    with torch.cuda.device(device):
+        _rope_kernel[plan.grid](*plan.args, **plan.constants)
