@@ -50,6 +50,48 @@ def test_cache_continues_positions_by_default(name):
     torch.testing.assert_close(out, full, atol=1e-12, rtol=1e-12)
 
 
+@pytest.mark.parametrize("name", ["rope", "alibi", "t5"])
+@pytest.mark.parametrize("starts", [[100], [100, 7]], ids=["shared", "per-sequence"])
+def test_cache_continues_from_the_last_cached_position(name, starts):
+    """A prefill at explicit positions, then decode steps without positions=, is the full forward at those
+    positions: the default continues each sequence at its last cached position + 1, not at cache.length."""
+    torch.manual_seed(0)
+    attn = CausalSelfAttention(DIM, HEADS, num_kv_heads=KV_HEADS, encoding=make_encoding(name).double()).double()
+    x = torch.randn(len(starts), 10, DIM, dtype=torch.float64)
+    positions = torch.arange(10)[None] + torch.tensor(starts)[:, None]
+    full = attn(x, positions=positions)
+    cache = KVCache()
+    pieces = [attn(x[:, :6], positions=positions[:, :6], cache=cache)]
+    pieces += [attn(x[:, i : i + 1], cache=cache) for i in range(6, 10)]
+    assert torch.equal(cache.positions, positions)
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-12, rtol=1e-12)
+
+
+def test_a_cache_fed_another_batch_size_is_a_clear_error():
+    attn = CausalSelfAttention(DIM, HEADS, encoding=make_encoding("rope"))
+    cache = KVCache()
+    attn(torch.randn(2, 5, DIM), cache=cache)
+    with pytest.raises(ValueError, match=r"KVCache holds a batch of 2 sequences but x has a batch of 1"):
+        attn(torch.randn(1, 1, DIM), cache=cache)
+    with pytest.raises(ValueError, match=r"batch of 2 sequences but k has a batch of 3"):
+        cache.update(torch.randn(3, HEADS, 1, HEAD_DIM), torch.randn(3, HEADS, 1, HEAD_DIM), torch.tensor([[5]]))
+    assert cache.length == 5  # nothing was appended
+
+
+@pytest.mark.parametrize("name", posenc.available())
+def test_return_attention_keeps_float64(name):
+    """Asking for the probabilities must not change the output: float64 stays float64 (it was run in float32)."""
+    torch.manual_seed(0)
+    attn = CausalSelfAttention(DIM, HEADS, num_kv_heads=KV_HEADS, encoding=make_encoding(name).double()).double()
+    x = torch.randn(2, 9, DIM, dtype=torch.float64)
+    positions = torch.arange(9)[None]
+    out, probs = attn(add_input_encoding(x, attn.encoding, positions), return_attention=True)
+    plain = attn(add_input_encoding(x, attn.encoding, positions))
+    assert out.dtype == probs.dtype == torch.float64
+    torch.testing.assert_close(out, plain, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(2, HEADS, 9, dtype=torch.float64), atol=1e-14, rtol=0)
+
+
 @pytest.mark.parametrize("name", ["nope", "rope", "alibi", "t5"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attention_matches_float64_reference(name, dtype):

@@ -40,10 +40,31 @@ class KVCache:
     def length(self) -> int:
         return 0 if self.k is None else self.k.shape[2]
 
+    def check_batch(self, batch: int, *, what: str = "x") -> None:
+        """Raise ValueError unless ``batch`` sequences continue the ones this cache holds (any batch if empty)."""
+        if self.k is not None and self.k.shape[0] != batch:
+            held = self.k.shape[0]
+            raise ValueError(
+                f"this KVCache holds a batch of {held} sequences but {what} has a batch of {batch}; feed every "
+                f"cached sequence together (batch {held}), or start a new KVCache() for another batch"
+            )
+
+    def next_positions(self, seq_len: int) -> torch.Tensor | None:
+        """(b or 1, seq_len) int64: the positions after the last cached one, per sequence; None when empty.
+
+        Continues the cached positions, not ``length``: after a prefill at explicit positions (e.g. 100..105) the
+        next token is at 106, wherever the ids started.
+        """
+        if self.positions is None:
+            return None
+        steps = torch.arange(1, seq_len + 1, dtype=torch.long, device=self.positions.device)
+        return self.positions[:, -1:] + steps
+
     def update(
         self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Append the new tokens; returns everything cached so far."""
+        """k, v: (b, g, s, d); positions: (b or 1, s). Append the new tokens; returns everything cached so far."""
+        self.check_batch(k.shape[0], what="k")
         if self.k is None:
             self.k, self.v, self.positions = k, v, positions
         else:
@@ -129,16 +150,21 @@ class CausalSelfAttention(nn.Module):
         cache: KVCache | None = None,
         return_attention: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """x: (b, s, dim). positions: (s,) or (b, s) ids (default: continue from the cache, else 0..s-1).
+        """x: (b, s, dim). positions: (s,) or (b, s) ids (default: one past the last cached position of each
+        sequence, else 0..s-1).
 
-        Returns (b, s, dim); with ``return_attention`` also the probabilities (b, h, s, t) in float32.
+        Returns (b, s, dim); with ``return_attention`` also the probabilities (b, h, s, t) in float32 (float64
+        for float64 inputs).
         """
         float_tensor("x", x)
         if x.dim() != 3:
             raise ValueError(f"x must be (b, s, dim), got shape {tuple(x.shape)}")
         b, s, _ = x.shape
-        offset = cache.length if cache is not None and positions is None else 0
-        pos = resolve_positions(s, batch=b, positions=positions, offset=offset, device=x.device)
+        if cache is not None:
+            cache.check_batch(b)
+        pos = cache.next_positions(s) if cache is not None and positions is None else None
+        if pos is None:
+            pos = resolve_positions(s, batch=b, positions=positions, device=x.device)
         q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -181,21 +207,21 @@ def attend(
     """q: (b, h, s, d); k, v: (b, h, t, d); allowed: (s, t) bool; bias: (b or 1, h, s, t) or None.
 
     A score bias is added in float32 (ALiBi's slope * 8192 has no exact bf16 value), so low-precision inputs
-    are attended in float32 when a bias is present. Returns ((b, h, s, d) in q's dtype, probs or None).
+    are attended in float32 when a bias is present; so are the probabilities of ``need_probs``. float64 stays
+    float64 either way. Returns ((b, h, s, d) in q's dtype, probs (b, h, s, t) in that wider dtype, or None).
     """
     s, t = allowed.shape
+    dtype = torch.promote_types(q.dtype, torch.float32)
     if need_probs:
-        wide = q.float()
-        scores = wide @ k.float().transpose(-1, -2) / math.sqrt(q.shape[-1])
+        scores = q.to(dtype) @ k.to(dtype).transpose(-1, -2) / math.sqrt(q.shape[-1])
         if bias is not None:
-            scores = scores + bias.float()
+            scores = scores + bias.to(dtype)
         probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
-        return (probs @ v.float()).to(q.dtype), probs
+        return (probs @ v.to(dtype)).to(q.dtype), probs
     if bias is None:
         if s == t:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True), None
         return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed), None
-    dtype = torch.promote_types(q.dtype, torch.float32)
     mask = bias.to(dtype).masked_fill(~allowed, float("-inf"))
     out = F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), attn_mask=mask)
     return out.to(q.dtype), None

@@ -31,3 +31,14 @@ def test_learned_table_lookup_and_bounds():
         enc(torch.tensor([3, 16]))
     with pytest.raises(ValueError, match="outside the learned table"):
         enc(torch.tensor([-1]))
+
+
+def test_sinusoidal_refuses_negative_positions():
+    enc = posenc.Sinusoidal(8)
+    with pytest.raises(ValueError, match=r"positions must be >= 0 \(token positions count from 0\), got -5"):
+        enc(torch.tensor([3, -5, 2]))
+    assert enc(torch.zeros(0, dtype=torch.long)).shape == (0, 8)
+    # The pure table function stays defined for any integer: sin is odd, cos even.
+    table = posenc.sinusoidal_table(torch.tensor([-5, 5]), 8)
+    torch.testing.assert_close(table[0, 0::2], -table[1, 0::2])
+    torch.testing.assert_close(table[0, 1::2], table[1, 1::2])

@@ -15,13 +15,23 @@ from posenc.analysis.report import read_results, summary_table
 
 
 def test_summary_table_by_hand(tmp_path, make_run):
+    """n/a: measured, no value (learned past its table has a row and a reason); blank: never run at that length
+    (an extension at the training length has no row), as report.md leaves it."""
     header, body = summary_table(read_results(make_run(tmp_path / "run", entropy=False, lab_png=False)))
     assert header == ["encoding", "extension", "train_len", "bpb @ 64", "bpb @ 128"]
     assert body == [
         ["rope", "none", "64", "2.6000 ± 0.1414", "3.1000"],
-        ["rope", "yarn", "64", "n/a", "2.6000"],
+        ["rope", "yarn", "64", "", "2.6000"],
         ["learned", "none", "64", "2.8000", "n/a"],
     ]
+
+
+def test_the_summary_explains_n_a_and_blank_cells_as_they_are(tmp_path, make_run):
+    page = write_report(make_run(tmp_path / "run", entropy=False, lab_png=False), figures=[]).read_text()
+    summary = page.split("<h2>Bits per byte by evaluation length</h2>", 1)[1].split("<details>", 1)[0]
+    assert "see the full rows below for the reason" not in summary
+    assert "blank where it was not run at that length" in summary
+    assert "<td>rope</td><td>yarn</td><td>64</td><td></td><td>2.6000</td>" in summary
 
 
 def test_report_holds_tables_and_embedded_images(tmp_path, make_run):
@@ -51,6 +61,10 @@ def test_report_without_figures_and_custom_out(tmp_path, make_run):
 def test_bad_run_folders_are_clear_errors(tmp_path, make_run):
     with pytest.raises(ValueError, match="does not exist"):
         write_report(tmp_path / "missing")
+    (tmp_path / "notes.txt").write_text("not a run")
+    with pytest.raises(ValueError, match=r"notes\.txt' is a file, not a run folder"):
+        write_report(tmp_path / "notes.txt")
+    assert not (tmp_path / "notes.txt" / "report.html").exists() and (tmp_path / "notes.txt").read_text() == "not a run"
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match=r"has no results\.csv \(no finished measurements\)"):
         write_report(tmp_path / "empty")

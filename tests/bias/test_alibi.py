@@ -54,3 +54,20 @@ def test_bias_depends_only_on_distance(heads, m, n, shift):
     one = alibi.score_bias(torch.tensor([[m]]), torch.tensor([[n]]))
     two = alibi.score_bias(torch.tensor([[m + shift]]), torch.tensor([[n + shift]]))
     assert torch.equal(one, two)
+
+
+def test_score_bias_never_hides_keys_by_position_id():
+    """Packed documents: ids restart at token 3, so keys 1 and 2 of the first document have larger ids than the
+    query at token 3 (id 0). They are earlier tokens: score_bias gives them -slope * |m - n|, not -inf; the
+    attention's causal mask (token order) is what hides the future, on the materialized and FlexAttention paths."""
+    packed = torch.tensor([0, 1, 2, 0, 1])
+    bias = posenc.ALiBi(4).score_bias(packed, packed)
+    assert bias.shape == (1, 4, 5, 5) and torch.isfinite(bias).all()
+    expected = alibi_bias_reference(4, packed.tolist(), packed.tolist())
+    torch.testing.assert_close(bias[0].double(), expected, atol=1e-6, rtol=1e-6)
+    # The convenience view, where positions are token indices, still masks the future when causal.
+    view = posenc.ALiBi(4).bias(3, 5, offset=2)
+    future = torch.ones(3, 5, dtype=torch.bool).triu(3)
+    assert torch.isinf(view[:, future]).all()
+    reference = alibi_bias_reference(4, [2, 3, 4], list(range(5)))
+    torch.testing.assert_close(view[:, ~future].double(), reference[:, ~future], atol=1e-6, rtol=1e-6)

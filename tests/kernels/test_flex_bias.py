@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from posenc import ALiBi, CausalSelfAttention, T5Bias
+from posenc import ALiBi, CausalSelfAttention, KVCache, T5Bias, attention
 from posenc.attention import attend, causal_mask
 from posenc.kernels import flex_bias
 from posenc.testing import assert_close
@@ -19,26 +20,73 @@ ENCODINGS = {
 }
 
 
+# Two documents packed into one row of 37 tokens: ids restart at 0 at token 20.
+PACKED = torch.cat((torch.arange(20), torch.arange(17)))
+
+
 @pytest.mark.parametrize("name", list(ENCODINGS))
-@pytest.mark.parametrize("batched_positions", [False, True])
-def test_score_mod_matches_the_materialized_bias(name, batched_positions):
+@pytest.mark.parametrize("positions", ["shared", "batched", "packed"])
+def test_score_mod_matches_the_materialized_bias(name, positions):
     """Eager flex_attention runs the score_mod through its reference math: the score_mod itself is checked."""
     torch.manual_seed(0)
     encoding = ENCODINGS[name]()
     h = encoding.num_heads
     b, s, t, d = 2, 5, 37, 16  # 32 cached keys, then 5 queries
     q, k, v = torch.randn(b, h, s, d), torch.randn(b, h, t, d), torch.randn(b, h, t, d)
-    k_pos = torch.arange(t)[None].expand(b if batched_positions else 1, t) + (
-        torch.tensor([[0], [3]]) if batched_positions else 0
-    )
+    k_pos = {
+        "shared": torch.arange(t)[None],
+        "batched": torch.arange(t)[None] + torch.tensor([[0], [3]]),
+        "packed": PACKED[None],
+    }[positions]
     q_pos = k_pos[:, -s:]
     allowed = causal_mask(s, t, q.device)
     with torch.no_grad():
         expected, _ = attend(q, k, v, allowed, encoding.score_bias(q_pos, k_pos))
-        score_mod = flex_bias.score_mod_for(encoding, q_pos, k_pos)
+        score_mod = flex_bias.score_mod_for(encoding, k_pos, t - s)
         block_mask = create_block_mask(lambda b_, h_, qi, ki: ki <= qi + (t - s), None, None, s, t, device="cpu")
         got = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)
     assert_close(got, expected.double(), reduction=True)
+
+
+@pytest.mark.parametrize("name", ["alibi", "t5-causal"])
+def test_packed_documents_get_one_semantics_on_every_path(name, monkeypatch):
+    """Compiled FlexAttention, the materialized bias and return_attention agree when position ids restart
+    mid-row. ALiBi's materialized bias used to hide the earlier document's keys whose ids exceed the query's
+    (0.47 apart); causality is by token order on every path, and every earlier key gets -slope * |m - n|."""
+    torch.manual_seed(0)
+    layer = CausalSelfAttention(32, 4, num_kv_heads=2, encoding=ENCODINGS[name]()).eval()
+    x = torch.randn(1, 40, 32)
+    packed = torch.cat((torch.arange(24), torch.arange(16)))
+    with torch.no_grad():
+        materialized = layer(x, positions=packed)
+        _, probs = layer(x, positions=packed, return_attention=True)
+        monkeypatch.setattr(flex_bias, "CPU_MIN_SCORES", 0)
+        flexed = layer(x, positions=packed)
+    assert_close(flexed, materialized.double(), reduction=True)
+    # The second document's first token (id 0, token 24) still sees every key of the first document.
+    assert (probs[0, :, 24, :25] > 0).all()
+
+
+def _compiled_graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+def test_flex_reuses_one_compiled_kernel_across_lengths(monkeypatch):
+    """Four lengths through the compiled path: at most one compile for the first shape and one recompile with
+    symbolic lengths (it was one compile per shape, and after 8 the unfused fallback)."""
+    torch.manual_seed(0)
+    layer = CausalSelfAttention(32, 4, num_kv_heads=2, encoding=ALiBi(4)).eval()
+    monkeypatch.setattr(flex_bias, "CPU_MIN_SCORES", 0)
+    before = _compiled_graphs()
+    with torch.no_grad():
+        for length in (41, 57, 77, 100):
+            x = torch.randn(1, length, 32)
+            flexed = layer(x)
+            with monkeypatch.context() as materialize:
+                materialize.setattr(flex_bias, "CPU_MIN_SCORES", 2**62)
+                expected = layer(x)
+            assert_close(flexed, expected.double(), reduction=True)
+    assert _compiled_graphs() - before <= 2
 
 
 def test_causal_self_attention_routes_long_cpu_inference_to_flex(monkeypatch):
@@ -63,8 +111,26 @@ def test_use_flex_rules():
         assert not flex_bias.use_flex(alibi, long, long, long, need_probs=True), "probabilities need the scores"
         assert not flex_bias.use_flex(alibi, short, short, short, need_probs=False), "short: materialize"
         assert not flex_bias.use_flex(torch.nn.Identity(), long, long, long, need_probs=False)
+        step = long[:, :, -1:]
+        assert not flex_bias.use_flex(alibi, step, long, long, need_probs=False), "decode: (h, 1, t) is small"
     grad = long.clone().requires_grad_()
     assert not flex_bias.use_flex(alibi, grad, long, long, need_probs=False), "no FlexAttention backward on CPU"
     assert not flex_bias.use_flex(T5Bias(2), long, long, long, need_probs=False), "the T5 table needs grad"
     with pytest.raises(ValueError, match="only ALiBi and T5Bias"):
         flex_bias.attend_flex(short, short, short, torch.nn.Identity(), torch.arange(64)[None], torch.arange(64)[None])
+    with pytest.raises(ValueError, match=r"k_positions must have shape \(b or 1, 64\), got \(1, 63\)"):
+        flex_bias.attend_flex(short, short, short, alibi, torch.arange(64)[None], torch.arange(63)[None])
+    with pytest.raises(ValueError, match="q_positions must be the last s columns of k_positions"):
+        flex_bias.attend_flex(short, short, short, alibi, torch.arange(64)[None] + 1, torch.arange(64)[None])
+
+
+def test_decode_steps_stay_materialized_even_when_flex_is_forced(monkeypatch):
+    monkeypatch.setattr(flex_bias, "CPU_MIN_SCORES", 0)
+    monkeypatch.setattr(attention, "attend_flex", lambda *a, **k: pytest.fail("a decode step went to FlexAttention"))
+    layer = CausalSelfAttention(32, 4, encoding=ALiBi(4)).eval()
+    x = torch.randn(1, 8, 32)
+    cache = KVCache()
+    with torch.no_grad():
+        layer(x[:, :1], cache=cache)
+        for i in range(1, 8):
+            layer(x[:, i : i + 1], cache=cache)

@@ -9,8 +9,9 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
+from posenc.cli import main
 from posenc.lab import runner
-from posenc.lab.dist import Ranks, process_group, resolve_device
+from posenc.lab.dist import Ranks, check_device_usable, process_group, resolve_device
 from posenc.lab.model import ByteLM, ModelSpec
 from posenc.lab.runner import Lab, assign_lengths, check_world_size
 from posenc.lab.train import train
@@ -81,6 +82,36 @@ def test_devices_and_backends(device, world, local_rank, expected):
 def test_bad_devices_under_torchrun(device, message):
     with pytest.raises(ValueError, match=message):
         resolve_device(device, world_size=2, local_rank=0)
+
+
+def _no_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+
+
+def test_a_device_this_process_cannot_use_is_named(monkeypatch):
+    check_device_usable(torch.device("cpu"))
+    _no_gpu(monkeypatch)
+    with pytest.raises(ValueError, match=r"--device cuda: this torch .* sees no CUDA GPU; pass --device cpu"):
+        check_device_usable(torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    check_device_usable(torch.device("cuda", 1))
+    with pytest.raises(ValueError, match=r"--device cuda:2: this machine has 2 CUDA GPU\(s\), cuda:0 to cuda:1"):
+        check_device_usable(torch.device("cuda", 2))
+
+
+def test_lab_on_cuda_without_a_gpu_exits_2_before_anything_is_written(corpus_dir, tmp_path, monkeypatch, capsys):
+    """Was: the folder claimed, '[1/11] learned seed 0' printed, then a raw AssertionError (exit 1)."""
+    _no_gpu(monkeypatch)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(runner, "train", lambda *a, **k: pytest.fail("training started"))
+    out = tmp_path / "run"
+    status = main(["lab", "--preset", "quick", "--corpus", str(corpus_dir), "--out", str(out), "--device", "cuda"])
+    assert status == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("posenc lab: error: --device cuda:") and "sees no CUDA GPU" in captured.err
+    assert captured.out == "" and not out.exists()
 
 
 def test_without_torchrun_no_group_is_joined(monkeypatch):

@@ -16,7 +16,8 @@ def sinusoidal_table(
 ) -> torch.Tensor:
     """positions: (...) integer, any size (no table limit). Returns (..., dim) in ``dtype``.
 
-    Angles in float64, then cast: float32 angles lose the phase of the fast channels past ~1e5 positions.
+    Angles in float64, then cast: float32 angles lose the phase of the fast channels past ~1e5 positions. The
+    formula itself is defined for negative positions too (sin is odd, cos even); ``Sinusoidal`` refuses them.
     """
     int_tensor("positions", positions)
     even_positive_int("dim", dim)
@@ -44,6 +45,13 @@ class Sinusoidal(nn.Module):
 
     def forward(self, positions: torch.Tensor, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """positions: (...) integer >= 0. Returns (..., dim)."""
+        int_tensor("positions", positions)
+        # The table would give values (sin is odd), but no token sits before position 0: as LearnedAbsolute.
+        if positions.numel() and bool((positions < 0).any()):
+            raise ValueError(
+                f"positions must be >= 0 (token positions count from 0), got {int(positions.min())}; the sinusoidal "
+                "encoding has no maximum, but no negative positions either"
+            )
         return sinusoidal_table(positions, self.dim, base=self.base, dtype=dtype)
 
     def extra_repr(self) -> str:

@@ -88,7 +88,7 @@ def relative_invariance(
             bias = encoding.score_bias(positions[None], positions[None])[0, head].double()  # (L, L)
     scores = qs @ ks.T / math.sqrt(d)
     if bias is not None:
-        # A causal bias is -inf above the diagonal: compare only where attention can look.
+        # A bias that masks with -inf (none of posenc's score biases does) is compared only where it is finite.
         scores = scores + bias
 
     offsets = torch.arange(-(length - 1), length)

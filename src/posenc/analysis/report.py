@@ -37,7 +37,9 @@ KEY_COLUMNS = ("encoding", "extension", "finetune_steps", "train_len")
 def summary_table(rows: Sequence[Mapping[str, str]]) -> tuple[list[str], list[list[str]]]:
     """Bits per byte, mean over seeds (± sample std where there are several), one row per model (encoding,
     extension, finetune_steps where the column exists, train_len) and one column per eval_len.
-    Returns (header, body) as strings; 'n/a' where nothing was measured."""
+    Returns (header, body) as strings: 'n/a' where results.csv has rows for that model and length but no finite
+    value (e.g. learned positions past their table; the row's reason says why), '' where it has no row at all
+    (e.g. the RoPE extensions, which are only evaluated past the training length), as report.md does."""
     keys = [c for c in KEY_COLUMNS if rows and c in rows[0]]
     cells: dict[tuple[str, ...], dict[int, list[float | None]]] = defaultdict(lambda: defaultdict(list))
     lengths: set[int] = set()
@@ -52,7 +54,9 @@ def summary_table(rows: Sequence[Mapping[str, str]]) -> tuple[list[str], list[li
         line = list(key)
         for n in columns:
             values = [v for v in by_length.get(n, []) if v is not None]
-            if not values:
+            if n not in by_length:
+                line.append("")
+            elif not values:
                 line.append("n/a")
             elif len(values) == 1:
                 line.append(f"{values[0]:.4f}")
@@ -98,6 +102,8 @@ def render_html(
     are drawn for (default: the run's own model from results.json, else ``FigureConfig()``); figures: which
     analysis figures (default all, ``[]`` for none)."""
     run = Path(run_dir)
+    if run.is_file():  # read_results would call it missing: say what it is instead
+        raise ValueError(f"{str(run)!r} is a file, not a run folder; give the --out folder of a `posenc lab` run")
     rows = read_results(run)
     config = config or run_figure_config(run) or FigureConfig()
     names = list(FIGURES) if figures is None else list(figures)
@@ -115,8 +121,9 @@ def render_html(
         f"{datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')} by posenc "
         f"{html.escape(posenc.__version__)}. Self-contained: every image is embedded.</p>",
         "<h2>Bits per byte by evaluation length</h2>",
-        "<p>Mean over seeds (± sample standard deviation where a run has several); n/a where an encoding has no "
-        "value at that length (see the full rows below for the reason).</p>",
+        "<p>Mean over seeds (± sample standard deviation where a run has several); n/a where a model was run at "
+        "that length but has no value there (its rows of results.csv, below, give the reason); blank where it was "
+        "not run at that length (the RoPE extensions start past the training length).</p>",
         _table(*summary_table(rows)),
         f"<details><summary>All {len(rows)} rows of results.csv</summary>",
         _table(list(rows[0].keys()), [[row.get(k) or "" for k in rows[0]] for row in rows]),

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from posenc._checks import positive_int
-from posenc.bias.base import ScoreBias
+from posenc.bias.base import ScoreBias, score_positions
 
 
 def _geometric_slopes(n: int) -> list[float]:
@@ -36,11 +36,12 @@ def alibi_bias(
 ) -> torch.Tensor:
     """-slope * |m - n| for query position m and key position n.
 
-    slopes: (h,); q_positions: (b, sq) or (sq,); k_positions: (b, sk) or (sk,). Returns (b, h, sq, sk) float32
-    (b = 1 for 1-D positions). With ``causal`` the future (n > m) is -inf, so the bias alone is a full mask.
+    slopes: (h,); q_positions: (b, sq) or (sq,); k_positions: (b, sk) or (sk,) integer. Returns (b, h, sq, sk)
+    float32 (b = 1 for 1-D positions). With ``causal`` the future (n > m) is -inf, so the bias alone is a full
+    mask: that is only right where positions are token indices, not for packed documents whose ids restart.
+    ``ALiBi.score_bias`` passes ``causal=False``: attention masks by token order itself.
     """
-    q_positions = q_positions if q_positions.dim() == 2 else q_positions[None]
-    k_positions = k_positions if k_positions.dim() == 2 else k_positions[None]
+    q_positions, k_positions = score_positions(q_positions, k_positions)
     distance = (q_positions[:, :, None] - k_positions[:, None, :]).to(torch.float32)  # (b, sq, sk)
     bias = -slopes.to(torch.float32)[None, :, None, None] * distance.abs()[:, None]
     if causal:
@@ -49,7 +50,13 @@ def alibi_bias(
 
 
 class ALiBi(ScoreBias):
-    """num_heads: h; causal: -inf on future keys (False: symmetric -slope * |m - n|, for encoders)."""
+    """num_heads: h; causal: the ``bias`` view is -inf on keys after the query (False: symmetric, for encoders).
+
+    ``score_bias`` is -slope * |m - n| for any positions, never -inf, whatever ``causal`` says: which keys a query
+    may see is decided by token order (``CausalSelfAttention``'s causal mask, FlexAttention's block mask), not by
+    position ids. With packed documents whose ids restart, a key of an earlier document can have a larger id than
+    the query and must still get its distance penalty rather than be hidden; both attention paths agree on that.
+    """
 
     def __init__(self, num_heads: int, *, causal: bool = True) -> None:
         super().__init__()
@@ -62,8 +69,19 @@ class ALiBi(ScoreBias):
         return cls(num_heads, **options)
 
     def score_bias(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
-        """q_positions: (b, sq), k_positions: (b, sk) integer. Returns (b, h, sq, sk) float32."""
-        return alibi_bias(self.slopes, q_positions, k_positions, causal=self.causal)
+        """q_positions: (b, sq) or (sq,), k_positions: (b, sk) or (sk,) integer. Returns (b, h, sq, sk) float32,
+        finite everywhere (the caller's attention mask decides what is future)."""
+        return alibi_bias(self.slopes, q_positions, k_positions, causal=False)
+
+    def bias(self, q_len: int, k_len: int, *, offset: int = 0) -> torch.Tensor:
+        """Queries at offset..offset+q_len-1, keys at 0..k_len-1. Returns (h, q_len, k_len) float32; with ``causal``
+        keys after their query are -inf (here positions are token indices, so that is the causal mask)."""
+        bias = super().bias(q_len, k_len, offset=offset)
+        if not self.causal:
+            return bias
+        # Key n is after query m = offset + i exactly where n - i > offset.
+        future = torch.ones(q_len, k_len, dtype=torch.bool, device=bias.device).triu(diagonal=offset + 1)
+        return bias.masked_fill(future, float("-inf"))
 
     def extra_repr(self) -> str:
         return f"num_heads={self.num_heads}, causal={self.causal}"

@@ -1,12 +1,38 @@
-"""What score-bias encodings share: the (h, q_len, k_len) convenience view of ``score_bias``."""
+"""What score-bias encodings share: checking the positions ``score_bias`` takes, and the (h, q_len, k_len)
+convenience view of it."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from posenc._checks import positive_int
+from posenc._checks import int_tensor, positive_int
 from posenc.encoding import ActsOn
+
+
+def score_positions(q_positions: torch.Tensor, k_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q_positions: (sq,) or (b, sq), k_positions: (sk,) or (b, sk) integer. Returns both as (b or 1, n).
+
+    A 1-D tensor is one sequence shared by the whole batch (a batch of 1 that broadcasts), as ``positions=`` of
+    ``CausalSelfAttention``. Raises TypeError for non-integer positions (ALiBi and T5 alike: a float position is
+    a bug upstream, not a distance), ValueError for other ranks or batch sizes that do not broadcast.
+    """
+    checked = []
+    for name, positions in (("q_positions", q_positions), ("k_positions", k_positions)):
+        int_tensor(name, positions)
+        if positions.dim() not in (1, 2):
+            raise ValueError(
+                f"{name} must have shape (n,) or (b, n) (one row of positions per sequence), "
+                f"got shape {tuple(positions.shape)}"
+            )
+        checked.append(positions if positions.dim() == 2 else positions[None])
+    q, k = checked
+    if q.shape[0] != k.shape[0] and 1 not in (q.shape[0], k.shape[0]):
+        raise ValueError(
+            f"q_positions has batch {q.shape[0]} but k_positions has batch {k.shape[0]}; give both the same batch, "
+            "or one of them a batch of 1 (or 1-D) to share it"
+        )
+    return q, k
 
 
 class ScoreBias(nn.Module):

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from posenc._checks import int_tensor, positive_int
-from posenc.bias.base import ScoreBias
+from posenc.bias.base import ScoreBias, score_positions
 
 
 def _check_buckets(num_buckets: int, max_distance: int, bidirectional: bool) -> None:
@@ -83,7 +83,9 @@ class T5Bias(ScoreBias):
         return cls(num_heads, **options)
 
     def buckets(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
-        """q_positions: (b, sq), k_positions: (b, sk). Returns (b, sq, sk) int64 bucket ids."""
+        """q_positions: (b, sq) or (sq,), k_positions: (b, sk) or (sk,) integer. Returns (b, sq, sk) int64 bucket
+        ids (b = 1 for 1-D positions)."""
+        q_positions, k_positions = score_positions(q_positions, k_positions)
         relative = k_positions[:, None, :] - q_positions[:, :, None]
         return t5_relative_bucket(
             relative,
@@ -93,7 +95,8 @@ class T5Bias(ScoreBias):
         )
 
     def score_bias(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
-        """q_positions: (b, sq), k_positions: (b, sk) integer. Returns (b, h, sq, sk) in the table's dtype."""
+        """q_positions: (b, sq) or (sq,), k_positions: (b, sk) or (sk,) integer. Returns (b, h, sq, sk) in the
+        table's dtype; a causal T5 puts keys after the query in bucket 0 (never -inf): the attention masks them."""
         return self.table(self.buckets(q_positions, k_positions)).permute(0, 3, 1, 2)
 
     def extra_repr(self) -> str:

@@ -2,15 +2,29 @@
 
 The materialized path (``posenc.attention.attend``) builds the bias and a mask of s * t floats per head; at
 s = t = 8192 and 8 heads that is 2 GiB before attention starts. ``score_mod`` computes each bias entry inside
-the compiled attention kernel instead. Where it is used (``use_flex``):
+the compiled attention kernel instead. Where it is used (``use_flex``), only where that mask would be large:
 
-* CUDA: always for ALiBi and T5 when FlexAttention imports (forward and backward, including the T5 table's
-  gradient);
-* CPU: inference only (PyTorch has no CPU backward for FlexAttention) and only for long sequences, where the
-  mask's memory matters more than the one-time compile (about 20 s per shape on 2 cores); see
-  docs/benchmarks.md for the measured peak memory.
+* CUDA: ALiBi and T5 when FlexAttention imports and s * t >= ``CUDA_MIN_SCORES`` (forward and backward,
+  including the T5 table's gradient);
+* CPU: inference only (PyTorch has no CPU backward for FlexAttention) and s * t >= ``CPU_MIN_SCORES``, where the
+  mask's memory matters more than the compile (seconds on 2 cores); see docs/benchmarks.md for the measured
+  peak memory.
 
-Shape key: b batch, h query heads, s queries, t keys, d head dim.
+A KV-cache decode step (s = 1) stays on the materialized path on either device: its (b, h, 1, t) bias is smaller
+than the cache it attends over.
+
+FlexAttention is compiled once per process with dynamo's automatic dynamic shapes: the first call compiles for
+its exact shape, the first call with another length recompiles with the lengths symbolic, and later lengths reuse
+that kernel. A static compile per (b, s, t) (``dynamic=False``) hit dynamo's recompile limit (8) after a few
+lengths and fell back to the unfused flex_attention, which materializes the whole score matrix; ``dynamic=True``
+fails to compile on CPU in torch 2.13 (inductor's C++ for flex: "cur_kvSplitSize was not declared"). A few more
+recompiles happen where dynamo specializes a size of 1 (one query block, one key block, a batch of 1), for each
+encoding type and for each new head count or head dim; the limit of 8 is shared by every caller in the process.
+
+Shape key: b batch, h query heads, s queries, t keys, d head dim. The queries are always the last s of the t
+keys (causal attention with a cache), so a score_mod reads one position tensor, the keys', and finds query i at
+key index ``past + i`` (a 0-d tensor, so that its value is not compiled in): with two captured position tensors
+of different lengths, the recompile with symbolic lengths fails on CPU with the same inductor error.
 """
 
 from __future__ import annotations
@@ -25,6 +39,9 @@ from posenc.bias import ALiBi, T5Bias, t5_relative_bucket
 
 # Below this many scores per head the materialized mask is small (64 MiB in float32) and not worth a compile.
 CPU_MIN_SCORES = 4096 * 4096
+# On CUDA, where FlexAttention also serves training, the bar is lower; below it the mask (4 MiB per head in
+# float32) costs less than keeping one more compiled kernel per shape class.
+CUDA_MIN_SCORES = 1024 * 1024
 
 ScoreMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -35,8 +52,9 @@ def _flex() -> tuple[Callable | None, Callable | None]:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     except ImportError:
         return None, None
-    # Compiled once per process; FlexAttention only saves memory when compiled (eager is the reference math).
-    return torch.compile(flex_attention, dynamic=False), create_block_mask
+    # dynamic=None is dynamo's automatic dynamic shapes: one kernel for every length (see the module docstring).
+    # FlexAttention only saves memory when compiled (eager is the reference math).
+    return torch.compile(flex_attention, dynamic=None), create_block_mask
 
 
 def flex_available() -> bool:
@@ -51,26 +69,34 @@ def _per_batch(positions: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor]
     return lambda b, i: positions[b, i]
 
 
-def alibi_score_mod(slopes: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor) -> ScoreMod:
-    """score - slope_h * |m - n|; slopes (h,), q_positions (b or 1, s), k_positions (b or 1, t). The causal -inf
-    comes from the block mask, as in the materialized path it comes from the ``allowed`` mask."""
-    q_at, k_at = _per_batch(q_positions), _per_batch(k_positions)
+def _past(positions: torch.Tensor, past: int) -> torch.Tensor:
+    # A 0-d tensor, not a Python int: dynamo would specialize the compiled kernel on an int's value.
+    return torch.tensor(past, dtype=torch.long, device=positions.device)
+
+
+def alibi_score_mod(slopes: torch.Tensor, positions: torch.Tensor, past: int) -> ScoreMod:
+    """score - slope_h * |m - n|; slopes (h,), positions (b or 1, t) of the keys, query i at key index past + i.
+
+    No -inf: which keys a query sees is the block mask's business (token order), as in the materialized path it
+    is the ``allowed`` mask's; ``ALiBi.score_bias`` is the same finite bias."""
+    at, shift = _per_batch(positions), _past(positions, past)
     slopes = slopes.float()
 
     def score_mod(score, b, h, q_idx, kv_idx):
-        return score - slopes[h] * (q_at(b, q_idx) - k_at(b, kv_idx)).abs().float()
+        return score - slopes[h] * (at(b, q_idx + shift) - at(b, kv_idx)).abs().float()
 
     return score_mod
 
 
-def t5_score_mod(encoding: T5Bias, q_positions: torch.Tensor, k_positions: torch.Tensor) -> ScoreMod:
-    """score + table[bucket(n - m), h], the bucket computed by ``t5_relative_bucket`` (Hugging Face's)."""
-    q_at, k_at = _per_batch(q_positions), _per_batch(k_positions)
+def t5_score_mod(encoding: T5Bias, positions: torch.Tensor, past: int) -> ScoreMod:
+    """score + table[bucket(n - m), h], the bucket computed by ``t5_relative_bucket`` (Hugging Face's);
+    positions (b or 1, t) of the keys, query i at key index past + i."""
+    at, shift = _per_batch(positions), _past(positions, past)
     weight = encoding.table.weight
 
     def score_mod(score, b, h, q_idx, kv_idx):
         bucket = t5_relative_bucket(
-            k_at(b, kv_idx) - q_at(b, q_idx),
+            at(b, kv_idx) - at(b, q_idx + shift),
             bidirectional=encoding.bidirectional,
             num_buckets=encoding.num_buckets,
             max_distance=encoding.max_distance,
@@ -80,28 +106,30 @@ def t5_score_mod(encoding: T5Bias, q_positions: torch.Tensor, k_positions: torch
     return score_mod
 
 
-def score_mod_for(encoding: nn.Module, q_positions: torch.Tensor, k_positions: torch.Tensor) -> ScoreMod | None:
-    """The score_mod of a known bias encoding, or None (then the caller materializes the bias)."""
+def score_mod_for(encoding: nn.Module, positions: torch.Tensor, past: int) -> ScoreMod | None:
+    """The score_mod of a known bias encoding, or None (then the caller materializes the bias).
+    positions: (b or 1, t) of the keys; the queries are the keys from index ``past`` on."""
     if isinstance(encoding, ALiBi):
-        return alibi_score_mod(encoding.slopes, q_positions, k_positions)
+        return alibi_score_mod(encoding.slopes, positions, past)
     if isinstance(encoding, T5Bias):
-        return t5_score_mod(encoding, q_positions, k_positions)
+        return t5_score_mod(encoding, positions, past)
     return None
 
 
 def use_flex(encoding: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, need_probs: bool) -> bool:
     """Whether ``attend_flex`` should replace the materialized bias for this call (see the module docstring)."""
     # Cheap checks first: flex_available() imports dynamo, which costs seconds on a process's first call.
-    if need_probs or not isinstance(encoding, (ALiBi, T5Bias)):
+    if need_probs or not isinstance(encoding, (ALiBi, T5Bias)) or q.shape[2] == 1:
         return False
+    scores = q.shape[2] * k.shape[2]
     if q.device.type == "cuda":
-        return flex_available()
+        return scores >= CUDA_MIN_SCORES and flex_available()
     if q.device.type != "cpu":
         return False
     needs_grad = torch.is_grad_enabled() and (
         any(t.requires_grad for t in (q, k, v)) or any(p.requires_grad for p in encoding.parameters())
     )
-    return not needs_grad and q.shape[2] * k.shape[2] >= CPU_MIN_SCORES and flex_available()
+    return not needs_grad and scores >= CPU_MIN_SCORES and flex_available()
 
 
 def attend_flex(
@@ -113,21 +141,32 @@ def attend_flex(
     k_positions: torch.Tensor,
 ) -> torch.Tensor:
     """Causal attention with the encoding's bias as a score_mod. q: (b, h, s, d); k, v: (b, h, t, d) (heads
-    already repeated for GQA); positions (b or 1, s) and (b or 1, t). The last s of t keys are the queries.
+    already repeated for GQA); positions (b or 1, s) and (b or 1, t). The last s of t keys are the queries, so
+    q_positions must be the last s columns of k_positions (checked; the kernel reads k_positions only).
 
     Computed in float32 for bf16/fp16 inputs, as the materialized path does. Returns (b, h, s, d) in q's dtype.
     """
     flex, create_block_mask = _flex()
     if flex is None:
         raise RuntimeError("FlexAttention is unavailable in this PyTorch; use posenc.attention.attend")
-    score_mod = score_mod_for(encoding, q_positions, k_positions)
+    s, t = q.shape[2], k.shape[2]
+    for name, positions, n in (("q_positions", q_positions, s), ("k_positions", k_positions, t)):
+        if positions.dim() != 2 or positions.shape[1] != n:
+            raise ValueError(f"{name} must have shape (b or 1, {n}), got {tuple(positions.shape)}")
+    if bool((q_positions != k_positions[:, t - s :]).any()):
+        raise ValueError(
+            "q_positions must be the last s columns of k_positions: the queries are the last s of the t keys, "
+            "as in causal attention with a KV cache"
+        )
+    past = t - s
+    score_mod = score_mod_for(encoding, k_positions, past)
     if score_mod is None:
         raise ValueError(f"no score_mod for {type(encoding).__name__}; only ALiBi and T5Bias have one")
-    s, t = q.shape[2], k.shape[2]
-    past = t - s
+
+    shift = _past(k_positions, past)
 
     def causal(b, h, q_idx, kv_idx):
-        return kv_idx <= q_idx + past
+        return kv_idx <= q_idx + shift
 
     block_mask = create_block_mask(causal, None, None, s, t, device=q.device)
     dtype = torch.promote_types(q.dtype, torch.float32)

@@ -145,6 +145,34 @@ def resolve_device(device: str, *, world_size: int, local_rank: int) -> tuple[to
     )
 
 
+def check_device_usable(device: torch.device) -> None:
+    """Raise ValueError, naming --device, if this process cannot run on ``device``.
+
+    Called before anything trains or any file is written: without it, a missing GPU surfaces as torch's raw
+    "Torch not compiled with CUDA enabled" in the middle of the first unit, after the run folder was claimed.
+    """
+    if device.type == "cpu":
+        return
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            built = "built without CUDA" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+            raise ValueError(
+                f"--device {device}: this torch ({torch.__version__}, {built}) sees no CUDA GPU; pass --device cpu, "
+                "or run on a machine with a GPU and a CUDA build of torch"
+            )
+        if device.index is not None and device.index >= count:
+            raise ValueError(
+                f"--device {device}: this machine has {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}; pass one of "
+                "those, or --device cuda"
+            )
+        return
+    try:  # any other backend (mps, xpu, ...): the cheapest honest test is to allocate there
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as error:
+        raise ValueError(f"--device {device} is not usable in this process ({error}); pass --device cpu") from None
+
+
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
     if value is None:
@@ -161,10 +189,12 @@ def process_group(device: str) -> Iterator[tuple[Ranks, torch.device]]:
 
     Reads WORLD_SIZE and LOCAL_RANK (and, through ``init_process_group``'s env:// method, RANK, MASTER_ADDR and
     MASTER_PORT). With WORLD_SIZE unset or 1 nothing is initialised: ``Ranks()`` and ``torch.device(device)``.
+    A device this process cannot use (``--device cuda`` without a GPU) is a ValueError before anything else.
     A group that is already initialised is used as it is and left for its owner to destroy.
     """
     world_size = _env_int("WORLD_SIZE", 1)
     resolved, backend = resolve_device(device, world_size=world_size, local_rank=_env_int("LOCAL_RANK", 0))
+    check_device_usable(resolved)
     if backend is None or dist.is_initialized():
         yield Ranks.current(), resolved
         return

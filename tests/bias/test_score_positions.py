@@ -1,0 +1,40 @@
+"""ALiBi and T5 take positions alike: (s,) is one sequence shared by the batch, (b, s) one row per sequence;
+anything else is a clear error, the same for both."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import posenc
+
+BIASES = {"alibi": lambda: posenc.ALiBi(4), "t5": lambda: posenc.T5Bias(4, num_buckets=8, max_distance=16)}
+
+
+@pytest.mark.parametrize("name", list(BIASES))
+def test_one_dimensional_positions_are_a_batch_of_one(name):
+    encoding = BIASES[name]()
+    q, k = torch.arange(2, 5), torch.arange(5)
+    with torch.no_grad():
+        flat = encoding.score_bias(q, k)  # T5 raised a raw IndexError here
+        rows = encoding.score_bias(q[None], k[None])
+        mixed = encoding.score_bias(q, torch.stack((k, k + 3)))
+    assert flat.shape == (1, 4, 3, 5) and torch.equal(flat, rows)
+    assert mixed.shape == (2, 4, 3, 5) and torch.equal(mixed[:1], flat)
+
+
+@pytest.mark.parametrize("name", list(BIASES))
+@pytest.mark.parametrize(
+    ("q", "k", "error", "message"),
+    [
+        # ALiBi silently accepted float positions.
+        (torch.arange(3.0), torch.arange(5), TypeError, "q_positions must hold integer positions"),
+        (torch.arange(3), torch.arange(5.0), TypeError, "k_positions must hold integer positions"),
+        ([0, 1, 2], torch.arange(5), TypeError, "q_positions must be an integer torch.Tensor"),
+        (torch.zeros(1, 1, 3, dtype=torch.long), torch.arange(5), ValueError, r"q_positions must have shape \(n,\)"),
+        (torch.zeros(2, 3, dtype=torch.long), torch.zeros(3, 5, dtype=torch.long), ValueError, "batch 2 but"),
+    ],
+)
+def test_bad_positions_are_the_same_clear_error_for_both(name, q, k, error, message):
+    with pytest.raises(error, match=message):
+        BIASES[name]().score_bias(q, k)
