@@ -72,7 +72,7 @@ def test_the_reports_plot_command_reproduces_its_config(tmp_path):
     from posenc.analysis.report import plot_command
     from posenc.cli import _figure_config, build_parser
 
-    params = {"rope_type": "longrope", "rope_theta": 500.0, "factor": 4.0}
+    params = {"rope_type": "longrope", "rope_theta": 1234567.0, "factor": 4.0}  # :g would print 1.23457e+06
     params |= {"short_factor": [1.0] * 8, "long_factor": [1.0 + i / 4 for i in range(8)]}
     config = FigureConfig(head_dim=16, rope_parameters=params, train_len=128, num_heads=2)
     args = build_parser().parse_args(shlex.split(plot_command(config, tmp_path / "my run"))[1:])

@@ -174,7 +174,7 @@ def plot_command(config: FigureConfig, run: Path | None = None) -> str:
     words = ["posenc", "plot", "--out", "figures", "--head-dim", str(config.head_dim)]
     words += ["--rope-type", str(params.pop("rope_type", params.pop("type", "default")))]
     if "rope_theta" in params:
-        words += ["--base", f"{params.pop('rope_theta'):g}"]
+        words += ["--base", repr(float(params.pop("rope_theta")))]  # repr: exact, where :g rounds to 6 digits
     for key, value in params.items():
         words += ["--rope-param", shlex.quote(f"{key}={json.dumps(value, separators=(',', ':'))}")]
     words += ["--train-len", str(config.train_len), "--eval-len", str(config.eval_len)]
