@@ -39,6 +39,7 @@ def _rope_kernel(
     offset,
     n0,
     n2,
+    n_blocks,
     heads_q,
     n_seq,
     search_steps,
@@ -77,8 +78,8 @@ def _rope_kernel(
 ):
     # One flat grid of (head, i0, token block), token blocks fastest: CUDA caps grid dims 1 and 2 at 65535, which
     # a batch, or the heads axis of a broadcast call given x as (b * s, h, d), can pass.
+    # n_blocks = cdiv(n2, BLOCK_S) comes from the host: computed here in i32, n2 + BLOCK_S - 1 wraps near 2**31.
     pid = tl.program_id(0).to(tl.int64)
-    n_blocks = tl.cdiv(n2, BLOCK_S)
     pid_s = pid % n_blocks
     i0 = (pid // n_blocks) % n0
     head = pid // (n_blocks * n0)
@@ -153,10 +154,13 @@ def _rope_kernel(
         tl.store(out_base + pair[None, :], (x1 * cos - x2 * sin).to(OUT.dtype.element_ty), mask=ok)
         tl.store(out_base + HALF + pair[None, :], (x2 * cos + x1 * sin).to(OUT.dtype.element_ty), mask=ok)
     if COPY_TAIL:
+        # A name of its own: `range` compiles to a loop, whose variables may not change type (shape) inside it,
+        # and the interleaved branch's `channel` has 2 * BLOCK_H lanes, not BLOCK_T. The interpreter allowed it.
         for start in range(0, TAIL, BLOCK_T):
-            channel = 2 * HALF + start + tl.arange(0, BLOCK_T)
-            ok_t = t_ok[:, None] & (channel < 2 * HALF + TAIL)[None, :]
-            tl.store(out_base + channel[None, :], tl.load(x_base + channel[None, :], mask=ok_t), mask=ok_t)
+            tail_channel = 2 * HALF + start + tl.arange(0, BLOCK_T)
+            ok_t = t_ok[:, None] & (tail_channel < 2 * HALF + TAIL)[None, :]
+            tail = tl.load(x_base + tail_channel[None, :], mask=ok_t)
+            tl.store(out_base + tail_channel[None, :], tail, mask=ok_t)
 
 
 def interpreted() -> bool:
@@ -270,6 +274,7 @@ def plan_launch(
         offset,
         n0,
         n2,
+        triton.cdiv(n2, block_s),
         heads_q,
         n_seq,
         n_seq.bit_length() + 1,  # binary-search steps over n_seq + 1 edges

@@ -134,6 +134,9 @@ def _case_plans() -> dict[str, Launch]:
         "bf16 d128 adjacent-pairs bshd": plan(bf16, d=128, r=128, layout="bshd", interleaved=True),
         "fp32 d128 split-half offset": plan(fp32, d=128, r=128),
         "fp16 d128 r64 copy-tail": plan(fp16, d=128, r=64),
+        # Adjacent pairs with a tail of another width than the pairs: a loop variable once changed shape there.
+        "fp32 d128 r96 adjacent-pairs copy-tail": plan(fp32, d=128, r=96, interleaved=True),
+        "bf16 d80 r64 adjacent-pairs copy-tail positions": plan(bf16, d=80, r=64, interleaved=True, how="positions"),
         "bf16 d128 in-place": plan(bf16, d=128, r=128, how="in_place"),
         "bf16 d64 per-sequence bshd": plan(bf16, d=64, r=64, layout="bshd", how="per_sequence"),
         "bf16 d80 position-ids": plan(bf16, d=80, r=80, how="positions"),
