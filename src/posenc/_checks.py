@@ -8,6 +8,15 @@ from typing import Any
 import torch
 
 
+def values_readable(device: torch.device | str | None) -> bool:
+    """Whether a check may read tensor values on the host (a device sync): not while torch.compile traces (the
+    graph would break) nor while a CUDA graph captures on the current stream (the capture would fail). Checks of
+    values are skipped there; shapes, dtypes and devices are still checked."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (device is not None and torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
 def positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")

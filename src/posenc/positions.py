@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from posenc._checks import int_tensor
+from posenc._checks import int_tensor, values_readable
 
 
 def resolve_positions(
@@ -23,10 +23,11 @@ def resolve_positions(
 
     positions: (s,) or (b, s) integer tensor, or None for ``offset + arange(s)``.
     offset: int >= 0, or an integer tensor of shape (b,) (one offset per sequence). Added to ``positions``.
-    The checks of tensor values (no negative offset or position) are skipped under torch.compile, where they would
-    break the graph.
+    The checks of tensor values (no negative offset or position) are skipped under torch.compile and CUDA graph
+    capture, where they would break the graph or the capture.
     """
-    check_data = not torch.compiler.is_compiling()
+    tensors = [t for t in (positions, offset) if isinstance(t, torch.Tensor)]
+    check_data = values_readable(device if device is not None else (tensors[0].device if tensors else None))
     if isinstance(offset, torch.Tensor):
         int_tensor("offset", offset)
         if offset.dim() == 0:

@@ -497,3 +497,43 @@ def test_triton_launches_on_the_tensors_gpu(monkeypatch):
     monkeypatch.setattr(triton_rope, "_rope_kernel", Kernel())
     triton_rope.launch(triton_rope.Launch((1,), [OnSecondGpu()], {}))
     assert entered == [torch.device("cuda", 1)] and launched == [1], "the kernel ran outside the device guard"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a CUDA device")
+def test_table_calls_capture_into_a_cuda_graph():
+    """A decode step with tensor offsets, position ids or cu_seqlens captures into a CUDA graph: no check reads a
+    value while capturing (it would sync, which a capture refuses), and the replay equals the eager result."""
+    device = "cuda"
+    cos, sin = (t.to(device) for t in table(64, 256))
+    q, k = torch.randn(2, 4, 1, 64, device=device), torch.randn(2, 2, 1, 64, device=device)
+    offsets, ids = torch.tensor([5, 70], device=device), torch.tensor([[3], [9]], device=device)
+    packed, cu_seqlens = torch.randn(5, 2, 64, device=device), torch.tensor([0, 2, 5], device=device)
+    rope = posenc.RoPE(64)
+    calls = {
+        "offsets": lambda: apply_rotary_qk(q, k, cos, sin, offset=offsets),
+        "position ids": lambda: apply_rotary_qk(q, k, cos, sin, positions=ids),
+        "cu_seqlens": lambda: (apply_rotary(packed, cos, sin, cu_seqlens=cu_seqlens, offset=offsets),),
+        "RoPE": lambda: rope(q, k, positions=ids, offset=offsets),
+    }
+    for name, call in calls.items():
+        expected = call()  # also warms up: RoPE builds its table here, before the capture
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            call()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = call()
+        graph.replay()
+        torch.cuda.synchronize()
+        for got, want in zip(captured, expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=name)
+
+
+def test_values_are_read_only_outside_tracing_and_capture(monkeypatch):
+    from posenc._checks import values_readable
+
+    assert values_readable(torch.device("cpu")) and values_readable(None)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert values_readable("cpu") and not values_readable(torch.device("cuda", 0))

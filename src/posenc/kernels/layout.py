@@ -18,7 +18,7 @@ from typing import Literal
 
 import torch
 
-from posenc._checks import float_tensor, int_tensor
+from posenc._checks import float_tensor, int_tensor, values_readable
 
 Kind = Literal["broadcast", "bhsd", "bshd", "varlen"]
 KINDS = ("broadcast", "bhsd", "bshd", "varlen")
@@ -61,9 +61,9 @@ def check_table_call(
     is (b,), or 0-d / (1,) for all sequences alike.
 
     xs: name -> tensor, (b, h, s, d) / (b, s, h, d) / (total, h, d) by ``kind``; tensors may differ in h only.
-    Data-dependent checks (positions inside the table, cu_seqlens ascending) are skipped under torch.compile,
-    where they would break the graph; ``rows_checked`` (the caller knows every position is >= 0 and inside the
-    table) skips the positions' and offsets' ones.
+    Data-dependent checks (positions inside the table, cu_seqlens ascending) are skipped under torch.compile and
+    CUDA graph capture (``posenc._checks.values_readable``); ``rows_checked`` (the caller knows every position is
+    >= 0 and inside the table) skips the positions' and offsets' ones.
     """
     float_tensor("cos", cos)
     float_tensor("sin", sin)
@@ -96,7 +96,7 @@ def check_table_call(
                 f"{tuple(x.shape)} for {name}"
             )
     batch, seq = (1, first.shape[0]) if kind == "varlen" else (first.shape[0], first.shape[2 if kind == "bhsd" else 1])
-    check_data = not torch.compiler.is_compiling()
+    check_data = values_readable(first.device)
 
     if cu_seqlens is not None:
         int_tensor("cu_seqlens", cu_seqlens)

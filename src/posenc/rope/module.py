@@ -13,7 +13,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from posenc._checks import float_tensor, same_device
+from posenc._checks import float_tensor, same_device, values_readable
 from posenc.encoding import ActsOn
 from posenc.kernels.ops import BACKENDS
 from posenc.positions import resolve_positions
@@ -69,8 +69,8 @@ def _position_bounds(
         return None
     else:
         reductions.append(positions)
-    if reductions and torch.compiler.is_compiling():
-        return None  # reading the bounds would break the graph; the general path needs none for these types
+    if reductions and not values_readable(reductions[0].device):
+        return None  # traced or captured: the general path reads no values for these types
     if reductions:
         values = torch.stack([m.to(torch.long) for t in reductions for m in torch.aminmax(t)]).tolist()
         low += sum(values[0::2])
@@ -266,17 +266,23 @@ class RoPE(nn.Module):
             if isinstance(offset, torch.Tensor):
                 offset = offset.to(q.device)
             bounds = _position_bounds(seq, q.shape[0], positions, offset)
+            table = None
             if bounds is not None and bounds[1] < _TABLE_LIMIT:
                 # Frequencies that do not depend on the length: the kernels read the cached table at the tokens'
                 # rows (a slice for an int offset), with no per-token cos/sin built here first (measured: 4-6% of a
                 # CPU prefill call; at decode size ~35 us of a ~100 us call with position ids). The table covers
                 # every row up to the bound, so when no position can be negative the rows need no second check
                 # (on CUDA a device sync each).
-                cos, sin = self._table(q.device, max(bounds[1] + 1, 1), table_dtype)
+                table, trusted = self._table(q.device, max(bounds[1] + 1, 1), table_dtype), bounds[0] >= 0
+            elif bounds is None and not torch.compiler.is_compiling() and not values_readable(q.device):
+                # Captured into a CUDA graph: nothing may read a value or copy from the host, so the table built
+                # while warming up is read as it stands (positions past it are the caller's to avoid, as for any
+                # gather in a captured graph).
+                table, trusted = self._tables.get((q.device, table_dtype)), True
+            if table is not None:
                 q, k = rotate_tensors(
                     {"q": q, "k": k},
-                    cos,
-                    sin,
+                    *table,
                     interleaved=self.interleaved,
                     conjugate=False,
                     positions=positions,
@@ -285,7 +291,7 @@ class RoPE(nn.Module):
                     layout=layout,
                     backend=self.backend,
                     inplace=False,
-                    rows_checked=bounds[0] >= 0,
+                    rows_checked=trusted,
                 )
                 return q, k
         pos = resolve_positions(seq, batch=q.shape[0], positions=positions, offset=offset, device=q.device)
