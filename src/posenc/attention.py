@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +18,7 @@ from torch import nn
 
 from posenc._checks import float_tensor, positive_int
 from posenc.encoding import ActsOn
-from posenc.kernels.flex_bias import attend_flex, use_flex
+from posenc.kernels.flex_bias import FlexFallback, attend_flex, use_flex
 from posenc.positions import resolve_positions
 
 
@@ -184,13 +185,16 @@ class CausalSelfAttention(nn.Module):
             k = k.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
             v = v.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
 
-        allowed = causal_mask(s, t, x.device)
+        out = None
         if acts_on is ActsOn.SCORE_BIAS and use_flex(self.encoding, q, k, v, need_probs=return_attention):
             # FlexAttention computes the bias inside the kernel: no (b, h, s, t) mask is built.
-            out, probs = attend_flex(q, k, v, self.encoding, pos, k_pos), None
-        else:
+            try:
+                out, probs = attend_flex(q, k, v, self.encoding, pos, k_pos), None
+            except FlexFallback as error:
+                warnings.warn(f"{error}; the bias is materialized instead (same result, more memory)", stacklevel=2)
+        if out is None:
             bias = self.encoding.score_bias(pos, k_pos) if acts_on is ActsOn.SCORE_BIAS else None
-            out, probs = attend(q, k, v, allowed, bias, need_probs=return_attention)
+            out, probs = attend(q, k, v, causal_mask(s, t, x.device), bias, need_probs=return_attention)
         out = self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
         return (out, probs) if return_attention else out
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
-from torch._dynamo.utils import counters
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from posenc import ALiBi, CausalSelfAttention, KVCache, T5Bias, attention
@@ -48,8 +49,26 @@ def test_score_mod_matches_the_materialized_bias(name, positions):
     assert_close(got, expected.double(), reduction=True)
 
 
+@pytest.fixture
+def compiled_flex(monkeypatch):
+    """Long-sequence CPU inference routed to the compiled FlexAttention for every length, from a clean dynamo
+    state: compiled variants of other tests count toward dynamo's recompile limit, past which posenc falls back."""
+    torch._dynamo.reset()
+    monkeypatch.setattr(flex_bias, "CPU_MIN_SCORES", 0)
+    monkeypatch.setattr(flex_bias, "_GIVEN_UP", set())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # a fallback to the materialized bias warns: fail on it
+        yield
+
+
+def _materialized(layer, monkeypatch, *args, **kwargs):
+    with monkeypatch.context() as materialize:
+        materialize.setattr(flex_bias, "CPU_MIN_SCORES", 2**62)
+        return layer(*args, **kwargs)
+
+
 @pytest.mark.parametrize("name", ["alibi", "t5-causal"])
-def test_packed_documents_get_one_semantics_on_every_path(name, monkeypatch):
+def test_packed_documents_get_one_semantics_on_every_path(name, monkeypatch, compiled_flex):
     """Compiled FlexAttention, the materialized bias and return_attention agree when position ids restart
     mid-row. ALiBi's materialized bias used to hide the earlier document's keys whose ids exceed the query's
     (0.47 apart); causality is by token order on every path, and every earlier key gets -slope * |m - n|."""
@@ -58,35 +77,51 @@ def test_packed_documents_get_one_semantics_on_every_path(name, monkeypatch):
     x = torch.randn(1, 40, 32)
     packed = torch.cat((torch.arange(24), torch.arange(16)))
     with torch.no_grad():
-        materialized = layer(x, positions=packed)
+        materialized = _materialized(layer, monkeypatch, x, positions=packed)
         _, probs = layer(x, positions=packed, return_attention=True)
-        monkeypatch.setattr(flex_bias, "CPU_MIN_SCORES", 0)
         flexed = layer(x, positions=packed)
     assert_close(flexed, materialized.double(), reduction=True)
     # The second document's first token (id 0, token 24) still sees every key of the first document.
     assert (probs[0, :, 24, :25] > 0).all()
 
 
-def _compiled_graphs() -> int:
-    return counters["stats"]["unique_graphs"]
-
-
-def test_flex_reuses_one_compiled_kernel_across_lengths(monkeypatch):
-    """Four lengths through the compiled path: at most one compile for the first shape and one recompile with
-    symbolic lengths (it was one compile per shape, and after 8 the unfused fallback)."""
+def test_flex_serves_several_lengths_and_position_forms(monkeypatch, compiled_flex):
+    """Lengths, batch sizes, and shared then per-sequence positions in one process, each through the compiled
+    kernel (a fallback would warn): with dynamic lengths on CPU, a call that switched the score_mod's form made a
+    recompile that failed inside inductor, and static compiles once hit dynamo's limit and went unfused."""
     torch.manual_seed(0)
     layer = CausalSelfAttention(32, 4, num_kv_heads=2, encoding=ALiBi(4)).eval()
-    monkeypatch.setattr(flex_bias, "CPU_MIN_SCORES", 0)
-    before = _compiled_graphs()
+    x = torch.randn(2, 64, 32)
+    per_sequence = torch.arange(64).repeat(2, 1) + torch.tensor([[0], [5]])
+    calls = [(x[:1, :41], None), (x[:1, :57], None), (x, None), (x, per_sequence), (x[:, :50], None)]
     with torch.no_grad():
-        for length in (41, 57, 77, 100):
-            x = torch.randn(1, length, 32)
-            flexed = layer(x)
-            with monkeypatch.context() as materialize:
-                materialize.setattr(flex_bias, "CPU_MIN_SCORES", 2**62)
-                expected = layer(x)
+        for inputs, positions in calls:
+            flexed = layer(inputs, positions=positions)
+            expected = _materialized(layer, monkeypatch, inputs, positions=positions)
             assert_close(flexed, expected.double(), reduction=True)
-    assert _compiled_graphs() - before <= 2
+
+
+def test_a_call_flex_cannot_serve_materializes_with_a_warning(monkeypatch):
+    """Past dynamo's recompile limit torch would quietly run an unfused flex_attention that builds the scores;
+    posenc turns that (and a failed compile) into a warning and the materialized path, with the same result, and
+    stops trying on that device type."""
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+
+    def at_the_limit(*args, **kwargs):
+        raise FailOnRecompileLimitHit("recompile_limit reached")
+
+    torch.manual_seed(0)
+    layer = CausalSelfAttention(32, 4, encoding=T5Bias(4)).eval()
+    x = torch.randn(1, 40, 32)
+    with torch.no_grad():
+        expected = layer(x)
+        monkeypatch.setattr(flex_bias, "CPU_MIN_SCORES", 0)
+        monkeypatch.setattr(flex_bias, "_GIVEN_UP", set())
+        monkeypatch.setattr(flex_bias, "_flex", lambda device_type="cuda": (at_the_limit, create_block_mask))
+        with pytest.warns(UserWarning, match="FlexAttention cannot serve this call .FailOnRecompileLimitHit."):
+            got = layer(x)
+        assert not flex_bias.use_flex(layer.encoding, x[:, None], x[:, None], x[:, None], need_probs=False)
+    torch.testing.assert_close(got, expected)
 
 
 def test_causal_self_attention_routes_long_cpu_inference_to_flex(monkeypatch):
@@ -97,6 +132,7 @@ def test_causal_self_attention_routes_long_cpu_inference_to_flex(monkeypatch):
     with torch.no_grad():
         materialized = layer(x)
         monkeypatch.setattr(flex_bias, "CPU_MIN_SCORES", 0)
+        monkeypatch.setattr(flex_bias, "_GIVEN_UP", set())
         assert flex_bias.use_flex(layer.encoding, x[:, None], x[:, None], x[:, None], need_probs=False)
         flexed = layer(x)
     assert_close(flexed, materialized.double(), reduction=True)

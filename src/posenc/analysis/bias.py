@@ -10,11 +10,12 @@ from posenc.encoding import ActsOn
 
 
 def bias_matrix(encoding: nn.Module, q_len: int, k_len: int | None = None) -> torch.Tensor:
-    """The bias the encoding adds to the logits, from its own ``score_bias``.
+    """The bias the encoding adds to the logits, from its own ``bias(q_len, k_len, offset=...)``.
 
     encoding: a score-bias module (``posenc.ALiBi``, ``posenc.T5Bias``); q_len queries, k_len keys (default
     q_len). The queries are the last q_len of the k_len tokens, as in causal decoding with a cache.
-    Returns (h, q_len, k_len) float64; -inf marks the future keys of a causal bias.
+    Returns (h, q_len, k_len) float64; a causal ALiBi marks future keys -inf (a causal T5 bias has values there,
+    bucket 0's, which the attention's mask hides).
     """
     if getattr(encoding, "acts_on", None) is not ActsOn.SCORE_BIAS or not isinstance(encoding, nn.Module):
         acts_on = getattr(encoding, "acts_on", None)

@@ -13,13 +13,20 @@ the compiled attention kernel instead. Where it is used (``use_flex``), only whe
 A KV-cache decode step (s = 1) stays on the materialized path on either device: its (b, h, 1, t) bias is smaller
 than the cache it attends over.
 
-FlexAttention is compiled once per process with dynamo's automatic dynamic shapes: the first call compiles for
-its exact shape, the first call with another length recompiles with the lengths symbolic, and later lengths reuse
-that kernel. A static compile per (b, s, t) (``dynamic=False``) hit dynamo's recompile limit (8) after a few
-lengths and fell back to the unfused flex_attention, which materializes the whole score matrix; ``dynamic=True``
-fails to compile on CPU in torch 2.13 (inductor's C++ for flex: "cur_kvSplitSize was not declared"). A few more
-recompiles happen where dynamo specializes a size of 1 (one query block, one key block, a batch of 1), for each
-encoding type and for each new head count or head dim; the limit of 8 is shared by every caller in the process.
+How FlexAttention is compiled differs by device:
+
+* CUDA: with dynamo's automatic dynamic shapes (``dynamic=None``): the first call compiles for its exact shape,
+  the first call with another length recompiles with the lengths symbolic, and later lengths reuse that kernel
+  (training sees many lengths). A few more recompiles happen where dynamo specializes a size of 1 (one block, a
+  batch of 1), per encoding type and per head count or head dim.
+* CPU: one static compile per shape (``dynamic=False``). Symbolic lengths fail to compile there in torch 2.13
+  (inductor's C++ for flex: "cur_kvSplitSize2 / cur_qSplitSize2 was not declared"), in orders of calls that no
+  rule here could rule out; CPU inference sees few lengths.
+
+Either way dynamo stops compiling after 8 variants (its recompile limit, shared by every caller in the process)
+and would then quietly run an unfused flex_attention that materializes the whole score matrix. posenc makes that,
+and any compile error, a ``FlexFallback``: ``CausalSelfAttention`` warns and materializes the bias itself (the same
+result), and does so for the rest of the process on that device type rather than fail to compile again.
 
 Shape key: b batch, h query heads, s queries, t keys, d head dim. The queries are always the last s of the t
 keys (causal attention with a cache), so a score_mod reads one position tensor, the keys', and finds query i at
@@ -35,6 +42,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from posenc._checks import values_readable
 from posenc.bias import ALiBi, T5Bias, t5_relative_bucket
 
 # Below this many scores per head the materialized mask is small (64 MiB in float32) and not worth a compile.
@@ -46,19 +54,29 @@ CUDA_MIN_SCORES = 1024 * 1024
 ScoreMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+# Device types where the compiled kernel failed (a compile error or the recompile limit): materialized from then on.
+_GIVEN_UP: set[str] = set()
+
+
 @functools.cache
-def _flex() -> tuple[Callable | None, Callable | None]:
+def _flex(device_type: str = "cuda") -> tuple[Callable | None, Callable | None]:
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     except ImportError:
         return None, None
-    # dynamic=None is dynamo's automatic dynamic shapes: one kernel for every length (see the module docstring).
-    # FlexAttention only saves memory when compiled (eager is the reference math).
-    return torch.compile(flex_attention, dynamic=None), create_block_mask
+    # FlexAttention only saves memory when compiled (eager is the reference math); dynamic shapes where they
+    # compile (see the module docstring).
+    return torch.compile(flex_attention, dynamic=None if device_type == "cuda" else False), create_block_mask
 
 
 def flex_available() -> bool:
     return _flex()[0] is not None
+
+
+class FlexFallback(RuntimeError):
+    """The compiled FlexAttention cannot serve this call: dynamo's recompile limit is reached (past it, torch would
+    quietly run an unfused flex_attention that materializes the scores) or inductor failed to compile a variant.
+    ``CausalSelfAttention`` then materializes the bias itself, with a warning."""
 
 
 def _per_batch(positions: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -119,7 +137,7 @@ def score_mod_for(encoding: nn.Module, positions: torch.Tensor, past: int) -> Sc
 def use_flex(encoding: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, need_probs: bool) -> bool:
     """Whether ``attend_flex`` should replace the materialized bias for this call (see the module docstring)."""
     # Cheap checks first: flex_available() imports dynamo, which costs seconds on a process's first call.
-    if need_probs or not isinstance(encoding, (ALiBi, T5Bias)) or q.shape[2] == 1:
+    if need_probs or not isinstance(encoding, (ALiBi, T5Bias)) or q.shape[2] == 1 or q.device.type in _GIVEN_UP:
         return False
     scores = q.shape[2] * k.shape[2]
     if q.device.type == "cuda":
@@ -146,19 +164,22 @@ def attend_flex(
 
     Computed in float32 for bf16/fp16 inputs, as the materialized path does. Returns (b, h, s, d) in q's dtype.
     """
-    flex, create_block_mask = _flex()
+    flex, create_block_mask = _flex(q.device.type)
     if flex is None:
         raise RuntimeError("FlexAttention is unavailable in this PyTorch; use posenc.attention.attend")
     s, t = q.shape[2], k.shape[2]
     for name, positions, n in (("q_positions", q_positions, s), ("k_positions", k_positions, t)):
         if positions.dim() != 2 or positions.shape[1] != n:
             raise ValueError(f"{name} must have shape (b or 1, {n}), got {tuple(positions.shape)}")
-    if bool((q_positions != k_positions[:, t - s :]).any()):
+    if values_readable(q.device) and bool((q_positions != k_positions[:, t - s :]).any()):
         raise ValueError(
             "q_positions must be the last s columns of k_positions: the queries are the last s of the t keys, "
             "as in causal attention with a KV cache"
         )
     past = t - s
+    # One form for every call of a batch size: shared (1, t) positions expanded like per-sequence ones. A call that
+    # switched forms recompiled with symbolic lengths, which inductor's CPU flex code fails to compile.
+    k_positions = k_positions.expand(q.shape[0], t).contiguous()
     score_mod = score_mod_for(encoding, k_positions, past)
     if score_mod is None:
         raise ValueError(f"no score_mod for {type(encoding).__name__}; only ALiBi and T5Bias have one")
@@ -170,5 +191,16 @@ def attend_flex(
 
     block_mask = create_block_mask(causal, None, None, s, t, device=q.device)
     dtype = torch.promote_types(q.dtype, torch.float32)
-    out = flex(q.to(dtype), k.to(dtype), v.to(dtype), score_mod=score_mod, block_mask=block_mask)
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+    from torch._inductor.exc import InductorError
+
+    try:
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            out = flex(q.to(dtype), k.to(dtype), v.to(dtype), score_mod=score_mod, block_mask=block_mask)
+    except (FailOnRecompileLimitHit, InductorError) as error:
+        _GIVEN_UP.add(q.device.type)
+        raise FlexFallback(
+            f"FlexAttention cannot serve this call ({type(error).__name__}); posenc materializes score biases on "
+            f"{q.device.type} for the rest of this process"
+        ) from error
     return out.to(q.dtype)

@@ -121,7 +121,8 @@ def check_table_call(
         int_tensor("offset", offset)
         if offset.dim() > 1 or offset.numel() not in (1, batch):
             raise ValueError(
-                f"offset must be an int or a ({batch},) tensor (one per sequence), got shape {tuple(offset.shape)}"
+                f"offset must be an int, a ({batch},) tensor (one per sequence) or a 0-d tensor, got shape "
+                f"{tuple(offset.shape)}"
             )
         # One offset for every sequence, as a 0-d or (1,) tensor: the same as resolve_positions accepts.
         offset = offset.reshape(1).expand(batch) if offset.shape != (batch,) else offset

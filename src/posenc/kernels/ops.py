@@ -137,8 +137,8 @@ def triton_plans(
     pairs = [(canonical(x, kind), canonical(o, kind), x) for x, o in zip(xs, outs, strict=True) if x.numel()]
     if not pairs:  # nothing to rotate: an empty batch, heads or sequence
         return []
-    first = pairs[0][0].shape if pairs else None
-    together = all(v.shape[0] == first[0] and v.shape[2] == first[2] for v, _, _ in pairs)  # type: ignore[index]
+    first = pairs[0][0].shape
+    together = all(v.shape[0] == first[0] and v.shape[2] == first[2] for v, _, _ in pairs)
     groups = [pairs] if together else [[pair] for pair in pairs]
     plans = []
     for group in groups:
@@ -334,7 +334,8 @@ class _EagerRotation(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        wanted = [g if need else None for g, need in zip(grads, ctx.needs_input_grad, strict=False)]
+        # One gradient per rotated tensor, which come first among the inputs.
+        wanted = [g if need else None for g, need in zip(grads, ctx.needs_input_grad[: len(grads)], strict=True)]
         return (*_rotate_grads(ctx, wanted, rotary_copy), *([None] * _TRAILING))
 
 
