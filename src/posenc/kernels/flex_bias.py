@@ -190,17 +190,20 @@ def attend_flex(
         return kv_idx <= q_idx + shift
 
     block_mask = create_block_mask(causal, None, None, s, t, device=q.device)
-    dtype = torch.promote_types(q.dtype, torch.float32)
+    dtype, out_dtype = torch.promote_types(q.dtype, torch.float32), q.dtype
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    if torch.compiler.is_compiling():  # inside the caller's torch.compile: its graph holds the call
+        return flex(q, k, v, score_mod=score_mod, block_mask=block_mask).to(out_dtype)
     from torch._dynamo.exc import FailOnRecompileLimitHit
     from torch._inductor.exc import InductorError
 
     try:
         with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-            out = flex(q.to(dtype), k.to(dtype), v.to(dtype), score_mod=score_mod, block_mask=block_mask)
+            out = flex(q, k, v, score_mod=score_mod, block_mask=block_mask)
     except (FailOnRecompileLimitHit, InductorError) as error:
         _GIVEN_UP.add(q.device.type)
         raise FlexFallback(
             f"FlexAttention cannot serve this call ({type(error).__name__}); posenc materializes score biases on "
             f"{q.device.type} for the rest of this process"
         ) from error
-    return out.to(q.dtype)
+    return out.to(out_dtype)
