@@ -70,7 +70,7 @@ def _position_bounds(
     else:
         reductions.append(positions)
     if reductions and not values_readable(reductions[0].device):
-        return None  # traced or captured: the general path reads no values for these types
+        return None  # traced or captured: no value may be read (RoPE.forward has a path for each that reads none)
     if reductions:
         values = torch.stack([m.to(torch.long) for t in reductions for m in torch.aminmax(t)]).tolist()
         low += sum(values[0::2])
