@@ -376,6 +376,53 @@ def test_torch_compile_fullgraph_backward():
     torch.testing.assert_close(q.grad, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+@pytest.mark.parametrize("kind", ["position_ids", "per_sequence", "varlen"])
+def test_positions_outside_the_table_never_read_past_it_under_torch_compile(backend, kind):
+    """Inside torch.compile nothing reads positions before the custom op runs, so the kernels bound the rows
+    themselves: the CPU kernel raises before writing anything; the Triton kernel (which cannot raise) gives NaN in
+    the rotated channels of exactly the tokens outside the table and the right values everywhere else."""
+    device = DEVICE[backend]
+    cos, sin = (t.to(device) for t in table(8, 16))
+    q = torch.randn(2, 3, 4, 10, device=device)  # r = 8 of d = 10: the tail is copied in every token
+    calls = {
+        # tokens 2 and 3 of sequence 1 outside: one past the table, one negative
+        "position_ids": ({"positions": torch.tensor([[0, 1, 2, 3], [4, 5, 16, -1]], device=device)}, q),
+        # sequence 1 starts at row 14, so its tokens 2 and 3 read rows 16 and 17
+        "per_sequence": ({"offset": torch.tensor([0, 14], device=device)}, q),
+        # packed: sequence 1 (tokens 4..7) at offset 14
+        "varlen": (
+            {"cu_seqlens": torch.tensor([0, 4, 8], device=device), "offset": torch.tensor([0, 14], device=device)},
+            q.transpose(1, 2).reshape(8, 3, 10),
+        ),
+    }
+    kwargs, x = calls[kind]
+    with pytest.raises(ValueError, match=r"table has 16 rows|must be >= 0"):  # eager: checked before the call
+        apply_rotary(x, cos, sin, backend=backend, **kwargs)
+    compiled = torch.compile(
+        lambda x, kw: apply_rotary(x, cos, sin, backend=backend, **kw), fullgraph=True, backend="aot_eager"
+    )
+    if backend == "cpu":
+        before = x.clone()
+        with pytest.raises(ValueError, match=r"the cos/sin table has 16 rows: each must be in 0 \.\. 15"):
+            compiled(x, kwargs)
+        in_place = torch.compile(
+            lambda x, kw: apply_rotary_(x, cos, sin, backend=backend, **kw), fullgraph=True, backend="aot_eager"
+        )
+        with pytest.raises(ValueError, match="table has 16 rows"):
+            in_place(x, kwargs)
+        assert torch.equal(x, before)  # refused before any write
+        return
+    out = compiled(x, kwargs).cpu()
+    out = out.reshape(2, 4, 3, 10).transpose(1, 2) if kind == "varlen" else out
+    outside = torch.zeros(2, 1, 4, 1, dtype=torch.bool)
+    outside[1, :, 2:] = True
+    assert bool(out[..., :8].isnan().eq(outside).all()), "NaN in exactly the tokens outside the table"
+    assert torch.equal(out[..., 8:], q[..., 8:].cpu())
+    inside = apply_rotary(q[:1], cos, sin, positions=torch.arange(4, device=device), backend="torch").cpu()
+    torch.testing.assert_close(out[:1], inside)
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     s=st.integers(1, 40),

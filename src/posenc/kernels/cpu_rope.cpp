@@ -106,6 +106,7 @@ struct Args {
   int32_t conjugate;
   int32_t copy_tail;
   int32_t threads;
+  int64_t rows;  // rows of the cos/sin table that pos indexes; last, so that older revisions read a prefix
 };
 
 #ifdef POSENC_AVX512
@@ -412,12 +413,33 @@ void rotate(const Args& a) {
 
 }  // namespace
 
-static_assert(sizeof(Args) == 184, "Args must match the struct format in cpu_rope.py");
+static_assert(sizeof(Args) == 192, "Args must match the struct format in cpu_rope.py");
+
+namespace {
+
+// True when every position is a row of the table. The caller checks positions before the call, except where it
+// cannot read them (inside torch.compile's graph, whose custom op then runs this kernel with positions nobody has
+// looked at); one pass over n0 * n2 ids, before anything is written, keeps a bad one from reading past the table.
+bool positions_in_table(const Args& a) {
+  if (!a.pos) return true;
+  bool ok = true;
+  const uint64_t rows = static_cast<uint64_t>(a.rows);  // a negative position wraps past every table
+  for (int64_t i0 = 0; i0 < a.n[0]; ++i0)
+    for (int64_t i2 = 0; i2 < a.n[2]; ++i2) ok &= static_cast<uint64_t>(a.pos[i0 * a.ps[0] + i2 * a.ps[1]]) < rows;
+  return ok;
+}
+
+}  // namespace
 
 // Each job is one Args, packed by cpu_rope.py (copied out, so the buffer needs no alignment). dtype: 0 float32,
-// 1 bfloat16, 2 float16, 3 float64; wide: cos/sin (and the math) in double. Returns 0, or 1 for a combination
-// that was not compiled.
+// 1 bfloat16, 2 float16, 3 float64; wide: cos/sin (and the math) in double. Returns 0; 1 for a combination that
+// was not compiled; 2 when a position is outside the table (nothing is written then).
 extern "C" int posenc_rope_jobs(const char* packed, int32_t count, int32_t dtype, int32_t wide) {
+  for (int32_t job = 0; job < count; ++job) {
+    Args a;
+    std::memcpy(&a, packed + job * sizeof(Args), sizeof(Args));
+    if (!positions_in_table(a)) return 2;
+  }
   for (int32_t job = 0; job < count; ++job) {
     Args a;
     std::memcpy(&a, packed + job * sizeof(Args), sizeof(Args));

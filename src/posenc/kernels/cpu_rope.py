@@ -35,9 +35,9 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.floa
 
 
 # Mirrors `struct Args` in cpu_rope.cpp: five pointers (x, out, cos, sin, pos), sixteen int64 (n[3], d, half,
-# xs[3], os[3], cs[3], ps[2]) and four int32 (interleaved, conjugate, copy_tail, threads). Packed with struct, which
-# costs a microsecond where building a ctypes.Structure with its arrays cost about ten.
-_ARGS = struct.Struct("=5Q16q4i")
+# xs[3], os[3], cs[3], ps[2]), four int32 (interleaved, conjugate, copy_tail, threads) and the table's rows (int64).
+# Packed with struct, which costs a microsecond where building a ctypes.Structure with its arrays cost about ten.
+_ARGS = struct.Struct("=5Q16q4iq")
 
 
 def _cache_dir() -> Path:
@@ -191,6 +191,12 @@ def rope_cpu_jobs(
         status = library.posenc_rope(packed[0], code, int(wide))
     else:
         status = library.posenc_rope_jobs(b"".join(packed), len(packed), code, int(wide))
+    if status == 2:
+        low, high, rows = int(positions.min()), int(positions.max()), jobs[0][2].shape[-2]  # type: ignore[union-attr]
+        raise ValueError(
+            f"positions reach {low} .. {high} but the cos/sin table has {rows} rows: each must be in 0 .. {rows - 1}; "
+            "build the table for more positions (found by the kernel: under torch.compile nothing checks them before)"
+        )
     if status != 0:
         raise TypeError(f"the CPU kernel has no variant for x {dtype} with cos/sin {'float64' if wide else 'float32'}")
 
@@ -269,4 +275,5 @@ def _pack_job(
         *flags,
         # Like torch's own kernels, small tensors stay on one thread: waking others costs more than they save.
         max(1, min(threads, numel // GRAIN)),
+        rows,
     )

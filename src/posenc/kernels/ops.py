@@ -154,6 +154,7 @@ def triton_plans(
             interleaved=interleaved,
             conjugate=conjugate,
             copy_tail=copy_tail,
+            table_rows=None if kind == "broadcast" else cos.shape[0],
         )
         if plan is not None:
             plans.append(plan)

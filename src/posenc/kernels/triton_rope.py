@@ -37,6 +37,7 @@ def _rope_kernel(
     OFFSETS,
     CU_SEQLENS,
     offset,
+    n_rows,
     n0,
     n2,
     n_blocks,
@@ -75,6 +76,7 @@ def _rope_kernel(
     HAS_OFFSETS: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     COPY_TAIL: tl.constexpr,
+    CHECK_ROWS: tl.constexpr,
 ):
     # One flat grid of (head, i0, token block), token blocks fastest: CUDA caps grid dims 1 and 2 at 65535, which
     # a batch, or the heads axis of a broadcast call given x as (b * s, h, d), can pass.
@@ -132,8 +134,17 @@ def _rope_kernel(
         # HALF is not a multiple of 16 (d = 80, 96), which a runtime stride cannot promise.
         c_row = HALF
     c_off = CS + pos[:, None] * c_row + pair[None, :]
-    cos = tl.load(COS + c_off, mask=ok, other=0.0)
-    sin = tl.load(SIN + c_off, mask=ok, other=0.0)
+    load_ok = ok
+    if CHECK_ROWS:
+        # The host checks positions against the table, but cannot where it may not read them (inside torch.compile
+        # or a CUDA graph capture), and a kernel cannot raise: a token whose row is outside the table reads
+        # nothing and comes out NaN, rather than rotated by whatever memory lies past the table.
+        row_ok = (pos >= 0) & (pos < n_rows)
+        load_ok = ok & row_ok[:, None]
+    cos = tl.load(COS + c_off, mask=load_ok, other=0.0)
+    sin = tl.load(SIN + c_off, mask=load_ok, other=0.0)
+    if CHECK_ROWS:
+        cos = tl.where(row_ok[:, None], cos, float("nan"))
     if CONJUGATE:
         sin = -sin
     x_base = X + t[:, None] * x_row
@@ -202,13 +213,16 @@ def plan_launch(
     interleaved: bool,
     conjugate: bool,
     copy_tail: bool,
+    table_rows: int | None,
 ) -> Launch | None:
     """Check a call and lay out the kernel's arguments: one launch for q, or q and k; None if there is nothing to do.
 
     xs, outs: canonical (n0, n_heads, n2, d) views of one dtype, q and k may differ in n_heads only;
     coss, sins: per x, (c0, c1, rows, r/2) views with unit last stride and the same strides for cos and sin;
     positions: (n0 or 1, n2) integer or None; offsets: (n0,) int64 (n_seq for varlen) or None;
-    cu_seqlens: (n_seq + 1,) int32/int64 for packed tokens (then n0 = 1 and n2 = total tokens) or None.
+    cu_seqlens: (n_seq + 1,) int32/int64 for packed tokens (then n0 = 1 and n2 = total tokens) or None;
+    table_rows: the rows of the (rows, r/2) table that positions index, or None for cos/sin views read per token;
+    a token whose position falls outside the table comes out NaN (the kernel cannot raise).
     Nothing here needs a GPU, so ``posenc.kernels.triton_targets`` compiles the very launch a call makes.
     """
     if len(xs) not in (1, 2) or not len(xs) == len(outs) == len(coss) == len(sins):
@@ -272,6 +286,7 @@ def plan_launch(
         offsets if offsets is not None else dummy,
         cu_seqlens if cu_seqlens is not None else dummy,
         offset,
+        table_rows if table_rows is not None else 0,
         n0,
         n2,
         triton.cdiv(n2, block_s),
@@ -299,6 +314,7 @@ def plan_launch(
         "HAS_OFFSETS": offsets is not None,
         "IS_VARLEN": cu_seqlens is not None,
         "COPY_TAIL": copy_tail and tail > 0,
+        "CHECK_ROWS": table_rows is not None,
     }
     programs = triton.cdiv(n2, block_s) * n0 * (heads_q + heads_k)
     if programs > 2**31 - 1:

@@ -276,8 +276,8 @@ class RoPE(nn.Module):
                 table, trusted = self._table(q.device, max(bounds[1] + 1, 1), table_dtype), bounds[0] >= 0
             elif bounds is None and not torch.compiler.is_compiling() and not values_readable(q.device):
                 # Captured into a CUDA graph: nothing may read a value or copy from the host, so the table built
-                # while warming up is read as it stands (positions past it are the caller's to avoid, as for any
-                # gather in a captured graph).
+                # while warming up is read as it stands; a position past it reads no memory beyond it (the Triton
+                # kernel gives those tokens NaN, the torch path's gather asserts on the device).
                 table, trusted = self._tables.get((q.device, table_dtype)), True
             if table is not None:
                 q, k = rotate_tensors(
