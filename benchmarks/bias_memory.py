@@ -1,5 +1,7 @@
 """Peak memory and time of causal attention with ALiBi / T5 biases: the materialized (b, h, s, t) mask versus
-FlexAttention's score_mod, at s = t = 8192 (inference, float32).
+FlexAttention's score_mod, at s = t = 8192 (inference, float32). The "compiled-layer" paths time a whole
+``torch.compile``d ``CausalSelfAttention`` (projections included) with the bias materialized or through FlexAttention,
+which on CPU runs as a graph of its own inside the caller's graph.
 
 Each case runs in a fresh process, so the peak resident memory (ru_maxrss) of that process, minus its size
 after building the inputs, is what the attention itself added; on CUDA the peak allocated memory is used.
@@ -21,18 +23,33 @@ from pathlib import Path
 
 import torch
 
-CASES = [(encoding, path) for encoding in ("alibi", "t5") for path in ("materialized", "flex")]
+PATHS = ("materialized", "flex", "compiled-layer-materialized", "compiled-layer-flex")
 
 
 def run_one(encoding_name: str, path: str, seq: int, heads: int, head_dim: int, device: str) -> dict:
-    from posenc import ALiBi, T5Bias
+    from posenc import ALiBi, CausalSelfAttention, T5Bias
     from posenc.attention import attend, causal_mask
-    from posenc.kernels.flex_bias import attend_flex
+    from posenc.kernels import flex_bias
 
     torch.manual_seed(0)
     encoding = (ALiBi(heads) if encoding_name == "alibi" else T5Bias(heads)).to(device)
     q, k, v = (torch.randn(1, heads, seq, head_dim, device=device) for _ in range(3))
     pos = torch.arange(seq, device=device)[None]
+    layer = x = None
+    if path.startswith("compiled-layer"):
+        if path.endswith("materialized"):
+            flex_bias.CPU_MIN_SCORES = flex_bias.CUDA_MIN_SCORES = 2**62
+        layer = torch.compile(CausalSelfAttention(heads * head_dim, heads, encoding=encoding).to(device).eval())
+        x = torch.randn(1, seq, heads * head_dim, device=device)
+
+    def call() -> None:
+        if layer is not None:
+            layer(x)
+        elif path == "flex":
+            flex_bias.attend_flex(q, k, v, encoding, pos, pos)
+        else:
+            attend(q, k, v, causal_mask(seq, seq, q.device), encoding.score_bias(pos, pos))
+
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -40,14 +57,11 @@ def run_one(encoding_name: str, path: str, seq: int, heads: int, head_dim: int, 
     else:
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     with torch.no_grad():
-        if path == "flex":
+        if path != "materialized":
             # The first call compiles; its peak counts (compilation is part of what flex costs on first use).
-            attend_flex(q, k, v, encoding, pos, pos)
+            call()
         start = time.perf_counter()
-        if path == "flex":
-            attend_flex(q, k, v, encoding, pos, pos)
-        else:
-            attend(q, k, v, causal_mask(seq, seq, q.device), encoding.score_bias(pos, pos))
+        call()
         if device == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
@@ -75,13 +89,14 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--csv", type=Path, default=Path("docs/results/bias_memory_cpu.csv"))
+    parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
     parser.add_argument("--one", nargs=2, metavar=("ENCODING", "PATH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         print(json.dumps(run_one(*args.one, args.seq, args.heads, args.head_dim, args.device)))
         return
     rows = []
-    for encoding, path in CASES:
+    for encoding, path in [(encoding, path) for encoding in ("alibi", "t5") for path in args.paths]:
         command = [
             sys.executable,
             __file__,
@@ -100,7 +115,7 @@ def main() -> None:
         done = subprocess.run(command, capture_output=True, text=True, check=True)
         row = json.loads(done.stdout.strip().splitlines()[-1])
         rows.append(row)
-        print(f"{encoding:>6} {path:>13}: peak +{row['peak_mib']:>9.1f} MiB, {row['seconds']:.2f} s", flush=True)
+        print(f"{encoding:>6} {path:>26}: peak +{row['peak_mib']:>9.1f} MiB, {row['seconds']:.2f} s", flush=True)
     args.csv.parent.mkdir(parents=True, exist_ok=True)
     with args.csv.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))

@@ -40,6 +40,6 @@ step() { # step SECONDS NAME COMMAND...
   step 200 "RoPE sweep" $PY benchmarks/rope.py --device cuda --seqs 1024 4096 16384 32768 --dtypes bf16 fp32 \
     --reps 30 --csv "$RESULTS/rope_gpu.csv"
   step 60 "RoPE module" $PY benchmarks/rope_module.py --device cuda --csv "$RESULTS/rope_module_gpu.csv"
-  step 60 "bias memory" $PY benchmarks/bias_memory.py --device cuda --seq 8192 --csv "$RESULTS/bias_memory_gpu.csv"
+  step 60 "bias memory" $PY benchmarks/bias_memory.py --device cuda --seq 8192 --paths materialized flex --csv "$RESULTS/bias_memory_gpu.csv"
   echo "=== done $(date -u +%H:%M:%S); a step failed: $failed"
 } 2>&1 | tee "$RESULTS/gpu_check.log"

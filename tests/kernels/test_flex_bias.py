@@ -124,6 +124,53 @@ def test_a_call_flex_cannot_serve_materializes_with_a_warning(monkeypatch):
     torch.testing.assert_close(got, expected)
 
 
+@pytest.mark.parametrize("name", ["alibi", "t5-causal"])
+def test_a_compiled_layer_runs_flex_in_a_graph_of_its_own_on_cpu(name, monkeypatch, compiled_flex):
+    """torch.compile of a whole layer: inductor's CPU flex lowering fails on q, k, v made in the same graph
+    (NoValidChoicesError), so on CPU the flex call is a graph of its own, still compiled. Same output as the
+    materialized eager layer; the compiled kernel ran (a fallback would warn, which the fixture fails on)."""
+    torch.manual_seed(0)
+    layer = CausalSelfAttention(32, 4, num_kv_heads=2, encoding=ENCODINGS[name]()).eval()
+    x = torch.randn(2, 40, 32)
+    real_flex, calls = flex_bias._flex("cpu"), []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real_flex[0](*args, **kwargs)
+
+    monkeypatch.setattr(flex_bias, "_flex", lambda device_type="cuda": (counted, real_flex[1]))
+    with torch.no_grad():
+        got = torch.compile(layer)(x)
+        expected = _materialized(layer, monkeypatch, x)
+    assert calls == [1]
+    assert_close(got, expected.double(), reduction=True)
+    with torch.no_grad(), pytest.raises(Exception, match="raise posenc.kernels.flex_bias.CPU_MIN_SCORES"):
+        torch.compile(layer, fullgraph=True)(x[:, :30])
+
+
+def test_a_compiled_layer_falls_back_to_unfused_flex_with_a_warning(monkeypatch):
+    """Inside a caller's compiled graph there is no materialized path to fall back to: where the compiled kernel
+    cannot serve, flex_attention's unfused math gives the same result, with a warning."""
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+
+    def at_the_limit(*args, **kwargs):
+        raise FailOnRecompileLimitHit("recompile_limit reached")
+
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    layer = CausalSelfAttention(32, 4, encoding=ALiBi(4)).eval()
+    x = torch.randn(1, 40, 32)
+    with torch.no_grad():
+        expected = layer(x)
+        monkeypatch.setattr(flex_bias, "CPU_MIN_SCORES", 0)
+        monkeypatch.setattr(flex_bias, "_GIVEN_UP", set())
+        monkeypatch.setattr(flex_bias, "_flex", lambda device_type="cuda": (at_the_limit, create_block_mask))
+        with pytest.warns(UserWarning, match="runs FlexAttention unfused"):
+            got = torch.compile(layer)(x)
+    assert flex_bias._GIVEN_UP == {"cpu"}
+    assert_close(got, expected.double(), reduction=True)
+
+
 def test_causal_self_attention_routes_long_cpu_inference_to_flex(monkeypatch):
     """The compiled path, end to end: same output with and without FlexAttention."""
     torch.manual_seed(0)

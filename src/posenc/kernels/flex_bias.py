@@ -23,6 +23,10 @@ How FlexAttention is compiled differs by device:
   (inductor's C++ for flex: "cur_kvSplitSize2 / cur_qSplitSize2 was not declared"), in orders of calls that no
   rule here could rule out; CPU inference sees few lengths.
 
+Inside a caller's ``torch.compile`` the call joins the caller's graph on CUDA. On CPU it is a graph break: inductor
+cannot lower FlexAttention on q, k, v computed in the same graph, only on a graph's inputs (torch 2.13), so the
+call is a graph of its own; with ``fullgraph=True`` that is an error whose message says how to materialize instead.
+
 Either way dynamo stops compiling after 8 variants (its recompile limit, shared by every caller in the process)
 and would then quietly run an unfused flex_attention that materializes the whole score matrix. posenc makes that,
 and any compile error, a ``FlexFallback``: ``CausalSelfAttention`` warns and materializes the bias itself (the same
@@ -37,6 +41,7 @@ of different lengths, the recompile with symbolic lengths fails on CPU with the 
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -67,6 +72,51 @@ def _flex(device_type: str = "cuda") -> tuple[Callable | None, Callable | None]:
     # FlexAttention only saves memory when compiled (eager is the reference math); dynamic shapes where they
     # compile (see the module docstring).
     return torch.compile(flex_attention, dynamic=None if device_type == "cuda" else False), create_block_mask
+
+
+def _compiled_call(flex: Callable, q, k, v, score_mod: ScoreMod, block_mask) -> torch.Tensor:
+    """The compiled flex call, or a ``FlexFallback`` where it cannot serve (see the class)."""
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+    from torch._inductor.exc import InductorError
+
+    try:
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            return flex(q, k, v, score_mod=score_mod, block_mask=block_mask)
+    except (FailOnRecompileLimitHit, InductorError) as error:
+        _GIVEN_UP.add(q.device.type)
+        raise FlexFallback(
+            f"FlexAttention cannot serve this call ({type(error).__name__}); posenc materializes score biases on "
+            f"{q.device.type} for the rest of this process"
+        ) from error
+
+
+def _in_own_graph(flex: Callable, q, k, v, score_mod: ScoreMod, block_mask) -> torch.Tensor:
+    """``_compiled_call`` from inside a caller's compiled graph, which cannot catch a FlexFallback to materialize:
+    where the compiled kernel cannot serve, the same result from flex_attention's unfused math, with a warning."""
+    if q.device.type not in _GIVEN_UP:
+        try:
+            return _compiled_call(flex, q, k, v, score_mod, block_mask)
+        except FlexFallback as error:
+            warnings.warn(
+                f"{error}; this compiled call runs FlexAttention unfused (same result, more memory)", stacklevel=2
+            )
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)
+
+
+# Inductor's CPU FlexAttention lowering (torch 2.13) fails on q, k, v computed in the same graph (projections, views:
+# "not enough values to unpack", "NoValidChoicesError"); with graph inputs, as in a graph of its own, it compiles.
+# Not recursive: the flex call inside is still compiled.
+_flex_in_own_graph = torch.compiler.disable(
+    _in_own_graph,
+    recursive=False,
+    reason=(
+        "posenc runs CPU FlexAttention as a graph of its own: inductor cannot lower it on tensors computed in the "
+        "caller's graph. For one graph (fullgraph=True), raise posenc.kernels.flex_bias.CPU_MIN_SCORES past s * t "
+        "to materialize the bias instead"
+    ),
+)
 
 
 def flex_available() -> bool:
@@ -192,18 +242,10 @@ def attend_flex(
     block_mask = create_block_mask(causal, None, None, s, t, device=q.device)
     dtype, out_dtype = torch.promote_types(q.dtype, torch.float32), q.dtype
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    if torch.compiler.is_compiling():  # inside the caller's torch.compile: its graph holds the call
-        return flex(q, k, v, score_mod=score_mod, block_mask=block_mask).to(out_dtype)
-    from torch._dynamo.exc import FailOnRecompileLimitHit
-    from torch._inductor.exc import InductorError
-
-    try:
-        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-            out = flex(q, k, v, score_mod=score_mod, block_mask=block_mask)
-    except (FailOnRecompileLimitHit, InductorError) as error:
-        _GIVEN_UP.add(q.device.type)
-        raise FlexFallback(
-            f"FlexAttention cannot serve this call ({type(error).__name__}); posenc materializes score biases on "
-            f"{q.device.type} for the rest of this process"
-        ) from error
+    if not torch.compiler.is_compiling():
+        out = _compiled_call(flex, q, k, v, score_mod, block_mask)
+    elif q.device.type == "cpu":
+        out = _flex_in_own_graph(flex, q, k, v, score_mod, block_mask)
+    else:  # inside the caller's torch.compile on CUDA: its graph holds the call
+        out = flex(q, k, v, score_mod=score_mod, block_mask=block_mask)
     return out.to(out_dtype)
