@@ -11,10 +11,12 @@ import torch
 def values_readable(device: torch.device | str | None) -> bool:
     """Whether a check may read tensor values on the host (a device sync): not while torch.compile traces (the
     graph would break) nor while a CUDA graph captures on the current stream (the capture would fail). Checks of
-    values are skipped there; shapes, dtypes and devices are still checked."""
+    values are skipped there, and on the meta device, which has none (shape inference); shapes, dtypes and devices
+    are still checked."""
     if torch.compiler.is_compiling():
         return False
-    return not (device is not None and torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing())
+    kind = torch.device(device).type if device is not None else None
+    return kind != "meta" and not (kind == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
 def positive_int(name: str, value: Any) -> int:
@@ -50,6 +52,10 @@ def float_tensor(name: str, x: Any) -> torch.Tensor:
     return x
 
 
+# Integer dtypes that torch supports in arithmetic and comparisons; its uint16/32/64 lack most kernels (even `<`).
+INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
 def int_tensor(name: str, x: Any) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be an integer torch.Tensor, got {type(x).__name__}")
@@ -57,6 +63,11 @@ def int_tensor(name: str, x: Any) -> torch.Tensor:
         raise TypeError(
             f"{name} must hold integer positions (torch.long or torch.int32), got dtype {x.dtype}; "
             "float positions lose integers above 256 in bf16/fp16"
+        )
+    if x.dtype not in INDEX_DTYPES:
+        raise TypeError(
+            f"{name} has dtype {x.dtype}, which torch cannot compare or add on most devices; pass it as torch.long "
+            "(or torch.int32)"
         )
     return x
 

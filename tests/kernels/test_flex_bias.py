@@ -144,7 +144,7 @@ def test_a_compiled_layer_runs_flex_in_a_graph_of_its_own_on_cpu(name, monkeypat
         expected = _materialized(layer, monkeypatch, x)
     assert calls == [1]
     assert_close(got, expected.double(), reduction=True)
-    with torch.no_grad(), pytest.raises(Exception, match="raise posenc.kernels.flex_bias.CPU_MIN_SCORES"):
+    with torch.no_grad(), pytest.raises(Exception, match=r"raise posenc\.kernels\.flex_bias\.CPU_MIN_SCORES"):
         torch.compile(layer, fullgraph=True)(x[:, :30])
 
 
@@ -167,7 +167,7 @@ def test_a_compiled_layer_falls_back_to_unfused_flex_with_a_warning(monkeypatch)
         monkeypatch.setattr(flex_bias, "_flex", lambda device_type="cuda": (at_the_limit, create_block_mask))
         with pytest.warns(UserWarning, match="runs FlexAttention unfused"):
             got = torch.compile(layer)(x)
-    assert flex_bias._GIVEN_UP == {"cpu"}
+    assert {"cpu"} == flex_bias._GIVEN_UP
     assert_close(got, expected.double(), reduction=True)
 
 

@@ -239,6 +239,22 @@ def test_in_place_refuses_memory_shared_by_an_expanded_view(backend):
         apply_rotary_(x, cos[:5], sin[:5], backend=backend)
 
 
+@pytest.mark.parametrize("backend", ["auto", "torch", "cpu", "triton"])
+def test_in_place_on_an_inference_tensor_follows_torch(backend):
+    """torch refuses in-place updates to an inference tensor outside inference mode; every backend agrees (the fused
+    ones once wrote it through pointers), and inside inference mode every backend rotates it."""
+    device = DEVICE.get(backend, "cpu")
+    cos, sin = (t.to(device) for t in table(8, 16))
+    with torch.inference_mode():
+        x = torch.randn(1, 2, 5, 8, device=device)
+    with pytest.raises(RuntimeError, match=r"made under torch\.inference_mode"):
+        apply_rotary_(x, cos, sin, offset=0, backend=backend)
+    expected = apply_rotary(x, cos, sin, offset=0, backend="torch")
+    with torch.inference_mode():
+        apply_rotary_(x, cos, sin, offset=0, backend=backend)
+    assert_close(x.cpu(), expected.cpu().double())
+
+
 @pytest.mark.parametrize("backend", ["cpu", "triton"])
 def test_empty_inputs_and_gradient_flags(backend):
     """All-empty q and k (an empty batch or prefill) rotate to empty outputs; an output whose input needs no
@@ -252,6 +268,62 @@ def test_empty_inputs_and_gradient_flags(backend):
     q = torch.randn(1, 2, 5, 8, device=device, requires_grad=True)
     q_out, k_out = apply_rotary_qk(q, torch.randn(1, 1, 5, 8, device=device), cos, sin, offset=0, backend=backend)
     assert q_out.requires_grad and not k_out.requires_grad
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+def test_empty_calls_with_position_ids(backend):
+    """Position ids of an empty sequence ((b, 0) or (0,)) or of an empty batch, against a table shorter than s:
+    no row is read, so nothing fails (torch and cpu once failed to reshape (b, 0) ids, and cpu took an empty ids
+    tensor for none and checked rows 0..s-1 against the table)."""
+    device = DEVICE[backend]
+    cos, sin = (t.to(device) for t in table(8, 4))
+    calls = [
+        (torch.randn(2, 3, 0, 8), torch.zeros(2, 0, dtype=torch.long)),
+        (torch.randn(2, 3, 0, 8), torch.zeros(0, dtype=torch.long)),
+        (torch.randn(0, 2, 7, 8), torch.zeros(0, 7, dtype=torch.long)),
+    ]
+    for x, positions in calls:
+        out = apply_rotary(x.to(device), cos, sin, positions=positions.to(device), backend=backend)
+        assert out.shape == x.shape
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+def test_index_arguments_outside_what_torch_can_add_are_refused(backend):
+    """An int offset at or past the table is refused before it is added to position ids (past 2**63 the int64 sum
+    wrapped around into the table); uint16/32/64 index tensors, which torch cannot compare, are refused by name."""
+    device = DEVICE[backend]
+    cos, sin = (t.to(device) for t in table(8, 16))
+    x, ids = torch.randn(1, 2, 3, 8, device=device), torch.tensor([3, 4, 5], device=device)
+    for offset in (16, 2**64 - 3):
+        with pytest.raises(ValueError, match=f"offset={offset} is past the cos/sin table's 16 rows"):
+            apply_rotary(x, cos, sin, positions=ids, offset=offset, backend=backend)
+    packed, cu_seqlens = torch.randn(3, 2, 8, device=device), torch.tensor([0, 3], device=device)
+    for dtype in (torch.uint16, torch.uint32, torch.uint64):
+        for name, kwargs, y in (
+            ("positions", {"positions": ids.to(dtype)}, x),
+            ("offset", {"offset": torch.tensor([1], device=device).to(dtype)}, x),
+            ("cu_seqlens", {"cu_seqlens": cu_seqlens.to(dtype)}, packed),
+        ):
+            with pytest.raises(TypeError, match=f"{name} has dtype {dtype}.*pass it as torch.long"):
+                apply_rotary(y, cos, sin, backend=backend, **kwargs)
+    with pytest.raises(TypeError, match=r"offset has dtype torch\.uint16"):
+        posenc.RoPE(8, backend=backend)(x, x, offset=torch.tensor([1], device=device).to(torch.uint16))
+
+
+def test_table_calls_infer_shapes_on_meta_tensors():
+    """Meta tensors have shapes and no values: table-mode calls skip the checks that read values, as they do under
+    torch.compile, instead of failing inside torch ("Cannot copy out of meta tensor")."""
+    x, cos = torch.empty(2, 3, 5, 8, device="meta"), torch.empty(16, 4, device="meta")
+    for kwargs in (
+        {"positions": torch.arange(5, device="meta")},
+        {"offset": torch.zeros(2, dtype=torch.long, device="meta")},
+    ):
+        assert apply_rotary(x, cos, cos, **kwargs).shape == x.shape
+    packed = torch.empty(5, 3, 8, device="meta")
+    cu_seqlens = torch.tensor([0, 5], device="meta")
+    assert apply_rotary(packed, cos, cos, cu_seqlens=cu_seqlens).device.type == "meta"
+    q, k = posenc.RoPE(8)(x, x, positions=torch.arange(5, device="meta"))
+    assert q.shape == k.shape == x.shape and q.device.type == "meta"
 
 
 @pytest.mark.parametrize("backend", ["cpu", "triton"])

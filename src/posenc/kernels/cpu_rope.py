@@ -247,12 +247,12 @@ def _pack_job(
     for axis in (0, 1):
         if cos_shape[axis] != 1 and cos_shape[axis] != shape[axis]:
             raise ValueError(f"cos of shape {tuple(cos_shape)} does not broadcast to x's {tuple(shape[:3])}")
-    broadcast_row = rows == 1 and first_row == 0 and not table  # a 4-D view's size-1 token axis broadcasts
-    if pos_ptr == 0 and n2 > 0 and not broadcast_row and (first_row < 0 or first_row + n2 > rows):
-        raise ValueError(f"tokens read rows {first_row} .. {first_row + n2 - 1} but cos/sin have {rows} rows")
     numel = n0 * n1 * n2 * d
-    if numel == 0:
+    if numel == 0:  # no rows read (an empty positions tensor also has data_ptr 0, like none)
         return None
+    broadcast_row = rows == 1 and first_row == 0 and not table  # a 4-D view's size-1 token axis broadcasts
+    if pos_ptr == 0 and not broadcast_row and (first_row < 0 or first_row + n2 > rows):
+        raise ValueError(f"tokens read rows {first_row} .. {first_row + n2 - 1} but cos/sin have {rows} rows")
     row_stride = 0 if rows == 1 else cos_strides[2]
     skip = first_row * row_stride * cos.element_size()
     return _ARGS.pack(

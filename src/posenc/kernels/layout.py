@@ -136,6 +136,12 @@ def check_table_call(
             raise TypeError(f"offset must be an int or an integer tensor, got {type(offset).__name__}")
         if offset < 0:
             raise ValueError(f"offset must be >= 0, got {offset}")
+        if offset >= cos.shape[0] and seq > 0 and batch > 0:
+            # Every position is >= 0, so every row read is past the table; checked here, as the sum with position ids
+            # would wrap in int64 for offsets of 2**63 and more.
+            raise ValueError(
+                f"offset={offset} is past the cos/sin table's {cos.shape[0]} rows; build the table for more positions"
+            )
         offset_int = offset
 
     if positions is not None:
@@ -209,7 +215,11 @@ def token_positions(
         sequence = torch.searchsorted(cu[1:], token, right=True)
         pos = token - cu[sequence] + (offsets[sequence] if offsets is not None else 0) + offset
         return pos[None]
-    pos = torch.arange(seq, device=device)[None] if positions is None else positions.to(torch.long).reshape(-1, seq)
+    if positions is None:
+        pos = torch.arange(seq, device=device)[None]
+    else:  # (s,) or (b, s); not reshape(-1, s), which cannot infer -1 when s = 0
+        pos = positions.to(torch.long)
+        pos = pos[None] if pos.dim() == 1 else pos
     if offsets is not None:
         pos = pos + offsets[:, None]
     return pos + offset if offset else pos

@@ -131,6 +131,13 @@ def rotate_tensors(
                     f"place would rotate those elements more than once; rotate a copy ({name}.clone()) or use "
                     "apply_rotary"
                 )
+            # torch's own in-place ops refuse this, so the torch backend would; the fused ones must agree. (Dynamo
+            # cannot trace is_inference(), so traced calls go unchecked here.)
+            if not torch.compiler.is_compiling() and x.is_inference() and not torch.is_inference_mode_enabled():
+                raise RuntimeError(
+                    f"{name} was made under torch.inference_mode() and may be updated in place only inside it; "
+                    f"call this inside torch.inference_mode(), or use apply_rotary for a rotated copy"
+                )
     offsets, offset_int = None, 0
     if kind == "broadcast":
         half = check_cos_sin(cos, sin)

@@ -13,7 +13,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from posenc._checks import float_tensor, same_device, values_readable
+from posenc._checks import INDEX_DTYPES, float_tensor, same_device, values_readable
 from posenc.encoding import ActsOn
 from posenc.kernels.ops import BACKENDS
 from posenc.positions import resolve_positions
@@ -55,7 +55,7 @@ def _position_bounds(
     if isinstance(offset, torch.Tensor):
         if offset.dim() > 1 or offset.numel() not in (1, batch):
             return None
-        if offset.is_floating_point() or offset.dtype == torch.bool:
+        if offset.dtype not in INDEX_DTYPES:
             return None
         if offset.numel():
             reductions.append(offset)
@@ -65,7 +65,7 @@ def _position_bounds(
         return None
     if positions is None:
         high += seq - 1
-    elif positions.is_floating_point() or positions.dtype == torch.bool or positions.numel() == 0:
+    elif positions.dtype not in INDEX_DTYPES or positions.numel() == 0:
         return None
     else:
         reductions.append(positions)
