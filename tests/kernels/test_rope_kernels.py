@@ -131,6 +131,23 @@ def test_triton_matches_reference(kind, dtype, interleaved, d, r, s):
     check_forward_backward("triton", kind, b=2, hq=3, hk=1, s=s, d=d, r=r, dtype=dtype, interleaved=interleaved)
 
 
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_16_bit_x_with_float64_tables(backend, dtype, interleaved):
+    """float64 cos/sin make the math float64 whatever x is; the result is rounded to x's dtype once. The Triton
+    interpreter converts float64 to 16-bit types bit for bit as integers (garbage), so Triton runs it natively only."""
+    if backend == "triton" and DEVICE["triton"] == "cpu":
+        pytest.skip("the Triton interpreter casts float64 to bf16/fp16 as raw integers; run natively")
+    device = DEVICE[backend]
+    cos, sin = (t.to(device) for t in table(64, 64, dtype=torch.float64))
+    q = torch.randn(2, 3, 17, 80, dtype=torch.float64).to(dtype)
+    out = apply_rotary(q.to(device), cos, sin, offset=5, interleaved=interleaved, backend=backend).cpu()
+    expected = rope_reference(q, (torch.arange(17) + 5)[None, None], rotary_dim=64, interleaved=interleaved)
+    assert out.dtype == dtype
+    assert_close(out, expected)
+
+
 @pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
 @pytest.mark.parametrize("kind", ["broadcast", "varlen"])
 def test_attention_factor_is_folded_in(backend, kind):

@@ -104,11 +104,13 @@ def _case_plans() -> dict[str, Launch]:
 
     from posenc.kernels.ops import triton_plans
 
-    def plan(dtype, *, d, r, s=512, hq=8, hk=2, layout="bhsd", interleaved=False, conjugate=False, how="offset"):
+    def plan(
+        dtype, *, d, r, s=512, hq=8, hk=2, layout="bhsd", interleaved=False, conjugate=False, how="offset", wide=False
+    ):
         shape = (lambda h: (2, h, s, d)) if layout == "bhsd" else (lambda h: (2, s, h, d))
         xs = [torch.zeros(shape(hq), dtype=dtype), torch.zeros(shape(hk), dtype=dtype)]
         kind, positions, offsets, cu_seqlens, offset = layout, None, None, None, 0
-        table = torch.zeros(4 * s, r // 2, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+        table = torch.zeros(4 * s, r // 2, dtype=torch.float64 if wide or dtype == torch.float64 else torch.float32)
         cos = table
         if how == "offset":
             offset = 7
@@ -143,6 +145,8 @@ def _case_plans() -> dict[str, Launch]:
         "bf16 d96 r48 varlen adjacent-pairs": plan(bf16, d=96, r=48, interleaved=True, how="varlen"),
         "bf16 d256 decode broadcast": plan(bf16, d=256, r=256, s=1, how="broadcast"),
         "fp64 d64 adjacent-pairs conjugate": plan(fp64, d=64, r=64, s=7, interleaved=True, conjugate=True),
+        # float64 tables make the math float64 for 16-bit x: a conversion the interpreter cannot run correctly.
+        "bf16 d128 float64 tables": plan(bf16, d=128, r=128, wide=True),
     }
     # q's token stride past 2**31 (Triton passes it as i64) while k's is i32: both must still compile.
     base = plans["bf16 d128 split-half offset"]
