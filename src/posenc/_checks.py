@@ -19,6 +19,13 @@ def values_readable(device: torch.device | str | None) -> bool:
     return kind != "meta" and not (kind == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
+def assert_without_sync(condition: torch.Tensor, message: str) -> None:
+    """Where values may not be read (``values_readable`` is False), still refuse what eager refuses: a check that
+    runs with the computation, not on the host. A RuntimeError with ``message`` when the graph runs on the CPU, a
+    device-side assert on CUDA; nothing on the meta device. condition: a bool tensor, true where valid."""
+    torch._assert_async(condition.all(), message)
+
+
 def positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from posenc._checks import int_tensor, values_readable
+from posenc._checks import assert_without_sync, int_tensor, values_readable
 
 
 def resolve_positions(
@@ -23,8 +23,8 @@ def resolve_positions(
 
     positions: (s,) or (b, s) integer tensor, or None for ``offset + arange(s)``.
     offset: int >= 0, or an integer tensor of shape (b,) (one offset per sequence). Added to ``positions``.
-    The checks of tensor values (no negative offset or position) are skipped under torch.compile and CUDA graph
-    capture, where they would break the graph or the capture.
+    No offset or position may be negative: checked on the host, or, under torch.compile and CUDA graph capture
+    (where reading a value would break the graph or the capture), by an assert that runs with the graph.
     """
     tensors = [t for t in (positions, offset) if isinstance(t, torch.Tensor)]
     check_data = values_readable(device if device is not None else (tensors[0].device if tensors else None))
@@ -60,4 +60,6 @@ def resolve_positions(
     pos = pos + offset
     if check_data and positions is not None and pos.numel() and bool((pos < 0).any()):
         raise ValueError("positions must be >= 0, got a negative entry")
+    if not check_data and tensors:
+        assert_without_sync(pos >= 0, "positions must be >= 0 (offset + position ids), got a negative entry")
     return pos

@@ -183,6 +183,51 @@ def test_rope_with_position_tensors_compiles_without_graph_breaks(rope_type):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
+def test_negative_positions_are_refused_under_torch_compile_too():
+    """Compiled code cannot read positions on the host, so an assert runs with the graph: without it the torch
+    path's gather wrapped a negative position to the table's last rows, and RoPE, ALiBi and T5 rotated or biased by
+    negative positions, where eager raises."""
+    torch.manual_seed(0)
+    ang = torch.arange(8.0)[:, None] * torch.tensor([1.0, 0.1])
+    cos, sin = ang.cos(), ang.sin()
+    q, k = random_qk(1, 2, 1, 4, 4)
+    ids, bad_ids, bad_offset = torch.tensor([0, 1, 2, 3]), torch.tensor([0, 1, 2, -1]), torch.tensor([-3])
+    table_call = torch.compile(lambda x, kw: posenc.apply_rotary(x, cos, sin, backend="torch", **kw), fullgraph=True)
+    torch.testing.assert_close(table_call(q, {"positions": ids}), posenc.apply_rotary(q, cos[:4], sin[:4]))
+    for kwargs in ({"positions": bad_ids}, {"positions": ids, "offset": bad_offset}):
+        with pytest.raises(RuntimeError, match="positions must be rows of the cos/sin table"):
+            table_call(q, kwargs)
+    rope = posenc.RoPE(4)
+    compiled_rope = torch.compile(lambda q, k, kw: rope(q, k, **kw), fullgraph=True)
+    for kwargs in ({"positions": bad_ids}, {"offset": bad_offset}):
+        with pytest.raises(ValueError, match="must be >= 0"):
+            rope(q, k, **kwargs)
+        with pytest.raises(RuntimeError, match=r"positions must be >= 0 \(offset \+ position ids\)"):
+            compiled_rope(q, k, kwargs)
+    for encoding in (posenc.ALiBi(2), posenc.T5Bias(2, num_buckets=8, max_distance=16)):
+        layer = posenc.CausalSelfAttention(8, 2, encoding=encoding)
+        x = torch.randn(1, 4, 8)
+        with pytest.raises(RuntimeError, match="positions must be >= 0"):
+            torch.compile(layer)(x, positions=bad_ids)
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+@pytest.mark.parametrize("with_ids", [False, True])
+def test_a_table_built_in_inference_mode_serves_training_later(backend, with_ids):
+    """A validation pass under torch.inference_mode() before training: the table RoPE caches then is an ordinary
+    tensor, so a later training call can save it for backward (with the fused CPU kernel every later call failed,
+    eager and compiled)."""
+    rope = posenc.RoPE(8, backend=backend)
+    q, k = random_qk(1, 2, 1, 5, 8)
+    kwargs = {"positions": torch.arange(5)} if with_ids else {}
+    with torch.inference_mode():
+        rope(q, k, **kwargs)
+    q = q.clone().requires_grad_()
+    q_out, _ = rope(q, k, **kwargs)
+    q_out.square().sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
 def test_empty_batch_with_per_sequence_offsets():
     rope = posenc.RoPE(8)
     q, k = torch.randn(0, 2, 5, 8), torch.randn(0, 1, 5, 8)

@@ -12,7 +12,7 @@ from typing import Literal
 
 import torch
 
-from posenc._checks import float_tensor, same_device
+from posenc._checks import assert_without_sync, float_tensor, same_device, values_readable
 from posenc.kernels.layout import check_table_call, consecutive_rows, rotary_kind, token_positions
 from posenc.kernels.ops import choose_backend, rotary_copy, rotary_inplace
 
@@ -177,6 +177,10 @@ def rotate_tensors(
                 cu_seqlens=cu_seqlens,
                 device=first.device,
             )
+            if not rows_checked and not values_readable(first.device):
+                # check_table_call could not read the positions; a gather would wrap a negative one to the table's
+                # last rows (on CUDA too), so check them with the graph.
+                assert_without_sync((pos >= 0) & (pos < cos.shape[0]), "positions must be rows of the cos/sin table")
             cos, sin = cos[pos], sin[pos]
         if kind == "varlen":
             cos, sin = cos[0, :, None], sin[0, :, None]

@@ -214,7 +214,10 @@ class RoPE(nn.Module):
         if table is None or table[0].shape[0] < needed:
             size = max(256, 1 << (needed - 1).bit_length())
             inv_freq, factor = self.frequencies()
-            table = angles_to_cos_sin(torch.arange(size, device=device), inv_freq, factor, dtype)
+            # Not an inference tensor even inside inference_mode (a validation pass first): a later training call
+            # could not save one for backward.
+            with torch.inference_mode(False):
+                table = angles_to_cos_sin(torch.arange(size, device=device), inv_freq, factor, dtype)
             self._tables[(device, dtype)] = table
         return table
 
@@ -276,9 +279,9 @@ class RoPE(nn.Module):
                 table, trusted = self._table(q.device, max(bounds[1] + 1, 1), table_dtype), bounds[0] >= 0
             elif bounds is None and not torch.compiler.is_compiling() and not values_readable(q.device):
                 # Captured into a CUDA graph: nothing may read a value or copy from the host, so the table built
-                # while warming up is read as it stands; a position past it reads no memory beyond it (the Triton
-                # kernel gives those tokens NaN, the torch path's gather asserts on the device).
-                table, trusted = self._tables.get((q.device, table_dtype)), True
+                # while warming up is read as it stands; a position outside it reads no memory beyond it (the Triton
+                # kernel gives those tokens NaN, the torch path asserts on the device).
+                table, trusted = self._tables.get((q.device, table_dtype)), False
             if table is not None:
                 q, k = rotate_tensors(
                     {"q": q, "k": k},
