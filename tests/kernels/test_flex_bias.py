@@ -101,23 +101,28 @@ def test_flex_serves_several_lengths_and_position_forms(monkeypatch, compiled_fl
             assert_close(flexed, expected.double(), reduction=True)
 
 
-def test_a_call_flex_cannot_serve_materializes_with_a_warning(monkeypatch):
-    """Past dynamo's recompile limit torch would quietly run an unfused flex_attention that builds the scores;
-    posenc turns that (and a failed compile) into a warning and the materialized path, with the same result, and
-    stops trying on that device type."""
+def _flex_at_its_limit(monkeypatch) -> None:
+    """Route every CPU call to FlexAttention, whose compiled kernel then fails as at dynamo's recompile limit."""
     from torch._dynamo.exc import FailOnRecompileLimitHit
 
     def at_the_limit(*args, **kwargs):
         raise FailOnRecompileLimitHit("recompile_limit reached")
 
+    monkeypatch.setattr(flex_bias, "CPU_MIN_SCORES", 0)
+    monkeypatch.setattr(flex_bias, "_GIVEN_UP", set())
+    monkeypatch.setattr(flex_bias, "_flex", lambda device_type="cuda": (at_the_limit, create_block_mask))
+
+
+def test_a_call_flex_cannot_serve_materializes_with_a_warning(monkeypatch):
+    """Past dynamo's recompile limit torch would quietly run an unfused flex_attention that builds the scores;
+    posenc turns that (and a failed compile) into a warning and the materialized path, with the same result, and
+    stops trying on that device type."""
     torch.manual_seed(0)
     layer = CausalSelfAttention(32, 4, encoding=T5Bias(4)).eval()
     x = torch.randn(1, 40, 32)
     with torch.no_grad():
         expected = layer(x)
-        monkeypatch.setattr(flex_bias, "CPU_MIN_SCORES", 0)
-        monkeypatch.setattr(flex_bias, "_GIVEN_UP", set())
-        monkeypatch.setattr(flex_bias, "_flex", lambda device_type="cuda": (at_the_limit, create_block_mask))
+        _flex_at_its_limit(monkeypatch)
         with pytest.warns(UserWarning, match="FlexAttention cannot serve this call .FailOnRecompileLimitHit."):
             got = layer(x)
         assert not flex_bias.use_flex(layer.encoding, x[:, None], x[:, None], x[:, None], need_probs=False)
@@ -151,20 +156,13 @@ def test_a_compiled_layer_runs_flex_in_a_graph_of_its_own_on_cpu(name, monkeypat
 def test_a_compiled_layer_falls_back_to_unfused_flex_with_a_warning(monkeypatch):
     """Inside a caller's compiled graph there is no materialized path to fall back to: where the compiled kernel
     cannot serve, flex_attention's unfused math gives the same result, with a warning."""
-    from torch._dynamo.exc import FailOnRecompileLimitHit
-
-    def at_the_limit(*args, **kwargs):
-        raise FailOnRecompileLimitHit("recompile_limit reached")
-
     torch.manual_seed(0)
     torch._dynamo.reset()
     layer = CausalSelfAttention(32, 4, encoding=ALiBi(4)).eval()
     x = torch.randn(1, 40, 32)
     with torch.no_grad():
         expected = layer(x)
-        monkeypatch.setattr(flex_bias, "CPU_MIN_SCORES", 0)
-        monkeypatch.setattr(flex_bias, "_GIVEN_UP", set())
-        monkeypatch.setattr(flex_bias, "_flex", lambda device_type="cuda": (at_the_limit, create_block_mask))
+        _flex_at_its_limit(monkeypatch)
         with pytest.warns(UserWarning, match="runs FlexAttention unfused"):
             got = torch.compile(layer)(x)
     assert {"cpu"} == flex_bias._GIVEN_UP
