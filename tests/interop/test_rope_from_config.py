@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from posenc import RoPE
+from posenc.interop import hf as hf_interop
 from posenc.interop import rope_from_config, rope_kwargs_from_config
-from posenc.interop.hf import _DEFAULT_IGNORES_PARTIAL
 from posenc.rope.mrope import MRoPE
 
 transformers = pytest.importorskip("transformers")
@@ -180,6 +180,37 @@ def test_legacy_spellings() -> None:
     assert rope_from_config({**base, "head_dim": 16}).head_dim == 16
 
 
+def test_raw_configs_read_as_transformers_reads_them() -> None:
+    """Found by fuzzing against transformers: a raw Phi-3 dict without a top-level original length takes Phi3Config's
+    default 4096 (not the rope dict's 2048); YaRN's truncate: null means no truncation (HF tests its truth); GPT-J's
+    fixed table has base 10000 whatever rope_theta says."""
+    from transformers.models.phi3 import configuration_phi3, modeling_phi3
+
+    phi3 = {
+        "model_type": "phi3",
+        "hidden_size": 64,
+        "num_attention_heads": 2,
+        "max_position_embeddings": 8192,
+        "rope_scaling": {
+            "type": "longrope",
+            "short_factor": [1.0] * 16,
+            "long_factor": [3.0] * 16,
+            "original_max_position_embeddings": 2048,
+            "factor": 4.0,
+        },
+    }
+    hf = modeling_phi3.Phi3RotaryEmbedding(configuration_phi3.Phi3Config(**phi3))
+    inv_freq, factor = rope_from_config(phi3).frequencies(3000)
+    assert math.isclose(factor, hf.attention_scaling, rel_tol=1e-12)
+    torch.testing.assert_close(inv_freq, hf.inv_freq.double(), rtol=1e-6, atol=0)  # short factors at 3000 < 4096
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "rope_theta": 1e4}
+    untruncated = RoPE(64, rope_parameters={**yarn, "truncate": False}).frequencies()[0]
+    torch.testing.assert_close(RoPE(64, rope_parameters={**yarn, "truncate": None}).frequencies()[0], untruncated)
+    gptj = {"model_type": "gptj", "n_embd": 64, "n_head": 2, "rotary_dim": 16, "rope_theta": 5e5}
+    assert rope_from_config(gptj).base == 10000.0
+
+
 def test_mode_passes_through() -> None:
     rope = rope_from_config(CONFIGS / "phi-3-mini-128k-instruct.json", mode="consistent")
     assert rope.mode == "consistent" and rope.rotates_cached_keys
@@ -233,19 +264,35 @@ def test_kwargs_are_the_constructor_arguments() -> None:
     }
 
 
-# Model types whose default RoPE reads partial_rotary_factor in transformers 5.x (the reviewer's list).
-DEFAULT_READS_PARTIAL = ["gpt_neox", "glm", "nemotron", "persimmon", "phi", "phi3", "qwen3_next", "stablelm"]
+# Readers and non-readers of partial_rotary_factor in their default RoPE, the latter including ones a fuzzer found
+# misread by an allow-list of non-readers (dbrx, jetmoe, vaultgemma, zamba2, lfm2, cohere2_moe, granitemoehybrid).
+DEFAULT_RULE_SAMPLE = [
+    *("gpt_neox", "glm", "glm4", "nemotron", "persimmon", "phi", "phi3", "qwen3_next", "stablelm", "bamba"),
+    *("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "olmo2", "starcoder2", "cohere"),
+    *("dbrx", "jetmoe", "vaultgemma", "zamba2", "lfm2", "cohere2_moe", "granitemoehybrid"),
+]
 
 
-@pytest.mark.parametrize("model_type", sorted(_DEFAULT_IGNORES_PARTIAL) + DEFAULT_READS_PARTIAL)
+def test_the_table_of_default_rope_readers_is_the_installed_transformers():
+    """Where transformers is missing the table decides; it must say what every rotary class of the installed one
+    does (read from its compute_default_rope_parameters, as rope_kwargs_from_config asks when it is present)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    readers = set()
+    for model_type in CONFIG_MAPPING_NAMES:
+        source = hf_interop._default_rope_source(model_type)
+        if source is not None and "partial_rotary_factor" in source:
+            readers.add(model_type)
+    assert readers == hf_interop._DEFAULT_READS_PARTIAL
+
+
+@pytest.mark.parametrize("model_type", DEFAULT_RULE_SAMPLE)
 def test_default_rope_reads_partial_rotary_factor_as_the_model_does(model_type: str) -> None:
-    # Every entry of the table, and the readers, against the installed transformers: the model's own rotary class
-    # built from a config with partial_rotary_factor=0.5 and head_dim 16 has 8 frequencies (whole head) or 4.
+    # The model's own rotary class built from a config with partial_rotary_factor=0.5 and head_dim 16 has 8
+    # frequencies (whole head) or 4; posenc's with and without transformers to ask.
     from transformers.models.auto.configuration_auto import model_type_to_module_name
 
     rope_parameters = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
-    if "_vl" in model_type:  # M-RoPE: sections of the 8 pairs of head_dim 16 (the default [16, 24, 24] needs 128)
-        rope_parameters["mrope_section"] = [2, 3, 3]
     config = transformers.AutoConfig.for_model(
         model_type,
         hidden_size=64,
@@ -263,7 +310,15 @@ def test_default_rope_reads_partial_rotary_factor_as_the_model_does(model_type: 
     ]
     assert len(rotary) == 1, rotary
     hf = rotary[0](config)
+    assert hf.inv_freq.numel() == (4 if model_type in hf_interop._DEFAULT_READS_PARTIAL else 8)
     ours, factor = rope_from_config(config).frequencies()
-    assert hf.inv_freq.numel() == (8 if model_type in _DEFAULT_IGNORES_PARTIAL else 4)
+    hf_interop._default_reads_partial.cache_clear()
+    try:
+        with pytest.MonkeyPatch.context() as no_transformers:
+            no_transformers.setattr(hf_interop, "_default_rope_source", lambda model_type: None)
+            from_table, _ = rope_from_config(config).frequencies()
+    finally:
+        hf_interop._default_reads_partial.cache_clear()
+    torch.testing.assert_close(from_table, ours, rtol=0, atol=0)
     torch.testing.assert_close(ours, hf.inv_freq.double(), rtol=1e-6, atol=0)
     assert factor == hf.attention_scaling

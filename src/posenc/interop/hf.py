@@ -3,8 +3,9 @@
 Reads both forms ``transformers`` has used: the new ``rope_parameters`` dict and the old ``rope_scaling`` dict with
 top-level ``rope_theta`` / ``partial_rotary_factor`` / ``rotary_pct`` / ``rotary_emb_base`` / ``head_dim`` /
 ``original_max_position_embeddings``, plus the per-model spellings that decide the layout (GPT-J's absolute
-``rotary_dim`` with adjacent pairs, DeepSeek's ``rope_interleave``, Qwen2-VL's ``mrope_section``). ``transformers``
-is not imported: a config object is read through ``to_dict()``.
+``rotary_dim`` with adjacent pairs, DeepSeek's ``rope_interleave``, Qwen2-VL's ``mrope_section``). A config object
+is read through ``to_dict()``; ``transformers`` is imported only to ask a model's rotary class whether its default
+RoPE reads ``partial_rotary_factor``, and only for a config that sets a factor below 1.
 
 Layout notes: DeepSeek-V3 (``rope_interleave``) rotates adjacent pairs of the rope part ``q[..., -64:]`` and then
 stores the result de-interleaved (evens then odds); posenc writes the pairs back in place. Both orders give the same
@@ -13,6 +14,9 @@ q.k scores. DeepSeek's extra softmax scale mscale(factor, mscale_all_dim)^2 belo
 
 from __future__ import annotations
 
+import functools
+import importlib
+import inspect
 import json
 import os
 from collections.abc import Mapping
@@ -30,47 +34,87 @@ _INTERLEAVE_DEFAULTS = {"deepseek_v3": True}
 _ABSOLUTE_ROTARY_DIM = frozenset({"gptj", "codegen"})
 # Defaults a model class applies when its config.json omits the key.
 _PARTIAL_DEFAULTS = {"gpt_neox": 0.25}
-# Model types whose 'default' RoPE (their rotary class's compute_default_rope_parameters in transformers 5.x) rotates
-# the whole head and never reads partial_rotary_factor, although their configs accept the key. Their scaled types
-# (ROPE_INIT_FUNCTIONS) do read it. Others, e.g. gpt_neox, phi, phi3, stablelm, persimmon, glm, nemotron and
-# qwen3_next, honour it; so does a config without a model_type. Each entry is checked against the installed
-# transformers by tests/interop/test_rope_from_config.py, and patch_model compares with the model's own inv_freq.
-_DEFAULT_IGNORES_PARTIAL = frozenset(
+# Model types whose 'default' RoPE (their rotary class's compute_default_rope_parameters in transformers 5.x) reads
+# partial_rotary_factor. The others, 220 of the 288 model types with a rotary class in transformers 5.24 (Llama,
+# Mistral, Qwen2/3, Gemma, DeepSeek, ...), rotate the whole head there and never read it, although their configs
+# accept the key; the scaled types (ROPE_INIT_FUNCTIONS) always read it. Where transformers is installed, the
+# model's own rotary class decides (``_default_reads_partial``); this table, taken from transformers 5.24, is for
+# where it is not. tests/interop/test_rope_from_config.py holds it to the installed transformers.
+_DEFAULT_READS_PARTIAL = frozenset(
     {
-        "apertus",
-        "arcee",
-        "cohere",
-        "cohere2",
-        "ernie4_5",
-        "exaone4",
-        "gemma",
-        "gemma2",
-        "gpt_oss",
-        "granite",
-        "granitemoe",
-        "helium",
-        "hunyuan_v1_dense",
-        "llama",
-        "ministral",
-        "mistral",
-        "mixtral",
-        "olmo",
-        "olmo2",
-        "olmoe",
-        "phimoe",
-        "qwen2",
-        "qwen2_5_vl",
-        "qwen2_5_vl_text",
-        "qwen2_moe",
-        "qwen2_vl",
-        "qwen2_vl_text",
-        "qwen3",
-        "qwen3_moe",
-        "seed_oss",
-        "smollm3",
-        "starcoder2",
+        "bamba",
+        "deepseek_v4",
+        "diffusion_gemma",
+        "diffusion_gemma_text",
+        "efficientloftr",
+        "glm",
+        "glm4",
+        "glm4_moe",
+        "glm4_moe_lite",
+        "glm4v",
+        "glm4v_moe",
+        "glm4v_moe_text",
+        "glm4v_moe_vision",
+        "glm4v_text",
+        "glm4v_vision",
+        "glm_image",
+        "glm_image_text",
+        "glm_image_vision",
+        "glm_image_vqmodel",
+        "glm_ocr",
+        "glm_ocr_text",
+        "glm_ocr_vision",
+        "glmasr",
+        "glmasr_encoder",
+        "gpt_neox",
+        "gpt_neox_japanese",
+        "laguna",
+        "mellum",
+        "mimo_v2_flash",
+        "minimax_m2",
+        "minimax_m3_vl",
+        "minimax_m3_vl_text",
+        "minimax_m3_vl_vision",
+        "moonshine",
+        "moonshine_streaming",
+        "moonshine_streaming_encoder",
+        "musicflamingo",
+        "nemo_speechlm",
+        "nemotron",
+        "nemotron3_5_transcribe_asr_audio",
+        "nemotron3_5_transcribe_audio",
+        "nemotron3_5_transcribe_word_timestamp",
+        "nemotron3_diarization",
+        "nemotron3_diarization_audio",
+        "neomme",
+        "persimmon",
+        "phi",
+        "phi3",
+        "phi4_multimodal",
+        "phi4_multimodal_audio",
+        "phi4_multimodal_vision",
+        "qwen3_5",
+        "qwen3_5_moe",
+        "qwen3_5_moe_text",
+        "qwen3_5_moe_vision",
+        "qwen3_5_text",
+        "qwen3_5_vision",
+        "qwen3_next",
+        "qwen4_exp",
+        "qwen4_exp_text",
+        "qwen4_exp_vision",
+        "recurrent_gemma",
+        "solar_open",
+        "stablelm",
+        "step3p5",
+        "step3p5_vision",
+        "step3p7",
+        "zaya",
     }
 )
+# Defaults a model class applies to a top-level key its config.json omits (transformers then copies the top-level
+# original_max_position_embeddings over the rope dict's own).
+_ORIGINAL_DEFAULTS = {"phi3": 4096}
 _MROPE_DEFAULTS = {"qwen2_vl": [16, 24, 24], "qwen2_5_vl": [16, 24, 24], "qwen2_vl_text": [16, 24, 24]}
 # Legacy type names -> the type transformers maps them to.
 _LEGACY_TYPES = {"su": "longrope", "mrope": "default"}
@@ -154,12 +198,10 @@ def rope_kwargs_from_config(config: Any, *, layer_type: str | None = None) -> di
     rope["rope_theta"] = float(default_theta if theta is None else theta)
 
     if model_type in _ABSOLUTE_ROTARY_DIM:
+        # GPT-J and CodeGen build a fixed table (create_sinusoidal_positions): base 10000, no scaling, whatever
+        # the config says.
         rotary_dim = cfg.get("rotary_dim")
-        rope.pop("partial_rotary_factor", None)
-    elif rope_type == "default" and model_type in _DEFAULT_IGNORES_PARTIAL:
-        # transformers rotates all head_dim channels here whatever the factor says; so must posenc.
-        rotary_dim = None
-        rope.pop("partial_rotary_factor", None)
+        rope_type, rope = "default", {"rope_theta": 10000.0}
     else:
         rotary_dim = None
         partial = _first(rope, "partial_rotary_factor")
@@ -167,13 +209,18 @@ def rope_kwargs_from_config(config: Any, *, layer_type: str | None = None) -> di
             partial = _first(cfg, "partial_rotary_factor", "rotary_pct")
         if partial is None:
             partial = _PARTIAL_DEFAULTS.get(model_type)
-        if partial is not None:
+        rope.pop("partial_rotary_factor", None)
+        # Asked only when it matters: finding the model's rotary class imports its transformers module.
+        if partial is not None and (partial == 1 or rope_type != "default" or _default_reads_partial(model_type)):
             rope["partial_rotary_factor"] = partial
 
     max_pos = _first(cfg, "max_position_embeddings", "n_positions")
-    if rope_type in _NEEDS_ORIGINAL and cfg.get("original_max_position_embeddings") is not None:
+    original = _first(cfg, "original_max_position_embeddings")
+    if original is None:
+        original = _ORIGINAL_DEFAULTS.get(model_type)
+    if rope_type in _NEEDS_ORIGINAL and original is not None:
         # transformers gives a top-level original_max_position_embeddings priority (Phi-3 keeps it there).
-        rope["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
+        rope["original_max_position_embeddings"] = original
 
     head_dim = _first(cfg, "qk_rope_head_dim", "head_dim")
     if head_dim is None:
@@ -194,6 +241,41 @@ def rope_kwargs_from_config(config: Any, *, layer_type: str | None = None) -> di
     if mrope_section is not None:
         kwargs["mrope_section"] = list(mrope_section)
     return kwargs
+
+
+@functools.cache
+def _default_reads_partial(model_type: str) -> bool:
+    """Whether the model type's 'default' RoPE reads partial_rotary_factor: its rotary class in the installed
+    transformers if that has one, else ``_DEFAULT_READS_PARTIAL``. A config of no model type: the factor holds."""
+    if not model_type:
+        return True
+    source = _default_rope_source(model_type)
+    return model_type in _DEFAULT_READS_PARTIAL if source is None else "partial_rotary_factor" in source
+
+
+def _default_rope_source(model_type: str) -> str | None:
+    """The source of compute_default_rope_parameters of the model type's one rotary class in the installed
+    transformers, or None (no transformers, an unknown type, no such class or several)."""
+    try:
+        from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+        module = model_type_to_module_name(model_type)
+        modeling = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+    except Exception:  # not installed, unknown to it, or a modeling module that needs an optional package
+        return None
+    classes = [
+        cls
+        for name, cls in vars(modeling).items()
+        if name.endswith("RotaryEmbedding")
+        and getattr(cls, "__module__", None) == modeling.__name__
+        and hasattr(cls, "compute_default_rope_parameters")
+    ]
+    if len(classes) != 1:
+        return None
+    try:
+        return inspect.getsource(classes[0].compute_default_rope_parameters)
+    except (OSError, TypeError):
+        return None
 
 
 def rope_from_config(config: Any, *, layer_type: str | None = None, mode: Literal["hf", "consistent"] = "hf") -> RoPE:

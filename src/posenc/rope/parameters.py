@@ -151,6 +151,10 @@ def _resolve(rope_type: str, params: dict[str, Any], rotary_dim: int, max_pos: i
         out["factor"] = _real("factor", out["factor"], low=1.0, low_inclusive=True, hint=" (1 means no scaling)")
     elif rope_type in _IMPLICIT_FACTOR and max_pos is not None:
         implicit = max_pos / out["original_max_position_embeddings"]
+        if implicit < 1.0 and rope_type == "longrope":
+            # A model configured below its original length (Phi3Config's default original is 4096): transformers
+            # then takes attention factor 1, and LongRoPE uses the factor for nothing else.
+            implicit = 1.0
         if implicit < 1.0:
             raise ValueError(
                 f"rope_parameters['factor'] is missing and max_position_embeddings / original_max_position_embeddings"
@@ -230,6 +234,10 @@ def parse_rope_parameters(
     for key in sorted(required - nullable):
         if params[key] is None:
             raise ValueError(f"rope_parameters['{key}'] is None; rope_type {rope_type!r} needs a value")
+    if "truncate" in params and params["truncate"] is None:
+        # transformers reads get("truncate", True) and tests its truth: an explicit null (JSON) means no truncation,
+        # unlike every other key here, where None means absent.
+        params["truncate"] = False
     params = {key: value for key, value in params.items() if value is not None or key in nullable}
     allowed = required | OPTIONAL_KEYS[rope_type]
     unknown = sorted(params.keys() - allowed - COMMON_KEYS)
