@@ -209,6 +209,12 @@ def test_raw_configs_read_as_transformers_reads_them() -> None:
     torch.testing.assert_close(RoPE(64, rope_parameters={**yarn, "truncate": None}).frequencies()[0], untruncated)
     gptj = {"model_type": "gptj", "n_embd": 64, "n_head": 2, "rotary_dim": 16, "rope_theta": 5e5}
     assert rope_from_config(gptj).base == 10000.0
+    # GPTNeoXConfig reads rotary_emb_base and rotary_pct, not a top-level rope_theta / partial_rotary_factor.
+    neox = {"model_type": "gpt_neox", "hidden_size": 128, "num_attention_heads": 2, "rope_theta": 5e5}
+    neox_rope = rope_from_config({**neox, "partial_rotary_factor": 0.5})
+    assert (neox_rope.base, neox_rope.rotary_dim) == (10000.0, 16)
+    neox_rope = rope_from_config({**neox, "rotary_emb_base": 500.0, "rotary_pct": 0.5})
+    assert (neox_rope.base, neox_rope.rotary_dim) == (500.0, 32)
 
 
 def test_mode_passes_through() -> None:

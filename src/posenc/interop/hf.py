@@ -34,6 +34,10 @@ _INTERLEAVE_DEFAULTS = {"deepseek_v3": True}
 _ABSOLUTE_ROTARY_DIM = frozenset({"gptj", "codegen"})
 # Defaults a model class applies when its config.json omits the key.
 _PARTIAL_DEFAULTS = {"gpt_neox": 0.25}
+# Top-level keys a model's config class reads for theta and the rotary fraction (GPTNeoXConfig reads its own names
+# and ignores a top-level rope_theta or partial_rotary_factor); the default is both spellings.
+_TOP_LEVEL_THETA = {"gpt_neox": ("rotary_emb_base",)}
+_TOP_LEVEL_PARTIAL = {"gpt_neox": ("rotary_pct",)}
 # Model types whose 'default' RoPE (their rotary class's compute_default_rope_parameters in transformers 5.x) reads
 # partial_rotary_factor. The others, 220 of the 288 model types with a rotary class in transformers 5.24 (Llama,
 # Mistral, Qwen2/3, Gemma, DeepSeek, ...), rotate the whole head there and never read it, although their configs
@@ -194,7 +198,7 @@ def rope_kwargs_from_config(config: Any, *, layer_type: str | None = None) -> di
 
     theta = _first(rope, "rope_theta")
     if theta is None:
-        theta = _first(cfg, "rope_theta", "rotary_emb_base")
+        theta = _first(cfg, *_TOP_LEVEL_THETA.get(model_type, ("rope_theta", "rotary_emb_base")))
     rope["rope_theta"] = float(default_theta if theta is None else theta)
 
     if model_type in _ABSOLUTE_ROTARY_DIM:
@@ -206,7 +210,7 @@ def rope_kwargs_from_config(config: Any, *, layer_type: str | None = None) -> di
         rotary_dim = None
         partial = _first(rope, "partial_rotary_factor")
         if partial is None:
-            partial = _first(cfg, "partial_rotary_factor", "rotary_pct")
+            partial = _first(cfg, *_TOP_LEVEL_PARTIAL.get(model_type, ("partial_rotary_factor", "rotary_pct")))
         if partial is None:
             partial = _PARTIAL_DEFAULTS.get(model_type)
         rope.pop("partial_rotary_factor", None)
