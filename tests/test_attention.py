@@ -78,6 +78,30 @@ def test_a_cache_fed_another_batch_size_is_a_clear_error():
     assert cache.length == 5  # nothing was appended
 
 
+@pytest.mark.parametrize("rope_parameters", [None, {"rope_type": "dynamic", "factor": 2.0}], ids=["rope", "dynamic"])
+def test_a_step_that_cannot_continue_the_cache_changes_nothing(rope_parameters):
+    """Another dtype, or another layer's head count, is a clear error raised before the cache changes, so the
+    corrected retry equals the full forward (a float32 step into a float64 cache once appended its key and then
+    failed in attention; in consistent mode a head mismatch left the unrotated keys as the rotated ones)."""
+    torch.manual_seed(0)
+    rope = posenc.RoPE(HEAD_DIM, rope_parameters=rope_parameters, max_position_embeddings=4, mode="consistent")
+    attn = CausalSelfAttention(DIM, HEADS, num_kv_heads=KV_HEADS, encoding=rope).double()
+    other = CausalSelfAttention(DIM, HEADS, encoding=rope).double()  # 4 key/value heads, not 2
+    x = torch.randn(1, 6, DIM, dtype=torch.float64)
+    full = attn(x)
+    cache = KVCache()
+    attn(x[:, :5], cache=cache)
+    state = lambda: (cache.k, cache.v, cache.positions, cache.unrotated_k, cache.rotated_with)  # noqa: E731
+    held = state()
+    with pytest.raises(TypeError, match=r"KVCache holds torch.float64 keys .* new ones are torch.float32"):
+        attn.float()(x[:, 5:].float(), cache=cache)
+    attn.double()
+    with pytest.raises(ValueError, match=r"holds 2 key/value heads of 8 channels but the new keys have 4 of 8"):
+        other(x[:, 5:], cache=cache)
+    assert all(a is b for a, b in zip(held, state(), strict=True))
+    torch.testing.assert_close(attn(x[:, 5:], cache=cache), full[:, 5:], atol=1e-12, rtol=1e-12)
+
+
 @pytest.mark.parametrize("name", posenc.available())
 def test_return_attention_keeps_float64(name):
     """Asking for the probabilities must not change the output: float64 stays float64 (it was run in float32)."""

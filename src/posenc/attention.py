@@ -64,16 +64,10 @@ class KVCache:
     def update(
         self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """k, v: (b, g, s, d); positions: (b or 1, s). Append the new tokens; returns everything cached so far."""
-        self.check_batch(k.shape[0], what="k")
-        if self.k is None:
-            self.k, self.v, self.positions = k, v, positions
-        else:
-            assert self.v is not None and self.positions is not None
-            batch = max(self.positions.shape[0], positions.shape[0])
-            self.positions = torch.cat((self.positions.expand(batch, -1), positions.expand(batch, -1)), dim=1)
-            self.k = torch.cat((self.k, k), dim=2)
-            self.v = torch.cat((self.v, v), dim=2)
+        """k, v: (b, g, s, d); positions: (b or 1, s). Append the new tokens; returns everything cached so far.
+        New tokens that cannot continue the cache (batch, dtype, device, heads, head dim) raise and change nothing."""
+        self._check_new(k, v, self.k)
+        self.k, self.v, self.positions = self._appended(self.k, k, v, positions)
         return self.k, self.v, self.positions
 
     def update_rotating(
@@ -82,22 +76,51 @@ class KVCache:
         """Append unrotated keys k: (b, g, s, d) and rotate every cached key with the frequencies of the whole
         sequence, max(positions) + 1, re-rotating the old keys only when those frequencies changed.
 
-        Returns (rotated keys (b, g, t, d), values, key positions (b or 1, t), the seq_len used).
+        Returns (rotated keys (b, g, t, d), values, key positions (b or 1, t), the seq_len used). The cache changes
+        only once everything is computed.
         """
         if self.unrotated_k is None and self.k is not None:
             raise ValueError("this KVCache holds keys rotated by another encoding; start a new KVCache()")
-        new_k, old_k = k, self.k
-        self.k = self.unrotated_k
-        unrotated, v, k_pos = self.update(k, v, positions)
-        self.unrotated_k = unrotated
+        self._check_new(k, v, self.unrotated_k)
+        unrotated, all_v, k_pos = self._appended(self.unrotated_k, k, v, positions)
         seq_len = int(k_pos.max()) + 1
         inv_freq = encoding.frequencies(seq_len)[0]
-        if old_k is not None and self.rotated_with is not None and torch.equal(inv_freq, self.rotated_with):
-            self.k = torch.cat((old_k, encoding.rotate(new_k, positions, seq_len=seq_len)), dim=2)
+        if self.k is not None and self.rotated_with is not None and torch.equal(inv_freq, self.rotated_with):
+            rotated = torch.cat((self.k, encoding.rotate(k, positions, seq_len=seq_len)), dim=2)
         else:
-            self.k = encoding.rotate(unrotated, k_pos, seq_len=seq_len)
-            self.rotated_with = inv_freq
-        return self.k, v, k_pos, seq_len
+            rotated = encoding.rotate(unrotated, k_pos, seq_len=seq_len)
+        self.k, self.v, self.positions, self.unrotated_k, self.rotated_with = rotated, all_v, k_pos, unrotated, inv_freq
+        return self.k, all_v, k_pos, seq_len
+
+    def _check_new(self, k: torch.Tensor, v: torch.Tensor, held: torch.Tensor | None) -> None:
+        """Raise unless new keys k and values v continue ``held``, the keys as cached (before any rotation)."""
+        self.check_batch(k.shape[0], what="k")
+        if held is None:
+            return
+        assert self.v is not None
+        if k.dtype != held.dtype or v.dtype != self.v.dtype:
+            raise TypeError(
+                f"this KVCache holds {held.dtype} keys and {self.v.dtype} values but the new ones are {k.dtype} and "
+                f"{v.dtype}; run every step in one dtype, or start a new KVCache()"
+            )
+        if k.device != held.device or v.device != self.v.device:
+            raise ValueError(f"this KVCache is on {held.device} but the new keys are on {k.device}; use one device")
+        if k.shape[1] != held.shape[1] or k.shape[3] != held.shape[3] or v.shape[1] != self.v.shape[1]:
+            raise ValueError(
+                f"this KVCache holds {held.shape[1]} key/value heads of {held.shape[3]} channels but the new keys "
+                f"have {k.shape[1]} of {k.shape[3]}; give each attention layer its own KVCache"
+            )
+
+    def _appended(
+        self, held: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(held keys + k, cached values + v, cached positions + positions), computed without changing the cache."""
+        if held is None:
+            return k, v, positions
+        assert self.v is not None and self.positions is not None
+        batch = max(self.positions.shape[0], positions.shape[0])
+        all_positions = torch.cat((self.positions.expand(batch, -1), positions.expand(batch, -1)), dim=1)
+        return torch.cat((held, k), dim=2), torch.cat((self.v, v), dim=2), all_positions
 
 
 def add_input_encoding(x: torch.Tensor, encoding: nn.Module | None, positions: torch.Tensor) -> torch.Tensor:

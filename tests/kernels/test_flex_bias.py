@@ -194,6 +194,7 @@ def test_use_flex_rules():
         assert not flex_bias.use_flex(torch.nn.Identity(), long, long, long, need_probs=False)
         step = long[:, :, -1:]
         assert not flex_bias.use_flex(alibi, step, long, long, need_probs=False), "decode: (h, 1, t) is small"
+    assert not flex_bias.use_flex(alibi, long.double(), long, long, need_probs=False), "no compiled float64 flex"
     grad = long.clone().requires_grad_()
     assert not flex_bias.use_flex(alibi, grad, long, long, need_probs=False), "no FlexAttention backward on CPU"
     assert not flex_bias.use_flex(T5Bias(2), long, long, long, need_probs=False), "the T5 table needs grad"

@@ -189,6 +189,8 @@ def use_flex(encoding: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     # Cheap checks first: flex_available() imports dynamo, which costs seconds on a process's first call.
     if need_probs or not isinstance(encoding, (ALiBi, T5Bias)) or q.shape[2] == 1 or q.device.type in _GIVEN_UP:
         return False
+    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False  # compiled FlexAttention has no float64 (on CPU it fails to compile); float64 wants exactness
     scores = q.shape[2] * k.shape[2]
     if q.device.type == "cuda":
         return scores >= CUDA_MIN_SCORES and flex_available()
