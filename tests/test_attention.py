@@ -96,7 +96,7 @@ def test_a_step_that_cannot_continue_the_cache_changes_nothing(rope_parameters):
     with pytest.raises(TypeError, match=r"KVCache holds torch.float64 keys .* new ones are torch.float32"):
         attn.float()(x[:, 5:].float(), cache=cache)
     attn.double()
-    with pytest.raises(ValueError, match=r"holds 2 key/value heads of 8 channels but the new keys have 4 of 8"):
+    with pytest.raises(ValueError, match=r"holds keys of 2 heads x 8 channels but the new keys have 4 x 8"):
         other(x[:, 5:], cache=cache)
     assert all(a is b for a, b in zip(held, state(), strict=True))
     torch.testing.assert_close(attn(x[:, 5:], cache=cache), full[:, 5:], atol=1e-12, rtol=1e-12)

@@ -105,11 +105,12 @@ class KVCache:
             )
         if k.device != held.device or v.device != self.v.device:
             raise ValueError(f"this KVCache is on {held.device} but the new keys are on {k.device}; use one device")
-        if k.shape[1] != held.shape[1] or k.shape[3] != held.shape[3] or v.shape[1] != self.v.shape[1]:
-            raise ValueError(
-                f"this KVCache holds {held.shape[1]} key/value heads of {held.shape[3]} channels but the new keys "
-                f"have {k.shape[1]} of {k.shape[3]}; give each attention layer its own KVCache"
-            )
+        for name, new, cached in (("keys", k, held), ("values", v, self.v)):
+            if new.shape[1] != cached.shape[1] or new.shape[3] != cached.shape[3]:
+                raise ValueError(
+                    f"this KVCache holds {name} of {cached.shape[1]} heads x {cached.shape[3]} channels but the new "
+                    f"{name} have {new.shape[1]} x {new.shape[3]}; give each attention layer its own KVCache"
+                )
 
     def _appended(
         self, held: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor

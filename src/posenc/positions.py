@@ -60,6 +60,8 @@ def resolve_positions(
     pos = pos + offset
     if check_data and positions is not None and pos.numel() and bool((pos < 0).any()):
         raise ValueError("positions must be >= 0, got a negative entry")
+    if not check_data and isinstance(offset, torch.Tensor):
+        assert_without_sync(offset >= 0, "offset must be >= 0 (it counts tokens already in the cache)")
     if not check_data and tensors:
         assert_without_sync(pos >= 0, "positions must be >= 0 (offset + position ids), got a negative entry")
     return pos

@@ -207,6 +207,7 @@ def test_raw_configs_read_as_transformers_reads_them() -> None:
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "rope_theta": 1e4}
     untruncated = RoPE(64, rope_parameters={**yarn, "truncate": False}).frequencies()[0]
     torch.testing.assert_close(RoPE(64, rope_parameters={**yarn, "truncate": None}).frequencies()[0], untruncated)
+    RoPE(64, rope_parameters={"rope_type": "linear", "factor": 2.0, "truncate": None})  # null elsewhere: absent
     gptj = {"model_type": "gptj", "n_embd": 64, "n_head": 2, "rotary_dim": 16, "rope_theta": 5e5}
     assert rope_from_config(gptj).base == 10000.0
     # GPTNeoXConfig reads rotary_emb_base and rotary_pct, not a top-level rope_theta / partial_rotary_factor.

@@ -106,7 +106,7 @@ struct Args {
   int32_t conjugate;
   int32_t copy_tail;
   int32_t threads;
-  int64_t rows;  // rows of the cos/sin table that pos indexes; last, so that older revisions read a prefix
+  int64_t rows;  // rows of the cos/sin table that pos indexes; last: an older revision given one job reads a prefix
 };
 
 #ifdef POSENC_AVX512

@@ -131,8 +131,8 @@ def rope_cpu(
     x, out: (n0, n1, n2, d) CPU, same dtype (float32/bfloat16/float16/float64), unit last stride;
     cos, sin: float32 or float64 with unit last stride and one set of strides, either (c0, c1, rows, r/2) views
     (strides may be 0) read at (i0, i1, row), or (rows, r/2) tables read at row for every (i0, i1);
-    positions: None (row = first_row + i2) or (n0 or 1, n2) int64 (row = positions[i0, i2], unchecked here:
-    ``posenc.kernels.layout.check_table_call`` checks them against the table once per call);
+    positions: None (row = first_row + i2) or (n0 or 1, n2) int64 (row = positions[i0, i2]; the kernel refuses,
+    before writing anything, a position outside the table: a ValueError);
     first_row: the first table row read without positions (an int offset); must be 0 with positions;
     copy_tail: also copy channels r..d-1 (out-of-place); in place they are already there.
     library: one from ``build_library`` (benchmarks compare kernel revisions); default this package's.
@@ -160,6 +160,9 @@ def rope_cpu_jobs(
 ) -> None:
     """``rope_cpu`` for several (x, out, cos, sin) of one dtype (q and k) in one call into the library."""
     reason = ""
+    if library is not None and len(jobs) > 1 and library is not _library()[0]:
+        # Another revision's struct Args may be shorter: its posenc_rope_jobs would step through the jobs wrongly.
+        raise ValueError("a library other than this package's takes one job per call; call rope_cpu once per x")
     if library is None:
         library, reason = _library()
     if library is None:
@@ -214,8 +217,8 @@ def _pack_job(
 ) -> bytes | None:
     """Check what the C code trusts (shapes, dtypes, devices, strides, the rows it reads without positions) and
     pack one job's ``struct Args``; None for an empty x. Each tensor's metadata is read once: on a decode step
-    this function is a good part of the call. (With positions, that every one is a row of the table is checked
-    once upstream, in ``posenc.kernels.layout.check_table_call``.)"""
+    this function is a good part of the call. (With positions, the kernel checks that every one is a row of the
+    table.)"""
     shape, x_strides, out_strides = x.shape, x.stride(), out.stride()
     cos_shape, cos_strides = cos.shape, cos.stride()
     if len(shape) != 4 or out.shape != shape:

@@ -73,6 +73,8 @@ def _position_bounds(
         return None  # traced or captured: no value may be read (RoPE.forward has a path for each that reads none)
     if reductions:
         values = torch.stack([m.to(torch.long) for t in reductions for m in torch.aminmax(t)]).tolist()
+        if isinstance(offset, torch.Tensor) and offset.numel() and values[0] < 0:
+            return None  # a negative offset: resolve_positions refuses it, as it does without position ids
         low += sum(values[0::2])
         high += sum(values[1::2])
     return low, high

@@ -234,7 +234,7 @@ def parse_rope_parameters(
     for key in sorted(required - nullable):
         if params[key] is None:
             raise ValueError(f"rope_parameters['{key}'] is None; rope_type {rope_type!r} needs a value")
-    if "truncate" in params and params["truncate"] is None:
+    if params.get("truncate", False) is None and "truncate" in OPTIONAL_KEYS[rope_type]:
         # transformers reads get("truncate", True) and tests its truth: an explicit null (JSON) means no truncation,
         # unlike every other key here, where None means absent.
         params["truncate"] = False
