@@ -23,9 +23,13 @@ How FlexAttention is compiled differs by device:
   (inductor's C++ for flex: "cur_kvSplitSize2 / cur_qSplitSize2 was not declared"), in orders of calls that no
   rule here could rule out; CPU inference sees few lengths.
 
+Never for float64 (compiled FlexAttention has no float64 on CPU; float64 callers want the exact materialized path).
+
 Inside a caller's ``torch.compile`` the call joins the caller's graph on CUDA. On CPU it is a graph break: inductor
 cannot lower FlexAttention on q, k, v computed in the same graph, only on a graph's inputs (torch 2.13), so the
-call is a graph of its own; with ``fullgraph=True`` that is an error whose message says how to materialize instead.
+call is a graph of its own. With ``fullgraph=True`` that is an error, whatever the backend (with "eager" or
+"aot_eager" the call once stayed in the graph), whose message says how to materialize instead. A custom op around
+the call, which would keep one graph, does not work: create_block_mask's vmap fails inside a compiled graph's run.
 
 Either way dynamo stops compiling after 8 variants (its recompile limit, shared by every caller in the process)
 and would then quietly run an unfused flex_attention that materializes the whole score matrix. posenc makes that,
