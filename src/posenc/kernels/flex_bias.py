@@ -23,7 +23,8 @@ How FlexAttention is compiled differs by device:
   (inductor's C++ for flex: "cur_kvSplitSize2 / cur_qSplitSize2 was not declared"), in orders of calls that no
   rule here could rule out; CPU inference sees few lengths.
 
-Never for float64 (compiled FlexAttention has no float64 on CPU; float64 callers want the exact materialized path).
+Never for float64: inductor's CPU FlexAttention takes float32/bf16/fp16 only (a float64 call failed to compile
+and turned FlexAttention off for the process), CUDA's is unmeasured here, and float64 callers want exactness.
 
 Inside a caller's ``torch.compile`` the call joins the caller's graph on CUDA. On CPU it is a graph break: inductor
 cannot lower FlexAttention on q, k, v computed in the same graph, only on a graph's inputs (torch 2.13), so the
@@ -194,7 +195,7 @@ def use_flex(encoding: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     if need_probs or not isinstance(encoding, (ALiBi, T5Bias)) or q.shape[2] == 1 or q.device.type in _GIVEN_UP:
         return False
     if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return False  # compiled FlexAttention has no float64 (on CPU it fails to compile); float64 wants exactness
+        return False  # CPU flex compiles no float64 (CUDA's is unmeasured here); float64 callers want exactness
     scores = q.shape[2] * k.shape[2]
     if q.device.type == "cuda":
         return scores >= CUDA_MIN_SCORES and flex_available()
