@@ -62,6 +62,6 @@ def resolve_positions(
         raise ValueError("positions must be >= 0, got a negative entry")
     if not check_data and isinstance(offset, torch.Tensor):
         assert_without_sync(offset >= 0, "offset must be >= 0 (it counts tokens already in the cache)")
-    if not check_data and tensors:
+    if not check_data and positions is not None:  # without ids, pos >= 0 follows from the offset's assert
         assert_without_sync(pos >= 0, "positions must be >= 0 (offset + position ids), got a negative entry")
     return pos
