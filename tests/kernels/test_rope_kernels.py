@@ -6,7 +6,10 @@ The exhaustive grid runs on the cpu backend; the interpreted Triton kernel gets 
 
 from __future__ import annotations
 
+import functools
 import os
+import platform
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +18,7 @@ from hypothesis import strategies as st
 
 import posenc
 from posenc import apply_rotary, apply_rotary_, apply_rotary_qk
-from posenc.kernels import choose_backend
+from posenc.kernels import choose_backend, cpu_rope
 from posenc.kernels.cpu_rope import rope_cpu
 from posenc.rope.apply import rotate_pairs
 from posenc.testing import TOLERANCES, assert_close, rope_inv_freq_reference, rope_reference
@@ -139,6 +142,10 @@ def test_16_bit_x_with_float64_tables(backend, dtype, interleaved):
     interpreter converts float64 to 16-bit types bit for bit as integers (garbage), so Triton runs it natively only."""
     if backend == "triton" and DEVICE["triton"] == "cpu":
         pytest.skip("the Triton interpreter casts float64 to bf16/fp16 as raw integers; run natively")
+    check_float64_tables(backend, dtype, interleaved)
+
+
+def check_float64_tables(backend, dtype, interleaved):
     device = DEVICE[backend]
     cos, sin = (t.to(device) for t in table(64, 64, dtype=torch.float64))
     q = torch.randn(2, 3, 17, 80, dtype=torch.float64).to(dtype)
@@ -422,6 +429,10 @@ def test_16_bit_conversions_are_exact(backend, dtype, interleaved, half, scale):
     float32 to bfloat16 where the compiled kernel (cvt.rn) rounds to nearest even, as torch does."""
     if backend == "triton" and DEVICE["triton"] == "cpu" and dtype == torch.bfloat16:
         pytest.skip("the Triton interpreter truncates to bfloat16; run natively (scripts/gpu_check.sh)")
+    check_16_bit_exact(backend, dtype, interleaved, half, scale)
+
+
+def check_16_bit_exact(backend, dtype, interleaved, half, scale):
     x = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
     x = x[torch.randperm(x.numel(), generator=torch.Generator().manual_seed(half))]
     x = torch.cat([x, x[: -x.numel() % (2 * half)]]).reshape(1, 1, -1, 2 * half)
@@ -431,6 +442,76 @@ def test_16_bit_conversions_are_exact(backend, dtype, interleaved, half, scale):
     out = apply_rotary(x, c, torch.zeros_like(c), interleaved=interleaved, backend=backend).cpu()
     same = (out.float() == expected.float()) | (out.isnan() & expected.isnan())
     assert bool(same.all()), f"{int((~same).sum())} of {same.numel()} values differ"
+
+
+# The CPU kernel as other CPUs build it. The package compiles for -march=native, so on this machine the tests above
+# check only the code this CPU selects (AVX-512 with BF16 here); the portable loops that CPUs without AVX-512 run,
+# and the mix a CPU with AVX-512 but without BF16 gets (Skylake-X, Ice Lake), would otherwise never be tested.
+# Each level is built for real and its library put in the package's place, for every level this CPU can execute.
+ISA_LEVELS = {
+    # level: the /proc/cpuinfo flags it needs beyond the baseline (gcc's x86-64 micro-architecture levels)
+    "x86-64": (),  # SSE2 only, no FMA: the multiply-subtract rounds twice
+    "x86-64-v3": ("avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "sse4_2", "popcnt"),  # no AVX-512
+    "x86-64-v4": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"),  # AVX-512 without BF16
+}
+
+
+@functools.cache
+def isa_library(level: str):
+    """(library built for ``level``, "") or (None, why this machine cannot test it)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None, f"{level} is an x86 level; this machine is {platform.machine()}"
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return None, "no /proc/cpuinfo flags to tell what this CPU executes"
+    missing = set(ISA_LEVELS[level]) - set(flags.split(":", 1)[1].split())
+    if missing:
+        return None, f"this CPU lacks {sorted(missing)} for {level}"
+    library, reason = cpu_rope.build_library(cpu_rope.SOURCE.read_bytes(), arch=level)
+    if library is None:
+        pytest.fail(f"building the CPU kernel for {level} failed: {reason}")
+    return library, ""
+
+
+@pytest.fixture(params=list(ISA_LEVELS))
+def isa_level(request, monkeypatch):
+    library, reason = isa_library(request.param)
+    if library is None:
+        pytest.skip(reason)
+    monkeypatch.setattr(cpu_rope, "_library", lambda: (library, ""))
+    return request.param
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize(("d", "r", "s"), [(96, 48, 7), (256, 256, 217)])
+def test_cpu_builds_for_older_x86_levels_match_reference(isa_level, kind, dtype, interleaved, d, r, s):
+    check_forward_backward("cpu", kind, b=2, hq=4, hk=2, s=s, d=d, r=r, dtype=dtype, interleaved=interleaved)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("half", [1, 40, 64])
+def test_cpu_builds_for_older_x86_levels_convert_16_bit_exactly(isa_level, dtype, interleaved, half):
+    check_16_bit_exact("cpu", dtype, interleaved, half, 0.7)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_cpu_builds_for_older_x86_levels_with_float64_tables(isa_level, dtype):
+    check_float64_tables("cpu", dtype, interleaved=False)
+
+
+def test_the_kernel_cache_tells_cpus_with_one_name_apart(monkeypatch, tmp_path):
+    """A -march=native library is keyed by the CPU's feature flags, not only its model name: a cache shared by two
+    VMs that both call themselves "AMD EPYC" must not hand one the other's instructions."""
+    cpuinfo = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 {}\n"
+    seen = []
+    for flags in ("avx2", "avx2 avx512f"):
+        monkeypatch.setattr(cpu_rope.Path, "read_text", lambda self, flags=flags: cpuinfo.format(flags))
+        seen.append(cpu_rope._cpu_model())
+    assert seen[0] != seen[1] and all("AMD EPYC" in model for model in seen)
 
 
 def test_torch_compile_fullgraph_matches_eager():

@@ -27,9 +27,10 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_rope.cpp")
-# -march=native: the build happens on the machine that runs it, and the cache key includes the CPU model.
-# -ffp-contract=fast lets the compiler fuse x1*cos - x2*sin into one rounding (closer to the float64 result).
-FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+# -march=native by default: the build happens on the machine that runs it, and the cache key includes the CPU's
+# model and feature flags. -ffp-contract=fast lets the compiler fuse x1*cos - x2*sin into one rounding (closer to
+# the float64 result).
+FLAGS = ("-O3", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 GRAIN = 32768  # elements per thread, at::internal::GRAIN_SIZE
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
 
@@ -52,18 +53,28 @@ def _cache_dir() -> Path:
 
 
 def _cpu_model() -> str:
+    """The first CPU's model name and feature flags: a -march=native build runs only where both match (VMs often
+    report one generic name, "AMD EPYC", for several generations of cores)."""
+    found: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "flags")):
-                return line
+            key = line.split(":", 1)[0].strip()
+            if key in ("model name", "flags", "Features", "CPU part") and key not in found:
+                found[key] = line
     except OSError:
         pass
-    return platform.processor()
+    return "\n".join(found.values()) or platform.processor()
 
 
-def build_library(source: bytes) -> tuple[ctypes.CDLL | None, str]:
+def build_library(source: bytes, *, arch: str = "native") -> tuple[ctypes.CDLL | None, str]:
     """Compile ``source`` (the text of cpu_rope.cpp, this one or another revision's) into a shared library cached
-    on disk under a hash of the source, flags, compiler and CPU, and load it: (library, "") or (None, why not)."""
+    on disk under a hash of the source, flags, compiler and CPU, and load it: (library, "") or (None, why not).
+
+    arch: the compiler's ``-march``. The package builds for ``native``; the tests also build for older x86 levels
+    (``x86-64-v3``: AVX2 without AVX-512) so the loops that other CPUs run are checked here too. Loading a build
+    for instructions this CPU lacks would crash at the first call: check the CPU first.
+    """
+    flags = (f"-march={arch}", *FLAGS)
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         return None, "no C++ compiler found (set CXX or install g++)"
@@ -71,7 +82,7 @@ def build_library(source: bytes) -> tuple[ctypes.CDLL | None, str]:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as error:
         return None, f"{compiler} --version failed: {error}"
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(), _cpu_model().encode()]))
+    key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(), _cpu_model().encode()]))
     directory = _cache_dir()
     target = directory / f"cpu_rope_{key.hexdigest()[:16]}.so"
     if not target.exists():
@@ -81,7 +92,7 @@ def build_library(source: bytes) -> tuple[ctypes.CDLL | None, str]:
             source_path, partial = Path(scratch) / SOURCE.name, Path(scratch) / "partial.so"
             source_path.write_bytes(source)
             result = subprocess.run(
-                [compiler, *FLAGS, str(source_path), "-o", str(partial)], capture_output=True, text=True, timeout=300
+                [compiler, *flags, str(source_path), "-o", str(partial)], capture_output=True, text=True, timeout=300
             )
             if result.returncode != 0:
                 return None, f"building {SOURCE.name} failed:\n{result.stderr[-2000:]}"
