@@ -2,10 +2,13 @@
 
 Both kernels are built from source (cached like the package's own) and called on the same tensors, taking turns
 rep by rep with ``copy`` (``clone()`` of q and k, the floor of an out-of-place op) so that load on a shared machine
-hits them alike. Forward, out-of-place, q (1, 32, s, 128) and k (1, 8, s, 128), split-half; ``--inplace`` times the
-in-place variant against ``copy_`` into preallocated tensors instead.
+hits them alike. Forward, out-of-place, q (1, 32, s, 128) and k (1, 8, s, 128), split-half (``--interleaved``: adjacent
+pairs); ``--inplace`` times the in-place variant against ``copy_`` into preallocated tensors instead. ``--arch`` builds
+both for an older x86 level than this CPU's (``x86-64-v3``: the AVX2 machines without AVX-512), which this CPU must be
+able to execute.
 
     python benchmarks/cpu_kernel_ab.py --baseline 2978b28
+    python benchmarks/cpu_kernel_ab.py --baseline 00a9cf7 --arch x86-64-v3 --dtypes bf16 fp16
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ def source_at(revision: str) -> bytes:
     ).stdout
 
 
-def make_cases(libraries: dict, dtype: torch.dtype, seq: int, *, inplace: bool) -> dict:
+def make_cases(libraries: dict, dtype: torch.dtype, seq: int, *, inplace: bool, interleaved: bool) -> dict:
     """name -> (timed function, None): copy, then each library's kernel on the same q and k."""
     q, k = random_qk(1, 32, 8, seq, 128, dtype=dtype)
     angles = torch.arange(seq, dtype=torch.float64)[:, None] / 10000.0 ** (
@@ -52,7 +55,15 @@ def make_cases(libraries: dict, dtype: torch.dtype, seq: int, *, inplace: bool) 
             # In place the targets are rotated again each rep (norms are kept, so the values stay tame).
             source, out = (target, target) if inplace else (x, torch.empty_like(x))
             rope_cpu(
-                source, out, cos, sin, None, interleaved=False, conjugate=False, copy_tail=not inplace, library=library
+                source,
+                out,
+                cos,
+                sin,
+                None,
+                interleaved=interleaved,
+                conjugate=False,
+                copy_tail=not inplace,
+                library=library,
             )
 
     def copy() -> None:
@@ -72,22 +83,26 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16", "fp16"], choices=list(DTYPES))
     parser.add_argument("--reps", type=int, default=40)
     parser.add_argument("--inplace", action="store_true")
+    parser.add_argument("--interleaved", action="store_true", help="adjacent pairs instead of split halves")
+    parser.add_argument("--arch", default="native", help="the compiler's -march for both kernels (default native)")
     parser.add_argument("--csv", type=Path, default=None)
     add_allocation_argument(parser)
     args = parser.parse_args()
 
     libraries = {}
     for name, source in ((f"kernel@{args.baseline}", source_at(args.baseline)), ("kernel@tree", SOURCE.read_bytes())):
-        library, reason = build_library(source)
+        library, reason = build_library(source, arch=args.arch)
         if library is None:
             raise SystemExit(f"{name}: {reason}")
         libraries[name] = library
 
     env = environment("cpu", args.alloc)
-    mode = "fwd-inplace" if args.inplace else "fwd"
+    if args.arch != "native":
+        env["device"] += f", -march={args.arch}"
+    mode = ("fwd-inplace" if args.inplace else "fwd") + ("-interleaved" if args.interleaved else "")
     rows = []
     for dtype_name in args.dtypes:
-        cases = make_cases(libraries, DTYPES[dtype_name], args.seq, inplace=args.inplace)
+        cases = make_cases(libraries, DTYPES[dtype_name], args.seq, inplace=args.inplace, interleaved=args.interleaved)
         times = measure_interleaved(cases, reps=args.reps, device="cpu")
         shape = f"b=1,hq=32,hk=8,s={args.seq},d=128"
         rows += rows_against_copy(times, op="rope", mode=mode, dtype=dtype_name, shape=shape, env=env)

@@ -7,14 +7,17 @@
 #include <cstring>
 #include <type_traits>
 
-// The 16-bit paths use AVX-512 conversion instructions where the build CPU has them (-march=native); the
-// portable integer conversions below stay for every other CPU.
+// The 16-bit paths use the vector conversion instructions the build CPU has (-march=native): AVX-512, else AVX2
+// with F16C; the portable integer conversions below stay for every other CPU.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define POSENC_AVX512 1
 #include <immintrin.h>
 #if defined(__AVX512BF16__)
 #define POSENC_AVX512_BF16 1
 #endif
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define POSENC_AVX2 1
+#include <immintrin.h>
 #endif
 
 namespace {
@@ -88,6 +91,13 @@ inline f16 store<f16, float>(float v) {
 }
 template <>
 inline f16 store<f16, double>(double v) { return store<f16, float>(static_cast<float>(v)); }
+
+// The lanes policy of a storage type (how its vectors convert to and from float), or void where the portable loop
+// is used. Specialized below for the instructions the build CPU has.
+template <typename T>
+struct LanesOf {
+  using type = void;
+};
 
 struct Args {
   const void* x;
@@ -176,17 +186,31 @@ struct BF16Lanes {
 };
 #endif
 
-// (o1, o2) = (x1 cos - x2 sin, x2 cos + x1 sin), or with sin negated (the backward).
-template <bool Conj>
-inline void rotate_pair(__m512 x1, __m512 x2, __m512 c, __m512 s, __m512& o1, __m512& o2) {
+inline __m512 mul(__m512 a, __m512 b) { return _mm512_mul_ps(a, b); }
+inline __m512 fmadd(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
+inline __m512 fmsub(__m512 a, __m512 b, __m512 c) { return _mm512_fmsub_ps(a, b, c); }
+#endif
+
+#if defined(POSENC_AVX512) || defined(POSENC_AVX2)
+inline __m256 mul(__m256 a, __m256 b) { return _mm256_mul_ps(a, b); }
+inline __m256 fmadd(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
+inline __m256 fmsub(__m256 a, __m256 b, __m256 c) { return _mm256_fmsub_ps(a, b, c); }
+
+// (o1, o2) = (x1 cos - x2 sin, x2 cos + x1 sin), or with sin negated (the backward). The same roundings at every
+// vector width, so AVX2 and AVX-512 builds give the same 16-bit results.
+template <bool Conj, typename V>
+inline void rotate_pair(V x1, V x2, V c, V s, V& o1, V& o2) {
   if constexpr (Conj) {
-    o1 = _mm512_fmadd_ps(x1, c, _mm512_mul_ps(x2, s));
-    o2 = _mm512_fmsub_ps(x2, c, _mm512_mul_ps(x1, s));
+    o1 = fmadd(x1, c, mul(x2, s));
+    o2 = fmsub(x2, c, mul(x1, s));
   } else {
-    o1 = _mm512_fmsub_ps(x1, c, _mm512_mul_ps(x2, s));
-    o2 = _mm512_fmadd_ps(x2, c, _mm512_mul_ps(x1, s));
+    o1 = fmsub(x1, c, mul(x2, s));
+    o2 = fmadd(x2, c, mul(x1, s));
   }
 }
+#endif
+
+#ifdef POSENC_AVX512
 
 // Split-half rows, 32 pairs per step: whole 64-byte loads and stores of x1, x2, o1 and o2.
 template <typename Lanes, bool Conj>
@@ -268,11 +292,6 @@ inline void rotate_row_f32_split(const float* xr, float* orow, const float* c, c
   }
 }
 
-// The lanes policy of a storage type, or void where the portable loop is used.
-template <typename T>
-struct LanesOf {
-  using type = void;
-};
 template <>
 struct LanesOf<f16> {
   using type = F16Lanes;
@@ -284,8 +303,10 @@ struct LanesOf<bf16> {
 };
 #endif
 
-template <typename Lanes, bool Interleaved, bool Conj>
-inline void rotate_row_16bit(const uint16_t* xr, uint16_t* orow, const float* c, const float* s, int64_t half) {
+template <typename Lanes, bool Interleaved, bool Conj, typename T>
+inline void rotate_row_16bit(const T* x, T* out, const float* c, const float* s, int64_t half) {
+  const auto* xr = reinterpret_cast<const uint16_t*>(x);
+  auto* orow = reinterpret_cast<uint16_t*>(out);
   int64_t i = 0;
   if constexpr (!Interleaved) {
     for (; i + 32 <= half; i += 32) rotate_split_32<Lanes, Conj>(xr, orow, c, s, i, half);
@@ -298,27 +319,93 @@ inline void rotate_row_16bit(const uint16_t* xr, uint16_t* orow, const float* c,
 }
 #endif
 
-// The portable row: any storage type, math in C.
+// The portable row, from pair `first` on: any storage type, math in C.
 template <typename T, typename C>
-inline void rotate_row(const T* xr, T* orow, const C* c, const C* s, int64_t half, C sign, bool interleaved) {
+inline void rotate_row(const T* xr, T* orow, const C* c, const C* s, int64_t half, C sign, bool interleaved,
+                       int64_t first = 0) {
   // In place, orow == xr: each pair is read before it is written and pairs are disjoint, so the vectorizer may
   // ignore the apparent aliasing.
   if (interleaved) {
 #pragma GCC ivdep
-    for (int64_t i = 0; i < half; ++i) {
+    for (int64_t i = first; i < half; ++i) {
       const C x1 = load(xr[2 * i]), x2 = load(xr[2 * i + 1]), ci = c[i], si = sign * s[i];
       orow[2 * i] = store<T, C>(x1 * ci - x2 * si);
       orow[2 * i + 1] = store<T, C>(x2 * ci + x1 * si);
     }
   } else {
 #pragma GCC ivdep
-    for (int64_t i = 0; i < half; ++i) {
+    for (int64_t i = first; i < half; ++i) {
       const C x1 = load(xr[i]), x2 = load(xr[i + half]), ci = c[i], si = sign * s[i];
       orow[i] = store<T, C>(x1 * ci - x2 * si);
       orow[i + half] = store<T, C>(x2 * ci + x1 * si);
     }
   }
 }
+
+#ifdef POSENC_AVX2
+// AVX2 + F16C rows for the 16-bit types (CPUs without AVX-512). gcc does not vectorize the portable fp16
+// conversions for AVX2 (fp16 ran at 0.07x of a copy, bf16 0.49x, recycled buffers), so these are written out:
+// 8 pairs per step, the same roundings as the AVX-512 rows, and the portable loop for a row's last pairs.
+// A lanes policy converts 8 values <-> one float vector: to_float(8 values in a __m128i), narrow(8 floats).
+struct F16Lanes8 {
+  static __m256 to_float(__m128i v) { return _mm256_cvtph_ps(v); }
+  static __m128i narrow(__m256 f) { return _mm256_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+};
+struct BF16Lanes8 {
+  static __m256 to_float(__m128i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16)); }
+  static __m128i narrow(__m256 f) {
+    // The portable store<bf16, float> on 8 lanes: round to nearest even, NaN kept quiet. Every result fits in 16
+    // bits, so the saturating pack only narrows.
+    const __m256i u = _mm256_castps_si256(f);
+    const __m256i high = _mm256_srli_epi32(u, 16);
+    const __m256i odd = _mm256_and_si256(high, _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), odd), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(high, _mm256_set1_epi32(0x40)), nan);
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  }
+};
+template <>
+struct LanesOf<f16> {
+  using type = F16Lanes8;
+};
+template <>
+struct LanesOf<bf16> {
+  using type = BF16Lanes8;
+};
+
+template <typename Lanes, bool Interleaved, bool Conj, typename T>
+inline void rotate_row_16bit(const T* x, T* out, const float* c, const float* s, int64_t half) {
+  const auto* xr = reinterpret_cast<const uint16_t*>(x);
+  auto* orow = reinterpret_cast<uint16_t*>(out);
+  auto load8 = [](const uint16_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); };
+  auto store8 = [](uint16_t* p, __m128i v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), v); };
+  int64_t i = 0;
+  __m256 o1, o2;
+  for (; i + 8 <= half; i += 8) {
+    if constexpr (Interleaved) {
+      // Pairs 0..3 widen into f0 and 4..7 into f1; the in-lane shuffles leave x1 and x2 in pair order
+      // 0 1 4 5 2 3 6 7, so cos/sin are loaded in that order too, and unpacking o1 with o2 lane by lane restores
+      // pairs 0..3 and 4..7 without a cross-lane step.
+      const __m256 f0 = Lanes::to_float(load8(xr + 2 * i)), f1 = Lanes::to_float(load8(xr + 2 * i + 8));
+      const __m256 x1 = _mm256_shuffle_ps(f0, f1, _MM_SHUFFLE(2, 0, 2, 0));
+      const __m256 x2 = _mm256_shuffle_ps(f0, f1, _MM_SHUFFLE(3, 1, 3, 1));
+      auto mixed = [](const float* p) {
+        return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_loadu_ps(p)), _MM_SHUFFLE(3, 1, 2, 0)));
+      };
+      rotate_pair<Conj>(x1, x2, mixed(c + i), mixed(s + i), o1, o2);
+      store8(orow + 2 * i, Lanes::narrow(_mm256_unpacklo_ps(o1, o2)));
+      store8(orow + 2 * i + 8, Lanes::narrow(_mm256_unpackhi_ps(o1, o2)));
+    } else {
+      rotate_pair<Conj>(Lanes::to_float(load8(xr + i)), Lanes::to_float(load8(xr + i + half)), _mm256_loadu_ps(c + i),
+                        _mm256_loadu_ps(s + i), o1, o2);
+      store8(orow + i, Lanes::narrow(o1));
+      store8(orow + i + half, Lanes::narrow(o2));
+    }
+  }
+  if (i < half) rotate_row<T, float>(x, out, c, s, half, Conj ? -1.0f : 1.0f, Interleaved, i);
+}
+#endif
 
 // The loop over rows; row(x_row, out_row, cos_row, sin_row) rotates one. Row kernels are chosen once per call, so
 // the per-row work is the address arithmetic below (a row of d = 128 bf16 is only two vector steps).
@@ -373,14 +460,12 @@ void rotate_rows(const Args& args, Row row) {
 template <typename T, typename C>
 void rotate(const Args& a) {
   const int64_t half = a.half;
-#ifdef POSENC_AVX512
+#if defined(POSENC_AVX512) || defined(POSENC_AVX2)
   using Lanes = typename LanesOf<T>::type;
   if constexpr (std::is_same_v<C, float> && !std::is_void_v<Lanes>) {
-    using U = const uint16_t*;
     auto run = [&](auto interleaved, auto conj) {
       rotate_rows<T, C>(a, [half](const T* xr, T* orow, const C* c, const C* s) {
-        rotate_row_16bit<Lanes, decltype(interleaved)::value, decltype(conj)::value>(
-            reinterpret_cast<U>(xr), reinterpret_cast<uint16_t*>(orow), c, s, half);
+        rotate_row_16bit<Lanes, decltype(interleaved)::value, decltype(conj)::value>(xr, orow, c, s, half);
       });
     };
     using Yes = std::true_type;
@@ -392,6 +477,8 @@ void rotate(const Args& a) {
     }
     return;
   }
+#endif
+#ifdef POSENC_AVX512
   if constexpr (std::is_same_v<T, float> && std::is_same_v<C, float>) {
     if (!a.interleaved) {
       const auto run = [&](auto conj) {
