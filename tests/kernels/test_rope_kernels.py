@@ -7,6 +7,7 @@ The exhaustive grid runs on the cpu backend; the interpreted Triton kernel gets 
 from __future__ import annotations
 
 import functools
+import mmap
 import os
 import platform
 from pathlib import Path
@@ -501,6 +502,58 @@ def test_cpu_builds_for_older_x86_levels_convert_16_bit_exactly(isa_level, dtype
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
 def test_cpu_builds_for_older_x86_levels_with_float64_tables(isa_level, dtype):
     check_float64_tables("cpu", dtype, interleaved=False)
+
+
+@pytest.fixture
+def streaming_stores(request):
+    """Every out-of-place call of the CPU kernel (the package's, or the ``isa_level`` one in its place) streams its
+    stores, as calls larger than the last-level cache do."""
+    library = cpu_rope._library()[0]
+    previous = cpu_rope.set_stream_threshold(0, library=library)
+    yield
+    cpu_rope.set_stream_threshold(previous, library=library)
+
+
+@pytest.mark.parametrize("kind", ["offset", "position_ids", "varlen"])
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize(("d", "r", "s"), [(80, 80, 7), (128, 96, 33), (256, 256, 217)])
+def test_cpu_streaming_stores_match_reference(streaming_stores, kind, dtype, interleaved, d, r, s):
+    """Non-temporal stores take aligned lines only (d = 80 mixes aligned and unaligned rows); the rest of each row is
+    stored plainly."""
+    x = torch.randn(2, 4, s, d).to(dtype)
+    assert cpu_rope.streams(x, torch.empty_like(x), *table(r, s)), "the fixture should make every call stream"
+    check_forward_backward("cpu", kind, b=2, hq=4, hk=2, s=s, d=d, r=r, dtype=dtype, interleaved=interleaved)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_cpu_streaming_stores_on_older_x86_levels(isa_level, streaming_stores, dtype, interleaved):
+    check_forward_backward("cpu", "offset", b=2, hq=4, hk=2, s=33, d=128, r=128, dtype=dtype, interleaved=interleaved)
+
+
+def test_cpu_streams_only_large_out_of_place_writes_into_resident_pages():
+    cos, sin = table(128, 1024)
+    x = torch.randn(1, 2, 8, 128)
+    assert not cpu_rope.streams(x, torch.empty_like(x), cos, sin), "smaller than the last-level cache"
+    heads = cpu_rope.last_level_cache_bytes() // (1024 * 128 * 2) + 1
+    big = torch.randn(1, heads, 1024, 128, dtype=torch.bfloat16)
+    # A new anonymous mapping, as glibc gives a big block: no page of it is in memory until it is written.
+    region = mmap.mmap(-1, big.numel() * 2)
+    fresh = torch.frombuffer(region, dtype=torch.bfloat16).view(big.shape)
+    assert not cpu_rope.streams(big, fresh, cos, sin), "a fresh mapping faults in cached zero pages: store plainly"
+    assert not cpu_rope.streams(big, big, cos, sin), "in place, each line is read before it is written"
+    fresh.zero_()
+    assert cpu_rope.streams(big, fresh, cos, sin)
+    rope_cpu(big, fresh, cos, sin, None, interleaved=False, conjugate=False, copy_tail=True)
+    previous = cpu_rope.set_stream_threshold(2**62)
+    try:
+        assert not cpu_rope.streams(big, fresh, cos, sin)
+        plain = torch.empty_like(big)
+        rope_cpu(big, plain, cos, sin, None, interleaved=False, conjugate=False, copy_tail=True)
+    finally:
+        cpu_rope.set_stream_threshold(previous)
+    assert torch.equal(fresh, plain), "streamed and plain stores must write the same bits"
 
 
 def test_the_kernel_cache_tells_cpus_with_one_name_apart(monkeypatch, tmp_path):

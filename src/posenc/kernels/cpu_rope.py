@@ -103,7 +103,28 @@ def build_library(source: bytes, *, arch: str = "native") -> tuple[ctypes.CDLL |
     if hasattr(library, "posenc_rope_jobs"):  # older revisions (benchmarks/cpu_kernel_ab.py) have one job a call
         library.posenc_rope_jobs.argtypes = (ctypes.c_char_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32)
         library.posenc_rope_jobs.restype = ctypes.c_int
+    if hasattr(library, "posenc_stream_jobs"):  # and no streaming stores
+        library.posenc_stream_jobs.argtypes = (ctypes.c_char_p, ctypes.c_int32, ctypes.c_int32)
+        library.posenc_stream_jobs.restype = ctypes.c_uint64
+        library.posenc_set_stream_threshold.argtypes = (ctypes.c_int64,)
+        library.posenc_set_stream_threshold.restype = ctypes.c_int64
+        library.posenc_set_stream_threshold(last_level_cache_bytes())
     return library, ""
+
+
+@functools.cache
+def last_level_cache_bytes() -> int:
+    """The size of the CPU's largest cache as Linux's sysfs gives it (what lscpu reads; glibc's sysconf reports
+    ten times the VM's L3 on some hypervisors), else 32 MiB."""
+    sizes = []
+    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            level, size = int((entry / "level").read_text()), (entry / "size").read_text().strip()
+            scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:], 1)
+            sizes.append((level, int(size.rstrip("KMG")) * scale))
+        except (OSError, ValueError):
+            continue
+    return max(sizes)[1] if sizes else 32 << 20
 
 
 @functools.cache
@@ -122,6 +143,28 @@ def cpu_unavailable_reason() -> str:
 
 
 Job = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def set_stream_threshold(nbytes: int | None, *, library: ctypes.CDLL | None = None) -> int:
+    """Set how many bytes a call must write out of place before its stores bypass the cache (non-temporal stores,
+    only into pages already in memory; cpu_rope.cpp says when that pays); None restores the default,
+    ``last_level_cache_bytes()``. Returns the previous setting. For tests and benchmarks."""
+    library = library or _library()[0]
+    if library is None:
+        raise RuntimeError(f"the CPU rotary kernel is unavailable: {cpu_unavailable_reason()}")
+    if nbytes is not None and nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, or None for the default, got {nbytes}")
+    return library.posenc_set_stream_threshold(last_level_cache_bytes() if nbytes is None else nbytes)
+
+
+def streams(x: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether ``rope_cpu(x, out, cos, sin, None, ...)`` would use streaming stores now (see
+    ``set_stream_threshold``): the kernel's own decision, for tests and benchmarks."""
+    library = _library()[0]
+    if library is None:
+        raise RuntimeError(f"the CPU rotary kernel is unavailable: {cpu_unavailable_reason()}")
+    job = _pack_job(x, out, cos, sin, 0, (0, 0), 0, (0, 0, 1), 1)
+    return job is not None and bool(library.posenc_stream_jobs(job, 1, DTYPE_CODES[x.dtype]) & 1)
 
 
 def rope_cpu(
