@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import ctypes
+import platform
 import statistics
 import subprocess
 import time
@@ -127,9 +128,16 @@ def commit() -> str:
 
 
 def device_name(device: str) -> str:
+    """The GPU's name, or "cpu <model> x<threads>": the sessions' VMs have changed CPUs, and ratios with them."""
     if device == "cuda":
         return torch.cuda.get_device_name()
-    return f"cpu x{torch.get_num_threads()}"
+    model = platform.processor()
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return f"cpu {model} x{torch.get_num_threads()}".replace("  ", " ")
 
 
 def measure(
