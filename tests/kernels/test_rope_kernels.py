@@ -528,7 +528,7 @@ def test_cpu_streaming_stores_match_reference(streaming_stores, kind, dtype, int
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("interleaved", [False, True])
-def test_cpu_streaming_stores_on_older_x86_levels(isa_level, streaming_stores, dtype, interleaved):
+def test_cpu_builds_for_older_x86_levels_stream_stores(isa_level, streaming_stores, dtype, interleaved):
     check_forward_backward("cpu", "offset", b=2, hq=4, hk=2, s=33, d=128, r=128, dtype=dtype, interleaved=interleaved)
 
 
