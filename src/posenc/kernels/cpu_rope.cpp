@@ -149,7 +149,6 @@ struct F16Lanes {
   }
 };
 
-#ifdef POSENC_AVX512_BF16
 struct BF16Lanes {
   // A bf16 is the high half of its float: one zero-masked vpermw moves 16 of them into place.
   static __m512i spread(int first) {
@@ -179,6 +178,7 @@ struct BF16Lanes {
     return _mm512_cvtepi32_epi16(r);
   }
   static __m512i pack(__m512 a, __m512 b) {
+#ifdef POSENC_AVX512_BF16
     // vcvtne2ps2bf16 rounds to nearest even and quiets NaNs as torch does, but flushes subnormal floats to zero
     // (torch keeps them). A flushed lane reads as +-0, so only steps with a zero result pay for the exact test,
     // and only steps with a subnormal one take the integer rounding.
@@ -187,9 +187,13 @@ struct BF16Lanes {
         (_mm512_fpclass_ps_mask(a, 0x20) | _mm512_fpclass_ps_mask(b, 0x20)) != 0)
       return _mm512_inserti64x4(_mm512_castsi256_si512(rounded(a)), rounded(b), 1);
     return r;
+#else
+    // AVX-512 without BF16 (Skylake-X to Ice Lake servers): the integer rounding on every step, as the portable
+    // loop does, but in these rows' whole-line steps (and with their streaming stores).
+    return _mm512_inserti64x4(_mm512_castsi256_si512(rounded(a)), rounded(b), 1);
+#endif
   }
 };
-#endif
 
 inline __m512 mul(__m512 a, __m512 b) { return _mm512_mul_ps(a, b); }
 inline __m512 fmadd(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
@@ -326,12 +330,10 @@ template <>
 struct LanesOf<f16> {
   using type = F16Lanes;
 };
-#ifdef POSENC_AVX512_BF16
 template <>
 struct LanesOf<bf16> {
   using type = BF16Lanes;
 };
-#endif
 
 template <typename Lanes, bool Interleaved, bool Conj, typename T>
 inline void rotate_row_16bit(const T* x, T* out, const float* c, const float* s, int64_t half, bool stream) {
