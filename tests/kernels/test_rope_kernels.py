@@ -110,7 +110,9 @@ def check_forward_backward(backend, kind, *, b, hq, hk, s, d, r, dtype, interlea
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
 @pytest.mark.parametrize("interleaved", [False, True])
-@pytest.mark.parametrize(("d", "r", "s"), [(64, 64, 217), (80, 80, 7), (96, 48, 1), (128, 96, 7), (256, 256, 217)])
+@pytest.mark.parametrize(
+    ("d", "r", "s"), [(64, 64, 217), (80, 80, 7), (96, 48, 1), (72, 44, 3), (128, 96, 7), (256, 256, 217)]
+)
 def test_cpu_matches_reference(kind, dtype, interleaved, d, r, s):
     check_forward_backward("cpu", kind, b=2, hq=4, hk=2, s=s, d=d, r=r, dtype=dtype, interleaved=interleaved)
 
@@ -487,7 +489,7 @@ def isa_level(request, monkeypatch):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
 @pytest.mark.parametrize("interleaved", [False, True])
-@pytest.mark.parametrize(("d", "r", "s"), [(96, 48, 7), (256, 256, 217)])
+@pytest.mark.parametrize(("d", "r", "s"), [(96, 48, 7), (72, 44, 3), (256, 256, 217)])
 def test_cpu_builds_for_older_x86_levels_match_reference(isa_level, kind, dtype, interleaved, d, r, s):
     check_forward_backward("cpu", kind, b=2, hq=4, hk=2, s=s, d=d, r=r, dtype=dtype, interleaved=interleaved)
 

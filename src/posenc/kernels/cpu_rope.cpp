@@ -326,6 +326,34 @@ inline void rotate_row_f32_split(const float* xr, float* orow, const float* c, c
   }
 }
 
+// float32 interleaved rows, 8 pairs (one 64-byte line) per step, cos/sin spread to both lanes of their pair:
+// fmaddsub gives x1 cos - x2 sin in even lanes and x2 cos + x1 sin in odd ones, with the split rows' roundings
+// (the product with sin rounded first). gcc's loop measured 0.73 of a copy with recycled buffers, against 0.96 for
+// split halves, and it has no streaming stores.
+template <bool Conj>
+inline void rotate_row_f32_interleaved(const float* xr, float* orow, const float* c, const float* s, int64_t half,
+                                       bool stream) {
+  const __m512i spread = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  auto step = [&](__m512 x, __m256 c8, __m256 s8) {
+    const __m512 ci = _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(c8));
+    const __m512 si = _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(s8));
+    const __m512 partner_sin = _mm512_mul_ps(_mm512_permute_ps(x, 0xB1), si);  // (x2 sin, x1 sin) per pair
+    return Conj ? _mm512_fmsubadd_ps(x, ci, partner_sin) : _mm512_fmaddsub_ps(x, ci, partner_sin);
+  };
+  int64_t i = 0;
+  for (; i + 8 <= half; i += 8) {
+    const __m512 o = step(_mm512_loadu_ps(xr + 2 * i), _mm256_loadu_ps(c + i), _mm256_loadu_ps(s + i));
+    store_64_bytes(orow + 2 * i, o, stream);
+  }
+  if (i < half) {
+    const auto pairs = static_cast<__mmask8>((1u << (half - i)) - 1);
+    const auto lanes = static_cast<__mmask16>((1u << (2 * (half - i))) - 1);
+    const __m512 o = step(_mm512_maskz_loadu_ps(lanes, xr + 2 * i), _mm256_maskz_loadu_ps(pairs, c + i),
+                          _mm256_maskz_loadu_ps(pairs, s + i));
+    _mm512_mask_storeu_ps(orow + 2 * i, lanes, o);
+  }
+}
+
 template <>
 struct LanesOf<f16> {
   using type = F16Lanes;
@@ -514,15 +542,20 @@ void rotate(const Args& a, bool stream) {
 #endif
 #ifdef POSENC_AVX512
   if constexpr (std::is_same_v<T, float> && std::is_same_v<C, float>) {
-    if (!a.interleaved) {
-      const auto run = [&](auto conj) {
+    const auto run = [&](auto conj) {
+      constexpr bool Conj = decltype(conj)::value;
+      if (a.interleaved) {
         rotate_rows<T, C>(a, stream, [half, stream](const T* xr, T* orow, const C* c, const C* s) {
-          rotate_row_f32_split<decltype(conj)::value>(xr, orow, c, s, half, stream);
+          rotate_row_f32_interleaved<Conj>(xr, orow, c, s, half, stream);
         });
-      };
-      a.conjugate ? run(std::true_type{}) : run(std::false_type{});
-      return;
-    }
+      } else {
+        rotate_rows<T, C>(a, stream, [half, stream](const T* xr, T* orow, const C* c, const C* s) {
+          rotate_row_f32_split<Conj>(xr, orow, c, s, half, stream);
+        });
+      }
+    };
+    a.conjugate ? run(std::true_type{}) : run(std::false_type{});
+    return;
   }
 #endif
   (void)stream;  // the portable loop stores plainly
