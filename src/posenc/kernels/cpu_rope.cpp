@@ -200,6 +200,29 @@ inline __m512 fmadd(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b,
 inline __m512 fmsub(__m512 a, __m512 b, __m512 c) { return _mm512_fmsub_ps(a, b, c); }
 #endif
 
+// The portable row, from pair `first` on: any storage type, math in C.
+template <typename T, typename C>
+inline void rotate_row(const T* xr, T* orow, const C* c, const C* s, int64_t half, C sign, bool interleaved,
+                       int64_t first = 0) {
+  // In place, orow == xr: each pair is read before it is written and pairs are disjoint, so the vectorizer may
+  // ignore the apparent aliasing.
+  if (interleaved) {
+#pragma GCC ivdep
+    for (int64_t i = first; i < half; ++i) {
+      const C x1 = load(xr[2 * i]), x2 = load(xr[2 * i + 1]), ci = c[i], si = sign * s[i];
+      orow[2 * i] = store<T, C>(x1 * ci - x2 * si);
+      orow[2 * i + 1] = store<T, C>(x2 * ci + x1 * si);
+    }
+  } else {
+#pragma GCC ivdep
+    for (int64_t i = first; i < half; ++i) {
+      const C x1 = load(xr[i]), x2 = load(xr[i + half]), ci = c[i], si = sign * s[i];
+      orow[i] = store<T, C>(x1 * ci - x2 * si);
+      orow[i + half] = store<T, C>(x2 * ci + x1 * si);
+    }
+  }
+}
+
 #if defined(POSENC_AVX512) || defined(POSENC_AVX2)
 inline __m256 mul(__m256 a, __m256 b) { return _mm256_mul_ps(a, b); }
 inline __m256 fmadd(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
@@ -248,6 +271,74 @@ inline void store_64_bytes(void* p, __m512i v, bool stream) {
   }
 }
 inline void store_64_bytes(void* p, __m512 v, bool stream) { store_64_bytes(p, _mm512_castps_si512(v), stream); }
+#endif
+
+#if defined(POSENC_AVX512) || defined(POSENC_AVX2)
+// float32 vectors of one width, as the float32 rows below use them.
+template <typename V>
+struct F32Vec;
+template <>
+struct F32Vec<__m256> {
+  static constexpr int64_t lanes = 8;
+  static __m256 load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, __m256 v, bool stream) { store_32_bytes(p, v, stream); }
+  static __m256 spread(const float* p) {  // lanes / 2 values, each to both lanes of its pair
+    const __m256i index = _mm256_set_epi32(3, 3, 2, 2, 1, 1, 0, 0);
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(p)), index);
+  }
+  static __m256 swap_pairs(__m256 v) { return _mm256_permute_ps(v, 0xB1); }
+  static __m256 fmaddsub(__m256 a, __m256 b, __m256 c) { return _mm256_fmaddsub_ps(a, b, c); }
+  static __m256 fmsubadd(__m256 a, __m256 b, __m256 c) { return _mm256_fmsubadd_ps(a, b, c); }
+};
+#ifdef POSENC_AVX512
+template <>
+struct F32Vec<__m512> {
+  static constexpr int64_t lanes = 16;
+  static __m512 load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, __m512 v, bool stream) { store_64_bytes(p, v, stream); }
+  static __m512 spread(const float* p) {
+    const __m512i index = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    return _mm512_permutexvar_ps(index, _mm512_castps256_ps512(_mm256_loadu_ps(p)));
+  }
+  static __m512 swap_pairs(__m512 v) { return _mm512_permute_ps(v, 0xB1); }
+  static __m512 fmaddsub(__m512 a, __m512 b, __m512 c) { return _mm512_fmaddsub_ps(a, b, c); }
+  static __m512 fmsubadd(__m512 a, __m512 b, __m512 c) { return _mm512_fmsubadd_ps(a, b, c); }
+};
+using WidestF32 = __m512;
+#else
+using WidestF32 = __m256;
+#endif
+
+// float32 rows from pair `first` on: steps of V, then of 256-bit vectors, then the portable loop for the last
+// pairs. gcc vectorizes the portable loop, but pays a prologue and an epilogue on every row of a few vector steps
+// (split halves with recycled buffers: 0.84 -> 0.90 of a copy), does worse on interleaved pairs (0.73, against 0.96
+// split) and never streams. An interleaved step spreads cos/sin to both lanes of their pair: fmaddsub gives
+// x1 cos - x2 sin in even lanes and x2 cos + x1 sin in odd ones, with the split steps' roundings (the product with
+// sin rounded first), as fmsubadd gives the conjugate.
+template <typename V, bool Interleaved, bool Conj>
+inline void rotate_row_f32(const float* xr, float* orow, const float* c, const float* s, int64_t half, bool stream,
+                           int64_t first = 0) {
+  using F = F32Vec<V>;
+  constexpr int64_t pairs = Interleaved ? F::lanes / 2 : F::lanes;
+  int64_t i = first;
+  for (; i + pairs <= half; i += pairs) {
+    if constexpr (Interleaved) {
+      const V x = F::load(xr + 2 * i), ci = F::spread(c + i);
+      const V partner_sin = mul(F::swap_pairs(x), F::spread(s + i));  // (x2 sin, x1 sin) per pair
+      F::store(orow + 2 * i, Conj ? F::fmsubadd(x, ci, partner_sin) : F::fmaddsub(x, ci, partner_sin), stream);
+    } else {
+      V o1, o2;
+      rotate_pair<Conj>(F::load(xr + i), F::load(xr + i + half), F::load(c + i), F::load(s + i), o1, o2);
+      F::store(orow + i, o1, stream);
+      F::store(orow + i + half, o2, stream);
+    }
+  }
+  if constexpr (F::lanes > 8) {
+    rotate_row_f32<__m256, Interleaved, Conj>(xr, orow, c, s, half, stream, i);
+  } else if (i < half) {
+    rotate_row<float, float>(xr, orow, c, s, half, Conj ? -1.0f : 1.0f, Interleaved, i);
+  }
+}
 #endif
 
 #ifdef POSENC_AVX512
@@ -311,65 +402,6 @@ inline void rotate_step_16(const uint16_t* xr, uint16_t* orow, const float* c, c
   }
 }
 
-// float32 split-half rows: gcc's vectorization of the portable loop pays a prologue and an epilogue per row of only
-// four vector steps (measured with recycled buffers: 0.84x -> 0.90x of a copy).
-template <bool Conj>
-inline void rotate_row_f32_split(const float* xr, float* orow, const float* c, const float* s, int64_t half,
-                                 bool stream) {
-  int64_t i = 0;
-  __m512 o1, o2;
-  for (; i + 16 <= half; i += 16) {
-    rotate_pair<Conj>(_mm512_loadu_ps(xr + i), _mm512_loadu_ps(xr + i + half), _mm512_loadu_ps(c + i),
-                      _mm512_loadu_ps(s + i), o1, o2);
-    store_64_bytes(orow + i, o1, stream);
-    store_64_bytes(orow + i + half, o2, stream);
-  }
-  if (i < half) {
-    const auto m = static_cast<__mmask16>((1u << (half - i)) - 1);
-    rotate_pair<Conj>(_mm512_maskz_loadu_ps(m, xr + i), _mm512_maskz_loadu_ps(m, xr + i + half),
-                      _mm512_maskz_loadu_ps(m, c + i), _mm512_maskz_loadu_ps(m, s + i), o1, o2);
-    _mm512_mask_storeu_ps(orow + i, m, o1);
-    _mm512_mask_storeu_ps(orow + i + half, m, o2);
-  }
-}
-
-// float32 interleaved rows, 8 pairs (one 64-byte line) per step, cos/sin spread to both lanes of their pair:
-// fmaddsub gives x1 cos - x2 sin in even lanes and x2 cos + x1 sin in odd ones, with the split rows' roundings
-// (the product with sin rounded first). gcc's loop measured 0.73 of a copy with recycled buffers, against 0.96 for
-// split halves, and it has no streaming stores.
-template <bool Conj>
-inline void rotate_row_f32_interleaved(const float* xr, float* orow, const float* c, const float* s, int64_t half,
-                                       bool stream) {
-  const __m512i spread = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-  auto step = [&](__m512 x, __m256 c8, __m256 s8) {
-    const __m512 ci = _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(c8));
-    const __m512 si = _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(s8));
-    const __m512 partner_sin = _mm512_mul_ps(_mm512_permute_ps(x, 0xB1), si);  // (x2 sin, x1 sin) per pair
-    return Conj ? _mm512_fmsubadd_ps(x, ci, partner_sin) : _mm512_fmaddsub_ps(x, ci, partner_sin);
-  };
-  int64_t i = 0;
-  for (; i + 8 <= half; i += 8) {
-    const __m512 o = step(_mm512_loadu_ps(xr + 2 * i), _mm256_loadu_ps(c + i), _mm256_loadu_ps(s + i));
-    store_64_bytes(orow + 2 * i, o, stream);
-  }
-  if (i < half) {
-    const auto pairs = static_cast<__mmask8>((1u << (half - i)) - 1);
-    const auto lanes = static_cast<__mmask16>((1u << (2 * (half - i))) - 1);
-    const __m512 o = step(_mm512_maskz_loadu_ps(lanes, xr + 2 * i), _mm256_maskz_loadu_ps(pairs, c + i),
-                          _mm256_maskz_loadu_ps(pairs, s + i));
-    _mm512_mask_storeu_ps(orow + 2 * i, lanes, o);
-  }
-}
-
-template <>
-struct LanesOf<f16> {
-  using type = F16Lanes;
-};
-template <>
-struct LanesOf<bf16> {
-  using type = BF16Lanes;
-};
-
 template <typename Lanes, bool Interleaved, bool Conj, typename T>
 inline void rotate_row_16bit(const T* x, T* out, const float* c, const float* s, int64_t half, bool stream) {
   const auto* xr = reinterpret_cast<const uint16_t*>(x);
@@ -386,39 +418,16 @@ inline void rotate_row_16bit(const T* x, T* out, const float* c, const float* s,
 }
 #endif
 
-// The portable row, from pair `first` on: any storage type, math in C.
-template <typename T, typename C>
-inline void rotate_row(const T* xr, T* orow, const C* c, const C* s, int64_t half, C sign, bool interleaved,
-                       int64_t first = 0) {
-  // In place, orow == xr: each pair is read before it is written and pairs are disjoint, so the vectorizer may
-  // ignore the apparent aliasing.
-  if (interleaved) {
-#pragma GCC ivdep
-    for (int64_t i = first; i < half; ++i) {
-      const C x1 = load(xr[2 * i]), x2 = load(xr[2 * i + 1]), ci = c[i], si = sign * s[i];
-      orow[2 * i] = store<T, C>(x1 * ci - x2 * si);
-      orow[2 * i + 1] = store<T, C>(x2 * ci + x1 * si);
-    }
-  } else {
-#pragma GCC ivdep
-    for (int64_t i = first; i < half; ++i) {
-      const C x1 = load(xr[i]), x2 = load(xr[i + half]), ci = c[i], si = sign * s[i];
-      orow[i] = store<T, C>(x1 * ci - x2 * si);
-      orow[i + half] = store<T, C>(x2 * ci + x1 * si);
-    }
-  }
-}
-
 #ifdef POSENC_AVX2
 // AVX2 + F16C rows for the 16-bit types (CPUs without AVX-512). gcc does not vectorize the portable fp16
 // conversions for AVX2 (fp16 ran at 0.07x of a copy, bf16 0.49x, recycled buffers), so these are written out:
 // 8 pairs per step, the same roundings as the AVX-512 rows, and the portable loop for a row's last pairs.
 // A lanes policy converts 8 values <-> one float vector: to_float(8 values in a __m128i), narrow(8 floats).
-struct F16Lanes8 {
+struct F16Lanes {
   static __m256 to_float(__m128i v) { return _mm256_cvtph_ps(v); }
   static __m128i narrow(__m256 f) { return _mm256_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 };
-struct BF16Lanes8 {
+struct BF16Lanes {
   static __m256 to_float(__m128i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16)); }
   static __m128i narrow(__m256 f) {
     // The portable store<bf16, float> on 8 lanes: round to nearest even, NaN kept quiet. Every result fits in 16
@@ -432,15 +441,6 @@ struct BF16Lanes8 {
     return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
   }
 };
-template <>
-struct LanesOf<f16> {
-  using type = F16Lanes8;
-};
-template <>
-struct LanesOf<bf16> {
-  using type = BF16Lanes8;
-};
-
 template <typename Lanes, bool Interleaved, bool Conj, typename T>
 inline void rotate_row_16bit(const T* x, T* out, const float* c, const float* s, int64_t half, bool stream) {
   const auto* xr = reinterpret_cast<const uint16_t*>(x);
@@ -472,38 +472,18 @@ inline void rotate_row_16bit(const T* x, T* out, const float* c, const float* s,
   }
   if (i < half) rotate_row<T, float>(x, out, c, s, half, Conj ? -1.0f : 1.0f, Interleaved, i);
 }
+#endif
 
-// float32 rows on AVX2, as the AVX-512 ones at half the width: gcc's loop has no streaming stores, and for
-// interleaved pairs it measured 0.73 of a copy where split halves gave 0.96.
-template <bool Conj>
-inline void rotate_row_f32_split(const float* xr, float* orow, const float* c, const float* s, int64_t half,
-                                 bool stream) {
-  int64_t i = 0;
-  __m256 o1, o2;
-  for (; i + 8 <= half; i += 8) {
-    rotate_pair<Conj>(_mm256_loadu_ps(xr + i), _mm256_loadu_ps(xr + i + half), _mm256_loadu_ps(c + i),
-                      _mm256_loadu_ps(s + i), o1, o2);
-    store_32_bytes(orow + i, o1, stream);
-    store_32_bytes(orow + i + half, o2, stream);
-  }
-  if (i < half) rotate_row<float, float>(xr, orow, c, s, half, Conj ? -1.0f : 1.0f, false, i);
-}
-
-template <bool Conj>
-inline void rotate_row_f32_interleaved(const float* xr, float* orow, const float* c, const float* s, int64_t half,
-                                       bool stream) {
-  const __m256i spread = _mm256_set_epi32(3, 3, 2, 2, 1, 1, 0, 0);
-  int64_t i = 0;
-  for (; i + 4 <= half; i += 4) {
-    const __m256 x = _mm256_loadu_ps(xr + 2 * i);
-    const __m256 ci = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(c + i)), spread);
-    const __m256 si = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(s + i)), spread);
-    const __m256 partner_sin = _mm256_mul_ps(_mm256_permute_ps(x, 0xB1), si);  // (x2 sin, x1 sin) per pair
-    store_32_bytes(orow + 2 * i, Conj ? _mm256_fmsubadd_ps(x, ci, partner_sin) : _mm256_fmaddsub_ps(x, ci, partner_sin),
-                   stream);
-  }
-  if (i < half) rotate_row<float, float>(xr, orow, c, s, half, Conj ? -1.0f : 1.0f, true, i);
-}
+#if defined(POSENC_AVX512) || defined(POSENC_AVX2)
+// Each build defines one F16Lanes and one BF16Lanes, at its vector width.
+template <>
+struct LanesOf<f16> {
+  using type = F16Lanes;
+};
+template <>
+struct LanesOf<bf16> {
+  using type = BF16Lanes;
+};
 #endif
 
 // The loop over rows; row(x_row, out_row, cos_row, sin_row) rotates one. Row kernels are chosen once per call, so
@@ -563,10 +543,16 @@ void rotate(const Args& a, bool stream) {
   const int64_t half = a.half;
 #if defined(POSENC_AVX512) || defined(POSENC_AVX2)
   using Lanes = typename LanesOf<T>::type;
-  if constexpr (std::is_same_v<C, float> && !std::is_void_v<Lanes>) {
+  if constexpr (std::is_same_v<C, float> && (std::is_same_v<T, float> || !std::is_void_v<Lanes>)) {
+    // The flags become template arguments, so each row kernel is compiled for one layout and direction.
     auto run = [&](auto interleaved, auto conj) {
+      constexpr bool I = decltype(interleaved)::value, Cj = decltype(conj)::value;
       rotate_rows<T, C>(a, stream, [half, stream](const T* xr, T* orow, const C* c, const C* s) {
-        rotate_row_16bit<Lanes, decltype(interleaved)::value, decltype(conj)::value>(xr, orow, c, s, half, stream);
+        if constexpr (std::is_same_v<T, float>) {
+          rotate_row_f32<WidestF32, I, Cj>(xr, orow, c, s, half, stream);
+        } else {
+          rotate_row_16bit<Lanes, I, Cj>(xr, orow, c, s, half, stream);
+        }
       });
     };
     using Yes = std::true_type;
@@ -576,22 +562,6 @@ void rotate(const Args& a, bool stream) {
     } else {
       a.conjugate ? run(No{}, Yes{}) : run(No{}, No{});
     }
-    return;
-  }
-  if constexpr (std::is_same_v<T, float> && std::is_same_v<C, float>) {
-    const auto run = [&](auto conj) {
-      constexpr bool Conj = decltype(conj)::value;
-      if (a.interleaved) {
-        rotate_rows<T, C>(a, stream, [half, stream](const T* xr, T* orow, const C* c, const C* s) {
-          rotate_row_f32_interleaved<Conj>(xr, orow, c, s, half, stream);
-        });
-      } else {
-        rotate_rows<T, C>(a, stream, [half, stream](const T* xr, T* orow, const C* c, const C* s) {
-          rotate_row_f32_split<Conj>(xr, orow, c, s, half, stream);
-        });
-      }
-    };
-    a.conjugate ? run(std::true_type{}) : run(std::false_type{});
     return;
   }
 #endif
