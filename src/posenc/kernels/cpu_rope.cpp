@@ -12,8 +12,8 @@
 #include <unistd.h>
 #endif
 
-// The 16-bit paths use the vector conversion instructions the build CPU has (-march=native): AVX-512, else AVX2
-// with F16C; the portable integer conversions below stay for every other CPU.
+// The vector rows (float32 and the 16-bit types) use AVX-512 where the build CPU has it (-march=native), else AVX2
+// with FMA and F16C; the portable loop and its integer conversions below serve every other CPU, and float64.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define POSENC_AVX512 1
 #include <immintrin.h>
@@ -127,7 +127,7 @@ struct Args {
 #ifdef POSENC_AVX512
 // AVX-512 rows for the 16-bit types. On this path the rotation is bound by instruction count rather than memory
 // (an out-of-place call writes into freshly faulted pages that are already in cache), so each conversion is the
-// fewest instructions that give torch's bits. gcc vectorizes the portable code above too, but its bf16 rounding
+// fewest instructions that give torch's bits. gcc vectorizes the portable loop too, but its bf16 rounding
 // costs about ten instructions per 16 values (the portable loop measured: bf16 forward 0.78x of a copy, fp16 0.65x).
 //
 // A lanes policy converts 16 values <-> one float vector: to_float(16 values in a __m256i),
@@ -229,7 +229,7 @@ inline __m256 fmadd(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b,
 inline __m256 fmsub(__m256 a, __m256 b, __m256 c) { return _mm256_fmsub_ps(a, b, c); }
 
 // (o1, o2) = (x1 cos - x2 sin, x2 cos + x1 sin), or with sin negated (the backward). The same roundings at every
-// vector width, so AVX2 and AVX-512 builds give the same 16-bit results.
+// vector width, so AVX2 and AVX-512 builds give the same bits (apart from rows' last pairs in the portable loop).
 template <bool Conj, typename V>
 inline void rotate_pair(V x1, V x2, V c, V s, V& o1, V& o2) {
   if constexpr (Conj) {
