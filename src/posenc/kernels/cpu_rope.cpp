@@ -274,11 +274,13 @@ inline void store_64_bytes(void* p, __m512 v, bool stream) { store_64_bytes(p, _
 #endif
 
 #if defined(POSENC_AVX512) || defined(POSENC_AVX2)
-// float32 vectors of one width, as the float32 rows below use them.
-template <typename V>
+// float32 vectors of a width in bits, as the float32 rows below use them (an int, not the vector type, picks one:
+// vector types lose their attributes as template arguments).
+template <int Bits>
 struct F32Vec;
 template <>
-struct F32Vec<__m256> {
+struct F32Vec<256> {
+  using V = __m256;
   static constexpr int64_t lanes = 8;
   static __m256 load(const float* p) { return _mm256_loadu_ps(p); }
   static void store(float* p, __m256 v, bool stream) { store_32_bytes(p, v, stream); }
@@ -292,7 +294,8 @@ struct F32Vec<__m256> {
 };
 #ifdef POSENC_AVX512
 template <>
-struct F32Vec<__m512> {
+struct F32Vec<512> {
+  using V = __m512;
   static constexpr int64_t lanes = 16;
   static __m512 load(const float* p) { return _mm512_loadu_ps(p); }
   static void store(float* p, __m512 v, bool stream) { store_64_bytes(p, v, stream); }
@@ -304,21 +307,22 @@ struct F32Vec<__m512> {
   static __m512 fmaddsub(__m512 a, __m512 b, __m512 c) { return _mm512_fmaddsub_ps(a, b, c); }
   static __m512 fmsubadd(__m512 a, __m512 b, __m512 c) { return _mm512_fmsubadd_ps(a, b, c); }
 };
-using WidestF32 = __m512;
+constexpr int kWidestBits = 512;
 #else
-using WidestF32 = __m256;
+constexpr int kWidestBits = 256;
 #endif
 
-// float32 rows from pair `first` on: steps of V, then of 256-bit vectors, then the portable loop for the last
+// float32 rows from pair `first` on: steps of Bits-wide vectors, then of 256-bit ones, then the portable loop for the last
 // pairs. gcc vectorizes the portable loop, but pays a prologue and an epilogue on every row of a few vector steps
 // (split halves with recycled buffers: 0.84 -> 0.90 of a copy), does worse on interleaved pairs (0.73, against 0.96
 // split) and never streams. An interleaved step spreads cos/sin to both lanes of their pair: fmaddsub gives
 // x1 cos - x2 sin in even lanes and x2 cos + x1 sin in odd ones, with the split steps' roundings (the product with
 // sin rounded first), as fmsubadd gives the conjugate.
-template <typename V, bool Interleaved, bool Conj>
+template <int Bits, bool Interleaved, bool Conj>
 inline void rotate_row_f32(const float* xr, float* orow, const float* c, const float* s, int64_t half, bool stream,
                            int64_t first = 0) {
-  using F = F32Vec<V>;
+  using F = F32Vec<Bits>;
+  using V = typename F::V;
   constexpr int64_t pairs = Interleaved ? F::lanes / 2 : F::lanes;
   int64_t i = first;
   for (; i + pairs <= half; i += pairs) {
@@ -334,7 +338,7 @@ inline void rotate_row_f32(const float* xr, float* orow, const float* c, const f
     }
   }
   if constexpr (F::lanes > 8) {
-    rotate_row_f32<__m256, Interleaved, Conj>(xr, orow, c, s, half, stream, i);
+    rotate_row_f32<256, Interleaved, Conj>(xr, orow, c, s, half, stream, i);
   } else if (i < half) {
     rotate_row<float, float>(xr, orow, c, s, half, Conj ? -1.0f : 1.0f, Interleaved, i);
   }
@@ -549,7 +553,7 @@ void rotate(const Args& a, bool stream) {
       constexpr bool I = decltype(interleaved)::value, Cj = decltype(conj)::value;
       rotate_rows<T, C>(a, stream, [half, stream](const T* xr, T* orow, const C* c, const C* s) {
         if constexpr (std::is_same_v<T, float>) {
-          rotate_row_f32<WidestF32, I, Cj>(xr, orow, c, s, half, stream);
+          rotate_row_f32<kWidestBits, I, Cj>(xr, orow, c, s, half, stream);
         } else {
           rotate_row_16bit<Lanes, I, Cj>(xr, orow, c, s, half, stream);
         }
