@@ -496,7 +496,7 @@ def test_cpu_builds_for_older_x86_levels_match_reference(isa_level, kind, dtype,
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("interleaved", [False, True])
-@pytest.mark.parametrize("half", [1, 40, 64])
+@pytest.mark.parametrize("half", [1, 13, 40, 64])
 def test_cpu_builds_for_older_x86_levels_convert_16_bit_exactly(isa_level, dtype, interleaved, half):
     check_16_bit_exact("cpu", dtype, interleaved, half, 0.7)
 
@@ -509,8 +509,10 @@ def test_cpu_builds_for_older_x86_levels_with_float64_tables(isa_level, dtype):
 @pytest.fixture
 def streaming_stores(request):
     """Every out-of-place call of the CPU kernel (the package's, or the ``isa_level`` one in its place) streams its
-    stores, as calls larger than the last-level cache do."""
+    stores, as calls larger than the last-level cache do. Skips where the build has no streaming stores."""
     library = cpu_rope._library()[0]
+    if not cpu_rope.can_stream(library):
+        pytest.skip("this build of the CPU kernel has no streaming stores (no AVX2 or AVX-512 rows, or not Linux)")
     previous = cpu_rope.set_stream_threshold(0, library=library)
     yield
     cpu_rope.set_stream_threshold(previous, library=library)
@@ -528,13 +530,18 @@ def test_cpu_streaming_stores_match_reference(streaming_stores, kind, dtype, int
     check_forward_backward("cpu", kind, b=2, hq=4, hk=2, s=s, d=d, r=r, dtype=dtype, interleaved=interleaved)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
 @pytest.mark.parametrize("interleaved", [False, True])
-def test_cpu_builds_for_older_x86_levels_stream_stores(isa_level, streaming_stores, dtype, interleaved):
-    check_forward_backward("cpu", "offset", b=2, hq=4, hk=2, s=33, d=128, r=128, dtype=dtype, interleaved=interleaved)
+@pytest.mark.parametrize(("d", "r", "s"), [(80, 80, 7), (128, 96, 33)])
+def test_cpu_builds_for_older_x86_levels_stream_stores(isa_level, streaming_stores, dtype, interleaved, d, r, s):
+    x = torch.randn(2, 4, s, d).to(dtype)
+    assert cpu_rope.streams(x, torch.empty_like(x), *table(r, s)), f"the {isa_level} build should stream"
+    check_forward_backward("cpu", "offset", b=2, hq=4, hk=2, s=s, d=d, r=r, dtype=dtype, interleaved=interleaved)
 
 
 def test_cpu_streams_only_large_out_of_place_writes_into_resident_pages():
+    if not cpu_rope.can_stream():
+        pytest.skip("this build of the CPU kernel has no streaming stores (no AVX2 or AVX-512 rows, or not Linux)")
     cos, sin = table(128, 1024)
     x = torch.randn(1, 2, 8, 128)
     assert not cpu_rope.streams(x, torch.empty_like(x), cos, sin), "smaller than the last-level cache"
@@ -556,6 +563,44 @@ def test_cpu_streams_only_large_out_of_place_writes_into_resident_pages():
     finally:
         cpu_rope.set_stream_threshold(previous)
     assert torch.equal(fresh, plain), "streamed and plain stores must write the same bits"
+
+
+def check_fp16_nan_bits(interleaved):
+    """A NaN keeps its sign and the top of its payload through the rotation, quieted, as vcvtps2ph (and so torch's
+    conversion) keeps them, in every pair of a row: vector steps and the last pairs, which the AVX2 rows leave to the
+    portable loop. With x2 finite, cos = 1 and sin = 0, x1's NaN is the only one in both outputs of its pair."""
+    half = 9
+    bits = torch.tensor([0x7C01, 0xFD55, 0x7E00, 0xFFFF, 0x7C3F, 0xFC01, 0x7DAA, 0xFE01, 0x7FFF], dtype=torch.int32)
+    x1, x2 = bits.to(torch.int16).view(torch.float16), torch.full((half,), 0.5, dtype=torch.float16)
+    x = (torch.stack([x1, x2], -1).flatten() if interleaved else torch.cat([x1, x2])).reshape(1, 1, 1, 2 * half)
+    c = torch.ones(1, half)
+    out = apply_rotary(x, c, torch.zeros_like(c), interleaved=interleaved, backend="cpu").view(torch.int16).flatten()
+    quiet = (bits | 0x0200).to(torch.int16)
+    o1, o2 = (out[0::2], out[1::2]) if interleaved else (out[:half], out[half:])
+    assert torch.equal(o1, quiet) and torch.equal(o2, quiet), (o1, o2, quiet)
+    # torch's own conversion of those floats agrees
+    assert torch.equal(x1.float().to(torch.float16).view(torch.int16), quiet)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_cpu_fp16_nan_bits_survive(interleaved):
+    check_fp16_nan_bits(interleaved)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_cpu_builds_for_older_x86_levels_keep_fp16_nan_bits(isa_level, interleaved):
+    check_fp16_nan_bits(interleaved)
+
+
+def test_loading_the_kernel_again_keeps_the_streaming_threshold():
+    previous = cpu_rope.set_stream_threshold(12345)
+    try:
+        library, _ = cpu_rope.build_library(cpu_rope.SOURCE.read_bytes())
+        assert library is not None
+        assert cpu_rope.set_stream_threshold(None) == 12345, "a second load must not reset what a caller set"
+        assert cpu_rope.set_stream_threshold(None) == cpu_rope.last_level_cache_bytes()
+    finally:
+        cpu_rope.set_stream_threshold(previous)
 
 
 def test_the_kernel_cache_tells_cpus_with_one_name_apart(monkeypatch, tmp_path):

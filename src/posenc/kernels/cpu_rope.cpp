@@ -83,7 +83,8 @@ template <>
 inline f16 store<f16, float>(float v) {
   // Round to nearest even by adding a power of two that pushes the bits below the half's last mantissa bit
   // out of the float (the float addition does the rounding); overflow saturates to infinity through the
-  // 2^112 * 2^-110 scaling, and NaN maps to the canonical half NaN.
+  // 2^112 * 2^-110 scaling, and a NaN stays a quiet NaN with its sign and the top of its payload, as vcvtps2ph
+  // (the vector rows' conversion, and torch's) keeps them.
   const uint32_t w = float_to_bits(v);
   const uint32_t shl1_w = w + w;
   const uint32_t sign = w & 0x80000000u;
@@ -92,7 +93,8 @@ inline f16 store<f16, float>(float v) {
   const float base = bits_to_float((bias >> 1) + 0x07800000u) + (__builtin_fabsf(v) * 0x1.0p+112f) * 0x1.0p-110f;
   const uint32_t bits = float_to_bits(base);
   const uint32_t nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
-  return f16{static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign))};
+  const uint32_t nan = 0x7E00u | ((w >> 13) & 0x03FFu);
+  return f16{static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xFF000000u ? nan : nonsign))};
 }
 template <>
 inline f16 store<f16, double>(double v) { return store<f16, float>(static_cast<float>(v)); }
@@ -510,7 +512,7 @@ void rotate_rows(const Args& args, bool stream, Row row) {
     const C* sin_ = static_cast<const C*>(a.sin);
     const int64_t n1 = a.n[1], n2 = a.n[2], tail = a.d - 2 * a.half, row_bytes = a.d * int64_t(sizeof(T));
     const bool copy_tail = a.copy_tail && tail > 0;
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
     for (int64_t item = 0; item < items; ++item) {
       const int64_t i1 = item % n1, blk = (item / n1) % blocks, i0 = item / (n1 * blocks);
       const int64_t start = blk * BLOCK, end = (blk + 1) * BLOCK < n2 ? (blk + 1) * BLOCK : n2;
@@ -672,6 +674,15 @@ extern "C" int posenc_rope_jobs(const char* packed, int32_t count, int32_t dtype
     }
   }
   return 0;
+}
+
+// Whether this build has streaming stores at all: the vector rows do, on Linux (residency comes from mincore).
+extern "C" int posenc_can_stream() {
+#if (defined(POSENC_AVX512) || defined(POSENC_AVX2)) && defined(__linux__)
+  return 1;
+#else
+  return 0;
+#endif
 }
 
 // Which of the packed jobs posenc_rope_jobs would stream (bit j for job j), for tests and benchmarks.

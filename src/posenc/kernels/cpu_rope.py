@@ -108,8 +108,16 @@ def build_library(source: bytes, *, arch: str = "native") -> tuple[ctypes.CDLL |
         library.posenc_stream_jobs.restype = ctypes.c_uint64
         library.posenc_set_stream_threshold.argtypes = (ctypes.c_int64,)
         library.posenc_set_stream_threshold.restype = ctypes.c_int64
-        library.posenc_set_stream_threshold(last_level_cache_bytes())
+        library.posenc_can_stream.restype = ctypes.c_int
+        # Loading a library again returns the same handle: only its first load sets the default, so a threshold set
+        # since (by a test or a benchmark) stays.
+        if str(target) not in _THRESHOLD_SET:
+            library.posenc_set_stream_threshold(last_level_cache_bytes())
+            _THRESHOLD_SET.add(str(target))
     return library, ""
+
+
+_THRESHOLD_SET: set[str] = set()  # libraries whose streaming threshold has its default
 
 
 @functools.cache
@@ -155,6 +163,13 @@ def set_stream_threshold(nbytes: int | None, *, library: ctypes.CDLL | None = No
     if nbytes is not None and nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, or None for the default, got {nbytes}")
     return library.posenc_set_stream_threshold(last_level_cache_bytes() if nbytes is None else nbytes)
+
+
+def can_stream(library: ctypes.CDLL | None = None) -> bool:
+    """Whether the kernel (this package's, or ``library``) has streaming stores at all: its vector rows (AVX2 or
+    AVX-512) do, on Linux; the portable loop does not."""
+    library = library or _library()[0]
+    return library is not None and bool(library.posenc_can_stream())
 
 
 def streams(x: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
