@@ -592,6 +592,19 @@ def test_cpu_builds_for_older_x86_levels_keep_fp16_nan_bits(isa_level, interleav
     check_fp16_nan_bits(interleaved)
 
 
+@pytest.mark.parametrize(("n0", "n1"), [(1, 1), (1, 3), (2, 4), (3, 17)])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_cpu_work_split_between_threads(n0, n1, interleaved):
+    """Large enough for every thread: whole heads per thread where they split evenly (2 x 4, 3 x 17 on 2 threads),
+    blocks of tokens otherwise (one head, three heads)."""
+    d, s = 128, 1100
+    x = torch.randn(n0, n1, s, d, dtype=torch.float64).to(torch.bfloat16)
+    cos, sin = table(d, s)
+    out = apply_rotary(x, cos, sin, interleaved=interleaved, backend="cpu")
+    expected = rope_reference(x, torch.arange(s)[None, None], rotary_dim=d, interleaved=interleaved)
+    assert_close(out, expected, msg=f"{n0} x {n1} lanes on {torch.get_num_threads()} threads")
+
+
 def test_loading_the_kernel_again_keeps_the_streaming_threshold():
     previous = cpu_rope.set_stream_threshold(12345)
     try:

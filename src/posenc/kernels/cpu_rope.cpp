@@ -3,6 +3,8 @@
 // Built by cpu_rope.py with the system C++ compiler and called through ctypes; it includes no torch header, so
 // it builds in about a second. Rows are the three leading dims of a (n0, n1, n2, d) strided view; the row of
 // cos/sin used by row (i0, i1, i2) is c0*i0 + c1*i1 + c2*p with p = pos[i0*ps0 + i2*ps2] (table mode) or i2.
+#include <omp.h>
+
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -512,9 +514,25 @@ void rotate_rows(const Args& args, bool stream, Row row) {
     const C* sin_ = static_cast<const C*>(a.sin);
     const int64_t n1 = a.n[1], n2 = a.n[2], tail = a.d - 2 * a.half, row_bytes = a.d * int64_t(sizeof(T));
     const bool copy_tail = a.copy_tail && tail > 0;
-#pragma omp for schedule(static) nowait
-    for (int64_t item = 0; item < items; ++item) {
-      const int64_t i1 = item % n1, blk = (item / n1) % blocks, i0 = item / (n1 * blocks);
+    // This thread's items, in order. Where the (i0, i1) lanes split evenly enough between the threads, each thread
+    // owns a contiguous run of lanes and walks it block by block, so the threads write memory far apart (bf16 at
+    // s = 4096: 0.90 -> 0.92 of a copy with fresh pages, 1.02 -> 1.04 reused); otherwise a static split of the items.
+    const int64_t lanes = a.n[0] * n1, nt = omp_get_num_threads(), t = omp_get_thread_num();
+    const bool by_lane = lanes % nt == 0 || lanes >= 8 * nt;
+    const int64_t total = by_lane ? lanes : items, lo = total * t / nt, hi = total * (t + 1) / nt;
+    const int64_t span = hi - lo, count = by_lane ? span * blocks : span;
+    auto locate = [&](int64_t k, int64_t& i0, int64_t& i1, int64_t& blk) {
+      if (by_lane) {
+        const int64_t lane = lo + k % span;
+        blk = k / span, i0 = lane / n1, i1 = lane % n1;
+      } else {
+        const int64_t item = lo + k;
+        i1 = item % n1, blk = (item / n1) % blocks, i0 = item / (n1 * blocks);
+      }
+    };
+    for (int64_t k = 0; k < count; ++k) {
+      int64_t i0, i1, blk;
+      locate(k, i0, i1, blk);
       const int64_t start = blk * BLOCK, end = (blk + 1) * BLOCK < n2 ? (blk + 1) * BLOCK : n2;
       const T* xr = x + i0 * a.xs[0] + i1 * a.xs[1] + start * a.xs[2];
       T* orow = out + i0 * a.os[0] + i1 * a.os[1] + start * a.os[2];
@@ -524,8 +542,9 @@ void rotate_rows(const Args& args, bool stream, Row row) {
       // prefetchers lose the stream; fetching each of them one item ahead measured 0.84 -> 0.92 of a copy (bf16).
       const char* next = nullptr;
       int64_t next_rows = 0;
-      if (item + 1 < items) {
-        const int64_t j1 = (item + 1) % n1, jblk = ((item + 1) / n1) % blocks, j0 = (item + 1) / (n1 * blocks);
+      if (k + 1 < count) {
+        int64_t j0, j1, jblk;
+        locate(k + 1, j0, j1, jblk);
         next = reinterpret_cast<const char*>(x + j0 * a.xs[0] + j1 * a.xs[1] + jblk * BLOCK * a.xs[2]);
         next_rows = ((jblk + 1) * BLOCK < n2 ? (jblk + 1) * BLOCK : n2) - jblk * BLOCK;
       }
