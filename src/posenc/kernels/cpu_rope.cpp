@@ -316,12 +316,12 @@ constexpr int kWidestBits = 512;
 constexpr int kWidestBits = 256;
 #endif
 
-// float32 rows from pair `first` on: steps of Bits-wide vectors, then of 256-bit ones, then the portable loop for the last
-// pairs. gcc vectorizes the portable loop, but pays a prologue and an epilogue on every row of a few vector steps
-// (split halves with recycled buffers: 0.84 -> 0.90 of a copy), does worse on interleaved pairs (0.73, against 0.96
-// split) and never streams. An interleaved step spreads cos/sin to both lanes of their pair: fmaddsub gives
-// x1 cos - x2 sin in even lanes and x2 cos + x1 sin in odd ones, with the split steps' roundings (the product with
-// sin rounded first), as fmsubadd gives the conjugate.
+// float32 rows from pair `first` on: steps of Bits-wide vectors, then of 256-bit ones, then the portable loop for
+// the last pairs. gcc vectorizes the portable loop, but pays a prologue and an epilogue on every row of a few
+// vector steps (split halves with recycled buffers: 0.84 -> 0.90 of a copy), does worse on interleaved pairs
+// (0.73, against 0.96 split) and never streams. An interleaved step spreads cos/sin to both lanes of their pair:
+// fmaddsub gives x1 cos - x2 sin in even lanes and x2 cos + x1 sin in odd ones, with the split steps' roundings
+// (the product with sin rounded first), as fmsubadd gives the conjugate.
 template <int Bits, bool Interleaved, bool Conj>
 inline void rotate_row_f32(const float* xr, float* orow, const float* c, const float* s, int64_t half, bool stream,
                            int64_t first = 0) {
