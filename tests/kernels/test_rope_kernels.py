@@ -545,23 +545,25 @@ def test_cpu_streams_only_large_out_of_place_writes_into_resident_pages():
     cos, sin = table(128, 1024)
     x = torch.randn(1, 2, 8, 128)
     assert not cpu_rope.streams(x, torch.empty_like(x), cos, sin), "smaller than the last-level cache"
-    heads = cpu_rope.last_level_cache_bytes() // (1024 * 128 * 2) + 1
-    big = torch.randn(1, heads, 1024, 128, dtype=torch.bfloat16)
-    # A new anonymous mapping, as glibc gives a big block: no page of it is in memory until it is written.
-    region = mmap.mmap(-1, big.numel() * 2)
-    fresh = torch.frombuffer(region, dtype=torch.bfloat16).view(big.shape)
-    assert not cpu_rope.streams(big, fresh, cos, sin), "a fresh mapping faults in cached zero pages: store plainly"
-    assert not cpu_rope.streams(big, big, cos, sin), "in place, each line is read before it is written"
-    fresh.zero_()
-    assert cpu_rope.streams(big, fresh, cos, sin)
-    rope_cpu(big, fresh, cos, sin, None, interleaved=False, conjugate=False, copy_tail=True)
-    previous = cpu_rope.set_stream_threshold(2**62)
+    # The default threshold is the last-level cache; past 64 MiB a lower one keeps this test's tensors small.
+    limit = min(cpu_rope.last_level_cache_bytes(), 64 << 20)
+    default = cpu_rope.set_stream_threshold(limit)
     try:
+        big = torch.randn(1, limit // (1024 * 128 * 2) + 1, 1024, 128, dtype=torch.bfloat16)
+        # A new anonymous mapping, as glibc gives a big block: no page of it is in memory until it is written.
+        region = mmap.mmap(-1, big.numel() * 2)
+        fresh = torch.frombuffer(region, dtype=torch.bfloat16).view(big.shape)
+        assert not cpu_rope.streams(big, fresh, cos, sin), "a fresh mapping faults in cached zero pages: store plainly"
+        assert not cpu_rope.streams(big, big, cos, sin), "in place, each line is read before it is written"
+        fresh.zero_()
+        assert cpu_rope.streams(big, fresh, cos, sin)
+        rope_cpu(big, fresh, cos, sin, None, interleaved=False, conjugate=False, copy_tail=True)
+        cpu_rope.set_stream_threshold(2**62)
         assert not cpu_rope.streams(big, fresh, cos, sin)
         plain = torch.empty_like(big)
         rope_cpu(big, plain, cos, sin, None, interleaved=False, conjugate=False, copy_tail=True)
     finally:
-        cpu_rope.set_stream_threshold(previous)
+        cpu_rope.set_stream_threshold(default)
     assert torch.equal(fresh, plain), "streamed and plain stores must write the same bits"
 
 
