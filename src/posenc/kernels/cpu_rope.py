@@ -66,6 +66,9 @@ def _cpu_model() -> str:
     return "\n".join(found.values()) or platform.processor()
 
 
+_THRESHOLD_SET: set[str] = set()  # paths of the libraries whose streaming threshold has been given its default
+
+
 def build_library(source: bytes, *, arch: str = "native") -> tuple[ctypes.CDLL | None, str]:
     """Compile ``source`` (the text of cpu_rope.cpp, this one or another revision's) into a shared library cached
     on disk under a hash of the source, flags, compiler and CPU, and load it: (library, "") or (None, why not).
@@ -115,9 +118,6 @@ def build_library(source: bytes, *, arch: str = "native") -> tuple[ctypes.CDLL |
             library.posenc_set_stream_threshold(last_level_cache_bytes())
             _THRESHOLD_SET.add(str(target))
     return library, ""
-
-
-_THRESHOLD_SET: set[str] = set()  # libraries whose streaming threshold has its default
 
 
 @functools.cache
