@@ -506,13 +506,17 @@ def test_cpu_builds_for_older_x86_levels_with_float64_tables(isa_level, dtype):
     check_float64_tables("cpu", dtype, interleaved=False)
 
 
+def skip_unless_streaming(library=None):
+    if not cpu_rope.can_stream(library):
+        pytest.skip("this build of the CPU kernel has no streaming stores (no AVX2 or AVX-512 rows, or not Linux)")
+
+
 @pytest.fixture
 def streaming_stores(request):
     """Every out-of-place call of the CPU kernel (the package's, or the ``isa_level`` one in its place) streams its
     stores, as calls larger than the last-level cache do. Skips where the build has no streaming stores."""
     library = cpu_rope._library()[0]
-    if not cpu_rope.can_stream(library):
-        pytest.skip("this build of the CPU kernel has no streaming stores (no AVX2 or AVX-512 rows, or not Linux)")
+    skip_unless_streaming(library)
     previous = cpu_rope.set_stream_threshold(0, library=library)
     yield
     cpu_rope.set_stream_threshold(previous, library=library)
@@ -540,8 +544,7 @@ def test_cpu_builds_for_older_x86_levels_stream_stores(isa_level, streaming_stor
 
 
 def test_cpu_streams_only_large_out_of_place_writes_into_resident_pages():
-    if not cpu_rope.can_stream():
-        pytest.skip("this build of the CPU kernel has no streaming stores (no AVX2 or AVX-512 rows, or not Linux)")
+    skip_unless_streaming()
     cos, sin = table(128, 1024)
     x = torch.randn(1, 2, 8, 128)
     assert not cpu_rope.streams(x, torch.empty_like(x), cos, sin), "smaller than the last-level cache"

@@ -640,6 +640,13 @@ bool resident(const void* p) {
 
 int64_t element_bytes(int32_t dtype) { return dtype == 0 ? 4 : dtype == 3 ? 8 : 2; }
 
+// Job j of a packed call, copied out (the buffer needs no alignment).
+Args job_args(const char* packed, int32_t job) {
+  Args a;
+  std::memcpy(&a, packed + job * sizeof(Args), sizeof(Args));
+  return a;
+}
+
 // Bit j set: job j streams its stores. The page of an output's last element stands for all of it: the first pages
 // of a fresh block are already touched by malloc's header.
 uint64_t stream_jobs(const char* packed, int32_t count, int32_t dtype) {
@@ -649,15 +656,13 @@ uint64_t stream_jobs(const char* packed, int32_t count, int32_t dtype) {
   const int64_t size = element_bytes(dtype);
   int64_t bytes = 0;
   for (int32_t job = 0; job < count; ++job) {
-    Args a;
-    std::memcpy(&a, packed + job * sizeof(Args), sizeof(Args));
+    const Args a = job_args(packed, job);
     if (a.out != a.x) bytes += a.n[0] * a.n[1] * a.n[2] * a.d * size;
   }
   if (bytes == 0 || bytes < stream_threshold.load(std::memory_order_relaxed)) return 0;
   uint64_t mask = 0;
   for (int32_t job = 0; job < count && job < 64; ++job) {
-    Args a;
-    std::memcpy(&a, packed + job * sizeof(Args), sizeof(Args));
+    const Args a = job_args(packed, job);
     if (a.out == a.x || a.n[0] * a.n[1] * a.n[2] * a.d == 0) continue;
     const int64_t last = (a.n[0] - 1) * a.os[0] + (a.n[1] - 1) * a.os[1] + (a.n[2] - 1) * a.os[2] + a.d - 1;
     if (resident(static_cast<const char*>(a.out) + last * size)) mask |= uint64_t(1) << job;
@@ -667,19 +672,16 @@ uint64_t stream_jobs(const char* packed, int32_t count, int32_t dtype) {
 
 }  // namespace
 
-// Each job is one Args, packed by cpu_rope.py (copied out, so the buffer needs no alignment). dtype: 0 float32,
+// Each job is one Args, packed by cpu_rope.py. dtype: 0 float32,
 // 1 bfloat16, 2 float16, 3 float64; wide: cos/sin (and the math) in double. Returns 0; 1 for a combination that
 // was not compiled; 2 when a position is outside the table (nothing is written then).
 extern "C" int posenc_rope_jobs(const char* packed, int32_t count, int32_t dtype, int32_t wide) {
   for (int32_t job = 0; job < count; ++job) {
-    Args a;
-    std::memcpy(&a, packed + job * sizeof(Args), sizeof(Args));
-    if (!positions_in_table(a)) return 2;
+    if (!positions_in_table(job_args(packed, job))) return 2;
   }
   const uint64_t streams = stream_jobs(packed, count, dtype);
   for (int32_t job = 0; job < count; ++job) {
-    Args a;
-    std::memcpy(&a, packed + job * sizeof(Args), sizeof(Args));
+    const Args a = job_args(packed, job);
     const bool stream = job < 64 && ((streams >> job) & 1);
     switch (dtype * 2 + wide) {
       case 0: rotate<float, float>(a, stream); break;

@@ -153,13 +153,19 @@ def cpu_unavailable_reason() -> str:
 Job = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
+def _loaded(library: ctypes.CDLL | None = None) -> ctypes.CDLL:
+    """``library``, else this package's, or a RuntimeError saying why the kernel could not be built."""
+    library = library or _library()[0]
+    if library is None:
+        raise RuntimeError(f"the CPU rotary kernel is unavailable: {cpu_unavailable_reason()}; use backend='torch'")
+    return library
+
+
 def set_stream_threshold(nbytes: int | None, *, library: ctypes.CDLL | None = None) -> int:
     """Set how many bytes a call must write out of place before its stores bypass the cache (non-temporal stores,
     only into pages already in memory; cpu_rope.cpp says when that pays); None restores the default,
     ``last_level_cache_bytes()``. Returns the previous setting. For tests and benchmarks."""
-    library = library or _library()[0]
-    if library is None:
-        raise RuntimeError(f"the CPU rotary kernel is unavailable: {cpu_unavailable_reason()}")
+    library = _loaded(library)
     if nbytes is not None and nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, or None for the default, got {nbytes}")
     return library.posenc_set_stream_threshold(last_level_cache_bytes() if nbytes is None else nbytes)
@@ -175,9 +181,7 @@ def can_stream(library: ctypes.CDLL | None = None) -> bool:
 def streams(x: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Whether ``rope_cpu(x, out, cos, sin, None, ...)`` would use streaming stores now (see
     ``set_stream_threshold``): the kernel's own decision, for tests and benchmarks."""
-    library = _library()[0]
-    if library is None:
-        raise RuntimeError(f"the CPU rotary kernel is unavailable: {cpu_unavailable_reason()}")
+    library = _loaded()
     job = _pack_job(x, out, cos, sin, 0, (0, 0), 0, (0, 0, 1), 1)
     return job is not None and bool(library.posenc_stream_jobs(job, 1, DTYPE_CODES[x.dtype]) & 1)
 
@@ -228,14 +232,10 @@ def rope_cpu_jobs(
     library: ctypes.CDLL | None = None,
 ) -> None:
     """``rope_cpu`` for several (x, out, cos, sin) of one dtype (q and k) in one call into the library."""
-    reason = ""
     if library is not None and len(jobs) > 1 and library is not _library()[0]:
         # Another revision's struct Args may be shorter: its posenc_rope_jobs would step through the jobs wrongly.
         raise ValueError("a library other than this package's takes one job per call; call rope_cpu once per x")
-    if library is None:
-        library, reason = _library()
-    if library is None:
-        raise RuntimeError(f"the CPU rotary kernel is unavailable: {reason}; use backend='torch'")
+    library = _loaded(library)
     if positions is not None:
         if first_row:
             raise ValueError(f"first_row={first_row} applies only without positions; add it to the positions")
