@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import ctypes
+import os
 import platform
 import statistics
 import subprocess
@@ -79,6 +80,11 @@ def environment(device: str, alloc: str) -> dict:
     name = device_name(device)
     if device == "cpu":
         name = f"{name}, {set_allocation(alloc)}"
+        # PyTorch's own switch: its CPU allocator then asks for transparent huge pages (2 MiB) on every buffer of
+        # 2 MiB or more, so fresh output faults a huge page at a time instead of 512 small ones. Read by torch at
+        # its first allocation, so it can only come from the environment the script starts in.
+        if os.environ.get("THP_MEM_ALLOC_ENABLE") == "1":
+            name += ", THP_MEM_ALLOC_ENABLE=1"
     return {"device": name, "torch": torch.__version__, "commit": commit()}
 
 
