@@ -511,8 +511,8 @@ void rotate_rows(const Args& args, bool stream, Row row) {
   // 0.78 against 0.96), where the tables (16 MiB) are read again for every head.
   constexpr int64_t CHUNK_TABLE_BYTES = int64_t(4) << 20;
   const int64_t blocks = (args.n[2] + BLOCK - 1) / BLOCK;
-  const int64_t table_bytes = std::max<int64_t>(2 * args.half * int64_t(sizeof(C)) * BLOCK, 1);
-  const int64_t chunk = std::max<int64_t>(CHUNK_TABLE_BYTES / table_bytes, 1);  // blocks per chunk
+  const int64_t block_table_bytes = std::max<int64_t>(2 * args.half * int64_t(sizeof(C)) * BLOCK, 1);
+  const int64_t chunk = std::max<int64_t>(CHUNK_TABLE_BYTES / block_table_bytes, 1);  // blocks per chunk
   const int64_t items = args.n[0] * blocks * args.n[1];
 #pragma omp parallel num_threads(args.threads)
   {
