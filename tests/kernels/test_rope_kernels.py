@@ -141,11 +141,28 @@ def test_triton_matches_reference(kind, dtype, interleaved, d, r, s):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_16_bit_x_with_float64_tables(backend, dtype, interleaved):
-    """float64 cos/sin make the math float64 whatever x is; the result is rounded to x's dtype once. The Triton
-    interpreter converts float64 to 16-bit types bit for bit as integers (garbage), so Triton runs it natively only."""
-    if backend == "triton" and DEVICE["triton"] == "cpu":
-        pytest.skip("the Triton interpreter casts float64 to bf16/fp16 as raw integers; run natively")
+    """float64 cos/sin make the math float64 whatever x is; the result is rounded to x's dtype at the end (through
+    float32, as torch's .to() does; the next test pins that)."""
     check_float64_tables(backend, dtype, interleaved)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_float64_math_rounds_to_16_bits_through_float32_like_torch(backend, dtype, interleaved):
+    """A float64 result just above the midpoint of two 16-bit values, by less than float32 resolves: rounded to
+    float32 first it is the midpoint, which ties to even (down), as torch's own float64 -> bf16/fp16 .to() gives;
+    rounded once it would go up. x = 1 and sin = 0 make the rotated value cos itself. Every backend must give
+    torch's bits (the Triton interpreter used to cast float64 to 16 bits as integers: zeros)."""
+    mantissa = 7 if dtype == torch.bfloat16 else 10
+    value = 1 + 2.0 ** -(mantissa + 1) + 2.0**-40
+    assert torch.tensor(value, dtype=torch.float64).to(dtype).item() == 1.0  # torch rounds through float32
+    device = DEVICE[backend]
+    cos = torch.full((4, 3), value, dtype=torch.float64, device=device)
+    sin = torch.zeros(4, 3, dtype=torch.float64, device=device)
+    x = torch.ones(2, 1, 4, 7, dtype=dtype, device=device)
+    out = apply_rotary(x, cos, sin, offset=0, interleaved=interleaved, backend=backend).cpu()
+    assert torch.equal(out, torch.ones(2, 1, 4, 7, dtype=dtype))
 
 
 def check_float64_tables(backend, dtype, interleaved):

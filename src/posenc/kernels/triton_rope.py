@@ -26,6 +26,17 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 @triton.jit
+def _narrow(v, out_ty: tl.constexpr, via_float32: tl.constexpr):
+    """v in out_ty. float64 math stored into bf16/fp16 is rounded to float32 first (via_float32): torch's .to()
+    rounds twice like that (its 16-bit types are built from a float), as the CPU kernel and the torch path do, so
+    every backend gives the same bits; a direct float64 -> 16-bit rounding can differ where the float32 value is a
+    tie. (The Triton interpreter also needs it: it casts float64 to bf16/fp16 as integers.)"""
+    if via_float32:
+        v = v.to(tl.float32)
+    return v.to(out_ty)
+
+
+@triton.jit
 def _rope_kernel(
     Q,
     K,
@@ -77,6 +88,7 @@ def _rope_kernel(
     IS_VARLEN: tl.constexpr,
     COPY_TAIL: tl.constexpr,
     CHECK_ROWS: tl.constexpr,
+    VIA_FLOAT32: tl.constexpr,
 ):
     # One flat grid of (head, i0, token block), token blocks fastest: CUDA caps grid dims 1 and 2 at 65535, which
     # a batch, or the heads axis of a broadcast call given x as (b * s, h, d), can pass.
@@ -156,14 +168,14 @@ def _rope_kernel(
         x = tl.load(x_base + channel[None, :], mask=ok2, other=0.0).to(cos.dtype)
         x1, x2 = tl.split(tl.reshape(x, (BLOCK_S, BLOCK_H, 2)))
         out = tl.join(x1 * cos - x2 * sin, x2 * cos + x1 * sin)
-        tl.store(
-            out_base + channel[None, :], tl.reshape(out, (BLOCK_S, 2 * BLOCK_H)).to(OUT.dtype.element_ty), mask=ok2
-        )
+        out = _narrow(tl.reshape(out, (BLOCK_S, 2 * BLOCK_H)), OUT.dtype.element_ty, VIA_FLOAT32)
+        tl.store(out_base + channel[None, :], out, mask=ok2)
     else:
         x1 = tl.load(x_base + pair[None, :], mask=ok, other=0.0).to(cos.dtype)
         x2 = tl.load(x_base + HALF + pair[None, :], mask=ok, other=0.0).to(cos.dtype)
-        tl.store(out_base + pair[None, :], (x1 * cos - x2 * sin).to(OUT.dtype.element_ty), mask=ok)
-        tl.store(out_base + HALF + pair[None, :], (x2 * cos + x1 * sin).to(OUT.dtype.element_ty), mask=ok)
+        tl.store(out_base + pair[None, :], _narrow(x1 * cos - x2 * sin, OUT.dtype.element_ty, VIA_FLOAT32), mask=ok)
+        o2 = _narrow(x2 * cos + x1 * sin, OUT.dtype.element_ty, VIA_FLOAT32)
+        tl.store(out_base + HALF + pair[None, :], o2, mask=ok)
     if COPY_TAIL:
         # A name of its own: `range` compiles to a loop, whose variables may not change type (shape) inside it,
         # and the interleaved branch's `channel` has 2 * BLOCK_H lanes, not BLOCK_T. The interpreter allowed it.
@@ -315,6 +327,7 @@ def plan_launch(
         "IS_VARLEN": cu_seqlens is not None,
         "COPY_TAIL": copy_tail and tail > 0,
         "CHECK_ROWS": table_rows is not None,
+        "VIA_FLOAT32": coss[0].dtype == torch.float64 and q.dtype in (torch.bfloat16, torch.float16),
     }
     programs = triton.cdiv(n2, block_s) * n0 * (heads_q + heads_k)
     if programs > 2**31 - 1:

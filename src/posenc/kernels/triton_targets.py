@@ -145,7 +145,7 @@ def _case_plans() -> dict[str, Launch]:
         "bf16 d96 r48 varlen adjacent-pairs": plan(bf16, d=96, r=48, interleaved=True, how="varlen"),
         "bf16 d256 decode broadcast": plan(bf16, d=256, r=256, s=1, how="broadcast"),
         "fp64 d64 adjacent-pairs conjugate": plan(fp64, d=64, r=64, s=7, interleaved=True, conjugate=True),
-        # float64 tables make the math float64 for 16-bit x: a conversion the interpreter cannot run correctly.
+        # float64 tables make the math float64 for 16-bit x, rounded through float32 when stored (as torch does).
         "bf16 d128 float64 tables": plan(bf16, d=128, r=128, wide=True),
     }
     # q's token stride past 2**31 (Triton passes it as i64) while k's is i32: both must still compile.
