@@ -34,12 +34,15 @@ step() { # step SECONDS NAME COMMAND...
   $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
   # POSENC_TRITON_NATIVE=1: tests/conftest.py leaves TRITON_INTERPRET off and the Triton cases run on CUDA.
   step 200 "kernel tests, Triton compiled for the GPU" env POSENC_TRITON_NATIVE=1 TRITON_INTERPRET=0 \
-    $PY -m pytest -q tests/kernels -p no:cacheprovider
+    $PY -m pytest -q tests/kernels -p no:cacheprovider --ignore=tests/kernels/test_rope_fuzz.py
   step 150 "RoPE forward at 16k, the goal" $PY benchmarks/rope.py --device cuda --seqs 16384 --dtypes bf16 fp32 \
     --modes fwd --reps 50 --csv "$RESULTS/rope_gpu_16k.csv"
   step 200 "RoPE sweep" $PY benchmarks/rope.py --device cuda --seqs 1024 4096 16384 32768 --dtypes bf16 fp32 \
     --reps 30 --csv "$RESULTS/rope_gpu.csv"
   step 60 "RoPE module" $PY benchmarks/rope_module.py --device cuda --csv "$RESULTS/rope_module_gpu.csv"
   step 60 "bias memory" $PY benchmarks/bias_memory.py --device cuda --seq 8192 --paths materialized flex --csv "$RESULTS/bias_memory_gpu.csv"
+  # Last: random calls compile a kernel each (about 30 compiles), and the measurements above matter more.
+  step 120 "fuzz, Triton compiled for the GPU" env POSENC_TRITON_NATIVE=1 TRITON_INTERPRET=0 \
+    $PY -m pytest -q tests/kernels/test_rope_fuzz.py -p no:cacheprovider -k triton
   echo "=== done $(date -u +%H:%M:%S); a step failed: $failed"
 } 2>&1 | tee "$RESULTS/gpu_check.log"
