@@ -173,8 +173,9 @@ def _rope_kernel(
     else:
         x1 = tl.load(x_base + pair[None, :], mask=ok, other=0.0).to(cos.dtype)
         x2 = tl.load(x_base + HALF + pair[None, :], mask=ok, other=0.0).to(cos.dtype)
-        tl.store(out_base + pair[None, :], _narrow(x1 * cos - x2 * sin, OUT.dtype.element_ty, VIA_FLOAT32), mask=ok)
+        o1 = _narrow(x1 * cos - x2 * sin, OUT.dtype.element_ty, VIA_FLOAT32)
         o2 = _narrow(x2 * cos + x1 * sin, OUT.dtype.element_ty, VIA_FLOAT32)
+        tl.store(out_base + pair[None, :], o1, mask=ok)
         tl.store(out_base + HALF + pair[None, :], o2, mask=ok)
     if COPY_TAIL:
         # A name of its own: `range` compiles to a loop, whose variables may not change type (shape) inside it,
