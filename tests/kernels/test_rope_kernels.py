@@ -153,7 +153,7 @@ def test_float64_math_rounds_to_16_bits_through_float32_like_torch(backend, dtyp
     """A float64 result just above the midpoint of two 16-bit values, by less than float32 resolves: rounded to
     float32 first it is the midpoint, which ties to even (down), as torch's own float64 -> bf16/fp16 .to() gives;
     rounded once it would go up. x = 1 and sin = 0 make the rotated value cos itself. Every backend must give
-    torch's bits (the Triton interpreter used to cast float64 to 16 bits as integers: zeros)."""
+    torch's bits (the Triton interpreter used to cast float64 to bf16 as integers: zeros)."""
     mantissa = 7 if dtype == torch.bfloat16 else 10
     value = 1 + 2.0 ** -(mantissa + 1) + 2.0**-40
     assert torch.tensor(value, dtype=torch.float64).to(dtype).item() == 1.0  # torch rounds through float32

@@ -30,7 +30,7 @@ def _narrow(v, out_ty: tl.constexpr, via_float32: tl.constexpr):
     """v in out_ty. float64 math stored into bf16/fp16 is rounded to float32 first (via_float32): torch's .to()
     rounds twice like that (its 16-bit types are built from a float), as the CPU kernel and the torch path do, so
     every backend gives the same bits; a direct float64 -> 16-bit rounding can differ where the float32 value is a
-    tie. (The Triton interpreter also needs it: it casts float64 to bf16/fp16 as integers.)"""
+    tie. (The Triton interpreter also needs it: it casts float64 to bf16 as an integer.)"""
     if via_float32:
         v = v.to(tl.float32)
     return v.to(out_ty)
