@@ -16,7 +16,6 @@ one call bit for bit.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import pytest
@@ -28,8 +27,9 @@ import posenc
 from posenc import apply_rotary, apply_rotary_, apply_rotary_qk
 from posenc.testing import TOLERANCES, assert_close
 
-NATIVE = os.environ.get("POSENC_TRITON_NATIVE") == "1"  # scripts/gpu_check.sh: Triton compiled for the GPU
-DEVICE = {"torch": "cpu", "cpu": "cpu", "triton": "cuda" if NATIVE else "cpu"}
+from .test_rope_kernels import DEVICE, table
+
+NATIVE = DEVICE["triton"] == "cuda"  # scripts/gpu_check.sh: Triton compiled for the GPU
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # The interpreted Triton kernel is slow per element: smaller draws, fewer examples. Compiled, each new head dim or
 # flag combination is a compile of a second or two, so the GPU run draws fewer still.
@@ -98,12 +98,6 @@ class Call:
         return reference(x.cpu(), self.token_cos, self.token_sin, interleaved=self.interleaved, conjugate=conjugate)
 
 
-def angle_table(rows: int, half: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / 10000.0 ** (torch.arange(half, dtype=torch.float64) / half)
-    angles = torch.arange(rows, dtype=torch.float64)[:, None] * inv_freq
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
 @st.composite
 def calls(draw, backend: str) -> Call:
     dtype = draw(st.sampled_from(DTYPES))
@@ -115,7 +109,7 @@ def calls(draw, backend: str) -> Call:
     heads = {name: draw(st.integers(1, 3)) for name in names}
     b, s = draw(st.integers(1, 3)), draw(st.integers(1, MAX_SEQ[backend]))
     rows = draw(st.integers(s, 3 * s + 10))
-    cos_t, sin_t = angle_table(rows, half, table_dtype)
+    cos_t, sin_t = table(2 * half, rows, dtype=table_dtype)
     mode = draw(st.sampled_from(["broadcast", "bhsd", "bshd", "varlen"]))
     kwargs: dict = {}
 
@@ -202,11 +196,15 @@ def calls(draw, backend: str) -> Call:
     )
 
 
+def on_device(device: str, kwargs: dict) -> dict:
+    """kwargs with their tensors on ``device``; views stay views where they are there already."""
+    return {key: v.to(device) if isinstance(v, torch.Tensor) else v for key, v in kwargs.items()}
+
+
 def moved(call: Call, device: str) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, dict]:
-    """The call's tensors on ``device``, views kept as views (x.to() of a view on the same device is itself)."""
-    to = lambda t: t if t.device.type == device else t.to(device)  # noqa: E731
-    kwargs = {key: to(v) if isinstance(v, torch.Tensor) else v for key, v in call.kwargs.items()}
-    return {name: to(x) for name, x in call.xs.items()}, to(call.cos), to(call.sin), kwargs
+    """The call's tensors on ``device``."""
+    xs, cos, sin = on_device(device, call.xs), call.cos.to(device), call.sin.to(device)
+    return xs, cos, sin, on_device(device, call.kwargs)
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
@@ -307,8 +305,9 @@ def test_rope_module_backends_agree_and_chunked_calls_equal_one_call(backend):
         # says): the backends differ only in the rotation's float32 roundings, one unit in the last place at most.
         expected = posenc.RoPE(head_dim, backend="torch", **options)(q, k, **kwargs)
         rope = posenc.RoPE(head_dim, backend=backend, **options).to(device)
-        on_device = {key: v.to(device) if isinstance(v, torch.Tensor) else v for key, v in kwargs.items()}
-        outs = rope(q.to(device), k.to(device), **on_device)
+        device_kwargs = on_device(device, kwargs)
+        q_on, k_on = q.to(device), k.to(device)
+        outs = rope(q_on, k_on, **device_kwargs)
         atol, rtol = TOLERANCES[dtype]
         for out, ref in zip(outs, expected, strict=True):
             assert out.dtype == dtype
@@ -318,11 +317,11 @@ def test_rope_module_backends_agree_and_chunked_calls_equal_one_call(backend):
         # A KV cache filled in steps: each chunk rotated at its offset gives the full call's bits.
         cuts = sorted(set(data.draw(st.lists(st.integers(1, s - 1), min_size=1, max_size=3))))
         axis = 2 if layout == "bhsd" else 1
-        start = on_device.get("offset", 0)
+        start = device_kwargs.get("offset", 0)
         pieces = []
         for a, z in zip([0, *cuts], [*cuts, s], strict=True):
-            chunk = (x.to(device).narrow(axis, a, z - a) for x in (q, k))
-            pieces.append(rope(*chunk, **(on_device | {"offset": start + a})))
+            chunk = (x.narrow(axis, a, z - a) for x in (q_on, k_on))
+            pieces.append(rope(*chunk, **(device_kwargs | {"offset": start + a})))
         for i, full in enumerate(outs):
             assert torch.equal(torch.cat([p[i] for p in pieces], axis), full)
 
