@@ -146,35 +146,19 @@ def device_name(device: str) -> str:
     return f"cpu {model} x{torch.get_num_threads()}".replace("  ", " ")
 
 
-def measure(
-    fn: Callable[[], object], *, reps: int, device: str, setup: Callable[[], object] | None = None
-) -> list[float]:
-    """Milliseconds of ``fn`` over ``reps`` runs after two warm-ups; ``setup`` runs untimed before each."""
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    for _ in range(2):
-        if setup is not None:
-            setup()
-        fn()
-    sync()
-    times = []
-    for _ in range(reps):
-        if setup is not None:
-            setup()
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append((time.perf_counter() - start) * 1e3)
-    return times
-
-
 def measure_interleaved(
     cases: dict[str, tuple[Callable[[], object], Callable[[], object] | None]], *, reps: int, device: str
 ) -> dict[str, list[float]]:
     """Milliseconds per case, name -> (fn, setup or None), taking turns rep by rep: on a shared machine a burst
     of load then slows every provider alike instead of whichever ran during it, which keeps ratios honest. The
     order rotates each rep, so no case always runs right after the same one: on CPU the case after a copy ran
-    40-100 us slower at s = 1024 than the same call placed elsewhere (caches and the OpenMP pool it inherits)."""
+    40-100 us slower at s = 1024 than the same call placed elsewhere (caches and the OpenMP pool it inherits).
+
+    The clock covers the call, which allocates and writes its outputs; what ``fn`` returns is dropped after the
+    clock stops, and ``setup`` (untimed) clears anything else a case keeps (gradients). Freeing a 32 MiB output
+    hands its pages back to the OS, 2-4 ms on the CPU VMs here, so every case must either return its outputs or
+    free them itself, alike: before 2026-12-01 a backward's gradients were freed untimed while the copy's clones
+    were freed inside the clock."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     times: dict[str, list[float]] = {name: [] for name in cases}
     names = list(cases)
@@ -185,10 +169,11 @@ def measure_interleaved(
                 setup()
             sync()
             start = time.perf_counter()
-            fn()
+            result = fn()
             sync()
             if rep >= 2:  # two warm-up rounds
                 times[name].append((time.perf_counter() - start) * 1e3)
+            del result
     return times
 
 

@@ -50,7 +50,8 @@ def make_cases(libraries: dict, dtype: torch.dtype, seq: int, *, inplace: bool, 
     cos, sin = (t.float()[None, None] for t in (angles.cos(), angles.sin()))
     targets = (q.clone(), k.clone())
 
-    def run(library) -> None:
+    def run(library) -> list[torch.Tensor]:
+        outs = []  # returned, so that measure_interleaved frees them after the clock, as it does the copy's
         for x, target in zip((q, k), targets, strict=True):
             # In place the targets are rotated again each rep (norms are kept, so the values stay tame).
             source, out = (target, target) if inplace else (x, torch.empty_like(x))
@@ -65,13 +66,13 @@ def make_cases(libraries: dict, dtype: torch.dtype, seq: int, *, inplace: bool, 
                 copy_tail=not inplace,
                 library=library,
             )
+            outs.append(out)
+        return outs
 
-    def copy() -> None:
+    def copy() -> tuple[torch.Tensor, ...]:
         if inplace:
-            for target, x in zip(targets, (q, k), strict=True):
-                target.copy_(x)
-        else:
-            q.clone(), k.clone()
+            return tuple(target.copy_(x) for target, x in zip(targets, (q, k), strict=True))
+        return q.clone(), k.clone()
 
     return {"copy": (copy, None)} | {name: (lambda lib=lib: run(lib), None) for name, lib in libraries.items()}
 
