@@ -1,7 +1,8 @@
 """Shared by the benchmark scripts: timing percentiles, the environment stamped on every row, CSV output.
 
 Rows are long format: op, provider, mode, dtype, shape, p20, p50, p80 (milliseconds), ratio_to_copy (the copy
-provider's p50 over this provider's p50, so 1.0 is the bandwidth floor), device, torch, commit.
+provider's p50 over this provider's p50, so 1.0 is the bandwidth floor), gb_per_s (the bytes the copy case moves
+over this provider's p50, where the script gives them), device, torch, commit.
 """
 
 from __future__ import annotations
@@ -64,13 +65,13 @@ def set_allocation(mode: str) -> str:
     return f"alloc={mode}" if ok else "alloc=system (mallopt refused)"
 
 
-def add_allocation_argument(parser) -> None:
+def add_allocation_argument(parser, default: str = "fresh") -> None:
     """``--alloc`` for the CPU benchmarks (see ``set_allocation``)."""
     parser.add_argument(
         "--alloc",
-        default="fresh",
+        default=default,
         choices=ALLOCATION_MODES,
-        help="CPU output buffers: fresh pages every call (default), recycled heap memory, or glibc's defaults",
+        help=f"CPU output buffers: fresh pages every call, recycled heap memory or glibc's defaults ({default})",
     )
 
 
@@ -183,11 +184,14 @@ def percentiles(times: list[float]) -> tuple[float, float, float]:
 
 
 def write_rows(rows: list[dict], path: Path) -> None:
+    """The CSV, replaced atomically: a run interrupted mid-write leaves the previous file whole."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as f:
+    partial = path.with_name(path.name + ".partial")
+    with partial.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
+    os.replace(partial, path)
 
 
 def print_row(row: dict) -> None:

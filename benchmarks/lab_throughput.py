@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from common import commit, device_name, measure_interleaved, percentiles, write_rows
+from common import add_allocation_argument, environment, measure_interleaved, percentiles, write_rows
 from posenc.lab.config import PRESETS
 from posenc.lab.data import load_corpus, train_starts, windows_at
 from posenc.lab.model import ByteLM, ModelSpec, next_byte_loss
@@ -47,7 +47,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="lab loop without its bar")
     parser.add_argument("--out", type=Path, default=None, help="CSV to write (default: print only)")
+    # glibc's defaults, as `posenc lab` runs: "fresh" (every block of 128 KiB or more mapped anew) halved both loops'
+    # tokens/s here. Named in the device column.
+    add_allocation_argument(parser, default="system")
     args = parser.parse_args()
+    env = environment("cpu", args.alloc)  # before any tensor exists, as the other scripts do
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
@@ -103,9 +107,7 @@ def main() -> None:
                     "p50": round(p50, 3),
                     "p80": round(p80, 3),
                     "ratio_to_copy": round(plain_p50 / p50, 3),
-                    "device": device_name("cpu"),
-                    "torch": torch.__version__,
-                    "commit": commit(),
+                    **env,
                 }
             )
             print(

@@ -3,10 +3,15 @@
 Providers: posenc-cpu / posenc-triton (fused, one call for q and k), posenc-torch (the pure-torch path),
 hf-eager (Hugging Face's ``q * cos + rotate_half(q) * sin`` with full-width cos/sin in x's dtype),
 torch.compile(hf-eager), copy (``clone()`` of q and k: the memory-bandwidth floor), and on a GPU liger
-(Liger-Kernel's rope) and flash-attn (``apply_rotary_emb``) when installed. Modes: fwd, bwd (the backward alone,
-on a retained graph), fwd+bwd. The copy of each mode moves the same bytes as the op (two clones for fwd+bwd).
-On CPU, ``--alloc`` pins where output buffers come from (``common.set_allocation``): fresh pages every call
-(default; the OS zero-filling them is most of a copy's time) or recycled heap memory (``--alloc reuse``).
+(Liger-Kernel's rope) and flash-attn (``apply_rotary_emb``) when installed, each given the inputs it is built for:
+Liger rotates q and k in place and wants them as Hugging Face's attention leaves them, (b, s, h, d) in memory seen
+as (b, h, s, d) (from contiguous (b, h, s, d) it first makes a transposed copy of each); flash-attn takes
+(b, s, h, d) views and cos/sin (s, d/2) in x's dtype, as its ``RotaryEmbedding`` caches them. Modes: fwd, bwd (the
+backward alone, on a retained graph), fwd+bwd; the backward modes take ``torch.autograd.grad`` of q and k. The
+copy of each mode moves the same bytes as the op (two clones for fwd+bwd). Rows are written after every mode, so a
+run cut short keeps what it measured. On CPU, ``--alloc`` pins where output buffers come from
+(``common.set_allocation``): fresh pages every call (default; the OS zero-filling them is most of a copy's time) or
+recycled heap memory (``--alloc reuse``).
 
     python benchmarks/rope.py                       # CPU defaults, a few minutes on 2 cores
     python benchmarks/rope.py --device cuda --seqs 1024 4096 16384 32768 --reps 50
@@ -44,56 +49,80 @@ def hf_eager(q, k, cos, sin):
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
-def tables(seq: int, dtype: torch.dtype, device: str):
+def tables(seq: int, dtype: torch.dtype, device: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """cos/sin in each provider's form: "half" (s, d/2) float32 (posenc), "half_x" (s, d/2) in x's dtype
+    (flash-attn), "full" (1, 1, s, d) in x's dtype (Hugging Face, Liger)."""
     inv_freq = 1.0 / 10000.0 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float64) / HEAD_DIM)
     angles = torch.arange(seq, dtype=torch.float64)[:, None] * inv_freq
-    half_cos, half_sin = angles.cos().float().to(device), angles.sin().float().to(device)  # posenc: (s, r/2) fp32
     full = torch.cat((angles, angles), dim=-1)
-    hf_cos, hf_sin = (t.to(device=device, dtype=dtype)[None, None] for t in (full.cos(), full.sin()))
-    return half_cos, half_sin, hf_cos, hf_sin
+    return {
+        "half": (angles.cos().float().to(device), angles.sin().float().to(device)),
+        "half_x": (angles.cos().to(device, dtype), angles.sin().to(device, dtype)),
+        "full": tuple(t.to(device=device, dtype=dtype)[None, None] for t in (full.cos(), full.sin())),
+    }
 
 
 def providers(device: str, seq: int, dtype: torch.dtype) -> dict[str, Callable]:
     """name -> f(q, k) returning the rotated (q, k) (or the copies)."""
-    half_cos, half_sin, hf_cos, hf_sin = tables(seq, dtype, device)
+    table = tables(seq, dtype, device)
+    (half_cos, half_sin), (hf_cos, hf_sin) = table["half"], table["full"]
     result: dict[str, Callable] = {"copy": lambda q, k: (q.clone(), k.clone())}
     fused = "posenc-cpu" if device == "cpu" else "posenc-triton"
     backend = "cpu" if device == "cpu" else "triton"
     result[fused] = lambda q, k: apply_rotary_qk(q, k, half_cos, half_sin, backend=backend)
     result["posenc-torch"] = lambda q, k: apply_rotary_qk(q, k, half_cos, half_sin, backend="torch")
     result["hf-eager"] = lambda q, k: hf_eager(q, k, hf_cos, hf_sin)
-    compiled = torch.compile(hf_eager)
+    # Dynamo keeps the compiled variants of hf_eager's code across torch.compile wrappers, 8 at most: past that it
+    # runs the function eagerly without a word. Each (seq, dtype) has one or two (grad mode), so start afresh,
+    # and compile for this shape only (after a second shape Dynamo would otherwise switch to dynamic shapes).
+    torch._dynamo.reset()
+    compiled = torch.compile(hf_eager, dynamic=False)
     result["torch.compile(hf-eager)"] = lambda q, k: compiled(q, k, hf_cos, hf_sin)
     if device == "cuda":
-        result.update(outside_providers(hf_cos, hf_sin, half_cos, half_sin))
+        result.update(outside_providers(table))
     return result
 
 
-def outside_providers(hf_cos, hf_sin, half_cos, half_sin) -> dict[str, Callable]:
-    """Liger-Kernel's and flash-attention's rotary kernels, where importable (scripts/gpu_prepare.sh)."""
+def outside_providers(table: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Callable]:
+    """Liger-Kernel's and flash-attention's rotary kernels, where importable (scripts/gpu_prepare.sh). Liger's
+    takes q and k in its layout (``hf_layout``; make_case gives it those)."""
     result: dict[str, Callable] = {}
     try:
         from liger_kernel.ops.rope import LigerRopeFunction
     except ImportError as error:
         print(f"liger: not importable ({error}); skipped")
     else:
-        liger_cos, liger_sin = hf_cos[0], hf_sin[0]  # (1, s, d)
-        result["liger"] = lambda q, k: LigerRopeFunction.apply(q, k, liger_cos, liger_sin)
+        liger_cos, liger_sin = (t[0] for t in table["full"])  # (1, s, d)
+        # [:2]: some releases return (q, k, cos, sin) from the Function
+        result["liger"] = lambda q, k: tuple(LigerRopeFunction.apply(q, k, liger_cos, liger_sin)[:2])
     try:
         from flash_attn.layers.rotary import apply_rotary_emb
     except ImportError as error:
         print(f"flash-attn: not importable ({error}); skipped")
     else:
-        # flash-attn wants (b, s, h, d); the transposed views keep the same bytes and strides it handles.
-        result["flash-attn"] = lambda q, k: (
-            apply_rotary_emb(q.transpose(1, 2), half_cos, half_sin),
-            apply_rotary_emb(k.transpose(1, 2), half_cos, half_sin),
+        # flash-attn wants (b, s, h, d): transposed views in (same bytes, strides it handles), and its outputs
+        # seen as (b, h, s, d) again, as the gradients of the backward modes are shaped.
+        half_cos, half_sin = table["half_x"]
+        result["flash-attn"] = lambda q, k: tuple(
+            apply_rotary_emb(x.transpose(1, 2), half_cos, half_sin).transpose(1, 2) for x in (q, k)
         )
     return result
 
 
+# Providers that rotate in place the (b, h, s, d) views of (b, s, h, d) memory that Hugging Face's attention makes.
+HF_LAYOUT = frozenset({"liger"})
+
+
+def hf_layout(x: torch.Tensor) -> torch.Tensor:
+    """x's values, stored (b, s, h, d) and seen as (b, h, s, d), as q and k are after Hugging Face's
+    ``view(...).transpose(1, 2)``."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def make_case(name: str, fn: Callable, mode: str, q: torch.Tensor, k: torch.Tensor):
     """(timed function, untimed setup or None) for one provider and mode."""
+    if name in HF_LAYOUT:
+        q, k = hf_layout(q), hf_layout(k)
     if name == "copy":
         # The floor for each mode: the bytes a rotation must read and write once (twice for fwd+bwd). Like the
         # op's, fwd+bwd's first outputs (the forward's) are freed inside the clock and the second (the gradients)
@@ -109,15 +138,14 @@ def make_case(name: str, fn: Callable, mode: str, q: torch.Tensor, k: torch.Tens
 
         return forward, None
     qg, kg = q.detach().requires_grad_(), k.detach().requires_grad_()
-    grads = (torch.randn_like(q), torch.randn_like(k))
-
-    def clear():
-        qg.grad, kg.grad = None, None
-
+    grads = (torch.randn_like(q), torch.randn_like(k))  # in q's and k's memory layout
+    # The gradients are returned (autograd.grad), not accumulated into .grad: accumulating copies a gradient that is
+    # referenced elsewhere, as an in-place provider's (Liger rotates `grads` itself) is, which would time a copy
+    # for it alone; it also cost the out-of-place providers ~0.5 ms (bf16, s = 4096, CPU).
     if mode == "fwd+bwd":
-        return (lambda: torch.autograd.backward(fn(qg, kg), grads)), clear
+        return (lambda: torch.autograd.grad(fn(qg, kg), (qg, kg), grads)), None
     outs = fn(qg, kg)  # bwd alone: one graph, its backward replayed
-    return (lambda: torch.autograd.backward(outs, grads, retain_graph=True)), clear
+    return (lambda: torch.autograd.grad(outs, (qg, kg), grads, retain_graph=True)), None
 
 
 def main() -> None:
@@ -150,7 +178,7 @@ def main() -> None:
                 rows += rows_against_copy(
                     times, op="rope", mode=mode, dtype=dtype_name, shape=shape, env=env, copy_bytes=copy_bytes
                 )
-    write_rows(rows, args.csv)
+                write_rows(rows, args.csv)
     print(f"wrote {len(rows)} rows to {args.csv}")
 
 

@@ -140,7 +140,8 @@ class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with grouped-query heads.
 
     dim: model width; num_heads: h; num_kv_heads: g (divides h; default h); encoding: any registered encoding
-    (or None). The encoding may be shared by every layer of a model.
+    (or None). The encoding may be shared by every layer of a model. bias: whether the q, k, v and output
+    projections have biases (default False, as in Llama).
     """
 
     def __init__(

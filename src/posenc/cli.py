@@ -228,7 +228,7 @@ def _add_lab(sub: argparse._SubParsersAction) -> None:
         help="train a tiny byte-level LM per encoding and measure how each extrapolates (nothing to download)",
         description="Train one tiny byte-level language model per encoding on the Python standard library's "
         "source, evaluate each at 1x-8x its training length with a sliding window, apply the RoPE extensions, "
-        "and write results.csv, results.json, report.md and plots to --out. Rerunning resumes.",
+        "and write results.csv, results.json, report.md, report.html and plots to --out. Rerunning resumes.",
     )
     p.add_argument("--preset", choices=("quick", "default", "full"), default="default", help="sizes and budget")
     p.add_argument("--out", help="run folder (default lab-runs/PRESET); rerun the same command to resume")

@@ -15,6 +15,11 @@ import enum
 
 
 class ActsOn(str, enum.Enum):
+    """Where an encoding puts position, which is all ``CausalSelfAttention`` reads of it: INPUT (added to the
+    embeddings: ``forward(positions)``), QK (rotates queries and keys: ``forward(q, k, positions=...)``),
+    SCORE_BIAS (added to the attention scores: ``score_bias(q_positions, k_positions)``), NONE (causal masking
+    only)."""
+
     INPUT = "input"
     QK = "queries_and_keys"
     SCORE_BIAS = "score_bias"

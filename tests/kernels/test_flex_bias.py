@@ -153,6 +153,28 @@ def test_a_compiled_layer_runs_flex_in_a_graph_of_its_own_on_cpu(name, monkeypat
         torch.compile(layer, fullgraph=True)(x[:, :30])
 
 
+def test_a_layer_compiled_before_any_eager_call_warns_nothing_and_keeps_eager_calls_compiled(monkeypatch):
+    """The flex lookup runs inside the caller's graph. As a functools.cache, dynamo traced through it with a warning
+    that it might be silently wrong; a plain cache that the traced call filled left later eager calls an unfused
+    flex_attention (with torch's warning). Compiled first, from an empty cache: no warning, the same output eager."""
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    monkeypatch.setattr(flex_bias, "CPU_MIN_SCORES", 0)
+    monkeypatch.setattr(flex_bias, "_GIVEN_UP", set())
+    monkeypatch.setattr(flex_bias, "_FLEX", {})
+    layer = CausalSelfAttention(32, 4, encoding=ALiBi(4)).eval()
+    x = torch.randn(1, 40, 32)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = torch.compile(layer)(x)
+        eager = layer(x)
+        expected = _materialized(layer, monkeypatch, x)
+    assert [str(w.message) for w in caught if issubclass(w.category, UserWarning)] == []
+    assert flex_bias._GIVEN_UP == set()
+    assert_close(compiled, expected.double(), reduction=True)
+    assert_close(eager, expected.double(), reduction=True)
+
+
 def test_a_compiled_layer_falls_back_to_unfused_flex_with_a_warning(monkeypatch):
     """Inside a caller's compiled graph there is no materialized path to fall back to: where the compiled kernel
     cannot serve, flex_attention's unfused math gives the same result, with a warning."""

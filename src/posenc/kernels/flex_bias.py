@@ -45,7 +45,6 @@ of different lengths, the recompile with symbolic lengths fails on CPU with the 
 
 from __future__ import annotations
 
-import functools
 import warnings
 from collections.abc import Callable
 
@@ -68,15 +67,27 @@ ScoreMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tor
 _GIVEN_UP: set[str] = set()
 
 
-@functools.cache
+# device type -> (compiled flex_attention, create_block_mask), or (None, None) where this PyTorch has no flex.
+_FLEX: dict[str, tuple[Callable | None, Callable | None]] = {}
+
+
 def _flex(device_type: str = "cuda") -> tuple[Callable | None, Callable | None]:
-    try:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    except ImportError:
-        return None, None
-    # FlexAttention only saves memory when compiled (eager is the reference math); dynamic shapes where they
-    # compile (see the module docstring).
-    return torch.compile(flex_attention, dynamic=None if device_type == "cuda" else False), create_block_mask
+    # Not functools.cache: the layer calls this inside a caller's torch.compile, and dynamo traces through a cache
+    # wrapper with a warning that it might be silently wrong. Only eager calls fill the cache; a traced call that
+    # stored the wrapper it traced left eager calls an unfused flex_attention (measured).
+    found = _FLEX.get(device_type)
+    if found is None:
+        try:
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        except ImportError:
+            found = (None, None)
+        else:
+            # FlexAttention only saves memory when compiled (eager is the reference math); dynamic shapes where they
+            # compile (see the module docstring).
+            found = (torch.compile(flex_attention, dynamic=None if device_type == "cuda" else False), create_block_mask)
+        if not torch.compiler.is_compiling():
+            _FLEX[device_type] = found
+    return found
 
 
 def _compiled_call(flex: Callable, q, k, v, score_mod: ScoreMod, block_mask) -> torch.Tensor:

@@ -145,7 +145,7 @@ class LabConfig:
         if self.extensions and "rope" not in self.encodings:
             raise ValueError(
                 f"extensions {', '.join(self.extensions)} extend the trained rope model: add rope to encodings, "
-                "or pass no extensions"
+                "or pass no extensions (extensions=() here, --extensions none on the command line)"
             )
         if not self.eval_lengths or not isinstance(self.eval_lengths, tuple):
             raise ValueError(f"eval_lengths must be a non-empty tuple of lengths, got {self.eval_lengths!r}")

@@ -1,8 +1,9 @@
 """``RoPE``: a thin holder of a validated config and a lazily grown cos/sin table.
 
-Share one instance across all layers of a model: the table is built once per device and grows on demand, to the
-next power of two past the largest position seen (there is no fixed maximum). Angles are computed in float64 and
-stored as float32, so a bf16 model at position 2**20 rotates as exactly as at position 20.
+Share one instance across all layers of a model: the table is built once per (device, dtype) and grows on demand,
+to the next power of two past the largest position seen (there is no fixed maximum). Angles are computed in float64
+and stored as float32 (float64 for float64 inputs), so a bf16 model at position 2**20 rotates as exactly as at
+position 20.
 """
 
 from __future__ import annotations
