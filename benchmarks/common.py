@@ -147,27 +147,22 @@ def device_name(device: str) -> str:
     return f"cpu {model} x{torch.get_num_threads()}".replace("  ", " ")
 
 
-def measure_interleaved(
-    cases: dict[str, tuple[Callable[[], object], Callable[[], object] | None]], *, reps: int, device: str
-) -> dict[str, list[float]]:
-    """Milliseconds per case, name -> (fn, setup or None), taking turns rep by rep: on a shared machine a burst
+def measure_interleaved(cases: dict[str, Callable[[], object]], *, reps: int, device: str) -> dict[str, list[float]]:
+    """Milliseconds per case, name -> fn, taking turns rep by rep: on a shared machine a burst
     of load then slows every provider alike instead of whichever ran during it, which keeps ratios honest. The
     order rotates each rep, so no case always runs right after the same one: on CPU the case after a copy ran
     40-100 us slower at s = 1024 than the same call placed elsewhere (caches and the OpenMP pool it inherits).
 
     The clock covers the call, which allocates and writes its outputs; what ``fn`` returns is dropped after the
-    clock stops, and ``setup`` (untimed) clears anything else a case keeps (gradients). Freeing a 32 MiB output
-    hands its pages back to the OS, 2-4 ms on the CPU VMs here, so every case must either return its outputs or
-    free them itself, alike: before 2026-12-01 a backward's gradients were freed untimed while the copy's clones
-    were freed inside the clock."""
+    clock stops. Freeing a 32 MiB output hands its pages back to the OS, 2-4 ms on the CPU VMs here, so every case
+    returns its outputs rather than keeping them (or dropping them inside the clock): before 2026-12-01 a
+    backward's gradients, kept in .grad, were freed untimed while the copy's clones were freed inside the clock."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     times: dict[str, list[float]] = {name: [] for name in cases}
     names = list(cases)
     for rep in range(reps + 2):
         for name in names[rep % len(names) :] + names[: rep % len(names)]:
-            fn, setup = cases[name]
-            if setup is not None:
-                setup()
+            fn = cases[name]
             sync()
             start = time.perf_counter()
             result = fn()

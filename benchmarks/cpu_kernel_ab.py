@@ -42,7 +42,7 @@ def source_at(revision: str) -> bytes:
 
 
 def make_cases(libraries: dict, dtype: torch.dtype, seq: int, *, inplace: bool, interleaved: bool) -> dict:
-    """name -> (timed function, None): copy, then each library's kernel on the same q and k."""
+    """name -> timed function: copy, then each library's kernel on the same q and k."""
     q, k = random_qk(1, 32, 8, seq, 128, dtype=dtype)
     angles = torch.arange(seq, dtype=torch.float64)[:, None] / 10000.0 ** (
         torch.arange(0, 128, 2, dtype=torch.float64) / 128
@@ -74,7 +74,7 @@ def make_cases(libraries: dict, dtype: torch.dtype, seq: int, *, inplace: bool, 
             return tuple(target.copy_(x) for target, x in zip(targets, (q, k), strict=True))
         return q.clone(), k.clone()
 
-    return {"copy": (copy, None)} | {name: (lambda lib=lib: run(lib), None) for name, lib in libraries.items()}
+    return {"copy": copy} | {name: (lambda lib=lib: run(lib)) for name, lib in libraries.items()}
 
 
 def main() -> None:

@@ -81,14 +81,12 @@ def main() -> None:
                     weight_decay=config.weight_decay,
                     grad_clip=config.grad_clip,
                     progress=args.progress,
-                ),
-                None,
+                )
             ),
             "plain": (
                 lambda m=plain_model: plain_loop(
                     m, batches, lr=config.lr, weight_decay=config.weight_decay, grad_clip=config.grad_clip
-                ),
-                None,
+                )
             ),
         }
         times = measure_interleaved(cases, reps=args.reps, device="cpu")

@@ -93,8 +93,7 @@ def outside_providers(table: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> di
         print(f"liger: not importable ({error}); skipped")
     else:
         liger_cos, liger_sin = (t[0] for t in table["full"])  # (1, s, d)
-        # [:2]: some releases return (q, k, cos, sin) from the Function
-        result["liger"] = lambda q, k: tuple(LigerRopeFunction.apply(q, k, liger_cos, liger_sin)[:2])
+        result["liger"] = lambda q, k: LigerRopeFunction.apply(q, k, liger_cos, liger_sin)
     try:
         from flash_attn.layers.rotary import apply_rotary_emb
     except ImportError as error:
@@ -120,7 +119,7 @@ def hf_layout(x: torch.Tensor) -> torch.Tensor:
 
 
 def make_case(name: str, fn: Callable, mode: str, q: torch.Tensor, k: torch.Tensor):
-    """(timed function, untimed setup or None) for one provider and mode."""
+    """The timed function of one provider and mode; it returns what it made (freed after the clock)."""
     if name in HF_LAYOUT:
         q, k = hf_layout(q), hf_layout(k)
     if name == "copy":
@@ -128,24 +127,24 @@ def make_case(name: str, fn: Callable, mode: str, q: torch.Tensor, k: torch.Tens
         # op's, fwd+bwd's first outputs (the forward's) are freed inside the clock and the second (the gradients)
         # after it.
         if mode == "fwd+bwd":
-            return (lambda: (fn(q, k), fn(q, k))[1]), None
-        return (lambda: fn(q, k)), None
+            return lambda: (fn(q, k), fn(q, k))[1]
+        return lambda: fn(q, k)
     if mode == "fwd":
 
         def forward():
             with torch.no_grad():
                 return fn(q, k)
 
-        return forward, None
+        return forward
     qg, kg = q.detach().requires_grad_(), k.detach().requires_grad_()
     grads = (torch.randn_like(q), torch.randn_like(k))  # in q's and k's memory layout
     # The gradients are returned (autograd.grad), not accumulated into .grad: accumulating copies a gradient that is
     # referenced elsewhere, as an in-place provider's (Liger rotates `grads` itself) is, which would time a copy
     # for it alone; it also cost the out-of-place providers ~0.5 ms (bf16, s = 4096, CPU).
     if mode == "fwd+bwd":
-        return (lambda: torch.autograd.grad(fn(qg, kg), (qg, kg), grads)), None
+        return lambda: torch.autograd.grad(fn(qg, kg), (qg, kg), grads)
     outs = fn(qg, kg)  # bwd alone: one graph, its backward replayed
-    return (lambda: torch.autograd.grad(outs, (qg, kg), grads, retain_graph=True)), None
+    return lambda: torch.autograd.grad(outs, (qg, kg), grads, retain_graph=True)
 
 
 def main() -> None:

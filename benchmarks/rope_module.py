@@ -36,10 +36,10 @@ def make_cases(rope: RoPE, dtype: torch.dtype, seq: int, offset: int, device: st
     positions = torch.arange(offset, offset + seq, device=device)
     cos, sin = rope.cos_sin(positions, dtype=torch.float32)
     cases = {
-        "copy": (lambda: (q.clone(), k.clone()), None),
-        "apply_rotary_qk": (lambda: apply_rotary_qk(q, k, cos, sin), None),
-        "RoPE(offset=...)": (lambda: rope(q, k, offset=offset), None),
-        "RoPE(positions=...)": (lambda: rope(q, k, positions=positions), None),
+        "copy": lambda: (q.clone(), k.clone()),
+        "apply_rotary_qk": lambda: apply_rotary_qk(q, k, cos, sin),
+        "RoPE(offset=...)": lambda: rope(q, k, offset=offset),
+        "RoPE(positions=...)": lambda: rope(q, k, positions=positions),
     }
     if importlib.util.find_spec("transformers") is not None:
         from transformers import LlamaConfig
@@ -53,8 +53,8 @@ def make_cases(rope: RoPE, dtype: torch.dtype, seq: int, offset: int, device: st
             return apply_rotary_pos_emb(q, k, hf_cos, hf_sin)
 
         given_cos, given_sin = hf_rope(q, position_ids)
-        cases["apply_rotary_pos_emb"] = (lambda: apply_rotary_pos_emb(q, k, given_cos, given_sin), None)
-        cases["hf-llama"] = (hf_llama, None)
+        cases["apply_rotary_pos_emb"] = lambda: apply_rotary_pos_emb(q, k, given_cos, given_sin)
+        cases["hf-llama"] = hf_llama
     return cases
 
 
