@@ -241,6 +241,19 @@ def test_unpatch_restores_the_original_bit_for_bit(backend: str) -> None:
     assert all("forward" not in layer.self_attn.__dict__ for layer in model.model.layers)
 
 
+def test_unpatch_after_a_dtype_cast_gives_the_model_that_cast_would_have_given() -> None:
+    """The original rotary module was outside the model while patched, so model.to(bf16) did not cast its inv_freq;
+    unpatching casts it as the cast would have (logits differed by 0.004 from the never-patched model)."""
+    patched, plain = build("llama"), build("llama")
+    patch_model(patched)
+    patched.to(torch.bfloat16)
+    unpatch_model(patched)
+    plain.to(torch.bfloat16)
+    assert patched.model.rotary_emb.inv_freq.dtype == plain.model.rotary_emb.inv_freq.dtype == torch.bfloat16
+    with torch.no_grad():
+        assert torch.equal(patched(tokens()).logits, plain(tokens()).logits)
+
+
 def test_frequencies_stay_float64_through_dtype_casts() -> None:
     model = build("llama")
     patch_model(model)

@@ -107,6 +107,11 @@ class _PatchState:
     attention: list[nn.Module]
     config: Any
     original_config_values: dict[str, Any]  # attribute -> its value before patching
+    weights_dtype: torch.dtype | None  # the model's floating parameters' dtype when patched
+
+
+def _weights_dtype(model: nn.Module) -> torch.dtype | None:
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
 
 
 class PosencRotaryEmbedding(nn.Module):
@@ -504,7 +509,8 @@ def patch_model(
         config_changed=bool(values),
         rope_parameters=copy.deepcopy(config.rope_parameters),
     )
-    object.__setattr__(model, _STATE_ATTR, _PatchState(report, swapped, attention, config, originals))
+    state = _PatchState(report, swapped, attention, config, originals, _weights_dtype(model))
+    object.__setattr__(model, _STATE_ATTR, state)
     return report
 
 
@@ -588,9 +594,12 @@ def unpatch_model(model: nn.Module) -> PatchReport:
     state: _PatchState | None = getattr(model, _STATE_ATTR, None)
     if state is None:
         raise ValueError("model is not patched by posenc (patch_model was not called, or unpatch_model already was)")
+    # The originals were outside the module tree while patched: follow any device move and dtype cast made
+    # meanwhile, as they would have been moved and cast in place (model.to(torch.bfloat16) casts inv_freq too).
+    dtype = _weights_dtype(model)
+    cast = dtype if dtype is not None and dtype != state.weights_dtype else None
     for parent, attr, original in state.rotary:
-        # The originals were outside the module tree while patched: follow any device move made meanwhile.
-        original.to(device=getattr(parent, attr).inv_freq.device)
+        original.to(device=getattr(parent, attr).inv_freq.device, dtype=cast)
         setattr(parent, attr, original)
     for module in state.attention:
         module.__dict__.pop("forward", None)
