@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import posenc
+from posenc.distributed import shard_positions
 
 x = torch.randn(1, 2, 4, 8)
 q = torch.randn(1, 2, 4, 8)
@@ -172,9 +173,174 @@ angles = torch.randn(4, 4)
             "relative_position must hold integer positions",
         ),
         (lambda: posenc.Sinusoidal(8)(torch.tensor([0.5])), TypeError, "positions must hold integer positions"),
-        (lambda: posenc.CausalSelfAttention(32, 4)(torch.randn(2, 32)), ValueError, r"x must be \(b, s, dim\)"),
+        (lambda: posenc.CausalSelfAttention(32, 4)(torch.randn(2, 32)), ValueError, r"x must be \(b, s, dim=32\)"),
     ],
 )
 def test_call_errors(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+def _overlapping() -> torch.Tensor:
+    return torch.randn(1, 4, 23).unfold(-1, 16, 2)  # (1, 4, 4, 16): rows 2 apart, 16 wide
+
+
+_pairs = torch.rand(4, 8)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        # Silent wrong answers before: each now raises.
+        (
+            lambda: posenc.apply_rotary_(_overlapping(), _pairs.cos(), _pairs.sin()),
+            ValueError,
+            r"x has shape \(1, 4, 4, 16\) and strides \(92, 23, 2, 1\), so some of its elements share memory",
+        ),
+        (
+            lambda: posenc.apply_rotary(torch.randn(4, 16), _pairs.cos(), _pairs.sin(), interleaved="False"),
+            TypeError,
+            "interleaved must be True or False, got 'False'",
+        ),
+        (
+            lambda: posenc.apply_rotary(torch.randn(4, 16), _pairs.cos(), _pairs.sin(), conjugate=None),
+            TypeError,
+            "conjugate must be True or False, got None",
+        ),
+        (lambda: posenc.RoPE(16, interleaved=1), TypeError, "interleaved must be True or False"),
+        (lambda: posenc.T5Bias(4, bidirectional="no"), TypeError, "bidirectional must be True or False"),
+        (lambda: posenc.ALiBi(4, causal="yes"), TypeError, "causal must be True or False"),
+        (
+            lambda: shard_positions(8, 2, 0, load_balance="no"),
+            TypeError,
+            "load_balance must be True or False",
+        ),
+        (
+            lambda: posenc.CausalSelfAttention(32, 4, encoding=posenc.ALiBi(1)),
+            ValueError,
+            r"encoding ALiBi has num_heads=1 but the attention has num_heads=4; build the encoding with 4 heads",
+        ),
+        (
+            lambda: posenc.CausalSelfAttention(32, 4, encoding=posenc.T5Bias(8)),
+            ValueError,
+            "encoding T5Bias has num_heads=8 but the attention has num_heads=4",
+        ),
+        (
+            lambda: posenc.add_input_encoding(torch.zeros(2, 5, 16), posenc.Sinusoidal(16), torch.tensor([3])),
+            ValueError,
+            r"positions must be \(s,\) or \(b or 1, s\) = \(5,\), \(1, 5\) or \(2, 5\) .* got \(1,\)",
+        ),
+        (
+            lambda: posenc.add_input_encoding(torch.zeros(1, 5, 16), posenc.Sinusoidal(16), torch.zeros(4, 5).long()),
+            ValueError,
+            r"got \(4, 5\)",
+        ),
+        (lambda: posenc.Sinusoidal(16)(torch.arange(3), dtype=torch.long), TypeError, "dtype must be a floating-point"),
+        (lambda: posenc.LearnedAbsolute(8, 16)(torch.arange(3), dtype=torch.int32), TypeError, "dtype must be a"),
+        (lambda: posenc.RoPE(16).cos_sin(torch.arange(3), dtype=torch.long), TypeError, "dtype must be a floating"),
+        (
+            lambda: posenc.KVCache().update(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 5, 8), torch.arange(3)[None]),
+            ValueError,
+            r"k and v must be \(b, g, s, d\) with the same b, g and s",
+        ),
+        (
+            lambda: posenc.KVCache().update(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8), torch.arange(7)[None]),
+            ValueError,
+            r"positions must be \(b or 1, s\) = \(1 or 1, 3\)",
+        ),
+        (
+            lambda: posenc.rope_frequencies(
+                16, {"rope_type": "dynamic", "factor": 2.0}, max_position_embeddings=8, seq_len=-5
+            ),
+            ValueError,
+            "seq_len must be a positive integer",
+        ),
+        (
+            lambda: posenc.rope_frequencies(
+                16, {"rope_type": "dynamic", "factor": 2.0}, max_position_embeddings=8, seq_len=100.5
+            ),
+            ValueError,
+            "seq_len must be a positive integer",
+        ),
+        (
+            lambda: posenc.rope_frequencies(16, {"rope_type": "linear", "type": "yarn", "factor": 2.0}),
+            ValueError,
+            r"rope_type='linear' and type='yarn'",
+        ),
+        # Errors from deep inside torch or Python before: each now names the argument.
+        (
+            lambda: posenc.RoPE(16, rope_parameters={"rope_type": "ntk", "factor": 1e300}),
+            ValueError,
+            r"the NTK base, .* overflows float64; use a smaller rope_parameters\['factor'\]",
+        ),
+        (
+            lambda: posenc.rope_frequencies(
+                16,
+                {
+                    "rope_type": "longrope",
+                    "short_factor": [1.0] * 8,
+                    "long_factor": [1.0] * 8,
+                    "factor": 2.0,
+                    "original_max_position_embeddings": 1,
+                },
+            ),
+            ValueError,
+            r"original_max_position_embeddings'\] must be >= 2 for longrope",
+        ),
+        (
+            lambda: posenc.RoPE(16, base=1e4, rope_parameters={"rope_theta": "abc"}),
+            TypeError,
+            r"rope_parameters\['rope_theta'\] must be a real number > 1, got str",
+        ),
+        (lambda: posenc.CausalSelfAttention(32, 4)(torch.randn(1, 5, 16)), ValueError, r"x must be \(b, s, dim=32\)"),
+        (
+            lambda: posenc.CausalSelfAttention(32, 4)(torch.randn(1, 5, 32).double()),
+            TypeError,
+            "x is torch.float64 on cpu but the layer's weights are torch.float32",
+        ),
+        (lambda: posenc.CausalSelfAttention(32, 4)(torch.randn(1, 5, 32), cache={}), TypeError, "cache must be a"),
+        (
+            lambda: posenc.CausalSelfAttention(32, 4, encoding="rope"),
+            TypeError,
+            r"encoding must be an nn.Module or None, got str; build one by name with posenc.build_for_model\('rope'",
+        ),
+        (
+            lambda: posenc.ALiBi(4).score_bias(torch.arange(3), torch.arange(3, device="meta")),
+            ValueError,
+            "q_positions is on cpu but k_positions is on meta",
+        ),
+        (lambda: posenc.RoPE(16).cos_sin([1, 2]), TypeError, "positions must be an integer torch.Tensor, got list"),
+        # Messages that named the wrong thing before.
+        (
+            lambda: posenc.RoPE(16, rope_parameters={"partial_rotary_factor": 0.01}),
+            ValueError,
+            r"partial_rotary_factor=0.01 of head_dim=16 gives rotary_dim=int\(16 \* 0.01\) = 0",
+        ),
+        (
+            lambda: posenc.rope_frequencies(
+                16, {"rope_type": "longrope", "short_factor": dict.fromkeys(range(8), 1.0), "long_factor": [1.0] * 8}
+            ),
+            TypeError,
+            r"rope_parameters\['short_factor'\] must be a list of 8 positive numbers",
+        ),
+    ],
+)
+def test_errors_found_by_the_bad_input_audit(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_numpy_numbers_are_numbers() -> None:
+    np = pytest.importorskip("numpy")
+    rope = posenc.RoPE(16, rope_parameters={"partial_rotary_factor": np.float32(0.5), "rope_theta": np.float32(500.0)})
+    assert (rope.rotary_dim, rope.spec.base) == (8, 500.0)
+
+
+def test_in_place_rotation_still_takes_a_slice_of_a_fused_projection() -> None:
+    """The overlap test lets gaps through: q cut out of a (b, s, 3, h, d) qkv projection is rotated in place."""
+    qkv = torch.randn(2, 5, 3, 4, 16)
+    q = qkv[:, :, 0].transpose(1, 2)  # (b, h, s, d), strides with gaps
+    angles = torch.rand(5, 8)
+    expected = posenc.apply_rotary(q, angles.cos(), angles.sin())
+    posenc.apply_rotary_(q, angles.cos(), angles.sin())
+    torch.testing.assert_close(qkv[:, :, 0].transpose(1, 2), expected)

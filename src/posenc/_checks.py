@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 import torch
@@ -42,8 +43,35 @@ def even_positive_int(name: str, value: Any) -> int:
     return value
 
 
+def float_dtype(name: str, value: Any) -> torch.dtype:
+    """A dtype for encoding values: a floating-point one (an integer dtype would truncate them to 0 and +-1)."""
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise TypeError(f"{name} must be a floating-point torch.dtype (torch.float32, bfloat16...), got {value!r}")
+    return value
+
+
+def flag(name: str, value: Any) -> bool:
+    """A True/False argument: anything else (the string "False" is truthy) is refused, not read by its truth."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def may_overlap(x: torch.Tensor) -> bool:
+    """Whether two indices of x may address the same element: with its dims of size > 1 ordered by stride, each
+    stride must reach past the whole extent of the dims before it. Slices with gaps (q cut out of a fused qkv
+    projection) pass; expanded (stride 0) and unfolded views do not. A few exotic layouts that do not overlap fail
+    this sufficient test too; they are refused rather than risked."""
+    reach = 1
+    for stride, size in sorted((abs(st), sz) for st, sz in zip(x.stride(), x.shape, strict=True) if sz > 1):
+        if stride < reach:
+            return True
+        reach = stride * size
+    return False
+
+
 def base_value(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number > 1, got {type(value).__name__}")
     value = float(value)
     if not math.isfinite(value) or value <= 1.0:

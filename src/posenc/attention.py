@@ -66,7 +66,7 @@ class KVCache:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """k, v: (b, g, s, d); positions: (b or 1, s). Append the new tokens; returns everything cached so far.
         New tokens that cannot continue the cache (batch, dtype, device, heads, head dim) raise and change nothing."""
-        self._check_new(k, v, self.k)
+        self._check_new(k, v, self.k, positions)
         self.k, self.v, self.positions = self._appended(self.k, k, v, positions)
         return self.k, self.v, self.positions
 
@@ -81,7 +81,7 @@ class KVCache:
         """
         if self.unrotated_k is None and self.k is not None:
             raise ValueError("this KVCache holds keys rotated by another encoding; start a new KVCache()")
-        self._check_new(k, v, self.unrotated_k)
+        self._check_new(k, v, self.unrotated_k, positions)
         unrotated, all_v, k_pos = self._appended(self.unrotated_k, k, v, positions)
         seq_len = int(k_pos.max()) + 1
         inv_freq = encoding.frequencies(seq_len)[0]
@@ -92,8 +92,22 @@ class KVCache:
         self.k, self.v, self.positions, self.unrotated_k, self.rotated_with = rotated, all_v, k_pos, unrotated, inv_freq
         return self.k, all_v, k_pos, seq_len
 
-    def _check_new(self, k: torch.Tensor, v: torch.Tensor, held: torch.Tensor | None) -> None:
-        """Raise unless new keys k and values v continue ``held``, the keys as cached (before any rotation)."""
+    def _check_new(self, k: torch.Tensor, v: torch.Tensor, held: torch.Tensor | None, positions: torch.Tensor) -> None:
+        """Raise unless new keys k, values v and their positions belong together and continue ``held``, the keys
+        as cached (before any rotation)."""
+        if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
+            raise ValueError(
+                f"k and v must be (b, g, s, d) with the same b, g and s, got {tuple(k.shape)} and {tuple(v.shape)}"
+            )
+        if positions.dim() != 2 or positions.shape[1] != k.shape[2] or positions.shape[0] not in (1, k.shape[0]):
+            raise ValueError(
+                f"positions must be (b or 1, s) = ({k.shape[0]} or 1, {k.shape[2]}) for keys of shape "
+                f"{tuple(k.shape)}, got {tuple(positions.shape)}"
+            )
+        if positions.device != k.device or v.device != k.device:
+            raise ValueError(
+                f"k, v and positions must be on one device, got {k.device}, {v.device} and {positions.device}"
+            )
         self.check_batch(k.shape[0], what="k")
         if held is None:
             return
@@ -125,9 +139,19 @@ class KVCache:
 
 
 def add_input_encoding(x: torch.Tensor, encoding: nn.Module | None, positions: torch.Tensor) -> torch.Tensor:
-    """x: (b, s, dim); positions: (b or 1, s). Adds the encoding if it acts on the input, else returns x."""
+    """x: (b, s, dim); positions: (s,) or (b or 1, s). Adds the encoding if it acts on the input, else returns x."""
     if encoding is None or encoding.acts_on is not ActsOn.INPUT:
         return x
+    float_tensor("x", x)
+    if x.dim() != 3:
+        raise ValueError(f"x must be (b, s, dim), got shape {tuple(x.shape)}")
+    b, s, _ = x.shape
+    # Broadcasting would hand every token the encoding of one position, or grow the batch: refuse both.
+    if positions.shape not in ((s,), (1, s), (b, s)):
+        raise ValueError(
+            f"positions must be (s,) or (b or 1, s) = ({s},), (1, {s}) or ({b}, {s}) for x of shape {tuple(x.shape)}, "
+            f"got {tuple(positions.shape)}"
+        )
     return x + encoding(positions).to(x.dtype)
 
 
@@ -166,6 +190,21 @@ class CausalSelfAttention(nn.Module):
         self.k_proj = nn.Linear(dim, num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(dim, num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(num_heads * self.head_dim, dim, bias=bias)
+        if encoding is not None and not isinstance(encoding, nn.Module):
+            raise TypeError(
+                f"encoding must be an nn.Module or None, got {type(encoding).__name__}; build one by name with "
+                f"posenc.build_for_model({encoding!r}, dim=..., num_heads=..., head_dim=..., max_positions=...)"
+                if isinstance(encoding, str)
+                else f"encoding must be an nn.Module or None, got {type(encoding).__name__}"
+            )
+        # A per-head bias with one head broadcasts over every head without a word; any other count fails deep in
+        # attention. Both are the wrong model.
+        heads = getattr(encoding, "num_heads", None)
+        if heads is not None and heads != num_heads:
+            raise ValueError(
+                f"encoding {type(encoding).__name__} has num_heads={heads} but the attention has num_heads="
+                f"{num_heads}; build the encoding with {num_heads} heads"
+            )
         self.encoding = encoding
 
     def forward(
@@ -183,9 +222,19 @@ class CausalSelfAttention(nn.Module):
         for float64 inputs).
         """
         float_tensor("x", x)
-        if x.dim() != 3:
-            raise ValueError(f"x must be (b, s, dim), got shape {tuple(x.shape)}")
+        dim, dtype = self.q_proj.in_features, self.q_proj.weight.dtype
+        if x.dim() != 3 or x.shape[2] != dim:
+            raise ValueError(f"x must be (b, s, dim={dim}), got shape {tuple(x.shape)}")
+        # Under autocast the projections take x of another dtype than the weights by design.
+        mixed = x.dtype != dtype and not torch.is_autocast_enabled(x.device.type)
+        if mixed or x.device != self.q_proj.weight.device:
+            raise TypeError(
+                f"x is {x.dtype} on {x.device} but the layer's weights are {dtype} on {self.q_proj.weight.device}; "
+                f"move one to the other (layer.to(x.dtype) or x.to(...))"
+            )
         b, s, _ = x.shape
+        if cache is not None and not isinstance(cache, KVCache):
+            raise TypeError(f"cache must be a posenc.KVCache or None, got {type(cache).__name__}")
         if cache is not None:
             cache.check_batch(b)
         pos = cache.next_positions(s) if cache is not None and positions is None else None

@@ -42,13 +42,26 @@ def _rope_param(text: str) -> tuple[str, object]:
         return key, value
 
 
+def _finite_float(text: str) -> float:
+    """A float option: nan and inf are refused here (nan != nan broke later comparisons, inf any arithmetic)."""
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
 def _add_figure_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("what to draw (give --config, or any of the others; defaults: d=64, base=10000)")
     g.add_argument("--config", metavar="JSON", help="figure config, or a Hugging Face model config.json")
     g.add_argument("--head-dim", type=int, help="d per attention head (default 64)")
-    g.add_argument("--base", type=float, help="rope_theta (default 10000)")
+    g.add_argument("--base", type=_finite_float, help="rope_theta (default 10000)")
     g.add_argument("--rope-type", help="a RoPE scaling type (see `posenc info`)")
-    g.add_argument("--factor", type=float, help="the scaling type's context extension factor")
+    g.add_argument("--factor", type=_finite_float, help="the scaling type's context extension factor")
     g.add_argument(
         "--rope-param",
         type=_rope_param,
@@ -243,7 +256,7 @@ def _add_lab(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--eval-windows", type=int, help="windows per eval length")
     p.add_argument("--steps", type=int, help="training steps")
     p.add_argument("--batch-size", type=int, help="windows per training step")
-    p.add_argument("--lr", type=float, help="peak learning rate")
+    p.add_argument("--lr", type=_finite_float, help="peak learning rate")
     p.add_argument("--dim", type=int, help="model width")
     p.add_argument("--layers", type=int, help="transformer blocks")
     p.add_argument("--heads", type=int, help="attention heads")

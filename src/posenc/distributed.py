@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from posenc._checks import positive_int
+from posenc._checks import flag, positive_int
 
 
 def shard_positions(
@@ -26,7 +26,7 @@ def shard_positions(
     positive_int("world_size", world_size)
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"rank must be an int in [0, {world_size}) for world_size={world_size}, got {rank!r}")
-    chunks = 2 * world_size if load_balance else world_size
+    chunks = 2 * world_size if flag("load_balance", load_balance) else world_size
     if seq_len % chunks:
         raise ValueError(
             f"seq_len={seq_len} must be divisible by {chunks} "

@@ -210,6 +210,8 @@ def _small_file(tmp):
         (["--eval-lengths", "4,8"], "eval length 4 is shorter than train_len=16"),
         (["--extensions", "pi", "--encodings", "alibi"], "add rope to encodings"),
         (["--threads", "0"], "--threads must be a positive integer"),
+        (["--train-len", "1"], "train_len must be >= 2"),
+        (["--device", "meta"], "--device meta holds no values"),
     ],
 )
 def test_cli_bad_input_exits_2_with_the_reason(corpus_dir, tmp_path, capsys, flags, message):
@@ -229,3 +231,33 @@ def test_quick_preset_from_the_command_line(corpus_dir, tmp_path, capsys):
     stored = json.loads((out / "results.json").read_text())
     assert stored["command"] == f"posenc lab --preset quick --corpus {corpus_dir} --out {out}"
     assert stored["config"]["steps"] == 40
+
+
+def test_a_diverging_run_stops_at_once_and_says_to_lower_the_lr(corpus_dir, tmp_path, capsys):
+    """A huge learning rate turns the loss to nan: the run stops at the next check (every 20 steps) with exit status
+    1 and the advice, instead of evaluating a nan model and failing on its results."""
+    status = main(
+        [
+            "lab",
+            "--preset",
+            "quick",
+            "--corpus",
+            str(corpus_dir),
+            "--out",
+            str(tmp_path),
+            "--lr",
+            "1e10",
+            "--no-progress",
+        ]
+    )
+    assert status == 1
+    err = capsys.readouterr().err
+    assert "posenc lab: error: training diverged: the loss is nan" in err and "lower the learning rate (--lr)" in err
+
+
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_cli_float_options_must_be_finite(tmp_path, capsys, value):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["lab", "--preset", "quick", "--out", str(tmp_path), "--lr", value])
+    assert exit_info.value.code == 2
+    assert f"argument --lr: expected a finite number, got '{value}'" in capsys.readouterr().err

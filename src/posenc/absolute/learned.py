@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from posenc._checks import int_tensor, positive_int
+from posenc._checks import float_dtype, int_tensor, positive_int
 from posenc.encoding import ActsOn
 
 
@@ -32,6 +32,8 @@ class LearnedAbsolute(nn.Module):
     def forward(self, positions: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
         """positions: (...) integer in [0, max_positions). Returns (..., dim)."""
         int_tensor("positions", positions)
+        if dtype is not None:
+            float_dtype("dtype", dtype)
         if positions.numel():
             low, high = int(positions.min()), int(positions.max())
             if low < 0 or high >= self.max_positions:

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from posenc._checks import base_value, even_positive_int, int_tensor
+from posenc._checks import base_value, even_positive_int, float_dtype, int_tensor
 from posenc.encoding import ActsOn
 
 
@@ -22,6 +22,7 @@ def sinusoidal_table(
     int_tensor("positions", positions)
     even_positive_int("dim", dim)
     base_value("base", base)
+    float_dtype("dtype", dtype)
     inv_freq = base ** (-torch.arange(0, dim, 2, dtype=torch.float64, device=positions.device) / dim)
     angles = positions.to(torch.float64)[..., None] * inv_freq  # (..., dim/2)
     return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2).to(dtype)

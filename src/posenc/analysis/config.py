@@ -45,6 +45,8 @@ class FigureConfig:
     def __post_init__(self) -> None:
         positive_int("head_dim", self.head_dim)
         positive_int("train_len", self.train_len)
+        if self.train_len < 2:
+            raise ValueError("train_len must be >= 2: the extensions drawn scale from it (LongRoPE divides by its log)")
         if self.eval_len is None:
             object.__setattr__(self, "eval_len", 4 * self.train_len)
         positive_int("eval_len", self.eval_len)

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from posenc._checks import positive_int
+from posenc._checks import flag, positive_int
 from posenc.bias.base import ScoreBias, score_positions
 
 
@@ -61,7 +61,7 @@ class ALiBi(ScoreBias):
     def __init__(self, num_heads: int, *, causal: bool = True) -> None:
         super().__init__()
         self.num_heads = positive_int("num_heads", num_heads)
-        self.causal = bool(causal)
+        self.causal = flag("causal", causal)
         self.register_buffer("slopes", alibi_slopes(num_heads), persistent=False)
 
     @classmethod

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from posenc._checks import int_tensor, positive_int
+from posenc._checks import flag, int_tensor, positive_int
 from posenc.bias.base import ScoreBias, score_positions
 
 
@@ -74,7 +74,7 @@ class T5Bias(ScoreBias):
         _check_buckets(num_buckets, max_distance, bidirectional)
         self.num_buckets = num_buckets
         self.max_distance = max_distance
-        self.bidirectional = bool(bidirectional)
+        self.bidirectional = flag("bidirectional", bidirectional)
         self.table = nn.Embedding(num_buckets, num_heads)
         nn.init.normal_(self.table.weight, std=0.02)
 

@@ -231,6 +231,9 @@ def rope_kwargs_from_config(config: Any, *, layer_type: str | None = None) -> di
         hidden, heads = _first(cfg, "hidden_size", "n_embd", "d_model"), _first(cfg, "num_attention_heads", "n_head")
         if hidden is None or heads is None:
             raise ValueError("config needs head_dim, or hidden_size and num_attention_heads, to size the rotation")
+        for key, value in (("hidden_size", hidden), ("num_attention_heads", heads)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"config {key} must be a positive integer, got {value!r}")
         head_dim = hidden // heads
 
     kwargs: dict[str, Any] = {

@@ -112,6 +112,11 @@ class LabConfig:
             "eval_windows", "eval_batch_size", "task_samples", "num_seeds",
         ):  # fmt: skip
             _positive_int(name, getattr(self, name))
+        if self.train_len < 2:
+            raise ValueError(
+                f"train_len must be >= 2 (a window of {self.train_len} byte has no earlier byte to predict from, and "
+                "the extensions and figures scale from it)"
+            )
         for name in ("finetune_steps", "seed"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:

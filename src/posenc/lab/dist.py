@@ -153,6 +153,8 @@ def check_device_usable(device: torch.device) -> None:
     """
     if device.type == "cpu":
         return
+    if device.type == "meta":
+        raise ValueError(f"--device {device} holds no values, so nothing can train or be measured; pass --device cpu")
     if device.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:

@@ -36,7 +36,7 @@ from posenc.lab.data import Corpus, eval_window_ends, load_corpus, windows_endin
 from posenc.lab.dist import Ranks, process_group
 from posenc.lab.evaluate import LengthResult, evaluate_length, task_accuracy, task_samples
 from posenc.lab.model import ByteLM, ModelSpec
-from posenc.lab.train import TrainResult, train
+from posenc.lab.train import TrainingDiverged, TrainResult, train
 
 FORMAT_VERSION = 1
 
@@ -587,6 +587,10 @@ def run_command(
             return 2
         try:
             lab.run()
+        except TrainingDiverged as error:
+            if speaks:
+                print(f"posenc lab: error: {error}; the units finished before it are saved in {out}", file=sys.stderr)
+            return 1
         except KeyboardInterrupt:
             if speaks:
                 print(

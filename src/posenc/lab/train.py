@@ -63,6 +63,10 @@ def make_optimizer(model: ByteLM, *, lr: float, weight_decay: float) -> torch.op
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
 
 
+class TrainingDiverged(ValueError):
+    """The loss became nan or inf: the weights are lost and the unit cannot finish (a lower lr can)."""
+
+
 def train(
     model: ByteLM,
     data: torch.Tensor,
@@ -116,7 +120,14 @@ def train(
             losses[step] = loss.detach()
             bar.update(tokens_per_step)
             if step % 20 == 0 or step == steps - 1:  # shown: this rank's share of the batch
-                bar.set_postfix(loss=f"{losses[step].item():.3f}", refresh=False)
+                shown = losses[step].item()
+                # Every rank holds the same weights, so a diverged model fails this on every rank at the same step.
+                if not math.isfinite(shown):
+                    raise TrainingDiverged(
+                        f"training diverged: the loss is {shown} at step {step + 1} of {steps} with peak lr {lr:g}; "
+                        "lower the learning rate (--lr)"
+                    )
+                bar.set_postfix(loss=f"{shown:.3f}", refresh=False)
     seconds = time.perf_counter() - start
     model.eval()
     # Each rank's loss is a mean over the same number of tokens, so their mean is the global batch's mean loss.

@@ -12,7 +12,7 @@ from typing import Literal
 
 import torch
 
-from posenc._checks import assert_without_sync, float_tensor, same_device, values_readable
+from posenc._checks import assert_without_sync, flag, float_tensor, may_overlap, same_device, values_readable
 from posenc.kernels.layout import check_table_call, consecutive_rows, rotary_kind, token_positions
 from posenc.kernels.ops import choose_backend, rotary_copy, rotary_inplace
 
@@ -120,6 +120,8 @@ def rotate_tensors(
     xs: name (for errors) -> tensor. rows_checked: the caller has made sure that every position is >= 0 and a
     row of the table (RoPE sizes its table for them), so the table-mode range check is skipped.
     """
+    flag("interleaved", interleaved)
+    flag("conjugate", conjugate)
     kind = rotary_kind(layout, positions, offset, cu_seqlens)
     if inplace:
         for name, x in xs.items():
@@ -130,6 +132,13 @@ def rotate_tensors(
                     f"{name} repeats its memory along dim {shared[0]} (stride 0: an expanded view), so rotating it in "
                     f"place would rotate those elements more than once; rotate a copy ({name}.clone()) or use "
                     "apply_rotary"
+                )
+            # Dynamo cannot sort symbolic strides: traced calls go without this check (the expanded one above stays).
+            if not torch.compiler.is_compiling() and may_overlap(x):
+                raise ValueError(
+                    f"{name} has shape {tuple(x.shape)} and strides {x.stride()}, so some of its elements share "
+                    f"memory (an unfold or as_strided view) and rotating it in place would mix them; rotate a copy "
+                    f"({name}.clone()) or use apply_rotary"
                 )
             # torch's own in-place ops refuse this, so the torch backend would; the fused ones must agree. (Dynamo
             # cannot trace is_inference(), so traced calls go unchecked here.)

@@ -43,7 +43,22 @@ def ntk(*, rotary_dim: int, base: float, factor: float, **_: object) -> tuple[to
     ``dynamic`` with the same ``factor`` at the length where dynamic's scale reaches ``factor``,
     max_position_embeddings * (2 - 1/factor).
     """
-    return default_inv_freq(rotary_dim, base * factor ** (rotary_dim / (rotary_dim - 2))), 1.0
+    return default_inv_freq(rotary_dim, _ntk_base(base, factor, rotary_dim, "factor")), 1.0
+
+
+def _ntk_base(base: float, scale: float, rotary_dim: int, what: str) -> float:
+    """base * scale^(r/(r-2)), or a ValueError where that leaves float range (a factor of 1e300, say), which would
+    otherwise give frequencies of 0 without a word."""
+    try:
+        scaled = base * scale ** (rotary_dim / (rotary_dim - 2))
+    except OverflowError:
+        scaled = math.inf
+    if not math.isfinite(scaled):
+        raise ValueError(
+            f"the NTK base, base * {what}^(r/(r-2)) = {base} * {scale}^({rotary_dim}/{rotary_dim - 2}), overflows "
+            "float64; use a smaller rope_parameters['factor']"
+        )
+    return scaled
 
 
 def dynamic(
@@ -62,7 +77,9 @@ def dynamic(
     """
     length = max_position_embeddings if seq_len is None else max(seq_len, max_position_embeddings)
     scale = factor * length / max_position_embeddings - (factor - 1)
-    return default_inv_freq(rotary_dim, base * scale ** (rotary_dim / (rotary_dim - 2))), 1.0
+    return default_inv_freq(
+        rotary_dim, _ntk_base(base, scale, rotary_dim, "(factor * seq_len / max - (factor - 1))")
+    ), 1.0
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:

@@ -14,7 +14,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from posenc._checks import INDEX_DTYPES, float_tensor, same_device, values_readable
+from posenc._checks import INDEX_DTYPES, flag, float_dtype, float_tensor, int_tensor, same_device, values_readable
 from posenc.encoding import ActsOn
 from posenc.kernels.ops import BACKENDS
 from posenc.positions import resolve_positions
@@ -128,7 +128,7 @@ class RoPE(nn.Module):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(repr(b) for b in BACKENDS)}, got {backend!r}")
         self.backend = backend
-        self.interleaved = bool(interleaved)
+        self.interleaved = flag("interleaved", interleaved)
         self.max_position_embeddings = max_position_embeddings
         # 'hf' dynamic NTK state: the largest length seen (transformers' max_seq_len_cached).
         self.hf_scaled_len = max_position_embeddings
@@ -189,8 +189,8 @@ class RoPE(nn.Module):
 
         seq_len: the sequence length that length-dependent types scale for (default: max(positions) + 1).
         """
-        if positions.is_floating_point() or positions.dtype == torch.bool:
-            raise TypeError(f"positions must be an integer tensor, got dtype {positions.dtype}")
+        int_tensor("positions", positions)
+        float_dtype("dtype", dtype)
         if positions.numel() == 0:
             empty = torch.empty((*positions.shape, self.rotary_dim // 2), device=positions.device, dtype=dtype)
             return empty, empty.clone()

@@ -98,7 +98,8 @@ def _positive_int(key: str, value: Any) -> int:
 
 
 def _factor_list(key: str, value: Any, pairs: int) -> tuple[float, ...]:
-    if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
+    # A dict or set has a length too, but no order of pairs (a dict would be read by its keys).
+    if isinstance(value, (str, bytes, Mapping, set, frozenset)) or not hasattr(value, "__len__"):
         raise TypeError(f"rope_parameters['{key}'] must be a list of {pairs} positive numbers, got {value!r}")
     if len(value) != pairs:
         raise ValueError(
@@ -132,6 +133,11 @@ def _resolve(rope_type: str, params: dict[str, Any], rotary_dim: int, max_pos: i
             _positive_int(
                 "rope_parameters['original_max_position_embeddings']", out["original_max_position_embeddings"]
             )
+            if rope_type == "longrope" and out["original_max_position_embeddings"] < 2:
+                raise ValueError(
+                    "rope_parameters['original_max_position_embeddings'] must be >= 2 for longrope (its attention "
+                    f"factor divides by log(original)), got {out['original_max_position_embeddings']}"
+                )
         elif max_pos is not None:
             out["original_max_position_embeddings"] = max_pos
         else:
@@ -187,7 +193,7 @@ def _resolve(rope_type: str, params: dict[str, Any], rotary_dim: int, max_pos: i
 
 
 def _partial_rotary_factor(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0.0 < value <= 1.0):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (0.0 < value <= 1.0):
         raise ValueError(
             f"partial_rotary_factor must be in (0, 1] (rope_parameters['partial_rotary_factor'], the fraction of "
             f"head_dim that rotates), got {value!r}"
@@ -221,6 +227,11 @@ def parse_rope_parameters(
             f"got {type(rope_parameters).__name__}"
         )
     params = dict(rope_parameters)
+    if params.get("rope_type") and params.get("type") and params["rope_type"] != params["type"]:
+        raise ValueError(
+            f"rope_parameters has rope_type={params['rope_type']!r} and type={params['type']!r} ('type' is the legacy "
+            "spelling of the same key); keep one of them"
+        )
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
     if rope_type not in SCALINGS:
@@ -248,10 +259,10 @@ def parse_rope_parameters(
         )
 
     theta = params.pop("rope_theta", None)
-    if theta is not None and base is not None and float(theta) != float(base):
-        raise ValueError(f"base={base} disagrees with rope_parameters['rope_theta']={theta}; give one of them")
     if theta is not None:
         theta = base_value("rope_parameters['rope_theta']", theta)
+        if base is not None and theta != base_value("base", base):
+            raise ValueError(f"base={base} disagrees with rope_parameters['rope_theta']={theta}; give one of them")
     else:
         theta = base_value("base", 10000.0 if base is None else base)
 
@@ -266,6 +277,11 @@ def parse_rope_parameters(
         rotary_dim = head_dim
     elif partial is not None:
         from_factor = int(head_dim * partial)
+        if from_factor < 2 or from_factor % 2:
+            raise ValueError(
+                f"partial_rotary_factor={partial} of head_dim={head_dim} gives rotary_dim=int({head_dim} * {partial})"
+                f" = {from_factor}, but channels rotate in pairs: choose a factor that gives an even rotary_dim >= 2"
+            )
         if rotary_dim is not None and rotary_dim != from_factor:
             raise ValueError(
                 f"rotary_dim={rotary_dim} disagrees with partial_rotary_factor={partial} "
@@ -279,7 +295,7 @@ def parse_rope_parameters(
         raise ValueError(f"rotary_dim={rotary_dim} must be <= head_dim={head_dim}")
 
     params = _resolve(rope_type, params, rotary_dim, max_position_embeddings)
-    return RopeSpec(
+    spec = RopeSpec(
         head_dim=head_dim,
         rotary_dim=rotary_dim,
         base=theta,
@@ -287,10 +303,19 @@ def parse_rope_parameters(
         params=params,
         max_position_embeddings=max_position_embeddings,
     )
+    if rope_type == "ntk":
+        compute_frequencies(spec)  # a factor whose base overflows is refused here, not at the first call
+    return spec
+
+
+def _is_length(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, numbers.Integral) and value > 0
 
 
 def compute_frequencies(spec: RopeSpec, *, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
     """(inv_freq (r/2,) float64, attention_factor) for a validated spec and the current sequence length."""
+    if seq_len is not None and not torch.compiler.is_compiling() and not _is_length(seq_len):
+        raise ValueError(f"seq_len must be a positive integer (a sequence length) or None, got {seq_len!r}")
     return SCALINGS[spec.rope_type](
         rotary_dim=spec.rotary_dim,
         base=spec.base,
