@@ -8,7 +8,9 @@ import pytest
 import torch
 
 import posenc
+from posenc.bias.alibi import alibi_bias
 from posenc.distributed import shard_positions
+from posenc.rope.mrope import MRoPE
 
 x = torch.randn(1, 2, 4, 8)
 q = torch.randn(1, 2, 4, 8)
@@ -322,6 +324,20 @@ _pairs = torch.rand(4, 8)
             ),
             TypeError,
             r"rope_parameters\['short_factor'\] must be a list of 8 positive numbers",
+        ),
+        (lambda: alibi_bias([0.5, 0.25], torch.arange(3), torch.arange(3)), TypeError, "slopes must be a torch.Tensor"),
+        (lambda: alibi_bias(torch.ones(2, 2), torch.arange(3), torch.arange(3)), ValueError, r"slopes must be \(h,\)"),
+        (
+            lambda: posenc.apply_rotary(torch.randn(2, 0), torch.randn(2, 0), torch.randn(2, 0)),
+            ValueError,
+            r"cos must have a last dimension of r/2 >= 1 \(one value per rotated pair\), got shape \(2, 0\)",
+        ),
+        (
+            lambda: MRoPE(64, mrope_section=[8, 12, 12])(
+                torch.randn(2, 4, 5, 64), torch.randn(1, 2, 5, 64), positions=torch.zeros(3, 2, 5, dtype=torch.long)
+            ),
+            ValueError,
+            r"q and k must be 4-D \(bhsd\) with the same batch, length and head dim",
         ),
     ],
 )

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from posenc._checks import flag, positive_int
+from posenc._checks import flag, float_tensor, positive_int, same_device
 from posenc.bias.base import ScoreBias, score_positions
 
 
@@ -41,7 +41,11 @@ def alibi_bias(
     mask: that is only right where positions are token indices, not for packed documents whose ids restart.
     ``ALiBi.score_bias`` passes ``causal=False``: attention masks by token order itself.
     """
+    float_tensor("slopes", slopes)
+    if slopes.dim() != 1:
+        raise ValueError(f"slopes must be (h,), one per head, got shape {tuple(slopes.shape)}")
     q_positions, k_positions = score_positions(q_positions, k_positions)
+    same_device(("slopes", "q_positions"), slopes, q_positions)
     distance = (q_positions[:, :, None] - k_positions[:, None, :]).to(torch.float32)  # (b, sq, sk)
     bias = -slopes.to(torch.float32)[None, :, None, None] * distance.abs()[:, None]
     if causal:

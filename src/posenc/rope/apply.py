@@ -26,8 +26,10 @@ def check_cos_sin(cos: torch.Tensor, sin: torch.Tensor) -> int:
     same_device(("cos", "sin"), cos, sin)
     if cos.shape != sin.shape:
         raise ValueError(f"cos and sin must have the same shape, got {tuple(cos.shape)} and {tuple(sin.shape)}")
-    if cos.dim() == 0:
-        raise ValueError("cos must have a last dimension of r/2 (one value per rotated pair), got a scalar")
+    if cos.dim() == 0 or cos.shape[-1] == 0:
+        raise ValueError(
+            f"cos must have a last dimension of r/2 >= 1 (one value per rotated pair), got shape {tuple(cos.shape)}"
+        )
     return cos.shape[-1]
 
 

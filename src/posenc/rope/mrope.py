@@ -96,8 +96,20 @@ class MRoPE(RoPE):
             return super().forward(q, k, positions=positions, offset=offset, layout=layout, seq_len=seq_len)
         int_tensor("positions", positions)
         float_tensor("q", q)
+        float_tensor("k", k)
         if layout not in ("bhsd", "bshd"):
             raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
+        head_axis = 1 if layout == "bhsd" else 2
+        if (
+            q.dim() != 4
+            or k.dim() != 4
+            or [n for i, n in enumerate(q.shape) if i != head_axis]
+            != [n for i, n in enumerate(k.shape) if i != head_axis]
+        ):
+            raise ValueError(
+                f"q and k must be 4-D ({layout}) with the same batch, length and head dim (head counts may differ), "
+                f"got {tuple(q.shape)} and {tuple(k.shape)}"
+            )
         if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
             raise TypeError("offset must be an int >= 0 with (3, b, s) positions; add per-row offsets to positions")
         seq_axis = 2 if layout == "bhsd" else 1
@@ -122,7 +134,6 @@ class MRoPE(RoPE):
         inv_freq, factor = self.frequencies(seq_len)
         dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         cos, sin = mrope_cos_sin(pos, inv_freq, self.mrope_section, factor, dtype)  # (b or 1, s, r/2)
-        head_axis = 1 if layout == "bhsd" else 2
         cos, sin = cos.unsqueeze(head_axis), sin.unsqueeze(head_axis)
         return apply_rotary_qk(q, k, cos, sin, interleaved=self.interleaved, backend=self.backend)
 
