@@ -1,15 +1,15 @@
 """RoPE on q (b, 32, s, 128) and k (b, 8, s, 128): every provider against a plain copy of the same bytes.
 
-Providers: posenc-cpu / posenc-triton (fused, one call for q and k), posenc-torch (the pure-torch path),
-hf-eager (Hugging Face's ``q * cos + rotate_half(q) * sin`` with full-width cos/sin in x's dtype),
-torch.compile(hf-eager), copy (``clone()`` of q and k: the memory-bandwidth floor), and on a GPU liger
-(Liger-Kernel's rope) and flash-attn (``apply_rotary_emb``) when installed, each given the inputs it is built for:
-Liger rotates q and k in place and wants them as Hugging Face's attention leaves them, (b, s, h, d) in memory seen
-as (b, h, s, d) (from contiguous (b, h, s, d) it first makes a transposed copy of each); flash-attn takes
-(b, s, h, d) views and cos/sin (s, d/2) in x's dtype, as its ``RotaryEmbedding`` caches them. Modes: fwd, bwd (the
-backward alone, on a retained graph), fwd+bwd; the backward modes take ``torch.autograd.grad`` of q and k. The
-copy of each mode moves the same bytes as the op (two clones for fwd+bwd). Rows are written after every mode, so a
-run cut short keeps what it measured. On CPU, ``--alloc`` pins where output buffers come from
+Providers: posenc-cpu / posenc-triton (fused, one call for q and k), posenc-torch (the pure-torch path), hf-eager
+(Hugging Face's ``q * cos + rotate_half(q) * sin`` with full-width cos/sin in x's dtype), torch.compile(hf-eager),
+copy (``clone()`` of q and k: the memory-bandwidth floor), and on a GPU liger (Liger-Kernel's rope) and flash-attn
+(``apply_rotary_emb``) when installed, each given the inputs it is built for: Liger rotates q and k in place and
+wants them as Hugging Face's attention leaves them, (b, s, h, d) in memory seen as (b, h, s, d) (from contiguous (b,
+h, s, d) it first makes a transposed copy of each); flash-attn takes (b, s, h, d) views and cos/sin (s, d/2) in x's
+dtype, as its ``RotaryEmbedding`` caches them. Modes: fwd, bwd (the backward alone, on a retained graph), fwd+bwd;
+the backward modes take ``torch.autograd.grad`` of q and k. The copy of each mode moves the same bytes as the op
+(two clones for fwd+bwd). The CSV is rewritten (atomically) after every mode: a run cut short leaves the rows it
+measured, in place of the file's earlier contents. On CPU, ``--alloc`` pins where output buffers come from
 (``common.set_allocation``): fresh pages every call (default; the OS zero-filling them is most of a copy's time) or
 recycled heap memory (``--alloc reuse``).
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -160,3 +162,17 @@ def test_one_encoding_shared_by_layers():
     for layer in layers:
         x = x + layer(x)
     assert len(rope._tables) == 1  # one cos/sin table served every layer
+
+
+def test_projections_that_are_not_plain_linears_are_not_held_to_a_weight_dtype() -> None:
+    """The x-dtype check reads a plain Linear's weight only: a dynamically quantized projection (int8 weights behind
+    a packed-params function) takes float32 x, and the layer runs as before."""
+    quantize_dynamic = pytest.importorskip("torch.ao.quantization").quantize_dynamic
+    torch.manual_seed(0)
+    layer = posenc.CausalSelfAttention(64, 4, encoding=posenc.RoPE(16)).eval()
+    x = torch.randn(1, 5, 64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # torch.ao.quantization is deprecated, not gone
+        quantized = quantize_dynamic(layer, {torch.nn.Linear}, dtype=torch.qint8)
+    with torch.no_grad():
+        torch.testing.assert_close(quantized(x), layer(x), atol=0.05, rtol=0.0)

@@ -360,3 +360,11 @@ def test_in_place_rotation_still_takes_a_slice_of_a_fused_projection() -> None:
     expected = posenc.apply_rotary(q, angles.cos(), angles.sin())
     posenc.apply_rotary_(q, angles.cos(), angles.sin())
     torch.testing.assert_close(qkv[:, :, 0].transpose(1, 2), expected)
+
+
+def test_rope_type_and_its_legacy_spelling_may_both_be_given_when_they_agree() -> None:
+    """Qwen2-VL configs carry type 'mrope' beside rope_type 'default': transformers reads both as 'default'."""
+    rope = posenc.RoPE(64, rope_parameters={"type": "mrope", "rope_type": "default"})
+    assert rope.spec.rope_type == "default"
+    su = {"type": "su", "short_factor": [1.0] * 32, "long_factor": [2.0] * 32}
+    assert posenc.RoPE(64, rope_parameters=su, max_position_embeddings=4096).spec.rope_type == "longrope"

@@ -222,16 +222,19 @@ class CausalSelfAttention(nn.Module):
         for float64 inputs).
         """
         float_tensor("x", x)
-        dim, dtype = self.q_proj.in_features, self.q_proj.weight.dtype
-        if x.dim() != 3 or x.shape[2] != dim:
+        dim = getattr(self.q_proj, "in_features", None)
+        if x.dim() != 3 or (dim is not None and x.shape[2] != dim):
             raise ValueError(f"x must be (b, s, dim={dim}), got shape {tuple(x.shape)}")
-        # Under autocast the projections take x of another dtype than the weights by design.
-        mixed = x.dtype != dtype and not torch.is_autocast_enabled(x.device.type)
-        if mixed or x.device != self.q_proj.weight.device:
-            raise TypeError(
-                f"x is {x.dtype} on {x.device} but the layer's weights are {dtype} on {self.q_proj.weight.device}; "
-                f"move one to the other (layer.to(x.dtype) or x.to(...))"
-            )
+        # Only a plain Linear's weight says what it takes: quantized, offloaded or sharded projections hold other
+        # dtypes (or none yet) by design, and so does autocast.
+        if type(self.q_proj) is nn.Linear:
+            weight = self.q_proj.weight
+            mixed = x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type)
+            if mixed or x.device != weight.device:
+                raise TypeError(
+                    f"x is {x.dtype} on {x.device} but the layer's weights are {weight.dtype} on {weight.device}; "
+                    "move one to the other (layer.to(x.dtype) or x.to(...))"
+                )
         b, s, _ = x.shape
         if cache is not None and not isinstance(cache, KVCache):
             raise TypeError(f"cache must be a posenc.KVCache or None, got {type(cache).__name__}")

@@ -42,6 +42,7 @@ def alibi_bias(
     ``ALiBi.score_bias`` passes ``causal=False``: attention masks by token order itself.
     """
     float_tensor("slopes", slopes)
+    flag("causal", causal)
     if slopes.dim() != 1:
         raise ValueError(f"slopes must be (h,), one per head, got shape {tuple(slopes.shape)}")
     q_positions, k_positions = score_positions(q_positions, k_positions)

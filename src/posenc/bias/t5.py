@@ -14,6 +14,7 @@ from posenc.bias.base import ScoreBias, score_positions
 
 
 def _check_buckets(num_buckets: int, max_distance: int, bidirectional: bool) -> None:
+    flag("bidirectional", bidirectional)
     positive_int("num_buckets", num_buckets)
     positive_int("max_distance", max_distance)
     per_direction = num_buckets // 2 if bidirectional else num_buckets
@@ -74,7 +75,7 @@ class T5Bias(ScoreBias):
         _check_buckets(num_buckets, max_distance, bidirectional)
         self.num_buckets = num_buckets
         self.max_distance = max_distance
-        self.bidirectional = flag("bidirectional", bidirectional)
+        self.bidirectional = bidirectional
         self.table = nn.Embedding(num_buckets, num_heads)
         nn.init.normal_(self.table.weight, std=0.02)
 

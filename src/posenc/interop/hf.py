@@ -23,8 +23,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+from posenc._checks import positive_int
 from posenc.rope.module import RoPE
 from posenc.rope.mrope import MRoPE
+from posenc.rope.parameters import pop_rope_type
 
 # Model types whose rotation pairs adjacent channels (x0, x1), (x2, x3), ... (rotate_every_two / view_as_complex).
 _INTERLEAVED_MODELS = frozenset({"gptj", "codegen", "deepseek_v2"})
@@ -120,8 +122,6 @@ _DEFAULT_READS_PARTIAL = frozenset(
 # original_max_position_embeddings over the rope dict's own).
 _ORIGINAL_DEFAULTS = {"phi3": 4096}
 _MROPE_DEFAULTS = {"qwen2_vl": [16, 24, 24], "qwen2_5_vl": [16, 24, 24], "qwen2_vl_text": [16, 24, 24]}
-# Legacy type names -> the type transformers maps them to.
-_LEGACY_TYPES = {"su": "longrope", "mrope": "default"}
 _NEEDS_ORIGINAL = frozenset({"llama3", "yarn", "longrope"})
 
 
@@ -184,9 +184,7 @@ def rope_kwargs_from_config(config: Any, *, layer_type: str | None = None) -> di
     elif layer_type is not None:
         raise ValueError(f"layer_type={layer_type!r} given but the config has a single rope dict; drop layer_type")
 
-    rope_type = rope.pop("rope_type", None) or rope.pop("type", None) or "default"
-    rope.pop("type", None)
-    rope_type = _LEGACY_TYPES.get(rope_type, rope_type)
+    rope_type = pop_rope_type(rope)
     if model_type == "phi3" and rope_type == "yarn":
         rope_type = "longrope"  # Phi3Config maps its legacy 'yarn' to LongRoPE
 
@@ -231,10 +229,7 @@ def rope_kwargs_from_config(config: Any, *, layer_type: str | None = None) -> di
         hidden, heads = _first(cfg, "hidden_size", "n_embd", "d_model"), _first(cfg, "num_attention_heads", "n_head")
         if hidden is None or heads is None:
             raise ValueError("config needs head_dim, or hidden_size and num_attention_heads, to size the rotation")
-        for key, value in (("hidden_size", hidden), ("num_attention_heads", heads)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"config {key} must be a positive integer, got {value!r}")
-        head_dim = hidden // heads
+        head_dim = positive_int("config hidden_size", hidden) // positive_int("config num_attention_heads", heads)
 
     kwargs: dict[str, Any] = {
         "head_dim": head_dim,

@@ -594,8 +594,9 @@ def unpatch_model(model: nn.Module) -> PatchReport:
     state: _PatchState | None = getattr(model, _STATE_ATTR, None)
     if state is None:
         raise ValueError("model is not patched by posenc (patch_model was not called, or unpatch_model already was)")
-    # The originals were outside the module tree while patched: follow any device move and dtype cast made
-    # meanwhile, as they would have been moved and cast in place (model.to(torch.bfloat16) casts inv_freq too).
+    # The originals were outside the module tree while patched: follow a device move made meanwhile, and a dtype
+    # cast that changed the model's floating parameters (model.to(torch.bfloat16) would have cast inv_freq too). A
+    # cast to the dtype the parameters already had goes unseen.
     dtype = _weights_dtype(model)
     cast = dtype if dtype is not None and dtype != state.weights_dtype else None
     for parent, attr, original in state.rotary:

@@ -119,9 +119,10 @@ def train(
             optimizer.step()
             losses[step] = loss.detach()
             bar.update(tokens_per_step)
-            if step % 20 == 0 or step == steps - 1:  # shown: this rank's share of the batch
-                shown = losses[step].item()
-                # Every rank holds the same weights, so a diverged model fails this on every rank at the same step.
+            if step % 20 == 0 or step == steps - 1:
+                # The mean over ranks, which every rank then holds: a rank whose own share alone turned inf must not
+                # stop while the others wait for it in the next gradient all-reduce.
+                shown = ranks.all_reduce_mean(losses[step : step + 1].to(device)).item()
                 if not math.isfinite(shown):
                     raise TrainingDiverged(
                         f"training diverged: the loss is {shown} at step {step + 1} of {steps} with peak lr {lr:g}; "

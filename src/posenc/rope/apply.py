@@ -102,6 +102,24 @@ def apply_rotary_torch(
     return torch.cat((rotated, x[..., rotary:]), dim=-1)
 
 
+def _refuse_shared_memory(name: str, x: torch.Tensor) -> None:
+    """Raise where rotating x in place would rotate some element twice or mix two of them."""
+    strides = zip(x.shape, x.stride(), strict=True)
+    shared = [dim for dim, (size, step) in enumerate(strides) if size > 1 and not step]
+    if shared:
+        raise ValueError(
+            f"{name} repeats its memory along dim {shared[0]} (stride 0: an expanded view), so rotating it in place "
+            f"would rotate those elements more than once; rotate a copy ({name}.clone()) or use apply_rotary"
+        )
+    # Dynamo cannot sort symbolic strides: traced calls go without this test (the expanded one above stays).
+    if not torch.compiler.is_compiling() and may_overlap(x):
+        raise ValueError(
+            f"{name} has shape {tuple(x.shape)} and strides {x.stride()}, so some of its elements share memory (an "
+            f"unfold or as_strided view) and rotating it in place would mix them; rotate a copy ({name}.clone()) or "
+            "use apply_rotary"
+        )
+
+
 def rotate_tensors(
     xs: dict[str, torch.Tensor],
     cos: torch.Tensor,
@@ -127,21 +145,10 @@ def rotate_tensors(
     kind = rotary_kind(layout, positions, offset, cu_seqlens)
     if inplace:
         for name, x in xs.items():
-            strides = zip(x.shape, x.stride(), strict=True)
-            shared = [dim for dim, (size, step) in enumerate(strides) if size > 1 and not step]
-            if shared:
-                raise ValueError(
-                    f"{name} repeats its memory along dim {shared[0]} (stride 0: an expanded view), so rotating it in "
-                    f"place would rotate those elements more than once; rotate a copy ({name}.clone()) or use "
-                    "apply_rotary"
-                )
-            # Dynamo cannot sort symbolic strides: traced calls go without this check (the expanded one above stays).
-            if not torch.compiler.is_compiling() and may_overlap(x):
-                raise ValueError(
-                    f"{name} has shape {tuple(x.shape)} and strides {x.stride()}, so some of its elements share "
-                    f"memory (an unfold or as_strided view) and rotating it in place would mix them; rotate a copy "
-                    f"({name}.clone()) or use apply_rotary"
-                )
+            # A contiguous tensor shares no memory between elements: the common case skips the stride checks (the
+            # overlap test costs ~1.4 us a tensor in Python, a few % of a decode-size call).
+            if not x.is_contiguous():
+                _refuse_shared_memory(name, x)
             # torch's own in-place ops refuse this, so the torch backend would; the fused ones must agree. (Dynamo
             # cannot trace is_inference(), so traced calls go unchecked here.)
             if not torch.compiler.is_compiling() and x.is_inference() and not torch.is_inference_mode_enabled():

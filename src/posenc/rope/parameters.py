@@ -192,6 +192,24 @@ def _resolve(rope_type: str, params: dict[str, Any], rotary_dim: int, max_pos: i
     return out
 
 
+# Legacy type names -> the type transformers maps them to.
+LEGACY_TYPES = {"su": "longrope", "mrope": "default"}
+
+
+def pop_rope_type(params: dict[str, Any]) -> str:
+    """Remove ``rope_type`` and its legacy spelling ``type`` from params; returns the type they name (legacy names
+    mapped, "default" when neither is set). Both set to different types is a ValueError (Qwen2-VL configs carry
+    type 'mrope' beside rope_type 'default', which agree)."""
+    named = {key: params.pop(key) for key in ("rope_type", "type") if key in params}
+    types = {key: LEGACY_TYPES.get(value, value) for key, value in named.items() if value}
+    if len(set(types.values())) > 1:
+        raise ValueError(
+            f"rope_parameters has rope_type={named['rope_type']!r} and type={named['type']!r} ('type' is the legacy "
+            "spelling of the same key); keep one of them"
+        )
+    return next(iter(types.values()), "default")
+
+
 def _partial_rotary_factor(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (0.0 < value <= 1.0):
         raise ValueError(
@@ -227,13 +245,7 @@ def parse_rope_parameters(
             f"got {type(rope_parameters).__name__}"
         )
     params = dict(rope_parameters)
-    if params.get("rope_type") and params.get("type") and params["rope_type"] != params["type"]:
-        raise ValueError(
-            f"rope_parameters has rope_type={params['rope_type']!r} and type={params['type']!r} ('type' is the legacy "
-            "spelling of the same key); keep one of them"
-        )
-    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
-    params.pop("type", None)
+    rope_type = pop_rope_type(params)
     if rope_type not in SCALINGS:
         raise ValueError(f"unknown rope_type {rope_type!r}; known types: {', '.join(sorted(SCALINGS))}")
 
