@@ -264,13 +264,14 @@ def decay_curves(inputs: FigureInputs) -> Figure:
             rope_parameters=config.rope_parameters,
             distances=distances,
             max_position_embeddings=config.train_len,
+            seq_len=config.eval_len,  # the length the other figures scale for (distance eval_len needs eval_len + 1)
         )
         ax.plot(result.distances[keep], result.bound[keep], lw=1.4, color="k", label=_config_label(config))
     ax.axvline(config.train_len, color="0.5", ls=":", label=f"training length L={config.train_len}")
     ax.set_xscale("log")
     ax.set_xlabel("relative distance |m - n|  [positions]")
     ax.set_ylabel("bound: (2/r) Σ_j |Σ_{i<j} e^{i(m-n)θ_i}|  (× attention factor²)")
-    ax.set_title(f"Long-term decay (Su et al. §3.4.3), d={config.head_dim}")
+    ax.set_title(f"Long-term decay (Su et al. §3.4.3), d={config.head_dim}{_length_note(config)}")
     ax.legend(fontsize=8)
     return fig
 
