@@ -230,12 +230,12 @@ _pairs = torch.rand(4, 8)
         (
             lambda: posenc.add_input_encoding(torch.zeros(2, 5, 16), posenc.Sinusoidal(16), torch.tensor([3])),
             ValueError,
-            r"positions must be \(s,\) or \(b or 1, s\) = \(5,\), \(1, 5\) or \(2, 5\) .* got \(1,\)",
+            r"positions must have shape \(5,\) or \(2, 5\) to match the sequence, got \(1,\)",
         ),
         (
             lambda: posenc.add_input_encoding(torch.zeros(1, 5, 16), posenc.Sinusoidal(16), torch.zeros(4, 5).long()),
             ValueError,
-            r"got \(4, 5\)",
+            r"positions must have shape \(5,\) or \(1, 5\) to match the sequence, got \(4, 5\)",
         ),
         (lambda: posenc.Sinusoidal(16)(torch.arange(3), dtype=torch.long), TypeError, "dtype must be a floating-point"),
         (lambda: posenc.LearnedAbsolute(8, 16)(torch.arange(3), dtype=torch.int32), TypeError, "dtype must be a"),

@@ -145,13 +145,9 @@ def add_input_encoding(x: torch.Tensor, encoding: nn.Module | None, positions: t
     float_tensor("x", x)
     if x.dim() != 3:
         raise ValueError(f"x must be (b, s, dim), got shape {tuple(x.shape)}")
-    b, s, _ = x.shape
-    # Broadcasting would hand every token the encoding of one position, or grow the batch: refuse both.
-    if positions.shape not in ((s,), (1, s), (b, s)):
-        raise ValueError(
-            f"positions must be (s,) or (b or 1, s) = ({s},), (1, {s}) or ({b}, {s}) for x of shape {tuple(x.shape)}, "
-            f"got {tuple(positions.shape)}"
-        )
+    # Through resolve_positions, as the attention's own positions: other shapes would broadcast, handing every token
+    # the encoding of one position or growing the batch.
+    positions = resolve_positions(x.shape[1], batch=x.shape[0], positions=positions, device=x.device)
     return x + encoding(positions).to(x.dtype)
 
 
@@ -191,12 +187,13 @@ class CausalSelfAttention(nn.Module):
         self.v_proj = nn.Linear(dim, num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(num_heads * self.head_dim, dim, bias=bias)
         if encoding is not None and not isinstance(encoding, nn.Module):
-            raise TypeError(
-                f"encoding must be an nn.Module or None, got {type(encoding).__name__}; build one by name with "
-                f"posenc.build_for_model({encoding!r}, dim=..., num_heads=..., head_dim=..., max_positions=...)"
+            hint = (
+                f"; build one by name with posenc.build_for_model({encoding!r}, dim=..., num_heads=..., head_dim=..., "
+                "max_positions=...)"
                 if isinstance(encoding, str)
-                else f"encoding must be an nn.Module or None, got {type(encoding).__name__}"
+                else ""
             )
+            raise TypeError(f"encoding must be an nn.Module or None, got {type(encoding).__name__}{hint}")
         # A per-head bias with one head broadcasts over every head without a word; any other count fails deep in
         # attention. Both are the wrong model.
         heads = getattr(encoding, "num_heads", None)

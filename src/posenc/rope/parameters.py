@@ -320,14 +320,10 @@ def parse_rope_parameters(
     return spec
 
 
-def _is_length(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, numbers.Integral) and value > 0
-
-
 def compute_frequencies(spec: RopeSpec, *, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
     """(inv_freq (r/2,) float64, attention_factor) for a validated spec and the current sequence length."""
-    if seq_len is not None and not torch.compiler.is_compiling() and not _is_length(seq_len):
-        raise ValueError(f"seq_len must be a positive integer (a sequence length) or None, got {seq_len!r}")
+    if seq_len is not None and not torch.compiler.is_compiling():
+        _positive_int("seq_len", seq_len)
     return SCALINGS[spec.rope_type](
         rotary_dim=spec.rotary_dim,
         base=spec.base,
