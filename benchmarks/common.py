@@ -147,7 +147,14 @@ def device_name(device: str) -> str:
     return f"cpu {model} x{torch.get_num_threads()}".replace("  ", " ")
 
 
-def measure_interleaved(cases: dict[str, Callable[[], object]], *, reps: int, device: str) -> dict[str, list[float]]:
+CLOCKS = ("host", "device")
+FLUSH_BYTES = 256 << 20  # written before each timed call on CUDA's device clock: more than any GPU's L2 (H200: 60 MB)
+SLEEP_CYCLES = 2_000_000  # ~1 ms of GPU clock, in which the host prepares the timed call
+
+
+def measure_interleaved(
+    cases: dict[str, Callable[[], object]], *, reps: int, device: str, clock: str = "host"
+) -> dict[str, list[float]]:
     """Milliseconds per case, name -> fn, taking turns rep by rep: on a shared machine a burst
     of load then slows every provider alike instead of whichever ran during it, which keeps ratios honest. The
     order rotates each rep, so no case always runs right after the same one: on CPU the case after a copy ran
@@ -156,7 +163,17 @@ def measure_interleaved(cases: dict[str, Callable[[], object]], *, reps: int, de
     The clock covers the call, which allocates and writes its outputs; what ``fn`` returns is dropped after the
     clock stops. Freeing a 32 MiB output hands its pages back to the OS, 2-4 ms on the CPU VMs here, so every case
     returns its outputs rather than keeping them (or dropping them inside the clock): before 2026-12-01 a
-    backward's gradients, kept in .grad, were freed untimed while the copy's clones were freed inside the clock."""
+    backward's gradients, kept in .grad, were freed untimed while the copy's clones were freed inside the clock.
+
+    clock: "host" times each call from the host, synchronizing before and after (on CUDA that includes the host's
+    work: Python, checks, launches); "device" (CUDA only) times what the GPU spends, with events (``_device_clock``).
+    """
+    if clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {CLOCKS}, got {clock!r}")
+    if clock == "device":
+        if device != "cuda":
+            raise ValueError(f"clock='device' times CUDA work with events; device is {device!r}: use clock='host'")
+        return _device_clock(cases, reps=reps, device=device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     times: dict[str, list[float]] = {name: [] for name in cases}
     names = list(cases)
@@ -171,6 +188,34 @@ def measure_interleaved(cases: dict[str, Callable[[], object]], *, reps: int, de
                 times[name].append((time.perf_counter() - start) * 1e3)
             del result
     return times
+
+
+def _device_clock(cases: dict[str, Callable[[], object]], *, reps: int, device: str) -> dict[str, list[float]]:
+    """``measure_interleaved`` on CUDA with the GPU's own clock: milliseconds between two events around each call.
+
+    Before each call the GPU overwrites FLUSH_BYTES (so the call reads its inputs from HBM, not from L2 where the
+    previous call left them) and then sleeps SLEEP_CYCLES, while the host runs the call's Python and queues its
+    kernels: the events then time the kernels back to back, as in a model whose host runs ahead of the GPU, and
+    not the host's overhead. (A call that waits for the GPU itself, by reading a value on the host, brings its
+    host time back into the measurement.) The queue is drained once per round."""
+    flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device=device)
+    sleep = getattr(torch.cuda, "_sleep", None)  # private, long-standing (torch.cuda tests use it)
+    pairs: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {name: [] for name in cases}
+    names = list(cases)
+    for rep in range(reps + 2):
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
+            flush.zero_()
+            if sleep is not None:
+                sleep(SLEEP_CYCLES)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            result = cases[name]()
+            end.record()
+            if rep >= 2:  # two warm-up rounds
+                pairs[name].append((start, end))
+            del result  # freed in stream order, after the clock
+        torch.cuda.synchronize()
+    return {name: [start.elapsed_time(end) for start, end in events] for name, events in pairs.items()}
 
 
 def percentiles(times: list[float]) -> tuple[float, float, float]:

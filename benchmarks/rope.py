@@ -8,10 +8,12 @@ wants them as Hugging Face's attention leaves them, (b, s, h, d) in memory seen 
 h, s, d) it first makes a transposed copy of each); flash-attn takes (b, s, h, d) views and cos/sin (s, d/2) in x's
 dtype, as its ``RotaryEmbedding`` caches them. Modes: fwd, bwd (the backward alone, on a retained graph), fwd+bwd;
 the backward modes take ``torch.autograd.grad`` of q and k. The copy of each mode moves the same bytes as the op
-(two clones for fwd+bwd). The CSV is rewritten (atomically) after every mode: a run cut short leaves the rows it
-measured, in place of the file's earlier contents. On CPU, ``--alloc`` pins where output buffers come from
-(``common.set_allocation``): fresh pages every call (default; the OS zero-filling them is most of a copy's time) or
-recycled heap memory (``--alloc reuse``).
+(two clones for fwd+bwd). On CUDA the times are the GPU's (``--clock device``: events, L2 flushed and the host's
+work hidden before each call; ``common.measure_interleaved``), or the host's around each synchronized call
+(``--clock host``: Python and launch overhead included). The CSV is rewritten (atomically) after every mode: a
+run cut short leaves the rows it measured, in place of the file's earlier contents. On CPU, ``--alloc`` pins where
+output buffers come from (``common.set_allocation``): fresh pages every call (default; the OS zero-filling them is
+most of a copy's time) or recycled heap memory (``--alloc reuse``).
 
     python benchmarks/rope.py                       # CPU defaults, a few minutes on 2 cores
     python benchmarks/rope.py --device cuda --seqs 1024 4096 16384 32768 --reps 50
@@ -26,6 +28,7 @@ from pathlib import Path
 import torch
 
 from common import (
+    CLOCKS,
     add_allocation_argument,
     environment,
     measure_interleaved,
@@ -157,10 +160,21 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--csv", type=Path, default=Path("docs/results/rope_cpu.csv"))
+    parser.add_argument(
+        "--clock",
+        choices=CLOCKS,
+        default=None,
+        help="CUDA: device (default; the GPU's time, events) or host (each call synchronized, host work included)",
+    )
     add_allocation_argument(parser)
     args = parser.parse_args()
+    clock = args.clock or ("device" if args.device == "cuda" else "host")
+    if clock == "device" and args.device != "cuda":
+        parser.error("--clock device needs --device cuda")
 
     env = environment(args.device, args.alloc)
+    if args.device == "cuda":
+        env["device"] += f", clock={clock}"
     rows = []
     for seq in args.seqs:
         for dtype_name in args.dtypes:
@@ -172,7 +186,7 @@ def main() -> None:
             shape = f"b={args.batch},hq={HEADS_Q},hk={HEADS_K},s={seq},d={HEAD_DIM}"
             for mode in args.modes:
                 cases = {name: make_case(name, fn, mode, q, k) for name, fn in chosen.items()}
-                times = measure_interleaved(cases, reps=args.reps, device=args.device)
+                times = measure_interleaved(cases, reps=args.reps, device=args.device, clock=clock)
                 copy_bytes = 2 * (q.nbytes + k.nbytes) * (2 if mode == "fwd+bwd" else 1)
                 rows += rows_against_copy(
                     times, op="rope", mode=mode, dtype=dtype_name, shape=shape, env=env, copy_bytes=copy_bytes

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # On a machine with a CUDA GPU: the kernel tests with Triton compiled for the GPU (not interpreted), then the GPU
-# benchmarks, the issue's goal first (s = 16k, bf16 and fp32). Each step runs under its own time limit and a
-# failing step is logged without stopping the next, so one slow or broken step cannot cost the measurements.
+# benchmarks, the issue's goal first (s = 16k, bf16 and fp32), then the kernel's configurations at that size. Each
+# step runs under its own time limit and a failing step is logged without stopping the next, so one slow or broken
+# step cannot cost the measurements. It writes seven files, within the device tool's eight.
 # Needs torch with CUDA, triton, pytest, hypothesis and transformers; posenc itself is read from src/.
 # Liger and flash-attention join the comparison when importable: scripts/gpu_prepare.sh puts them in .gpu/site.
 #
-#   bash scripts/gpu_check.sh                     # about 6 minutes on one H200; results in docs/results/
+#   bash scripts/gpu_check.sh                     # 6-8 minutes on one H200 (estimated); results in docs/results/
 #   RESULTS=$OUT bash scripts/gpu_check.sh        # through the device tool: run(carry=[".gpu"], timeout_s=540)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,8 +36,14 @@ step() { # step SECONDS NAME COMMAND...
   # POSENC_TRITON_NATIVE=1: tests/conftest.py leaves TRITON_INTERPRET off and the Triton cases run on CUDA.
   step 200 "kernel tests, Triton compiled for the GPU" env POSENC_TRITON_NATIVE=1 TRITON_INTERPRET=0 \
     $PY -m pytest -q tests/kernels -p no:cacheprovider --ignore=tests/kernels/test_rope_fuzz.py
+  # The GPU's clock (events; host work hidden), then the host's around each synchronized call (overhead included).
   step 150 "RoPE forward at 16k, the goal" $PY benchmarks/rope.py --device cuda --seqs 16384 --dtypes bf16 fp32 \
     --modes fwd --reps 50 --csv "$RESULTS/rope_gpu_16k.csv"
+  step 150 "Triton configurations at 16k" $PY benchmarks/triton_tune.py --seq 16384 --dtypes bf16 fp32 \
+    --layouts bhsd bshd --reps 30 --csv "$RESULTS/rope_gpu_tune.csv"
+  step 90 "RoPE forward at 16k, host clock" $PY benchmarks/rope.py --device cuda --seqs 16384 --dtypes bf16 \
+    --modes fwd --reps 50 --clock host --providers posenc-triton posenc-torch hf-eager liger flash-attn \
+    --csv "$RESULTS/rope_gpu_16k_host.csv"
   step 200 "RoPE sweep" $PY benchmarks/rope.py --device cuda --seqs 1024 4096 16384 32768 --dtypes bf16 fp32 \
     --reps 30 --csv "$RESULTS/rope_gpu.csv"
   step 60 "RoPE module" $PY benchmarks/rope_module.py --device cuda --csv "$RESULTS/rope_module_gpu.csv"

@@ -6,19 +6,25 @@ Each runs in a subprocess: they pin glibc's allocation regime with mallopt, whic
 from __future__ import annotations
 
 import csv
+import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(script: str, *args: str) -> None:
+def _run(script: str, *args: str, interpret: bool = False) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    env.pop("TRITON_INTERPRET", None)  # CPU providers only; the benchmarks never run interpreted Triton
+    # CPU providers only: the benchmarks run interpreted Triton only where asked (triton_tune.py's check on CPU).
+    env.pop("TRITON_INTERPRET", None)
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / script), *args],
         cwd=ROOT,
@@ -64,3 +70,77 @@ def test_kernel_ab_builds_a_revision_and_runs_it_beside_the_tree(tmp_path: Path)
     out = tmp_path / "ab.csv"
     _run("cpu_kernel_ab.py", "--baseline", "HEAD", "--seq", "16", "--dtypes", "bf16", "--reps", "2", "--csv", str(out))
     assert {r["provider"] for r in _rows(out)} == {"copy", "kernel@HEAD", "kernel@tree"}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_triton_tune_checks_and_times_every_configuration(tmp_path: Path) -> None:
+    out = tmp_path / "tune.csv"
+    _run(
+        "triton_tune.py",
+        *("--device", "cpu", "--seq", "8", "--dtypes", "bf16", "--layouts", "bhsd", "bshd"),
+        *("--block-s", "4", "8", "--warps", "1", "2", "--reps", "2", "--csv", str(out)),
+        interpret=True,
+    )
+    rows = _rows(out)
+    configs = {f"BLOCK_S={b} warps={w}" for b in (4, 8) for w in (1, 2)}
+    assert {(r["provider"], r["mode"]) for r in rows} == {
+        (p, m) for p in {"copy", "default"} | configs for m in ("fwd-bhsd", "fwd-bshd")
+    }
+    assert all("clock=host" in r["device"] and r["gb_per_s"] != "" for r in rows)
+
+
+class _FakeEvent:
+    """torch.cuda.Event's timing interface: record() logs, elapsed_time() counts the log's entries in between."""
+
+    log: ClassVar[list[str]] = []
+
+    def __init__(self, enable_timing: bool) -> None:
+        assert enable_timing
+        self.at = 0.0
+
+    def record(self) -> None:
+        _FakeEvent.log.append("event")
+        self.at = float(len(_FakeEvent.log))
+
+    def elapsed_time(self, end: _FakeEvent) -> float:
+        return end.at - self.at
+
+
+def test_device_clock_hides_host_work_behind_a_flush_and_a_sleep(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The order that makes events time the GPU alone: sleep the GPU (after flushing L2), start event, the call,
+    end event; one synchronize per round, two warm-up rounds dropped, outputs freed after the end event."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import common
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    log = _FakeEvent.log = []
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: log.append(f"sleep {cycles}"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: log.append("sync"))
+    monkeypatch.setattr(common, "FLUSH_BYTES", 64)
+
+    class Output:
+        def __del__(self) -> None:
+            log.append("freed")
+
+    def case(name: str):
+        def call() -> Output:
+            log.append(name)
+            return Output()
+
+        return call
+
+    # measure_interleaved(..., device="cuda", clock="device") calls this; the L2 flush buffer lives on `device`.
+    times = common._device_clock({"a": case("a"), "b": case("b")}, reps=3, device="cpu")
+    # One event between the start and end of a call: elapsed_time counts log entries, so the call's own entry.
+    assert times == {"a": [2.0] * 3, "b": [2.0] * 3}
+    sleep = f"sleep {common.SLEEP_CYCLES}"
+    first_round = [sleep, "event", "a", "event", "freed", sleep, "event", "b", "event", "freed", "sync"]
+    second_round = [sleep, "event", "b", "event", "freed", sleep, "event", "a", "event", "freed", "sync"]
+    assert log[:22] == first_round + second_round
+    assert log.count("sync") == 5 and log.count(sleep) == 10
+    with pytest.raises(ValueError, match="clock='device'"):
+        common.measure_interleaved({"a": case("a")}, reps=1, device="cpu", clock="device")
+    with pytest.raises(ValueError, match="clock must be one of"):
+        common.measure_interleaved({"a": case("a")}, reps=1, device="cpu", clock="wall")

@@ -864,6 +864,57 @@ def test_triton_launches_on_the_tensors_gpu(monkeypatch):
     assert entered == [torch.device("cuda", 1)] and launched == [1], "the kernel ran outside the device guard"
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize(("d", "r"), [(128, 128), (80, 64)])
+def test_triton_configurations_give_the_default_bits(interleaved, d, r):
+    """BLOCK_S and num_warps (what benchmarks/triton_tune.py sweeps) change the tiling, not the arithmetic: every
+    configuration writes the default's bits, tail channels included, for q and k of different head counts."""
+    triton = pytest.importorskip("triton")
+    from posenc.kernels import triton_rope
+    from posenc.kernels.ops import triton_plans
+
+    q, k, kwargs, _, _ = make_case("position_ids", b=2, hq=3, hk=1, s=21, d=d, dtype=torch.bfloat16)
+    cos, sin = table(r, 320)
+    q, k, cos, sin = (t.to(TRITON_DEVICE) for t in (q, k, cos, sin))
+    positions = kwargs["positions"].to(TRITON_DEVICE)
+
+    def run(**config):
+        outs = [torch.full_like(q, float("nan")), torch.full_like(k, float("nan"))]
+        plans = triton_plans(
+            [q, k], outs, cos, sin, positions, None, 0, None, "bhsd", interleaved, False, True, **config
+        )  # fmt: skip
+        assert len(plans) == 1
+        triton_rope.launch(plans[0])
+        return outs, plans[0]
+
+    expected, default = run()
+    assert default.options == {"enable_fp_fusion": True}
+    assert not any(o.isnan().any() for o in expected)
+    for block_s, num_warps in ((1, 1), (4, 2), (16, 8), (64, 4)):
+        outs, plan = run(block_s=block_s, num_warps=num_warps)
+        assert plan.constants["BLOCK_S"] == block_s and plan.options["num_warps"] == num_warps
+        assert plan.grid == (triton.cdiv(21, block_s) * 2 * 4,)
+        assert all(map(torch.equal, outs, expected)), f"BLOCK_S={block_s} num_warps={num_warps}"
+
+
+def test_triton_configurations_are_checked():
+    pytest.importorskip("triton")
+    from posenc.kernels.ops import triton_plans
+
+    x, cos = torch.zeros(1, 2, 8, 16), torch.zeros(8, 8)
+
+    def plan(**config):
+        return triton_plans([x], [torch.empty_like(x)], cos, cos, None, None, 0, None, "bhsd", False, False, True,
+                            **config)  # fmt: skip
+
+    for bad in (0, 3, 48, -4, 2.0, True):
+        with pytest.raises(ValueError, match=r"block_s must be a power of two \(tokens per program\)"):
+            plan(block_s=bad)
+    for bad in (0, 3, 64, True):
+        with pytest.raises(ValueError, match=r"num_warps must be one of \(1, 2, 4, 8, 16, 32\)"):
+            plan(num_warps=bad)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a CUDA device")
 def test_table_calls_capture_into_a_cuda_graph():
     """A decode step with tensor offsets, position ids or cu_seqlens captures into a CUDA graph: no check reads a

@@ -59,3 +59,34 @@ def test_rows_move_in_16_byte_accesses(compiled):
         if "decode" not in row["case"] and set(row["global_accesses"]) - wide
     ]
     assert not narrow
+
+
+def test_launch_options_reach_the_compiler(compiled):
+    """num_warps given to the plan is what the cubin runs with; the default plan takes Triton's 4."""
+    warps = {row["case"]: row["num_warps"] for row in compiled if row["arch"] == 90}
+    assert warps["bf16 d128 BLOCK_S=64 num_warps=8"] == 8
+    assert warps["bf16 d128 split-half offset"] == 4
+
+
+def test_rotation_is_compiled_with_fused_multiply_adds_whatever_triton_defaults_to():
+    """The launch asks for FMA contraction by name: Triton 3.9 warns that its default turns it off in 3.10, which
+    would change the rotation's rounding with the Triton version. No warning, and the PTX holds the FMAs."""
+    if importlib.util.find_spec("triton.backends.nvidia") is None:
+        pytest.skip("this triton build has no NVIDIA backend to compile for")
+    script = (
+        "import torch\n"
+        "from posenc.kernels.ops import triton_plans\n"
+        "from posenc.kernels.triton_targets import compile_launch\n"
+        "xs = [torch.zeros(1, h, 64, 128) for h in (4, 2)]\n"
+        "(plan,) = triton_plans(xs, [torch.empty_like(x) for x in xs], torch.zeros(64, 64), torch.zeros(64, 64),"
+        " None, None, 0, None, 'bhsd', False, False, True)\n"
+        "print(compile_launch(plan, 90).ptx.count('fma.rn.f32'))\n"
+    )
+    env = {
+        key: value for key, value in os.environ.items() if key not in ("TRITON_INTERPRET", "TRITON_DEFAULT_FP_FUSION")
+    }
+    result = subprocess.run(
+        [sys.executable, "-W", "error::UserWarning", "-c", script], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert int(result.stdout.split()[-1]) >= 4  # x1 cos - x2 sin and x2 cos + x1 sin, on q's and k's values

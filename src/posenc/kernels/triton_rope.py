@@ -16,7 +16,7 @@ Importing this module imports triton; set TRITON_INTERPRET=1 before importing it
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -206,11 +206,16 @@ def _check(name: str, t: torch.Tensor, device: torch.device) -> None:
 
 @dataclass(frozen=True)
 class Launch:
-    """One launch of ``_rope_kernel``: its grid, positional arguments and constexpr keyword arguments."""
+    """One launch of ``_rope_kernel``: its grid, positional arguments, constexpr keyword arguments, and launch
+    options (``enable_fp_fusion``, ``num_warps``; one left out takes Triton's default)."""
 
     grid: tuple[int]
     args: tuple[object, ...]
     constants: dict[str, int | bool]
+    options: dict[str, int | bool] = field(default_factory=dict)
+
+
+WARPS = (1, 2, 4, 8, 16, 32)
 
 
 def plan_launch(
@@ -227,6 +232,8 @@ def plan_launch(
     conjugate: bool,
     copy_tail: bool,
     table_rows: int | None,
+    block_s: int | None = None,
+    num_warps: int | None = None,
 ) -> Launch | None:
     """Check a call and lay out the kernel's arguments: one launch for q, or q and k; None if there is nothing to do.
 
@@ -235,7 +242,9 @@ def plan_launch(
     positions: (n0 or 1, n2) integer or None; offsets: (n0,) int64 (n_seq for varlen) or None;
     cu_seqlens: (n_seq + 1,) int32/int64 for packed tokens (then n0 = 1 and n2 = total tokens) or None;
     table_rows: the rows of the (rows, r/2) table that positions index, or None for cos/sin views read per token;
-    a token whose position falls outside the table comes out NaN (the kernel cannot raise).
+    a token whose position falls outside the table comes out NaN (the kernel cannot raise);
+    block_s, num_warps: tokens per program (a power of two) and warps per program, in place of the defaults
+    (``benchmarks/triton_tune.py`` times them against each other; the results do not depend on them).
     Nothing here needs a GPU, so ``posenc.kernels.triton_targets`` compiles the very launch a call makes.
     """
     if len(xs) not in (1, 2) or not len(xs) == len(outs) == len(coss) == len(sins):
@@ -286,7 +295,12 @@ def plan_launch(
         pos_strides = (0 if positions.shape[0] == 1 else positions.stride(0), positions.stride(1))
     n_seq = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else 1
     block_h = triton.next_power_of_2(half)
-    block_s = max(1, min(triton.next_power_of_2(n2), 4096 // (2 * block_h)))
+    if block_s is None:
+        block_s = max(1, min(triton.next_power_of_2(n2), 4096 // (2 * block_h)))
+    elif isinstance(block_s, bool) or not isinstance(block_s, int) or block_s < 1 or block_s & (block_s - 1):
+        raise ValueError(f"block_s must be a power of two (tokens per program), got {block_s!r}")
+    if num_warps is not None and (isinstance(num_warps, bool) or num_warps not in WARPS):
+        raise ValueError(f"num_warps must be one of {WARPS}, got {num_warps!r}")
     dummy = q  # stands in for absent optional pointers; never read (the matching constexpr is False)
     args = (
         q,
@@ -335,7 +349,10 @@ def plan_launch(
         raise ValueError(
             f"this call needs {programs} Triton programs, past CUDA's grid limit of 2**31 - 1; split the batch"
         )
-    return Launch((programs,), args, constants)
+    # Fused multiply-adds asked for by name: Triton 3.9 warns that its default turns them off in 3.10, and the
+    # rounding of a rotation should not change with the Triton version (the CPU kernel fuses them too).
+    options = {"enable_fp_fusion": True} | ({} if num_warps is None else {"num_warps": num_warps})
+    return Launch((programs,), args, constants, options)
 
 
 def launch(plan: Launch) -> None:
@@ -347,9 +364,9 @@ def launch(plan: Launch) -> None:
             "tensors only when TRITON_INTERPRET=1 was set before posenc.kernels.triton_rope was imported)"
         )
     if device.type != "cuda":
-        _rope_kernel[plan.grid](*plan.args, **plan.constants)
+        _rope_kernel[plan.grid](*plan.args, **plan.constants, **plan.options)
         return
     # Triton launches on the current device and its stream: for tensors on another GPU (cuda:1 while cuda:0 is
     # current) the kernel would run on the wrong device with foreign pointers. Make theirs current for the launch.
     with torch.cuda.device(device):
-        _rope_kernel[plan.grid](*plan.args, **plan.constants)
+        _rope_kernel[plan.grid](*plan.args, **plan.constants, **plan.options)

@@ -78,8 +78,9 @@ def compile_launch(launch: Launch, arch: int = 90) -> CompiledRope:
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-    bound, specialization, options = binder(*launch.args, **launch.constants)
-    options, signature, constants, attrs = kernel._pack_args(backend, launch.constants, bound, specialization, options)
+    keywords = {**launch.constants, **launch.options}
+    bound, specialization, options = binder(*launch.args, **keywords)
+    options, signature, constants, attrs = kernel._pack_args(backend, keywords, bound, specialization, options)
     compiled = triton_compile(ASTSource(kernel, signature, constants, attrs), target=target, options=options.__dict__)
     ptx = compiled.asm["ptx"]
     usage = _resources(compiled.asm["cubin"])
@@ -148,6 +149,13 @@ def _case_plans() -> dict[str, Launch]:
         # float64 tables make the math float64 for 16-bit x, rounded through float32 when stored (as torch does).
         "bf16 d128 float64 tables": plan(bf16, d=128, r=128, wide=True),
     }
+    # A configuration other than the default, as benchmarks/triton_tune.py sweeps them: the launch options reach
+    # the compiler.
+    xs = [torch.zeros(1, h, 512, 128, dtype=bf16) for h in (8, 2)]
+    (plans["bf16 d128 BLOCK_S=64 num_warps=8"],) = triton_plans(
+        xs, [torch.empty_like(x) for x in xs], torch.zeros(512, 64), torch.zeros(512, 64), None, None, 0, None,
+        "bhsd", False, False, True, block_s=64, num_warps=8,
+    )  # fmt: skip
     # q's token stride past 2**31 (Triton passes it as i64) while k's is i32: both must still compile.
     base = plans["bf16 d128 split-half offset"]
     args = list(base.args)

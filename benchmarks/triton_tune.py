@@ -1,0 +1,134 @@
+"""The Triton rotary kernel's configurations side by side: tokens per program (BLOCK_S) x warps per program.
+
+Every configuration rotates the same q (b, 32, s, 128) and k (b, 8, s, 128), out of place (the forward), in one
+launch planned as ``apply_rotary_qk`` plans it but with BLOCK_S and num_warps given. Before anything is timed, each
+configuration's output must equal the default's bit for bit (the tiling does not change the arithmetic). The cases
+take turns rep by rep with ``copy`` (clone() of q and k) and the default plan, which is also timed under its
+explicit configuration: the two rows differ by the run's noise. Rows as ``rope.py``'s, provider
+"BLOCK_S=32 warps=4", mode "fwd-bhsd" or "fwd-bshd" (how q and k lie in memory), gb_per_s the bytes a rotation
+must move over the p50. On CUDA the GPU's clock by default (``common.measure_interleaved``).
+
+    python benchmarks/triton_tune.py --device cuda --seq 16384 --csv docs/results/rope_gpu_tune.csv
+
+On a machine without a GPU it runs under the Triton interpreter (TRITON_INTERPRET=1, set before posenc is
+imported) on CPU tensors: that checks the configurations and the script, and its times mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from pathlib import Path
+
+import torch
+
+from common import CLOCKS, environment, measure_interleaved, rows_against_copy, write_rows
+from posenc.kernels.ops import triton_plans
+from posenc.testing import assert_close, random_qk, rope_reference
+
+HEADS_Q, HEADS_K, HEAD_DIM = 32, 8, 128
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def rotation(q, k, cos, sin, layout: str, block_s: int | None, num_warps: int | None):
+    """A timed function: q and k rotated into new tensors by one launch of the given configuration."""
+    from posenc.kernels import triton_rope  # imports triton: only once a configuration is asked for
+
+    def run() -> list[torch.Tensor]:
+        outs = [torch.empty_like(q), torch.empty_like(k)]
+        plans = triton_plans(
+            [q, k], outs, cos, sin, None, None, 0, None, layout, False, False, True,
+            block_s=block_s, num_warps=num_warps,
+        )  # fmt: skip
+        for plan in plans:
+            triton_rope.launch(plan)
+        return outs
+
+    return run
+
+
+def check(cases: dict, q: torch.Tensor, k: torch.Tensor, layout: str, label: str) -> None:
+    """The default's output against the float64 reference (the dtype's tolerance), and every configuration's
+    against the default's, bit for bit; one off by more than rounding stops the run before anything is timed."""
+
+    def heads_first(x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(1, 2) if layout == "bshd" else x
+
+    expected = cases["default"]()
+    positions = torch.arange(q.shape[1 if layout == "bshd" else 2], device=q.device)
+    for x, out in zip((q, k), expected, strict=True):
+        assert_close(heads_first(out), rope_reference(heads_first(x), positions), msg=f"default, {label}")
+    for name, case in cases.items():
+        if name in ("copy", "default"):
+            continue
+        outs = case()
+        if not all(map(torch.equal, outs, expected)):
+            for x, out in zip((q, k), outs, strict=True):
+                assert_close(heads_first(out), rope_reference(heads_first(x), positions), msg=f"{name}, {label}")
+            differ = sum(int((a != b).sum()) for a, b in zip(outs, expected, strict=True))
+            print(f"{name} ({label}): {differ} values differ from the default's in rounding, within tolerance")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
+    parser.add_argument("--seq", type=int, default=16384)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=list(DTYPES))
+    parser.add_argument("--layouts", nargs="+", default=["bhsd", "bshd"], choices=["bhsd", "bshd"])
+    parser.add_argument("--block-s", type=int, nargs="+", default=[8, 16, 32, 64, 128], help="tokens per program")
+    parser.add_argument("--warps", type=int, nargs="+", default=[1, 2, 4, 8], help="warps per program")
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--clock", choices=CLOCKS, default=None, help="default: device on CUDA, host on CPU")
+    parser.add_argument("--csv", type=Path, default=None)
+    args = parser.parse_args()
+    clock = args.clock or ("device" if args.device == "cuda" else "host")
+    if clock == "device" and args.device != "cuda":
+        parser.error("--clock device needs --device cuda")
+
+    env = environment(args.device, "system")
+    env["device"] += f", clock={clock}"
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float64) / HEAD_DIM)
+    angles = torch.arange(args.seq, dtype=torch.float64)[:, None] * inv_freq
+    rows: list[dict] = []
+    for dtype_name, layout in itertools.product(args.dtypes, args.layouts):
+        q, k = random_qk(args.batch, HEADS_Q, HEADS_K, args.seq, HEAD_DIM, dtype=DTYPES[dtype_name], device=args.device)
+        if layout == "bshd":
+            q, k = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous()
+        # The (s, d/2) float32 table, angles from float64, as RoPE keeps it.
+        cos, sin = angles.cos().float().to(args.device), angles.sin().float().to(args.device)
+        cases = {
+            "copy": lambda q=q, k=k: (q.clone(), k.clone()),
+            "default": rotation(q, k, cos, sin, layout, None, None),
+        }
+        for block_s, warps in itertools.product(args.block_s, args.warps):
+            cases[f"BLOCK_S={block_s} warps={warps}"] = rotation(q, k, cos, sin, layout, block_s, warps)
+        check(cases, q, k, layout, f"{dtype_name} {layout}")
+        times = measure_interleaved(cases, reps=args.reps, device=args.device, clock=clock)
+        shape = f"b={args.batch},hq={HEADS_Q},hk={HEADS_K},s={args.seq},d={HEAD_DIM}"
+        rows += rows_against_copy(
+            times,
+            op="rope",
+            mode=f"fwd-{layout}",
+            dtype=dtype_name,
+            shape=shape,
+            env=env,
+            copy_bytes=2 * (q.nbytes + k.nbytes),
+        )
+        if args.csv is not None:
+            write_rows(rows, args.csv)
+    best = {}
+    for row in rows:
+        key = (row["dtype"], row["mode"])
+        if row["provider"] not in ("copy", "default") and row["p50"] < best.get(key, {"p50": float("inf")})["p50"]:
+            best[key] = row
+    for (dtype_name, mode), row in best.items():
+        default = next(r for r in rows if (r["dtype"], r["mode"], r["provider"]) == (dtype_name, mode, "default"))
+        print(
+            f"{dtype_name} {mode}: fastest {row['provider']} ({row['ratio_to_copy']:.2f} of a copy), "
+            f"default {default['ratio_to_copy']:.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
