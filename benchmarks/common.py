@@ -14,6 +14,7 @@ import platform
 import statistics
 import subprocess
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -148,7 +149,7 @@ def device_name(device: str) -> str:
 
 
 CLOCKS = ("host", "device")
-FLUSH_BYTES = 256 << 20  # written before each timed call on CUDA's device clock: more than any GPU's L2 (H200: 60 MB)
+FLUSH_BYTES = 256 << 20  # read before each timed call on CUDA's device clock: more than any GPU's L2 (H200: 60 MB)
 SLEEP_CYCLES = 2_000_000  # ~1 ms of GPU clock, in which the host prepares the timed call
 
 
@@ -193,18 +194,23 @@ def measure_interleaved(
 def _device_clock(cases: dict[str, Callable[[], object]], *, reps: int, device: str) -> dict[str, list[float]]:
     """``measure_interleaved`` on CUDA with the GPU's own clock: milliseconds between two events around each call.
 
-    Before each call the GPU overwrites FLUSH_BYTES (so the call reads its inputs from HBM, not from L2 where the
-    previous call left them) and then sleeps SLEEP_CYCLES, while the host runs the call's Python and queues its
-    kernels: the events then time the kernels back to back, as in a model whose host runs ahead of the GPU, and
-    not the host's overhead. (A call that waits for the GPU itself, by reading a value on the host, brings its
-    host time back into the measurement.) The queue is drained once per round."""
-    flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device=device)
+    Before each call the GPU reads FLUSH_BYTES (so the call reads its inputs from HBM, not from L2 where the
+    previous call left them; a read, not a write like triton's do_bench, so that L2 is left clean and the call does
+    not pay for writing the flush's dirty lines back) and then sleeps SLEEP_CYCLES, while the host runs the call's
+    Python and queues its kernels: the events then time the kernels back to back, as in a model whose host runs
+    ahead of the GPU, and not the host's overhead. (A call that waits for the GPU itself, by reading a value on the
+    host, brings its host time back into the measurement.) The queue is drained once per round."""
+    flush = torch.zeros(FLUSH_BYTES // 4, dtype=torch.int32, device=device)
     sleep = getattr(torch.cuda, "_sleep", None)  # private, long-standing (torch.cuda tests use it)
+    if sleep is None:
+        warnings.warn(
+            "torch.cuda._sleep is gone: the host's work per call may leak into the device clock", stacklevel=2
+        )
     pairs: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {name: [] for name in cases}
     names = list(cases)
     for rep in range(reps + 2):
         for name in names[rep % len(names) :] + names[: rep % len(names)]:
-            flush.zero_()
+            flush.sum()
             if sleep is not None:
                 sleep(SLEEP_CYCLES)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

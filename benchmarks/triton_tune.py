@@ -2,7 +2,8 @@
 
 Every configuration rotates the same q (b, 32, s, 128) and k (b, 8, s, 128), out of place (the forward), in one
 launch planned as ``apply_rotary_qk`` plans it but with BLOCK_S and num_warps given. Before anything is timed, each
-configuration's output must equal the default's bit for bit (the tiling does not change the arithmetic). The cases
+configuration's output must equal the default's bit for bit (the tiling does not change the arithmetic) or, where the
+compiler rounds differently, be within the dtype's tolerance of the float64 reference (reported). The cases
 take turns rep by rep with ``copy`` (clone() of q and k) and the default plan, which is also timed under its
 explicit configuration: the two rows differ by the run's noise. Rows as ``rope.py``'s, provider
 "BLOCK_S=32 warps=4", mode "fwd-bhsd" or "fwd-bshd" (how q and k lie in memory), gb_per_s the bytes a rotation

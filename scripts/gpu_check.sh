@@ -7,7 +7,7 @@
 # Liger and flash-attention join the comparison when importable: scripts/gpu_prepare.sh puts them in .gpu/site.
 #
 #   bash scripts/gpu_check.sh                     # 6-8 minutes on one H200 (estimated); results in docs/results/
-#   RESULTS=$OUT bash scripts/gpu_check.sh        # through the device tool: run(carry=[".gpu"], timeout_s=540)
+#   RESULTS=$OUT bash scripts/gpu_check.sh        # through the device tool: run(carry=[".gpu"], timeout_s=570)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -33,23 +33,25 @@ step() { # step SECONDS NAME COMMAND...
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-  # POSENC_TRITON_NATIVE=1: tests/conftest.py leaves TRITON_INTERPRET off and the Triton cases run on CUDA.
-  step 200 "kernel tests, Triton compiled for the GPU" env POSENC_TRITON_NATIVE=1 TRITON_INTERPRET=0 \
-    $PY -m pytest -q tests/kernels -p no:cacheprovider --ignore=tests/kernels/test_rope_fuzz.py
+  # POSENC_TRITON_NATIVE=1: tests/conftest.py leaves TRITON_INTERPRET off and the Triton cases run on CUDA. Most of
+  # the step is compiling kernels: 8 workers where pytest-xdist is installed (the H200 image has it).
+  workers=$($PY -c "import xdist" 2>/dev/null && echo "-n 8")
+  step 150 "kernel tests, Triton compiled for the GPU" env POSENC_TRITON_NATIVE=1 TRITON_INTERPRET=0 \
+    $PY -m pytest -q $workers tests/kernels -p no:cacheprovider --ignore=tests/kernels/test_rope_fuzz.py
   # The GPU's clock (events; host work hidden), then the host's around each synchronized call (overhead included).
-  step 150 "RoPE forward at 16k, the goal" $PY benchmarks/rope.py --device cuda --seqs 16384 --dtypes bf16 fp32 \
+  step 120 "RoPE forward at 16k, the goal" $PY benchmarks/rope.py --device cuda --seqs 16384 --dtypes bf16 fp32 \
     --modes fwd --reps 50 --csv "$RESULTS/rope_gpu_16k.csv"
-  step 150 "Triton configurations at 16k" $PY benchmarks/triton_tune.py --seq 16384 --dtypes bf16 fp32 \
+  step 90 "Triton configurations at 16k" $PY benchmarks/triton_tune.py --seq 16384 --dtypes bf16 fp32 \
     --layouts bhsd bshd --reps 30 --csv "$RESULTS/rope_gpu_tune.csv"
-  step 90 "RoPE forward at 16k, host clock" $PY benchmarks/rope.py --device cuda --seqs 16384 --dtypes bf16 \
+  step 45 "RoPE forward at 16k, host clock" $PY benchmarks/rope.py --device cuda --seqs 16384 --dtypes bf16 \
     --modes fwd --reps 50 --clock host --providers posenc-triton posenc-torch hf-eager liger flash-attn \
     --csv "$RESULTS/rope_gpu_16k_host.csv"
-  step 200 "RoPE sweep" $PY benchmarks/rope.py --device cuda --seqs 1024 4096 16384 32768 --dtypes bf16 fp32 \
+  step 150 "RoPE sweep" $PY benchmarks/rope.py --device cuda --seqs 1024 4096 16384 32768 --dtypes bf16 fp32 \
     --reps 30 --csv "$RESULTS/rope_gpu.csv"
-  step 60 "RoPE module" $PY benchmarks/rope_module.py --device cuda --csv "$RESULTS/rope_module_gpu.csv"
-  step 60 "bias memory" $PY benchmarks/bias_memory.py --device cuda --seq 8192 --paths materialized flex --csv "$RESULTS/bias_memory_gpu.csv"
+  step 45 "RoPE module" $PY benchmarks/rope_module.py --device cuda --csv "$RESULTS/rope_module_gpu.csv"
+  step 45 "bias memory" $PY benchmarks/bias_memory.py --device cuda --seq 8192 --paths materialized flex --csv "$RESULTS/bias_memory_gpu.csv"
   # Last: random calls compile a kernel each (about 30 compiles), and the measurements above matter more.
-  step 120 "fuzz, Triton compiled for the GPU" env POSENC_TRITON_NATIVE=1 TRITON_INTERPRET=0 \
+  step 60 "fuzz, Triton compiled for the GPU" env POSENC_TRITON_NATIVE=1 TRITON_INTERPRET=0 \
     $PY -m pytest -q tests/kernels/test_rope_fuzz.py -p no:cacheprovider -k triton
   echo "=== done $(date -u +%H:%M:%S); a step failed: $failed"
 } 2>&1 | tee "$RESULTS/gpu_check.log"

@@ -107,14 +107,20 @@ class _FakeEvent:
 
 
 def test_device_clock_hides_host_work_behind_a_flush_and_a_sleep(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The order that makes events time the GPU alone: sleep the GPU (after flushing L2), start event, the call,
-    end event; one synchronize per round, two warm-up rounds dropped, outputs freed after the end event."""
+    """The order that makes events time the GPU alone: flush L2, sleep the GPU, start event, the call, end event;
+    one synchronize per round, two warm-up rounds dropped, outputs freed after the end event."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import common
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
     log = _FakeEvent.log = []
+
+    class Flush:
+        def sum(self) -> None:
+            log.append("flush")
+
+    monkeypatch.setattr(torch, "zeros", lambda *args, **kwargs: Flush())
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: log.append(f"sleep {cycles}"))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: log.append("sync"))
@@ -136,10 +142,15 @@ def test_device_clock_hides_host_work_behind_a_flush_and_a_sleep(monkeypatch: py
     # One event between the start and end of a call: elapsed_time counts log entries, so the call's own entry.
     assert times == {"a": [2.0] * 3, "b": [2.0] * 3}
     sleep = f"sleep {common.SLEEP_CYCLES}"
-    first_round = [sleep, "event", "a", "event", "freed", sleep, "event", "b", "event", "freed", "sync"]
-    second_round = [sleep, "event", "b", "event", "freed", sleep, "event", "a", "event", "freed", "sync"]
-    assert log[:22] == first_round + second_round
-    assert log.count("sync") == 5 and log.count(sleep) == 10
+    first_round = ["flush", sleep, "event", "a", "event", "freed", "flush", sleep, "event", "b", "event", "freed"]
+    second_round = ["flush", sleep, "event", "b", "event", "freed", "flush", sleep, "event", "a", "event", "freed"]
+    assert log[:26] == [*first_round, "sync", *second_round, "sync"]
+    assert log.count("sync") == 5 and log.count(sleep) == log.count("flush") == 10
+    # measure_interleaved hands CUDA's device clock to _device_clock, and nothing else.
+    routed = []
+    monkeypatch.setattr(common, "_device_clock", lambda cases, reps, device: routed.append((reps, device)) or {})
+    assert common.measure_interleaved({"a": case("a")}, reps=4, device="cuda", clock="device") == {}
+    assert routed == [(4, "cuda")]
     with pytest.raises(ValueError, match="clock='device'"):
         common.measure_interleaved({"a": case("a")}, reps=1, device="cpu", clock="device")
     with pytest.raises(ValueError, match="clock must be one of"):

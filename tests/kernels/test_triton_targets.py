@@ -86,7 +86,11 @@ def test_rotation_is_compiled_with_fused_multiply_adds_whatever_triton_defaults_
         key: value for key, value in os.environ.items() if key not in ("TRITON_INTERPRET", "TRITON_DEFAULT_FP_FUSION")
     }
     result = subprocess.run(
-        [sys.executable, "-W", "error::UserWarning", "-c", script], capture_output=True, text=True, env=env, timeout=300
+        [sys.executable, "-W", "error:TRITON_DEFAULT_FP_FUSION", "-c", script],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert int(result.stdout.split()[-1]) >= 4  # x1 cos - x2 sin and x2 cos + x1 sin, on q's and k's values

@@ -29,8 +29,9 @@ from posenc.kernels.triton_rope import Launch
 class CompiledRope:
     """The kernel compiled for one launch and architecture.
 
-    registers: per thread; local_bytes: per-thread local memory (nonzero means spills); global_accesses: how
-    many PTX instructions of each global load/store form (``ld.global.v4.b32`` moves 16 bytes a thread).
+    registers: per thread; local_bytes, stack_bytes: per-thread local memory and stack frame (spills show in
+    either: ptxas puts them on the stack); global_accesses: how many PTX instructions of each global load/store
+    form (``ld.global.v4.b32`` moves 16 bytes a thread).
     """
 
     arch: int
