@@ -897,6 +897,13 @@ def test_triton_configurations_give_the_default_bits(interleaved, d, r):
         assert all(map(torch.equal, outs, expected)), f"BLOCK_S={block_s} num_warps={num_warps}"
 
 
+def test_host_side_power_of_two_matches_tritons():
+    triton = pytest.importorskip("triton")
+    from posenc.kernels.triton_rope import _next_power_of_2
+
+    assert [_next_power_of_2(n) for n in range(70000)] == [triton.next_power_of_2(n) for n in range(70000)]
+
+
 def test_triton_configurations_are_checked():
     pytest.importorskip("triton")
     from posenc.kernels.ops import triton_plans

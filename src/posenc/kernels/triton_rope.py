@@ -194,14 +194,21 @@ def interpreted() -> bool:
     return isinstance(_rope_kernel, InterpretedFunction)
 
 
-def _check(name: str, t: torch.Tensor, device: torch.device) -> None:
+def _check(name: str, t: torch.Tensor, device: torch.device, shape: torch.Size, strides: tuple[int, ...]) -> None:
+    """t (whose shape and strides the caller has read) is on x's device with unit stride in its last dim."""
     if t.device != device:
         raise ValueError(f"{name} is on {t.device} but x is on {device}; move both to one device")
-    if t.shape[-1] > 1 and t.stride(-1) != 1:
+    if shape and shape[-1] > 1 and strides[-1] != 1:
         raise ValueError(
-            f"{name} must have unit stride in its last (channel) dim, got strides {t.stride()}; "
+            f"{name} must have unit stride in its last (channel) dim, got strides {strides}; "
             "any batch/head/token strides work, but pass .contiguous() for a transposed last dim"
         )
+
+
+def _next_power_of_2(n: int) -> int:
+    """triton.next_power_of_2 in plain Python: triton's host helpers go through its JIT wrapper, ~2 us a call,
+    which the five calls of a plan (a decode step's whole launch is tens of microseconds) cannot afford."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
 @dataclass(frozen=True)
@@ -249,66 +256,82 @@ def plan_launch(
     """
     if len(xs) not in (1, 2) or not len(xs) == len(outs) == len(coss) == len(sins):
         raise ValueError(f"pass one or two tensors with one out and cos/sin each, got {len(xs)} and {len(outs)}")
-    q = xs[0]
-    device = q.device
+    # Each tensor's metadata is read once (shape, strides, dtype, device): on a decode step this function is a
+    # good part of the host's time per launch.
+    q, cos0, sin0 = xs[0], coss[0], sins[0]
+    device, dtype, q_shape, cos_dtype = q.device, q.dtype, q.shape, cos0.dtype
+    cos_ptr, sin_ptr = cos0.data_ptr(), sin0.data_ptr()
+    if dtype not in _DTYPES:
+        raise TypeError(f"q, k and outputs must share one dtype among {_DTYPES}, got {dtype}")
+    x_strides, out_strides, cos_strides = [], [], []
     for i, (x, out, cos, sin) in enumerate(zip(xs, outs, coss, sins, strict=True)):
         name = "q" if i == 0 else "k"
-        if x.dim() != 4 or out.shape != x.shape:
+        shape, out_shape = x.shape, out.shape
+        if len(shape) != 4 or out_shape != shape:
             raise ValueError(
-                f"{name} and its output must be (n0, heads, tokens, d) views of one shape, got {tuple(x.shape)} "
-                f"and {tuple(out.shape)}"
+                f"{name} and its output must be (n0, heads, tokens, d) views of one shape, got {tuple(shape)} "
+                f"and {tuple(out_shape)}"
             )
-        if x.shape[0] != q.shape[0] or x.shape[2] != q.shape[2]:
-            raise ValueError(f"q and k must share batch and token sizes, got {tuple(q.shape)} and {tuple(x.shape)}")
-        if x.dtype not in _DTYPES or out.dtype != q.dtype or x.dtype != q.dtype:
+        if shape[0] != q_shape[0] or shape[2] != q_shape[2]:
+            raise ValueError(f"q and k must share batch and token sizes, got {tuple(q_shape)} and {tuple(shape)}")
+        if x.dtype != dtype or out.dtype != dtype:
             raise TypeError(f"q, k and outputs must share one dtype among {_DTYPES}, got {x.dtype} / {out.dtype}")
-        if cos.dtype not in (torch.float32, torch.float64) or sin.dtype != cos.dtype or cos.dtype != coss[0].dtype:
+        if cos.dtype not in (torch.float32, torch.float64) or sin.dtype != cos.dtype or cos.dtype != cos_dtype:
             raise TypeError(f"cos and sin must be float32 (or float64), one dtype, got {cos.dtype} and {sin.dtype}")
-        if cos.dim() != 4 or cos.stride() != sin.stride() or cos.shape != sin.shape:
-            raise ValueError(f"cos and sin must be 4-D views of one shape and strides, got {tuple(cos.shape)}")
-        if cos.data_ptr() != coss[0].data_ptr() or sin.data_ptr() != sins[0].data_ptr():
+        cos_shape, cos_stride = cos.shape, cos.stride()
+        if len(cos_shape) != 4 or cos_stride != sin.stride() or cos_shape != sin.shape:
+            raise ValueError(f"cos and sin must be 4-D views of one shape and strides, got {tuple(cos_shape)}")
+        if cos.data_ptr() != cos_ptr or sin.data_ptr() != sin_ptr:
             raise ValueError("q and k must read views of the same cos/sin tensors")
-        for label, t in ((name, x), (f"{name}'s output", out), ("cos", cos), ("sin", sin)):
-            _check(label, t, device)
-    half = coss[0].shape[-1]
-    n0, _, n2, d = q.shape
+        x_stride, out_stride = x.stride(), out.stride()
+        for label, t, t_shape, t_stride in (
+            (name, x, shape, x_stride),
+            (f"{name}'s output", out, shape, out_stride),
+            ("cos", cos, cos_shape, cos_stride),
+            ("sin", sin, cos_shape, cos_stride),
+        ):
+            _check(label, t, device, t_shape, t_stride)
+        x_strides.append(x_stride[:3])
+        out_strides.append(out_stride[:3])
+        # A size-1 batch or head axis of cos/sin broadcasts: stride 0 there.
+        cos_strides.append(tuple(0 if cos_shape[a] == 1 else cos_stride[a] for a in range(3)))
+    half = cos0.shape[-1]
+    n0, heads_q, n2, d = q_shape
     if 2 * half > d:
         raise ValueError(f"cos has {half} pairs, more than d={d} channels hold")
     for name, t in (("positions", positions), ("offsets", offsets), ("cu_seqlens", cu_seqlens)):
         if t is not None:
-            _check(name, t, device)
+            _check(name, t, device, t.shape, t.stride())
+    two = len(xs) == 2
     if q.numel() == 0:
-        if len(xs) == 2 and xs[1].numel():
+        if two and xs[1].numel():
             raise ValueError("q is empty but k is not: plan k alone (posenc.kernels.ops.triton_plans does)")
         return None
-    k, out_k, cos_k = (xs[1], outs[1], coss[1]) if len(xs) == 2 else (q, outs[0], coss[0])
-    heads_q, heads_k = q.shape[1], (xs[1].shape[1] if len(xs) == 2 else 0)
-
-    def cos_strides(c: torch.Tensor) -> tuple[int, int, int]:
-        return tuple(0 if c.shape[i] == 1 else c.stride(i) for i in range(3))  # type: ignore[return-value]
-
-    q_cos_strides, k_cos_strides = cos_strides(coss[0]), cos_strides(cos_k)
+    k, out_k = (xs[1], outs[1]) if two else (q, outs[0])
+    heads_k = xs[1].shape[1] if two else 0
+    q_cos_strides, k_cos_strides = cos_strides[0], cos_strides[-1]
     tail = d - 2 * half
 
     pos_strides = (0, 0)
     if positions is not None:
         pos_strides = (0 if positions.shape[0] == 1 else positions.stride(0), positions.stride(1))
     n_seq = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else 1
-    block_h = triton.next_power_of_2(half)
+    block_h = _next_power_of_2(half)
     if block_s is None:
-        block_s = max(1, min(triton.next_power_of_2(n2), 4096 // (2 * block_h)))
+        block_s = max(1, min(_next_power_of_2(n2), 4096 // (2 * block_h)))
     elif isinstance(block_s, bool) or not isinstance(block_s, int) or block_s < 1 or block_s & (block_s - 1):
         raise ValueError(f"block_s must be a power of two (tokens per program), got {block_s!r}")
     if num_warps is not None and (isinstance(num_warps, bool) or num_warps not in WARPS):
         raise ValueError(f"num_warps must be one of {WARPS}, got {num_warps!r}")
+    n_blocks = -(-n2 // block_s)
     dummy = q  # stands in for absent optional pointers; never read (the matching constexpr is False)
     args = (
         q,
         k,
         outs[0],
         out_k,
-        coss[0],
-        sins[0],
+        cos0,
+        sin0,
         positions if positions is not None else dummy,
         offsets if offsets is not None else dummy,
         cu_seqlens if cu_seqlens is not None else dummy,
@@ -316,14 +339,14 @@ def plan_launch(
         table_rows if table_rows is not None else 0,
         n0,
         n2,
-        triton.cdiv(n2, block_s),
+        n_blocks,
         heads_q,
         n_seq,
         n_seq.bit_length() + 1,  # binary-search steps over n_seq + 1 edges
-        *q.stride()[:3],
-        *k.stride()[:3],
-        *outs[0].stride()[:3],
-        *out_k.stride()[:3],
+        *x_strides[0],
+        *x_strides[-1],
+        *out_strides[0],
+        *out_strides[-1],
         *q_cos_strides,
         *k_cos_strides,
         *pos_strides,
@@ -334,7 +357,7 @@ def plan_launch(
         "DENSE_COS": q_cos_strides[2] == half and k_cos_strides[2] == half,
         "BLOCK_S": block_s,
         "BLOCK_H": block_h,
-        "BLOCK_T": min(64, triton.next_power_of_2(max(tail, 1))),
+        "BLOCK_T": min(64, _next_power_of_2(max(tail, 1))),
         "INTERLEAVED": interleaved,
         "CONJUGATE": conjugate,
         "HAS_POS": positions is not None,
@@ -342,9 +365,9 @@ def plan_launch(
         "IS_VARLEN": cu_seqlens is not None,
         "COPY_TAIL": copy_tail and tail > 0,
         "CHECK_ROWS": table_rows is not None,
-        "VIA_FLOAT32": coss[0].dtype == torch.float64 and q.dtype in (torch.bfloat16, torch.float16),
+        "VIA_FLOAT32": cos_dtype == torch.float64 and dtype in (torch.bfloat16, torch.float16),
     }
-    programs = triton.cdiv(n2, block_s) * n0 * (heads_q + heads_k)
+    programs = n_blocks * n0 * (heads_q + heads_k)
     if programs > 2**31 - 1:
         raise ValueError(
             f"this call needs {programs} Triton programs, past CUDA's grid limit of 2**31 - 1; split the batch"
