@@ -53,5 +53,7 @@ step() { # step SECONDS NAME COMMAND...
   # Last: random calls compile a kernel each (about 30 compiles), and the measurements above matter more.
   step 60 "fuzz, Triton compiled for the GPU" env POSENC_TRITON_NATIVE=1 TRITON_INTERPRET=0 \
     $PY -m pytest -q tests/kernels/test_rope_fuzz.py -p no:cacheprovider -k triton
+  # The verdict last, so that it is in the tail the device tool returns.
+  step 30 "the goal's verdict" $PY scripts/gpu_goal.py "$RESULTS/rope_gpu_16k.csv"
   echo "=== done $(date -u +%H:%M:%S); a step failed: $failed"
 } 2>&1 | tee "$RESULTS/gpu_check.log"

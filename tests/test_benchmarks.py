@@ -155,3 +155,42 @@ def test_device_clock_hides_host_work_behind_a_flush_and_a_sleep(monkeypatch: py
         common.measure_interleaved({"a": case("a")}, reps=1, device="cpu", clock="device")
     with pytest.raises(ValueError, match="clock must be one of"):
         common.measure_interleaved({"a": case("a")}, reps=1, device="cpu", clock="wall")
+
+
+def test_gpu_goal_verdicts_from_benchmark_rows() -> None:
+    spec = importlib.util.spec_from_file_location("gpu_goal", ROOT / "scripts" / "gpu_goal.py")
+    gpu_goal = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_goal)
+
+    def row(provider: str, dtype: str, p50: float, ratio: float, gb_per_s: float, seq: int = 16384) -> dict:
+        shape = f"b=1,hq=32,hk=8,s={seq},d=128"
+        return {
+            "provider": provider,
+            "mode": "fwd",
+            "dtype": dtype,
+            "shape": shape,
+            "p50": str(p50),
+            "ratio_to_copy": str(ratio),
+            "gb_per_s": str(gb_per_s),
+            "device": "NVIDIA H200, clock=device",
+        }
+
+    rows = [
+        row("copy", "bf16", 0.080, 1.0, 4200.0),
+        row("posenc-triton", "bf16", 0.085, 0.94, 3950.0),
+        row("liger", "bf16", 0.090, 0.89, 3730.0),
+        row("flash-attn", "bf16", 0.084, 0.95, 4000.0),
+        row("copy", "fp32", 0.160, 1.0, 4200.0),
+        row("posenc-triton", "fp32", 0.200, 0.80, 3360.0),
+        row("posenc-triton", "bf16", 0.001, 9.0, 1.0, seq=1024),  # another length: not read
+    ]
+    assert dict(gpu_goal.verdicts(rows)) == {
+        "s=16384 bf16 fwd: posenc-triton at 0.94 of the copy (4.20 TB/s); 3.95 TB/s = 0.82 of the nominal 4.8 TB/s "
+        "(goal >= 0.9 of the copy)": True,
+        "s=16384 bf16 fwd: posenc-triton p50 0.0850 ms, liger 0.0900 ms": True,
+        "s=16384 bf16 fwd: posenc-triton p50 0.0850 ms, flash-attn 0.0840 ms": False,
+        "s=16384 fp32 fwd: posenc-triton at 0.80 of the copy (4.20 TB/s); 3.36 TB/s = 0.70 of the nominal 4.8 TB/s "
+        "(goal >= 0.9 of the copy)": False,
+        "s=16384 fp32 fwd: no liger row": None,
+        "s=16384 fp32 fwd: no flash-attn row": None,
+    }

@@ -1,0 +1,69 @@
+"""The GPU goal of the fused RoPE kernel, read from a benchmark CSV: a verdict per dtype, printed last by gpu_check.sh.
+
+Goal: the forward at s = 16k reaches at least 90% of the memory bandwidth (the bytes of q and k read and written
+once, over the p50; measured against the copy of the same bytes in the same run, and against the GPU's nominal
+HBM bandwidth where the name is known), and posenc-triton is not slower than Liger's or flash-attention's kernel.
+
+    python scripts/gpu_goal.py docs/results/rope_gpu_16k.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from pathlib import Path
+
+# Datasheet HBM bandwidth, TB/s, by a substring of torch.cuda.get_device_name(); leads, not measurements.
+NOMINAL_TB_S = {"H200": 4.8, "H100 80GB HBM3": 3.35, "H100 PCIe": 2.0, "A100-SXM4-80GB": 2.04, "A100-SXM4-40GB": 1.56}
+GOAL = 0.9
+RIVALS = ("liger", "flash-attn")
+
+
+def verdicts(rows: list[dict[str, str]], *, seq: int = 16384, mode: str = "fwd") -> list[tuple[str, bool | None]]:
+    """(line, met) per check, met None where the run has no row to decide it; rows as benchmarks/rope.py writes."""
+    lines: list[tuple[str, bool | None]] = []
+    chosen = [r for r in rows if r["mode"] == mode and f"s={seq}," in r["shape"] + ","]
+    for dtype in sorted({r["dtype"] for r in chosen}):
+        by = {r["provider"]: r for r in chosen if r["dtype"] == dtype}
+        ours, copy = by.get("posenc-triton"), by.get("copy")
+        label = f"s={seq} {dtype} {mode}"
+        if ours is None or copy is None:
+            lines.append((f"{label}: no posenc-triton or copy row", None))
+            continue
+        ratio = float(ours["ratio_to_copy"])
+        tb_s = float(ours["gb_per_s"]) / 1000 if ours.get("gb_per_s") else None
+        detail = f"{ratio:.2f} of the copy ({float(copy['gb_per_s']) / 1000:.2f} TB/s)" if tb_s else f"{ratio:.2f}"
+        nominal = next((v for k, v in NOMINAL_TB_S.items() if k in ours["device"]), None)
+        if tb_s is not None and nominal is not None:
+            detail += f"; {tb_s:.2f} TB/s = {tb_s / nominal:.2f} of the nominal {nominal} TB/s"
+        lines.append((f"{label}: posenc-triton at {detail} (goal >= {GOAL} of the copy)", ratio >= GOAL))
+        for rival in RIVALS:
+            if rival not in by:
+                lines.append((f"{label}: no {rival} row", None))
+                continue
+            mine, theirs = float(ours["p50"]), float(by[rival]["p50"])
+            lines.append((f"{label}: posenc-triton p50 {mine:.4f} ms, {rival} {theirs:.4f} ms", mine <= theirs))
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("csv", type=Path)
+    parser.add_argument("--seq", type=int, default=16384)
+    args = parser.parse_args(argv)
+    if not args.csv.exists():
+        print(f"goal: {args.csv} is missing (its benchmark step did not finish)")
+        return 1
+    with args.csv.open() as f:
+        lines = verdicts(list(csv.DictReader(f)), seq=args.seq)
+    if not lines:
+        print(f"goal: no forward rows at s={args.seq} in {args.csv}")
+        return 1
+    for line, met in lines:
+        print(f"goal: {'MET ' if met else 'NOT MET ' if met is False else 'UNKNOWN '}{line}")
+    return 0 if all(met for _, met in lines) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
