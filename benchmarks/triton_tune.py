@@ -1,13 +1,13 @@
-"""The Triton rotary kernel's configurations side by side: tokens per program (BLOCK_S) x warps per program.
+"""The Triton rotary kernel's configurations side by side: tokens (BLOCK_S) x warps x heads per program.
 
-Every configuration rotates the same q (b, 32, s, 128) and k (b, 8, s, 128), out of place (the forward), in one
-launch planned as ``apply_rotary_qk`` plans it but with BLOCK_S and num_warps given. Before anything is timed, each
-configuration's output must equal the default's bit for bit (the tiling does not change the arithmetic) or, where the
-compiler rounds differently, be within the dtype's tolerance of the float64 reference (reported). The cases
-take turns rep by rep with ``copy`` (clone() of q and k) and the default plan, which is also timed under its
-explicit configuration: the two rows differ by the run's noise. Rows as ``rope.py``'s, provider
-"BLOCK_S=32 warps=4", mode "fwd-bhsd" or "fwd-bshd" (how q and k lie in memory), gb_per_s the bytes a rotation
-must move over the p50. On CUDA the GPU's clock by default (``common.measure_interleaved``).
+Every configuration rotates the same q (b, 32, s, 128) and k (b, 8, s, 128), out of place (the forward), in one launch
+planned as ``apply_rotary_qk`` plans it but with BLOCK_S, num_warps and heads_per_program given. Before anything is
+timed, each configuration's output must equal the default's bit for bit (the tiling does not change the arithmetic)
+or, where the compiler rounds differently, be within the dtype's tolerance of the float64 reference (reported). The
+cases take turns rep by rep with ``copy`` (clone() of q and k) and the default plan, which is also timed under its
+explicit configuration: the two rows differ by the run's noise. Rows as ``rope.py``'s, provider "BLOCK_S=32 warps=4
+heads=1", mode "fwd-bhsd" or "fwd-bshd" (how q and k lie in memory), gb_per_s the bytes a rotation must move over the
+p50. On CUDA the GPU's clock by default (``common.measure_interleaved``).
 
     python benchmarks/triton_tune.py --device cuda --seq 16384 --csv docs/results/rope_gpu_tune.csv
 
@@ -31,7 +31,7 @@ HEADS_Q, HEADS_K, HEAD_DIM = 32, 8, 128
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def rotation(q, k, cos, sin, layout: str, block_s: int | None, num_warps: int | None):
+def rotation(q, k, cos, sin, layout: str, block_s: int | None, num_warps: int | None, heads: int | None):
     """A timed function: q and k rotated into new tensors by one launch of the given configuration."""
     from posenc.kernels import triton_rope  # imports triton: only once a configuration is asked for
 
@@ -39,7 +39,7 @@ def rotation(q, k, cos, sin, layout: str, block_s: int | None, num_warps: int | 
         outs = [torch.empty_like(q), torch.empty_like(k)]
         plans = triton_plans(
             [q, k], outs, cos, sin, None, None, 0, None, layout, False, False, True,
-            block_s=block_s, num_warps=num_warps,
+            block_s=block_s, num_warps=num_warps, heads_per_program=heads,
         )  # fmt: skip
         for plan in plans:
             triton_rope.launch(plan)
@@ -79,6 +79,7 @@ def main() -> None:
     parser.add_argument("--layouts", nargs="+", default=["bhsd", "bshd"], choices=["bhsd", "bshd"])
     parser.add_argument("--block-s", type=int, nargs="+", default=[8, 16, 32, 64, 128], help="tokens per program")
     parser.add_argument("--warps", type=int, nargs="+", default=[1, 2, 4, 8], help="warps per program")
+    parser.add_argument("--heads", type=int, nargs="+", default=[1], help="heads per program (sharing cos/sin loads)")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--clock", choices=CLOCKS, default=None, help="default: device on CUDA, host on CPU")
     parser.add_argument("--csv", type=Path, default=None)
@@ -100,10 +101,11 @@ def main() -> None:
         cos, sin = angles.cos().float().to(args.device), angles.sin().float().to(args.device)
         cases = {
             "copy": lambda q=q, k=k: (q.clone(), k.clone()),
-            "default": rotation(q, k, cos, sin, layout, None, None),
+            "default": rotation(q, k, cos, sin, layout, None, None, None),
         }
-        for block_s, warps in itertools.product(args.block_s, args.warps):
-            cases[f"BLOCK_S={block_s} warps={warps}"] = rotation(q, k, cos, sin, layout, block_s, warps)
+        for block_s, warps, heads in itertools.product(args.block_s, args.warps, args.heads):
+            name = f"BLOCK_S={block_s} warps={warps} heads={heads}"
+            cases[name] = rotation(q, k, cos, sin, layout, block_s, warps, heads)
         check(cases, q, k, layout, f"{dtype_name} {layout}")
         times = measure_interleaved(cases, reps=args.reps, device=args.device, clock=clock)
         shape = f"b={args.batch},hq={HEADS_Q},hk={HEADS_K},s={args.seq},d={HEAD_DIM}"

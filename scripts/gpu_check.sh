@@ -41,12 +41,12 @@ step() { # step SECONDS NAME COMMAND...
   # The GPU's clock (events; host work hidden), then the host's around each synchronized call (overhead included).
   step 120 "RoPE forward at 16k, the goal" $PY benchmarks/rope.py --device cuda --seqs 16384 --dtypes bf16 fp32 \
     --modes fwd --reps 50 --csv "$RESULTS/rope_gpu_16k.csv"
-  step 90 "Triton configurations at 16k" $PY benchmarks/triton_tune.py --seq 16384 --dtypes bf16 fp32 \
-    --layouts bhsd bshd --reps 30 --csv "$RESULTS/rope_gpu_tune.csv"
+  step 120 "Triton configurations at 16k" $PY benchmarks/triton_tune.py --seq 16384 --dtypes bf16 fp32 \
+    --layouts bhsd bshd --block-s 8 16 32 64 --warps 2 4 8 --heads 1 2 4 8 --reps 30 --csv "$RESULTS/rope_gpu_tune.csv"
   step 45 "RoPE forward at 16k, host clock" $PY benchmarks/rope.py --device cuda --seqs 16384 --dtypes bf16 \
     --modes fwd --reps 50 --clock host --providers posenc-triton posenc-torch hf-eager liger flash-attn \
     --csv "$RESULTS/rope_gpu_16k_host.csv"
-  step 150 "RoPE sweep" $PY benchmarks/rope.py --device cuda --seqs 1024 4096 16384 32768 --dtypes bf16 fp32 \
+  step 120 "RoPE sweep" $PY benchmarks/rope.py --device cuda --seqs 1024 4096 16384 32768 --dtypes bf16 fp32 \
     --reps 30 --csv "$RESULTS/rope_gpu.csv"
   step 45 "RoPE module" $PY benchmarks/rope_module.py --device cuda --csv "$RESULTS/rope_module_gpu.csv"
   step 45 "bias memory" $PY benchmarks/bias_memory.py --device cuda --seq 8192 --paths materialized flex --csv "$RESULTS/bias_memory_gpu.csv"

@@ -866,35 +866,45 @@ def test_triton_launches_on_the_tensors_gpu(monkeypatch):
 
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize(("d", "r"), [(128, 128), (80, 64)])
-def test_triton_configurations_give_the_default_bits(interleaved, d, r):
-    """BLOCK_S and num_warps (what benchmarks/triton_tune.py sweeps) change the tiling, not the arithmetic: every
-    configuration writes the default's bits, tail channels included, for q and k of different head counts."""
+@pytest.mark.parametrize("kind", ["position_ids", "varlen"])
+def test_triton_configurations_give_the_default_bits(kind, interleaved, d, r):
+    """BLOCK_S, num_warps and heads per program (what benchmarks/triton_tune.py sweeps) change the tiling, not the
+    arithmetic: every configuration writes the default's bits, tail channels included, for q and k of different
+    head counts (5 and 3: head groups of 2 and 4 end part-filled)."""
     triton = pytest.importorskip("triton")
     from posenc.kernels import triton_rope
     from posenc.kernels.ops import triton_plans
 
-    q, k, kwargs, _, _ = make_case("position_ids", b=2, hq=3, hk=1, s=21, d=d, dtype=torch.bfloat16)
+    q, k, kwargs, _, _ = make_case(kind, b=2, hq=5, hk=3, s=21, d=d, dtype=torch.bfloat16)
     cos, sin = table(r, 320)
     q, k, cos, sin = (t.to(TRITON_DEVICE) for t in (q, k, cos, sin))
-    positions = kwargs["positions"].to(TRITON_DEVICE)
+    if kind == "varlen":  # (total, h, d) tokens of several sequences, each with its offset
+        where = {"offsets": kwargs["offset"].to(TRITON_DEVICE), "cu_seqlens": kwargs["cu_seqlens"].to(TRITON_DEVICE)}
+        where |= {"positions": None, "offset": 0}
+        n0, tokens = 1, q.shape[0]
+    else:
+        where = {"positions": kwargs["positions"].to(TRITON_DEVICE), "offsets": None, "offset": 0, "cu_seqlens": None}
+        n0, tokens = q.shape[0], q.shape[2]
 
     def run(**config):
         outs = [torch.full_like(q, float("nan")), torch.full_like(k, float("nan"))]
         plans = triton_plans(
-            [q, k], outs, cos, sin, positions, None, 0, None, "bhsd", interleaved, False, True, **config
+            [q, k], outs, cos, sin, where["positions"], where["offsets"], where["offset"], where["cu_seqlens"],
+            "varlen" if kind == "varlen" else "bhsd", interleaved, False, True, **config,
         )  # fmt: skip
         assert len(plans) == 1
         triton_rope.launch(plans[0])
         return outs, plans[0]
 
     expected, default = run()
-    assert default.options == {"enable_fp_fusion": True}
+    assert default.options == {"enable_fp_fusion": True} and default.constants["HEADS"] == 1
     assert not any(o.isnan().any() for o in expected)
-    for block_s, num_warps in ((1, 1), (4, 2), (16, 8), (64, 4)):
-        outs, plan = run(block_s=block_s, num_warps=num_warps)
+    for block_s, num_warps, heads in ((1, 1, 1), (4, 2, 2), (16, 8, 1), (64, 4, 4), (8, 4, 8)):
+        outs, plan = run(block_s=block_s, num_warps=num_warps, heads_per_program=heads)
         assert plan.constants["BLOCK_S"] == block_s and plan.options["num_warps"] == num_warps
-        assert plan.grid == (triton.cdiv(21, block_s) * 2 * 4,)
-        assert all(map(torch.equal, outs, expected)), f"BLOCK_S={block_s} num_warps={num_warps}"
+        groups = triton.cdiv(5, heads) + triton.cdiv(3, heads)
+        assert plan.grid == (triton.cdiv(tokens, block_s) * n0 * groups,)
+        assert all(map(torch.equal, outs, expected)), f"BLOCK_S={block_s} num_warps={num_warps} heads={heads}"
 
 
 def test_host_side_power_of_two_matches_tritons():
@@ -920,6 +930,16 @@ def test_triton_configurations_are_checked():
     for bad in (0, 3, 64, True):
         with pytest.raises(ValueError, match=r"num_warps must be one of \(1, 2, 4, 8, 16, 32\)"):
             plan(num_warps=bad)
+    for bad in (0, 65, 2.0, True):
+        with pytest.raises(ValueError, match=r"heads_per_program must be an int in 1..64"):
+            plan(heads_per_program=bad)
+    # cos/sin given per head (a broadcast 4-D view whose head axis is not 1): one load cannot serve two heads.
+    per_head = torch.zeros(1, 2, 8, 8)
+    with pytest.raises(ValueError, match="these cos/sin differ by head; pass heads_per_program=1"):
+        triton_plans([x], [torch.empty_like(x)], per_head, per_head, None, None, 0, None, "broadcast", False, False,
+                     True, heads_per_program=2)  # fmt: skip
+    assert triton_plans([x], [torch.empty_like(x)], per_head, per_head, None, None, 0, None, "broadcast", False,
+                        False, True, heads_per_program=1)  # fmt: skip
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a CUDA device")

@@ -1,8 +1,9 @@
 """Triton rotary kernel and its launcher (no autograd here; see ``posenc.kernels.ops``).
 
-One launch rotates q and k together (GQA: different head counts). Each program rotates BLOCK_S tokens of one
-head: it loads the cos/sin rows of those tokens once, rotates the r/2 pairs in float32 (float64 if cos is
-float64) and stores in x's dtype; with COPY_TAIL it also copies channels r..d-1. The backward of a rotation is
+One launch rotates q and k together (GQA: different head counts). Each program rotates BLOCK_S tokens of HEADS
+heads (1 by default) of q or of k: it loads the positions and cos/sin rows of those tokens once, rotates the r/2
+pairs of each head in float32 (float64 if cos is float64) and stores in x's dtype; with COPY_TAIL it also copies
+channels r..d-1. The backward of a rotation is
 the same kernel with CONJUGATE (the rotation by -angle is the transpose).
 
 Positions, per token t of sequence i0: ``POS[i0, t]`` (HAS_POS) or t, plus ``OFFSETS[i0]`` (HAS_OFFSETS) plus
@@ -53,6 +54,8 @@ def _rope_kernel(
     n2,
     n_blocks,
     heads_q,
+    heads_k,
+    groups_q,
     n_seq,
     search_steps,
     sq0,
@@ -79,6 +82,7 @@ def _rope_kernel(
     TAIL: tl.constexpr,
     DENSE_COS: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    HEADS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_T: tl.constexpr,
     INTERLEAVED: tl.constexpr,
@@ -90,27 +94,37 @@ def _rope_kernel(
     CHECK_ROWS: tl.constexpr,
     VIA_FLOAT32: tl.constexpr,
 ):
-    # One flat grid of (head, i0, token block), token blocks fastest: CUDA caps grid dims 1 and 2 at 65535, which
-    # a batch, or the heads axis of a broadcast call given x as (b * s, h, d), can pass.
+    # One flat grid of (head group, i0, token block), token blocks fastest: CUDA caps grid dims 1 and 2 at 65535,
+    # which a batch, or the heads axis of a broadcast call given x as (b * s, h, d), can pass.
     # n_blocks = cdiv(n2, BLOCK_S) comes from the host: computed here in i32, n2 + BLOCK_S - 1 wraps near 2**31.
+    # A program rotates HEADS heads of one x (groups_q groups of q, then k's), loading the tokens' positions and
+    # cos/sin rows once for all of them; the host keeps HEADS at 1 where cos/sin differ between heads.
     pid = tl.program_id(0).to(tl.int64)
     pid_s = pid % n_blocks
     i0 = (pid // n_blocks) % n0
-    head = pid // (n_blocks * n0)
-    # Programs past heads_q rotate k: the same code with k's pointers and strides. The row strides are cast so
-    # that both branches agree on the type: Triton passes an int argument as i32, or i64 past 2**31, or as the
-    # constant 1, and a variable may not change type between the branches of an `if`.
-    if head < heads_q:
-        X = Q + i0 * sq0 + head * sq1
-        OUT = OUT_Q + i0 * soq0 + head * soq1
-        CS = i0 * cq0 + head * cq1
+    group = pid // (n_blocks * n0)
+    # Groups past groups_q rotate k: the same code with k's pointers and strides. The strides are cast so that both
+    # branches agree on the type: Triton passes an int argument as i32, or i64 past 2**31, or as the constant 1,
+    # and a variable may not change type between the branches of an `if`.
+    if group < groups_q:
+        first = group * HEADS
+        heads = tl.cast(heads_q, tl.int64)
+        X = Q + i0 * sq0
+        OUT = OUT_Q + i0 * soq0
+        CS = i0 * cq0 + first * cq1
+        x_head = tl.cast(sq1, tl.int64)
+        out_head = tl.cast(soq1, tl.int64)
         x_row = tl.cast(sq2, tl.int64)
         out_row = tl.cast(soq2, tl.int64)
         c_row = tl.cast(cq2, tl.int64)
     else:
-        X = K + i0 * sk0 + (head - heads_q) * sk1
-        OUT = OUT_K + i0 * sok0 + (head - heads_q) * sok1
-        CS = i0 * ck0 + (head - heads_q) * ck1
+        first = (group - groups_q) * HEADS
+        heads = tl.cast(heads_k, tl.int64)
+        X = K + i0 * sk0
+        OUT = OUT_K + i0 * sok0
+        CS = i0 * ck0 + first * ck1
+        x_head = tl.cast(sk1, tl.int64)
+        out_head = tl.cast(sok1, tl.int64)
         x_row = tl.cast(sk2, tl.int64)
         out_row = tl.cast(sok2, tl.int64)
         c_row = tl.cast(ck2, tl.int64)
@@ -159,32 +173,39 @@ def _rope_kernel(
         cos = tl.where(row_ok[:, None], cos, float("nan"))
     if CONJUGATE:
         sin = -sin
-    x_base = X + t[:, None] * x_row
-    out_base = OUT + t[:, None] * out_row
-    if INTERLEAVED:
-        # One contiguous load of all 2 * BLOCK_H channels, split into the even and odd ones in registers.
-        channel = tl.arange(0, 2 * BLOCK_H)
-        ok2 = t_ok[:, None] & (channel < 2 * HALF)[None, :]
-        x = tl.load(x_base + channel[None, :], mask=ok2, other=0.0).to(cos.dtype)
-        x1, x2 = tl.split(tl.reshape(x, (BLOCK_S, BLOCK_H, 2)))
-        out = tl.join(x1 * cos - x2 * sin, x2 * cos + x1 * sin)
-        out = _narrow(tl.reshape(out, (BLOCK_S, 2 * BLOCK_H)), OUT.dtype.element_ty, VIA_FLOAT32)
-        tl.store(out_base + channel[None, :], out, mask=ok2)
-    else:
-        x1 = tl.load(x_base + pair[None, :], mask=ok, other=0.0).to(cos.dtype)
-        x2 = tl.load(x_base + HALF + pair[None, :], mask=ok, other=0.0).to(cos.dtype)
-        o1 = _narrow(x1 * cos - x2 * sin, OUT.dtype.element_ty, VIA_FLOAT32)
-        o2 = _narrow(x2 * cos + x1 * sin, OUT.dtype.element_ty, VIA_FLOAT32)
-        tl.store(out_base + pair[None, :], o1, mask=ok)
-        tl.store(out_base + HALF + pair[None, :], o2, mask=ok)
-    if COPY_TAIL:
-        # A name of its own: `range` compiles to a loop, whose variables may not change type (shape) inside it,
-        # and the interleaved branch's `channel` has 2 * BLOCK_H lanes, not BLOCK_T. The interpreter allowed it.
-        for start in range(0, TAIL, BLOCK_T):
-            tail_channel = 2 * HALF + start + tl.arange(0, BLOCK_T)
-            ok_t = t_ok[:, None] & (tail_channel < 2 * HALF + TAIL)[None, :]
-            tail = tl.load(x_base + tail_channel[None, :], mask=ok_t)
-            tl.store(out_base + tail_channel[None, :], tail, mask=ok_t)
+    for h in tl.static_range(HEADS):
+        head = first + h
+        # A group's last heads may lie past the x's head count: masked off. (A vector, not a scalar: the
+        # interpreter refuses a mask made with a scalar.)
+        row_ok = t_ok & (t * 0 + head < heads)
+        x_base = X + head * x_head + t[:, None] * x_row
+        out_base = OUT + head * out_head + t[:, None] * out_row
+        if INTERLEAVED:
+            # One contiguous load of all 2 * BLOCK_H channels, split into the even and odd ones in registers.
+            channel = tl.arange(0, 2 * BLOCK_H)
+            ok2 = row_ok[:, None] & (channel < 2 * HALF)[None, :]
+            x = tl.load(x_base + channel[None, :], mask=ok2, other=0.0).to(cos.dtype)
+            x1, x2 = tl.split(tl.reshape(x, (BLOCK_S, BLOCK_H, 2)))
+            out = tl.join(x1 * cos - x2 * sin, x2 * cos + x1 * sin)
+            out = _narrow(tl.reshape(out, (BLOCK_S, 2 * BLOCK_H)), OUT.dtype.element_ty, VIA_FLOAT32)
+            tl.store(out_base + channel[None, :], out, mask=ok2)
+        else:
+            ok_h = row_ok[:, None] & pair_ok[None, :]
+            x1 = tl.load(x_base + pair[None, :], mask=ok_h, other=0.0).to(cos.dtype)
+            x2 = tl.load(x_base + HALF + pair[None, :], mask=ok_h, other=0.0).to(cos.dtype)
+            o1 = _narrow(x1 * cos - x2 * sin, OUT.dtype.element_ty, VIA_FLOAT32)
+            o2 = _narrow(x2 * cos + x1 * sin, OUT.dtype.element_ty, VIA_FLOAT32)
+            tl.store(out_base + pair[None, :], o1, mask=ok_h)
+            tl.store(out_base + HALF + pair[None, :], o2, mask=ok_h)
+        if COPY_TAIL:
+            # A name of its own: `range` compiles to a loop, whose variables may not change type (shape) inside
+            # it, and the interleaved branch's `channel` has 2 * BLOCK_H lanes, not BLOCK_T. The interpreter
+            # allowed it.
+            for start in range(0, TAIL, BLOCK_T):
+                tail_channel = 2 * HALF + start + tl.arange(0, BLOCK_T)
+                ok_t = row_ok[:, None] & (tail_channel < 2 * HALF + TAIL)[None, :]
+                tail = tl.load(x_base + tail_channel[None, :], mask=ok_t)
+                tl.store(out_base + tail_channel[None, :], tail, mask=ok_t)
 
 
 def interpreted() -> bool:
@@ -241,6 +262,7 @@ def plan_launch(
     table_rows: int | None,
     block_s: int | None = None,
     num_warps: int | None = None,
+    heads_per_program: int | None = None,
 ) -> Launch | None:
     """Check a call and lay out the kernel's arguments: one launch for q, or q and k; None if there is nothing to do.
 
@@ -250,7 +272,8 @@ def plan_launch(
     cu_seqlens: (n_seq + 1,) int32/int64 for packed tokens (then n0 = 1 and n2 = total tokens) or None;
     table_rows: the rows of the (rows, r/2) table that positions index, or None for cos/sin views read per token;
     a token whose position falls outside the table comes out NaN (the kernel cannot raise);
-    block_s, num_warps: tokens per program (a power of two) and warps per program, in place of the defaults
+    block_s, num_warps, heads_per_program: tokens per program (a power of two), warps per program, and heads per
+    program (1 to 64; above 1 only where cos/sin are the same for every head), in place of the defaults
     (``benchmarks/triton_tune.py`` times them against each other; the results do not depend on them).
     Nothing here needs a GPU, so ``posenc.kernels.triton_targets`` compiles the very launch a call makes.
     """
@@ -323,7 +346,21 @@ def plan_launch(
         raise ValueError(f"block_s must be a power of two (tokens per program), got {block_s!r}")
     if num_warps is not None and (isinstance(num_warps, bool) or num_warps not in WARPS):
         raise ValueError(f"num_warps must be one of {WARPS}, got {num_warps!r}")
+    if heads_per_program is None:
+        heads_per_program = 1
+    elif (
+        isinstance(heads_per_program, bool)
+        or not isinstance(heads_per_program, int)
+        or not 1 <= heads_per_program <= 64
+    ):
+        raise ValueError(f"heads_per_program must be an int in 1..64, got {heads_per_program!r}")
+    elif heads_per_program > 1 and (q_cos_strides[1] or k_cos_strides[1]):
+        raise ValueError(
+            f"heads_per_program={heads_per_program} shares one load of cos/sin between heads, but these cos/sin "
+            "differ by head; pass heads_per_program=1"
+        )
     n_blocks = -(-n2 // block_s)
+    groups_q, groups_k = -(-heads_q // heads_per_program), -(-heads_k // heads_per_program)
     dummy = q  # stands in for absent optional pointers; never read (the matching constexpr is False)
     args = (
         q,
@@ -341,6 +378,8 @@ def plan_launch(
         n2,
         n_blocks,
         heads_q,
+        heads_k,
+        groups_q,
         n_seq,
         n_seq.bit_length() + 1,  # binary-search steps over n_seq + 1 edges
         *x_strides[0],
@@ -356,6 +395,7 @@ def plan_launch(
         "TAIL": tail,
         "DENSE_COS": q_cos_strides[2] == half and k_cos_strides[2] == half,
         "BLOCK_S": block_s,
+        "HEADS": heads_per_program,
         "BLOCK_H": block_h,
         "BLOCK_T": min(64, _next_power_of_2(max(tail, 1))),
         "INTERLEAVED": interleaved,
@@ -367,7 +407,7 @@ def plan_launch(
         "CHECK_ROWS": table_rows is not None,
         "VIA_FLOAT32": cos_dtype == torch.float64 and dtype in (torch.bfloat16, torch.float16),
     }
-    programs = n_blocks * n0 * (heads_q + heads_k)
+    programs = n_blocks * n0 * (groups_q + groups_k)
     if programs > 2**31 - 1:
         raise ValueError(
             f"this call needs {programs} Triton programs, past CUDA's grid limit of 2**31 - 1; split the batch"

@@ -157,6 +157,15 @@ def _case_plans() -> dict[str, Launch]:
         xs, [torch.empty_like(x) for x in xs], torch.zeros(512, 64), torch.zeros(512, 64), None, None, 0, None,
         "bhsd", False, False, True, block_s=64, num_warps=8,
     )  # fmt: skip
+    # Several heads a program (one load of positions and cos/sin for all), packed tokens, a tail. (With adjacent
+    # pairs too, ptxas for sm_80 capped this at 96 registers and spilled 8 bytes: a tuning candidate may, the
+    # launches a call makes by default may not.)
+    xs = [torch.zeros(512, h, 96, dtype=bf16) for h in (8, 2)]
+    (plans["bf16 d96 r64 varlen copy-tail 4 heads a program"],) = triton_plans(
+        xs, [torch.empty_like(x) for x in xs], torch.zeros(1024, 32), torch.zeros(1024, 32), None,
+        torch.zeros(2, dtype=torch.long), 0, torch.tensor([0, 100, 512]), "varlen", False, False, True,
+        heads_per_program=4,
+    )  # fmt: skip
     # q's token stride past 2**31 (Triton passes it as i64) while k's is i32: both must still compile.
     base = plans["bf16 d128 split-half offset"]
     args = list(base.args)
