@@ -907,6 +907,37 @@ def test_triton_configurations_give_the_default_bits(kind, interleaved, d, r):
         assert all(map(torch.equal, outs, expected)), f"BLOCK_S={block_s} num_warps={num_warps} heads={heads}"
 
 
+@pytest.mark.parametrize("heads", [2, 3, 8])
+def test_triton_head_groups_in_place_q_only_conjugate_and_rows_outside_the_table(heads):
+    """Head groups on the other paths: q alone, rotated in place by -angle, a broadcast-over-heads cos/sin view,
+    and positions past the table (those tokens NaN in every head of a group, the rest equal to one head a
+    program)."""
+    pytest.importorskip("triton")
+    from posenc.kernels import triton_rope
+    from posenc.kernels.ops import triton_plans
+
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 5, 9, 64, generator=gen).to(TRITON_DEVICE)
+    cos, sin = (t.to(TRITON_DEVICE) for t in table(64, 16))
+    positions = torch.tensor([[0, 3, 15, 16, 2, 40, 7, 1, 9], [5, 5, 5, 5, 5, 5, 5, 5, 5]]).to(TRITON_DEVICE)
+
+    def run(kind, cos_arg, sin_arg, where, **config):
+        x = q.clone()
+        (plan,) = triton_plans([x], [x], cos_arg, sin_arg, where, None, 0, None, kind, False, True, False, **config)
+        triton_rope.launch(plan)
+        return x
+
+    # A table read at positions, two of them past its 16 rows: those tokens NaN in every head, and only those.
+    expected = run("bhsd", cos, sin, positions)
+    got = run("bhsd", cos, sin, positions, heads_per_program=heads)
+    outside = (positions >= 16)[:, None, :, None].expand_as(q)
+    assert torch.equal(got.isnan(), outside) and torch.equal(expected.isnan(), outside)
+    assert torch.equal(got.nan_to_num(), expected.nan_to_num())
+    # (s, r/2) cos/sin broadcast over batch and heads.
+    expected = run("broadcast", cos[:9], sin[:9], None)
+    assert torch.equal(run("broadcast", cos[:9], sin[:9], None, heads_per_program=heads), expected)
+
+
 def test_host_side_power_of_two_matches_tritons():
     triton = pytest.importorskip("triton")
     from posenc.kernels.triton_rope import _next_power_of_2

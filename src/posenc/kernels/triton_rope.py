@@ -3,8 +3,8 @@
 One launch rotates q and k together (GQA: different head counts). Each program rotates BLOCK_S tokens of HEADS
 heads (1 by default) of q or of k: it loads the positions and cos/sin rows of those tokens once, rotates the r/2
 pairs of each head in float32 (float64 if cos is float64) and stores in x's dtype; with COPY_TAIL it also copies
-channels r..d-1. The backward of a rotation is
-the same kernel with CONJUGATE (the rotation by -angle is the transpose).
+channels r..d-1. The backward of a rotation is the same kernel with CONJUGATE (the rotation by -angle is the
+transpose).
 
 Positions, per token t of sequence i0: ``POS[i0, t]`` (HAS_POS) or t, plus ``OFFSETS[i0]`` (HAS_OFFSETS) plus
 ``offset``; with IS_VARLEN the tokens are packed (t is global), i0 is found by binary search in CU_SEQLENS and
@@ -177,20 +177,20 @@ def _rope_kernel(
         head = first + h
         # A group's last heads may lie past the x's head count: masked off. (A vector, not a scalar: the
         # interpreter refuses a mask made with a scalar.)
-        row_ok = t_ok & (t * 0 + head < heads)
+        head_ok = t_ok & (t * 0 + head < heads)
         x_base = X + head * x_head + t[:, None] * x_row
         out_base = OUT + head * out_head + t[:, None] * out_row
         if INTERLEAVED:
             # One contiguous load of all 2 * BLOCK_H channels, split into the even and odd ones in registers.
             channel = tl.arange(0, 2 * BLOCK_H)
-            ok2 = row_ok[:, None] & (channel < 2 * HALF)[None, :]
+            ok2 = head_ok[:, None] & (channel < 2 * HALF)[None, :]
             x = tl.load(x_base + channel[None, :], mask=ok2, other=0.0).to(cos.dtype)
             x1, x2 = tl.split(tl.reshape(x, (BLOCK_S, BLOCK_H, 2)))
             out = tl.join(x1 * cos - x2 * sin, x2 * cos + x1 * sin)
             out = _narrow(tl.reshape(out, (BLOCK_S, 2 * BLOCK_H)), OUT.dtype.element_ty, VIA_FLOAT32)
             tl.store(out_base + channel[None, :], out, mask=ok2)
         else:
-            ok_h = row_ok[:, None] & pair_ok[None, :]
+            ok_h = head_ok[:, None] & pair_ok[None, :]
             x1 = tl.load(x_base + pair[None, :], mask=ok_h, other=0.0).to(cos.dtype)
             x2 = tl.load(x_base + HALF + pair[None, :], mask=ok_h, other=0.0).to(cos.dtype)
             o1 = _narrow(x1 * cos - x2 * sin, OUT.dtype.element_ty, VIA_FLOAT32)
@@ -203,7 +203,7 @@ def _rope_kernel(
             # allowed it.
             for start in range(0, TAIL, BLOCK_T):
                 tail_channel = 2 * HALF + start + tl.arange(0, BLOCK_T)
-                ok_t = row_ok[:, None] & (tail_channel < 2 * HALF + TAIL)[None, :]
+                ok_t = head_ok[:, None] & (tail_channel < 2 * HALF + TAIL)[None, :]
                 tail = tl.load(x_base + tail_channel[None, :], mask=ok_t)
                 tl.store(out_base + tail_channel[None, :], tail, mask=ok_t)
 
@@ -284,8 +284,6 @@ def plan_launch(
     q, cos0, sin0 = xs[0], coss[0], sins[0]
     device, dtype, q_shape, cos_dtype = q.device, q.dtype, q.shape, cos0.dtype
     cos_ptr, sin_ptr = cos0.data_ptr(), sin0.data_ptr()
-    if dtype not in _DTYPES:
-        raise TypeError(f"q, k and outputs must share one dtype among {_DTYPES}, got {dtype}")
     x_strides, out_strides, cos_strides = [], [], []
     for i, (x, out, cos, sin) in enumerate(zip(xs, outs, coss, sins, strict=True)):
         name = "q" if i == 0 else "k"
@@ -297,7 +295,7 @@ def plan_launch(
             )
         if shape[0] != q_shape[0] or shape[2] != q_shape[2]:
             raise ValueError(f"q and k must share batch and token sizes, got {tuple(q_shape)} and {tuple(shape)}")
-        if x.dtype != dtype or out.dtype != dtype:
+        if x.dtype not in _DTYPES or x.dtype != dtype or out.dtype != dtype:
             raise TypeError(f"q, k and outputs must share one dtype among {_DTYPES}, got {x.dtype} / {out.dtype}")
         if cos.dtype not in (torch.float32, torch.float64) or sin.dtype != cos.dtype or cos.dtype != cos_dtype:
             raise TypeError(f"cos and sin must be float32 (or float64), one dtype, got {cos.dtype} and {sin.dtype}")
@@ -325,6 +323,13 @@ def plan_launch(
     for name, t in (("positions", positions), ("offsets", offsets), ("cu_seqlens", cu_seqlens)):
         if t is not None:
             _check(name, t, device, t.shape, t.stride())
+    n_seq = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else 1
+    if offsets is not None and tuple(offsets.shape) != ((n_seq if cu_seqlens is not None else q_shape[0]),):
+        # The kernel reads one offset per sequence (per batch row, or per packed sequence) without bounds.
+        raise ValueError(
+            f"offsets must be 1-D with one entry per sequence ({n_seq if cu_seqlens is not None else q_shape[0]}), "
+            f"got shape {tuple(offsets.shape)}"
+        )
     two = len(xs) == 2
     if q.numel() == 0:
         if two and xs[1].numel():
@@ -338,7 +343,6 @@ def plan_launch(
     pos_strides = (0, 0)
     if positions is not None:
         pos_strides = (0 if positions.shape[0] == 1 else positions.stride(0), positions.stride(1))
-    n_seq = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else 1
     block_h = _next_power_of_2(half)
     if block_s is None:
         block_s = max(1, min(_next_power_of_2(n2), 4096 // (2 * block_h)))
