@@ -76,9 +76,27 @@ def add_allocation_argument(parser, default: str = "fresh") -> None:
     )
 
 
-def environment(device: str, alloc: str) -> dict:
+def add_clock_argument(parser) -> None:
+    """``--clock`` for the scripts that time CUDA (see ``measure_interleaved``); read it with ``chosen_clock``."""
+    parser.add_argument(
+        "--clock",
+        choices=CLOCKS,
+        default=None,
+        help="CUDA: device (default; the GPU's time, events) or host (each call synchronized, host work included)",
+    )
+
+
+def chosen_clock(parser, args) -> str:
+    """The clock ``--clock`` asks for: by default the GPU's on CUDA and the host's elsewhere."""
+    clock = args.clock or ("device" if args.device == "cuda" else "host")
+    if clock == "device" and args.device != "cuda":
+        parser.error("--clock device needs --device cuda")
+    return clock
+
+
+def environment(device: str, alloc: str, clock: str | None = None) -> dict:
     """The columns every row carries (device, torch, commit); on CPU this pins the allocation regime first
-    (``set_allocation``) and names it in the device column."""
+    (``set_allocation``) and names it in the device column, as it names the clock where one is given."""
     name = device_name(device)
     if device == "cpu":
         name = f"{name}, {set_allocation(alloc)}"
@@ -87,6 +105,8 @@ def environment(device: str, alloc: str) -> dict:
         # its first allocation, so it can only come from the environment the script starts in.
         if os.environ.get("THP_MEM_ALLOC_ENABLE") == "1":
             name += ", THP_MEM_ALLOC_ENABLE=1"
+    if clock is not None:
+        name += f", clock={clock}"
     return {"device": name, "torch": torch.__version__, "commit": commit()}
 
 

@@ -28,8 +28,9 @@ from pathlib import Path
 import torch
 
 from common import (
-    CLOCKS,
     add_allocation_argument,
+    add_clock_argument,
+    chosen_clock,
     environment,
     measure_interleaved,
     rows_against_copy,
@@ -160,21 +161,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--csv", type=Path, default=Path("docs/results/rope_cpu.csv"))
-    parser.add_argument(
-        "--clock",
-        choices=CLOCKS,
-        default=None,
-        help="CUDA: device (default; the GPU's time, events) or host (each call synchronized, host work included)",
-    )
+    add_clock_argument(parser)
     add_allocation_argument(parser)
     args = parser.parse_args()
-    clock = args.clock or ("device" if args.device == "cuda" else "host")
-    if clock == "device" and args.device != "cuda":
-        parser.error("--clock device needs --device cuda")
+    clock = chosen_clock(parser, args)
 
-    env = environment(args.device, args.alloc)
-    if args.device == "cuda":
-        env["device"] += f", clock={clock}"
+    env = environment(args.device, args.alloc, clock if args.device == "cuda" else None)
     rows = []
     for seq in args.seqs:
         for dtype_name in args.dtypes:

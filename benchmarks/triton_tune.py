@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from common import CLOCKS, environment, measure_interleaved, rows_against_copy, write_rows
+from common import add_clock_argument, chosen_clock, environment, measure_interleaved, rows_against_copy, write_rows
 from posenc.kernels.ops import triton_plans
 from posenc.testing import assert_close, random_qk, rope_reference
 
@@ -81,15 +81,12 @@ def main() -> None:
     parser.add_argument("--warps", type=int, nargs="+", default=[1, 2, 4, 8], help="warps per program")
     parser.add_argument("--heads", type=int, nargs="+", default=[1], help="heads per program (sharing cos/sin loads)")
     parser.add_argument("--reps", type=int, default=30)
-    parser.add_argument("--clock", choices=CLOCKS, default=None, help="default: device on CUDA, host on CPU")
     parser.add_argument("--csv", type=Path, default=None)
+    add_clock_argument(parser)
     args = parser.parse_args()
-    clock = args.clock or ("device" if args.device == "cuda" else "host")
-    if clock == "device" and args.device != "cuda":
-        parser.error("--clock device needs --device cuda")
+    clock = chosen_clock(parser, args)
 
-    env = environment(args.device, "system")
-    env["device"] += f", clock={clock}"
+    env = environment(args.device, "system", clock)
     inv_freq = 1.0 / 10000.0 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float64) / HEAD_DIM)
     angles = torch.arange(args.seq, dtype=torch.float64)[:, None] * inv_freq
     rows: list[dict] = []

@@ -228,7 +228,8 @@ def _check(name: str, t: torch.Tensor, device: torch.device, shape: torch.Size, 
 
 def _next_power_of_2(n: int) -> int:
     """triton.next_power_of_2 in plain Python: triton's host helpers go through its JIT wrapper, ~2 us a call,
-    which the five calls of a plan (a decode step's whole launch is tens of microseconds) cannot afford."""
+    which a plan's three calls (and two of triton.cdiv, now inline) cannot afford where a decode step's whole
+    launch is tens of microseconds."""
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
