@@ -197,18 +197,24 @@ def measure_interleaved(
         return _device_clock(cases, reps=reps, device=device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     times: dict[str, list[float]] = {name: [] for name in cases}
-    names = list(cases)
-    for rep in range(reps + 2):
-        for name in names[rep % len(names) :] + names[: rep % len(names)]:
-            fn = cases[name]
-            sync()
-            start = time.perf_counter()
-            result = fn()
-            sync()
-            if rep >= 2:  # two warm-up rounds
-                times[name].append((time.perf_counter() - start) * 1e3)
-            del result
+    for rep, name in _turns(list(cases), reps):
+        sync()
+        start = time.perf_counter()
+        result = cases[name]()
+        sync()
+        if rep >= 0:
+            times[name].append((time.perf_counter() - start) * 1e3)
+        del result
     return times
+
+
+def _turns(names: list[str], reps: int):
+    """(rep, name) in the order cases take turns: two warm-up rounds (rep -2 and -1, not recorded) and then reps
+    rounds, each starting one case further along, so no case always runs right after the same one."""
+    for rep in range(-2, reps):
+        shift = (rep + 2) % len(names)
+        for name in names[shift:] + names[:shift]:
+            yield rep, name
 
 
 def _device_clock(cases: dict[str, Callable[[], object]], *, reps: int, device: str) -> dict[str, list[float]]:
@@ -228,19 +234,19 @@ def _device_clock(cases: dict[str, Callable[[], object]], *, reps: int, device: 
         )
     pairs: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {name: [] for name in cases}
     names = list(cases)
-    for rep in range(reps + 2):
-        for name in names[rep % len(names) :] + names[: rep % len(names)]:
-            flush.sum()
-            if sleep is not None:
-                sleep(SLEEP_CYCLES)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            result = cases[name]()
-            end.record()
-            if rep >= 2:  # two warm-up rounds
-                pairs[name].append((start, end))
-            del result  # freed in stream order, after the clock
-        torch.cuda.synchronize()
+    for turn, (rep, name) in enumerate(_turns(names, reps), start=1):
+        flush.sum()
+        if sleep is not None:
+            sleep(SLEEP_CYCLES)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        result = cases[name]()
+        end.record()
+        if rep >= 0:
+            pairs[name].append((start, end))
+        del result  # freed in stream order, after the clock
+        if turn % len(names) == 0:  # the queue is drained once per round
+            torch.cuda.synchronize()
     return {name: [start.elapsed_time(end) for start, end in events] for name, events in pairs.items()}
 
 

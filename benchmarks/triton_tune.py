@@ -26,9 +26,7 @@ import torch
 from common import add_clock_argument, chosen_clock, environment, measure_interleaved, rows_against_copy, write_rows
 from posenc.kernels.ops import triton_plans
 from posenc.testing import assert_close, random_qk, rope_reference
-
-HEADS_Q, HEADS_K, HEAD_DIM = 32, 8, 128
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from rope import DTYPES, HEAD_DIM, HEADS_K, HEADS_Q, tables
 
 
 def rotation(q, k, cos, sin, layout: str, block_s: int | None, num_warps: int | None, heads: int | None):
@@ -87,15 +85,13 @@ def main() -> None:
     clock = chosen_clock(parser, args)
 
     env = environment(args.device, "system", clock)
-    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float64) / HEAD_DIM)
-    angles = torch.arange(args.seq, dtype=torch.float64)[:, None] * inv_freq
     rows: list[dict] = []
     for dtype_name, layout in itertools.product(args.dtypes, args.layouts):
-        q, k = random_qk(args.batch, HEADS_Q, HEADS_K, args.seq, HEAD_DIM, dtype=DTYPES[dtype_name], device=args.device)
-        if layout == "bshd":
-            q, k = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous()
-        # The (s, d/2) float32 table, angles from float64, as RoPE keeps it.
-        cos, sin = angles.cos().float().to(args.device), angles.sin().float().to(args.device)
+        dtype = DTYPES[dtype_name]
+        q, k = random_qk(
+            args.batch, HEADS_Q, HEADS_K, args.seq, HEAD_DIM, dtype=dtype, layout=layout, device=args.device
+        )
+        cos, sin = tables(args.seq, dtype, args.device)["half"]  # (s, d/2) float32, as RoPE keeps it
         cases = {
             "copy": lambda q=q, k=k: (q.clone(), k.clone()),
             "default": rotation(q, k, cos, sin, layout, None, None, None),
