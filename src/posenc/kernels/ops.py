@@ -15,6 +15,7 @@ import functools
 from collections.abc import Sequence
 
 import torch
+import torch.autograd.forward_ad as fwAD
 
 from posenc.kernels.cpu_rope import DTYPE_CODES, cpu_available, cpu_unavailable_reason, rope_cpu_jobs
 from posenc.kernels.layout import KINDS, Kind, canonical, canonical_cos, consecutive_rows, token_positions
@@ -42,10 +43,24 @@ def _cpu_built() -> bool:
     return cpu_available()
 
 
+def transformed(*tensors: torch.Tensor) -> bool:
+    """Whether a ``torch.func`` transform (vmap, grad, jacrev, jvp, ...) is running, or a forward-mode AD tangent
+    rides on one of ``tensors``. The fused kernels read raw storage and have neither a batching rule nor a
+    forward-mode derivative: a batched tensor has no data pointer, and a tangent would be dropped without a word.
+    Inside torch.compile this is Dynamo's business and answers False."""
+    if torch.compiler.is_compiling():
+        return False
+    if torch._C._are_functorch_transforms_active():
+        return True
+    return fwAD._current_level >= 0 and any(fwAD.unpack_dual(t).tangent is not None for t in tensors)
+
+
 def _fused_problem(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, kind: str, inplace: bool) -> str:
     """Why the fused kernels cannot take this call, or "" when they can."""
     if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
         return "cos/sin require grad and the fused kernels do not differentiate them"
+    if transformed(*xs, cos, sin):
+        return "torch.func transforms (vmap, grad, jacrev, ...) and forward-mode AD run on the torch path only"
     if kind == "broadcast" and any(x.dim() > 4 or x.dim() == 0 for x in xs):
         return "with broadcast cos/sin the fused kernels take x of 1 to 4 dims; reshape x or pass a table"
     if any(x.dtype not in DTYPE_CODES for x in xs):

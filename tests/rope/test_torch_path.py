@@ -1,0 +1,116 @@
+"""The pure-torch rotation: its two formulas (out= writes with the rotation's own backward, and the plain
+differentiable one), and every autograd mode through every backend: torch.func transforms and forward-mode AD run
+on the torch path, never silently through a kernel that drops them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.autograd.forward_ad as fwAD
+
+import posenc
+from posenc.rope.apply import apply_rotary_torch
+from posenc.testing import DTYPES, assert_close
+
+LAYOUTS = [False, True]
+
+
+def angles(rows: int, half: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    theta = torch.randn(rows, half, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) * 10
+    return theta.cos().to(dtype), theta.sin().to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", LAYOUTS)
+@pytest.mark.parametrize("rotary", [16, 10])
+@pytest.mark.parametrize("conjugate", [False, True])
+def test_both_formulas_match_the_float64_rotation(dtype, interleaved, rotary, conjugate):
+    # The out= formula (cos/sin constant) and the plain one (cos/sin needing grad) round differently inside float32
+    # but must both be within the dtype's tolerance of the float64 rotation, and leave channels past r alone.
+    x = torch.randn(2, 3, 5, 16, generator=torch.Generator().manual_seed(0)).to(dtype)
+    cos, sin = angles(5, rotary // 2)
+    fast = apply_rotary_torch(x, cos, sin, interleaved=interleaved, conjugate=conjugate)
+    plain = apply_rotary_torch(
+        x, cos.requires_grad_(), sin.requires_grad_(), interleaved=interleaved, conjugate=conjugate
+    ).detach()
+    reference = apply_rotary_torch(
+        x.double(), cos.detach().double(), sin.detach().double(), interleaved=interleaved, conjugate=conjugate
+    )
+    for out in (fast, plain):
+        assert out.dtype == dtype and out.shape == x.shape
+        assert_close(out, reference)
+        assert torch.equal(out[..., rotary:], x[..., rotary:])
+
+
+def test_the_out_formula_keeps_strides_and_takes_views():
+    # A transposed (b, s, h, d) view and a strided slice: out= writes follow empty_like's layout of x.
+    base = torch.randn(2, 5, 3, 32, dtype=torch.float64)
+    cos, sin = angles(5, 8, torch.float64)
+    for x in (base.transpose(1, 2), base.transpose(1, 2)[..., ::2]):
+        got = apply_rotary_torch(x, cos, sin)
+        expected = apply_rotary_torch(x.contiguous(), cos.requires_grad_(), sin.requires_grad_()).detach()
+        cos, sin = cos.detach(), sin.detach()
+        assert_close(got, expected)
+
+
+@pytest.mark.parametrize("interleaved", LAYOUTS)
+def test_gradients_first_and_second_order(interleaved):
+    # The rotation's backward is its conjugate, called through the same Function: double backward works too.
+    x = torch.randn(1, 2, 4, 12, dtype=torch.float64, requires_grad=True)
+    cos, sin = angles(4, 5, torch.float64)
+    fn = lambda x: apply_rotary_torch(x, cos, sin, interleaved=interleaved)  # noqa: E731
+    assert type(fn(x).grad_fn).__name__ == "_RotateCopyBackward"  # the out= formula, not the plain one
+    assert torch.autograd.gradcheck(fn, (x,))
+    assert torch.autograd.gradgradcheck(fn, (x,))
+
+
+def test_learned_angles_still_get_gradients():
+    x = torch.randn(1, 2, 4, 8, dtype=torch.float64)
+    theta = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: posenc.apply_rotary(x, t.cos(), t.sin(), backend="torch"), (theta,))
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+@pytest.mark.parametrize("interleaved", LAYOUTS)
+def test_torch_func_transforms(backend, interleaved):
+    cos, sin = angles(3, 8)
+    x = torch.randn(1, 2, 3, 16)
+    f = lambda x: posenc.apply_rotary(x, cos, sin, interleaved=interleaved, backend=backend)  # noqa: E731
+    batch = torch.randn(4, 1, 2, 3, 16)
+    assert_close(torch.func.vmap(f)(batch), torch.stack([f(b) for b in batch]))
+    # A rotation is linear: its Jacobian-vector product is the rotation of the vector, and the gradient of
+    # <f(x), w> is the inverse rotation of w.
+    tangent, w = torch.randn_like(x), torch.randn_like(x)
+    _, jvp = torch.func.jvp(f, (x,), (tangent,))
+    assert_close(jvp, f(tangent))
+    grad = torch.func.grad(lambda x: (f(x) * w).sum())(x)
+    assert_close(grad, posenc.apply_rotary(w, cos, sin, interleaved=interleaved, conjugate=True))
+    jacobian = torch.func.jacrev(f)(x)
+    assert jacobian.shape == x.shape + x.shape
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_forward_mode_ad_carries_the_tangent(backend):
+    # The fused kernels have no forward derivative: before "auto" routed around them, the tangent came out None.
+    rope = posenc.RoPE(16, backend=backend)
+    x, t = torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16)
+    with fwAD.dual_level():
+        q, k = rope(fwAD.make_dual(x, t), fwAD.make_dual(x, t), offset=3)
+        tangents = fwAD.unpack_dual(q).tangent, fwAD.unpack_dual(k).tangent
+    expected = rope(t, t, offset=3)
+    for got, want in zip(tangents, expected, strict=True):
+        assert got is not None
+        assert_close(got, want)
+
+
+def test_explicit_fused_backend_refuses_transforms_and_tangents():
+    cos, sin = angles(3, 8)
+    x = torch.randn(1, 2, 3, 16)
+    f = lambda x: posenc.apply_rotary(x, cos, sin, backend="cpu")  # noqa: E731
+    with pytest.raises(ValueError, match=r"torch.func transforms .* use backend='torch'"):
+        torch.func.vmap(f)(x[None])
+    refused = pytest.raises(ValueError, match="forward-mode AD run on the torch path only; use backend='torch'")
+    with fwAD.dual_level(), refused:
+        f(fwAD.make_dual(x, torch.randn_like(x)))
+    with fwAD.dual_level():  # a dual level alone, with no tangent on the inputs, is no reason to refuse
+        assert_close(f(x), posenc.apply_rotary(x, cos, sin))
