@@ -647,3 +647,41 @@ def test_a_deep_copy_of_a_patched_model_is_patched_on_its_own() -> None:
         unpatch_model(twin)
         assert torch.equal(twin(ids).logits, original)
         assert is_patched(model) and torch.equal(model(ids).logits, scaled)
+
+
+@pytest.mark.parametrize(
+    "rope_parameters",
+    [
+        # YaRN without truncation at a large factor, and a narrow Llama 3 band: transformers' float32 blend weight
+        # puts its inv_freq 1.3e-5 and 1.9e-5 (relative) away from the exact one here, past the pow's tolerance.
+        # The patched model still gives the same logits, and must not be refused as a gap in posenc.
+        {
+            "rope_type": "yarn",
+            "rope_theta": 1e4,
+            "factor": 256.0,
+            "original_max_position_embeddings": 4096,
+            "truncate": False,
+        },
+        {
+            "rope_type": "llama3",
+            "rope_theta": 5e5,
+            "factor": 40.0,
+            "low_freq_factor": 0.9428,
+            "high_freq_factor": 1.0628,
+            "original_max_position_embeddings": 2048,
+        },
+    ],
+)
+def test_float32_blend_error_of_transformers_is_not_taken_for_a_different_rotation(rope_parameters: dict) -> None:
+    config = transformers.AutoConfig.for_model(
+        "llama", **{**SIZES, "head_dim": 128, "num_attention_heads": 2, "num_key_value_heads": 2}
+    )
+    config.rope_parameters = rope_parameters
+    config.max_position_embeddings = 4096 * 256
+    torch.manual_seed(0)
+    reference = transformers.AutoModelForCausalLM.from_config(config).eval()
+    patched = copy.deepcopy(reference)
+    patch_model(patched)
+    ids = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(patched(ids).logits, reference(ids).logits, **FP32)

@@ -10,6 +10,7 @@ a float32 product of a float32 frequency; ours is taken in float64).
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import math
 import re
@@ -329,3 +330,122 @@ def test_default_rope_reads_partial_rotary_factor_as_the_model_does(model_type: 
     torch.testing.assert_close(from_table, ours, rtol=0, atol=0)
     torch.testing.assert_close(ours, hf.inv_freq.double(), rtol=1e-6, atol=0)
     assert factor == hf.attention_scaling
+
+
+# The rotation functions of a modeling module, as the models call them: apply_rotary_pos_emb, else the complex
+# form (Llama 4, DeepSeek-V2), else the MLA models' evens-then-odds variant (DeepSeek-V3 has both: its config's
+# rope_interleave decides, and rope_kwargs_from_config reads it).
+ROTATION_ENTRIES = ("apply_rotary_pos_emb", "apply_rotary_emb", "apply_rotary_pos_emb_interleave")
+ROTATION_HELPERS = ("rotate_half", "_apply_rotary_emb", "rotate_every_two", "stack_freqs")
+
+
+def pair_layout_in_source(model_type: str) -> str | None:
+    """'adjacent', 'split', 'negated' (rotation by -angle) or None (no text rotation function), read from the
+    model's modeling code: which channels its rotate_half (or the like) pairs, and with which sign."""
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    try:
+        module = model_type_to_module_name(model_type)
+        modeling = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+    except Exception:  # a modeling module that needs an optional package
+        return None
+    functions = {
+        name: f for name, f in vars(modeling).items() if inspect.isfunction(f) and f.__module__ == modeling.__name__
+    }
+    entry = next((name for name in ROTATION_ENTRIES if name in functions), None)
+    if entry is None:
+        return None
+    source = inspect.getsource(functions[entry])
+    source += "".join(inspect.getsource(functions[h]) for h in ROTATION_HELPERS if h in functions and h in source)
+    code = re.sub(r'r?"""[\s\S]*?"""', "", source)
+    code = "".join(line for line in code.splitlines() if not line.strip().startswith("#")).replace(" ", "")
+    if "torch.cat((x2,-x1)" in code:
+        return "negated"
+    if any(mark in code for mark in ("::2]", "rotate_every_two", "view_as_complex", "-1,2)", "-1,1,2)")):
+        return "adjacent"
+    return "split"
+
+
+def test_the_table_of_adjacent_pair_models_is_the_installed_transformers():
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    layouts = {model_type: pair_layout_in_source(model_type) for model_type in CONFIG_MAPPING_NAMES}
+    assert {t for t, layout in layouts.items() if layout == "adjacent"} == hf_interop._INTERLEAVED_MODELS
+    assert {t for t, layout in layouts.items() if layout == "negated"} <= set(hf_interop._UNSUPPORTED_MODELS)
+    assert sum(layout == "split" for layout in layouts.values()) > 200  # the classifier reads what it should
+
+
+# Built from each model's own config class with small sizes; rotated by its own rotary class and apply function.
+ADJACENT_SAMPLE = [
+    *("cohere", "cohere2", "glm", "glm4", "helium", "ernie4_5", "moonshine", "openai_privacy_filter"),
+    *("llama4_text", "longcat_flash", "glm_moe_dsa", "bailing_hybrid"),
+]
+
+
+@pytest.mark.parametrize("model_type", [*ADJACENT_SAMPLE, "gpt_oss", "llama"])
+def test_rotates_as_models_of_either_pair_layout(model_type: str) -> None:
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    sizes = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, head_dim=16, qk_rope_head_dim=16)
+    config = transformers.AutoConfig.for_model(model_type, **sizes).get_text_config()
+    module = model_type_to_module_name(model_type)
+    modeling = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+    (rotary_class,) = [
+        cls
+        for name, cls in vars(modeling).items()
+        if name.endswith("RotaryEmbedding") and "Vision" not in name and cls.__module__ == modeling.__name__
+    ]
+    gen = torch.Generator().manual_seed(0)
+    positions = torch.tensor([[0, 1, 2, 3, 217, 423, 1000]])
+    q, k = torch.randn(2, 1, 4, 7, 16, generator=gen)
+    angles = rotary_class(config)(q, positions)
+    if hasattr(modeling, "apply_rotary_pos_emb"):
+        theirs = modeling.apply_rotary_pos_emb(q, k, *angles)
+    elif hasattr(modeling, "apply_rotary_pos_emb_interleave"):
+        theirs = modeling.apply_rotary_pos_emb_interleave(q, k, *angles)
+    else:  # Llama 4: (b, s, h, d) and complex frequencies
+        theirs = [x.transpose(1, 2) for x in modeling.apply_rotary_emb(q.transpose(1, 2), k.transpose(1, 2), angles)]
+    rope = rope_from_config(config)
+    assert rope.interleaved == (model_type in ADJACENT_SAMPLE)
+    for ours, hf, x in zip(rope(q, k, positions=positions), theirs, (q, k), strict=True):
+        if hasattr(modeling, "apply_rotary_pos_emb_interleave") and not hasattr(modeling, "apply_rotary_pos_emb"):
+            hf = reinterleave(hf, rope.rotary_dim)
+        excess = (ours - hf).abs() - bound(rope, x, hf, positions)
+        assert excess.max() <= 0, f"{model_type}: max excess {excess.max():.3g}"
+
+
+@pytest.mark.parametrize(
+    ("model_type", "match"),
+    [
+        ("nanochat", "negative angle"),
+        ("deepseek_v4", "last qk_rope_head_dim channels"),
+        ("hy_v4_vl", "multimodal RoPE on adjacent pairs"),
+    ],
+)
+def test_rotations_posenc_cannot_do_are_refused(model_type: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        rope_from_config(transformers.AutoConfig.for_model(model_type))
+
+
+@pytest.mark.parametrize(
+    ("rope", "unused"),
+    [
+        # Yarn-Llama-2's config.json
+        ({"type": "yarn", "factor": 16.0, "original_max_position_embeddings": 4096, "finetuned": True}, "finetuned"),
+        # 'dynamic' scales from max_position_embeddings; transformers never reads the original length there
+        ({"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 1024}, "original_max_position"),
+    ],
+)
+def test_keys_the_type_does_not_read_are_ignored_as_transformers_does(rope, unused):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "max_position_embeddings": 2048}
+    cfg |= {"rope_scaling" if "type" in rope else "rope_parameters": rope, "rope_theta": 10000.0}
+    with pytest.warns(UserWarning, match=f"key\\(s\\) {unused}.* ignored, as transformers ignores them"):
+        ours, factor = rope_from_config(cfg).frequencies(4096)
+    config = transformers.LlamaConfig(**{k: v for k, v in cfg.items() if k != "model_type"})
+    theirs, attention = ROPE_INIT_FUNCTIONS[config.rope_parameters["rope_type"]](config, None, seq_len=4096)
+    torch.testing.assert_close(ours, theirs.double(), rtol=1e-6, atol=0)
+    assert factor == pytest.approx(attention, rel=1e-12)
+    with pytest.raises(ValueError, match=unused):  # given by hand, the same key is refused as a likely typo
+        RoPE(16, rope_parameters={"rope_theta": 10000.0, **rope}, max_position_embeddings=2048)

@@ -97,6 +97,43 @@ def test_frequencies_match_transformers(rope_type: str, hf_oracle) -> None:
     assert checked >= 27 * len(CASES[rope_type])
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize(
+    "params",
+    [
+        *(
+            {"rope_type": "yarn", "factor": f, "original_max_position_embeddings": 4096, "truncate": False}
+            for f in (40.0, 100.0, 256.0, 1000.0)
+        ),
+        {"rope_type": "yarn", "factor": 1000.0, "original_max_position_embeddings": 4096},  # truncated: exact weight
+        {
+            "rope_type": "llama3",
+            "factor": 7.9,
+            "low_freq_factor": 1.44,
+            "high_freq_factor": 1.56,
+            "original_max_position_embeddings": 256,
+        },
+        {
+            "rope_type": "llama3",
+            "factor": 40.0,
+            "low_freq_factor": 0.9428,
+            "high_freq_factor": 1.0628,
+            "original_max_position_embeddings": 2048,
+        },
+    ],
+)
+@pytest.mark.parametrize("theta", [10000.0, 500000.0])
+def test_float32_blends_at_large_factors(head_dim: int, params: dict[str, Any], theta: float, hf_oracle) -> None:
+    # Past the pow's roundings: transformers' float32 blend weight, its error scaled by up to factor - 1 (1.3e-5
+    # relative for YaRN untruncated at factor 256, theta 1e4, d = 128). posenc blends in float64.
+    params = {**params, "rope_theta": theta}
+    max_pos = int(params["original_max_position_embeddings"] * params["factor"])
+    hf_inv, _ = hf_oracle.frequencies(head_dim, params, max_pos)
+    inv, _ = compute_frequencies(parse_rope_parameters(head_dim, params, max_position_embeddings=max_pos))
+    rtol = hf_oracle.inv_freq_rtol(theta) + hf_oracle.blend_rtol(params)
+    torch.testing.assert_close(inv, hf_inv.double(), rtol=rtol, atol=0.0)
+
+
 def test_dynamic_with_a_tensor_seq_len_matches_transformers(hf_oracle) -> None:
     # transformers' dynamic_rope_update passes seq_len as a tensor, which moves the base computation to float32.
     params = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 500000.0}

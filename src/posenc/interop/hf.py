@@ -19,6 +19,7 @@ import importlib
 import inspect
 import json
 import os
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -26,10 +27,30 @@ from typing import Any, Literal
 from posenc._checks import positive_int
 from posenc.rope.module import RoPE
 from posenc.rope.mrope import MRoPE
-from posenc.rope.parameters import pop_rope_type
+from posenc.rope.parameters import COMMON_KEYS, OPTIONAL_KEYS, REQUIRED_KEYS, pop_rope_type
 
-# Model types whose rotation pairs adjacent channels (x0, x1), (x2, x3), ... (rotate_every_two / view_as_complex).
-_INTERLEAVED_MODELS = frozenset({"gptj", "codegen", "deepseek_v2"})
+# Model types whose rotation pairs adjacent channels (x0, x1), (x2, x3), ...: a rotate_half on x[..., ::2] and
+# x[..., 1::2], rotate_every_two, view_as_complex, or pairs rotated in place and stored evens-then-odds (the MLA
+# models' apply_rotary_pos_emb_interleave; the same q.k scores). Every other model type pairs channel i with
+# i + r/2. Read from the modeling code of transformers 5.24; tests/interop/test_rope_from_config.py holds the table
+# to the installed transformers.
+_INTERLEAVED_MODELS = frozenset(
+    {
+        *("bailing_hybrid", "blt", "blt_global_transformer", "blt_local_decoder", "blt_local_encoder", "blt_patcher"),
+        *("codegen", "cohere", "cohere2", "cohere2_moe", "deepseek_v2", "deepseek_v4", "efficientloftr"),
+        *("ernie4_5", "ernie4_5_moe", "glm", "glm4", "glm_moe_dsa", "gptj", "helium"),
+        *("hy_v4_vl", "hy_v4_vl_text", "hy_v4_vl_vision", "lightglue", "llama4", "llama4_text", "llama4_vision_model"),
+        *("longcat_flash", "mistral_large4", "mistral_large4_text", "moonshine", "moonshine_streaming"),
+        *("moonshine_streaming_encoder", "openai_privacy_filter", "pe_audio", "pe_audio_encoder", "pe_audio_video"),
+        *("pe_audio_video_encoder", "pe_video", "pe_video_encoder"),
+    }
+)
+# Model types whose rotation posenc.RoPE cannot do, and why: refused rather than rotated some other way.
+_UNSUPPORTED_MODELS = {
+    "nanochat": "nanochat rotates by the negative angle (its rotate_half is cat(x2, -x1)), which posenc.RoPE does not",
+    "deepseek_v4": "DeepSeek-V4 rotates the last qk_rope_head_dim channels of a head, with two rope dicts (main and "
+    "compress); build posenc.RoPE(qk_rope_head_dim, interleaved=True, base=...) for the rope part yourself",
+}
 # Model types whose config class defaults rope_interleave to True (DeepSeek-V3's config.json omits the key).
 _INTERLEAVE_DEFAULTS = {"deepseek_v3": True}
 # Model types whose rotary dim is given in channels (`rotary_dim`), not as a fraction.
@@ -171,6 +192,8 @@ def rope_kwargs_from_config(config: Any, *, layer_type: str | None = None) -> di
     ):
         cfg = {"model_type": cfg.get("model_type"), **cfg["text_config"]}  # vision-language: the text model's RoPE
     model_type = str(cfg.get("model_type") or "")
+    if model_type in _UNSUPPORTED_MODELS:
+        raise ValueError(f"model_type {model_type!r} is not supported: {_UNSUPPORTED_MODELS[model_type]}")
 
     rope = _first(cfg, "rope_parameters", "rope_scaling") or {}
     if not isinstance(rope, Mapping):
@@ -193,6 +216,10 @@ def rope_kwargs_from_config(config: Any, *, layer_type: str | None = None) -> di
         raise ValueError("interleaved M-RoPE (Qwen3-VL's mrope_interleaved) is not supported; posenc has Qwen2-VL's")
     if mrope_section is None:
         mrope_section = _MROPE_DEFAULTS.get(model_type)
+    if mrope_section is not None and model_type in _INTERLEAVED_MODELS:
+        raise ValueError(
+            f"model_type {model_type!r} is not supported: multimodal RoPE on adjacent pairs; posenc has Qwen2-VL's"
+        )
 
     theta = _first(rope, "rope_theta")
     if theta is None:
@@ -223,6 +250,19 @@ def rope_kwargs_from_config(config: Any, *, layer_type: str | None = None) -> di
     if rope_type in _NEEDS_ORIGINAL and original is not None:
         # transformers gives a top-level original_max_position_embeddings priority (Phi-3 keeps it there).
         rope["original_max_position_embeddings"] = original
+
+    if rope_type in REQUIRED_KEYS:
+        # transformers warns about keys a type does not read and goes on (Yarn-Llama-2's "finetuned", an
+        # original_max_position_embeddings beside 'dynamic', which scales from max_position_embeddings); so does
+        # this, where RoPE(rope_parameters=...) given by hand refuses them as likely typos.
+        unused = sorted(rope.keys() - REQUIRED_KEYS[rope_type] - OPTIONAL_KEYS[rope_type] - COMMON_KEYS)
+        if unused:
+            warnings.warn(
+                f"the config's rope dict has key(s) {', '.join(unused)} that rope_type {rope_type!r} does not read; "
+                "ignored, as transformers ignores them",
+                stacklevel=3,
+            )
+            rope = {key: value for key, value in rope.items() if key not in unused}
 
     head_dim = _first(cfg, "qk_rope_head_dim", "head_dim")
     if head_dim is None:

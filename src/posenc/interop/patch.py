@@ -43,7 +43,7 @@ from torch import nn
 
 from posenc.interop.hf import rope_kwargs_from_config
 from posenc.rope.apply import apply_rotary, apply_rotary_qk
-from posenc.rope.frequencies import SEQ_LEN_DEPENDENT
+from posenc.rope.frequencies import SEQ_LEN_DEPENDENT, float32_blend_rtol
 from posenc.rope.module import RoPE, angles_to_cos_sin
 
 # model_type -> (transformers.models.<name>, its rotary embedding class, its attention class).
@@ -61,7 +61,8 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_ARCHITECTURES)
 # head_dim crashes their unpatched forward, so a saved config asking for one would not load into a working model.
 _WHOLE_HEAD_ATTENTION = frozenset({"gemma", "llama", "mistral", "qwen2", "qwen3"})
 # inv_freq agreement with a float32 frequency buffer: transformers' float32 pow is off by up to
-# (ln(base) + 8) * 2**-24 relative (~1.3e-6 at base 5e5); a wrong rotary dim, base or scaling is off by far more.
+# (ln(base) + 8) * 2**-24 relative (~1.3e-6 at base 5e5), plus float32_blend_rtol for YaRN without truncation and
+# Llama 3 (6e-5 at factor 256); a wrong rotary dim, base or scaling is off by far more.
 _FREQUENCY_RTOL = 1e-5
 
 # The names a patched attention forward resolves differently from its modeling module.
@@ -340,7 +341,7 @@ def _require_same_rotation(rope: RoPE, rotary: list[tuple[str, nn.Module]], arch
             continue
         # A model cast to bf16/fp16 casts these buffers too: allow their rounding.
         finfo = torch.finfo(theirs.dtype)
-        rtol, atol = max(_FREQUENCY_RTOL, finfo.eps), finfo.tiny
+        rtol, atol = max(_FREQUENCY_RTOL + float32_blend_rtol(rope.rope_type, rope.spec.params), finfo.eps), finfo.tiny
         theirs = theirs.detach().to(device="cpu", dtype=torch.float64).flatten()
         scaling = float(scaling)
         problem = None
