@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 from typing import Any
 
 import torch
@@ -30,6 +31,16 @@ def assert_without_sync(condition: torch.Tensor, message: str) -> None:
 def positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def sequence_length(name: str, value: Any) -> int | None:
+    """None (a length derived from the positions) or a positive int, refused alike by encodings that ignore it, so
+    that a bad value shows before a config switches to one that reads it."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+        # An int that varies between compiled calls is symbolic and cannot be formatted; its value (a guard) can.
+        shown = value if isinstance(value, bool) or not isinstance(value, int) else operator.index(value)
+        raise ValueError(f"{name} must be a positive integer (a sequence length), got {shown!r}")
     return value
 
 

@@ -8,13 +8,24 @@ position 20.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from posenc._checks import INDEX_DTYPES, flag, float_dtype, float_tensor, int_tensor, same_device, values_readable
+from posenc._checks import (
+    INDEX_DTYPES,
+    assert_without_sync,
+    flag,
+    float_dtype,
+    float_tensor,
+    int_tensor,
+    same_device,
+    sequence_length,
+    values_readable,
+)
 from posenc.encoding import ActsOn
 from posenc.kernels.ops import BACKENDS
 from posenc.positions import resolve_positions
@@ -79,6 +90,14 @@ def _position_bounds(
         low += sum(values[0::2])
         high += sum(values[1::2])
     return low, high
+
+
+def _length_unreadable(rope_type: str) -> ValueError:
+    return ValueError(
+        f"rope_type {rope_type!r} scales for max(positions) + 1 by default, which cannot be read inside "
+        "torch.compile, a CUDA graph capture or on the meta device; pass seq_len= (the length to scale for, e.g. "
+        "the tokens in the cache plus the new ones)"
+    )
 
 
 class RoPE(nn.Module):
@@ -171,6 +190,8 @@ class RoPE(nn.Module):
         """The seq_len a forward call scales for; advances the 'hf' dynamic NTK state as transformers does."""
         if self.spec.rope_type not in SEQ_LEN_DEPENDENT or positions.numel() == 0:
             return None
+        if not values_readable(positions.device):
+            raise _length_unreadable(self.spec.rope_type)
         length = int(positions.max()) + 1
         if self.mode == "consistent" or self.spec.rope_type != "dynamic":
             return length
@@ -187,26 +208,35 @@ class RoPE(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: (...) integer tensor. Returns cos, sin: (..., r/2) in ``dtype`` on positions' device.
 
-        seq_len: the sequence length that length-dependent types scale for (default: max(positions) + 1).
+        seq_len: the sequence length that length-dependent types scale for (default: max(positions) + 1, which
+        torch.compile and CUDA graph capture cannot read: there these types need it given).
         """
         int_tensor("positions", positions)
         float_dtype("dtype", dtype)
+        sequence_length("seq_len", seq_len)
         if positions.numel() == 0:
             empty = torch.empty((*positions.shape, self.rotary_dim // 2), device=positions.device, dtype=dtype)
             return empty, empty.clone()
-        if torch.compiler.is_compiling() and self.spec.rope_type not in SEQ_LEN_DEPENDENT:
-            # Traced: a table sized by max(positions) would be a data-dependent step that breaks the graph; the
-            # angles give the values the table holds.
-            inv_freq, factor = self.frequencies()
-            return angles_to_cos_sin(positions, inv_freq, factor, dtype)
+        length_dependent = self.spec.rope_type in SEQ_LEN_DEPENDENT
         if positions.device.type == "meta":
             needed = 1
+        elif not values_readable(positions.device):
+            # Traced or captured: a table sized by max(positions), a range check or a default length read from the
+            # positions would each be a data-dependent step that breaks the graph. The angles give the values the
+            # table holds, and the check runs with the graph.
+            assert_without_sync(positions >= 0, "positions must be >= 0, got a negative entry")
+            if length_dependent and seq_len is None:
+                raise _length_unreadable(self.spec.rope_type)
+            # The frequencies are constants of the graph, computed on the host in float64: a length that varies
+            # between calls (which Dynamo makes symbolic) is specialized, one graph per length.
+            inv_freq, factor = self.frequencies(operator.index(seq_len) if length_dependent else None)
+            return angles_to_cos_sin(positions, inv_freq, factor, dtype)
         else:
             low, high = torch.stack(torch.aminmax(positions)).tolist()  # one device sync, not two
             if low < 0:  # a table would wrap around to its last rows
                 raise ValueError(f"positions must be >= 0, got a negative entry ({low})")
             needed = high + 1
-        if self.spec.rope_type in SEQ_LEN_DEPENDENT or needed > _TABLE_LIMIT:
+        if length_dependent or needed > _TABLE_LIMIT:
             inv_freq, factor = self.frequencies(seq_len if seq_len is not None else needed)
             return angles_to_cos_sin(positions, inv_freq, factor, dtype)
         cos, sin = self._table(positions.device, needed, dtype)
@@ -240,12 +270,14 @@ class RoPE(nn.Module):
         positions: (s,) or (b, s) integer ids (e.g. packed documents restarting at 0); default 0..s-1.
         offset: int or (b,) tensor added to the positions (tokens already in a KV cache).
         seq_len: the length ``dynamic`` / ``longrope`` scale for (default: max(positions) + 1; for ``dynamic`` in
-        'hf' mode, the largest length seen, see the class docstring).
+        'hf' mode, the largest length seen, see the class docstring). Required for them inside torch.compile or a
+        CUDA graph capture, where positions cannot be read; a positive int for every type.
         Returns new (q, k) with the input dtypes.
         """
         float_tensor("q", q)
         float_tensor("k", k)
         same_device(("q", "k"), q, k)
+        sequence_length("seq_len", seq_len)  # for every type, though only the length-dependent ones read it
         if q.dtype != k.dtype:
             raise ValueError(f"q and k must have the same dtype, got {q.dtype} and {k.dtype}")
         if layout not in ("bhsd", "bshd"):

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from posenc._checks import base_value, even_positive_int
+from posenc._checks import base_value, even_positive_int, sequence_length
 from posenc.rope.frequencies import SCALINGS
 
 # Per rope_type: keys that must be present and keys that may be present (beyond the common ones).
@@ -91,12 +91,6 @@ def _real(key: str, value: Any, *, low: float, low_inclusive: bool, hint: str = 
     return float(value)
 
 
-def _positive_int(key: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{key} must be a positive integer (a sequence length), got {value!r}")
-    return value
-
-
 def _factor_list(key: str, value: Any, pairs: int) -> tuple[float, ...]:
     # A dict or set has a length too, but no order of pairs (a dict would be read by its keys).
     if isinstance(value, (str, bytes, Mapping, set, frozenset)) or not hasattr(value, "__len__"):
@@ -130,7 +124,7 @@ def _resolve(rope_type: str, params: dict[str, Any], rotary_dim: int, max_pos: i
 
     if rope_type in _NEEDS_ORIGINAL:
         if "original_max_position_embeddings" in out:
-            _positive_int(
+            sequence_length(
                 "rope_parameters['original_max_position_embeddings']", out["original_max_position_embeddings"]
             )
             if rope_type == "longrope" and out["original_max_position_embeddings"] < 2:
@@ -236,7 +230,7 @@ def parse_rope_parameters(
     if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0:
         raise ValueError(f"head_dim must be a positive integer, got {head_dim!r}")
     if max_position_embeddings is not None:
-        _positive_int("max_position_embeddings", max_position_embeddings)
+        sequence_length("max_position_embeddings", max_position_embeddings)
     if rope_parameters is None:
         rope_parameters = {}
     if not isinstance(rope_parameters, Mapping):
@@ -323,7 +317,7 @@ def parse_rope_parameters(
 def compute_frequencies(spec: RopeSpec, *, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
     """(inv_freq (r/2,) float64, attention_factor) for a validated spec and the current sequence length."""
     if seq_len is not None and not torch.compiler.is_compiling():
-        _positive_int("seq_len", seq_len)
+        sequence_length("seq_len", seq_len)
     return SCALINGS[spec.rope_type](
         rotary_dim=spec.rotary_dim,
         base=spec.base,

@@ -1,0 +1,169 @@
+"""RoPE's checks under torch.compile(fullgraph=True), where no value may be read on the host, and seq_len's check."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+
+import posenc
+from posenc.rope.frequencies import SCALINGS, SEQ_LEN_DEPENDENT
+from posenc.testing import random_qk
+
+HEAD_DIM, MAX_POS = 16, 32
+PARAMS: dict[str, dict[str, Any]] = {
+    "default": {"rope_type": "default"},
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    "ntk": {"rope_type": "ntk", "factor": 2.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": MAX_POS},
+    "longrope": {
+        "rope_type": "longrope",
+        "short_factor": [1.0 + 0.05 * i for i in range(HEAD_DIM // 2)],
+        "long_factor": [1.0 + 0.9 * i for i in range(HEAD_DIM // 2)],
+        "original_max_position_embeddings": MAX_POS,
+    },
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
+    "proportional": {"rope_type": "proportional", "partial_rotary_factor": 0.5},
+}
+# Past MAX_POS, so that dynamic and longrope scale: a seq_len dropped on the way would change the values.
+SEQ_LEN = 200
+# What failed was Dynamo's trace, which every backend shares; Inductor's code generation costs seconds per graph on
+# the CPU, so it compiles only the test that reproduces the report, and AOTAutograd's eager backend the rest.
+compile_traced = functools.partial(torch.compile, fullgraph=True, backend="aot_eager")
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test's lambdas share code objects across parameters: without a reset their graphs pile up to Dynamo's
+    recompile limit, past which it would quietly run eager code instead (made an error here)."""
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        yield
+    torch._dynamo.reset()
+
+
+def make_rope(rope_type: str, mode: str = "hf") -> posenc.RoPE:
+    return posenc.RoPE(HEAD_DIM, rope_parameters=PARAMS[rope_type], max_position_embeddings=MAX_POS, mode=mode)
+
+
+def test_every_scaling_type_is_covered():
+    assert set(PARAMS) == set(SCALINGS)
+
+
+def test_dynamic_rope_with_seq_len_compiles_with_inductor():
+    """The report: fullgraph=True failed with 'Could not guard on data-dependent expression u0 < 0' although
+    seq_len= was given."""
+    rope = make_rope("dynamic")
+    q = torch.randn(1, 2, 5, HEAD_DIM)
+    compiled = torch.compile(lambda q, p: rope(q, q, positions=p, seq_len=SEQ_LEN), fullgraph=True)
+    positions = torch.arange(5) + 100
+    for got, want in zip(compiled(q, positions), rope(q, q, positions=positions, seq_len=SEQ_LEN), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    with pytest.raises(RuntimeError, match="must be >= 0"):
+        compiled(q, positions - 200)
+
+
+@pytest.mark.parametrize("mode", ["hf", "consistent"])
+@pytest.mark.parametrize("rope_type", sorted(SEQ_LEN_DEPENDENT))
+def test_length_dependent_rope_compiles_with_seq_len(rope_type, mode):
+    """dynamic and longrope with seq_len= under fullgraph=True: the negativity check read min(positions) on the host
+    (a data-dependent guard that Dynamo refused, even though seq_len left nothing to derive from the positions)."""
+    rope = make_rope(rope_type, mode)
+    q, k = random_qk(2, 2, 1, 5, HEAD_DIM)
+    ids = torch.tensor([[100, 101, 102, 103, 104], [0, 3, 1, 4, 1]])
+    offsets = torch.tensor([3, 90])
+    # One graph per argument structure; an int offset is a constant of its graph.
+    compiled = compile_traced(lambda q, k, kw: rope(q, k, seq_len=SEQ_LEN, **kw))
+    for kwargs in ({"offset": 150}, {"offset": offsets}, {"positions": ids, "offset": offsets}):
+        want = rope(q, k, seq_len=SEQ_LEN, **kwargs)
+        for got, expected in zip(compiled(q, k, kwargs), want, strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    assert rope.hf_scaled_len == MAX_POS  # a given seq_len leaves 'hf' dynamic's state alone, compiled or not
+    # Negative positions still refused: eagerly on the host, compiled by the assert that runs with the graph.
+    for kwargs in ({"offset": torch.tensor([3, -95])}, {"positions": ids - 110, "offset": offsets}):
+        with pytest.raises(ValueError, match="must be >= 0"):
+            rope(q, k, seq_len=SEQ_LEN, **kwargs)
+        with pytest.raises(RuntimeError, match="must be >= 0"):
+            compiled(q, k, kwargs)
+
+
+@pytest.mark.parametrize("rope_type", ["default", "linear", "yarn", "llama3", "dynamic", "longrope"])
+def test_cos_sin_under_compile_matches_eager_and_refuses_negative_positions(rope_type):
+    """cos_sin called directly (as rotate() does for cached keys) gets no check from resolve_positions: compiled, it
+    rotated by negative positions for the types with a fixed table, where eager raises."""
+    rope = make_rope(rope_type)
+    compiled = compile_traced(lambda p: rope.cos_sin(p, seq_len=SEQ_LEN))
+    positions = torch.tensor([[0, 7, 150, 3]])
+    for got, want in zip(compiled(positions), rope.cos_sin(positions, seq_len=SEQ_LEN), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=r"positions must be >= 0"):
+        rope.cos_sin(positions - 5, seq_len=SEQ_LEN)
+    with pytest.raises(RuntimeError, match=r"positions must be >= 0"):
+        compiled(positions - 5)
+
+
+@pytest.mark.parametrize("rope_type", ["linear", "llama3"])
+def test_fixed_frequency_types_compile_with_position_tensors(rope_type):
+    rope = make_rope(rope_type)
+    q, k = random_qk(2, 2, 1, 5, HEAD_DIM)
+    ids, offsets = torch.tensor([[3, 1, 4, 1, 5], [0, 1, 2, 3, 0]]), torch.tensor([5, 70])
+    compiled = compile_traced(lambda q, k, p, o: rope(q, k, positions=p, offset=o))
+    for got, want in zip(compiled(q, k, ids, offsets), rope(q, k, positions=ids, offset=offsets), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["hf", "consistent"])
+def test_a_length_that_cannot_be_read_is_asked_for(mode):
+    """Without seq_len, dynamic scales for max(positions) + 1, a value that compiled code cannot read: the error
+    says to pass seq_len= (it was Dynamo's 'Could not guard on data-dependent expression')."""
+    rope = make_rope("dynamic", mode)
+    q, k = random_qk(1, 2, 1, 5, HEAD_DIM)
+    # Dynamo reports an exception raised while tracing as unsupported, with the exception's message in its text.
+    with pytest.raises(Exception, match=r"pass seq_len="):
+        compile_traced(lambda q, k, p: rope(q, k, positions=p))(q, k, torch.arange(5) + 100)
+    with pytest.raises(Exception, match=r"pass seq_len="):
+        compile_traced(lambda p: rope.cos_sin(p))(torch.arange(5))
+    # The meta device holds no values either (shape inference of a model built there).
+    meta_q = q.to("meta")
+    with pytest.raises(ValueError, match=r"pass seq_len="):
+        rope(meta_q, meta_q)
+    assert rope(meta_q, meta_q, seq_len=SEQ_LEN)[0].shape == q.shape
+
+
+def test_a_length_that_varies_between_compiled_calls_gets_a_graph_each():
+    """Dynamo makes an int argument symbolic once it changes between calls; dynamic's frequencies are float64 host
+    math that a symbolic length cannot go through, so the length is specialized rather than traced."""
+    rope = make_rope("dynamic", "consistent")
+    q, k = random_qk(1, 2, 1, 5, HEAD_DIM)
+    compiled = compile_traced(lambda q, k, n: rope(q, k, offset=20, seq_len=n))
+    for seq_len in (64, 128, 256):
+        for got, want in zip(compiled(q, k, seq_len), rope(q, k, offset=20, seq_len=seq_len), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+SEQ_LEN_MESSAGE = "seq_len must be a positive integer (a sequence length), got {}"
+
+
+@pytest.mark.parametrize("rope_type", sorted(SCALINGS))
+@pytest.mark.parametrize("bad", [-5, 0, "x", True, 2.5, 4.0])
+def test_seq_len_is_checked_alike_by_every_type(rope_type, bad):
+    """A seq_len that only some types read was silently ignored by the others, so a bad value surfaced only once a
+    config switched to dynamic or longrope."""
+    rope = make_rope(rope_type)
+    q, k = random_qk(1, 2, 1, 5, HEAD_DIM)
+    message = SEQ_LEN_MESSAGE.format(repr(bad))
+    for call in (
+        lambda: rope(q, k, seq_len=bad),
+        lambda: rope(q, k, positions=torch.arange(5), seq_len=bad),
+        lambda: rope.cos_sin(torch.arange(5), seq_len=bad),
+        lambda: rope.rotate(q, torch.arange(5)[None], seq_len=bad),
+        # the frequency functions, which share the check
+        lambda: posenc.rope_frequencies(HEAD_DIM, PARAMS["dynamic"], max_position_embeddings=MAX_POS, seq_len=bad),
+    ):
+        with pytest.raises(ValueError) as raised:
+            call()
+        assert str(raised.value) == message
+    assert all(torch.isfinite(t).all() for t in rope(q, k, seq_len=7))
