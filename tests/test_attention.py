@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import pickle
 import warnings
 
 import pytest
@@ -18,8 +20,14 @@ def make_encoding(name: str) -> torch.nn.Module:
     return posenc.build_for_model(name, dim=DIM, num_heads=HEADS, head_dim=HEAD_DIM, max_positions=64)
 
 
-def run(attn: CausalSelfAttention, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None):
-    return attn(add_input_encoding(x, attn.encoding, positions), positions=positions, cache=cache)
+def layer_for(encoding: torch.nn.Module, **options) -> CausalSelfAttention:
+    """The attention a model builds around an encoding: an input encoding stays outside, added to x by ``run``."""
+    inside = None if encoding.acts_on is posenc.ActsOn.INPUT else encoding
+    return CausalSelfAttention(DIM, HEADS, encoding=inside, **options).double()
+
+
+def run(attn, encoding, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None):
+    return attn(add_input_encoding(x, encoding, positions), positions=positions, cache=cache)
 
 
 @pytest.mark.parametrize("name", posenc.available())
@@ -28,15 +36,15 @@ def run(attn: CausalSelfAttention, x: torch.Tensor, positions: torch.Tensor, cac
 def test_kv_cache_decode_equals_full_forward(name, kv_heads, start):
     torch.manual_seed(0)
     encoding = make_encoding(name).double()
-    attn = CausalSelfAttention(DIM, HEADS, num_kv_heads=kv_heads, encoding=encoding).double()
+    attn = layer_for(encoding, num_kv_heads=kv_heads)
     x = torch.randn(2, 12, DIM, dtype=torch.float64)
     positions = torch.arange(start, start + 12)[None]
-    full = run(attn, x, positions)
+    full = run(attn, encoding, x, positions)
 
     cache = KVCache()
-    pieces = [run(attn, x[:, :5], positions[:, :5], cache)]  # prefill
+    pieces = [run(attn, encoding, x[:, :5], positions[:, :5], cache)]  # prefill
     for i in range(5, 12):  # then one token at a time
-        pieces.append(run(attn, x[:, i : i + 1], positions[:, i : i + 1], cache))
+        pieces.append(run(attn, encoding, x[:, i : i + 1], positions[:, i : i + 1], cache))
     assert cache.length == 12
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-12, rtol=1e-12)
 
@@ -82,9 +90,10 @@ def test_a_cache_fed_another_batch_size_is_a_clear_error():
 
 @pytest.mark.parametrize("rope_parameters", [None, {"rope_type": "dynamic", "factor": 2.0}], ids=["rope", "dynamic"])
 def test_a_step_that_cannot_continue_the_cache_changes_nothing(rope_parameters):
-    """Another dtype, or another layer's head count, is a clear error raised before the cache changes, so the
-    corrected retry equals the full forward (a float32 step into a float64 cache once appended its key and then
-    failed in attention; in consistent mode a head mismatch left the unrotated keys as the rotated ones)."""
+    """Another dtype, another layer, or keys of another head count, is a clear error raised before the cache
+    changes, so the corrected retry equals the full forward (a float32 step into a float64 cache once appended its
+    key and then failed in attention; in consistent mode a head mismatch left the unrotated keys as the rotated
+    ones)."""
     torch.manual_seed(0)
     rope = posenc.RoPE(HEAD_DIM, rope_parameters=rope_parameters, max_position_embeddings=4, mode="consistent")
     attn = CausalSelfAttention(DIM, HEADS, num_kv_heads=KV_HEADS, encoding=rope).double()
@@ -98,21 +107,71 @@ def test_a_step_that_cannot_continue_the_cache_changes_nothing(rope_parameters):
     with pytest.raises(TypeError, match=r"KVCache holds torch.float64 keys .* new ones are torch.float32"):
         attn.float()(x[:, 5:].float(), cache=cache)
     attn.double()
-    with pytest.raises(ValueError, match=r"holds keys of 2 heads x 8 channels but the new keys have 4 x 8"):
+    with pytest.raises(ValueError, match=r"one KVCache per layer"):
         other(x[:, 5:], cache=cache)
+    k4 = torch.zeros(1, HEADS, 1, HEAD_DIM, dtype=torch.float64)  # 4 heads, appended by hand
+    with pytest.raises(ValueError, match=r"holds keys of 2 heads x 8 channels but the new keys have 4 x 8"):
+        if cache.unrotated_k is None:
+            cache.update(k4, k4, torch.tensor([[5]]))
+        else:
+            cache.update_rotating(k4, k4, torch.tensor([[5]]), rope)
     assert all(a is b for a, b in zip(held, state(), strict=True))
     torch.testing.assert_close(attn(x[:, 5:], cache=cache), full[:, 5:], atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize(("first", "second"), [("rope", "rope"), ("rope", "alibi"), ("t5", "nope")])
+def test_one_kv_cache_per_layer(first, second):
+    """A second layer handed a filled cache raises before anything is appended: it once appended its keys to the
+    first layer's, so 5 tokens made a cache of 10 and each layer attended to the other's keys, whatever their
+    encodings. A cache pickled and loaded again continues with its layer and still refuses the other one."""
+    torch.manual_seed(0)
+    encodings = {name: make_encoding(name).double() for name in (first, second)}  # rope, rope: one shared RoPE
+    owner = CausalSelfAttention(DIM, HEADS, encoding=encodings[first]).double()
+    other = CausalSelfAttention(DIM, HEADS, encoding=encodings[second]).double()
+    x = torch.randn(1, 6, DIM, dtype=torch.float64)
+    full = owner(x)
+    cache = KVCache()
+    h = owner(x[:, :5], cache=cache)
+    described = rf"another layer \(CausalSelfAttention with {type(encodings[first]).__name__}\)"
+    with pytest.raises(ValueError, match=rf"one KVCache per layer: this KVCache holds the keys of {described}"):
+        other(h, cache=cache)
+    assert cache.length == 5
+
+    restored = pickle.loads(pickle.dumps(cache))
+    torch.testing.assert_close(owner(x[:, 5:], cache=restored), full[:, 5:], atol=1e-12, rtol=1e-12)
+    with pytest.raises(ValueError, match=r"one KVCache per layer"):
+        other(h[:, :1], cache=restored)
+    del owner
+    gc.collect()
+    with pytest.raises(ValueError, match=r"one KVCache per layer: .* of a layer that no longer exists"):
+        other(h[:, :1], cache=restored)
+
+
+@pytest.mark.parametrize(
+    ("encoding", "width"),
+    [(posenc.Sinusoidal(32), 64), (posenc.LearnedAbsolute(16, 16), 32), (posenc.LearnedAbsolute(16, 1), 32)],
+    ids=["sinusoidal", "learned", "learned-one-channel"],
+)
+def test_an_input_encoding_of_another_width_is_a_clear_error(encoding, width):
+    """It was a raw broadcasting error, or with one channel no error: that channel added to every channel of x."""
+    name, dim = type(encoding).__name__, encoding.dim
+    message = (
+        rf"{name} has dim={dim} but x's last dim \(the model width\) is {width}; build the encoding with dim={width}"
+    )
+    with pytest.raises(ValueError, match=message):
+        add_input_encoding(torch.randn(1, 3, width), encoding, torch.arange(3))
 
 
 @pytest.mark.parametrize("name", posenc.available())
 def test_return_attention_keeps_float64(name):
     """Asking for the probabilities must not change the output: float64 stays float64 (it was run in float32)."""
     torch.manual_seed(0)
-    attn = CausalSelfAttention(DIM, HEADS, num_kv_heads=KV_HEADS, encoding=make_encoding(name).double()).double()
+    encoding = make_encoding(name).double()
+    attn = layer_for(encoding, num_kv_heads=KV_HEADS)
     x = torch.randn(2, 9, DIM, dtype=torch.float64)
     positions = torch.arange(9)[None]
-    out, probs = attn(add_input_encoding(x, attn.encoding, positions), return_attention=True)
-    plain = attn(add_input_encoding(x, attn.encoding, positions))
+    out, probs = attn(add_input_encoding(x, encoding, positions), return_attention=True)
+    plain = attn(add_input_encoding(x, encoding, positions))
     assert out.dtype == probs.dtype == torch.float64
     torch.testing.assert_close(out, plain, atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(probs.sum(-1), torch.ones(2, HEADS, 9, dtype=torch.float64), atol=1e-14, rtol=0)
@@ -176,3 +235,10 @@ def test_projections_that_are_not_plain_linears_are_not_held_to_a_weight_dtype()
         quantized = quantize_dynamic(layer, {torch.nn.Linear}, dtype=torch.qint8)
     with torch.no_grad():
         torch.testing.assert_close(quantized(x), layer(x), atol=0.05, rtol=0.0)
+
+
+@pytest.mark.parametrize("name", ["learned", "sinusoidal"])
+def test_an_input_encoding_given_to_the_attention_is_refused(name):
+    """The layer never adds it: it used to run as if it had no encoding, even past a learned table."""
+    with pytest.raises(ValueError, match=r"acts on the input, not in attention: add it to the embeddings once"):
+        CausalSelfAttention(DIM, HEADS, encoding=make_encoding(name))

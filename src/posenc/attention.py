@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
+import weakref
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +31,9 @@ class KVCache:
     For a RoPE in 'consistent' mode whose frequencies change with the length (dynamic NTK, LongRoPE) it also keeps
     ``unrotated_k`` and the ``inv_freq`` that ``k`` was rotated with: ``k`` is extended while the frequencies stay
     the same and rebuilt from ``unrotated_k`` (never re-rotated, so no rounding accumulates) when they change.
+
+    One cache per attention layer: the first ``CausalSelfAttention`` that fills it owns it, and another layer
+    handed it while it holds keys raises ValueError. Another sequence starts with a new ``KVCache()``.
     """
 
     k: torch.Tensor | None = None
@@ -36,10 +41,33 @@ class KVCache:
     positions: torch.Tensor | None = None
     unrotated_k: torch.Tensor | None = None
     rotated_with: torch.Tensor | None = None
+    # A weak reference, so that a cache kept around does not keep its layer's weights alive.
+    _owner: weakref.ref[nn.Module] | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     @property
     def length(self) -> int:
         return 0 if self.k is None else self.k.shape[2]
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A weak reference cannot be pickled, and a layer's identity means nothing in another process: a cache
+        # saved and loaded again (or copied) belongs to the first layer that uses it, as a new one does.
+        state = dict(self.__dict__)
+        state.pop("_owner", None)
+        return state
+
+    def _claim(self, layer: nn.Module) -> None:
+        """Make this cache ``layer``'s; raise ValueError if it holds the keys of another layer."""
+        owner = self._owner() if self._owner is not None else None
+        if self.k is not None and self._owner is not None and owner is not layer:
+            # Two layers appending to one cache each attend to the other's keys, with no shape to tell.
+            which = "a layer that no longer exists" if owner is None else f"another layer ({_describe(owner)})"
+            raise ValueError(
+                f"one KVCache per layer: this KVCache holds the keys of {which}, not of this one "
+                f"({_describe(layer)}); give each attention layer its own posenc.KVCache(), e.g. "
+                "caches = [posenc.KVCache() for _ in layers]"
+            )
+        if owner is not layer:
+            self._owner = weakref.ref(layer)
 
     def check_batch(self, batch: int, *, what: str = "x") -> None:
         """Raise ValueError unless ``batch`` sequences continue the ones this cache holds (any batch if empty)."""
@@ -138,6 +166,11 @@ class KVCache:
         return torch.cat((held, k), dim=2), torch.cat((self.v, v), dim=2), all_positions
 
 
+def _describe(layer: nn.Module) -> str:
+    encoding = getattr(layer, "encoding", None)
+    return f"{type(layer).__name__} with " + ("no encoding" if encoding is None else type(encoding).__name__)
+
+
 def add_input_encoding(x: torch.Tensor, encoding: nn.Module | None, positions: torch.Tensor) -> torch.Tensor:
     """x: (b, s, dim); positions: (s,) or (b or 1, s). Adds the encoding if it acts on the input, else returns x."""
     if encoding is None or encoding.acts_on is not ActsOn.INPUT:
@@ -148,7 +181,13 @@ def add_input_encoding(x: torch.Tensor, encoding: nn.Module | None, positions: t
     # Through resolve_positions, as the attention's own positions: other shapes would broadcast, handing every token
     # the encoding of one position or growing the batch.
     positions = resolve_positions(x.shape[1], batch=x.shape[0], positions=positions, device=x.device)
-    return x + encoding(positions).to(x.dtype)
+    encoded = encoding(positions)
+    if encoded.shape[-1] != x.shape[-1]:
+        raise ValueError(
+            f"the encoding {type(encoding).__name__} has dim={encoded.shape[-1]} but x's last dim (the model width) "
+            f"is {x.shape[-1]}; build the encoding with dim={x.shape[-1]}"
+        )
+    return x + encoded.to(x.dtype)
 
 
 def causal_mask(q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
@@ -194,6 +233,14 @@ class CausalSelfAttention(nn.Module):
                 else ""
             )
             raise TypeError(f"encoding must be an nn.Module or None, got {type(encoding).__name__}{hint}")
+        if encoding is not None and getattr(encoding, "acts_on", None) is ActsOn.INPUT:
+            # The layer cannot add it (it goes into the residual stream once, before the first layer) and would
+            # run as if it had no encoding at all, past a learned table too.
+            raise ValueError(
+                f"encoding {type(encoding).__name__} acts on the input, not in attention: add it to the embeddings "
+                "once with posenc.add_input_encoding(x, encoding, positions) before the layers, and build "
+                "CausalSelfAttention with encoding=None"
+            )
         # A per-head bias with one head broadcasts over every head without a word; any other count fails deep in
         # attention. Both are the wrong model.
         heads = getattr(encoding, "num_heads", None)
@@ -236,6 +283,7 @@ class CausalSelfAttention(nn.Module):
         if cache is not None and not isinstance(cache, KVCache):
             raise TypeError(f"cache must be a posenc.KVCache or None, got {type(cache).__name__}")
         if cache is not None:
+            cache._claim(self)
             cache.check_batch(b)
         pos = cache.next_positions(s) if cache is not None and positions is None else None
         if pos is None:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from posenc.lab import store
 from posenc.lab.model import ByteLM, ModelSpec
@@ -55,3 +57,18 @@ def test_loading_into_another_shape_fails(tmp_path):
     store.save_weights(ByteLM(spec, "rope"), tmp_path / "m.safetensors")
     with pytest.raises(RuntimeError):
         store.load_weights(ByteLM(spec, "learned"), tmp_path / "m.safetensors")
+
+
+def test_weights_saved_while_the_layers_held_input_encodings_still_load():
+    """A learned ByteLM saved at 5579f1a (seed 0), when every layer held the model's encoding and save_model kept
+    the table under the first layer's name: a run interrupted then resumes after an upgrade."""
+    path = Path(__file__).parents[1] / "fixtures" / "lab_learned_v0.safetensors"
+    model = ByteLM(ModelSpec(dim=8, layers=2, heads=2, max_positions=4, mlp_ratio=1), "learned")
+    store.load_weights(model, path)
+    saved = load_file(str(path))
+    assert "blocks.0.attn.encoding.table.weight" in saved and "encoding.table.weight" not in saved
+    state = model.state_dict()
+    assert torch.equal(state.pop("encoding.table.weight"), saved.pop("blocks.0.attn.encoding.table.weight"))
+    assert state.keys() == saved.keys()
+    for name, value in state.items():
+        assert torch.equal(value, saved[name]), name

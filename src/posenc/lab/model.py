@@ -1,8 +1,9 @@
 """A tiny pre-norm decoder-only byte-level language model that takes any registered encoding by name.
 
-One encoding instance is built by ``posenc.registry.build_for_model`` and shared by every layer, and the model
-reads only its ``acts_on`` declaration (through ``add_input_encoding`` and ``CausalSelfAttention``), so there is
-no special case for any family. Shape key: b batch, s sequence, v vocabulary (256 bytes), l layers, h heads.
+One encoding instance is built by ``posenc.registry.build_for_model`` and shared by every layer that uses it, and
+the model reads only its ``acts_on`` declaration (an input encoding goes through ``add_input_encoding`` once, the
+others into every ``CausalSelfAttention``), so there is no special case for any family. Shape key: b batch,
+s sequence, v vocabulary (256 bytes), l layers, h heads.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from posenc.attention import CausalSelfAttention, add_input_encoding
+from posenc.encoding import ActsOn
 from posenc.registry import build_for_model
 
 VOCAB_SIZE = 256  # bytes
@@ -57,7 +59,10 @@ class Block(nn.Module):
     def __init__(self, spec: ModelSpec, encoding: nn.Module) -> None:
         super().__init__()
         self.attn_norm = nn.LayerNorm(spec.dim)
-        self.attn = CausalSelfAttention(spec.dim, spec.heads, encoding=encoding)
+        # An input encoding is added once by ByteLM; the attention takes the ones that act in it.
+        self.attn = CausalSelfAttention(
+            spec.dim, spec.heads, encoding=None if encoding.acts_on is ActsOn.INPUT else encoding
+        )
         self.mlp_norm = nn.LayerNorm(spec.dim)
         self.mlp = nn.Sequential(
             nn.Linear(spec.dim, spec.mlp_ratio * spec.dim), nn.GELU(), nn.Linear(spec.mlp_ratio * spec.dim, spec.dim)

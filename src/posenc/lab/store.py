@@ -7,12 +7,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from safetensors.torch import load_model, save_model
+from safetensors import safe_open
+from safetensors.torch import load_file, load_model, save_model
 from torch import nn
 
 
@@ -57,6 +59,23 @@ def save_weights(model: nn.Module, path: Path, metadata: dict[str, str] | None =
         save_model(model, str(tmp), metadata=metadata)
 
 
+# Until 2026-12-01 every ByteLM layer held the model's encoding, input encodings too, so save_model kept a learned
+# table under the first layer's name; now only the model holds it.
+_LAYER_HELD_INPUT_ENCODING = re.compile(r"blocks\.\d+\.attn\.(encoding\..+)")
+
+
 def load_weights(model: nn.Module, path: Path) -> None:
-    """Load weights saved by ``save_weights`` into a model of the same shape (strict)."""
-    load_model(model, str(path), strict=True)
+    """Load weights saved by ``save_weights`` into a model of the same shape (strict), those of earlier versions
+    too: a run interrupted before an upgrade resumes."""
+    expected = model.state_dict().keys()
+    with safe_open(str(path), framework="pt") as f:
+        stored = set(f.keys())
+    renames = {}
+    for key in stored - expected:
+        match = _LAYER_HELD_INPUT_ENCODING.fullmatch(key)
+        if match and match[1] in expected and match[1] not in stored:
+            renames[key] = match[1]
+    if not renames:
+        load_model(model, str(path), strict=True)
+        return
+    model.load_state_dict({renames.get(key, key): value for key, value in load_file(str(path)).items()}, strict=True)
