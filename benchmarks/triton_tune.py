@@ -1,13 +1,14 @@
 """The Triton rotary kernel's configurations side by side: tokens (BLOCK_S) x warps x heads per program.
 
-Every configuration rotates the same q (b, 32, s, 128) and k (b, 8, s, 128), out of place (the forward), in one launch
-planned as ``apply_rotary_qk`` plans it but with BLOCK_S, num_warps and heads_per_program given. Before anything is
-timed, each configuration's output must equal the default's bit for bit (the tiling does not change the arithmetic)
-or, where the compiler rounds differently, be within the dtype's tolerance of the float64 reference (reported). The
-cases take turns rep by rep with ``copy`` (clone() of q and k) and the default plan, which is also timed under its
-explicit configuration: the two rows differ by the run's noise. Rows as ``rope.py``'s, provider "BLOCK_S=32 warps=4
-heads=1", mode "fwd-bhsd" or "fwd-bshd" (how q and k lie in memory), gb_per_s the bytes a rotation must move over the
-p50. On CUDA the GPU's clock by default (``common.measure_interleaved``).
+Every configuration rotates the same q (b, 32, s, 128) and k (b, 8, s, 128), out of place (the forward), in one
+launch planned as ``apply_rotary_qk`` plans it but with BLOCK_S, num_warps and heads_per_program given. Before
+anything is timed, each configuration's output must equal the default's bit for bit (the tiling does not change the
+arithmetic) or, where the compiler rounds differently, be within the dtype's tolerance of the float64 reference
+(reported). The cases take turns rep by rep with ``copy`` (clone() of q and k) and the default plan, which is also
+timed under its explicit configuration: the two rows differ by the run's noise. Rows as ``rope.py``'s, provider
+"BLOCK_S=32 warps=4 heads=1", mode "fwd-bhsd" or "fwd-bshd" (how q and k lie in memory; "-adjacent" appended for
+adjacent pairs, ``--pairs adjacent``), gb_per_s the bytes a rotation must move over the p50. On CUDA the GPU's clock
+by default (``common.measure_interleaved``).
 
     python benchmarks/triton_tune.py --device cuda --seq 16384 --csv docs/results/rope_gpu_tune.csv
 
@@ -29,14 +30,16 @@ from posenc.testing import assert_close, random_qk, rope_reference
 from rope import DTYPES, HEAD_DIM, HEADS_K, HEADS_Q, tables
 
 
-def rotation(q, k, cos, sin, layout: str, block_s: int | None, num_warps: int | None, heads: int | None):
+def rotation(
+    q, k, cos, sin, layout: str, interleaved: bool, block_s: int | None, num_warps: int | None, heads: int | None
+):
     """A timed function: q and k rotated into new tensors by one launch of the given configuration."""
     from posenc.kernels import triton_rope  # imports triton: only once a configuration is asked for
 
     def run() -> list[torch.Tensor]:
         outs = [torch.empty_like(q), torch.empty_like(k)]
         plans = triton_plans(
-            [q, k], outs, cos, sin, None, None, 0, None, layout, False, False, True,
+            [q, k], outs, cos, sin, None, None, 0, None, layout, interleaved, False, True,
             block_s=block_s, num_warps=num_warps, heads_per_program=heads,
         )  # fmt: skip
         for plan in plans:
@@ -46,7 +49,7 @@ def rotation(q, k, cos, sin, layout: str, block_s: int | None, num_warps: int | 
     return run
 
 
-def check(cases: dict, q: torch.Tensor, k: torch.Tensor, layout: str, label: str) -> None:
+def check(cases: dict, q: torch.Tensor, k: torch.Tensor, layout: str, interleaved: bool, label: str) -> None:
     """The default's output against the float64 reference (the dtype's tolerance), and every configuration's
     against the default's, bit for bit; one off by more than rounding stops the run before anything is timed."""
 
@@ -55,15 +58,19 @@ def check(cases: dict, q: torch.Tensor, k: torch.Tensor, layout: str, label: str
 
     expected = cases["default"]()
     positions = torch.arange(q.shape[1 if layout == "bshd" else 2], device=q.device)
+
+    def reference(x: torch.Tensor) -> torch.Tensor:
+        return rope_reference(heads_first(x), positions, interleaved=interleaved)
+
     for x, out in zip((q, k), expected, strict=True):
-        assert_close(heads_first(out), rope_reference(heads_first(x), positions), msg=f"default, {label}")
+        assert_close(heads_first(out), reference(x), msg=f"default, {label}")
     for name, case in cases.items():
         if name in ("copy", "default"):
             continue
         outs = case()
         if not all(map(torch.equal, outs, expected)):
             for x, out in zip((q, k), outs, strict=True):
-                assert_close(heads_first(out), rope_reference(heads_first(x), positions), msg=f"{name}, {label}")
+                assert_close(heads_first(out), reference(x), msg=f"{name}, {label}")
             differ = sum(int((a != b).sum()) for a, b in zip(outs, expected, strict=True))
             print(f"{name} ({label}): {differ} values differ from the default's in rounding, within tolerance")
 
@@ -75,6 +82,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=list(DTYPES))
     parser.add_argument("--layouts", nargs="+", default=["bhsd", "bshd"], choices=["bhsd", "bshd"])
+    parser.add_argument(
+        "--pairs", nargs="+", default=["half"], choices=["half", "adjacent"], help="split-half or adjacent pairs"
+    )
     parser.add_argument("--block-s", type=int, nargs="+", default=[8, 16, 32, 64, 128], help="tokens per program")
     parser.add_argument("--warps", type=int, nargs="+", default=[1, 2, 4, 8], help="warps per program")
     parser.add_argument("--heads", type=int, nargs="+", default=[1], help="heads per program (sharing cos/sin loads)")
@@ -86,26 +96,27 @@ def main() -> None:
 
     env = environment(args.device, "system", clock)
     rows: list[dict] = []
-    for dtype_name, layout in itertools.product(args.dtypes, args.layouts):
-        dtype = DTYPES[dtype_name]
+    for dtype_name, layout, pairs in itertools.product(args.dtypes, args.layouts, args.pairs):
+        dtype, interleaved = DTYPES[dtype_name], pairs == "adjacent"
         q, k = random_qk(
             args.batch, HEADS_Q, HEADS_K, args.seq, HEAD_DIM, dtype=dtype, layout=layout, device=args.device
         )
         cos, sin = tables(args.seq, dtype, args.device)["half"]  # (s, d/2) float32, as RoPE keeps it
         cases = {
             "copy": lambda q=q, k=k: (q.clone(), k.clone()),
-            "default": rotation(q, k, cos, sin, layout, None, None, None),
+            "default": rotation(q, k, cos, sin, layout, interleaved, None, None, None),
         }
         for block_s, warps, heads in itertools.product(args.block_s, args.warps, args.heads):
             name = f"BLOCK_S={block_s} warps={warps} heads={heads}"
-            cases[name] = rotation(q, k, cos, sin, layout, block_s, warps, heads)
-        check(cases, q, k, layout, f"{dtype_name} {layout}")
+            cases[name] = rotation(q, k, cos, sin, layout, interleaved, block_s, warps, heads)
+        mode = f"fwd-{layout}" + ("-adjacent" if interleaved else "")
+        check(cases, q, k, layout, interleaved, f"{dtype_name} {mode}")
         times = measure_interleaved(cases, reps=args.reps, device=args.device, clock=clock)
         shape = f"b={args.batch},hq={HEADS_Q},hk={HEADS_K},s={args.seq},d={HEAD_DIM}"
         rows += rows_against_copy(
             times,
             op="rope",
-            mode=f"fwd-{layout}",
+            mode=mode,
             dtype=dtype_name,
             shape=shape,
             env=env,

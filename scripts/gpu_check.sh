@@ -2,7 +2,7 @@
 # On a machine with a CUDA GPU: the kernel tests with Triton compiled for the GPU (not interpreted), then the GPU
 # benchmarks, the goal first (s = 16k, bf16 and fp32), then the kernel's configurations at that size. Each
 # step runs under its own time limit and a failing step is logged without stopping the next, so one slow or broken
-# step cannot cost the measurements. It writes seven files, within the device tool's eight.
+# step cannot cost the measurements. It writes eight files, the device tool's limit.
 # Needs torch with CUDA, triton, pytest, hypothesis and transformers; posenc itself is read from src/.
 # Liger and flash-attention join the comparison when importable: scripts/gpu_prepare.sh puts them in .gpu/site.
 #
@@ -50,6 +50,10 @@ step() { # step SECONDS NAME COMMAND...
     --reps 30 --csv "$RESULTS/rope_gpu.csv"
   step 45 "RoPE module" $PY benchmarks/rope_module.py --device cuda --csv "$RESULTS/rope_module_gpu.csv"
   step 45 "bias memory" $PY benchmarks/bias_memory.py --device cuda --seq 8192 --paths materialized flex --csv "$RESULTS/bias_memory_gpu.csv"
+  # Adjacent pairs (GPT-J, Cohere, GLM, Llama 4): there HEADS >= 2 takes 124-128 registers in fp32 (sm_90).
+  step 60 "Triton configurations at 16k, adjacent pairs" $PY benchmarks/triton_tune.py --seq 16384 --dtypes bf16 fp32 \
+    --layouts bhsd --pairs adjacent --block-s 8 16 32 --warps 4 8 --heads 1 2 --reps 20 \
+    --csv "$RESULTS/rope_gpu_tune_adjacent.csv"
   # Last: random calls compile a kernel each (about 30 compiles), and the measurements above matter more.
   step 60 "fuzz, Triton compiled for the GPU" env POSENC_TRITON_NATIVE=1 TRITON_INTERPRET=0 \
     $PY -m pytest -q tests/kernels/test_rope_fuzz.py -p no:cacheprovider -k triton

@@ -77,15 +77,15 @@ def test_triton_tune_checks_and_times_every_configuration(tmp_path: Path) -> Non
     out = tmp_path / "tune.csv"
     _run(
         "triton_tune.py",
-        *("--device", "cpu", "--seq", "8", "--dtypes", "bf16", "--layouts", "bhsd", "bshd"),
-        *("--block-s", "4", "8", "--warps", "1", "2", "--heads", "1", "4", "--reps", "2", "--csv", str(out)),
+        *("--device", "cpu", "--seq", "8", "--dtypes", "bf16", "--layouts", "bhsd", "bshd", "--pairs", "half"),
+        *("adjacent", "--block-s", "4", "8", "--warps", "1", "2", "--heads", "1", "4", "--reps", "2"),
+        *("--csv", str(out)),
         interpret=True,
     )
     rows = _rows(out)
     configs = {f"BLOCK_S={b} warps={w} heads={h}" for b in (4, 8) for w in (1, 2) for h in (1, 4)}
-    assert {(r["provider"], r["mode"]) for r in rows} == {
-        (p, m) for p in {"copy", "default"} | configs for m in ("fwd-bhsd", "fwd-bshd")
-    }
+    modes = ("fwd-bhsd", "fwd-bshd", "fwd-bhsd-adjacent", "fwd-bshd-adjacent")
+    assert {(r["provider"], r["mode"]) for r in rows} == {(p, m) for p in {"copy", "default"} | configs for m in modes}
     assert all("clock=host" in r["device"] and r["gb_per_s"] != "" for r in rows)
 
 
