@@ -169,6 +169,8 @@ angles = torch.randn(4, 4)
         ),
         (lambda: posenc.ALiBi(4).bias(0, 3), ValueError, "q_len must be a positive integer"),
         (lambda: posenc.ALiBi(4).bias(2, 3, offset=-1), ValueError, "offset must be an int >= 0"),
+        (lambda: posenc.ALiBi(4).bias(2, 3, offset=1.0), TypeError, "offset must be an int >= 0"),
+        (lambda: posenc.T5Bias(4).bias(2, 3, offset=torch.tensor(1)), TypeError, "offset must be an int >= 0"),
         (
             lambda: posenc.t5_relative_bucket(torch.tensor([1.0]), bidirectional=False),
             TypeError,

@@ -60,7 +60,11 @@ def _add_figure_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--config", metavar="JSON", help="figure config, or a Hugging Face model config.json")
     g.add_argument("--head-dim", type=int, help="d per attention head (default 64)")
     g.add_argument("--base", type=_finite_float, help="rope_theta (default 10000)")
-    g.add_argument("--rope-type", help="a RoPE scaling type (see `posenc info`)")
+    g.add_argument(
+        "--rope-type",
+        help="a RoPE scaling type (see `posenc info`); the parameters it needs that no --factor / --rope-param gives "
+        "are the figures' examples (posenc.analysis.EXAMPLE_ROPE_PARAMETERS)",
+    )
     g.add_argument("--factor", type=_finite_float, help="the scaling type's context extension factor")
     g.add_argument(
         "--rope-param",

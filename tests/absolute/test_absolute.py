@@ -29,8 +29,9 @@ def test_learned_table_lookup_and_bounds():
     torch.testing.assert_close(enc(positions), enc.table.weight[positions])
     with pytest.raises(ValueError, match=r"position 16 is outside the learned table of max_positions=16"):
         enc(torch.tensor([3, 16]))
-    with pytest.raises(ValueError, match="outside the learned table"):
-        enc(torch.tensor([-1]))
+    # A negative position is not a reason to build a larger table (the message said so).
+    with pytest.raises(ValueError, match=r"positions must be >= 0 \(row indices of the learned table\), got -1"):
+        enc(torch.tensor([-1, 16]))
 
 
 def test_sinusoidal_refuses_negative_positions():

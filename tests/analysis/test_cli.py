@@ -42,8 +42,8 @@ def test_plot_with_a_config_file(tmp_path):
 def test_plot_bad_input(tmp_path, capsys, make_run):
     assert main(["plot", "spiral", "--out", str(tmp_path)]) == 2
     assert "unknown figure(s) 'spiral'" in capsys.readouterr().err
-    assert main(["plot", "wavelengths", "--out", str(tmp_path), "--rope-type", "yarn"]) == 2
-    assert "rope_type 'yarn' needs the key(s) factor" in capsys.readouterr().err
+    assert main(["plot", "wavelengths", "--out", str(tmp_path), "--rope-type", "yarn", "--factor", "0.5"]) == 2
+    assert "factor" in capsys.readouterr().err and not (tmp_path / "wavelengths.png").exists()
     config = tmp_path / "c.json"
     config.write_text("{}")
     assert main(["plot", "--out", str(tmp_path), "--config", str(config), "--base", "500"]) == 2

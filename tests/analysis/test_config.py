@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from posenc import RoPE
-from posenc.analysis import FigureConfig
+from posenc.analysis import FigureConfig, example_rope_parameters
 from posenc.interop import rope_from_config
 
 
@@ -30,6 +30,16 @@ def test_from_flags():
     assert config.eval_len == 2048
     with pytest.raises(ValueError, match="rope_type is given twice"):
         FigureConfig.from_flags(rope_type="yarn", rope_parameters={"rope_type": "linear"})
+
+
+@pytest.mark.parametrize("rope_type", ["llama3", "longrope", "yarn", "linear"])
+def test_a_type_named_alone_is_drawn_with_the_example_parameters(rope_type):
+    # `posenc plot --rope-type llama3` was an error asking for factor, low_freq_factor and high_freq_factor.
+    config = FigureConfig.from_flags(rope_type=rope_type, train_len=512, head_dim=32)
+    expected = example_rope_parameters(rope_type, rotary_dim=32, train_len=512, factor=4.0)
+    assert {k: config.rope_parameters[k] for k in expected} == expected
+    given = FigureConfig.from_flags(rope_type=rope_type, rope_parameters={"factor": 8.0, "rope_theta": 5e5})
+    assert given.base == 5e5 and given.rope_parameters.get("factor", 8.0) == 8.0  # what is given wins
 
 
 def test_hugging_face_config(tmp_path):

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import posenc
-from posenc.testing import alibi_bias_reference, alibi_slopes_reference
+from posenc.testing import alibi_bias_reference, alibi_slopes_reference, attention_reference
 
 
 @pytest.mark.parametrize("num_heads", [1, 2, 3, 5, 6, 8, 12, 16, 20, 24, 32, 40, 64, 71, 80, 112])
@@ -71,3 +71,42 @@ def test_score_bias_never_hides_keys_by_position_id():
     assert torch.isinf(view[:, future]).all()
     reference = alibi_bias_reference(4, [2, 3, 4], list(range(5)))
     torch.testing.assert_close(view[:, ~future].double(), reference[:, ~future], atol=1e-6, rtol=1e-6)
+
+
+def test_float64_attention_is_float64_exact():
+    """A float64 module computes its bias in float64: it was float32, off by 2e-6 at s = 64 (1.7e-8 in the
+    attention output) and by 0.5 at distance 2^25 + 1."""
+    heads, s = 12, 64
+    layer = posenc.CausalSelfAttention(8 * heads, heads, encoding=posenc.ALiBi(heads)).double()
+    positions = list(range(s))
+    bias = layer.encoding.score_bias(torch.arange(s), torch.arange(s))[0]
+    assert bias.dtype == torch.float64
+    torch.testing.assert_close(bias, alibi_bias_reference(heads, positions, positions), rtol=1e-15, atol=0)
+    far = layer.encoding.score_bias(torch.tensor([2**25 + 1]), torch.tensor([0]))[0, :, 0, 0]
+    torch.testing.assert_close(far, alibi_bias_reference(heads, [2**25 + 1], [0])[:, 0, 0], rtol=1e-15, atol=0)
+
+    x = torch.randn(2, s, 8 * heads, dtype=torch.float64)
+    b = x.shape[0]
+    q = layer.q_proj(x).view(b, s, heads, 8).transpose(1, 2)
+    k = layer.k_proj(x).view(b, s, heads, 8).transpose(1, 2)
+    v = layer.v_proj(x).view(b, s, heads, 8).transpose(1, 2)
+    heads_out = attention_reference(q, k, v, bias=alibi_bias_reference(heads, positions, positions))
+    expected = layer.o_proj(heads_out.transpose(1, 2).reshape(b, s, 8 * heads))
+    torch.testing.assert_close(layer(x), expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("cast", [torch.bfloat16, torch.float16, torch.float32])
+def test_casting_the_module_never_rounds_the_slopes(cast):
+    # model.to(bfloat16) rounded the slopes buffer: 2^-0.5 became 0.70703125, 0.6 off at distance 8192.
+    alibi = posenc.ALiBi(12).to(cast)
+    assert alibi.slopes.dtype == torch.float32 and alibi.bias(1, 8193).dtype == torch.float32
+    reference = torch.tensor(alibi_slopes_reference(12), dtype=torch.float64)
+    torch.testing.assert_close(alibi.slopes.double(), reference, rtol=2**-24, atol=0)
+    # .double() after .float() recomputes them in float64, not float32's rounding upcast
+    torch.testing.assert_close(posenc.ALiBi(12).float().double().slopes, reference, rtol=1e-15, atol=0)
+
+
+def test_bias_offset_takes_numpy_integers():
+    import numpy as np
+
+    torch.testing.assert_close(posenc.ALiBi(4).bias(2, 5, offset=np.int64(3)), posenc.ALiBi(4).bias(2, 5, offset=3))

@@ -36,9 +36,11 @@ class LearnedAbsolute(nn.Module):
             float_dtype("dtype", dtype)
         if positions.numel():
             low, high = int(positions.min()), int(positions.max())
-            if low < 0 or high >= self.max_positions:
+            if low < 0:
+                raise ValueError(f"positions must be >= 0 (row indices of the learned table), got {low}")
+            if high >= self.max_positions:
                 raise ValueError(
-                    f"position {high if high >= self.max_positions else low} is outside the learned table of "
+                    f"position {high} is outside the learned table of "
                     f"max_positions={self.max_positions} rows (valid: 0..{self.max_positions - 1}); a learned "
                     "absolute encoding has nothing to say past its table: build it with a larger max_positions"
                 )

@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from posenc._checks import positive_int
+from posenc.analysis.frequencies import EXAMPLE_ROPE_PARAMETERS, example_rope_parameters
 from posenc.interop.hf import rope_kwargs_from_config
-from posenc.rope.parameters import RopeSpec, parse_rope_parameters
+from posenc.rope.parameters import REQUIRED_KEYS, RopeSpec, parse_rope_parameters, pop_rope_type
 
 # Keys of a Hugging Face model config.json that say something about positions; the rest are ignored there.
 _HF_MARKERS = frozenset({"hidden_size", "num_attention_heads", "model_type"})
@@ -166,6 +167,18 @@ class FigureConfig:
         if "type" not in rope:  # the legacy spelling names the type itself
             rope.setdefault("rope_type", "default")
         rope.setdefault("rope_theta", 10000.0)
+        kind = pop_rope_type(dict(rope))
+        if kind in EXAMPLE_ROPE_PARAMETERS and not REQUIRED_KEYS.get(kind, frozenset()) <= rope.keys():
+            # A type named without its required parameters (`posenc plot --rope-type llama3`) is drawn with the
+            # figures' example ones for what is missing, the factor given or 4; a complete set is left as given.
+            d = cls.head_dim if head_dim is None else head_dim
+            rotary = d if kind == "proportional" else int(d * rope.get("partial_rotary_factor", 1.0)) // 2 * 2
+            length = cls.train_len if train_len is None else train_len
+            example = example_rope_parameters(
+                kind, rotary_dim=rotary, train_len=length, factor=rope.get("factor") or 4.0
+            )
+            for key, value in example.items():
+                rope.setdefault(key, value)
         given = {"head_dim": head_dim, "train_len": train_len, "eval_len": eval_len, "num_heads": num_heads}
         return cls(rope_parameters=rope, **{k: v for k, v in given.items() if v is not None})
 

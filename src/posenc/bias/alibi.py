@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from posenc._checks import flag, float_tensor, positive_int, same_device
+from posenc._checks import flag, float_dtype, float_tensor, positive_int, same_device
 from posenc.bias.base import ScoreBias, score_positions
 
 
@@ -17,8 +17,8 @@ def _geometric_slopes(n: int) -> list[float]:
     return [start ** (i + 1) for i in range(n)]
 
 
-def alibi_slopes(num_heads: int) -> torch.Tensor:
-    """Per-head slopes, (h,) float32, computed in float64.
+def alibi_slopes(num_heads: int, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Per-head slopes, (h,) in ``dtype`` (float32 by default), computed in float64.
 
     For h not a power of two, the published rule: the slopes of the closest lower power of two p, then every other
     slope of 2p (the odd powers) for the remaining h - p heads, as in the paper's code and BLOOM.
@@ -28,7 +28,8 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
     slopes = _geometric_slopes(closest)
     if closest != num_heads:
         slopes += _geometric_slopes(2 * closest)[0::2][: num_heads - closest]
-    return torch.tensor(slopes, dtype=torch.float64).to(torch.float32)
+    float_dtype("dtype", dtype)
+    return torch.tensor(slopes, dtype=torch.float64).to(dtype)
 
 
 def alibi_bias(
@@ -37,8 +38,10 @@ def alibi_bias(
     """-slope * |m - n| for query position m and key position n.
 
     slopes: (h,); q_positions: (b, sq) or (sq,); k_positions: (b, sk) or (sk,) integer. Returns (b, h, sq, sk)
-    float32 (b = 1 for 1-D positions). With ``causal`` the future (n > m) is -inf, so the bias alone is a full
-    mask: that is only right where positions are token indices, not for packed documents whose ids restart.
+    float32, or float64 for float64 slopes (b = 1 for 1-D positions): never 16 bits, whose 8 or 11 bits of
+    mantissa cannot hold slope * distance (a bf16 slope 2^-0.5 is off by 8e-5: 0.6 at distance 8192). With
+    ``causal`` the future (n > m) is -inf, so the bias alone is a full mask: that is only right where positions
+    are token indices, not for packed documents whose ids restart.
     ``ALiBi.score_bias`` passes ``causal=False``: attention masks by token order itself.
     """
     float_tensor("slopes", slopes)
@@ -47,8 +50,9 @@ def alibi_bias(
         raise ValueError(f"slopes must be (h,), one per head, got shape {tuple(slopes.shape)}")
     q_positions, k_positions = score_positions(q_positions, k_positions)
     same_device(("slopes", "q_positions"), slopes, q_positions)
-    distance = (q_positions[:, :, None] - k_positions[:, None, :]).to(torch.float32)  # (b, sq, sk)
-    bias = -slopes.to(torch.float32)[None, :, None, None] * distance.abs()[:, None]
+    dtype = torch.float64 if slopes.dtype == torch.float64 else torch.float32
+    distance = (q_positions[:, :, None] - k_positions[:, None, :]).to(dtype)  # (b, sq, sk)
+    bias = -slopes.to(dtype)[None, :, None, None] * distance.abs()[:, None]
     if causal:
         bias = bias.masked_fill((distance < 0)[:, None], float("-inf"))
     return bias
@@ -73,14 +77,26 @@ class ALiBi(ScoreBias):
     def from_model_dims(cls, *, dim: int, num_heads: int, head_dim: int, max_positions: int, **options: Any) -> ALiBi:
         return cls(num_heads, **options)
 
+    def _apply(self, fn, recurse: bool = True) -> ALiBi:  # type: ignore[no-untyped-def]
+        # A cast of the module decides the bias dtype, float64 or float32, but the slopes are recomputed from the
+        # head count rather than cast: model.to(bfloat16) would round 2^-0.5 to 0.70703125, and .double() would
+        # keep float32's rounding of it.
+        super()._apply(fn, recurse)
+        slopes = self.slopes
+        dtype = torch.float64 if slopes.dtype == torch.float64 else torch.float32
+        self._buffers["slopes"] = alibi_slopes(self.num_heads, dtype=dtype).to(slopes.device)
+        return self
+
     def score_bias(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
-        """q_positions: (b, sq) or (sq,), k_positions: (b, sk) or (sk,) integer. Returns (b, h, sq, sk) float32,
-        finite everywhere (the caller's attention mask decides what is future)."""
+        """q_positions: (b, sq) or (sq,), k_positions: (b, sk) or (sk,) integer. Returns (b, h, sq, sk) float32
+        (float64 once the module is cast to float64), finite everywhere (the caller's attention mask decides what
+        is future)."""
         return alibi_bias(self.slopes, q_positions, k_positions, causal=False)
 
     def bias(self, q_len: int, k_len: int, *, offset: int = 0) -> torch.Tensor:
-        """Queries at offset..offset+q_len-1, keys at 0..k_len-1. Returns (h, q_len, k_len) float32; with ``causal``
-        keys after their query are -inf (here positions are token indices, so that is the causal mask)."""
+        """Queries at offset..offset+q_len-1, keys at 0..k_len-1. Returns (h, q_len, k_len) in ``score_bias``'s dtype;
+        with ``causal`` keys after their query are -inf (here positions are token indices, so that is the causal
+        mask)."""
         bias = super().bias(q_len, k_len, offset=offset)
         if not self.causal:
             return bias

@@ -65,6 +65,11 @@ class T5Bias(ScoreBias):
     """num_heads: h; num_buckets, max_distance: as in T5; bidirectional: True for encoders, False for decoders.
 
     ``table`` is a (num_buckets, h) learned embedding.
+
+    As in T5, a decoder's (``bidirectional=False``) relative position n - m > 0 falls in bucket 0, the query's own.
+    Attention masks by token order, not by ids, so with packed documents whose ids restart a query also sees the
+    earlier documents' keys, and those whose ids exceed its own get bucket 0 too (ALiBi's |m - n| keeps penalising
+    them): pack with a document mask, or do not restart the ids.
     """
 
     def __init__(

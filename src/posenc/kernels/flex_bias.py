@@ -100,9 +100,12 @@ def _compiled_call(flex: Callable, q, k, v, score_mod: ScoreMod, block_mask) -> 
             return flex(q, k, v, score_mod=score_mod, block_mask=block_mask)
     except (FailOnRecompileLimitHit, InductorError) as error:
         _GIVEN_UP.add(q.device.type)
+        # The cause in the message: a warning shows no exception chain (a missing C++ compiler read only as
+        # "InductorError"). Its first line, which names it; inductor's messages run on with a traceback.
+        cause = next((line.strip() for line in str(error).splitlines() if line.strip()), "")[:300]
         raise FlexFallback(
-            f"FlexAttention cannot serve this call ({type(error).__name__}); posenc materializes score biases on "
-            f"{q.device.type} for the rest of this process"
+            f"FlexAttention cannot serve this call ({type(error).__name__}: {cause}); posenc materializes score "
+            f"biases on {q.device.type} for the rest of this process"
         ) from error
 
 
