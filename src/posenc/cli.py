@@ -7,6 +7,8 @@ import platform
 import sys
 from collections.abc import Callable, Sequence
 
+from posenc.lab.config import CLI_FLAGS
+
 
 def _info(args: argparse.Namespace) -> int:
     import torch
@@ -187,27 +189,8 @@ def _comma_ints(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers like 64,128,256, got {text!r}") from None
 
 
-# flag -> LabConfig field, for the flags that override a preset's value.
-_LAB_OVERRIDES = {
-    "encodings": "encodings",
-    "extensions": "extensions",
-    "seed": "seed",
-    "seeds": "num_seeds",
-    "corpus": "corpus",
-    "train_len": "train_len",
-    "eval_lengths": "eval_lengths",
-    "score_len": "score_len",
-    "eval_windows": "eval_windows",
-    "steps": "steps",
-    "batch_size": "batch_size",
-    "lr": "lr",
-    "dim": "dim",
-    "layers": "layers",
-    "heads": "heads",
-    "finetune_steps": "finetune_steps",
-    "task": "task",
-    "hf_config": "hf_config",
-}
+# flag (argparse's name) -> LabConfig field, for the flags that override a preset's value.
+_LAB_OVERRIDES = {flag[2:].replace("-", "_"): field for field, flag in CLI_FLAGS.items()}
 
 
 def _lab(args: argparse.Namespace) -> int:

@@ -91,3 +91,10 @@ def test_figures_follow_the_runs_model(tmp_path):
     (run / "results.json").write_text("[")
     with pytest.raises(ValueError, match="is not a JSON object"):
         run_figure_config(run)
+
+
+def test_a_run_that_stopped_before_its_report_says_to_rerun(tmp_path):
+    # A SIGKILLed first run: finished units on disk, no results.csv yet. "No finished measurements" was wrong.
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"stopped before writing results\.csv; rerun the same `posenc lab` command"):
+        read_results(tmp_path)

@@ -124,3 +124,9 @@ def test_every_length_ends_on_the_same_bytes(size, count, lengths):
         assert torch.equal(tail, tails[0])
     for n in lengths:
         assert windows_ending(text, ends, n).shape == (count, n + 1)
+
+
+def test_an_empty_corpus_says_so(tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(ValueError, match=r"is empty \(0 bytes of text\)"):
+        load_corpus(tmp_path / "empty.txt")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -136,3 +137,25 @@ def test_the_config_files_contents_key_the_results(tmp_path):
     first = make_config("quick", hf_config=path).results_key()
     write_config(tmp_path, {**CONFIGS["llama"], "rope_theta": 500000.0})
     assert make_config("quick", hf_config=path).results_key() != first
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ({"model_type": "llama", "rope_theta": "abc"}, "rope_theta must be a number, got .abc."),
+        ({"model_type": "llama", "hidden_act": "bogus"}, "KeyError: 'bogus'"),
+        # it trained a "rope" model that rotates nothing, reported as rope
+        ({"model_type": "gpt_neox", "rotary_pct": 0}, "partial_rotary_factor must be in"),
+        ({"model_type": "llama", "rope_theta": -5}, "rope_theta'\\] must be a finite number > 1"),
+    ],
+)
+def test_values_the_model_cannot_be_built_from_fail_before_anything_is_written(
+    source, message, tmp_path, corpus_dir, capsys
+):
+    """The file's values are checked by building the model, plain and with each extension, at prepare: they used to
+    fail at the first unit with a traceback (after config.json was written), or after training."""
+    path = write_config(tmp_path / "cfg", source)
+    out = tmp_path / "out"
+    status = main(["lab", "--preset", "quick", "--corpus", str(corpus_dir), "--hf-config", path, "--out", str(out)])
+    assert status == 2 and not out.exists()
+    assert re.search(f"hf_config \\(--hf-config\\) .*cannot be built from it: .*{message}", capsys.readouterr().err)

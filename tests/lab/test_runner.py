@@ -261,3 +261,31 @@ def test_cli_float_options_must_be_finite(tmp_path, capsys, value):
         main(["lab", "--preset", "quick", "--out", str(tmp_path), "--lr", value])
     assert exit_info.value.code == 2
     assert f"argument --lr: expected a finite number, got '{value}'" in capsys.readouterr().err
+
+
+def test_a_task_needs_to_fit_the_shortest_eval_length_not_the_training_length(tiny_config, tmp_path):
+    # Tasks run at the eval lengths only; prepare refused this, checking the task against train_len = 8.
+    quiet(tiny_config(task="passkey", eval_lengths=(64, 128)), tmp_path / "out").prepare()
+
+
+def test_a_corpus_a_preset_caps_is_not_told_to_grow(tmp_path):
+    # quick reads at most 1 MiB of any corpus: "use a larger corpus" could not help.
+    config = make_config("quick", eval_windows=200_000)
+    with pytest.raises(ValueError, match=r"the preset reads at most 1048576 bytes of any corpus .*use another preset"):
+        quiet(config, tmp_path / "out").prepare()
+
+
+def test_a_narrower_rerun_says_which_finished_units_its_report_leaves_out(finished, tmp_path, monkeypatch):
+    import dataclasses
+    import shutil
+
+    config, out, _ = finished
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)  # the fixture's folder is shared by the other tests
+    monkeypatch.setattr(runner, "train", lambda *a, **k: pytest.fail("a finished unit was trained again"))
+    lines = []
+    narrow = dataclasses.replace(config, encodings=("rope",), extensions=(), finetune_steps=0)
+    Lab(narrow, copy, progress=False, echo=lines.append).run()
+    others = len(plan(config)) - len(plan(narrow))
+    assert any(f"note: {others} finished unit(s) in {copy} are outside this selection" in line for line in lines)
+    assert {r["encoding"] for r in rows_of(copy)} == {"rope"}

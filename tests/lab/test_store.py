@@ -72,3 +72,23 @@ def test_weights_saved_while_the_layers_held_input_encodings_still_load():
     assert state.keys() == saved.keys()
     for name, value in state.items():
         assert torch.equal(value, saved[name]), name
+
+
+def test_temporaries_of_killed_writers_are_removed_and_live_ones_kept(tmp_path):
+    """A SIGKILL between a write and its rename leaves .NAME.PID.UUID.tmp behind; the next run removes them."""
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    stale = [
+        tmp_path / f".config.json.{dead_pid}.0123456789ab.tmp",
+        tmp_path / "runs" / f".m.{dead_pid}.abcdef012345.tmp",
+    ]
+    live = tmp_path / f".train.json.{os.getpid()}.0123456789ab.tmp"
+    other = tmp_path / ".notes.tmp"  # not a writer's name
+    for path in (*stale, live, other):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("partial")
+    assert sorted(store.remove_stale_temporaries(tmp_path)) == sorted(stale)
+    assert live.exists() and other.exists() and not any(p.exists() for p in stale)

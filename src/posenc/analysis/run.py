@@ -52,6 +52,11 @@ def read_results(run_dir: str | Path) -> list[dict[str, str]]:
         raise ValueError(f"run folder {str(run)!r} does not exist; give the --out folder of a `posenc lab` run")
     path = run / "results.csv"
     if not path.is_file():
+        if (run / "config.json").is_file():  # a run that stopped before its first report: its units are kept
+            raise ValueError(
+                f"run folder {str(run)!r} holds a lab run that stopped before writing results.csv; rerun the same "
+                "`posenc lab` command: it skips the units already finished and writes the report"
+            )
         raise ValueError(
             f"run folder {str(run)!r} has no results.csv (no finished measurements); give the folder a "
             "`posenc lab --out DIR` run wrote"

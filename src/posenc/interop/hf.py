@@ -224,7 +224,10 @@ def rope_kwargs_from_config(config: Any, *, layer_type: str | None = None) -> di
     theta = _first(rope, "rope_theta")
     if theta is None:
         theta = _first(cfg, *_TOP_LEVEL_THETA.get(model_type, ("rope_theta", "rotary_emb_base")))
-    rope["rope_theta"] = float(default_theta if theta is None else theta)
+    try:
+        rope["rope_theta"] = float(default_theta if theta is None else theta)
+    except (TypeError, ValueError):
+        raise ValueError(f"the config's rope_theta must be a number, got {theta!r}") from None
 
     if model_type in _ABSOLUTE_ROTARY_DIM:
         # GPT-J and CodeGen build a fixed table (create_sinusoidal_positions): base 10000, no scaling, whatever

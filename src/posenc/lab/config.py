@@ -120,7 +120,7 @@ class LabConfig:
         for name in ("finetune_steps", "seed"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+                raise ValueError(f"{_named(name)} must be an integer >= 0, got {value!r}")
         _positive_float("lr", self.lr)
         if self.finetune_lr is not None:
             _positive_float("finetune_lr", self.finetune_lr)
@@ -236,14 +236,42 @@ class LabConfig:
         return key
 
 
+# LabConfig field -> the `posenc lab` flag that sets it (posenc.cli reads this table): errors name both.
+CLI_FLAGS = {
+    "encodings": "--encodings",
+    "extensions": "--extensions",
+    "seed": "--seed",
+    "num_seeds": "--seeds",
+    "corpus": "--corpus",
+    "train_len": "--train-len",
+    "eval_lengths": "--eval-lengths",
+    "score_len": "--score-len",
+    "eval_windows": "--eval-windows",
+    "steps": "--steps",
+    "batch_size": "--batch-size",
+    "lr": "--lr",
+    "dim": "--dim",
+    "layers": "--layers",
+    "heads": "--heads",
+    "finetune_steps": "--finetune-steps",
+    "task": "--task",
+    "hf_config": "--hf-config",
+}
+
+
+def _named(field: str) -> str:
+    """The field as errors name it: with its flag, where a flag sets it."""
+    return f"{field} ({CLI_FLAGS[field]})" if field in CLI_FLAGS else field
+
+
 def _positive_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        raise ValueError(f"{_named(name)} must be a positive integer, got {value!r}")
 
 
 def _positive_float(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        raise ValueError(f"{_named(name)} must be a finite number > 0, got {value!r}")
 
 
 _FACTORS = (1, 2, 4, 8)

@@ -94,6 +94,8 @@ def load_corpus(
             f"corpus directory {source!r} holds no text files (looked for {', '.join(sorted(_TEXT_SUFFIXES))})"
         )
     data = _join(files, max_bytes)
+    if not data:
+        raise ValueError(f"corpus {source!r} is empty (0 bytes of text); pass a text file or a folder of text files")
     if len(data) < min_bytes:
         raise ValueError(
             f"corpus {source!r} holds {len(data)} bytes, but this configuration needs at least {min_bytes} "

@@ -152,7 +152,7 @@ def task_samples(kind: str, filler: torch.Tensor, *, seed: int) -> TaskSamples:
     if needle.shape[1] + tail.shape[1] > length:
         raise ValueError(
             f"the {kind} task needs windows of {needle.shape[1] + tail.shape[1] - 1} bytes of context, more than "
-            f"{length - 1}; use a longer --train-len (the shortest eval length) or no task"
+            f"{length - 1}; evaluate at longer lengths (--eval-lengths, --train-len) or run no task"
         )
     window = filler.clone()
     window[:, : needle.shape[1]] = needle

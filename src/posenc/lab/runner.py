@@ -88,18 +88,24 @@ def check_corpus(corpus: Corpus, config: LabConfig) -> None:
     """Raise a ValueError, before anything trains, if the corpus cannot feed this configuration."""
     longest = max(config.eval_lengths)
     val_needed = longest + config.eval_windows
+    # A preset that reads only the start of a corpus (quick: 1 MiB) is not helped by a larger one.
+    capped = config.max_corpus_bytes is not None and corpus.size >= config.max_corpus_bytes
+    more_text = (
+        f"the preset reads at most {config.max_corpus_bytes} bytes of any corpus (max_corpus_bytes): use another preset"
+        if capped
+        else "use a larger corpus"
+    )
     if corpus.val.numel() < val_needed:
         raise ValueError(
             f"corpus {corpus.source!r} holds too little text: {corpus.size} bytes, whose validation part "
             f"({config.val_fraction:.0%}) has {corpus.val.numel()} bytes, but {config.eval_windows} eval windows "
-            f"at length {longest} need {val_needed}; use a larger corpus, fewer --eval-windows or shorter "
-            "--eval-lengths"
+            f"at length {longest} need {val_needed}; {more_text}, fewer --eval-windows or shorter --eval-lengths"
         )
     train_needed = (longest if config.finetune_steps and config.extensions else config.train_len) + 1
     if corpus.train.numel() < train_needed:
         raise ValueError(
             f"corpus {corpus.source!r} holds too little text: its training part has {corpus.train.numel()} bytes, "
-            f"fewer than one window of {train_needed}; use a larger corpus"
+            f"fewer than one window of {train_needed}; {more_text}"
         )
 
 
@@ -203,7 +209,10 @@ class Lab:
         check_corpus(self.corpus, config)
         self.ends = eval_window_ends(self.corpus.val, longest=max(config.eval_lengths), count=config.eval_windows)
         if config.task is not None:  # fails now if the task does not fit the shortest window
-            task_samples(config.task, windows_ending(self.corpus.val, self.ends[:1], config.train_len), seed=0)
+            shortest = min(config.eval_lengths)  # tasks run at the eval lengths only
+            task_samples(config.task, windows_ending(self.corpus.val, self.ends[:1], shortest), seed=0)
+        if config.hf_config is not None:
+            self._check_hf_model()
         self.config_id = config_id(config, self.corpus.sha256)
         if ranks.world_size > 1:
             self._check_ranks_agree()
@@ -212,12 +221,39 @@ class Lab:
             if self.out.exists() and not self.out.is_dir():
                 raise ValueError(f"--out {self.out} exists and is not a folder")
             claim_folder(self.out, config, self.corpus, self.config_id)
+            store.remove_stale_temporaries(self.out)
 
         ranks.decide(claim)
         if ranks.world_size > 1:
             self._check_out_shared()
         self.prepared = True
         self.prepare_seconds = time.perf_counter() - start
+
+    def _check_hf_model(self) -> None:
+        """Build the Hugging Face model once, plain and with each extension, and posenc's RoPE for its config, before
+        anything is written: the file's values (a rope_theta of "abc", an unknown activation, a rotary fraction of
+        0, which would train a "rope" model that rotates nothing) show here, not at the first unit or after
+        training."""
+        from posenc.interop import rope_from_config
+        from posenc.lab.hf_model import HFByteLM
+
+        path = self.config.hf_config
+        longest = max(self.config.eval_lengths)
+        extensions = [
+            self._rope_parameters(e, longest) for e in self.config.extensions if longest > self.config.train_len
+        ]
+        with torch.random.fork_rng(devices=[]):  # the units' weights must not depend on this check
+            for rope_parameters in [None, *extensions]:
+                try:
+                    model = HFByteLM(self.spec, path, rope_parameters)
+                    if rope_parameters is None:
+                        rope_from_config(model.hf.config)
+                except Exception as error:
+                    what = "the model" if rope_parameters is None else f"the model with {rope_parameters['rope_type']}"
+                    raise ValueError(
+                        f"hf_config (--hf-config) {path!r}: {what} cannot be built from it: {type(error).__name__}: "
+                        f"{error}"
+                    ) from error
 
     def _check_ranks_agree(self) -> None:
         # Every rank reads the corpus itself; on several machines they could read different files.
@@ -252,6 +288,16 @@ class Lab:
         if ran_prepare:
             self.prepare()
         units = plan(self.config)
+        if self.ranks.is_main:
+            # A narrower rerun into a folder (fewer encodings, another seed) rewrites the report for its own
+            # selection; the other finished units stay on disk, and saying so keeps that from looking like a loss.
+            planned = {unit.folder(self.out) for unit in units}
+            others = [m.parent for m in (self.out / "runs").glob("*/seed*/metrics.json") if m.parent not in planned]
+            if others:
+                self.echo(
+                    f"note: {len(others)} finished unit(s) in {self.out} are outside this selection and left out of "
+                    "its report; the command that selects them reports them again"
+                )
         metrics, ran = [], 0
         for index, unit in enumerate(units, 1):
             unit_metrics = self.ranks.decide(lambda unit=unit: self._finished(unit))

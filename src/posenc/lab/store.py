@@ -34,6 +34,36 @@ def atomic_path(path: Path) -> Iterator[Path]:
         raise
 
 
+_TEMPORARY = re.compile(r"\..+\.(\d+)\.[0-9a-f]{12}\.tmp")
+
+
+def remove_stale_temporaries(folder: Path) -> list[Path]:
+    """Delete the temporary files that ``atomic_path`` writers killed by SIGKILL (or power loss) left in ``folder``
+    and below, and return them. Readers never see them, but they pile up across resumes, a weights file each at
+    larger presets. A file whose writer process still runs on this machine is left alone."""
+    removed = []
+    for path in folder.rglob(".*.tmp"):
+        match = _TEMPORARY.fullmatch(path.name)
+        if match is None or not path.is_file() or _alive(int(match[1])):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # it exists, under another user
+        return True
+    return True
+
+
 def write_text(path: Path, text: str) -> None:
     with atomic_path(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
