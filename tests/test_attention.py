@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 import pickle
 import warnings
@@ -123,7 +124,8 @@ def test_a_step_that_cannot_continue_the_cache_changes_nothing(rope_parameters):
 def test_one_kv_cache_per_layer(first, second):
     """A second layer handed a filled cache raises before anything is appended: it once appended its keys to the
     first layer's, so 5 tokens made a cache of 10 and each layer attended to the other's keys, whatever their
-    encodings. A cache pickled and loaded again continues with its layer and still refuses the other one."""
+    encodings. A copy (a beam) keeps its owner and refuses the other layer from its first use; a cache pickled and
+    loaded again belongs to the first layer that uses it, here its own, and then refuses the other one."""
     torch.manual_seed(0)
     encodings = {name: make_encoding(name).double() for name in (first, second)}  # rope, rope: one shared RoPE
     owner = CausalSelfAttention(DIM, HEADS, encoding=encodings[first]).double()
@@ -131,11 +133,20 @@ def test_one_kv_cache_per_layer(first, second):
     x = torch.randn(1, 6, DIM, dtype=torch.float64)
     full = owner(x)
     cache = KVCache()
-    h = owner(x[:, :5], cache=cache)
+    with torch.no_grad():  # deepcopy takes only tensors that are leaves of no graph, as a decoding cache's are
+        h = owner(x[:, :5], cache=cache)
     described = rf"another layer \(CausalSelfAttention with {type(encodings[first]).__name__}\)"
     with pytest.raises(ValueError, match=rf"one KVCache per layer: this KVCache holds the keys of {described}"):
         other(h, cache=cache)
     assert cache.length == 5
+
+    for branch in (copy.copy(cache), copy.deepcopy(cache)):  # the other layer first: it was accepted
+        with pytest.raises(ValueError, match=r"one KVCache per layer"):
+            other(h[:, :1], cache=branch)
+        assert branch.length == 5
+    branch = copy.deepcopy(cache)
+    torch.testing.assert_close(owner(x[:, 5:], cache=branch), full[:, 5:], atol=1e-12, rtol=1e-12)
+    assert cache.length == 5 and branch.k is not cache.k
 
     restored = pickle.loads(pickle.dumps(cache))
     torch.testing.assert_close(owner(x[:, 5:], cache=restored), full[:, 5:], atol=1e-12, rtol=1e-12)

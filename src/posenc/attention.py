@@ -8,6 +8,7 @@ t cached + new tokens, h query heads, g key/value heads, d head dim.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import warnings
@@ -50,10 +51,23 @@ class KVCache:
 
     def __getstate__(self) -> dict[str, Any]:
         # A weak reference cannot be pickled, and a layer's identity means nothing in another process: a cache
-        # saved and loaded again (or copied) belongs to the first layer that uses it, as a new one does.
+        # saved and loaded again belongs to the first layer that uses it, as a new one does.
         state = dict(self.__dict__)
         state.pop("_owner", None)
         return state
+
+    def __copy__(self) -> KVCache:
+        # In this process a copy (a beam or a speculative branch) still holds its layer's keys: it keeps the owner.
+        clone = type(self).__new__(type(self))
+        clone.__dict__.update(self.__dict__)
+        return clone
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> KVCache:
+        clone = type(self).__new__(type(self))
+        memo[id(self)] = clone
+        for key, value in self.__dict__.items():
+            clone.__dict__[key] = value if key == "_owner" else copy.deepcopy(value, memo)
+        return clone
 
     def _claim(self, layer: nn.Module) -> None:
         """Make this cache ``layer``'s; raise ValueError if it holds the keys of another layer."""

@@ -110,3 +110,10 @@ def test_bias_offset_takes_numpy_integers():
     import numpy as np
 
     torch.testing.assert_close(posenc.ALiBi(4).bias(2, 5, offset=np.int64(3)), posenc.ALiBi(4).bias(2, 5, offset=3))
+
+
+def test_share_memory_shares_the_slopes_too():
+    # The cast-proof _apply replaced the buffer after share_memory_ had moved it, leaving it unshared.
+    alibi = posenc.ALiBi(8)
+    alibi.share_memory()
+    assert alibi.slopes.is_shared()

@@ -75,20 +75,26 @@ def test_weights_saved_while_the_layers_held_input_encodings_still_load():
 
 
 def test_temporaries_of_killed_writers_are_removed_and_live_ones_kept(tmp_path):
-    """A SIGKILL between a write and its rename leaves .NAME.PID.UUID.tmp behind; the next run removes them."""
+    """A SIGKILL between a write and its rename leaves .NAME.HOST-PID.ID.tmp behind; the next run removes it,
+    also where the new run got the dead one's process id (PID 1 in a container), and keeps what is being written
+    and what other machines wrote (a shared folder: their processes cannot be asked)."""
     import subprocess
     import sys
 
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead_pid = int(dead.stdout)
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True).stdout)
+    host = store._HOST
     stale = [
-        tmp_path / f".config.json.{dead_pid}.0123456789ab.tmp",
-        tmp_path / "runs" / f".m.{dead_pid}.abcdef012345.tmp",
+        tmp_path / f".config.json.{host}-{dead}.0123456789ab.tmp",
+        tmp_path / "runs" / f".model.safetensors.{host}-{dead}.abcdef012345.tmp",
+        tmp_path / f".train.json.{host}-{os.getpid()}.0123456789ab.tmp",  # this id, not written now: a past run's
     ]
-    live = tmp_path / f".train.json.{os.getpid()}.0123456789ab.tmp"
-    other = tmp_path / ".notes.tmp"  # not a writer's name
-    for path in (*stale, live, other):
+    other_host = "0" * 8 if host != "0" * 8 else "1" * 8
+    kept = [tmp_path / f".m.json.{other_host}-{dead}.0123456789ab.tmp", tmp_path / ".notes.tmp"]
+    for path in (*stale, *kept):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("partial")
-    assert sorted(store.remove_stale_temporaries(tmp_path)) == sorted(stale)
-    assert live.exists() and other.exists() and not any(p.exists() for p in stale)
+    with store.atomic_path(tmp_path / "metrics.json") as writing:
+        writing.write_text("{}")
+        assert sorted(store.remove_stale_temporaries(tmp_path)) == sorted(stale)
+        assert writing.exists() and all(p.exists() for p in kept) and not any(p.exists() for p in stale)
+    assert (tmp_path / "metrics.json").read_text() == "{}"

@@ -55,19 +55,6 @@ def inv_freq_rtol(base: float) -> float:
     return (math.log(base) + 8.0) * EPS32
 
 
-def blend_rtol(params: dict) -> float:
-    """What transformers' float32 blend weight adds for YaRN without truncation and Llama 3: the weight's few units
-    of rounding (times high / (high - low) for Llama 3's smoothing) scale the gap between inv and inv / factor, up
-    to factor - 1 times the result. 2 * (factor - 1) * gain units; 0.88 of that measured over 600 random configs."""
-    factor = float(params["factor"])
-    if params["rope_type"] == "yarn" and params.get("truncate") is False:
-        return 2 * (factor - 1) * EPS32
-    if params["rope_type"] == "llama3":
-        high, low = params["high_freq_factor"], params["low_freq_factor"]
-        return 2 * (factor - 1) * high / (high - low) * EPS32
-    return 0.0
-
-
 def cos_sin_atol(angles: torch.Tensor, base: float, attention_factor: float) -> torch.Tensor:
     """Per-element bound on |cos_hf - cos_exact| for angles (float64): transformers multiplies position by a float32
     inv_freq in float32, so the angle is off by angle * (inv_freq_rtol + u); cos, sin and the factor add 2u."""
@@ -82,6 +69,5 @@ def hf_oracle() -> types.SimpleNamespace:
         config=hf_config,
         frequencies=hf_frequencies,
         inv_freq_rtol=inv_freq_rtol,
-        blend_rtol=blend_rtol,
         cos_sin_atol=cos_sin_atol,
     )

@@ -48,6 +48,7 @@ def test_the_out_formula_keeps_strides_and_takes_views():
     cos, sin = angles(5, 8, torch.float64)
     for x in (base.transpose(1, 2), base.transpose(1, 2)[..., ::2]):
         got = apply_rotary_torch(x, cos, sin)
+        assert got.stride() == torch.empty_like(x).stride()
         expected = apply_rotary_torch(x.contiguous(), cos.requires_grad_(), sin.requires_grad_()).detach()
         cos, sin = cos.detach(), sin.detach()
         assert_close(got, expected)

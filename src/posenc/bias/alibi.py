@@ -83,8 +83,13 @@ class ALiBi(ScoreBias):
         # keep float32's rounding of it.
         super()._apply(fn, recurse)
         slopes = self.slopes
-        dtype = torch.float64 if slopes.dtype == torch.float64 else torch.float32
-        self._buffers["slopes"] = alibi_slopes(self.num_heads, dtype=dtype).to(slopes.device)
+        exact = alibi_slopes(self.num_heads, dtype=torch.float64)
+        if slopes.dtype in (torch.float32, torch.float64):
+            # In place, so that what fn did to the storage (share_memory_, a device) stays done.
+            with torch.no_grad():
+                slopes.copy_(exact)
+        else:
+            self._buffers["slopes"] = exact.to(device=slopes.device, dtype=torch.float32)
         return self
 
     def score_bias(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:

@@ -45,7 +45,8 @@ _INTERLEAVED_MODELS = frozenset(
         *("pe_audio_video_encoder", "pe_video", "pe_video_encoder"),
     }
 )
-# Model types whose rotation posenc.RoPE cannot do, and why: refused rather than rotated some other way.
+# Model types whose rotation posenc.RoPE cannot do, and why: refused rather than rotated some other way (DeepSeek-V4
+# stays in the table above, which says what transformers does, and is refused before the table is read).
 _UNSUPPORTED_MODELS = {
     "nanochat": "nanochat rotates by the negative angle (its rotate_half is cat(x2, -x1)), which posenc.RoPE does not",
     "deepseek_v4": "DeepSeek-V4 rotates the last qk_rope_head_dim channels of a head, with two rope dicts (main and "

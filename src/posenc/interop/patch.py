@@ -62,7 +62,7 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_ARCHITECTURES)
 _WHOLE_HEAD_ATTENTION = frozenset({"gemma", "llama", "mistral", "qwen2", "qwen3"})
 # inv_freq agreement with a float32 frequency buffer: transformers' float32 pow is off by up to
 # (ln(base) + 8) * 2**-24 relative (~1.3e-6 at base 5e5), plus float32_blend_rtol for YaRN without truncation and
-# Llama 3 (6e-5 at factor 256); a wrong rotary dim, base or scaling is off by far more.
+# Llama 3 (3e-5 for YaRN at factor 256); a wrong rotary dim, base or scaling is off by far more.
 _FREQUENCY_RTOL = 1e-5
 
 # The names a patched attention forward resolves differently from its modeling module.

@@ -5,9 +5,11 @@ file, or no file, never half of one; a killed writer leaves at most a ``*.tmp`` 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
+import socket
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,8 +24,10 @@ from torch import nn
 def atomic_path(path: Path) -> Iterator[Path]:
     """Yields a temporary path beside ``path``; on success it replaces ``path``, on any error it is removed."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    # A fresh name that the writer creates (not mkstemp's file, whose 0600 mode would survive the rename).
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp"
+    # A fresh name that the writer creates (not mkstemp's file, whose 0600 mode would survive the rename). The
+    # host and process in it let remove_stale_temporaries tell a dead writer's file from a live one's.
+    tmp = path.parent / f".{path.name}.{_HOST}-{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp"
+    _WRITING.add(tmp.resolve())
     try:
         yield Path(tmp)
         os.replace(tmp, path)
@@ -32,19 +36,29 @@ def atomic_path(path: Path) -> Iterator[Path]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+    finally:
+        _WRITING.discard(tmp.resolve())
 
 
-_TEMPORARY = re.compile(r"\..+\.(\d+)\.[0-9a-f]{12}\.tmp")
+# This machine, in temporary names: a process id means something only on the machine that gave it out.
+_HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+_TEMPORARY = re.compile(r"\..+\.([0-9a-f]{8})-(\d+)\.[0-9a-f]{12}\.tmp")
+# The temporaries this process is writing now.
+_WRITING: set[Path] = set()
 
 
 def remove_stale_temporaries(folder: Path) -> list[Path]:
     """Delete the temporary files that ``atomic_path`` writers killed by SIGKILL (or power loss) left in ``folder``
     and below, and return them. Readers never see them, but they pile up across resumes, a weights file each at
-    larger presets. A file whose writer process still runs on this machine is left alone."""
+    larger presets. Left alone: those being written now, by this process or by another one alive on this machine,
+    and those of other machines (a shared folder), whose writers cannot be asked."""
     removed = []
     for path in folder.rglob(".*.tmp"):
         match = _TEMPORARY.fullmatch(path.name)
-        if match is None or not path.is_file() or _alive(int(match[1])):
+        if match is None or match[1] != _HOST or not path.is_file() or path.resolve() in _WRITING:
+            continue
+        pid = int(match[2])
+        if pid != os.getpid() and _alive(pid):  # this process's id on a file it is not writing: its past self's
             continue
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
@@ -53,8 +67,6 @@ def remove_stale_temporaries(folder: Path) -> list[Path]:
 
 
 def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
