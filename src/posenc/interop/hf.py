@@ -27,7 +27,7 @@ from typing import Any, Literal
 from posenc._checks import positive_int
 from posenc.rope.module import RoPE
 from posenc.rope.mrope import MRoPE
-from posenc.rope.parameters import COMMON_KEYS, OPTIONAL_KEYS, REQUIRED_KEYS, pop_rope_type
+from posenc.rope.parameters import REQUIRED_KEYS, pop_rope_type, unread_keys
 
 # Model types whose rotation pairs adjacent channels (x0, x1), (x2, x3), ...: a rotate_half on x[..., ::2] and
 # x[..., 1::2], rotate_every_two, view_as_complex, or pairs rotated in place and stored evens-then-odds (the MLA
@@ -259,7 +259,7 @@ def rope_kwargs_from_config(config: Any, *, layer_type: str | None = None) -> di
         # transformers warns about keys a type does not read and goes on (Yarn-Llama-2's "finetuned", an
         # original_max_position_embeddings beside 'dynamic', which scales from max_position_embeddings); so does
         # this, where RoPE(rope_parameters=...) given by hand refuses them as likely typos.
-        unused = sorted(rope.keys() - REQUIRED_KEYS[rope_type] - OPTIONAL_KEYS[rope_type] - COMMON_KEYS)
+        unused = unread_keys(rope_type, rope)
         if unused:
             warnings.warn(
                 f"the config's rope dict has key(s) {', '.join(unused)} that rope_type {rope_type!r} does not read; "

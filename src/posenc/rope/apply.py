@@ -62,6 +62,14 @@ def compute_dtype(x: torch.Tensor, cos: torch.Tensor) -> torch.dtype:
     return torch.float64 if torch.float64 in (x.dtype, cos.dtype) else torch.float32
 
 
+def _pair_views(t: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first and second members of each pair of t (..., r), as views (..., r/2)."""
+    if interleaved:
+        return t[..., 0::2], t[..., 1::2]
+    half = t.shape[-1] // 2
+    return t[..., :half], t[..., half:]
+
+
 def rotate_pairs(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool, conjugate: bool = False
 ) -> torch.Tensor:
@@ -72,19 +80,9 @@ def rotate_pairs(
     """
     if conjugate:
         sin = -sin
-    if interleaved:
-        x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
-        return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
-def _pair_views(t: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first and second members of each pair of t (..., r), as views (..., r/2)."""
-    if interleaved:
-        return t[..., 0::2], t[..., 1::2]
-    half = t.shape[-1] // 2
-    return t[..., :half], t[..., half:]
+    x1, x2 = _pair_views(x, interleaved)
+    o1, o2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    return torch.stack((o1, o2), dim=-1).flatten(-2) if interleaved else torch.cat((o1, o2), dim=-1)
 
 
 def rotate_pairs_into(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -190,6 +190,12 @@ def _resolve(rope_type: str, params: dict[str, Any], rotary_dim: int, max_pos: i
 LEGACY_TYPES = {"su": "longrope", "mrope": "default"}
 
 
+def unread_keys(rope_type: str, keys: Iterable[str]) -> list[str]:
+    """The keys of a rope dict that a known ``rope_type`` does not read, sorted: refused by
+    ``parse_rope_parameters``, ignored with a warning by ``posenc.interop.rope_from_config``."""
+    return sorted(set(keys) - REQUIRED_KEYS[rope_type] - OPTIONAL_KEYS[rope_type] - COMMON_KEYS)
+
+
 def pop_rope_type(params: dict[str, Any]) -> str:
     """Remove ``rope_type`` and its legacy spelling ``type`` from params; returns the type they name (legacy names
     mapped, "default" when neither is set). Both set to different types is a ValueError (Qwen2-VL configs carry
@@ -257,7 +263,7 @@ def parse_rope_parameters(
         params["truncate"] = False
     params = {key: value for key, value in params.items() if value is not None or key in nullable}
     allowed = required | OPTIONAL_KEYS[rope_type]
-    unknown = sorted(params.keys() - allowed - COMMON_KEYS)
+    unknown = unread_keys(rope_type, params)
     if unknown:
         raise ValueError(
             f"rope_parameters has key(s) {', '.join(unknown)} that rope_type {rope_type!r} does not use; "
