@@ -6,6 +6,7 @@ from posenc.bias import ALiBi, T5Bias, alibi_bias, alibi_slopes, t5_relative_buc
 from posenc.encoding import ActsOn
 from posenc.kernels import cpu_available, triton_available
 from posenc.nope import NoPE
+from posenc.positions import document_ids_from_cu_seqlens, document_ids_from_positions, positions_from_document_ids
 from posenc.registry import available, build, build_for_model
 from posenc.rope import MRoPE, RoPE, apply_rotary, apply_rotary_, apply_rotary_qk, rope_frequencies
 
@@ -40,6 +41,9 @@ __all__ = [
     "available_backends",
     "build",
     "build_for_model",
+    "document_ids_from_cu_seqlens",
+    "document_ids_from_positions",
+    "positions_from_document_ids",
     "rope_frequencies",
     "sinusoidal_table",
     "t5_relative_bucket",

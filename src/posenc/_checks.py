@@ -102,13 +102,14 @@ def float_tensor(name: str, x: Any) -> torch.Tensor:
 INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
-def int_tensor(name: str, x: Any) -> torch.Tensor:
+def int_tensor(name: str, x: Any, *, what: str = "positions") -> torch.Tensor:
+    """x itself if it is an integer tensor of a dtype torch computes with; ``what`` it holds names it in errors."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be an integer torch.Tensor, got {type(x).__name__}")
     if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
         raise TypeError(
-            f"{name} must hold integer positions (torch.long or torch.int32), got dtype {x.dtype}; "
-            "float positions lose integers above 256 in bf16/fp16"
+            f"{name} must hold integer {what} (torch.long or torch.int32), got dtype {x.dtype}; "
+            f"float {what} lose integers above 256 in bf16/fp16"
         )
     if x.dtype not in INDEX_DTYPES:
         raise TypeError(

@@ -2,8 +2,9 @@
 
 It reads only the encoding's ``acts_on`` declaration: QK encodings rotate q and k before they enter the cache,
 score-bias encodings add ``score_bias(q_positions, k_positions)`` to the logits, and input encodings are applied
-to the embeddings by ``add_input_encoding`` (the model's job, not attention's). Shape key: b batch, s new tokens,
-t cached + new tokens, h query heads, g key/value heads, d head dim.
+to the embeddings by ``add_input_encoding`` (the model's job, not attention's). Packed documents given as
+``document_ids`` attend each within itself: the mask is causal and block-diagonal, on every path. Shape key: b
+batch, s new tokens, t cached + new tokens, h query heads, g key/value heads, d head dim.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch import nn
 from posenc._checks import float_tensor, positive_int
 from posenc.encoding import ActsOn
 from posenc.kernels.flex_bias import FlexFallback, attend_flex, use_flex
-from posenc.positions import resolve_positions
+from posenc.positions import positions_from_document_ids, resolve_document_ids, resolve_positions
 
 
 @dataclasses.dataclass
@@ -204,9 +205,18 @@ def add_input_encoding(x: torch.Tensor, encoding: nn.Module | None, positions: t
     return x + encoded.to(x.dtype)
 
 
-def causal_mask(q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
-    """(q_len, k_len) bool, True where attention is allowed: the last q_len of k_len tokens are the queries."""
-    return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(diagonal=k_len - q_len)
+def causal_mask(q_len: int, k_len: int, device: torch.device, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """(q_len, k_len) bool, True where attention is allowed: the last q_len of k_len tokens are the queries.
+
+    With document_ids (k_len,) or (b or 1, k_len) of the keys, (b or 1, 1, q_len, k_len): also False between
+    documents."""
+    allowed = torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(diagonal=k_len - q_len)
+    if document_ids is None:
+        return allowed
+    if document_ids.dim() == 1:
+        document_ids = document_ids[None]
+    same = document_ids[:, k_len - q_len :, None] == document_ids[:, None, :]
+    return (allowed & same)[:, None]
 
 
 class CausalSelfAttention(nn.Module):
@@ -270,11 +280,15 @@ class CausalSelfAttention(nn.Module):
         x: torch.Tensor,
         *,
         positions: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
         cache: KVCache | None = None,
         return_attention: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x: (b, s, dim). positions: (s,) or (b, s) ids (default: one past the last cached position of each
-        sequence, else 0..s-1).
+        sequence, else 0..s-1, else each token's index within its document when document_ids are given).
+        document_ids: (s,) or (b, s) integers, one run of tokens per id, for documents packed into a row: a token
+        attends only to earlier tokens of its own document (not with a cache, which continues one sequence per
+        row). ``posenc.document_ids_from_positions`` and ``posenc.document_ids_from_cu_seqlens`` build them.
 
         Returns (b, s, dim); with ``return_attention`` also the probabilities (b, h, s, t) in float32 (float64
         for float64 inputs).
@@ -297,8 +311,18 @@ class CausalSelfAttention(nn.Module):
         if cache is not None and not isinstance(cache, KVCache):
             raise TypeError(f"cache must be a posenc.KVCache or None, got {type(cache).__name__}")
         if cache is not None:
+            if document_ids is not None:
+                raise ValueError(
+                    "document_ids cannot be combined with a KV cache: a cache continues one sequence per batch "
+                    "row; decode packed documents each in a row of its own"
+                )
             cache._claim(self)
             cache.check_batch(b)
+        docs = None
+        if document_ids is not None:
+            docs = resolve_document_ids(document_ids, batch=b, seq_len=s, device=x.device)
+            if positions is None:
+                positions = positions_from_document_ids(docs)
         pos = cache.next_positions(s) if cache is not None and positions is None else None
         if pos is None:
             pos = resolve_positions(s, batch=b, positions=positions, device=x.device)
@@ -325,12 +349,12 @@ class CausalSelfAttention(nn.Module):
         if acts_on is ActsOn.SCORE_BIAS and use_flex(self.encoding, q, k, v, need_probs=return_attention):
             # FlexAttention computes the bias inside the kernel: no (b, h, s, t) mask is built.
             try:
-                out, probs = attend_flex(q, k, v, self.encoding, pos, k_pos), None
+                out, probs = attend_flex(q, k, v, self.encoding, pos, k_pos, document_ids=docs), None
             except FlexFallback as error:
                 warnings.warn(f"{error}; the bias is materialized instead (same result, more memory)", stacklevel=2)
         if out is None:
             bias = self.encoding.score_bias(pos, k_pos) if acts_on is ActsOn.SCORE_BIAS else None
-            out, probs = attend(q, k, v, causal_mask(s, t, x.device), bias, need_probs=return_attention)
+            out, probs = attend(q, k, v, causal_mask(s, t, x.device, docs), bias, need_probs=return_attention)
         out = self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
         return (out, probs) if return_attention else out
 
@@ -344,13 +368,14 @@ def attend(
     *,
     need_probs: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """q: (b, h, s, d); k, v: (b, h, t, d); allowed: (s, t) bool; bias: (b or 1, h, s, t) or None.
+    """q: (b, h, s, d); k, v: (b, h, t, d); allowed: (s, t) bool (causal), or (b or 1, 1, s, t) (any mask with
+    at least one key per query, such as causal_mask's with document ids); bias: (b or 1, h, s, t) or None.
 
     A score bias is added in float32 (ALiBi's slope * 8192 has no exact bf16 value), so low-precision inputs
     are attended in float32 when a bias is present; so are the probabilities of ``need_probs``. float64 stays
     float64 either way. Returns ((b, h, s, d) in q's dtype, probs (b, h, s, t) in that wider dtype, or None).
     """
-    s, t = allowed.shape
+    s, t = allowed.shape[-2:]
     dtype = torch.promote_types(q.dtype, torch.float32)
     if need_probs:
         scores = q.to(dtype) @ k.to(dtype).transpose(-1, -2) / math.sqrt(q.shape[-1])
@@ -359,7 +384,7 @@ def attend(
         probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
         return (probs @ v.to(dtype)).to(q.dtype), probs
     if bias is None:
-        if s == t:
+        if s == t and allowed.dim() == 2:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True), None
         return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed), None
     mask = bias.to(dtype).masked_fill(~allowed, float("-inf"))

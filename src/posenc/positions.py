@@ -2,6 +2,11 @@
 
 Accepted: nothing (0..s-1), an integer ``offset`` (KV-cache decoding), per-batch offsets (a (b,) tensor), or
 explicit position ids of shape (s,) or (b, s) (packed sequences that restart at 0 per document).
+
+Packed documents are also described by document ids: one integer per token, equal within a document, each
+document one run of tokens (ids in any order, as Hugging Face's packed masks take them). The attention reads them to
+keep each document to itself (``CausalSelfAttention(..., document_ids=...)``); the helpers below convert between
+them, position ids that restart, and flash-attention's ``cu_seqlens``.
 """
 
 from __future__ import annotations
@@ -65,3 +70,84 @@ def resolve_positions(
     if not check_data and positions is not None:  # without ids, pos >= 0 follows from the offset's assert
         assert_without_sync(pos >= 0, "positions must be >= 0 (offset + position ids), got a negative entry")
     return pos
+
+
+def resolve_document_ids(
+    document_ids: torch.Tensor, *, batch: int, seq_len: int, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """document_ids: (s,) or (b, s) integer ids, each document's tokens one run. Returns int64 (1, s) or (b, s).
+
+    One run per id is checked on the host, or by an assert that runs with the graph where values cannot be read (as
+    for positions): an id that comes back later would make its two runs one document to the mask, while its
+    positions restart at the second run."""
+    int_tensor("document_ids", document_ids, what="document ids")
+    as_given = tuple(document_ids.shape)
+    docs = document_ids[None, :] if document_ids.dim() == 1 else document_ids
+    if docs.dim() != 2 or docs.shape[-1] != seq_len or docs.shape[0] not in (1, batch):
+        raise ValueError(
+            f"document_ids must have shape ({seq_len},) or ({batch}, {seq_len}) to match the sequence, got {as_given}"
+        )
+    docs = docs.to(device=device, dtype=torch.long)
+    # Each id is one run exactly when a row changes id as often as its sorted ids do.
+    runs = (docs[:, 1:] != docs[:, :-1]).sum(dim=1)
+    ordered = docs.sort(dim=1).values
+    distinct = (ordered[:, 1:] != ordered[:, :-1]).sum(dim=1)
+    message = (
+        "document_ids must give each document one run of tokens, but an id comes back after another; number the "
+        "documents apart (posenc.document_ids_from_positions or posenc.document_ids_from_cu_seqlens build them)"
+    )
+    if values_readable(docs.device):
+        if bool((runs != distinct).any()):
+            raise ValueError(message)
+    else:
+        assert_without_sync(runs == distinct, message)
+    return docs
+
+
+def _one_or_more_dims(name: str, x: torch.Tensor) -> None:
+    if x.dim() == 0:
+        raise ValueError(f"{name} must have a sequence dimension, (s,) or (b, s), got a 0-d tensor")
+
+
+def positions_from_document_ids(document_ids: torch.Tensor) -> torch.Tensor:
+    """document_ids: (..., s) integers. Returns int64 (..., s): each token's index within its run of equal ids,
+    counting from 0 (the position ids of documents packed into one row)."""
+    int_tensor("document_ids", document_ids, what="document ids")
+    _one_or_more_dims("document_ids", document_ids)
+    docs = document_ids.long()
+    index = torch.arange(docs.shape[-1], device=docs.device).expand_as(docs)
+    starts = torch.ones_like(docs, dtype=torch.bool)
+    starts[..., 1:] = docs[..., 1:] != docs[..., :-1]
+    first = torch.where(starts, index, 0).cummax(dim=-1).values  # where the current run began
+    return index - first
+
+
+def document_ids_from_positions(positions: torch.Tensor) -> torch.Tensor:
+    """positions: (..., s) integer position ids. Returns int64 (..., s) document ids counting from 0 per row: a
+    new document starts wherever a position is not one more than the one before it. This is the rule Hugging Face
+    uses to find packed sequences in ``position_ids`` (``find_packed_sequence_indices``)."""
+    int_tensor("positions", positions)
+    _one_or_more_dims("positions", positions)
+    pos = positions.long()
+    starts = torch.ones_like(pos, dtype=torch.bool)
+    starts[..., 1:] = pos[..., 1:] - pos[..., :-1] != 1
+    return starts.long().cumsum(dim=-1) - 1
+
+
+def document_ids_from_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """cu_seqlens: (n + 1,) prefix sums of n sequence lengths, from 0 (flash-attention's varlen form). Returns
+    int64 (total_tokens,): sequence i's tokens get id i (an empty sequence takes no tokens)."""
+    int_tensor("cu_seqlens", cu_seqlens, what="offsets")
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+        raise ValueError(f"cu_seqlens must be 1-D (n_seq + 1,), got shape {tuple(cu_seqlens.shape)}")
+    lengths = cu_seqlens.long().diff()
+    if values_readable(cu_seqlens.device):
+        if int(cu_seqlens[0]) != 0:
+            raise ValueError(f"cu_seqlens must start at 0 (prefix sums of sequence lengths), got {int(cu_seqlens[0])}")
+        if bool((lengths < 0).any()):
+            at = int((lengths < 0).nonzero()[0, 0])
+            raise ValueError(
+                f"cu_seqlens must be non-decreasing (prefix sums of sequence lengths), but entry {at + 1} "
+                f"({int(cu_seqlens[at + 1])}) is below entry {at} ({int(cu_seqlens[at])})"
+            )
+    return torch.repeat_interleave(torch.arange(lengths.shape[0], device=cu_seqlens.device), lengths)

@@ -85,6 +85,26 @@ def test_packed_documents_get_one_semantics_on_every_path(name, monkeypatch, com
     assert (probs[0, :, 24, :25] > 0).all()
 
 
+@pytest.mark.parametrize("name", ["alibi", "t5-causal"])
+def test_document_ids_keep_documents_apart_on_every_path(name, monkeypatch, compiled_flex):
+    """With document ids the compiled FlexAttention's block mask, the materialized mask and return_attention agree,
+    for ids per sequence of a batch and shared by it, and each document attends as if alone. 300 tokens: the block
+    mask (128-token blocks) skips whole blocks between documents."""
+    torch.manual_seed(0)
+    layer = CausalSelfAttention(32, 4, num_kv_heads=2, encoding=ENCODINGS[name]()).eval()
+    x = torch.randn(2, 300, 32)
+    rows = [torch.repeat_interleave(torch.arange(3), torch.tensor(n)) for n in ([130, 40, 130], [3, 250, 47])]
+    for docs in (torch.stack(rows), rows[0][None]):
+        with torch.no_grad():
+            flexed = layer(x, document_ids=docs)
+            materialized = _materialized(layer, monkeypatch, x, document_ids=docs)
+            _, probs = layer(x, document_ids=docs, return_attention=True)
+            alone = _materialized(layer, monkeypatch, x[:1, 170:], document_ids=None)
+        assert_close(flexed, materialized.double(), reduction=True)
+        assert_close(flexed[:1, 170:], alone.double(), reduction=True)
+        assert (probs[0, :, 170:, :170] == 0).all() and (probs[:, :, 130:170, :130] == 0).all() == (docs.shape[0] == 1)
+
+
 def test_flex_serves_several_lengths_and_position_forms(monkeypatch, compiled_flex):
     """Lengths, batch sizes, and shared then per-sequence positions in one process, each through the compiled
     kernel (a fallback would warn): with dynamic lengths on CPU, a call that switched the score_mod's form made a

@@ -93,3 +93,9 @@ def test_next_byte_loss_is_cross_entropy_per_position():
     targets = torch.randint(0, 256, (2, 5))
     expected = -logits.log_softmax(-1).gather(-1, targets[..., None])[..., 0]
     torch.testing.assert_close(next_byte_loss(logits, targets), expected.float())
+
+
+def test_tokens_of_another_shape_are_a_clear_error():
+    model = ByteLM(ModelSpec(dim=16, layers=1, heads=2, max_positions=8), "rope")
+    with pytest.raises(ValueError, match=r"tokens must be a \(b, s\) tensor of byte ids, got \(5,\)"):
+        model(torch.zeros(5, dtype=torch.long))

@@ -65,6 +65,7 @@ class ALiBi(ScoreBias):
     may see is decided by token order (``CausalSelfAttention``'s causal mask, FlexAttention's block mask), not by
     position ids. With packed documents whose ids restart, a key of an earlier document can have a larger id than
     the query and must still get its distance penalty rather than be hidden; both attention paths agree on that.
+    To keep packed documents apart, give the attention ``document_ids``.
     """
 
     def __init__(self, num_heads: int, *, causal: bool = True) -> None:

@@ -69,7 +69,8 @@ class T5Bias(ScoreBias):
     As in T5, a decoder's (``bidirectional=False``) relative position n - m > 0 falls in bucket 0, the query's own.
     Attention masks by token order, not by ids, so with packed documents whose ids restart a query also sees the
     earlier documents' keys, and those whose ids exceed its own get bucket 0 too (ALiBi's |m - n| keeps penalising
-    them): pack with a document mask, or do not restart the ids.
+    them): give ``CausalSelfAttention`` the ``document_ids`` (then no query sees another document), or do not
+    restart the ids.
     """
 
     def __init__(

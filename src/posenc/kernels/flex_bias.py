@@ -149,7 +149,7 @@ class FlexFallback(RuntimeError):
 
 
 def _per_batch(positions: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """positions: (b or 1, n). Returns index(b, i) -> position, broadcasting a batch of 1."""
+    """positions (or document ids): (b or 1, n). Returns index(b, i) -> value, broadcasting a batch of 1."""
     if positions.shape[0] == 1:
         row = positions[0]
         return lambda b, i: row[i]
@@ -228,10 +228,14 @@ def attend_flex(
     encoding: nn.Module,
     q_positions: torch.Tensor,
     k_positions: torch.Tensor,
+    *,
+    document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention with the encoding's bias as a score_mod. q: (b, h, s, d); k, v: (b, h, t, d) (heads
     already repeated for GQA); positions (b or 1, s) and (b or 1, t). The last s of t keys are the queries, so
     q_positions must be the last s columns of k_positions (checked; the kernel reads k_positions only).
+    document_ids: (b or 1, t) of the keys, or None; with them a query sees only its own document's keys, and the
+    block mask skips the blocks between documents.
 
     Computed in float32 for bf16/fp16 inputs, as the materialized path does. Returns (b, h, s, d) in q's dtype.
     """
@@ -257,10 +261,24 @@ def attend_flex(
 
     shift = _past(k_positions, past)
 
-    def causal(b, h, q_idx, kv_idx):
-        return kv_idx <= q_idx + shift
+    if document_ids is None:
 
-    block_mask = create_block_mask(causal, None, None, s, t, device=q.device)
+        def allowed(b, h, q_idx, kv_idx):
+            return kv_idx <= q_idx + shift
+
+        batch = None
+    else:
+        if document_ids.dim() != 2 or document_ids.shape[1] != t:
+            raise ValueError(f"document_ids must have shape (b or 1, {t}), got {tuple(document_ids.shape)}")
+        # create_block_mask evaluates the mask densely, once per batch row it is given: shared ids (1, t) make one
+        # (s, t) mask, per-row ids b of them (at s = t = 4096, about 0.3 GiB of peak memory per row, against the
+        # materialized bias's b * h * 64 MiB).
+        doc, batch = _per_batch(document_ids.contiguous()), document_ids.shape[0]
+
+        def allowed(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx + shift) & (doc(b, q_idx + shift) == doc(b, kv_idx))
+
+    block_mask = create_block_mask(allowed, batch, None, s, t, device=q.device)
     dtype, out_dtype = torch.promote_types(q.dtype, torch.float32), q.dtype
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     if not torch.compiler.is_compiling():

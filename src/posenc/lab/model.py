@@ -19,6 +19,7 @@ from torch import nn
 
 from posenc.attention import CausalSelfAttention, add_input_encoding
 from posenc.encoding import ActsOn
+from posenc.positions import positions_from_document_ids, resolve_document_ids
 from posenc.registry import build_for_model
 
 VOCAB_SIZE = 256  # bytes
@@ -69,13 +70,20 @@ class Block(nn.Module):
         )
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, *, return_attention: bool = False
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        *,
+        document_ids: torch.Tensor | None = None,
+        return_attention: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """x: (b, s, dim). Returns (b, s, dim) and, with return_attention, probabilities (b, h, s, s) float32."""
+        """x: (b, s, dim); positions, document_ids (b or 1, s). Returns (b, s, dim) and, with return_attention,
+        probabilities (b, h, s, s) float32."""
+        attend = {"positions": positions, "document_ids": document_ids}
         if return_attention:
-            out, probs = self.attn(self.attn_norm(x), positions=positions, return_attention=True)
+            out, probs = self.attn(self.attn_norm(x), **attend, return_attention=True)
         else:
-            out, probs = self.attn(self.attn_norm(x), positions=positions), None
+            out, probs = self.attn(self.attn_norm(x), **attend), None
         x = x + out
         return x + self.mlp(self.mlp_norm(x)), probs
 
@@ -116,15 +124,24 @@ class ByteLM(nn.Module):
         self.embed_scale = math.sqrt(spec.dim)
 
     def forward(
-        self, tokens: torch.Tensor, *, return_attention: bool = False
+        self, tokens: torch.Tensor, *, document_ids: torch.Tensor | None = None, return_attention: bool = False
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """tokens: (b, s) int64 bytes. Returns logits (b, s, v) and, with return_attention, one (b, h, s, s)
-        float32 probability tensor per layer (else an empty list)."""
-        positions = torch.arange(tokens.shape[1], device=tokens.device)[None]
+        """tokens: (b, s) int64 bytes; document_ids: (s,) or (b, s), one run of tokens per id, for documents packed
+        into a row (each then starts at position 0 and attends only within itself). Returns logits (b, s, v) and, with
+        return_attention, one (b, h, s, s) float32 probability tensor per layer (else an empty list)."""
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
+            shape = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+            raise ValueError(f"tokens must be a (b, s) tensor of byte ids, got {shape}")
+        b, s = tokens.shape
+        if document_ids is None:
+            positions = torch.arange(s, device=tokens.device)[None]
+        else:
+            document_ids = resolve_document_ids(document_ids, batch=b, seq_len=s, device=tokens.device)
+            positions = positions_from_document_ids(document_ids)
         x = add_input_encoding(self.embed(tokens) * self.embed_scale, self.encoding, positions)
         attentions = []
         for block in self.blocks:
-            x, probs = block(x, positions, return_attention=return_attention)
+            x, probs = block(x, positions, document_ids=document_ids, return_attention=return_attention)
             if probs is not None:
                 attentions.append(probs)
         return F.linear(self.norm(x), self.embed.weight), attentions

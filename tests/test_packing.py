@@ -1,0 +1,240 @@
+"""Packed documents: document ids, the position and cu_seqlens forms they convert to, and attention that keeps
+each document to itself. The defining property: a packed row gives each document what it gives run alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers.masking_utils import find_packed_sequence_indices
+
+import posenc
+from posenc import CausalSelfAttention, KVCache, add_input_encoding
+from posenc.attention import attend, causal_mask
+from posenc.lab.model import ByteLM, ModelSpec
+from posenc.positions import resolve_document_ids
+from posenc.testing import attention_reference
+
+DIM, HEADS, KV_HEADS, HEAD_DIM = 32, 4, 2, 8
+
+lengths_strategy = st.lists(st.integers(1, 9), min_size=1, max_size=5)
+
+
+def make_encoding(name: str) -> torch.nn.Module:
+    return posenc.build_for_model(name, dim=DIM, num_heads=HEADS, head_dim=HEAD_DIM, max_positions=64).double()
+
+
+def layer_for(encoding: torch.nn.Module) -> CausalSelfAttention:
+    inside = None if encoding.acts_on is posenc.ActsOn.INPUT else encoding
+    return CausalSelfAttention(DIM, HEADS, num_kv_heads=KV_HEADS, encoding=inside).double()
+
+
+def ids_for(lengths: list[int]) -> torch.Tensor:
+    return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+
+
+# ---- the conversions
+
+
+@given(lengths=st.lists(st.integers(1, 9), min_size=1, max_size=6), start=st.integers(0, 3))
+def test_document_ids_from_positions_is_hugging_faces_rule(lengths, start):
+    """Packed position ids (each document from 0, the first from ``start``) give back the documents, as
+    transformers' find_packed_sequence_indices finds them; and the documents give back the positions."""
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    positions[: lengths[0]] += start
+    docs = posenc.document_ids_from_positions(positions[None])
+    expected = find_packed_sequence_indices(positions[None])
+    torch.testing.assert_close(docs, torch.zeros_like(docs) if expected is None else expected)
+    torch.testing.assert_close(docs[0], ids_for(lengths))
+    shifted = positions.clone()
+    shifted[: lengths[0]] -= start
+    torch.testing.assert_close(posenc.positions_from_document_ids(docs[0]), shifted)
+
+
+@given(lengths=st.lists(st.integers(0, 6), min_size=1, max_size=6))
+def test_document_ids_from_cu_seqlens(lengths):
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    docs = posenc.document_ids_from_cu_seqlens(cu_seqlens)
+    expected = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+    torch.testing.assert_close(docs, expected)
+    # An empty sequence takes no tokens and its id is skipped; positions still restart at every other one.
+    torch.testing.assert_close(posenc.positions_from_document_ids(docs), torch.cat([torch.arange(n) for n in lengths]))
+
+
+def test_positions_from_document_ids_keeps_batch_rows_apart():
+    docs = torch.tensor([[0, 0, 1, 1, 1], [3, 4, 4, 4, 4]])
+    torch.testing.assert_close(
+        posenc.positions_from_document_ids(docs), torch.tensor([[0, 1, 0, 1, 2], [0, 0, 1, 2, 3]])
+    )
+
+
+# ---- attention
+
+
+@pytest.mark.parametrize("name", posenc.available())
+@settings(max_examples=15, deadline=None)
+@given(lengths=lengths_strategy, data=st.data())
+def test_a_packed_row_gives_each_document_what_it_gives_alone(name, lengths, data):
+    """Every encoding: documents packed into rows (two rows of their own lengths) attend within themselves and
+    start at position 0, bit for bit as the same documents run one per call, to float64 rounding."""
+    torch.manual_seed(0)
+    encoding = make_encoding(name)
+    attn = layer_for(encoding)
+    other = data.draw(lengths_strategy)
+    rows = [lengths, other]
+    total = max(sum(lengths), sum(other))
+    rows = [[*row, total - sum(row)] if sum(row) < total else row for row in rows]  # pad each row to one length
+    xs = [[torch.randn(1, n, DIM, dtype=torch.float64) for n in row] for row in rows]
+    alone = [
+        torch.cat([attn(add_input_encoding(x, encoding, torch.arange(x.shape[1])[None])) for x in row], dim=1)
+        for row in xs
+    ]
+    docs = torch.stack([ids_for(row) for row in rows])
+    positions = posenc.positions_from_document_ids(docs)
+    x = torch.cat([torch.cat(row, dim=1) for row in xs])
+    packed, probs = attn(add_input_encoding(x, encoding, positions), document_ids=docs, return_attention=True)
+    torch.testing.assert_close(packed, torch.cat(alone), atol=1e-12, rtol=1e-12)
+    # No probability crosses a document, and the path without probabilities agrees.
+    assert not probs.masked_select(~causal_mask(total, total, x.device, docs)).any()
+    fast = attn(add_input_encoding(x, encoding, positions), document_ids=docs)
+    torch.testing.assert_close(fast, packed, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attend_with_document_mask_matches_the_float64_reference(dtype):
+    """attend with a document mask against attention_reference run per document, with and without a bias."""
+    torch.manual_seed(0)
+    lengths = [7, 1, 12]
+    b, h, s, d = 2, 4, sum(lengths), 16
+    q, k, v = (torch.randn(b, h, s, d, dtype=torch.float64) for _ in range(3))
+    bias = torch.randn(1, h, s, s, dtype=torch.float64)
+    docs = ids_for(lengths)[None]
+    for with_bias in (None, bias):
+        expected = torch.zeros_like(q)
+        start = 0
+        for n in lengths:
+            part = slice(start, start + n)
+            sub_bias = None if with_bias is None else with_bias[..., part, part]
+            expected[:, :, part] = attention_reference(q[:, :, part], k[:, :, part], v[:, :, part], bias=sub_bias)
+            start += n
+        got, _ = attend(
+            q.to(dtype), k.to(dtype), v.to(dtype), causal_mask(s, s, q.device, docs), with_bias, need_probs=False
+        )
+        tolerance = {torch.float32: 1e-5, torch.bfloat16: 3e-2}[dtype]
+        torch.testing.assert_close(got.double(), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("name", posenc.available())
+def test_byte_lm_packs_documents(name):
+    """The lab model with document_ids: each document's logits as when it is the whole input."""
+    torch.manual_seed(0)
+    model = ByteLM(ModelSpec(dim=32, layers=2, heads=4, max_positions=32), name).double().eval()
+    lengths = [11, 3, 16]
+    tokens = torch.randint(0, 256, (1, sum(lengths)))
+    with torch.no_grad():
+        packed, _ = model(tokens, document_ids=ids_for(lengths))
+        alone = torch.cat([model(part)[0] for part in tokens.split(lengths, dim=1)], dim=1)
+    torch.testing.assert_close(packed, alone, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["rope", "alibi", "t5"])
+def test_positions_given_with_document_ids_are_used_as_given(name):
+    """Explicit positions win over the ones document ids imply (for documents that continue earlier text): a
+    document shifted as a whole attends alike (these encodings are relative), one stretched does not."""
+    torch.manual_seed(0)
+    attn = layer_for(make_encoding(name))
+    x = torch.randn(1, 10, DIM, dtype=torch.float64)
+    docs = ids_for([4, 6])
+    implied = attn(x, document_ids=docs)
+    same = attn(x, document_ids=docs, positions=posenc.positions_from_document_ids(docs))
+    torch.testing.assert_close(same, implied, atol=0, rtol=0)
+    shifted = attn(x, document_ids=docs, positions=torch.arange(10))
+    torch.testing.assert_close(shifted, implied, atol=1e-12, rtol=1e-12)
+    stretched = attn(x, document_ids=docs, positions=5 * posenc.positions_from_document_ids(docs))
+    alone = attn(x[:, 4:], positions=5 * torch.arange(6))
+    torch.testing.assert_close(stretched[:, 4:], alone, atol=1e-12, rtol=1e-12)
+    assert not torch.allclose(stretched[:, 4:], implied[:, 4:])
+
+
+def test_length_scaled_rope_scales_a_packed_call_for_its_longest_document():
+    """The documented exception: dynamic NTK (as in transformers) scales for the call's largest position + 1, so a
+    short document packed beside a long one turns as it would alone at the long one's length."""
+    parameters = {"rope_type": "dynamic", "factor": 2.0}
+    # 'consistent': each call scales for itself ('hf' would also keep the largest length seen for later calls).
+    rope = posenc.RoPE(8, rope_parameters=parameters, max_position_embeddings=8, mode="consistent")
+    q = torch.randn(1, 2, 24, 8, dtype=torch.float64)
+    positions = posenc.positions_from_document_ids(ids_for([4, 20]))
+    packed, _ = rope(q, q, positions=positions)
+    as_long, _ = rope(q[:, :, :4], q[:, :, :4], seq_len=20)
+    short, _ = rope(q[:, :, :4], q[:, :, :4])
+    torch.testing.assert_close(packed[:, :, :4], as_long, atol=0, rtol=0)
+    assert not torch.allclose(packed[:, :, :4], short)
+
+
+def test_document_ids_compile_with_fullgraph():
+    """No host read of the ids under torch.compile(fullgraph=True): the one-run-per-id check runs in the graph."""
+    torch.manual_seed(0)
+    attn = CausalSelfAttention(DIM, HEADS, encoding=make_encoding("rope").float()).eval()
+    x = torch.randn(1, 12, DIM)
+    docs = ids_for([5, 7])
+    compiled = torch.compile(lambda x, d: attn(x, document_ids=d), fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x, docs), attn(x, document_ids=docs))
+        torch.testing.assert_close(compiled(x, docs.flip(0)), attn(x, document_ids=docs.flip(0)))  # ids in any order
+        with pytest.raises(RuntimeError, match="document_ids must give each document one run of tokens"):
+            compiled(x, torch.tensor([0, 0, 1, 1, 1, 0, 0, 1, 1, 1, 1, 1]))
+
+
+# ---- errors
+
+
+def test_document_ids_with_a_cache_are_refused():
+    attn = layer_for(make_encoding("rope"))
+    x = torch.randn(1, 4, DIM, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"document_ids cannot be combined with a KV cache.*a row of its own"):
+        attn(x, document_ids=torch.zeros(4, dtype=torch.long), cache=KVCache())
+
+
+@pytest.mark.parametrize(
+    ("ids", "error", "message"),
+    [
+        (torch.tensor([0, 1, 1, 0]), ValueError, r"each document one run of tokens.*document_ids_from_positions"),
+        (torch.zeros(5, dtype=torch.long), ValueError, r"document_ids must have shape \(4,\) or \(2, 4\).*got \(5,\)"),
+        (torch.zeros(3, 4, dtype=torch.long), ValueError, r"shape \(4,\) or \(2, 4\).*got \(3, 4\)"),
+        (torch.zeros(4), TypeError, r"document_ids must hold integer document ids \(torch.long"),
+        ([0, 0, 1, 1], TypeError, r"document_ids must be an integer torch.Tensor, got list"),
+    ],
+)
+def test_bad_document_ids_are_clear_errors(ids, error, message):
+    with pytest.raises(error, match=message):
+        resolve_document_ids(ids, batch=2, seq_len=4)
+    attn = layer_for(make_encoding("alibi"))
+    with pytest.raises(error, match=message):
+        attn(torch.randn(2, 4, DIM, dtype=torch.float64), document_ids=ids)
+
+
+def test_ids_without_a_sequence_dimension_are_clear_errors():
+    for convert in (posenc.positions_from_document_ids, posenc.document_ids_from_positions):
+        with pytest.raises(ValueError, match=r"must have a sequence dimension, \(s,\) or \(b, s\), got a 0-d"):
+            convert(torch.tensor(3))
+
+
+def test_causal_mask_takes_one_row_of_ids():
+    docs = ids_for([2, 3])
+    mask = causal_mask(5, 5, docs.device, docs)
+    assert torch.equal(mask, causal_mask(5, 5, docs.device, docs[None]))
+    assert mask.shape == (1, 1, 5, 5) and mask[0, 0].sum() == 3 + 6
+
+
+@pytest.mark.parametrize(
+    ("cu_seqlens", "message"),
+    [
+        (torch.tensor([1, 3]), r"cu_seqlens must start at 0.*got 1"),
+        (torch.tensor([0, 4, 2]), r"non-decreasing.*entry 2 \(2\) is below entry 1 \(4\)"),
+        (torch.tensor([0]), r"cu_seqlens must be 1-D \(n_seq \+ 1,\), got shape \(1,\)"),
+    ],
+)
+def test_bad_cu_seqlens_are_clear_errors(cu_seqlens, message):
+    with pytest.raises(ValueError, match=message):
+        posenc.document_ids_from_cu_seqlens(cu_seqlens)
