@@ -252,7 +252,7 @@ def test_per_layer_rope_dicts_need_a_layer_type() -> None:
         (
             {"head_dim": 8, "rope_parameters": {"mrope_section": [1, 1, 2], "mrope_interleaved": True}},
             ValueError,
-            "interleaved M-RoPE (Qwen3-VL's mrope_interleaved) is not supported",
+            "mrope_section [1, 1, 2] would give the axes [2, 1, 1] pairs",
         ),
     ],
 )
@@ -356,7 +356,9 @@ def pair_layout_in_source(model_type: str) -> str | None:
     if entry is None:
         return None
     source = inspect.getsource(functions[entry])
-    source += "".join(inspect.getsource(functions[h]) for h in ROTATION_HELPERS if h in functions and h in source)
+    # The helpers it calls: rotate_half, and its renamed copies (GLM-4V's rotate_half_llm, ERNIE-VL's rotate_half_text).
+    helpers = [h for h in functions if h in ROTATION_HELPERS or re.fullmatch(r"rotate_half\w*", h)]
+    source += "".join(inspect.getsource(functions[h]) for h in helpers if re.search(rf"\b{h}\(", source))
     code = re.sub(r'r?"""[\s\S]*?"""', "", source)
     code = "".join(line for line in code.splitlines() if not line.strip().startswith("#")).replace(" ", "")
     if "torch.cat((x2,-x1)" in code:
@@ -449,3 +451,11 @@ def test_keys_the_type_does_not_read_are_ignored_as_transformers_does(rope, unus
     assert factor == pytest.approx(attention, rel=1e-12)
     with pytest.raises(ValueError, match=unused):  # given by hand, the same key is refused as a likely typo
         RoPE(16, rope_parameters={"rope_theta": 10000.0, **rope}, max_position_embeddings=2048)
+
+
+@pytest.mark.parametrize(("layer_type", "theta"), [("sliding_attention", 10000.0), ("full_attention", 1000000.0)])
+def test_config_objects_with_a_theta_per_layer_type(layer_type: str, theta: float) -> None:
+    """Gemma 3's config object keeps default_theta as a dict per kind of layer; it once failed in float()."""
+    config = transformers.AutoConfig.for_model("gemma3_text")
+    assert isinstance(config.default_theta, dict)
+    assert rope_from_config(config, layer_type=layer_type).base == theta

@@ -113,3 +113,57 @@ def test_bad_positions() -> None:
         rope(q, q, positions=torch.zeros(3, 2, 5))
     with pytest.raises(ValueError, match="positions must be >= 0"):
         rope(q, q, positions=-torch.ones(3, 2, 5, dtype=torch.long))
+
+
+def test_interleaved_axes_cycle_until_their_sections_run_out() -> None:
+    """Qwen3-VL's layout: t, h, w, t, h, w, ... until h's and w's pairs are spent, t for the rest."""
+    assert mrope_axis_of_pair([2, 1, 1], interleaved=True).tolist() == [0, 1, 2, 0]
+    assert mrope_axis_of_pair([4, 2, 2], interleaved=True).tolist() == [0, 1, 2, 0, 1, 2, 0, 0]
+    axis = mrope_axis_of_pair([24, 20, 20], interleaved=True)
+    assert torch.bincount(axis).tolist() == [24, 20, 20] and axis[:6].tolist() == [0, 1, 2, 0, 1, 2]
+    with pytest.raises(ValueError, match=re.escape("mrope_section [1, 3, 4] would give the axes [3, 3, 2] pairs")):
+        MRoPE(16, mrope_section=[1, 3, 4], mrope_interleaved=True)
+    with pytest.raises(ValueError, match="interleaved M-RoPE takes 3 sections"):
+        MRoPE(16, mrope_section=[2, 2, 2, 2], mrope_interleaved=True)
+    with pytest.raises(TypeError, match="mrope_interleaved must be"):
+        MRoPE(16, mrope_section=[4, 2, 2], mrope_interleaved="yes")
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_cos_sin_takes_three_axes(interleaved: bool) -> None:
+    """cos_sin of (3, b, s) ids is M-RoPE's, not plain RoPE's per axis; forward rotates by it."""
+    rope = MRoPE(16, mrope_section=[4, 2, 2], mrope_interleaved=interleaved)
+    positions = torch.stack([torch.arange(5), torch.arange(5) * 3, torch.arange(5) + 9])[:, None]
+    inv, factor = rope.frequencies()
+    cos, sin = rope.cos_sin(positions)
+    expected = mrope_cos_sin(positions, inv, [4, 2, 2], factor, interleaved=interleaved)
+    torch.testing.assert_close((cos, sin), expected, rtol=0, atol=0)
+    assert cos.shape == (1, 5, 8)
+    with pytest.raises(ValueError, match=r"positions must be \(3, b, s\).*got shape \(2, 1, 5\)"):
+        rope.cos_sin(positions[:2])
+
+
+def test_three_axis_positions_get_the_checks_of_plain_positions() -> None:
+    rope = MRoPE(16, mrope_section=[2, 3, 3])
+    positions = torch.arange(5).expand(3, 1, 5)
+    wide = torch.randn(1, 1, 5, 32)
+    with pytest.raises(ValueError, match="d = head_dim = 16, got shape"):  # not a silent partial rotation
+        rope(wide, wide, positions=positions)
+    q = torch.randn(1, 1, 5, 16)
+    with pytest.raises(ValueError, match="offset must be >= 0"):
+        rope(q, q, positions=positions, offset=-1)
+    with pytest.raises(TypeError, match="offset must be an int with"):
+        rope(q, q, positions=positions, offset=torch.tensor([1]))
+    meta = q.to("meta")
+    assert rope(meta, meta, positions=positions.to("meta"))[0].shape == q.shape  # shapes only, nothing read
+
+
+def test_three_axis_positions_compile_with_fullgraph() -> None:
+    """No value read on the host under torch.compile(fullgraph=True); a negative id fails as the graph runs."""
+    rope = MRoPE(16, mrope_section=[2, 3, 3], mrope_interleaved=False)
+    q = torch.randn(1, 2, 5, 16)
+    positions = torch.stack([torch.arange(5), torch.arange(5) * 2, torch.arange(5) + 4])[:, None]
+    compiled = torch.compile(lambda q, p: rope(q, q, positions=p), fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(q, positions), rope(q, q, positions=positions))
+    with pytest.raises(RuntimeError, match="positions must be >= 0"):
+        compiled(q, positions - 3)

@@ -38,7 +38,9 @@ _INTERLEAVED_MODELS = frozenset(
     {
         *("bailing_hybrid", "blt", "blt_global_transformer", "blt_local_decoder", "blt_local_encoder", "blt_patcher"),
         *("codegen", "cohere", "cohere2", "cohere2_moe", "deepseek_v2", "deepseek_v4", "efficientloftr"),
-        *("ernie4_5", "ernie4_5_moe", "glm", "glm4", "glm_moe_dsa", "gptj", "helium"),
+        *("ernie4_5", "ernie4_5_moe", "ernie4_5_vl_moe", "ernie4_5_vl_moe_text", "ernie4_5_vl_moe_vision", "glm"),
+        *("glm4", "glm_moe_dsa", "glm4v", "glm4v_text", "glm4v_vision", "glm_ocr", "glm_ocr_text", "glm_ocr_vision"),
+        *("gptj", "helium"),
         *("hy_v4_vl", "hy_v4_vl_text", "hy_v4_vl_vision", "lightglue", "llama4", "llama4_text", "llama4_vision_model"),
         *("longcat_flash", "mistral_large4", "mistral_large4_text", "moonshine", "moonshine_streaming"),
         *("moonshine_streaming_encoder", "openai_privacy_filter", "pe_audio", "pe_audio_encoder", "pe_audio_video"),
@@ -51,6 +53,25 @@ _UNSUPPORTED_MODELS = {
     "nanochat": "nanochat rotates by the negative angle (its rotate_half is cat(x2, -x1)), which posenc.RoPE does not",
     "deepseek_v4": "DeepSeek-V4 rotates the last qk_rope_head_dim channels of a head, with two rope dicts (main and "
     "compress); build posenc.RoPE(qk_rope_head_dim, interleaved=True, base=...) for the rope part yourself",
+    **dict.fromkeys(
+        ("ernie4_5_vl_moe", "ernie4_5_vl_moe_text"),
+        "ERNIE-4.5-VL's multimodal RoPE alternates the height and width frequencies and gives time the last pairs, a "
+        "permutation of the frequencies that posenc.MRoPE does not make",
+    ),
+    **dict.fromkeys(
+        ("hunyuan_vl", "hunyuan_vl_text"),
+        "HunYuan-VL's multimodal RoPE cuts the duplicated cos/sin into sections, so the two channels of a pair can "
+        "turn by different axes (not a rotation posenc.MRoPE makes), with one axis per section",
+    ),
+    **dict.fromkeys(
+        ("hy_v4_vl", "hy_v4_vl_text"),
+        "HY-V4-VL's multimodal RoPE on adjacent pairs lays its axes out in its own way, which posenc.MRoPE does not",
+    ),
+    **dict.fromkeys(
+        ("cohere_compass", "cohere_compass_text"),
+        "Cohere Compass has multimodal RoPE with one rope dict per layer type, which posenc does not read",
+    ),
+    "neomme": "NeoMME's multimodal RoPE turns alternate pairs by two axes (rows, columns), which posenc.MRoPE does not",
 }
 # Model types whose config class defaults rope_interleave to True (DeepSeek-V3's config.json omits the key).
 _INTERLEAVE_DEFAULTS = {"deepseek_v3": True}
@@ -143,12 +164,34 @@ _DEFAULT_READS_PARTIAL = frozenset(
 # Defaults a model class applies to a top-level key its config.json omits (transformers then copies the top-level
 # original_max_position_embeddings over the rope dict's own).
 _ORIGINAL_DEFAULTS = {"phi3": 4096}
-_MROPE_DEFAULTS = {"qwen2_vl": [16, 24, 24], "qwen2_5_vl": [16, 24, 24], "qwen2_vl_text": [16, 24, 24]}
+# Model types whose text model turns its pairs by three position axes (M-RoPE): whether the axes are cycled over
+# the pairs (mrope_interleaved) and the mrope_section their rotary class falls back to when the config has none.
+# Read from transformers 5.24; tests/interop/test_mrope_models.py holds the table to the installed transformers.
+_QWEN2_VL, _QWEN3_VL, _QWEN3_5, _GLM4_V = (
+    (False, (16, 24, 24)),
+    (True, (24, 20, 20)),
+    (True, (11, 11, 10)),
+    (False, (8, 12, 12)),
+)
+_MROPE_MODELS: dict[str, tuple[bool, tuple[int, ...]]] = {
+    **dict.fromkeys(("qwen2_vl", "qwen2_vl_text", "qwen2_5_vl", "qwen2_5_vl_text", "paddleocr_vl"), _QWEN2_VL),
+    **dict.fromkeys(("paddleocr_vl_text", "qwen2_5_omni", "qwen2_5_omni_thinker", "qwen2_5_omni_text"), _QWEN2_VL),
+    **dict.fromkeys(("qwen2_5_omni_talker",), _QWEN2_VL),
+    **dict.fromkeys(("qwen3_vl", "qwen3_vl_text", "qwen3_vl_moe", "qwen3_vl_moe_text", "cosmos3_edge"), _QWEN3_VL),
+    **dict.fromkeys(
+        ("cosmos3_edge_text", "qwen3_omni_moe", "qwen3_omni_moe_thinker", "qwen3_omni_moe_text"), _QWEN3_VL
+    ),
+    **dict.fromkeys(("qwen3_omni_moe_talker_text", "qwen3_omni_moe_talker_code_predictor"), _QWEN3_VL),
+    **dict.fromkeys(("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen4_exp"), _QWEN3_5),
+    **dict.fromkeys(("qwen4_exp_text",), _QWEN3_5),
+    **dict.fromkeys(("glm4v", "glm4v_text", "glm4v_moe", "glm4v_moe_text", "glm_image", "glm_image_text"), _GLM4_V),
+    **dict.fromkeys(("glm_ocr", "glm_ocr_text"), _GLM4_V),
+}
 _NEEDS_ORIGINAL = frozenset({"llama3", "yarn", "longrope"})
 
 
-def _load(config: Any) -> tuple[dict[str, Any], float]:
-    """Returns (the config as a plain dict, the model class' default theta)."""
+def _load(config: Any) -> tuple[dict[str, Any], Any]:
+    """Returns (the config as a plain dict, the model class' default theta: a number, or a dict per kind of layer)."""
     if isinstance(config, (str, os.PathLike)):
         path = Path(config)
         if path.is_dir():
@@ -163,7 +206,7 @@ def _load(config: Any) -> tuple[dict[str, Any], float]:
     if isinstance(config, Mapping):
         return dict(config), 10000.0
     if callable(getattr(config, "to_dict", None)):
-        return dict(config.to_dict()), float(getattr(config, "default_theta", 10000.0))
+        return dict(config.to_dict()), getattr(config, "default_theta", 10000.0)
     raise TypeError(
         f"config must be a transformers config object, a dict, or a path to a config.json, got {type(config).__name__}"
     )
@@ -188,6 +231,8 @@ def rope_kwargs_from_config(config: Any, *, layer_type: str | None = None) -> di
     the factor is dropped for them; GPT-NeoX, Phi-3 and the like, and every scaled type, keep it.
     """
     cfg, default_theta = _load(config)
+    if isinstance(default_theta, Mapping):  # per layer type, as Gemma 3's config class keeps it
+        default_theta = default_theta.get("local" if layer_type == "sliding_attention" else "global", 10000.0)
     if not (cfg.get("rope_parameters") or cfg.get("rope_scaling") or "rope_theta" in cfg) and isinstance(
         cfg.get("text_config"), Mapping
     ):
@@ -212,15 +257,11 @@ def rope_kwargs_from_config(config: Any, *, layer_type: str | None = None) -> di
     if model_type == "phi3" and rope_type == "yarn":
         rope_type = "longrope"  # Phi3Config maps its legacy 'yarn' to LongRoPE
 
-    mrope_section = rope.pop("mrope_section", None)
-    if rope.pop("mrope_interleaved", False):
-        raise ValueError("interleaved M-RoPE (Qwen3-VL's mrope_interleaved) is not supported; posenc has Qwen2-VL's")
-    if mrope_section is None:
-        mrope_section = _MROPE_DEFAULTS.get(model_type)
-    if mrope_section is not None and model_type in _INTERLEAVED_MODELS:
-        raise ValueError(
-            f"model_type {model_type!r} is not supported: multimodal RoPE on adjacent pairs; posenc has Qwen2-VL's"
-        )
+    # The model type decides how its axes share the pairs (Qwen3-VL's config.json has no mrope_interleaved key, and
+    # Cosmos3-Edge's section alone would read as Qwen2-VL's); a model type posenc does not know goes by the keys.
+    mrope_interleaved, mrope_section = _MROPE_MODELS.get(model_type, (False, None))
+    mrope_section = rope.pop("mrope_section", None) or mrope_section
+    mrope_interleaved = bool(rope.pop("mrope_interleaved", mrope_interleaved))
 
     theta = _first(rope, "rope_theta")
     if theta is None:
@@ -286,6 +327,7 @@ def rope_kwargs_from_config(config: Any, *, layer_type: str | None = None) -> di
         kwargs["rotary_dim"] = rotary_dim
     if mrope_section is not None:
         kwargs["mrope_section"] = list(mrope_section)
+        kwargs["mrope_interleaved"] = mrope_interleaved
     return kwargs
 
 
@@ -326,7 +368,8 @@ def _default_rope_source(model_type: str) -> str | None:
 
 def rope_from_config(config: Any, *, layer_type: str | None = None, mode: Literal["hf", "consistent"] = "hf") -> RoPE:
     """A ``posenc.RoPE`` that rotates exactly as the model does: frequencies, attention factor, rotary dim and
-    pair layout. Returns an ``MRoPE`` for Qwen2-VL-style configs (``mrope_section``).
+    pair layout. Returns an ``MRoPE`` for the vision-language models with three position axes (``mrope_section``:
+    Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, GLM-4V and their kin); refuses the M-RoPE layouts it cannot make.
 
     config: a ``transformers`` config object, a dict, or a path to a config.json (or its folder), old or new form.
     mode: 'hf' (Hugging Face's numbers, the default) or 'consistent'; see ``RoPE``.

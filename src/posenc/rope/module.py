@@ -274,26 +274,7 @@ class RoPE(nn.Module):
         CUDA graph capture, where positions cannot be read; a positive int for every type.
         Returns new (q, k) with the input dtypes.
         """
-        float_tensor("q", q)
-        float_tensor("k", k)
-        same_device(("q", "k"), q, k)
-        sequence_length("seq_len", seq_len)  # for every type, though only the length-dependent ones read it
-        if q.dtype != k.dtype:
-            raise ValueError(f"q and k must have the same dtype, got {q.dtype} and {k.dtype}")
-        if layout not in ("bhsd", "bshd"):
-            raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
-        for name, t in (("q", q), ("k", k)):
-            if t.dim() != 4 or t.shape[-1] != self.head_dim:
-                raise ValueError(
-                    f"{name} must be 4-D ({'b, h, s, d' if layout == 'bhsd' else 'b, s, h, d'}) with "
-                    f"d = head_dim = {self.head_dim}, got shape {tuple(t.shape)}"
-                )
-        seq_axis = 2 if layout == "bhsd" else 1
-        if q.shape[0] != k.shape[0] or q.shape[seq_axis] != k.shape[seq_axis]:
-            raise ValueError(
-                f"q and k must share batch and sequence sizes, got {tuple(q.shape)} and {tuple(k.shape)} "
-                f"(layout {layout!r})"
-            )
+        seq_axis = self._check_qk(q, k, layout, seq_len)
         # float32 tables for every activation dtype but float64, whose callers want float64 exactness.
         table_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         seq = q.shape[seq_axis]
@@ -339,6 +320,30 @@ class RoPE(nn.Module):
         head_axis = 1 if layout == "bhsd" else 2
         cos, sin = cos.unsqueeze(head_axis), sin.unsqueeze(head_axis)
         return apply_rotary_qk(q, k, cos, sin, interleaved=self.interleaved, backend=self.backend)
+
+    def _check_qk(self, q: torch.Tensor, k: torch.Tensor, layout: Layout, seq_len: int | None) -> int:
+        """forward's checks of its arguments but the positions. Returns the sequence axis of q and k."""
+        float_tensor("q", q)
+        float_tensor("k", k)
+        same_device(("q", "k"), q, k)
+        sequence_length("seq_len", seq_len)  # for every type, though only the length-dependent ones read it
+        if q.dtype != k.dtype:
+            raise ValueError(f"q and k must have the same dtype, got {q.dtype} and {k.dtype}")
+        if layout not in ("bhsd", "bshd"):
+            raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
+        for name, t in (("q", q), ("k", k)):
+            if t.dim() != 4 or t.shape[-1] != self.head_dim:
+                raise ValueError(
+                    f"{name} must be 4-D ({'b, h, s, d' if layout == 'bhsd' else 'b, s, h, d'}) with "
+                    f"d = head_dim = {self.head_dim}, got shape {tuple(t.shape)}"
+                )
+        seq_axis = 2 if layout == "bhsd" else 1
+        if q.shape[0] != k.shape[0] or q.shape[seq_axis] != k.shape[seq_axis]:
+            raise ValueError(
+                f"q and k must share batch and sequence sizes, got {tuple(q.shape)} and {tuple(k.shape)} "
+                f"(layout {layout!r})"
+            )
+        return seq_axis
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor, *, seq_len: int | None = None) -> torch.Tensor:
         """Rotate one tensor x: (b, h, t, d) by positions: (b or 1, t) integer ids, with the frequencies for

@@ -1,10 +1,11 @@
 """Multimodal RoPE (M-RoPE, Qwen2-VL): three position ids per token (temporal, height, width).
 
-The r/2 frequency pairs are cut into contiguous sections (``mrope_section``, e.g. [16, 24, 24] for r = 128); the
-pairs of section i turn by the position id of axis i % 3. Text tokens carry the same id on all three axes, which
-makes M-RoPE equal to plain RoPE for them. Numerically identical to ``transformers``' Qwen2-VL rotary embedding and
-``apply_rotary_pos_emb`` (``mrope_section`` there counts pairs, too; 4.x's ``apply_multimodal_rotary_pos_emb``
-doubled it to count channels of the duplicated cos/sin).
+The r/2 frequency pairs are shared among the axes by ``mrope_section`` (e.g. [16, 24, 24] for r = 128): in
+contiguous sections, section i's pairs turning by the position id of axis i % 3 (Qwen2-VL, Qwen2.5-VL, GLM-4V), or
+cycled t, h, w over the pairs (``mrope_interleaved``: Qwen3-VL, Qwen3.5). Text tokens carry the same id on all three
+axes, which makes M-RoPE equal to plain RoPE for them. Numerically identical to ``transformers``' rotary embeddings
+and ``apply_rotary_pos_emb`` of those models (``mrope_section`` there counts pairs, too; 4.x's
+``apply_multimodal_rotary_pos_emb`` doubled it to count channels of the duplicated cos/sin).
 
 Shape key: a axes (3), b batch, h heads, s sequence, d head dim, r rotary dim.
 """
@@ -16,15 +17,25 @@ from typing import Any
 
 import torch
 
-from posenc._checks import float_tensor, int_tensor, positive_int
+from posenc._checks import (
+    assert_without_sync,
+    flag,
+    float_dtype,
+    int_tensor,
+    positive_int,
+    sequence_length,
+    values_readable,
+)
 from posenc.rope.apply import apply_rotary_qk
-from posenc.rope.module import Layout, RoPE
+from posenc.rope.frequencies import SEQ_LEN_DEPENDENT
+from posenc.rope.module import Layout, RoPE, _length_unreadable
 
 AXES = 3
 
 
-def check_mrope_section(mrope_section: Sequence[int], rotary_dim: int) -> tuple[int, ...]:
-    """Validate that the sections are positive ints summing to r/2. Returns them as a tuple."""
+def check_mrope_section(mrope_section: Sequence[int], rotary_dim: int, *, interleaved: bool = False) -> tuple[int, ...]:
+    """Validate that the sections are positive ints summing to r/2 (three of them, each laid out in full, when
+    ``interleaved``). Returns them as a tuple."""
     if isinstance(mrope_section, (str, bytes)) or not isinstance(mrope_section, Sequence) or not mrope_section:
         raise TypeError(f"mrope_section must be a list of positive ints, e.g. [16, 24, 24], got {mrope_section!r}")
     sections = tuple(positive_int(f"mrope_section[{i}]", n) for i, n in enumerate(mrope_section))
@@ -33,13 +44,33 @@ def check_mrope_section(mrope_section: Sequence[int], rotary_dim: int) -> tuple[
             f"mrope_section {list(sections)} must sum to rotary_dim / 2 = {rotary_dim // 2} (it counts frequency "
             f"pairs), but sums to {sum(sections)}"
         )
+    if interleaved:
+        if len(sections) != AXES:
+            raise ValueError(f"interleaved M-RoPE takes 3 sections (t, h, w), got mrope_section {list(sections)}")
+        counts = torch.bincount(mrope_axis_of_pair(sections, interleaved=True), minlength=AXES).tolist()
+        if tuple(counts) != sections:
+            raise ValueError(
+                f"interleaved M-RoPE cycles t, h, w over the pairs until h's and w's sections run out, so h and w "
+                f"may have at most a third of the {rotary_dim // 2} pairs each; mrope_section {list(sections)} "
+                f"would give the axes {counts} pairs"
+            )
     return sections
 
 
-def mrope_axis_of_pair(mrope_section: Sequence[int]) -> torch.Tensor:
-    """(r/2,) int64: which position axis (0 temporal, 1 height, 2 width) turns each pair."""
-    axes = torch.arange(len(mrope_section)) % AXES
-    return axes.repeat_interleave(torch.tensor(list(mrope_section)))
+def mrope_axis_of_pair(mrope_section: Sequence[int], *, interleaved: bool = False) -> torch.Tensor:
+    """(r/2,) int64: which position axis (0 temporal, 1 height, 2 width) turns each pair.
+
+    Contiguous sections (Qwen2-VL): section i's pairs read axis i % 3. Interleaved (Qwen3-VL's
+    ``mrope_interleaved``): pair j reads h where j % 3 == 1 and j < 3 * sections[1], w where j % 3 == 2 and
+    j < 3 * sections[2], t elsewhere, so that every axis turns at high and low frequencies alike."""
+    sections = list(mrope_section)
+    if not interleaved:
+        return (torch.arange(len(sections)) % AXES).repeat_interleave(torch.tensor(sections))
+    j = torch.arange(sum(sections))
+    axis = torch.zeros_like(j)
+    for a in (1, 2):
+        axis[(j % AXES == a) & (j < AXES * sections[a])] = a
+    return axis
 
 
 def mrope_cos_sin(
@@ -48,12 +79,14 @@ def mrope_cos_sin(
     mrope_section: Sequence[int],
     attention_factor: float = 1.0,
     dtype: torch.dtype = torch.float32,
+    *,
+    interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """positions: (3, b, s) integer; inv_freq: (r/2,) float64. Returns cos, sin: (b, s, r/2) in ``dtype``.
 
     Angles are taken in float64, as in ``angles_to_cos_sin``; each pair reads its own axis' positions.
     """
-    axis = mrope_axis_of_pair(mrope_section).to(positions.device)  # (r/2,)
+    axis = mrope_axis_of_pair(mrope_section, interleaved=interleaved).to(positions.device)  # (r/2,)
     pos = positions.to(torch.float64).index_select(0, axis)  # (r/2, b, s): pair j's positions
     angles = pos.movedim(0, -1) * inv_freq.to(device=positions.device, dtype=torch.float64)
     cos, sin = angles.cos(), angles.sin()
@@ -63,10 +96,14 @@ def mrope_cos_sin(
 
 
 class MRoPE(RoPE):
-    """RoPE with Qwen2-VL's three position axes. Accepts every ``RoPE`` option (scaling types included).
+    """RoPE with three position axes (temporal, height, width), as vision-language models use them. Accepts every
+    ``RoPE`` option (scaling types, ``interleaved`` pairs as in GLM-4V, partial rotation).
 
-    mrope_section: pairs per section, summing to rotary_dim / 2 (Qwen2-VL: [16, 24, 24]).
-    ``forward`` takes positions of shape (3, b, s); (s,) or (b, s) ids (text only) behave like plain RoPE.
+    mrope_section: pairs per axis, summing to rotary_dim / 2 (Qwen2-VL: [16, 24, 24]; Qwen3-VL: [24, 20, 20]).
+    mrope_interleaved: how the axes share the pairs: False, contiguous sections (Qwen2-VL, Qwen2.5-VL, GLM-4V);
+    True, cycled t, h, w (Qwen3-VL, Qwen3.5); see ``mrope_axis_of_pair``.
+    ``forward`` and ``cos_sin`` take positions of shape (3, b, s); (s,) or (b, s) ids (text only, the same id on
+    every axis) behave like plain RoPE.
     """
 
     def __init__(
@@ -74,11 +111,42 @@ class MRoPE(RoPE):
         head_dim: int,
         *,
         mrope_section: Sequence[int],
+        mrope_interleaved: bool = False,
         rope_parameters: Mapping[str, Any] | None = None,
         **options: Any,
     ) -> None:
         super().__init__(head_dim, rope_parameters=rope_parameters, **options)
-        self.mrope_section = check_mrope_section(mrope_section, self.rotary_dim)
+        self.mrope_interleaved = flag("mrope_interleaved", mrope_interleaved)
+        self.mrope_section = check_mrope_section(mrope_section, self.rotary_dim, interleaved=mrope_interleaved)
+
+    def cos_sin(
+        self, positions: torch.Tensor, *, seq_len: int | None = None, dtype: torch.dtype = torch.float32
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: (3, b, s) integer ids, or text ids of at most 2 dims (then as ``RoPE.cos_sin``). Returns cos,
+        sin: (b, s, r/2) in ``dtype``. seq_len: as for ``RoPE.cos_sin``."""
+        int_tensor("positions", positions)
+        if positions.dim() < 3:
+            return super().cos_sin(positions, seq_len=seq_len, dtype=dtype)
+        float_dtype("dtype", dtype)
+        sequence_length("seq_len", seq_len)
+        if positions.dim() != 3 or positions.shape[0] != AXES:
+            raise ValueError(
+                f"positions must be (3, b, s) (temporal, height, width ids) or text ids (s,) / (b, s), got shape "
+                f"{tuple(positions.shape)}"
+            )
+        length_dependent = self.spec.rope_type in SEQ_LEN_DEPENDENT
+        if positions.numel() and values_readable(positions.device):
+            low, high = torch.stack(torch.aminmax(positions)).tolist()
+            if low < 0:
+                raise ValueError(f"positions must be >= 0, got a negative entry ({low})")
+            seq_len = high + 1 if seq_len is None else seq_len
+        elif positions.numel() and positions.device.type != "meta":
+            # Traced or captured: no value may be read on the host (see RoPE.cos_sin).
+            assert_without_sync(positions >= 0, "positions must be >= 0, got a negative entry")
+            if length_dependent and seq_len is None:
+                raise _length_unreadable(self.spec.rope_type)
+        inv_freq, factor = self.frequencies(seq_len if length_dependent else None)
+        return mrope_cos_sin(positions, inv_freq, self.mrope_section, factor, dtype, interleaved=self.mrope_interleaved)
 
     def forward(
         self,
@@ -91,28 +159,19 @@ class MRoPE(RoPE):
         seq_len: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: (b, h_q, s, d), k: (b, h_k, s, d) for "bhsd" ((b, s, h, d) for "bshd"); positions: (3, b, s) or
-        (3, 1, s) integer ids, or anything ``RoPE.forward`` takes. Returns new (q, k) with the input dtypes."""
-        if positions is None or positions.dim() != 3:
+        (3, 1, s) integer ids, or anything ``RoPE.forward`` takes; offset: an int added to every axis (decoding
+        after a prompt whose last ids are offset - 1). Returns new (q, k) with the input dtypes."""
+        if not isinstance(positions, torch.Tensor) or positions.dim() != 3:
             return super().forward(q, k, positions=positions, offset=offset, layout=layout, seq_len=seq_len)
+        seq_axis = self._check_qk(q, k, layout, seq_len)
         int_tensor("positions", positions)
-        float_tensor("q", q)
-        float_tensor("k", k)
-        if layout not in ("bhsd", "bshd"):
-            raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
-        head_axis = 1 if layout == "bhsd" else 2
-        if (
-            q.dim() != 4
-            or k.dim() != 4
-            or [n for i, n in enumerate(q.shape) if i != head_axis]
-            != [n for i, n in enumerate(k.shape) if i != head_axis]
-        ):
-            raise ValueError(
-                f"q and k must be 4-D ({layout}) with the same batch, length and head dim (head counts may differ), "
-                f"got {tuple(q.shape)} and {tuple(k.shape)}"
+        if isinstance(offset, bool) or not isinstance(offset, int):
+            raise TypeError(
+                f"offset must be an int with (3, b, s) positions, got {type(offset).__name__}; add per-row offsets "
+                "to the positions themselves"
             )
-        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
-            raise TypeError("offset must be an int >= 0 with (3, b, s) positions; add per-row offsets to positions")
-        seq_axis = 2 if layout == "bhsd" else 1
+        if offset < 0:
+            raise ValueError(f"offset must be >= 0 (it counts tokens already in the cache), got {offset}")
         if (
             positions.shape[0] != AXES
             or positions.shape[2] != q.shape[seq_axis]
@@ -127,15 +186,16 @@ class MRoPE(RoPE):
                 f"width ids), got {tuple(positions.shape)}"
             )
         pos = positions.to(device=q.device, dtype=torch.long) + offset
-        if bool((pos < 0).any()):
-            raise ValueError("positions must be >= 0, got a negative entry")
-        if seq_len is None:
-            seq_len = self.scaling_length(pos)
-        inv_freq, factor = self.frequencies(seq_len)
+        if seq_len is None and self.spec.rope_type in SEQ_LEN_DEPENDENT and values_readable(q.device):
+            seq_len = self.scaling_length(pos)  # advances 'hf' dynamic NTK's state, as RoPE.forward does
         dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        cos, sin = mrope_cos_sin(pos, inv_freq, self.mrope_section, factor, dtype)  # (b or 1, s, r/2)
+        cos, sin = self.cos_sin(pos, seq_len=seq_len, dtype=dtype)  # (b or 1, s, r/2)
+        head_axis = 1 if layout == "bhsd" else 2
         cos, sin = cos.unsqueeze(head_axis), sin.unsqueeze(head_axis)
         return apply_rotary_qk(q, k, cos, sin, interleaved=self.interleaved, backend=self.backend)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, mrope_section={list(self.mrope_section)}"
+        return (
+            f"{super().extra_repr()}, mrope_section={list(self.mrope_section)}, "
+            f"mrope_interleaved={self.mrope_interleaved}"
+        )

@@ -1,0 +1,143 @@
+"""Every vision-language model of the installed transformers that turns its pairs by three position axes (M-RoPE):
+posenc knows it (rotates as it does, or refuses it with the reason), and rotates as its own rotary class and
+apply_rotary_pos_emb do, built from its own config class."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import warnings
+
+import pytest
+import torch
+
+from posenc.interop import hf as hf_interop
+from posenc.interop.hf import rope_from_config, rope_kwargs_from_config
+from posenc.rope.mrope import MRoPE
+
+transformers = pytest.importorskip("transformers")
+from transformers.models.auto.configuration_auto import (  # noqa: E402
+    CONFIG_MAPPING_NAMES,
+    model_type_to_module_name,
+)
+
+
+def _modeling(model_type: str):
+    try:
+        module = model_type_to_module_name(model_type)
+        return importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+    except Exception:  # unknown, or a modeling module that needs an optional package
+        return None
+
+
+def _mrope_rotary(modeling) -> type | None:
+    """The module's text rotary class if it turns pairs by several axes: it recomposes per-axis frequencies and
+    reads mrope_section."""
+    found = [
+        cls
+        for name, cls in vars(modeling).items()
+        if name.endswith("RotaryEmbedding")
+        and "Vision" not in name
+        and getattr(cls, "__module__", None) == modeling.__name__
+        and hasattr(cls, "recomposition_frequencies")
+        and "mrope_section" in inspect.getsource(cls)
+    ]
+    return found[0] if found else None
+
+
+@functools.cache
+def mrope_modules() -> frozenset[str]:
+    """The modeling modules of the installed transformers whose text model has M-RoPE."""
+    modules = set()
+    for model_type in CONFIG_MAPPING_NAMES:
+        modeling = _modeling(model_type)
+        if modeling is not None and _mrope_rotary(modeling) is not None:
+            modules.add(model_type_to_module_name(model_type))
+    return frozenset(modules)
+
+
+def test_every_mrope_model_of_the_installed_transformers_is_known():
+    """A new M-RoPE model in transformers makes this fail until it is rotated (and tested below) or refused: a
+    model type posenc did not know would be read as Qwen2-VL's contiguous sections, which it may not be."""
+    refused = {t for t in hf_interop._UNSUPPORTED_MODELS if "multimodal RoPE" in hf_interop._UNSUPPORTED_MODELS[t]}
+    known = {model_type_to_module_name(t) for t in {*hf_interop._MROPE_MODELS, *refused}}
+    assert mrope_modules() == known
+    assert len(known) > 15  # the scan finds what it should
+
+
+def _text_config(model_type: str, section: tuple[int, ...], **rope: object):
+    """The model's text config class with sizes its sections fit: the whole head rotated, 2 heads."""
+    config = transformers.AutoConfig.for_model(model_type)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        text = config.get_text_config() if not hasattr(config, "thinker_config") else config.thinker_config.text_config
+    head_dim = 2 * sum(section)
+    rope_parameters = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0, **rope}
+    return type(text)(
+        hidden_size=2 * head_dim,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=head_dim,
+        rope_parameters={**rope_parameters, "mrope_section": list(section)},
+    )
+
+
+@pytest.mark.parametrize("model_type", sorted(hf_interop._MROPE_MODELS))
+def test_rotates_as_each_mrope_model(model_type: str) -> None:
+    interleaved, section = hf_interop._MROPE_MODELS[model_type]
+    config = _text_config(model_type, section)
+    modeling = _modeling(model_type)
+    rotary = _mrope_rotary(modeling)(config)
+    gen = torch.Generator().manual_seed(0)
+    s = 7
+    # Three different axes (an image's t, h, w), positions large enough that a wrong axis or pair shows.
+    positions = torch.stack([torch.arange(s) + 3, 5 * torch.arange(s) % 11 + 40, 7 * torch.arange(s) + 200])[:, None]
+    q, k = torch.randn(2, 1, 2, s, config.head_dim, generator=gen)
+    theirs = modeling.apply_rotary_pos_emb(q, k, *rotary(q, positions))
+    rope = rope_from_config(config)
+    assert isinstance(rope, MRoPE) and rope.mrope_interleaved == interleaved
+    assert rope.interleaved == (model_type in hf_interop._INTERLEAVED_MODELS)
+    for ours, hf in zip(rope(q, k, positions=positions), theirs, strict=True):
+        # transformers takes the angles in float32: position ~240 times a float32 frequency, ~3e-5 rad at most.
+        torch.testing.assert_close(ours, hf, rtol=0, atol=1e-4)
+    # Without the key in the config, the model's own fallback section.
+    bare = config.to_dict()
+    bare["rope_parameters"] = {key: v for key, v in bare["rope_parameters"].items() if key != "mrope_section"}
+    assert rope_kwargs_from_config(bare)["mrope_section"] == list(section)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "interleaved"),
+    [
+        ("qwen2_vl", False),
+        ("qwen2_5_vl", False),
+        ("qwen3_vl", True),
+        ("qwen3_vl_moe", True),
+        ("qwen3_5", True),
+        ("glm4v", False),
+        ("cosmos3_edge", True),
+    ],
+)
+def test_vision_language_configs_read_their_text_model(model_type: str, interleaved: bool) -> None:
+    """The top-level config object and its dict form (text_config nested) both give M-RoPE with the model's own
+    layout; Qwen2.5-VL's object once came back as plain RoPE, Qwen3-VL's as Qwen2-VL's sections."""
+    config = transformers.AutoConfig.for_model(model_type)
+    for form in (config, config.to_dict()):
+        kwargs = rope_kwargs_from_config(form)
+        assert kwargs["mrope_interleaved"] is interleaved
+        assert kwargs["mrope_section"] == list(hf_interop._MROPE_MODELS[model_type][1])
+
+
+@pytest.mark.parametrize(
+    ("model_type", "match"),
+    [
+        ("ernie4_5_vl_moe", "alternates the height and width frequencies"),
+        ("hunyuan_vl", "two channels of a pair can turn by different axes"),
+        ("hy_v4_vl", "multimodal RoPE on adjacent pairs"),
+        ("cohere_compass", "one rope dict per layer type"),
+    ],
+)
+def test_mrope_layouts_posenc_cannot_make_are_refused(model_type: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        rope_from_config(transformers.AutoConfig.for_model(model_type))
