@@ -339,7 +339,7 @@ _pairs = torch.rand(4, 8)
                 torch.randn(2, 4, 5, 64), torch.randn(1, 2, 5, 64), positions=torch.zeros(3, 2, 5, dtype=torch.long)
             ),
             ValueError,
-            r"q and k must be 4-D \(bhsd\) with the same batch, length and head dim",
+            r"q and k must share batch and sequence sizes, got \(2, 4, 5, 64\) and \(1, 2, 5, 64\)",
         ),
     ],
 )

@@ -318,6 +318,11 @@ class CausalSelfAttention(nn.Module):
                 )
             cache._claim(self)
             cache.check_batch(b)
+        if isinstance(positions, torch.Tensor) and positions.dim() == 3:
+            raise ValueError(
+                f"positions must be (s,) or (b, s) ids, got shape {tuple(positions.shape)}; three-axis (3, b, s) "
+                "M-RoPE ids are taken by posenc.MRoPE called directly (text-only ids work here)"
+            )
         docs = None
         if document_ids is not None:
             docs = resolve_document_ids(document_ids, batch=b, seq_len=s, device=x.device)

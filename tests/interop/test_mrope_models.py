@@ -129,6 +129,71 @@ def test_vision_language_configs_read_their_text_model(model_type: str, interlea
         assert kwargs["mrope_section"] == list(hf_interop._MROPE_MODELS[model_type][1])
 
 
+@functools.cache
+def composite_text_models() -> dict[str, str]:
+    """Model types of the installed transformers whose config nests a text model of a type the tables name."""
+    tables = {*hf_interop._MROPE_MODELS, *hf_interop._INTERLEAVED_MODELS, *hf_interop._UNSUPPORTED_MODELS}
+    found = {}
+    for model_type in CONFIG_MAPPING_NAMES:
+        if model_type in tables:
+            continue
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                cfg = transformers.AutoConfig.for_model(model_type).to_dict()
+        except Exception:
+            continue
+        inner = cfg
+        while isinstance(inner, dict) and not inner.get("rope_parameters"):
+            inner = next((inner[k] for k in hf_interop._NESTED_CONFIGS if isinstance(inner.get(k), dict)), None)
+        if isinstance(inner, dict) and inner is not cfg and inner.get("model_type") in tables:
+            found[model_type] = inner["model_type"]
+    return found
+
+
+def test_composite_configs_name_their_text_model():
+    """A config.json whose text_config omits its model_type still reads as its text model: Cosmos3-Omni's once
+    read as Qwen2-VL's sections (4.3 off), GLM-4.6V's lost its partial rotation and pair layout."""
+    found = composite_text_models()
+    assert len(found) >= 5  # the scan finds what it should
+    for outer, inner in found.items():
+        resolved = hf_interop._text_model({"model_type": outer, "text_config": {}})["model_type"]
+        assert model_type_to_module_name(resolved) == model_type_to_module_name(inner), (outer, inner)
+
+
+@pytest.mark.parametrize(
+    "outer", ["cosmos3_omni", "glm46v", "minicpmv4_7", "qwen2_5_omni", "qwen3_omni_moe", "colqwen2"]
+)
+def test_composite_configs_rotate_as_their_text_model(outer: str) -> None:
+    """The whole config, as an object and as a dict without the inner model_type, gives the text model's M-RoPE."""
+    config = transformers.AutoConfig.for_model(outer)
+    kwargs = rope_kwargs_from_config(config)
+    inner = hf_interop._text_model(config.to_dict())["model_type"]
+    assert (kwargs["mrope_interleaved"], tuple(kwargs["mrope_section"])) == hf_interop._MROPE_MODELS[inner]
+    stripped = config.to_dict()
+    holder = stripped
+    while "rope_parameters" not in holder or not holder["rope_parameters"]:
+        holder = next(holder[k] for k in hf_interop._NESTED_CONFIGS if isinstance(holder.get(k), dict))
+    holder.pop("model_type", None)
+    assert rope_kwargs_from_config(stripped) == kwargs
+
+
+def test_a_config_key_that_contradicts_the_model_type_is_overruled_with_a_warning() -> None:
+    config = _text_model_dict("qwen3_5_text", mrope_interleaved=False)
+    with pytest.warns(UserWarning, match="says mrope_interleaved=False, but model_type 'qwen3_5_text' cycles"):
+        assert rope_kwargs_from_config(config)["mrope_interleaved"] is True
+    # A model type posenc does not know goes by the key.
+    assert rope_kwargs_from_config({**config, "model_type": "new_vl"})["mrope_interleaved"] is False
+    assert rope_kwargs_from_config(_text_model_dict("new_vl", mrope_interleaved=True))["mrope_interleaved"] is True
+
+
+def _text_model_dict(model_type: str, **rope: object) -> dict:
+    parameters = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [11, 11, 10], **rope}
+    return {"model_type": model_type, "head_dim": 64, "hidden_size": 128, "num_attention_heads": 2} | {
+        "rope_parameters": parameters
+    }
+
+
 @pytest.mark.parametrize(
     ("model_type", "match"),
     [

@@ -455,7 +455,18 @@ def test_keys_the_type_does_not_read_are_ignored_as_transformers_does(rope, unus
 
 @pytest.mark.parametrize(("layer_type", "theta"), [("sliding_attention", 10000.0), ("full_attention", 1000000.0)])
 def test_config_objects_with_a_theta_per_layer_type(layer_type: str, theta: float) -> None:
-    """Gemma 3's config object keeps default_theta as a dict per kind of layer; it once failed in float()."""
+    """Gemma 3's config object keeps default_theta as a dict per kind of layer (global / local); it once failed in
+    float(). A layer dict without rope_theta takes its kind's."""
     config = transformers.AutoConfig.for_model("gemma3_text")
     assert isinstance(config.default_theta, dict)
     assert rope_from_config(config, layer_type=layer_type).base == theta
+
+    class Bare:  # a config object whose layer dicts leave theta to the class default
+        def __init__(self) -> None:
+            self.default_theta = {"global": 7.0, "local": 3.0}
+
+        def to_dict(self):
+            rope = {kind: {"rope_type": "default"} for kind in ("sliding_attention", "full_attention")}
+            return config.to_dict() | {"rope_parameters": rope}
+
+    assert rope_from_config(Bare(), layer_type=layer_type).base == (3.0 if layer_type == "sliding_attention" else 7.0)

@@ -167,3 +167,18 @@ def test_three_axis_positions_compile_with_fullgraph() -> None:
     torch.testing.assert_close(compiled(q, positions), rope(q, q, positions=positions))
     with pytest.raises(RuntimeError, match="positions must be >= 0"):
         compiled(q, positions - 3)
+
+
+def test_three_rows_of_ids_for_another_batch_size_name_both_forms() -> None:
+    rope = MRoPE(16, mrope_section=[4, 2, 2])
+    q = torch.randn(2, 1, 5, 16)
+    with pytest.raises(ValueError, match=re.escape("neither text ids (s,) or (b, s) for a batch of 2 nor three axes")):
+        rope(q, q, positions=torch.zeros(3, 5, dtype=torch.long))
+
+
+def test_attention_refuses_three_axis_ids_with_the_reason() -> None:
+    from posenc import CausalSelfAttention
+
+    attn = CausalSelfAttention(32, 2, encoding=MRoPE(16, mrope_section=[4, 2, 2]))
+    with pytest.raises(ValueError, match=r"three-axis \(3, b, s\) M-RoPE ids are taken by posenc.MRoPE"):
+        attn(torch.randn(1, 5, 32), positions=torch.zeros(3, 1, 5, dtype=torch.long))

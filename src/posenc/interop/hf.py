@@ -188,6 +188,18 @@ _MROPE_MODELS: dict[str, tuple[bool, tuple[int, ...]]] = {
     **dict.fromkeys(("glm_ocr", "glm_ocr_text"), _GLM4_V),
 }
 _NEEDS_ORIGINAL = frozenset({"llama3", "yarn", "longrope"})
+# Where composite configs keep their text model, in the order looked for.
+_NESTED_CONFIGS = ("text_config", "thinker_config", "vlm_config")
+# Composite model types whose text model is another model type that the tables above name, for a config.json whose
+# text_config omits its model_type (transformers 5.24; tests/interop/test_mrope_models.py holds it to the installed
+# transformers).
+_TEXT_MODELS = {
+    **dict.fromkeys(("aya_vision", "cohere2_vision"), "cohere2"),
+    "colqwen2": "qwen2_vl",
+    "cosmos3_omni": "qwen3_vl_text",
+    **dict.fromkeys(("glm46v", "glmga"), "glm4v_text"),
+    **dict.fromkeys(("jev", "minicpm_ocr", "minicpmv4_6", "minicpmv4_7"), "qwen3_5_text"),
+}
 
 
 def _load(config: Any) -> tuple[dict[str, Any], Any]:
@@ -212,6 +224,20 @@ def _load(config: Any) -> tuple[dict[str, Any], Any]:
     )
 
 
+def _text_model(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The part of a config that holds the text model's RoPE, with its model type: the config itself, or for a
+    vision-language or omni model its text_config (inside thinker_config for Qwen-Omni, vlm_config for ColQwen2)."""
+    for _ in range(3):
+        if cfg.get("rope_parameters") or cfg.get("rope_scaling") or "rope_theta" in cfg:
+            break
+        inner = next((cfg[key] for key in _NESTED_CONFIGS if isinstance(cfg.get(key), Mapping)), None)
+        if inner is None:
+            break
+        outer = cfg.get("model_type")
+        cfg = {**inner, "model_type": inner.get("model_type") or _TEXT_MODELS.get(outer, outer)}
+    return cfg
+
+
 def _first(cfg: Mapping[str, Any], *keys: str) -> Any:
     """The first of ``keys`` present in cfg with a value that is not None."""
     for key in keys:
@@ -231,12 +257,10 @@ def rope_kwargs_from_config(config: Any, *, layer_type: str | None = None) -> di
     the factor is dropped for them; GPT-NeoX, Phi-3 and the like, and every scaled type, keep it.
     """
     cfg, default_theta = _load(config)
-    if isinstance(default_theta, Mapping):  # per layer type, as Gemma 3's config class keeps it
-        default_theta = default_theta.get("local" if layer_type == "sliding_attention" else "global", 10000.0)
-    if not (cfg.get("rope_parameters") or cfg.get("rope_scaling") or "rope_theta" in cfg) and isinstance(
-        cfg.get("text_config"), Mapping
-    ):
-        cfg = {"model_type": cfg.get("model_type"), **cfg["text_config"]}  # vision-language: the text model's RoPE
+    if isinstance(default_theta, Mapping):  # per layer type, as Gemma 3's config class keeps it (global / local)
+        kind = "local" if layer_type == "sliding_attention" else "global"
+        default_theta = default_theta.get(layer_type, default_theta.get(kind, 10000.0))
+    cfg = _text_model(cfg)
     model_type = str(cfg.get("model_type") or "")
     if model_type in _UNSUPPORTED_MODELS:
         raise ValueError(f"model_type {model_type!r} is not supported: {_UNSUPPORTED_MODELS[model_type]}")
@@ -257,11 +281,21 @@ def rope_kwargs_from_config(config: Any, *, layer_type: str | None = None) -> di
     if model_type == "phi3" and rope_type == "yarn":
         rope_type = "longrope"  # Phi3Config maps its legacy 'yarn' to LongRoPE
 
-    # The model type decides how its axes share the pairs (Qwen3-VL's config.json has no mrope_interleaved key, and
-    # Cosmos3-Edge's section alone would read as Qwen2-VL's); a model type posenc does not know goes by the keys.
-    mrope_interleaved, mrope_section = _MROPE_MODELS.get(model_type, (False, None))
+    # The model type decides how its axes share the pairs, as the model's rotary class does (Qwen3-VL's config.json
+    # has no mrope_interleaved key, and transformers never reads one); a model type posenc does not know goes by
+    # the keys.
+    mrope_interleaved, mrope_section = _MROPE_MODELS.get(model_type, (None, None))
     mrope_section = rope.pop("mrope_section", None) or mrope_section
-    mrope_interleaved = bool(rope.pop("mrope_interleaved", mrope_interleaved))
+    key = rope.pop("mrope_interleaved", None)
+    if mrope_interleaved is None:
+        mrope_interleaved = bool(key)
+    elif key is not None and bool(key) != mrope_interleaved:
+        warnings.warn(
+            f"the config says mrope_interleaved={key!r}, but model_type {model_type!r} "
+            f"{'cycles its axes over the pairs' if mrope_interleaved else 'gives each axis a contiguous section'} "
+            "whatever the key says (transformers does not read it); rotating as the model does",
+            stacklevel=3,
+        )
 
     theta = _first(rope, "rope_theta")
     if theta is None:

@@ -50,9 +50,9 @@ def check_mrope_section(mrope_section: Sequence[int], rotary_dim: int, *, interl
         counts = torch.bincount(mrope_axis_of_pair(sections, interleaved=True), minlength=AXES).tolist()
         if tuple(counts) != sections:
             raise ValueError(
-                f"interleaved M-RoPE cycles t, h, w over the pairs until h's and w's sections run out, so h and w "
-                f"may have at most a third of the {rotary_dim // 2} pairs each; mrope_section {list(sections)} "
-                f"would give the axes {counts} pairs"
+                f"interleaved M-RoPE cycles t, h, w over the {rotary_dim // 2} pairs until h's and w's sections run "
+                f"out (h takes pairs 1, 4, 7, ..., w pairs 2, 5, 8, ..., t the rest), which must give each axis "
+                f"exactly its section; mrope_section {list(sections)} would give the axes {counts} pairs"
             )
     return sections
 
@@ -159,8 +159,17 @@ class MRoPE(RoPE):
         seq_len: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: (b, h_q, s, d), k: (b, h_k, s, d) for "bhsd" ((b, s, h, d) for "bshd"); positions: (3, b, s) or
-        (3, 1, s) integer ids, or anything ``RoPE.forward`` takes; offset: an int added to every axis (decoding
-        after a prompt whose last ids are offset - 1). Returns new (q, k) with the input dtypes."""
+        (3, 1, s) integer ids, or anything ``RoPE.forward`` takes; offset: an int added to every axis (when
+        decoding text after a prompt with images: the largest id of the prompt + 1, which is the cache length plus
+        the model's rope delta, not the cache length). Returns new (q, k) with the input dtypes.
+
+        A (3, s) tensor is read as text ids of a batch of 3, as ``RoPE`` reads it; three axes are (3, b, s)."""
+        ambiguous = isinstance(positions, torch.Tensor) and positions.dim() == 2 and positions.shape[0] == AXES
+        if ambiguous and isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[0] != AXES:
+            raise ValueError(
+                f"positions of shape {tuple(positions.shape)} are neither text ids (s,) or (b, s) for a batch of "
+                f"{q.shape[0]} nor three axes (3, b, s); for three axes of one sequence pass positions[:, None]"
+            )
         if not isinstance(positions, torch.Tensor) or positions.dim() != 3:
             return super().forward(q, k, positions=positions, offset=offset, layout=layout, seq_len=seq_len)
         seq_axis = self._check_qk(q, k, layout, seq_len)
