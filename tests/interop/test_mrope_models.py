@@ -85,7 +85,7 @@ def _text_config(model_type: str, section: tuple[int, ...], **rope: object):
 
 @pytest.mark.parametrize("model_type", sorted(hf_interop._MROPE_MODELS))
 def test_rotates_as_each_mrope_model(model_type: str) -> None:
-    interleaved, section = hf_interop._MROPE_MODELS[model_type]
+    layout, section = hf_interop._MROPE_MODELS[model_type]
     config = _text_config(model_type, section)
     modeling = _modeling(model_type)
     rotary = _mrope_rotary(modeling)(config)
@@ -96,7 +96,7 @@ def test_rotates_as_each_mrope_model(model_type: str) -> None:
     q, k = torch.randn(2, 1, 2, s, config.head_dim, generator=gen)
     theirs = modeling.apply_rotary_pos_emb(q, k, *rotary(q, positions))
     rope = rope_from_config(config)
-    assert isinstance(rope, MRoPE) and rope.mrope_interleaved == interleaved
+    assert isinstance(rope, MRoPE) and rope.mrope_layout == layout
     assert rope.interleaved == (model_type in hf_interop._INTERLEAVED_MODELS)
     for ours, hf in zip(rope(q, k, positions=positions), theirs, strict=True):
         # transformers takes the angles in float32: position ~240 times a float32 frequency, ~3e-5 rad at most.
@@ -108,24 +108,25 @@ def test_rotates_as_each_mrope_model(model_type: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("model_type", "interleaved"),
+    ("model_type", "layout"),
     [
-        ("qwen2_vl", False),
-        ("qwen2_5_vl", False),
-        ("qwen3_vl", True),
-        ("qwen3_vl_moe", True),
-        ("qwen3_5", True),
-        ("glm4v", False),
-        ("cosmos3_edge", True),
+        ("qwen2_vl", "sections"),
+        ("qwen2_5_vl", "sections"),
+        ("qwen3_vl", "interleaved"),
+        ("qwen3_vl_moe", "interleaved"),
+        ("qwen3_5", "interleaved"),
+        ("glm4v", "sections"),
+        ("cosmos3_edge", "interleaved"),
+        ("ernie4_5_vl_moe", "alternating"),
     ],
 )
-def test_vision_language_configs_read_their_text_model(model_type: str, interleaved: bool) -> None:
+def test_vision_language_configs_read_their_text_model(model_type: str, layout: str) -> None:
     """The top-level config object and its dict form (text_config nested) both give M-RoPE with the model's own
     layout; Qwen2.5-VL's object once came back as plain RoPE, Qwen3-VL's as Qwen2-VL's sections."""
     config = transformers.AutoConfig.for_model(model_type)
     for form in (config, config.to_dict()):
         kwargs = rope_kwargs_from_config(form)
-        assert kwargs["mrope_interleaved"] is interleaved
+        assert kwargs["mrope_layout"] == layout
         assert kwargs["mrope_section"] == list(hf_interop._MROPE_MODELS[model_type][1])
 
 
@@ -169,7 +170,7 @@ def test_composite_configs_rotate_as_their_text_model(outer: str) -> None:
     config = transformers.AutoConfig.for_model(outer)
     kwargs = rope_kwargs_from_config(config)
     inner = hf_interop._text_model(config.to_dict())["model_type"]
-    assert (kwargs["mrope_interleaved"], tuple(kwargs["mrope_section"])) == hf_interop._MROPE_MODELS[inner]
+    assert (kwargs["mrope_layout"], tuple(kwargs["mrope_section"])) == hf_interop._MROPE_MODELS[inner]
     stripped = config.to_dict()
     holder = stripped
     while "rope_parameters" not in holder or not holder["rope_parameters"]:
@@ -180,11 +181,11 @@ def test_composite_configs_rotate_as_their_text_model(outer: str) -> None:
 
 def test_a_config_key_that_contradicts_the_model_type_is_overruled_with_a_warning() -> None:
     config = _text_model_dict("qwen3_5_text", mrope_interleaved=False)
-    with pytest.warns(UserWarning, match="says mrope_interleaved=False, but model_type 'qwen3_5_text' cycles"):
-        assert rope_kwargs_from_config(config)["mrope_interleaved"] is True
+    with pytest.warns(UserWarning, match="says mrope_interleaved=False, but model_type 'qwen3_5_text' lays out"):
+        assert rope_kwargs_from_config(config)["mrope_layout"] == "interleaved"
     # A model type posenc does not know goes by the key.
-    assert rope_kwargs_from_config({**config, "model_type": "new_vl"})["mrope_interleaved"] is False
-    assert rope_kwargs_from_config(_text_model_dict("new_vl", mrope_interleaved=True))["mrope_interleaved"] is True
+    assert rope_kwargs_from_config({**config, "model_type": "new_vl"})["mrope_layout"] == "sections"
+    assert rope_kwargs_from_config(_text_model_dict("new_vl", mrope_interleaved=True))["mrope_layout"] == "interleaved"
 
 
 def _text_model_dict(model_type: str, **rope: object) -> dict:
@@ -197,7 +198,6 @@ def _text_model_dict(model_type: str, **rope: object) -> dict:
 @pytest.mark.parametrize(
     ("model_type", "match"),
     [
-        ("ernie4_5_vl_moe", "alternates the height and width frequencies"),
         ("hunyuan_vl", "two channels of a pair can turn by different axes"),
         ("hy_v4_vl", "multimodal RoPE on adjacent pairs"),
         ("cohere_compass", "one rope dict per layer type"),

@@ -252,7 +252,7 @@ def test_per_layer_rope_dicts_need_a_layer_type() -> None:
         (
             {"head_dim": 8, "rope_parameters": {"mrope_section": [1, 1, 2], "mrope_interleaved": True}},
             ValueError,
-            "mrope_section [1, 1, 2] would give the axes [2, 1, 1] pairs",
+            "mrope_section [1, 1, 2] would give the axes (t, h, w) [2, 1, 1] pairs",
         ),
     ],
 )

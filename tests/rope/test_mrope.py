@@ -117,26 +117,34 @@ def test_bad_positions() -> None:
 
 def test_interleaved_axes_cycle_until_their_sections_run_out() -> None:
     """Qwen3-VL's layout: t, h, w, t, h, w, ... until h's and w's pairs are spent, t for the rest."""
-    assert mrope_axis_of_pair([2, 1, 1], interleaved=True).tolist() == [0, 1, 2, 0]
-    assert mrope_axis_of_pair([4, 2, 2], interleaved=True).tolist() == [0, 1, 2, 0, 1, 2, 0, 0]
-    axis = mrope_axis_of_pair([24, 20, 20], interleaved=True)
+    assert mrope_axis_of_pair([2, 1, 1], layout="interleaved").tolist() == [0, 1, 2, 0]
+    assert mrope_axis_of_pair([4, 2, 2], layout="interleaved").tolist() == [0, 1, 2, 0, 1, 2, 0, 0]
+    axis = mrope_axis_of_pair([24, 20, 20], layout="interleaved")
     assert torch.bincount(axis).tolist() == [24, 20, 20] and axis[:6].tolist() == [0, 1, 2, 0, 1, 2]
-    with pytest.raises(ValueError, match=re.escape("mrope_section [1, 3, 4] would give the axes [3, 3, 2] pairs")):
-        MRoPE(16, mrope_section=[1, 3, 4], mrope_interleaved=True)
+    with pytest.raises(ValueError, match=re.escape("[1, 3, 4] would give the axes (t, h, w) [3, 3, 2] pairs")):
+        MRoPE(16, mrope_section=[1, 3, 4], mrope_layout="interleaved")
     with pytest.raises(ValueError, match="interleaved M-RoPE takes 3 sections"):
-        MRoPE(16, mrope_section=[2, 2, 2, 2], mrope_interleaved=True)
-    with pytest.raises(TypeError, match="mrope_interleaved must be"):
-        MRoPE(16, mrope_section=[4, 2, 2], mrope_interleaved="yes")
+        MRoPE(16, mrope_section=[2, 2, 2, 2], mrope_layout="interleaved")
+    with pytest.raises(ValueError, match="mrope_layout must be one of 'sections', 'interleaved', 'alternating'"):
+        MRoPE(16, mrope_section=[4, 2, 2], mrope_layout=True)
 
 
-@pytest.mark.parametrize("interleaved", [False, True])
-def test_cos_sin_takes_three_axes(interleaved: bool) -> None:
-    """cos_sin of (3, b, s) ids is M-RoPE's, not plain RoPE's per axis; forward rotates by it."""
-    rope = MRoPE(16, mrope_section=[4, 2, 2], mrope_interleaved=interleaved)
+def test_alternating_axes_turn_h_and_w_in_turn_then_t() -> None:
+    """ERNIE-4.5-VL's layout, sections in the order h, w, t: h, w, h, w, ..., then t."""
+    assert mrope_axis_of_pair([2, 2, 3], layout="alternating").tolist() == [1, 2, 1, 2, 0, 0, 0]
+    with pytest.raises(ValueError, match=re.escape("mrope_section [3, 1, 4] would give the axes (h, w, t) [2, 2, 4]")):
+        MRoPE(16, mrope_section=[3, 1, 4], mrope_layout="alternating")
+
+
+@pytest.mark.parametrize("layout", ["sections", "interleaved", "alternating"])
+def test_cos_sin_takes_three_axes(layout: str) -> None:
+    """cos_sin of (3, b, s) ids is M-RoPE's, not plain RoPE's per axis."""
+    section = [3, 3, 2] if layout == "alternating" else [4, 2, 2]
+    rope = MRoPE(16, mrope_section=section, mrope_layout=layout)
     positions = torch.stack([torch.arange(5), torch.arange(5) * 3, torch.arange(5) + 9])[:, None]
     inv, factor = rope.frequencies()
     cos, sin = rope.cos_sin(positions)
-    expected = mrope_cos_sin(positions, inv, [4, 2, 2], factor, interleaved=interleaved)
+    expected = mrope_cos_sin(positions, inv, section, factor, layout=layout)
     torch.testing.assert_close((cos, sin), expected, rtol=0, atol=0)
     assert cos.shape == (1, 5, 8)
     with pytest.raises(ValueError, match=r"positions must be \(3, b, s\).*got shape \(2, 1, 5\)"):
@@ -160,7 +168,7 @@ def test_three_axis_positions_get_the_checks_of_plain_positions() -> None:
 
 def test_three_axis_positions_compile_with_fullgraph() -> None:
     """No value read on the host under torch.compile(fullgraph=True); a negative id fails as the graph runs."""
-    rope = MRoPE(16, mrope_section=[2, 3, 3], mrope_interleaved=False)
+    rope = MRoPE(16, mrope_section=[2, 3, 3], mrope_layout="sections")
     q = torch.randn(1, 2, 5, 16)
     positions = torch.stack([torch.arange(5), torch.arange(5) * 2, torch.arange(5) + 4])[:, None]
     compiled = torch.compile(lambda q, p: rope(q, q, positions=p), fullgraph=True, backend="aot_eager")

@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 from posenc._checks import positive_int
 from posenc.rope.module import RoPE
-from posenc.rope.mrope import MRoPE
+from posenc.rope.mrope import MRoPE, MRopeLayout
 from posenc.rope.parameters import REQUIRED_KEYS, pop_rope_type, unread_keys
 
 # Model types whose rotation pairs adjacent channels (x0, x1), (x2, x3), ...: a rotate_half on x[..., ::2] and
@@ -53,11 +53,6 @@ _UNSUPPORTED_MODELS = {
     "nanochat": "nanochat rotates by the negative angle (its rotate_half is cat(x2, -x1)), which posenc.RoPE does not",
     "deepseek_v4": "DeepSeek-V4 rotates the last qk_rope_head_dim channels of a head, with two rope dicts (main and "
     "compress); build posenc.RoPE(qk_rope_head_dim, interleaved=True, base=...) for the rope part yourself",
-    **dict.fromkeys(
-        ("ernie4_5_vl_moe", "ernie4_5_vl_moe_text"),
-        "ERNIE-4.5-VL's multimodal RoPE alternates the height and width frequencies and gives time the last pairs, a "
-        "permutation of the frequencies that posenc.MRoPE does not make",
-    ),
     **dict.fromkeys(
         ("hunyuan_vl", "hunyuan_vl_text"),
         "HunYuan-VL's multimodal RoPE cuts the duplicated cos/sin into sections, so the two channels of a pair can "
@@ -164,16 +159,12 @@ _DEFAULT_READS_PARTIAL = frozenset(
 # Defaults a model class applies to a top-level key its config.json omits (transformers then copies the top-level
 # original_max_position_embeddings over the rope dict's own).
 _ORIGINAL_DEFAULTS = {"phi3": 4096}
-# Model types whose text model turns its pairs by three position axes (M-RoPE): whether the axes are cycled over
-# the pairs (mrope_interleaved) and the mrope_section their rotary class falls back to when the config has none.
-# Read from transformers 5.24; tests/interop/test_mrope_models.py holds the table to the installed transformers.
-_QWEN2_VL, _QWEN3_VL, _QWEN3_5, _GLM4_V = (
-    (False, (16, 24, 24)),
-    (True, (24, 20, 20)),
-    (True, (11, 11, 10)),
-    (False, (8, 12, 12)),
-)
-_MROPE_MODELS: dict[str, tuple[bool, tuple[int, ...]]] = {
+# Model types whose text model turns its pairs by three position axes (M-RoPE): how the axes share the pairs (see
+# posenc.rope.mrope.mrope_axis_of_pair) and the mrope_section their rotary class falls back to when the config has
+# none. Read from transformers 5.24; tests/interop/test_mrope_models.py holds the table to the installed transformers.
+_QWEN2_VL, _QWEN3_VL = ("sections", (16, 24, 24)), ("interleaved", (24, 20, 20))
+_QWEN3_5, _GLM4_V, _ERNIE_VL = ("interleaved", (11, 11, 10)), ("sections", (8, 12, 12)), ("alternating", (22, 22, 20))
+_MROPE_MODELS: dict[str, tuple[MRopeLayout, tuple[int, ...]]] = {
     **dict.fromkeys(("qwen2_vl", "qwen2_vl_text", "qwen2_5_vl", "qwen2_5_vl_text", "paddleocr_vl"), _QWEN2_VL),
     **dict.fromkeys(("paddleocr_vl_text", "qwen2_5_omni", "qwen2_5_omni_thinker", "qwen2_5_omni_text"), _QWEN2_VL),
     **dict.fromkeys(("qwen2_5_omni_talker",), _QWEN2_VL),
@@ -186,6 +177,7 @@ _MROPE_MODELS: dict[str, tuple[bool, tuple[int, ...]]] = {
     **dict.fromkeys(("qwen4_exp_text",), _QWEN3_5),
     **dict.fromkeys(("glm4v", "glm4v_text", "glm4v_moe", "glm4v_moe_text", "glm_image", "glm_image_text"), _GLM4_V),
     **dict.fromkeys(("glm_ocr", "glm_ocr_text"), _GLM4_V),
+    **dict.fromkeys(("ernie4_5_vl_moe", "ernie4_5_vl_moe_text"), _ERNIE_VL),
 }
 _NEEDS_ORIGINAL = frozenset({"llama3", "yarn", "longrope"})
 # Where composite configs keep their text model, in the order looked for.
@@ -284,16 +276,16 @@ def rope_kwargs_from_config(config: Any, *, layer_type: str | None = None) -> di
     # The model type decides how its axes share the pairs, as the model's rotary class does (Qwen3-VL's config.json
     # has no mrope_interleaved key, and transformers never reads one); a model type posenc does not know goes by
     # the keys.
-    mrope_interleaved, mrope_section = _MROPE_MODELS.get(model_type, (None, None))
+    mrope_layout, mrope_section = _MROPE_MODELS.get(model_type, (None, None))
     mrope_section = rope.pop("mrope_section", None) or mrope_section
     key = rope.pop("mrope_interleaved", None)
-    if mrope_interleaved is None:
-        mrope_interleaved = bool(key)
-    elif key is not None and bool(key) != mrope_interleaved:
+    if mrope_layout is None:
+        mrope_layout = "interleaved" if key else "sections"
+    elif key is not None and bool(key) != (mrope_layout == "interleaved"):
         warnings.warn(
-            f"the config says mrope_interleaved={key!r}, but model_type {model_type!r} "
-            f"{'cycles its axes over the pairs' if mrope_interleaved else 'gives each axis a contiguous section'} "
-            "whatever the key says (transformers does not read it); rotating as the model does",
+            f"the config says mrope_interleaved={key!r}, but model_type {model_type!r} lays out its axes as "
+            f"mrope_layout={mrope_layout!r} whatever the key says (transformers does not read it); rotating as the "
+            "model does",
             stacklevel=3,
         )
 
@@ -361,7 +353,7 @@ def rope_kwargs_from_config(config: Any, *, layer_type: str | None = None) -> di
         kwargs["rotary_dim"] = rotary_dim
     if mrope_section is not None:
         kwargs["mrope_section"] = list(mrope_section)
-        kwargs["mrope_interleaved"] = mrope_interleaved
+        kwargs["mrope_layout"] = mrope_layout
     return kwargs
 
 

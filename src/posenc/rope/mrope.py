@@ -2,7 +2,8 @@
 
 The r/2 frequency pairs are shared among the axes by ``mrope_section`` (e.g. [16, 24, 24] for r = 128): in
 contiguous sections, section i's pairs turning by the position id of axis i % 3 (Qwen2-VL, Qwen2.5-VL, GLM-4V), or
-cycled t, h, w over the pairs (``mrope_interleaved``: Qwen3-VL, Qwen3.5). Text tokens carry the same id on all three
+cycled t, h, w over the pairs (``mrope_layout="interleaved"``: Qwen3-VL, Qwen3.5), or h and w alternating before t
+(``"alternating"``: ERNIE-4.5-VL). Text tokens carry the same id on all three
 axes, which makes M-RoPE equal to plain RoPE for them. Numerically identical to ``transformers``' rotary embeddings
 and ``apply_rotary_pos_emb`` of those models (``mrope_section`` there counts pairs, too; 4.x's
 ``apply_multimodal_rotary_pos_emb`` doubled it to count channels of the duplicated cos/sin).
@@ -13,13 +14,12 @@ Shape key: a axes (3), b batch, h heads, s sequence, d head dim, r rotary dim.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 
 from posenc._checks import (
     assert_without_sync,
-    flag,
     float_dtype,
     int_tensor,
     positive_int,
@@ -33,9 +33,23 @@ from posenc.rope.module import Layout, RoPE, _length_unreadable
 AXES = 3
 
 
-def check_mrope_section(mrope_section: Sequence[int], rotary_dim: int, *, interleaved: bool = False) -> tuple[int, ...]:
-    """Validate that the sections are positive ints summing to r/2 (three of them, each laid out in full, when
-    ``interleaved``). Returns them as a tuple."""
+# How the axes share the pairs; see mrope_axis_of_pair.
+MRopeLayout = Literal["sections", "interleaved", "alternating"]
+MROPE_LAYOUTS: tuple[str, ...] = get_args(MRopeLayout)
+_ORDER = {"sections": "t, h, w", "interleaved": "t, h, w", "alternating": "h, w, t"}
+
+
+def check_mrope_layout(layout: Any) -> MRopeLayout:
+    if layout not in MROPE_LAYOUTS:
+        raise ValueError(f"mrope_layout must be one of {', '.join(map(repr, MROPE_LAYOUTS))}, got {layout!r}")
+    return layout
+
+
+def check_mrope_section(
+    mrope_section: Sequence[int], rotary_dim: int, *, layout: MRopeLayout = "sections"
+) -> tuple[int, ...]:
+    """Validate that the sections are positive ints summing to r/2 that the layout can lay out exactly (three of
+    them for 'interleaved' and 'alternating'). Returns them as a tuple."""
     if isinstance(mrope_section, (str, bytes)) or not isinstance(mrope_section, Sequence) or not mrope_section:
         raise TypeError(f"mrope_section must be a list of positive ints, e.g. [16, 24, 24], got {mrope_section!r}")
     sections = tuple(positive_int(f"mrope_section[{i}]", n) for i, n in enumerate(mrope_section))
@@ -44,32 +58,49 @@ def check_mrope_section(mrope_section: Sequence[int], rotary_dim: int, *, interl
             f"mrope_section {list(sections)} must sum to rotary_dim / 2 = {rotary_dim // 2} (it counts frequency "
             f"pairs), but sums to {sum(sections)}"
         )
-    if interleaved:
-        if len(sections) != AXES:
-            raise ValueError(f"interleaved M-RoPE takes 3 sections (t, h, w), got mrope_section {list(sections)}")
-        counts = torch.bincount(mrope_axis_of_pair(sections, interleaved=True), minlength=AXES).tolist()
-        if tuple(counts) != sections:
-            raise ValueError(
-                f"interleaved M-RoPE cycles t, h, w over the {rotary_dim // 2} pairs until h's and w's sections run "
-                f"out (h takes pairs 1, 4, 7, ..., w pairs 2, 5, 8, ..., t the rest), which must give each axis "
-                f"exactly its section; mrope_section {list(sections)} would give the axes {counts} pairs"
-            )
+    if layout == "sections":
+        return sections
+    if len(sections) != AXES:
+        raise ValueError(f"{layout} M-RoPE takes 3 sections ({_ORDER[layout]}), got mrope_section {list(sections)}")
+    axis = mrope_axis_of_pair(sections, layout=layout)
+    counts = torch.bincount(axis, minlength=AXES).tolist()
+    if layout == "alternating":
+        counts = counts[1:] + counts[:1]  # h, w, t: the order of its sections
+    if tuple(counts) != sections:
+        how = {
+            "interleaved": "cycles t, h, w over the pairs until h's and w's sections run out (h takes pairs 1, 4, "
+            "7, ..., w pairs 2, 5, 8, ..., t the rest)",
+            "alternating": "alternates h and w over the first h + w pairs (so h and w need equal sections) and "
+            "gives t the rest",
+        }[layout]
+        raise ValueError(
+            f"{layout} M-RoPE {how}, which must give each axis exactly its section; mrope_section "
+            f"{list(sections)} would give the axes ({_ORDER[layout]}) {counts} pairs"
+        )
     return sections
 
 
-def mrope_axis_of_pair(mrope_section: Sequence[int], *, interleaved: bool = False) -> torch.Tensor:
-    """(r/2,) int64: which position axis (0 temporal, 1 height, 2 width) turns each pair.
+def mrope_axis_of_pair(mrope_section: Sequence[int], *, layout: MRopeLayout = "sections") -> torch.Tensor:
+    """(r/2,) int64: which position axis (0 temporal, 1 height, 2 width) turns each pair. Every pair keeps its own
+    frequency; only the position it turns by changes.
 
-    Contiguous sections (Qwen2-VL): section i's pairs read axis i % 3. Interleaved (Qwen3-VL's
-    ``mrope_interleaved``): pair j reads h where j % 3 == 1 and j < 3 * sections[1], w where j % 3 == 2 and
-    j < 3 * sections[2], t elsewhere, so that every axis turns at high and low frequencies alike."""
+    'sections' (Qwen2-VL, GLM-4V): section i's pairs, in a run, read axis i % 3.
+    'interleaved' (Qwen3-VL, Qwen3.5; ``mrope_interleaved`` in their configs): pair j reads h where j % 3 == 1 and
+    j < 3 * sections[1], w where j % 3 == 2 and j < 3 * sections[2], t elsewhere, so that every axis turns at high
+    and low frequencies alike.
+    'alternating' (ERNIE-4.5-VL; sections in the order h, w, t): the first h + w pairs alternate h, w; the last
+    sections[2] pairs read t."""
     sections = list(mrope_section)
-    if not interleaved:
+    if layout == "sections":
         return (torch.arange(len(sections)) % AXES).repeat_interleave(torch.tensor(sections))
     j = torch.arange(sum(sections))
     axis = torch.zeros_like(j)
-    for a in (1, 2):
-        axis[(j % AXES == a) & (j < AXES * sections[a])] = a
+    if layout == "interleaved":
+        for a in (1, 2):
+            axis[(j % AXES == a) & (j < AXES * sections[a])] = a
+    else:
+        spatial = j < sections[0] + sections[1]
+        axis[spatial] = 1 + j[spatial] % 2
     return axis
 
 
@@ -80,13 +111,13 @@ def mrope_cos_sin(
     attention_factor: float = 1.0,
     dtype: torch.dtype = torch.float32,
     *,
-    interleaved: bool = False,
+    layout: MRopeLayout = "sections",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """positions: (3, b, s) integer; inv_freq: (r/2,) float64. Returns cos, sin: (b, s, r/2) in ``dtype``.
 
     Angles are taken in float64, as in ``angles_to_cos_sin``; each pair reads its own axis' positions.
     """
-    axis = mrope_axis_of_pair(mrope_section, interleaved=interleaved).to(positions.device)  # (r/2,)
+    axis = mrope_axis_of_pair(mrope_section, layout=layout).to(positions.device)  # (r/2,)
     pos = positions.to(torch.float64).index_select(0, axis)  # (r/2, b, s): pair j's positions
     angles = pos.movedim(0, -1) * inv_freq.to(device=positions.device, dtype=torch.float64)
     cos, sin = angles.cos(), angles.sin()
@@ -100,8 +131,9 @@ class MRoPE(RoPE):
     ``RoPE`` option (scaling types, ``interleaved`` pairs as in GLM-4V, partial rotation).
 
     mrope_section: pairs per axis, summing to rotary_dim / 2 (Qwen2-VL: [16, 24, 24]; Qwen3-VL: [24, 20, 20]).
-    mrope_interleaved: how the axes share the pairs: False, contiguous sections (Qwen2-VL, Qwen2.5-VL, GLM-4V);
-    True, cycled t, h, w (Qwen3-VL, Qwen3.5); see ``mrope_axis_of_pair``.
+    mrope_layout: how the axes share the pairs: 'sections', contiguous (Qwen2-VL, Qwen2.5-VL, GLM-4V);
+    'interleaved', cycled t, h, w (Qwen3-VL, Qwen3.5; their configs' ``mrope_interleaved``); 'alternating', h and w
+    alternating, then t (ERNIE-4.5-VL, whose sections are in the order h, w, t); see ``mrope_axis_of_pair``.
     ``forward`` and ``cos_sin`` take positions of shape (3, b, s); (s,) or (b, s) ids (text only, the same id on
     every axis) behave like plain RoPE.
     """
@@ -111,13 +143,13 @@ class MRoPE(RoPE):
         head_dim: int,
         *,
         mrope_section: Sequence[int],
-        mrope_interleaved: bool = False,
+        mrope_layout: MRopeLayout = "sections",
         rope_parameters: Mapping[str, Any] | None = None,
         **options: Any,
     ) -> None:
         super().__init__(head_dim, rope_parameters=rope_parameters, **options)
-        self.mrope_interleaved = flag("mrope_interleaved", mrope_interleaved)
-        self.mrope_section = check_mrope_section(mrope_section, self.rotary_dim, interleaved=mrope_interleaved)
+        self.mrope_layout = check_mrope_layout(mrope_layout)
+        self.mrope_section = check_mrope_section(mrope_section, self.rotary_dim, layout=mrope_layout)
 
     def cos_sin(
         self, positions: torch.Tensor, *, seq_len: int | None = None, dtype: torch.dtype = torch.float32
@@ -146,7 +178,7 @@ class MRoPE(RoPE):
             if length_dependent and seq_len is None:
                 raise _length_unreadable(self.spec.rope_type)
         inv_freq, factor = self.frequencies(seq_len if length_dependent else None)
-        return mrope_cos_sin(positions, inv_freq, self.mrope_section, factor, dtype, interleaved=self.mrope_interleaved)
+        return mrope_cos_sin(positions, inv_freq, self.mrope_section, factor, dtype, layout=self.mrope_layout)
 
     def forward(
         self,
@@ -204,7 +236,4 @@ class MRoPE(RoPE):
         return apply_rotary_qk(q, k, cos, sin, interleaved=self.interleaved, backend=self.backend)
 
     def extra_repr(self) -> str:
-        return (
-            f"{super().extra_repr()}, mrope_section={list(self.mrope_section)}, "
-            f"mrope_interleaved={self.mrope_interleaved}"
-        )
+        return f"{super().extra_repr()}, mrope_section={list(self.mrope_section)}, mrope_layout={self.mrope_layout!r}"
