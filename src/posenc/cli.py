@@ -79,6 +79,12 @@ def _add_figure_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--train-len", type=int, help="training context L (default 2048)")
     g.add_argument("--eval-len", type=int, help="extended context (default 4 * train-len)")
     g.add_argument("--num-heads", type=int, help="heads for the bias matrices (default 8)")
+    g.add_argument(
+        "--interleaved",
+        action="store_true",
+        default=None,
+        help="adjacent pairs (x0, x1), (x2, x3) as in RoFormer, GPT-J, DeepSeek, rather than split halves",
+    )
 
 
 def _figure_config(args: argparse.Namespace, run_dir: str | None = None):  # -> posenc.analysis.FigureConfig | None
@@ -94,6 +100,7 @@ def _figure_config(args: argparse.Namespace, run_dir: str | None = None):  # -> 
         "train_len": args.train_len,
         "eval_len": args.eval_len,
         "num_heads": args.num_heads,
+        "interleaved": args.interleaved,
     }
     params = dict(args.rope_param)
     if args.factor is not None:
@@ -124,10 +131,14 @@ def _plot(args: argparse.Namespace) -> int:
 
     try:
         names = check_names(args.names)
-        inputs = figure_inputs(_figure_config(args, args.run), args.run)
+        config = _figure_config(args, args.run)
+        inputs = figure_inputs(config, args.run, need_entropy="attention_entropy" in names)
         paths = write_figures(args.out, names, inputs, svg=args.svg, dpi=args.dpi)
     except (ValueError, TypeError) as err:
         print(f"posenc plot: error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        print(f"posenc plot: error: cannot write into --out {args.out!r}: {err.strerror or err}", file=sys.stderr)
         return 2
     for path in paths:
         print(path)
@@ -162,6 +173,10 @@ def _report(args: argparse.Namespace) -> int:
         )
     except (ValueError, TypeError) as err:
         print(f"posenc report: error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        where = args.out or args.run_dir
+        print(f"posenc report: error: cannot write {where!r}: {err.strerror or err}", file=sys.stderr)
         return 2
     print(path)
     return 0

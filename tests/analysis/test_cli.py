@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from posenc.cli import main
 
 
@@ -54,6 +56,23 @@ def test_plot_bad_input(tmp_path, capsys, make_run):
     assert main(["plot", "attention_entropy", "--out", str(tmp_path), "--run", str(run)]) == 2
     assert "has no measured attention entropy" in capsys.readouterr().err
     assert not list(tmp_path.glob("*.png"))
+    # The other figures need no measured entropy: they are drawn for the run's model.
+    assert main(["plot", "wavelengths", "--out", str(tmp_path / "drawn"), "--run", str(run)]) == 0
+    assert (tmp_path / "drawn" / "wavelengths.png").is_file()
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("command", ["plot", "report"])
+def test_an_unwritable_out_is_one_error_line(tmp_path, capsys, make_run, command):
+    blocker = tmp_path / "afile"
+    blocker.write_text("")
+    run = make_run(tmp_path / "run", entropy=False, lab_png=False)
+    words = ["plot", "wavelengths", "--out", str(blocker / "sub")]
+    if command == "report":
+        words = ["report", str(run), "--no-figures", "--out", str(blocker / "x.html")]
+    assert main(words) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"posenc {command}: error: cannot write") and "Traceback" not in err
 
 
 def test_report(tmp_path, capsys, make_run):
@@ -77,6 +96,9 @@ def test_the_reports_plot_command_reproduces_its_config(tmp_path):
     config = FigureConfig(head_dim=16, rope_parameters=params, train_len=128, num_heads=2)
     args = build_parser().parse_args(shlex.split(plot_command(config, tmp_path / "my run"))[1:])
     assert _figure_config(args) == config and args.run == str(tmp_path / "my run")
+    # Adjacent pairs (a DeepSeek-style config) survive the round trip: figure 1 draws channels 2 and 3 for them.
+    adjacent = FigureConfig(head_dim=16, train_len=128, num_heads=2, interleaved=True)
+    assert _figure_config(build_parser().parse_args(shlex.split(plot_command(adjacent))[1:])) == adjacent
 
 
 def test_figure_options_name_each_value_once_and_keep_the_runs_sizes(tmp_path, capsys, make_run):

@@ -108,3 +108,18 @@ def test_a_hugging_face_config_draws_the_rope_the_model_does(path):
         expected_inv_freq, expected_factor = model.frequencies(seq_len)
         torch.testing.assert_close(inv_freq, expected_inv_freq, rtol=0, atol=0)
         assert factor == pytest.approx(expected_factor, rel=1e-12), seq_len
+
+
+def test_train_len_is_the_length_the_scaling_extends_from():
+    """The figures' L follows the scaling's original_max_position_embeddings; a contradicting train_len is an error
+    (the dashed line, eval_len and figure 6's L once said 2048 for a YaRN that scales from 8192)."""
+    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192}
+    config = FigureConfig.from_flags(rope_parameters=rope)
+    assert (config.train_len, config.eval_len) == (8192, 4 * 8192)
+    assert FigureConfig.from_mapping({"rope_parameters": rope}).train_len == 8192
+    with pytest.raises(
+        ValueError, match="train_len=2048 but rope_parameters say original_max_position_embeddings=8192"
+    ):
+        FigureConfig.from_flags(rope_parameters=rope, train_len=2048)
+    with pytest.raises(ValueError, match="give one"):
+        FigureConfig(rope_parameters={"rope_theta": 1e4, **rope})

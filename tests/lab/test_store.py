@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from posenc import _atomic
 from posenc.lab import store
 from posenc.lab.model import ByteLM, ModelSpec
 
@@ -82,7 +83,7 @@ def test_temporaries_of_killed_writers_are_removed_and_live_ones_kept(tmp_path):
     import sys
 
     dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True).stdout)
-    host = store._HOST
+    host = _atomic._HOST
     stale = [
         tmp_path / f".config.json.{host}-{dead}.0123456789ab.tmp",
         tmp_path / "runs" / f".model.safetensors.{host}-{dead}.abcdef012345.tmp",

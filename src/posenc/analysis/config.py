@@ -65,6 +65,13 @@ class FigureConfig:
                 f"got {type(self.rope_parameters).__name__}"
             )
         object.__setattr__(self, "rope_parameters", dict(self.rope_parameters))
+        original = self.rope_parameters.get("original_max_position_embeddings")
+        if original is not None and original != self.train_len:
+            # The figures' L (the dashed line, the length the extensions scale from) must be the scaling's own.
+            raise ValueError(
+                f"train_len={self.train_len} but rope_parameters say original_max_position_embeddings={original}: "
+                "both are the length the model was trained at; give one (train_len follows it when left out)"
+            )
         # Raises on an unknown type, a missing or unused key, a bad base or rotary fraction.
         object.__setattr__(
             self,
@@ -114,6 +121,9 @@ class FigureConfig:
                 f"figure config has unknown key(s) {', '.join(unknown)}; it accepts {', '.join(sorted(fields))} "
                 "(or a Hugging Face model config.json with hidden_size and num_attention_heads)"
             )
+        rope = data.get("rope_parameters")
+        if "train_len" not in data and isinstance(rope, Mapping) and "original_max_position_embeddings" in rope:
+            data = {**data, "train_len": rope["original_max_position_embeddings"]}
         return cls(**data)
 
     @classmethod
@@ -154,6 +164,7 @@ class FigureConfig:
         train_len: int | None = None,
         eval_len: int | None = None,
         num_heads: int | None = None,
+        interleaved: bool | None = None,
     ) -> FigureConfig:
         """Build from command-line style options; None means the default. rope_parameters holds the type's own
         keys (``factor``, ``beta_fast``, ...); base and rope_type may also be given there as rope_theta/rope_type."""
@@ -173,13 +184,21 @@ class FigureConfig:
             # figures' example ones for what is missing, the factor given or 4; a complete set is left as given.
             d = cls.head_dim if head_dim is None else head_dim
             rotary = d if kind == "proportional" else int(d * rope.get("partial_rotary_factor", 1.0)) // 2 * 2
-            length = cls.train_len if train_len is None else train_len
+            length = rope.get("original_max_position_embeddings", cls.train_len) if train_len is None else train_len
             example = example_rope_parameters(
                 kind, rotary_dim=rotary, train_len=length, factor=rope.get("factor") or 4.0
             )
             for key, value in example.items():
                 rope.setdefault(key, value)
-        given = {"head_dim": head_dim, "train_len": train_len, "eval_len": eval_len, "num_heads": num_heads}
+        if train_len is None:
+            train_len = rope.get("original_max_position_embeddings")
+        given = {
+            "head_dim": head_dim,
+            "train_len": train_len,
+            "eval_len": eval_len,
+            "num_heads": num_heads,
+            "interleaved": interleaved,
+        }
         return cls(rope_parameters=rope, **{k: v for k, v in given.items() if v is not None})
 
     @classmethod

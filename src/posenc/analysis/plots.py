@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from posenc._atomic import atomic_path
 from posenc.absolute import Sinusoidal
 from posenc.analysis.bias import bias_matrix
 from posenc.analysis.config import FigureConfig
@@ -53,13 +54,18 @@ def _new_figure(width: float, height: float) -> Figure:
     return Figure(figsize=(width, height), layout="constrained")
 
 
-def figure_inputs(config: FigureConfig | None = None, run_dir: str | Path | None = None) -> FigureInputs:
+def figure_inputs(
+    config: FigureConfig | None = None, run_dir: str | Path | None = None, *, need_entropy: bool = True
+) -> FigureInputs:
     """Inputs for the figures; with ``run_dir``, figure 8 draws the attention entropy that lab run measured, and
-    without a config the figures are drawn for the run's own model (see ``run_figure_config``)."""
+    without a config the figures are drawn for the run's own model (see ``run_figure_config``). need_entropy:
+    whether figure 8 is drawn (then a run that measured no entropy is an error; else it is not needed)."""
     if run_dir is None:
         return FigureInputs(config=config or FigureConfig())
     config = config or run_figure_config(run_dir) or FigureConfig()
-    measured = run_entropy(run_dir)
+    measured = run_entropy(run_dir) if need_entropy else None
+    if measured is None and not need_entropy:
+        return FigureInputs(config=config)
     if measured is None:
         raise ValueError(
             f"run folder {str(run_dir)!r} has no measured attention entropy (no entropy.csv, no entropy_by_layer "
@@ -299,17 +305,19 @@ def wavelength_bars(inputs: FigureInputs) -> Figure:
         ax.semilogy(pairs[kept], result.wavelength[kept], "o", mfc="none", ms=9, color="k", label="left unchanged")
     ax.axhline(config.train_len, color="k", ls="--", label=f"training length L={config.train_len}")
     ax.axhline(config.eval_len, color="0.5", ls=":", label=f"evaluation length {config.eval_len}")
-    # A pair of frequency 0 (proportional's still pairs) has an infinite wavelength: it never turns at all.
-    partial = int(result.partial.sum())
-    still = int(torch.isinf(result.wavelength).sum())
-    never = f" ({still} never turn)" if still else ""  # after "within L"
+    # In training the pairs turned at plain RoPE's frequencies: those count against L. A scaled model's pairs are
+    # counted against the length it is extended to. A pair of frequency 0 (proportional's still pairs) has an
+    # infinite wavelength: it never turns at all.
+    trained = int((result.base_wavelength > config.train_len).sum())
+    counts = f"{trained} of {pairs.shape[0]} turn less than once within L"
+    if result.rope_type != "default":
+        extended = int((result.wavelength > config.eval_len).sum())
+        still = int(torch.isinf(result.wavelength).sum())
+        counts += f"; scaled, {extended} within {config.eval_len}" + (f" ({still} never turn)" if still else "")
     ax.set_xlabel("frequency pair i")
     ax.set_ylabel("wavelength 2π/θ_i  [positions]")
     label = _config_label(config, full=True) if result.rope_type != "default" else plain
-    ax.set_title(
-        f"Wavelengths per frequency pair: {partial} of {pairs.shape[0]} turn less than once within L{never}\n"
-        f"({label}{_length_note(config)})"
-    )
+    ax.set_title(f"Wavelengths per frequency pair: {counts}\n({label}{_length_note(config)})")
     ax.legend(fontsize=8)
     return fig
 
@@ -508,6 +516,7 @@ def write_figures(
         fig = FIGURES[name](inputs)
         for suffix in ("png", "svg") if svg else ("png",):
             path = out / f"{name}.{suffix}"
-            fig.savefig(path, format=suffix, dpi=dpi)
+            with atomic_path(path) as temporary:  # an interrupted run leaves no half-written image
+                fig.savefig(temporary, format=suffix, dpi=dpi)
             written.append(path)
     return written

@@ -16,16 +16,15 @@ import base64
 import datetime
 import html
 import json
-import os
 import shlex
 import statistics
-import tempfile
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import posenc
+from posenc._atomic import atomic_path
 from posenc.analysis.config import FigureConfig
 from posenc.analysis.plots import FIGURES, FigureInputs, png_bytes
 from posenc.analysis.run import finite_number, read_results, run_entropy, run_figure_config
@@ -179,6 +178,8 @@ def plot_command(config: FigureConfig, run: Path | None = None) -> str:
         words += ["--rope-param", shlex.quote(f"{key}={json.dumps(value, separators=(',', ':'))}")]
     words += ["--train-len", str(config.train_len), "--eval-len", str(config.eval_len)]
     words += ["--num-heads", str(config.num_heads)]
+    if config.interleaved:
+        words += ["--interleaved"]
     if run is not None:
         words += ["--run", shlex.quote(str(run))]
     return " ".join(words)
@@ -207,14 +208,6 @@ def write_report(
     if path.is_dir():
         raise ValueError(f"--out {str(path)!r} is a directory; give the path of the .html file to write")
     page = render_html(run_dir, config=config, figures=figures)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as file:
-            file.write(page)
-        os.chmod(temporary, 0o644)  # mkstemp makes it private; a report is for reading
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    with atomic_path(path) as temporary:
+        temporary.write_text(page, encoding="utf-8")
     return path

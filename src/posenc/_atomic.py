@@ -1,0 +1,71 @@
+"""Atomic files: every write goes to a temporary file in the same folder and is renamed over the target with
+``os.replace``, which is atomic on POSIX and Windows. A reader therefore sees the old file, the new file, or no file,
+never half of one; a killed writer leaves at most a ``*.tmp`` file, which readers ignore and
+``remove_stale_temporaries`` deletes. Used by the lab's results and checkpoints, and by the figures and the report."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import socket
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+
+@contextlib.contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """Yields a temporary path beside ``path``; on success it replaces ``path``, on any error it is removed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # A fresh name that the writer creates (not mkstemp's file, whose 0600 mode would survive the rename). The
+    # host and process in it let remove_stale_temporaries tell a dead writer's file from a live one's.
+    tmp = path.parent / f".{path.name}.{_HOST}-{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp"
+    _WRITING.add(tmp.resolve())
+    try:
+        yield Path(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        # BaseException: a Ctrl-C in the middle of a write must not leave the temporary file behind either.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    finally:
+        _WRITING.discard(tmp.resolve())
+
+
+# This machine, in temporary names: a process id means something only on the machine that gave it out.
+_HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+_TEMPORARY = re.compile(r"\..+\.([0-9a-f]{8})-(\d+)\.[0-9a-f]{12}\.tmp")
+# The temporaries this process is writing now.
+_WRITING: set[Path] = set()
+
+
+def remove_stale_temporaries(folder: Path) -> list[Path]:
+    """Delete the temporary files that ``atomic_path`` writers killed by SIGKILL (or power loss) left in ``folder``
+    and below, and return them. Readers never see them, but they pile up across resumes, a weights file each at
+    larger presets. Left alone: those being written now, by this process or by another one alive on this machine,
+    and those of other machines (a shared folder), whose writers cannot be asked."""
+    removed = []
+    for path in folder.rglob(".*.tmp"):
+        match = _TEMPORARY.fullmatch(path.name)
+        if match is None or match[1] != _HOST or not path.is_file() or path.resolve() in _WRITING:
+            continue
+        pid = int(match[2])
+        if pid != os.getpid() and _alive(pid):  # this process's id on a file it is not writing: its past self's
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # it exists, under another user
+        return True
+    return True
