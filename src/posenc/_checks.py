@@ -106,11 +106,15 @@ def int_tensor(name: str, x: Any, *, what: str = "positions") -> torch.Tensor:
     """x itself if it is an integer tensor of a dtype torch computes with; ``what`` it holds names it in errors."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be an integer torch.Tensor, got {type(x).__name__}")
-    if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
-        raise TypeError(
-            f"{name} must hold integer {what} (torch.long or torch.int32), got dtype {x.dtype}; "
-            f"float {what} lose integers above 256 in bf16/fp16"
+    if torch._C._functorch.is_batchedtensor(x):
+        # Its values are checked on the host (rows of a table, >= 0), which a vmapped tensor cannot give.
+        raise ValueError(
+            f"{name} cannot be batched by torch.func.vmap: posenc reads its values to check them; vmap over the "
+            f"activations with {name} shared (in_dims=None for it), or loop over its batch"
         )
+    if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+        why = f"; float {what} lose integers above 256 in bf16/fp16" if x.is_floating_point() else ""
+        raise TypeError(f"{name} must hold integer {what} (torch.long or torch.int32), got dtype {x.dtype}{why}")
     if x.dtype not in INDEX_DTYPES:
         raise TypeError(
             f"{name} has dtype {x.dtype}, which torch cannot compare or add on most devices; pass it as torch.long "

@@ -137,7 +137,7 @@ def document_ids_from_positions(positions: torch.Tensor) -> torch.Tensor:
 def document_ids_from_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
     """cu_seqlens: (n + 1,) prefix sums of n sequence lengths, from 0 (flash-attention's varlen form). Returns
     int64 (total_tokens,): sequence i's tokens get id i (an empty sequence takes no tokens)."""
-    int_tensor("cu_seqlens", cu_seqlens, what="offsets")
+    int_tensor("cu_seqlens", cu_seqlens, what="prefix sums")
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
         raise ValueError(f"cu_seqlens must be 1-D (n_seq + 1,), got shape {tuple(cu_seqlens.shape)}")
     lengths = cu_seqlens.long().diff()

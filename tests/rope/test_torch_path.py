@@ -115,3 +115,52 @@ def test_explicit_fused_backend_refuses_transforms_and_tangents():
         f(fwAD.make_dual(x, torch.randn_like(x)))
     with fwAD.dual_level():  # a dual level alone, with no tangent on the inputs, is no reason to refuse
         assert_close(f(x), posenc.apply_rotary(x, cos, sin))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("rotary", [4, 8])
+def test_learned_angles_get_gradients_through_the_in_place_rotation(dtype, rotary):
+    """apply_rotary_ with cos/sin that require grad: cos's gradient needs x as it was before the rotation, which
+    the in-place write once overwrote (fp32 and fp64 failed in backward)."""
+    gen = torch.Generator().manual_seed(0)
+    angles = torch.rand(5, rotary // 2, generator=gen, dtype=torch.float64)
+    cos, sin = (f(angles).float().requires_grad_() for f in (torch.cos, torch.sin))
+    x = torch.randn(2, 3, 5, 8, generator=gen).to(dtype)
+    expected_cos, expected_sin = (t.detach().clone().requires_grad_() for t in (cos, sin))
+    posenc.apply_rotary(x, expected_cos, expected_sin).square().sum().backward()
+    out = posenc.apply_rotary_(x.clone(), cos, sin)
+    out.square().sum().backward()
+    torch.testing.assert_close(cos.grad, expected_cos.grad)
+    torch.testing.assert_close(sin.grad, expected_sin.grad)
+
+
+def test_vmapped_positions_and_offsets_are_a_clear_error():
+    """A vmapped index tensor cannot be checked on the host; shared ones work under vmap."""
+    import torch.func as tf
+
+    cos, sin = torch.randn(64, 4), torch.randn(64, 4)
+    x = torch.randn(3, 1, 2, 5, 8)
+    positions = torch.randint(0, 10, (3, 5))
+    match = r"cannot be batched by torch.func.vmap: .* \(in_dims=None"
+    with pytest.raises(ValueError, match="positions " + match):
+        tf.vmap(lambda x, p: posenc.apply_rotary(x, cos, sin, positions=p, backend="torch"))(x, positions)
+    with pytest.raises(ValueError, match="positions " + match):
+        tf.vmap(lambda x, p: posenc.RoPE(8)(x, x, positions=p)[0])(x, positions)
+    with pytest.raises(ValueError, match="offset " + match):
+        tf.vmap(lambda x, o: posenc.apply_rotary(x, cos, sin, offset=o))(x, torch.randint(0, 3, (3, 1)))
+    shared = tf.vmap(lambda x: posenc.apply_rotary(x, cos, sin, positions=positions[0]))(x)
+    looped = torch.stack([posenc.apply_rotary(one, cos, sin, positions=positions[0]) for one in x])
+    torch.testing.assert_close(shared, looped)
+
+
+def test_index_arguments_of_the_wrong_kind_name_themselves():
+    q = torch.randn(1, 1, 5, 8)
+    with pytest.raises(TypeError, match=r"positions must be an integer torch\.Tensor, got list"):
+        posenc.RoPE(8)(q, q, positions=[0, 1, 2, 3, 4])
+    with pytest.raises(TypeError, match=r"positions must be an integer torch\.Tensor, got list"):
+        posenc.RoPE(8).rotate(q, [[0, 1, 2, 3, 4]])
+    with pytest.raises(TypeError, match=r"positions must hold integer positions .*got dtype torch.bool$"):
+        posenc.RoPE(8)(q, q, positions=torch.ones(5, dtype=torch.bool))
+    cos = torch.randn(8, 4)
+    with pytest.raises(TypeError, match="cu_seqlens must hold integer prefix sums"):
+        posenc.apply_rotary(torch.randn(5, 1, 8), cos, cos, cu_seqlens=torch.tensor([0.0, 5.0]))

@@ -99,7 +99,7 @@ def check_table_call(
     check_data = values_readable(first.device)
 
     if cu_seqlens is not None:
-        int_tensor("cu_seqlens", cu_seqlens)
+        int_tensor("cu_seqlens", cu_seqlens, what="prefix sums")
         if positions is not None:
             raise ValueError("positions cannot be combined with cu_seqlens: packed sequences count from 0 (+ offset)")
         if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
@@ -135,12 +135,13 @@ def check_table_call(
         if isinstance(offset, bool) or not isinstance(offset, int):
             raise TypeError(f"offset must be an int or an integer tensor, got {type(offset).__name__}")
         if offset < 0:
-            raise ValueError(f"offset must be >= 0, got {offset}")
+            raise ValueError(f"offset must be >= 0, got {int(offset)}")  # int(): a symbolic int cannot be formatted
         if offset >= cos.shape[0] and seq > 0 and batch > 0:
             # Every position is >= 0, so every row read is past the table; checked here, as the sum with position ids
             # would wrap in int64 for offsets of 2**63 and more.
             raise ValueError(
-                f"offset={offset} is past the cos/sin table's {cos.shape[0]} rows; build the table for more positions"
+                f"offset={int(offset)} is past the cos/sin table's {int(cos.shape[0])} rows; build the table for more "
+                "positions"
             )
         offset_int = offset
 
@@ -161,8 +162,8 @@ def check_table_call(
         # offset..offset+s-1: the range is known without building it (a decode step's common case).
         if offset_int + seq > cos.shape[0]:
             raise ValueError(
-                f"positions reach {offset_int} .. {offset_int + seq - 1} but the cos/sin table has {cos.shape[0]} "
-                f"rows; build the table for at least {offset_int + seq} positions"
+                f"positions reach {int(offset_int)} .. {int(offset_int + seq - 1)} but the cos/sin table has "
+                f"{int(cos.shape[0])} rows; build the table for at least {int(offset_int + seq)} positions"
             )
     elif check_data and not rows_checked and seq > 0 and batch > 0:
         pos = token_positions(

@@ -266,7 +266,11 @@ def rotate_tensors(
     for x in tensors:
         if inplace:
             rotary_dim = 2 * cos.shape[-1]
-            rotated = apply_rotary_torch(x[..., :rotary_dim], cos, sin, interleaved=interleaved, conjugate=conjugate)
+            part = x[..., :rotary_dim]
+            if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
+                # cos's gradient needs x as it was: autograd saves it, and the copy_ below would overwrite it.
+                part = part.clone()
+            rotated = apply_rotary_torch(part, cos, sin, interleaved=interleaved, conjugate=conjugate)
             x.narrow(-1, 0, rotary_dim).copy_(rotated)
             outs.append(x)
         else:

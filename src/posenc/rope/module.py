@@ -62,6 +62,10 @@ def _position_bounds(
     """(low, high): every position a forward call reads lies in low..high (with per-sequence offsets the bounds
     need not be reached), read with one device sync at most; None when the arguments take the general path
     (where ``resolve_positions`` checks them and raises)."""
+    if positions is not None:
+        int_tensor("positions", positions)  # before reading its dtype: a list, or a tensor vmap batches
+    if isinstance(offset, torch.Tensor):
+        int_tensor("offset", offset)
     low = high = 0
     reductions = []  # (min, max) pairs of the offset and position tensors
     if isinstance(offset, torch.Tensor):
@@ -350,6 +354,7 @@ class RoPE(nn.Module):
         ``seq_len`` (default max(positions) + 1); no state is read or changed. Used to (re-)rotate cached keys.
         Returns x's shape and dtype."""
         float_tensor("x", x)
+        int_tensor("positions", positions)
         if x.dim() != 4 or x.shape[-1] != self.head_dim or positions.dim() != 2 or positions.shape[-1] != x.shape[2]:
             raise ValueError(
                 f"x must be (b, h, t, d={self.head_dim}) and positions (b or 1, t), got {tuple(x.shape)} and "
