@@ -11,6 +11,10 @@ UserWarning a path raised (FlexAttention giving up and materializing the bias, s
 
     python benchmarks/bias_memory.py                    # CPU, s = 8192, 8 heads: a few minutes on 2 cores
     python benchmarks/bias_memory.py --device cuda --seq 16384
+    python benchmarks/bias_memory.py --documents 8      # 8 packed documents: the mask keeps each to itself
+
+With ``--documents N`` the row holds N equal documents (``document_ids``): the materialized path masks the other
+documents in its (b, h, s, t) mask, FlexAttention's block mask skips their blocks.
 """
 
 from __future__ import annotations
@@ -30,15 +34,19 @@ import torch
 PATHS = ("materialized", "flex", "compiled-layer-materialized", "compiled-layer-flex")
 
 
-def run_one(encoding_name: str, path: str, seq: int, heads: int, head_dim: int, device: str) -> dict:
+def run_one(encoding_name: str, path: str, seq: int, heads: int, head_dim: int, device: str, documents: int) -> dict:
     from posenc import ALiBi, CausalSelfAttention, T5Bias
     from posenc.attention import attend, causal_mask
     from posenc.kernels import flex_bias
+    from posenc.positions import positions_from_document_ids
 
     torch.manual_seed(0)
     encoding = (ALiBi(heads) if encoding_name == "alibi" else T5Bias(heads)).to(device)
     q, k, v = (torch.randn(1, heads, seq, head_dim, device=device) for _ in range(3))
-    pos = torch.arange(seq, device=device)[None]
+    if seq % documents:
+        raise SystemExit(f"--seq {seq} must be a multiple of --documents {documents}")
+    docs = torch.arange(documents, device=device).repeat_interleave(seq // documents)[None] if documents > 1 else None
+    pos = torch.arange(seq, device=device)[None] if docs is None else positions_from_document_ids(docs)
     layer = x = None
     if path.startswith("compiled-layer"):
         if path.endswith("materialized"):
@@ -48,11 +56,11 @@ def run_one(encoding_name: str, path: str, seq: int, heads: int, head_dim: int, 
 
     def call() -> None:
         if layer is not None:
-            layer(x)
+            layer(x, document_ids=docs)
         elif path == "flex":
-            flex_bias.attend_flex(q, k, v, encoding, pos, pos)
+            flex_bias.attend_flex(q, k, v, encoding, pos, pos, document_ids=docs)
         else:
-            attend(q, k, v, causal_mask(seq, seq, q.device), encoding.score_bias(pos, pos))
+            attend(q, k, v, causal_mask(seq, seq, q.device, docs), encoding.score_bias(pos, pos))
 
     if device == "cuda":
         torch.cuda.synchronize()
@@ -79,6 +87,7 @@ def run_one(encoding_name: str, path: str, seq: int, heads: int, head_dim: int, 
         "encoding": encoding_name,
         "path": path,
         "seq": seq,
+        "documents": documents,
         "heads": heads,
         "head_dim": head_dim,
         "device": device,
@@ -100,13 +109,15 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--csv", type=Path, default=Path("docs/results/bias_memory_cpu.csv"))
     parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
+    parser.add_argument("--encodings", nargs="+", default=["alibi", "t5"], choices=["alibi", "t5"])
+    parser.add_argument("--documents", type=int, default=1, help="equal documents packed into the row (default 1)")
     parser.add_argument("--one", nargs=2, metavar=("ENCODING", "PATH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(run_one(*args.one, args.seq, args.heads, args.head_dim, args.device)))
+        print(json.dumps(run_one(*args.one, args.seq, args.heads, args.head_dim, args.device, args.documents)))
         return
     rows = []
-    for encoding, path in [(encoding, path) for encoding in ("alibi", "t5") for path in args.paths]:
+    for encoding, path in [(encoding, path) for encoding in args.encodings for path in args.paths]:
         command = [
             sys.executable,
             __file__,
@@ -121,6 +132,8 @@ def main() -> None:
             str(args.head_dim),
             "--device",
             args.device,
+            "--documents",
+            str(args.documents),
         ]
         done = subprocess.run(command, capture_output=True, text=True, check=True)
         row = json.loads(done.stdout.strip().splitlines()[-1])

@@ -66,6 +66,22 @@ def _in_git() -> bool:
 
 
 @pytest.mark.skipif(not _in_git(), reason="cpu_kernel_ab.py reads the baseline's source from git")
+def test_bias_memory_packs_documents(tmp_path: Path) -> None:
+    """The materialized path only (FlexAttention's first compile would take a minute here); the flex path with
+    document ids is tested against it in tests/kernels/test_flex_bias.py."""
+    out = tmp_path / "bias.csv"
+    _run(
+        "bias_memory.py", "--seq", "64", "--heads", "2", "--head-dim", "8", "--paths", "materialized",
+        "--encodings", "alibi", "t5", "--documents", "4", "--csv", str(out),
+    )  # fmt: skip
+    rows = _rows(out)
+    assert [(r["encoding"], r["path"], r["documents"]) for r in rows] == [
+        ("alibi", "materialized", "4"),
+        ("t5", "materialized", "4"),
+    ]
+    assert all(not r["warnings"] and float(r["peak_mib"]) >= 0 for r in rows)
+
+
 def test_kernel_ab_builds_a_revision_and_runs_it_beside_the_tree(tmp_path: Path) -> None:
     out = tmp_path / "ab.csv"
     _run("cpu_kernel_ab.py", "--baseline", "HEAD", "--seq", "16", "--dtypes", "bf16", "--reps", "2", "--csv", str(out))
