@@ -102,11 +102,12 @@ def float_tensor(name: str, x: Any) -> torch.Tensor:
 INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
-def int_tensor(name: str, x: Any, *, what: str = "positions") -> torch.Tensor:
-    """x itself if it is an integer tensor of a dtype torch computes with; ``what`` it holds names it in errors."""
+def int_tensor(name: str, x: Any, *, what: str = "positions", host_read: bool = False) -> torch.Tensor:
+    """x itself if it is an integer tensor of a dtype torch computes with; ``what`` it holds names it in errors.
+    host_read: the caller reads its values on the host (to check them), which a tensor vmap batches cannot give."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be an integer torch.Tensor, got {type(x).__name__}")
-    if torch._C._functorch.is_batchedtensor(x):
+    if host_read and torch._C._functorch.is_batchedtensor(x):
         # Its values are checked on the host (rows of a table, >= 0), which a vmapped tensor cannot give.
         raise ValueError(
             f"{name} cannot be batched by torch.func.vmap: posenc reads its values to check them; vmap over the "

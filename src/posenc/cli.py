@@ -76,7 +76,11 @@ def _add_figure_options(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="another rope_parameters entry, e.g. beta_fast=16 (repeatable; VALUE is read as JSON if it parses)",
     )
-    g.add_argument("--train-len", type=int, help="training context L (default 2048)")
+    g.add_argument(
+        "--train-len",
+        type=int,
+        help="training context L (default: the scaling's original_max_position_embeddings when given, else 2048)",
+    )
     g.add_argument("--eval-len", type=int, help="extended context (default 4 * train-len)")
     g.add_argument("--num-heads", type=int, help="heads for the bias matrices (default 8)")
     g.add_argument(
@@ -121,7 +125,9 @@ def _figure_config(args: argparse.Namespace, run_dir: str | None = None):  # -> 
         return None  # the default, or the run's own model for --run / report
     run = run_figure_config(run_dir) if run_dir is not None else None
     if run is not None:
-        sizes = ("head_dim", "num_heads") + (("train_len", "eval_len") if flags["train_len"] is None else ())
+        # The run's lengths unless a length is given, as --train-len or as the scaling's original length.
+        own_lengths = flags["train_len"] is None and "original_max_position_embeddings" not in params
+        sizes = ("head_dim", "num_heads") + (("train_len", "eval_len") if own_lengths else ())
         flags.update({key: getattr(run, key) for key in sizes if flags[key] is None})
     return FigureConfig.from_flags(rope_parameters=params, **flags)
 
@@ -137,8 +143,8 @@ def _plot(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as err:
         print(f"posenc plot: error: {err}", file=sys.stderr)
         return 2
-    except OSError as err:
-        print(f"posenc plot: error: cannot write into --out {args.out!r}: {err.strerror or err}", file=sys.stderr)
+    except OSError as err:  # a file that cannot be read (--config) or written (--out)
+        print(f"posenc plot: error: {err.filename or args.out}: {err.strerror or err}", file=sys.stderr)
         return 2
     for path in paths:
         print(path)
@@ -174,9 +180,8 @@ def _report(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as err:
         print(f"posenc report: error: {err}", file=sys.stderr)
         return 2
-    except OSError as err:
-        where = args.out or args.run_dir
-        print(f"posenc report: error: cannot write {where!r}: {err.strerror or err}", file=sys.stderr)
+    except OSError as err:  # a file that cannot be read or written
+        print(f"posenc report: error: {err.filename or args.out}: {err.strerror or err}", file=sys.stderr)
         return 2
     print(path)
     return 0

@@ -34,7 +34,7 @@ def resolve_positions(
     tensors = [t for t in (positions, offset) if isinstance(t, torch.Tensor)]
     check_data = values_readable(device if device is not None else (tensors[0].device if tensors else None))
     if isinstance(offset, torch.Tensor):
-        int_tensor("offset", offset)
+        int_tensor("offset", offset, host_read=True)
         if offset.dim() == 0:
             offset = offset.reshape(1)
         if offset.dim() != 1 or offset.shape[0] not in (1, batch):
@@ -53,7 +53,7 @@ def resolve_positions(
     if positions is None:
         pos = torch.arange(seq_len, device=device, dtype=torch.long)[None, :]
     else:
-        int_tensor("positions", positions)
+        int_tensor("positions", positions, host_read=True)
         as_given = tuple(positions.shape)
         if positions.dim() == 1:
             positions = positions[None, :]
@@ -80,7 +80,7 @@ def resolve_document_ids(
     One run per id is checked on the host, or by an assert that runs with the graph where values cannot be read (as
     for positions): an id that comes back later would make its two runs one document to the mask, while its
     positions restart at the second run."""
-    int_tensor("document_ids", document_ids, what="document ids")
+    int_tensor("document_ids", document_ids, what="document ids", host_read=True)
     as_given = tuple(document_ids.shape)
     docs = document_ids[None, :] if document_ids.dim() == 1 else document_ids
     if docs.dim() != 2 or docs.shape[-1] != seq_len or docs.shape[0] not in (1, batch):
@@ -137,7 +137,7 @@ def document_ids_from_positions(positions: torch.Tensor) -> torch.Tensor:
 def document_ids_from_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
     """cu_seqlens: (n + 1,) prefix sums of n sequence lengths, from 0 (flash-attention's varlen form). Returns
     int64 (total_tokens,): sequence i's tokens get id i (an empty sequence takes no tokens)."""
-    int_tensor("cu_seqlens", cu_seqlens, what="prefix sums")
+    int_tensor("cu_seqlens", cu_seqlens, what="prefix sums", host_read=True)
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
         raise ValueError(f"cu_seqlens must be 1-D (n_seq + 1,), got shape {tuple(cu_seqlens.shape)}")
     lengths = cu_seqlens.long().diff()

@@ -56,10 +56,13 @@ def test_plot_bad_input(tmp_path, capsys, make_run):
     assert main(["plot", "attention_entropy", "--out", str(tmp_path), "--run", str(run)]) == 2
     assert "has no measured attention entropy" in capsys.readouterr().err
     assert not list(tmp_path.glob("*.png"))
-    # The other figures need no measured entropy: they are drawn for the run's model.
+    # The other figures need no measured entropy: they are drawn for the run's model; a folder that is no run is
+    # still an error, not the default figures.
     assert main(["plot", "wavelengths", "--out", str(tmp_path / "drawn"), "--run", str(run)]) == 0
     assert (tmp_path / "drawn" / "wavelengths.png").is_file()
     capsys.readouterr()
+    assert main(["plot", "wavelengths", "--out", str(tmp_path / "typo"), "--run", str(tmp_path / "no_such_run")]) == 2
+    assert "does not exist" in capsys.readouterr().err and not (tmp_path / "typo").exists()
 
 
 @pytest.mark.parametrize("command", ["plot", "report"])
@@ -72,7 +75,7 @@ def test_an_unwritable_out_is_one_error_line(tmp_path, capsys, make_run, command
         words = ["report", str(run), "--no-figures", "--out", str(blocker / "x.html")]
     assert main(words) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"posenc {command}: error: cannot write") and "Traceback" not in err
+    assert err.startswith(f"posenc {command}: error: {blocker}") and "Traceback" not in err
 
 
 def test_report(tmp_path, capsys, make_run):
@@ -111,6 +114,10 @@ def test_figure_options_name_each_value_once_and_keep_the_runs_sizes(tmp_path, c
     assert main(["plot", "--out", str(tmp_path), "--rope-type", "yarn", "--factor", "4", "--rope-param", "factor=8"])
     assert "factor is given twice with different values" in capsys.readouterr().err
     assert config("--rope-type", "yarn", "--factor", "4", "--rope-param", "factor=4").spec.params["factor"] == 4.0
+    # A scaling's original length is the figures' L, with --run too (the run's own L would contradict it).
+    run = make_run(tmp_path / "with_original", entropy=False, lab_png=False)
+    words = ("--rope-type", "yarn", "--rope-param", "original_max_position_embeddings=4096")
+    assert config(*words, run=str(run)).train_len == 4096
     # The legacy key names the type: no rope_type 'default' added beside it.
     assert config("--rope-param", "type=linear", "--rope-param", "factor=2").rope_type == "linear"
     # A head of one pair: the figures leave out the types that need four channels (ntk, dynamic).

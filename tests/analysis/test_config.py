@@ -121,5 +121,12 @@ def test_train_len_is_the_length_the_scaling_extends_from():
         ValueError, match="train_len=2048 but rope_parameters say original_max_position_embeddings=8192"
     ):
         FigureConfig.from_flags(rope_parameters=rope, train_len=2048)
+    assert FigureConfig(rope_parameters={"rope_theta": 1e4, **rope}).train_len == 8192
     with pytest.raises(ValueError, match="give one"):
-        FigureConfig(rope_parameters={"rope_theta": 1e4, **rope})
+        FigureConfig(rope_parameters={"rope_theta": 1e4, **rope}, train_len=4096)
+
+
+def test_a_bad_original_length_is_blamed_on_its_key_and_a_run_keeps_it():
+    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": "abc"}
+    with pytest.raises(ValueError, match="original_max_position_embeddings"):
+        FigureConfig.from_flags(rope_parameters=rope)

@@ -1,8 +1,9 @@
 """Run by torchrun from test_ddp.py; not collected by pytest (no test_ prefix).
 
 Runs ``posenc lab`` with the given arguments, exactly as the command line does, and records what this process
-did to LOG_DIR/rank<RANK>.json: the exit status, every file it wrote (each write goes through
-``store.atomic_path``), and everything it printed to stdout and stderr (progress bars included).
+did to LOG_DIR/rank<RANK>.json: the exit status, every file it wrote (every write, the lab's and the report's,
+goes through ``posenc._atomic.atomic_path``), and everything it printed to stdout and stderr (progress bars
+included).
 Usage: python ddp_worker.py LOG_DIR lab-arguments...
 """
 
@@ -15,14 +16,14 @@ import os
 import sys
 from pathlib import Path
 
+from posenc import _atomic
 from posenc.cli import main
-from posenc.lab import store
 
 
 def run(log_dir: str, argv: list[str]) -> int:
     rank = int(os.environ.get("RANK", "0"))
     written: list[str] = []
-    real_atomic_path = store.atomic_path
+    real_atomic_path = _atomic.atomic_path
 
     @contextlib.contextmanager
     def recording(path: Path):
@@ -30,7 +31,7 @@ def run(log_dir: str, argv: list[str]) -> int:
         with real_atomic_path(path) as tmp:
             yield tmp
 
-    store.atomic_path = recording
+    _atomic.atomic_path = recording
     stdout, stderr = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
         status = main(["lab", *argv])

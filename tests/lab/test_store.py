@@ -18,7 +18,7 @@ from posenc.lab.model import ByteLM, ModelSpec
 def test_a_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path, error):
     path = tmp_path / "metrics.json"
     store.write_json(path, {"done": 1})
-    with pytest.raises(error), store.atomic_path(path) as tmp:
+    with pytest.raises(error), _atomic.atomic_path(path) as tmp:
         tmp.write_text('{"done": ')  # half written
         raise error()
     assert store.read_json(path) == {"done": 1}
@@ -94,7 +94,7 @@ def test_temporaries_of_killed_writers_are_removed_and_live_ones_kept(tmp_path):
     for path in (*stale, *kept):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("partial")
-    with store.atomic_path(tmp_path / "metrics.json") as writing:
+    with _atomic.atomic_path(tmp_path / "metrics.json") as writing:
         writing.write_text("{}")
         assert sorted(store.remove_stale_temporaries(tmp_path)) == sorted(stale)
         assert writing.exists() and all(p.exists() for p in kept) and not any(p.exists() for p in stale)

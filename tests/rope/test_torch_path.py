@@ -151,6 +151,13 @@ def test_vmapped_positions_and_offsets_are_a_clear_error():
     shared = tf.vmap(lambda x: posenc.apply_rotary(x, cos, sin, positions=positions[0]))(x)
     looped = torch.stack([posenc.apply_rotary(one, cos, sin, positions=positions[0]) for one in x])
     torch.testing.assert_close(shared, looped)
+    # What reads no values takes vmapped positions: the bias encodings and the sinusoidal table.
+    alibi = posenc.ALiBi(2)
+    torch.testing.assert_close(
+        tf.vmap(lambda p: alibi.score_bias(p, p))(positions), torch.stack([alibi.score_bias(p, p) for p in positions])
+    )
+    table = tf.vmap(lambda p: posenc.sinusoidal_table(p, 8))(positions)
+    torch.testing.assert_close(table, torch.stack([posenc.sinusoidal_table(p, 8) for p in positions]))
 
 
 def test_index_arguments_of_the_wrong_kind_name_themselves():

@@ -31,7 +31,7 @@ class LearnedAbsolute(nn.Module):
 
     def forward(self, positions: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
         """positions: (...) integer in [0, max_positions). Returns (..., dim)."""
-        int_tensor("positions", positions)
+        int_tensor("positions", positions, host_read=True)
         if dtype is not None:
             float_dtype("dtype", dtype)
         if positions.numel():

@@ -46,7 +46,7 @@ class Sinusoidal(nn.Module):
 
     def forward(self, positions: torch.Tensor, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """positions: (...) integer >= 0. Returns (..., dim)."""
-        int_tensor("positions", positions)
+        int_tensor("positions", positions, host_read=True)
         # The table would give values (sin is odd), but no token sits before position 0: as LearnedAbsolute.
         if positions.numel() and bool((positions < 0).any()):
             raise ValueError(

@@ -17,6 +17,8 @@ from posenc.analysis.frequencies import EXAMPLE_ROPE_PARAMETERS, example_rope_pa
 from posenc.interop.hf import rope_kwargs_from_config
 from posenc.rope.parameters import REQUIRED_KEYS, RopeSpec, parse_rope_parameters, pop_rope_type
 
+# The training length the figures assume when nothing says otherwise.
+DEFAULT_TRAIN_LEN = 2048
 # Keys of a Hugging Face model config.json that say something about positions; the rest are ignored there.
 _HF_MARKERS = frozenset({"hidden_size", "num_attention_heads", "model_type"})
 
@@ -26,7 +28,8 @@ class FigureConfig:
     """What the figures are drawn for.
 
     head_dim: d per attention head; rope_parameters: Hugging Face-style dict (``rope_type``, ``rope_theta``,
-    ``factor``, ...); train_len: the training context L (passed to RoPE as ``max_position_embeddings``);
+    ``factor``, ...); train_len: the training context L (passed to RoPE as ``max_position_embeddings``; default
+    the scaling's ``original_max_position_embeddings``, which it must equal when both are given, else 2048);
     eval_len: the longer context an extension is evaluated at (default 4 * train_len; length-dependent types
     scale for it);
     num_heads: h, for the ALiBi / T5 bias matrices and the random model;
@@ -38,13 +41,31 @@ class FigureConfig:
     rope_parameters: Mapping[str, Any] = dataclasses.field(
         default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0}
     )
-    train_len: int = 2048
+    train_len: int | None = None
     eval_len: int | None = None
     num_heads: int = 8
     interleaved: bool = False
 
     def __post_init__(self) -> None:
         positive_int("head_dim", self.head_dim)
+        if not isinstance(self.rope_parameters, Mapping):
+            raise TypeError(
+                "rope_parameters must be a dict like {'rope_type': 'default', 'rope_theta': 10000.0}, "
+                f"got {type(self.rope_parameters).__name__}"
+            )
+        object.__setattr__(self, "rope_parameters", dict(self.rope_parameters))
+        # The figures' L (the dashed line, the length the extensions scale from) is the scaling's own. A bad value
+        # of the key is left to parse_rope_parameters below, whose message names it.
+        original = self.rope_parameters.get("original_max_position_embeddings")
+        if isinstance(original, bool) or not isinstance(original, int) or original <= 0:
+            original = None
+        if self.train_len is None:
+            object.__setattr__(self, "train_len", DEFAULT_TRAIN_LEN if original is None else original)
+        elif original is not None and original != self.train_len:
+            raise ValueError(
+                f"train_len={self.train_len} but rope_parameters say original_max_position_embeddings={original}: "
+                "both are the length the model was trained at; give one (train_len follows it when left out)"
+            )
         positive_int("train_len", self.train_len)
         if self.train_len < 2:
             raise ValueError("train_len must be >= 2: the extensions drawn scale from it (LongRoPE divides by its log)")
@@ -59,19 +80,6 @@ class FigureConfig:
         positive_int("num_heads", self.num_heads)
         if not isinstance(self.interleaved, bool):
             raise TypeError(f"interleaved must be True or False, got {self.interleaved!r}")
-        if not isinstance(self.rope_parameters, Mapping):
-            raise TypeError(
-                "rope_parameters must be a dict like {'rope_type': 'default', 'rope_theta': 10000.0}, "
-                f"got {type(self.rope_parameters).__name__}"
-            )
-        object.__setattr__(self, "rope_parameters", dict(self.rope_parameters))
-        original = self.rope_parameters.get("original_max_position_embeddings")
-        if original is not None and original != self.train_len:
-            # The figures' L (the dashed line, the length the extensions scale from) must be the scaling's own.
-            raise ValueError(
-                f"train_len={self.train_len} but rope_parameters say original_max_position_embeddings={original}: "
-                "both are the length the model was trained at; give one (train_len follows it when left out)"
-            )
         # Raises on an unknown type, a missing or unused key, a bad base or rotary fraction.
         object.__setattr__(
             self,
@@ -121,9 +129,6 @@ class FigureConfig:
                 f"figure config has unknown key(s) {', '.join(unknown)}; it accepts {', '.join(sorted(fields))} "
                 "(or a Hugging Face model config.json with hidden_size and num_attention_heads)"
             )
-        rope = data.get("rope_parameters")
-        if "train_len" not in data and isinstance(rope, Mapping) and "original_max_position_embeddings" in rope:
-            data = {**data, "train_len": rope["original_max_position_embeddings"]}
         return cls(**data)
 
     @classmethod
@@ -140,7 +145,7 @@ class FigureConfig:
         spec = parse_rope_parameters(head_dim, rope, max_position_embeddings=max_positions)
         if rope.get("factor") is None and "factor" in spec.params:
             rope["factor"] = spec.params["factor"]
-        train_len = rope.get("original_max_position_embeddings") or max_positions or cls.train_len
+        train_len = rope.get("original_max_position_embeddings") or max_positions or DEFAULT_TRAIN_LEN
         # A config that extends past its training length says how far; otherwise look 4x past it.
         eval_len = max_positions if max_positions and max_positions > train_len else 4 * train_len
         num_heads = data.get("num_attention_heads") or data.get("n_head")
@@ -184,14 +189,12 @@ class FigureConfig:
             # figures' example ones for what is missing, the factor given or 4; a complete set is left as given.
             d = cls.head_dim if head_dim is None else head_dim
             rotary = d if kind == "proportional" else int(d * rope.get("partial_rotary_factor", 1.0)) // 2 * 2
-            length = rope.get("original_max_position_embeddings", cls.train_len) if train_len is None else train_len
+            length = rope.get("original_max_position_embeddings", DEFAULT_TRAIN_LEN) if train_len is None else train_len
             example = example_rope_parameters(
                 kind, rotary_dim=rotary, train_len=length, factor=rope.get("factor") or 4.0
             )
             for key, value in example.items():
                 rope.setdefault(key, value)
-        if train_len is None:
-            train_len = rope.get("original_max_position_embeddings")
         given = {
             "head_dim": head_dim,
             "train_len": train_len,

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from posenc._atomic import atomic_path
+from posenc import _atomic
 from posenc.absolute import Sinusoidal
 from posenc.analysis.bias import bias_matrix
 from posenc.analysis.config import FigureConfig
@@ -62,10 +62,12 @@ def figure_inputs(
     whether figure 8 is drawn (then a run that measured no entropy is an error; else it is not needed)."""
     if run_dir is None:
         return FigureInputs(config=config or FigureConfig())
+    if not Path(run_dir).is_dir():  # a typo is an error, not the default figures
+        raise ValueError(f"run folder {str(run_dir)!r} does not exist; give the --out folder of a `posenc lab` run")
     config = config or run_figure_config(run_dir) or FigureConfig()
-    measured = run_entropy(run_dir) if need_entropy else None
-    if measured is None and not need_entropy:
+    if not need_entropy:
         return FigureInputs(config=config)
+    measured = run_entropy(run_dir)
     if measured is None:
         raise ValueError(
             f"run folder {str(run_dir)!r} has no measured attention entropy (no entropy.csv, no entropy_by_layer "
@@ -516,7 +518,7 @@ def write_figures(
         fig = FIGURES[name](inputs)
         for suffix in ("png", "svg") if svg else ("png",):
             path = out / f"{name}.{suffix}"
-            with atomic_path(path) as temporary:  # an interrupted run leaves no half-written image
+            with _atomic.atomic_path(path) as temporary:  # an interrupted run leaves no half-written image
                 fig.savefig(temporary, format=suffix, dpi=dpi)
             written.append(path)
     return written

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import posenc
-from posenc._atomic import atomic_path
+from posenc import _atomic
 from posenc.analysis.config import FigureConfig
 from posenc.analysis.plots import FIGURES, FigureInputs, png_bytes
 from posenc.analysis.run import finite_number, read_results, run_entropy, run_figure_config
@@ -208,6 +208,6 @@ def write_report(
     if path.is_dir():
         raise ValueError(f"--out {str(path)!r} is a directory; give the path of the .html file to write")
     page = render_html(run_dir, config=config, figures=figures)
-    with atomic_path(path) as temporary:
+    with _atomic.atomic_path(path) as temporary:
         temporary.write_text(page, encoding="utf-8")
     return path

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from posenc._atomic import atomic_path
+from posenc import _atomic
 from posenc.analysis.config import FigureConfig
 from posenc.analysis.entropy import EntropyResult
 
@@ -80,7 +80,7 @@ def write_entropy_csv(path: str | Path, results: Mapping[tuple[str, str], Entrop
     """Write measured entropy for figure 8: ``results`` maps (encoding, extension) to a result of
     ``attention_entropy``. One row per (encoding, extension, length, layer, head), entropy in nats."""
     path = Path(path)
-    with atomic_path(path) as temporary, temporary.open("w", newline="") as handle:
+    with _atomic.atomic_path(path) as temporary, temporary.open("w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(ENTROPY_COLUMNS)
         for (encoding, extension), result in results.items():

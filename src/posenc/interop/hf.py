@@ -273,9 +273,9 @@ def rope_kwargs_from_config(config: Any, *, layer_type: str | None = None) -> di
     if model_type == "phi3" and rope_type == "yarn":
         rope_type = "longrope"  # Phi3Config maps its legacy 'yarn' to LongRoPE
 
-    # The model type decides how its axes share the pairs, as the model's rotary class does (Qwen3-VL's config.json
-    # has no mrope_interleaved key, and transformers never reads one); a model type posenc does not know goes by
-    # the keys.
+    # The model type decides how its axes share the pairs, as the model's rotary class does (transformers never
+    # reads a config's mrope_interleaved key, and a config.json need not carry it); a model type posenc does not
+    # know goes by the keys.
     mrope_layout, mrope_section = _MROPE_MODELS.get(model_type, (None, None))
     mrope_section = rope.pop("mrope_section", None) or mrope_section
     key = rope.pop("mrope_interleaved", None)

@@ -99,7 +99,7 @@ def check_table_call(
     check_data = values_readable(first.device)
 
     if cu_seqlens is not None:
-        int_tensor("cu_seqlens", cu_seqlens, what="prefix sums")
+        int_tensor("cu_seqlens", cu_seqlens, what="prefix sums", host_read=True)
         if positions is not None:
             raise ValueError("positions cannot be combined with cu_seqlens: packed sequences count from 0 (+ offset)")
         if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
@@ -118,7 +118,7 @@ def check_table_call(
 
     offsets, offset_int = None, 0
     if isinstance(offset, torch.Tensor):
-        int_tensor("offset", offset)
+        int_tensor("offset", offset, host_read=True)
         if offset.dim() > 1 or offset.numel() not in (1, batch):
             raise ValueError(
                 f"offset must be an int, a ({batch},) tensor (one per sequence) or a 0-d tensor, got shape "
@@ -146,7 +146,7 @@ def check_table_call(
         offset_int = offset
 
     if positions is not None:
-        int_tensor("positions", positions)
+        int_tensor("positions", positions, host_read=True)
         if (
             positions.dim() not in (1, 2)
             or positions.shape[-1] != seq

@@ -12,18 +12,19 @@ from safetensors import safe_open
 from safetensors.torch import load_file, load_model, save_model
 from torch import nn
 
-# Re-exported for the lab's writers and runner: `as` marks them public.
-from posenc._atomic import atomic_path as atomic_path
+from posenc import _atomic
+
+# Re-exported for the lab's runner: `as` marks it public.
 from posenc._atomic import remove_stale_temporaries as remove_stale_temporaries
 
 
 def write_text(path: Path, text: str) -> None:
-    with atomic_path(path) as tmp:
+    with _atomic.atomic_path(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
 
 
 def write_bytes(path: Path, data: bytes) -> None:
-    with atomic_path(path) as tmp:
+    with _atomic.atomic_path(path) as tmp:
         tmp.write_bytes(data)
 
 
@@ -38,7 +39,7 @@ def read_json(path: Path) -> Any:
 def save_weights(model: nn.Module, path: Path, metadata: dict[str, str] | None = None) -> None:
     """Weights in safetensors. ``save_model`` (not ``save_file``) because the shared encoding appears under
     every layer, and safetensors refuses tensors that share memory unless it deduplicates them itself."""
-    with atomic_path(path) as tmp:
+    with _atomic.atomic_path(path) as tmp:
         save_model(model, str(tmp), metadata=metadata)
 
 

@@ -63,9 +63,9 @@ def _position_bounds(
     need not be reached), read with one device sync at most; None when the arguments take the general path
     (where ``resolve_positions`` checks them and raises)."""
     if positions is not None:
-        int_tensor("positions", positions)  # before reading its dtype: a list, or a tensor vmap batches
+        int_tensor("positions", positions, host_read=True)  # before reading its dtype: a list, or a tensor vmap batches
     if isinstance(offset, torch.Tensor):
-        int_tensor("offset", offset)
+        int_tensor("offset", offset, host_read=True)
     low = high = 0
     reductions = []  # (min, max) pairs of the offset and position tensors
     if isinstance(offset, torch.Tensor):
@@ -215,7 +215,7 @@ class RoPE(nn.Module):
         seq_len: the sequence length that length-dependent types scale for (default: max(positions) + 1, which
         torch.compile and CUDA graph capture cannot read: there these types need it given).
         """
-        int_tensor("positions", positions)
+        int_tensor("positions", positions, host_read=True)
         float_dtype("dtype", dtype)
         sequence_length("seq_len", seq_len)
         if positions.numel() == 0:
@@ -354,7 +354,7 @@ class RoPE(nn.Module):
         ``seq_len`` (default max(positions) + 1); no state is read or changed. Used to (re-)rotate cached keys.
         Returns x's shape and dtype."""
         float_tensor("x", x)
-        int_tensor("positions", positions)
+        int_tensor("positions", positions, host_read=True)
         if x.dim() != 4 or x.shape[-1] != self.head_dim or positions.dim() != 2 or positions.shape[-1] != x.shape[2]:
             raise ValueError(
                 f"x must be (b, h, t, d={self.head_dim}) and positions (b or 1, t), got {tuple(x.shape)} and "

@@ -156,7 +156,7 @@ class MRoPE(RoPE):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: (3, b, s) integer ids, or text ids of at most 2 dims (then as ``RoPE.cos_sin``). Returns cos,
         sin: (b, s, r/2) in ``dtype``. seq_len: as for ``RoPE.cos_sin``."""
-        int_tensor("positions", positions)
+        int_tensor("positions", positions, host_read=True)
         if positions.dim() < 3:
             return super().cos_sin(positions, seq_len=seq_len, dtype=dtype)
         float_dtype("dtype", dtype)
@@ -205,7 +205,7 @@ class MRoPE(RoPE):
         if not isinstance(positions, torch.Tensor) or positions.dim() != 3:
             return super().forward(q, k, positions=positions, offset=offset, layout=layout, seq_len=seq_len)
         seq_axis = self._check_qk(q, k, layout, seq_len)
-        int_tensor("positions", positions)
+        int_tensor("positions", positions, host_read=True)
         if isinstance(offset, bool) or not isinstance(offset, int):
             raise TypeError(
                 f"offset must be an int with (3, b, s) positions, got {type(offset).__name__}; add per-row offsets "
