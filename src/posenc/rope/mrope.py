@@ -3,10 +3,10 @@
 The r/2 frequency pairs are shared among the axes by ``mrope_section`` (e.g. [16, 24, 24] for r = 128): in
 contiguous sections, section i's pairs turning by the position id of axis i % 3 (Qwen2-VL, Qwen2.5-VL, GLM-4V), or
 cycled t, h, w over the pairs (``mrope_layout="interleaved"``: Qwen3-VL, Qwen3.5), or h and w alternating before t
-(``"alternating"``: ERNIE-4.5-VL). Text tokens carry the same id on all three
-axes, which makes M-RoPE equal to plain RoPE for them. Numerically identical to ``transformers``' rotary embeddings
-and ``apply_rotary_pos_emb`` of those models (``mrope_section`` there counts pairs, too; 4.x's
-``apply_multimodal_rotary_pos_emb`` doubled it to count channels of the duplicated cos/sin).
+(``"alternating"``: ERNIE-4.5-VL). Text tokens carry the same id on all three axes, which makes M-RoPE equal to
+plain RoPE for them. Numerically identical to ``transformers``' rotary embeddings and ``apply_rotary_pos_emb`` of
+those models (``mrope_section`` there counts pairs, too; 4.x's ``apply_multimodal_rotary_pos_emb`` doubled it to
+count channels of the duplicated cos/sin).
 
 Shape key: a axes (3), b batch, h heads, s sequence, d head dim, r rotary dim.
 """
