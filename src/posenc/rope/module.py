@@ -222,29 +222,35 @@ class RoPE(nn.Module):
             empty = torch.empty((*positions.shape, self.rotary_dim // 2), device=positions.device, dtype=dtype)
             return empty, empty.clone()
         length_dependent = self.spec.rope_type in SEQ_LEN_DEPENDENT
-        if positions.device.type == "meta":
-            needed = 1
-        elif not values_readable(positions.device):
-            # Traced or captured: a table sized by max(positions), a range check or a default length read from the
-            # positions would each be a data-dependent step that breaks the graph. The angles give the values the
-            # table holds, and the check runs with the graph.
-            assert_without_sync(positions >= 0, "positions must be >= 0, got a negative entry")
-            if length_dependent and seq_len is None:
-                raise _length_unreadable(self.spec.rope_type)
-            # The frequencies are constants of the graph, computed on the host in float64: a length that varies
-            # between calls (which Dynamo makes symbolic) is specialized, one graph per length.
+        needed = self._positions_extent(positions, seq_len)
+        if needed is None:
+            # Traced or captured: a table sized by max(positions) would be a data-dependent step that breaks the
+            # graph. The angles give the values the table holds. The frequencies are constants of the graph,
+            # computed on the host in float64: a length that varies between calls (which Dynamo makes symbolic) is
+            # specialized, one graph per length.
             inv_freq, factor = self.frequencies(operator.index(seq_len) if length_dependent else None)
             return angles_to_cos_sin(positions, inv_freq, factor, dtype)
-        else:
-            low, high = torch.stack(torch.aminmax(positions)).tolist()  # one device sync, not two
-            if low < 0:  # a table would wrap around to its last rows
-                raise ValueError(f"positions must be >= 0, got a negative entry ({low})")
-            needed = high + 1
         if length_dependent or needed > _TABLE_LIMIT:
             inv_freq, factor = self.frequencies(seq_len if seq_len is not None else needed)
             return angles_to_cos_sin(positions, inv_freq, factor, dtype)
         cos, sin = self._table(positions.device, needed, dtype)
         return cos[positions], sin[positions]
+
+    def _positions_extent(self, positions: torch.Tensor, seq_len: int | None) -> int | None:
+        """max(positions) + 1 for non-empty positions, read on the host after checking they are >= 0 (1 on the
+        meta device, which has no values); None where values cannot be read (torch.compile, CUDA graph capture):
+        then the check runs with the graph, and a length-dependent type without seq_len is an error."""
+        if positions.device.type == "meta":
+            return 1
+        if not values_readable(positions.device):
+            assert_without_sync(positions >= 0, "positions must be >= 0, got a negative entry")
+            if self.spec.rope_type in SEQ_LEN_DEPENDENT and seq_len is None:
+                raise _length_unreadable(self.spec.rope_type)
+            return None
+        low, high = torch.stack(torch.aminmax(positions)).tolist()  # one device sync, not two
+        if low < 0:  # a table would wrap around to its last rows
+            raise ValueError(f"positions must be >= 0, got a negative entry ({low})")
+        return high + 1
 
     def _table(self, device: torch.device, needed: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         table = self._tables.get((device, dtype))

@@ -19,7 +19,6 @@ from typing import Any, Literal, get_args
 import torch
 
 from posenc._checks import (
-    assert_without_sync,
     float_dtype,
     int_tensor,
     positive_int,
@@ -28,7 +27,7 @@ from posenc._checks import (
 )
 from posenc.rope.apply import apply_rotary_qk
 from posenc.rope.frequencies import SEQ_LEN_DEPENDENT
-from posenc.rope.module import Layout, RoPE, _length_unreadable
+from posenc.rope.module import Layout, RoPE
 
 AXES = 3
 
@@ -167,16 +166,9 @@ class MRoPE(RoPE):
                 f"{tuple(positions.shape)}"
             )
         length_dependent = self.spec.rope_type in SEQ_LEN_DEPENDENT
-        if positions.numel() and values_readable(positions.device):
-            low, high = torch.stack(torch.aminmax(positions)).tolist()
-            if low < 0:
-                raise ValueError(f"positions must be >= 0, got a negative entry ({low})")
-            seq_len = high + 1 if seq_len is None else seq_len
-        elif positions.numel() and positions.device.type != "meta":
-            # Traced or captured: no value may be read on the host (see RoPE.cos_sin).
-            assert_without_sync(positions >= 0, "positions must be >= 0, got a negative entry")
-            if length_dependent and seq_len is None:
-                raise _length_unreadable(self.spec.rope_type)
+        if positions.numel():  # checks them (>= 0), and gives the default length where values can be read
+            extent = self._positions_extent(positions, seq_len)
+            seq_len = extent if seq_len is None else seq_len
         inv_freq, factor = self.frequencies(seq_len if length_dependent else None)
         return mrope_cos_sin(positions, inv_freq, self.mrope_section, factor, dtype, layout=self.mrope_layout)
 
