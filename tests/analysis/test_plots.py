@@ -172,3 +172,17 @@ def test_the_wavelength_count_says_what_training_saw_and_what_the_extension_keep
     )
     title = render("wavelengths", FigureInputs(config=config)).axes[0].get_title()
     assert "11 of 32 turn less than once within L; scaled, 11 within 8192\n" in title
+
+
+def test_mrope_figure_draws_each_layouts_axes():
+    """Each strip is mrope_axis_of_pair of its example, and its title counts the pairs each axis gets."""
+    from posenc.analysis.plots import MROPE_EXAMPLES
+    from posenc.rope.mrope import mrope_axis_of_pair
+
+    fig = render("mrope_layouts", FigureInputs(config=FigureConfig(rope_parameters={"rope_theta": 500000.0})))
+    assert "base=500000" in fig.get_suptitle()
+    for ax, (layout, section, _) in zip(fig.axes, MROPE_EXAMPLES, strict=True):
+        drawn = torch.as_tensor(ax.get_images()[0].get_array()).long()[0]
+        assert torch.equal(drawn, mrope_axis_of_pair(section, layout=layout))
+        counts = [int(part.split(": ")[1].split()[0]) for part in ax.get_title().split("\n")[1].split("; ")]
+        assert counts == torch.bincount(drawn, minlength=3).tolist()

@@ -216,6 +216,49 @@ def pair_layouts(inputs: FigureInputs) -> Figure:
     return fig
 
 
+# Real models' M-RoPE layouts at head dim 128 (64 pairs): (layout, mrope_section, who uses it).
+MROPE_EXAMPLES = (
+    ("sections", (16, 24, 24), "Qwen2-VL, Qwen2.5-VL (GLM-4V: [8, 12, 12] at r = 64)"),
+    ("interleaved", (24, 20, 20), "Qwen3-VL (Qwen3.5: [11, 11, 10] at r = 64)"),
+    ("alternating", (22, 22, 20), "ERNIE-4.5-VL, sections in the order h, w, t"),
+)
+_AXIS_NAMES = ("t (time)", "h (height)", "w (width)")
+
+
+def mrope_layouts(inputs: FigureInputs) -> Figure:
+    """Which position axis turns each frequency pair in the three M-RoPE layouts, and the wavelengths each axis
+    gets: contiguous sections give time only the fast pairs; interleaved spreads every axis over fast and slow ones;
+    ERNIE's alternation gives height and width the fast pairs and time the slow ones."""
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    from posenc.rope.mrope import mrope_axis_of_pair
+
+    base = inputs.config.base
+    wavelength = 2 * math.pi / RoPE(128, base=base).frequencies()[0]
+    fig = _new_figure(12, 5.2)
+    axes = fig.subplots(len(MROPE_EXAMPLES), 1)
+    colors = ListedColormap(["C0", "C1", "C2"])
+    for ax, (layout, section, who) in zip(axes, MROPE_EXAMPLES, strict=True):
+        axis = mrope_axis_of_pair(section, layout=layout)
+        ax.imshow(axis[None].numpy(), cmap=colors, vmin=0, vmax=2, aspect="auto")
+        spans = []
+        for a, name in enumerate(_AXIS_NAMES):
+            mine = wavelength[axis == a]
+            spans.append(f"{name.split()[0]}: {mine.numel()} pairs, λ {mine.min():.3g}..{mine.max():.3g}")
+        ax.set_yticks([])
+        ax.set_title(f"mrope_layout='{layout}', mrope_section={list(section)}: {who}\n" + "; ".join(spans), fontsize=9)
+    axes[-1].set_xlabel("frequency pair i (θ_i = base^(-2i/r): fast on the left, slow on the right)")
+    fig.legend(
+        handles=[Patch(color=f"C{a}", label=name) for a, name in enumerate(_AXIS_NAMES)],
+        loc="outside lower center",
+        ncol=3,
+        fontsize=9,
+    )
+    fig.suptitle(f"M-RoPE: which position id turns each pair (r = 128, base={base:g}; text tokens: all three equal)")
+    return fig
+
+
 # -- 3 ---------------------------------------------------------------------------------------------------------
 def invariance_heatmaps(inputs: FigureInputs) -> Figure:
     """Score of a fixed q, k over positions (m, n): constant along diagonals for RoPE, not for sinusoidal."""
@@ -464,6 +507,7 @@ def entropy_curves(inputs: FigureInputs) -> Figure:
 FIGURES: dict[str, Callable[[FigureInputs], Figure]] = {
     "phase_difference": phase_difference,
     "pair_layouts": pair_layouts,
+    "mrope_layouts": mrope_layouts,
     "relative_invariance": invariance_heatmaps,
     "long_term_decay": decay_curves,
     "wavelengths": wavelength_bars,
