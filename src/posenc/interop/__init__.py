@@ -1,13 +1,21 @@
 """Bridges to other libraries' configs and models (Hugging Face ``transformers``)."""
 
-from posenc.interop.hf import rope_from_config, rope_kwargs_from_config
-from posenc.interop.patch import SUPPORTED_ARCHITECTURES, patch_model, tiny_model_from_config, unpatch_model
+from posenc.interop.hf import rope_from_config, rope_kwargs_from_config, rope_layer_types
+from posenc.interop.patch import (
+    SUPPORTED_ARCHITECTURES,
+    VERIFIED_ARCHITECTURES,
+    patch_model,
+    tiny_model_from_config,
+    unpatch_model,
+)
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
+    "VERIFIED_ARCHITECTURES",
     "patch_model",
     "rope_from_config",
     "rope_kwargs_from_config",
+    "rope_layer_types",
     "tiny_model_from_config",
     "unpatch_model",
 ]

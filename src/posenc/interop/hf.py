@@ -238,6 +238,18 @@ def _first(cfg: Mapping[str, Any], *keys: str) -> Any:
     return None
 
 
+def rope_layer_types(config: Any) -> tuple[str, ...]:
+    """The layer types that have a rope dict of their own in ``config``, sorted (Gemma 3's 'full_attention' and
+    'sliding_attention'): the values ``rope_kwargs_from_config(config, layer_type=...)`` takes. () for a config
+    with one rope dict for every layer. config: as for ``rope_kwargs_from_config``."""
+    cfg = _text_model(_load(config)[0])
+    rope = _first(cfg, "rope_parameters", "rope_scaling")
+    if not isinstance(rope, Mapping):
+        return ()
+    layer_types = set(cfg.get("layer_types") or ())
+    return tuple(sorted(key for key, value in rope.items() if key in layer_types and value is not None))
+
+
 def rope_kwargs_from_config(config: Any, *, layer_type: str | None = None) -> dict[str, Any]:
     """The ``RoPE`` (or ``MRoPE``) constructor arguments a model's config implies, as a dict with ``head_dim``.
 

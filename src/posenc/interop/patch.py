@@ -2,12 +2,19 @@
 
 What is replaced, per patched model and nothing else in the process:
 
-* the model's ``*RotaryEmbedding`` module becomes a ``PosencRotaryEmbedding``: cos/sin of shape (b, s, r/2) in
+* the model's ``*RotaryEmbedding`` modules become ``PosencRotaryEmbedding``s (one per config the modules were built
+  from, with one RoPE per layer type where the config has a rope dict per type): cos/sin of shape (b, s, r/2) in
   float32, from float64 angles (``posenc.rope.module.angles_to_cos_sin``), instead of Hugging Face's (b, s, r);
 * each attention module gets an instance-level ``forward``: a copy of its class's forward function whose globals
-  resolve ``apply_rotary_pos_emb`` to posenc's rotation (``posenc.apply_rotary_qk``, any backend). The class, the
-  modeling module and every other model of the same class are untouched, and the copy is plain Python, so
-  ``torch.compile`` traces it like the original.
+  resolve its ``apply_rotary_pos_emb*`` functions to posenc's rotation (``posenc.apply_rotary_qk``, any backend),
+  each in the pair layout the original was found to rotate in. The class, the modeling module and every other
+  model of the same class are untouched, and the copy is plain Python, so ``torch.compile`` traces it like the
+  original.
+
+Which modules and functions these are is found by inspecting the model (``posenc.interop._discover``), so any
+architecture that follows transformers' RoPE conventions can be patched; ``VERIFIED_ARCHITECTURES`` are those whose
+patched logits the tests compare, ``SUPPORTED_ARCHITECTURES`` those ``tiny_model_from_config`` builds and whose
+rotary dim ``rope_parameters`` may change.
 
 In ``mode="consistent"`` with a type whose frequencies change with the length (``dynamic``, ``longrope``), keys go
 into the KV cache unrotated and the attention rotates all of them at read with the frequencies of the current
@@ -17,9 +24,9 @@ without gaps (``DynamicCache``, what ``generate`` uses by default, sliding-windo
 ``StaticCache`` returns its whole fixed-size buffer, so the keys' positions cannot be counted back from the new
 tokens: the patched attention raises a TypeError when it is given one in that mode (``mode="hf"`` takes it).
 
-Before anything is replaced, the posenc RoPE is checked against the model's own rotary embedding: the same number
-of frequencies, the same inv_freq within the buffer's rounding, the same attention scaling; a mismatch is an error,
-never a silently different model.
+Before anything is replaced, the posenc RoPE is checked against the model's own rotary embedding (the same number
+of frequencies, the same inv_freq within the buffer's rounding, the same attention scaling) and each rotation
+function is run against posenc's rotation; a mismatch is an error, never a silently different model.
 
 Shape key: b batch, h heads, s new tokens, t tokens in the cache (t >= s), d head dim, r rotary dim.
 """
@@ -34,14 +41,23 @@ import json
 import math
 import os
 import types
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from posenc.interop.hf import rope_kwargs_from_config
+from posenc.interop._discover import (
+    ModelRope,
+    Rotation,
+    find_rope_modules,
+    innermost,
+    probe_rotation,
+    rotation_signature,
+)
+from posenc.interop.hf import rope_kwargs_from_config, rope_layer_types
 from posenc.rope.apply import apply_rotary, apply_rotary_qk
 from posenc.rope.frequencies import SEQ_LEN_DEPENDENT, float32_blend_rtol
 from posenc.rope.module import RoPE, angles_to_cos_sin
@@ -60,13 +76,30 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_ARCHITECTURES)
 # Architectures whose apply_rotary_pos_emb rotates all head_dim channels (no pass-through part): a rotary dim below
 # head_dim crashes their unpatched forward, so a saved config asking for one would not load into a working model.
 _WHOLE_HEAD_ATTENTION = frozenset({"gemma", "llama", "mistral", "qwen2", "qwen3"})
+# The model types whose patched tiny models give the unpatched logits, full forward and cached decoding, in
+# tests/interop/test_patch_architectures.py (transformers 5.24; `python scripts/patch_coverage.py` lists them). Others
+# that pass patch_model's checks are patched with a warning.
+VERIFIED_ARCHITECTURES: frozenset[str] = frozenset(
+    {
+        *("afmoe", "apertus", "apertus1p5_text", "arcee", "aria_text", "axk1", "axk2", "beam", "bitnet", "cohere"),
+        *("cohere2", "cohere2_moe", "cwm", "deepseek_v3", "deepseek_v32", "diffllama", "doge", "dory", "dots1"),
+        *("ernie4_5", "ernie4_5_moe", "exaone4", "exaone_moe", "falcon", "flex_olmo", "flint", "gemma", "gemma2"),
+        *("gemma3_text", "glm", "glm4", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "gpt_neox", "gpt_neox_japanese"),
+        *("gpt_oss", "granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoeshared", "helium"),
+        *("hrm_text", "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "hy_v4", "hyperclovax", "jais2", "jetmoe"),
+        *("kolibri1", "laguna", "lara_mini", "lfm2", "lfm3", "llama", "mellum", "mimo_v2_flash", "minicpm3"),
+        *("minimax", "minimax_m2", "minimax_m3_vl_text", "ministral", "ministral3", "mistral", "mixtral"),
+        *("modernbert-decoder", "moshi", "nemotron", "olmo", "olmo2", "olmo3", "olmo_hybrid", "olmoe", "persimmon"),
+        *("phi", "phi3", "phimoe", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen3_next", "seed_oss", "smollm3"),
+        *("solar_open", "stablelm", "starcoder2", "vaultgemma", "youtu", "zaya"),
+    }
+)
 # inv_freq agreement with a float32 frequency buffer: transformers' float32 pow is off by up to
 # (ln(base) + 8) * 2**-24 relative (~1.3e-6 at base 5e5), plus float32_blend_rtol for YaRN without truncation and
 # Llama 3 (3e-5 for YaRN at factor 256); a wrong rotary dim, base or scaling is off by far more.
 _FREQUENCY_RTOL = 1e-5
 
 # The names a patched attention forward resolves differently from its modeling module.
-_ROTATION_NAME = "apply_rotary_pos_emb"
 _ATTENTION_REGISTRY_NAME = "ALL_ATTENTION_FUNCTIONS"
 _STATE_ATTR = "_posenc_patch"
 
@@ -76,7 +109,9 @@ class PatchReport:
     """What ``patch_model`` did. architecture: the config's model_type; rope_type ... backend: the installed
     ``RoPE``'s settings; rotary_modules: the names of the replaced rotary embedding modules; attention_modules: how
     many attention modules rotate with posenc; config_changed: True when ``model.config`` was rewritten;
-    rope_parameters: ``model.config.rope_parameters`` after patching."""
+    rope_parameters: ``model.config.rope_parameters`` after patching; rotations: each replaced rotation function's
+    name and the pair layout it was found to rotate in ("split-half" or "interleaved"). For a config with a rope
+    dict per layer type, rope_type lists each type's ("full_attention: linear, sliding_attention: default")."""
 
     architecture: str
     rope_type: str
@@ -89,6 +124,7 @@ class PatchReport:
     attention_modules: int
     config_changed: bool
     rope_parameters: Mapping[str, Any]
+    rotations: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __str__(self) -> str:
         config = f"; config.rope_parameters = {dict(self.rope_parameters)}" if self.config_changed else ""
@@ -116,48 +152,83 @@ def _weights_dtype(model: nn.Module) -> torch.dtype | None:
 
 
 class PosencRotaryEmbedding(nn.Module):
-    """Stands in for a model's ``*RotaryEmbedding``: ``forward(x, position_ids) -> (cos, sin)``.
+    """Stands in for a model's ``*RotaryEmbedding``: ``forward(x, position_ids, layer_type=None) -> (cos, sin)``.
 
+    rope: the ``RoPE``, or one per layer type (``{"full_attention": ..., "sliding_attention": ...}``) for a config
+    with a rope dict per layer type, whose model then asks for each type's cos/sin by ``layer_type``.
     x: (b, s, hidden), only its dtype is read; position_ids: (b or 1, s) integer.
     Returns cos, sin: (b or 1, s, r/2), float64 for a float64 model else float32 (one value per rotated pair,
     posenc's convention, consumed by the patched attention's rotation, not by Hugging Face's).
 
-    Fixed types keep their float64 frequencies in a buffer that follows device moves but never dtype casts, so the
-    forward has no data-dependent step and ``torch.compile`` traces it without a graph break. ``dynamic`` and
-    ``longrope`` ask the ``RoPE`` for the frequencies of each call's length (``RoPE.scaling_length``: in 'hf' mode
-    with transformers' dynamic NTK state).
+    Fixed types keep their float64 frequencies in a buffer (``inv_freq``, or ``{layer_type}_inv_freq``) that
+    follows device moves but never dtype casts, so the forward has no data-dependent step and ``torch.compile``
+    traces it without a graph break. ``dynamic`` and ``longrope`` ask the ``RoPE`` for the frequencies of each
+    call's length (``RoPE.scaling_length``: in 'hf' mode with transformers' dynamic NTK state).
     """
 
-    inv_freq: torch.Tensor
-
-    def __init__(self, rope: RoPE) -> None:
+    def __init__(self, rope: RoPE | Mapping[str, RoPE]) -> None:
         super().__init__()
-        self.rope = rope
-        self.length_dependent = rope.rope_type in SEQ_LEN_DEPENDENT
-        inv_freq, attention_factor = rope.frequencies()
-        self.register_buffer("inv_freq", inv_freq.to(torch.float64), persistent=False)
-        self.attention_factor = float(attention_factor)
+        if isinstance(rope, RoPE):
+            self.layer_types: tuple[str, ...] = ()
+            self.rope = rope
+            ropes = {"": rope}
+        else:
+            if not rope or not all(isinstance(value, RoPE) for value in rope.values()):
+                raise TypeError("rope must be a RoPE or a non-empty dict mapping each layer type to its RoPE")
+            self.layer_types = tuple(rope)
+            self.ropes = nn.ModuleDict(dict(rope))
+            ropes = dict(rope)
+        self.attention_factors: dict[str, float] = {}
+        for layer_type, each in ropes.items():
+            inv_freq, attention_factor = each.frequencies()
+            self.register_buffer(_prefixed(layer_type, "inv_freq"), inv_freq.to(torch.float64), persistent=False)
+            self.attention_factors[layer_type] = float(attention_factor)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> PosencRotaryEmbedding:
         # model.half() / .to(bfloat16) cast every float buffer; the frequencies must stay float64 (a bf16 inv_freq
         # is off by 2**-9, i.e. whole turns at position 1e4), so only the device move is kept.
-        frequencies = self.inv_freq
+        frequencies = dict(self._buffers)
         super()._apply(fn, recurse)
-        self._buffers["inv_freq"] = frequencies.to(device=self.inv_freq.device)
+        for name, kept in frequencies.items():
+            if kept is not None:
+                self._buffers[name] = kept.to(device=self._buffers[name].device)
         return self
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self._buffers.values())).device
 
     def forward(
         self, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if layer_type is not None:
-            raise ValueError(f"per-layer-type RoPE (layer_type={layer_type!r}) is not supported by posenc's patch")
+        if not self.layer_types:
+            if layer_type is not None:
+                raise ValueError(
+                    f"layer_type={layer_type!r} given, but this model's config has one rope dict for every layer"
+                )
+            rope, key = self.rope, ""
+        elif layer_type in self.layer_types:
+            rope, key = self.ropes[layer_type], layer_type
+        else:
+            raise ValueError(f"layer_type must be one of {list(self.layer_types)}, got {layer_type!r}")
         dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-        if self.length_dependent:
-            return self.rope.cos_sin(position_ids, seq_len=self.rope.scaling_length(position_ids), dtype=dtype)
-        return angles_to_cos_sin(position_ids, self.inv_freq, self.attention_factor, dtype)
+        if rope.rope_type in SEQ_LEN_DEPENDENT:
+            return rope.cos_sin(position_ids, seq_len=rope.scaling_length(position_ids), dtype=dtype)
+        return angles_to_cos_sin(
+            position_ids, getattr(self, _prefixed(key, "inv_freq")), self.attention_factors[key], dtype
+        )
 
     def extra_repr(self) -> str:
-        return f"rope_type={self.rope.rope_type!r}, rotary_dim={self.rope.rotary_dim}, mode={self.rope.mode!r}"
+        ropes = {"": self.rope} if not self.layer_types else dict(self.ropes)
+        return ", ".join(
+            f"{key + ': ' if key else ''}rope_type={rope.rope_type!r}, rotary_dim={rope.rotary_dim}, mode={rope.mode!r}"
+            for key, rope in ropes.items()
+        )
+
+
+def _prefixed(layer_type: str | None, name: str) -> str:
+    """transformers' buffer name for one layer type's rope state ("sliding_attention_inv_freq")."""
+    return f"{layer_type}_{name}" if layer_type else name
 
 
 def _rotate_qk(
@@ -165,16 +236,21 @@ def _rotate_qk(
     k: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    unsqueeze_dim: int = 1,
-    *,
+    *args: Any,
     interleaved: bool,
     backend: str,
     keys: bool,
+    unsqueeze_at: int,
+    unsqueeze_default: int,
+    **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """posenc's ``apply_rotary_pos_emb``: q (b, h_q, s, d), k (b, h_k, s, d); cos, sin (b or 1, s, r/2).
+    """posenc's ``apply_rotary_pos_emb*``: q (b, h_q, s, d), k (b, h_k, s, d) (or heads after s, with
+    unsqueeze_dim=2); cos, sin (b or 1, s, r/2). The arguments after (q, k, cos, sin) are the replaced function's
+    (unsqueeze_dim, positionally at ``unsqueeze_at`` or by keyword; the rest are ignored, as position_ids is there).
 
     keys=False leaves k unrotated (it is rotated at read, see ``_attend_with_rotated_keys``).
     """
+    unsqueeze_dim = kwargs.get("unsqueeze_dim", args[unsqueeze_at] if len(args) > unsqueeze_at else unsqueeze_default)
     cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
     if not keys:
         return apply_rotary(q, cos, sin, interleaved=interleaved, backend=backend), k
@@ -227,13 +303,6 @@ class _KeysRotatedAtRead:
         )
 
 
-def _innermost(func: Callable[..., Any]) -> types.FunctionType:
-    """The function under its functools.wraps decorators."""
-    while hasattr(func, "__wrapped__"):
-        func = func.__wrapped__
-    return func
-
-
 def _with_globals(func: types.FunctionType, replacements: Mapping[str, Any]) -> types.FunctionType:
     """A copy of ``func`` in which the global names in ``replacements`` resolve to the given objects.
 
@@ -275,21 +344,29 @@ def _cell_holds(cell: types.CellType, obj: object) -> bool:
         return False
 
 
-def _architecture(model: nn.Module) -> tuple[str, type[nn.Module], type[nn.Module]]:
+def _architecture(model: nn.Module) -> ModelRope:
+    """The RoPE parts of a loaded transformers model; ValueError saying why posenc cannot patch it otherwise."""
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if not isinstance(model, nn.Module) or model_type is None:
         raise TypeError(
             f"model must be a loaded transformers model (an nn.Module with a .config), got {type(model).__name__}"
         )
-    if model_type not in _ARCHITECTURES:
+    what = f"this {model_type} model ({type(model).__name__})"
+    try:
+        layer_types = rope_layer_types(config)
+        kwargs = rope_kwargs_from_config(config, layer_type=layer_types[0] if layer_types else None)
+    except (ValueError, TypeError, KeyError, AttributeError, RuntimeError) as error:  # Gemma 4: per-layer sizes
+        raise ValueError(f"posenc cannot patch {what}: {error}") from error
+    if "mrope_section" in kwargs:
         raise ValueError(
-            f"posenc cannot patch model_type {model_type!r} ({type(model).__name__}); supported architectures: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"posenc cannot patch {what}: it has multimodal RoPE (mrope_section), and patch_model replaces text "
+            "models' RoPE; build posenc.MRoPE with posenc.interop.rope_from_config(config) instead"
         )
-    package, rotary_name, attention_name = _ARCHITECTURES[model_type]
-    modeling = importlib.import_module(f"transformers.models.{package}.modeling_{package}")
-    return model_type, getattr(modeling, rotary_name), getattr(modeling, attention_name)
+    try:
+        return find_rope_modules(model, model_type)
+    except ValueError as error:
+        raise ValueError(f"posenc cannot patch {what}: {error}") from error
 
 
 def _hf_rope_parameters(intended: RoPE, given: Mapping[str, Any]) -> dict[str, Any]:
@@ -318,20 +395,23 @@ def _same_frequencies(a: RoPE, b: RoPE) -> bool:
     return True
 
 
-def _require_same_rotation(rope: RoPE, rotary: list[tuple[str, nn.Module]], architecture: str) -> None:
+def _require_same_rotation(
+    rope: RoPE, rotary: Sequence[tuple[str, nn.Module]], architecture: str, layer_type: str = ""
+) -> None:
     """Raise ValueError unless ``rope`` rotates as each of the model's own rotary modules does.
 
-    rotary: (name, ``*RotaryEmbedding`` module) pairs. Compared: the number of frequencies (r/2, so the rotary dim),
-    inv_freq (r/2,) within the buffer's rounding, and the attention scaling. The modules' ``original_inv_freq`` is
-    used where they have it: their ``inv_freq`` follows the dynamic NTK / LongRoPE state of the last call, while
-    ``rope.frequencies()`` is the set for no length, as ``original_inv_freq`` is.
+    rotary: (name, ``*RotaryEmbedding`` module) pairs; layer_type: which of their per-layer-type states to read.
+    Compared: the number of frequencies (r/2, so the rotary dim), inv_freq (r/2,) within the buffer's rounding, and
+    the attention scaling. The modules' ``original_inv_freq`` is used where they have it: their ``inv_freq`` follows
+    the dynamic NTK / LongRoPE state of the last call, while ``rope.frequencies()`` is the set for no length, as
+    ``original_inv_freq`` is.
     """
     ours, factor = rope.frequencies()
     for name, module in rotary:
-        theirs = getattr(module, "original_inv_freq", None)
+        theirs = getattr(module, _prefixed(layer_type, "original_inv_freq"), None)
         if not isinstance(theirs, torch.Tensor):
-            theirs = getattr(module, "inv_freq", None)
-        scaling = getattr(module, "attention_scaling", None)
+            theirs = getattr(module, _prefixed(layer_type, "inv_freq"), None)
+        scaling = getattr(module, _prefixed(layer_type, "attention_scaling"), None)
         if not isinstance(theirs, torch.Tensor) or not isinstance(scaling, (int, float, torch.Tensor)):
             raise RuntimeError(
                 f"{type(module).__name__} has no inv_freq or attention_scaling to check posenc's RoPE against; this "
@@ -356,9 +436,10 @@ def _require_same_rotation(rope: RoPE, rotary: list[tuple[str, nn.Module]], arch
         elif not math.isclose(factor, scaling, rel_tol=1e-6):
             problem = f"its attention scaling is {scaling!r}, posenc's {factor!r}"
         if problem is not None:
+            what = f"layer_type={layer_type!r}, " if layer_type else ""
             raise ValueError(
-                f"posenc's RoPE for this {architecture} config (rope_type={rope.rope_type!r}) does not rotate as the "
-                f"model's {type(module).__name__} ({name}) does: {problem}. Patching would change the model's "
+                f"posenc's RoPE for this {architecture} config ({what}rope_type={rope.rope_type!r}) does not rotate "
+                f"as the model's {type(module).__name__} ({name}) does: {problem}. Patching would change the model's "
                 "logits, so the model is left as it was; this is a gap in posenc.interop.rope_kwargs_from_config "
                 "for this transformers version (please report it with the config's rope_parameters)"
             )
@@ -408,6 +489,16 @@ def _new_config_rope(
             f"partial_rotary_factor={given.get('partial_rotary_factor')!r} (rotary dim {intended.rotary_dim}): the "
             "saved model would not run. Drop partial_rotary_factor from rope_parameters"
         )
+    if architecture not in _ARCHITECTURES:
+        # Whether this attention can rotate another number of channels is known only for the architectures above.
+        now = RoPE(head_dim, **{key: value for key, value in current.items() if key != "head_dim"}).rotary_dim
+        if intended.rotary_dim != now:
+            raise ValueError(
+                f"rope_parameters would change the rotary dim of this {architecture} model from {now} to "
+                f"{intended.rotary_dim} (partial_rotary_factor={given.get('partial_rotary_factor')!r}), which posenc "
+                f"changes only for {', '.join(SUPPORTED_ARCHITECTURES)}. Drop partial_rotary_factor from "
+                "rope_parameters"
+            )
     hf_params = _hf_rope_parameters(intended, given)
     values: dict[str, Any] = {"rope_parameters": hf_params}
     # Phi-3 keeps original_max_position_embeddings at the top level, and transformers lets it win over the dict's.
@@ -442,94 +533,224 @@ def patch_model(
 ) -> PatchReport:
     """Replace the RoPE computation (cos/sin and the rotation) of a loaded ``transformers`` model with posenc's.
 
-    model: a model of a supported architecture (``SUPPORTED_ARCHITECTURES``: Llama, Mistral, Qwen2, Qwen3,
-    Phi-3 incl. LongRoPE, GPT-NeoX incl. partial rotary, Gemma), e.g. ``AutoModelForCausalLM.from_pretrained(...)``.
+    model: a text model whose attention rotates with transformers' ``apply_rotary_pos_emb`` convention (Llama,
+    Mistral, Mixtral, Qwen2/3 and their MoE variants, Gemma 1-3, Phi, Phi-3 incl. LongRoPE, GPT-NeoX, StableLM,
+    Cohere, GLM, DeepSeek-V3, OLMo, Granite and ~70 more in transformers 5.24; docs/scaling.md lists them), e.g.
+    ``AutoModelForCausalLM.from_pretrained(...)``. What is replaced is found in the model and checked before it is
+    touched: one ``*RotaryEmbedding`` class whose frequencies posenc's RoPE for the config reproduces, and the
+    attention's rotation functions, each run on random q and k and required to equal posenc's rotation in one pair
+    layout. Configs with a rope dict per layer type (Gemma 3) get one RoPE per type.
     backend: the rotation backend, as for ``posenc.apply_rotary`` ("auto", "torch", "triton", "cpu").
     rope_parameters: None keeps the model's RoPE (logits equal the unpatched model's within the dtype's tolerance);
     a dict such as ``{"rope_type": "yarn", "factor": 4.0}`` changes the scaling in place and rewrites
     ``model.config.rope_parameters`` to match, so ``save_pretrained`` + plain ``from_pretrained`` reproduce it.
-    ``rope_theta`` and ``partial_rotary_factor`` default to the model's. posenc's ``ntk`` is written as the
-    equivalent ``default`` config with a larger ``rope_theta``.
+    ``rope_theta`` and ``partial_rotary_factor`` default to the model's; the rotary dim changes only for
+    ``SUPPORTED_ARCHITECTURES``, and configs with a rope dict per layer type take no rope_parameters. posenc's
+    ``ntk`` is written as the equivalent ``default`` config with a larger ``rope_theta``.
     mode: "hf" (Hugging Face's numbers, also for ``dynamic`` / ``longrope`` with a KV cache) or "consistent" (keys
     cached unrotated and rotated at read with each step's frequencies, so cached decoding equals a full forward;
-    it needs a ``DynamicCache``, and the patched attention raises TypeError when given a ``StaticCache``).
-    Returns a ``PatchReport``. Raises ValueError for an unsupported architecture, a model already patched, or a
-    RoPE that would not rotate as the model's own rotary embedding does (checked before anything is replaced).
+    it needs a ``DynamicCache``, and the patched attention raises TypeError when given a ``StaticCache``). For
+    ``dynamic`` / ``longrope``, "consistent" is offered for ``SUPPORTED_ARCHITECTURES``, whose attention is known
+    to hand its keys to the attention function with the rotated channels first.
+    Returns a ``PatchReport``. Raises ValueError for a model posenc cannot patch (saying why), a model already
+    patched, or a RoPE that would not rotate as the model's own does (all checked before anything is replaced).
     """
-    model_type, rotary_cls, attention_cls = _architecture(model)
+    found = _architecture(model)
+    model_type = found.model_type
     if getattr(model, _STATE_ATTR, None) is not None:
         raise ValueError("model is already patched by posenc; call unpatch_model(model) first")
     config = model.config
-    rotary = [(name, module) for name, module in model.named_modules() if isinstance(module, rotary_cls)]
-    attention = [module for module in model.modules() if isinstance(module, attention_cls)]
-    if not rotary or not attention:
-        raise ValueError(
-            f"found {len(rotary)} {rotary_cls.__name__} and {len(attention)} {attention_cls.__name__} modules in "
-            f"this {model_type} model; posenc needs at least one of each to patch it"
-        )
+    groups = _rotary_groups(model, found)
 
     # Everything that can fail runs before the model or its config is touched. RoPE validates mode and backend.
+    values: dict[str, Any] = {}
     if rope_parameters is None:
-        values: dict[str, Any] = {}
-        kwargs = rope_kwargs_from_config(config)
-        rope = RoPE(kwargs.pop("head_dim"), mode=mode, backend=backend, **kwargs)
-        _require_same_rotation(rope, rotary, model_type)
-        if rope.rope_type == "dynamic" and mode == "hf":
-            # Continue transformers' dynamic NTK state where the model left it.
-            rope.hf_scaled_len = max(int(module.max_seq_len_cached) for _, module in rotary)
+        installs = [
+            (group_config, members, _ropes_for(group_config, members, model_type, mode=mode, backend=backend))
+            for group_config, members in groups
+        ]
+    elif len(groups) > 1 or rope_layer_types(config):
+        kind = "a rope dict per layer type" if len(groups) == 1 else "rotary embeddings with configs of their own"
+        raise ValueError(
+            f"this {model_type} model has {kind}; "
+            "patch_model changes a model with one rope dict only. Patch it with rope_parameters=None, or edit the "
+            "config's rope parameters and reload the model"
+        )
     else:
         values, rope = _new_config_rope(
-            config, rope_parameters, mode=mode, backend=backend, architecture=model_type, rotary_cls=rotary_cls
+            config, rope_parameters, mode=mode, backend=backend, architecture=model_type, rotary_cls=found.rotary_cls
         )
-    forwards = {cls: _patched_forward(cls, rope) for cls in {type(module) for module in attention}}
+        installs = [(config, groups[0][1], {"": rope})]
+    first_members, first_ropes = installs[0][1], installs[0][2]
+    first = next(iter(first_ropes.values()))
+    layer_type = next(iter(first_ropes)) or None
+    rotations = _probe_rotations(found, first_members[0][1], layer_type, first)
+    keys_at_read = any(rope.rotates_cached_keys for _, _, ropes in installs for rope in ropes.values())
+    if keys_at_read:
+        _require_keys_at_read(found, rotations, [ropes for _, _, ropes in installs])
+    forwards = {cls: _patched_forward(cls, rotations[cls], first, keys_at_read) for cls in found.calls}
+    if model_type not in VERIFIED_ARCHITECTURES:
+        warnings.warn(
+            f"posenc checked this {model_type} model's frequencies and rotation functions, but its tests have not "
+            f"compared a patched {model_type} model's logits with the unpatched one's; compare them on a few inputs "
+            "before relying on the patch (posenc.interop.patch.VERIFIED_ARCHITECTURES lists the ones they have)",
+            stacklevel=2,
+        )
 
     originals = {key: getattr(config, key) for key in values}  # _new_config_rope only sets existing attributes
     for key, value in values.items():
         setattr(config, key, value)
-    replacement = PosencRotaryEmbedding(rope).to(next((p.device for p in model.parameters()), torch.device("cpu")))
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
     named = dict(model.named_modules())
     swapped = []
-    for name, module in rotary:
-        parent_name, _, attr = name.rpartition(".")
-        setattr(named[parent_name], attr, replacement)
-        swapped.append((named[parent_name], attr, module))
-    for module in attention:
+    for group_config, members, ropes in installs:
+        replacement = PosencRotaryEmbedding(ropes if len(ropes) > 1 or "" not in ropes else ropes[""]).to(device)
+        if hasattr(members[0][1], "config"):  # read by some models' forward (Granite-SWA keys cos/sin by its theta)
+            replacement.config = group_config
+        for name, module in members:
+            parent_name, _, attr = name.rpartition(".")
+            setattr(named[parent_name], attr, replacement)
+            swapped.append((named[parent_name], attr, module))
+    for module in found.attention:
         # An instance attribute: nn.Module.__call__ finds it before the class's forward.
         module.forward = types.MethodType(forwards[type(module)], module)
 
+    layouts = {rotation.name: rotation.layout for per_class in rotations.values() for rotation in per_class}
     report = PatchReport(
         architecture=model_type,
-        rope_type=rope.rope_type,
-        head_dim=rope.head_dim,
-        rotary_dim=rope.rotary_dim,
-        interleaved=rope.interleaved,
+        rope_type=", ".join(f"{key}: {rope.rope_type}" if key else rope.rope_type for key, rope in first_ropes.items()),
+        head_dim=first.head_dim,
+        rotary_dim=first.rotary_dim,
+        interleaved=first.interleaved,
         mode=mode,
         backend=backend,
-        rotary_modules=tuple(name for name, _ in rotary),
-        attention_modules=len(attention),
+        rotary_modules=tuple(name for _, members, _ in installs for name, _ in members),
+        attention_modules=len(found.attention),
         config_changed=bool(values),
         rope_parameters=copy.deepcopy(config.rope_parameters),
+        rotations=layouts,
     )
-    state = _PatchState(report, swapped, attention, config, originals, _weights_dtype(model))
+    state = _PatchState(report, swapped, list(found.attention), config, originals, _weights_dtype(model))
     object.__setattr__(model, _STATE_ATTR, state)
     return report
 
 
-def _patched_forward(cls: type[nn.Module], rope: RoPE) -> types.FunctionType:
+def _rotary_groups(model: nn.Module, found: ModelRope) -> list[tuple[Any, list[tuple[str, nn.Module]]]]:
+    """The rotary modules grouped by the config each was built from (the model's, or one of its own: Granite-SWA
+    keeps one rotary embedding per rope_theta), the model's config first."""
+    groups: dict[int, tuple[Any, list[tuple[str, nn.Module]]]] = {id(model.config): (model.config, [])}
+    for name, module in found.rotary:
+        own = getattr(module, "config", None)
+        own = own if callable(getattr(own, "to_dict", None)) else model.config
+        groups.setdefault(id(own), (own, []))[1].append((name, module))
+    return [group for group in groups.values() if group[1]]
+
+
+def _ropes_for(
+    config: Any, members: Sequence[tuple[str, nn.Module]], model_type: str, *, mode: str, backend: str
+) -> dict[str, RoPE]:
+    """posenc's RoPE for a config, one per layer type with a rope dict of its own (key "" for a config with one),
+    each checked to rotate as the rotary modules built from that config do."""
+    ropes = {}
+    for layer_type in rope_layer_types(config) or ("",):
+        kwargs = rope_kwargs_from_config(config, layer_type=layer_type or None)
+        rope = RoPE(kwargs.pop("head_dim"), mode=mode, backend=backend, **kwargs)
+        _require_same_rotation(rope, members, model_type, layer_type)
+        if rope.rope_type == "dynamic" and mode == "hf":
+            # Continue transformers' dynamic NTK state where the model left it.
+            rope.hf_scaled_len = max(int(module.max_seq_len_cached) for _, module in members)
+        ropes[layer_type] = rope
+    return ropes
+
+
+def _probe_rotations(
+    found: ModelRope, rotary: nn.Module, layer_type: str | None, rope: RoPE
+) -> dict[type[nn.Module], tuple[Rotation, ...]]:
+    """Each attention class's rotation functions, probed (``posenc.interop._discover.probe_rotation``) once each
+    with cos/sin from ``rotary`` (for ``layer_type``) and heads of ``rope.head_dim`` channels.
+
+    A rotary module that is not materialised (meta) cannot be run: the architectures posenc knows take their
+    layout from the config then; any other is refused.
+    """
+    buffer = getattr(rotary, _prefixed(layer_type, "inv_freq"), None)
+    runnable = not (isinstance(buffer, torch.Tensor) and buffer.is_meta)
+    probed: dict[int, Rotation] = {}
+    rotations = {}
+    for cls, names in found.calls.items():
+        namespace = innermost(cls.forward).__globals__
+        per_class = []
+        for name in names:
+            function = namespace[name]
+            if id(function) not in probed:
+                try:
+                    if runnable:
+                        probed[id(function)] = probe_rotation(
+                            name, function, rotary, layer_type=layer_type, head_dim=rope.head_dim
+                        )
+                    elif found.model_type in _ARCHITECTURES:
+                        probed[id(function)] = Rotation(
+                            name, rope.interleaved, False, *rotation_signature(function, name)
+                        )
+                    else:
+                        raise ValueError(
+                            f"{type(rotary).__name__} is on the meta device, so {name} cannot be run to check it; "
+                            "patch the model once its weights are loaded"
+                        )
+                except ValueError as error:
+                    raise ValueError(
+                        f"posenc cannot patch this {found.model_type} model's {cls.__name__}: {error}. The model is "
+                        "left as it was"
+                    ) from error
+            per_class.append(probed[id(function)])
+        rotations[cls] = tuple(per_class)
+    return rotations
+
+
+def _require_keys_at_read(
+    found: ModelRope,
+    rotations: Mapping[type[nn.Module], tuple[Rotation, ...]],
+    installs: Sequence[Mapping[str, RoPE]],
+) -> None:
+    """'consistent' mode with a length-dependent type rotates cached keys at read, in the attention function, where
+    posenc must know which channels of the key are the rotated ones and in which layout: refuse where it does not.
+    installs: the RoPEs installed, per rotary config and layer type."""
+    rope = next(rope for ropes in installs for rope in ropes.values() if rope.rotates_cached_keys)
+    problem = None
+    if len(installs) > 1 or "" not in installs[0]:
+        problem = "it has more than one rope dict (per layer type, or rotary embeddings with configs of their own)"
+    elif found.model_type not in _ARCHITECTURES:
+        problem = (
+            f"posenc knows where the rotated channels sit in the keys the attention function gets only for "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    else:
+        for cls, per_class in rotations.items():
+            if len(per_class) != 1 or per_class[0].layout != ("interleaved" if rope.interleaved else "split-half"):
+                problem = f"{cls.__name__} rotates with {', '.join(r.name for r in per_class)}"
+    if problem is not None:
+        raise ValueError(
+            f"mode='consistent' with rope_type={rope.rope_type!r} rotates the cached keys at read, which posenc does "
+            f"not do for this {found.model_type} model: {problem}. Patch it with mode='hf' (transformers' numbers)"
+        )
+
+
+def _patched_forward(
+    cls: type[nn.Module], rotations: tuple[Rotation, ...], rope: RoPE, keys_at_read: bool
+) -> types.FunctionType:
     """One copy of ``cls.forward`` per patched model and attention class, shared by its layers (one set of
-    torch.compile guards), rotating with posenc."""
+    torch.compile guards), whose rotation functions are posenc's, each in the layout its original rotates in."""
     func = cls.forward
-    namespace = _innermost(func).__globals__
-    if _ROTATION_NAME not in _innermost(func).__code__.co_names or _ROTATION_NAME not in namespace:
-        raise RuntimeError(
-            f"{cls.__qualname__}.forward does not call {_ROTATION_NAME}; this transformers version is not supported "
-            "by posenc.interop.patch"
-        )
-    keys_at_read = rope.rotates_cached_keys
+    namespace = innermost(func).__globals__
     replacements: dict[str, Any] = {
-        _ROTATION_NAME: functools.partial(
-            _rotate_qk, interleaved=rope.interleaved, backend=rope.backend, keys=not keys_at_read
+        rotation.name: functools.partial(
+            _rotate_qk,
+            interleaved=rotation.interleaved,
+            backend=rope.backend,
+            keys=not keys_at_read,
+            unsqueeze_at=rotation.unsqueeze_at,
+            unsqueeze_default=rotation.unsqueeze_default,
         )
+        for rotation in rotations
     }
     if keys_at_read:
         if _ATTENTION_REGISTRY_NAME not in namespace:
@@ -601,7 +822,7 @@ def unpatch_model(model: nn.Module) -> PatchReport:
     dtype = _weights_dtype(model)
     cast = dtype if dtype is not None and dtype != state.weights_dtype else None
     for parent, attr, original in state.rotary:
-        original.to(device=getattr(parent, attr).inv_freq.device, dtype=cast)
+        original.to(device=getattr(parent, attr).device, dtype=cast)
         setattr(parent, attr, original)
     for module in state.attention:
         module.__dict__.pop("forward", None)

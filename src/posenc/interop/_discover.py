@@ -1,0 +1,213 @@
+"""Where a loaded ``transformers`` model keeps its RoPE, and what its rotation functions do: the parts that
+``posenc.interop.patch`` replaces, found by inspecting the model and checked by running them.
+
+A model qualifies when
+
+* its cos/sin come from modules of one ``*RotaryEmbedding`` class holding an ``inv_freq`` buffer (or one
+  ``{layer_type}_inv_freq`` per layer type, for configs with a rope dict per layer type), and
+* its attention modules rotate by calling module-level functions named ``apply_rotary_pos_emb*`` whose first four
+  parameters are (q, k, cos, sin) and which take ``unsqueeze_dim``, as ~170 transformers architectures do.
+
+Each such function is then run on random q and k with cos/sin from a copy of the model's own rotary module, and
+must equal posenc's rotation of the first r channels in one of the two pair layouts. That decides which layout
+replaces it (DeepSeek-V3.2 rotates its indexer's keys split-half and its attention's interleaved), and refuses a
+function that rotates any other way (by the negative angle, the last r channels, ...) before the model is touched.
+
+Shape key: b batch, h heads, s tokens, d head dim, r rotary dim.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import inspect
+import types
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from posenc.rope.apply import apply_rotary_qk
+from posenc.rope.module import angles_to_cos_sin
+
+ROTATION_PREFIX = "apply_rotary_pos_emb"
+# Positions the probe rotates at: below any trained length, so a dynamic / LongRoPE module keeps its state.
+_PROBE_POSITIONS = (0, 1, 2, 3, 5, 8, 12, 15)
+_PROBE_TOLERANCE = 1e-4  # float32 rotation of unit-scale values at positions < 16; a wrong layout is off by ~1
+
+
+@dataclasses.dataclass(frozen=True)
+class Rotation:
+    """One rotation function of a modeling module, as probed.
+
+    name: its global name (``apply_rotary_pos_emb`` or a variant); interleaved: the pair layout it rotates in;
+    regrouped: True when it returns the rotated channels evens first, then odds (the MLA models'
+    ``apply_rotary_pos_emb_interleave``): the same q.k for every pair of q and k, so posenc rotates them in place;
+    unsqueeze_at: the index, among the arguments after (q, k, cos, sin), at which a positional ``unsqueeze_dim``
+    arrives; unsqueeze_default: its default.
+    """
+
+    name: str
+    interleaved: bool
+    regrouped: bool
+    unsqueeze_at: int
+    unsqueeze_default: int
+
+    @property
+    def layout(self) -> str:
+        if not self.interleaved:
+            return "split-half"
+        return "interleaved, returned evens then odds" if self.regrouped else "interleaved"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelRope:
+    """The RoPE parts of a model. rotary: (name, module) of each rotary embedding, all of ``rotary_cls``;
+    attention: the modules whose forward rotates, with ``calls`` naming the rotation functions per class;
+    """
+
+    model_type: str
+    rotary: tuple[tuple[str, nn.Module], ...]
+    rotary_cls: type[nn.Module]
+    attention: tuple[nn.Module, ...]
+    calls: Mapping[type[nn.Module], tuple[str, ...]]
+
+
+def innermost(func: Callable[..., Any]) -> types.FunctionType:
+    """The function under its functools.wraps decorators."""
+    while hasattr(func, "__wrapped__"):
+        func = func.__wrapped__
+    return func  # type: ignore[return-value]
+
+
+def rotation_names(cls: type[nn.Module]) -> tuple[str, ...]:
+    """The ``apply_rotary_pos_emb*`` functions that ``cls.forward`` calls by global name, in its module."""
+    forward = innermost(cls.forward)
+    code, namespace = getattr(forward, "__code__", None), getattr(forward, "__globals__", {})
+    if code is None:
+        return ()
+    return tuple(
+        sorted(name for name in code.co_names if name.startswith(ROTATION_PREFIX) and callable(namespace.get(name)))
+    )
+
+
+def find_rope_modules(model: nn.Module, model_type: str) -> ModelRope:
+    """The rotary embeddings and rotating attention modules of ``model``; ValueError naming what is missing."""
+    rotary = tuple(
+        (name, module) for name, module in model.named_modules() if type(module).__name__.endswith("RotaryEmbedding")
+    )
+    classes = sorted({type(module).__name__ for _, module in rotary})
+    if len(classes) != 1:
+        found = f"{len(classes)} ({', '.join(classes)})" if classes else "none"
+        raise ValueError(
+            f"posenc patches models whose cos/sin come from one *RotaryEmbedding class; this {model_type} model has "
+            f"{found}"
+        )
+    rotary_cls = type(rotary[0][1])
+    if not any(name.endswith("inv_freq") for name, _ in rotary[0][1].named_buffers(recurse=False)):
+        raise ValueError(
+            f"its {rotary_cls.__name__} holds no inv_freq buffer (a fixed sin/cos table instead), so posenc cannot "
+            "check its frequencies against posenc's; build posenc.RoPE from posenc.interop.rope_from_config(config)"
+        )
+    calls: dict[type[nn.Module], tuple[str, ...]] = {}
+    attention = []
+    for module in model.modules():
+        cls = type(module)
+        if cls not in calls:
+            calls[cls] = rotation_names(cls)
+        if calls[cls]:
+            attention.append(module)
+    calls = {cls: names for cls, names in calls.items() if names}
+    if not attention:
+        raise ValueError(
+            f"no module of this {model_type} model rotates by calling a module-level {ROTATION_PREFIX}* function, "
+            "the step posenc replaces; its attention rotates some other way, which posenc cannot patch"
+        )
+    return ModelRope(model_type, rotary, rotary_cls, tuple(attention), calls)
+
+
+def rotation_signature(function: Callable[..., Any], name: str) -> tuple[int, int]:
+    """(unsqueeze_at, unsqueeze_default) of a rotation function; ValueError unless it is (q, k, cos, sin, ...)."""
+    try:
+        parameters = list(inspect.signature(innermost(function)).parameters.values())
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{name} has no readable signature ({error})") from error
+    names = [p.name for p in parameters]
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) < 4 or names[2:4] != ["cos", "sin"] or "unsqueeze_dim" not in names:
+        raise ValueError(f"{name}{inspect.signature(function)} is not (q, k, cos, sin, ..., unsqueeze_dim)")
+    at = names.index("unsqueeze_dim")
+    default = parameters[at].default
+    return at - 4, 1 if default is inspect.Parameter.empty else int(default)
+
+
+def probe_rotation(
+    name: str,
+    function: Callable[..., Any],
+    rotary: nn.Module,
+    *,
+    layer_type: str | None,
+    head_dim: int,
+) -> Rotation:
+    """Run ``function`` (a model's ``apply_rotary_pos_emb*``) with cos/sin from a copy of ``rotary`` and return
+    the layout in which it equals posenc's rotation; ValueError saying how it differs otherwise.
+
+    The copy is called at positions below 16, and posenc's cos/sin are made from the frequencies and scaling the
+    copy holds after that call: this checks the rotation, not the frequencies (``patch`` compares those).
+    """
+    unsqueeze_at, unsqueeze_default = rotation_signature(function, name)
+    probe = copy.deepcopy(rotary)
+    suffix = f"{layer_type}_" if layer_type else ""
+    buffer = getattr(probe, f"{suffix}inv_freq", None)
+    if not isinstance(buffer, torch.Tensor) or buffer.is_meta:
+        raise ValueError(f"{type(rotary).__name__} holds no {suffix}inv_freq to run {name} with")
+    device = buffer.device
+    limit = int(getattr(probe, "original_max_seq_len", 0) or 16)
+    positions = torch.tensor([[min(p, limit - 1) for p in _PROBE_POSITIONS]], device=device)
+    x = torch.zeros(1, positions.shape[-1], 1, device=device)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        try:
+            cos, sin = probe(x, positions, layer_type) if layer_type else probe(x, positions)
+        except Exception as error:  # a rotary module that needs more than (x, position_ids): cannot be checked
+            raise ValueError(f"{type(rotary).__name__} could not be run to check {name}: {error}") from error
+        inv_freq = getattr(probe, f"{suffix}inv_freq").detach().to(torch.float64)
+        scaling = float(getattr(probe, f"{suffix}attention_scaling", 1.0))
+        ours_cos, ours_sin = angles_to_cos_sin(positions, inv_freq, scaling, torch.float32)
+        ours_cos, ours_sin = ours_cos.unsqueeze(1), ours_sin.unsqueeze(1)  # (1, 1, s, r/2)
+        r = 2 * inv_freq.numel()
+        width = {r, head_dim} if head_dim > r else {r}
+        layout = None
+        problem = ""
+        for d in sorted(width):
+            q = torch.randn(1, 2, positions.shape[-1], d, generator=generator).to(device)
+            k = torch.randn(1, 1, positions.shape[-1], d, generator=generator).to(device)
+            try:
+                theirs = function(q, k, cos, sin)
+            except Exception as error:
+                if d == r:  # with r channels every rotation function must run
+                    raise ValueError(f"{name} failed on q, k of {r} channels: {error}") from error
+                continue  # the attention slices the rotated channels out before calling it
+            if not (isinstance(theirs, (tuple, list)) and len(theirs) == 2):
+                raise ValueError(f"{name} returned {type(theirs).__name__}, not (q, k)")
+            candidates = (layout,) if layout is not None else ((False, False), (True, False), (True, True))
+            for interleaved, regrouped in candidates:
+                ours = apply_rotary_qk(q, k, ours_cos, ours_sin, interleaved=interleaved, backend="torch")
+                if regrouped:
+                    ours = tuple(torch.cat((t[..., 0:r:2], t[..., 1:r:2], t[..., r:]), dim=-1) for t in ours)
+                if all(
+                    isinstance(t, torch.Tensor) and t.shape == o.shape and torch.allclose(t, o, atol=_PROBE_TOLERANCE)
+                    for t, o in zip(theirs, ours, strict=True)
+                ):
+                    layout = (interleaved, regrouped)
+                    break
+            else:
+                problem = f"on q, k of {d} channels it matches neither pair layout of posenc's rotation"
+                if d > r:
+                    problem += f" of the first {r}"
+                layout = None
+                break
+    if layout is None:
+        raise ValueError(f"{name} does not rotate as posenc does: {problem}")
+    return Rotation(name, layout[0], layout[1], unsqueeze_at, unsqueeze_default)

@@ -1,0 +1,220 @@
+"""patch_model across every causal-LM architecture of the installed transformers whose modeling code has an
+``apply_rotary_pos_emb*`` function: each is patched, with logits equal to the unpatched model's (a full forward and
+a cached decoding step), or refused for the reason listed in REFUSED. Never a silently different model.
+
+The tiny models come from each config class's defaults with small sizes (no download), initializer_range 0.3 so
+that attention is peaked enough for the rotation to matter; each patched model also shows that it does: with its
+rotation replaced by the identity its logits move by SENSITIVE or more.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import re
+import warnings
+from typing import Any
+
+import pytest
+import torch
+
+from posenc.interop._discover import ROTATION_PREFIX, innermost
+from posenc.interop.patch import VERIFIED_ARCHITECTURES, is_patched, patch_model
+
+transformers = pytest.importorskip("transformers")
+from transformers.models.auto.configuration_auto import model_type_to_module_name  # noqa: E402
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # noqa: E402
+
+SIZES: dict[str, Any] = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=128,
+    max_position_embeddings=64,
+    # mixtures of experts
+    moe_intermediate_size=32,
+    num_experts=4,
+    n_routed_experts=4,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    shared_expert_intermediate_size=64,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+    # multi-head latent attention: its rope part is qk_rope_head_dim channels
+    kv_lora_rank=16,
+    q_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=16,
+    rotary_dim=8,  # GPT-J, CodeGen: in channels
+    initializer_range=0.3,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+OVERRIDES: dict[str, dict[str, Any]] = {
+    "flint": dict(num_hidden_layers=4),  # its first two layers have no attention
+    "mimo_v2_flash": dict(head_dim=24),  # partial_rotary_factor 0.334 of 24 channels: 8 rotate
+    # HRM runs its layers 12 times over: at 0.3 a change of 1e-7 in the weights moves its logits by 2e-2, so
+    # transformers' float32 cos/sin against posenc's float64-derived ones differ by 8e-3 there.
+    "hrm_text": dict(initializer_range=0.1),
+    "zaya": dict(num_experts_per_tok=1),
+    # hybrids whose first layers are linear attention or state space: enough layers to reach an attention one
+    **{
+        model_type: dict(num_hidden_layers=4)
+        for model_type in (
+            *("bailing_hybrid", "granitemoehybrid", "jamba", "lfm3", "qwen3_next", "qwen3_5_text"),
+            *("qwen3_5_moe_text", "qwen4_exp_text"),
+        )
+    },
+    # one rotary embedding per rope_theta, each with a config of its own, and a layer without RoPE (theta 0)
+    **{
+        model_type: dict(num_hidden_layers=3, layer_rope_theta=[1e4, 500.0, 0.0])
+        for model_type in ("granite_swa", "granitemoe_swa")
+    },
+}
+# Patched with the same logits, but the rotation hardly moves a tiny model's logits, so that it matters is not shown.
+INSENSITIVE = {"zaya": "its CCA projections and q/k norms: without the rotation its logits move by 3e-5"}
+MAX_PARAMETERS = 5_000_000  # composite models whose vision tower keeps its full size are left out
+FP32 = dict(atol=1e-4, rtol=1e-4)  # float32 logits of magnitude ~10: observed <= 5e-5
+SENSITIVE = 1e-3
+
+# model_type -> why posenc refuses it (a regex of the error).
+REFUSED: dict[str, str] = {
+    **dict.fromkeys(
+        ("bailing_hybrid", "bamba"),
+        r"rotates by calling a module-level apply_rotary_pos_emb\* function",
+    ),
+    **dict.fromkeys(("granitemoehybrid", "jamba", "nemotron_h", "zamba2"), r"one \*RotaryEmbedding class; .* none"),
+    **dict.fromkeys(("qwen3_5_text", "qwen3_5_moe_text", "qwen4_exp_text"), r"multimodal RoPE"),
+    **dict.fromkeys(("codegen", "gptj"), r"holds no inv_freq buffer"),
+    "deepseek_v4": r"rotates the last qk_rope_head_dim channels",
+    "nanochat": r"negative angle",
+}
+# Architectures whose patching this file must see succeed, whatever else the installed transformers holds.
+MUST_PATCH = (
+    *("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text"),
+    *("phi", "phi3", "gpt_neox", "stablelm", "cohere", "cohere2", "glm", "glm4", "deepseek_v3", "olmo2"),
+    *("granite", "starcoder2", "falcon", "gpt_oss", "ernie4_5", "minicpm3", "modernbert-decoder"),
+)
+
+
+def _candidates() -> list[str]:
+    found = []
+    for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        name = model_type_to_module_name(model_type)
+        try:
+            modeling = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+        except Exception:  # an optional package the modeling module needs is not installed
+            continue
+        if any(attr.startswith(ROTATION_PREFIX) and callable(value) for attr, value in vars(modeling).items()):
+            found.append(model_type)
+    return found
+
+
+CANDIDATES = _candidates()
+
+
+def tiny(model_type: str) -> Any:
+    """A tiny float32 model of the type in eval mode, or pytest.skip saying why it cannot be built or run here."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            defaults = transformers.AutoConfig.for_model(model_type)
+            sizes = {**SIZES, **OVERRIDES.get(model_type, {})}
+            if hasattr(defaults, "qk_rope_head_dim"):  # MLA: head_dim follows qk_rope_head_dim, one kv head per head
+                sizes.pop("head_dim")
+                sizes.pop("num_key_value_heads")
+            kwargs = {
+                key: value for key, value in sizes.items() if hasattr(defaults, key) and not _read_only(defaults, key)
+            }
+            config = transformers.AutoConfig.for_model(model_type, **kwargs)
+            if isinstance(getattr(config, "layer_types", None), list) and not _read_only(config, "layer_types"):
+                config.layer_types = config.layer_types[: config.num_hidden_layers]
+            with torch.device("meta"):
+                parameters = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
+            if parameters > MAX_PARAMETERS:
+                pytest.skip(f"{model_type}: {parameters / 1e6:.0f}M parameters at these sizes (sub-configs)")
+            torch.manual_seed(0)
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+            logits(model, tokens())
+        except pytest.skip.Exception:
+            raise
+        except Exception as error:  # config classes that need more than sizes, optional packages, ...
+            pytest.skip(f"{model_type}: no tiny model runs here ({type(error).__name__}: {str(error)[:120]})")
+    return model
+
+
+def _read_only(config: Any, key: str) -> bool:
+    """A property of the config class without a setter (Falcon's head_dim): derived, not given."""
+    attribute = getattr(type(config), key, None)
+    return isinstance(attribute, property) and attribute.fset is None
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+
+
+def logits(model: Any, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits of a full forward, logits of the last 4 tokens decoded after an 8-token prefill with the cache)."""
+    with torch.no_grad():
+        full = model(ids).logits
+        past = model(ids[:, :8], use_cache=True).past_key_values
+        cached = model(ids[:, 8:], past_key_values=past).logits
+    return full, cached
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _quiet_and_one_thread():
+    before, verbosity = torch.get_num_threads(), transformers.logging.get_verbosity()
+    torch.set_num_threads(1)
+    transformers.logging.set_verbosity_error()
+    yield
+    torch.set_num_threads(before)
+    transformers.logging.set_verbosity(verbosity)
+
+
+def test_the_scan_sees_the_architectures_it_must_patch() -> None:
+    missing = [model_type for model_type in MUST_PATCH if model_type not in CANDIDATES]
+    assert not missing, f"not found in the installed transformers: {missing}"
+
+
+@pytest.mark.parametrize("model_type", CANDIDATES)
+def test_patched_with_the_same_logits_or_refused(model_type: str) -> None:
+    model = tiny(model_type)
+    patched = copy.deepcopy(model)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            report = patch_model(patched)
+    except ValueError as error:
+        assert model_type in REFUSED, f"{model_type} was refused: {error}"
+        assert model_type not in MUST_PATCH
+        assert re.search(REFUSED[model_type], str(error)), str(error)
+        assert not is_patched(patched) and model_type not in VERIFIED_ARCHITECTURES
+        torch.testing.assert_close(logits(patched, tokens()), logits(model, tokens()), atol=0, rtol=0)
+        return
+    assert model_type not in REFUSED, f"{model_type} was patched, but REFUSED says it is not: {report}"
+    assert model_type in VERIFIED_ARCHITECTURES, f"{model_type} is patched: add it to VERIFIED_ARCHITECTURES"
+    assert not [w for w in caught if "have not compared" in str(w.message)]
+    ids = tokens()
+    expected, expected_cached = logits(model, ids)
+    full, cached = logits(patched, ids)
+    torch.testing.assert_close(full, expected, **FP32)
+    torch.testing.assert_close(cached, expected_cached, **FP32)
+
+    # The rotation is on the path: without it the logits move.
+    for module in patched.modules():
+        forward = module.__dict__.get("forward")
+        if forward is not None:
+            namespace = innermost(forward.__func__).__globals__
+            for name in report.rotations:
+                namespace[name] = lambda q, k, *args, **kwargs: (q, k)
+    with torch.no_grad():
+        unrotated = patched(ids).logits
+    assert ((unrotated - full).abs().max() > SENSITIVE) != (model_type in INSENSITIVE)
