@@ -13,7 +13,7 @@ from torch import nn
 
 from posenc.interop import patch as patch_module
 from posenc.interop._discover import probe_rotation, rotation_signature
-from posenc.interop.patch import PosencRotaryEmbedding, _rotate_qk, is_patched, patch_model
+from posenc.interop.patch import PosencRotaryEmbedding, _rotate_qk, is_patched, patch_model, unpatch_model
 from posenc.rope.module import RoPE
 
 transformers = pytest.importorskip("transformers")
@@ -117,7 +117,7 @@ def test_unsqueeze_dim_is_found_positionally_and_by_keyword() -> None:
     assert rotation_signature(interleave, "f") == (1, 1)
     q, k = torch.randn(1, 5, 3, 8), torch.randn(1, 5, 1, 8)  # heads after tokens: unsqueeze_dim=2
     cos, sin = torch.randn(1, 5, 4), torch.randn(1, 5, 4)
-    options = dict(interleaved=False, backend="torch", keys=True, unsqueeze_at=1, unsqueeze_default=1)
+    options = dict(interleaved=False, regrouped=False, backend="torch", keys=True, unsqueeze_at=1, unsqueeze_default=1)
     by_keyword = _rotate_qk(q, k, cos, sin, unsqueeze_dim=2, **options)
     positional = _rotate_qk(q, k, cos, sin, None, 2, **options)
     for a, b in zip(by_keyword, positional, strict=True):
@@ -143,10 +143,28 @@ SIZES = dict(
     eos_token_id=None,
 )
 FP32 = dict(atol=1e-4, rtol=1e-4)
+# DeepSeek-V3 with multi-head latent attention: 8 rope channels per head, one kv head per head.
+MLA = dict(
+    num_key_value_heads=4,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_group=1,
+    topk_group=1,
+    moe_intermediate_size=32,
+    first_k_dense_replace=1,
+    kv_lora_rank=16,
+    q_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=16,
+    head_dim=None,
+)
 
 
 def build(model_type: str, **overrides: Any) -> Any:
-    config = transformers.AutoConfig.for_model(model_type, **{**SIZES, **overrides})
+    """A tiny float32 model; an override of None drops that size (MLA configs derive head_dim themselves)."""
+    sizes = {key: value for key, value in {**SIZES, **overrides}.items() if value is not None}
+    config = transformers.AutoConfig.for_model(model_type, **sizes)
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
@@ -155,28 +173,23 @@ def tokens(length: int = 28) -> torch.Tensor:
     return torch.randint(3, 128, (2, length), generator=torch.Generator().manual_seed(0))
 
 
-def test_new_scaling_on_another_architecture_matches_the_model_built_with_it() -> None:
-    params = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 1e6}
-    patched = build("mixtral", num_local_experts=4)  # Mixtral's rope_theta is 1e6
-    reference = build("mixtral", num_local_experts=4, rope_parameters=params)
-    report = patch_model(patched, rope_parameters={"rope_type": "yarn", "factor": 4.0})
-    assert report.config_changed and report.rope_type == "yarn"
-    with torch.no_grad():
-        torch.testing.assert_close(patched(tokens()).logits, reference(tokens()).logits, **FP32)
-
-
-def test_a_new_rotary_dim_is_refused_where_posenc_does_not_know_the_attention() -> None:
-    model = build("mixtral", num_local_experts=4)
-    with pytest.raises(ValueError, match=r"change the rotary dim of this mixtral model from 16 to 8"):
-        patch_model(model, rope_parameters={"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5})
-    assert not is_patched(model)
+def test_new_scaling_is_refused_where_the_architecture_may_read_the_rope_dict_elsewhere() -> None:
+    # DeepSeek-V3's attention takes its softmax scale from YaRN's mscale when it is built: a rewritten config would
+    # reload as another model than the patched one.
+    for model_type, options in (("mixtral", dict(num_local_experts=4)), ("deepseek_v3", MLA)):
+        model = build(model_type, **options)
+        with pytest.raises(ValueError, match=rf"for this {model_type} model, set the config's rope parameters"):
+            patch_model(model, rope_parameters={"rope_type": "yarn", "factor": 4.0})
+        assert not is_patched(model)
 
 
 def test_consistent_mode_with_a_length_dependent_type_is_refused_where_posenc_does_not_know_the_keys() -> None:
-    model = build("mixtral", num_local_experts=4)
+    dynamic = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}
+    model = build("mixtral", num_local_experts=4, rope_parameters=dynamic)
     with pytest.raises(ValueError, match=r"mode='consistent' with rope_type='dynamic' .* mixtral .* mode='hf'"):
-        patch_model(model, rope_parameters={"rope_type": "dynamic", "factor": 2.0}, mode="consistent")
+        patch_model(model, mode="consistent")
     assert not is_patched(model)
+    model = build("mixtral", num_local_experts=4)
     # Fixed types rotate keys before caching in either mode: nothing to refuse.
     assert patch_model(model, mode="consistent").mode == "consistent"
 
@@ -205,7 +218,7 @@ def test_one_rope_per_layer_type() -> None:
         torch.testing.assert_close(patched(tokens()).logits, model(tokens()).logits, **FP32)
         with pytest.raises(ValueError, match=r"layer_type must be one of \['full_attention', 'sliding_attention'\]"):
             rotary(torch.zeros(1, 3, 64), torch.arange(3)[None], "chunked_attention")
-    with pytest.raises(ValueError, match=r"rope dict per layer type; .* rope_parameters=None"):
+    with pytest.raises(ValueError, match=r"for this gemma3_text model, set the config's rope parameters"):
         patch_model(build("gemma3_text", **options), rope_parameters={"rope_type": "linear", "factor": 2.0})
 
 
@@ -231,3 +244,78 @@ def test_an_architecture_the_tests_have_not_compared_is_patched_with_a_warning(m
     with pytest.warns(UserWarning, match="have not compared a patched mixtral model's logits"):
         patch_model(model)
     assert is_patched(model)
+
+
+def test_a_cache_filled_before_patching_stays_valid() -> None:
+    # DeepSeek's apply_rotary_pos_emb_interleave returns the rotated channels evens first: posenc returns them in
+    # that order too, so keys cached by the unpatched model (or after unpatching) are read as they were written.
+    for model_type, options in (("deepseek_v3", MLA), ("llama", {})):
+        model = build(model_type, **options)
+        patched = copy.deepcopy(model)
+        ids = tokens(12)
+        with torch.no_grad():
+            expected = model(ids[:, 8:], past_key_values=model(ids[:, :8], use_cache=True).past_key_values).logits
+            past = patched(ids[:, :8], use_cache=True).past_key_values  # filled unpatched
+            report = patch_model(patched)
+            got = patched(ids[:, 8:], past_key_values=past).logits
+        torch.testing.assert_close(got, expected, **FP32)
+        if model_type == "deepseek_v3":
+            assert report.rotations["apply_rotary_pos_emb_interleave"] == "interleaved, returned evens then odds"
+
+
+def test_dynamic_ntk_state_of_each_layer_type_is_continued() -> None:
+    # transformers keeps a dynamic layer type's grown length in {layer_type}_max_seq_len_cached.
+    rope = {
+        "full_attention": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+    }
+    model = build("gemma3_text", layer_types=["sliding_attention", "full_attention"], rope_parameters=rope)
+    ids = tokens(40)
+    with torch.no_grad():
+        model(ids)  # grows the full-attention frequencies to 40 tokens (trained: 16)
+        patched = copy.deepcopy(model)
+        patch_model(patched)
+        torch.testing.assert_close(patched(ids[:, :30]).logits, model(ids[:, :30]).logits, **FP32)
+
+
+def test_a_vision_language_model_is_patched_through_its_text_config() -> None:
+    text = dict(model_type="llama", **{key: value for key, value in SIZES.items() if key != "initializer_range"})
+    vision = dict(
+        model_type="clip_vision_model",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=32,
+        patch_size=16,
+    )
+    config = transformers.LlavaConfig(text_config=text, vision_config=vision, image_token_id=127)
+    torch.manual_seed(0)
+    model = transformers.LlavaForConditionalGeneration(config).eval()
+    patched = copy.deepcopy(model)
+    with pytest.warns(UserWarning, match="llava"):
+        report = patch_model(patched)
+    assert report.rope_parameters == model.config.text_config.rope_parameters
+    with torch.no_grad():
+        torch.testing.assert_close(patched(input_ids=tokens()).logits, model(input_ids=tokens()).logits, **FP32)
+        unpatch_model(patched)
+        assert type(patched.model.language_model.rotary_emb).__name__ == "LlamaRotaryEmbedding"
+        torch.testing.assert_close(patched(input_ids=tokens()).logits, model(input_ids=tokens()).logits, **FP32)
+
+
+def test_keys_reused_from_another_layer_are_passed_as_none() -> None:
+    q, cos, sin = torch.randn(1, 2, 5, 8), torch.randn(1, 5, 4), torch.randn(1, 5, 4)
+    options = dict(backend="torch", keys=True, unsqueeze_at=1, unsqueeze_default=1)
+    for interleaved, regrouped in ((False, False), (True, False), (True, True)):
+        rotated, none = _rotate_qk(q, None, cos, sin, interleaved=interleaved, regrouped=regrouped, **options)
+        expected, _ = _rotate_qk(q, q[:, :1], cos, sin, interleaved=interleaved, regrouped=regrouped, **options)
+        assert none is None
+        torch.testing.assert_close(rotated, expected, atol=0, rtol=0)
+
+
+def test_a_rotation_with_arguments_posenc_would_ignore_is_refused() -> None:
+    def scaled(q, k, cos, sin, unsqueeze_dim=1, scale=1.0):
+        return q, k
+
+    with pytest.raises(ValueError, match="apply_rotary_pos_emb takes scale, which posenc's rotation has no"):
+        rotation_signature(scaled, "apply_rotary_pos_emb")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import re
 import types
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -119,6 +120,13 @@ def find_rope_modules(model: nn.Module, model_type: str) -> ModelRope:
         if calls[cls]:
             attention.append(module)
     calls = {cls: names for cls, names in calls.items() if names}
+    for cls in calls:
+        cut = _indexes_cos_sin(cls)
+        if cut:
+            raise ValueError(
+                f"its {cls.__name__} cuts cos/sin itself ({cut}), which transformers' cos/sin of r values per token "
+                "allow and posenc's r/2 do not"
+            )
     if not attention:
         raise ValueError(
             f"no module of this {model_type} model rotates by calling a module-level {ROTATION_PREFIX}* function, "
@@ -127,8 +135,23 @@ def find_rope_modules(model: nn.Module, model_type: str) -> ModelRope:
     return ModelRope(model_type, rotary, rotary_cls, tuple(attention), calls)
 
 
+_COS_SIN_CUT = re.compile(r"\b(?:cos|sin)\s*\[[^\]]*\]|\b(?:cos|sin)\.(?:narrow|chunk|split)\(")
+
+
+def _indexes_cos_sin(cls: type[nn.Module]) -> str | None:
+    """The first place where ``cls.forward`` slices cos or sin (MiniMax-M3's indexer: ``cos[..., :head_dim]``)."""
+    try:
+        source = inspect.getsource(innermost(cls.forward))
+    except (OSError, TypeError):
+        return None
+    code = "\n".join(line.split("#", 1)[0] for line in source.splitlines())
+    match = _COS_SIN_CUT.search(code)
+    return match.group(0) if match else None
+
+
 def rotation_signature(function: Callable[..., Any], name: str) -> tuple[int, int]:
-    """(unsqueeze_at, unsqueeze_default) of a rotation function; ValueError unless it is (q, k, cos, sin, ...)."""
+    """(unsqueeze_at, unsqueeze_default) of a rotation function; ValueError unless it is (q, k, cos, sin) followed
+    by unsqueeze_dim and at most position_ids."""
     try:
         parameters = list(inspect.signature(innermost(function)).parameters.values())
     except (TypeError, ValueError) as error:
@@ -137,6 +160,11 @@ def rotation_signature(function: Callable[..., Any], name: str) -> tuple[int, in
     positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if len(positional) < 4 or names[2:4] != ["cos", "sin"] or "unsqueeze_dim" not in names:
         raise ValueError(f"{name}{inspect.signature(function)} is not (q, k, cos, sin, ..., unsqueeze_dim)")
+    # Arguments posenc's replacement would ignore must be ones that transformers' functions ignore too: an unknown
+    # one could change what the function does in a call the probe did not make.
+    unknown = [n for n in names[4:] if n not in ("unsqueeze_dim", "position_ids")]
+    if unknown:
+        raise ValueError(f"{name} takes {', '.join(unknown)}, which posenc's rotation has no counterpart for")
     at = names.index("unsqueeze_dim")
     default = parameters[at].default
     return at - 4, 1 if default is inspect.Parameter.empty else int(default)

@@ -88,7 +88,7 @@ VERIFIED_ARCHITECTURES: frozenset[str] = frozenset(
         *("gpt_oss", "granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoeshared", "helium"),
         *("hrm_text", "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "hy_v4", "hyperclovax", "jais2", "jetmoe"),
         *("kolibri1", "laguna", "lara_mini", "lfm2", "lfm3", "llama", "mellum", "mimo_v2_flash", "minicpm3"),
-        *("minimax", "minimax_m2", "minimax_m3_vl_text", "ministral", "ministral3", "mistral", "mixtral"),
+        *("minimax", "minimax_m2", "ministral", "ministral3", "mistral", "mixtral"),
         *("modernbert-decoder", "moshi", "nemotron", "olmo", "olmo2", "olmo3", "olmo_hybrid", "olmoe", "persimmon"),
         *("phi", "phi3", "phimoe", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen3_next", "seed_oss", "smollm3"),
         *("solar_open", "stablelm", "starcoder2", "vaultgemma", "youtu", "zaya"),
@@ -109,9 +109,12 @@ class PatchReport:
     """What ``patch_model`` did. architecture: the config's model_type; rope_type ... backend: the installed
     ``RoPE``'s settings; rotary_modules: the names of the replaced rotary embedding modules; attention_modules: how
     many attention modules rotate with posenc; config_changed: True when ``model.config`` was rewritten;
-    rope_parameters: ``model.config.rope_parameters`` after patching; rotations: each replaced rotation function's
-    name and the pair layout it was found to rotate in ("split-half" or "interleaved"). For a config with a rope
-    dict per layer type, rope_type lists each type's ("full_attention: linear, sliding_attention: default")."""
+    rope_parameters: the rope dict after patching (a composite model's text config's); rotations: each replaced
+    rotation function's name and the layout it was found to rotate in ("split-half", "interleaved", or "interleaved,
+    returned evens then odds"); interleaved is the config's layout, which a model whose functions differ (DeepSeek's
+    split-half and interleaved ones) does not follow everywhere. For a config with a rope dict per layer type,
+    rope_type lists each type's ("full_attention: linear, sliding_attention: default") and head_dim / rotary_dim
+    are the first type's."""
 
     architecture: str
     rope_type: str
@@ -233,28 +236,42 @@ def _prefixed(layer_type: str | None, name: str) -> str:
 
 def _rotate_qk(
     q: torch.Tensor,
-    k: torch.Tensor,
+    k: torch.Tensor | None,
     cos: torch.Tensor,
     sin: torch.Tensor,
     *args: Any,
     interleaved: bool,
+    regrouped: bool,
     backend: str,
     keys: bool,
     unsqueeze_at: int,
     unsqueeze_default: int,
     **kwargs: Any,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """posenc's ``apply_rotary_pos_emb*``: q (b, h_q, s, d), k (b, h_k, s, d) (or heads after s, with
-    unsqueeze_dim=2); cos, sin (b or 1, s, r/2). The arguments after (q, k, cos, sin) are the replaced function's
-    (unsqueeze_dim, positionally at ``unsqueeze_at`` or by keyword; the rest are ignored, as position_ids is there).
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """posenc's ``apply_rotary_pos_emb*``: q (b, h_q, s, d), k (b, h_k, s, d) or None (Mistral Large 4's layers that
+    reuse another layer's keys), heads after s with unsqueeze_dim=2; cos, sin (b or 1, s, r/2). The arguments after
+    (q, k, cos, sin) are the replaced function's: unsqueeze_dim, positionally at ``unsqueeze_at`` or by keyword, and
+    position_ids, which transformers' functions ignore too (``rotation_signature`` admits no others).
 
+    regrouped: return the rotated channels evens first, then odds, as the replaced function does, so that q, k and
+    the KV cache hold what transformers' would (a cache filled before patching stays valid).
     keys=False leaves k unrotated (it is rotated at read, see ``_attend_with_rotated_keys``).
     """
     unsqueeze_dim = kwargs.get("unsqueeze_dim", args[unsqueeze_at] if len(args) > unsqueeze_at else unsqueeze_default)
     cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
-    if not keys:
-        return apply_rotary(q, cos, sin, interleaved=interleaved, backend=backend), k
-    return apply_rotary_qk(q, k, cos, sin, interleaved=interleaved, backend=backend)
+    if not keys or k is None:
+        q = apply_rotary(q, cos, sin, interleaved=interleaved, backend=backend)
+    else:
+        q, k = apply_rotary_qk(q, k, cos, sin, interleaved=interleaved, backend=backend)
+    if regrouped:
+        q = _evens_then_odds(q, 2 * cos.shape[-1])
+        k = k if k is None or not keys else _evens_then_odds(k, 2 * cos.shape[-1])
+    return q, k
+
+
+def _evens_then_odds(x: torch.Tensor, r: int) -> torch.Tensor:
+    """x (..., d) with its first r channels reordered 0, 2, 4, ..., 1, 3, 5, ... and the rest after them."""
+    return torch.cat((x[..., 0:r:2], x[..., 1:r:2], x[..., r:]), dim=-1)
 
 
 def _attend_with_rotated_keys(
@@ -323,9 +340,9 @@ def _with_globals(func: types.FunctionType, replacements: Mapping[str, Any]) -> 
         cells = func.__closure__ or ()
         slots = [i for i, cell in enumerate(cells) if _cell_holds(cell, inner)]
         if len(slots) != 1:
-            raise RuntimeError(
-                f"cannot patch {func.__qualname__}: its decorator does not hold the wrapped function in a closure; "
-                "this transformers version is not supported by posenc.interop.patch"
+            raise ValueError(
+                f"posenc cannot patch {func.__qualname__}: its decorator does not hold the wrapped function in a "
+                "closure, so the copy posenc makes could not call posenc's rotation"
             )
         new_cells = tuple(types.CellType(new_inner) if i == slots[0] else cell for i, cell in enumerate(cells))
         new_func = types.FunctionType(func.__code__, func.__globals__, func.__name__, func.__defaults__, new_cells)
@@ -413,9 +430,10 @@ def _require_same_rotation(
             theirs = getattr(module, _prefixed(layer_type, "inv_freq"), None)
         scaling = getattr(module, _prefixed(layer_type, "attention_scaling"), None)
         if not isinstance(theirs, torch.Tensor) or not isinstance(scaling, (int, float, torch.Tensor)):
-            raise RuntimeError(
-                f"{type(module).__name__} has no inv_freq or attention_scaling to check posenc's RoPE against; this "
-                "transformers version is not supported by posenc.interop.patch"
+            raise ValueError(
+                f"posenc cannot patch this {architecture} model: its {type(module).__name__} ({name}) has no "
+                f"{_prefixed(layer_type, 'inv_freq')} or {_prefixed(layer_type, 'attention_scaling')} to check "
+                "posenc's RoPE against"
             )
         if theirs.is_meta:  # not materialised yet: nothing to compare
             continue
@@ -489,16 +507,6 @@ def _new_config_rope(
             f"partial_rotary_factor={given.get('partial_rotary_factor')!r} (rotary dim {intended.rotary_dim}): the "
             "saved model would not run. Drop partial_rotary_factor from rope_parameters"
         )
-    if architecture not in _ARCHITECTURES:
-        # Whether this attention can rotate another number of channels is known only for the architectures above.
-        now = RoPE(head_dim, **{key: value for key, value in current.items() if key != "head_dim"}).rotary_dim
-        if intended.rotary_dim != now:
-            raise ValueError(
-                f"rope_parameters would change the rotary dim of this {architecture} model from {now} to "
-                f"{intended.rotary_dim} (partial_rotary_factor={given.get('partial_rotary_factor')!r}), which posenc "
-                f"changes only for {', '.join(SUPPORTED_ARCHITECTURES)}. Drop partial_rotary_factor from "
-                "rope_parameters"
-            )
     hf_params = _hf_rope_parameters(intended, given)
     values: dict[str, Any] = {"rope_parameters": hf_params}
     # Phi-3 keeps original_max_position_embeddings at the top level, and transformers lets it win over the dict's.
@@ -535,7 +543,8 @@ def patch_model(
 
     model: a text model whose attention rotates with transformers' ``apply_rotary_pos_emb`` convention (Llama,
     Mistral, Mixtral, Qwen2/3 and their MoE variants, Gemma 1-3, Phi, Phi-3 incl. LongRoPE, GPT-NeoX, StableLM,
-    Cohere, GLM, DeepSeek-V3, OLMo, Granite and ~70 more in transformers 5.24; docs/scaling.md lists them), e.g.
+    Cohere, GLM, DeepSeek-V3, OLMo, Granite and ~70 more in transformers 5.24; docs/scaling.md lists them; a
+    composite model through its text config), e.g.
     ``AutoModelForCausalLM.from_pretrained(...)``. What is replaced is found in the model and checked before it is
     touched: one ``*RotaryEmbedding`` class whose frequencies posenc's RoPE for the config reproduces, and the
     attention's rotation functions, each run on random q and k and required to equal posenc's rotation in one pair
@@ -544,9 +553,10 @@ def patch_model(
     rope_parameters: None keeps the model's RoPE (logits equal the unpatched model's within the dtype's tolerance);
     a dict such as ``{"rope_type": "yarn", "factor": 4.0}`` changes the scaling in place and rewrites
     ``model.config.rope_parameters`` to match, so ``save_pretrained`` + plain ``from_pretrained`` reproduce it.
-    ``rope_theta`` and ``partial_rotary_factor`` default to the model's; the rotary dim changes only for
-    ``SUPPORTED_ARCHITECTURES``, and configs with a rope dict per layer type take no rope_parameters. posenc's
-    ``ntk`` is written as the equivalent ``default`` config with a larger ``rope_theta``.
+    ``rope_theta`` and ``partial_rotary_factor`` default to the model's. Offered for ``SUPPORTED_ARCHITECTURES``,
+    whose code reads the rope dict only in the rotary embedding; elsewhere (DeepSeek-V3's attention reads YaRN's
+    mscale when built) load the model with the config you want and patch it with None. posenc's ``ntk`` is written
+    as the equivalent ``default`` config with a larger ``rope_theta``.
     mode: "hf" (Hugging Face's numbers, also for ``dynamic`` / ``longrope`` with a KV cache) or "consistent" (keys
     cached unrotated and rotated at read with each step's frequencies, so cached decoding equals a full forward;
     it needs a ``DynamicCache``, and the patched attention raises TypeError when given a ``StaticCache``). For
@@ -569,12 +579,14 @@ def patch_model(
             (group_config, members, _ropes_for(group_config, members, model_type, mode=mode, backend=backend))
             for group_config, members in groups
         ]
-    elif len(groups) > 1 or rope_layer_types(config):
-        kind = "a rope dict per layer type" if len(groups) == 1 else "rotary embeddings with configs of their own"
+    elif model_type not in _ARCHITECTURES or len(groups) > 1 or rope_layer_types(config):
+        # Other architectures may read the rope dict elsewhere when built (DeepSeek-V3's attention takes its softmax
+        # scale from YaRN's mscale), so a rewritten config could reload as a different model than the patched one.
         raise ValueError(
-            f"this {model_type} model has {kind}; "
-            "patch_model changes a model with one rope dict only. Patch it with rope_parameters=None, or edit the "
-            "config's rope parameters and reload the model"
+            f"rope_parameters= changes the scaling of {', '.join(SUPPORTED_ARCHITECTURES)} models, whose code reads "
+            f"the rope dict only in the rotary embedding; for this {model_type} model, set the config's rope "
+            "parameters and load the model with that config (from_pretrained(..., config=config)), then patch it "
+            "with rope_parameters=None"
         )
     else:
         values, rope = _new_config_rope(
@@ -597,25 +609,8 @@ def patch_model(
             stacklevel=2,
         )
 
-    originals = {key: getattr(config, key) for key in values}  # _new_config_rope only sets existing attributes
-    for key, value in values.items():
-        setattr(config, key, value)
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    named = dict(model.named_modules())
-    swapped = []
-    for group_config, members, ropes in installs:
-        replacement = PosencRotaryEmbedding(ropes if len(ropes) > 1 or "" not in ropes else ropes[""]).to(device)
-        if hasattr(members[0][1], "config"):  # read by some models' forward (Granite-SWA keys cos/sin by its theta)
-            replacement.config = group_config
-        for name, module in members:
-            parent_name, _, attr = name.rpartition(".")
-            setattr(named[parent_name], attr, replacement)
-            swapped.append((named[parent_name], attr, module))
-    for module in found.attention:
-        # An instance attribute: nn.Module.__call__ finds it before the class's forward.
-        module.forward = types.MethodType(forwards[type(module)], module)
-
     layouts = {rotation.name: rotation.layout for per_class in rotations.values() for rotation in per_class}
+    rope_config = installs[0][0]  # a composite model's text config
     report = PatchReport(
         architecture=model_type,
         rope_type=", ".join(f"{key}: {rope.rope_type}" if key else rope.rope_type for key, rope in first_ropes.items()),
@@ -627,9 +622,32 @@ def patch_model(
         rotary_modules=tuple(name for _, members, _ in installs for name, _ in members),
         attention_modules=len(found.attention),
         config_changed=bool(values),
-        rope_parameters=copy.deepcopy(config.rope_parameters),
+        rope_parameters=copy.deepcopy(values["rope_parameters"] if values else rope_config.rope_parameters),
         rotations=layouts,
     )
+    replacements = []
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    for group_config, members, ropes in installs:
+        replacement = PosencRotaryEmbedding(ropes if len(ropes) > 1 or "" not in ropes else ropes[""]).to(device)
+        if hasattr(members[0][1], "config"):  # read by some models' forward (Granite-SWA keys cos/sin by its theta)
+            replacement.config = group_config
+        replacements.append((replacement, members))
+
+    # Nothing below can fail: the model is changed only here.
+    originals = {key: getattr(config, key) for key in values}  # _new_config_rope only sets existing attributes
+    for key, value in values.items():
+        setattr(config, key, value)
+    named = dict(model.named_modules())
+    swapped = []
+    for replacement, members in replacements:
+        for name, module in members:
+            parent_name, _, attr = name.rpartition(".")
+            setattr(named[parent_name], attr, replacement)
+            swapped.append((named[parent_name], attr, module))
+    for module in found.attention:
+        # An instance attribute: nn.Module.__call__ finds it before the class's forward.
+        module.forward = types.MethodType(forwards[type(module)], module)
+
     state = _PatchState(report, swapped, list(found.attention), config, originals, _weights_dtype(model))
     object.__setattr__(model, _STATE_ATTR, state)
     return report
@@ -657,8 +675,11 @@ def _ropes_for(
         rope = RoPE(kwargs.pop("head_dim"), mode=mode, backend=backend, **kwargs)
         _require_same_rotation(rope, members, model_type, layer_type)
         if rope.rope_type == "dynamic" and mode == "hf":
-            # Continue transformers' dynamic NTK state where the model left it.
-            rope.hf_scaled_len = max(int(module.max_seq_len_cached) for _, module in members)
+            # Continue transformers' dynamic NTK state where the model left it (one per layer type).
+            rope.hf_scaled_len = max(
+                int(getattr(module, _prefixed(layer_type, "max_seq_len_cached"), module.max_seq_len_cached))
+                for _, module in members
+            )
         ropes[layer_type] = rope
     return ropes
 
@@ -745,6 +766,7 @@ def _patched_forward(
         rotation.name: functools.partial(
             _rotate_qk,
             interleaved=rotation.interleaved,
+            regrouped=rotation.regrouped,
             backend=rope.backend,
             keys=not keys_at_read,
             unsqueeze_at=rotation.unsqueeze_at,
@@ -754,7 +776,7 @@ def _patched_forward(
     }
     if keys_at_read:
         if _ATTENTION_REGISTRY_NAME not in namespace:
-            raise RuntimeError(
+            raise ValueError(
                 f"{cls.__qualname__}.forward does not use {_ATTENTION_REGISTRY_NAME}; mode='consistent' is not "
                 "supported for it in this transformers version (use mode='hf')"
             )
@@ -772,7 +794,7 @@ def _checking_the_cache(forward: types.FunctionType) -> types.FunctionType:
     cache_utils = importlib.import_module("transformers.cache_utils")
     cache_cls, growing_layer = getattr(cache_utils, "Cache", None), getattr(cache_utils, "DynamicLayer", None)
     if not (isinstance(cache_cls, type) and isinstance(growing_layer, type)):
-        raise RuntimeError(
+        raise ValueError(
             "transformers.cache_utils has no Cache / DynamicLayer; mode='consistent' is not supported for this "
             "transformers version (use mode='hf')"
         )
