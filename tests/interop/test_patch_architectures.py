@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from posenc.interop._discover import ROTATION_PREFIX, innermost
+from posenc.interop.hf import rope_layer_types
 from posenc.interop.patch import VERIFIED_ARCHITECTURES, is_patched, patch_model
 
 transformers = pytest.importorskip("transformers")
@@ -65,6 +66,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "hrm_text": dict(initializer_range=0.1),
     "zaya": dict(num_experts_per_tok=1),
     "minimax_m3_vl_text": dict(layer_types=["minimax_m3_sparse"] * 2, index_head_dim=8),  # with its indexer
+    "dory": dict(layer_types=None),  # its rope dict names only the layer types of its own pattern
     # hybrids whose first layers are linear attention or state space: enough layers to reach an attention one
     **{
         model_type: dict(num_hidden_layers=4)
@@ -118,8 +120,10 @@ def _candidates() -> list[str]:
 CANDIDATES = _candidates()
 
 
-def tiny(model_type: str) -> Any:
-    """A tiny float32 model of the type in eval mode, or pytest.skip saying why it cannot be built or run here."""
+def tiny(model_type: str, rope_type: str | None = None) -> Any:
+    """A tiny float32 model of the type in eval mode, or pytest.skip saying why it cannot be built or run here.
+
+    rope_type: "dynamic" gives it dynamic NTK (factor 2) over a trained length of 8, which the 12 tokens cross."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
@@ -131,9 +135,21 @@ def tiny(model_type: str) -> Any:
             kwargs = {
                 key: value for key, value in sizes.items() if hasattr(defaults, key) and not _read_only(defaults, key)
             }
+            if rope_type is not None:
+                kept = {
+                    key: defaults.rope_parameters[key]
+                    for key in ("rope_theta", "partial_rotary_factor")
+                    if key in (defaults.rope_parameters or {})
+                }
+                kwargs.update(
+                    max_position_embeddings=8, rope_parameters={"rope_type": rope_type, "factor": 2.0, **kept}
+                )
             config = transformers.AutoConfig.for_model(model_type, **kwargs)
             if isinstance(getattr(config, "layer_types", None), list) and not _read_only(config, "layer_types"):
-                config.layer_types = config.layer_types[: config.num_hidden_layers]
+                # Every kind of layer the default stack has, in turn (Gemma 3 has five sliding layers first).
+                kinds = list(dict.fromkeys(getattr(defaults, "layer_types", None) or config.layer_types))
+                if "layer_types" not in OVERRIDES.get(model_type, {}):
+                    config.layer_types = [kinds[i % len(kinds)] for i in range(config.num_hidden_layers)]
             with torch.device("meta"):
                 parameters = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
             if parameters > MAX_PARAMETERS:
@@ -222,3 +238,27 @@ def test_patched_with_the_same_logits_or_refused(model_type: str) -> None:
     with torch.no_grad():
         unrotated = patched(ids).logits
     assert ((unrotated - full).abs().max() > SENSITIVE) != (model_type in INSENSITIVE)
+
+
+DYNAMIC = sorted(
+    model_type
+    for model_type in VERIFIED_ARCHITECTURES & set(CANDIDATES)
+    if not rope_layer_types(transformers.AutoConfig.for_model(model_type))
+)
+
+
+@pytest.mark.parametrize("model_type", DYNAMIC)
+def test_dynamic_ntk_gives_the_same_logits(model_type: str) -> None:
+    # The frequencies change with the length: posenc's rotary embedding follows transformers' dynamic state through
+    # a full forward past the trained length and a cached decoding step.
+    model = tiny(model_type, rope_type="dynamic")
+    if model.config.rope_parameters.get("rope_type") != "dynamic":
+        pytest.skip(f"{model_type}'s config does not keep rope_type 'dynamic'")
+    patched = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = patch_model(patched)
+    assert report.rope_type == "dynamic"
+    ids = tokens()
+    for got, expected in zip(logits(patched, ids), logits(model, ids), strict=True):
+        torch.testing.assert_close(got, expected, **FP32)

@@ -470,3 +470,12 @@ def test_config_objects_with_a_theta_per_layer_type(layer_type: str, theta: floa
             return config.to_dict() | {"rope_parameters": rope}
 
     assert rope_from_config(Bare(), layer_type=layer_type).base == (3.0 if layer_type == "sliding_attention" else 7.0)
+
+
+def test_a_config_class_that_keeps_the_trained_length_under_its_own_name() -> None:
+    # BailingHybridConfig maps max_position_embeddings to model_max_length, DBRX to max_seq_len: the dict a config
+    # object writes, and a config.json, hold only their own names.
+    config = transformers.AutoConfig.for_model("bailing_hybrid", max_position_embeddings=8)
+    dynamic = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}
+    for given in (config, {**config.to_dict(), "rope_parameters": dynamic}):
+        assert rope_kwargs_from_config(given)["max_position_embeddings"] == 8

@@ -230,6 +230,25 @@ def _text_model(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
     return cfg
 
 
+def _with_aliases(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
+    """cfg with the standard names its config class maps to its own keys (``attribute_map``: Bailing-Hybrid keeps
+    max_position_embeddings as model_max_length, DBRX as max_seq_len, GPT-2-style configs as n_positions), where the
+    standard name is not there itself. Needs transformers for the map; without it cfg is returned as it is."""
+    aliases = _attribute_map(str(cfg.get("model_type") or ""))
+    found = {alias: cfg[key] for alias, key in aliases.items() if cfg.get(alias) is None and cfg.get(key) is not None}
+    return {**cfg, **found} if found else cfg
+
+
+@functools.cache
+def _attribute_map(model_type: str) -> dict[str, str]:
+    try:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        return dict(getattr(CONFIG_MAPPING[model_type], "attribute_map", None) or {})
+    except Exception:  # not installed, or a model type it does not know
+        return {}
+
+
 def _first(cfg: Mapping[str, Any], *keys: str) -> Any:
     """The first of ``keys`` present in cfg with a value that is not None."""
     for key in keys:
@@ -264,7 +283,7 @@ def rope_kwargs_from_config(config: Any, *, layer_type: str | None = None) -> di
     if isinstance(default_theta, Mapping):  # per layer type, as Gemma 3's config class keeps it (global / local)
         kind = "local" if layer_type == "sliding_attention" else "global"
         default_theta = default_theta.get(layer_type, default_theta.get(kind, 10000.0))
-    cfg = _text_model(cfg)
+    cfg = _with_aliases(_text_model(cfg))
     model_type = str(cfg.get("model_type") or "")
     if model_type in _UNSUPPORTED_MODELS:
         raise ValueError(f"model_type {model_type!r} is not supported: {_UNSUPPORTED_MODELS[model_type]}")
