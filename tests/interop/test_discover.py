@@ -319,3 +319,14 @@ def test_a_rotation_with_arguments_posenc_would_ignore_is_refused() -> None:
 
     with pytest.raises(ValueError, match="apply_rotary_pos_emb takes scale, which posenc's rotation has no"):
         rotation_signature(scaled, "apply_rotary_pos_emb")
+
+
+def test_a_rotation_that_takes_a_shorter_q_than_its_cos_sin_is_refused() -> None:
+    llama = modeling("llama").apply_rotary_pos_emb
+
+    def last_tokens(q, k, cos, sin, unsqueeze_dim=1):  # as MuSE-Glimmer's assistant: q of the last q_len tokens
+        q_cos, q_sin = cos[..., -q.shape[-2] :, :], sin[..., -q.shape[-2] :, :]
+        return llama(q, q, q_cos, q_sin, unsqueeze_dim)[0], llama(k, k, cos, sin, unsqueeze_dim)[1]
+
+    with pytest.raises(ValueError, match="rotates a q of fewer tokens than its cos/sin"):
+        probe_rotation("apply_rotary_pos_emb", last_tokens, Rotary(8), layer_type=None, head_dim=8)

@@ -262,3 +262,39 @@ def test_dynamic_ntk_gives_the_same_logits(model_type: str) -> None:
     ids = tokens()
     for got, expected in zip(logits(patched, ids), logits(model, ids), strict=True):
         torch.testing.assert_close(got, expected, **FP32)
+
+
+# One of each kind the scan adds beyond SUPPORTED_ARCHITECTURES: evens-then-odds (DeepSeek-V3), adjacent pairs from
+# repeat_interleave'd cos/sin (Cohere), one rope per layer type (Gemma 3), partial and adjacent (GLM).
+BEYOND = ("deepseek_v3", "cohere", "gemma3_text", "glm")
+
+
+@pytest.mark.parametrize("model_type", BEYOND)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_errs_no_more_than_transformers(model_type: str, dtype: torch.dtype) -> None:
+    # Against the float32 model: posenc's bf16/fp16 logits err no more than transformers' own, on the mean (a max
+    # bound is flaky for mixtures of experts, whose routing flips with rounding either way).
+    model = tiny(model_type)
+    ids = torch.randint(3, 128, (2, 28), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        exact = model(ids).logits.double()
+        theirs = copy.deepcopy(model).to(dtype)(ids).logits.double()
+        patched = copy.deepcopy(model).to(dtype)
+        patch_model(patched)
+        ours = patched(ids).logits.double()
+    assert (ours - exact).abs().mean() <= 1.1 * (theirs - exact).abs().mean()
+
+
+@pytest.mark.parametrize("model_type", BEYOND)
+def test_greedy_generation_with_left_padding_gives_the_same_tokens(model_type: str) -> None:
+    model = tiny(model_type)
+    patched = copy.deepcopy(model)
+    patch_model(patched)
+    ids = torch.randint(3, 128, (2, 10), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    ids[0, :4], mask[0, :4] = 0, 0  # the first row is 4 tokens shorter, padded on the left
+    options = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        expected = model.generate(ids, **options)
+        for use_cache in (True, False):
+            assert torch.equal(patched.generate(ids, use_cache=use_cache, **options), expected)

@@ -479,3 +479,9 @@ def test_a_config_class_that_keeps_the_trained_length_under_its_own_name() -> No
     dynamic = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}
     for given in (config, {**config.to_dict(), "rope_parameters": dynamic}):
         assert rope_kwargs_from_config(given)["max_position_embeddings"] == 8
+    dbrx = transformers.AutoConfig.for_model("dbrx", d_model=64, n_heads=4, max_seq_len=32)
+    assert rope_kwargs_from_config(dbrx.to_dict())["max_position_embeddings"] == 32
+    # JetMoE's head_dim is its kv_channels, not hidden_size / heads, and its rotary embedding reads it.
+    jetmoe = transformers.AutoConfig.for_model("jetmoe", hidden_size=64, num_attention_heads=4, kv_channels=32)
+    for given in (jetmoe, jetmoe.to_dict()):
+        assert rope_kwargs_from_config(given)["head_dim"] == 32

@@ -238,4 +238,15 @@ def probe_rotation(
                 break
     if layout is None:
         raise ValueError(f"{name} does not rotate as posenc does: {problem}")
-    return Rotation(name, layout[0], layout[1], unsqueeze_at, unsqueeze_default)
+    # posenc rotates q and k with one cos/sin per token of each: a function that also takes a q shorter than its
+    # cos/sin (MuSE-Glimmer's assistant rotates the last q_len of them) must have been given one by its model.
+    short_q = torch.randn(1, 2, 2, r, generator=generator).to(device)
+    try:
+        with torch.no_grad():
+            function(short_q, k[..., :r], cos, sin)
+    except Exception:
+        return Rotation(name, layout[0], layout[1], unsqueeze_at, unsqueeze_default)
+    raise ValueError(
+        f"{name} rotates a q of fewer tokens than its cos/sin (against the last of them), which posenc's rotation, one "
+        "cos/sin per token of q and of k, does not"
+    )
