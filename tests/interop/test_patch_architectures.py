@@ -67,13 +67,20 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "zaya": dict(num_experts_per_tok=1),
     "minimax_m3_vl_text": dict(layer_types=["minimax_m3_sparse"] * 2, index_head_dim=8),  # with its indexer
     "dory": dict(layer_types=None),  # its rope dict names only the layer types of its own pattern
+    # M-RoPE hybrids: enough layers for an attention one, and a section that fits 8 pairs (a quarter of 64
+    # channels), cycled t, h, w
+    **{
+        model_type: dict(
+            num_hidden_layers=4,
+            head_dim=64,
+            rope_parameters=dict(rope_theta=1e4, partial_rotary_factor=0.25, mrope_section=[3, 3, 2]),
+        )
+        for model_type in ("qwen3_5_text", "qwen3_5_moe_text")
+    },
     # hybrids whose first layers are linear attention or state space: enough layers to reach an attention one
     **{
         model_type: dict(num_hidden_layers=4)
-        for model_type in (
-            *("bailing_hybrid", "granitemoehybrid", "jamba", "lfm3", "qwen3_next", "qwen3_5_text"),
-            *("qwen3_5_moe_text", "qwen4_exp_text"),
-        )
+        for model_type in (*("bailing_hybrid", "granitemoehybrid", "jamba", "lfm3", "qwen3_next", "qwen4_exp_text"),)
     },
     # one rotary embedding per rope_theta, each with a config of its own, and a layer without RoPE (theta 0)
     **{
@@ -90,7 +97,6 @@ SENSITIVE = 1e-3
 # model_type -> why posenc refuses it (a regex of the error).
 REFUSED: dict[str, str] = {
     "nemotron_h": r"one \*RotaryEmbedding class; .* none",
-    **dict.fromkeys(("qwen3_5_text", "qwen3_5_moe_text"), r"multimodal RoPE"),
     **dict.fromkeys(("codegen", "gptj"), r"holds no inv_freq buffer"),
     "deepseek_v4": r"rotates the last qk_rope_head_dim channels",
     "nanochat": r"negative angle",
@@ -136,10 +142,9 @@ def tiny(model_type: str, rope_type: str | None = None) -> Any:
                 key: value for key, value in sizes.items() if hasattr(defaults, key) and not _read_only(defaults, key)
             }
             if rope_type is not None:
+                base = kwargs.get("rope_parameters") or defaults.rope_parameters or {}
                 kept = {
-                    key: defaults.rope_parameters[key]
-                    for key in ("rope_theta", "partial_rotary_factor")
-                    if key in (defaults.rope_parameters or {})
+                    key: base[key] for key in ("rope_theta", "partial_rotary_factor", "mrope_section") if key in base
                 }
                 kwargs.update(
                     max_position_embeddings=8, rope_parameters={"rope_type": rope_type, "factor": 2.0, **kept}

@@ -4,7 +4,8 @@
 A model qualifies when
 
 * its cos/sin come from modules of one ``*RotaryEmbedding`` class holding an ``inv_freq`` buffer (or one
-  ``{layer_type}_inv_freq`` per layer type, for configs with a rope dict per layer type), and
+  ``{layer_type}_inv_freq`` per layer type, for configs with a rope dict per layer type); a vision or audio
+  tower's rotary embedding and rotation are not counted, and stay transformers', and
 * its attention modules rotate by calling module-level functions named ``apply_rotary_pos_emb*`` whose first four
   parameters are (q, k, cos, sin) and which take ``unsqueeze_dim``, as ~170 transformers architectures do.
 
@@ -33,6 +34,7 @@ from posenc.rope.apply import apply_rotary_qk
 from posenc.rope.module import angles_to_cos_sin
 
 ROTATION_PREFIX = "apply_rotary_pos_emb"
+_TOWER = re.compile(r"vision|audio", re.IGNORECASE)  # the encoders of multimodal models, which keep their own RoPE
 # Positions the probe rotates at: below any trained length, so a dynamic / LongRoPE module keeps its state.
 _PROBE_POSITIONS = (0, 1, 2, 3, 5, 8, 12, 15)
 _PROBE_TOLERANCE = 1e-4  # float32 rotation of unit-scale values at positions < 16; a wrong layout is off by ~1
@@ -75,6 +77,16 @@ class ModelRope:
     calls: Mapping[type[nn.Module], tuple[str, ...]]
 
 
+def _common_parent(names: list[str]) -> str:
+    """The longest dotted prefix that the parents of all the module names share ("" for the model itself)."""
+    common: list[str] = []
+    for level in zip(*(name.split(".")[:-1] for name in names), strict=False):
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    return ".".join(common)
+
+
 def innermost(func: Callable[..., Any]) -> types.FunctionType:
     """The function under its functools.wraps decorators."""
     while hasattr(func, "__wrapped__"):
@@ -95,8 +107,12 @@ def rotation_names(cls: type[nn.Module]) -> tuple[str, ...]:
 
 def find_rope_modules(model: nn.Module, model_type: str) -> ModelRope:
     """The rotary embeddings and rotating attention modules of ``model``; ValueError naming what is missing."""
+    # A vision or audio tower's rotary embedding feeds its own rotation (apply_rotary_pos_emb_vision, ...), which
+    # stays transformers': only the text model's RoPE is replaced.
     rotary = tuple(
-        (name, module) for name, module in model.named_modules() if type(module).__name__.endswith("RotaryEmbedding")
+        (name, module)
+        for name, module in model.named_modules()
+        if type(module).__name__.endswith("RotaryEmbedding") and not _TOWER.search(type(module).__name__)
     )
     classes = sorted({type(module).__name__ for _, module in rotary})
     if len(classes) != 1:
@@ -111,9 +127,14 @@ def find_rope_modules(model: nn.Module, model_type: str) -> ModelRope:
             f"its {rotary_cls.__name__} holds no inv_freq buffer (a fixed sin/cos table instead), so posenc cannot "
             "check its frequencies against posenc's; build posenc.RoPE from posenc.interop.rope_from_config(config)"
         )
+    # The attention modules that get these cos/sin: those under the rotary modules' common parent (not a vision
+    # tower's, which may call apply_rotary_pos_emb too, with cos/sin of its own).
+    prefix = _common_parent([name for name, _ in rotary])
     calls: dict[type[nn.Module], tuple[str, ...]] = {}
     attention = []
-    for module in model.modules():
+    for name, module in model.named_modules():
+        if prefix and not (name == prefix or name.startswith(prefix + ".")):
+            continue
         cls = type(module)
         if cls not in calls:
             calls[cls] = rotation_names(cls)

@@ -61,6 +61,7 @@ from posenc.interop.hf import rope_kwargs_from_config, rope_layer_types
 from posenc.rope.apply import apply_rotary, apply_rotary_qk
 from posenc.rope.frequencies import SEQ_LEN_DEPENDENT, float32_blend_rtol
 from posenc.rope.module import RoPE, angles_to_cos_sin
+from posenc.rope.mrope import MRoPE, mrope_cos_sin
 
 # model_type -> (transformers.models.<name>, its rotary embedding class, its attention class).
 _ARCHITECTURES: dict[str, tuple[str, str, str]] = {
@@ -77,22 +78,24 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_ARCHITECTURES)
 # head_dim crashes their unpatched forward, so a saved config asking for one would not load into a working model.
 _WHOLE_HEAD_ATTENTION = frozenset({"gemma", "llama", "mistral", "qwen2", "qwen3"})
 # The model types whose patched tiny models give the unpatched logits, full forward and cached decoding, in
-# tests/interop/test_patch_architectures.py (transformers 5.24; `python scripts/patch_coverage.py` lists them). Others
-# that pass patch_model's checks are patched with a warning.
+# tests/interop/test_patch_architectures.py and test_patch_multimodal.py (transformers 5.24; `python
+# scripts/patch_coverage.py` lists the first). Others that pass patch_model's checks are patched with a warning.
 VERIFIED_ARCHITECTURES: frozenset[str] = frozenset(
     {
         *("afmoe", "apertus", "apertus1p5_text", "arcee", "aria_text", "axk1", "axk2", "bailing_hybrid", "beam"),
-        *("bitnet", "cohere"),
-        *("cohere2", "cohere2_moe", "cwm", "deepseek_v3", "deepseek_v32", "diffllama", "doge", "dory", "dots1"),
-        *("ernie4_5", "ernie4_5_moe", "exaone4", "exaone_moe", "falcon", "flex_olmo", "flint", "gemma", "gemma2"),
-        *("gemma3_text", "glm", "glm4", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "gpt_neox", "gpt_neox_japanese"),
-        *("gpt_oss", "granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoeshared", "helium"),
-        *("hrm_text", "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "hy_v4", "hyperclovax", "jais2", "jetmoe"),
-        *("kolibri1", "laguna", "lara_mini", "lfm2", "lfm3", "llama", "mellum", "mimo_v2_flash", "minicpm3"),
-        *("minimax", "minimax_m2", "ministral", "ministral3", "mistral", "mixtral"),
+        *("bitnet", "cohere", "cohere2", "cohere2_moe", "cwm", "deepseek_v3", "deepseek_v32", "diffllama", "doge"),
+        *("dory", "dots1", "ernie4_5", "ernie4_5_moe", "exaone4", "exaone_moe", "falcon", "flex_olmo", "flint"),
+        *("gemma", "gemma2", "gemma3_text", "glm", "glm4", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "gpt_neox"),
+        *("gpt_neox_japanese", "gpt_oss", "granite", "granite_swa", "granitemoe", "granitemoe_swa"),
+        *("granitemoeshared", "helium", "hrm_text", "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "hy_v4"),
+        *("hyperclovax", "jais2", "jetmoe", "kolibri1", "laguna", "lara_mini", "lfm2", "lfm3", "llama", "mellum"),
+        *("mimo_v2_flash", "minicpm3", "minimax", "minimax_m2", "ministral", "ministral3", "mistral", "mixtral"),
         *("modernbert-decoder", "moshi", "nemotron", "olmo", "olmo2", "olmo3", "olmo_hybrid", "olmoe", "persimmon"),
-        *("phi", "phi3", "phimoe", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen3_next", "seed_oss", "smollm3"),
-        *("solar_open", "stablelm", "starcoder2", "vaultgemma", "youtu", "zaya"),
+        *("phi", "phi3", "phimoe", "qwen2", "qwen2_moe", "qwen3", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe"),
+        *("qwen3_next", "seed_oss", "smollm3", "solar_open", "stablelm", "starcoder2", "vaultgemma", "youtu", "zaya"),
+        # vision-language models, their text model's M-RoPE (tests/interop/test_patch_multimodal.py)
+        *("glm4v", "glm4v_moe", "glm_ocr", "paddleocr_vl", "qwen2_5_omni_thinker", "qwen2_5_vl", "qwen2_vl"),
+        *("qwen3_vl", "qwen3_vl_moe"),
     }
 )
 # inv_freq agreement with a float32 frequency buffer: transformers' float32 pow is off by up to
@@ -218,9 +221,13 @@ class PosencRotaryEmbedding(nn.Module):
         dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         if rope.rope_type in SEQ_LEN_DEPENDENT:
             return rope.cos_sin(position_ids, seq_len=rope.scaling_length(position_ids), dtype=dtype)
-        return angles_to_cos_sin(
-            position_ids, getattr(self, _prefixed(key, "inv_freq")), self.attention_factors[key], dtype
-        )
+        inv_freq = getattr(self, _prefixed(key, "inv_freq"))
+        if isinstance(rope, MRoPE) and position_ids.dim() == 3:  # (3, b, s): temporal, height, width ids
+            return mrope_cos_sin(
+                position_ids, inv_freq, rope.mrope_section, self.attention_factors[key], dtype, layout=rope.mrope_layout
+            )
+        # Text ids (b, s): the same id on every axis, which is plain RoPE whatever the layout.
+        return angles_to_cos_sin(position_ids, inv_freq, self.attention_factors[key], dtype)
 
     def extra_repr(self) -> str:
         ropes = {"": self.rope} if not self.layer_types else dict(self.ropes)
@@ -373,14 +380,9 @@ def _architecture(model: nn.Module) -> ModelRope:
     what = f"this {model_type} model ({type(model).__name__})"
     try:
         layer_types = rope_layer_types(config)
-        kwargs = rope_kwargs_from_config(config, layer_type=layer_types[0] if layer_types else None)
+        rope_kwargs_from_config(config, layer_type=layer_types[0] if layer_types else None)
     except (ValueError, TypeError, KeyError, AttributeError, RuntimeError) as error:  # Gemma 4: per-layer sizes
         raise ValueError(f"posenc cannot patch {what}: {error}") from error
-    if "mrope_section" in kwargs:
-        raise ValueError(
-            f"posenc cannot patch {what}: it has multimodal RoPE (mrope_section), and patch_model replaces text "
-            "models' RoPE; build posenc.MRoPE with posenc.interop.rope_from_config(config) instead"
-        )
     try:
         return find_rope_modules(model, model_type)
     except ValueError as error:
@@ -542,10 +544,11 @@ def patch_model(
 ) -> PatchReport:
     """Replace the RoPE computation (cos/sin and the rotation) of a loaded ``transformers`` model with posenc's.
 
-    model: a text model whose attention rotates with transformers' ``apply_rotary_pos_emb`` convention (Llama,
+    model: a model whose attention rotates with transformers' ``apply_rotary_pos_emb`` convention (Llama,
     Mistral, Mixtral, Qwen2/3 and their MoE variants, Gemma 1-3, Phi, Phi-3 incl. LongRoPE, GPT-NeoX, StableLM,
-    Cohere, GLM, DeepSeek-V3, OLMo, Granite and ~70 more in transformers 5.24; docs/scaling.md lists them; a
-    composite model through its text config), e.g.
+    Cohere, GLM, DeepSeek-V3, OLMo, Granite and ~80 more in transformers 5.24; docs/scaling.md lists them; a
+    composite model through its text config, with the multimodal RoPE of Qwen2-VL, Qwen3-VL, GLM-4V and kin as a
+    ``posenc.MRoPE``, the vision tower left as it is), e.g.
     ``AutoModelForCausalLM.from_pretrained(...)``. What is replaced is found in the model and checked before it is
     touched: one ``*RotaryEmbedding`` class whose frequencies posenc's RoPE for the config reproduces, and the
     attention's rotation functions, each run on random q and k and required to equal posenc's rotation in one pair
@@ -673,7 +676,8 @@ def _ropes_for(
     ropes = {}
     for layer_type in rope_layer_types(config) or ("",):
         kwargs = rope_kwargs_from_config(config, layer_type=layer_type or None)
-        rope = RoPE(kwargs.pop("head_dim"), mode=mode, backend=backend, **kwargs)
+        kind = MRoPE if "mrope_section" in kwargs else RoPE
+        rope = kind(kwargs.pop("head_dim"), mode=mode, backend=backend, **kwargs)
         _require_same_rotation(rope, members, model_type, layer_type)
         if rope.rope_type == "dynamic" and mode == "hf":
             # Continue transformers' dynamic NTK state where the model left it (one per layer type).
