@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from posenc.interop.patch import VERIFIED_ARCHITECTURES, PosencRotaryEmbedding, is_patched, patch_model, unpatch_model
+from posenc.interop.patch import PosencRotaryEmbedding, is_patched, patch_model, unpatch_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -100,7 +100,6 @@ def test_the_text_models_multimodal_rope_is_posencs(model_type: str) -> None:
     model = build(model_type)
     patched = copy.deepcopy(model)
     report = patch_model(patched)
-    assert model_type in VERIFIED_ARCHITECTURES
     language = patched.model.language_model
     assert report.rotary_modules == ("model.language_model.rotary_emb",)
     assert isinstance(language.rotary_emb, PosencRotaryEmbedding)
@@ -140,3 +139,64 @@ def test_an_image_goes_through_the_untouched_vision_tower_and_the_patched_text_m
         torch.testing.assert_close(patched(input_ids=ids, **image).logits, model(input_ids=ids, **image).logits, **FP32)
         options = dict(max_new_tokens=6, do_sample=False, **image)
         assert torch.equal(patched.generate(input_ids=ids, **options), model.generate(input_ids=ids, **options))
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_5_moe_text"])
+def test_a_text_model_with_multimodal_rope_takes_three_axes(model_type: str) -> None:
+    # Qwen3.5's language model on its own: linear attention layers, then one with M-RoPE cycling t, h, w.
+    rope = dict(rope_theta=1e4, partial_rotary_factor=0.25, mrope_section=[3, 3, 2])
+    sizes = {key: value for key, value in TEXT.items() if key != "initializer_range"}
+    config = transformers.AutoConfig.for_model(
+        model_type, **{**sizes, "num_hidden_layers": 4, "head_dim": 64, "rope_parameters": rope}
+    )
+    if hasattr(config, "num_experts"):
+        config.num_experts, config.num_experts_per_tok = 4, 2
+        config.moe_intermediate_size, config.shared_expert_intermediate_size = 32, 64
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    patched = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        patch_model(patched)
+    ids, axes = tokens(), positions()
+    with torch.no_grad():
+        ours = patched.model(input_ids=ids, position_ids=axes).last_hidden_state
+        torch.testing.assert_close(ours, model.model(input_ids=ids, position_ids=axes).last_hidden_state, **FP32)
+        text = patched.model(input_ids=ids, position_ids=torch.arange(12).expand(2, 12)).last_hidden_state
+        assert (text - ours).abs().max() > 1e-2
+
+
+def test_the_probe_checks_how_the_pairs_are_shared_among_the_axes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Were posenc to read Qwen3-VL's interleaved axes as sections, the rotation probe with three differing axes
+    # would see it before anything is replaced.
+    from posenc.interop import hf
+
+    monkeypatch.setitem(hf._MROPE_MODELS, "qwen3_vl_text", ("sections", [24, 20, 20]))
+    model = build("qwen3_vl")
+    with pytest.raises(ValueError, match="apply_rotary_pos_emb does not rotate as posenc does"):
+        patch_model(model)
+    assert not is_patched(model)
+
+
+def test_three_axes_are_refused_by_a_plain_rope() -> None:
+    from posenc.rope.module import RoPE
+
+    rotary = PosencRotaryEmbedding(RoPE(16))
+    with pytest.raises(ValueError, match=r"position_ids of shape \(3, 1, 5\): .* this rotary embedding's is RoPE"):
+        rotary(torch.zeros(1, 5, 64), torch.zeros(3, 1, 5, dtype=torch.long))
+
+
+def test_one_rotary_class_is_the_text_models_whatever_its_name() -> None:
+    # Towers are told apart by name only among several rotary classes: HiggsAudio's text model has one, named
+    # HiggsAudioV2RotaryEmbedding.
+    sizes = {key: value for key, value in TEXT.items() if key != "vocab_size"}
+    config = transformers.AutoConfig.for_model("higgs_audio_v2", **sizes)
+    torch.manual_seed(0)
+    model = transformers.HiggsAudioV2ForConditionalGeneration(config).eval()
+    patched = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert patch_model(patched).rotary_modules == ("model.rotary_emb",)
+    ids = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(patched(input_ids=ids).logits, model(input_ids=ids).logits, **FP32)

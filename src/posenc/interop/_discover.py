@@ -24,7 +24,7 @@ import dataclasses
 import inspect
 import re
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -32,6 +32,7 @@ from torch import nn
 
 from posenc.rope.apply import apply_rotary_qk
 from posenc.rope.module import angles_to_cos_sin
+from posenc.rope.mrope import mrope_cos_sin
 
 ROTATION_PREFIX = "apply_rotary_pos_emb"
 _TOWER = re.compile(r"vision|audio", re.IGNORECASE)  # the encoders of multimodal models, which keep their own RoPE
@@ -107,14 +108,16 @@ def rotation_names(cls: type[nn.Module]) -> tuple[str, ...]:
 
 def find_rope_modules(model: nn.Module, model_type: str) -> ModelRope:
     """The rotary embeddings and rotating attention modules of ``model``; ValueError naming what is missing."""
-    # A vision or audio tower's rotary embedding feeds its own rotation (apply_rotary_pos_emb_vision, ...), which
-    # stays transformers': only the text model's RoPE is replaced.
     rotary = tuple(
-        (name, module)
-        for name, module in model.named_modules()
-        if type(module).__name__.endswith("RotaryEmbedding") and not _TOWER.search(type(module).__name__)
+        (name, module) for name, module in model.named_modules() if type(module).__name__.endswith("RotaryEmbedding")
     )
     classes = sorted({type(module).__name__ for _, module in rotary})
+    if len(classes) > 1:
+        # A vision-language model: its vision (or audio) tower's rotary embedding feeds the tower's own rotation,
+        # which stays transformers'; only the text model's RoPE is replaced. (One class is taken whatever its name:
+        # HiggsAudio's text model has HiggsAudioV2RotaryEmbedding.)
+        rotary = tuple((name, module) for name, module in rotary if not _TOWER.search(type(module).__name__))
+        classes = sorted({type(module).__name__ for _, module in rotary})
     if len(classes) != 1:
         found = f"{len(classes)} ({', '.join(classes)})" if classes else "none"
         raise ValueError(
@@ -198,12 +201,16 @@ def probe_rotation(
     *,
     layer_type: str | None,
     head_dim: int,
+    mrope: tuple[Sequence[int], str] | None = None,
 ) -> Rotation:
     """Run ``function`` (a model's ``apply_rotary_pos_emb*``) with cos/sin from a copy of ``rotary`` and return
     the layout in which it equals posenc's rotation; ValueError saying how it differs otherwise.
 
     The copy is called at positions below 16, and posenc's cos/sin are made from the frequencies and scaling the
-    copy holds after that call: this checks the rotation, not the frequencies (``patch`` compares those).
+    copy holds after that call: this checks the rotation, not the frequencies (``patch`` compares those). mrope:
+    (mrope_section, mrope_layout) of a multimodal RoPE, whose rotary embedding is then called with three axes of
+    ids that differ, and posenc's cos/sin made by ``posenc.rope.mrope.mrope_cos_sin``: so the sharing of the pairs
+    among the axes is checked with the rotation.
     """
     unsqueeze_at, unsqueeze_default = rotation_signature(function, name)
     probe = copy.deepcopy(rotary)
@@ -214,6 +221,8 @@ def probe_rotation(
     device = buffer.device
     limit = int(getattr(probe, "original_max_seq_len", 0) or 16)
     positions = torch.tensor([[min(p, limit - 1) for p in _PROBE_POSITIONS]], device=device)
+    if mrope is not None:  # three axes that differ, so that the layout of the axes is checked too
+        positions = torch.stack((positions, positions.flip(-1), positions // 2))
     x = torch.zeros(1, positions.shape[-1], 1, device=device)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -223,7 +232,13 @@ def probe_rotation(
             raise ValueError(f"{type(rotary).__name__} could not be run to check {name}: {error}") from error
         inv_freq = getattr(probe, f"{suffix}inv_freq").detach().to(torch.float64)
         scaling = float(getattr(probe, f"{suffix}attention_scaling", 1.0))
-        ours_cos, ours_sin = angles_to_cos_sin(positions, inv_freq, scaling, torch.float32)
+        if mrope is None:
+            ours_cos, ours_sin = angles_to_cos_sin(positions, inv_freq, scaling, torch.float32)
+        else:
+            section, layout_of_axes = mrope
+            ours_cos, ours_sin = mrope_cos_sin(
+                positions, inv_freq, section, scaling, torch.float32, layout=layout_of_axes
+            )
         ours_cos, ours_sin = ours_cos.unsqueeze(1), ours_sin.unsqueeze(1)  # (1, 1, s, r/2)
         r = 2 * inv_freq.numel()
         width = {r, head_dim} if head_dim > r else {r}

@@ -222,7 +222,12 @@ class PosencRotaryEmbedding(nn.Module):
         if rope.rope_type in SEQ_LEN_DEPENDENT:
             return rope.cos_sin(position_ids, seq_len=rope.scaling_length(position_ids), dtype=dtype)
         inv_freq = getattr(self, _prefixed(key, "inv_freq"))
-        if isinstance(rope, MRoPE) and position_ids.dim() == 3:  # (3, b, s): temporal, height, width ids
+        if position_ids.dim() == 3:  # (3, b, s): temporal, height, width ids
+            if not isinstance(rope, MRoPE) or position_ids.shape[0] != 3:
+                raise ValueError(
+                    f"position_ids of shape {tuple(position_ids.shape)}: (3, b, s) ids are for multimodal RoPE, and "
+                    f"this rotary embedding's is {type(rope).__name__}"
+                )
             return mrope_cos_sin(
                 position_ids, inv_freq, rope.mrope_section, self.attention_factors[key], dtype, layout=rope.mrope_layout
             )
@@ -710,8 +715,9 @@ def _probe_rotations(
             if id(function) not in probed:
                 try:
                     if runnable:
+                        mrope = (rope.mrope_section, rope.mrope_layout) if isinstance(rope, MRoPE) else None
                         probed[id(function)] = probe_rotation(
-                            name, function, rotary, layer_type=layer_type, head_dim=rope.head_dim
+                            name, function, rotary, layer_type=layer_type, head_dim=rope.head_dim, mrope=mrope
                         )
                     elif found.model_type in _ARCHITECTURES:
                         probed[id(function)] = Rotation(
