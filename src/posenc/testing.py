@@ -31,6 +31,18 @@ REDUCTION_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     torch.float16: (2e-3, 2e-3),
 }
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The sizes of a tiny transformers text model, given to a config class over its defaults (no download): two layers
+# of 4 query and 2 key/value heads of 16 channels; initializer range 0.3, so that attention is peaked enough for
+# the rotation to move the logits by far more than float32 rounding.
+TINY_HF_SIZES: dict[str, int | float] = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    initializer_range=0.3,
+)
 
 
 def assert_close(actual: torch.Tensor, reference: torch.Tensor, *, reduction: bool = False, msg: str = "") -> None:

@@ -15,6 +15,7 @@ from posenc.interop import patch as patch_module
 from posenc.interop._discover import probe_rotation, rotation_signature
 from posenc.interop.patch import PosencRotaryEmbedding, _rotate_qk, is_patched, patch_model, unpatch_model
 from posenc.rope.module import RoPE
+from posenc.testing import TINY_HF_SIZES
 
 transformers = pytest.importorskip("transformers")
 
@@ -129,18 +130,7 @@ def test_unsqueeze_dim_is_found_positionally_and_by_keyword() -> None:
 # --- patch_model on architectures beyond SUPPORTED_ARCHITECTURES ------------------------------------------------
 
 SIZES = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=128,
-    max_position_embeddings=16,
-    initializer_range=0.3,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=None,
+    **TINY_HF_SIZES, vocab_size=128, max_position_embeddings=16, pad_token_id=0, bos_token_id=1, eos_token_id=None
 )
 FP32 = dict(atol=1e-4, rtol=1e-4)
 # DeepSeek-V3 with multi-head latent attention: 8 rope channels per head, one kv head per head.

@@ -21,18 +21,14 @@ import torch
 from posenc.interop._discover import ROTATION_PREFIX, innermost
 from posenc.interop.hf import rope_layer_types
 from posenc.interop.patch import VERIFIED_ARCHITECTURES, is_patched, patch_model
+from posenc.testing import TINY_HF_SIZES
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.auto.configuration_auto import model_type_to_module_name  # noqa: E402
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # noqa: E402
 
 SIZES: dict[str, Any] = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
+    **TINY_HF_SIZES,
     vocab_size=128,
     max_position_embeddings=64,
     # mixtures of experts
@@ -53,7 +49,6 @@ SIZES: dict[str, Any] = dict(
     qk_nope_head_dim=8,
     v_head_dim=16,
     rotary_dim=8,  # GPT-J, CodeGen: in channels
-    initializer_range=0.3,
     pad_token_id=0,
     bos_token_id=1,
     eos_token_id=2,

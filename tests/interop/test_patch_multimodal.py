@@ -17,20 +17,11 @@ import pytest
 import torch
 
 from posenc.interop.patch import PosencRotaryEmbedding, is_patched, patch_model, unpatch_model
+from posenc.testing import TINY_HF_SIZES
 
 transformers = pytest.importorskip("transformers")
 
-TEXT = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=160,
-    max_position_embeddings=64,
-    initializer_range=0.3,
-)
+TEXT = dict(**TINY_HF_SIZES, vocab_size=160, max_position_embeddings=64)
 VISION = dict(
     depth=1,
     hidden_size=64,
