@@ -63,17 +63,11 @@ from posenc.rope.frequencies import SEQ_LEN_DEPENDENT, float32_blend_rtol
 from posenc.rope.module import RoPE, angles_to_cos_sin
 from posenc.rope.mrope import MRoPE, mrope_cos_sin
 
-# model_type -> (transformers.models.<name>, its rotary embedding class, its attention class).
-_ARCHITECTURES: dict[str, tuple[str, str, str]] = {
-    "gemma": ("gemma", "GemmaRotaryEmbedding", "GemmaAttention"),
-    "gpt_neox": ("gpt_neox", "GPTNeoXRotaryEmbedding", "GPTNeoXAttention"),
-    "llama": ("llama", "LlamaRotaryEmbedding", "LlamaAttention"),
-    "mistral": ("mistral", "MistralRotaryEmbedding", "MistralAttention"),
-    "phi3": ("phi3", "Phi3RotaryEmbedding", "Phi3Attention"),
-    "qwen2": ("qwen2", "Qwen2RotaryEmbedding", "Qwen2Attention"),
-    "qwen3": ("qwen3", "Qwen3RotaryEmbedding", "Qwen3Attention"),
-}
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_ARCHITECTURES)
+# The model types whose code reads the rope dict only in the rotary embedding, so that rope_parameters= may change
+# it in place (saved and reloaded with every rope type in tests/interop/test_patch.py), whose attention hands keys
+# to the attention function with the rotated channels first ('consistent' mode), and that tiny_model_from_config
+# builds.
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("gemma", "gpt_neox", "llama", "mistral", "phi3", "qwen2", "qwen3")
 # Architectures whose apply_rotary_pos_emb rotates all head_dim channels (no pass-through part): a rotary dim below
 # head_dim crashes their unpatched forward, so a saved config asking for one would not load into a working model.
 _WHOLE_HEAD_ATTENTION = frozenset({"gemma", "llama", "mistral", "qwen2", "qwen3"})
@@ -588,7 +582,7 @@ def patch_model(
             (group_config, members, _ropes_for(group_config, members, model_type, mode=mode, backend=backend))
             for group_config, members in groups
         ]
-    elif model_type not in _ARCHITECTURES or len(groups) > 1 or rope_layer_types(config):
+    elif model_type not in SUPPORTED_ARCHITECTURES or len(groups) > 1 or rope_layer_types(config):
         # Other architectures may read the rope dict elsewhere when built (DeepSeek-V3's attention takes its softmax
         # scale from YaRN's mscale), so a rewritten config could reload as a different model than the patched one.
         raise ValueError(
@@ -719,7 +713,7 @@ def _probe_rotations(
                         probed[id(function)] = probe_rotation(
                             name, function, rotary, layer_type=layer_type, head_dim=rope.head_dim, mrope=mrope
                         )
-                    elif found.model_type in _ARCHITECTURES:
+                    elif found.model_type in SUPPORTED_ARCHITECTURES:
                         probed[id(function)] = Rotation(
                             name, rope.interleaved, False, *rotation_signature(function, name)
                         )
@@ -750,7 +744,7 @@ def _require_keys_at_read(
     problem = None
     if len(installs) > 1 or "" not in installs[0]:
         problem = "it has more than one rope dict (per layer type, or rotary embeddings with configs of their own)"
-    elif found.model_type not in _ARCHITECTURES:
+    elif found.model_type not in SUPPORTED_ARCHITECTURES:
         problem = (
             f"posenc knows where the rotated channels sit in the keys the attention function gets only for "
             f"{', '.join(SUPPORTED_ARCHITECTURES)}"
@@ -903,7 +897,7 @@ def tiny_model_from_config(
     else:
         raise TypeError(f"config must be a path to a config.json or a dict, got {type(config).__name__}")
     model_type = source.get("model_type")
-    if model_type not in _ARCHITECTURES:
+    if model_type not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"config's model_type {model_type!r} is not supported; supported architectures: "
             f"{', '.join(SUPPORTED_ARCHITECTURES)}"
