@@ -78,6 +78,11 @@ class ModelRope:
     calls: Mapping[type[nn.Module], tuple[str, ...]]
 
 
+def state_name(layer_type: str | None, name: str) -> str:
+    """transformers' name for one layer type's rope state ("sliding_attention_inv_freq"); name itself without one."""
+    return f"{layer_type}_{name}" if layer_type else name
+
+
 def _common_parent(names: list[str]) -> str:
     """The longest dotted prefix that the parents of all the module names share ("" for the model itself)."""
     common: list[str] = []
@@ -214,10 +219,9 @@ def probe_rotation(
     """
     unsqueeze_at, unsqueeze_default = rotation_signature(function, name)
     probe = copy.deepcopy(rotary)
-    suffix = f"{layer_type}_" if layer_type else ""
-    buffer = getattr(probe, f"{suffix}inv_freq", None)
+    buffer = getattr(probe, state_name(layer_type, "inv_freq"), None)
     if not isinstance(buffer, torch.Tensor) or buffer.is_meta:
-        raise ValueError(f"{type(rotary).__name__} holds no {suffix}inv_freq to run {name} with")
+        raise ValueError(f"{type(rotary).__name__} holds no {state_name(layer_type, 'inv_freq')} to run {name} with")
     device = buffer.device
     limit = int(getattr(probe, "original_max_seq_len", 0) or 16)
     positions = torch.tensor([[min(p, limit - 1) for p in _PROBE_POSITIONS]], device=device)
@@ -230,8 +234,8 @@ def probe_rotation(
             cos, sin = probe(x, positions, layer_type) if layer_type else probe(x, positions)
         except Exception as error:  # a rotary module that needs more than (x, position_ids): cannot be checked
             raise ValueError(f"{type(rotary).__name__} could not be run to check {name}: {error}") from error
-        inv_freq = getattr(probe, f"{suffix}inv_freq").detach().to(torch.float64)
-        scaling = float(getattr(probe, f"{suffix}attention_scaling", 1.0))
+        inv_freq = getattr(probe, state_name(layer_type, "inv_freq")).detach().to(torch.float64)
+        scaling = float(getattr(probe, state_name(layer_type, "attention_scaling"), 1.0))
         if mrope is None:
             ours_cos, ours_sin = angles_to_cos_sin(positions, inv_freq, scaling, torch.float32)
         else:

@@ -56,6 +56,7 @@ from posenc.interop._discover import (
     innermost,
     probe_rotation,
     rotation_signature,
+    state_name,
 )
 from posenc.interop.hf import rope_kwargs_from_config, rope_layer_types
 from posenc.rope.apply import apply_rotary, apply_rotary_qk
@@ -182,7 +183,7 @@ class PosencRotaryEmbedding(nn.Module):
         self.attention_factors: dict[str, float] = {}
         for layer_type, each in ropes.items():
             inv_freq, attention_factor = each.frequencies()
-            self.register_buffer(_prefixed(layer_type, "inv_freq"), inv_freq.to(torch.float64), persistent=False)
+            self.register_buffer(state_name(layer_type, "inv_freq"), inv_freq.to(torch.float64), persistent=False)
             self.attention_factors[layer_type] = float(attention_factor)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> PosencRotaryEmbedding:
@@ -215,7 +216,7 @@ class PosencRotaryEmbedding(nn.Module):
         dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         if rope.rope_type in SEQ_LEN_DEPENDENT:
             return rope.cos_sin(position_ids, seq_len=rope.scaling_length(position_ids), dtype=dtype)
-        inv_freq = getattr(self, _prefixed(key, "inv_freq"))
+        inv_freq = getattr(self, state_name(key, "inv_freq"))
         if position_ids.dim() == 3:  # (3, b, s): temporal, height, width ids
             if not isinstance(rope, MRoPE) or position_ids.shape[0] != 3:
                 raise ValueError(
@@ -234,11 +235,6 @@ class PosencRotaryEmbedding(nn.Module):
             f"{key + ': ' if key else ''}rope_type={rope.rope_type!r}, rotary_dim={rope.rotary_dim}, mode={rope.mode!r}"
             for key, rope in ropes.items()
         )
-
-
-def _prefixed(layer_type: str | None, name: str) -> str:
-    """transformers' buffer name for one layer type's rope state ("sliding_attention_inv_freq")."""
-    return f"{layer_type}_{name}" if layer_type else name
 
 
 def _rotate_qk(
@@ -427,14 +423,14 @@ def _require_same_rotation(
     """
     ours, factor = rope.frequencies()
     for name, module in rotary:
-        theirs = getattr(module, _prefixed(layer_type, "original_inv_freq"), None)
+        theirs = getattr(module, state_name(layer_type, "original_inv_freq"), None)
         if not isinstance(theirs, torch.Tensor):
-            theirs = getattr(module, _prefixed(layer_type, "inv_freq"), None)
-        scaling = getattr(module, _prefixed(layer_type, "attention_scaling"), None)
+            theirs = getattr(module, state_name(layer_type, "inv_freq"), None)
+        scaling = getattr(module, state_name(layer_type, "attention_scaling"), None)
         if not isinstance(theirs, torch.Tensor) or not isinstance(scaling, (int, float, torch.Tensor)):
             raise ValueError(
                 f"posenc cannot patch this {architecture} model: its {type(module).__name__} ({name}) has no "
-                f"{_prefixed(layer_type, 'inv_freq')} or {_prefixed(layer_type, 'attention_scaling')} to check "
+                f"{state_name(layer_type, 'inv_freq')} or {state_name(layer_type, 'attention_scaling')} to check "
                 "posenc's RoPE against"
             )
         if theirs.is_meta:  # not materialised yet: nothing to compare
@@ -681,7 +677,7 @@ def _ropes_for(
         if rope.rope_type == "dynamic" and mode == "hf":
             # Continue transformers' dynamic NTK state where the model left it (one per layer type).
             rope.hf_scaled_len = max(
-                int(getattr(module, _prefixed(layer_type, "max_seq_len_cached"), module.max_seq_len_cached))
+                int(getattr(module, state_name(layer_type, "max_seq_len_cached"), module.max_seq_len_cached))
                 for _, module in members
             )
         ropes[layer_type] = rope
@@ -697,7 +693,7 @@ def _probe_rotations(
     A rotary module that is not materialised (meta) cannot be run: the architectures posenc knows take their
     layout from the config then; any other is refused.
     """
-    buffer = getattr(rotary, _prefixed(layer_type, "inv_freq"), None)
+    buffer = getattr(rotary, state_name(layer_type, "inv_freq"), None)
     runnable = not (isinstance(buffer, torch.Tensor) and buffer.is_meta)
     probed: dict[int, Rotation] = {}
     rotations = {}
