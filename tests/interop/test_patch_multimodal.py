@@ -45,6 +45,7 @@ MODELS = {
     "glm_ocr": [2, 3, 3],
     "paddleocr_vl": [2, 3, 3],
     "qwen2_5_omni_thinker": [2, 3, 3],
+    "ernie4_5_vl_moe": [3, 3, 2],  # h, w alternating, then t; its inv_freq buffer holds them in another order
 }
 FP32 = dict(atol=1e-4, rtol=1e-4)
 

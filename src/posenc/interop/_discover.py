@@ -199,6 +199,20 @@ def rotation_signature(function: Callable[..., Any], name: str) -> tuple[int, in
     return at - 4, 1 if default is inspect.Parameter.empty else int(default)
 
 
+def buffer_order(pairs: int, mrope: tuple[Sequence[int], str] | None = None) -> torch.Tensor:
+    """(pairs,) int64: the order in which a transformers rotary embedding keeps the frequencies of its pairs in its
+    ``inv_freq`` buffer; mrope: (mrope_section, mrope_layout) of a multimodal RoPE.
+
+    Pair order everywhere but ERNIE-4.5-VL's alternating M-RoPE, whose buffer holds the h/w pairs' frequencies
+    evens first, then odds, then t's, so that a split by its sections gives each axis its pairs (its
+    ``recomposition_frequencies`` interleaves h and w again, which is the pair order)."""
+    order = torch.arange(pairs)
+    if mrope is None or mrope[1] != "alternating":
+        return order
+    spatial = mrope[0][0] + mrope[0][1]
+    return torch.cat((order[:spatial:2], order[1:spatial:2], order[spatial:]))
+
+
 def probe_rotation(
     name: str,
     function: Callable[..., Any],
@@ -235,6 +249,7 @@ def probe_rotation(
         except Exception as error:  # a rotary module that needs more than (x, position_ids): cannot be checked
             raise ValueError(f"{type(rotary).__name__} could not be run to check {name}: {error}") from error
         inv_freq = getattr(probe, state_name(layer_type, "inv_freq")).detach().to(torch.float64)
+        inv_freq = inv_freq[torch.argsort(buffer_order(inv_freq.numel(), mrope)).to(device)]  # in pair order
         scaling = float(getattr(probe, state_name(layer_type, "attention_scaling"), 1.0))
         if mrope is None:
             ours_cos, ours_sin = angles_to_cos_sin(positions, inv_freq, scaling, torch.float32)

@@ -52,6 +52,7 @@ from torch import nn
 from posenc.interop._discover import (
     ModelRope,
     Rotation,
+    buffer_order,
     find_rope_modules,
     innermost,
     probe_rotation,
@@ -89,8 +90,8 @@ VERIFIED_ARCHITECTURES: frozenset[str] = frozenset(
         *("phi", "phi3", "phimoe", "qwen2", "qwen2_moe", "qwen3", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe"),
         *("qwen3_next", "seed_oss", "smollm3", "solar_open", "stablelm", "starcoder2", "vaultgemma", "youtu", "zaya"),
         # vision-language models, their text model's M-RoPE (tests/interop/test_patch_multimodal.py)
-        *("glm4v", "glm4v_moe", "glm_ocr", "paddleocr_vl", "qwen2_5_omni_thinker", "qwen2_5_vl", "qwen2_vl"),
-        *("qwen3_vl", "qwen3_vl_moe"),
+        *("ernie4_5_vl_moe", "glm4v", "glm4v_moe", "glm_ocr", "paddleocr_vl", "qwen2_5_omni_thinker", "qwen2_5_vl"),
+        *("qwen2_vl", "qwen3_vl", "qwen3_vl_moe"),
     }
 )
 # inv_freq agreement with a float32 frequency buffer: transformers' float32 pow is off by up to
@@ -422,6 +423,8 @@ def _require_same_rotation(
     ``original_inv_freq`` is.
     """
     ours, factor = rope.frequencies()
+    mrope = (rope.mrope_section, rope.mrope_layout) if isinstance(rope, MRoPE) else None
+    ours = ours[buffer_order(ours.numel(), mrope)]
     for name, module in rotary:
         theirs = getattr(module, state_name(layer_type, "original_inv_freq"), None)
         if not isinstance(theirs, torch.Tensor):
