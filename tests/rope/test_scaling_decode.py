@@ -130,3 +130,31 @@ def test_hf_dynamic_state_grows_and_resets_like_transformers() -> None:
         torch.testing.assert_close(rotated[0, 0, :, :half], hf_cos[0, :, :half].double(), rtol=0.0, atol=1e-5)
         torch.testing.assert_close(rotated[0, 0, :, half:], hf_sin[0, :, :half].double(), rtol=0.0, atol=1e-5)
         assert rope.hf_scaled_len == int(hf_rotary.max_seq_len_cached), length
+
+
+def test_frequencies_are_computed_once_per_recent_length_and_handed_out_as_copies(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import posenc.rope.module as module
+
+    rope = RoPE(HEAD_DIM, rope_parameters=TYPES["dynamic"], max_position_embeddings=MAX_POS)
+    computed: list[int | None] = []
+    compute = module.compute_frequencies
+
+    def counting(spec: Any, *, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
+        computed.append(seq_len)
+        return compute(spec, seq_len=seq_len)
+
+    monkeypatch.setattr(module, "compute_frequencies", counting)
+    first, _ = rope.frequencies(40)
+    first.zero_()  # a caller writing to its copy changes nothing kept
+    again, _ = rope.frequencies(40)
+    torch.testing.assert_close(again, compute(rope.spec, seq_len=40)[0], rtol=0, atol=0)
+    assert not torch.equal(rope.frequencies(41)[0], again)  # another length, other frequencies
+    assert computed == [40, 41]
+    for length in range(42, 60):  # only the last few lengths are kept
+        rope.frequencies(length)
+    rope.frequencies(40)
+    assert computed[-1] == 40 and len(computed) == 21
+    with pytest.raises(ValueError, match="seq_len must be a positive integer"):
+        rope.frequencies(0)

@@ -37,6 +37,8 @@ Layout = Literal["bhsd", "bshd"]
 
 # Beyond this many positions the table would cost more than computing angles for the positions asked for.
 _TABLE_LIMIT = 1 << 16
+# Lengths whose frequencies a RoPE keeps (see RoPE.frequencies).
+_FREQUENCIES_KEPT = 8
 
 
 def angles_to_cos_sin(
@@ -158,6 +160,7 @@ class RoPE(nn.Module):
         # Plain attributes, not buffers: derived from the config, rebuilt per device on first use, so the
         # module is safe to create on the meta device and never goes stale after .to().
         self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._frequencies: dict[int | None, tuple[torch.Tensor, float]] = {}
 
     @classmethod
     def from_model_dims(cls, *, dim: int, num_heads: int, head_dim: int, max_positions: int, **options: Any) -> RoPE:
@@ -182,7 +185,20 @@ class RoPE(nn.Module):
 
     def frequencies(self, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
         """Returns (inv_freq (r/2,) float64 on the CPU, attention_factor) for a sequence of ``seq_len``."""
-        return compute_frequencies(self.spec, seq_len=seq_len)
+        if torch.compiler.is_compiling():  # constants of the graph being traced: no state to mutate
+            return compute_frequencies(self.spec, seq_len=seq_len)
+        # Every layer sharing this RoPE asks for the same length in one step, and a 'consistent' cache asks three
+        # times (the keys' check, k, q): the last few lengths are kept (37-150 us each, float64 on the host).
+        key = seq_len if self.spec.rope_type in SEQ_LEN_DEPENDENT else None
+        if seq_len is not None:
+            sequence_length("seq_len", seq_len)
+        found = self._frequencies.get(key)
+        if found is None:
+            found = compute_frequencies(self.spec, seq_len=key)
+            if len(self._frequencies) >= _FREQUENCIES_KEPT:
+                del self._frequencies[next(iter(self._frequencies))]
+            self._frequencies[key] = found
+        return found[0].clone(), found[1]  # a copy: callers may write to it
 
     @property
     def rotates_cached_keys(self) -> bool:
