@@ -81,7 +81,9 @@ def _add_figure_options(p: argparse.ArgumentParser) -> None:
         type=int,
         help="training context L (default: the scaling's original_max_position_embeddings when given, else 2048)",
     )
-    g.add_argument("--eval-len", type=int, help="extended context (default 4 * train-len)")
+    g.add_argument(
+        "--eval-len", type=int, help="extended context (default: the scaling factor times train-len, else 4x)"
+    )
     g.add_argument("--num-heads", type=int, help="heads for the bias matrices (default 8)")
     g.add_argument(
         "--interleaved",
@@ -115,9 +117,8 @@ def _figure_config(args: argparse.Namespace, run_dir: str | None = None):  # -> 
             )
         params["factor"] = args.factor
     if args.config is not None:
-        given = [f"--{k.replace('_', '-')}" for k, v in flags.items() if v is not None] + (
-            ["--rope-param"] * bool(params)
-        )
+        given = [f"--{k.replace('_', '-')}" for k, v in flags.items() if v is not None]
+        given += ["--factor"] * (args.factor is not None) + ["--rope-param"] * bool(args.rope_param)
         if given:
             raise ValueError(f"--config already says what to draw; drop {', '.join(sorted(set(given)))}")
         return FigureConfig.from_json(args.config)

@@ -50,6 +50,8 @@ def test_plot_bad_input(tmp_path, capsys, make_run):
     config.write_text("{}")
     assert main(["plot", "--out", str(tmp_path), "--config", str(config), "--base", "500"]) == 2
     assert "--config already says what to draw; drop --base" in capsys.readouterr().err
+    assert main(["plot", "--out", str(tmp_path), "--config", str(config), "--factor", "2"]) == 2
+    assert "--config already says what to draw; drop --factor" in capsys.readouterr().err
     assert main(["plot", "attention_entropy", "--out", str(tmp_path), "--run", str(tmp_path)]) == 2
     assert "has no results.csv" in capsys.readouterr().err
     run = make_run(tmp_path / "run", entropy=False, lab_png=False)

@@ -27,12 +27,14 @@ def test_defaults():
 def test_from_flags():
     config = FigureConfig.from_flags(rope_type="yarn", base=500000.0, rope_parameters={"factor": 8.0}, train_len=512)
     assert config.rope_type == "yarn" and config.base == 500000.0 and config.spec.params["factor"] == 8.0
-    assert config.eval_len == 2048
+    assert config.eval_len == 8 * 512  # the length the factor extends to
+    assert FigureConfig.from_flags(rope_type="yarn", rope_parameters={"factor": 1.5}, train_len=512).eval_len == 768
+    assert FigureConfig.from_flags(train_len=512).eval_len == 4 * 512  # no factor: 4x
     with pytest.raises(ValueError, match="rope_type is given twice"):
         FigureConfig.from_flags(rope_type="yarn", rope_parameters={"rope_type": "linear"})
 
 
-@pytest.mark.parametrize("rope_type", ["llama3", "longrope", "yarn", "linear"])
+@pytest.mark.parametrize("rope_type", ["llama3", "longrope", "yarn", "linear", "proportional"])
 def test_a_type_named_alone_is_drawn_with_the_example_parameters(rope_type):
     # `posenc plot --rope-type llama3` was an error asking for factor, low_freq_factor and high_freq_factor.
     config = FigureConfig.from_flags(rope_type=rope_type, train_len=512, head_dim=32)
@@ -40,6 +42,14 @@ def test_a_type_named_alone_is_drawn_with_the_example_parameters(rope_type):
     assert {k: config.rope_parameters[k] for k in expected} == expected
     given = FigureConfig.from_flags(rope_type=rope_type, rope_parameters={"factor": 8.0, "rope_theta": 5e5})
     assert given.base == 5e5 and given.rope_parameters.get("factor", 8.0) == 8.0  # what is given wins
+
+
+def test_proportional_named_alone_turns_a_quarter_of_the_pairs_and_keeps_a_given_fraction():
+    # Its one parameter is optional, so the type named alone was drawn as plain RoPE.
+    alone = FigureConfig.from_flags(rope_type="proportional", head_dim=64)
+    assert int((RoPE(64, **alone.rope_kwargs()).frequencies()[0] > 0).sum()) == 8
+    given = FigureConfig.from_flags(rope_type="proportional", rope_parameters={"partial_rotary_factor": 0.5})
+    assert given.rope_parameters["partial_rotary_factor"] == 0.5
 
 
 def test_hugging_face_config(tmp_path):

@@ -114,7 +114,7 @@ def test_frequency_figures_keep_proportional_and_partial_rotation_apart():
     assert [line.get_label() for line in decay.get_lines()][:3] == [f"default, base={b}" for b in (500, 10000, 500000)]
     assert decay.get_lines()[0].get_ydata()[0] > 15  # distance 1 on 32 pairs, not on 8: near 32 * ... / 32 = 16
     title = render("wavelengths", FigureInputs(config=config)).axes[0].get_title()
-    assert "11 of 32 turn less than once within L; scaled, 24 within 8192 (24 never turn)" in title
+    assert "11 of 32 turn less than once within L;\nscaled, 24 turn less than once within 8192 (24 never turn)" in title
 
 
 def test_bias_figure_shows_the_extreme_alibi_heads_and_is_reproducible():
@@ -171,7 +171,7 @@ def test_the_wavelength_count_says_what_training_saw_and_what_the_extension_keep
         rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}
     )
     title = render("wavelengths", FigureInputs(config=config)).axes[0].get_title()
-    assert "11 of 32 turn less than once within L; scaled, 11 within 8192\n" in title
+    assert "11 of 32 turn less than once within L;\nscaled, 11 turn less than once within 8192\n" in title
 
 
 def test_mrope_figure_draws_each_layouts_axes():

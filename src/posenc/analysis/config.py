@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,8 @@ class FigureConfig:
     head_dim: d per attention head; rope_parameters: Hugging Face-style dict (``rope_type``, ``rope_theta``,
     ``factor``, ...); train_len: the training context L (passed to RoPE as ``max_position_embeddings``; default
     the scaling's ``original_max_position_embeddings``, which it must equal when both are given, else 2048);
-    eval_len: the longer context an extension is evaluated at (default 4 * train_len; length-dependent types
+    eval_len: the longer context an extension is evaluated at (default: rope_parameters' ``factor`` times train_len
+    when it is above 1, the length the scaling extends to, else 4 * train_len; length-dependent types
     scale for it);
     num_heads: h, for the ALiBi / T5 bias matrices and the random model;
     interleaved: adjacent pairs (RoFormer, GPT-J, DeepSeek) rather than split halves, which decides the channels
@@ -69,8 +71,10 @@ class FigureConfig:
         positive_int("train_len", self.train_len)
         if self.train_len < 2:
             raise ValueError("train_len must be >= 2: the extensions drawn scale from it (LongRoPE divides by its log)")
-        if self.eval_len is None:
-            object.__setattr__(self, "eval_len", 4 * self.train_len)
+        if self.eval_len is None:  # the length the scaling extends to, else 4x
+            factor = self.rope_parameters.get("factor")
+            extends = isinstance(factor, (int, float)) and not isinstance(factor, bool) and 1 < factor < math.inf
+            object.__setattr__(self, "eval_len", math.ceil(factor * self.train_len) if extends else 4 * self.train_len)
         positive_int("eval_len", self.eval_len)
         if self.eval_len < self.train_len:
             raise ValueError(
@@ -184,17 +188,20 @@ class FigureConfig:
             rope.setdefault("rope_type", "default")
         rope.setdefault("rope_theta", 10000.0)
         kind = pop_rope_type(dict(rope))
-        if kind in EXAMPLE_ROPE_PARAMETERS and not REQUIRED_KEYS.get(kind, frozenset()) <= rope.keys():
-            # A type named without its required parameters (`posenc plot --rope-type llama3`) is drawn with the
-            # figures' example ones for what is missing, the factor given or 4; a complete set is left as given.
+        if kind in EXAMPLE_ROPE_PARAMETERS:
+            # A type named without its required parameters (`posenc plot --rope-type llama3`), or with none of its
+            # own (`--rope-type proportional`, whose only one is optional), is drawn with the figures' example ones
+            # for what is missing, the factor given or 4; a complete set is left as given.
             d = cls.head_dim if head_dim is None else head_dim
             rotary = d if kind == "proportional" else int(d * rope.get("partial_rotary_factor", 1.0)) // 2 * 2
             length = rope.get("original_max_position_embeddings", DEFAULT_TRAIN_LEN) if train_len is None else train_len
             example = example_rope_parameters(
                 kind, rotary_dim=rotary, train_len=length, factor=rope.get("factor") or 4.0
             )
-            for key, value in example.items():
-                rope.setdefault(key, value)
+            missing = not REQUIRED_KEYS.get(kind, frozenset()) <= rope.keys()
+            if missing or (example and not example.keys() & rope.keys()):
+                for key, value in example.items():
+                    rope.setdefault(key, value)
         given = {
             "head_dim": head_dim,
             "train_len": train_len,

@@ -1,4 +1,4 @@
-"""The eight figures of ``posenc plot``, each drawn from the analysis functions and so from the real modules.
+"""The nine figures of ``posenc plot``, each drawn from the analysis functions and so from the real modules.
 
 Figures are ``matplotlib.figure.Figure`` objects made directly, never through pyplot: no backend is selected, no
 global state changes and no window opens, and PNG/SVG come from matplotlib's Agg/SVG canvases. matplotlib is
@@ -95,7 +95,7 @@ def _config_label(config: FigureConfig, *, full: bool = False) -> str:
 
 
 def _length_note(config: FigureConfig) -> str:
-    """', frequencies at L=8192' for types whose frequencies depend on the length, else ''."""
+    """', frequencies at length 8192' for types whose frequencies depend on the length, else ''."""
     return f", frequencies at length {config.eval_len}" if config.rope_type in SEQ_LEN_DEPENDENT else ""
 
 
@@ -134,6 +134,8 @@ def phase_difference(inputs: FigureInputs) -> Figure:
     left, right = fig.subplots(1, 2, width_ratios=[1, 1.4])
     circle = torch.linspace(0, 2 * math.pi, 200)
     left.plot(circle.cos(), circle.sin(), color="0.85", lw=1)
+    # YaRN and LongRoPE scale cos/sin by their attention factor: the vectors grow past the unit circle with it.
+    reach = 1.4 * max(1.0, float(torch.cat((rq, rk)).norm(dim=-1).max()))
     for (iq, ik), style, (mm, nn) in (((0, 1), "-", (5, 2)), ((2, 3), "--", (9, 6))):
         for row, color, name, pos in ((rq[iq], "C0", "q", mm), (rk[ik], "C3", "k", nn)):
             left.annotate(
@@ -144,8 +146,8 @@ def phase_difference(inputs: FigureInputs) -> Figure:
             )
             left.text(1.12 * float(row[0]), 1.12 * float(row[1]), f"{name} at {pos}", color=color, ha="center")
     left.set_aspect("equal")
-    left.set_xlim(-1.4, 1.4)
-    left.set_ylim(-1.4, 1.4)
+    left.set_xlim(-reach, reach)
+    left.set_ylim(-reach, reach)
     left.set_xlabel(f"channel {a}")
     left.set_ylabel(f"channel {b}")
     # The angle from k to q: the unrotated pair's own angle, turned by (m - n)θ = 3θ; the same for both (m, n).
@@ -166,11 +168,14 @@ def phase_difference(inputs: FigureInputs) -> Figure:
     z = complex(float(rq[0, 0]), float(rq[0, 1])) * complex(float(rk[1, 0]), -float(rk[1, 1]))
     z *= complex(math.cos(-3 * theta), math.sin(-3 * theta))
     curve = [(z * complex(math.cos(g), math.sin(g))).real for g in grid.tolist()]
-    right.plot(grid, curve, color="C1", lw=1, label="Re[q k* e^{i(m-n)θ}]")
+    right.plot(grid, curve, color="C1", lw=1, label=r"$\mathrm{Re}[q\,\bar{k}\,e^{i(m-n)\theta}]$")
     right.set_xlabel("(m - n) θ mod 2π  [rad]")
     right.set_ylabel("score of the pair (dot product)")
     right.set_title(f"the score depends on m - n only (θ_{pair} = {theta:.3g} rad / position)")
-    right.legend(loc="lower left", fontsize=8)
+    # Room above the curve for the legend, which would otherwise cover its low end.
+    low, high = min(curve), max(curve)
+    right.set_ylim(low - 0.08 * (high - low), high + 0.45 * (high - low))
+    right.legend(loc="upper center", fontsize=8)
     fig.suptitle(f"RoPE phase difference ({_config_label(config, full=True)})")
     return fig
 
@@ -321,7 +326,7 @@ def decay_curves(inputs: FigureInputs) -> Figure:
     ax.axvline(config.train_len, color="0.5", ls=":", label=f"training length L={config.train_len}")
     ax.set_xscale("log")
     ax.set_xlabel("relative distance |m - n|  [positions]")
-    ax.set_ylabel("bound: (2/r) Σ_j |Σ_{i<j} e^{i(m-n)θ_i}|  (× attention factor²)")
+    ax.set_ylabel(r"bound: $(2/r)\,\sum_j\,|\sum_{i<j} e^{i(m-n)\theta_i}|$  (× attention factor²)")
     ax.set_title(f"Long-term decay (Su et al. §3.4.3), d={config.head_dim}{_length_note(config)}")
     ax.legend(fontsize=8)
     return fig
@@ -358,7 +363,9 @@ def wavelength_bars(inputs: FigureInputs) -> Figure:
     if result.rope_type != "default":
         extended = int((result.wavelength > config.eval_len).sum())
         still = int(torch.isinf(result.wavelength).sum())
-        counts += f"; scaled, {extended} within {config.eval_len}" + (f" ({still} never turn)" if still else "")
+        counts += f";\nscaled, {extended} turn less than once within {config.eval_len}" + (
+            f" ({still} never turn)" if still else ""
+        )
     ax.set_xlabel("frequency pair i")
     ax.set_ylabel("wavelength 2π/θ_i  [positions]")
     label = _config_label(config, full=True) if result.rope_type != "default" else plain
@@ -401,8 +408,9 @@ def scaled_frequencies(inputs: FigureInputs) -> Figure:
     right.set_xlabel("frequency pair i")
     right.set_ylabel("θ_i / θ_i(default)")
     right.set_title("ratio to default (1 = pair left alone)", fontsize=10)
+    rotary = f", r={config.spec.rotary_dim}" if config.spec.rotary_dim != config.head_dim else ""
     fig.suptitle(
-        f"RoPE scaling types: d={config.head_dim}, base={config.base:g}, L={table.train_len}, "
+        f"RoPE scaling types: d={config.head_dim}{rotary}, base={config.base:g}, L={table.train_len}, "
         f"factor={_factor(config):g}, frequencies for a sequence of {table.seq_len}"
     )
     return fig
@@ -472,6 +480,9 @@ def random_model_entropy(
     return results
 
 
+_MARKERS, _DASHES = ("o", "s", "^", "D", "v"), ("-", "--", "-.", ":")
+
+
 def entropy_curves(inputs: FigureInputs) -> Figure:
     """Mean attention entropy against length, per encoding (from a run, or a small random model)."""
     config = inputs.config
@@ -485,8 +496,10 @@ def entropy_curves(inputs: FigureInputs) -> Figure:
     longest = 1
     for index, (name, result) in enumerate(results.items()):
         mean = result.entropy.mean(dim=(1, 2))
-        # Past matplotlib's 10 colours the cycle repeats: tell those curves apart by their line.
-        ax.plot(result.lengths, mean, "o-" if index < 10 else "s--", ms=3, label=name)
+        # Curves can coincide (at initialisation RoPE, NoPE and sinusoidal attend alike) and past matplotlib's 10
+        # colours the cycle repeats: markers, sizes and dashes differ per curve, so each stays visible.
+        marker, dashes = _MARKERS[index % len(_MARKERS)], _DASHES[index % len(_DASHES)]
+        ax.plot(result.lengths, mean, marker=marker, ls=dashes, ms=9 - 1.5 * (index % 4), mfc="none", label=name)
         longest = max(longest, int(result.lengths.max()))
     shortest = min(int(r.lengths.min()) for r in results.values())
     grid = torch.arange(shortest, longest + 1, dtype=torch.float64)
