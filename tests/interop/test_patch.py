@@ -410,6 +410,33 @@ def test_compiles_without_graph_breaks(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.testing.assert_close(compiled, eager, **FP32)
 
 
+@pytest.mark.parametrize("mode", ["hf", "consistent"])
+def test_length_dependent_types_compile_as_the_unpatched_model_does(mode: str) -> None:
+    """Dynamic NTK and LongRoPE read the call's length on the host: transformers breaks the graph there, and so
+    does posenc now (a ValueError asking for seq_len=, which the model cannot pass, before). A prompt below the
+    trained length, then a cached step past it, compiled, against the unpatched model ('hf') or the patched one
+    uncompiled ('consistent')."""
+    model = build("llama", "dynamic")  # LongRoPE takes the same path (tests/rope/test_module_compile_checks.py)
+    if mode == "consistent":  # against itself uncompiled: it equals no transformers decoding (see its tests)
+        patch_model(model, mode=mode)
+    patched = copy.deepcopy(model)
+    if mode == "hf":
+        patch_model(patched, mode=mode)
+    ids = tokens(length=TRAINED + 4)
+    prompt, step = ids[:, : TRAINED - 4], ids[:, TRAINED - 4 :]
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            compiled = torch.compile(patched, backend="eager")
+            ours = compiled(prompt, use_cache=True)
+            ours = compiled(step, past_key_values=ours.past_key_values).logits
+    finally:
+        torch._dynamo.reset()
+    with torch.no_grad():
+        theirs = model(step, past_key_values=model(prompt, use_cache=True).past_key_values).logits
+    torch.testing.assert_close(ours, theirs, **FP32)
+
+
 def test_report_describes_the_patch() -> None:
     model = build("gpt_neox")
     report = patch_model(model, backend="torch")

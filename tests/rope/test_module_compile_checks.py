@@ -167,3 +167,24 @@ def test_seq_len_is_checked_alike_by_every_type(rope_type, bad):
             call()
         assert str(raised.value) == message
     assert all(torch.isfinite(t).all() for t in rope(q, k, seq_len=7))
+
+
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_a_length_dependent_rope_compiles_with_a_graph_break_where_the_length_is_read(rope_type):
+    """Without fullgraph, the length is read outside the graph (where transformers' dynamic_rope_update breaks it
+    too), so a model with dynamic NTK or LongRoPE compiles; it used to raise, asking for a seq_len= that
+    CausalSelfAttention and a patched transformers model cannot pass."""
+    rope = make_rope(rope_type)
+    attention = posenc.CausalSelfAttention(4 * HEAD_DIM, 4, num_kv_heads=2, encoding=rope)
+    compiled = torch.compile(attention, backend="aot_eager")
+    for length in (5, 3 * MAX_POS // 2):  # below and past the trained length: other frequencies
+        x = torch.randn(2, length, 4 * HEAD_DIM, generator=torch.Generator().manual_seed(length))
+        torch.testing.assert_close(compiled(x), attention(x), rtol=1e-5, atol=1e-5)
+    mrope = posenc.MRoPE(
+        HEAD_DIM, mrope_section=[2, 3, 3], rope_parameters=PARAMS[rope_type], max_position_embeddings=MAX_POS
+    )
+    q, k = random_qk(1, 2, 1, 6, HEAD_DIM)
+    axes = torch.stack((torch.arange(6), torch.arange(6) // 2, torch.arange(6) % 2))[:, None] + 2 * MAX_POS
+    compiled_mrope = torch.compile(mrope, backend="aot_eager")
+    for got, want in zip(compiled_mrope(q, k, positions=axes), mrope(q, k, positions=axes), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

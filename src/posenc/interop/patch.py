@@ -216,7 +216,7 @@ class PosencRotaryEmbedding(nn.Module):
             raise ValueError(f"layer_type must be one of {list(self.layer_types)}, got {layer_type!r}")
         dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         if rope.rope_type in SEQ_LEN_DEPENDENT:
-            return rope.cos_sin(position_ids, seq_len=rope.scaling_length(position_ids), dtype=dtype)
+            return rope.call_cos_sin(position_ids, dtype=dtype)
         inv_freq = getattr(self, state_name(key, "inv_freq"))
         if position_ids.dim() == 3:  # (3, b, s): temporal, height, width ids
             if not isinstance(rope, MRoPE) or position_ids.shape[0] != 3:
@@ -307,8 +307,16 @@ def _attend_with_rotated_keys(
     if total > new:
         past = position_ids[:, :1] - (total - new) + torch.arange(total - new, device=position_ids.device)
         key_positions = torch.cat((past.clamp_min(0), position_ids), dim=-1)
-    key = rope.rotate(key, key_positions, seq_len=rope.scaling_length(position_ids))
+    key = _rotate_keys_for_step(rope, key, key_positions, position_ids)
     return attend(module, query, key, value, attention_mask, *args, **kwargs)
+
+
+@torch.compiler.disable(reason="'consistent' mode reads the step's length, max(position_ids) + 1, on the host")
+def _rotate_keys_for_step(
+    rope: RoPE, key: torch.Tensor, key_positions: torch.Tensor, position_ids: torch.Tensor
+) -> torch.Tensor:
+    # Outside any torch.compile graph: one graph break per layer, as transformers' dynamic_rope_update makes one.
+    return rope.rotate(key, key_positions, seq_len=rope.scaling_length(position_ids))
 
 
 class _KeysRotatedAtRead:

@@ -106,6 +106,14 @@ def _length_unreadable(rope_type: str) -> ValueError:
     )
 
 
+@torch.compiler.disable(
+    reason="dynamic NTK and LongRoPE scale for max(positions) + 1, read on the host; pass seq_len= to compile "
+    "with fullgraph=True"
+)
+def _call_cos_sin_eagerly(rope: RoPE, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return rope.cos_sin(positions, seq_len=rope.scaling_length(positions), dtype=dtype)
+
+
 class RoPE(nn.Module):
     """Rotary position embedding (Su et al., 2021) for queries and keys.
 
@@ -222,6 +230,17 @@ class RoPE(nn.Module):
         if length < self.max_position_embeddings < seen:  # reset: back to the original frequencies
             self.hf_scaled_len = self.max_position_embeddings
         return self.hf_scaled_len
+
+    def call_cos_sin(
+        self, positions: torch.Tensor, *, dtype: torch.dtype = torch.float32
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (..., r/2) for positions at the length a forward call scales for (``scaling_length``, which
+        advances 'hf' dynamic NTK's state). Inside torch.compile the length-dependent types compute them outside
+        the graph, one graph break where transformers' ``dynamic_rope_update`` makes one too; with
+        ``fullgraph=True`` or in a CUDA graph capture, give the length: ``cos_sin(positions, seq_len=...)``."""
+        if self.spec.rope_type in SEQ_LEN_DEPENDENT and torch.compiler.is_compiling():
+            return _call_cos_sin_eagerly(self, positions, dtype)
+        return self.cos_sin(positions, seq_len=self.scaling_length(positions), dtype=dtype)
 
     def cos_sin(
         self, positions: torch.Tensor, *, seq_len: int | None = None, dtype: torch.dtype = torch.float32
@@ -341,8 +360,9 @@ class RoPE(nn.Module):
                 return q, k
         pos = resolve_positions(seq, batch=q.shape[0], positions=positions, offset=offset, device=q.device)
         if seq_len is None:
-            seq_len = self.scaling_length(pos)
-        cos, sin = self.cos_sin(pos, seq_len=seq_len, dtype=table_dtype)  # (b or 1, s, r/2)
+            cos, sin = self.call_cos_sin(pos, dtype=table_dtype)  # (b or 1, s, r/2)
+        else:
+            cos, sin = self.cos_sin(pos, seq_len=seq_len, dtype=table_dtype)
         head_axis = 1 if layout == "bhsd" else 2
         cos, sin = cos.unsqueeze(head_axis), sin.unsqueeze(head_axis)
         return apply_rotary_qk(q, k, cos, sin, interleaved=self.interleaved, backend=self.backend)

@@ -23,7 +23,6 @@ from posenc._checks import (
     int_tensor,
     positive_int,
     sequence_length,
-    values_readable,
 )
 from posenc.rope.apply import apply_rotary_qk
 from posenc.rope.frequencies import SEQ_LEN_DEPENDENT
@@ -219,10 +218,11 @@ class MRoPE(RoPE):
                 f"width ids), got {tuple(positions.shape)}"
             )
         pos = positions.to(device=q.device, dtype=torch.long) + offset
-        if seq_len is None and self.spec.rope_type in SEQ_LEN_DEPENDENT and values_readable(q.device):
-            seq_len = self.scaling_length(pos)  # advances 'hf' dynamic NTK's state, as RoPE.forward does
         dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        cos, sin = self.cos_sin(pos, seq_len=seq_len, dtype=dtype)  # (b or 1, s, r/2)
+        if seq_len is None:  # advances 'hf' dynamic NTK's state, as RoPE.forward does
+            cos, sin = self.call_cos_sin(pos, dtype=dtype)  # (b or 1, s, r/2)
+        else:
+            cos, sin = self.cos_sin(pos, seq_len=seq_len, dtype=dtype)
         head_axis = 1 if layout == "bhsd" else 2
         cos, sin = cos.unsqueeze(head_axis), sin.unsqueeze(head_axis)
         return apply_rotary_qk(q, k, cos, sin, interleaved=self.interleaved, backend=self.backend)
