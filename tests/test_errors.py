@@ -230,6 +230,16 @@ _pairs = torch.rand(4, 8)
             "encoding T5Bias has num_heads=8 but the attention has num_heads=4",
         ),
         (
+            lambda: posenc.CausalSelfAttention(256, 8, encoding=posenc.RoPE(64)),
+            ValueError,
+            r"encoding RoPE has head_dim=64 but the attention's heads have dim / num_heads = 256 / 8 = 32 channels",
+        ),
+        (
+            lambda: posenc.CausalSelfAttention(32, 4)(torch.randn(1, 3, 32), return_attention="no"),
+            TypeError,
+            "return_attention must be True or False, got 'no'",
+        ),
+        (
             lambda: posenc.add_input_encoding(torch.zeros(2, 5, 16), posenc.Sinusoidal(16), torch.tensor([3])),
             ValueError,
             r"positions must have shape \(5,\) or \(2, 5\) to match the sequence, got \(1,\)",
@@ -370,3 +380,20 @@ def test_rope_type_and_its_legacy_spelling_may_both_be_given_when_they_agree() -
     assert rope.spec.rope_type == "default"
     su = {"type": "su", "short_factor": [1.0] * 32, "long_factor": [2.0] * 32}
     assert posenc.RoPE(64, rope_parameters=su, max_position_embeddings=4096).spec.rope_type == "longrope"
+
+
+def test_numpy_integers_are_offsets_everywhere_as_for_the_bias_encodings() -> None:
+    """ALiBi took np.int64(3) as an offset while RoPE, MRoPE and apply_rotary refused it as 'got int64'."""
+    np = pytest.importorskip("numpy")
+    rope, mrope = posenc.RoPE(8), MRoPE(8, mrope_section=[2, 1, 1])
+    q, k = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
+    cos, sin = rope.cos_sin(torch.arange(10))
+    axes = torch.arange(3).expand(3, 1, 3)
+    for offset in (np.int64(3), np.int32(3), np.uint8(3)):
+        assert torch.equal(rope(q, k, offset=offset)[0], rope(q, k, offset=3)[0])
+        assert torch.equal(posenc.apply_rotary(q, cos, sin, offset=offset), posenc.apply_rotary(q, cos, sin, offset=3))
+        assert torch.equal(mrope(q, k, positions=axes, offset=offset)[0], mrope(q, k, positions=axes, offset=3)[0])
+    with pytest.raises(ValueError, match="offset must be >= 0"):
+        rope(q, k, offset=np.int64(-1))
+    with pytest.raises(TypeError, match="offset must be an int"):
+        rope(q, k, offset=np.float32(3))

@@ -10,6 +10,14 @@ from typing import Any
 import torch
 
 
+def integer_offset(value: Any) -> Any:
+    """numpy's integers (any ``numbers.Integral`` but bool and int) as a Python int, as ALiBi's ``bias`` takes them;
+    anything else unchanged, for the offset checks to judge."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int, torch.SymInt)):
+        return operator.index(value)
+    return value
+
+
 def values_readable(device: torch.device | str | None) -> bool:
     """Whether a check may read tensor values on the host (a device sync): not while torch.compile traces (the
     graph would break) nor while a CUDA graph captures on the current stream (the capture would fail). Checks of

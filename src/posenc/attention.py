@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from posenc._checks import float_tensor, positive_int
+from posenc._checks import flag, float_tensor, positive_int
 from posenc.encoding import ActsOn
 from posenc.kernels.flex_bias import FlexFallback, attend_flex, use_flex
 from posenc.positions import positions_from_document_ids, resolve_document_ids, resolve_positions
@@ -273,6 +273,14 @@ class CausalSelfAttention(nn.Module):
                 f"encoding {type(encoding).__name__} has num_heads={heads} but the attention has num_heads="
                 f"{num_heads}; build the encoding with {num_heads} heads"
             )
+        # Likewise a rotary encoding of another head size: refused here, not at the first forward.
+        rotated = getattr(encoding, "head_dim", None) if getattr(encoding, "acts_on", None) is ActsOn.QK else None
+        if rotated is not None and rotated != self.head_dim:
+            raise ValueError(
+                f"encoding {type(encoding).__name__} has head_dim={rotated} but the attention's heads have "
+                f"dim / num_heads = {dim} / {num_heads} = {self.head_dim} channels; build the encoding with "
+                f"head_dim={self.head_dim}"
+            )
         self.encoding = encoding
 
     def forward(
@@ -294,6 +302,7 @@ class CausalSelfAttention(nn.Module):
         for float64 inputs).
         """
         float_tensor("x", x)
+        flag("return_attention", return_attention)
         dim = getattr(self.q_proj, "in_features", None)
         if x.dim() != 3 or (dim is not None and x.shape[2] != dim):
             raise ValueError(f"x must be (b, s, dim={dim}), got shape {tuple(x.shape)}")

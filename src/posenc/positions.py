@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from posenc._checks import assert_without_sync, int_tensor, values_readable
+from posenc._checks import assert_without_sync, int_tensor, integer_offset, values_readable
 
 
 def resolve_positions(
@@ -31,6 +31,7 @@ def resolve_positions(
     No offset or position may be negative: checked on the host, or, under torch.compile and CUDA graph capture
     (where reading a value would break the graph or the capture), by an assert that runs with the graph.
     """
+    offset = integer_offset(offset)
     tensors = [t for t in (positions, offset) if isinstance(t, torch.Tensor)]
     check_data = values_readable(device if device is not None else (tensors[0].device if tensors else None))
     if isinstance(offset, torch.Tensor):

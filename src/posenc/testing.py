@@ -73,11 +73,18 @@ def rope_reference(
 
     Pair i is channels (2i, 2i+1) when interleaved, else (i, i + r/2); it turns by angle position * theta_i.
     The channels past rotary_dim are copied. ``attention_factor`` scales the rotated channels (YaRN's mscale).
+    rotary_dim: r (even, <= d); default 2 * len(inv_freq) when inv_freq is given, as ``apply_rotary`` reads it, else d.
     """
     x = x.to(torch.float64)
     d = x.shape[-1]
-    r = d if rotary_dim is None else rotary_dim
-    thetas = rope_inv_freq_reference(r, base) if inv_freq is None else [float(t) for t in inv_freq]
+    thetas = None if inv_freq is None else [float(t) for t in inv_freq]
+    r = (d if thetas is None else 2 * len(thetas)) if rotary_dim is None else rotary_dim
+    if r <= 0 or r % 2 or r > d:
+        raise ValueError(f"rotary_dim must be even, positive and <= d = {d}, got {r}")
+    if thetas is None:
+        thetas = rope_inv_freq_reference(r, base)
+    elif len(thetas) != r // 2:
+        raise ValueError(f"inv_freq has {len(thetas)} frequencies but rotary_dim={r} needs {r // 2}")
     pos = positions.to(torch.float64)
     out = x.clone()
     for i, theta in enumerate(thetas):

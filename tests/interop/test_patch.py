@@ -537,7 +537,13 @@ def test_a_rope_with_another_attention_scaling_than_the_model_is_refused(monkeyp
 def test_a_model_without_rope_is_refused_saying_why() -> None:
     config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=32)
     model = transformers.GPT2LMHeadModel(config)
-    with pytest.raises(ValueError, match=r"gpt2 model \(GPT2LMHeadModel\).*one \*RotaryEmbedding class.*has none"):
+    with pytest.raises(ValueError, match=r"gpt2 model \(GPT2LMHeadModel\): model_type 'gpt2' has no rotary embedding"):
+        patch_model(model)
+    assert not is_patched(model)
+    # Falcon with ALiBi keeps a rotary embedding it never calls: patching it was reported as done.
+    config = transformers.FalconConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, alibi=True)
+    model = transformers.FalconForCausalLM(config)
+    with pytest.raises(ValueError, match=r"falcon model \(FalconForCausalLM\): the config says alibi=True"):
         patch_model(model)
     assert not is_patched(model)
 

@@ -14,6 +14,7 @@ import inspect
 import json
 import math
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -427,6 +428,31 @@ def test_rotates_as_models_of_either_pair_layout(model_type: str) -> None:
 def test_rotations_posenc_cannot_do_are_refused(model_type: str, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         rope_from_config(transformers.AutoConfig.for_model(model_type))
+
+
+@pytest.mark.parametrize(
+    ("model_type", "options", "match"),
+    [
+        *((name, {}, f"model_type '{name}' has no rotary") for name in ("bert", "gpt2", "bloom", "t5", "opt")),
+        ("falcon", {"alibi": True}, "alibi=True: .* its encoding is ALiBi"),
+        ("esm", {"position_embedding_type": "absolute"}, "position_embedding_type='absolute'"),
+        ("granitemoehybrid", {"position_embedding_type": "nope"}, "position_embedding_type='nope'"),
+    ],
+)
+def test_a_model_that_does_not_rotate_has_no_rope_to_read(model_type: str, options: dict, match: str) -> None:
+    # These gave a default RoPE of the config's head size, a silent wrong answer for a model without one.
+    with pytest.raises(ValueError, match=match):
+        rope_from_config(transformers.AutoConfig.for_model(model_type, **options))
+
+
+def test_a_model_type_transformers_does_not_know_is_read_with_a_warning() -> None:
+    chatglm = {"model_type": "chatglm", "hidden_size": 4096, "num_attention_heads": 32}  # remote code
+    with pytest.warns(UserWarning, match="'chatglm' is not one the installed transformers knows .* check them"):
+        assert rope_from_config(chatglm).rotary_dim == 128
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a config without a model type is taken as given
+        rope_from_config({"hidden_size": 4096, "num_attention_heads": 32})
+        rope_from_config(transformers.AutoConfig.for_model("falcon"))  # Falcon with RoPE, as by default
 
 
 @pytest.mark.parametrize(

@@ -56,6 +56,18 @@ def test_apply_rotary_half_sized_cos_sin_and_partial_channels_untouched():
     assert_close(back, x.double())
 
 
+def test_the_reference_takes_its_rotary_dim_from_the_frequencies_it_is_given():
+    # With inv_freq and no rotary_dim it paired channel i with i + d/2 across the whole head (off by 3.3 here).
+    rope = posenc.RoPE(10, rotary_dim=6)
+    x = torch.randn(1, 1, 4, 10, dtype=torch.float64)
+    inv_freq, _ = rope.frequencies()
+    torch.testing.assert_close(rope(x, x)[0], rope_reference(x, torch.arange(4), inv_freq=inv_freq))
+    with pytest.raises(ValueError, match="inv_freq has 3 frequencies but rotary_dim=8 needs 4"):
+        rope_reference(x, torch.arange(4), inv_freq=inv_freq, rotary_dim=8)
+    with pytest.raises(ValueError, match="rotary_dim must be even"):
+        rope_reference(x, torch.arange(4), rotary_dim=5)
+
+
 def test_apply_rotary_does_not_modify_input():
     x = torch.randn(1, 2, 4, 8)
     before = x.clone()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import inspect
 import json
 import os
@@ -287,6 +288,7 @@ def rope_kwargs_from_config(config: Any, *, layer_type: str | None = None) -> di
     model_type = str(cfg.get("model_type") or "")
     if model_type in _UNSUPPORTED_MODELS:
         raise ValueError(f"model_type {model_type!r} is not supported: {_UNSUPPORTED_MODELS[model_type]}")
+    _require_rope(cfg, model_type)
 
     rope = _first(cfg, "rope_parameters", "rope_scaling") or {}
     if not isinstance(rope, Mapping):
@@ -386,6 +388,64 @@ def rope_kwargs_from_config(config: Any, *, layer_type: str | None = None) -> di
         kwargs["mrope_section"] = list(mrope_section)
         kwargs["mrope_layout"] = mrope_layout
     return kwargs
+
+
+# Config keys that switch off the rotary embedding of a model whose code has one, and the values that keep it on.
+_ROPE_SWITCHES = {
+    "alibi": (None, False),  # Falcon: ALiBi biases instead
+    "position_embedding_type": (None, "rotary", "rope"),  # ESM, Evolla ('absolute'), GraniteMoeHybrid ('nope')
+    "use_rotary_embedding": (None, True),  # CLVP
+}
+
+
+def _require_rope(cfg: Mapping[str, Any], model_type: str) -> None:
+    """Raise ValueError for a config whose model does not rotate q and k (a switch in the config, or a model type
+    whose code in the installed transformers has no rotary embedding); warn for a model type transformers does
+    not know (remote code: ChatGLM, Qwen 1, Baichuan), which is read by transformers' conventions."""
+    for key, on in _ROPE_SWITCHES.items():
+        if key in cfg and cfg[key] not in on:
+            raise ValueError(
+                f"the config says {key}={cfg[key]!r}: this {model_type or 'model'} does not use its rotary "
+                "embedding, so it has no RoPE to read"
+                + ("; its encoding is ALiBi (posenc.ALiBi(num_heads))" if key == "alibi" else "")
+            )
+    if not model_type:
+        return
+    code = _transformers_rotates(model_type)
+    if code is False:
+        raise ValueError(
+            f"model_type {model_type!r} has no rotary embedding in the installed transformers' code (it encodes "
+            "position some other way: learned, sinusoidal, relative buckets, ALiBi or none), so it has no RoPE "
+            "to read"
+        )
+    if code is None and model_type not in _INTERLEAVED_MODELS | _ABSOLUTE_ROTARY_DIM | _MROPE_MODELS.keys():
+        warnings.warn(
+            f"model_type {model_type!r} is not one the installed transformers knows (remote code?): read by "
+            "transformers' conventions (split-half pairs, rope_theta, partial_rotary_factor / rotary_pct / head_dim); "
+            "check them against the model's own code",
+            stacklevel=4,
+        )
+
+
+@functools.cache
+def _transformers_rotates(model_type: str) -> bool | None:
+    """Whether the installed transformers' modeling code for ``model_type`` has a rotary embedding: True, False, or
+    None where that cannot be told (no transformers, a type it does not know, no modeling file of that name). The
+    file is read, not imported."""
+    try:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES, model_type_to_module_name
+    except Exception:  # not installed
+        return None
+    if model_type not in CONFIG_MAPPING_NAMES:
+        return None
+    module = model_type_to_module_name(model_type)
+    try:
+        spec = importlib.util.find_spec(f"transformers.models.{module}.modeling_{module}")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.origin or not os.path.isfile(spec.origin):
+        return True  # a sub-config type (a text or vision part) kept in another model's file: not refused
+    return "otary" in Path(spec.origin).read_text(encoding="utf-8")
 
 
 @functools.cache

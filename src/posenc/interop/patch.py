@@ -189,13 +189,18 @@ class PosencRotaryEmbedding(nn.Module):
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> PosencRotaryEmbedding:
         # model.half() / .to(bfloat16) cast every float buffer; the frequencies must stay float64 (a bf16 inv_freq
-        # is off by 2**-9, i.e. whole turns at position 1e4), so only the device move is kept.
-        frequencies = dict(self._buffers)
+        # is off by 2**-9, i.e. whole turns at position 1e4), so only the device move is kept. They are made
+        # afresh from the RoPE: a model built on the meta device and moved with to_empty() has no values to keep.
         super()._apply(fn, recurse)
-        for name, kept in frequencies.items():
-            if kept is not None:
-                self._buffers[name] = kept.to(device=self._buffers[name].device)
+        for layer_type, rope in self._ropes().items():
+            name = state_name(layer_type, "inv_freq")
+            device = self._buffers[name].device
+            self._buffers[name] = rope.frequencies()[0].to(device=device, dtype=torch.float64)
         return self
+
+    def _ropes(self) -> dict[str, RoPE]:
+        """layer type ('' for a single rope dict) -> its RoPE."""
+        return {"": self.rope} if not self.layer_types else dict(self.ropes)
 
     @property
     def device(self) -> torch.device:
@@ -231,7 +236,7 @@ class PosencRotaryEmbedding(nn.Module):
         return angles_to_cos_sin(position_ids, inv_freq, self.attention_factors[key], dtype)
 
     def extra_repr(self) -> str:
-        ropes = {"": self.rope} if not self.layer_types else dict(self.ropes)
+        ropes = self._ropes()
         return ", ".join(
             f"{key + ': ' if key else ''}rope_type={rope.rope_type!r}, rotary_dim={rope.rotary_dim}, mode={rope.mode!r}"
             for key, rope in ropes.items()
@@ -468,7 +473,8 @@ def _require_same_rotation(
                 f"posenc's RoPE for this {architecture} config ({what}rope_type={rope.rope_type!r}) does not rotate "
                 f"as the model's {type(module).__name__} ({name}) does: {problem}. Patching would change the model's "
                 "logits, so the model is left as it was; this is a gap in posenc.interop.rope_kwargs_from_config "
-                "for this transformers version (please report it with the config's rope_parameters)"
+                "for this transformers version (please report it with the config's rope_parameters), unless the "
+                "model's buffers hold no values yet (after to_empty(): patch before it, or once they are loaded)"
             )
 
 

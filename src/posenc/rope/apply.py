@@ -12,7 +12,15 @@ from typing import Literal
 
 import torch
 
-from posenc._checks import assert_without_sync, flag, float_tensor, may_overlap, same_device, values_readable
+from posenc._checks import (
+    assert_without_sync,
+    flag,
+    float_tensor,
+    integer_offset,
+    may_overlap,
+    same_device,
+    values_readable,
+)
 from posenc.kernels.layout import check_table_call, consecutive_rows, rotary_kind, token_positions
 from posenc.kernels.ops import choose_backend, rotary_copy, rotary_inplace, transformed
 
@@ -198,6 +206,7 @@ def rotate_tensors(
     row of the table (RoPE sizes its table for them), so the table-mode range check is skipped.
     """
     flag("interleaved", interleaved)
+    offset = integer_offset(offset)
     flag("conjugate", conjugate)
     kind = rotary_kind(layout, positions, offset, cu_seqlens)
     if inplace:

@@ -22,6 +22,7 @@ from posenc._checks import (
     float_dtype,
     float_tensor,
     int_tensor,
+    integer_offset,
     same_device,
     sequence_length,
     values_readable,
@@ -320,6 +321,7 @@ class RoPE(nn.Module):
         Returns new (q, k) with the input dtypes.
         """
         seq_axis = self._check_qk(q, k, layout, seq_len)
+        offset = integer_offset(offset)
         # float32 tables for every activation dtype but float64, whose callers want float64 exactness.
         table_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         seq = q.shape[seq_axis]

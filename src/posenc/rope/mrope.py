@@ -21,6 +21,7 @@ import torch
 from posenc._checks import (
     float_dtype,
     int_tensor,
+    integer_offset,
     positive_int,
     sequence_length,
 )
@@ -196,6 +197,7 @@ class MRoPE(RoPE):
         if not isinstance(positions, torch.Tensor) or positions.dim() != 3:
             return super().forward(q, k, positions=positions, offset=offset, layout=layout, seq_len=seq_len)
         seq_axis = self._check_qk(q, k, layout, seq_len)
+        offset = integer_offset(offset)
         int_tensor("positions", positions, host_read=True)
         if isinstance(offset, bool) or not isinstance(offset, int):
             raise TypeError(
