@@ -62,6 +62,9 @@ def test_none_overrides_pass_through():
         ({"warmup_fraction": 1.5}, "warmup_fraction must be a number in"),
         ({"finetune_steps": -1}, "finetune_steps (--finetune-steps) must be an integer >= 0"),
         ({"max_corpus_bytes": 0}, "max_corpus_bytes must be a positive integer"),
+        # These trained every model, then failed with a traceback at the ntk unit / the second seed.
+        ({"dim": 4, "heads": 2}, "extension ntk cannot extend the rope model's heads of dim / heads = 4 / 2 = 2"),
+        ({"seed": 2**64 - 1, "num_seeds": 2}, "past the largest seed torch takes"),
     ],
 )
 def test_bad_values_name_the_field(overrides, message):
@@ -116,3 +119,12 @@ def test_config_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         PRESETS["quick"].steps = 3  # type: ignore[misc]
     assert isinstance(PRESETS["quick"], LabConfig)
+
+
+def test_extensions_with_no_length_past_training_are_not_planned():
+    from posenc.lab.runner import plan
+
+    config = make_config("quick", eval_lengths=(16,))  # the quick preset trains at 16
+    assert config.extensions and not config.extension_lengths
+    assert [unit.name for unit in plan(config)] == list(config.encodings)
+    assert make_config("quick", dim=4, heads=2, extensions=("pi", "yarn")).extensions == ("pi", "yarn")

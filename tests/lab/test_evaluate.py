@@ -60,6 +60,16 @@ def test_loss_by_position_is_binned_for_long_windows():
     ends = eval_window_ends(TEXT, longest=256, count=2)
     result = evaluate_length(model, TEXT, ends, 256, score_len=4)
     assert len(result.loss_by_position) == 64 and result.position_bin == 4
+    # A length that is no multiple of 64: bins of 100 / 64 positions (1 or 2), not 'position_bin 1', which put
+    # the plot's curve on positions 0..64 of a 100-byte window.
+    result = evaluate_length(model, TEXT, ends[:1], 100, score_len=4)
+    assert len(result.loss_by_position) == 64 and result.position_bin == 100 / 64
+    batch = windows_ending(TEXT, ends[:1], 100)
+    with torch.no_grad():
+        losses = next_byte_loss(model(batch[:, :-1])[0], batch[:, 1:]).double()[0] / math.log(2)
+    for i in (0, 1, 31, 63):  # bin i: positions floor(i * 100 / 64) up to floor((i + 1) * 100 / 64)
+        first, last = i * 100 // 64, (i + 1) * 100 // 64
+        assert result.loss_by_position[i] == pytest.approx(float(losses[first:last].mean()), abs=1e-5)
 
 
 def test_attention_entropy_of_uniform_causal_attention_is_log_of_the_keys_seen():

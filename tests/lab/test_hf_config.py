@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from posenc.analysis.run import run_figure_config
 from posenc.cli import main
 from posenc.lab.config import extension_rope_parameters, make_config
 from posenc.lab.model import ModelSpec
@@ -19,7 +20,7 @@ from posenc.lab.model import ModelSpec
 pytest.importorskip("transformers")
 
 CONFIGS = {
-    "llama": {"model_type": "llama", "rope_theta": 10000.0, "hidden_act": "silu", "rms_norm_eps": 1e-6},
+    "llama": {"model_type": "llama", "rope_theta": 500000.0, "hidden_act": "silu", "rms_norm_eps": 1e-6},
     # Partial rotary: a quarter of each head's dims rotate.
     "gpt_neox": {"model_type": "gpt_neox", "rotary_pct": 0.5, "rope_theta": 10000, "use_parallel_residual": True},
 }
@@ -52,6 +53,16 @@ def test_a_lab_run_on_a_hugging_face_architecture(model_type, corpus_dir, tmp_pa
         assert 0 < row["bits_per_byte"] < 16 and len(row["entropy_by_layer"]) == 1 and row["entropy"] > 0
     with open(out / "results.csv") as f:
         assert {r["architecture"] for r in csv.DictReader(f)} == {model_type}
+    # The report's figures draw the RoPE the model trained with: the file's theta and rotary fraction.
+    rotary, theta = {"llama": (8, 500000.0), "gpt_neox": (4, 10000.0)}[model_type]
+    assert results["rope"] == {
+        "head_dim": 8,
+        "rotary_dim": rotary,
+        "interleaved": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+    }
+    figures = run_figure_config(out)
+    assert (figures.head_dim, figures.spec.rotary_dim, figures.base, figures.train_len) == (8, rotary, theta, 8)
     units = results["timings"]["units"]
     assert units["rope+yarn/seed0"]["rope_parameters"]["16"]["rope_type"] == "yarn"
     assert units["rope+pi/seed0"]["rope_parameters"]["16"]["rope_type"] == "linear"
@@ -105,6 +116,19 @@ def test_bad_hf_config_fails_before_training(setup, message, tmp_path, corpus_di
         make_config("quick", corpus=str(corpus_dir), hf_config=setup(tmp_path))
 
 
+def test_extensions_an_architecture_cannot_hold_are_named_with_the_ones_it_can(tmp_path, corpus_dir, capsys):
+    # Phi-3's config class takes only 'default' and 'longrope': the default extensions failed with transformers'
+    # validation error, and no advice.
+    path = write_config(tmp_path, {"model_type": "phi3", "rope_theta": 10000.0, "hidden_act": "silu"})
+    flags = ["--preset", "quick", "--corpus", str(corpus_dir), "--hf-config", path, "--out", str(tmp_path / "run")]
+    flags += ["--dim", "16", "--heads", "2", "--layers", "1", "--train-len", "8", "--eval-lengths", "8,16"]
+    assert main(["lab", *flags, "--no-progress"]) == 2
+    error = capsys.readouterr().err
+    assert "this phi3 model cannot take the extension(s) pi, dynamic, yarn, llama3" in error
+    assert error.rstrip().endswith("pass --extensions ntk (the ones it takes)")
+    assert not (tmp_path / "run").exists()
+
+
 def test_other_encodings_with_hf_config_are_refused(tmp_path, corpus_dir, capsys):
     path = write_config(tmp_path, CONFIGS["llama"])
     with pytest.raises(ValueError, match="--encodings rope"):
@@ -135,7 +159,7 @@ def test_the_config_files_contents_key_the_results(tmp_path):
     plain = make_config("quick").results_key()
     assert "hf_config" not in plain  # runs made without --hf-config keep their config_id
     first = make_config("quick", hf_config=path).results_key()
-    write_config(tmp_path, {**CONFIGS["llama"], "rope_theta": 500000.0})
+    write_config(tmp_path, {**CONFIGS["llama"], "rope_theta": 20000.0})
     assert make_config("quick", hf_config=path).results_key() != first
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import shutil
 
 import pytest
 
@@ -156,6 +157,20 @@ def test_a_folder_of_another_configuration_is_refused(finished):
         quiet(changed, out).prepare()
     # Selecting fewer units of the same configuration is fine.
     quiet(make_config("quick", **{**vars(config), "encodings": ("alibi",), "extensions": ()}), out).prepare()
+
+
+def test_a_folder_whose_config_json_was_deleted_is_claimed_only_by_its_units_configuration(finished, tmp_path):
+    # It was claimed by other settings (config.json rewritten), then failed with a traceback at the first unit.
+    config, out, _ = finished
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    (copy / "config.json").unlink()
+    changed = make_config("quick", **{**vars(config), "steps": 7})
+    with pytest.raises(ValueError, match=r"no config.json but holds finished units of another configuration \(runs/"):
+        quiet(changed, copy).prepare()
+    assert not (copy / "config.json").exists()
+    quiet(config, copy).prepare()  # its own configuration takes it back
+    assert (copy / "config.json").exists()
 
 
 def test_multiple_seeds_report_mean_and_spread(tiny_config, tmp_path):

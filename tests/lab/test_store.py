@@ -99,3 +99,10 @@ def test_temporaries_of_killed_writers_are_removed_and_live_ones_kept(tmp_path):
         assert sorted(store.remove_stale_temporaries(tmp_path)) == sorted(stale)
         assert writing.exists() and all(p.exists() for p in kept) and not any(p.exists() for p in stale)
     assert (tmp_path / "metrics.json").read_text() == "{}"
+
+
+def test_text_with_a_path_that_is_no_utf8_is_written_escaped(tmp_path):
+    # A --corpus path with a Latin-1 byte reached report.md as a surrogate escape: UnicodeEncodeError, no report.
+    odd = os.fsdecode(b"/data/lat\xe9")
+    store.write_text(tmp_path / "report.md", f"corpus: {odd}\n")
+    assert (tmp_path / "report.md").read_text(encoding="utf-8") == "corpus: /data/lat\\xe9\n"

@@ -154,22 +154,32 @@ def entropy_from_results(rows: Iterable[Mapping[str, str]], where: str = "result
 
 
 def run_figure_config(run_dir: str | Path) -> FigureConfig | None:
-    """The figure config of the run's own model, from results.json's ``config`` (dim, heads, train_len,
-    eval_lengths): head_dim = dim / heads, plain RoPE with base 10000 as the lab trains it. None if absent."""
+    """The figure config of the run's own model, from results.json: the RoPE its rope model trained with
+    (``rope``: head_dim, rotary_dim, interleaved, rope_parameters; an --hf-config model's theta, rotary fraction
+    and layout), and the lengths and heads of its ``config`` (train_len, eval_lengths, heads). Runs written
+    before ``rope`` was recorded: head_dim = dim / heads, plain RoPE with base 10000, as the lab's own model
+    trains. None if absent."""
     path = Path(run_dir) / "results.json"
     if not path.is_file():
         return None
     try:
-        config = json.loads(path.read_text()).get("config")
+        results = json.loads(path.read_text())
+        config = results.get("config")
     except (json.JSONDecodeError, AttributeError) as err:
         raise ValueError(f"{path} is not a JSON object: {err}") from err
     if not isinstance(config, Mapping) or not {"dim", "heads", "train_len", "eval_lengths"} <= config.keys():
         return None
+    sizes = dict(train_len=config["train_len"], eval_len=max(config["eval_lengths"]), num_heads=config["heads"])
+    rope = results.get("rope")
+    if not isinstance(rope, Mapping):
+        return FigureConfig(head_dim=config["dim"] // config["heads"], **sizes)
+    parameters = dict(rope["rope_parameters"])
+    if rope["rotary_dim"] != rope["head_dim"] and parameters.get("rope_type") != "proportional":
+        parameters["partial_rotary_factor"] = rope["rotary_dim"] / rope["head_dim"]
+    # The scaling's original length is the figures' training length; the run's own trained length says it here.
+    parameters.pop("original_max_position_embeddings", None)
     return FigureConfig(
-        head_dim=config["dim"] // config["heads"],
-        train_len=config["train_len"],
-        eval_len=max(config["eval_lengths"]),
-        num_heads=config["heads"],
+        head_dim=rope["head_dim"], rope_parameters=parameters, interleaved=bool(rope["interleaved"]), **sizes
     )
 
 

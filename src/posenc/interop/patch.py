@@ -531,10 +531,11 @@ def _new_config_rope(
         rebuilt = type(config).from_dict({**config.to_dict(), **copy.deepcopy(values)})
         kwargs = rope_kwargs_from_config(rebuilt)
         installed = RoPE(kwargs.pop("head_dim"), mode=mode, backend=backend, **kwargs)
-    except (ValueError, TypeError, KeyError) as error:
+    except Exception as error:  # config classes validate in their own ways (Phi-3: huggingface_hub's strict checks)
+        detail = " ".join(str(error).split())
         raise ValueError(
-            f"{type(config).__name__} cannot hold rope_parameters={hf_params}: {error}. Saving the patched model "
-            "would not reproduce it; choose a rope_type this architecture's config accepts"
+            f"{type(config).__name__} cannot hold rope_parameters={hf_params}: {type(error).__name__}: {detail}. "
+            "Saving the patched model would not reproduce it; choose a rope_type this architecture's config accepts"
         ) from error
     if not _same_frequencies(intended, installed):
         raise ValueError(

@@ -12,6 +12,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from posenc.registry import ENCODINGS
+from posenc.rope.module import RoPE
+
+# torch.manual_seed takes seeds up to 2**64 - 1.
+_MAX_SEED = 2**64 - 1
 
 TASKS = ("copy", "passkey")
 
@@ -172,6 +176,29 @@ class LabConfig:
             raise ValueError(f"unknown task {self.task!r}; known tasks: {', '.join(TASKS)} (or none)")
         if self.max_corpus_bytes is not None:
             _positive_int("max_corpus_bytes", self.max_corpus_bytes)
+        if self.seed + self.num_seeds - 1 > _MAX_SEED:
+            raise ValueError(
+                f"seed={self.seed} with num_seeds={self.num_seeds} runs seeds up to {self.seed + self.num_seeds - 1}, "
+                f"past the largest seed torch takes ({_MAX_SEED} = 2**64 - 1)"
+            )
+        if self.hf_config is None and "rope" in self.encodings:
+            self._check_extension_ropes()
+
+    def _check_extension_ropes(self) -> None:
+        # Each extension's RoPE for the lab's own model, built now: a head too small for it (ntk and dynamic need
+        # 4 channels) failed after every model had trained. (--hf-config models are built at the run's prepare.)
+        head_dim = self.dim // self.heads
+        for name in self.extensions:
+            for length in self.extension_lengths:
+                parameters = extension_rope_parameters(name, length / self.train_len, self.train_len)
+                try:
+                    RoPE(head_dim, rope_parameters=parameters, max_position_embeddings=self.train_len)
+                except ValueError as error:
+                    raise ValueError(
+                        f"extension {name} cannot extend the rope model's heads of dim / heads = {self.dim} / "
+                        f"{self.heads} = {head_dim} channels: {error}; give fewer heads or more dim, or leave "
+                        f"{name} out of extensions"
+                    ) from error
 
     def _check_hf_config(self) -> None:
         # Only the file is read here: transformers is imported when the model is built, not to validate.

@@ -24,13 +24,21 @@ from posenc.lab.model import ByteLM, next_byte_loss
 POSITION_BINS = 64
 
 
+def _bin_edges(length: int, bins: int) -> list[int]:
+    """The inner edges of ``bins`` bins of length / bins positions each, rounded down: bin i covers
+    floor(i * length / bins) up to floor((i + 1) * length / bins), so the bins' centres are where the report's
+    plot puts them, (i + 0.5) * length / bins, to within half a position."""
+    return [i * length // bins for i in range(1, bins)]
+
+
 @dataclasses.dataclass(frozen=True)
 class LengthResult:
     """One model at one context length.
 
     applicable False means the model cannot run at this length at all (``reason`` says why) and every number is
     None. bits_per_byte: mean over the k * S scored bytes; loss_by_position: bits per byte averaged over windows
-    at each position 0..L-1, in up to POSITION_BINS bins of ``position_bin`` positions; entropy_by_layer: mean
+    at each position 0..L-1, in up to POSITION_BINS bins of ``position_bin`` positions (L / bins: a fraction where
+    the bins of a length that is no multiple of them hold one position more or less); entropy_by_layer: mean
     attention entropy (nats) of the scored queries, over heads and windows, per layer; task_accuracy: fraction
     of task samples answered exactly (None when no task ran).
     """
@@ -41,7 +49,7 @@ class LengthResult:
     bits_per_byte: float | None = None
     scored_bytes: int = 0
     loss_by_position: list[float] | None = None
-    position_bin: int = 1
+    position_bin: float = 1
     entropy_by_layer: list[float] | None = None
     task_accuracy: float | None = None
     seconds: float = 0.0
@@ -102,10 +110,9 @@ def evaluate_length(
         applicable=True,
         bits_per_byte=scored_sum / (count * score_len) / math.log(2),
         scored_bytes=count * score_len,
-        loss_by_position=[round(float(x), 5) for x in per_position.view(bins, -1).mean(1)]
-        if length % bins == 0
-        else [round(float(x.mean()), 5) for x in torch.tensor_split(per_position, bins)],
-        position_bin=length // bins,
+        loss_by_position=[round(float(x.mean()), 5) for x in per_position.tensor_split(_bin_edges(length, bins))],
+        # positions per bin: bin i covers i * position_bin up to (i + 1) * position_bin, rounded down
+        position_bin=length // bins if length % bins == 0 else length / bins,
         entropy_by_layer=[round(float(x), 5) for x in entropy / count],
         seconds=time.perf_counter() - start,
     )

@@ -67,9 +67,11 @@ class Unit:
 def plan(config: LabConfig) -> list[Unit]:
     """Every unit of a run, in the order they run: per seed, the encodings, then the extensions, then fine-tunes."""
     units = []
+    # Extensions act past the training length only: with no eval length there, they have nothing to measure.
+    extensions = config.extensions if config.extension_lengths else ()
     for seed in config.seeds:
         units += [Unit(encoding, seed) for encoding in config.encodings]
-        units += [Unit("rope", seed, extension) for extension in config.extensions]
+        units += [Unit("rope", seed, extension) for extension in extensions]
         if config.finetune_steps:
             units += [
                 Unit("rope", seed, extension, config.finetune_steps, length)
@@ -165,6 +167,18 @@ def claim_folder(out: Path, config: LabConfig, corpus: Corpus, ident: str) -> No
                 "pass another --out, or delete that folder to start over"
             )
         return
+    # No config.json, but finished units (it was deleted): they must be this configuration's too, or the folder
+    # would be claimed for settings its units do not have.
+    others = sorted(
+        str(metrics.parent.relative_to(out))
+        for metrics in out.glob("runs/*/seed*/metrics.json")
+        if store.read_json(metrics).get("config_id") != ident
+    )
+    if others:
+        raise ValueError(
+            f"{out} has no config.json but holds finished units of another configuration ({', '.join(others[:3])}"
+            f"{', ...' if len(others) > 3 else ''}); pass another --out, or delete that folder to start over"
+        )
     store.write_json(
         path,
         {"config_id": ident, "results_key": config.results_key(), "corpus_sha256": corpus.sha256},
@@ -239,21 +253,31 @@ class Lab:
 
         path = self.config.hf_config
         longest = max(self.config.eval_lengths)
-        extensions = [
-            self._rope_parameters(e, longest) for e in self.config.extensions if longest > self.config.train_len
-        ]
+        names = list(self.config.extensions) if longest > self.config.train_len else []
+        refused: dict[str, Exception] = {}
         with torch.random.fork_rng(devices=[]):  # the units' weights must not depend on this check
-            for rope_parameters in [None, *extensions]:
+            try:
+                rope_from_config(HFByteLM(self.spec, path).hf.config)
+            except Exception as error:
+                raise ValueError(
+                    f"hf_config (--hf-config) {path!r}: the model cannot be built from it: {type(error).__name__}: "
+                    f"{error}"
+                ) from error
+            for name in names:
                 try:
-                    model = HFByteLM(self.spec, path, rope_parameters)
-                    if rope_parameters is None:
-                        rope_from_config(model.hf.config)
+                    HFByteLM(self.spec, path, self._rope_parameters(name, longest))
                 except Exception as error:
-                    what = "the model" if rope_parameters is None else f"the model with {rope_parameters['rope_type']}"
-                    raise ValueError(
-                        f"hf_config (--hf-config) {path!r}: {what} cannot be built from it: {type(error).__name__}: "
-                        f"{error}"
-                    ) from error
+                    refused[name] = error
+        if refused:
+            # An architecture whose config class takes only some rope types (Phi-3: 'default' and 'longrope'):
+            # say which extensions it can hold, so that the rerun is one flag away.
+            held = [name for name in names if name not in refused]
+            first, error = next(iter(refused.items()))
+            raise ValueError(
+                f"hf_config (--hf-config) {path!r}: this {self.config.architecture} model cannot take the extension(s) "
+                f"{', '.join(refused)} ({first}: {error}); pass --extensions "
+                f"{','.join(held) if held else 'none'} (the ones it takes)"
+            ) from error
 
     def _check_ranks_agree(self) -> None:
         # Every rank reads the corpus itself; on several machines they could read different files.
@@ -288,6 +312,11 @@ class Lab:
         if ran_prepare:
             self.prepare()
         units = plan(self.config)
+        if self.config.extensions and not self.config.extension_lengths:
+            self.echo(
+                f"note: no eval length is past train_len={self.config.train_len}, so the RoPE extensions "
+                f"({', '.join(self.config.extensions)}) have nothing to measure and are not run"
+            )
         if self.ranks.is_main:
             # A narrower rerun into a folder (fewer encodings, another seed) rewrites the report for its own
             # selection; the other finished units stay on disk, and saying so keeps that from looking like a loss.
@@ -367,10 +396,28 @@ class Lab:
             "train": train_info,
             "rope_parameters": {str(n): p for n, p in rope_parameters.items()},
             "eval": [dataclasses.asdict(r) for r in results],
+            # The thread count changes float sums in the last bits: a resumed run says which units ran with which.
+            "torch_threads": torch.get_num_threads(),
         }
         if self.ranks.is_main:
             store.write_json(folder / "metrics.json", unit_metrics)
         return unit_metrics
+
+    def _trained_rope(self) -> dict[str, Any]:
+        """The RoPE the rope model trains with, as results.json records it for the report's figures: head_dim,
+        rotary_dim, interleaved and rope_parameters (type, theta and the type's own). An --hf-config model's comes
+        from its config (its rope_theta, rotary fraction, layout), the lab's own model's from its encoding."""
+        from posenc.interop import rope_from_config
+
+        with torch.random.fork_rng(devices=[]):  # weights drawn here must not move the global generator
+            model = self._build("rope")
+        rope = rope_from_config(model.hf.config) if self.config.hf_config is not None else model.encoding
+        return {
+            "head_dim": rope.head_dim,
+            "rotary_dim": rope.rotary_dim,
+            "interleaved": rope.interleaved,
+            "rope_parameters": {"rope_type": rope.rope_type, "rope_theta": rope.base, **rope.spec.params},
+        }
 
     def _rope_parameters(self, extension: str, length: int) -> dict[str, Any]:
         return extension_rope_parameters(extension, length / self.config.train_len, self.config.train_len)
@@ -537,6 +584,7 @@ class Lab:
                 else {k: v for k, v in m["train"].items() if k not in ("loss_curve", "losses")},
                 "eval_seconds": round(sum(r["seconds"] for r in m["eval"]), 3),
                 "rope_parameters": m["rope_parameters"],
+                "torch_threads": m.get("torch_threads"),  # None: finished before it was recorded
             }
             for m in metrics
         }
@@ -545,6 +593,7 @@ class Lab:
             "config": dataclasses.asdict(config),
             "config_id": self.config_id,
             "architecture": architecture,
+            "rope": self._trained_rope() if "rope" in config.encodings else None,
             "corpus": {
                 "source": self.corpus.source,
                 "sha256": self.corpus.sha256,

@@ -19,6 +19,9 @@ from posenc._atomic import remove_stale_temporaries as remove_stale_temporaries
 
 
 def write_text(path: Path, text: str) -> None:
+    # A path that is no valid UTF-8 (bytes the OS allows, in --corpus or --out) reaches the text as surrogate
+    # escapes, which UTF-8 cannot encode: written as \xNN instead.
+    text = text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
     with _atomic.atomic_path(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
 
