@@ -99,6 +99,10 @@ def test_a_device_this_process_cannot_use_is_named(monkeypatch):
     check_device_usable(torch.device("cuda", 1))
     with pytest.raises(ValueError, match=r"--device cuda:2: this machine has 2 CUDA GPU\(s\), cuda:0 to cuda:1"):
         check_device_usable(torch.device("cuda", 2))
+    if not torch.backends.mps.is_available():  # torch's dispatcher error runs to ~50 lines: its first sentence
+        with pytest.raises(ValueError, match=r"--device mps is not usable in this process \([^\n]*\); pass") as caught:
+            check_device_usable(torch.device("mps"))
+        assert "\n" not in str(caught.value)
 
 
 def test_lab_on_cuda_without_a_gpu_exits_2_before_anything_is_written(corpus_dir, tmp_path, monkeypatch, capsys):

@@ -172,7 +172,9 @@ def check_device_usable(device: torch.device) -> None:
     try:  # any other backend (mps, xpu, ...): the cheapest honest test is to allocate there
         torch.empty(0, device=device)
     except (RuntimeError, AssertionError) as error:
-        raise ValueError(f"--device {device} is not usable in this process ({error}); pass --device cpu") from None
+        # torch's dispatcher error lists every backend over ~50 lines: its first sentence says it.
+        first = str(error).strip().splitlines()[0].split(". ")[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"--device {device} is not usable in this process ({first}); pass --device cpu") from None
 
 
 def _env_int(name: str, default: int) -> int:
