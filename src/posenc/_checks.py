@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+import os
+import sys
 from typing import Any
 
 import torch
@@ -16,6 +18,16 @@ def integer_offset(value: Any) -> Any:
     if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int, torch.SymInt)):
         return operator.index(value)
     return value
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` for ``warnings.warn`` that points at the first frame outside posenc: the user's call,
+    however deep inside posenc the warning is raised (Python 3.12's ``skip_file_prefixes``, by hand)."""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, level = sys._getframe(1), 1  # level 1: the caller of this function, which calls warnings.warn
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def values_readable(device: torch.device | str | None) -> bool:

@@ -128,8 +128,14 @@ def _figure_config(args: argparse.Namespace, run_dir: str | None = None):  # -> 
     if run is not None:
         # The run's lengths unless a length is given, as --train-len or as the scaling's original length.
         own_lengths = flags["train_len"] is None and "original_max_position_embeddings" not in params
-        sizes = ("head_dim", "num_heads") + (("train_len", "eval_len") if own_lengths else ())
+        sizes = ("head_dim", "num_heads", "interleaved") + (("train_len", "eval_len") if own_lengths else ())
         flags.update({key: getattr(run, key) for key in sizes if flags[key] is None})
+        # And the RoPE it trained with (an --hf-config model's theta and rotary fraction), unless given.
+        if flags["base"] is None and "rope_theta" not in params:
+            flags["base"] = run.base
+        partial = run.rope_parameters.get("partial_rotary_factor")
+        if partial is not None and "partial_rotary_factor" not in params and flags["rope_type"] != "proportional":
+            params["partial_rotary_factor"] = partial
     return FigureConfig.from_flags(rope_parameters=params, **flags)
 
 

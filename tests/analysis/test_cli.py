@@ -138,3 +138,12 @@ def test_figure_options_name_each_value_once_and_keep_the_runs_sizes(tmp_path, c
         own.num_heads,
     )
     assert config("--train-len", "64", run=str(run)).eval_len == 256
+    # The RoPE a run trained with (an --hf-config model's theta, rotary fraction, layout) stays under the options.
+    rope = {"head_dim": 16, "rotary_dim": 4, "interleaved": True}
+    rope["rope_parameters"] = {"rope_type": "default", "rope_theta": 500000.0}
+    (run / "results.json").write_text(json.dumps({"config": sizes, "rope": rope}))
+    own = run_figure_config(run)
+    assert (own.base, own.spec.rotary_dim, own.interleaved) == (500000.0, 4, True)
+    scaled = config("--rope-type", "linear", "--factor", "2", run=str(run))
+    assert (scaled.base, scaled.spec.rotary_dim, scaled.interleaved, scaled.rope_type) == (500000.0, 4, True, "linear")
+    assert config("--base", "1e4", run=str(run)).base == 1e4  # what is given wins

@@ -30,6 +30,7 @@ def test_from_flags():
     assert config.eval_len == 8 * 512  # the length the factor extends to
     assert FigureConfig.from_flags(rope_type="yarn", rope_parameters={"factor": 1.5}, train_len=512).eval_len == 768
     assert FigureConfig.from_flags(train_len=512).eval_len == 4 * 512  # no factor: 4x
+    assert FigureConfig.from_flags(rope_type="linear", rope_parameters={"factor": 1.1}, train_len=100).eval_len == 110
     with pytest.raises(ValueError, match="rope_type is given twice"):
         FigureConfig.from_flags(rope_type="yarn", rope_parameters={"rope_type": "linear"})
 

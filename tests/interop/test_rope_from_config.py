@@ -14,6 +14,7 @@ import inspect
 import json
 import math
 import re
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -434,6 +435,7 @@ def test_rotations_posenc_cannot_do_are_refused(model_type: str, match: str) -> 
     ("model_type", "options", "match"),
     [
         *((name, {}, f"model_type '{name}' has no rotary") for name in ("bert", "gpt2", "bloom", "t5", "opt")),
+        ("data2vec-text", {}, "model_type 'data2vec-text' has no rotary"),  # its code: modeling_data2vec_text.py
         ("falcon", {"alibi": True}, "alibi=True: .* its encoding is ALiBi"),
         ("esm", {"position_embedding_type": "absolute"}, "position_embedding_type='absolute'"),
         ("granitemoehybrid", {"position_embedding_type": "nope"}, "position_embedding_type='nope'"),
@@ -453,6 +455,21 @@ def test_a_model_type_transformers_does_not_know_is_read_with_a_warning() -> Non
         warnings.simplefilter("error")  # a config without a model type is taken as given
         rope_from_config({"hidden_size": 4096, "num_attention_heads": 32})
         rope_from_config(transformers.AutoConfig.for_model("falcon"))  # Falcon with RoPE, as by default
+
+
+def test_without_transformers_a_model_type_is_read_without_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    # transformers is optional: without it every model type was 'not one the installed transformers knows'.
+    from posenc.interop import hf
+
+    monkeypatch.setitem(sys.modules, "transformers.models.auto.configuration_auto", None)  # import fails
+    hf._transformers_rotates.cache_clear()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert hf._transformers_rotates("llama") is True
+            rope_from_config({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4})
+    finally:
+        hf._transformers_rotates.cache_clear()
 
 
 @pytest.mark.parametrize(

@@ -131,6 +131,12 @@ def test_a_length_that_cannot_be_read_is_asked_for(mode):
     with pytest.raises(ValueError, match=r"pass seq_len="):
         rope(meta_q, meta_q)
     assert rope(meta_q, meta_q, seq_len=SEQ_LEN)[0].shape == q.shape
+    # MRoPE's three axes on the meta device take the shapes (scaled for 1, as its cos_sin does there).
+    mrope = posenc.MRoPE(
+        HEAD_DIM, mrope_section=[2, 3, 3], rope_parameters=PARAMS["dynamic"], max_position_embeddings=MAX_POS
+    )
+    axes = torch.zeros(3, 1, 5, dtype=torch.long, device="meta")
+    assert mrope(meta_q, meta_q, positions=axes)[0].shape == q.shape
 
 
 def test_a_length_that_varies_between_compiled_calls_gets_a_graph_each():

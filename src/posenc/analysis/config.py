@@ -74,7 +74,7 @@ class FigureConfig:
         if self.eval_len is None:  # the length the scaling extends to, else 4x
             factor = self.rope_parameters.get("factor")
             extends = isinstance(factor, (int, float)) and not isinstance(factor, bool) and 1 < factor < math.inf
-            object.__setattr__(self, "eval_len", math.ceil(factor * self.train_len) if extends else 4 * self.train_len)
+            object.__setattr__(self, "eval_len", round(factor * self.train_len) if extends else 4 * self.train_len)
         positive_int("eval_len", self.eval_len)
         if self.eval_len < self.train_len:
             raise ValueError(

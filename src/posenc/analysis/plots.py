@@ -85,6 +85,8 @@ def _config_label(config: FigureConfig, *, full: bool = False) -> str:
     label = f"{config.rope_type}, d={config.head_dim}, base={config.base:g}"
     if config.spec.rotary_dim != config.head_dim:
         label += f", r={config.spec.rotary_dim}"
+    if config.interleaved:  # the channels figure 1 draws depend on it
+        label += ", adjacent pairs"
     if not full and config.spec.params.get("factor"):
         label += f", factor={config.spec.params['factor']:g}"
     own = {k: v for k, v in config.spec.params.items() if not isinstance(v, (list, tuple))}

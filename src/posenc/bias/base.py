@@ -3,12 +3,10 @@ convenience view of it."""
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 from torch import nn
 
-from posenc._checks import int_tensor, positive_int, same_device
+from posenc._checks import int_tensor, integer_offset, positive_int, same_device
 from posenc.encoding import ActsOn
 
 
@@ -53,11 +51,11 @@ class ScoreBias(nn.Module):
         """Queries at offset..offset+q_len-1, keys at 0..k_len-1. Returns (h, q_len, k_len)."""
         positive_int("q_len", q_len)
         positive_int("k_len", k_len)
-        if isinstance(offset, bool) or not isinstance(offset, numbers.Integral):
+        offset = integer_offset(offset)  # numpy's integers too
+        if isinstance(offset, bool) or not isinstance(offset, int):
             raise TypeError(f"offset must be an int >= 0 (tokens already in the cache), got {offset!r}")
         if offset < 0:
             raise ValueError(f"offset must be an int >= 0 (tokens already in the cache), got {offset!r}")
-        offset = int(offset)  # numpy's integers too
         device = self._device()
         q = torch.arange(offset, offset + q_len, device=device)
         k = torch.arange(k_len, device=device)

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from posenc._checks import positive_int
+from posenc._checks import positive_int, user_stacklevel
 from posenc.rope.module import RoPE
 from posenc.rope.mrope import MRoPE, MRopeLayout
 from posenc.rope.parameters import REQUIRED_KEYS, pop_rope_type, unread_keys
@@ -319,7 +319,7 @@ def rope_kwargs_from_config(config: Any, *, layer_type: str | None = None) -> di
             f"the config says mrope_interleaved={key!r}, but model_type {model_type!r} lays out its axes as "
             f"mrope_layout={mrope_layout!r} whatever the key says (transformers does not read it); rotating as the "
             "model does",
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
 
     theta = _first(rope, "rope_theta")
@@ -364,7 +364,7 @@ def rope_kwargs_from_config(config: Any, *, layer_type: str | None = None) -> di
             warnings.warn(
                 f"the config's rope dict has key(s) {', '.join(unused)} that rope_type {rope_type!r} does not read; "
                 "ignored, as transformers ignores them",
-                stacklevel=3,
+                stacklevel=user_stacklevel(),
             )
             rope = {key: value for key, value in rope.items() if key not in unused}
 
@@ -423,29 +423,32 @@ def _require_rope(cfg: Mapping[str, Any], model_type: str) -> None:
             f"model_type {model_type!r} is not one the installed transformers knows (remote code?): read by "
             "transformers' conventions (split-half pairs, rope_theta, partial_rotary_factor / rotary_pct / head_dim); "
             "check them against the model's own code",
-            stacklevel=4,
+            stacklevel=user_stacklevel(),
         )
 
 
 @functools.cache
 def _transformers_rotates(model_type: str) -> bool | None:
-    """Whether the installed transformers' modeling code for ``model_type`` has a rotary embedding: True, False, or
-    None where that cannot be told (no transformers, a type it does not know, no modeling file of that name). The
-    file is read, not imported."""
+    """Whether the installed transformers' modeling code for ``model_type`` has a rotary embedding: False for a
+    type it knows whose package's modeling files never mention one, None for a type it does not know, True
+    otherwise (a rotary embedding, or no transformers to ask). The files are read, not imported."""
     try:
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES, model_type_to_module_name
-    except Exception:  # not installed
-        return None
+    except Exception:  # not installed: nothing to tell
+        return True
     if model_type not in CONFIG_MAPPING_NAMES:
         return None
-    module = model_type_to_module_name(model_type)
     try:
-        spec = importlib.util.find_spec(f"transformers.models.{module}.modeling_{module}")
+        package = importlib.util.find_spec(f"transformers.models.{model_type_to_module_name(model_type)}")
     except (ImportError, ValueError):
-        spec = None
-    if spec is None or not spec.origin or not os.path.isfile(spec.origin):
-        return True  # a sub-config type (a text or vision part) kept in another model's file: not refused
-    return "otary" in Path(spec.origin).read_text(encoding="utf-8")
+        package = None
+    folders = [] if package is None else list(package.submodule_search_locations or ())
+    # Every modeling file of the package: a sub-config type's code may sit in another (data2vec-text's in
+    # modeling_data2vec_text.py, Qwen2.5-VL's text model in modeling_qwen2_5_vl.py).
+    files = [file for folder in folders for file in Path(folder).glob("modeling_*.py")]
+    if not files:
+        return True
+    return any("otary" in file.read_text(encoding="utf-8") for file in files)
 
 
 @functools.cache

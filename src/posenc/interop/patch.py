@@ -174,15 +174,13 @@ class PosencRotaryEmbedding(nn.Module):
         if isinstance(rope, RoPE):
             self.layer_types: tuple[str, ...] = ()
             self.rope = rope
-            ropes = {"": rope}
         else:
             if not rope or not all(isinstance(value, RoPE) for value in rope.values()):
                 raise TypeError("rope must be a RoPE or a non-empty dict mapping each layer type to its RoPE")
             self.layer_types = tuple(rope)
             self.ropes = nn.ModuleDict(dict(rope))
-            ropes = dict(rope)
         self.attention_factors: dict[str, float] = {}
-        for layer_type, each in ropes.items():
+        for layer_type, each in self._ropes().items():
             inv_freq, attention_factor = each.frequencies()
             self.register_buffer(state_name(layer_type, "inv_freq"), inv_freq.to(torch.float64), persistent=False)
             self.attention_factors[layer_type] = float(attention_factor)
@@ -320,7 +318,8 @@ def _attend_with_rotated_keys(
 def _rotate_keys_for_step(
     rope: RoPE, key: torch.Tensor, key_positions: torch.Tensor, position_ids: torch.Tensor
 ) -> torch.Tensor:
-    # Outside any torch.compile graph: one graph break per layer, as transformers' dynamic_rope_update makes one.
+    # Outside any torch.compile graph: a graph break in each attention layer (transformers' dynamic_rope_update
+    # breaks once per forward, in the rotary embedding; the consistent mode's keys are rotated in every layer).
     return rope.rotate(key, key_positions, seq_len=rope.scaling_length(position_ids))
 
 
@@ -478,6 +477,16 @@ def _require_same_rotation(
             )
 
 
+def _config_errors() -> tuple[type[Exception], ...]:
+    """What a config class raises for values it refuses: ValueError and kin, and huggingface_hub's strict dataclass
+    validation error (Phi-3's validate_rope in transformers 5.x), which is none of them."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        return (ValueError, TypeError, KeyError)
+    return (ValueError, TypeError, KeyError, StrictDataclassError)
+
+
 def _new_config_rope(
     config: Any,
     rope_parameters: Mapping[str, Any],
@@ -531,7 +540,7 @@ def _new_config_rope(
         rebuilt = type(config).from_dict({**config.to_dict(), **copy.deepcopy(values)})
         kwargs = rope_kwargs_from_config(rebuilt)
         installed = RoPE(kwargs.pop("head_dim"), mode=mode, backend=backend, **kwargs)
-    except Exception as error:  # config classes validate in their own ways (Phi-3: huggingface_hub's strict checks)
+    except _config_errors() as error:
         detail = " ".join(str(error).split())
         raise ValueError(
             f"{type(config).__name__} cannot hold rope_parameters={hf_params}: {type(error).__name__}: {detail}. "

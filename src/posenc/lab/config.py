@@ -11,8 +11,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from posenc.registry import ENCODINGS
-from posenc.rope.module import RoPE
+from posenc.registry import ENCODINGS, build_for_model
 
 # torch.manual_seed takes seeds up to 2**64 - 1.
 _MAX_SEED = 2**64 - 1
@@ -191,8 +190,15 @@ class LabConfig:
         for name in self.extensions:
             for length in self.extension_lengths:
                 parameters = extension_rope_parameters(name, length / self.train_len, self.train_len)
-                try:
-                    RoPE(head_dim, rope_parameters=parameters, max_position_embeddings=self.train_len)
+                try:  # as ByteLM builds it
+                    build_for_model(
+                        "rope",
+                        dim=self.dim,
+                        num_heads=self.heads,
+                        head_dim=head_dim,
+                        max_positions=self.train_len,
+                        rope_parameters=parameters,
+                    )
                 except ValueError as error:
                     raise ValueError(
                         f"extension {name} cannot extend the rope model's heads of dim / heads = {self.dim} / "

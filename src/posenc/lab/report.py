@@ -268,7 +268,7 @@ def plot_all(out: Path, results: dict[str, Any]) -> None:
     figure, (axis,) = _figure()
     longest = max(r["eval_len"] for r in rows)
     curves: dict[str, list[list[float]]] = defaultdict(list)
-    bins: dict[str, int] = {}
+    bins: dict[str, float] = {}  # positions per bin (length / bins)
     for row in rows:
         if row["eval_len"] == longest and row["applicable"] and not row["finetune_steps"]:
             curves[label(row)].append(row["loss_by_position"])

@@ -108,8 +108,8 @@ def _length_unreadable(rope_type: str) -> ValueError:
 
 
 @torch.compiler.disable(
-    reason="dynamic NTK and LongRoPE scale for max(positions) + 1, read on the host; pass seq_len= to compile "
-    "with fullgraph=True"
+    reason="dynamic NTK and LongRoPE scale for max(positions) + 1, read on the host; for fullgraph=True pass seq_len= "
+    "to RoPE.forward (a patched transformers model cannot: compile it without fullgraph)"
 )
 def _call_cos_sin_eagerly(rope: RoPE, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     return rope.cos_sin(positions, seq_len=rope.scaling_length(positions), dtype=dtype)
@@ -201,12 +201,12 @@ class RoPE(nn.Module):
         key = seq_len if self.spec.rope_type in SEQ_LEN_DEPENDENT else None
         if seq_len is not None:
             sequence_length("seq_len", seq_len)
-        found = self._frequencies.get(key)
+        found = self._frequencies.pop(key, None)  # re-inserted below: the dict's order is the order of use
         if found is None:
             found = compute_frequencies(self.spec, seq_len=key)
             if len(self._frequencies) >= _FREQUENCIES_KEPT:
-                del self._frequencies[next(iter(self._frequencies))]
-            self._frequencies[key] = found
+                self._frequencies.pop(next(iter(self._frequencies)))  # the least recently used
+        self._frequencies[key] = found
         return found[0].clone(), found[1]  # a copy: callers may write to it
 
     @property

@@ -221,7 +221,7 @@ class MRoPE(RoPE):
             )
         pos = positions.to(device=q.device, dtype=torch.long) + offset
         dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        if seq_len is None:  # advances 'hf' dynamic NTK's state, as RoPE.forward does
+        if seq_len is None and q.device.type != "meta":  # advances 'hf' dynamic NTK's state, as RoPE.forward does
             cos, sin = self.call_cos_sin(pos, dtype=dtype)  # (b or 1, s, r/2)
         else:
             cos, sin = self.cos_sin(pos, seq_len=seq_len, dtype=dtype)
