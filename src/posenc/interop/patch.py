@@ -423,6 +423,11 @@ def _same_frequencies(a: RoPE, b: RoPE) -> bool:
     return True
 
 
+def _mrope_of(rope: RoPE) -> tuple[tuple[int, ...], str] | None:
+    """(mrope_section, mrope_layout) of a multimodal RoPE, as the discovery helpers take it; None for plain RoPE."""
+    return (rope.mrope_section, rope.mrope_layout) if isinstance(rope, MRoPE) else None
+
+
 def _require_same_rotation(
     rope: RoPE, rotary: Sequence[tuple[str, nn.Module]], architecture: str, layer_type: str = ""
 ) -> None:
@@ -435,8 +440,7 @@ def _require_same_rotation(
     ``original_inv_freq`` is.
     """
     ours, factor = rope.frequencies()
-    mrope = (rope.mrope_section, rope.mrope_layout) if isinstance(rope, MRoPE) else None
-    ours = ours[buffer_order(ours.numel(), mrope)]
+    ours = ours[buffer_order(ours.numel(), _mrope_of(rope))]
     for name, module in rotary:
         theirs = getattr(module, state_name(layer_type, "original_inv_freq"), None)
         if not isinstance(theirs, torch.Tensor):
@@ -732,9 +736,8 @@ def _probe_rotations(
             if id(function) not in probed:
                 try:
                     if runnable:
-                        mrope = (rope.mrope_section, rope.mrope_layout) if isinstance(rope, MRoPE) else None
                         probed[id(function)] = probe_rotation(
-                            name, function, rotary, layer_type=layer_type, head_dim=rope.head_dim, mrope=mrope
+                            name, function, rotary, layer_type=layer_type, head_dim=rope.head_dim, mrope=_mrope_of(rope)
                         )
                     elif found.model_type in SUPPORTED_ARCHITECTURES:
                         probed[id(function)] = Rotation(

@@ -11,7 +11,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from posenc.registry import ENCODINGS, build_for_model
+from posenc.registry import ENCODINGS
 
 # torch.manual_seed takes seeds up to 2**64 - 1.
 _MAX_SEED = 2**64 - 1
@@ -186,23 +186,18 @@ class LabConfig:
     def _check_extension_ropes(self) -> None:
         # Each extension's RoPE for the lab's own model, built now: a head too small for it (ntk and dynamic need
         # 4 channels) failed after every model had trained. (--hf-config models are built at the run's prepare.)
-        head_dim = self.dim // self.heads
+        from posenc.lab.model import ModelSpec, encoding_for
+
+        spec = ModelSpec(dim=self.dim, layers=self.layers, heads=self.heads, max_positions=self.train_len)
         for name in self.extensions:
             for length in self.extension_lengths:
                 parameters = extension_rope_parameters(name, length / self.train_len, self.train_len)
-                try:  # as ByteLM builds it
-                    build_for_model(
-                        "rope",
-                        dim=self.dim,
-                        num_heads=self.heads,
-                        head_dim=head_dim,
-                        max_positions=self.train_len,
-                        rope_parameters=parameters,
-                    )
+                try:
+                    encoding_for(spec, "rope", {"rope_parameters": parameters})
                 except ValueError as error:
                     raise ValueError(
                         f"extension {name} cannot extend the rope model's heads of dim / heads = {self.dim} / "
-                        f"{self.heads} = {head_dim} channels: {error}; give fewer heads or more dim, or leave "
+                        f"{self.heads} = {spec.head_dim} channels: {error}; give fewer heads or more dim, or leave "
                         f"{name} out of extensions"
                     ) from error
 

@@ -54,6 +54,19 @@ class ModelSpec:
         return self.dim // self.heads
 
 
+def encoding_for(spec: ModelSpec, encoding: str, options: Mapping[str, Any] | None = None) -> nn.Module:
+    """The encoding ``ByteLM(spec, encoding, options)`` shares among its layers, built alone (the lab checks and
+    records a rope model's RoPE without building the model)."""
+    return build_for_model(
+        encoding,
+        dim=spec.dim,
+        num_heads=spec.heads,
+        head_dim=spec.head_dim,
+        max_positions=spec.max_positions,
+        **dict(options or {}),
+    )
+
+
 class Block(nn.Module):
     """x + attn(norm(x)), then x + mlp(norm(x))."""
 
@@ -103,14 +116,7 @@ class ByteLM(nn.Module):
         super().__init__()
         self.spec = spec
         self.encoding_name = encoding
-        self.encoding = build_for_model(
-            encoding,
-            dim=spec.dim,
-            num_heads=spec.heads,
-            head_dim=spec.head_dim,
-            max_positions=spec.max_positions,
-            **dict(encoding_options or {}),
-        )
+        self.encoding = encoding_for(spec, encoding, encoding_options)
         self.embed = nn.Embedding(VOCAB_SIZE, spec.dim)
         self.blocks = nn.ModuleList(Block(spec, self.encoding) for _ in range(spec.layers))
         self.norm = nn.LayerNorm(spec.dim)

@@ -35,7 +35,7 @@ from posenc.lab.config import FINETUNABLE, LabConfig, extension_rope_parameters,
 from posenc.lab.data import Corpus, eval_window_ends, load_corpus, windows_ending
 from posenc.lab.dist import Ranks, process_group
 from posenc.lab.evaluate import LengthResult, evaluate_length, task_accuracy, task_samples
-from posenc.lab.model import ByteLM, ModelSpec
+from posenc.lab.model import ByteLM, ModelSpec, encoding_for
 from posenc.lab.train import TrainingDiverged, TrainResult, train
 
 FORMAT_VERSION = 1
@@ -407,11 +407,13 @@ class Lab:
         """The RoPE the rope model trains with, as results.json records it for the report's figures: head_dim,
         rotary_dim, interleaved and rope_parameters (type, theta and the type's own). An --hf-config model's comes
         from its config (its rope_theta, rotary fraction, layout), the lab's own model's from its encoding."""
-        from posenc.interop import rope_from_config
+        if self.config.hf_config is None:
+            rope = encoding_for(self.spec, "rope")
+        else:
+            from posenc.interop import rope_from_config
 
-        with torch.random.fork_rng(devices=[]):  # weights drawn here must not move the global generator
-            model = self._build("rope")
-        rope = rope_from_config(model.hf.config) if self.config.hf_config is not None else model.encoding
+            with torch.random.fork_rng(devices=[]):  # weights drawn here must not move the global generator
+                rope = rope_from_config(self._build("rope").hf.config)
         return {
             "head_dim": rope.head_dim,
             "rotary_dim": rope.rotary_dim,
