@@ -253,3 +253,21 @@ def test_an_input_encoding_given_to_the_attention_is_refused(name):
     """The layer never adds it: it used to run as if it had no encoding, even past a learned table."""
     with pytest.raises(ValueError, match=r"acts on the input, not in attention: add it to the embeddings once"):
         CausalSelfAttention(DIM, HEADS, encoding=make_encoding(name))
+
+
+def test_next_positions_starts_at_zero_on_an_empty_cache_and_feeds_input_encodings():
+    """A decoding loop of a learned-table model: add_input_encoding takes cache.next_positions(s) at every step,
+    the first included, and matches the full forward pass."""
+    torch.manual_seed(0)
+    enc = posenc.LearnedAbsolute(16, 32)
+    attn = posenc.CausalSelfAttention(32, 4).double()
+    x = torch.randn(1, 7, 32, dtype=torch.float64)
+    full = attn(posenc.add_input_encoding(x, enc.double(), torch.arange(7)))
+    cache = posenc.KVCache()
+    assert cache.next_positions(3).tolist() == [[0, 1, 2]]
+    steps = []
+    for chunk in (x[:, :4], x[:, 4:5], x[:, 5:]):
+        positions = cache.next_positions(chunk.shape[1])
+        steps.append(attn(posenc.add_input_encoding(chunk, enc, positions), cache=cache))
+    torch.testing.assert_close(torch.cat(steps, dim=1), full)
+    assert cache.next_positions(2).tolist() == [[7, 8]]

@@ -249,6 +249,27 @@ _pairs = torch.rand(4, 8)
             ValueError,
             r"positions must have shape \(5,\) or \(1, 5\) to match the sequence, got \(4, 5\)",
         ),
+        (
+            lambda: posenc.add_input_encoding(torch.zeros(1, 5, 16), posenc.Sinusoidal(16), None),
+            TypeError,
+            r"add_input_encoding needs positions: torch.arange\(s\) .* cache.next_positions\(s\)",
+        ),
+        (lambda: posenc.CausalSelfAttention(32, 4, bias="False"), TypeError, "bias must be True or False, got 'False'"),
+        (
+            lambda: posenc.CausalSelfAttention(32, 4, encoding=torch.nn.Identity()),
+            TypeError,
+            r"encoding Identity does not declare where it acts: .*acts_on = posenc.ActsOn.QK",
+        ),
+        (
+            lambda: posenc.CausalSelfAttention(32, 4)(torch.randn(1, 0, 32), cache=posenc.KVCache()),
+            ValueError,
+            r"x has no new tokens \(shape \(1, 0, 32\)\); a step with a KV cache must add at least one token",
+        ),
+        (
+            lambda: posenc.T5Bias(2).score_bias(torch.arange(3, device="meta"), torch.arange(3, device="meta")),
+            ValueError,
+            "q_positions is on meta but the T5 bias table is on cpu",
+        ),
         (lambda: posenc.Sinusoidal(16)(torch.arange(3), dtype=torch.long), TypeError, "dtype must be a floating-point"),
         (lambda: posenc.LearnedAbsolute(8, 16)(torch.arange(3), dtype=torch.int32), TypeError, "dtype must be a"),
         (lambda: posenc.RoPE(16).cos_sin(torch.arange(3), dtype=torch.long), TypeError, "dtype must be a floating"),

@@ -93,14 +93,17 @@ class KVCache:
                 f"cached sequence together (batch {held}), or start a new KVCache() for another batch"
             )
 
-    def next_positions(self, seq_len: int) -> torch.Tensor | None:
-        """(b or 1, seq_len) int64: the positions after the last cached one, per sequence; None when empty.
+    def next_positions(self, seq_len: int, *, device: torch.device | str | None = None) -> torch.Tensor:
+        """(b or 1, seq_len) int64: the positions after the last cached one, per sequence; 0..seq_len-1 (on
+        ``device``) while the cache is empty.
 
         Continues the cached positions, not ``length``: after a prefill at explicit positions (e.g. 100..105) the
-        next token is at 106, wherever the ids started.
+        next token is at 106, wherever the ids started. What ``CausalSelfAttention`` uses when given no positions,
+        and what ``add_input_encoding`` needs in a decoding loop.
         """
-        if self.positions is None:
-            return None
+        positive_int("seq_len", seq_len)
+        if self.positions is None or self.positions.shape[1] == 0:
+            return torch.arange(seq_len, device=device)[None]
         steps = torch.arange(1, seq_len + 1, dtype=torch.long, device=self.positions.device)
         return self.positions[:, -1:] + steps
 
@@ -187,7 +190,16 @@ def _describe(layer: nn.Module) -> str:
 
 
 def add_input_encoding(x: torch.Tensor, encoding: nn.Module | None, positions: torch.Tensor) -> torch.Tensor:
-    """x: (b, s, dim); positions: (s,) or (b or 1, s). Adds the encoding if it acts on the input, else returns x."""
+    """x: (b, s, dim); positions: (s,) or (b or 1, s). Adds the encoding if it acts on the input, else returns x.
+
+    positions has no default: torch.arange(s) for whole sequences, ``cache.next_positions(s)`` when decoding (a
+    default of 0..s-1 would put every decoded token at position 0). Call it before the layers add this step to the
+    cache."""
+    if positions is None:
+        raise TypeError(
+            "add_input_encoding needs positions: torch.arange(s) for whole sequences, or cache.next_positions(s) "
+            "(the positions after the cached ones) when decoding with a KVCache"
+        )
     if encoding is None or encoding.acts_on is not ActsOn.INPUT:
         return x
     float_tensor("x", x)
@@ -239,6 +251,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         positive_int("dim", dim)
         positive_int("num_heads", num_heads)
+        flag("bias", bias)
         num_kv_heads = num_heads if num_kv_heads is None else positive_int("num_kv_heads", num_kv_heads)
         if dim % num_heads:
             raise ValueError(f"dim={dim} must be divisible by num_heads={num_heads}")
@@ -257,6 +270,13 @@ class CausalSelfAttention(nn.Module):
                 else ""
             )
             raise TypeError(f"encoding must be an nn.Module or None, got {type(encoding).__name__}{hint}")
+        if encoding is not None and not isinstance(getattr(encoding, "acts_on", None), ActsOn):
+            # acts_on is all the layer reads of an encoding; without it the first forward would fail far from here.
+            raise TypeError(
+                f"encoding {type(encoding).__name__} does not declare where it acts: an encoding needs a class "
+                "attribute acts_on = posenc.ActsOn.QK, SCORE_BIAS, INPUT or NONE (see posenc.encoding); for no "
+                "encoding pass encoding=None or posenc.NoPE()"
+            )
         if encoding is not None and getattr(encoding, "acts_on", None) is ActsOn.INPUT:
             # The layer cannot add it (it goes into the residual stream once, before the first layer) and would
             # run as if it had no encoding at all, past a learned table too.
@@ -325,6 +345,12 @@ class CausalSelfAttention(nn.Module):
                     "document_ids cannot be combined with a KV cache: a cache continues one sequence per batch "
                     "row; decode packed documents each in a row of its own"
                 )
+            if s == 0:
+                # An empty step would leave the cache with no last position to continue from.
+                raise ValueError(
+                    f"x has no new tokens (shape {tuple(x.shape)}); a step with a KV cache must add at least one "
+                    "token: skip the call for an empty step"
+                )
             cache._claim(self)
             cache.check_batch(b)
         if isinstance(positions, torch.Tensor) and positions.dim() == 3:
@@ -337,8 +363,9 @@ class CausalSelfAttention(nn.Module):
             docs = resolve_document_ids(document_ids, batch=b, seq_len=s, device=x.device)
             if positions is None:
                 positions = positions_from_document_ids(docs)
-        pos = cache.next_positions(s) if cache is not None and positions is None else None
-        if pos is None:
+        if cache is not None and positions is None:
+            pos = cache.next_positions(s, device=x.device)
+        else:
             pos = resolve_positions(s, batch=b, positions=positions, device=x.device)
         q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)

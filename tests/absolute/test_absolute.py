@@ -43,3 +43,26 @@ def test_sinusoidal_refuses_negative_positions():
     table = posenc.sinusoidal_table(torch.tensor([-5, 5]), 8)
     torch.testing.assert_close(table[0, 0::2], -table[1, 0::2])
     torch.testing.assert_close(table[0, 1::2], table[1, 1::2])
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int16, torch.uint8, torch.int32])
+def test_narrow_integer_positions_are_row_ids(dtype):
+    """Every integer dtype the shared check accepts is looked up like int64 (embedding takes only int32/int64)."""
+    learned, sinusoidal = posenc.LearnedAbsolute(16, 8), posenc.Sinusoidal(8)
+    ids = torch.tensor([[0, 5, 15]])
+    torch.testing.assert_close(learned(ids.to(dtype)), learned(ids))
+    torch.testing.assert_close(sinusoidal(ids.to(dtype)), sinusoidal(ids))
+
+
+@pytest.mark.parametrize("make", [lambda: posenc.LearnedAbsolute(16, 8), lambda: posenc.Sinusoidal(8)])
+def test_input_encodings_compile_with_fullgraph_and_run_on_meta(make):
+    """No host read of the positions while compiling: the range check runs in the graph instead."""
+    enc = make()
+    x = torch.randn(2, 5, 8)
+    eager = posenc.add_input_encoding(x, enc, torch.arange(5))
+    compiled = torch.compile(lambda x, p: posenc.add_input_encoding(x, enc, p), fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x, torch.arange(5)), eager)
+    with pytest.raises(RuntimeError, match="positions must be"):
+        compiled(x, torch.arange(5) - 1)
+    # Shape inference on meta reads no values.
+    assert enc.to("meta")(torch.arange(5, device="meta")).shape == (5, 8)

@@ -58,6 +58,7 @@ def test_none_overrides_pass_through():
         ({"lr": float("nan")}, "lr (--lr) must be a finite number > 0"),
         ({"dim": 30, "heads": 4}, "dim=30 must be a multiple of heads=4"),
         ({"dim": 36, "heads": 4}, "even head_dim"),
+        ({"dim": 9, "heads": 3, "encodings": ("sinusoidal",), "extensions": ()}, "dim=9 must be even"),
         ({"val_fraction": 0.0}, "val_fraction must be > 0"),
         ({"warmup_fraction": 1.5}, "warmup_fraction must be a number in"),
         ({"finetune_steps": -1}, "finetune_steps (--finetune-steps) must be an integer >= 0"),

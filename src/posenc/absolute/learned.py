@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from posenc._checks import float_dtype, int_tensor, positive_int
+from posenc._checks import assert_without_sync, float_dtype, int_tensor, positive_int, values_readable
 from posenc.encoding import ActsOn
 
 
@@ -34,7 +34,15 @@ class LearnedAbsolute(nn.Module):
         int_tensor("positions", positions, host_read=True)
         if dtype is not None:
             float_dtype("dtype", dtype)
-        if positions.numel():
+        if positions.dtype not in (torch.int64, torch.int32):
+            positions = positions.long()  # what embedding lookups take; int8/int16/uint8 ids are still row ids
+        if positions.numel() and not values_readable(positions.device):
+            # Compiling or capturing: the check runs with the lookup instead of reading values on the host.
+            assert_without_sync(
+                (positions >= 0) & (positions < self.max_positions),
+                f"positions must be rows of the learned table, 0..{self.max_positions - 1}",
+            )
+        elif positions.numel():
             low, high = int(positions.min()), int(positions.max())
             if low < 0:
                 raise ValueError(f"positions must be >= 0 (row indices of the learned table), got {low}")

@@ -7,7 +7,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from posenc._checks import base_value, even_positive_int, float_dtype, int_tensor
+from posenc._checks import (
+    assert_without_sync,
+    base_value,
+    even_positive_int,
+    float_dtype,
+    int_tensor,
+    values_readable,
+)
 from posenc.encoding import ActsOn
 
 
@@ -48,7 +55,9 @@ class Sinusoidal(nn.Module):
         """positions: (...) integer >= 0. Returns (..., dim)."""
         int_tensor("positions", positions, host_read=True)
         # The table would give values (sin is odd), but no token sits before position 0: as LearnedAbsolute.
-        if positions.numel() and bool((positions < 0).any()):
+        if positions.numel() and not values_readable(positions.device):
+            assert_without_sync(positions >= 0, "positions must be >= 0 (token positions count from 0)")
+        elif positions.numel() and bool((positions < 0).any()):
             raise ValueError(
                 f"positions must be >= 0 (token positions count from 0), got {int(positions.min())}; the sinusoidal "
                 "encoding has no maximum, but no negative positions either"

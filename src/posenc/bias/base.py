@@ -11,11 +11,12 @@ from posenc.encoding import ActsOn
 
 
 def score_positions(q_positions: torch.Tensor, k_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q_positions: (sq,) or (b, sq), k_positions: (sk,) or (b, sk) integer. Returns both as (b or 1, n).
+    """q_positions: (sq,) or (b, sq), k_positions: (sk,) or (b, sk) integer. Returns both as (b or 1, n) int64.
 
     A 1-D tensor is one sequence shared by the whole batch (a batch of 1 that broadcasts), as ``positions=`` of
     ``CausalSelfAttention``. Raises TypeError for non-integer positions (ALiBi and T5 alike: a float position is
-    a bug upstream, not a distance), ValueError for other ranks or batch sizes that do not broadcast.
+    a bug upstream, not a distance), ValueError for other ranks or batch sizes that do not broadcast. int64,
+    because the encodings subtract them: in uint8 0 - 5 is 251, and int8/int16 wrap past their range likewise.
     """
     checked = []
     for name, positions in (("q_positions", q_positions), ("k_positions", k_positions)):
@@ -25,7 +26,7 @@ def score_positions(q_positions: torch.Tensor, k_positions: torch.Tensor) -> tup
                 f"{name} must have shape (n,) or (b, n) (one row of positions per sequence), "
                 f"got shape {tuple(positions.shape)}"
             )
-        checked.append(positions if positions.dim() == 2 else positions[None])
+        checked.append((positions if positions.dim() == 2 else positions[None]).long())
     q, k = checked
     same_device(("q_positions", "k_positions"), q, k)
     if q.shape[0] != k.shape[0] and 1 not in (q.shape[0], k.shape[0]):

@@ -141,12 +141,23 @@ class LabConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")
-        if self.dim % self.heads or (self.dim // self.heads) % 2:
+        self._check_names("encodings", self.encodings, tuple(ENCODINGS), allow_empty=False)
+        if self.dim % self.heads:
+            raise ValueError(
+                f"dim={self.dim} must be a multiple of heads={self.heads}; "
+                f"e.g. dim={self.heads * max(1, round(self.dim / self.heads))}"
+            )
+        # Only the encodings that work on pairs of channels need them even: RoPE per head, sinusoidal per model.
+        if "rope" in self.encodings and (self.dim // self.heads) % 2:
             raise ValueError(
                 f"dim={self.dim} must be a multiple of heads={self.heads} with an even head_dim (RoPE rotates pairs); "
                 f"e.g. dim={2 * self.heads * max(1, round(self.dim / (2 * self.heads)))}"
             )
-        self._check_names("encodings", self.encodings, tuple(ENCODINGS), allow_empty=False)
+        if "sinusoidal" in self.encodings and self.dim % 2:
+            raise ValueError(
+                f"dim={self.dim} must be even (the sinusoidal encoding fills channels in sin/cos pairs); "
+                f"e.g. dim={2 * self.heads * max(1, round(self.dim / (2 * self.heads)))}"
+            )
         self._check_names("extensions", self.extensions, tuple(EXTENSIONS), allow_empty=True)
         if self.hf_config is not None:  # before the extensions' check, whose advice would not fit here
             self._check_hf_config()

@@ -27,7 +27,8 @@ VOCAB_SIZE = 256  # bytes
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-    """dim: model width; layers: blocks; heads: attention heads (dim % heads == 0);
+    """dim: model width; layers: blocks; heads: attention heads (dim % heads == 0; RoPE refuses an odd head_dim,
+    sinusoidal an odd dim, and the other encodings take either);
     max_positions: the training length (the learned table's size, the length RoPE extensions extend from)."""
 
     dim: int
@@ -43,11 +44,6 @@ class ModelSpec:
                 raise ValueError(f"ModelSpec.{name} must be a positive integer, got {value!r}")
         if self.dim % self.heads:
             raise ValueError(f"ModelSpec.dim={self.dim} must be divisible by heads={self.heads}")
-        if (self.dim // self.heads) % 2:
-            raise ValueError(
-                f"ModelSpec: head_dim = dim / heads = {self.dim // self.heads} must be even (RoPE rotates pairs); "
-                "change dim or heads"
-            )
 
     @property
     def head_dim(self) -> int:
