@@ -149,7 +149,9 @@ def rows_against_copy(
 
 def commit() -> str:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
+        here = Path(__file__).parent  # the checkout the script lives in, wherever it is run from
+        command = ["git", "rev-parse", "--short", "HEAD"]
+        out = subprocess.run(command, capture_output=True, text=True, timeout=10, cwd=here)
         return out.stdout.strip() or "unknown"
     except OSError:
         return "unknown"
@@ -251,6 +253,9 @@ def _device_clock(cases: dict[str, Callable[[], object]], *, reps: int, device: 
 
 
 def percentiles(times: list[float]) -> tuple[float, float, float]:
+    """(p20, p50, p80); one sample is all three (statistics.quantiles needs two)."""
+    if len(times) == 1:
+        return times[0], times[0], times[0]
     q = statistics.quantiles(times, n=10, method="inclusive")
     return q[1], statistics.median(times), q[7]
 

@@ -14,14 +14,13 @@ import argparse
 import csv
 import io
 import platform
-import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from common import commit, percentiles
 from posenc import CausalSelfAttention, KVCache, RoPE
 
 FIELDS = ["op", "provider", "mode", "dtype", "shape", "p20", "p50", "p80", "ratio_to_hf", "device", "torch", "commit"]
@@ -58,20 +57,6 @@ def time_decode(attn: CausalSelfAttention, x: torch.Tensor, prefill: int) -> lis
     return times
 
 
-def quantiles(values: list[float]) -> tuple[float, float, float]:
-    if len(values) == 1:
-        return values[0], values[0], values[0]
-    q = statistics.quantiles(values, n=10, method="inclusive")
-    return q[1], statistics.median(values), q[7]
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return "unknown"
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
@@ -106,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
             steps = [min(run[i] for run in runs) * 1e3 for i in range(len(runs[0]))]  # ms, best of repeats
             phases = {"before": steps[:switch], "switch": steps[switch : switch + 1], "after": steps[switch + 1 :]}
             for phase, values in phases.items():
-                p20, p50, p80 = quantiles(values)
+                p20, p50, p80 = percentiles(values)
                 key = f"{phase}"
                 if mode == "hf":
                     medians[key] = p50

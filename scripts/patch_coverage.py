@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -39,7 +40,8 @@ def main() -> None:
         try:
             report = patch_model(copy_)
         except ValueError as error:
-            refused.append(f"{model_type} ({str(error).split(': ', 1)[-1][:90]})")
+            reason = str(error).split(": ", 1)[-1]
+            refused.append(f"{model_type} ({textwrap.shorten(reason, 90, placeholder=' ...')})")  # at a word
             continue
         ids = scan.tokens()
         ok = all(

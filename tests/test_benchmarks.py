@@ -37,8 +37,8 @@ def _run(script: str, *args: str, interpret: bool = False) -> None:
 
 
 def _rows(path: Path) -> list[dict[str, str]]:
-    with path.open() as f:
-        return list(csv.DictReader(f))
+    with path.open() as f:  # a first line of "# command" where a script records the command that made it
+        return list(csv.DictReader(line for line in f if not line.startswith("#")))
 
 
 @pytest.mark.parametrize("alloc", ["fresh", "reuse"])
@@ -66,6 +66,24 @@ def _in_git() -> bool:
 
 
 @pytest.mark.skipif(not _in_git(), reason="cpu_kernel_ab.py reads the baseline's source from git")
+def test_decode_and_lab_throughput_benchmarks_run_with_one_rep(tmp_path: Path) -> None:
+    """One timed sample is a row too (p20 = p50 = p80), not a StatisticsError."""
+    _run(
+        "rope_consistent_cache.py",
+        *("--head-dim", "16", "--heads", "2", "--kv-heads", "1", "--max-pos", "8", "--prefill", "4", "--total", "12"),
+        *("--repeats", "1", "--out", str(tmp_path / "cache.csv")),
+    )
+    rows = _rows(tmp_path / "cache.csv")
+    assert {(r["provider"], r["mode"]) for r in rows} == {
+        (f"rope-{t}", f"{m}/{w}") for t in ("dynamic", "longrope") for m in ("hf", "consistent") for w in
+        ("before", "switch", "after")
+    }  # fmt: skip
+    _run("lab_throughput.py", *("--preset", "quick", "--encodings", "rope", "--steps", "1", "--reps", "1"),
+         "--no-progress", "--out", str(tmp_path / "lab.csv"))  # fmt: skip
+    rows = _rows(tmp_path / "lab.csv")
+    assert [r["provider"] for r in rows] == ["lab", "plain"] and rows[0]["p20"] == rows[0]["p50"] == rows[0]["p80"]
+
+
 def test_bias_memory_packs_documents(tmp_path: Path) -> None:
     """The materialized path only (FlexAttention's first compile would take a minute here); the flex path with
     document ids is tested against it in tests/kernels/test_flex_bias.py."""

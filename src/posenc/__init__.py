@@ -1,5 +1,8 @@
 """posenc: positional encodings for transformers, exact against references, fast, and measured."""
 
+import importlib
+from typing import Any
+
 from posenc.absolute import LearnedAbsolute, Sinusoidal, sinusoidal_table
 from posenc.attention import CausalSelfAttention, KVCache, add_input_encoding
 from posenc.bias import ALiBi, T5Bias, alibi_bias, alibi_slopes, t5_relative_bucket
@@ -17,6 +20,17 @@ def available_backends() -> list[str]:
     """Rotation backends usable in this process: "torch" always; "cpu" once the fused CPU kernel has built and
     loaded (the first call builds it, about a second); "triton" when Triton imports and a CUDA device is present."""
     return ["torch"] + ["cpu"] * cpu_available() + ["triton"] * triton_available()
+
+
+# Loaded on first use, so that `import posenc` stays light (no matplotlib, no lab) and `posenc.interop.patch_model`
+# still works after it alone.
+_SUBPACKAGES = ("analysis", "distributed", "interop", "lab", "testing")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"posenc.{name}")
+    raise AttributeError(f"module 'posenc' has no attribute {name!r}")
 
 
 __all__ = [

@@ -137,6 +137,9 @@ def test_interrupted_evaluation_resumes_without_retraining(tiny_config, tmp_path
     monkeypatch.setattr(runner, "train", lambda *a, **k: pytest.fail("trained again"))
     results = quiet(config, out).run()
     assert len(results["rows"]) == 4 and (folder / "metrics.json").exists()
+    # Without a rope model there is no extensions plot to draw, nor one named in the report.
+    assert not (out / "rope_extensions.png").exists() and "rope_extensions.png" not in (out / "report.md").read_text()
+    assert (out / "entropy_by_length.png").exists()
 
 
 def test_run_command_reports_an_interrupt(tiny_config, tmp_path, monkeypatch, capsys):

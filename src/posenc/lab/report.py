@@ -44,8 +44,14 @@ PLOTS = {
 }
 
 
+def plots_of(rows: list[dict[str, Any]]) -> dict[str, str]:
+    """The PLOTS a run has: without a rope model there is nothing for rope_extensions.png to draw."""
+    has_rope = any(row["encoding"] == "rope" for row in rows)
+    return {name: title for name, title in PLOTS.items() if has_rope or name != "rope_extensions.png"}
+
+
 def write_all(out: Path, results: dict[str, Any]) -> None:
-    """results.csv, results.json, report.md and every plot in PLOTS, each written atomically."""
+    """results.csv, results.json, report.md and every plot of ``plots_of``, each written atomically."""
     store.write_text(out / "results.csv", to_csv(results["rows"]))
     store.write_json(out / "results.json", results)
     plot_all(out, results)
@@ -201,7 +207,7 @@ def to_markdown(results: dict[str, Any]) -> str:
         lines += [f"- {name} at {n}: {reason}" for name, n, reason in reasons]
         lines.append("")
     lines += ["## Plots", ""]
-    lines += [f"![{title}]({name})" for name, title in PLOTS.items()]
+    lines += [f"![{title}]({name})" for name, title in plots_of(rows).items()]
     return "\n".join(lines) + "\n"
 
 
@@ -252,17 +258,22 @@ def plot_all(out: Path, results: dict[str, Any]) -> None:
     axis.set_title(f"trained at {train_len} (dotted)")
     _save(figure, out / "bpb_by_length.png")
 
-    figure, (axis,) = _figure()
     rope_rows = [r for r in rows if r["encoding"] == "rope"]
-    _lines(axis, rope_rows, "bits_per_byte", ["rope", *ext_labels], train_len, "bits per byte")
-    axis.set_title("RoPE extensions of the trained rope model")
-    _save(figure, out / "rope_extensions.png")
+    if rope_rows:
+        figure, (axis,) = _figure()
+        _lines(axis, rope_rows, "bits_per_byte", ["rope", *ext_labels], train_len, "bits per byte")
+        axis.set_title("RoPE extensions of the trained rope model")
+        _save(figure, out / "rope_extensions.png")
+    else:
+        # A narrower rerun in a folder that had rope would otherwise keep showing its old plot.
+        (out / "rope_extensions.png").unlink(missing_ok=True)
 
-    figure, axes = _figure(2)
+    figure, axes = _figure(2 if rope_rows else 1)
     _lines(axes[0], rows, "entropy", enc_labels, train_len, "attention entropy (nats)")
     axes[0].set_title("encodings")
-    _lines(axes[1], rope_rows, "entropy", ["rope", *ext_labels], train_len, "attention entropy (nats)")
-    axes[1].set_title("RoPE extensions")
+    if rope_rows:
+        _lines(axes[1], rope_rows, "entropy", ["rope", *ext_labels], train_len, "attention entropy (nats)")
+        axes[1].set_title("RoPE extensions")
     _save(figure, out / "entropy_by_length.png")
 
     figure, (axis,) = _figure()
