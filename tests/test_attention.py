@@ -50,6 +50,23 @@ def test_kv_cache_decode_equals_full_forward(name, kv_heads, start):
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-12, rtol=1e-12)
 
 
+@pytest.mark.parametrize("name", ["rope", "alibi", "t5"])
+def test_a_step_of_shared_positions_continues_a_cache_of_per_row_positions(name):
+    """A prefill with one row of positions per sequence, then a step whose (s,) positions every row shares: the
+    cache keeps a row per sequence (not the step's single row) and the result is the full forward pass."""
+    torch.manual_seed(0)
+    attn = layer_for(make_encoding(name).double())
+    x = torch.randn(2, 6, DIM, dtype=torch.float64)
+    rows = torch.tensor([[0, 1, 2, 3, 4], [5, 6, 7, 8, 8]])
+    full = attn(x, positions=torch.cat((rows, torch.tensor([[9], [9]])), dim=1))
+    cache = KVCache()
+    out = torch.cat(
+        (attn(x[:, :5], positions=rows, cache=cache), attn(x[:, 5:], positions=torch.tensor([9]), cache=cache)), 1
+    )
+    assert cache.positions.shape == (2, 6) and cache.positions[:, -1].tolist() == [9, 9]
+    torch.testing.assert_close(out, full, atol=1e-12, rtol=1e-12)
+
+
 @pytest.mark.parametrize("name", ["rope", "nope", "alibi", "t5"])
 def test_cache_continues_positions_by_default(name):
     torch.manual_seed(0)

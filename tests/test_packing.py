@@ -52,6 +52,18 @@ def test_document_ids_from_positions_is_hugging_faces_rule(lengths, start):
     torch.testing.assert_close(posenc.positions_from_document_ids(docs[0]), shifted)
 
 
+@given(documents=st.lists(st.tuples(st.integers(1, 9), st.integers(0, 20)), min_size=1, max_size=6))
+def test_documents_that_do_not_start_at_zero_are_split_by_hugging_faces_rule(documents):
+    """Any step other than +1 starts a document, a jump forward included (transformers' rule, its own function as
+    the oracle); only a document that happens to continue the last one's count merges with it."""
+    positions = torch.cat([torch.arange(start, start + n) for n, start in documents])
+    docs = posenc.document_ids_from_positions(positions[None])
+    expected = find_packed_sequence_indices(positions[None])
+    torch.testing.assert_close(docs, torch.zeros_like(docs) if expected is None else expected)
+    jump = torch.tensor([[0, 1, 2, 5, 6, 7]])
+    torch.testing.assert_close(posenc.document_ids_from_positions(jump), torch.tensor([[0, 0, 0, 1, 1, 1]]))
+
+
 @given(lengths=st.lists(st.integers(0, 6), min_size=1, max_size=6))
 def test_document_ids_from_cu_seqlens(lengths):
     cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])

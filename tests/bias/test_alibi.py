@@ -47,6 +47,18 @@ def test_causal_bias_masks_the_future():
     assert torch.isinf(bias[:, future]).all() and torch.isfinite(bias[:, ~future]).all()
 
 
+@pytest.mark.parametrize(("q", "k"), [(range(5), range(5)), (range(7, 10), range(10))])
+def test_the_public_causal_alibi_bias_masks_exactly_the_future(q, k):
+    """alibi_bias(causal=True): -inf where the key comes after the query, the reference elsewhere, the query's own
+    key (0) included: masking it too would leave the first query nothing to attend to (a NaN row)."""
+    q, k = list(q), list(k)
+    bias = posenc.alibi_bias(posenc.alibi_slopes(4), torch.tensor(q), torch.tensor(k), causal=True)[0]
+    future = torch.tensor([[n > m for n in k] for m in q])
+    assert torch.isneginf(bias[:, future]).all()
+    torch.testing.assert_close(bias[:, ~future].double(), alibi_bias_reference(4, q, k)[:, ~future], rtol=1e-6, atol=0)
+    assert torch.isfinite(bias.softmax(-1)).all()
+
+
 @settings(max_examples=30, deadline=None)
 @given(heads=st.integers(1, 40), m=st.integers(0, 5000), n=st.integers(0, 5000), shift=st.integers(0, 5000))
 def test_bias_depends_only_on_distance(heads, m, n, shift):

@@ -41,6 +41,11 @@ CASES: dict[str, list[dict[str, Any]]] = {
         {"factor": 16.0, "original_max_position_embeddings": 1024, "mscale": 0.707, "mscale_all_dim": 1.0},
         {"factor": 8.0, "original_max_position_embeddings": 512, "mscale": 1.0},  # one of the two: plain mscale
         {"factor": 8.0, "original_max_position_embeddings": 512, "mscale": 1.0, "mscale_all_dim": 0.0},
+        # Only one of the two, not 1: transformers then ignores it (get_mscale(factor) alone).
+        {"factor": 8.0, "original_max_position_embeddings": 512, "mscale": 0.707},
+        {"factor": 8.0, "original_max_position_embeddings": 512, "mscale_all_dim": 0.707},
+        # A long original length puts YaRN's high bound past the last pair: the ramp's clamp to r/2 - 1 decides.
+        {"factor": 4.0, "original_max_position_embeddings": 131072},
         {"factor": 4.0, "original_max_position_embeddings": 2048, "attention_factor": 1.25},
         {"factor": 4.0, "original_max_position_embeddings": 1024, "beta_fast": 16, "beta_slow": 2, "truncate": False},
         {"factor": 4.0, "original_max_position_embeddings": 1024, "beta_fast": 64.0, "beta_slow": 0.5},
