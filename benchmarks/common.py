@@ -153,7 +153,7 @@ def commit() -> str:
         command = ["git", "rev-parse", "--short", "HEAD"]
         out = subprocess.run(command, capture_output=True, text=True, timeout=10, cwd=here)
         return out.stdout.strip() or "unknown"
-    except OSError:
+    except (OSError, subprocess.TimeoutExpired):
         return "unknown"
 
 

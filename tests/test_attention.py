@@ -7,6 +7,7 @@ import gc
 import pickle
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -287,4 +288,7 @@ def test_next_positions_starts_at_zero_on_an_empty_cache_and_feeds_input_encodin
         positions = cache.next_positions(chunk.shape[1])
         steps.append(attn(posenc.add_input_encoding(chunk, enc, positions), cache=cache))
     torch.testing.assert_close(torch.cat(steps, dim=1), full)
-    assert cache.next_positions(2).tolist() == [[7, 8]]
+    assert cache.next_positions(2).tolist() == [[7, 8]] and cache.next_positions(np.int64(1)).tolist() == [[7]]
+    assert cache.next_positions(0).shape == (1, 0)
+    # An empty step after the first changes nothing (only an empty first step is refused: nothing to continue).
+    assert attn(x[:, :0], cache=cache).shape == (1, 0, 32) and cache.length == 7

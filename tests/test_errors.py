@@ -263,7 +263,7 @@ _pairs = torch.rand(4, 8)
         (
             lambda: posenc.CausalSelfAttention(32, 4)(torch.randn(1, 0, 32), cache=posenc.KVCache()),
             ValueError,
-            r"x has no new tokens \(shape \(1, 0, 32\)\); a step with a KV cache must add at least one token",
+            r"x has no new tokens \(shape \(1, 0, 32\)\); the first step into a KV cache must add at least one",
         ),
         (
             lambda: posenc.T5Bias(2).score_bias(torch.arange(3, device="meta"), torch.arange(3, device="meta")),

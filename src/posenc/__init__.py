@@ -33,6 +33,10 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'posenc' has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_SUBPACKAGES})
+
+
 __all__ = [
     "ALiBi",
     "ActsOn",

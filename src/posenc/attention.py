@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from posenc._checks import flag, float_tensor, positive_int
+from posenc._checks import flag, float_tensor, integer_offset, positive_int
 from posenc.encoding import ActsOn
 from posenc.kernels.flex_bias import FlexFallback, attend_flex, use_flex
 from posenc.positions import positions_from_document_ids, resolve_document_ids, resolve_positions
@@ -101,7 +101,9 @@ class KVCache:
         next token is at 106, wherever the ids started. What ``CausalSelfAttention`` uses when given no positions,
         and what ``add_input_encoding`` needs in a decoding loop.
         """
-        positive_int("seq_len", seq_len)
+        seq_len = integer_offset(seq_len)  # numpy's integers too
+        if isinstance(seq_len, bool) or not isinstance(seq_len, (int, torch.SymInt)) or seq_len < 0:
+            raise ValueError(f"seq_len must be an int >= 0 (the number of new tokens), got {seq_len!r}")
         if self.positions is None or self.positions.shape[1] == 0:
             return torch.arange(seq_len, device=device)[None]
         steps = torch.arange(1, seq_len + 1, dtype=torch.long, device=self.positions.device)
@@ -345,11 +347,11 @@ class CausalSelfAttention(nn.Module):
                     "document_ids cannot be combined with a KV cache: a cache continues one sequence per batch "
                     "row; decode packed documents each in a row of its own"
                 )
-            if s == 0:
-                # An empty step would leave the cache with no last position to continue from.
+            if s == 0 and cache.length == 0:
+                # An empty first step would leave the cache holding no position to continue from.
                 raise ValueError(
-                    f"x has no new tokens (shape {tuple(x.shape)}); a step with a KV cache must add at least one "
-                    "token: skip the call for an empty step"
+                    f"x has no new tokens (shape {tuple(x.shape)}); the first step into a KV cache must add at "
+                    "least one token: skip the call for an empty step"
                 )
             cache._claim(self)
             cache.check_batch(b)

@@ -54,15 +54,23 @@ def test_narrow_integer_positions_are_row_ids(dtype):
     torch.testing.assert_close(sinusoidal(ids.to(dtype)), sinusoidal(ids))
 
 
-@pytest.mark.parametrize("make", [lambda: posenc.LearnedAbsolute(16, 8), lambda: posenc.Sinusoidal(8)])
-def test_input_encodings_compile_with_fullgraph_and_run_on_meta(make):
-    """No host read of the positions while compiling: the range check runs in the graph instead."""
+@pytest.mark.parametrize(
+    ("make", "past_the_end"),
+    [(lambda: posenc.LearnedAbsolute(16, 8), "rows of the learned table, 0..15"), (lambda: posenc.Sinusoidal(8), None)],
+)
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_input_encodings_compile_with_fullgraph_and_run_on_meta(make, past_the_end, dynamic):
+    """No host read of the positions while compiling: the range checks run in the graph instead."""
     enc = make()
+    compiled = torch.compile(enc, fullgraph=True, dynamic=dynamic, backend="aot_eager")
+    torch.testing.assert_close(compiled(torch.arange(5)), enc(torch.arange(5)))
+    with pytest.raises(RuntimeError, match="count from 0" if past_the_end is None else "rows of the learned table"):
+        compiled(torch.arange(5) - 1)
+    if past_the_end is not None:
+        with pytest.raises(RuntimeError, match=past_the_end):
+            compiled(torch.arange(5) + 14)
     x = torch.randn(2, 5, 8)
-    eager = posenc.add_input_encoding(x, enc, torch.arange(5))
-    compiled = torch.compile(lambda x, p: posenc.add_input_encoding(x, enc, p), fullgraph=True, backend="aot_eager")
-    torch.testing.assert_close(compiled(x, torch.arange(5)), eager)
-    with pytest.raises(RuntimeError, match="positions must be"):
-        compiled(x, torch.arange(5) - 1)
+    added = torch.compile(lambda x, p: posenc.add_input_encoding(x, enc, p), fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(added(x, torch.arange(5)), x + enc(torch.arange(5)))
     # Shape inference on meta reads no values.
     assert enc.to("meta")(torch.arange(5, device="meta")).shape == (5, 8)

@@ -43,10 +43,11 @@ def test_bad_positions_are_the_same_clear_error_for_both(name, q, k, error, mess
 @pytest.mark.parametrize("name", list(BIASES))
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32])
 def test_narrow_integer_positions_do_not_wrap(name, dtype):
-    """Distances are taken in int64: uint8 0 - 5 is 251, and int8 100 - (-100) overflows."""
+    """Distances are taken in int64: uint8 0 - 5 is 251, int8 100 - (-100) and int16 30000 - (-30000) overflow."""
     enc = BIASES[name]()
     q, k = torch.tensor([5, 100]), torch.tensor([0, 3, 5, 7, 100])
     torch.testing.assert_close(enc.score_bias(q.to(dtype), k.to(dtype)), enc.score_bias(q, k))
     if dtype is not torch.uint8:
-        q, k = torch.tensor([100]), torch.tensor([-100, 0])
+        far = torch.iinfo(dtype).max - 7  # 120, 32760, about 2.1e9: twice that wraps in the dtype itself
+        q, k = torch.tensor([far]), torch.tensor([-far, 0])
         torch.testing.assert_close(enc.score_bias(q.to(dtype), k.to(dtype)), enc.score_bias(q, k))

@@ -121,7 +121,8 @@ def test_ctrl_c_keeps_finished_units_and_resuming_gives_the_same_numbers(tiny_co
 
 
 def test_interrupted_evaluation_resumes_without_retraining(tiny_config, tmp_path, monkeypatch):
-    config = tiny_config(encodings=("alibi",), extensions=())
+    # Heads of 3 channels: no rope, so an odd head size trains, and the report draws its RoPE figures at 4.
+    config = tiny_config(encodings=("alibi",), extensions=(), dim=12, heads=4)
     out = tmp_path / "run"
     real = runner.evaluate_length
 
@@ -139,7 +140,7 @@ def test_interrupted_evaluation_resumes_without_retraining(tiny_config, tmp_path
     assert len(results["rows"]) == 4 and (folder / "metrics.json").exists()
     # Without a rope model there is no extensions plot to draw, nor one named in the report.
     assert not (out / "rope_extensions.png").exists() and "rope_extensions.png" not in (out / "report.md").read_text()
-    assert (out / "entropy_by_length.png").exists()
+    assert (out / "entropy_by_length.png").exists() and (out / "report.html").exists()
 
 
 def test_run_command_reports_an_interrupt(tiny_config, tmp_path, monkeypatch, capsys):

@@ -30,6 +30,12 @@ def sinusoidal_table(
     even_positive_int("dim", dim)
     base_value("base", base)
     float_dtype("dtype", dtype)
+    return _table(positions, dim, base, dtype)
+
+
+def _table(positions: torch.Tensor, dim: int, base: float, dtype: torch.dtype) -> torch.Tensor:
+    # Unchecked: Sinusoidal checked dim and base once, and under torch.compile(dynamic=True) its float base is
+    # symbolic, which math.isfinite cannot take.
     inv_freq = base ** (-torch.arange(0, dim, 2, dtype=torch.float64, device=positions.device) / dim)
     angles = positions.to(torch.float64)[..., None] * inv_freq  # (..., dim/2)
     return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2).to(dtype)
@@ -62,7 +68,7 @@ class Sinusoidal(nn.Module):
                 f"positions must be >= 0 (token positions count from 0), got {int(positions.min())}; the sinusoidal "
                 "encoding has no maximum, but no negative positions either"
             )
-        return sinusoidal_table(positions, self.dim, base=self.base, dtype=dtype)
+        return _table(positions, self.dim, self.base, float_dtype("dtype", dtype))
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, base={self.base}"

@@ -157,8 +157,8 @@ def run_figure_config(run_dir: str | Path) -> FigureConfig | None:
     """The figure config of the run's own model, from results.json: the RoPE its rope model trained with
     (``rope``: head_dim, rotary_dim, interleaved, rope_parameters; an --hf-config model's theta, rotary fraction
     and layout), and the lengths and heads of its ``config`` (train_len, eval_lengths, heads). Runs written
-    before ``rope`` was recorded: head_dim = dim / heads, plain RoPE with base 10000, as the lab's own model
-    trains. None if absent."""
+    before ``rope`` was recorded, and runs without rope: head_dim = dim / heads (rounded up to even), plain RoPE
+    with base 10000, as the lab's own model trains. None if absent."""
     path = Path(run_dir) / "results.json"
     if not path.is_file():
         return None
@@ -172,7 +172,9 @@ def run_figure_config(run_dir: str | Path) -> FigureConfig | None:
     sizes = dict(train_len=config["train_len"], eval_len=max(config["eval_lengths"]), num_heads=config["heads"])
     rope = results.get("rope")
     if not isinstance(rope, Mapping):
-        return FigureConfig(head_dim=config["dim"] // config["heads"], **sizes)
+        head_dim = config["dim"] // config["heads"]
+        # A run without rope may have heads of an odd size; RoPE's figures need pairs.
+        return FigureConfig(head_dim=head_dim + head_dim % 2, **sizes)
     parameters = dict(rope["rope_parameters"])
     if rope["rotary_dim"] != rope["head_dim"] and parameters.get("rope_type") != "proportional":
         parameters["partial_rotary_factor"] = rope["rotary_dim"] / rope["head_dim"]
