@@ -531,3 +531,35 @@ def test_a_config_class_that_keeps_the_trained_length_under_its_own_name() -> No
     jetmoe = transformers.AutoConfig.for_model("jetmoe", hidden_size=64, num_attention_heads=4, kv_channels=32)
     for given in (jetmoe, jetmoe.to_dict()):
         assert rope_kwargs_from_config(given)["head_dim"] == 32
+
+
+@pytest.mark.parametrize(
+    ("model_type", "rotary_class", "layer_types"),
+    [
+        ("mistral4", "mistral4.modeling_mistral4.Mistral4RotaryEmbedding", (None,)),
+        (
+            "dots3_note_text",
+            "dots3_note.modeling_dots3_note.Dots3NoteTextRotaryEmbedding",
+            ("indexed_attention", "sliding_attention"),
+        ),
+    ],
+)
+def test_mla_models_whose_head_dim_is_not_the_rotated_size(model_type: str, rotary_class: str, layer_types) -> None:
+    """Mistral 4 (head_dim 128, partial 0.5) and dots.llm3 (256, 0.25) rotate qk_rope_head_dim = 64 channels with
+    frequencies over those 64 (head_dim * partial); the partial factor applied to the 64 rotated half of them."""
+    from transformers import CONFIG_MAPPING
+
+    path, name = rotary_class.rsplit(".", 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = CONFIG_MAPPING[model_type]()
+        reference = getattr(importlib.import_module(f"transformers.models.{path}"), name)(config)
+        for layer_type in layer_types:
+            rope = rope_from_config(config, layer_type=layer_type)
+            inv_freq = getattr(reference, "inv_freq" if layer_type is None else f"{layer_type}_inv_freq")
+            factor = getattr(
+                reference, "attention_scaling" if layer_type is None else f"{layer_type}_attention_scaling"
+            )
+            assert (rope.head_dim, rope.rotary_dim) == (config.qk_rope_head_dim, 2 * inv_freq.numel())
+            torch.testing.assert_close(rope.frequencies()[0].float(), inv_freq)
+            assert rope.frequencies()[1] == pytest.approx(factor)

@@ -330,6 +330,7 @@ def rope_kwargs_from_config(config: Any, *, layer_type: str | None = None) -> di
     except (TypeError, ValueError):
         raise ValueError(f"the config's rope_theta must be a number, got {theta!r}") from None
 
+    partial = None
     if model_type in _ABSOLUTE_ROTARY_DIM:
         # GPT-J and CodeGen build a fixed table (create_sinusoidal_positions): base 10000, no scaling, whatever
         # the config says.
@@ -369,6 +370,19 @@ def rope_kwargs_from_config(config: Any, *, layer_type: str | None = None) -> di
             rope = {key: value for key, value in rope.items() if key not in unused}
 
     head_dim = _first(cfg, "qk_rope_head_dim", "head_dim")
+    if cfg.get("qk_rope_head_dim") is not None and _first(cfg, "head_dim") not in (None, head_dim):
+        # MLA rotates the qk_rope_head_dim channels, but transformers sizes the rotation (and its frequencies'
+        # exponent) by head_dim * partial_rotary_factor: Mistral 4's 128 * 0.5, dots.llm3's 256 * 0.25, both the 64
+        # channels rotated. The same fraction of the rotated channels here.
+        fraction = 1.0 if partial is None else partial
+        rotated = int(cfg["head_dim"] * fraction)
+        if rotated > head_dim or rotated % 2:
+            raise ValueError(
+                f"the config's head_dim={cfg['head_dim']} times partial_rotary_factor={fraction} sizes a "
+                f"rotation of {rotated} channels, which the "
+                f"qk_rope_head_dim={head_dim} rotated channels cannot hold; transformers' model would fail too"
+            )
+        rope["partial_rotary_factor"] = rotated / head_dim
     if head_dim is None:
         hidden, heads = _first(cfg, "hidden_size", "n_embd", "d_model"), _first(cfg, "num_attention_heads", "n_head")
         if hidden is None or heads is None:
