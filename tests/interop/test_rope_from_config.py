@@ -563,3 +563,54 @@ def test_mla_models_whose_head_dim_is_not_the_rotated_size(model_type: str, rota
             assert (rope.head_dim, rope.rotary_dim) == (config.qk_rope_head_dim, 2 * inv_freq.numel())
             torch.testing.assert_close(rope.frequencies()[0].float(), inv_freq)
             assert rope.frequencies()[1] == pytest.approx(factor)
+
+
+def test_partial_scaled_types_and_a_top_level_original_length_read_as_transformers_reads_them() -> None:
+    """Gaps a mutation pass found: a scaled type keeps its partial_rotary_factor whatever 'default' does with it,
+    and a top-level original_max_position_embeddings wins over the rope dict's (LlamaConfig and Phi3Config alike)."""
+    from transformers.models.llama import configuration_llama, modeling_llama
+    from transformers.models.phi3 import configuration_phi3, modeling_phi3
+
+    sizes = {"hidden_size": 128, "num_attention_heads": 2, "max_position_embeddings": 8192}
+    cases = [
+        (
+            "llama",
+            {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "partial_rotary_factor": 0.5,
+                "original_max_position_embeddings": 1024,
+            },
+            {},
+        ),
+        ("llama", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}, {"original": 2048}),
+        (
+            "phi3",
+            {"rope_type": "longrope", "short_factor": [1.0] * 32, "long_factor": [3.0] * 32, "factor": 4.0},
+            {"original": 2048},
+        ),
+    ]
+    classes = {
+        "llama": (configuration_llama.LlamaConfig, modeling_llama.LlamaRotaryEmbedding),
+        "phi3": (configuration_phi3.Phi3Config, modeling_phi3.Phi3RotaryEmbedding),
+    }
+    for model_type, rope_parameters, extra in cases:
+        raw = {"model_type": model_type, **sizes, "rope_parameters": rope_parameters}
+        if "original" in extra:
+            raw["original_max_position_embeddings"] = extra["original"]
+            rope_parameters.setdefault("original_max_position_embeddings", 4096)  # the dict's, which loses
+        config_class, rotary_class = classes[model_type]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            hf = rotary_class(config_class(**{k: v for k, v in raw.items() if k != "model_type"}))
+            inv_freq, factor = rope_from_config(raw).frequencies()
+        torch.testing.assert_close(inv_freq.float(), hf.inv_freq, rtol=1e-6, atol=0, msg=f"{model_type} {raw}")
+        assert factor == pytest.approx(hf.attention_scaling, rel=1e-6)
+
+
+def test_a_legacy_type_that_disagrees_with_rope_type_is_refused() -> None:
+    from posenc.rope.parameters import parse_rope_parameters
+
+    with pytest.raises(ValueError, match=r"rope_type='linear' and type='yarn'"):
+        parse_rope_parameters(64, {"rope_type": "linear", "type": "yarn", "factor": 2.0})
+    assert parse_rope_parameters(64, {"rope_type": "linear", "type": "linear", "factor": 2.0}) is not None

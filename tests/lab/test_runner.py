@@ -308,3 +308,25 @@ def test_a_narrower_rerun_says_which_finished_units_its_report_leaves_out(finish
     others = len(plan(config)) - len(plan(narrow))
     assert any(f"note: {others} finished unit(s) in {copy} are outside this selection" in line for line in lines)
     assert {r["encoding"] for r in rows_of(copy)} == {"rope"}
+
+
+def test_fine_tunes_keep_the_bytes_per_step_and_a_constant_rate(tiny_config, tmp_path, monkeypatch):
+    """Pretraining takes the config's batch and schedule; a fine-tune at L takes batch * train_len / L windows (the
+    same bytes per step) at the fine-tune rate, constant after warmup (min_lr_fraction 1), as PI and YaRN do."""
+    config = tiny_config(encodings=("rope",), extensions=("pi",), finetune_steps=2, eval_lengths=(8, 16, 32))
+    calls = []
+    real = runner.train
+
+    def spy(model, data, **kwargs):
+        calls.append(kwargs)
+        return real(model, data, **kwargs)
+
+    monkeypatch.setattr(runner, "train", spy)
+    quiet(config, tmp_path / "run").run()
+    pretrain, *finetunes = sorted(calls, key=lambda kwargs: kwargs["seq_len"])
+    assert (pretrain["batch_size"], pretrain["min_lr_fraction"], pretrain["lr"]) == (
+        config.batch_size, config.min_lr_fraction, config.lr
+    )  # fmt: skip
+    assert [(k["seq_len"], k["batch_size"]) for k in finetunes] == [(16, config.batch_size // 2), (32, 1)]
+    assert all(k["min_lr_fraction"] == 1.0 and k["lr"] == config.resolved_finetune_lr for k in finetunes)
+    assert all(k["grad_clip"] == config.grad_clip and k["steps"] == 2 for k in finetunes)

@@ -25,6 +25,46 @@ def test_a_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.json"]
 
 
+def _interrupted_halfway(real):
+    def write(self, data, *args, **kwargs):
+        real(self, data[: len(data) // 2], *args, **kwargs)
+        raise KeyboardInterrupt
+
+    return write
+
+
+@pytest.mark.parametrize("writer", ["text", "bytes", "json", "weights"])
+def test_every_store_writer_goes_through_a_temporary(tmp_path, monkeypatch, writer):
+    """A writer interrupted after half its bytes hit the disk: the old file is whole and no temporary is left (a
+    writer that wrote its target directly would leave it half written)."""
+    path = tmp_path / "target"
+    path.write_bytes(b"old")
+    if writer == "weights":  # safetensors writes the file itself
+        real = store.save_model
+
+        def half_saved(model, filename, **kwargs):
+            real(model, filename, **kwargs)
+            Path(filename).write_bytes(b"half")
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(store, "save_model", half_saved)
+        model = ByteLM(ModelSpec(dim=8, layers=1, heads=2, max_positions=4, mlp_ratio=1), "nope")
+        write = lambda: store.save_weights(model, path)  # noqa: E731
+    else:
+        method = "write_bytes" if writer == "bytes" else "write_text"
+        monkeypatch.setattr(Path, method, _interrupted_halfway(getattr(Path, method)))
+        write = {
+            "text": lambda: store.write_text(path, "new text"),
+            "bytes": lambda: store.write_bytes(path, b"new bytes"),
+            "json": lambda: store.write_json(path, {"new": 1}),
+        }[writer]
+    with pytest.raises(KeyboardInterrupt):
+        write()
+    monkeypatch.undo()
+    assert path.read_bytes() == b"old"
+    assert [p.name for p in tmp_path.iterdir()] == ["target"]
+
+
 def test_writes_create_folders_and_replace(tmp_path):
     path = tmp_path / "a" / "b" / "report.md"
     store.write_text(path, "one")

@@ -78,3 +78,18 @@ def test_every_step_loss_is_kept_and_the_summaries_come_from_it():
     assert losses.shape == (30,) and losses.dtype == torch.float32
     assert result.final_loss == float(losses[-3:].mean())
     assert result.loss_curve == [(s + 1, round(float(x), 5)) for s, x in enumerate(losses)]
+
+
+@pytest.mark.parametrize("grad_clip", [0.0, 0.25])
+def test_gradients_are_clipped_to_grad_clip_every_step_and_not_at_zero(grad_clip, monkeypatch):
+    calls = []
+    real = torch.nn.utils.clip_grad_norm_
+
+    def spy(parameters, max_norm, *args, **kwargs):
+        calls.append(max_norm)
+        return real(parameters, max_norm, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", spy)
+    train(ByteLM(SPEC, "nope"), TEXT, seq_len=8, batch_size=4, steps=3, lr=1e-2, seed=0, grad_clip=grad_clip,
+          progress=False)  # fmt: skip
+    assert calls == ([grad_clip] * 3 if grad_clip else [])
