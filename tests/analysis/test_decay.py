@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import posenc
 from posenc.analysis import decay_bound, long_term_decay
 
 
@@ -49,6 +50,15 @@ def test_scaling_types_use_their_frequencies_and_attention_factor():
     plain = long_term_decay(64, max_distance=40)
     # Linear interpolation by 2 at distance 2j is plain RoPE at distance j.
     torch.testing.assert_close(linear.bound[::2], plain.bound, rtol=1e-12, atol=1e-12)
+
+
+def test_a_length_dependent_type_scales_for_the_shortest_sequence_that_holds_the_distances():
+    """Distances 0..256 need 257 positions: dynamic NTK past a trained length of 256 scales for 257, not 256."""
+    params = {"rope_type": "dynamic", "factor": 2.0}
+    result = long_term_decay(64, rope_parameters=params, max_position_embeddings=256, max_distance=256)
+    rope = posenc.RoPE(64, rope_parameters=params, max_position_embeddings=256)
+    torch.testing.assert_close(result.inv_freq, rope.frequencies(257)[0])
+    assert not torch.equal(result.inv_freq, rope.frequencies(256)[0])
 
 
 def test_bad_input_is_a_clear_error():

@@ -22,6 +22,17 @@ def test_rope_spread_is_zero_and_sinusoidal_is_large():
     assert rope.scores.shape == (64, 64) and rope.offsets.tolist() == list(range(-63, 64))
 
 
+@pytest.mark.parametrize("encoding", [posenc.Sinusoidal(16), posenc.LearnedAbsolute(9, 16)])
+def test_each_spread_is_the_range_of_its_own_diagonal(encoding):
+    """For an absolute encoding the spread differs from one side of the diagonal to the other (m - n = 1 is not
+    m - n = -1), so each offsets[j] must be matched with its own entries, found here by brute force."""
+    result = relative_invariance(encoding, 9)
+    for offset, spread in zip(result.offsets.tolist(), result.spread.tolist(), strict=True):
+        entries = [float(result.scores[m, n]) for m in range(9) for n in range(9) if m - n == offset]
+        assert spread == pytest.approx(max(entries) - min(entries), abs=1e-12), offset
+    assert result.spread[result.offsets == 1] != pytest.approx(float(result.spread[result.offsets == -1]))
+
+
 def test_scores_are_the_rotated_dot_products():
     # Hand-derived for d = 2: q, k rotate by m and n radians (theta_0 = 1), so the score is |q||k| cos(angle).
     result = relative_invariance(posenc.RoPE(2), 5, seed=3)

@@ -270,6 +270,18 @@ def test_frequencies_stay_float64_through_dtype_casts() -> None:
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
 
 
+def test_a_float64_model_gets_float64_cos_sin_from_float64_angles() -> None:
+    """Far from 0 (position 4093), float32 cos/sin would be off by ~1e-4; a float64 model gets the exact values."""
+    model = build("llama").double()
+    patch_model(model)
+    positions = torch.tensor([[0, 1000, 4093]])
+    cos, sin = model.model.rotary_emb(torch.zeros(1, 3, 8, dtype=torch.float64), positions)
+    angles = positions[..., None].double() * model.model.rotary_emb.inv_freq  # (1, 3, r/2): one per pair
+    assert cos.dtype == sin.dtype == torch.float64
+    torch.testing.assert_close(cos, angles.cos(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(sin, angles.sin(), rtol=0, atol=1e-12)
+
+
 NEW_SCALINGS = [
     ("llama", {"rope_type": "yarn", "factor": 4.0}),
     ("llama", {"rope_type": "dynamic", "factor": 2.0}),

@@ -283,6 +283,24 @@ def test_in_place_refuses_memory_shared_by_an_expanded_view(backend):
         apply_rotary_(x, cos[:5], sin[:5], backend=backend)
 
 
+@pytest.mark.parametrize("backend", ["auto", "cpu", "triton"])
+def test_in_place_on_channels_of_stride_two(backend):
+    """A view whose channels are every other element: the fused kernels write unit-stride channels, so an explicit
+    fused backend refuses it and "auto" rotates it on the torch path, equal to rotating a copy."""
+    device = DEVICE.get(backend, "cpu")
+    cos, sin = (t.to(device) for t in table(8, 16))
+    storage = torch.randn(1, 2, 5, 16, device=device)
+    x = storage[..., ::2]
+    expected = apply_rotary(x.contiguous(), cos[:5], sin[:5], backend="torch")
+    if backend != "auto":
+        with pytest.raises(ValueError, match="in place needs unit stride in the last dim"):
+            apply_rotary_(x, cos[:5], sin[:5], backend=backend)
+        return
+    untouched = storage[..., 1::2].clone()
+    apply_rotary_(x, cos[:5], sin[:5], backend=backend)
+    assert torch.equal(x, expected) and torch.equal(storage[..., 1::2], untouched)
+
+
 @pytest.mark.parametrize("backend", ["auto", "torch", "cpu", "triton"])
 def test_in_place_on_an_inference_tensor_follows_torch(backend):
     """torch refuses in-place updates to an inference tensor outside inference mode; every backend agrees (the fused
