@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from posenc.cli import main
-from posenc.lab import runner
+from posenc.lab import runner, store
 from posenc.lab.config import make_config
 from posenc.lab.report import PLOTS
 from posenc.lab.runner import Lab, plan
@@ -330,3 +330,20 @@ def test_fine_tunes_keep_the_bytes_per_step_and_a_constant_rate(tiny_config, tmp
     assert [(k["seq_len"], k["batch_size"]) for k in finetunes] == [(16, config.batch_size // 2), (32, 1)]
     assert all(k["min_lr_fraction"] == 1.0 and k["lr"] == config.resolved_finetune_lr for k in finetunes)
     assert all(k["grad_clip"] == config.grad_clip and k["steps"] == 2 for k in finetunes)
+
+
+def test_weights_of_another_configuration_are_retrained_not_loaded(tiny_config, tmp_path, monkeypatch):
+    """A folder whose config.json and unit metrics were deleted is claimed by another configuration; the weights
+    still there were trained with other settings, so the unit trains again instead of loading them."""
+    out = tmp_path / "run"
+    quiet(tiny_config(encodings=("nope",), extensions=()), out).run()
+    (out / "config.json").unlink()
+    (out / "runs" / "nope" / "seed0" / "metrics.json").unlink()
+    old_id = store.read_json(out / "runs" / "nope" / "seed0" / "train.json")["config_id"]
+    trained = []
+    real = runner.train
+    monkeypatch.setattr(runner, "train", lambda *a, **k: trained.append(k) or real(*a, **k))
+    other = tiny_config(encodings=("nope",), extensions=(), lr=2e-3)
+    quiet(other, out).run()
+    assert len(trained) == 1 and trained[0]["lr"] == 2e-3
+    assert store.read_json(out / "runs" / "nope" / "seed0" / "train.json")["config_id"] != old_id
