@@ -104,9 +104,9 @@ class T5Bias(ScoreBias):
     def score_bias(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
         """q_positions: (b, sq) or (sq,), k_positions: (b, sk) or (sk,) integer. Returns (b, h, sq, sk) in the
         table's dtype; a causal T5 puts keys after the query in bucket 0 (never -inf): the attention masks them."""
-        if isinstance(q_positions, torch.Tensor):
-            same_device(("q_positions", "the T5 bias table"), q_positions, self.table.weight)
-        return self.table(self.buckets(q_positions, k_positions)).permute(0, 3, 1, 2)
+        buckets = self.buckets(q_positions, k_positions)  # on the positions' device, checked there
+        same_device(("q_positions", "the T5 bias table"), buckets, self.table.weight)
+        return self.table(buckets).permute(0, 3, 1, 2)
 
     def extra_repr(self) -> str:
         return (
