@@ -22,7 +22,7 @@ import torch
 from common import add_allocation_argument, environment, measure_interleaved, percentiles, write_rows
 from posenc.lab.config import PRESETS
 from posenc.lab.data import load_corpus, train_starts, windows_at
-from posenc.lab.model import ByteLM, ModelSpec, next_byte_loss
+from posenc.lab.model import ByteLM, next_byte_loss
 from posenc.lab.train import make_optimizer, train
 
 
@@ -56,7 +56,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     config = PRESETS[args.preset]
-    spec = ModelSpec(dim=config.dim, layers=config.layers, heads=config.heads, max_positions=config.train_len)
+    spec = config.model_spec()
     corpus = load_corpus(max_bytes=4 << 20)
     starts = train_starts(
         corpus.train, seq_len=config.train_len, batch_size=config.batch_size, steps=args.steps, seed=0

@@ -9,9 +9,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from posenc.registry import ENCODINGS
+
+if TYPE_CHECKING:
+    from posenc.lab.model import ModelSpec
 
 # torch.manual_seed takes seeds up to 2**64 - 1.
 _MAX_SEED = 2**64 - 1
@@ -197,9 +200,9 @@ class LabConfig:
     def _check_extension_ropes(self) -> None:
         # Each extension's RoPE for the lab's own model, built now: a head too small for it (ntk and dynamic need
         # 4 channels) failed after every model had trained. (--hf-config models are built at the run's prepare.)
-        from posenc.lab.model import ModelSpec, encoding_for
+        from posenc.lab.model import encoding_for
 
-        spec = ModelSpec(dim=self.dim, layers=self.layers, heads=self.heads, max_positions=self.train_len)
+        spec = self.model_spec()
         for name in self.extensions:
             for length in self.extension_lengths:
                 parameters = extension_rope_parameters(name, length / self.train_len, self.train_len)
@@ -250,6 +253,12 @@ class LabConfig:
     @property
     def seeds(self) -> tuple[int, ...]:
         return tuple(range(self.seed, self.seed + self.num_seeds))
+
+    def model_spec(self) -> ModelSpec:
+        """The model every encoding trains: this config's width, layers and heads, at its training length."""
+        from posenc.lab.model import ModelSpec  # imported on use, as the config's other checks import the model
+
+        return ModelSpec(dim=self.dim, layers=self.layers, heads=self.heads, max_positions=self.train_len)
 
     @property
     def extension_lengths(self) -> tuple[int, ...]:

@@ -35,7 +35,7 @@ from posenc.lab.config import FINETUNABLE, LabConfig, extension_rope_parameters,
 from posenc.lab.data import Corpus, eval_window_ends, load_corpus, windows_ending
 from posenc.lab.dist import Ranks, process_group
 from posenc.lab.evaluate import LengthResult, evaluate_length, task_accuracy, task_samples
-from posenc.lab.model import ByteLM, ModelSpec, encoding_for
+from posenc.lab.model import ByteLM, encoding_for
 from posenc.lab.train import TrainingDiverged, TrainResult, train
 
 FORMAT_VERSION = 1
@@ -80,10 +80,6 @@ def plan(config: LabConfig) -> list[Unit]:
                 for length in config.extension_lengths
             ]
     return units
-
-
-def model_spec(config: LabConfig) -> ModelSpec:
-    return ModelSpec(dim=config.dim, layers=config.layers, heads=config.heads, max_positions=config.train_len)
 
 
 def check_corpus(corpus: Corpus, config: LabConfig) -> None:
@@ -211,7 +207,7 @@ class Lab:
         self.device = torch.device(device)
         self.command = command
         self.echo = echo if self.ranks.is_main else _silent
-        self.spec = model_spec(config)
+        self.spec = config.model_spec()
         self.prepared = False
 
     def prepare(self) -> None:
