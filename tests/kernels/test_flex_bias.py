@@ -6,11 +6,14 @@ import warnings
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from posenc import ALiBi, CausalSelfAttention, KVCache, T5Bias, attention
 from posenc.attention import attend, causal_mask
 from posenc.kernels import flex_bias
+from posenc.positions import positions_from_document_ids
 from posenc.testing import assert_close
 
 ENCODINGS = {
@@ -47,6 +50,80 @@ def test_score_mod_matches_the_materialized_bias(name, positions):
         block_mask = create_block_mask(lambda b_, h_, qi, ki: ki <= qi + (t - s), None, None, s, t, device="cpu")
         got = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)
     assert_close(got, expected.double(), reduction=True)
+
+
+def _block_kinds(block_mask) -> torch.Tensor:
+    """(b, nq, nk): 0 skipped, 1 partial (mask_mod applied), 2 full, from a BlockMask's index lists."""
+    b, _, nq = block_mask.kv_num_blocks.shape
+    kinds = torch.zeros(b, nq, block_mask.kv_indices.shape[-1], dtype=torch.long)
+    for kind, counts, indices in (
+        (1, block_mask.kv_num_blocks, block_mask.kv_indices),
+        (2, block_mask.full_kv_num_blocks, block_mask.full_kv_indices),
+    ):
+        for row, i in ((row, i) for row in range(b) for i in range(nq)):
+            chosen = indices[row, 0, i, : counts[row, 0, i]].long()
+            assert (kinds[row, i, chosen] == 0).all(), "a key block listed twice"
+            kinds[row, i, chosen] = kind
+    return kinds
+
+
+def _document_rows(draw, batch: int, t: int, sorted_ids: bool) -> torch.Tensor:
+    ids = [draw(st.lists(st.integers(0, 3), min_size=t, max_size=t)) for _ in range(batch)]
+    return torch.tensor([sorted(row) if sorted_ids else row for row in ids], dtype=torch.long).reshape(batch, t)
+
+
+@st.composite
+def _block_mask_cases(draw):
+    t = draw(st.integers(1, 40))
+    s = draw(st.integers(1, t))
+    block = draw(st.sampled_from([1, 4, 8, 16]))
+    documents = draw(st.sampled_from(["none", "sorted", "any"]))
+    docs = None if documents == "none" else _document_rows(draw, draw(st.integers(1, 3)), t, documents == "sorted")
+    return s, t, block, docs
+
+
+@settings(max_examples=150, deadline=None)
+@given(_block_mask_cases())
+def test_causal_block_mask_skips_only_empty_blocks_and_marks_only_whole_ones_full(case):
+    """Built from index and id ranges, never from the mask: every allowed (query, key) pair lies in a block that is
+    computed, a full block (mask_mod not applied) holds only allowed pairs, and for non-decreasing ids (packed
+    documents) the blocks are create_block_mask's, which evaluates the mask pair by pair. Random ids too."""
+    s, t, block, docs = case
+    past = t - s
+    row = (lambda b, i: i * 0) if docs is None else flex_bias._per_batch(docs)
+
+    def allowed(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx + past) & (row(b, q_idx + past) == row(b, kv_idx))
+
+    got = flex_bias.causal_block_mask(allowed, s, t, past, docs, block=block)
+    batch = 1 if docs is None else docs.shape[0]
+    q_idx, kv_idx = torch.arange(s)[:, None], torch.arange(t)[None, :]
+    dense = torch.stack([allowed(b, 0, q_idx, kv_idx) for b in range(batch)])
+    nq, nk = -(-s // block), -(-t // block)
+    padded = torch.zeros(batch, nq * block, nk * block, dtype=torch.bool)
+    padded[:, :s, :t] = dense
+    per_block = padded.view(batch, nq, block, nk, block)
+    # Padding pairs are masked: a block cut by the end is never full, as in create_block_mask.
+    some, every = per_block.any(dim=(2, 4)), per_block.all(dim=(2, 4))
+    kinds = _block_kinds(got)
+    assert not (some & (kinds == 0)).any(), "a block with allowed pairs was skipped"
+    assert every[kinds == 2].all(), "a block marked full holds a masked pair"
+    if docs is None or bool((docs[:, 1:] >= docs[:, :-1]).all()):
+        expected = create_block_mask(allowed, batch, None, s, t, device="cpu", BLOCK_SIZE=block)
+        assert torch.equal(kinds, _block_kinds(expected))
+
+
+def test_causal_block_mask_costs_blocks_not_pairs():
+    """Per-row document ids at s = t = 8192 for 4 rows: create_block_mask would evaluate 4 * 8192^2 pairs (5 GiB
+    at 8 rows); the block mask is (4, 64, 64) and its mask_mod is never called while it is built."""
+    t = 8192
+    docs = torch.sort(torch.randint(0, 9, (4, t)), dim=1).values
+
+    def never(b, h, q_idx, kv_idx):
+        raise AssertionError("the mask was evaluated pair by pair")
+
+    got = flex_bias.causal_block_mask(never, t, t, 0, docs)
+    assert got.kv_indices.shape == (4, 1, 64, 64) and got.seq_lengths == (t, t)
 
 
 @pytest.fixture
@@ -105,6 +182,22 @@ def test_document_ids_keep_documents_apart_on_every_path(name, monkeypatch, comp
         assert (probs[0, :, 170:, :170] == 0).all() and (probs[:, :, 130:170, :130] == 0).all() == (docs.shape[0] == 1)
 
 
+def test_attend_flex_keeps_documents_apart_for_queries_after_cached_keys(compiled_flex):
+    """attend_flex with s < t and document ids (CausalSelfAttention refuses ids with a cache, so only a direct call
+    gets here): the block mask places query i at key index t - s + i, per row, as the materialized mask does."""
+    torch.manual_seed(0)
+    encoding = ALiBi(4)
+    b, s, t, d = 2, 50, 300, 16
+    q, k, v = torch.randn(b, 4, s, d), torch.randn(b, 4, t, d), torch.randn(b, 4, t, d)
+    lengths = ([100, 170, 30], [3, 290, 7])
+    docs = torch.stack([torch.repeat_interleave(torch.arange(3), torch.tensor(n)) for n in lengths])
+    k_pos = positions_from_document_ids(docs)
+    with torch.no_grad():
+        got = flex_bias.attend_flex(q, k, v, encoding, k_pos[:, t - s :], k_pos, document_ids=docs)
+        expected, _ = attend(q, k, v, causal_mask(s, t, q.device, docs), encoding.score_bias(k_pos[:, t - s :], k_pos))
+    assert_close(got, expected.double(), reduction=True)
+
+
 def test_flex_serves_several_lengths_and_position_forms(monkeypatch, compiled_flex):
     """Lengths, batch sizes, and shared then per-sequence positions in one process, each through the compiled
     kernel (a fallback would warn): with dynamic lengths on CPU, a call that switched the score_mod's form made a
@@ -130,7 +223,7 @@ def _flex_at_its_limit(monkeypatch) -> None:
 
     monkeypatch.setattr(flex_bias, "CPU_MIN_SCORES", 0)
     monkeypatch.setattr(flex_bias, "_GIVEN_UP", set())
-    monkeypatch.setattr(flex_bias, "_flex", lambda device_type="cuda": (at_the_limit, create_block_mask))
+    monkeypatch.setattr(flex_bias, "_flex", lambda device_type="cuda": at_the_limit)
 
 
 def test_a_call_flex_cannot_serve_materializes_with_a_warning(monkeypatch):
@@ -163,9 +256,9 @@ def test_a_compiled_layer_runs_flex_in_a_graph_of_its_own_on_cpu(name, monkeypat
 
     def counted(*args, **kwargs):
         calls.append(1)
-        return real_flex[0](*args, **kwargs)
+        return real_flex(*args, **kwargs)
 
-    monkeypatch.setattr(flex_bias, "_flex", lambda device_type="cuda": (counted, real_flex[1]))
+    monkeypatch.setattr(flex_bias, "_flex", lambda device_type="cuda": counted)
     with torch.no_grad():
         got = torch.compile(layer)(x)
         expected = _materialized(layer, monkeypatch, x)

@@ -30,7 +30,8 @@ Inside a caller's ``torch.compile`` the call joins the caller's graph on CUDA. O
 cannot lower FlexAttention on q, k, v computed in the same graph, only on a graph's inputs (torch 2.13), so the
 call is a graph of its own. With ``fullgraph=True`` that is an error, whatever the backend (with "eager" or
 "aot_eager" the call once stayed in the graph), whose message says how to materialize instead. A custom op around
-the call, which would keep one graph, does not work: create_block_mask's vmap fails inside a compiled graph's run.
+the call, which would keep one graph, did not work while the block mask came from create_block_mask, whose vmap
+fails inside a compiled graph's run (``causal_block_mask`` now builds it without one; not tried since).
 
 Either way dynamo stops compiling after 8 variants (its recompile limit, shared by every caller in the process)
 and would then quietly run an unfused flex_attention that materializes the whole score matrix. posenc makes that,
@@ -67,27 +68,85 @@ ScoreMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tor
 _GIVEN_UP: set[str] = set()
 
 
-# device type -> (compiled flex_attention, create_block_mask), or (None, None) where this PyTorch has no flex.
-_FLEX: dict[str, tuple[Callable | None, Callable | None]] = {}
+# device type -> compiled flex_attention, or None where this PyTorch has no flex.
+_FLEX: dict[str, Callable | None] = {}
 
 
-def _flex(device_type: str = "cuda") -> tuple[Callable | None, Callable | None]:
+def _flex(device_type: str = "cuda") -> Callable | None:
     # Not functools.cache: the layer calls this inside a caller's torch.compile, and dynamo traces through a cache
     # wrapper with a warning that it might be silently wrong. Only eager calls fill the cache; a traced call that
     # stored the wrapper it traced left eager calls an unfused flex_attention (measured).
-    found = _FLEX.get(device_type)
-    if found is None:
-        try:
-            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-        except ImportError:
-            found = (None, None)
-        else:
-            # FlexAttention only saves memory when compiled (eager is the reference math); dynamic shapes where they
-            # compile (see the module docstring).
-            found = (torch.compile(flex_attention, dynamic=None if device_type == "cuda" else False), create_block_mask)
-        if not torch.compiler.is_compiling():
-            _FLEX[device_type] = found
+    if device_type in _FLEX:
+        return _FLEX[device_type]
+    try:
+        from torch.nn.attention.flex_attention import flex_attention
+    except ImportError:
+        found = None
+    else:
+        # FlexAttention only saves memory when compiled (eager is the reference math); dynamic shapes where they
+        # compile (see the module docstring).
+        found = torch.compile(flex_attention, dynamic=None if device_type == "cuda" else False)
+    if not torch.compiler.is_compiling():
+        _FLEX[device_type] = found
     return found
+
+
+def _block_ranges(ids: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids (b, n) -> the smallest and largest id of each run of ``block`` columns, each (b, ceil(n / block))."""
+    pad = -ids.shape[1] % block
+    if pad:  # repeating the last column changes neither the last block's minimum nor its maximum
+        ids = torch.cat([ids, ids[:, -1:].expand(-1, pad)], dim=1)
+    blocks = ids.view(ids.shape[0], -1, block)
+    return blocks.amin(dim=-1), blocks.amax(dim=-1)
+
+
+def _ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(b, nq, nk) bool -> BlockMask's (b, 1, nq) counts and (b, 1, nq, nk) key-block indices, the marked first."""
+    blocks = blocks[:, None]
+    order = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True)
+    return blocks.sum(dim=-1, dtype=torch.int32), order.to(torch.int32)
+
+
+def causal_block_mask(
+    mask_mod: Callable,
+    s: int,
+    t: int,
+    past: int,
+    document_ids: torch.Tensor | None = None,
+    *,
+    device: torch.device | str = "cpu",
+    block: int = 128,
+):
+    """The BlockMask of causal attention of s queries (key indices past .. past + s - 1) over t keys, within
+    documents where ``document_ids`` (b or 1, t) are given; ``mask_mod`` decides the pairs of the partial blocks.
+
+    Built from each block's index range and range of document ids, (b, s/block, t/block) small integers, where
+    ``create_block_mask`` evaluates the mask for every (query, key) pair and batch row: at s = t = 8192 with
+    documents, 790 MiB and 3.8 s per row, against 7 MiB and 14 ms (docs/benchmarks.md). A block is skipped when
+    its keys all follow its queries or no id occurs in both ranges (a shared id must lie in both), and is full
+    when its keys all precede its queries and both ranges hold one and the same id; every other block is partial.
+    Sound for any ids; for non-decreasing ids (packed documents) the same blocks as ``create_block_mask``'s."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    rows = torch.arange(-(-s // block), device=device)
+    cols = torch.arange(-(-t // block), device=device)
+    first_q, last_q = past + rows * block, past + ((rows + 1) * block).clamp(max=s) - 1
+    first_k, last_k = cols * block, (cols + 1) * block - 1
+    some = (first_k[None, :] <= last_q[:, None])[None]
+    # A block cut by the end of the queries or keys is never full, as in create_block_mask, which pads the mask with
+    # False: the kernels may count on a full block's indices all being in range.
+    uncut = ((rows + 1) * block <= s)[:, None] & ((cols + 1) * block <= t)[None, :]
+    every = (uncut & (last_k[None, :] <= first_q[:, None]))[None]
+    if document_ids is not None:
+        q_low, q_high = _block_ranges(document_ids[:, past:], block)
+        k_low, k_high = _block_ranges(document_ids, block)
+        some = some & (k_low[:, None, :] <= q_high[:, :, None]) & (q_low[:, :, None] <= k_high[:, None, :])
+        one_id = (q_low == q_high)[:, :, None] & (k_low == k_high)[:, None, :]
+        every = every & one_id & (q_low[:, :, None] == k_low[:, None, :])
+    partial = some & ~every
+    return BlockMask.from_kv_blocks(
+        *_ordered(partial), *_ordered(every), BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(s, t)
+    )
 
 
 def _compiled_call(flex: Callable, q, k, v, score_mod: ScoreMod, block_mask) -> torch.Tensor:
@@ -139,7 +198,7 @@ _flex_in_own_graph = torch.compiler.disable(
 
 
 def flex_available() -> bool:
-    return _flex()[0] is not None
+    return _flex() is not None
 
 
 class FlexFallback(RuntimeError):
@@ -239,7 +298,7 @@ def attend_flex(
 
     Computed in float32 for bf16/fp16 inputs, as the materialized path does. Returns (b, h, s, d) in q's dtype.
     """
-    flex, create_block_mask = _flex(q.device.type)
+    flex = _flex(q.device.type)
     if flex is None:
         raise RuntimeError("FlexAttention is unavailable in this PyTorch; use posenc.attention.attend")
     s, t = q.shape[2], k.shape[2]
@@ -266,19 +325,16 @@ def attend_flex(
         def allowed(b, h, q_idx, kv_idx):
             return kv_idx <= q_idx + shift
 
-        batch = None
     else:
         if document_ids.dim() != 2 or document_ids.shape[1] != t:
             raise ValueError(f"document_ids must have shape (b or 1, {t}), got {tuple(document_ids.shape)}")
-        # create_block_mask evaluates the mask densely, once per batch row it is given: shared ids (1, t) make one
-        # (s, t) mask, per-row ids b of them (at s = t = 4096, peak memory grew by 0.8 GiB for 4 rows and 1.4
-        # GiB for 8, against the materialized bias's b * h * 64 MiB).
-        doc, batch = _per_batch(document_ids.contiguous()), document_ids.shape[0]
+        document_ids = document_ids.contiguous()
+        doc = _per_batch(document_ids)
 
         def allowed(b, h, q_idx, kv_idx):
             return (kv_idx <= q_idx + shift) & (doc(b, q_idx + shift) == doc(b, kv_idx))
 
-    block_mask = create_block_mask(allowed, batch, None, s, t, device=q.device)
+    block_mask = causal_block_mask(allowed, s, t, past, document_ids, device=q.device)
     dtype, out_dtype = torch.promote_types(q.dtype, torch.float32), q.dtype
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     if not torch.compiler.is_compiling():
