@@ -249,6 +249,37 @@ def test_unpatch_restores_the_original_bit_for_bit(backend: str) -> None:
     assert all("forward" not in layer.self_attn.__dict__ for layer in model.model.layers)
 
 
+def test_a_patched_model_refuses_pickling_and_copies_as_patched() -> None:
+    """Pickle stores the per-instance attention forwards by name: a torch.save'd patched model loaded with the
+    class's own forward beside posenc's rotary module, said it was patched, and failed in a shape mismatch at its
+    first call. Pickling is refused with the way out; copy.deepcopy (which keeps the forwards) and copy.copy work,
+    and a model pickled after unpatching loads as the original."""
+    import io
+    import pickle
+
+    model = build("llama")
+    ids = tokens()
+    with torch.no_grad():
+        before = model(ids).logits
+        patch_model(model)
+        patched = model(ids).logits
+    for save in (lambda: torch.save(model, io.BytesIO()), lambda: pickle.dumps(model)):
+        with pytest.raises(TypeError, match=r"cannot be pickled .*call patch_model again where it is loaded"):
+            save()
+    twin, shallow = copy.deepcopy(model), copy.copy(model)
+    assert is_patched(twin) and is_patched(shallow)
+    with torch.no_grad():
+        assert torch.equal(twin(ids).logits, patched)
+        unpatch_model(twin)
+        assert torch.equal(twin(ids).logits, before)
+    unpatch_model(model)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    with torch.no_grad():
+        assert torch.equal(torch.load(buffer, weights_only=False)(ids).logits, before)
+
+
 def test_unpatch_after_a_dtype_cast_gives_the_model_that_cast_would_have_given() -> None:
     """The original rotary module was outside the model while patched, so model.to(bf16) did not cast its inv_freq;
     unpatching casts it as the cast would have (logits differed by 0.004 from the never-patched model)."""

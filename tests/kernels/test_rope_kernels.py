@@ -386,6 +386,9 @@ def test_table_calls_infer_shapes_on_meta_tensors():
     assert apply_rotary(packed, cos, cos, cu_seqlens=cu_seqlens).device.type == "meta"
     q, k = posenc.RoPE(8)(x, x, positions=torch.arange(5, device="meta"))
     assert q.shape == k.shape == x.shape and q.device.type == "meta"
+    # The fused kernels need values: named, where the interpreted Triton kernel used to fail inside torch.
+    with pytest.raises(ValueError, match="backend='triton' needs CUDA tensors, got meta"):
+        apply_rotary(x, cos, cos, offset=0, backend="triton")
 
 
 @pytest.mark.parametrize("backend", ["cpu", "triton"])

@@ -426,7 +426,7 @@ def plan_launch(
 def launch(plan: Launch) -> None:
     """Run a planned launch. The tensors must be on CUDA, or on the CPU when interpreted."""
     device = plan.args[0].device  # type: ignore[attr-defined]
-    if device.type != "cuda" and not interpreted():
+    if device.type not in ("cuda", "cpu") or (device.type == "cpu" and not interpreted()):
         raise ValueError(
             f"backend='triton' needs CUDA tensors, got {device}; on CPU use backend='cpu' (Triton runs on CPU "
             "tensors only when TRITON_INTERPRET=1 was set before posenc.kernels.triton_rope was imported)"
