@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -379,10 +380,152 @@ def test_errors_found_by_the_bad_input_audit(call, error, match):
         call()
 
 
+_cpu_x = torch.randn(1, 2, 5, 8)
+_meta_ids = torch.arange(5, device="meta")
+_i = torch.arange(5)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        # Silent before: a learned table read meta ids as zeros on the CPU, and skipped its range check.
+        (
+            lambda: posenc.LearnedAbsolute(8, 16)(torch.tensor([100, 5, 3], device="meta")),
+            ValueError,
+            "positions is on meta but the learned table is on cpu: a meta tensor has no values",
+        ),
+        # Failed inside torch ("Cannot copy out of meta tensor") before.
+        (
+            lambda: posenc.RoPE(8)(_cpu_x, _cpu_x, positions=_meta_ids),
+            ValueError,
+            "positions is on meta but q is on cpu",
+        ),
+        (
+            lambda: posenc.RoPE(8)(_cpu_x, _cpu_x, offset=torch.zeros(1, dtype=torch.long, device="meta")),
+            ValueError,
+            "offset is on meta but q is on cpu",
+        ),
+        (
+            lambda: posenc.CausalSelfAttention(32, 4)(torch.randn(1, 5, 32), document_ids=_meta_ids * 0),
+            ValueError,
+            "document_ids is on meta but x is on cpu",
+        ),
+        (
+            lambda: posenc.add_input_encoding(torch.randn(1, 5, 16, device="meta"), posenc.LearnedAbsolute(8, 16), _i),
+            ValueError,
+            r"the encoding LearnedAbsolute is on cpu but x is on meta; move it with encoding.to\(x.device\)",
+        ),
+        # Silent before: dynamic NTK / LongRoPE scaled for the shorter length given.
+        (
+            lambda: posenc.RoPE(16, rope_parameters={"rope_type": "dynamic", "factor": 4.0}, max_position_embeddings=8)(
+                torch.randn(1, 2, 100, 16), torch.randn(1, 2, 100, 16), seq_len=10
+            ),
+            ValueError,
+            r"seq_len is shorter than the positions .*got seq_len=10 for positions up to 99",
+        ),
+        (
+            lambda: posenc.RoPE(16).cos_sin(torch.arange(5), seq_len=4),
+            ValueError,
+            "got seq_len=4 for positions up to 4",
+        ),
+        # Silent before: the rotation ran on 16-bit angles (errors of 5e-4 to 3e-3), or on cos and sin of two dtypes.
+        (
+            lambda: posenc.apply_rotary(_cpu_x, torch.ones(5, 4).half(), torch.ones(5, 4).half()),
+            TypeError,
+            r"cos/sin must be float32 or float64 \(whatever x's dtype\), got torch.float16",
+        ),
+        (
+            lambda: posenc.apply_rotary(_cpu_x, torch.ones(8, 4).bfloat16(), torch.ones(8, 4).bfloat16(), offset=0),
+            TypeError,
+            "cos/sin must be float32 or float64",
+        ),
+        (
+            lambda: posenc.apply_rotary(_cpu_x, torch.ones(5, 4), torch.ones(5, 4).double()),
+            TypeError,
+            "cos and sin must share a dtype, got torch.float32 and torch.float64",
+        ),
+        # Silent before: frequencies of 0, nothing rotated.
+        (
+            lambda: posenc.rope_frequencies(16, {"rope_type": "proportional", "partial_rotary_factor": 0.01}),
+            ValueError,
+            r"turns int\(0.01 \* 16 // 2\) = 0 pairs .* choose a factor >= 2 / head_dim",
+        ),
+        (
+            lambda: posenc.rope_frequencies(16, {"rope_type": "linear", "factor": 1e50}),
+            ValueError,
+            r"rope_type 'linear' .* gives frequencies that are 0 in float32",
+        ),
+        # Bare errors from deep code before.
+        (
+            lambda: posenc.rope_frequencies(16, {"rope_type": ["yarn"]}),
+            TypeError,
+            r"rope_parameters\['rope_type'\] must be a string naming the type",
+        ),
+        (
+            lambda: posenc.rope_frequencies(16, {"partial_rotary_factor": "0.5"}),
+            TypeError,
+            "partial_rotary_factor must be a number in",
+        ),
+        (lambda: posenc.apply_rotary_([[1.0, 2.0]], torch.ones(1, 1), torch.ones(1, 1)), TypeError, "x must be a"),
+        (
+            lambda: posenc.CausalSelfAttention(32, 4)(torch.randn(1, 3, 32), cache=posenc.KVCache(3)),
+            TypeError,
+            "KVCache.k must be a torch.Tensor or None, got int; start with KVCache()",
+        ),
+        (
+            lambda: posenc.KVCache(k=torch.zeros(1, 4, 2, 8), v=torch.zeros(1, 4, 2, 8)),
+            ValueError,
+            "KVCache needs k, v and positions together .*got only k, v",
+        ),
+        (
+            lambda: posenc.KVCache().update(torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 8), torch.tensor([[0.5, 1]])),
+            TypeError,
+            "positions must hold integer positions",
+        ),
+    ],
+)
+def test_errors_found_by_the_second_bad_input_audit(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
 def test_numpy_numbers_are_numbers() -> None:
     np = pytest.importorskip("numpy")
     rope = posenc.RoPE(16, rope_parameters={"partial_rotary_factor": np.float32(0.5), "rope_theta": np.float32(500.0)})
     assert (rope.rotary_dim, rope.spec.base) == (8, 500.0)
+    # Sizes too: "must be a positive integer, got np.int64(16)" before.
+    dynamic = {"rope_type": "dynamic", "factor": 2.0}
+    rope = posenc.RoPE(np.int64(16), rope_parameters=dynamic, max_position_embeddings=np.int64(8))
+    q = torch.randn(1, 2, 20, 16)
+    assert type(rope.head_dim) is int and torch.equal(rope(q, q, seq_len=np.int64(20))[0], rope(q, q, seq_len=20)[0])
+    assert type(posenc.ALiBi(np.int64(4)).num_heads) is int
+
+
+def test_configs_transformers_warns_about_are_warned_about() -> None:
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    with pytest.warns(UserWarning, match="original_max_position_embeddings..=8192 is above max_position_embeddings"):
+        posenc.rope_frequencies(16, llama3 | {"original_max_position_embeddings": 8192}, max_position_embeddings=4096)
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}
+    with pytest.warns(UserWarning, match=r"factor..=4.0 differs from max_position_embeddings / .* = 1024 / 4096"):
+        posenc.rope_frequencies(16, yarn, max_position_embeddings=1024)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the usual configs, and an original defaulted to the maximum
+        posenc.rope_frequencies(16, yarn, max_position_embeddings=16384)
+        posenc.rope_frequencies(16, llama3, max_position_embeddings=8192)
+        posenc.rope_frequencies(16, yarn | {"original_max_position_embeddings": 1024}, max_position_embeddings=1024)
+
+
+def test_a_cache_filled_with_grad_enabled_deep_copies() -> None:
+    """torch refuses to deepcopy a tensor with history: copy.deepcopy(cache) failed after a training-mode step."""
+    import copy
+
+    attn = posenc.CausalSelfAttention(32, 4, encoding=posenc.build("rope", 8))
+    cache = posenc.KVCache()
+    attn(torch.randn(1, 3, 32), cache=cache)
+    twin = copy.deepcopy(cache)
+    assert twin.k is not cache.k and torch.equal(twin.k, cache.k) and twin.k.grad_fn is not None
+    x = torch.randn(1, 1, 32)
+    assert torch.equal(attn(x, cache=twin), attn(x, cache=cache))
 
 
 def test_in_place_rotation_still_takes_a_slice_of_a_fused_projection() -> None:

@@ -49,6 +49,7 @@ def assert_without_sync(condition: torch.Tensor, message: str) -> None:
 
 
 def positive_int(name: str, value: Any) -> int:
+    value = integer_offset(value)  # numpy's integers too
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return value
@@ -57,6 +58,7 @@ def positive_int(name: str, value: Any) -> int:
 def sequence_length(name: str, value: Any) -> int | None:
     """None (a length derived from the positions) or a positive int, refused alike by encodings that ignore it, so
     that a bad value shows before a config switches to one that reads it."""
+    value = integer_offset(value)  # numpy's integers too
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
         # An int that varies between compiled calls is symbolic and cannot be formatted; its value (a guard) can.
         shown = value if isinstance(value, bool) or not isinstance(value, int) else operator.index(value)
@@ -65,7 +67,7 @@ def sequence_length(name: str, value: Any) -> int | None:
 
 
 def even_positive_int(name: str, value: Any) -> int:
-    positive_int(name, value)
+    value = positive_int(name, value)
     if value % 2:
         raise ValueError(
             f"{name} must be even (channels are rotated or encoded in pairs), got {value}; "
@@ -147,3 +149,27 @@ def int_tensor(name: str, x: Any, *, what: str = "positions", host_read: bool = 
 def same_device(names: tuple[str, str], a: torch.Tensor, b: torch.Tensor) -> None:
     if a.device != b.device:
         raise ValueError(f"{names[0]} is on {a.device} but {names[1]} is on {b.device}; move both to one device")
+
+
+def to_device(name: str, x: torch.Tensor, device: torch.device | str, what: str = "x") -> torch.Tensor:
+    """x on ``device``: index tensors (positions, offsets, document ids) may come from another device, as CPU ids
+    for CUDA activations do, but not to or from the meta device, which has no values to move."""
+    device = torch.device(device)
+    if x.device != device and "meta" in (x.device.type, device.type):
+        raise ValueError(
+            f"{name} is on {x.device} but {what} is on {device}: a meta tensor has no values to move; put both on "
+            "one device"
+        )
+    return x.to(device)
+
+
+def angle_dtypes(cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """cos and sin in float32 or float64, one dtype: in bf16 / fp16 they carry 3-4 significant digits, an error of
+    1e-3 to 1e-2 in every rotated channel that the float32 math after them cannot take back."""
+    if cos.dtype != sin.dtype:
+        raise TypeError(f"cos and sin must share a dtype, got {cos.dtype} and {sin.dtype}")
+    if cos.dtype not in (torch.float32, torch.float64):
+        raise TypeError(
+            f"cos/sin must be float32 or float64 (whatever x's dtype), got {cos.dtype}: 16-bit cos/sin lose the "
+            "angles' precision; build them in float32 (posenc.RoPE.cos_sin does) or pass cos.float(), sin.float()"
+        )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import math
 import warnings
 import weakref
@@ -20,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from posenc._checks import flag, float_tensor, integer_offset, positive_int
+from posenc._checks import flag, float_tensor, int_tensor, integer_offset, positive_int
 from posenc.encoding import ActsOn
 from posenc.kernels.flex_bias import FlexFallback, attend_flex, use_flex
 from posenc.positions import positions_from_document_ids, resolve_document_ids, resolve_positions
@@ -46,6 +47,22 @@ class KVCache:
     # A weak reference, so that a cache kept around does not keep its layer's weights alive.
     _owner: weakref.ref[nn.Module] | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
+    def __post_init__(self) -> None:
+        # A cache is normally started empty and filled by the attention; one built with tensors must be one the
+        # attention could have built.
+        named = {"k": self.k, "v": self.v, "positions": self.positions}
+        for name, value in (*named.items(), ("unrotated_k", self.unrotated_k), ("rotated_with", self.rotated_with)):
+            if value is not None and not isinstance(value, torch.Tensor):
+                raise TypeError(
+                    f"KVCache.{name} must be a torch.Tensor or None, got {type(value).__name__}; start with KVCache() "
+                    "and let the attention fill it"
+                )
+        if len({value is None for value in named.values()}) > 1:
+            given = ", ".join(name for name, value in named.items() if value is not None)
+            raise ValueError(f"KVCache needs k, v and positions together (or none of them), got only {given}")
+        if self.k is not None:
+            self._check_new(self.k, self.v, None, self.positions)
+
     @property
     def length(self) -> int:
         return 0 if self.k is None else self.k.shape[2]
@@ -67,7 +84,13 @@ class KVCache:
         clone = type(self).__new__(type(self))
         memo[id(self)] = clone
         for key, value in self.__dict__.items():
-            clone.__dict__[key] = value if key == "_owner" else copy.deepcopy(value, memo)
+            if key == "_owner":
+                clone.__dict__[key] = value
+            elif isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                # Filled with grad enabled: torch cannot deepcopy a tensor with history; a clone keeps the history.
+                clone.__dict__[key] = memo.setdefault(id(value), value.clone())
+            else:
+                clone.__dict__[key] = copy.deepcopy(value, memo)
         return clone
 
     def _claim(self, layer: nn.Module) -> None:
@@ -143,6 +166,9 @@ class KVCache:
     def _check_new(self, k: torch.Tensor, v: torch.Tensor, held: torch.Tensor | None, positions: torch.Tensor) -> None:
         """Raise unless new keys k, values v and their positions belong together and continue ``held``, the keys
         as cached (before any rotation)."""
+        float_tensor("k", k)
+        float_tensor("v", v)
+        int_tensor("positions", positions)
         if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
             raise ValueError(
                 f"k and v must be (b, g, s, d) with the same b, g and s, got {tuple(k.shape)} and {tuple(v.shape)}"
@@ -207,6 +233,12 @@ def add_input_encoding(x: torch.Tensor, encoding: nn.Module | None, positions: t
     float_tensor("x", x)
     if x.dim() != 3:
         raise ValueError(f"x must be (b, s, dim), got shape {tuple(x.shape)}")
+    held = next(itertools.chain(encoding.parameters(), encoding.buffers()), None)
+    if held is not None and held.device != x.device:
+        raise ValueError(
+            f"the encoding {type(encoding).__name__} is on {held.device} but x is on {x.device}; move it with "
+            "encoding.to(x.device)"
+        )
     # Through resolve_positions, as the attention's own positions: other shapes would broadcast, handing every token
     # the encoding of one position or growing the batch.
     positions = resolve_positions(x.shape[1], batch=x.shape[0], positions=positions, device=x.device)

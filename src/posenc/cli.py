@@ -237,7 +237,7 @@ def _lab(args: argparse.Namespace) -> int:
         out=args.out,
         overrides=overrides,
         threads=args.threads,
-        device=args.device or "cpu",
+        device="cpu" if args.device is None else args.device,
         progress=args.progress,
         command="posenc lab " + " ".join(given),
     )

@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -114,6 +115,18 @@ def test_extensions_change_the_hugging_face_model(model_type, tmp_path):
 def test_bad_hf_config_fails_before_training(setup, message, tmp_path, corpus_dir):
     with pytest.raises(ValueError, match=message):
         make_config("quick", corpus=str(corpus_dir), hf_config=setup(tmp_path))
+
+
+def test_a_scaled_hf_config_is_told_that_the_lab_drops_its_scaling(tmp_path):
+    from posenc.lab.hf_model import read_hf_config
+
+    scaled = CONFIGS["llama"] | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+    with pytest.warns(UserWarning, match=r"scales its RoPE \(yarn\); the lab drops that scaling"):
+        read_hf_config(write_config(tmp_path / "scaled", scaled))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plain = CONFIGS["llama"] | {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+        read_hf_config(write_config(tmp_path / "plain", plain))
 
 
 def test_extensions_an_architecture_cannot_hold_are_named_with_the_ones_it_can(tmp_path, corpus_dir, capsys):

@@ -214,6 +214,9 @@ def test_out_must_be_a_folder(tiny_config, tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="exists and is not a folder"):
         quiet(tiny_config(), tmp_path / "file").prepare()
+    # Below a file: an OSError from deep in the store (a traceback at the command line) before.
+    with pytest.raises(ValueError, match=r"--out .*file/run cannot be made the run folder: Not a directory"):
+        quiet(tiny_config(), tmp_path / "file" / "run").prepare()
 
 
 def _small_file(tmp):

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from posenc._checks import assert_without_sync, float_dtype, int_tensor, positive_int, values_readable
+from posenc._checks import assert_without_sync, float_dtype, int_tensor, positive_int, to_device, values_readable
 from posenc.encoding import ActsOn
 
 
@@ -32,6 +32,8 @@ class LearnedAbsolute(nn.Module):
     def forward(self, positions: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
         """positions: (...) integer in [0, max_positions). Returns (..., dim)."""
         int_tensor("positions", positions, host_read=True)
+        # Ids on another device are moved, as for RoPE; a meta table would read CPU ids as zeros.
+        positions = to_device("positions", positions, self.table.weight.device, "the learned table")
         if dtype is not None:
             float_dtype("dtype", dtype)
         if positions.dtype not in (torch.int64, torch.int32):

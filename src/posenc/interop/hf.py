@@ -195,19 +195,27 @@ _TEXT_MODELS = {
 }
 
 
+def read_config_json(config: str | os.PathLike[str]) -> dict[str, Any]:
+    """The dict in a config.json, given as its path or its folder's. FileNotFoundError where there is none,
+    ValueError naming the file where it is not a JSON object."""
+    path = Path(config)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"config must be a config.json or a folder holding one; {str(path)!r} is neither")
+    try:
+        loaded = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{str(path)!r} is not readable JSON: {error}") from error
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{str(path)!r} must hold a JSON object, got {type(loaded).__name__}")
+    return loaded
+
+
 def _load(config: Any) -> tuple[dict[str, Any], Any]:
     """Returns (the config as a plain dict, the model class' default theta: a number, or a dict per kind of layer)."""
     if isinstance(config, (str, os.PathLike)):
-        path = Path(config)
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"config must be a config.json or a folder holding one; {str(path)!r} is neither")
-        with path.open() as f:
-            loaded = json.load(f)
-        if not isinstance(loaded, dict):
-            raise ValueError(f"{str(path)!r} must hold a JSON object, got {type(loaded).__name__}")
-        return loaded, 10000.0
+        return read_config_json(config), 10000.0
     if isinstance(config, Mapping):
         return dict(config), 10000.0
     if callable(getattr(config, "to_dict", None)):

@@ -37,13 +37,11 @@ import copy
 import dataclasses
 import functools
 import importlib
-import json
 import math
 import os
 import types
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -59,7 +57,7 @@ from posenc.interop._discover import (
     rotation_signature,
     state_name,
 )
-from posenc.interop.hf import rope_kwargs_from_config, rope_layer_types
+from posenc.interop.hf import read_config_json, rope_kwargs_from_config, rope_layer_types
 from posenc.rope.apply import apply_rotary, apply_rotary_qk
 from posenc.rope.frequencies import SEQ_LEN_DEPENDENT, float32_blend_rtol
 from posenc.rope.module import RoPE, angles_to_cos_sin
@@ -931,11 +929,7 @@ def tiny_model_from_config(
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if isinstance(config, (str, os.PathLike)):
-        path = Path(config)
-        path = path / "config.json" if path.is_dir() else path
-        if not path.is_file():
-            raise FileNotFoundError(f"config must be a config.json or a folder holding one; {str(path)!r} is neither")
-        source = json.loads(path.read_text())
+        source = read_config_json(config)
     elif isinstance(config, Mapping):
         source = dict(config)
     else:

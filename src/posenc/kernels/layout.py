@@ -18,7 +18,7 @@ from typing import Literal
 
 import torch
 
-from posenc._checks import float_tensor, int_tensor, values_readable
+from posenc._checks import angle_dtypes, float_tensor, int_tensor, values_readable
 
 Kind = Literal["broadcast", "bhsd", "bshd", "varlen"]
 KINDS = ("broadcast", "bhsd", "bshd", "varlen")
@@ -67,6 +67,7 @@ def check_table_call(
     """
     float_tensor("cos", cos)
     float_tensor("sin", sin)
+    angle_dtypes(cos, sin)
     if cos.dim() != 2 or cos.shape != sin.shape:
         raise ValueError(
             f"with positions/offset/cu_seqlens, cos and sin are tables of shape (n_positions, r/2); got "

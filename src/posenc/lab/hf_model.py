@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,15 @@ def read_hf_config(path: str) -> dict[str, Any]:
         raise ValueError(
             f"hf_config (--hf-config) {str(file)!r} has model_type {model_type!r}, which the lab cannot build; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    scalings = [source.get(key) for key in ("rope_parameters", "rope_scaling")]
+    scaled = {str(s.get("rope_type", s.get("type"))) for s in scalings if isinstance(s, dict)} - {"None", "default"}
+    if scaled:
+        warnings.warn(
+            f"hf_config (--hf-config) {str(file)!r} scales its RoPE ({', '.join(sorted(scaled))}); the lab drops that "
+            "scaling and trains plain RoPE with the file's rope_theta and rotary fraction, then applies its own "
+            "extensions (--extensions) at the longer lengths",
+            stacklevel=2,
         )
     return source
 

@@ -230,7 +230,11 @@ class Lab:
         def claim() -> None:
             if self.out.exists() and not self.out.is_dir():
                 raise ValueError(f"--out {self.out} exists and is not a folder")
-            claim_folder(self.out, config, self.corpus, self.config_id)
+            try:
+                claim_folder(self.out, config, self.corpus, self.config_id)
+            except OSError as error:  # a parent that is a file, a read-only or missing mount
+                why = error.strerror or error
+                raise ValueError(f"--out {self.out} cannot be made the run folder: {why}") from error
             store.remove_stale_temporaries(self.out)
 
         ranks.decide(claim)

@@ -13,6 +13,7 @@ from typing import Literal
 import torch
 
 from posenc._checks import (
+    angle_dtypes,
     assert_without_sync,
     flag,
     float_tensor,
@@ -31,6 +32,7 @@ def check_cos_sin(cos: torch.Tensor, sin: torch.Tensor) -> int:
     """Validate cos and sin (once per call, for q and k alike) and return r/2; errors name the argument."""
     float_tensor("cos", cos)
     float_tensor("sin", sin)
+    angle_dtypes(cos, sin)
     same_device(("cos", "sin"), cos, sin)
     if cos.shape != sin.shape:
         raise ValueError(f"cos and sin must have the same shape, got {tuple(cos.shape)} and {tuple(sin.shape)}")
@@ -211,6 +213,7 @@ def rotate_tensors(
     kind = rotary_kind(layout, positions, offset, cu_seqlens)
     if inplace:
         for name, x in xs.items():
+            float_tensor(name, x)
             # A contiguous tensor shares no memory between elements: the common case skips the stride checks (the
             # overlap test costs ~1.4 us a tensor in Python, a few % of a decode-size call).
             if not x.is_contiguous():

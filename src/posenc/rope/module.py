@@ -25,6 +25,7 @@ from posenc._checks import (
     integer_offset,
     same_device,
     sequence_length,
+    to_device,
     values_readable,
 )
 from posenc.encoding import ActsOn
@@ -278,14 +279,24 @@ class RoPE(nn.Module):
         then the check runs with the graph, and a length-dependent type without seq_len is an error."""
         if positions.device.type == "meta":
             return 1
+        # A seq_len that does not cover the positions would scale dynamic NTK / LongRoPE for a shorter sequence than
+        # the one present; refused for every type, so that it shows before a config switches to one that reads it.
+        too_short = (
+            "seq_len is shorter than the positions it is given for; it is the whole sequence's length (cached tokens "
+            "+ new ones, max(positions) + 1 or more), or None to take max(positions) + 1"
+        )
         if not values_readable(positions.device):
             assert_without_sync(positions >= 0, "positions must be >= 0, got a negative entry")
+            if seq_len is not None:
+                assert_without_sync(positions < seq_len, too_short)
             if self.spec.rope_type in SEQ_LEN_DEPENDENT and seq_len is None:
                 raise _length_unreadable(self.spec.rope_type)
             return None
         low, high = torch.stack(torch.aminmax(positions)).tolist()  # one device sync, not two
         if low < 0:  # a table would wrap around to its last rows
             raise ValueError(f"positions must be >= 0, got a negative entry ({low})")
+        if seq_len is not None and high >= seq_len:
+            raise ValueError(f"{too_short}; got seq_len={seq_len} for positions up to {high}")
         return high + 1
 
     def _table(self, device: torch.device, needed: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -328,9 +339,9 @@ class RoPE(nn.Module):
         if self.spec.rope_type not in SEQ_LEN_DEPENDENT and q.device.type != "meta":
             # Position ids and offsets may come from the CPU for CUDA activations, as resolve_positions allows.
             if isinstance(positions, torch.Tensor):
-                positions = positions.to(q.device)
+                positions = to_device("positions", positions, q.device, "q")
             if isinstance(offset, torch.Tensor):
-                offset = offset.to(q.device)
+                offset = to_device("offset", offset, q.device, "q")
             bounds = _position_bounds(seq, q.shape[0], positions, offset)
             table = None
             if bounds is not None and bounds[1] < _TABLE_LIMIT:

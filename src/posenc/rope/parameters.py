@@ -10,13 +10,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
-from posenc._checks import base_value, even_positive_int, sequence_length
-from posenc.rope.frequencies import SCALINGS
+from posenc._checks import base_value, even_positive_int, positive_int, sequence_length, user_stacklevel
+from posenc.rope.frequencies import SCALINGS, SEQ_LEN_DEPENDENT
 
 # Per rope_type: keys that must be present and keys that may be present (beyond the common ones).
 REQUIRED_KEYS: dict[str, frozenset[str]] = {
@@ -201,6 +202,9 @@ def pop_rope_type(params: dict[str, Any]) -> str:
     mapped, "default" when neither is set). Both set to different types is a ValueError (Qwen2-VL configs carry
     type 'mrope' beside rope_type 'default', which agree)."""
     named = {key: params.pop(key) for key in ("rope_type", "type") if key in params}
+    for key, value in named.items():
+        if value is not None and not isinstance(value, str):
+            raise TypeError(f"rope_parameters['{key}'] must be a string naming the type (e.g. 'yarn'), got {value!r}")
     types = {key: LEGACY_TYPES.get(value, value) for key, value in named.items() if value}
     if len(set(types.values())) > 1:
         raise ValueError(
@@ -211,7 +215,12 @@ def pop_rope_type(params: dict[str, Any]) -> str:
 
 
 def _partial_rotary_factor(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (0.0 < value <= 1.0):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"partial_rotary_factor must be a number in (0, 1] (rope_parameters['partial_rotary_factor'], the "
+            f"fraction of head_dim that rotates), got {type(value).__name__} {value!r}"
+        )
+    if not (0.0 < value <= 1.0):
         raise ValueError(
             f"partial_rotary_factor must be in (0, 1] (rope_parameters['partial_rotary_factor'], the fraction of "
             f"head_dim that rotates), got {value!r}"
@@ -233,10 +242,8 @@ def parse_rope_parameters(
     to None count as absent (Hugging Face configs write ``"attention_factor": null``). ``type`` is accepted as the
     legacy spelling of ``rope_type``. Every bad value raises a ValueError or TypeError naming the key.
     """
-    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0:
-        raise ValueError(f"head_dim must be a positive integer, got {head_dim!r}")
-    if max_position_embeddings is not None:
-        sequence_length("max_position_embeddings", max_position_embeddings)
+    head_dim = positive_int("head_dim", head_dim)
+    max_position_embeddings = sequence_length("max_position_embeddings", max_position_embeddings)
     if rope_parameters is None:
         rope_parameters = {}
     if not isinstance(rope_parameters, Mapping):
@@ -287,6 +294,11 @@ def parse_rope_parameters(
             raise ValueError(f"rope_type 'proportional' rotates all head_dim={head_dim} channels; drop rotary_dim")
         params["partial_rotary_factor"] = 1.0 if partial is None else partial
         rotary_dim = head_dim
+        if int(params["partial_rotary_factor"] * rotary_dim // 2) == 0:
+            raise ValueError(
+                f"partial_rotary_factor={partial} of head_dim={head_dim} turns int({partial} * {head_dim} // 2) = 0 "
+                "pairs with rope_type 'proportional': nothing would rotate; choose a factor >= 2 / head_dim"
+            )
     elif partial is not None:
         from_factor = int(head_dim * partial)
         if from_factor < 2 or from_factor % 2:
@@ -315,9 +327,41 @@ def parse_rope_parameters(
         params=params,
         max_position_embeddings=max_position_embeddings,
     )
-    if rope_type == "ntk":
-        compute_frequencies(spec)  # a factor whose base overflows is refused here, not at the first call
+    if rope_type not in SEQ_LEN_DEPENDENT:
+        # A factor whose ntk base overflows is refused here, not at the first call; so is one that takes
+        # frequencies below float32's range (linear with factor 1e50 rotated nothing).
+        with torch.device("cpu"):  # values to check, also where the caller builds on meta
+            inv_freq, _ = compute_frequencies(spec)
+        if rope_type == "proportional":
+            inv_freq = inv_freq[: int(params["partial_rotary_factor"] * rotary_dim // 2)]
+        if not bool((inv_freq.float() > 0).all()):
+            raise ValueError(
+                f"rope_type {rope_type!r} with {params} gives frequencies that are 0 in float32 (smallest "
+                f"{float(inv_freq.min()):.3g}): nothing would rotate there; use a smaller factor or rope_theta"
+            )
+    _warn_where_transformers_warns(rope_type, params, max_position_embeddings)
     return spec
+
+
+def _warn_where_transformers_warns(rope_type: str, params: dict[str, Any], max_pos: int | None) -> None:
+    """Values transformers' config validation warns about (and then uses): warned here too, with its conditions."""
+    original = params.get("original_max_position_embeddings")
+    if max_pos is None or original is None:
+        return
+    # transformers also warns when they are equal, which is what an absent original defaults to here.
+    if rope_type == "llama3" and original > max_pos:
+        message = (
+            f"rope_parameters['original_max_position_embeddings']={original} is above "
+            f"max_position_embeddings={max_pos}: llama3 scaling stretches a trained length to a longer one"
+        )
+    elif rope_type == "yarn" and max_pos / original not in (params["factor"], 1.0):
+        message = (
+            f"rope_parameters['factor']={params['factor']} differs from max_position_embeddings / "
+            f"original_max_position_embeddings = {max_pos} / {original}; the factor is used, as in transformers"
+        )
+    else:
+        return
+    warnings.warn(f"{message} (transformers warns about this config too)", stacklevel=user_stacklevel())
 
 
 def compute_frequencies(spec: RopeSpec, *, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
