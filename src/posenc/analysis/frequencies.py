@@ -55,8 +55,8 @@ EXAMPLE_ROPE_PARAMETERS: dict[str, ExampleFn] = {
         "original_max_position_embeddings": length,
     },
     "longrope": _longrope_example,
-    # Gemma-style: a quarter of the pairs keep the full head's frequencies, the rest stand still.
-    "proportional": lambda r, length, factor: {"partial_rotary_factor": 0.25},
+    # Gemma-style: a quarter of the pairs (at least one) keep the full head's frequencies, the rest stand still.
+    "proportional": lambda r, length, factor: {"partial_rotary_factor": max(0.25, 2 / r)},
 }
 
 
