@@ -14,7 +14,11 @@ UserWarning a path raised (FlexAttention giving up and materializing the bias, s
     python benchmarks/bias_memory.py --documents 8      # 8 packed documents: the mask keeps each to itself
 
 With ``--documents N`` the row holds N equal documents (``document_ids``): the materialized path masks the other
-documents in its (b, h, s, t) mask, FlexAttention's block mask skips their blocks.
+documents in its (b, h, s, t) mask, FlexAttention's block mask skips their blocks. With ``--batch B`` (and
+documents) there are B rows whose documents start at other tokens (row r's boundaries 37 * r tokens later), so
+the ids are per row, (B, s):
+
+    python benchmarks/bias_memory.py --documents 8 --batch 4 --paths flex
 """
 
 from __future__ import annotations
@@ -34,7 +38,9 @@ import torch
 PATHS = ("materialized", "flex", "compiled-layer-materialized", "compiled-layer-flex")
 
 
-def run_one(encoding_name: str, path: str, seq: int, heads: int, head_dim: int, device: str, documents: int) -> dict:
+def run_one(
+    encoding_name: str, path: str, seq: int, heads: int, head_dim: int, device: str, documents: int, batch: int
+) -> dict:
     from posenc import ALiBi, CausalSelfAttention, T5Bias
     from posenc.attention import attend, causal_mask
     from posenc.kernels import flex_bias
@@ -42,17 +48,22 @@ def run_one(encoding_name: str, path: str, seq: int, heads: int, head_dim: int, 
 
     torch.manual_seed(0)
     encoding = (ALiBi(heads) if encoding_name == "alibi" else T5Bias(heads)).to(device)
-    q, k, v = (torch.randn(1, heads, seq, head_dim, device=device) for _ in range(3))
+    q, k, v = (torch.randn(batch, heads, seq, head_dim, device=device) for _ in range(3))
     if seq % documents:
         raise SystemExit(f"--seq {seq} must be a multiple of --documents {documents}")
-    docs = torch.arange(documents, device=device).repeat_interleave(seq // documents)[None] if documents > 1 else None
+    docs = None
+    if documents > 1:
+        tokens = torch.arange(seq, device=device)
+        shifts = 37 * torch.arange(batch, device=device)[:, None]
+        docs = ((tokens + shifts) // (seq // documents)).clamp(max=documents - 1)  # (batch, s), ids per row
+        docs = docs[:1] if batch == 1 else docs
     pos = torch.arange(seq, device=device)[None] if docs is None else positions_from_document_ids(docs)
     layer = x = None
     if path.startswith("compiled-layer"):
         if path.endswith("materialized"):
             flex_bias.CPU_MIN_SCORES = flex_bias.CUDA_MIN_SCORES = 2**62
         layer = torch.compile(CausalSelfAttention(heads * head_dim, heads, encoding=encoding).to(device).eval())
-        x = torch.randn(1, seq, heads * head_dim, device=device)
+        x = torch.randn(batch, seq, heads * head_dim, device=device)
 
     def call() -> None:
         if layer is not None:
@@ -88,6 +99,7 @@ def run_one(encoding_name: str, path: str, seq: int, heads: int, head_dim: int, 
         "path": path,
         "seq": seq,
         "documents": documents,
+        "batch": batch,
         "heads": heads,
         "head_dim": head_dim,
         "device": device,
@@ -111,10 +123,13 @@ def main() -> None:
     parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
     parser.add_argument("--encodings", nargs="+", default=["alibi", "t5"], choices=["alibi", "t5"])
     parser.add_argument("--documents", type=int, default=1, help="equal documents packed into the row (default 1)")
+    parser.add_argument("--batch", type=int, default=1, help="rows, with documents of their own (default 1)")
     parser.add_argument("--one", nargs=2, metavar=("ENCODING", "PATH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(run_one(*args.one, args.seq, args.heads, args.head_dim, args.device, args.documents)))
+        print(
+            json.dumps(run_one(*args.one, args.seq, args.heads, args.head_dim, args.device, args.documents, args.batch))
+        )
         return
     rows = []
     for encoding, path in [(encoding, path) for encoding in args.encodings for path in args.paths]:
@@ -134,6 +149,8 @@ def main() -> None:
             args.device,
             "--documents",
             str(args.documents),
+            "--batch",
+            str(args.batch),
         ]
         done = subprocess.run(command, capture_output=True, text=True, check=True)
         row = json.loads(done.stdout.strip().splitlines()[-1])

@@ -89,12 +89,12 @@ def test_bias_memory_packs_documents(tmp_path: Path) -> None:
     out = tmp_path / "bias.csv"
     _run(
         "bias_memory.py", "--seq", "64", "--heads", "2", "--head-dim", "8", "--paths", "materialized",
-        "--encodings", "alibi", "t5", "--documents", "4", "--csv", str(out),
+        "--encodings", "alibi", "t5", "--documents", "4", "--batch", "2", "--csv", str(out),
     )  # fmt: skip
     rows = _rows(out)
-    assert [(r["encoding"], r["path"], r["documents"]) for r in rows] == [
-        ("alibi", "materialized", "4"),
-        ("t5", "materialized", "4"),
+    assert [(r["encoding"], r["path"], r["documents"], r["batch"]) for r in rows] == [
+        ("alibi", "materialized", "4", "2"),
+        ("t5", "materialized", "4", "2"),
     ]
     assert all(not r["warnings"] and float(r["peak_mib"]) >= 0 for r in rows)
 
