@@ -292,3 +292,38 @@ def test_next_positions_starts_at_zero_on_an_empty_cache_and_feeds_input_encodin
     assert cache.next_positions(0).shape == (1, 0)
     # An empty step after the first changes nothing (only an empty first step is refused: nothing to continue).
     assert attn(x[:, :0], cache=cache).shape == (1, 0, 32) and cache.length == 7
+
+
+def test_cache_positions_broadcast_when_a_shared_prefill_meets_per_row_steps() -> None:
+    """A prefill at shared positions (1, t), then a step with per-row positions (2, 1): every row keeps its own."""
+    cache = KVCache()
+    k = torch.randn(2, 1, 4, 8)
+    cache.update(k, k, torch.arange(4)[None])
+    _, _, positions = cache.update(k[:, :, :1], k[:, :, :1], torch.tensor([[4], [9]]))
+    assert positions.tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 3, 9]]
+
+
+def test_next_positions_after_an_empty_update_starts_at_zero() -> None:
+    cache = KVCache()
+    cache.update(torch.randn(1, 1, 0, 8), torch.randn(1, 1, 0, 8), torch.zeros(1, 0, dtype=torch.long))
+    assert cache.next_positions(3).tolist() == [[0, 1, 2]]
+
+
+def test_a_cache_left_empty_by_a_refused_step_serves_another_layer() -> None:
+    """Layer a is refused before it adds anything: the cache stays empty, and layer b may fill it and continue."""
+    a, b = (CausalSelfAttention(16, 2, encoding=posenc.build("rope", 8)) for _ in range(2))
+    cache = KVCache()
+    with pytest.raises(ValueError, match="positions must be >= 0"):
+        a(torch.randn(1, 3, 16), cache=cache, positions=torch.tensor([-1, 0, 1]))
+    assert cache.length == 0
+    b(torch.randn(1, 3, 16), cache=cache)
+    b(torch.randn(1, 1, 16), cache=cache)
+    assert cache.length == 4
+
+
+@pytest.mark.parametrize("name", ["t5", "nope", "alibi", "rope"])
+def test_negative_positions_are_refused_by_every_encoding(name) -> None:
+    layer = CausalSelfAttention(16, 2, encoding=posenc.build_for_model(name, dim=16, num_heads=2, head_dim=8,
+                                                                      max_positions=16))  # fmt: skip
+    with pytest.raises(ValueError, match="positions must be >= 0"):
+        layer(torch.randn(1, 3, 16), positions=torch.tensor([-1, 0, 1]))

@@ -515,6 +515,26 @@ def test_configs_transformers_warns_about_are_warned_about() -> None:
         posenc.rope_frequencies(16, yarn | {"original_max_position_embeddings": 1024}, max_position_embeddings=1024)
 
 
+def test_warnings_point_at_the_callers_line() -> None:
+    with pytest.warns(UserWarning, match="transformers warns") as caught:
+        posenc.RoPE(
+            64,
+            rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
+            max_position_embeddings=2048,
+        )
+    assert caught[0].filename == __file__
+
+
+def test_the_command_line_refuses_what_its_types_cannot_hold(capsys) -> None:
+    from posenc.cli import _comma_names, build_parser
+
+    for argv in (["lab", "--lr", "nan"], ["plot", "--out", "x", "--rope-param", "=4"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(argv)
+    assert _comma_names("none") == ()
+    capsys.readouterr()
+
+
 def test_a_cache_filled_with_grad_enabled_deep_copies() -> None:
     """torch refuses to deepcopy a tensor with history: copy.deepcopy(cache) failed after a training-mode step."""
     import copy

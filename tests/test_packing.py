@@ -250,3 +250,23 @@ def test_causal_mask_takes_one_row_of_ids():
 def test_bad_cu_seqlens_are_clear_errors(cu_seqlens, message):
     with pytest.raises(ValueError, match=message):
         posenc.document_ids_from_cu_seqlens(cu_seqlens)
+
+
+def test_resolve_positions_forms_and_dtype() -> None:
+    """One offset (1,) for a batch of 2 applies to both rows; the result is int64 whatever the ids' dtype (an int32
+    result would wrap past 2**31)."""
+    from posenc.positions import resolve_positions
+
+    assert resolve_positions(4, batch=2, offset=torch.tensor([3])).tolist() == [[3, 4, 5, 6]]
+    ids = torch.tensor([0, 1], dtype=torch.int32)
+    resolved = resolve_positions(2, batch=1, positions=ids, offset=2**31)
+    assert resolved.dtype == torch.int64 and resolved.tolist() == [[2**31, 2**31 + 1]]
+
+
+def test_resolve_positions_refuses_negative_ids_inside_torch_compile() -> None:
+    from posenc.positions import resolve_positions
+
+    compiled = torch.compile(lambda p: resolve_positions(3, batch=1, positions=p), backend="eager", fullgraph=True)
+    assert compiled(torch.tensor([4, 5, 6])).tolist() == [[4, 5, 6]]
+    with pytest.raises(RuntimeError, match="positions must be >= 0"):
+        compiled(torch.tensor([-5, 0, 1]))

@@ -53,3 +53,8 @@ def test_rope_on_a_shard_equals_rows_of_the_whole(interleaved, balance):
 def test_errors(args, kwargs, match):
     with pytest.raises(ValueError, match=match):
         shard_positions(*args, **kwargs)
+
+
+def test_shards_are_int64_in_both_layouts() -> None:
+    for load_balance in (True, False):
+        assert shard_positions(8, 2, 1, load_balance=load_balance).dtype == torch.int64

@@ -165,6 +165,42 @@ def test_float64_math_rounds_to_16_bits_through_float32_like_torch(backend, dtyp
     assert torch.equal(out, torch.ones(2, 1, 4, 7, dtype=dtype))
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+def test_float32_x_with_float64_tables_is_float64_math_rounded_once(backend):
+    """Within float32's tolerance a float32 rotation would pass too: bit for bit, against float64 math rounded."""
+    device = DEVICE[backend]
+    angles = torch.rand(64, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 1000
+    cos, sin = angles.cos().to(device), angles.sin().to(device)
+    x = torch.randn(1, 2, 64, 32, generator=torch.Generator().manual_seed(1)).to(device)
+    expected = apply_rotary(x.double(), cos, sin, offset=0, backend="torch").float()
+    assert torch.equal(apply_rotary(x, cos, sin, offset=0, backend=backend), expected)
+
+
+def test_positions_at_the_table_edge_and_of_the_wrong_batch_are_named():
+    cos, sin = torch.ones(8, 4), torch.zeros(8, 4)
+    x = torch.randn(2, 2, 3, 8)
+    for backend in ("torch", "cpu"):
+        assert apply_rotary(x, cos, sin, positions=torch.tensor([5, 6, 7]), backend=backend).shape == x.shape
+        for kwargs in ({"positions": torch.tensor([5, 6, 8])}, {"offset": torch.tensor([6, 0])}):
+            with pytest.raises(ValueError, match=r"positions reach .* but the cos/sin table has 8 rows"):
+                apply_rotary(x, cos, sin, backend=backend, **kwargs)
+        with pytest.raises(ValueError, match=r"positions must have shape \(3,\) or \(2, 3\)"):
+            apply_rotary(x, cos, sin, positions=torch.arange(9).view(3, 3), backend=backend)
+        with pytest.raises(TypeError, match=r"positions has dtype torch\.uint16"):
+            apply_rotary(x, cos, sin, positions=torch.tensor([0, 1, 2], dtype=torch.uint16), backend=backend)
+
+
+def test_the_fake_of_a_fused_call_has_the_strides_of_its_output():
+    """x dense but with channels not innermost: a compiled graph that views the output flat needs the fake to
+    give the real output's strides (empty_like(x) kept x's and failed to compile)."""
+    x = torch.randn(1, 1, 8, 6).transpose(-1, -2)
+    cos, sin = torch.randn(16, 4), torch.randn(16, 4)
+    compiled = torch.compile(
+        lambda x: apply_rotary(x, cos, sin, offset=0, backend="cpu").view(-1), backend="aot_eager", fullgraph=True
+    )
+    assert torch.equal(compiled(x), apply_rotary(x, cos, sin, offset=0, backend="cpu").reshape(-1))
+
+
 def check_float64_tables(backend, dtype, interleaved):
     device = DEVICE[backend]
     cos, sin = (t.to(device) for t in table(64, 64, dtype=torch.float64))

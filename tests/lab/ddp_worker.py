@@ -16,6 +16,8 @@ import os
 import sys
 from pathlib import Path
 
+import torch.distributed as dist
+
 from posenc import _atomic
 from posenc.cli import main
 
@@ -36,6 +38,7 @@ def run(log_dir: str, argv: list[str]) -> int:
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
         status = main(["lab", *argv])
     log = {"status": status, "written": written, "stdout": stdout.getvalue(), "stderr": stderr.getvalue()}
+    log["left_the_group"] = not dist.is_initialized()  # the lab joins torchrun's group for the run, then leaves it
     Path(log_dir, f"rank{rank}.json").write_text(json.dumps(log))
     return status
 

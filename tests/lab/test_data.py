@@ -49,6 +49,18 @@ def test_stdlib_walk_skips_third_party_and_test_suites(tmp_path):
     found = [f.relative_to(tmp_path).as_posix() for f in corpus_files(tmp_path, stdlib=True)]
     assert found == ["json/__init__.py", "os.py"]
     assert "data.txt" in [f.name for f in corpus_files(tmp_path)]
+    # A corpus of one's own keeps its test folders: only the stdlib walk leaves them out.
+    assert "test/test_os.py" in [f.relative_to(tmp_path).as_posix() for f in corpus_files(tmp_path)]
+
+
+def test_max_bytes_cuts_the_joined_text_at_that_byte(tmp_path):
+    """The separator after the last file kept was counted: with two 7-byte files, 8, 9 and 10 bytes all gave 7."""
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / name).write_bytes(b"1234567")
+    joined = b"1234567" + FILE_SEPARATOR + b"1234567"
+    for max_bytes in range(1, len(joined) + 3):
+        corpus = load_corpus(tmp_path, max_bytes=max_bytes, val_fraction=0.5)
+        assert bytes(torch.cat((corpus.train, corpus.val)).tolist()) == joined[:max_bytes]
 
 
 def test_builtin_corpus_is_this_pythons_stdlib(monkeypatch, corpus_dir):
@@ -92,6 +104,8 @@ def test_train_starts_depend_on_the_seed_only():
     assert torch.equal(a, train_starts(text, seq_len=16, batch_size=4, steps=5, seed=3))
     assert not torch.equal(a, train_starts(text, seq_len=16, batch_size=4, steps=5, seed=4))
     assert a.shape == (5, 4) and int(a.max()) + 17 <= 1000
+    exact = train_starts(text[:17], seq_len=16, batch_size=4, steps=50, seed=3)  # one window fits: it starts at 0
+    assert (exact == 0).all()
     with pytest.raises(ValueError, match="fewer than one window of 17"):
         train_starts(text[:10], seq_len=16, batch_size=4, steps=5, seed=3)
 

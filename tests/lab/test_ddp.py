@@ -110,6 +110,7 @@ def test_two_ranks_give_the_one_process_losses(runs):
 def test_only_rank_0_writes_files_and_prints(runs):
     rank0, rank1 = runs["first"][0], runs["first"][1]
     assert rank0["status"] == rank1["status"] == 0
+    assert rank0["left_the_group"] and rank1["left_the_group"]
     assert rank1["written"] == [] and rank1["stdout"] == "" and "tok" not in rank1["stderr"]
     out = runs["root"] / "two"
     written = {Path(p).relative_to(out).as_posix() for p in rank0["written"]}

@@ -176,3 +176,27 @@ def test_other_ranks_are_silent(tiny_config, tmp_path):
     main = Lab(tiny_config(), tmp_path, progress=True, echo=lines.append, ranks=Ranks(0, 2))
     main.echo("hello")
     assert lines == ["hello"] and main.progress is True
+
+
+def test_an_existing_group_is_used_and_left_to_its_owner(monkeypatch, tmp_path):
+    """A process already in a group (a notebook, a caller's own torchrun setup) runs the lab in it; the lab neither
+    initialises another nor destroys the caller's."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    dist.init_process_group("gloo", init_method=(tmp_path / "rendezvous").as_uri(), rank=0, world_size=1)
+    try:
+        with process_group("cpu") as (ranks, device):
+            assert ranks.world_size == 1 and device == torch.device("cpu")
+        assert dist.is_initialized()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_decision_that_fails_on_rank_0_raises_its_own_type_there(monkeypatch):
+    monkeypatch.setattr(Ranks, "broadcast", lambda self, obj: obj)  # rank 0 of 2, without a group
+
+    def decision():
+        raise TypeError("bad type")
+
+    with pytest.raises(TypeError, match="bad type"):
+        Ranks(0, 2).decide(decision)

@@ -115,6 +115,23 @@ def test_weights_saved_while_the_layers_held_input_encodings_still_load():
         assert torch.equal(value, saved[name]), name
 
 
+@pytest.mark.parametrize("change", ["both names", "a weight missing"])
+def test_an_old_weights_file_that_does_not_fit_is_refused(change, tmp_path):
+    """The rename path loads strictly too: a file holding both the old and the new name of the table, or lacking a
+    layer's weight, does not load."""
+    from safetensors.torch import save_file
+
+    saved = load_file(str(Path(__file__).parents[1] / "fixtures" / "lab_learned_v0.safetensors"))
+    if change == "both names":
+        saved["encoding.table.weight"] = torch.zeros_like(saved["blocks.0.attn.encoding.table.weight"])
+    else:
+        saved.pop(next(key for key in saved if key.startswith("blocks.1.")))
+    save_file(saved, str(tmp_path / "w.safetensors"))
+    with pytest.raises(RuntimeError):
+        store.load_weights(ByteLM(ModelSpec(dim=8, layers=2, heads=2, max_positions=4, mlp_ratio=1), "learned"),
+                           tmp_path / "w.safetensors")  # fmt: skip
+
+
 def test_temporaries_of_killed_writers_are_removed_and_live_ones_kept(tmp_path):
     """A SIGKILL between a write and its rename leaves .NAME.HOST-PID.ID.tmp behind; the next run removes it,
     also where the new run got the dead one's process id (PID 1 in a container), and keeps what is being written
@@ -146,3 +163,11 @@ def test_text_with_a_path_that_is_no_utf8_is_written_escaped(tmp_path):
     odd = os.fsdecode(b"/data/lat\xe9")
     store.write_text(tmp_path / "report.md", f"corpus: {odd}\n")
     assert (tmp_path / "report.md").read_text(encoding="utf-8") == "corpus: /data/lat\\xe9\n"
+
+
+def test_json_is_written_with_sorted_keys(tmp_path):
+    """Sorted at every level, so that two runs' results.json differ only where their values do."""
+    path = tmp_path / "r.json"
+    store.write_json(path, {"zeta": 1, "alpha": {"y": 2, "b": 3}})
+    text = path.read_text()
+    assert text.index('"alpha"') < text.index('"zeta"') and text.index('"b"') < text.index('"y"')

@@ -365,3 +365,21 @@ def test_layouts_agree_under_channel_permutation(rotary, extra, p):
         x[..., perm], x[..., perm], positions=positions
     )
     torch.testing.assert_close(inter, split[..., perm], atol=0, rtol=0)
+
+
+def test_tables_are_kept_per_device_and_dtype_and_grow_past_powers_of_two():
+    """A float64 call builds its own table and leaves the float32 one alone; a meta call its own (shape inference
+    after a CPU call); 257 tokens need a table of more than 256 rows."""
+    torch.manual_seed(0)
+    rope = posenc.RoPE(64, backend="torch")
+    q = torch.randn(1, 2, 300, 64)
+    first, _ = rope(q, q)
+    rope(q.double(), q.double())
+    assert torch.equal(rope(q, q)[0], first)
+    meta = torch.empty(1, 1, 4, 64, device="meta")
+    assert rope(meta, meta)[0].device.type == "meta"
+    for s in (257, 513, 1025):
+        x = torch.randn(1, 1, s, 64)
+        last, _ = posenc.RoPE(64, backend="torch")(x, x)
+        alone, _ = posenc.RoPE(64, backend="torch")(x[:, :, -1:], x[:, :, -1:], offset=s - 1)
+        torch.testing.assert_close(last[:, :, -1:], alone, rtol=0, atol=0)

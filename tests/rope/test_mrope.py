@@ -190,3 +190,33 @@ def test_attention_refuses_three_axis_ids_with_the_reason() -> None:
     attn = CausalSelfAttention(32, 2, encoding=MRoPE(16, mrope_section=[4, 2, 2]))
     with pytest.raises(ValueError, match=r"three-axis \(3, b, s\) M-RoPE ids are taken by posenc.MRoPE"):
         attn(torch.randn(1, 5, 32), positions=torch.zeros(3, 1, 5, dtype=torch.long))
+
+
+def _three_axes(s: int) -> torch.Tensor:
+    """(3, 1, s) ids of one sequence: time, height and width of a 2-wide image."""
+    return torch.stack([torch.arange(s), torch.arange(s) // 2, torch.arange(s) % 2])[:, None]
+
+
+def test_offset_and_shared_rows_with_three_axes() -> None:
+    """offset is added to every axis; (3, 1, s) ids are shared by every row of the batch."""
+    torch.manual_seed(0)
+    rope = MRoPE(16, mrope_section=[2, 3, 3])
+    q, k = torch.randn(2, 2, 4, 16), torch.randn(2, 2, 4, 16)
+    pos = _three_axes(4)
+    for got, want in zip(rope(q, k, positions=pos, offset=5), rope(q, k, positions=pos + 5), strict=True):
+        assert torch.equal(got, want)
+    for got, want in zip(rope(q, k, positions=pos), rope(q, k, positions=pos.expand(3, 2, 4)), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_three_axes_scale_for_the_seq_len_given() -> None:
+    """dynamic NTK with seq_len = 32 for ids that reach 3: the frequencies of 32 tokens, as RoPE's, on both the
+    cos_sin and the forward paths."""
+    kwargs = dict(rope_parameters={"rope_type": "dynamic", "factor": 4.0}, max_position_embeddings=8)
+    mrope, rope = MRoPE(16, mrope_section=[2, 3, 3], **kwargs), RoPE(16, **kwargs)
+    same = torch.arange(4).expand(3, 1, 4)  # every axis the text position: M-RoPE is then RoPE
+    assert torch.equal(mrope.cos_sin(same, seq_len=32)[0], rope.cos_sin(torch.arange(4)[None], seq_len=32)[0])
+    q, k = torch.randn(1, 2, 4, 16), torch.randn(1, 2, 4, 16)
+    for got, want in zip(mrope(q, k, positions=same, seq_len=32), rope(q, k, seq_len=32), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    assert not torch.allclose(mrope(q, k, positions=same, seq_len=32)[0], mrope(q, k, positions=same)[0])

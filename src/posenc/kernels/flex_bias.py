@@ -121,8 +121,9 @@ def causal_block_mask(
     documents where ``document_ids`` (b or 1, t) are given; ``mask_mod`` decides the pairs of the partial blocks.
 
     Built from each block's index range and range of document ids, (b, s/block, t/block) small integers, where
-    ``create_block_mask`` evaluates the mask for every (query, key) pair and batch row: at s = t = 8192 with
-    documents, 790 MiB and 3.8 s per row, against 7 MiB and 14 ms (docs/benchmarks.md). A block is skipped when
+    ``create_block_mask`` evaluates the mask for every (query, key) pair and batch row: at s = t = 8192 the flex
+    path's peak memory fell from 709 to 98 MiB, and from 2627 to 149 MiB with ids per row for 4 rows
+    (docs/benchmarks.md). A block is skipped when
     its keys all follow its queries or no id occurs in both ranges (a shared id must lie in both), and is full
     when its keys all precede its queries and both ranges hold one and the same id; every other block is partial.
     Sound for any ids; for non-decreasing ids (packed documents) the same blocks as ``create_block_mask``'s."""

@@ -52,7 +52,8 @@ def stdlib_path() -> Path:
 def corpus_files(root: Path, *, stdlib: bool = False) -> list[Path]:
     """Text files under ``root`` in sorted order (by path relative to root); ``root`` itself if it is a file.
 
-    stdlib: read only ``*.py`` and skip the directories that some installs strip or extend (see above).
+    stdlib: read only ``*.py`` and skip the directories that some installs strip or extend (see above); a corpus
+    of the user's own keeps its test folders (only ``__pycache__`` is skipped, which holds no text).
     """
     if root.is_file():
         return [root]
@@ -60,7 +61,7 @@ def corpus_files(root: Path, *, stdlib: bool = False) -> list[Path]:
     files = []
     for directory, subdirs, names in os.walk(root):
         # Pruned in place so os.walk never descends into site-packages (often larger than the stdlib itself).
-        subdirs[:] = [d for d in subdirs if d not in _SKIPPED_DIRS]
+        subdirs[:] = [d for d in subdirs if d not in (_SKIPPED_DIRS if stdlib else {"__pycache__"})]
         files.extend(Path(directory, n) for n in names if Path(n).suffix in suffixes)
     return sorted((f for f in files if f.is_file()), key=lambda p: p.relative_to(root).as_posix())
 
@@ -114,11 +115,11 @@ def load_corpus(
 
 
 def _join(files: list[Path], max_bytes: int | None) -> bytes:
-    parts, total = [], 0
+    parts, total = [], -len(FILE_SEPARATOR)  # the separators go between files, not after the last
     for f in files:
         chunk = f.read_bytes()
         parts.append(chunk)
-        total += len(chunk) + len(FILE_SEPARATOR)
+        total += len(FILE_SEPARATOR) + len(chunk)
         if max_bytes is not None and total >= max_bytes:
             break
     data = FILE_SEPARATOR.join(parts)
