@@ -93,7 +93,7 @@ def test_odd_head_dims_train_every_encoding_but_rope(encoding):
     spec = ModelSpec(dim=12, layers=1, heads=4, max_positions=8)
     logits, _ = ByteLM(spec, encoding)(torch.randint(0, 256, (2, 8)))
     assert logits.shape == (2, 8, 256)
-    with pytest.raises(ValueError, match=r"rotary_dim must be even"):
+    with pytest.raises(ValueError, match=r"head_dim=3 is odd and RoPE rotates channels in pairs: pass rotary_dim=2"):
         ByteLM(spec, "rope")
 
 

@@ -313,6 +313,11 @@ def parse_rope_parameters(
             )
         rotary_dim = from_factor
     if rotary_dim is None:
+        if head_dim % 2:
+            raise ValueError(
+                f"head_dim={head_dim} is odd and RoPE rotates channels in pairs: pass rotary_dim={head_dim - 1} to "
+                f"rotate {head_dim - 1} of the {head_dim} channels (the last passes through), or use an even head_dim"
+            )
         rotary_dim = head_dim
     even_positive_int("rotary_dim", rotary_dim)
     if rotary_dim > head_dim:
