@@ -1,7 +1,10 @@
 """Atomic files: every write goes to a temporary file in the same folder and is renamed over the target with
-``os.replace``, which is atomic on POSIX and Windows. A reader therefore sees the old file, the new file, or no file,
-never half of one; a killed writer leaves at most a ``*.tmp`` file, which readers ignore and
-``remove_stale_temporaries`` deletes. Used by the lab's results and checkpoints, and by the figures and the report."""
+``os.replace``, which is atomic on POSIX and Windows. A reader therefore sees the old file, the new file, or no
+file, never half of one; a killed writer leaves at most a ``*.tmp`` file, which readers ignore and
+``remove_stale_temporaries`` deletes. The data is flushed to disk before the rename and the rename after it, so that
+a power loss, too, leaves the old file or the new one (without the flush, ext4 and XFS may keep a renamed file whose
+blocks were never written: empty, where a finished result was). Used by the lab's results and checkpoints, and by
+the figures and the report."""
 
 from __future__ import annotations
 
@@ -25,7 +28,9 @@ def atomic_path(path: Path) -> Iterator[Path]:
     _WRITING.add(tmp.resolve())
     try:
         yield Path(tmp)
+        _flush(tmp)
         os.replace(tmp, path)
+        _flush(path.parent)
     except BaseException:
         # BaseException: a Ctrl-C in the middle of a write must not leave the temporary file behind either.
         with contextlib.suppress(FileNotFoundError):
@@ -33,6 +38,18 @@ def atomic_path(path: Path) -> Iterator[Path]:
         raise
     finally:
         _WRITING.discard(tmp.resolve())
+
+
+def _flush(path: Path) -> None:
+    """fsync a file's data, or a folder's entries (POSIX; where a folder cannot be opened, as on Windows, skipped)."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY)
+    except (IsADirectoryError, PermissionError):
+        return
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 # This machine, in temporary names: a process id means something only on the machine that gave it out.
