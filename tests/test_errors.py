@@ -392,23 +392,23 @@ _i = torch.arange(5)
         (
             lambda: posenc.LearnedAbsolute(8, 16)(torch.tensor([100, 5, 3], device="meta")),
             ValueError,
-            "positions is on meta but the learned table is on cpu: a meta tensor has no values",
+            "positions is on meta but the learned table on cpu: a meta tensor has no values",
         ),
         # Failed inside torch ("Cannot copy out of meta tensor") before.
         (
             lambda: posenc.RoPE(8)(_cpu_x, _cpu_x, positions=_meta_ids),
             ValueError,
-            "positions is on meta but q is on cpu",
+            "positions is on meta but q on cpu",
         ),
         (
             lambda: posenc.RoPE(8)(_cpu_x, _cpu_x, offset=torch.zeros(1, dtype=torch.long, device="meta")),
             ValueError,
-            "offset is on meta but q is on cpu",
+            "offset is on meta but q on cpu",
         ),
         (
             lambda: posenc.CausalSelfAttention(32, 4)(torch.randn(1, 5, 32), document_ids=_meta_ids * 0),
             ValueError,
-            "document_ids is on meta but x is on cpu",
+            "document_ids is on meta but the activations on cpu",
         ),
         (
             lambda: posenc.add_input_encoding(torch.randn(1, 5, 16, device="meta"), posenc.LearnedAbsolute(8, 16), _i),
@@ -448,7 +448,7 @@ _i = torch.arange(5)
         (
             lambda: posenc.rope_frequencies(16, {"rope_type": "proportional", "partial_rotary_factor": 0.01}),
             ValueError,
-            r"turns int\(0.01 \* 16 // 2\) = 0 pairs .* choose a factor >= 2 / head_dim",
+            r"turns int\(0.01 \* 16 // 2\) = 0 pairs .* choose a factor >= 0.125",
         ),
         (
             lambda: posenc.rope_frequencies(16, {"rope_type": "linear", "factor": 1e50}),
@@ -513,6 +513,25 @@ def test_configs_transformers_warns_about_are_warned_about() -> None:
         posenc.rope_frequencies(16, yarn, max_position_embeddings=16384)
         posenc.rope_frequencies(16, llama3, max_position_embeddings=8192)
         posenc.rope_frequencies(16, yarn | {"original_max_position_embeddings": 1024}, max_position_embeddings=1024)
+
+
+def test_meta_activations_take_real_ids_and_seq_len_is_checked_on_every_path() -> None:
+    """Shape inference on meta with CPU ids works (only meta ids for real activations are refused); a seq_len
+    that does not cover the positions is refused for fixed types too, whose table path skipped the check."""
+    meta = torch.empty(1, 2, 5, 16, device="meta")
+    assert posenc.RoPE(16)(meta, meta, positions=torch.arange(5))[0].device.type == "meta"
+    layer = posenc.CausalSelfAttention(32, 4, encoding=posenc.build("rope", 8)).to("meta")
+    x = torch.empty(1, 5, 32, device="meta")
+    assert layer(x, positions=torch.arange(5), document_ids=torch.zeros(5, dtype=torch.long)).device.type == "meta"
+    q = torch.randn(1, 2, 10, 16)
+    with pytest.raises(ValueError, match="got seq_len=2 for positions up to 9"):
+        posenc.RoPE(16)(q, q, seq_len=2)
+    with pytest.raises(ValueError, match="got seq_len=12 for positions up to 12"):
+        posenc.RoPE(16)(q, q, offset=torch.tensor([3]), seq_len=12)
+    assert torch.equal(posenc.RoPE(16)(q, q, offset=3, seq_len=13)[0], posenc.RoPE(16)(q, q, offset=3)[0])
+    with pytest.raises(ValueError, match="rope_type 'proportional' turns all channels in pairs; head_dim=5 is odd"):
+        posenc.rope_frequencies(5, {"rope_type": "proportional"})
+    assert posenc.rope_frequencies(98, {"rope_type": "proportional", "partial_rotary_factor": 0.0205})[0][0] == 1
 
 
 def test_warnings_point_at_the_callers_line() -> None:

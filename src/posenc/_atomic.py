@@ -9,6 +9,7 @@ the figures and the report."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import re
@@ -30,7 +31,7 @@ def atomic_path(path: Path) -> Iterator[Path]:
         yield Path(tmp)
         _flush(tmp)
         os.replace(tmp, path)
-        _flush(path.parent)
+        _flush(path.parent, folder=True)
     except BaseException:
         # BaseException: a Ctrl-C in the middle of a write must not leave the temporary file behind either.
         with contextlib.suppress(FileNotFoundError):
@@ -40,14 +41,21 @@ def atomic_path(path: Path) -> Iterator[Path]:
         _WRITING.discard(tmp.resolve())
 
 
-def _flush(path: Path) -> None:
-    """fsync a file's data, or a folder's entries (POSIX; where a folder cannot be opened, as on Windows, skipped)."""
+def _flush(path: Path, *, folder: bool = False) -> None:
+    """fsync a file's data (opened for writing: Windows flushes only such handles), or a folder's entries, which
+    only POSIX can open. Filesystems that cannot sync (EINVAL, ENOTSUP on some FUSE and network mounts) are let be:
+    the write itself has happened."""
     try:
-        descriptor = os.open(path, os.O_RDONLY)
-    except (IsADirectoryError, PermissionError):
-        return
+        descriptor = os.open(path, os.O_RDONLY if folder else os.O_RDWR)
+    except OSError:
+        if folder:
+            return
+        raise
     try:
         os.fsync(descriptor)
+    except OSError as error:
+        if error.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
     finally:
         os.close(descriptor)
 

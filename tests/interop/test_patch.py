@@ -263,8 +263,10 @@ def test_a_patched_model_refuses_pickling_and_copies_as_patched() -> None:
         before = model(ids).logits
         patch_model(model)
         patched = model(ids).logits
-    for save in (lambda: torch.save(model, io.BytesIO()), lambda: pickle.dumps(model)):
-        with pytest.raises(TypeError, match=r"cannot be pickled .*call patch_model again where it is loaded"):
+    saves = [lambda: torch.save(model, io.BytesIO()), lambda: pickle.dumps(model)]
+    saves += [lambda: pickle.dumps(model.model), lambda: pickle.dumps(model.model.layers[0].self_attn)]  # its parts
+    for save in saves:
+        with pytest.raises(TypeError, match=r"cannot be pickled.*call patch_model again where it is loaded"):
             save()
     twin, shallow = copy.deepcopy(model), copy.copy(model)
     assert is_patched(twin) and is_patched(shallow)
@@ -273,6 +275,7 @@ def test_a_patched_model_refuses_pickling_and_copies_as_patched() -> None:
         unpatch_model(twin)
         assert torch.equal(twin(ids).logits, before)
     unpatch_model(model)
+    pickle.dumps(model.model.layers[0].self_attn)
     buffer = io.BytesIO()
     torch.save(model, buffer)
     buffer.seek(0)

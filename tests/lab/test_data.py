@@ -49,8 +49,9 @@ def test_stdlib_walk_skips_third_party_and_test_suites(tmp_path):
     found = [f.relative_to(tmp_path).as_posix() for f in corpus_files(tmp_path, stdlib=True)]
     assert found == ["json/__init__.py", "os.py"]
     assert "data.txt" in [f.name for f in corpus_files(tmp_path)]
-    # A corpus of one's own keeps its test folders: only the stdlib walk leaves them out.
-    assert "test/test_os.py" in [f.relative_to(tmp_path).as_posix() for f in corpus_files(tmp_path)]
+    # A corpus of one's own keeps its test folders (only the stdlib walk leaves them out), not installed packages.
+    own = [f.relative_to(tmp_path).as_posix() for f in corpus_files(tmp_path)]
+    assert "test/test_os.py" in own and not any("site-packages" in name for name in own)
 
 
 def test_max_bytes_cuts_the_joined_text_at_that_byte(tmp_path):

@@ -192,3 +192,19 @@ def test_data_reaches_the_disk_before_the_rename_and_the_rename_after(tmp_path, 
     assert [kind for kind, _ in events] == ["fsync", "replace", "fsync"]
     assert events[0][1].endswith(".tmp") and events[2][1] == str(tmp_path)
     assert (tmp_path / "r.txt").read_text() == "done\n"
+
+
+def test_a_folder_that_cannot_be_synced_still_gets_the_file(tmp_path, monkeypatch):
+    """Some FUSE and network filesystems answer a folder's fsync with EINVAL after the rename has happened."""
+    import errno
+
+    real_fsync = os.fsync
+
+    def fsync(descriptor):
+        if os.path.isdir(os.readlink(f"/proc/self/fd/{descriptor}")):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        real_fsync(descriptor)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    store.write_text(tmp_path / "r.txt", "done\n")
+    assert (tmp_path / "r.txt").read_text() == "done\n"

@@ -148,14 +148,7 @@ class _PatchState:
     weights_dtype: torch.dtype | None  # the model's floating parameters' dtype when patched
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        # Pickle stores each attention module's instance forward (a copy of the class's, bound) by its name, so a
-        # loaded model would run the class's unpatched forward on posenc's cos/sin and fail in a shape mismatch.
-        raise TypeError(
-            "a model patched by posenc cannot be pickled (torch.save(model), multiprocessing, Ray): its patched "
-            "attention forwards would load as the class's own, beside posenc's rotary module. Save the weights "
-            "(model.save_pretrained or torch.save(model.state_dict())), or pickle the model before patch_model / after "
-            "unpatch_model(model), and call patch_model again where it is loaded"
-        )
+        _refuse_pickling()
 
     def __copy__(self) -> _PatchState:
         return dataclasses.replace(self)
@@ -164,6 +157,34 @@ class _PatchState:
         # copy.deepcopy keeps the patched forwards (it copies a bound method's function as is): a copy stays patched.
         fields = dataclasses.fields(self)
         return type(self)(*(copy.deepcopy(getattr(self, field.name), memo) for field in fields))
+
+
+def _refuse_pickling() -> None:
+    # Pickle stores each attention module's instance forward (a copy of the class's, bound) by its name, so a
+    # loaded model would run the class's unpatched forward on posenc's cos/sin and fail in a shape mismatch.
+    raise TypeError(
+        "a model patched by posenc cannot be pickled, nor can its patched layers (torch.save(model), "
+        "multiprocessing, Ray): their patched attention forwards would load as the class's own, beside posenc's "
+        "rotary module. Save the weights (model.save_pretrained or torch.save(model.state_dict())), or pickle the "
+        "model before patch_model / after unpatch_model(model), and call patch_model again where it is loaded"
+    )
+
+
+class _PickleGuard:
+    """Held by each patched attention module, so that pickling one alone (or a submodule holding it) is refused as
+    pickling the model is; copies keep their forwards, and a guard."""
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        _refuse_pickling()
+
+    def __copy__(self) -> _PickleGuard:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _PickleGuard:
+        return self
+
+
+_GUARD_ATTR = "_posenc_patched_forward"
 
 
 def _weights_dtype(model: nn.Module) -> torch.dtype | None:
@@ -693,6 +714,7 @@ def patch_model(
     for module in found.attention:
         # An instance attribute: nn.Module.__call__ finds it before the class's forward.
         module.forward = types.MethodType(forwards[type(module)], module)
+        object.__setattr__(module, _GUARD_ATTR, _PickleGuard())
 
     state = _PatchState(report, swapped, list(found.attention), config, originals, _weights_dtype(model))
     object.__setattr__(model, _STATE_ATTR, state)
@@ -895,6 +917,7 @@ def unpatch_model(model: nn.Module) -> PatchReport:
         setattr(parent, attr, original)
     for module in state.attention:
         module.__dict__.pop("forward", None)
+        module.__dict__.pop(_GUARD_ATTR, None)
     for key, value in state.original_config_values.items():
         setattr(state.config, key, value)
     object.__delattr__(model, _STATE_ATTR)

@@ -16,10 +16,12 @@ from pathlib import Path
 
 import torch
 
-# Directories that are not the standard library proper: third-party packages live under the stdlib path on
-# many installs, and distributions strip the test suites (Debian's libpython3-testsuite), so leaving them out
-# keeps the built-in corpus the same across installs of one Python version.
-_SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
+# Directories of installed packages (under the stdlib path on many installs, in a virtual environment inside a
+# project) and of bytecode: never a corpus's own text.
+_PACKAGE_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
+# Distributions strip the standard library's test suites (Debian's libpython3-testsuite): the built-in corpus leaves
+# them out too, so that it is the same across installs of one Python version.
+_STDLIB_SKIPPED_DIRS = _PACKAGE_DIRS | {"test", "tests", "idle_test"}
 # A directory corpus reads the files a text editor would open; binary files would be noise for a byte LM.
 _TEXT_SUFFIXES = frozenset({".py", ".txt", ".md", ".rst", ".c", ".h", ".json", ".toml", ".cfg", ".ini", ".html"})
 # Files are joined with a separator that cannot occur in UTF-8 text, so no window mistakes two files for one.
@@ -52,8 +54,8 @@ def stdlib_path() -> Path:
 def corpus_files(root: Path, *, stdlib: bool = False) -> list[Path]:
     """Text files under ``root`` in sorted order (by path relative to root); ``root`` itself if it is a file.
 
-    stdlib: read only ``*.py`` and skip the directories that some installs strip or extend (see above); a corpus
-    of the user's own keeps its test folders (only ``__pycache__`` is skipped, which holds no text).
+    Installed packages are skipped (see above); stdlib: read only ``*.py`` and skip the test suites too, which some
+    installs strip (a corpus of one's own keeps its test folders).
     """
     if root.is_file():
         return [root]
@@ -61,7 +63,7 @@ def corpus_files(root: Path, *, stdlib: bool = False) -> list[Path]:
     files = []
     for directory, subdirs, names in os.walk(root):
         # Pruned in place so os.walk never descends into site-packages (often larger than the stdlib itself).
-        subdirs[:] = [d for d in subdirs if d not in (_SKIPPED_DIRS if stdlib else {"__pycache__"})]
+        subdirs[:] = [d for d in subdirs if d not in (_STDLIB_SKIPPED_DIRS if stdlib else _PACKAGE_DIRS)]
         files.extend(Path(directory, n) for n in names if Path(n).suffix in suffixes)
     return sorted((f for f in files if f.is_file()), key=lambda p: p.relative_to(root).as_posix())
 

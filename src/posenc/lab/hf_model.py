@@ -52,7 +52,7 @@ def read_hf_config(path: str) -> dict[str, Any]:
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     scalings = [source.get(key) for key in ("rope_parameters", "rope_scaling")]
-    scaled = {str(s.get("rope_type", s.get("type"))) for s in scalings if isinstance(s, dict)} - {"None", "default"}
+    scaled = {str(s.get("rope_type") or s.get("type")) for s in scalings if isinstance(s, dict)} - {"None", "default"}
     if scaled:
         warnings.warn(
             f"hf_config (--hf-config) {str(file)!r} scales its RoPE ({', '.join(sorted(scaled))}); the lab drops that "

@@ -343,6 +343,8 @@ class RoPE(nn.Module):
             if isinstance(offset, torch.Tensor):
                 offset = to_device("offset", offset, q.device, "q")
             bounds = _position_bounds(seq, q.shape[0], positions, offset)
+            if seq_len is not None and bounds is not None and bounds[1] >= seq_len:
+                bounds = None  # the general path checks the positions against seq_len exactly (high may overshoot)
             table = None
             if bounds is not None and bounds[1] < _TABLE_LIMIT:
                 # Frequencies that do not depend on the length: the kernels read the cached table at the tokens'

@@ -294,10 +294,13 @@ def parse_rope_parameters(
             raise ValueError(f"rope_type 'proportional' rotates all head_dim={head_dim} channels; drop rotary_dim")
         params["partial_rotary_factor"] = 1.0 if partial is None else partial
         rotary_dim = head_dim
+        if head_dim % 2:
+            raise ValueError(f"rope_type 'proportional' turns all channels in pairs; head_dim={head_dim} is odd")
         if int(params["partial_rotary_factor"] * rotary_dim // 2) == 0:
+            enough = math.ceil(2e4 / head_dim) / 1e4  # 2 / head_dim rounded up, so that factor * head_dim >= 2
             raise ValueError(
                 f"partial_rotary_factor={partial} of head_dim={head_dim} turns int({partial} * {head_dim} // 2) = 0 "
-                "pairs with rope_type 'proportional': nothing would rotate; choose a factor >= 2 / head_dim"
+                f"pairs with rope_type 'proportional': nothing would rotate; choose a factor >= {enough}"
             )
     elif partial is not None:
         from_factor = int(head_dim * partial)
