@@ -82,7 +82,7 @@ def _block_mask_cases(draw):
     return s, t, block, docs
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(_block_mask_cases())
 def test_causal_block_mask_skips_only_empty_blocks_and_marks_only_whole_ones_full(case):
     """Built from index and id ranges, never from the mask: every allowed (query, key) pair lies in a block that is
