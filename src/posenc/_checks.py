@@ -151,16 +151,21 @@ def same_device(names: tuple[str, str], a: torch.Tensor, b: torch.Tensor) -> Non
         raise ValueError(f"{names[0]} is on {a.device} but {names[1]} is on {b.device}; move both to one device")
 
 
-def to_device(name: str, x: torch.Tensor, device: torch.device | str, what: str = "the activations") -> torch.Tensor:
-    """x on ``device``: index tensors (positions, offsets, document ids) may come from another device, as CPU ids
-    for CUDA activations do, and real ids go to meta activations (shape inference), but meta ids, which have no
-    values, cannot serve real activations."""
+def movable(name: str, x: torch.Tensor, device: torch.device | str, what: str = "the activations") -> None:
+    """Index tensors (positions, offsets, document ids) may come from another device than the activations, as CPU
+    ids for CUDA activations do, and real ids may serve meta activations (shape inference), but meta ids, which
+    have no values, cannot serve real activations."""
     device = torch.device(device)
     if x.device.type == "meta" and device.type != "meta":
         raise ValueError(
             f"{name} is on {x.device} but {what} on {device}: a meta tensor has no values to move; put both on "
             "one device"
         )
+
+
+def to_device(name: str, x: torch.Tensor, device: torch.device | str, what: str = "the activations") -> torch.Tensor:
+    """x moved to ``device``, where ``movable`` allows it."""
+    movable(name, x, device, what)
     return x.to(device)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from posenc._checks import assert_without_sync, int_tensor, integer_offset, to_device, values_readable
+from posenc._checks import assert_without_sync, int_tensor, integer_offset, movable, values_readable
 
 
 def resolve_positions(
@@ -37,7 +37,7 @@ def resolve_positions(
     if isinstance(offset, torch.Tensor):
         int_tensor("offset", offset, host_read=True)
         if device is not None:
-            offset = to_device("offset", offset, device)
+            movable("offset", offset, device)  # moved below, once checked where it is
         if offset.dim() == 0:
             offset = offset.reshape(1)
         if offset.dim() != 1 or offset.shape[0] not in (1, batch):
@@ -58,7 +58,7 @@ def resolve_positions(
     else:
         int_tensor("positions", positions, host_read=True)
         if device is not None:
-            positions = to_device("positions", positions, device)
+            movable("positions", positions, device)
         as_given = tuple(positions.shape)
         if positions.dim() == 1:
             positions = positions[None, :]
@@ -87,7 +87,7 @@ def resolve_document_ids(
     positions restart at the second run."""
     int_tensor("document_ids", document_ids, what="document ids", host_read=True)
     if device is not None:
-        document_ids = to_device("document_ids", document_ids, device)
+        movable("document_ids", document_ids, device)
     as_given = tuple(document_ids.shape)
     docs = document_ids[None, :] if document_ids.dim() == 1 else document_ids
     if docs.dim() != 2 or docs.shape[-1] != seq_len or docs.shape[0] not in (1, batch):

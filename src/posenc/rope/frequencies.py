@@ -203,6 +203,11 @@ def float32_blend_rtol(rope_type: str, params: Mapping[str, Any]) -> float:
     return 2.0 * (float(params["factor"]) - 1.0) * gain * 2.0**-24
 
 
+def proportional_pairs(partial_rotary_factor: float, rotary_dim: int) -> int:
+    """How many pairs proportional RoPE turns (transformers' int(factor * r // 2)); the rest stand still."""
+    return int(partial_rotary_factor * rotary_dim // 2)
+
+
 def proportional(
     *, rotary_dim: int, base: float, partial_rotary_factor: float = 1.0, factor: float = 1.0, **_: object
 ) -> tuple[torch.Tensor, float]:
@@ -212,7 +217,7 @@ def proportional(
     Unlike partial rotation it keeps all r channels in the rotation (r = head_dim), so the unrotated pairs are
     (i, i + r/2) for the high i, not the trailing channels. All frequencies are then divided by ``factor``.
     """
-    rotated = int(partial_rotary_factor * rotary_dim // 2)
+    rotated = proportional_pairs(partial_rotary_factor, rotary_dim)
     inv_freq = 1.0 / base ** (torch.arange(0, 2 * rotated, 2, dtype=torch.float64) / rotary_dim)
     inv_freq = torch.cat((inv_freq, torch.zeros(rotary_dim // 2 - rotated, dtype=torch.float64)))
     return inv_freq / factor, 1.0

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from posenc._checks import base_value, even_positive_int, positive_int, sequence_length, user_stacklevel
-from posenc.rope.frequencies import SCALINGS, SEQ_LEN_DEPENDENT
+from posenc.rope.frequencies import SCALINGS, SEQ_LEN_DEPENDENT, proportional_pairs
 
 # Per rope_type: keys that must be present and keys that may be present (beyond the common ones).
 REQUIRED_KEYS: dict[str, frozenset[str]] = {
@@ -296,7 +296,7 @@ def parse_rope_parameters(
         rotary_dim = head_dim
         if head_dim % 2:
             raise ValueError(f"rope_type 'proportional' turns all channels in pairs; head_dim={head_dim} is odd")
-        if int(params["partial_rotary_factor"] * rotary_dim // 2) == 0:
+        if proportional_pairs(params["partial_rotary_factor"], rotary_dim) == 0:
             enough = math.ceil(2e4 / head_dim) / 1e4  # 2 / head_dim rounded up, so that factor * head_dim >= 2
             raise ValueError(
                 f"partial_rotary_factor={partial} of head_dim={head_dim} turns int({partial} * {head_dim} // 2) = 0 "
@@ -341,7 +341,7 @@ def parse_rope_parameters(
         with torch.device("cpu"):  # values to check, also where the caller builds on meta
             inv_freq, _ = compute_frequencies(spec)
         if rope_type == "proportional":
-            inv_freq = inv_freq[: int(params["partial_rotary_factor"] * rotary_dim // 2)]
+            inv_freq = inv_freq[: proportional_pairs(params["partial_rotary_factor"], rotary_dim)]
         if not bool((inv_freq.float() > 0).all()):
             raise ValueError(
                 f"rope_type {rope_type!r} with {params} gives frequencies that are 0 in float32 (smallest "
