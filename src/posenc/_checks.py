@@ -169,9 +169,11 @@ def to_device(name: str, x: torch.Tensor, device: torch.device | str, what: str 
     return x.to(device)
 
 
-def angle_dtypes(cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """cos and sin in float32 or float64, one dtype: in bf16 / fp16 they carry 3-4 significant digits, an error of
-    1e-3 to 1e-2 in every rotated channel that the float32 math after them cannot take back."""
+def angle_dtypes(cos: Any, sin: Any) -> None:
+    """cos and sin: tensors in float32 or float64, one dtype. In bf16 / fp16 they carry 3-4 significant digits, an
+    error of 1e-3 to 1e-2 in every rotated channel that the float32 math after them cannot take back."""
+    float_tensor("cos", cos)
+    float_tensor("sin", sin)
     if cos.dtype != sin.dtype:
         raise TypeError(f"cos and sin must share a dtype, got {cos.dtype} and {sin.dtype}")
     if cos.dtype not in (torch.float32, torch.float64):

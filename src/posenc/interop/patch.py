@@ -147,35 +147,21 @@ class _PatchState:
     original_config_values: dict[str, Any]  # attribute -> its value before patching
     weights_dtype: torch.dtype | None  # the model's floating parameters' dtype when patched
 
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        _refuse_pickling()
-
-    def __copy__(self) -> _PatchState:
-        return dataclasses.replace(self)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> _PatchState:
-        # copy.deepcopy keeps the patched forwards (it copies a bound method's function as is): a copy stays patched.
-        fields = dataclasses.fields(self)
-        return type(self)(*(copy.deepcopy(getattr(self, field.name), memo) for field in fields))
-
-
-def _refuse_pickling() -> None:
-    # Pickle stores each attention module's instance forward (a copy of the class's, bound) by its name, so a
-    # loaded model would run the class's unpatched forward on posenc's cos/sin and fail in a shape mismatch.
-    raise TypeError(
-        "a model patched by posenc cannot be pickled, nor can its patched layers (torch.save(model), "
-        "multiprocessing, Ray): their patched attention forwards would load as the class's own, beside posenc's "
-        "rotary module. Save the weights (model.save_pretrained or torch.save(model.state_dict())), or pickle the "
-        "model before patch_model / after unpatch_model(model), and call patch_model again where it is loaded"
-    )
-
 
 class _PickleGuard:
-    """Held by each patched attention module, so that pickling one alone (or a submodule holding it) is refused as
-    pickling the model is; copies keep their forwards, and a guard."""
+    """Held by each patched attention module, so that pickling it, or anything holding it (the model, a layer),
+    is refused; copy.deepcopy keeps the patched forwards (it copies a bound method's function as is), and a guard.
+
+    Pickle stores each attention module's instance forward (a copy of the class's, bound) by its name, so a loaded
+    model would run the class's unpatched forward on posenc's cos/sin and fail in a shape mismatch."""
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        _refuse_pickling()
+        raise TypeError(
+            "a model patched by posenc cannot be pickled, nor can its patched layers (torch.save(model), "
+            "multiprocessing, Ray): their patched attention forwards would load as the class's own, beside posenc's "
+            "rotary module. Save the weights (model.save_pretrained or torch.save(model.state_dict())), or pickle "
+            "the model before patch_model / after unpatch_model(model), and call patch_model again where it is loaded"
+        )
 
     def __copy__(self) -> _PickleGuard:
         return self

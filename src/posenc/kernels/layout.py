@@ -65,8 +65,6 @@ def check_table_call(
     CUDA graph capture (``posenc._checks.values_readable``); ``rows_checked`` (the caller knows every position is
     >= 0 and inside the table) skips the positions' and offsets' ones.
     """
-    float_tensor("cos", cos)
-    float_tensor("sin", sin)
     angle_dtypes(cos, sin)
     if cos.dim() != 2 or cos.shape != sin.shape:
         raise ValueError(

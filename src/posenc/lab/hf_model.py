@@ -12,10 +12,8 @@ v vocabulary (256 bytes), h heads.
 from __future__ import annotations
 
 import importlib.util
-import json
 import warnings
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,29 +31,26 @@ def require_transformers() -> None:
 def read_hf_config(path: str) -> dict[str, Any]:
     """The dict in the config.json at ``path`` (a file, or a folder holding config.json), checked to name a
     supported architecture. Raises ValueError naming --hf-config and the fix; transformers is not imported."""
+    from posenc.interop.hf import read_config_json
     from posenc.interop.patch import SUPPORTED_ARCHITECTURES
 
-    file = Path(path)
-    file = file / "config.json" if file.is_dir() else file
-    if not file.is_file():
-        raise ValueError(f"hf_config (--hf-config) {path!r} is not a config.json or a folder holding one")
     try:
-        source = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"hf_config (--hf-config) {str(file)!r} is not readable JSON: {error}") from error
-    if not isinstance(source, dict):
-        raise ValueError(f"hf_config (--hf-config) {str(file)!r} must hold a JSON object, not {type(source).__name__}")
+        source = read_config_json(path)
+    except FileNotFoundError:
+        raise ValueError(f"hf_config (--hf-config) {path!r} is not a config.json or a folder holding one") from None
+    except (OSError, ValueError) as error:  # unreadable, not JSON, not an object: the message names the file
+        raise ValueError(f"hf_config (--hf-config) {error}") from error
     model_type = source.get("model_type")
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
-            f"hf_config (--hf-config) {str(file)!r} has model_type {model_type!r}, which the lab cannot build; "
+            f"hf_config (--hf-config) {path!r} has model_type {model_type!r}, which the lab cannot build; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     scalings = [source.get(key) for key in ("rope_parameters", "rope_scaling")]
     scaled = {str(s.get("rope_type") or s.get("type")) for s in scalings if isinstance(s, dict)} - {"None", "default"}
     if scaled:
         warnings.warn(
-            f"hf_config (--hf-config) {str(file)!r} scales its RoPE ({', '.join(sorted(scaled))}); the lab drops that "
+            f"hf_config (--hf-config) {path!r} scales its RoPE ({', '.join(sorted(scaled))}); the lab drops that "
             "scaling and trains plain RoPE with the file's rope_theta and rotary fraction, then applies its own "
             "extensions (--extensions) at the longer lengths",
             stacklevel=2,

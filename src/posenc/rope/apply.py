@@ -30,8 +30,6 @@ Backend = Literal["auto", "torch", "triton", "cpu"]
 
 def check_cos_sin(cos: torch.Tensor, sin: torch.Tensor) -> int:
     """Validate cos and sin (once per call, for q and k alike) and return r/2; errors name the argument."""
-    float_tensor("cos", cos)
-    float_tensor("sin", sin)
     angle_dtypes(cos, sin)
     same_device(("cos", "sin"), cos, sin)
     if cos.shape != sin.shape:
@@ -211,20 +209,6 @@ def rotate_tensors(
     offset = integer_offset(offset)
     flag("conjugate", conjugate)
     kind = rotary_kind(layout, positions, offset, cu_seqlens)
-    if inplace:
-        for name, x in xs.items():
-            float_tensor(name, x)
-            # A contiguous tensor shares no memory between elements: the common case skips the stride checks (the
-            # overlap test costs ~1.4 us a tensor in Python, a few % of a decode-size call).
-            if not x.is_contiguous():
-                _refuse_shared_memory(name, x)
-            # torch's own in-place ops refuse this, so the torch backend would; the fused ones must agree. (Dynamo
-            # cannot trace is_inference(), so traced calls go unchecked here.)
-            if not torch.compiler.is_compiling() and x.is_inference() and not torch.is_inference_mode_enabled():
-                raise RuntimeError(
-                    f"{name} was made under torch.inference_mode() and may be updated in place only inside it; "
-                    f"call this inside torch.inference_mode(), or use apply_rotary for a rotated copy"
-                )
     offsets, offset_int = None, 0
     if kind == "broadcast":
         half = check_cos_sin(cos, sin)
@@ -237,6 +221,19 @@ def rotate_tensors(
     tensors = list(xs.values())
     if len({x.dtype for x in tensors}) > 1:
         raise ValueError(f"{' and '.join(xs)} must share a dtype, got {', '.join(str(x.dtype) for x in tensors)}")
+    if inplace:
+        for name, x in xs.items():
+            # A contiguous tensor shares no memory between elements: the common case skips the stride checks (the
+            # overlap test costs ~1.4 us a tensor in Python, a few % of a decode-size call).
+            if not x.is_contiguous():
+                _refuse_shared_memory(name, x)
+            # torch's own in-place ops refuse this, so the torch backend would; the fused ones must agree. (Dynamo
+            # cannot trace is_inference(), so traced calls go unchecked here.)
+            if not torch.compiler.is_compiling() and x.is_inference() and not torch.is_inference_mode_enabled():
+                raise RuntimeError(
+                    f"{name} was made under torch.inference_mode() and may be updated in place only inside it; "
+                    f"call this inside torch.inference_mode(), or use apply_rotary for a rotated copy"
+                )
     chosen = choose_backend(backend, tensors, cos, sin, kind, inplace=inplace)
     if chosen != "torch":
         args = (cos, sin, positions, offsets, offset_int, cu_seqlens, kind, interleaved, conjugate, chosen)
