@@ -1,16 +1,52 @@
-"""The README's Python example runs as written (on CPU, no downloads): the docs keep up with the API."""
+"""The Python examples in README.md and docs/ run as written (on CPU, no downloads): the docs keep up with the API."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+from posenc.lab import store
+from posenc.lab.config import PRESETS
+from posenc.lab.model import ByteLM
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+LAB_DOC = ROOT / "docs" / "lab.md"
+
+
+def python_blocks(path: Path) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)
 
 
 def test_readme_python_examples_run(capsys):
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    blocks = python_blocks(README)
     assert blocks, "README.md has no ```python example"
     for block in blocks:
         exec(compile(block, str(README), "exec"), {})
     assert "rope" in capsys.readouterr().out
+
+
+def test_every_docs_python_example_is_run_by_a_test():
+    # A block in another page would go untested; give it a test beside these and count it here.
+    counts = {path.name: len(python_blocks(path)) for path in sorted((ROOT / "docs").glob("*.md"))}
+    assert {name: n for name, n in counts.items() if n} == {"lab.md": 1}
+
+
+def test_lab_doc_yarn_temperature_example_runs(tmp_path, capsys):
+    """docs/lab.md's side measurement, on a rope model of the default preset with random weights in place of the
+    trained one, and 2 windows instead of 256 (the arithmetic is the same; the numbers are not the doc's)."""
+    (block,) = python_blocks(LAB_DOC)
+    run_dir, windows = 'Path("/tmp/labdef")', "count=config.eval_windows"
+    assert run_dir in block and windows in block, "the example no longer reads its run folder or window count so"
+    weights = tmp_path / "runs" / "rope" / "seed0" / "model.safetensors"
+    weights.parent.mkdir(parents=True)
+    store.save_weights(ByteLM(PRESETS["default"].model_spec(), "rope"), weights)
+    block = block.replace(run_dir, f"Path({str(tmp_path)!r})").replace(windows, "count=2")
+    exec(compile(block, str(LAB_DOC), "exec"), {})
+    lines = capsys.readouterr().out.splitlines()
+    extension_lengths = PRESETS["default"].extension_lengths
+    assert len(lines) == 2 * len(extension_lengths)  # YaRN's own temperature and 1.0, per length
+    for line, (n, factor) in zip(lines, [(n, f) for n in extension_lengths for f in ("None", "1.0")], strict=True):
+        length, given, bits_per_byte, entropy = line.split()
+        assert (int(length), given) == (n, factor)
+        assert 0 < float(bits_per_byte) < 16 and float(entropy) > 0

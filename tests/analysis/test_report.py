@@ -51,6 +51,15 @@ def test_report_holds_tables_and_embedded_images(tmp_path, make_run):
     assert "attention_entropy: " in page and "measured in run/entropy.csv" in page
 
 
+def test_captions_hold_the_whole_first_paragraph(tmp_path, make_run):
+    """A docstring's first paragraph that wraps over lines is the caption whole, not cut at its first line."""
+    page = write_report(make_run(tmp_path / "run", entropy=False, lab_png=False), figures=["mrope_layouts"]).read_text()
+    (caption,) = re.findall(r"<figcaption>(.*?)</figcaption>", page, flags=re.S)
+    assert caption.startswith("mrope_layouts: Which position axis turns each frequency pair")
+    assert caption.endswith("ERNIE&#x27;s alternation gives height and width the fast pairs and time the slow ones.")
+    assert "\n" not in caption and "  " not in caption
+
+
 def test_report_without_figures_and_custom_out(tmp_path, make_run):
     run = make_run(tmp_path / "run", entropy=False, lab_png=False)
     path = write_report(run, out=tmp_path / "pages" / "r.html", figures=[])

@@ -515,7 +515,8 @@ def entropy_curves(inputs: FigureInputs) -> Figure:
     ax.set_xlabel("sequence length  [tokens]")
     ax.set_ylabel("mean attention entropy  [nats]")
     ax.set_title(f"Attention entropy against length\n{source}", fontsize=10)
-    ax.legend(fontsize=8)
+    # Beside the axes: a lab run's dozen curves fill the plot, and a legend inside would hide some of them.
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
     return fig
 
 

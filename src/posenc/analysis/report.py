@@ -158,7 +158,7 @@ def render_html(
         )
         for name in names:
             fig = FIGURES[name](inputs)
-            doc = (FIGURES[name].__doc__ or name).strip().splitlines()[0]
+            doc = " ".join((FIGURES[name].__doc__ or name).strip().split("\n\n")[0].split())  # first paragraph
             if name == "attention_entropy":
                 source = inputs.entropy_source or "computed on a small random model (the run measured none)"
                 doc += f" Here: {source}."
