@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from posenc.interop import patch as patch_module
-from posenc.interop._discover import probe_rotation, rotation_signature
+from posenc.interop._discover import innermost, probe_rotation, rotation_signature
 from posenc.interop.patch import PosencRotaryEmbedding, _rotate_qk, is_patched, patch_model, unpatch_model
 from posenc.rope.module import RoPE
 from posenc.testing import TINY_HF_SIZES
@@ -127,6 +127,32 @@ def test_unsqueeze_dim_is_found_positionally_and_by_keyword() -> None:
         _rotate_qk(q, k, cos, sin, **options)
 
 
+def rotate_nothing(q, k, cos, sin, unsqueeze_dim=1):
+    return q, k
+
+
+class KernelizedFunction(nn.Module):
+    """What the kernels package (required by transformers >= 5.25) makes of a function: a module whose class's
+    forward calls it, held in the closure, with no __wrapped__."""
+
+    def __init__(self, func) -> None:
+        super().__init__()
+
+        def forward(self, *args, **kwargs):
+            return func(*args, **kwargs)
+
+        type(self).forward = forward
+
+
+def test_the_function_under_a_kernelized_module_is_read() -> None:
+    wrapped = KernelizedFunction(rotate_nothing)
+    assert innermost(wrapped) is rotate_nothing
+    assert rotation_signature(wrapped, "apply_rotary_pos_emb") == (0, 1)
+    assert innermost(nn.Linear(2, 2)).__class__ is nn.Linear  # a module with no function in its closure is itself
+    # transformers' own, whichever form the installed version gives it
+    assert innermost(modeling("llama").apply_rotary_pos_emb).__name__ == "apply_rotary_pos_emb"
+
+
 # --- patch_model on architectures beyond SUPPORTED_ARCHITECTURES ------------------------------------------------
 
 SIZES = dict(
@@ -204,6 +230,12 @@ def test_one_rope_per_layer_type() -> None:
     assert report.rope_type == "full_attention: linear, sliding_attention: default"
     rotary = patched.model.rotary_emb
     assert isinstance(rotary, PosencRotaryEmbedding) and rotary.layer_types == ("full_attention", "sliding_attention")
+    # as transformers' module holds it, which a model's forward may iterate (Ergo's does)
+    assert (
+        rotary.rope_type
+        == model.model.rotary_emb.rope_type
+        == {"full_attention": "linear", "sliding_attention": "default"}
+    )
     with torch.no_grad():
         torch.testing.assert_close(patched(tokens()).logits, model(tokens()).logits, **FP32)
         with pytest.raises(ValueError, match=r"layer_type must be one of \['full_attention', 'sliding_attention'\]"):
@@ -213,7 +245,8 @@ def test_one_rope_per_layer_type() -> None:
 
 
 def test_a_single_rope_takes_no_layer_type() -> None:
-    rotary = PosencRotaryEmbedding(RoPE(16))
+    rotary = PosencRotaryEmbedding(RoPE(16, rope_parameters={"rope_type": "linear", "factor": 4.0}))
+    assert rotary.rope_type == "linear"
     with pytest.raises(ValueError, match=r"layer_type='full_attention' given, but .* one rope dict"):
         rotary(torch.zeros(1, 3, 64), torch.arange(3)[None], "full_attention")
     with pytest.raises(TypeError, match="RoPE or a non-empty dict"):

@@ -25,6 +25,7 @@ import torch
 from posenc import RoPE
 from posenc.interop import hf as hf_interop
 from posenc.interop import rope_from_config, rope_kwargs_from_config
+from posenc.interop._discover import innermost
 from posenc.rope.mrope import MRoPE
 
 transformers = pytest.importorskip("transformers")
@@ -351,8 +352,10 @@ def pair_layout_in_source(model_type: str) -> str | None:
         modeling = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
     except Exception:  # a modeling module that needs an optional package
         return None
+    # Under the module that the kernels package makes of apply_rotary_pos_emb (transformers >= 5.25) too.
+    unwrapped = {name: innermost(f) for name, f in vars(modeling).items() if callable(f)}
     functions = {
-        name: f for name, f in vars(modeling).items() if inspect.isfunction(f) and f.__module__ == modeling.__name__
+        name: f for name, f in unwrapped.items() if inspect.isfunction(f) and f.__module__ == modeling.__name__
     }
     entry = next((name for name in ROTATION_ENTRIES if name in functions), None)
     if entry is None:
@@ -614,3 +617,73 @@ def test_a_legacy_type_that_disagrees_with_rope_type_is_refused() -> None:
     with pytest.raises(ValueError, match=r"rope_type='linear' and type='yarn'"):
         parse_rope_parameters(64, {"rope_type": "linear", "type": "yarn", "factor": 2.0})
     assert parse_rope_parameters(64, {"rope_type": "linear", "type": "linear", "factor": 2.0}) is not None
+
+
+def rotary_of(config: Any) -> torch.nn.Module:
+    """The model's own rotary embedding built from a transformers config object."""
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    name = model_type_to_module_name(config.model_type)
+    modeling = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+    (cls,) = [
+        c for n, c in vars(modeling).items() if n.endswith("RotaryEmbedding") and c.__module__ == modeling.__name__
+    ]
+    return cls(config)
+
+
+def test_a_rope_scaling_block_beside_rope_parameters_wins_as_in_transformers(tmp_path: Path) -> None:
+    """A model card's YaRN block added as rope_scaling to a config.json that transformers 5 saved with
+    rope_parameters: transformers reads rope_scaling, theta included (the rope_parameters' 1e6 is dropped)."""
+    cfg = {
+        "model_type": "qwen3",
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 4096,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
+    }
+    loaded = transformers.AutoConfig.for_model(**cfg)
+    hf = rotary_of(loaded)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    for given in (cfg, tmp_path, loaded):
+        rope = rope_from_config(given)
+        assert (rope.rope_type, rope.base) == ("yarn", loaded.rope_parameters["rope_theta"]) == ("yarn", 10000.0)
+        inv_freq, factor = rope.frequencies()
+        torch.testing.assert_close(inv_freq, hf.inv_freq.double(), rtol=1e-6, atol=0)
+        assert factor == pytest.approx(hf.attention_scaling, rel=1e-12)
+    # An empty rope_scaling is no block: rope_parameters is read.
+    assert rope_from_config({**cfg, "rope_scaling": {}}).base == 1e6
+
+
+def test_a_rope_dict_per_layer_type_keeps_its_own_trained_length() -> None:
+    """transformers applies a top-level original_max_position_embeddings to a single rope dict only; a dict per
+    layer type keeps its own (else takes max_position_embeddings)."""
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e6, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    for full, original in (({**llama3, "original_max_position_embeddings": 512}, 512), (llama3, 4096)):
+        config = transformers.AutoConfig.for_model(
+            "gemma3_text",
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            num_hidden_layers=2,
+            max_position_embeddings=4096,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={"full_attention": full, "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+            original_max_position_embeddings=1024,
+        )
+        for given in (config, config.to_dict()):
+            rope = rope_from_config(given, layer_type="full_attention")
+            assert rope.spec.params["original_max_position_embeddings"] == original
+            expected = rotary_of(config).full_attention_inv_freq.double()
+            torch.testing.assert_close(rope.frequencies()[0], expected, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("model_type", ["ernie4_5", "lfm2", "exaone", "llama"])
+def test_a_dict_without_rope_theta_takes_its_config_class_default(model_type: str) -> None:
+    cfg = {"model_type": model_type, "hidden_size": 64, "num_attention_heads": 4, "head_dim": 16}
+    expected = transformers.AutoConfig.for_model(**cfg).rope_parameters["rope_theta"]
+    assert rope_from_config(cfg).base == expected
+    assert expected != 10000.0 or model_type == "llama"

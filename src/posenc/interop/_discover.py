@@ -94,10 +94,30 @@ def _common_parent(names: list[str]) -> str:
 
 
 def innermost(func: Callable[..., Any]) -> types.FunctionType:
-    """The function under its functools.wraps decorators."""
-    while hasattr(func, "__wrapped__"):
-        func = func.__wrapped__
-    return func  # type: ignore[return-value]
+    """The function under its functools.wraps decorators, and under the ``nn.Module`` that the ``kernels``
+    package (which transformers >= 5.25 requires) makes of a function it may swap for a hub kernel
+    (``use_kernel_forward_from_hub`` on transformers' ``apply_rotary_pos_emb``): its class's forward calls the
+    function, the one function in its closure."""
+    while True:
+        if hasattr(func, "__wrapped__"):
+            func = func.__wrapped__
+        elif isinstance(func, nn.Module) and (inner := _function_in_closure(type(func).forward)) is not None:
+            func = inner
+        else:
+            return func  # type: ignore[return-value]
+
+
+def _function_in_closure(method: Callable[..., Any]) -> types.FunctionType | None:
+    """The one plain function among ``method``'s closure cells; None where there is none or more than one."""
+    found = []
+    for cell in getattr(method, "__closure__", None) or ():
+        try:
+            contents = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(contents, types.FunctionType):
+            found.append(contents)
+    return found[0] if len(found) == 1 else None
 
 
 def rotation_names(cls: type[nn.Module]) -> tuple[str, ...]:

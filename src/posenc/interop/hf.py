@@ -33,15 +33,15 @@ from posenc.rope.parameters import REQUIRED_KEYS, pop_rope_type, unread_keys
 # Model types whose rotation pairs adjacent channels (x0, x1), (x2, x3), ...: a rotate_half on x[..., ::2] and
 # x[..., 1::2], rotate_every_two, view_as_complex, or pairs rotated in place and stored evens-then-odds (the MLA
 # models' apply_rotary_pos_emb_interleave; the same q.k scores). Every other model type pairs channel i with
-# i + r/2. Read from the modeling code of transformers 5.24; tests/interop/test_rope_from_config.py holds the table
+# i + r/2. Read from the modeling code of transformers 5.25; tests/interop/test_rope_from_config.py holds the table
 # to the installed transformers.
 _INTERLEAVED_MODELS = frozenset(
     {
         *("bailing_hybrid", "blt", "blt_global_transformer", "blt_local_decoder", "blt_local_encoder", "blt_patcher"),
         *("codegen", "cohere", "cohere2", "cohere2_moe", "deepseek_v2", "deepseek_v4", "efficientloftr"),
-        *("ernie4_5", "ernie4_5_moe", "ernie4_5_vl_moe", "ernie4_5_vl_moe_text", "ernie4_5_vl_moe_vision", "glm"),
-        *("glm4", "glm_moe_dsa", "glm4v", "glm4v_text", "glm4v_vision", "glm_ocr", "glm_ocr_text", "glm_ocr_vision"),
-        *("gptj", "helium"),
+        *("ergo", "ernie4_5", "ernie4_5_moe", "ernie4_5_vl_moe", "ernie4_5_vl_moe_text", "ernie4_5_vl_moe_vision"),
+        *("glm", "glm4", "glm_moe_dsa", "glm4v", "glm4v_text", "glm4v_vision", "glm_ocr", "glm_ocr_text"),
+        *("glm_ocr_vision", "gptj", "helium", "hy_v4"),
         *("hy_v4_vl", "hy_v4_vl_text", "hy_v4_vl_vision", "lightglue", "llama4", "llama4_text", "llama4_vision_model"),
         *("longcat_flash", "mistral_large4", "mistral_large4_text", "moonshine", "moonshine_streaming"),
         *("moonshine_streaming_encoder", "openai_privacy_filter", "pe_audio", "pe_audio_encoder", "pe_audio_video"),
@@ -80,10 +80,10 @@ _PARTIAL_DEFAULTS = {"gpt_neox": 0.25}
 _TOP_LEVEL_THETA = {"gpt_neox": ("rotary_emb_base",)}
 _TOP_LEVEL_PARTIAL = {"gpt_neox": ("rotary_pct",)}
 # Model types whose 'default' RoPE (their rotary class's compute_default_rope_parameters in transformers 5.x) reads
-# partial_rotary_factor. The others, 220 of the 288 model types with a rotary class in transformers 5.24 (Llama,
+# partial_rotary_factor. The others, 224 of the 292 model types with a rotary class in transformers 5.25 (Llama,
 # Mistral, Qwen2/3, Gemma, DeepSeek, ...), rotate the whole head there and never read it, although their configs
 # accept the key; the scaled types (ROPE_INIT_FUNCTIONS) always read it. Where transformers is installed, the
-# model's own rotary class decides (``_default_reads_partial``); this table, taken from transformers 5.24, is for
+# model's own rotary class decides (``_default_reads_partial``); this table, taken from transformers 5.25, is for
 # where it is not. tests/interop/test_rope_from_config.py holds it to the installed transformers.
 _DEFAULT_READS_PARTIAL = frozenset(
     {
@@ -162,7 +162,7 @@ _DEFAULT_READS_PARTIAL = frozenset(
 _ORIGINAL_DEFAULTS = {"phi3": 4096}
 # Model types whose text model turns its pairs by three position axes (M-RoPE): how the axes share the pairs (see
 # posenc.rope.mrope.mrope_axis_of_pair) and the mrope_section their rotary class falls back to when the config has
-# none. Read from transformers 5.24; tests/interop/test_mrope_models.py holds the table to the installed transformers.
+# none. Read from transformers 5.25; tests/interop/test_mrope_models.py holds the table to the installed transformers.
 _QWEN2_VL, _QWEN3_VL = ("sections", (16, 24, 24)), ("interleaved", (24, 20, 20))
 _QWEN3_5, _GLM4_V, _ERNIE_VL = ("interleaved", (11, 11, 10)), ("sections", (8, 12, 12)), ("alternating", (22, 22, 20))
 _MROPE_MODELS: dict[str, tuple[MRopeLayout, tuple[int, ...]]] = {
@@ -184,7 +184,7 @@ _NEEDS_ORIGINAL = frozenset({"llama3", "yarn", "longrope"})
 # Where composite configs keep their text model, in the order looked for.
 _NESTED_CONFIGS = ("text_config", "thinker_config", "vlm_config")
 # Composite model types whose text model is another model type that the tables above name, for a config.json whose
-# text_config omits its model_type (transformers 5.24; tests/interop/test_mrope_models.py holds it to the installed
+# text_config omits its model_type (transformers 5.25; tests/interop/test_mrope_models.py holds it to the installed
 # transformers).
 _TEXT_MODELS = {
     **dict.fromkeys(("aya_vision", "cohere2_vision"), "cohere2"),
@@ -213,11 +213,15 @@ def read_config_json(config: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def _load(config: Any) -> tuple[dict[str, Any], Any]:
-    """Returns (the config as a plain dict, the model class' default theta: a number, or a dict per kind of layer)."""
+    """Returns (the config as a plain dict, the model class' default theta: a number, or a dict per kind of layer).
+    For a dict or a config.json the class is the one its model_type names, where transformers is installed (ERNIE
+    4.5 and EXAONE default to 500000, LFM2 to 1e6); 10000 without it."""
     if isinstance(config, (str, os.PathLike)):
-        return read_config_json(config), 10000.0
+        cfg = read_config_json(config)
+        return cfg, _class_default_theta(str(_text_model(cfg).get("model_type") or ""))
     if isinstance(config, Mapping):
-        return dict(config), 10000.0
+        cfg = dict(config)
+        return cfg, _class_default_theta(str(_text_model(cfg).get("model_type") or ""))
     if callable(getattr(config, "to_dict", None)):
         return dict(config.to_dict()), getattr(config, "default_theta", 10000.0)
     raise TypeError(
@@ -249,6 +253,16 @@ def _with_aliases(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 @functools.cache
+def _class_default_theta(model_type: str) -> Any:
+    try:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        return getattr(CONFIG_MAPPING[model_type], "default_theta", 10000.0)
+    except Exception:  # not installed, or a model type it does not know
+        return 10000.0
+
+
+@functools.cache
 def _attribute_map(model_type: str) -> dict[str, str]:
     try:
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -266,12 +280,19 @@ def _first(cfg: Mapping[str, Any], *keys: str) -> Any:
     return None
 
 
+def _rope_dict(cfg: Mapping[str, Any]) -> Any:
+    """The config's rope dict as transformers takes it: a legacy ``rope_scaling`` that is not empty wins over
+    ``rope_parameters`` (a model card's YaRN block added to a config.json saved with rope_parameters), theta
+    included: the rope_parameters' own rope_theta is not read then."""
+    return cfg.get("rope_scaling") or cfg.get("rope_parameters")
+
+
 def rope_layer_types(config: Any) -> tuple[str, ...]:
     """The layer types that have a rope dict of their own in ``config``, sorted (Gemma 3's 'full_attention' and
     'sliding_attention'): the values ``rope_kwargs_from_config(config, layer_type=...)`` takes. () for a config
     with one rope dict for every layer. config: as for ``rope_kwargs_from_config``."""
     cfg = _text_model(_load(config)[0])
-    rope = _first(cfg, "rope_parameters", "rope_scaling")
+    rope = _rope_dict(cfg)
     if not isinstance(rope, Mapping):
         return ()
     layer_types = set(cfg.get("layer_types") or ())
@@ -298,7 +319,7 @@ def rope_kwargs_from_config(config: Any, *, layer_type: str | None = None) -> di
         raise ValueError(f"model_type {model_type!r} is not supported: {_UNSUPPORTED_MODELS[model_type]}")
     _require_rope(cfg, model_type)
 
-    rope = _first(cfg, "rope_parameters", "rope_scaling") or {}
+    rope = _rope_dict(cfg) or {}
     if not isinstance(rope, Mapping):
         raise TypeError(f"config's rope_parameters / rope_scaling must be a dict, got {type(rope).__name__}")
     rope = dict(rope)
@@ -357,11 +378,12 @@ def rope_kwargs_from_config(config: Any, *, layer_type: str | None = None) -> di
             rope["partial_rotary_factor"] = partial
 
     max_pos = _first(cfg, "max_position_embeddings", "n_positions")
-    original = _first(cfg, "original_max_position_embeddings")
-    if original is None:
+    # transformers gives a top-level original_max_position_embeddings priority over a single rope dict's (Phi-3 keeps
+    # it there); a rope dict per layer type keeps its own, else takes max_position_embeddings, as a dict does here.
+    original = None if nested else _first(cfg, "original_max_position_embeddings")
+    if original is None and not nested:
         original = _ORIGINAL_DEFAULTS.get(model_type)
     if rope_type in _NEEDS_ORIGINAL and original is not None:
-        # transformers gives a top-level original_max_position_embeddings priority (Phi-3 keeps it there).
         rope["original_max_position_embeddings"] = original
 
     if rope_type in REQUIRED_KEYS:

@@ -72,18 +72,18 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("gemma", "gpt_neox", "llama", "mistr
 # head_dim crashes their unpatched forward, so a saved config asking for one would not load into a working model.
 _WHOLE_HEAD_ATTENTION = frozenset({"gemma", "llama", "mistral", "qwen2", "qwen3"})
 # The model types whose patched tiny models give the unpatched logits, full forward and cached decoding, in
-# tests/interop/test_patch_architectures.py and test_patch_multimodal.py (transformers 5.24; `python
+# tests/interop/test_patch_architectures.py and test_patch_multimodal.py (transformers 5.25; `python
 # scripts/patch_coverage.py` lists the first). Others that pass patch_model's checks are patched with a warning.
 VERIFIED_ARCHITECTURES: frozenset[str] = frozenset(
     {
         *("afmoe", "apertus", "apertus1p5_text", "arcee", "aria_text", "axk1", "axk2", "bailing_hybrid", "beam"),
         *("bitnet", "cohere", "cohere2", "cohere2_moe", "cwm", "deepseek_v3", "deepseek_v32", "diffllama", "doge"),
-        *("dory", "dots1", "ernie4_5", "ernie4_5_moe", "exaone4", "exaone_moe", "falcon", "flex_olmo", "flint"),
+        *("dory", "dots1", "ergo", "ernie4_5", "ernie4_5_moe", "exaone4", "exaone_moe", "falcon", "flex_olmo", "flint"),
         *("gemma", "gemma2", "gemma3_text", "glm", "glm4", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "gpt_neox"),
-        *("gpt_neox_japanese", "gpt_oss", "granite", "granite_swa", "granitemoe", "granitemoe_swa"),
-        *("granitemoeshared", "helium", "hrm_text", "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "hy_v4"),
-        *("hyperclovax", "jais2", "jetmoe", "kolibri1", "laguna", "lara_mini", "lfm2", "lfm3", "llama", "mellum"),
-        *("mimo_v2_flash", "minicpm3", "minimax", "minimax_m2", "ministral", "ministral3", "mistral", "mixtral"),
+        *("gpt_neox_japanese", "gpt_oss", "granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoeshared"),
+        *("helium", "hrm_text", "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "hy_v4", "hyperclovax", "jais2"),
+        *("jetmoe", "kolibri1", "laguna", "lara_mini", "lfm2", "lfm3", "llama", "mellum", "mimo_v2_flash", "minicpm3"),
+        *("minicpm5_moe", "minimax", "minimax_m2", "ministral", "ministral3", "mistral", "mixtral"),
         *("modernbert-decoder", "moshi", "nemotron", "olmo", "olmo2", "olmo3", "olmo_hybrid", "olmoe", "persimmon"),
         *("phi", "phi3", "phimoe", "qwen2", "qwen2_moe", "qwen3", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe"),
         *("qwen3_next", "seed_oss", "smollm3", "solar_open", "stablelm", "starcoder2", "vaultgemma", "youtu", "zaya"),
@@ -226,6 +226,14 @@ class PosencRotaryEmbedding(nn.Module):
     @property
     def device(self) -> torch.device:
         return next(iter(self._buffers.values())).device
+
+    @property
+    def rope_type(self) -> str | dict[str, str]:
+        """The type, or one per layer type, as transformers' rotary modules hold it (the RoPEs are built from the
+        model's config, so these are transformers' names): a model's forward may read it (Ergo computes cos/sin for
+        each layer type it lists)."""
+        names = {key: rope.rope_type for key, rope in self._ropes().items()}
+        return names if self.layer_types else names[""]
 
     def forward(
         self, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None = None
@@ -595,7 +603,7 @@ def patch_model(
 
     model: a model whose attention rotates with transformers' ``apply_rotary_pos_emb`` convention (Llama,
     Mistral, Mixtral, Qwen2/3 and their MoE variants, Gemma 1-3, Phi, Phi-3 incl. LongRoPE, GPT-NeoX, StableLM,
-    Cohere, GLM, DeepSeek-V3, OLMo, Granite and ~80 more in transformers 5.24; docs/scaling.md lists them; a
+    Cohere, GLM, DeepSeek-V3, OLMo, Granite and ~80 more in transformers 5.25; docs/scaling.md lists them; a
     composite model through its text config, with the multimodal RoPE of Qwen2-VL, Qwen3-VL, GLM-4V and kin as a
     ``posenc.MRoPE``, the vision tower left as it is), e.g.
     ``AutoModelForCausalLM.from_pretrained(...)``. What is replaced is found in the model and checked before it is
