@@ -28,8 +28,9 @@ def resolve_positions(
 
     positions: (s,) or (b, s) integer tensor, or None for ``offset + arange(s)``.
     offset: int >= 0, or an integer tensor of shape (b,) (one offset per sequence). Added to ``positions``.
-    No offset or position may be negative: checked on the host, or, under torch.compile and CUDA graph capture
-    (where reading a value would break the graph or the capture), by an assert that runs with the graph.
+    No offset may be negative, nor any offset + position id (an id below 0 is read where the offset makes up for
+    it): checked on the host, or, under torch.compile and CUDA graph capture (where reading a value would break the
+    graph or the capture), by an assert that runs with the graph.
     """
     offset = integer_offset(offset)
     tensors = [t for t in (positions, offset) if isinstance(t, torch.Tensor)]
@@ -69,7 +70,7 @@ def resolve_positions(
         pos = positions.to(device=device, dtype=torch.long)
     pos = pos + offset
     if check_data and positions is not None and pos.numel() and bool((pos < 0).any()):
-        raise ValueError("positions must be >= 0, got a negative entry")
+        raise ValueError("positions must be >= 0 (offset + position ids), got a negative entry")
     if not check_data and isinstance(offset, torch.Tensor):
         assert_without_sync(offset >= 0, "offset must be >= 0 (it counts tokens already in the cache)")
     if not check_data and positions is not None:  # without ids, pos >= 0 follows from the offset's assert

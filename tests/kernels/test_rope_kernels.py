@@ -732,6 +732,20 @@ def test_torch_compile_fullgraph_matches_eager():
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_an_explicit_fused_backend_compiles_without_warnings(backend, recwarn):
+    """Choosing the backend reads cached facts (does triton import, is the CPU kernel built) through
+    assume_constant_result: dynamo warned about the functools.cache it met on backend='triton'."""
+    device = DEVICE[backend]
+    cos, sin = (t.to(device) for t in table(8, 16))
+    compiled = torch.compile(
+        lambda x: apply_rotary(x, cos, sin, offset=1, backend=backend), fullgraph=True, backend="aot_eager"
+    )
+    x = torch.randn(1, 2, 5, 8, device=device)
+    torch.testing.assert_close(compiled(x), apply_rotary(x, cos, sin, offset=1, backend="torch"))
+    assert not [str(w.message) for w in recwarn]
+
+
 def test_torch_compile_fullgraph_backward():
     cos, sin = table(64, 32)
     q = torch.randn(2, 4, 7, 64, requires_grad=True)
@@ -796,6 +810,26 @@ def test_positions_outside_the_table_never_read_past_it_under_torch_compile(back
     assert torch.equal(out[..., 8:], q[..., 8:].cpu())
     inside = apply_rotary(q[:1], cos, sin, positions=torch.arange(4, device=device), backend="torch").cpu()
     torch.testing.assert_close(out[:1], inside)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+@pytest.mark.parametrize("cu_seqlens", [[0, 2, 5], [0, 5, 3, 7], [2, 4, 7]], ids=["ends-early", "falls", "starts-late"])
+def test_bad_cu_seqlens_are_refused_under_torch_compile_too(backend, cu_seqlens):
+    """Eager reads and refuses them; inside a graph they cannot be read, so a check runs with the graph (each
+    backend would otherwise read them its own way: the torch and CPU paths restarted the last tokens at 0, Triton
+    went on counting)."""
+    device = DEVICE[backend]
+    cos, sin = (t.to(device) for t in table(8, 64))
+    x, cu = torch.randn(7, 1, 8, device=device), torch.tensor(cu_seqlens, device=device)
+    with pytest.raises(ValueError, match="cu_seqlens must"):
+        apply_rotary(x, cos, sin, cu_seqlens=cu, backend=backend)
+    compiled = torch.compile(
+        lambda x, cu: apply_rotary(x, cos, sin, cu_seqlens=cu, backend=backend), fullgraph=True, backend="aot_eager"
+    )
+    with pytest.raises(RuntimeError, match="cu_seqlens must start at 0, end at total_tokens and be non-decreasing"):
+        compiled(x, cu)
+    good = torch.tensor([0, 2, 7], device=device)
+    torch.testing.assert_close(compiled(x, good), apply_rotary(x, cos, sin, cu_seqlens=good, backend=backend))
 
 
 @settings(max_examples=25, deadline=None)

@@ -18,7 +18,7 @@ from typing import Literal
 
 import torch
 
-from posenc._checks import angle_dtypes, float_tensor, int_tensor, values_readable
+from posenc._checks import angle_dtypes, assert_without_sync, float_tensor, int_tensor, values_readable
 
 Kind = Literal["broadcast", "bhsd", "bshd", "varlen"]
 KINDS = ("broadcast", "bhsd", "bshd", "varlen")
@@ -114,6 +114,12 @@ def check_table_call(
                 )
             if bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
                 raise ValueError("cu_seqlens must be non-decreasing (prefix sums of sequence lengths)")
+        else:
+            # Unread, bad prefix sums would be read differently by each backend: checked with the graph instead.
+            assert_without_sync(
+                (cu_seqlens[0] == 0) & (cu_seqlens[-1] == seq) & (cu_seqlens[1:] >= cu_seqlens[:-1]).all(),
+                "cu_seqlens must start at 0, end at total_tokens and be non-decreasing (prefix sums of lengths)",
+            )
 
     offsets, offset_int = None, 0
     if isinstance(offset, torch.Tensor):
@@ -177,7 +183,10 @@ def check_table_call(
         )
         low, high = torch.stack(torch.aminmax(pos)).tolist()  # one device sync, not two
         if low < 0:
-            raise ValueError(f"positions must be >= 0, got a negative entry ({low}); positions index the table rows")
+            raise ValueError(
+                f"positions must be >= 0 (offset + position ids), got a negative entry ({low}); positions index the "
+                "table rows"
+            )
         if high >= cos.shape[0]:
             raise ValueError(
                 f"positions reach {low} .. {high} but the cos/sin table has {cos.shape[0]} rows; "

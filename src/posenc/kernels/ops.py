@@ -35,7 +35,13 @@ def _triton_module_or_error() -> tuple[object | None, str]:
 @torch.compiler.assume_constant_result
 def triton_available() -> bool:
     """True when Triton imports and a CUDA device is present (the auto backend's condition for CUDA tensors)."""
-    return torch.cuda.is_available() and _triton_module_or_error()[0] is not None
+    return torch.cuda.is_available() and _triton_imports()
+
+
+@torch.compiler.assume_constant_result
+def _triton_imports() -> bool:
+    # Through assume_constant_result, as triton_available: dynamo warns on a call to a functools.cache'd function.
+    return _triton_module_or_error()[0] is not None
 
 
 @torch.compiler.assume_constant_result
@@ -101,8 +107,8 @@ def choose_backend(
         if not _cpu_built():
             raise RuntimeError(f"backend='cpu' is unavailable: {cpu_unavailable_reason()}; use backend='torch'")
         return "cpu"
-    module, reason = _triton_module_or_error()
-    if module is None:
+    if not _triton_imports():
+        reason = _triton_module_or_error()[1]
         raise RuntimeError(f"backend='triton' is unavailable: {reason}; use backend='torch' or 'cpu'")
     return "triton"
 
