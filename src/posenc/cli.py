@@ -263,7 +263,11 @@ def _add_lab(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--extensions", type=_comma_names, help="comma list of pi,ntk,dynamic,yarn,llama3, or none")
     p.add_argument("--seed", type=int, help="first seed (default 0)")
     p.add_argument("--seeds", type=int, help="number of seeds (default 1; full: 3)")
-    p.add_argument("--corpus", help="a text file or a directory of text files (default: the Python stdlib)")
+    p.add_argument(
+        "--corpus",
+        help="a text file, or a directory whose .txt .md .rst .py .c .h .json .toml .cfg .ini .html files are read "
+        "(default: the Python stdlib)",
+    )
     p.add_argument("--train-len", type=int, help="training context in bytes (eval lengths follow at 1x-8x)")
     p.add_argument("--eval-lengths", type=_comma_ints, help="comma list of eval lengths, each >= --train-len")
     p.add_argument("--score-len", type=int, help="final bytes of every window that are scored (<= --train-len)")

@@ -54,6 +54,27 @@ def test_stdlib_walk_skips_third_party_and_test_suites(tmp_path):
     assert "test/test_os.py" in own and not any("site-packages" in name for name in own)
 
 
+def test_a_folder_corpus_reads_text_suffixes_in_any_case_and_skips_lab_runs(tmp_path):
+    """`posenc lab --corpus .` writes lab-runs/ inside its corpus: a run folder (its config.json names a
+    configuration and a corpus) is never read as text, or the corpus would change with every run."""
+    files = {
+        "a.txt": "a",
+        "NOTES.TXT": "b",
+        "Setup.Py": "c",
+        "image.png": "d",
+        "NOTES": "e",  # no suffix: not read
+        "lab-runs/quick/config.json": '{"config_id": "x", "corpus_sha256": "y", "results_key": {}}',
+        "lab-runs/quick/report.md": "f",
+        "lab-runs/quick/runs/rope/seed0/metrics.json": "{}",
+        "data/config.json": '{"vocab": 3}',  # a config.json of one's own stays text
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    found = [f.relative_to(tmp_path).as_posix() for f in corpus_files(tmp_path)]
+    assert found == ["NOTES.TXT", "Setup.Py", "a.txt", "data/config.json"]
+
+
 def test_max_bytes_cuts_the_joined_text_at_that_byte(tmp_path):
     """The separator after the last file kept was counted: with two 7-byte files, 8, 9 and 10 bytes all gave 7."""
     for name in ("a.txt", "b.txt"):

@@ -177,6 +177,31 @@ def test_a_folder_whose_config_json_was_deleted_is_claimed_only_by_its_units_con
     assert (copy / "config.json").exists()
 
 
+def test_a_run_folder_inside_its_corpus_resumes_and_the_corpus_itself_is_refused(tiny_config, corpus_dir, tmp_path):
+    corpus = tmp_path / "project"
+    shutil.copytree(corpus_dir, corpus)
+    config = tiny_config(corpus=str(corpus), encodings=("nope",), extensions=())
+    out = corpus / "lab-runs" / "quick"
+    first = quiet(config, out).run()
+    again = quiet(config, out)
+    again.prepare()  # its own files were not read as corpus: same bytes, same configuration
+    rerun = again.run()
+    assert rerun["rows"] == first["rows"] and rerun["timings"]["units_skipped"] == 1
+    with pytest.raises(ValueError, match=r"--out .* is the --corpus folder itself: .* pass another --out"):
+        quiet(config, corpus).prepare()
+
+
+def test_a_damaged_file_found_during_the_run_is_one_line_naming_it(finished, tmp_path, capsys):
+    config, out, _ = finished
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    metrics = copy / "runs" / "nope" / "seed0" / "metrics.json"
+    metrics.write_text(metrics.read_text()[:20])  # a copy cut short
+    status = runner.run_command(preset="quick", out=copy, overrides=vars(config), progress=False)
+    assert status == 2
+    assert capsys.readouterr().err.startswith(f"posenc lab: error: {metrics} is not the JSON the lab writes")
+
+
 def test_multiple_seeds_report_mean_and_spread(tiny_config, tmp_path):
     config = tiny_config(encodings=("rope",), extensions=("pi",), num_seeds=2)
     results = quiet(config, tmp_path).run()

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch import nn
 
 from posenc import _atomic
 from posenc.lab import store
@@ -72,9 +73,11 @@ def test_writes_create_folders_and_replace(tmp_path):
     store.write_bytes(tmp_path / "x.bin", b"\x00\x01")
     assert path.read_text() == "two" and (tmp_path / "x.bin").read_bytes() == b"\x00\x01"
     assert not list(tmp_path.rglob("*.tmp"))
+    store.save_weights(nn.Linear(2, 2), tmp_path / "m.safetensors")  # safetensors creates its file 0600
     umask = os.umask(0)
     os.umask(umask)
-    assert path.stat().st_mode & 0o777 == 0o666 & ~umask  # readable like any file the user writes
+    for written in (path, tmp_path / "x.bin", tmp_path / "m.safetensors"):
+        assert written.stat().st_mode & 0o777 == 0o666 & ~umask, written  # readable like any file the user writes
 
 
 @pytest.mark.parametrize("encoding", ["t5", "learned", "rope"])
@@ -91,6 +94,23 @@ def test_weights_round_trip_with_the_shared_encoding(tmp_path, encoding):
     # The shared table is still one tensor after loading, not one copy per layer.
     if encoding == "t5":
         assert other.blocks[0].attn.encoding.table.weight is other.encoding.table.weight
+
+
+@pytest.mark.parametrize("cut", [4, 60, -100])
+def test_a_weights_file_cut_short_is_named_with_the_fix(tmp_path, cut):
+    path = tmp_path / "model.safetensors"
+    store.save_weights(nn.Linear(64, 64), path)
+    path.write_bytes(path.read_bytes()[:cut])
+    with pytest.raises(store.RunFolderError, match=f"{path} is not a whole safetensors file .* delete it"):
+        store.load_weights(nn.Linear(64, 64), path)
+
+
+@pytest.mark.parametrize("text", ['{"config_id": "ab', "\udcff"], ids=["cut", "not-utf8"])
+def test_a_json_file_cut_short_is_named_with_the_fix(tmp_path, text):
+    path = tmp_path / "metrics.json"
+    path.write_bytes(text.encode("utf-8", "surrogateescape"))
+    with pytest.raises(store.RunFolderError, match=f"{path} is not the JSON the lab writes .* delete it"):
+        store.read_json(path)
 
 
 def test_loading_into_another_shape_fails(tmp_path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 import sysconfig
 from pathlib import Path
@@ -62,10 +63,23 @@ def corpus_files(root: Path, *, stdlib: bool = False) -> list[Path]:
     suffixes = {".py"} if stdlib else _TEXT_SUFFIXES
     files = []
     for directory, subdirs, names in os.walk(root):
-        # Pruned in place so os.walk never descends into site-packages (often larger than the stdlib itself).
-        subdirs[:] = [d for d in subdirs if d not in (_STDLIB_SKIPPED_DIRS if stdlib else _PACKAGE_DIRS)]
-        files.extend(Path(directory, n) for n in names if Path(n).suffix in suffixes)
+        # Pruned in place so os.walk never descends into site-packages (often larger than the stdlib itself), nor
+        # into a lab run's folder: `posenc lab --corpus .` writes lab-runs/ inside its own corpus, whose bytes would
+        # then change with every run and refuse the resume.
+        skipped = _STDLIB_SKIPPED_DIRS if stdlib else _PACKAGE_DIRS
+        subdirs[:] = [d for d in subdirs if d not in skipped and not is_lab_run(Path(directory, d))]
+        # Suffixes in any case: a README.TXT is text too.
+        files.extend(Path(directory, n) for n in names if Path(n).suffix.lower() in suffixes)
     return sorted((f for f in files if f.is_file()), key=lambda p: p.relative_to(root).as_posix())
+
+
+def is_lab_run(folder: Path) -> bool:
+    """Whether ``folder`` is a ``posenc lab`` output folder (its config.json names a configuration and a corpus)."""
+    try:
+        claimed = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # none there, unreadable, not JSON
+        return False
+    return isinstance(claimed, dict) and {"config_id", "corpus_sha256"} <= claimed.keys()
 
 
 def load_corpus(

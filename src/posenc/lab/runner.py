@@ -230,6 +230,12 @@ class Lab:
         def claim() -> None:
             if self.out.exists() and not self.out.is_dir():
                 raise ValueError(f"--out {self.out} exists and is not a folder")
+            if config.corpus is not None and Path(config.corpus).expanduser().resolve() == self.out.resolve():
+                # A run folder inside the corpus is skipped when the corpus is read; the corpus itself cannot be.
+                raise ValueError(
+                    f"--out {self.out} is the --corpus folder itself: the lab's files would become part of the corpus "
+                    "and change it; pass another --out (a folder inside the corpus is fine, it is not read as text)"
+                )
             try:
                 claim_folder(self.out, config, self.corpus, self.config_id)
             except OSError as error:  # a parent that is a file, a read-only or missing mount
@@ -365,7 +371,7 @@ class Lab:
             return None
         unit_metrics = store.read_json(done)
         if unit_metrics.get("config_id") != self.config_id:
-            raise ValueError(f"{done} belongs to another configuration; delete it or use another --out")
+            raise store.RunFolderError(f"{done} belongs to another configuration; delete it or use another --out")
         return unit_metrics
 
     # --- units ---
@@ -684,6 +690,10 @@ def run_command(
             return 2
         try:
             lab.run()
+        except store.RunFolderError as error:
+            if speaks:
+                print(f"posenc lab: error: {error}", file=sys.stderr)
+            return 2
         except TrainingDiverged as error:
             if speaks:
                 print(f"posenc lab: error: {error}; the units finished before it are saved in {out}", file=sys.stderr)

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, load_model, save_model
 from torch import nn
 
@@ -16,6 +16,11 @@ from posenc import _atomic
 
 # Re-exported for the lab's runner: `as` marks it public.
 from posenc._atomic import remove_stale_temporaries as remove_stale_temporaries
+
+
+class RunFolderError(ValueError):
+    """A file in a run folder that the lab cannot use: cut short or changed by something other than the lab (the
+    lab's own writes are atomic), e.g. a partial copy, or a unit folder brought from another run."""
 
 
 def write_text(path: Path, text: str) -> None:
@@ -36,7 +41,13 @@ def write_json(path: Path, obj: Any) -> None:
 
 
 def read_json(path: Path) -> Any:
-    return json.loads(path.read_text(encoding="utf-8"))
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise RunFolderError(
+            f"{path} is not the JSON the lab writes ({error}); it was cut short or changed since: delete it (a "
+            "unit's files are remade by the next run) or pass another --out"
+        ) from error
 
 
 def save_weights(model: nn.Module, path: Path, metadata: dict[str, str] | None = None) -> None:
@@ -53,7 +64,16 @@ _LAYER_HELD_INPUT_ENCODING = re.compile(r"blocks\.\d+\.attn\.(encoding\..+)")
 
 def load_weights(model: nn.Module, path: Path) -> None:
     """Load weights saved by ``save_weights`` into a model of the same shape (strict), those of earlier versions
-    too: a run interrupted before an upgrade resumes."""
+    too: a run interrupted before an upgrade resumes. A file that is not whole safetensors is a RunFolderError."""
+    try:
+        _load_weights(model, path)
+    except SafetensorError as error:
+        raise RunFolderError(
+            f"{path} is not a whole safetensors file ({error}); delete it and the unit is trained again"
+        ) from error
+
+
+def _load_weights(model: nn.Module, path: Path) -> None:
     expected = model.state_dict().keys()
     with safe_open(str(path), framework="pt") as f:
         stored = set(f.keys())
