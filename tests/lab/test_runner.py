@@ -257,7 +257,7 @@ def _small_file(tmp):
         (["--eval-lengths", "4,8"], "eval length 4 is shorter than train_len=16"),
         (["--extensions", "pi", "--encodings", "alibi"], "add rope to encodings"),
         (["--threads", "0"], "--threads must be a positive integer"),
-        (["--train-len", "1"], "train_len must be >= 2"),
+        (["--train-len", "1"], "train_len (--train-len) must be >= 2"),
         (["--device", "meta"], "--device meta holds no values"),
     ],
 )
@@ -300,6 +300,7 @@ def test_a_diverging_run_stops_at_once_and_says_to_lower_the_lr(corpus_dir, tmp_
     assert status == 1
     err = capsys.readouterr().err
     assert "posenc lab: error: training diverged: the loss is nan" in err and "lower the learning rate (--lr)" in err
+    assert "run the new --lr with another --out" in err
 
 
 @pytest.mark.parametrize("value", ["nan", "inf"])

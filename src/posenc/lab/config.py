@@ -120,8 +120,8 @@ class LabConfig:
             _positive_int(name, getattr(self, name))
         if self.train_len < 2:
             raise ValueError(
-                f"train_len must be >= 2 (a window of {self.train_len} byte has no earlier byte to predict from, and "
-                "the extensions and figures scale from it)"
+                f"{_named('train_len')} must be >= 2 (a window of {self.train_len} byte has no earlier byte to predict "
+                "from, and the extensions and figures scale from it)"
             )
         for name in ("finetune_steps", "seed"):
             value = getattr(self, name)
@@ -147,18 +147,19 @@ class LabConfig:
         self._check_names("encodings", self.encodings, tuple(ENCODINGS), allow_empty=False)
         if self.dim % self.heads:
             raise ValueError(
-                f"dim={self.dim} must be a multiple of heads={self.heads}; "
+                f"{_given('dim', self.dim)} must be a multiple of {_given('heads', self.heads)}; "
                 f"e.g. dim={self.heads * max(1, round(self.dim / self.heads))}"
             )
         # Only the encodings that work on pairs of channels need them even: RoPE per head, sinusoidal per model.
         if "rope" in self.encodings and (self.dim // self.heads) % 2:
             raise ValueError(
-                f"dim={self.dim} must be a multiple of heads={self.heads} with an even head_dim (RoPE rotates pairs); "
+                f"{_given('dim', self.dim)} must be a multiple of {_given('heads', self.heads)} with an even head_dim "
+                "(RoPE rotates pairs); "
                 f"e.g. dim={2 * self.heads * max(1, round(self.dim / (2 * self.heads)))}"
             )
         if "sinusoidal" in self.encodings and self.dim % 2:
             raise ValueError(
-                f"dim={self.dim} must be even (the sinusoidal encoding fills channels in sin/cos pairs); "
+                f"{_given('dim', self.dim)} must be even (the sinusoidal encoding fills channels in sin/cos pairs); "
                 f"e.g. dim={2 * self.heads * max(1, round(self.dim / (2 * self.heads)))}"
             )
         self._check_names("extensions", self.extensions, tuple(EXTENSIONS), allow_empty=True)
@@ -179,11 +180,11 @@ class LabConfig:
                     "extrapolation, so every eval length must be >= the training length"
                 )
         if list(self.eval_lengths) != sorted(set(self.eval_lengths)):
-            raise ValueError(f"eval_lengths must be increasing without repeats, got {self.eval_lengths}")
+            raise ValueError(f"{_named('eval_lengths')} must be increasing without repeats, got {self.eval_lengths}")
         if self.score_len > self.train_len:
             raise ValueError(
-                f"score_len={self.score_len} must be <= train_len={self.train_len}: every length, the training "
-                "length included, scores the same final bytes of each window"
+                f"{_given('score_len', self.score_len)} must be <= {_given('train_len', self.train_len)}: every "
+                "length, the training length included, scores the same final bytes of each window"
             )
         if self.task is not None and self.task not in TASKS:
             raise ValueError(f"unknown task {self.task!r}; known tasks: {', '.join(TASKS)} (or none)")
@@ -243,7 +244,7 @@ class LabConfig:
         if not isinstance(names, tuple) or not all(isinstance(n, str) for n in names):
             raise TypeError(f"{field} must be a tuple of names, got {names!r}")
         if not names and not allow_empty:
-            raise ValueError(f"{field} must name at least one of: {', '.join(known)}")
+            raise ValueError(f"{_named(field)} must name at least one of: {', '.join(known)}")
         unknown = [n for n in names if n not in known]
         if unknown:
             raise ValueError(f"unknown {field}: {', '.join(unknown)}; known {field}: {', '.join(known)}")
@@ -310,6 +311,11 @@ CLI_FLAGS = {
 def _named(field: str) -> str:
     """The field as errors name it: with its flag, where a flag sets it."""
     return f"{field} ({CLI_FLAGS[field]})" if field in CLI_FLAGS else field
+
+
+def _given(field: str, value: Any) -> str:
+    """'dim=30 (--dim)': a field's value as errors show it, with the flag that sets it."""
+    return f"{field}={value}" + (f" ({CLI_FLAGS[field]})" if field in CLI_FLAGS else "")
 
 
 def _positive_int(name: str, value: Any) -> None:

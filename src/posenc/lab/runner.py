@@ -696,7 +696,11 @@ def run_command(
             return 2
         except TrainingDiverged as error:
             if speaks:
-                print(f"posenc lab: error: {error}; the units finished before it are saved in {out}", file=sys.stderr)
+                print(
+                    f"posenc lab: error: {error}; the units finished before it are saved in {out}, which holds this "
+                    "configuration only: run the new --lr with another --out",
+                    file=sys.stderr,
+                )
             return 1
         except KeyboardInterrupt:
             if speaks:
