@@ -202,6 +202,21 @@ def test_a_damaged_file_found_during_the_run_is_one_line_naming_it(finished, tmp
     assert capsys.readouterr().err.startswith(f"posenc lab: error: {metrics} is not the JSON the lab writes")
 
 
+def test_a_fine_tune_asked_for_extensions_that_take_none_is_noted(tiny_config, tmp_path):
+    lines = []
+    config = tiny_config(encodings=("rope",), extensions=("ntk",), finetune_steps=2)
+    Lab(config, tmp_path / "r", progress=False, echo=lines.append).run()
+    assert "note: --finetune-steps fine-tunes only pi and yarn, so ntk run without a fine-tune" in lines
+    lines.clear()
+    Lab(
+        tiny_config(encodings=("rope",), extensions=("ntk", "pi"), finetune_steps=2),
+        tmp_path / "s",
+        progress=False,
+        echo=lines.append,
+    ).run()
+    assert not [line for line in lines if "fine-tunes only" in line]
+
+
 def test_multiple_seeds_report_mean_and_spread(tiny_config, tmp_path):
     config = tiny_config(encodings=("rope",), extensions=("pi",), num_seeds=2)
     results = quiet(config, tmp_path).run()

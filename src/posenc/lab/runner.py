@@ -323,6 +323,12 @@ class Lab:
                 f"note: no eval length is past train_len={self.config.train_len}, so the RoPE extensions "
                 f"({', '.join(self.config.extensions)}) have nothing to measure and are not run"
             )
+        tunable = [e for e in self.config.extensions if e in FINETUNABLE]
+        if self.config.finetune_steps and self.config.extensions and self.config.extension_lengths and not tunable:
+            self.echo(
+                f"note: --finetune-steps fine-tunes only {' and '.join(FINETUNABLE)}, so "
+                f"{', '.join(self.config.extensions)} run without a fine-tune"
+            )
         if self.ranks.is_main:
             # A narrower rerun into a folder (fewer encodings, another seed) rewrites the report for its own
             # selection; the other finished units stay on disk, and saying so keeps that from looking like a loss.
