@@ -23,15 +23,17 @@ from pathlib import Path
 def atomic_path(path: Path) -> Iterator[Path]:
     """Yields a temporary path beside ``path``; on success it replaces ``path``, on any error it is removed."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    # A fresh name that the writer creates. The host and process in it let remove_stale_temporaries tell a dead
-    # writer's file from a live one's.
+    # A fresh name; the host and process in it let remove_stale_temporaries tell a dead writer's file from a live
+    # one's.
     tmp = path.parent / f".{path.name}.{_HOST}-{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp"
     _WRITING.add(tmp.resolve())
     try:
+        # Made here as open() makes a file (0666 less the umask), so that its mode can be given back to it after a
+        # writer that creates its files 0600 (safetensors does, as mkstemp would): the rename keeps the mode.
+        os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+        mode = os.stat(tmp).st_mode & 0o777
         yield Path(tmp)
-        # The mode a plain open() gives: a writer may create its file 0600 (safetensors does, as mkstemp would), and
-        # the rename would keep that.
-        os.chmod(tmp, _FILE_MODE)
+        os.chmod(tmp, mode)
         _flush(tmp)
         os.replace(tmp, path)
         _flush(path.parent, folder=True)
@@ -63,10 +65,6 @@ def _flush(path: Path, *, folder: bool = False) -> None:
         os.close(descriptor)
 
 
-# What open() creates files with in this process; os.umask can only be read by setting it, so once, at import.
-_UMASK = os.umask(0o022)
-os.umask(_UMASK)
-_FILE_MODE = 0o666 & ~_UMASK
 # This machine, in temporary names: a process id means something only on the machine that gave it out.
 _HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
 _TEMPORARY = re.compile(r"\..+\.([0-9a-f]{8})-(\d+)\.[0-9a-f]{12}\.tmp")

@@ -149,6 +149,8 @@ def test_the_function_under_a_kernelized_module_is_read() -> None:
     assert innermost(wrapped) is rotate_nothing
     assert rotation_signature(wrapped, "apply_rotary_pos_emb") == (0, 1)
     assert innermost(nn.Linear(2, 2)).__class__ is nn.Linear  # a module with no function in its closure is itself
+    with pytest.raises(ValueError, match=r"apply_rotary_pos_emb\(q, k\) is not \(q, k, cos, sin"):  # its own
+        rotation_signature(KernelizedFunction(lambda q, k: (q, k)), "apply_rotary_pos_emb")
     # transformers' own, whichever form the installed version gives it
     assert innermost(modeling("llama").apply_rotary_pos_emb).__name__ == "apply_rotary_pos_emb"
 

@@ -687,3 +687,50 @@ def test_a_dict_without_rope_theta_takes_its_config_class_default(model_type: st
     expected = transformers.AutoConfig.for_model(**cfg).rope_parameters["rope_theta"]
     assert rope_from_config(cfg).base == expected
     assert expected != 10000.0 or model_type == "llama"
+
+
+@pytest.mark.parametrize("model_type", ["llama4", "mllama", "voxtral_realtime", "musicflamingo"])
+def test_a_text_config_without_model_type_takes_its_sub_config_class_default(model_type: str) -> None:
+    """Not the outer class's (MusicFlamingo's is its audio tower's 1200)."""
+    text = {"hidden_size": 64, "num_attention_heads": 4, "head_dim": 16, "rope_parameters": {"rope_type": "default"}}
+    cfg = {"model_type": model_type, "text_config": text}
+    expected = transformers.AutoConfig.for_model(**cfg).get_text_config().rope_parameters["rope_theta"]
+    assert rope_from_config(cfg).base == expected
+
+
+def test_the_table_of_configs_that_fold_rope_scaling_into_layer_dicts_is_the_installed_transformers() -> None:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
+
+    folding = set()
+    for model_type in CONFIG_MAPPING_NAMES:
+        convert = getattr(CONFIG_MAPPING[model_type], "convert_rope_params_to_dict", None)
+        if convert is not None and ".update(rope_scaling)" in inspect.getsource(convert):
+            folding.add(model_type)
+    assert folding == hf_interop._LAYERED_ROPE_SCALING
+
+
+def test_a_legacy_rope_scaling_that_transformers_folds_into_layer_dicts_is_refused_with_the_fix() -> None:
+    """Gemma 3's config.json as released: transformers puts its linear x8 into full_attention only, and the sliding
+    layers take rope_local_base_freq; read as the one rope dict it would scale every layer."""
+    gemma3 = {
+        "model_type": "gemma3_text",
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "head_dim": 16,
+        "rope_theta": 1e6,
+        "rope_local_base_freq": 1e4,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+    }
+    fix = r"load it with transformers \(transformers.AutoConfig.from_pretrained\) and pass the config object"
+    with pytest.raises(ValueError, match=rf"gemma3_text config has a legacy rope_scaling block, .*{fix}"):
+        rope_from_config(gemma3)
+    nested = {
+        **{key: value for key, value in gemma3.items() if key != "model_type"},
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {"full_attention": {"rope_type": "default"}, "sliding_attention": {"rope_type": "default"}},
+    }
+    with pytest.raises(ValueError, match=rf"rope_scaling block beside rope dicts per layer type, .*{fix}"):
+        rope_from_config(nested, layer_type="full_attention")
+    loaded = transformers.AutoConfig.for_model(**gemma3)  # what the message says to do
+    assert rope_from_config(loaded, layer_type="full_attention").rope_type == "linear"
+    assert rope_from_config(loaded, layer_type="sliding_attention").base == 1e4

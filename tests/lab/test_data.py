@@ -67,6 +67,9 @@ def test_a_folder_corpus_reads_text_suffixes_in_any_case_and_skips_lab_runs(tmp_
         "lab-runs/quick/report.md": "f",
         "lab-runs/quick/runs/rope/seed0/metrics.json": "{}",
         "data/config.json": '{"vocab": 3}',  # a config.json of one's own stays text
+        # a run folder whose config.json was deleted: its finished units still mark it
+        "old-run/runs/nope/seed0/metrics.json": '{"config_id": "x"}',
+        "old-run/report.md": "g",
     }
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)

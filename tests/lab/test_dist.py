@@ -14,6 +14,7 @@ from posenc.lab import runner
 from posenc.lab.dist import Ranks, check_device_usable, process_group, resolve_device
 from posenc.lab.model import ByteLM, ModelSpec
 from posenc.lab.runner import Lab, assign_lengths, check_world_size
+from posenc.lab.store import RunFolderError
 from posenc.lab.train import train
 
 
@@ -200,3 +201,10 @@ def test_a_decision_that_fails_on_rank_0_raises_its_own_type_there(monkeypatch):
 
     with pytest.raises(TypeError, match="bad type"):
         Ranks(0, 2).decide(decision)
+
+    def damaged():
+        raise RunFolderError("metrics.json is not the JSON the lab writes")
+
+    # run_command says it in one line only if it keeps its type (it became a plain ValueError under torchrun).
+    with pytest.raises(RunFolderError, match="not the JSON"):
+        Ranks(0, 2).decide(damaged)

@@ -96,6 +96,17 @@ def test_weights_round_trip_with_the_shared_encoding(tmp_path, encoding):
         assert other.blocks[0].attn.encoding.table.weight is other.encoding.table.weight
 
 
+def test_files_take_the_umask_in_force_when_written(tmp_path):
+    before = os.umask(0o077)
+    try:
+        store.write_text(tmp_path / "private.md", "x")
+        store.save_weights(nn.Linear(2, 2), tmp_path / "private.safetensors")
+    finally:
+        os.umask(before)
+    for written in ("private.md", "private.safetensors"):
+        assert (tmp_path / written).stat().st_mode & 0o777 == 0o600
+
+
 @pytest.mark.parametrize("cut", [4, 60, -100])
 def test_a_weights_file_cut_short_is_named_with_the_fix(tmp_path, cut):
     path = tmp_path / "model.safetensors"

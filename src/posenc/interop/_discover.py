@@ -202,13 +202,14 @@ def rotation_signature(function: Callable[..., Any], name: str) -> tuple[int, in
     """(unsqueeze_at, unsqueeze_default) of a rotation function; ValueError unless it is (q, k, cos, sin) followed
     by unsqueeze_dim and at most position_ids."""
     try:
-        parameters = list(inspect.signature(innermost(function)).parameters.values())
+        signature = inspect.signature(innermost(function))
     except (TypeError, ValueError) as error:
         raise ValueError(f"{name} has no readable signature ({error})") from error
+    parameters = list(signature.parameters.values())
     names = [p.name for p in parameters]
     positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if len(positional) < 4 or names[2:4] != ["cos", "sin"] or "unsqueeze_dim" not in names:
-        raise ValueError(f"{name}{inspect.signature(function)} is not (q, k, cos, sin, ..., unsqueeze_dim)")
+        raise ValueError(f"{name}{signature} is not (q, k, cos, sin, ..., unsqueeze_dim)")
     # Arguments posenc's replacement would ignore must be ones that transformers' functions ignore too: an unknown
     # one could change what the function does in a call the probe did not make.
     unknown = [n for n in names[4:] if n not in ("unsqueeze_dim", "position_ids")]

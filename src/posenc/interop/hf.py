@@ -21,7 +21,7 @@ import inspect
 import json
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -69,6 +69,12 @@ _UNSUPPORTED_MODELS = {
     ),
     "neomme": "NeoMME's multimodal RoPE turns alternate pairs by two axes (rows, columns), which posenc.MRoPE does not",
 }
+# Model types whose config class folds a legacy rope_scaling block into its rope dicts per layer type (Gemma 3 into
+# full_attention, ModernBERT into both), not taking it as the one rope dict (transformers 5.25;
+# tests/interop/test_rope_from_config.py holds it to the installed transformers).
+_LAYERED_ROPE_SCALING = frozenset(
+    {"gemma3_text", "gemma3n_text", "modernbert", "modernbert-decoder", "olmo3", "t5gemma2_decoder", "t5gemma2_text"}
+)
 # Model types whose config class defaults rope_interleave to True (DeepSeek-V3's config.json omits the key).
 _INTERLEAVE_DEFAULTS = {"deepseek_v3": True}
 # Model types whose rotary dim is given in channels (`rotary_dim`), not as a fraction.
@@ -218,10 +224,10 @@ def _load(config: Any) -> tuple[dict[str, Any], Any]:
     4.5 and EXAONE default to 500000, LFM2 to 1e6); 10000 without it."""
     if isinstance(config, (str, os.PathLike)):
         cfg = read_config_json(config)
-        return cfg, _class_default_theta(str(_text_model(cfg).get("model_type") or ""))
+        return cfg, _dict_default_theta(cfg)
     if isinstance(config, Mapping):
         cfg = dict(config)
-        return cfg, _class_default_theta(str(_text_model(cfg).get("model_type") or ""))
+        return cfg, _dict_default_theta(cfg)
     if callable(getattr(config, "to_dict", None)):
         return dict(config.to_dict()), getattr(config, "default_theta", 10000.0)
     raise TypeError(
@@ -229,15 +235,23 @@ def _load(config: Any) -> tuple[dict[str, Any], Any]:
     )
 
 
-def _text_model(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
-    """The part of a config that holds the text model's RoPE, with its model type: the config itself, or for a
-    vision-language or omni model its text_config (inside thinker_config for Qwen-Omni, vlm_config for ColQwen2)."""
+def _nested_text_configs(cfg: Mapping[str, Any]) -> Iterator[tuple[str, Mapping[str, Any]]]:
+    """(key, config) for each step from a config down to the one that holds the text model's RoPE: none for a text
+    model's config, text_config for a vision-language model (inside thinker_config for Qwen-Omni, vlm_config for
+    ColQwen2)."""
     for _ in range(3):
         if cfg.get("rope_parameters") or cfg.get("rope_scaling") or "rope_theta" in cfg:
-            break
-        inner = next((cfg[key] for key in _NESTED_CONFIGS if isinstance(cfg.get(key), Mapping)), None)
-        if inner is None:
-            break
+            return
+        key = next((key for key in _NESTED_CONFIGS if isinstance(cfg.get(key), Mapping)), None)
+        if key is None:
+            return
+        cfg = cfg[key]
+        yield key, cfg
+
+
+def _text_model(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The part of a config that holds the text model's RoPE, with its model type (``_nested_text_configs``)."""
+    for _, inner in _nested_text_configs(cfg):
         outer = cfg.get("model_type")
         cfg = {**inner, "model_type": inner.get("model_type") or _TEXT_MODELS.get(outer, outer)}
     return cfg
@@ -252,12 +266,17 @@ def _with_aliases(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
     return {**cfg, **found} if found else cfg
 
 
-@functools.cache
-def _class_default_theta(model_type: str) -> Any:
+def _dict_default_theta(cfg: Mapping[str, Any]) -> Any:
+    """The default theta of the config class that reads the text model's RoPE from ``cfg``: the class its
+    model_type names, or for a nested text config without one, the outer class's sub-config class (Llama 4's
+    text_config defaults to 500000, whatever its vision tower does). 10000 without transformers."""
     try:
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-        return getattr(CONFIG_MAPPING[model_type], "default_theta", 10000.0)
+        cls = CONFIG_MAPPING[str(cfg.get("model_type") or "")]
+        for key, inner in _nested_text_configs(cfg):
+            cls = CONFIG_MAPPING[inner["model_type"]] if inner.get("model_type") else cls.sub_configs[key]
+        return getattr(cls, "default_theta", 10000.0)
     except Exception:  # not installed, or a model type it does not know
         return 10000.0
 
@@ -283,8 +302,21 @@ def _first(cfg: Mapping[str, Any], *keys: str) -> Any:
 def _rope_dict(cfg: Mapping[str, Any]) -> Any:
     """The config's rope dict as transformers takes it: a legacy ``rope_scaling`` that is not empty wins over
     ``rope_parameters`` (a model card's YaRN block added to a config.json saved with rope_parameters), theta
-    included: the rope_parameters' own rope_theta is not read then."""
-    return cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    included: the rope_parameters' own rope_theta is not read then. Where rope_scaling would be folded into rope
+    dicts per layer type, a ValueError: the config classes that do it each do it their own way."""
+    scaling, params = cfg.get("rope_scaling"), cfg.get("rope_parameters")
+    layer_types = set(cfg.get("layer_types") or ())
+    per_layer = isinstance(params, Mapping) and any(key in layer_types for key in params)
+    model_type = cfg.get("model_type")
+    if scaling and (per_layer or model_type in _LAYERED_ROPE_SCALING):
+        beside = " beside rope dicts per layer type" if per_layer else ""
+        raise ValueError(
+            f"this {model_type or 'model'} config has a legacy rope_scaling block{beside}, which its transformers "
+            "config class folds into its rope dicts per layer type (Gemma 3 into "
+            "full_attention, with rope_local_base_freq for the sliding layers); load it with transformers "
+            "(transformers.AutoConfig.from_pretrained) and pass the config object, which holds the result"
+        )
+    return scaling or params
 
 
 def rope_layer_types(config: Any) -> tuple[str, ...]:

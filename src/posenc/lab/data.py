@@ -74,12 +74,22 @@ def corpus_files(root: Path, *, stdlib: bool = False) -> list[Path]:
 
 
 def is_lab_run(folder: Path) -> bool:
-    """Whether ``folder`` is a ``posenc lab`` output folder (its config.json names a configuration and a corpus)."""
+    """Whether ``folder`` is a ``posenc lab`` output folder: its config.json names a configuration and a corpus, or
+    (that file deleted) a finished unit's metrics.json names its configuration."""
+    if _names(folder / "config.json", {"config_id", "corpus_sha256"}):
+        return True
+    return (folder / "runs").is_dir() and any(
+        _names(metrics, {"config_id"}) for metrics in folder.glob("runs/*/seed*/metrics.json")
+    )
+
+
+def _names(path: Path, keys: set[str]) -> bool:
+    """Whether ``path`` holds a JSON object with ``keys``; False where it is missing, unreadable or not JSON."""
     try:
-        claimed = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):  # none there, unreadable, not JSON
+        found = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
         return False
-    return isinstance(claimed, dict) and {"config_id", "corpus_sha256"} <= claimed.keys()
+    return isinstance(found, dict) and keys <= found.keys()
 
 
 def load_corpus(

@@ -18,6 +18,12 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from posenc.lab.store import RunFolderError
+
+# The errors a decision may raise, re-raised by name on every rank: the command tells them apart (a damaged run
+# folder is one line and exit 2).
+_RERAISED: dict[str, type[Exception]] = {cls.__name__: cls for cls in (ValueError, TypeError, RunFolderError)}
+
 T = TypeVar("T")
 
 
@@ -107,7 +113,7 @@ class Ranks:
         kind, value = self.broadcast(outcome)
         if kind == "ok":
             return value
-        raise (TypeError if kind == "TypeError" else ValueError)(value)
+        raise _RERAISED.get(kind, ValueError)(value)
 
     def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
         """The element-wise mean of ``tensor`` over ranks (a new tensor on tensor's device)."""

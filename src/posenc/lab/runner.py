@@ -671,8 +671,9 @@ def run_command(
     progress: bool = True,
     command: str = "",
 ) -> int:
-    """What ``posenc lab`` does once its flags are parsed. Returns the exit status: 0 done, 2 bad input (said
-    on stderr before anything trains), 130 interrupted (finished units are kept; rerun to resume).
+    """What ``posenc lab`` does once its flags are parsed. Returns the exit status: 0 done, 1 training diverged, 2
+    bad input (said on stderr before anything trains) or a damaged file met in the run folder (a RunFolderError,
+    said when it is met), 130 interrupted (finished units are kept; rerun to resume).
 
     Started by torchrun (WORLD_SIZE > 1), the process joins torchrun's group for the run and leaves it at the end;
     only rank 0 prints. Without torchrun nothing distributed is touched."""
