@@ -220,8 +220,8 @@ def read_config_json(config: str | os.PathLike[str]) -> dict[str, Any]:
 
 def _load(config: Any) -> tuple[dict[str, Any], Any]:
     """Returns (the config as a plain dict, the model class' default theta: a number, or a dict per kind of layer).
-    For a dict or a config.json the class is the one its model_type names, where transformers is installed (ERNIE
-    4.5 and EXAONE default to 500000, LFM2 to 1e6); 10000 without it."""
+    For a dict or a config.json, the class that reads its text model's RoPE, where transformers is installed
+    (``_dict_default_theta``: ERNIE 4.5 and EXAONE default to 500000, LFM2 to 1e6); 10000 without it."""
     if isinstance(config, (str, os.PathLike)):
         cfg = read_config_json(config)
         return cfg, _dict_default_theta(cfg)
@@ -311,8 +311,8 @@ def _rope_dict(cfg: Mapping[str, Any]) -> Any:
     if scaling and (per_layer or model_type in _LAYERED_ROPE_SCALING):
         beside = " beside rope dicts per layer type" if per_layer else ""
         raise ValueError(
-            f"this {model_type or 'model'} config has a legacy rope_scaling block{beside}, which its transformers "
-            "config class folds into its rope dicts per layer type (Gemma 3 into "
+            f"this {model_type or 'model'} config has a legacy rope_scaling block{beside}, which transformers' config "
+            "classes combine with rope dicts per layer type each in their own way (Gemma 3 folds it into "
             "full_attention, with rope_local_base_freq for the sliding layers); load it with transformers "
             "(transformers.AutoConfig.from_pretrained) and pass the config object, which holds the result"
         )

@@ -76,14 +76,14 @@ def corpus_files(root: Path, *, stdlib: bool = False) -> list[Path]:
 def is_lab_run(folder: Path) -> bool:
     """Whether ``folder`` is a ``posenc lab`` output folder: its config.json names a configuration and a corpus, or
     (that file deleted) a finished unit's metrics.json names its configuration."""
-    if _names(folder / "config.json", {"config_id", "corpus_sha256"}):
+    if _json_with_keys(folder / "config.json", {"config_id", "corpus_sha256"}):
         return True
     return (folder / "runs").is_dir() and any(
-        _names(metrics, {"config_id"}) for metrics in folder.glob("runs/*/seed*/metrics.json")
+        _json_with_keys(metrics, {"config_id"}) for metrics in folder.glob("runs/*/seed*/metrics.json")
     )
 
 
-def _names(path: Path, keys: set[str]) -> bool:
+def _json_with_keys(path: Path, keys: set[str]) -> bool:
     """Whether ``path`` holds a JSON object with ``keys``; False where it is missing, unreadable or not JSON."""
     try:
         found = json.loads(path.read_text(encoding="utf-8"))
