@@ -13,7 +13,7 @@ import torch
 
 import posenc
 from posenc.attention import CausalSelfAttention, KVCache, add_input_encoding
-from posenc.testing import assert_close, attention_reference
+from posenc.testing import assert_close, attention_reference, sinusoidal_reference
 
 DIM, HEADS, KV_HEADS, HEAD_DIM = 32, 4, 2, 8
 
@@ -174,6 +174,13 @@ def test_one_kv_cache_per_layer(first, second):
     gc.collect()
     with pytest.raises(ValueError, match=r"one KVCache per layer: .* of a layer that no longer exists"):
         other(h[:, :1], cache=restored)
+
+
+def test_a_float64_model_gets_the_sinusoidal_encoding_in_float64():
+    x = torch.zeros(1, 300, 64, dtype=torch.float64)
+    got = add_input_encoding(x, posenc.Sinusoidal(64), torch.arange(300))
+    want = sinusoidal_reference(torch.arange(300), 64).double()
+    torch.testing.assert_close(got[0], want, atol=1e-13, rtol=0)  # float32 values were off by 3e-8
 
 
 @pytest.mark.parametrize(

@@ -242,7 +242,8 @@ def add_input_encoding(x: torch.Tensor, encoding: nn.Module | None, positions: t
     # Through resolve_positions, as the attention's own positions: other shapes would broadcast, handing every token
     # the encoding of one position or growing the batch.
     positions = resolve_positions(x.shape[1], batch=x.shape[0], positions=positions, device=x.device)
-    encoded = encoding(positions)
+    # In float32 at least (bf16 activations add it rounded once), in float64 for a float64 model.
+    encoded = encoding(positions, dtype=torch.promote_types(x.dtype, torch.float32))
     if encoded.shape[-1] != x.shape[-1]:
         raise ValueError(
             f"the encoding {type(encoding).__name__} has dim={encoded.shape[-1]} but x's last dim (the model width) "

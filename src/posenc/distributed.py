@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from posenc._checks import flag, positive_int
+from posenc._checks import flag, integer_offset, positive_int
 
 
 def shard_positions(
@@ -22,8 +22,8 @@ def shard_positions(
     load_balance: cut into 2 * world_size chunks and take chunks ``rank`` and ``2 * world_size - 1 - rank``;
     otherwise take the rank's contiguous slice.
     """
-    positive_int("seq_len", seq_len)
-    positive_int("world_size", world_size)
+    seq_len, world_size = positive_int("seq_len", seq_len), positive_int("world_size", world_size)
+    rank = integer_offset(rank)  # numpy's integers too, as for the sizes
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"rank must be an int in [0, {world_size}) for world_size={world_size}, got {rank!r}")
     chunks = 2 * world_size if flag("load_balance", load_balance) else world_size

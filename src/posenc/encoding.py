@@ -3,7 +3,8 @@
 The reference attention and the lab's model read only this declaration, so a new family needs no special case
 anywhere else:
 
-* ``INPUT``: ``encoding(positions) -> (..., s, dim)`` is added to the token embeddings.
+* ``INPUT``: ``encoding(positions, dtype=...) -> (..., s, dim)`` is added to the token embeddings (computed in the
+  wider of float32 and the embeddings' dtype, so that a float64 model gets float64 values).
 * ``QK``: ``encoding(q, k, positions=...) -> (q, k)`` rotates queries and keys.
 * ``SCORE_BIAS``: ``encoding.score_bias(q_positions, k_positions) -> (b, h, sq, sk)`` is added to the logits.
 * ``NONE``: nothing; order comes from the causal mask alone.

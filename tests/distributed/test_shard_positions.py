@@ -55,6 +55,12 @@ def test_errors(args, kwargs, match):
         shard_positions(*args, **kwargs)
 
 
+def test_numpy_integers_are_taken_for_every_size() -> None:
+    np = pytest.importorskip("numpy")
+    want = shard_positions(8, 2, 1)
+    assert torch.equal(shard_positions(np.int64(8), np.int64(2), np.int64(1)), want)
+
+
 def test_shards_are_int64_in_both_layouts() -> None:
     for load_balance in (True, False):
         assert shard_positions(8, 2, 1, load_balance=load_balance).dtype == torch.int64
