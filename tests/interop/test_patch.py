@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+from posenc import RoPE
 from posenc.interop import patch as patch_module
 from posenc.interop import rope_from_config
 from posenc.interop._discover import innermost
@@ -294,6 +295,41 @@ def test_unpatch_after_a_dtype_cast_gives_the_model_that_cast_would_have_given()
     assert patched.model.rotary_emb.inv_freq.dtype == plain.model.rotary_emb.inv_freq.dtype == torch.bfloat16
     with torch.no_grad():
         assert torch.equal(patched(tokens()).logits, plain(tokens()).logits)
+
+
+def test_a_llama3_band_whose_float32_weight_carries_the_wavelength_error_is_patched() -> None:
+    """Found by fuzzing against transformers: factor 54 with a band from 2.0 to 3.0 puts transformers' float32 buffer
+    3.8e-5 from the exact frequencies (its smoothing weight is computed from the float32 wavelength), past the bound
+    patch_model allowed then; posenc computes them exactly, and the model is patched with the same logits."""
+    params = {
+        "rope_type": "llama3",
+        "rope_theta": 166987.17831486475,
+        "partial_rotary_factor": 0.78,
+        "factor": 54.262220249815925,
+        "low_freq_factor": 2.006988697254886,
+        "high_freq_factor": 3.0,
+        "original_max_position_embeddings": 8192,
+    }
+    config = transformers.PhiConfig(  # Phi rotates the first 78 of its 100 channels, as the config says
+        hidden_size=200,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        vocab_size=128,
+        max_position_embeddings=8192 * 54,
+        rope_parameters=params,
+    )
+    torch.manual_seed(0)
+    model = transformers.PhiForCausalLM(config).eval()
+    ours = RoPE(100, rope_parameters=dict(params), max_position_embeddings=8192 * 54).frequencies()[0]
+    assert ours.numel() == 39
+    theirs = model.model.rotary_emb.inv_freq.double()
+    assert ((ours - theirs).abs() / ours).max() > 3e-5  # the case: far past the pow's (ln(base) + 8) * 2^-24
+    patched = copy.deepcopy(model)
+    patch_model(patched)
+    with torch.no_grad():
+        torch.testing.assert_close(patched(tokens()).logits, model(tokens()).logits, **FP32)
 
 
 def test_frequencies_stay_float64_through_dtype_casts() -> None:

@@ -136,7 +136,7 @@ def test_float32_blends_at_large_factors(head_dim: int, params: dict[str, Any], 
     max_pos = int(params["original_max_position_embeddings"] * params["factor"])
     hf_inv, _ = hf_oracle.frequencies(head_dim, params, max_pos)
     inv, _ = compute_frequencies(parse_rope_parameters(head_dim, params, max_position_embeddings=max_pos))
-    rtol = hf_oracle.inv_freq_rtol(theta) + float32_blend_rtol(params["rope_type"], params)  # the shipped bound
+    rtol = hf_oracle.inv_freq_rtol(theta) + float32_blend_rtol(params["rope_type"], params, theta)  # the shipped bound
     torch.testing.assert_close(inv, hf_inv.double(), rtol=rtol, atol=0.0)
 
 

@@ -94,7 +94,8 @@ VERIFIED_ARCHITECTURES: frozenset[str] = frozenset(
 )
 # inv_freq agreement with a float32 frequency buffer: transformers' float32 pow is off by up to
 # (ln(base) + 8) * 2**-24 relative (~1.3e-6 at base 5e5), plus float32_blend_rtol for YaRN without truncation and
-# Llama 3 (3e-5 for YaRN at factor 256); a wrong rotary dim, base or scaling is off by far more.
+# Llama 3 (4.6e-5 for YaRN at factor 256, 1.3e-5 for Llama 3.1's); a wrong rotary dim, base or scaling is off by far
+# more.
 _FREQUENCY_RTOL = 1e-5
 
 # The names a patched attention forward resolves differently from its modeling module.
@@ -487,7 +488,10 @@ def _require_same_rotation(
             continue
         # A model cast to bf16/fp16 casts these buffers too: allow their rounding.
         finfo = torch.finfo(theirs.dtype)
-        rtol, atol = max(_FREQUENCY_RTOL + float32_blend_rtol(rope.rope_type, rope.spec.params), finfo.eps), finfo.tiny
+        rtol, atol = (
+            max(_FREQUENCY_RTOL + float32_blend_rtol(rope.rope_type, rope.spec.params, rope.base), finfo.eps),
+            finfo.tiny,
+        )
         theirs = theirs.detach().to(device="cpu", dtype=torch.float64).flatten()
         scaling = float(scaling)
         problem = None

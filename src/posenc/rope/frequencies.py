@@ -183,24 +183,26 @@ def llama3(
     return torch.where(medium, smoothed, scaled), 1.0
 
 
-def float32_blend_rtol(rope_type: str, params: Mapping[str, Any]) -> float:
+def float32_blend_rtol(rope_type: str, params: Mapping[str, Any], base: float) -> float:
     """How far, relative, a float32 computation of a type's frequencies (transformers') may stray from the exact
     ones on top of the roundings of base**e, which every type has (about (ln(base) + 8) * 2^-24).
 
-    YaRN without truncation and Llama 3 blend inv/factor with inv by a weight computed in float32. The weight's
-    rounding, a few units of 2^-24 (1 / (high - low) times more for Llama 3's smoothing, from high_freq_factor over
-    their difference), multiplies the gap between the two ends, which is up to factor - 1 times the blend. So
-    2 * (factor - 1) * gain * 2^-24: over 600 random configs (factors 2..1000, bands down to 0.05 wide) the error
-    reached 0.88 of (factor - 1) * gain units. YaRN's truncated ramp has integer ends, an exact weight, and 0 here.
-    params: as ``RopeSpec.params``.
+    YaRN without truncation and Llama 3 blend inv/factor with inv by a weight computed in float32, and an error in
+    the weight moves the result by up to factor - 1 times it. YaRN's ramp runs over pair indices: a few roundings,
+    3 * 2^-24 covers it. Llama 3's weight is (original / wavelength - low) / (high - low), with the wavelength taken
+    from the float32 inv_freq: it carries that inv_freq's own error, (ln(base) + 8) * 2^-24, plus 2 roundings, both
+    scaled by up to high / (high - low). So (factor - 1) * gain * that. (Until 2026-12-03 Llama 3's bound left the
+    wavelength's error out, and patch_model refused a factor-54 config with a narrow band that posenc computes
+    exactly.) YaRN's truncated ramp has integer ends, an exact weight, and 0 here. params: as ``RopeSpec.params``.
     """
     if rope_type == "yarn" and not params.get("truncate", True):
-        gain = 1.0
+        gain, roundings = 1.0, 3.0
     elif rope_type == "llama3":
         gain = params["high_freq_factor"] / (params["high_freq_factor"] - params["low_freq_factor"])
+        roundings = 2.0 + math.log(base) + 8.0
     else:
         return 0.0
-    return 2.0 * (float(params["factor"]) - 1.0) * gain * 2.0**-24
+    return (float(params["factor"]) - 1.0) * gain * roundings * 2.0**-24
 
 
 def proportional_pairs(partial_rotary_factor: float, rotary_dim: int) -> int:
