@@ -709,9 +709,10 @@ def test_the_table_of_configs_that_fold_rope_scaling_into_layer_dicts_is_the_ins
     assert folding == hf_interop._LAYERED_ROPE_SCALING
 
 
-def test_a_legacy_rope_scaling_that_transformers_folds_into_layer_dicts_is_refused_with_the_fix() -> None:
+def test_a_legacy_rope_scaling_that_transformers_folds_into_layer_dicts(monkeypatch: pytest.MonkeyPatch) -> None:
     """Gemma 3's config.json as released: transformers puts its linear x8 into full_attention only, and the sliding
-    layers take rope_local_base_freq; read as the one rope dict it would scale every layer."""
+    layers take rope_local_base_freq. Read through Gemma3TextConfig as from_pretrained reads it; without the class,
+    refused with the fix (read as the one rope dict it would scale every layer)."""
     gemma3 = {
         "model_type": "gemma3_text",
         "hidden_size": 64,
@@ -721,6 +722,13 @@ def test_a_legacy_rope_scaling_that_transformers_folds_into_layer_dicts_is_refus
         "rope_local_base_freq": 1e4,
         "rope_scaling": {"rope_type": "linear", "factor": 8.0},
     }
+    loaded = transformers.AutoConfig.for_model(**gemma3)
+    for given in (gemma3, loaded):
+        full = rope_from_config(given, layer_type="full_attention")
+        assert (full.rope_type, full.base, full.spec.params["factor"]) == ("linear", 1e6, 8.0)
+        sliding = rope_from_config(given, layer_type="sliding_attention")
+        assert (sliding.rope_type, sliding.base) == ("default", 1e4)
+    monkeypatch.setattr(hf_interop, "_through_config_class", lambda cfg: None)  # as without transformers
     fix = r"load it with transformers \(transformers.AutoConfig.from_pretrained\) and pass the config object"
     with pytest.raises(ValueError, match=rf"gemma3_text config has a legacy rope_scaling block, .*{fix}"):
         rope_from_config(gemma3)
@@ -731,6 +739,29 @@ def test_a_legacy_rope_scaling_that_transformers_folds_into_layer_dicts_is_refus
     }
     with pytest.raises(ValueError, match=rf"rope_scaling block beside rope dicts per layer type, .*{fix}"):
         rope_from_config(nested, layer_type="full_attention")
-    loaded = transformers.AutoConfig.for_model(**gemma3)  # what the message says to do
-    assert rope_from_config(loaded, layer_type="full_attention").rope_type == "linear"
-    assert rope_from_config(loaded, layer_type="sliding_attention").base == 1e4
+
+
+@pytest.mark.parametrize(
+    ("model_type", "rotary_dim"),
+    [("phi", 32), ("stablelm", 16), ("persimmon", 32), ("gemma", 256), ("ernie4_5", 128), ("llama", 64)],
+)
+def test_a_dict_takes_what_its_config_class_fills_in(model_type: str, rotary_dim: int) -> None:
+    """Found by fuzzing against transformers: a dict without partial_rotary_factor or head_dim rotated the whole of
+    hidden / heads, where Phi's class defaults the factor to 0.5 and Gemma's head_dim to 256."""
+    cfg = {"model_type": model_type, "hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 16}
+    config = transformers.AutoConfig.for_model(**cfg)
+    from_dict, from_object = rope_from_config(cfg), rope_from_config(config)
+    assert from_dict.rotary_dim == from_object.rotary_dim == rotary_dim
+    torch.testing.assert_close(from_dict.frequencies()[0], from_object.frequencies()[0], rtol=0, atol=0)
+
+
+def test_a_composite_whose_outer_rope_is_another_towers_reads_the_text_models() -> None:
+    """MusicFlamingo's outer config holds its audio tower's RoPE (theta 1200, a fifth of the channels); the text
+    model is its text_config's."""
+    text = {"hidden_size": 64, "num_attention_heads": 4, "head_dim": 16, "rope_parameters": {"rope_type": "default"}}
+    cfg = {"model_type": "musicflamingo", "text_config": text}
+    config = transformers.AutoConfig.for_model(**cfg)
+    expected = config.get_text_config().rope_parameters["rope_theta"]
+    for given in (cfg, config):
+        rope = rope_from_config(given)
+        assert (rope.base, rope.rotary_dim) == (expected, 16)

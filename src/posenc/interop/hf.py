@@ -220,14 +220,14 @@ def read_config_json(config: str | os.PathLike[str]) -> dict[str, Any]:
 
 def _load(config: Any) -> tuple[dict[str, Any], Any]:
     """Returns (the config as a plain dict, the model class' default theta: a number, or a dict per kind of layer).
-    For a dict or a config.json, the class that reads its text model's RoPE, where transformers is installed
-    (``_dict_default_theta``: ERNIE 4.5 and EXAONE default to 500000, LFM2 to 1e6); 10000 without it."""
-    if isinstance(config, (str, os.PathLike)):
-        cfg = read_config_json(config)
-        return cfg, _dict_default_theta(cfg)
-    if isinstance(config, Mapping):
-        cfg = dict(config)
-        return cfg, _dict_default_theta(cfg)
+    A dict or a config.json is read through its config class where transformers is installed
+    (``_through_config_class``), else as it is, with the default theta of ``_dict_default_theta``."""
+    if isinstance(config, (str, os.PathLike, Mapping)):
+        cfg = read_config_json(config) if isinstance(config, (str, os.PathLike)) else dict(config)
+        built = _through_config_class(cfg)
+        if built is None:
+            return cfg, _dict_default_theta(cfg)
+        config = built
     if callable(getattr(config, "to_dict", None)):
         return dict(config.to_dict()), getattr(config, "default_theta", 10000.0)
     raise TypeError(
@@ -240,13 +240,26 @@ def _nested_text_configs(cfg: Mapping[str, Any]) -> Iterator[tuple[str, Mapping[
     model's config, text_config for a vision-language model (inside thinker_config for Qwen-Omni, vlm_config for
     ColQwen2)."""
     for _ in range(3):
-        if cfg.get("rope_parameters") or cfg.get("rope_scaling") or "rope_theta" in cfg:
-            return
         key = next((key for key in _NESTED_CONFIGS if isinstance(cfg.get(key), Mapping)), None)
         if key is None:
             return
+        # The nested config whenever it holds RoPE keys of its own (MusicFlamingo's outer ones are its audio
+        # tower's); the outer one only when it alone does (Qwen2-VL's legacy config.json, flat at the top).
+        if _has_rope_keys(cfg) and not _holds_rope(cfg[key]):
+            return
         cfg = cfg[key]
         yield key, cfg
+
+
+def _has_rope_keys(cfg: Mapping[str, Any]) -> bool:
+    return bool(cfg.get("rope_parameters") or cfg.get("rope_scaling") or "rope_theta" in cfg)
+
+
+def _holds_rope(cfg: Mapping[str, Any]) -> bool:
+    """Whether cfg, or a config nested in it, has RoPE keys."""
+    return _has_rope_keys(cfg) or any(
+        isinstance(cfg.get(key), Mapping) and _holds_rope(cfg[key]) for key in _NESTED_CONFIGS
+    )
 
 
 def _text_model(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -264,6 +277,32 @@ def _with_aliases(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
     aliases = _attribute_map(str(cfg.get("model_type") or ""))
     found = {alias: cfg[key] for alias, key in aliases.items() if cfg.get(alias) is None and cfg.get(key) is not None}
     return {**cfg, **found} if found else cfg
+
+
+def _through_config_class(cfg: Mapping[str, Any]) -> Any:
+    """The transformers config object of a config dict, built by the class its model_type names, as from_pretrained
+    builds it: the class fills what the dict leaves out (Gemma's head_dim of 256, Phi's partial_rotary_factor of
+    0.5, its default theta) and folds legacy keys in (Gemma 3's rope_scaling into its full-attention rope dict).
+    None where transformers is missing, does not know the type, or refuses the dict: then the dict is read as it
+    is, and posenc's own checks say what is wrong with it."""
+    try:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+        from transformers.utils import logging as hf_logging
+
+        cls = CONFIG_MAPPING[str(cfg.get("model_type") or "")]
+    except Exception:  # not installed, or a model type it does not know
+        return None
+    # Quietly: its notes on legacy keys, which it converts, are for whoever saves configs, not for this read.
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return cls.from_dict(dict(cfg))
+    except Exception:  # a dict the class refuses
+        return None
+    finally:
+        hf_logging.set_verbosity(verbosity)
 
 
 def _dict_default_theta(cfg: Mapping[str, Any]) -> Any:
@@ -363,6 +402,10 @@ def rope_kwargs_from_config(config: Any, *, layer_type: str | None = None) -> di
     elif layer_type is not None:
         raise ValueError(f"layer_type={layer_type!r} given but the config has a single rope dict; drop layer_type")
 
+    if rope.get("rope_type") is not None:
+        # transformers reads rope_type where both are given (Phi3Config maps a legacy 'yarn' to rope_type 'longrope'
+        # and keeps the old key beside it).
+        rope.pop("type", None)
     rope_type = pop_rope_type(rope)
     if model_type == "phi3" and rope_type == "yarn":
         rope_type = "longrope"  # Phi3Config maps its legacy 'yarn' to LongRoPE
@@ -567,7 +610,9 @@ def rope_from_config(config: Any, *, layer_type: str | None = None, mode: Litera
     pair layout. Returns an ``MRoPE`` for the vision-language models with three position axes (``mrope_section``:
     Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, GLM-4V and their kin); refuses the M-RoPE layouts it cannot make.
 
-    config: a ``transformers`` config object, a dict, or a path to a config.json (or its folder), old or new form.
+    config: a ``transformers`` config object, a dict, or a path to a config.json (or its folder), old or new form;
+    a dict or file is read through the config class its model_type names where transformers is installed and the
+    class takes it, as ``from_pretrained`` would (the class's defaults for what it leaves out).
     mode: 'hf' (Hugging Face's numbers, the default) or 'consistent'; see ``RoPE``.
     """
     kwargs = rope_kwargs_from_config(config, layer_type=layer_type)
