@@ -153,6 +153,7 @@ def test_known_numbers_of_real_models() -> None:
 
 
 @pytest.mark.parametrize("name", ["llama-3.1-8b.json", "qwen2.5-7b-instruct-yarn.json", "gpt-neox-20b.json"])
+@pytest.mark.usefixtures("dict_reading")
 def test_path_dict_folder_and_config_object_agree(name: str, tmp_path: Path) -> None:
     cfg = load(name)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
@@ -168,6 +169,16 @@ def test_old_and_new_forms_agree() -> None:
     assert old.spec == new.spec
 
 
+@pytest.fixture(params=["through its config class", "as a plain dict"])
+def dict_reading(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways a dict is read: through transformers' config class (where installed), and by posenc's own tables
+    (without transformers, or where the class refuses the dict)."""
+    if request.param == "as a plain dict":
+        monkeypatch.setattr(hf_interop, "_through_config_class", lambda cfg: None)
+    return request.param
+
+
+@pytest.mark.usefixtures("dict_reading")
 def test_legacy_spellings() -> None:
     base = {"hidden_size": 64, "num_attention_heads": 2, "max_position_embeddings": 128}
     su = {
@@ -184,6 +195,7 @@ def test_legacy_spellings() -> None:
     assert rope_from_config({**base, "head_dim": 16}).head_dim == 16
 
 
+@pytest.mark.usefixtures("dict_reading")
 def test_raw_configs_read_as_transformers_reads_them() -> None:
     """Found by fuzzing against transformers: a raw Phi-3 dict without a top-level original length takes Phi3Config's
     default 4096 (not the rope dict's 2048); YaRN's truncate: null means no truncation (HF tests its truth); GPT-J's
