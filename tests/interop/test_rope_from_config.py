@@ -693,6 +693,7 @@ def test_a_rope_dict_per_layer_type_keeps_its_own_trained_length() -> None:
             torch.testing.assert_close(rope.frequencies()[0], expected, rtol=1e-6, atol=0)
 
 
+@pytest.mark.usefixtures("dict_reading")
 @pytest.mark.parametrize("model_type", ["ernie4_5", "lfm2", "exaone", "llama"])
 def test_a_dict_without_rope_theta_takes_its_config_class_default(model_type: str) -> None:
     cfg = {"model_type": model_type, "hidden_size": 64, "num_attention_heads": 4, "head_dim": 16}
@@ -701,6 +702,7 @@ def test_a_dict_without_rope_theta_takes_its_config_class_default(model_type: st
     assert expected != 10000.0 or model_type == "llama"
 
 
+@pytest.mark.usefixtures("dict_reading")
 @pytest.mark.parametrize("model_type", ["llama4", "mllama", "voxtral_realtime", "musicflamingo"])
 def test_a_text_config_without_model_type_takes_its_sub_config_class_default(model_type: str) -> None:
     """Not the outer class's (MusicFlamingo's is its audio tower's 1200)."""
