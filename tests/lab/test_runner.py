@@ -191,6 +191,62 @@ def test_a_run_folder_inside_its_corpus_resumes_and_the_corpus_itself_is_refused
         quiet(config, corpus).prepare()
 
 
+def test_the_same_corpus_by_another_path_resumes_the_same_units(tiny_config, corpus_dir, tmp_path, monkeypatch):
+    # The path was part of config_id: `--corpus data` after `--corpus /abs/data` was refused as "differs in: corpus".
+    shutil.copytree(corpus_dir, tmp_path / "data")
+    out = tmp_path / "out"
+    first = quiet(tiny_config(corpus=str(tmp_path / "data"), encodings=("nope",), extensions=()), out).run()
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(corpus_dir, tmp_path / "copy")
+    for spelling in ("data", "./data/", "copy"):  # the same bytes elsewhere are the same corpus too
+        again = quiet(tiny_config(corpus=spelling, encodings=("nope",), extensions=()), out).run()
+        assert again["rows"] == first["rows"] and again["timings"]["units_skipped"] == 1, spelling
+    (tmp_path / "copy" / "extra.txt").write_text("other bytes\n" * 50)
+    with pytest.raises(ValueError, match=r"differs in: corpus \(different bytes\)\)"):
+        quiet(tiny_config(corpus="copy", encodings=("nope",), extensions=()), out).prepare()
+
+
+def _as_when_the_path_was_keyed(out):
+    """Rewrite a run folder as posenc wrote it while the corpus path was part of the key: its old config_id."""
+    previous = store.read_json(out / "config.json")
+    key = previous["results_key"] | {"corpus": "/where/it/was"}
+    old = runner._hash_of(key, previous["corpus_sha256"])
+    for path in [out / "config.json", *out.glob("runs/*/seed*/*.json")]:
+        data = store.read_json(path)
+        if data.get("config_id") == previous["config_id"]:
+            store.write_json(path, data | {"config_id": old})
+    store.write_json(out / "config.json", previous | {"config_id": old, "results_key": key})
+    return previous["config_id"], old
+
+
+def test_a_folder_keyed_by_its_corpus_path_is_adopted_not_retrained(finished, tmp_path, monkeypatch):
+    config, out, _ = finished
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    ident, old = _as_when_the_path_was_keyed(copy)
+    assert ident != old
+    changed = make_config("quick", **{**vars(config), "steps": 7})
+    with pytest.raises(ValueError, match=r"differs in: steps\)"):  # the path is not named as a difference
+        quiet(changed, copy).prepare()
+    assert store.read_json(copy / "config.json")["config_id"] == old  # a refusal changes nothing
+    monkeypatch.setattr(runner, "train", lambda *a, **k: pytest.fail("an adopted unit was trained again"))
+    again = quiet(config, copy).run()
+    assert again["timings"]["units_run"] == 0
+    ids = {store.read_json(p).get("config_id") for p in [copy / "config.json", *copy.glob("runs/*/seed*/*.json")]}
+    assert ids == {ident}
+    assert (copy / "results.csv").read_text() == (out / "results.csv").read_text()
+
+
+def test_a_folder_of_another_format_is_not_adopted(finished, tmp_path, monkeypatch):
+    config, out, _ = finished
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    _as_when_the_path_was_keyed(copy)
+    monkeypatch.setattr(runner, "FORMAT_VERSION", runner.FORMAT_VERSION + 1)
+    with pytest.raises(ValueError, match=r"different configuration \(differs in: format\)"):
+        quiet(config, copy).prepare()
+
+
 def test_a_damaged_file_found_during_the_run_is_one_line_naming_it(finished, tmp_path, capsys):
     config, out, _ = finished
     copy = tmp_path / "copy"

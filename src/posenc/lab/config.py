@@ -276,6 +276,11 @@ class LabConfig:
         which units run, and fine-tunes carry their step count in their own name."""
         selecting = {"encodings", "extensions", "num_seeds", "seed", "finetune_steps", "hf_config"}
         key = {k: v for k, v in dataclasses.asdict(self).items() if k not in selecting}
+        if self.corpus is not None:
+            # Where the corpus lies is not a result: config_id hashes its bytes, so the same text spelled another way
+            # (relative, ~, through a link) or copied elsewhere resumes the same units. The built-in corpus keeps
+            # its None, so that the runs made on it before keep their config_id.
+            del key["corpus"]
         if self.hf_config is not None:
             # What the file says, not where it is: an edited config.json must not resume an older run's units.
             # Absent without one, so the runs made before hf_config existed keep their config_id.

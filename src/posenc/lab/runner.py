@@ -141,10 +141,31 @@ def assign_lengths(lengths: list[int], world_size: int) -> list[list[int]]:
 
 def config_id(config: LabConfig, corpus_sha256: str) -> str:
     """A short hash of everything that changes a unit's numbers."""
-    key = json.dumps(
-        {"config": config.results_key(), "corpus": corpus_sha256, "format": FORMAT_VERSION}, sort_keys=True
-    )
+    return _hash_of(config.results_key(), corpus_sha256)
+
+
+def _hash_of(results_key: Any, corpus_sha256: Any) -> str:
+    key = json.dumps({"config": results_key, "corpus": corpus_sha256, "format": FORMAT_VERSION}, sort_keys=True)
     return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def _settings(results_key: dict[str, Any]) -> dict[str, Any]:
+    """A results key as stored in JSON, without the corpus path that keys written before it left them hold."""
+    # Through JSON, so tuples compare equal to the lists they were stored as.
+    key = json.loads(json.dumps(results_key))
+    if key.get("corpus") is not None:
+        del key["corpus"]
+    return key
+
+
+def _adopt(out: Path, previous: dict[str, Any], config: LabConfig, ident: str) -> None:
+    """Give the files of the configuration that config.json names (``previous``) the id ``ident``: units first and
+    config.json last, so that an adoption cut short is redone by the next run."""
+    for path in sorted(out.glob("runs/*/seed*/*.json")):
+        data = store.read_json(path)
+        if isinstance(data, dict) and data.get("config_id") == previous["config_id"]:
+            store.write_json(path, data | {"config_id": ident})
+    store.write_json(out / "config.json", previous | {"config_id": ident, "results_key": config.results_key()})
 
 
 def claim_folder(out: Path, config: LabConfig, corpus: Corpus, ident: str) -> None:
@@ -152,11 +173,18 @@ def claim_folder(out: Path, config: LabConfig, corpus: Corpus, ident: str) -> No
     path = out / "config.json"
     if path.exists():
         previous = store.read_json(path)
-        if previous.get("config_id") != ident:
-            # Through JSON, so tuples compare equal to the lists they were stored as.
-            old, new = previous.get("results_key", {}), json.loads(json.dumps(config.results_key()))
+        if previous.get("config_id") == ident:
+            return
+        old, new = _settings(previous.get("results_key", {})), _settings(config.results_key())
+        same_bytes = previous.get("corpus_sha256") == corpus.sha256
+        written = previous.get("config_id") == _hash_of(previous.get("results_key"), previous.get("corpus_sha256"))
+        if old == new and same_bytes and written:
+            # Made in this format while the corpus's path was part of the key (and spelled otherwise, or by an
+            # earlier posenc): the same settings and text, so its units are this configuration's.
+            _adopt(out, previous, config, ident)
+        else:
             changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
-            if previous.get("corpus_sha256") != corpus.sha256:
+            if not same_bytes:
                 changed.append("corpus (different bytes)")
             raise ValueError(
                 f"{out} holds a lab run with a different configuration (differs in: {', '.join(changed) or 'format'}); "
