@@ -115,7 +115,8 @@ angles = torch.randn(4, 4)
         (
             lambda: rope(q, q, positions=torch.arange(5)),
             ValueError,
-            r"positions must have shape \(4,\) or \(1, 4\) to match the sequence, got \(5,\)",
+            r"positions must have shape \(4,\) or \(1, 4\) to match the sequence of q read as \(b, h, s, d\) "
+            r"\(layout 'bhsd', the default\), got \(5,\); for q in \(b, s, h, d\) pass layout='bshd'",
         ),
         (lambda: rope(q, q, positions=torch.arange(4.0)), TypeError, r"positions must hold integer positions"),
         (lambda: rope(q, q, positions=torch.tensor([0, -1, 2, 3])), ValueError, "positions must be >= 0"),
@@ -141,7 +142,9 @@ angles = torch.randn(4, 4)
         (
             lambda: posenc.apply_rotary(x, torch.ones(3, 4), torch.ones(3, 4)),
             ValueError,
-            r"do not broadcast to x.shape\[:-1\] \+ \(r/2,\)",
+            r"do not broadcast to x.shape\[:-1\] \+ \(r/2,\) .* for x in \(b, s, h, d\), as flash-attention and "
+            r"Liger lay it out, pass cos\[:, None\] \(s, 1, r/2\), or the whole table with offset= or positions= and "
+            r"layout='bshd'",
         ),
         (
             lambda: posenc.apply_rotary(x, torch.ones(2, 1, 4, 4), torch.ones(2, 1, 4, 4)),

@@ -157,9 +157,16 @@ def check_table_call(
             or positions.shape[-1] != seq
             or (positions.dim() == 2 and (positions.shape[0] not in (1, batch)))
         ):
+            name = next(iter(xs))
+            where = {
+                "bhsd": f"{name} read as (b, h, s, d) (layout 'bhsd', the default)",
+                "bshd": f"{name} read as (b, s, h, d) (layout 'bshd')",
+                "varlen": f"{name} packed as (total_tokens, h, d)",
+            }[kind]
             raise ValueError(
-                f"positions must have shape ({seq},) or ({batch}, {seq}) to match the sequence, got "
+                f"positions must have shape ({seq},) or ({batch}, {seq}) to match the sequence of {where}, got "
                 f"{tuple(positions.shape)}"
+                + (f"; for {name} in (b, s, h, d) pass layout='bshd'" if kind == "bhsd" else "")
             )
         if positions.device != first.device:
             raise ValueError(f"positions is on {positions.device} but x on {first.device}")

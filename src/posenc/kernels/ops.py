@@ -113,16 +113,52 @@ def choose_backend(
     return "triton"
 
 
-def _wide_cos_sin(
-    xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin as the kernels read them: float32 (float64 when x or cos is), one set of strides, unit last stride."""
+def _kernel_table(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.dtype, bool, bool]:
+    """The dtype the kernels read cos/sin in, and whether reaching it takes a conversion, and a copy for strides."""
     wide = torch.float64 if torch.float64 in (xs[0].dtype, cos.dtype) else torch.float32
-    if cos.dtype != wide or sin.dtype != wide:
+    restride = cos.stride() != sin.stride() or (cos.shape[-1] > 1 and cos.stride(-1) != 1)
+    return wide, cos.dtype != wide or sin.dtype != wide, restride
+
+
+def _wide_cos_sin(
+    xs: Sequence[torch.Tensor],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kind: Kind,
+    positions: torch.Tensor | None,
+    offsets: torch.Tensor | None,
+    offset: int,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """cos/sin as the kernels read them: float32 (float64 when x or cos is), one set of strides, unit last stride;
+    and the offset to read them at. Where that takes a copy (a float32 table for float64 x, Meta's
+    ``view_as_real(freqs_cis)[..., 0]`` with a pair stride), only the rows that tokens read at consecutive rows take
+    it, and the offset becomes 0: a decode step reads one row of a table that may hold 128k."""
+    wide, convert, restride = _kernel_table(xs, cos, sin)
+    if (convert or restride) and consecutive_rows(kind, positions, offsets):
+        end = offset + max(canonical(x, kind).shape[2] for x in xs)
+        if offset >= 0 and end <= cos.shape[0]:  # else the full table, for the launchers' message on rows
+            cos, sin, offset = cos[offset:end], sin[offset:end], 0
+    if convert:
         cos, sin = cos.to(wide), sin.to(wide)
-    if cos.stride() != sin.stride() or (cos.shape[-1] > 1 and cos.stride(-1) != 1):
+    if restride:
         cos, sin = cos.contiguous(), sin.contiguous()
-    return cos, sin
+    return cos, sin, offset
+
+
+def _gathered_rows(
+    cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The CPU kernel's table and positions, as the rows the tokens read (in token order) and their indices there,
+    where there are fewer tokens than rows: what ``_wide_cos_sin`` must copy is then the tokens' rows only.
+    Positions outside the table are left to the kernel, which refuses them with its message."""
+    if pos.numel() >= cos.shape[0] or pos.numel() == 0:
+        return cos, sin, pos
+    low, high = torch.aminmax(pos)
+    if low < 0 or high >= cos.shape[0]:
+        return cos, sin, pos
+    flat = pos.reshape(-1)
+    index = torch.arange(flat.numel(), device=pos.device).view(pos.shape)
+    return cos.index_select(0, flat), sin.index_select(0, flat), index
 
 
 def triton_plans(
@@ -155,7 +191,7 @@ def triton_plans(
     module, reason = _triton_module_or_error()
     if module is None:
         raise RuntimeError(f"backend='triton' is unavailable: {reason}")
-    cos, sin = _wide_cos_sin(xs, cos, sin)
+    cos, sin, offset = _wide_cos_sin(xs, cos, sin, kind, positions, offsets, offset)
     if positions is not None:
         positions = (positions[None] if positions.dim() == 1 else positions).contiguous()
     # The kernel indexes offsets and cu_seqlens as dense arrays.
@@ -217,14 +253,14 @@ def _launch(
         raise ValueError(f"the rotary ops run backend 'cpu' or 'triton', got {backend!r}")
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    cos, sin = _wide_cos_sin(xs, cos, sin)
     pos, first_row = None, 0
     if kind == "broadcast":
         # The CPU kernel broadcasts size-1 dims itself (stride 0): cos padded to 4-D, not expanded per x.
+        cos, sin, _ = _wide_cos_sin(xs, cos, sin, kind, positions, offsets, offset)
         cos, sin = canonical(cos, kind), canonical(sin, kind)
     elif consecutive_rows(kind, positions, offsets):
         # The kernel enters the (n, r/2) table at row offset.
-        first_row = offset
+        cos, sin, first_row = _wide_cos_sin(xs, cos, sin, kind, positions, offsets, offset)
     else:
         pos = token_positions(
             kind,
@@ -236,6 +272,9 @@ def _launch(
             cu_seqlens=cu_seqlens,
             device=xs[0].device,
         )
+        if any(_kernel_table(xs, cos, sin)[1:]):
+            cos, sin, pos = _gathered_rows(cos, sin, pos)
+        cos, sin, _ = _wide_cos_sin(xs, cos, sin, kind, positions, offsets, offset)
     jobs = [(canonical(x, kind), canonical(o, kind), cos, sin) for x, o in zip(xs, outs, strict=True)]
     rope_cpu_jobs(jobs, pos, first_row=first_row, interleaved=interleaved, conjugate=conjugate, copy_tail=copy_tail)
 
