@@ -494,11 +494,10 @@ def test_compiles_without_graph_breaks(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("mode", ["hf", "consistent"])
 def test_length_dependent_types_compile_as_the_unpatched_model_does(mode: str) -> None:
-    """Dynamic NTK and LongRoPE read the call's length on the host: transformers breaks the graph there, and so
-    does posenc now (a ValueError asking for seq_len=, which the model cannot pass, before). A prompt below the
-    trained length, then a cached step past it, compiled, against the unpatched model ('hf') or the patched one
-    uncompiled ('consistent')."""
-    model = build("llama", "dynamic")  # LongRoPE takes the same path (tests/rope/test_module_compile_checks.py)
+    """Dynamic NTK reads the call's length on the host: transformers breaks the graph there, and so does posenc now
+    (a ValueError asking for seq_len=, which the model cannot pass, before). A prompt below the trained length, then a
+    cached step past it, compiled, against the unpatched model ('hf') or the patched one uncompiled ('consistent')."""
+    model = build("llama", "dynamic")
     if mode == "consistent":  # against itself uncompiled: it equals no transformers decoding (see its tests)
         patch_model(model, mode=mode)
     patched = copy.deepcopy(model)
@@ -517,6 +516,23 @@ def test_length_dependent_types_compile_as_the_unpatched_model_does(mode: str) -
     with torch.no_grad():
         theirs = model(step, past_key_values=model(prompt, use_cache=True).past_key_values).logits
     torch.testing.assert_close(ours, theirs, **FP32)
+
+
+def test_a_longrope_model_patched_compiles_into_one_graph_as_unpatched() -> None:
+    """transformers chooses LongRoPE's short or long factors with torch.where, inside the graph, so the unpatched
+    model compiles with fullgraph=True; the patched one broke its graph at the length read (an error there)."""
+    model = build("llama", "longrope")
+    patched = copy.deepcopy(model)
+    patch_model(patched)
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            compiled = torch.compile(patched, backend="eager", fullgraph=True)
+            for length in (TRAINED - 4, TRAINED + 8):  # the short factors, then the long ones
+                ids = tokens(length=length)
+                torch.testing.assert_close(compiled(ids).logits, model(ids).logits, **FP32)
+    finally:
+        torch._dynamo.reset()
 
 
 def test_report_describes_the_patch() -> None:

@@ -175,6 +175,22 @@ def test_seq_len_is_checked_alike_by_every_type(rope_type, bad):
     assert all(torch.isfinite(t).all() for t in rope(q, k, seq_len=7))
 
 
+def test_longrope_chooses_its_factors_inside_the_graph():
+    """LongRoPE only picks its short or long factors by max(positions) + 1: compiled with fullgraph=True and no
+    seq_len, the choice is made on the device, as transformers makes it (it was a graph break, an error here)."""
+    rope = make_rope("longrope")
+    q, k = random_qk(2, 2, 1, 5, HEAD_DIM)
+    compiled = compile_traced(lambda q, k, p: rope(q, k, positions=p))
+    outputs = []
+    for last in (4, MAX_POS - 1, MAX_POS):  # short, short at the original length, long one past it
+        ids = torch.arange(5) + last - 4
+        outputs.append(compiled(q, k, ids))
+        for got, want in zip(outputs[-1], rope(q, k, positions=ids), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    with pytest.raises(RuntimeError, match="positions must be >= 0"):
+        compiled(q, k, torch.tensor([0, 1, -2, 3, 4]))
+
+
 @pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
 def test_a_length_dependent_rope_compiles_with_a_graph_break_where_the_length_is_read(rope_type):
     """Without fullgraph, the length is read outside the graph (where transformers' dynamic_rope_update breaks it

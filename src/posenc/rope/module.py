@@ -109,8 +109,8 @@ def _length_unreadable(rope_type: str) -> ValueError:
 
 
 @torch.compiler.disable(
-    reason="dynamic NTK and LongRoPE scale for max(positions) + 1, read on the host; for fullgraph=True pass seq_len= "
-    "to RoPE.forward (a patched transformers model cannot: compile it without fullgraph)"
+    reason="dynamic NTK scales for max(positions) + 1, read on the host; for fullgraph=True pass seq_len= to "
+    "RoPE.forward (a patched transformers model cannot: compile it without fullgraph)"
 )
 def _call_cos_sin_eagerly(rope: RoPE, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     return rope.cos_sin(positions, seq_len=rope.scaling_length(positions), dtype=dtype)
@@ -239,10 +239,29 @@ class RoPE(nn.Module):
         """cos, sin (..., r/2) for positions at the length a forward call scales for (``scaling_length``, which
         advances 'hf' dynamic NTK's state). Inside torch.compile the length-dependent types compute them outside
         the graph, one graph break where transformers' ``dynamic_rope_update`` makes one too; with
-        ``fullgraph=True`` or in a CUDA graph capture, give the length: ``cos_sin(positions, seq_len=...)``."""
+        ``fullgraph=True`` or in a CUDA graph capture, give the length: ``cos_sin(positions, seq_len=...)``.
+        LongRoPE is the exception: it only chooses between two sets of frequencies, which the graph does itself
+        (as transformers' does, with no break)."""
+        in_graph = torch.compiler.is_compiling() and positions.numel() and positions.dim() <= 2  # not M-RoPE's axes
+        if self.spec.rope_type == "longrope" and in_graph:
+            return self._longrope_cos_sin_in_graph(positions, dtype)
         if self.spec.rope_type in SEQ_LEN_DEPENDENT and torch.compiler.is_compiling():
             return _call_cos_sin_eagerly(self, positions, dtype)
         return self.cos_sin(positions, seq_len=self.scaling_length(positions), dtype=dtype)
+
+    def _longrope_cos_sin_in_graph(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """LongRoPE's cos, sin for max(positions) + 1 without reading it on the host: the long factors past
+        ``original_max_position_embeddings``, the short ones up to it, chosen on the device (positions are checked
+        with the graph). The attention factor is the same for both."""
+        int_tensor("positions", positions, host_read=True)
+        assert_without_sync(positions >= 0, "positions must be >= 0, got a negative entry")
+        original = int(self.spec.params["original_max_position_embeddings"])
+        short, factor = self.frequencies(None)
+        long, _ = self.frequencies(original + 1)
+        inv_freq = torch.where(positions.max() + 1 > original, long.to(positions.device), short.to(positions.device))
+        return angles_to_cos_sin(positions, inv_freq, factor, dtype)
 
     def cos_sin(
         self, positions: torch.Tensor, *, seq_len: int | None = None, dtype: torch.dtype = torch.float32
