@@ -224,6 +224,23 @@ GEMMA3 = dict(
 )
 
 
+def test_unpatch_hands_back_each_layer_types_dynamic_ntk_state() -> None:
+    options = {key: value for key, value in GEMMA3.items() if key != "model_type"}
+    options["rope_parameters"] = {
+        "full_attention": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+    }
+    model = build("gemma3_text", **options, max_position_embeddings=16)
+    patched = copy.deepcopy(model)
+    patch_model(patched)
+    with torch.no_grad():
+        model(tokens(24)), patched(tokens(24))
+        unpatch_model(patched)
+        restored, original = patched.model.rotary_emb, model.model.rotary_emb
+        assert torch.equal(restored.full_attention_inv_freq, original.full_attention_inv_freq)
+        torch.testing.assert_close(patched(tokens(20)).logits, model(tokens(20)).logits, **FP32)
+
+
 def test_one_rope_per_layer_type() -> None:
     options = {key: value for key, value in GEMMA3.items() if key != "model_type"}
     model = build("gemma3_text", **options)

@@ -675,6 +675,26 @@ def test_scaling_the_architecture_config_cannot_hold_is_refused() -> None:
     assert not is_patched(model) and model.config.rope_parameters["rope_type"] == "default"
 
 
+def test_unpatch_leaves_the_dynamic_ntk_state_the_patched_model_reached() -> None:
+    """transformers' dynamic NTK keeps the longest length seen; posenc continues it while patched, and now hands it
+    back: the restored module kept the state of patch time, and its logits then differed by up to 4.9."""
+    model = build("llama", "dynamic")
+    patched = copy.deepcopy(model)
+    ids = tokens(length=TRAINED + 12)
+    # growth past the trained length; a shorter call that still scales for the longest; a reset below it
+    for lengths in ((TRAINED + 8,), (TRAINED + 8, TRAINED + 2), (TRAINED + 8, TRAINED - 4)):
+        with torch.no_grad():
+            for length in lengths:
+                patch_model(patched)
+                model(ids[:, :length]), patched(ids[:, :length])
+                unpatch_model(patched)
+            restored, original = patched.model.rotary_emb, model.model.rotary_emb
+            assert restored.max_seq_len_cached == original.max_seq_len_cached, lengths
+            for length in (TRAINED + 4, TRAINED + 12, TRAINED - 2):  # and it goes on as transformers does
+                torch.testing.assert_close(patched(ids[:, :length]).logits, model(ids[:, :length]).logits, **FP32)
+            assert torch.equal(restored.inv_freq, original.inv_freq), lengths
+
+
 def test_patch_twice_and_unpatch_twice() -> None:
     model = build("llama")
     patch_model(model)

@@ -910,16 +910,52 @@ def unpatch_model(model: nn.Module) -> PatchReport:
     # cast to the dtype the parameters already had goes unseen.
     dtype = _weights_dtype(model)
     cast = dtype if dtype is not None and dtype != state.weights_dtype else None
+    for key, value in state.original_config_values.items():
+        setattr(state.config, key, value)
     for parent, attr, original in state.rotary:
-        original.to(device=getattr(parent, attr).device, dtype=cast)
+        patched = getattr(parent, attr)
+        original.to(device=patched.device, dtype=cast)
+        if isinstance(patched, PosencRotaryEmbedding):
+            for layer_type, rope in patched._ropes().items():
+                if rope.rope_type == "dynamic" and rope.mode == "hf":
+                    _hand_back_dynamic_state(original, layer_type, rope.hf_scaled_len)
         setattr(parent, attr, original)
     for module in state.attention:
         module.__dict__.pop("forward", None)
         module.__dict__.pop(_GUARD_ATTR, None)
-    for key, value in state.original_config_values.items():
-        setattr(state.config, key, value)
     object.__delattr__(model, _STATE_ATTR)
     return state.report
+
+
+def _hand_back_dynamic_state(original: nn.Module, layer_type: str, length: int | None) -> None:
+    """Leave transformers' rotary module in the dynamic NTK state that posenc's RoPE reached while patched (the
+    longest length seen, or the reset to the trained length), as its ``dynamic_rope_update`` would have left it: the
+    model then continues as if it had never been patched."""
+    rope_types = getattr(original, "rope_type", None)
+    rope_type = rope_types.get(layer_type) if isinstance(rope_types, dict) else rope_types
+    trained = getattr(original, "original_max_seq_len", None)
+    buffer = getattr(original, state_name(layer_type, "inv_freq"), None)
+    if length is None or not isinstance(rope_type, str) or "dynamic" not in rope_type or trained is None:
+        return
+    if not isinstance(buffer, torch.Tensor) or buffer.is_meta:
+        return
+    cached = state_name(layer_type, "max_seq_len_cached")
+    if getattr(original, cached, getattr(original, "max_seq_len_cached", None)) == length:
+        return
+    if length > trained:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        kwargs = {"layer_type": layer_type} if layer_type else {}
+        inv_freq, original.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](
+            original.config, buffer.device, seq_len=length, **kwargs
+        )
+        original.register_buffer(state_name(layer_type, "inv_freq"), inv_freq, persistent=False)
+        setattr(original, cached, length)
+    else:
+        first = getattr(original, state_name(layer_type, "original_inv_freq")).to(buffer.device)
+        original.register_buffer(state_name(layer_type, "inv_freq"), first, persistent=False)
+        setattr(original, state_name(layer_type, "original_inv_freq"), first)
+        setattr(original, cached, trained)
 
 
 def tiny_model_from_config(
