@@ -439,6 +439,30 @@ def test_consistent_mode_refuses_a_static_cache(rope_type: str) -> None:
         model.generate(prompt, **GENERATE)  # the default DynamicCache still works
 
 
+def test_consistent_mode_refuses_a_cache_of_keys_rotated_before() -> None:
+    """'consistent' keeps cached keys unrotated and rotates them at read: a cache filled before patching (or by an
+    'hf' patch) holds rotated keys, which it rotated again (logits off by up to 8, no error)."""
+    reference = build("llama", "dynamic")
+    ids = tokens(length=14)
+    with torch.no_grad():
+        ours = copy.deepcopy(reference)
+        patch_model(ours, mode="consistent")
+        cache = transformers.DynamicCache(config=reference.config)
+        ours(ids[:, :10], cache=cache)
+        twin = copy.deepcopy(ours)  # a copy of the patched model, and of its cache (beam search), are the same patch
+        expected = ours(ids[:, 10:], cache=copy.deepcopy(cache)).logits
+        torch.testing.assert_close(twin(ids[:, 10:], cache=cache).logits, expected, **FP32)
+        for fill_with in ("unpatched", "hf", "another consistent patch"):
+            other = copy.deepcopy(reference)
+            if fill_with != "unpatched":
+                patch_model(other, mode="consistent" if fill_with.startswith("another") else "hf")
+            foreign = transformers.DynamicCache(config=reference.config)
+            other(ids[:, :10], cache=foreign)
+            with pytest.raises(ValueError, match=r"holds 10 keys for layer 0 that posenc's mode='consistent' did not"):
+                ours(ids[:, 10:], cache=foreign)
+        ours(ids[:, 10:], cache=transformers.DynamicCache(config=reference.config))  # a new one is fine
+
+
 @pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
 def test_hf_mode_with_a_static_cache_matches_transformers(rope_type: str) -> None:
     # What the consistent-mode error advises: 'hf' mode with a StaticCache gives transformers' numbers.

@@ -866,14 +866,52 @@ def _checking_the_cache(forward: types.FunctionType) -> types.FunctionType:
             "transformers version (use mode='hf')"
         )
 
+    # Marks the cache layers this forward filled with unrotated keys. Shared by the model's deep copies, whose
+    # forwards are this one; copies of a cache (beam search) share it too.
+    mark = _UnrotatedKeys()
+
     @functools.wraps(forward)
     def checked(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        for value in (*args, *kwargs.values()):
-            if isinstance(value, cache_cls):
-                _require_growing_cache(value, growing_layer)
-        return forward(self, *args, **kwargs)
+        caches = [value for value in (*args, *kwargs.values()) if isinstance(value, cache_cls)]
+        layer = getattr(self, "layer_idx", None)
+        for cache in caches:
+            _require_growing_cache(cache, growing_layer)
+            if isinstance(layer, int):
+                _require_unrotated_keys(cache, layer, mark)
+        out = forward(self, *args, **kwargs)
+        if isinstance(layer, int):
+            for cache in caches:
+                cache.__dict__.setdefault(_MARKS_ATTR, {})[layer] = mark
+        return out
 
     return checked
+
+
+_MARKS_ATTR = "_posenc_unrotated_keys"  # a cache's {layer index: the _UnrotatedKeys of the forward that filled it}
+
+
+class _UnrotatedKeys:
+    """What a 'consistent' forward leaves on the cache layers it fills: their keys are unrotated. Copied as itself."""
+
+    def __copy__(self) -> _UnrotatedKeys:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _UnrotatedKeys:
+        return self
+
+
+def _require_unrotated_keys(cache: Any, layer: int, mark: _UnrotatedKeys) -> None:
+    """Raise unless the keys ``cache`` holds for ``layer`` (if any) were put there by this 'consistent' forward: any
+    others were rotated when cached (before patching, or by a model patched with mode='hf'), and would be rotated
+    twice."""
+    held = cache.get_seq_length(layer) if layer < len(getattr(cache, "layers", ()) or ()) else 0
+    if held and getattr(cache, _MARKS_ATTR, {}).get(layer) is not mark:
+        raise ValueError(
+            f"this {type(cache).__name__} holds {held} keys for layer {layer} that posenc's mode='consistent' did not "
+            "cache: they are rotated already (cached before patch_model, or by a model patched with mode='hf' or "
+            "another patch), and consistent mode keeps keys unrotated and rotates them at read, so they would be "
+            "rotated twice. Start a new cache for this model, or patch it with mode='hf', which continues such a cache"
+        )
 
 
 def _require_growing_cache(cache: Any, growing_layer: type) -> None:
