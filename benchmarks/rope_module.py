@@ -5,7 +5,9 @@ kernel call alone), ``RoPE(offset=...)`` (an int offset: the module hands the ke
 ``RoPE(positions=...)`` (the same positions as ids), and where transformers is installed, Hugging Face's
 ``apply_rotary_pos_emb`` (its eager formula, cos/sin given: against ``apply_rotary_qk``) and ``hf-llama`` (Llama's
 rotary embedding computing cos/sin for the position ids, then ``apply_rotary_pos_emb``: what a Hugging Face
-attention layer runs per call, against ``RoPE``).
+attention layer runs per call, against ``RoPE``). ``apply_rotary_qk(freqs_cis table, offset=...)`` reads a table
+of ``TABLE_ROWS`` positions kept as Meta's complex ``freqs_cis`` (cos and sin the real and imaginary parts, a view
+with a pair stride the kernels cannot read as is): the rows the tokens read are copied, not the table.
 
     python benchmarks/rope_module.py --csv docs/results/rope_module_cpu.csv
 """
@@ -29,6 +31,7 @@ from posenc import RoPE, apply_rotary_qk
 from posenc.testing import random_qk
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TABLE_ROWS = 131072  # a 128k-context model's table
 
 
 def make_cases(rope: RoPE, dtype: torch.dtype, seq: int, offset: int, device: str) -> dict:
@@ -41,6 +44,12 @@ def make_cases(rope: RoPE, dtype: torch.dtype, seq: int, offset: int, device: st
         "RoPE(offset=...)": lambda: rope(q, k, offset=offset),
         "RoPE(positions=...)": lambda: rope(q, k, positions=positions),
     }
+    angles = torch.arange(TABLE_ROWS, dtype=torch.float64)[:, None] * rope.frequencies()[0]
+    freqs_cis = torch.polar(torch.ones_like(angles), angles).to(device=device, dtype=torch.complex64)
+    table_cos, table_sin = torch.view_as_real(freqs_cis).unbind(-1)  # (n, r/2) each, pair stride 2
+    cases["apply_rotary_qk(freqs_cis table, offset=...)"] = lambda: apply_rotary_qk(
+        q, k, table_cos, table_sin, offset=offset
+    )
     if importlib.util.find_spec("transformers") is not None:
         from transformers import LlamaConfig
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb

@@ -714,6 +714,7 @@ def test_unpatch_leaves_the_dynamic_ntk_state_the_patched_model_reached() -> Non
                 unpatch_model(patched)
             restored, original = patched.model.rotary_emb, model.model.rotary_emb
             assert restored.max_seq_len_cached == original.max_seq_len_cached, lengths
+            assert torch.equal(restored.inv_freq, original.inv_freq), lengths
             for length in (TRAINED + 4, TRAINED + 12, TRAINED - 2):  # and it goes on as transformers does
                 torch.testing.assert_close(patched(ids[:, :length]).logits, model(ids[:, :length]).logits, **FP32)
             assert torch.equal(restored.inv_freq, original.inv_freq), lengths

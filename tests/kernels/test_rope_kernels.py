@@ -529,6 +529,26 @@ def test_a_table_the_kernels_cannot_read_as_is_is_copied_only_where_tokens_read_
     assert copied and max(copied) <= tokens < cos.shape[0], copied
 
 
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+@pytest.mark.parametrize("seq", [0, 1])
+def test_a_copied_slice_of_no_row_or_one_gets_one_set_of_strides(backend, seq):
+    """.contiguous() returns a tensor of 0 or 1 rows as it is, so a slice of a pair-strided table (or of cos and
+    sin with different row strides) reached the launchers with strides they refuse."""
+    cos, sin = table(8, 32)
+    pairs = torch.stack([cos, sin], -1)
+    tables = {
+        "pair stride": (pairs[..., 0], pairs[..., 1]),
+        "row strides differ": (cos, torch.cat([sin, sin], 1)[:, :4]),
+    }
+    q, k = torch.randn(2, 3, seq, 8), torch.randn(2, 1, seq, 8)
+    for name, (c, s) in tables.items():
+        got = rotate(backend, q, k, c, s, {"offset": 10})
+        expected = rotate("torch", q, k, c.contiguous(), s.contiguous(), {"offset": 10})
+        for a, b in zip(got, expected, strict=True):
+            assert a.shape == b.shape, name
+            assert_close(a, b.double(), msg=f"{backend} {name}")
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("half", [1, 8, 40, 64])

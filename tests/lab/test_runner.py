@@ -237,6 +237,29 @@ def test_a_folder_keyed_by_its_corpus_path_is_adopted_not_retrained(finished, tm
     assert (copy / "results.csv").read_text() == (out / "results.csv").read_text()
 
 
+def test_the_id_a_corpus_path_gave_is_the_one_earlier_posenc_wrote():
+    # Written by posenc at c4b9396 for this configuration and corpus hash: adoption recomputes it.
+    config = make_config("quick", corpus="/data/text", dim=16, layers=1, heads=2, train_len=8, steps=6)
+    assert runner._hash_of(config.results_key() | {"corpus": "/data/text"}, "ab" * 32) == "05e03dd1b9d7f916"
+    assert runner.config_id(config, "ab" * 32) != "05e03dd1b9d7f916"
+
+
+def test_units_keyed_by_their_corpus_path_without_config_json_are_adopted(tiny_config, corpus_dir, tmp_path):
+    config = tiny_config(encodings=("nope",), extensions=())
+    out = tmp_path / "out"
+    first = quiet(config, out).run()
+    ident = store.read_json(out / "config.json")["config_id"]
+    previous = store.read_json(out / "config.json")
+    old = runner._hash_of(previous["results_key"] | {"corpus": config.corpus}, previous["corpus_sha256"])
+    for path in out.glob("runs/*/seed*/*.json"):
+        store.write_json(path, store.read_json(path) | {"config_id": old})
+    (out / "config.json").unlink()
+    again = quiet(config, out).run()
+    assert again["rows"] == first["rows"] and again["timings"]["units_skipped"] == 1
+    ids = {store.read_json(p)["config_id"] for p in [out / "config.json", *out.glob("runs/*/seed*/*.json")]}
+    assert ids == {ident}
+
+
 def test_a_folder_of_another_format_is_not_adopted(finished, tmp_path, monkeypatch):
     config, out, _ = finished
     copy = tmp_path / "copy"

@@ -189,6 +189,8 @@ def test_longrope_chooses_its_factors_inside_the_graph():
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     with pytest.raises(RuntimeError, match="positions must be >= 0"):
         compiled(q, k, torch.tensor([0, 1, -2, 3, 4]))
+    empty_q, empty_k = q[:, :, :0], k[:, :, :0]
+    assert compiled(empty_q, empty_k, torch.arange(0))[0].shape == empty_q.shape
 
 
 @pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])

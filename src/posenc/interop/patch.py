@@ -984,8 +984,11 @@ def _hand_back_dynamic_state(original: nn.Module, layer_type: str, length: int |
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
         kwargs = {"layer_type": layer_type} if layer_type else {}
+        # The length as transformers gives it (max(position_ids) + 1, an int64 tensor), which makes its arithmetic
+        # float32: a Python int gives float64's, one rounding away.
+        seq_len = torch.tensor(length, device=buffer.device)
         inv_freq, original.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](
-            original.config, buffer.device, seq_len=length, **kwargs
+            original.config, buffer.device, seq_len=seq_len, **kwargs
         )
         original.register_buffer(state_name(layer_type, "inv_freq"), inv_freq, persistent=False)
         setattr(original, cached, length)

@@ -138,10 +138,10 @@ def _wide_cos_sin(
         end = offset + max(canonical(x, kind).shape[2] for x in xs)
         if offset >= 0 and end <= cos.shape[0]:  # else the full table, for the launchers' message on rows
             cos, sin, offset = cos[offset:end], sin[offset:end], 0
-    if convert:
-        cos, sin = cos.to(wide), sin.to(wide)
-    if restride:
-        cos, sin = cos.contiguous(), sin.contiguous()
+    if convert or restride:
+        # New row-major tensors, not .contiguous(), which returns a table of 0 or 1 rows as it is (torch counts it
+        # contiguous whatever its row stride): cos and sin could keep different strides.
+        cos, sin = (torch.empty(t.shape, dtype=wide, device=t.device).copy_(t) for t in (cos, sin))
     return cos, sin, offset
 
 

@@ -158,14 +158,16 @@ def _settings(results_key: dict[str, Any]) -> dict[str, Any]:
     return key
 
 
-def _adopt(out: Path, previous: dict[str, Any], config: LabConfig, ident: str) -> None:
-    """Give the files of the configuration that config.json names (``previous``) the id ``ident``: units first and
-    config.json last, so that an adoption cut short is redone by the next run."""
+def _adopt(out: Path, old: str, config: LabConfig, corpus: Corpus, ident: str) -> None:
+    """Give the files of configuration ``old`` in ``out`` the id ``ident``: units first and config.json last, so that
+    an adoption cut short is redone by the next run."""
     for path in sorted(out.glob("runs/*/seed*/*.json")):
         data = store.read_json(path)
-        if isinstance(data, dict) and data.get("config_id") == previous["config_id"]:
+        if isinstance(data, dict) and data.get("config_id") == old:
             store.write_json(path, data | {"config_id": ident})
-    store.write_json(out / "config.json", previous | {"config_id": ident, "results_key": config.results_key()})
+    store.write_json(
+        out / "config.json", {"config_id": ident, "results_key": config.results_key(), "corpus_sha256": corpus.sha256}
+    )
 
 
 def claim_folder(out: Path, config: LabConfig, corpus: Corpus, ident: str) -> None:
@@ -181,7 +183,7 @@ def claim_folder(out: Path, config: LabConfig, corpus: Corpus, ident: str) -> No
         if old == new and same_bytes and written:
             # Made in this format while the corpus's path was part of the key (and spelled otherwise, or by an
             # earlier posenc): the same settings and text, so its units are this configuration's.
-            _adopt(out, previous, config, ident)
+            _adopt(out, previous["config_id"], config, corpus, ident)
         else:
             changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
             if not same_bytes:
@@ -193,20 +195,27 @@ def claim_folder(out: Path, config: LabConfig, corpus: Corpus, ident: str) -> No
         return
     # No config.json, but finished units (it was deleted): they must be this configuration's too, or the folder
     # would be claimed for settings its units do not have.
+    # Units finished while the corpus's path was part of the key carry the id it gave (spelled as now).
+    keyed_by_path = (
+        None if config.corpus is None else _hash_of(config.results_key() | {"corpus": config.corpus}, corpus.sha256)
+    )
     others = sorted(
         str(metrics.parent.relative_to(out))
         for metrics in out.glob("runs/*/seed*/metrics.json")
-        if store.read_json(metrics).get("config_id") != ident
+        if store.read_json(metrics).get("config_id") not in (ident, keyed_by_path)
     )
     if others:
         raise ValueError(
             f"{out} has no config.json but holds finished units of another configuration ({', '.join(others[:3])}"
             f"{', ...' if len(others) > 3 else ''}); pass another --out, or delete that folder to start over"
         )
-    store.write_json(
-        path,
-        {"config_id": ident, "results_key": config.results_key(), "corpus_sha256": corpus.sha256},
-    )
+    if keyed_by_path is not None:
+        _adopt(out, keyed_by_path, config, corpus, ident)
+    else:
+        store.write_json(
+            path,
+            {"config_id": ident, "results_key": config.results_key(), "corpus_sha256": corpus.sha256},
+        )
 
 
 class Lab:

@@ -242,7 +242,9 @@ class RoPE(nn.Module):
         ``fullgraph=True`` or in a CUDA graph capture, give the length: ``cos_sin(positions, seq_len=...)``.
         LongRoPE is the exception: it only chooses between two sets of frequencies, which the graph does itself
         (as transformers' does, with no break)."""
-        in_graph = torch.compiler.is_compiling() and positions.numel() and positions.dim() <= 2  # not M-RoPE's axes
+        if positions.numel() == 0:  # nothing to scale for, nor any state to advance
+            return self.cos_sin(positions, dtype=dtype)
+        in_graph = torch.compiler.is_compiling() and positions.dim() <= 2  # not M-RoPE's axes
         if self.spec.rope_type == "longrope" and in_graph:
             return self._longrope_cos_sin_in_graph(positions, dtype)
         if self.spec.rope_type in SEQ_LEN_DEPENDENT and torch.compiler.is_compiling():
