@@ -104,6 +104,16 @@ rope = posenc.RoPE(8)
 angles = torch.randn(4, 4)
 
 
+def _meta_layer_loaded_by_assignment(make_encoding):
+    """A layer built on the meta device and given its weights by load_state_dict(assign=True), as checkpoint loaders
+    do: what is not in the state dict (ALiBi's slopes, a buffer that is not saved) stays on meta."""
+    source = posenc.CausalSelfAttention(32, 4, encoding=make_encoding())
+    with torch.device("meta"):
+        layer = posenc.CausalSelfAttention(32, 4, encoding=make_encoding())
+    layer.load_state_dict(source.state_dict(), assign=True)
+    return layer
+
+
 @pytest.mark.parametrize(
     ("call", "error", "match"),
     [
@@ -335,7 +345,18 @@ _pairs = torch.rand(4, 8)
         (
             lambda: posenc.CausalSelfAttention(32, 4)(torch.randn(1, 5, 32).double()),
             TypeError,
-            "x is torch.float64 on cpu but the layer's weights are torch.float32",
+            "x is torch.float64 but the layer's weights are torch.float32",
+        ),
+        (
+            lambda: posenc.CausalSelfAttention(32, 4).to("meta")(torch.randn(1, 5, 32)),
+            ValueError,
+            r"x is on cpu but the layer's weights are on meta; .* layer.to_empty\(device=...\)",
+        ),
+        (
+            lambda: _meta_layer_loaded_by_assignment(lambda: posenc.ALiBi(4))(torch.randn(1, 5, 32)),
+            ValueError,
+            r"the layer's encoding ALiBi is on meta but x is on cpu; .* layer.to_empty\(device=...\), which "
+            "recomputes ALiBi's slopes",
         ),
         (lambda: posenc.CausalSelfAttention(32, 4)(torch.randn(1, 5, 32), cache={}), TypeError, "cache must be a"),
         (

@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import posenc
 from posenc.cli import main
@@ -67,3 +68,25 @@ def test_subpackages_are_reachable_from_a_plain_import_and_load_on_first_use():
         "else:\n    raise SystemExit('no AttributeError')\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("name", ["learned", "t5"])
+def test_learned_tables_keep_their_small_init_when_materialised_from_meta(name):
+    """to_empty, then every module's reset_parameters (FSDP's materialisation): the inner nn.Embedding reset the
+    table to N(0, 1), 50 times the N(0, 0.02^2) of a module built on the CPU."""
+    kwargs = dict(dim=32, num_heads=4, head_dim=8, max_positions=64)
+    with torch.device("meta"):
+        encoding = posenc.build_for_model(name, **kwargs)
+    encoding.to_empty(device="cpu")
+    for module in encoding.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    (weight,) = encoding.parameters()
+    assert 0.01 < weight.std().item() < 0.04
+    # The same draws as before (nn.Embedding's fill, then the 0.02 one), so seeded models are what they were.
+    torch.manual_seed(0)
+    built = next(posenc.build_for_model(name, **kwargs).parameters())
+    torch.manual_seed(0)
+    plain = torch.nn.Embedding(*built.shape)
+    torch.nn.init.normal_(plain.weight, std=0.02)
+    assert torch.equal(built, plain.weight)

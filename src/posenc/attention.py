@@ -365,11 +365,25 @@ class CausalSelfAttention(nn.Module):
         # dtypes (or none yet) by design, and so does autocast.
         if type(self.q_proj) is nn.Linear:
             weight = self.q_proj.weight
-            mixed = x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type)
-            if mixed or x.device != weight.device:
+            if x.device != weight.device:
+                raise ValueError(
+                    f"x is on {x.device} but the layer's weights are on {weight.device}; move one to the other "
+                    f"(layer.to({str(x.device)!r}), or layer.to_empty(device=...) for a layer built on the meta device)"
+                )
+            if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
                 raise TypeError(
-                    f"x is {x.dtype} on {x.device} but the layer's weights are {weight.dtype} on {weight.device}; "
-                    "move one to the other (layer.to(x.dtype) or x.to(...))"
+                    f"x is {x.dtype} but the layer's weights are {weight.dtype}; move one to the other "
+                    "(layer.to(x.dtype) or x.to(...))"
+                )
+        if isinstance(self.encoding, nn.Module):
+            # A buffer that load_state_dict(assign=True) does not fill (ALiBi's slopes are not saved) stays where the
+            # layer was built: the meta device.
+            held = next(itertools.chain(self.encoding.parameters(), self.encoding.buffers()), None)
+            if held is not None and held.device != x.device:
+                raise ValueError(
+                    f"the layer's encoding {type(self.encoding).__name__} is on {held.device} but x is on {x.device}; "
+                    f"move it with layer.to({str(x.device)!r}) (from the meta device: layer.to_empty(device=...), "
+                    "which recomputes ALiBi's slopes, then load the weights)"
                 )
         b, s, _ = x.shape
         if cache is not None and not isinstance(cache, KVCache):

@@ -74,3 +74,21 @@ def test_input_encodings_compile_with_fullgraph_and_run_on_meta(make, past_the_e
     torch.testing.assert_close(added(x, torch.arange(5)), x + enc(torch.arange(5)))
     # Shape inference on meta reads no values.
     assert enc.to("meta")(torch.arange(5, device="meta")).shape == (5, 8)
+
+
+def test_a_learned_table_overrun_under_inductor_says_posencs_message():
+    """Inductor checks an embedding lookup's bounds itself; in a training step its check fired before posenc's
+    assert, with 'index out of bounds: tmp6 < 16L' instead of the message the README promises."""
+    torch.manual_seed(0)
+    table, attention = posenc.LearnedAbsolute(16, 32), posenc.CausalSelfAttention(32, 4)
+    embedding, head = torch.nn.Embedding(50, 32), torch.nn.Linear(32, 50)
+
+    def step(tokens):
+        x = posenc.add_input_encoding(embedding(tokens), table, torch.arange(tokens.shape[1]))
+        head(x + attention(x)).square().mean().backward()
+
+    compiled = torch.compile(step, dynamic=True)
+    for length in (10, 13):
+        compiled(torch.randint(0, 50, (2, length)))
+    with pytest.raises(RuntimeError, match=r"positions must be rows of the learned table, 0..15"):
+        compiled(torch.randint(0, 50, (2, 17)))

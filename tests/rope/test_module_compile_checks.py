@@ -126,11 +126,13 @@ def test_a_length_that_cannot_be_read_is_asked_for(mode):
         compile_traced(lambda q, k, p: rope(q, k, positions=p))(q, k, torch.arange(5) + 100)
     with pytest.raises(Exception, match=r"pass seq_len="):
         compile_traced(lambda p: rope.cos_sin(p))(torch.arange(5))
-    # The meta device holds no values either (shape inference of a model built there).
+    # The meta device holds no values either, but shapes need none: a model built there (shape inference) runs,
+    # CausalSelfAttention included, which cannot pass seq_len (it was this error), and no state advances.
     meta_q = q.to("meta")
-    with pytest.raises(ValueError, match=r"pass seq_len="):
-        rope(meta_q, meta_q)
-    assert rope(meta_q, meta_q, seq_len=SEQ_LEN)[0].shape == q.shape
+    assert rope(meta_q, meta_q)[0].shape == rope(meta_q, meta_q, seq_len=SEQ_LEN)[0].shape == q.shape
+    assert rope.hf_scaled_len == MAX_POS
+    attention = posenc.CausalSelfAttention(4 * HEAD_DIM, 4, encoding=rope).to("meta")
+    assert attention(torch.randn(1, 2 * MAX_POS, 4 * HEAD_DIM, device="meta")).shape == (1, 2 * MAX_POS, 4 * HEAD_DIM)
     # MRoPE's three axes on the meta device take the shapes (scaled for 1, as its cos_sin does there).
     mrope = posenc.MRoPE(
         HEAD_DIM, mrope_section=[2, 3, 3], rope_parameters=PARAMS["dynamic"], max_position_embeddings=MAX_POS

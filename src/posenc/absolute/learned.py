@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from posenc._checks import assert_without_sync, float_dtype, int_tensor, positive_int, to_device, values_readable
+from posenc._embedding import SmallInitEmbedding
 from posenc.encoding import ActsOn
 
 
@@ -20,8 +21,7 @@ class LearnedAbsolute(nn.Module):
         super().__init__()
         self.max_positions = positive_int("max_positions", max_positions)
         self.dim = positive_int("dim", dim)
-        self.table = nn.Embedding(max_positions, dim)
-        nn.init.normal_(self.table.weight, std=0.02)
+        self.table = SmallInitEmbedding(max_positions, dim)
 
     @classmethod
     def from_model_dims(
@@ -44,6 +44,9 @@ class LearnedAbsolute(nn.Module):
                 (positions >= 0) & (positions < self.max_positions),
                 f"positions must be rows of the learned table, 0..{self.max_positions - 1}",
             )
+            # Inductor checks the lookup's bounds itself, and its check could fail first with its own message
+            # ("index out of bounds: tmp6 < 16L"); clamped, the lookup cannot, and the assert above speaks.
+            positions = positions.clamp(0, self.max_positions - 1)
         elif positions.numel():
             low, high = int(positions.min()), int(positions.max())
             if low < 0:

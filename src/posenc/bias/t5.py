@@ -7,9 +7,9 @@ import math
 from typing import Any
 
 import torch
-from torch import nn
 
 from posenc._checks import flag, int_tensor, positive_int, same_device
+from posenc._embedding import SmallInitEmbedding
 from posenc.bias.base import ScoreBias, score_positions
 
 
@@ -82,8 +82,7 @@ class T5Bias(ScoreBias):
         self.num_buckets = num_buckets
         self.max_distance = max_distance
         self.bidirectional = bidirectional
-        self.table = nn.Embedding(num_buckets, num_heads)
-        nn.init.normal_(self.table.weight, std=0.02)
+        self.table = SmallInitEmbedding(num_buckets, num_heads)
 
     @classmethod
     def from_model_dims(cls, *, dim: int, num_heads: int, head_dim: int, max_positions: int, **options: Any) -> T5Bias:

@@ -104,13 +104,15 @@ def _length_unreadable(rope_type: str) -> ValueError:
     return ValueError(
         f"rope_type {rope_type!r} scales for max(positions) + 1 by default, which cannot be read inside "
         "torch.compile, a CUDA graph capture or on the meta device; pass seq_len= (the length to scale for, e.g. "
-        "the tokens in the cache plus the new ones)"
+        "the tokens in the cache plus the new ones) to RoPE's forward or cos_sin, or, where the caller cannot "
+        "(CausalSelfAttention, a patched transformers model), compile without fullgraph=True: the length is then "
+        "read in a graph break"
     )
 
 
 @torch.compiler.disable(
     reason="dynamic NTK scales for max(positions) + 1, read on the host; for fullgraph=True pass seq_len= to "
-    "RoPE.forward (a patched transformers model cannot: compile it without fullgraph)"
+    "RoPE.forward (CausalSelfAttention and patched transformers models cannot: compile them without fullgraph)"
 )
 def _call_cos_sin_eagerly(rope: RoPE, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     return rope.cos_sin(positions, seq_len=rope.scaling_length(positions), dtype=dtype)
@@ -220,6 +222,8 @@ class RoPE(nn.Module):
         """The seq_len a forward call scales for; advances the 'hf' dynamic NTK state as transformers does."""
         if self.spec.rope_type not in SEQ_LEN_DEPENDENT or positions.numel() == 0:
             return None
+        if positions.device.type == "meta":  # shapes only (a model built there): any length gives them, no state
+            return 1
         if not values_readable(positions.device):
             raise _length_unreadable(self.spec.rope_type)
         length = int(positions.max()) + 1
