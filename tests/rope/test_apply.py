@@ -367,6 +367,27 @@ def test_layouts_agree_under_channel_permutation(rotary, extra, p):
     torch.testing.assert_close(inter, split[..., perm], atol=0, rtol=0)
 
 
+def test_a_move_drops_the_tables_of_other_devices():
+    """The tables were kept after model.cpu() (64 MiB on the GPU for a 128k-row table): a move keeps only those of
+    the device moved to; a cast keeps them (they are float32 or float64 whatever the module's dtype)."""
+    rope = posenc.RoPE(16, backend="torch")
+    q = torch.randn(1, 2, 5, 16)
+    expected, _ = rope(q, q)
+    rope(q.double(), q.double())
+    cpu = {(torch.device("cpu"), torch.float32), (torch.device("cpu"), torch.float64)}
+    assert set(rope._tables) == cpu
+    torch.nn.Sequential(rope).half().cpu()
+    assert set(rope._tables) == cpu
+    meta = torch.empty(1, 1, 4, 16, device="meta")
+    rope(meta, meta)
+    torch.nn.Sequential(rope).cpu()  # the meta table goes
+    assert set(rope._tables) == cpu
+    rope.to("meta")
+    assert not rope._tables
+    rope.to_empty(device="cpu")
+    assert torch.equal(rope(q, q)[0], expected)
+
+
 def test_tables_are_kept_per_device_and_dtype_and_grow_past_powers_of_two():
     """A float64 call builds its own table and leaves the float32 one alone; a meta call its own (shape inference
     after a CPU call); 257 tokens need a table of more than 256 rows."""

@@ -174,6 +174,16 @@ class RoPE(nn.Module):
         self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
         self._frequencies: dict[int | None, tuple[torch.Tensor, float]] = {}
 
+    def _apply(self, fn: Any, recurse: bool = True) -> RoPE:  # type: ignore[override]
+        # A move (model.cpu(), to_empty) leaves the tables of other devices unused: drop them, so that their memory
+        # goes (a 128k-row table is 64 MiB on the GPU); the tables of the device moved to stay.
+        try:
+            target = fn(torch.empty(0)).device
+        except Exception:  # an fn that takes no empty tensor: drop them all, they are rebuilt on use
+            target = None
+        self._tables = {key: table for key, table in self._tables.items() if key[0] == target}
+        return super()._apply(fn, recurse)
+
     @classmethod
     def from_model_dims(cls, *, dim: int, num_heads: int, head_dim: int, max_positions: int, **options: Any) -> RoPE:
         # The training length is what the length-dependent scaling types extend from.
