@@ -49,6 +49,11 @@ def test_cli_info(capsys):
     assert "rope types:" in out and "backends:" in out
 
 
+def test_python_dash_m_posenc_is_the_posenc_command():
+    done = subprocess.run([sys.executable, "-m", "posenc", "info"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "rope types:" in done.stdout, done.stderr
+
+
 def test_cli_unknown_command_exits_with_usage():
     with pytest.raises(SystemExit) as err:
         main(["nonsense"])

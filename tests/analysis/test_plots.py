@@ -186,3 +186,18 @@ def test_mrope_figure_draws_each_layouts_axes():
         assert torch.equal(drawn, mrope_axis_of_pair(section, layout=layout))
         counts = [int(part.split(": ")[1].split()[0]) for part in ax.get_title().split("\n")[1].split("; ")]
         assert counts == torch.bincount(drawn, minlength=3).tolist()
+
+
+def test_figures_do_not_mislead_where_a_teacher_found_them_to():
+    # The steepest and flattest ALiBi heads on one colour scale (each on its own, a 128x flatter slope drew the same
+    # picture).
+    alibi = [ax.images[0].get_clim() for ax in render("bias_matrices").axes if ax.images][:2]
+    assert alibi[0] == alibi[1]
+    # The outermost diagonals hold one cell each: a spread of 0 there says nothing, and is not drawn.
+    relative = render("relative_invariance").axes[2]
+    for line in relative.get_lines():
+        assert min(line.get_ydata()) > 1e-10 or line.get_label().startswith("RoPE"), line.get_label()
+    # The uniform-attention reference is drawn over the curves that lie on it.
+    entropy = render("attention_entropy").axes[0]
+    reference = next(line for line in entropy.get_lines() if line.get_label().startswith("uniform causal"))
+    assert reference.get_zorder() > max(line.get_zorder() for line in entropy.get_lines() if line is not reference)

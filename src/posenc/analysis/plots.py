@@ -284,8 +284,10 @@ def invariance_heatmaps(inputs: FigureInputs) -> Figure:
         ax.set_title(f"{name}\nmax spread along m - n: {result.max_spread:.2g}", fontsize=10)
         fig.colorbar(image, ax=ax, label="q·k / √d")
     for name, result in results.items():
-        # Spread 0 cannot go on a log axis; the floor is far below float32 resolution.
-        axes[2].semilogy(result.offsets, result.spread.clamp(min=1e-17), label=name)
+        # Spread 0 cannot go on a log axis; the floor is far below float32 resolution. The two outermost diagonals
+        # hold one cell each, whose spread is 0 whatever the encoding: left out, not drawn as "relative".
+        inner = slice(1, -1) if result.offsets.numel() > 2 else slice(None)
+        axes[2].semilogy(result.offsets[inner], result.spread[inner].clamp(min=1e-17), label=name)
     axes[2].set_xlabel("relative position m - n")
     axes[2].set_ylabel("max - min of the score along the diagonal")
     axes[2].set_title("spread per diagonal (0 = relative)", fontsize=10)
@@ -443,9 +445,12 @@ def bias_heatmaps(inputs: FigureInputs) -> Figure:
     ]
     fig = _new_figure(14, 4.6)
     axes = fig.subplots(1, 3)
-    for ax, (matrix, title) in zip(axes, panels, strict=True):
+    # The two ALiBi heads share one colour scale: each on its own range, a slope 128x flatter drew the same picture.
+    alibi_low = float(alibi[steep][torch.isfinite(alibi[steep])].min())
+    for index, (ax, (matrix, title)) in enumerate(zip(axes, panels, strict=True)):
         shown = matrix.masked_fill(~torch.isfinite(matrix), float("nan"))
-        image = ax.imshow(shown.numpy(), origin="upper", cmap="magma")
+        limits = {"vmin": alibi_low, "vmax": 0.0} if index < 2 else {}
+        image = ax.imshow(shown.numpy(), origin="upper", cmap="magma", **limits)
         ax.set_xlabel("key position n")
         ax.set_ylabel("query position m")
         ax.set_title(title, fontsize=10)
@@ -510,7 +515,16 @@ def entropy_curves(inputs: FigureInputs) -> Figure:
     if inputs.entropy is None:
         # What attention_entropy averages (every query row, row m over m + 1 keys) when attention is uniform.
         rows = torch.arange(1, longest + 1, dtype=torch.float64).log().cumsum(0) / torch.arange(1, longest + 1)
-        ax.plot(grid, rows[shortest - 1 :], color="0.5", ls=":", label="uniform causal attention, mean over rows")
+        # On top, thick enough to show where the curves of encodings that attend about uniformly lie over it.
+        ax.plot(
+            grid,
+            rows[shortest - 1 :],
+            color="0.5",
+            ls=":",
+            lw=2.5,
+            zorder=5,
+            label="uniform causal attention, mean over rows",
+        )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("sequence length  [tokens]")
     ax.set_ylabel("mean attention entropy  [nats]")

@@ -1,0 +1,7 @@
+"""``python -m posenc``: the ``posenc`` command."""
+
+import sys
+
+from posenc.cli import main
+
+sys.exit(main())
