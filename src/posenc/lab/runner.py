@@ -158,10 +158,10 @@ def _settings(results_key: dict[str, Any]) -> dict[str, Any]:
     return key
 
 
-def _adopt(out: Path, old: str, config: LabConfig, corpus: Corpus, ident: str) -> None:
-    """Give the files of configuration ``old`` in ``out`` the id ``ident``: units first and config.json last, so that
-    an adoption cut short is redone by the next run."""
-    for path in sorted(out.glob("runs/*/seed*/*.json")):
+def _adopt(out: Path, old: str | None, config: LabConfig, corpus: Corpus, ident: str) -> None:
+    """Claim ``out`` for ``ident`` in its config.json, giving the files of configuration ``old`` (if any) that id
+    first: units before config.json, so that an adoption cut short is redone by the next run."""
+    for path in sorted(out.glob("runs/*/seed*/*.json")) if old is not None else ():
         data = store.read_json(path)
         if isinstance(data, dict) and data.get("config_id") == old:
             store.write_json(path, data | {"config_id": ident})
@@ -209,13 +209,7 @@ def claim_folder(out: Path, config: LabConfig, corpus: Corpus, ident: str) -> No
             f"{out} has no config.json but holds finished units of another configuration ({', '.join(others[:3])}"
             f"{', ...' if len(others) > 3 else ''}); pass another --out, or delete that folder to start over"
         )
-    if keyed_by_path is not None:
-        _adopt(out, keyed_by_path, config, corpus, ident)
-    else:
-        store.write_json(
-            path,
-            {"config_id": ident, "results_key": config.results_key(), "corpus_sha256": corpus.sha256},
-        )
+    _adopt(out, keyed_by_path, config, corpus, ident)
 
 
 class Lab:
