@@ -65,3 +65,9 @@ def test_bad_input_is_a_clear_error():
         wavelengths(64, 2048, rope_parameters={"rope_type": "nope"})
     with pytest.raises(ValueError, match="needs the key"):
         wavelengths(64, 2048, rope_parameters={"rope_type": "linear"})
+    # A model config's max_position_embeddings (the extended length) beside YaRN's original: the counts against L
+    # were taken at the wrong length, with only a warning about the factor.
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}
+    with pytest.raises(ValueError, match=r"train_len=8192 but .* original_max_position_embeddings=2048: .* pass "):
+        wavelengths(64, 8192, rope_parameters=yarn)
+    assert wavelengths(64, 2048, rope_parameters=yarn).train_len == 2048

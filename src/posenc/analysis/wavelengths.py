@@ -65,6 +65,14 @@ def wavelengths(
     as for ``posenc.RoPE``; seq_len: the length that length-dependent types (dynamic) scale for.
     """
     positive_int("train_len", train_len)
+    # The counts against L (pairs that turn less than once) must use the length the scaling extends from: a model
+    # config's max_position_embeddings (the extended length) beside YaRN's original one counted them at the wrong L.
+    original = (rope_parameters or {}).get("original_max_position_embeddings")
+    if isinstance(original, int) and not isinstance(original, bool) and original != train_len:
+        raise ValueError(
+            f"train_len={train_len} but rope_parameters say original_max_position_embeddings={original}: both are "
+            f"the length the model was trained at; pass train_len={original}"
+        )
     rope = RoPE(head_dim, base=base, rope_parameters=rope_parameters, max_position_embeddings=train_len)
     inv_freq, factor = rope.frequencies(seq_len)
     plain = dataclasses.replace(rope.spec, rope_type="default", params={})
