@@ -201,3 +201,10 @@ def test_figures_do_not_mislead_where_a_teacher_found_them_to():
     entropy = render("attention_entropy").axes[0]
     reference = next(line for line in entropy.get_lines() if line.get_label().startswith("uniform causal"))
     assert reference.get_zorder() > max(line.get_zorder() for line in entropy.get_lines() if line is not reference)
+
+
+def test_pair_layouts_grey_the_pairs_proportional_rope_stands_still():
+    config = FigureConfig(rope_parameters={"rope_type": "proportional", "partial_rotary_factor": 0.25})
+    for ax in render("pair_layouts", FigureInputs(config=config)).axes[:2]:
+        labels = [t.get_text() for t in ax.texts if t.get_text().startswith("θ") or t.get_text() == "-"]
+        assert labels.count("-") == 12 and {label for label in labels if label != "-"} == {"θ0", "θ1"}

@@ -197,7 +197,12 @@ def pair_layouts(inputs: FigureInputs) -> Figure:
         (axes[0], True, "adjacent pairs (interleaved=True: RoFormer, GPT-J)"),
         (axes[1], False, "split half (interleaved=False: Llama's rotate_half)"),
     ):
-        layout = rotary_pairs(RoPE(d, rotary_dim=rotary, base=config.base, interleaved=interleaved))
+        # Which channels pair depends on the layout alone; proportional RoPE also stands some pairs still, which
+        # the schematic head shows in the same proportion (drawn plain, every pair looked rotated).
+        proportional = config.spec.rope_type == "proportional"
+        params = {"rope_type": "proportional", **config.spec.params} if proportional else None
+        rope = RoPE(d, rotary_dim=rotary, base=config.base, interleaved=interleaved, rope_parameters=params)
+        layout = rotary_pairs(rope)
         colors = [f"C{i % 10}" for i in range(rotary // 2)]
         for c in range(d):
             i = int(layout.pair[c])
