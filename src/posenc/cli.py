@@ -305,7 +305,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # Figure names after an option (`posenc plot --out d wavelengths`): argparse gives a positional list only the
+    # words before the first option, and its intermixed parsing does not take subcommands.
+    if extra and getattr(args, "command", None) == "plot" and not any(word.startswith("-") for word in extra):
+        args.names = [*args.names, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     return int(args.func(args) or 0)
 
 

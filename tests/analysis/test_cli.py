@@ -34,6 +34,18 @@ def test_plot_writes_the_named_figures(tmp_path, capsys):
     assert str(tmp_path / "wavelengths.png") in capsys.readouterr().out
 
 
+def test_plot_takes_figure_names_after_options(tmp_path, capsys):
+    # argparse stopped the name list at the first option: "unrecognized arguments: long_term_decay".
+    assert main(["plot", "wavelengths", "--out", str(tmp_path), "--dpi", "30", "long_term_decay"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["long_term_decay.png", "wavelengths.png"]
+    with pytest.raises(SystemExit):
+        main(["plot", "--out", str(tmp_path), "--no-such-flag"])
+    assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["info", "extra"])
+    assert "unrecognized arguments: extra" in capsys.readouterr().err
+
+
 def test_plot_with_a_config_file(tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"head_dim": 32, "rope_parameters": {"rope_type": "linear", "factor": 2.0}}))
