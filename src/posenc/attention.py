@@ -233,10 +233,10 @@ def add_input_encoding(x: torch.Tensor, encoding: nn.Module | None, positions: t
     float_tensor("x", x)
     if x.dim() != 3:
         raise ValueError(f"x must be (b, s, dim), got shape {tuple(x.shape)}")
-    held = next(itertools.chain(encoding.parameters(), encoding.buffers()), None)
-    if held is not None and held.device != x.device:
+    held = _encoding_device(encoding)
+    if held is not None and held != x.device:
         raise ValueError(
-            f"the encoding {type(encoding).__name__} is on {held.device} but x is on {x.device}; move it with "
+            f"the encoding {type(encoding).__name__} is on {held} but x is on {x.device}; move it with "
             "encoding.to(x.device)"
         )
     # Through resolve_positions, as the attention's own positions: other shapes would broadcast, handing every token
@@ -250,6 +250,12 @@ def add_input_encoding(x: torch.Tensor, encoding: nn.Module | None, positions: t
             f"is {x.shape[-1]}; build the encoding with dim={x.shape[-1]}"
         )
     return x + encoded.to(x.dtype)
+
+
+def _encoding_device(encoding: nn.Module) -> torch.device | None:
+    """Where an encoding's first parameter or buffer lies; None for one that holds no tensor (RoPE, NoPE)."""
+    held = next(itertools.chain(encoding.parameters(), encoding.buffers()), None)
+    return None if held is None else held.device
 
 
 def causal_mask(q_len: int, k_len: int, device: torch.device, document_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -378,10 +384,10 @@ class CausalSelfAttention(nn.Module):
         if isinstance(self.encoding, nn.Module):
             # A buffer that load_state_dict(assign=True) does not fill (ALiBi's slopes are not saved) stays where the
             # layer was built: the meta device.
-            held = next(itertools.chain(self.encoding.parameters(), self.encoding.buffers()), None)
-            if held is not None and held.device != x.device:
+            held = _encoding_device(self.encoding)
+            if held is not None and held != x.device:
                 raise ValueError(
-                    f"the layer's encoding {type(self.encoding).__name__} is on {held.device} but x is on {x.device}; "
+                    f"the layer's encoding {type(self.encoding).__name__} is on {held} but x is on {x.device}; "
                     f"move it with layer.to({str(x.device)!r}) (from the meta device: layer.to_empty(device=...), "
                     "which recomputes ALiBi's slopes, then load the weights)"
                 )
