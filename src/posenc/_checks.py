@@ -48,6 +48,12 @@ def assert_without_sync(condition: torch.Tensor, message: str) -> None:
     torch._assert_async(condition.all(), message)
 
 
+def size_in(size: Any, allowed: tuple) -> bool:
+    """``size in allowed``, written out as comparisons: torch.compile (2.13) evaluates ``in`` over a tuple that holds
+    a symbolic size wrongly (``2 in (1, s0)`` came out False with s0 = 2, so a dynamic batch refused a right shape)."""
+    return any(size == value for value in allowed)
+
+
 def positive_int(name: str, value: Any) -> int:
     value = integer_offset(value)  # numpy's integers too
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:

@@ -15,13 +15,13 @@ import itertools
 import math
 import warnings
 import weakref
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from posenc._checks import flag, float_tensor, int_tensor, integer_offset, positive_int
+from posenc._checks import flag, float_tensor, int_tensor, integer_offset, positive_int, size_in
 from posenc.encoding import ActsOn
 from posenc.kernels.flex_bias import FlexFallback, attend_flex, use_flex
 from posenc.positions import positions_from_document_ids, resolve_document_ids, resolve_positions
@@ -173,7 +173,7 @@ class KVCache:
             raise ValueError(
                 f"k and v must be (b, g, s, d) with the same b, g and s, got {tuple(k.shape)} and {tuple(v.shape)}"
             )
-        if positions.dim() != 2 or positions.shape[1] != k.shape[2] or positions.shape[0] not in (1, k.shape[0]):
+        if positions.dim() != 2 or positions.shape[1] != k.shape[2] or not size_in(positions.shape[0], (1, k.shape[0])):
             raise ValueError(
                 f"positions must be (b or 1, s) = ({k.shape[0]} or 1, {k.shape[2]}) for keys of shape "
                 f"{tuple(k.shape)}, got {tuple(positions.shape)}"
@@ -343,6 +343,39 @@ class CausalSelfAttention(nn.Module):
                 f"head_dim={self.head_dim}"
             )
         self.encoding = encoding
+
+    @overload
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        positions: torch.Tensor | None = ...,
+        document_ids: torch.Tensor | None = ...,
+        cache: KVCache | None = ...,
+        return_attention: Literal[False] = ...,
+    ) -> torch.Tensor: ...
+
+    @overload
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        positions: torch.Tensor | None = ...,
+        document_ids: torch.Tensor | None = ...,
+        cache: KVCache | None = ...,
+        return_attention: Literal[True],
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    @overload
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        positions: torch.Tensor | None = ...,
+        document_ids: torch.Tensor | None = ...,
+        cache: KVCache | None = ...,
+        return_attention: bool,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
     def forward(
         self,

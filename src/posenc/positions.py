@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from posenc._checks import assert_without_sync, int_tensor, integer_offset, movable, values_readable
+from posenc._checks import assert_without_sync, int_tensor, integer_offset, movable, size_in, values_readable
 
 
 def resolve_positions(
@@ -41,7 +41,7 @@ def resolve_positions(
             movable("offset", offset, device)  # moved below, once checked where it is
         if offset.dim() == 0:
             offset = offset.reshape(1)
-        if offset.dim() != 1 or offset.shape[0] not in (1, batch):
+        if offset.dim() != 1 or not size_in(offset.shape[0], (1, batch)):
             raise ValueError(
                 f"offset must be an int or a tensor of shape ({batch},) (one per sequence), "
                 f"got shape {tuple(offset.shape)}"
@@ -63,7 +63,7 @@ def resolve_positions(
         as_given = tuple(positions.shape)
         if positions.dim() == 1:
             positions = positions[None, :]
-        if positions.dim() != 2 or positions.shape[-1] != seq_len or positions.shape[0] not in (1, batch):
+        if positions.dim() != 2 or positions.shape[-1] != seq_len or not size_in(positions.shape[0], (1, batch)):
             raise ValueError(
                 f"positions must have shape ({seq_len},) or ({batch}, {seq_len}) to match the sequence, got {as_given}"
             )
@@ -91,7 +91,7 @@ def resolve_document_ids(
         movable("document_ids", document_ids, device)
     as_given = tuple(document_ids.shape)
     docs = document_ids[None, :] if document_ids.dim() == 1 else document_ids
-    if docs.dim() != 2 or docs.shape[-1] != seq_len or docs.shape[0] not in (1, batch):
+    if docs.dim() != 2 or docs.shape[-1] != seq_len or not size_in(docs.shape[0], (1, batch)):
         raise ValueError(
             f"document_ids must have shape ({seq_len},) or ({batch}, {seq_len}) to match the sequence, got {as_given}"
         )

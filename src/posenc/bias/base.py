@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from posenc._checks import int_tensor, integer_offset, positive_int, same_device
+from posenc._checks import int_tensor, integer_offset, positive_int, same_device, size_in
 from posenc.encoding import ActsOn
 
 
@@ -29,7 +29,7 @@ def score_positions(q_positions: torch.Tensor, k_positions: torch.Tensor) -> tup
         checked.append((positions if positions.dim() == 2 else positions[None]).long())
     q, k = checked
     same_device(("q_positions", "k_positions"), q, k)
-    if q.shape[0] != k.shape[0] and 1 not in (q.shape[0], k.shape[0]):
+    if q.shape[0] != k.shape[0] and not size_in(1, (q.shape[0], k.shape[0])):
         raise ValueError(
             f"q_positions has batch {q.shape[0]} but k_positions has batch {k.shape[0]}; give both the same batch, "
             "or one of them a batch of 1 (or 1-D) to share it"

@@ -18,7 +18,7 @@ from typing import Literal
 
 import torch
 
-from posenc._checks import angle_dtypes, assert_without_sync, float_tensor, int_tensor, values_readable
+from posenc._checks import angle_dtypes, assert_without_sync, float_tensor, int_tensor, size_in, values_readable
 
 Kind = Literal["broadcast", "bhsd", "bshd", "varlen"]
 KINDS = ("broadcast", "bhsd", "bshd", "varlen")
@@ -124,7 +124,7 @@ def check_table_call(
     offsets, offset_int = None, 0
     if isinstance(offset, torch.Tensor):
         int_tensor("offset", offset, host_read=True)
-        if offset.dim() > 1 or offset.numel() not in (1, batch):
+        if offset.dim() > 1 or not size_in(offset.numel(), (1, batch)):
             raise ValueError(
                 f"offset must be an int, a ({batch},) tensor (one per sequence) or a 0-d tensor, got shape "
                 f"{tuple(offset.shape)}"
@@ -155,7 +155,7 @@ def check_table_call(
         if (
             positions.dim() not in (1, 2)
             or positions.shape[-1] != seq
-            or (positions.dim() == 2 and (positions.shape[0] not in (1, batch)))
+            or (positions.dim() == 2 and not size_in(positions.shape[0], (1, batch)))
         ):
             name = next(iter(xs))
             where = {

@@ -20,6 +20,7 @@ from posenc._checks import (
     integer_offset,
     may_overlap,
     same_device,
+    size_in,
     values_readable,
 )
 from posenc.kernels.layout import check_table_call, consecutive_rows, rotary_kind, token_positions
@@ -56,7 +57,7 @@ def check_x_for(x: torch.Tensor, cos: torch.Tensor, half: int, name: str = "x") 
     target = (*x.shape[:-1], half)
     # By hand: torch.broadcast_shapes was 40% of a small call's Python overhead.
     broadcasts = cos.dim() <= len(target) and all(
-        size in (1, want) for size, want in zip(reversed(cos.shape), reversed(target), strict=False)
+        size_in(size, (1, want)) for size, want in zip(reversed(cos.shape), reversed(target), strict=False)
     )
     if not broadcasts:
         raise ValueError(

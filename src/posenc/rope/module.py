@@ -25,6 +25,7 @@ from posenc._checks import (
     integer_offset,
     same_device,
     sequence_length,
+    size_in,
     to_device,
     values_readable,
 )
@@ -73,7 +74,7 @@ def _position_bounds(
     low = high = 0
     reductions = []  # (min, max) pairs of the offset and position tensors
     if isinstance(offset, torch.Tensor):
-        if offset.dim() > 1 or offset.numel() not in (1, batch):
+        if offset.dim() > 1 or not size_in(offset.numel(), (1, batch)):
             return None
         if offset.dtype not in INDEX_DTYPES:
             return None

@@ -24,6 +24,7 @@ from posenc._checks import (
     integer_offset,
     positive_int,
     sequence_length,
+    size_in,
 )
 from posenc.rope.apply import apply_rotary_qk
 from posenc.rope.frequencies import SEQ_LEN_DEPENDENT
@@ -209,11 +210,7 @@ class MRoPE(RoPE):
         if (
             positions.shape[0] != AXES
             or positions.shape[2] != q.shape[seq_axis]
-            or positions.shape[1]
-            not in (
-                1,
-                q.shape[0],
-            )
+            or not size_in(positions.shape[1], (1, q.shape[0]))
         ):
             raise ValueError(
                 f"positions must have shape (3, b, s) = (3, {q.shape[0]}, {q.shape[seq_axis]}) (temporal, height, "
