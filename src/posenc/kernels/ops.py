@@ -12,6 +12,7 @@ pure-torch path and an explicit fused backend raises.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 
 import torch
@@ -128,37 +129,51 @@ def _wide_cos_sin(
     positions: torch.Tensor | None,
     offsets: torch.Tensor | None,
     offset: int,
-) -> tuple[torch.Tensor, torch.Tensor, int]:
+    rows: torch.Tensor | None = None,
+    *,
+    outside: str = "keep",
+) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]:
     """cos/sin as the kernels read them: float32 (float64 when x or cos is), one set of strides, unit last stride;
-    and the offset to read them at. Where that takes a copy (a float32 table for float64 x, Meta's
-    ``view_as_real(freqs_cis)[..., 0]`` with a pair stride), only the rows that tokens read at consecutive rows take
-    it, and the offset becomes 0: a decode step reads one row of a table that may hold 128k."""
+    the offset to read them at; and ``rows``, each token's table row (``token_positions``) where tokens do not read
+    consecutive rows, or None.
+
+    Where that takes a copy (a float32 table for float64 x, Meta's ``view_as_real(freqs_cis)[..., 0]`` with a pair
+    stride), only the rows that tokens read take it: a decode step reads one row of a table that may hold 128k.
+    Consecutive rows are a slice (the offset becomes 0); other rows are gathered in token order, and ``rows`` becomes
+    each token's index there. A token outside the table: ``outside="keep"`` copies the whole table instead, so the
+    kernel refuses the call (the CPU kernel's message; this reads positions on the host); ``"nan"`` gathers a NaN
+    row for it, as the Triton kernel gives such a token, without reading positions on the host (no sync).
+    """
     wide, convert, restride = _kernel_table(xs, cos, sin)
-    if (convert or restride) and consecutive_rows(kind, positions, offsets):
-        end = offset + max(canonical(x, kind).shape[2] for x in xs)
-        if offset >= 0 and end <= cos.shape[0]:  # else the full table, for the launchers' message on rows
-            cos, sin, offset = cos[offset:end], sin[offset:end], 0
     if convert or restride:
+        if consecutive_rows(kind, positions, offsets):
+            end = offset + max(canonical(x, kind).shape[2] for x in xs)
+            if offset >= 0 and end <= cos.shape[0]:  # else the full table, for the launchers' message on rows
+                cos, sin, offset = cos[offset:end], sin[offset:end], 0
+        elif rows is not None and 0 < rows.numel() < cos.shape[0]:
+            cos, sin, rows = _gathered_rows(cos, sin, rows, outside)
         # New row-major tensors, not .contiguous(), which returns a table of 0 or 1 rows as it is (torch counts it
         # contiguous whatever its row stride): cos and sin could keep different strides.
         cos, sin = (torch.empty(t.shape, dtype=wide, device=t.device).copy_(t) for t in (cos, sin))
-    return cos, sin, offset
+    return cos, sin, offset, rows
 
 
 def _gathered_rows(
-    cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor
+    cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor, outside: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The CPU kernel's table and positions, as the rows the tokens read (in token order) and their indices there,
-    where there are fewer tokens than rows: what ``_wide_cos_sin`` must copy is then the tokens' rows only.
-    Positions outside the table are left to the kernel, which refuses them with its message."""
-    if pos.numel() >= cos.shape[0] or pos.numel() == 0:
-        return cos, sin, pos
-    low, high = torch.aminmax(pos)
-    if low < 0 or high >= cos.shape[0]:
-        return cos, sin, pos
-    flat = pos.reshape(-1)
-    index = torch.arange(flat.numel(), device=pos.device).view(pos.shape)
-    return cos.index_select(0, flat), sin.index_select(0, flat), index
+    """The table rows that tokens read, in token order, and each token's index there (``_wide_cos_sin``)."""
+    flat = rows.reshape(-1)
+    n = cos.shape[0]
+    inside = (flat >= 0) & (flat < n)
+    if outside == "keep":
+        if not bool(inside.all()):
+            return cos, sin, rows
+        cos, sin = cos.index_select(0, flat), sin.index_select(0, flat)
+    else:
+        # Clamped, so that no read leaves the table; the rows of tokens outside it are then made NaN.
+        safe = flat.clamp(0, n - 1)
+        cos, sin = (t.index_select(0, safe).masked_fill_(~inside[:, None], math.nan) for t in (cos, sin))
+    return cos, sin, torch.arange(flat.numel(), device=rows.device).view(rows.shape)
 
 
 def triton_plans(
@@ -191,7 +206,13 @@ def triton_plans(
     module, reason = _triton_module_or_error()
     if module is None:
         raise RuntimeError(f"backend='triton' is unavailable: {reason}")
-    cos, sin, offset = _wide_cos_sin(xs, cos, sin, kind, positions, offsets, offset)
+    rows = None
+    if kind != "broadcast" and not consecutive_rows(kind, positions, offsets) and any(_kernel_table(xs, cos, sin)[1:]):
+        # The table needs a copy: of the tokens' rows only, gathered on the device (rows computed there too).
+        rows = _token_rows(xs, kind, positions, offsets, offset, cu_seqlens)
+    cos, sin, offset, gathered = _wide_cos_sin(xs, cos, sin, kind, positions, offsets, offset, rows, outside="nan")
+    if gathered is not rows:  # each token reads its own row of the gathered table: no offsets nor varlen to add
+        positions, offsets, offset, cu_seqlens = gathered, None, 0, None
     if positions is not None:
         positions = (positions[None] if positions.dim() == 1 else positions).contiguous()
     # The kernel indexes offsets and cu_seqlens as dense arrays.
@@ -256,27 +277,38 @@ def _launch(
     pos, first_row = None, 0
     if kind == "broadcast":
         # The CPU kernel broadcasts size-1 dims itself (stride 0): cos padded to 4-D, not expanded per x.
-        cos, sin, _ = _wide_cos_sin(xs, cos, sin, kind, positions, offsets, offset)
+        cos, sin, _, _ = _wide_cos_sin(xs, cos, sin, kind, positions, offsets, offset)
         cos, sin = canonical(cos, kind), canonical(sin, kind)
     elif consecutive_rows(kind, positions, offsets):
         # The kernel enters the (n, r/2) table at row offset.
-        cos, sin, first_row = _wide_cos_sin(xs, cos, sin, kind, positions, offsets, offset)
+        cos, sin, first_row, _ = _wide_cos_sin(xs, cos, sin, kind, positions, offsets, offset)
     else:
-        pos = token_positions(
-            kind,
-            cu_seqlens.shape[0] - 1 if cu_seqlens is not None else xs[0].shape[0],
-            canonical(xs[0], kind).shape[2],
-            positions=positions,
-            offsets=offsets,
-            offset=offset,
-            cu_seqlens=cu_seqlens,
-            device=xs[0].device,
-        )
-        if any(_kernel_table(xs, cos, sin)[1:]):
-            cos, sin, pos = _gathered_rows(cos, sin, pos)
-        cos, sin, _ = _wide_cos_sin(xs, cos, sin, kind, positions, offsets, offset)
+        pos = _token_rows(xs, kind, positions, offsets, offset, cu_seqlens)
+        cos, sin, _, pos = _wide_cos_sin(xs, cos, sin, kind, positions, offsets, offset, pos)
     jobs = [(canonical(x, kind), canonical(o, kind), cos, sin) for x, o in zip(xs, outs, strict=True)]
     rope_cpu_jobs(jobs, pos, first_row=first_row, interleaved=interleaved, conjugate=conjugate, copy_tail=copy_tail)
+
+
+def _token_rows(
+    xs: Sequence[torch.Tensor],
+    kind: Kind,
+    positions: torch.Tensor | None,
+    offsets: torch.Tensor | None,
+    offset: int,
+    cu_seqlens: torch.Tensor | None,
+) -> torch.Tensor:
+    """Each token's table row, (b or 1, s) or (1, total_tokens) for varlen, computed on x's device."""
+    batch = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else xs[0].shape[0]
+    return token_positions(
+        kind,
+        batch,
+        canonical(xs[0], kind).shape[2],
+        positions=positions,
+        offsets=offsets,
+        offset=offset,
+        cu_seqlens=cu_seqlens,
+        device=xs[0].device,
+    )
 
 
 def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
