@@ -1,7 +1,7 @@
 """posenc: positional encodings for transformers, exact against references, fast, and measured."""
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from posenc.absolute import LearnedAbsolute, Sinusoidal, sinusoidal_table
 from posenc.attention import CausalSelfAttention, KVCache, add_input_encoding
@@ -25,6 +25,13 @@ def available_backends() -> list[str]:
 # Loaded on first use, so that `import posenc` stays light (no matplotlib, no lab) and `posenc.interop.patch_model`
 # still works after it alone.
 _SUBPACKAGES = ("analysis", "distributed", "interop", "lab", "testing")
+
+if TYPE_CHECKING:  # what __getattr__ returns, for type checkers (which would see Any)
+    from posenc import analysis as analysis
+    from posenc import distributed as distributed
+    from posenc import interop as interop
+    from posenc import lab as lab
+    from posenc import testing as testing
 
 
 def __getattr__(name: str) -> Any:

@@ -68,6 +68,8 @@ class ALiBi(ScoreBias):
     To keep packed documents apart, give the attention ``document_ids``.
     """
 
+    slopes: torch.Tensor  # (h,) float32, a buffer (not saved: recomputed from num_heads)
+
     def __init__(self, num_heads: int, *, causal: bool = True) -> None:
         super().__init__()
         self.num_heads = positive_int("num_heads", num_heads)

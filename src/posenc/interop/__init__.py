@@ -4,6 +4,7 @@ from posenc.interop.hf import rope_from_config, rope_kwargs_from_config, rope_la
 from posenc.interop.patch import (
     SUPPORTED_ARCHITECTURES,
     VERIFIED_ARCHITECTURES,
+    PatchReport,
     patch_model,
     tiny_model_from_config,
     unpatch_model,
@@ -12,6 +13,7 @@ from posenc.interop.patch import (
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "VERIFIED_ARCHITECTURES",
+    "PatchReport",
     "patch_model",
     "rope_from_config",
     "rope_kwargs_from_config",
