@@ -138,6 +138,21 @@ def test_a_step_that_cannot_continue_the_cache_changes_nothing(rope_parameters):
     torch.testing.assert_close(attn(x[:, 5:], cache=cache), full[:, 5:], atol=1e-12, rtol=1e-12)
 
 
+def test_a_cache_deep_copied_with_its_layer_belongs_to_the_layers_copy():
+    """copy.deepcopy((model, caches)) kept each cache's owner pointing at the original layer, so the copied model
+    refused its own copied cache ("holds the keys of another layer")."""
+    torch.manual_seed(0)
+    layer = CausalSelfAttention(DIM, HEADS, encoding=make_encoding("rope")).double()
+    x = torch.randn(1, 6, DIM, dtype=torch.float64)
+    cache = KVCache()
+    with torch.no_grad():
+        layer(x[:, :5], cache=cache)
+        twin, twin_cache = copy.deepcopy((layer, cache))
+        torch.testing.assert_close(twin(x[:, 5:], cache=twin_cache), layer(x)[:, 5:], atol=1e-12, rtol=1e-12)
+        with pytest.raises(ValueError, match=r"one KVCache per layer"):  # and the original layer is another one
+            layer(x[:, 5:], cache=copy.deepcopy((twin, twin_cache))[1])
+
+
 @pytest.mark.parametrize(("first", "second"), [("rope", "rope"), ("rope", "alibi"), ("t5", "nope")])
 def test_one_kv_cache_per_layer(first, second):
     """A second layer handed a filled cache raises before anything is appended: it once appended its keys to the

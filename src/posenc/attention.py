@@ -85,7 +85,11 @@ class KVCache:
         memo[id(self)] = clone
         for key, value in self.__dict__.items():
             if key == "_owner":
-                clone.__dict__[key] = value
+                # Copied with its layer (deepcopy((model, caches))): the copy belongs to the layer's copy. Copied
+                # alone (a beam), or before the layer, it keeps the layer it holds the keys of.
+                owner = value() if value is not None else None
+                copied = memo.get(id(owner)) if owner is not None else None
+                clone.__dict__[key] = weakref.ref(copied) if isinstance(copied, nn.Module) else value
             elif isinstance(value, torch.Tensor) and value.grad_fn is not None:
                 # Filled with grad enabled: torch cannot deepcopy a tensor with history; a clone keeps the history.
                 clone.__dict__[key] = memo.setdefault(id(value), value.clone())

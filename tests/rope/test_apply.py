@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import math
+import pickle
 
 import pytest
 import torch
@@ -386,6 +388,40 @@ def test_a_move_drops_the_tables_of_other_devices():
     assert not rope._tables
     rope.to_empty(device="cpu")
     assert torch.equal(rope(q, q)[0], expected)
+
+
+def test_a_pickled_rope_leaves_its_tables_behind_and_rebuilds_them():
+    """pickle / torch.save(model) / deepcopy of a RoPE that had served offset 60000 in two dtypes carried ~100 MB
+    of derived tables (769 bytes fresh); a spawned process received the same."""
+    rope = posenc.RoPE(128, backend="torch")
+    q = torch.randn(1, 2, 3, 128)
+    want = [rope(x, x, offset=60000)[0] for x in (q, q.double())]
+    assert rope._tables
+    for copied in (pickle.loads(pickle.dumps(rope)), copy.deepcopy(rope)):
+        assert not copied._tables and not copied._frequencies and rope._tables
+        assert len(pickle.dumps(copied)) < 10_000
+        for x, expected in zip((q, q.double()), want, strict=True):
+            assert torch.equal(copied(x, x, offset=60000)[0], expected)
+
+
+def test_frequencies_evicted_by_another_thread_first_are_no_error():
+    """The cache of recent lengths evicts its oldest entry; a thread sharing the RoPE could evict it in between
+    (KeyError, or 'dictionary changed size during iteration', 1-3 times in 24k calls of 8 threads)."""
+
+    class EvictedMeanwhile(dict):
+        def __iter__(self):  # the first key, already gone by the time it is popped
+            keys = list(super().__iter__())
+            if keys:
+                super().pop(keys[0])
+            return iter(keys)
+
+    def make():
+        return posenc.RoPE(16, rope_parameters={"rope_type": "dynamic", "factor": 2.0}, max_position_embeddings=8)
+
+    rope = make()
+    rope._frequencies = EvictedMeanwhile()
+    for length in range(1, 30):
+        assert torch.equal(rope.frequencies(length)[0], make().frequencies(length)[0])
 
 
 def test_tables_are_kept_per_device_and_dtype_and_grow_past_powers_of_two():

@@ -152,6 +152,22 @@ def test_a_length_that_varies_between_compiled_calls_gets_a_graph_each():
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
+def test_longrope_compiles_one_graph_per_side_of_its_original_length_not_one_per_length():
+    """LongRoPE's frequencies change only where seq_len passes original_max_position_embeddings, but the length was
+    specialized like dynamic's: a 'consistent' cache's decode steps (a new length each) recompiled every step until
+    Dynamo's limit."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    rope = make_rope("longrope", "consistent")
+    q, k = random_qk(1, 2, 1, 1, HEAD_DIM)
+    compiled = compile_traced(lambda q, k, n: rope(q, k, offset=n - 1, seq_len=n))
+    for seq_len in range(MAX_POS - 10, MAX_POS + 11):
+        for got, want in zip(compiled(q, k, seq_len), rope(q, k, offset=seq_len - 1, seq_len=seq_len), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    # the first length, then a symbolic one on each side
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 3
+
+
 SEQ_LEN_MESSAGE = "seq_len must be a positive integer (a sequence length), got {}"
 
 

@@ -8,6 +8,7 @@ position 20.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -175,6 +176,13 @@ class RoPE(nn.Module):
         self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
         self._frequencies: dict[int | None, tuple[torch.Tensor, float]] = {}
 
+    def __getstate__(self) -> dict[str, Any]:
+        # The tables and frequencies are derived and rebuilt on demand: a pickle (torch.save(model), a spawned
+        # process, deepcopy) of a RoPE that has served 60k positions in two dtypes would carry ~100 MB of them.
+        state = self.__dict__.copy()
+        state["_tables"], state["_frequencies"] = {}, {}
+        return state
+
     def _apply(self, fn: Any, recurse: bool = True) -> RoPE:  # type: ignore[override]
         # A move (model.cpu(), to_empty) leaves the tables of other devices unused: drop them, so that their memory
         # goes (a 128k-row table is 64 MiB on the GPU); the tables of the device moved to stay.
@@ -219,7 +227,9 @@ class RoPE(nn.Module):
         if found is None:
             found = compute_frequencies(self.spec, seq_len=key)
             if len(self._frequencies) >= _FREQUENCIES_KEPT:
-                self._frequencies.pop(next(iter(self._frequencies)))  # the least recently used
+                # The least recently used; threads sharing this RoPE may evict it first (a cache: nothing is lost).
+                with contextlib.suppress(StopIteration, RuntimeError):
+                    self._frequencies.pop(next(iter(self._frequencies)), None)
         self._frequencies[key] = found
         return found[0].clone(), found[1]  # a copy: callers may write to it
 
@@ -301,7 +311,13 @@ class RoPE(nn.Module):
             # graph. The angles give the values the table holds. The frequencies are constants of the graph,
             # computed on the host in float64: a length that varies between calls (which Dynamo makes symbolic) is
             # specialized, one graph per length.
-            inv_freq, factor = self.frequencies(operator.index(seq_len) if length_dependent else None)
+            length = operator.index(seq_len) if length_dependent and self.spec.rope_type != "longrope" else None
+            if self.spec.rope_type == "longrope":
+                # Only the side of the original length matters: a graph per side, not one per length (a decode step
+                # of a 'consistent' cache is a new length every time).
+                original = int(self.spec.params["original_max_position_embeddings"])
+                length = original + 1 if seq_len > original else None
+            inv_freq, factor = self.frequencies(length)
             return angles_to_cos_sin(positions, inv_freq, factor, dtype)
         if length_dependent or needed > _TABLE_LIMIT:
             inv_freq, factor = self.frequencies(seq_len if seq_len is not None else needed)
