@@ -13,6 +13,7 @@ import errno
 import hashlib
 import os
 import re
+import shutil
 import socket
 import uuid
 from collections.abc import Iterator
@@ -20,14 +21,21 @@ from pathlib import Path
 
 
 @contextlib.contextmanager
-def atomic_path(path: Path) -> Iterator[Path]:
-    """Yields a temporary path beside ``path``; on success it replaces ``path``, on any error it is removed."""
+def atomic_path(path: Path, *, own_folder: bool = False) -> Iterator[Path]:
+    """Yields a temporary path beside ``path``; on success it replaces ``path``, on any error it is removed.
+
+    own_folder: the temporary file lies in a temporary folder of its own, for writers that make temporaries of
+    their own beside the file they are given (safetensors writes ``.tmpXXXXXX`` and renames it): a killed writer
+    then leaves one folder that ``remove_stale_temporaries`` recognizes, not a file with a name nobody owns."""
     path.parent.mkdir(parents=True, exist_ok=True)
     # A fresh name; the host and process in it let remove_stale_temporaries tell a dead writer's file from a live
     # one's.
-    tmp = path.parent / f".{path.name}.{_HOST}-{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp"
-    _WRITING.add(tmp.resolve())
+    name = path.parent / f".{path.name}.{_HOST}-{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp"
+    _WRITING.add(name.resolve())
     try:
+        if own_folder:
+            name.mkdir()
+        tmp = name / path.name if own_folder else name
         # Made here as open() makes a file (0666 less the umask), so that its mode can be given back to it after a
         # writer that creates its files 0600 (safetensors does, as mkstemp would): the rename keeps the mode.
         os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
@@ -39,11 +47,21 @@ def atomic_path(path: Path) -> Iterator[Path]:
         _flush(path.parent, folder=True)
     except BaseException:
         # BaseException: a Ctrl-C in the middle of a write must not leave the temporary file behind either.
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+        _remove(name)
         raise
+    else:
+        _remove(name)
     finally:
-        _WRITING.discard(tmp.resolve())
+        _WRITING.discard(name.resolve())
+
+
+def _remove(path: Path) -> None:
+    """Delete a temporary file, or a temporary folder with what its writer left in it."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def _flush(path: Path, *, folder: bool = False) -> None:
@@ -73,20 +91,20 @@ _WRITING: set[Path] = set()
 
 
 def remove_stale_temporaries(folder: Path) -> list[Path]:
-    """Delete the temporary files that ``atomic_path`` writers killed by SIGKILL (or power loss) left in ``folder``
-    and below, and return them. Readers never see them, but they pile up across resumes, a weights file each at
-    larger presets. Left alone: those being written now, by this process or by another one alive on this machine,
-    and those of other machines (a shared folder), whose writers cannot be asked."""
+    """Delete the temporary files (and folders) that ``atomic_path`` writers killed by SIGKILL (or power loss) left
+    in ``folder`` and below, and return them. Readers never see them, but they pile up across resumes, a weights
+    file each at larger presets. Left alone: those being written now, by this process or by another one alive on
+    this machine, and those of other machines (a shared folder), whose writers cannot be asked."""
     removed = []
     for path in folder.rglob(".*.tmp"):
         match = _TEMPORARY.fullmatch(path.name)
-        if match is None or match[1] != _HOST or not path.is_file() or path.resolve() in _WRITING:
+        if match is None or match[1] != _HOST or path.is_symlink() or path.resolve() in _WRITING:
             continue
         pid = int(match[2])
         if pid != os.getpid() and _alive(pid):  # this process's id on a file it is not writing: its past self's
             continue
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
+        if path.exists():
+            _remove(path)
             removed.append(path)
     return removed
 

@@ -154,6 +154,53 @@ def test_run_command_reports_an_interrupt(tiny_config, tmp_path, monkeypatch, ca
     assert "interrupted; every finished run is saved" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("where", ["reading the corpus", "SIGTERM while training"])
+def test_run_command_reports_an_interrupt_anywhere(where, tiny_config, tmp_path, monkeypatch, capsys):
+    """Ctrl-C while the corpus was read escaped run_command as a traceback; SIGTERM (kill, scancel, docker stop)
+    ended the run with no message, its temporaries left for the next run to remove."""
+    import os
+    import signal
+
+    def interrupt(*args, **kwargs):
+        if where == "reading the corpus":
+            raise KeyboardInterrupt
+        os.kill(os.getpid(), signal.SIGTERM)
+        pytest.fail("SIGTERM did not stop the run")
+
+    def unhandled(signum, frame):  # where the lab does not take SIGTERM itself: a failure, not a killed pytest
+        raise AssertionError("SIGTERM was not handled by the lab")
+
+    monkeypatch.setattr(runner, "load_corpus" if where == "reading the corpus" else "train", interrupt)
+    before = signal.signal(signal.SIGTERM, unhandled)
+    try:
+        overrides = {k: v for k, v in vars(tiny_config(encodings=("nope",), extensions=())).items()}
+        try:
+            status = runner.run_command(preset="quick", out=tmp_path / "r", overrides=overrides, progress=False)
+        except KeyboardInterrupt:  # (pytest would take it for the user's and stop the session)
+            pytest.fail("the interrupt escaped run_command")
+        assert signal.getsignal(signal.SIGTERM) is unhandled  # given back
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert status == 130
+    assert "interrupted; every finished run is saved" in capsys.readouterr().err
+
+
+def test_missing_rope_weights_retrain_rope_for_the_extensions(tiny_config, tmp_path):
+    """The extensions rebuild the trained rope model from its weights: with them deleted (or a damaged file deleted
+    as its message said) and rope's metrics kept, resuming failed with a FileNotFoundError traceback every time."""
+    config = tiny_config(encodings=("rope",), extensions=("pi",))
+    out = tmp_path / "run"
+    quiet(config, out).run()
+    reference = (out / "results.csv").read_text()
+    (out / "runs" / "rope" / "seed0" / "model.safetensors").unlink()
+    (out / "runs" / "rope+pi" / "seed0" / "metrics.json").unlink()
+    lines = []
+    resumed = Lab(config, out, progress=False, echo=lines.append).run()
+    assert resumed["timings"]["units_run"] == 2
+    assert any("model.safetensors is missing and the extensions read it: rope is trained again" in x for x in lines)
+    assert (out / "results.csv").read_text() == reference
+
+
 def test_a_folder_of_another_configuration_is_refused(finished):
     config, out, _ = finished
     changed = make_config("quick", **{**vars(config), "steps": 7})

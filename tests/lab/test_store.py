@@ -189,6 +189,31 @@ def test_temporaries_of_killed_writers_are_removed_and_live_ones_kept(tmp_path):
     assert (tmp_path / "metrics.json").read_text() == "{}"
 
 
+def test_a_weights_save_killed_inside_safetensors_leaves_nothing_the_next_run_keeps(tmp_path):
+    """safetensors writes its own .tmpXXXXXX beside the file it is given and renames it; a SIGKILL there left that
+    file (a weights file's size, mode 0600) under a name remove_stale_temporaries did not know, after every resume.
+    The save now happens in a temporary folder of the lab's own naming, removed whole."""
+    import subprocess
+    import sys
+
+    child = f"""
+import os, signal, torch
+import posenc.lab.store as store
+def killed_inside(model, filename, metadata=None):  # as safetensors: its temporary beside the target, then a kill
+    open(os.path.join(os.path.dirname(filename), ".tmpAbC123"), "wb").write(b"partial")
+    os.kill(os.getpid(), signal.SIGKILL)
+store.save_model = killed_inside
+store.save_weights(torch.nn.Linear(2, 2), store.Path({str(tmp_path / "model.safetensors")!r}))
+"""
+    assert subprocess.run([sys.executable, "-c", child]).returncode == -9
+    left = list(tmp_path.iterdir())
+    assert len(left) == 1 and left[0].is_dir()  # the killed save's folder, holding both temporaries
+    assert store.remove_stale_temporaries(tmp_path) == left
+    assert not list(tmp_path.iterdir())
+    store.save_weights(torch.nn.Linear(2, 2), tmp_path / "model.safetensors")
+    assert [p.name for p in tmp_path.iterdir()] == ["model.safetensors"]
+
+
 def test_text_with_a_path_that_is_no_utf8_is_written_escaped(tmp_path):
     # A --corpus path with a Latin-1 byte reached report.md as a surrogate escape: UnicodeEncodeError, no report.
     odd = os.fsdecode(b"/data/lat\xe9")

@@ -20,7 +20,9 @@ import json
 import math
 import os
 import platform
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -409,6 +411,11 @@ class Lab:
         unit_metrics = store.read_json(done)
         if unit_metrics.get("config_id") != self.config_id:
             raise store.RunFolderError(f"{done} belongs to another configuration; delete it or use another --out")
+        weights = done.parent / "model.safetensors"
+        if unit.encoding == "rope" and unit.extension == "none" and self.config.extensions and not weights.exists():
+            # The extensions rebuild this model from its weights: without them it is trained again (same numbers).
+            self.echo(f"  {weights} is missing and the extensions read it: {unit.name} is trained again")
+            return None
         return unit_metrics
 
     # --- units ---
@@ -713,33 +720,12 @@ def run_command(
     # torchrun sets RANK for every process; read here so that an error joining the group is said once too.
     speaks = os.environ.get("RANK", "0") == "0"
     with contextlib.ExitStack() as group:
+        # SIGTERM (kill, Slurm's scancel, docker stop) ends the run as Ctrl-C does: temporaries removed, a message.
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.signal(signal.SIGTERM, _interrupted_by_sigterm)
+            group.callback(signal.signal, signal.SIGTERM, previous)
         try:
-            ranks, resolved = group.enter_context(process_group(device))
-            config = make_config(preset, **overrides)
-            if threads is not None:
-                if isinstance(threads, bool) or not isinstance(threads, int) or threads <= 0:
-                    raise ValueError(f"--threads must be a positive integer, got {threads!r}")
-                torch.set_num_threads(threads)
-            lab = Lab(config, out, progress=progress, device=str(resolved), command=command, ranks=ranks)
-            lab.prepare()
-        except (ValueError, TypeError) as error:
-            if speaks:
-                print(f"posenc lab: error: {error}", file=sys.stderr)
-            return 2
-        try:
-            lab.run()
-        except store.RunFolderError as error:
-            if speaks:
-                print(f"posenc lab: error: {error}", file=sys.stderr)
-            return 2
-        except TrainingDiverged as error:
-            if speaks:
-                print(
-                    f"posenc lab: error: {error}; the units finished before it are saved in {out}, which holds this "
-                    "configuration only: run the new --lr with another --out",
-                    file=sys.stderr,
-                )
-            return 1
+            return _run_lab(group, preset, out, overrides, threads, device, progress, command, speaks)
         except KeyboardInterrupt:
             if speaks:
                 print(
@@ -748,4 +734,48 @@ def run_command(
                     file=sys.stderr,
                 )
             return 130
+
+
+def _interrupted_by_sigterm(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _run_lab(
+    group: contextlib.ExitStack,
+    preset: str,
+    out: str | Path,
+    overrides: dict[str, Any],
+    threads: int | None,
+    device: str,
+    progress: bool,
+    command: str,
+    speaks: bool,
+) -> int:
+    try:
+        ranks, resolved = group.enter_context(process_group(device))
+        config = make_config(preset, **overrides)
+        if threads is not None:
+            if isinstance(threads, bool) or not isinstance(threads, int) or threads <= 0:
+                raise ValueError(f"--threads must be a positive integer, got {threads!r}")
+            torch.set_num_threads(threads)
+        lab = Lab(config, out, progress=progress, device=str(resolved), command=command, ranks=ranks)
+        lab.prepare()
+    except (ValueError, TypeError) as error:
+        if speaks:
+            print(f"posenc lab: error: {error}", file=sys.stderr)
+        return 2
+    try:
+        lab.run()
+    except store.RunFolderError as error:
+        if speaks:
+            print(f"posenc lab: error: {error}", file=sys.stderr)
+        return 2
+    except TrainingDiverged as error:
+        if speaks:
+            print(
+                f"posenc lab: error: {error}; the units finished before it are saved in {out}, which holds this "
+                "configuration only: run the new --lr with another --out",
+                file=sys.stderr,
+            )
+        return 1
     return 0

@@ -53,7 +53,7 @@ def read_json(path: Path) -> Any:
 def save_weights(model: nn.Module, path: Path, metadata: dict[str, str] | None = None) -> None:
     """Weights in safetensors. ``save_model`` (not ``save_file``) because the shared encoding appears under
     every layer, and safetensors refuses tensors that share memory unless it deduplicates them itself."""
-    with _atomic.atomic_path(path) as tmp:
+    with _atomic.atomic_path(path, own_folder=True) as tmp:  # safetensors makes a temporary file of its own
         save_model(model, str(tmp), metadata=metadata)
 
 
@@ -70,6 +70,10 @@ def load_weights(model: nn.Module, path: Path) -> None:
     except SafetensorError as error:
         raise RunFolderError(
             f"{path} is not a whole safetensors file ({error}); delete it and the unit is trained again"
+        ) from error
+    except FileNotFoundError as error:  # deleted between the check that it exists and this read
+        raise RunFolderError(
+            f"{path} is missing; delete the folder {path.parent} and the unit is trained again"
         ) from error
 
 
