@@ -96,16 +96,21 @@ def remove_stale_temporaries(folder: Path) -> list[Path]:
     file each at larger presets. Left alone: those being written now, by this process or by another one alive on
     this machine, and those of other machines (a shared folder), whose writers cannot be asked."""
     removed = []
-    for path in folder.rglob(".*.tmp"):
-        match = _TEMPORARY.fullmatch(path.name)
-        if match is None or match[1] != _HOST or path.is_symlink() or path.resolve() in _WRITING:
-            continue
-        pid = int(match[2])
-        if pid != os.getpid() and _alive(pid):  # this process's id on a file it is not writing: its past self's
-            continue
-        if path.exists():
-            _remove(path)
-            removed.append(path)
+    # os.walk, not rglob: it does not descend into the temporary folders, and a folder that another writer removes
+    # while the walk passes is skipped rather than an error.
+    for root, folders, files in os.walk(folder):
+        for name in (*folders, *files):
+            path = Path(root) / name
+            match = _TEMPORARY.fullmatch(name)
+            if match is None or match[1] != _HOST or path.is_symlink() or path.resolve() in _WRITING:
+                continue
+            pid = int(match[2])
+            if pid != os.getpid() and _alive(pid):  # this process's id on a file it is not writing: its past self's
+                continue
+            if path.exists():
+                _remove(path)
+                removed.append(path)
+        folders[:] = [name for name in folders if _TEMPORARY.fullmatch(name) is None]
     return removed
 
 

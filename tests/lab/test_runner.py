@@ -197,8 +197,35 @@ def test_missing_rope_weights_retrain_rope_for_the_extensions(tiny_config, tmp_p
     lines = []
     resumed = Lab(config, out, progress=False, echo=lines.append).run()
     assert resumed["timings"]["units_run"] == 2
-    assert any("model.safetensors is missing and the extensions read it: rope is trained again" in x for x in lines)
+    assert any("model.safetensors is missing and rope+pi read it: rope is trained again" in x for x in lines)
     assert (out / "results.csv").read_text() == reference
+    # With every extension finished nothing reads them: a deleted weights file is left deleted.
+    (out / "runs" / "rope" / "seed0" / "model.safetensors").unlink()
+    assert quiet(config, out).run()["timings"]["units_run"] == 0
+
+
+def test_sigterm_is_left_to_its_default_under_torchrun(tiny_config, tmp_path, monkeypatch):
+    """A rank blocked in a collective runs no Python handler until the collective times out (30 min for gloo):
+    SIGTERM's default, which ends it at once, stays under torchrun (WORLD_SIZE > 1)."""
+    import contextlib
+    import signal
+
+    import torch
+
+    from posenc.lab.dist import Ranks
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(runner, "process_group", lambda device: contextlib.nullcontext((Ranks(), torch.device("cpu"))))
+    seen = []
+
+    def interrupt(*args, **kwargs):
+        seen.append(signal.getsignal(signal.SIGTERM))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "train", interrupt)
+    overrides = {k: v for k, v in vars(tiny_config(encodings=("nope",), extensions=())).items()}
+    assert runner.run_command(preset="quick", out=tmp_path / "r", overrides=overrides, progress=False) == 130
+    assert seen == [signal.getsignal(signal.SIGTERM)] and seen[0] is not runner._interrupted_by_sigterm
 
 
 def test_a_folder_of_another_configuration_is_refused(finished):

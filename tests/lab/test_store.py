@@ -214,6 +214,22 @@ store.save_weights(torch.nn.Linear(2, 2), store.Path({str(tmp_path / "model.safe
     assert [p.name for p in tmp_path.iterdir()] == ["model.safetensors"]
 
 
+def test_the_cleanup_does_not_look_inside_a_live_writers_temporary_folder(tmp_path):
+    """rglob descended into temporary folders, so a live writer removing its own folder while the walk passed it
+    raised FileNotFoundError at the start of a run; the walk now treats such a folder as one entry."""
+    import subprocess
+    import sys
+
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True).stdout)
+    host = _atomic._HOST
+    live = tmp_path / "runs" / f".model.safetensors.{host}-{os.getppid()}.0123456789ab.tmp"  # pytest's parent: alive
+    inside = live / f".model.safetensors.{host}-{dead}.abcdef012345.tmp"  # would be stale, were it not inside
+    inside.parent.mkdir(parents=True)
+    inside.write_text("partial")
+    assert store.remove_stale_temporaries(tmp_path) == []
+    assert inside.exists()
+
+
 def test_text_with_a_path_that_is_no_utf8_is_written_escaped(tmp_path):
     # A --corpus path with a Latin-1 byte reached report.md as a surrogate escape: UnicodeEncodeError, no report.
     odd = os.fsdecode(b"/data/lat\xe9")

@@ -242,6 +242,7 @@ class Lab:
         self.echo = echo if self.ranks.is_main else _silent
         self.spec = config.model_spec()
         self.prepared = False
+        self._planned: list[Unit] = []  # this run's units, once run() plans them
 
     def prepare(self) -> None:
         """Read and check the corpus, the task and the output folder. Raises before any training starts."""
@@ -351,6 +352,7 @@ class Lab:
         if ran_prepare:
             self.prepare()
         units = plan(self.config)
+        self._planned = units
         if self.config.extensions and not self.config.extension_lengths:
             self.echo(
                 f"note: no eval length is past train_len={self.config.train_len}, so the RoPE extensions "
@@ -412,10 +414,20 @@ class Lab:
         if unit_metrics.get("config_id") != self.config_id:
             raise store.RunFolderError(f"{done} belongs to another configuration; delete it or use another --out")
         weights = done.parent / "model.safetensors"
-        if unit.encoding == "rope" and unit.extension == "none" and self.config.extensions and not weights.exists():
-            # The extensions rebuild this model from its weights: without them it is trained again (same numbers).
-            self.echo(f"  {weights} is missing and the extensions read it: {unit.name} is trained again")
-            return None
+        if unit.encoding == "rope" and unit.extension == "none" and not weights.exists():
+            # Unfinished extensions of this seed rebuild this model from its weights: it is trained again for them
+            # (same numbers).
+            waiting = [
+                other.name
+                for other in self._planned
+                if other.encoding == "rope"
+                and other.extension != "none"
+                and other.seed == unit.seed
+                and not (other.folder(self.out) / "metrics.json").exists()
+            ]
+            if waiting:
+                self.echo(f"  {weights} is missing and {', '.join(waiting)} read it: {unit.name} is trained again")
+                return None
         return unit_metrics
 
     # --- units ---
@@ -721,7 +733,10 @@ def run_command(
     speaks = os.environ.get("RANK", "0") == "0"
     with contextlib.ExitStack() as group:
         # SIGTERM (kill, Slurm's scancel, docker stop) ends the run as Ctrl-C does: temporaries removed, a message.
-        if threading.current_thread() is threading.main_thread():
+        # One process only: a rank waiting in a collective would run no Python handler until the collective timed
+        # out, where SIGTERM's default ends it at once (torchrun sends it to every worker when one fails).
+        alone = os.environ.get("WORLD_SIZE", "1") in ("", "1")
+        if alone and threading.current_thread() is threading.main_thread():
             previous = signal.signal(signal.SIGTERM, _interrupted_by_sigterm)
             group.callback(signal.signal, signal.SIGTERM, previous)
         try:
