@@ -86,3 +86,17 @@ def test_a_dynamic_batch_accepts_a_static_size_equal_to_it(name):
     torch._dynamo.maybe_mark_dynamic(marked, 0)
     got = torch.compile(call, fullgraph=True, backend="aot_eager")(marked)
     torch.testing.assert_close(got, expected)
+
+
+def test_a_bad_shape_is_refused_with_posencs_message_when_sizes_are_symbolic():
+    """The message was built by adding two strings, one holding symbolic sizes, which Dynamo cannot do: fullgraph
+    reported 'missing sq_concat' instead of the ValueError."""
+    cos, sin = _table()
+    bad = torch.zeros(3, 4, dtype=torch.long)  # three rows of positions for a batch of 2
+    torch._dynamo.reset()
+    torch._dynamo.maybe_mark_dynamic(bad, 0)
+    call = torch.compile(
+        lambda x, p: posenc.apply_rotary(x, cos, sin, positions=p), fullgraph=True, backend="aot_eager"
+    )
+    with pytest.raises(Exception, match=r"positions must have shape \(4,\) or \(2, 4\)"):
+        call(torch.randn(2, 2, 4, 10), bad)

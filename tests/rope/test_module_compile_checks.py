@@ -168,6 +168,30 @@ def test_longrope_compiles_one_graph_per_side_of_its_original_length_not_one_per
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 3
 
 
+@pytest.mark.parametrize("rope_type", sorted(SCALINGS))
+def test_every_type_compiles_with_dynamic_true_and_fullgraph(rope_type):
+    """dynamic=True makes the spec's Python floats symbolic: ntk's and dynamic's overflow check (math.isfinite)
+    could not be traced, so both failed with fullgraph where eager worked."""
+    rope = make_rope(rope_type)
+    q, k = random_qk(1, 2, 1, 5, HEAD_DIM)
+    compiled = torch.compile(lambda q, k, n: rope(q, k, seq_len=n), dynamic=True, fullgraph=True, backend="aot_eager")
+    for got, want in zip(compiled(q, k, SEQ_LEN), rope(q, k, seq_len=SEQ_LEN), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_dynamic_ntk_compiles_one_graph_for_every_length_up_to_the_trained_one():
+    """Its frequencies change only past max_position_embeddings, but every seq_len was a graph of its own: a
+    fullgraph decode loop stopped at the recompile limit on its 9th step, inside the trained length."""
+    torch._dynamo.utils.counters.clear()
+    rope = make_rope("dynamic")
+    q, k = random_qk(1, 2, 1, 1, HEAD_DIM)
+    compiled = compile_traced(lambda q, k, n: rope(q, k, offset=n - 1, seq_len=n))
+    for seq_len in range(2, MAX_POS + 1):
+        for got, want in zip(compiled(q, k, seq_len), rope(q, k, offset=seq_len - 1, seq_len=seq_len), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2  # the first length, then a symbolic one
+
+
 SEQ_LEN_MESSAGE = "seq_len must be a positive integer (a sequence length), got {}"
 
 

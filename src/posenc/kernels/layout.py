@@ -163,10 +163,12 @@ def check_table_call(
                 "bshd": f"{name} read as (b, s, h, d) (layout 'bshd')",
                 "varlen": f"{name} packed as (total_tokens, h, d)",
             }[kind]
+            # Sizes as ints: under torch.compile they may be symbolic, which Dynamo can format but not concatenate.
+            hint = f"; for {name} in (b, s, h, d) pass layout='bshd'" if kind == "bhsd" else ""
+            given = tuple(int(n) for n in positions.shape)
             raise ValueError(
-                f"positions must have shape ({seq},) or ({batch}, {seq}) to match the sequence of {where}, got "
-                f"{tuple(positions.shape)}"
-                + (f"; for {name} in (b, s, h, d) pass layout='bshd'" if kind == "bhsd" else "")
+                f"positions must have shape ({int(seq)},) or ({int(batch)}, {int(seq)}) to match the sequence of "
+                f"{where}, got {given}{hint}"
             )
         if positions.device != first.device:
             raise ValueError(f"positions is on {positions.device} but x on {first.device}")

@@ -54,7 +54,7 @@ def _ntk_base(base: float, scale: float, rotary_dim: int, what: str) -> float:
         scaled = base * scale ** (rotary_dim / (rotary_dim - 2))
     except OverflowError:
         scaled = math.inf
-    if not math.isfinite(scaled):
+    if not -math.inf < scaled < math.inf:  # not math.isfinite, which torch.compile cannot trace for a symbolic float
         raise ValueError(
             f"the NTK base, base * {what}^(r/(r-2)) = {base} * {scale}^({rotary_dim}/{rotary_dim - 2}), overflows "
             "float64; use a smaller rope_parameters['factor']"

@@ -311,12 +311,15 @@ class RoPE(nn.Module):
             # graph. The angles give the values the table holds. The frequencies are constants of the graph,
             # computed on the host in float64: a length that varies between calls (which Dynamo makes symbolic) is
             # specialized, one graph per length.
-            length = operator.index(seq_len) if length_dependent and self.spec.rope_type != "longrope" else None
+            length = None
             if self.spec.rope_type == "longrope":
                 # Only the side of the original length matters: a graph per side, not one per length (a decode step
                 # of a 'consistent' cache is a new length every time).
                 original = int(self.spec.params["original_max_position_embeddings"])
                 length = original + 1 if seq_len > original else None
+            elif length_dependent and seq_len > (self.spec.max_position_embeddings or 0):
+                # Dynamic NTK scales only past the trained length: up to it, one graph serves every length.
+                length = operator.index(seq_len)
             inv_freq, factor = self.frequencies(length)
             return angles_to_cos_sin(positions, inv_freq, factor, dtype)
         if length_dependent or needed > _TABLE_LIMIT:
