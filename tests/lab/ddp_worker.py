@@ -28,9 +28,9 @@ def run(log_dir: str, argv: list[str]) -> int:
     real_atomic_path = _atomic.atomic_path
 
     @contextlib.contextmanager
-    def recording(path: Path):
+    def recording(path: Path, **options):
         written.append(str(path))
-        with real_atomic_path(path) as tmp:
+        with real_atomic_path(path, **options) as tmp:
             yield tmp
 
     _atomic.atomic_path = recording
