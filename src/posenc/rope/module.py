@@ -217,12 +217,12 @@ class RoPE(nn.Module):
     def frequencies(self, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
         """Returns (inv_freq (r/2,) float64 on the CPU, attention_factor) for a sequence of ``seq_len``."""
         if torch.compiler.is_compiling():  # constants of the graph being traced: no state to mutate
-            return compute_frequencies(self.spec, seq_len=seq_len)
-        # Every layer sharing this RoPE asks for the same length in one step, and a 'consistent' cache asks three
-        # times (the keys' check, k, q): the last few lengths are kept (37-150 us each, float64 on the host).
-        key = seq_len if self.spec.rope_type in SEQ_LEN_DEPENDENT else None
+            return compute_frequencies(self.spec, seq_len=self._frequency_length(seq_len))
         if seq_len is not None:
             sequence_length("seq_len", seq_len)
+        # Every layer sharing this RoPE asks for the same length in one step, and a 'consistent' cache asks three
+        # times (the keys' check, k, q): the last few lengths are kept (37-150 us each, float64 on the host).
+        key = self._frequency_length(seq_len)
         found = self._frequencies.pop(key, None)  # re-inserted below: the dict's order is the order of use
         if found is None:
             found = compute_frequencies(self.spec, seq_len=key)
@@ -232,6 +232,20 @@ class RoPE(nn.Module):
                     self._frequencies.pop(next(iter(self._frequencies)), None)
         self._frequencies[key] = found
         return found[0].clone(), found[1]  # a copy: callers may write to it
+
+    def _frequency_length(self, seq_len: int | None) -> int | None:
+        """The one length that stands for every seq_len with the same frequencies (None: the unscaled ones), so that
+        the cache, and a graph traced under torch.compile, serve them all: LongRoPE reads only the side of its
+        original length, dynamic NTK scales only past max_position_embeddings, the other types ignore seq_len. The
+        comparisons keep a symbolic length symbolic; only a scaled dynamic length is made a constant of the graph."""
+        spec = self.spec
+        if seq_len is None or spec.rope_type not in SEQ_LEN_DEPENDENT:
+            return None
+        if spec.rope_type == "longrope":
+            original = int(spec.params["original_max_position_embeddings"])
+            return original + 1 if seq_len > original else None
+        limit = spec.max_position_embeddings
+        return operator.index(seq_len) if limit is None or seq_len > limit else None
 
     @property
     def rotates_cached_keys(self) -> bool:
@@ -309,18 +323,9 @@ class RoPE(nn.Module):
         if needed is None:
             # Traced or captured: a table sized by max(positions) would be a data-dependent step that breaks the
             # graph. The angles give the values the table holds. The frequencies are constants of the graph,
-            # computed on the host in float64: a length that varies between calls (which Dynamo makes symbolic) is
-            # specialized, one graph per length.
-            length = None
-            if self.spec.rope_type == "longrope":
-                # Only the side of the original length matters: a graph per side, not one per length (a decode step
-                # of a 'consistent' cache is a new length every time).
-                original = int(self.spec.params["original_max_position_embeddings"])
-                length = original + 1 if seq_len > original else None
-            elif length_dependent and seq_len > (self.spec.max_position_embeddings or 0):
-                # Dynamic NTK scales only past the trained length: up to it, one graph serves every length.
-                length = operator.index(seq_len)
-            inv_freq, factor = self.frequencies(length)
+            # computed on the host in float64: one graph per set of frequencies (``_frequency_length``), so a scaled
+            # dynamic NTK length that varies between calls (which Dynamo makes symbolic) is one graph per length.
+            inv_freq, factor = self.frequencies(seq_len)
             return angles_to_cos_sin(positions, inv_freq, factor, dtype)
         if length_dependent or needed > _TABLE_LIMIT:
             inv_freq, factor = self.frequencies(seq_len if seq_len is not None else needed)
