@@ -37,6 +37,7 @@ from posenc.lab.config import FINETUNABLE, LabConfig, extension_rope_parameters,
 from posenc.lab.data import Corpus, eval_window_ends, load_corpus, windows_ending
 from posenc.lab.dist import Ranks, process_group
 from posenc.lab.evaluate import LengthResult, evaluate_length, task_accuracy, task_samples
+from posenc.lab.lock import FolderLock
 from posenc.lab.model import ByteLM, encoding_for
 from posenc.lab.train import TrainingDiverged, TrainResult, train
 
@@ -243,10 +244,20 @@ class Lab:
         self.spec = config.model_spec()
         self.prepared = False
         self._planned: list[Unit] = []  # this run's units, once run() plans them
+        self._lock: FolderLock | None = None  # rank 0's, from prepare() to the end of run()
+
+    def release(self) -> None:
+        """Give up the folder's lock, which prepare() takes and run() gives up when it ends: for a Lab prepared and
+        then not run, so that another run may use its folder before this object is collected."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+        self.prepared = False  # a second run() takes the lock again, and sees the folder as it is then
 
     def prepare(self) -> None:
         """Read and check the corpus, the task and the output folder. Raises before any training starts."""
         config, ranks = self.config, self.ranks
+        self.release()  # a second prepare() takes the lock again rather than meet its own
         start = time.perf_counter()
         check_world_size(config, ranks.world_size)
         self.corpus = load_corpus(config.corpus, val_fraction=config.val_fraction, max_bytes=config.max_corpus_bytes)
@@ -271,15 +282,22 @@ class Lab:
                     "and change it; pass another --out (a folder inside the corpus is fine, it is not read as text)"
                 )
             try:
+                self.out.mkdir(parents=True, exist_ok=True)
+                # Before the folder is read: a run adopting it rewrites its units' files.
+                self._lock = FolderLock(self.out, self.command)
                 claim_folder(self.out, config, self.corpus, self.config_id)
             except OSError as error:  # a parent that is a file, a read-only or missing mount
                 why = error.strerror or error
                 raise ValueError(f"--out {self.out} cannot be made the run folder: {why}") from error
             store.remove_stale_temporaries(self.out)
 
-        ranks.decide(claim)
-        if ranks.world_size > 1:
-            self._check_out_shared()
+        try:
+            ranks.decide(claim)
+            if ranks.world_size > 1:
+                self._check_out_shared()
+        except BaseException:
+            self.release()
+            raise
         self.prepared = True
         self.prepare_seconds = time.perf_counter() - start
 
@@ -345,12 +363,18 @@ class Lab:
         """Run every unit not done yet and write results.csv, results.json, report.md, the plots and report.html.
 
         Returns the results.json content."""
-        from posenc.lab import report
-
         start_wall, start_cpu = time.perf_counter(), time.process_time()
         ran_prepare = not self.prepared
         if ran_prepare:
             self.prepare()
+        try:
+            return self._run(start_wall, start_cpu, ran_prepare)
+        finally:
+            self.release()
+
+    def _run(self, start_wall: float, start_cpu: float, ran_prepare: bool) -> dict[str, Any]:
+        from posenc.lab import report
+
         units = plan(self.config)
         self._planned = units
         if self.config.extensions and not self.config.extension_lengths:

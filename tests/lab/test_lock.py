@@ -1,0 +1,117 @@
+"""One run per folder: a second run into a folder in use is refused, naming the holder, and the lock goes with the
+run, however the run ends."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from posenc.lab import lock, runner
+from posenc.lab.lock import FolderInUse, FolderLock
+from posenc.lab.runner import Lab
+
+pytestmark = pytest.mark.skipif(lock.fcntl is None, reason="flock is POSIX; elsewhere the lab runs unlocked")
+
+HOLDER = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+    from posenc.lab.lock import FolderLock
+    held = FolderLock(Path(sys.argv[1]), "posenc lab --preset quick --out elsewhere")
+    print("locked", flush=True)
+    sys.stdin.read()  # until the test closes stdin or kills this process
+    """
+)
+
+
+def quiet(config, out):
+    return Lab(config, out, progress=False, echo=lambda line: None)
+
+
+@pytest.fixture
+def other_process(tmp_path):
+    """Another process that holds tmp_path / "out"'s lock until killed."""
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline() == "locked\n"
+        yield proc, out
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_folder_in_use_by_another_process_is_refused_naming_it(other_process, tiny_config, capsys):
+    proc, out = other_process
+    config = tiny_config()
+    overrides = {k: getattr(config, k) for k in ("corpus", "dim", "layers", "heads", "train_len", "steps")}
+    status = runner.run_command(preset="quick", out=out, overrides=overrides, progress=False)
+    assert status == 2
+    error = capsys.readouterr().err
+    assert f"--out {out} is in use by another posenc lab run (pid {proc.pid} on " in error
+    assert "posenc lab --preset quick --out elsewhere" in error and "pass another --out" in error
+    assert sorted(p.name for p in out.iterdir()) == [".lock"]  # nothing read or written before the refusal
+
+
+def test_a_killed_holder_leaves_no_stale_lock(other_process, tiny_config):
+    proc, out = other_process
+    with pytest.raises(FolderInUse):
+        quiet(tiny_config(), out).prepare()
+    proc.kill()  # SIGKILL: no handler, no cleanup; the kernel drops the flock with the process
+    proc.wait()
+    lab = quiet(tiny_config(), out)
+    lab.prepare()
+    held = json.loads((out / ".lock").read_text())
+    assert held["pid"] == os.getpid()
+    lab.release()
+
+
+def test_a_prepared_lab_holds_the_folder_until_it_runs_or_releases(tiny_config, tmp_path):
+    out = tmp_path / "out"
+    first = quiet(tiny_config(encodings=("nope",), extensions=()), out)
+    first.prepare()
+    first.prepare()  # again: it does not meet its own lock
+    with pytest.raises(FolderInUse, match=r"held by a Lab in this process .* call its release\(\)"):
+        quiet(tiny_config(encodings=("nope",), extensions=()), out).prepare()
+    first.run()  # gives the lock up when it ends
+    second = quiet(tiny_config(encodings=("nope",), extensions=()), out)
+    second.prepare()
+    second.release()
+    quiet(tiny_config(encodings=("nope",), extensions=()), out).run()
+    first.run()  # a second run() of one Lab takes the lock again (all units done: nothing trains)
+
+
+def test_the_lock_goes_with_a_run_that_is_interrupted_or_refused(tiny_config, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "train", interrupt)
+    interrupted = quiet(tiny_config(encodings=("nope",), extensions=()), out)
+    with pytest.raises(KeyboardInterrupt):
+        interrupted.run()
+    refused = quiet(tiny_config(encodings=("nope",), extensions=(), dim=8), out)
+    with pytest.raises(ValueError, match="different configuration"):
+        refused.prepare()
+    FolderLock(out).release()  # free, though both Labs are still alive (their __del__ has not released it)
+    assert interrupted is not refused
+
+
+def test_filesystems_without_locks_run_unlocked(tmp_path, monkeypatch):
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(lock.fcntl, "flock", no_locks)
+    held = FolderLock(tmp_path)
+    assert not held.held
+    held.release()
