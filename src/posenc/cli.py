@@ -313,7 +313,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.names = [*args.names, *extra]
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        # `posenc lab` says this itself, naming where its results are. The figures and the report are written whole
+        # or not at all, so nothing they leave is half a file.
+        print(f"\nposenc {args.command}: interrupted; the files written before it are complete", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

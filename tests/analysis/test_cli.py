@@ -159,3 +159,24 @@ def test_figure_options_name_each_value_once_and_keep_the_runs_sizes(tmp_path, c
     scaled = config("--rope-type", "linear", "--factor", "2", run=str(run))
     assert (scaled.base, scaled.spec.rotary_dim, scaled.interleaved, scaled.rope_type) == (500000.0, 4, True, "linear")
     assert config("--base", "1e4", run=str(run)).base == 1e4  # what is given wins
+
+
+@pytest.mark.parametrize("command", ["plot", "report"])
+def test_ctrl_c_is_one_line_and_status_130(tmp_path, capsys, make_run, monkeypatch, command):
+    from posenc.analysis import plots
+
+    def interrupted(inputs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(plots.FIGURES, "long_term_decay", interrupted)  # the report's table too
+    run = make_run(tmp_path / "run", entropy=False, lab_png=False)
+    words = ["plot", "wavelengths", "long_term_decay", "--dpi", "30", "--out", str(tmp_path / "figures")]
+    if command == "report":
+        words = ["report", str(run)]
+    assert main(words) == 130
+    err = capsys.readouterr().err
+    assert err == f"\nposenc {command}: interrupted; the files written before it are complete\n"
+    if command == "plot":
+        assert sorted(p.name for p in (tmp_path / "figures").iterdir()) == ["wavelengths.png"]
+    else:
+        assert not (run / "report.html").exists()
