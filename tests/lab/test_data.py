@@ -86,6 +86,8 @@ def test_max_bytes_cuts_the_joined_text_at_that_byte(tmp_path):
     for max_bytes in range(1, len(joined) + 3):
         corpus = load_corpus(tmp_path, max_bytes=max_bytes, val_fraction=0.5)
         assert bytes(torch.cat((corpus.train, corpus.val)).tolist()) == joined[:max_bytes]
+        # The files read: b.txt counts once a byte of it is kept (the quick preset read 49 of the 734 it found).
+        assert corpus.files == (1 if max_bytes <= 7 + len(FILE_SEPARATOR) else 2)
 
 
 def test_builtin_corpus_is_this_pythons_stdlib(monkeypatch, corpus_dir):

@@ -33,7 +33,8 @@ FILE_SEPARATOR = b"\n\x00\n"
 class Corpus:
     """Bytes of a corpus split once: ``train`` the first (1 - val_fraction), ``val`` the rest.
 
-    source: where it came from (a path, or "python-stdlib"); sha256: hash of the joined bytes; files: how many.
+    source: where it came from (a path, or "python-stdlib"); sha256: hash of the joined bytes; files: how many
+    files the bytes come from (with max_bytes, those before the cut).
     """
 
     source: str
@@ -120,7 +121,7 @@ def load_corpus(
         raise ValueError(
             f"corpus directory {source!r} holds no text files (looked for {', '.join(sorted(_TEXT_SUFFIXES))})"
         )
-    data = _join(files, max_bytes)
+    data, read = _join(files, max_bytes)
     if not data:
         raise ValueError(f"corpus {source!r} is empty (0 bytes of text); pass a text file or a folder of text files")
     if len(data) < min_bytes:
@@ -134,13 +135,14 @@ def load_corpus(
     return Corpus(
         source=source,
         sha256=hashlib.sha256(data).hexdigest(),
-        files=len(files),
+        files=read,
         train=tensor[:split],
         val=tensor[split:],
     )
 
 
-def _join(files: list[Path], max_bytes: int | None) -> bytes:
+def _join(files: list[Path], max_bytes: int | None) -> tuple[bytes, int]:
+    """The files' bytes joined and cut at ``max_bytes``, and how many files have a byte in what is kept."""
     parts, total = [], -len(FILE_SEPARATOR)  # the separators go between files, not after the last
     for f in files:
         chunk = f.read_bytes()
@@ -149,7 +151,11 @@ def _join(files: list[Path], max_bytes: int | None) -> bytes:
         if max_bytes is not None and total >= max_bytes:
             break
     data = FILE_SEPARATOR.join(parts)
-    return data if max_bytes is None else data[:max_bytes]
+    if max_bytes is None or len(data) <= max_bytes:
+        return data, len(parts)
+    # The cut may fall in the separator before the last file read: that file then gives no byte.
+    last_start = len(data) - len(parts[-1])
+    return data[:max_bytes], len(parts) - (last_start >= max_bytes)
 
 
 def train_starts(data: torch.Tensor, *, seq_len: int, batch_size: int, steps: int, seed: int) -> torch.Tensor:
