@@ -18,12 +18,20 @@ def python_blocks(path: Path) -> list[str]:
     return re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)
 
 
-def test_readme_python_examples_run(capsys):
+def test_readme_python_examples_run_and_do_what_their_comments_say(capsys):
     blocks = python_blocks(README)
     assert blocks, "README.md has no ```python example"
-    for block in blocks:
-        exec(compile(block, str(README), "exec"), {})
-    assert "rope" in capsys.readouterr().out
+    namespaces: list[dict] = [{} for _ in blocks]
+    for block, namespace in zip(blocks, namespaces, strict=True):
+        exec(compile(block, str(README), "exec"), namespace)
+    first = namespaces[0]  # "A first taste"
+    assert capsys.readouterr().out.splitlines()[-1] == "['learned', 'sinusoidal', 't5', 'alibi', 'nope', 'rope']"
+    torch = first["torch"]
+    assert first["q_rot"].dtype == first["k_rot"].dtype == torch.bfloat16  # bf16 in, bf16 out
+    assert first["rope"].cos_sin(torch.arange(3))[0].dtype == torch.float32
+    assert torch.equal(first["q1"], first["q_rot"][:, :, -1:]) and torch.equal(first["k1"], first["k_rot"][:, :, -1:])
+    assert first["bias"].shape == (12, 4, 16)
+    assert first["cache"].length == 11  # positions 0..10
 
 
 def test_every_docs_python_example_is_run_by_a_test():
