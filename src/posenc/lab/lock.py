@@ -5,7 +5,6 @@ ends, however it ends (Ctrl-C, SIGKILL, a crashed machine's NFS lease), so no ru
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import errno
 import json
@@ -75,10 +74,13 @@ class FolderLock:
 
     def release(self) -> None:
         """Let the next run in. The file stays: removing it would let a waiting run lock a file nobody else sees."""
-        if self._file is not None:
-            with contextlib.suppress(OSError):
-                self._file.close()  # closing drops the flock
-            self._file = None
+        file, self._file = self._file, None
+        if file is not None:
+            # Builtins only: this also runs from __del__ at interpreter exit, when modules may be torn down.
+            try:  # noqa: SIM105 (contextlib may be gone at exit)
+                file.close()  # closing drops the flock
+            except OSError:
+                pass
 
     def __del__(self) -> None:
         self.release()
