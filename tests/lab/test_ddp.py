@@ -12,6 +12,7 @@ relative; no gradient averaging (no DDP) leaves step 0 equal and puts the later 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from posenc.cli import main
 from posenc.lab.config import make_config
 from posenc.lab.dist import Ranks
+from posenc.lab.lock import FolderLock
 from posenc.lab.runner import Lab
 from posenc.testing import run_torchrun
 
@@ -162,3 +164,17 @@ def test_a_refusal_seen_by_rank_0_stops_every_rank_once(runs, corpus_dir):
     assert logs[0]["status"] == logs[1]["status"] == 2
     assert "different configuration (differs in: steps)" in logs[0]["stderr"] and logs[1]["stderr"] == ""
     assert logs[0]["written"] == logs[1]["written"] == []
+
+
+def test_a_folder_in_use_stops_every_rank_once(runs, corpus_dir):
+    """Rank 0 takes the folder's lock; another run holding it (this test process) stops both ranks, said once."""
+    out = runs["root"] / "two"
+    held = FolderLock(out, "the test")
+    try:
+        flags = [*FLAGS, "--corpus", str(corpus_dir), "--out", str(out), "--no-progress"]
+        logs = torchrun_lab(runs["root"] / "logs-in-use", *flags, ok=False)
+    finally:
+        held.release()
+    assert logs[0]["status"] == logs[1]["status"] == 2
+    assert f"is in use by another posenc lab run (pid {os.getpid()} on " in logs[0]["stderr"]
+    assert logs[1]["stderr"] == "" and logs[0]["written"] == logs[1]["written"] == []

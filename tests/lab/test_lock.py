@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -86,6 +87,10 @@ def test_a_prepared_lab_holds_the_folder_until_it_runs_or_releases(tiny_config, 
     second = quiet(tiny_config(encodings=("nope",), extensions=()), out)
     second.prepare()
     second.release()
+    holder = FolderLock(out)
+    with pytest.raises(FolderInUse):
+        second.run()  # released, so run() prepares again and meets the holder, rather than run unlocked
+    holder.release()
     quiet(tiny_config(encodings=("nope",), extensions=()), out).run()
     first.run()  # a second run() of one Lab takes the lock again (all units done: nothing trains)
 
@@ -115,3 +120,68 @@ def test_filesystems_without_locks_run_unlocked(tmp_path, monkeypatch):
     held = FolderLock(tmp_path)
     assert not held.held
     held.release()
+
+
+def test_release_frees_the_folder_though_a_forked_child_holds_the_descriptor(tmp_path):
+    """A DataLoader's workers or a fork Pool, made while a Lab holds its folder, hold a copy of the descriptor."""
+    held = FolderLock(tmp_path)
+    child_says, child_hears = os.pipe(), os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.read(child_hears[0], 1)  # parent released: now end this child's copy as its own end would
+            held.release()
+            os.write(child_says[1], b"x")
+            os.read(child_hears[0], 1)
+        finally:
+            os._exit(0)
+    try:
+        held.release()  # the child still holds a copy of the descriptor
+        again = FolderLock(tmp_path)  # was FolderInUse until the child ended
+        os.write(child_hears[1], b"x")
+        assert os.read(child_says[0], 1) == b"x"  # the child's release (not its own lock) left this one held
+        with pytest.raises(FolderInUse):
+            FolderLock(tmp_path)
+        again.release()
+    finally:
+        os.write(child_hears[1], b"xx")  # enough for both of its reads, however far the test got
+        os.waitpid(pid, 0)
+
+
+def test_a_lock_file_of_another_user_is_locked_read_only(tmp_path, monkeypatch):
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    description = {"pid": int(ended.stdout), "host": socket.gethostname(), "since": "s", "command": "theirs"}
+    (tmp_path / ".lock").write_text(json.dumps(description))
+
+    def not_for_writing(path, mode="r", **kwargs):
+        if mode != "r":
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return open(path, mode, **kwargs)
+
+    monkeypatch.setattr(lock, "open", not_for_writing, raising=False)
+    held = FolderLock(tmp_path, "mine")
+    assert held.held and "mine" not in (tmp_path / ".lock").read_text()
+    with pytest.raises(FolderInUse, match=r"in use by another posenc lab run; wait") as refused:
+        FolderLock(tmp_path)  # the lock is real; the description, an ended run's, is not shown
+    assert "theirs" not in str(refused.value)
+    held.release()
+    (tmp_path / ".lock").unlink()
+    with pytest.raises(PermissionError):  # no file to fall back to: the folder's own error
+        FolderLock(tmp_path)
+
+
+@pytest.mark.parametrize("case", ["directory", "io error"])
+def test_a_lock_that_cannot_be_taken_names_the_file(tiny_config, tmp_path, monkeypatch, case):
+    out = tmp_path / "out"
+    if case == "directory":
+        (out / ".lock").mkdir(parents=True)
+        why = "Is a directory"
+    else:
+
+        def io_error(fd, operation):
+            raise OSError(errno.EIO, "Input/output error")
+
+        monkeypatch.setattr(lock.fcntl, "flock", io_error)  # not a filesystem without locks: not run unlocked
+        why = "Input/output error"
+    with pytest.raises(ValueError, match=f"cannot be made the run folder: {out / '.lock'}: {why}"):
+        quiet(tiny_config(), out).prepare()

@@ -142,7 +142,8 @@ def load_corpus(
 
 
 def _join(files: list[Path], max_bytes: int | None) -> tuple[bytes, int]:
-    """The files' bytes joined and cut at ``max_bytes``, and how many files have a byte in what is kept."""
+    """The files' bytes joined and cut at ``max_bytes``, and how many files that text holds, whole or cut (an empty
+    file counts where it falls inside it; one whose first byte falls past the cut does not)."""
     parts, total = [], -len(FILE_SEPARATOR)  # the separators go between files, not after the last
     for f in files:
         chunk = f.read_bytes()

@@ -1,7 +1,8 @@
 """One lab run per folder at a time. Two runs of the same command into one folder would each train every unit they
 find unfinished (the same numbers, twice the work), and a run in a folder that another one is adopting could read
 its half-rewritten units. The lock is advisory (``flock``) on ``<out>/.lock``: the kernel drops it when its holder
-ends, however it ends (Ctrl-C, SIGKILL, a crashed machine's NFS lease), so no run ever has to clear a stale one."""
+ends, however it ends (Ctrl-C, SIGKILL), so no run has to clear a stale one (on NFS, where flock is a lock of lockd's,
+a crashed client's lock lasts until its server's lock recovery)."""
 
 from __future__ import annotations
 
@@ -11,15 +12,18 @@ import json
 import os
 import socket
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
+
+from posenc._atomic import _alive
 
 try:
     import fcntl
 except ImportError:  # Windows: no flock; the lab runs unlocked there, as before the lock existed
     fcntl = None  # type: ignore[assignment]
 
-# Filesystems that take no locks (some FUSE mounts, NFS without lockd): the run goes on unlocked rather than fail.
-_NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
+# Filesystems that take no locks (some FUSE mounts, NFS without lockd; EBADF: NFS's emulated flock on a file opened
+# read-only): the run goes on unlocked rather than fail.
+_NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.EBADF}
 
 
 class FolderInUse(ValueError):
@@ -30,15 +34,26 @@ class FolderLock:
     """Holds ``<folder>/.lock`` from construction until ``release()`` (or until the object is collected).
 
     Raises FolderInUse, naming the holder (pid, host, start time and command, which it writes into the file), when
-    another run holds it, this process included (a prepared Lab that has not run yet)."""
+    another run holds it, this process included (a prepared Lab that has not run yet); an OSError (its filename the
+    lock file) where the file cannot be opened at all."""
 
     def __init__(self, folder: Path, command: str = "") -> None:
         self.path = folder / ".lock"
-        self._file = None
+        self._file: IO[str] | None = None
+        self._pid = os.getpid()
         if fcntl is None:
             return
-        # Opened without truncation: the holder's own description must survive a refused open.
-        file = open(self.path, "a+", encoding="utf-8")  # noqa: SIM115 (held open for the run)
+        # Kept for release(), which also runs from __del__ at interpreter exit, when modules may be torn down.
+        self._unlock = (fcntl.flock, fcntl.LOCK_UN, os.getpid)
+        try:
+            # Opened without truncation: the holder's own description must survive a refused open.
+            file, writable = open(self.path, "a+", encoding="utf-8"), True  # noqa: SIM115 (held open for the run)
+        except PermissionError:
+            if not self.path.is_file():
+                raise
+            # Another user's .lock in a folder this user may write: flock needs no write access, only the holder's
+            # description is not written.
+            file, writable = open(self.path, encoding="utf-8"), False  # noqa: SIM115
         try:
             fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -50,21 +65,22 @@ class FolderLock:
             file.close()
             if error.errno in _NO_LOCKS:
                 return
-            raise
-        file.seek(0)
-        file.truncate()
-        file.write(
-            json.dumps(
-                {
-                    "pid": os.getpid(),
-                    "host": socket.gethostname(),
-                    "since": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-                    "command": command,
-                }
+            raise OSError(error.errno, error.strerror, str(self.path)) from error
+        if writable:
+            file.seek(0)
+            file.truncate()
+            file.write(
+                json.dumps(
+                    {
+                        "pid": self._pid,
+                        "host": socket.gethostname(),
+                        "since": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+                        "command": command,
+                    }
+                )
+                + "\n"
             )
-            + "\n"
-        )
-        file.flush()
+            file.flush()
         self._file = file
 
     @property
@@ -75,12 +91,19 @@ class FolderLock:
     def release(self) -> None:
         """Let the next run in. The file stays: removing it would let a waiting run lock a file nobody else sees."""
         file, self._file = self._file, None
-        if file is not None:
-            # Builtins only: this also runs from __del__ at interpreter exit, when modules may be torn down.
-            try:  # noqa: SIM105 (contextlib may be gone at exit)
-                file.close()  # closing drops the flock
-            except OSError:
-                pass
+        if file is None:
+            return
+        flock, unlock, getpid = self._unlock  # not the modules': this also runs from __del__ at interpreter exit
+        # Unlocked, not only closed: a process forked since (a DataLoader's workers, a fork Pool) holds a copy of the
+        # descriptor, and the lock lasts while any copy is open. Not in such a child, whose end must not free its
+        # parent's folder.
+        try:
+            if getpid() == self._pid:
+                flock(file.fileno(), unlock)
+        except OSError:
+            pass  # the close below drops it too, where no child holds a copy
+        finally:
+            file.close()
 
     def __del__(self) -> None:
         self.release()
@@ -93,6 +116,9 @@ def _in_use(folder: Path, holder: str) -> str:
         pid, host, since, command = info["pid"], info["host"], info["since"], info["command"]
     except (ValueError, TypeError, KeyError):
         pid = host = since = command = None  # between its flock and its write
+    if host == socket.gethostname() and pid != os.getpid() and not (isinstance(pid, int) and _alive(pid)):
+        # An ended run's: the holder has not written its own yet, or cannot (another user's file, read-only).
+        pid = None
     if pid == os.getpid() and host == socket.gethostname():
         return (
             f"--out {folder} is held by a Lab in this process that prepare() took it for, since {since}: run() it, "

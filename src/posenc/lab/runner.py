@@ -288,7 +288,11 @@ class Lab:
                 claim_folder(self.out, config, self.corpus, self.config_id)
             except OSError as error:  # a parent that is a file, a read-only or missing mount
                 why = error.strerror or error
-                raise ValueError(f"--out {self.out} cannot be made the run folder: {why}") from error
+                # Which file, where it is one inside the folder (its .lock, of another user or a folder itself).
+                inside = error.filename is not None and Path(error.filename).parent == self.out
+                raise ValueError(
+                    f"--out {self.out} cannot be made the run folder: {error.filename + ': ' if inside else ''}{why}"
+                ) from error
             store.remove_stale_temporaries(self.out)
 
         try:
