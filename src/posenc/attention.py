@@ -390,8 +390,9 @@ class CausalSelfAttention(nn.Module):
         cache: KVCache | None = None,
         return_attention: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """x: (b, s, dim). positions: (s,) or (b, s) ids (default: one past the last cached position of each
-        sequence, else 0..s-1, else each token's index within its document when document_ids are given).
+        """x: (b, s, dim). positions: (s,) or (b, s) ids (default: with a cache, one past its last position in
+        each sequence; else, with document_ids, each token's index within its document; else 0..s-1).
+        cache: a ``KVCache`` this layer fills and reads (one per layer): prefill, then decode steps continue it.
         document_ids: (s,) or (b, s) integers, one run of tokens per id, for documents packed into a row: a token
         attends only to earlier tokens of its own document (not with a cache, which continues one sequence per
         row). ``posenc.document_ids_from_positions`` and ``posenc.document_ids_from_cu_seqlens`` build them.

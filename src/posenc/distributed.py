@@ -13,6 +13,8 @@ import torch
 
 from posenc._checks import flag, integer_offset, positive_int
 
+__all__ = ["shard_positions"]
+
 
 def shard_positions(
     seq_len: int, world_size: int, rank: int, *, load_balance: bool = True, device: torch.device | str | None = None

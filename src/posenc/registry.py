@@ -42,9 +42,10 @@ def build_for_model(
 ) -> nn.Module:
     """Construct an encoding from a model's sizes, so a model can take any name without special cases.
 
-    dim: model width; head_dim: per-head width; max_positions: the training length (the learned table's size);
-    kwargs: options of that family's constructor (e.g. ``base``, ``rope_parameters``, ``num_buckets``); an
-    option the family does not take is a TypeError, never silently dropped.
+    dim: model width; num_heads: h (ALiBi's slopes, T5's bias per head); head_dim: per-head width; max_positions:
+    the training length (the learned table's size); kwargs: options of that family's constructor (e.g. ``base``,
+    ``rope_parameters``, ``num_buckets``); an option the family does not take is a TypeError, never silently
+    dropped.
     """
     return _lookup(name).from_model_dims(
         dim=dim, num_heads=num_heads, head_dim=head_dim, max_positions=max_positions, **kwargs

@@ -15,6 +15,23 @@ from pathlib import Path
 
 import torch
 
+__all__ = [
+    "DTYPES",
+    "REDUCTION_TOLERANCES",
+    "TINY_HF_SIZES",
+    "TOLERANCES",
+    "alibi_bias_reference",
+    "alibi_slopes_reference",
+    "assert_close",
+    "attention_reference",
+    "random_qk",
+    "rope_inv_freq_reference",
+    "rope_reference",
+    "run_torchrun",
+    "sinusoidal_reference",
+    "t5_bucket_reference",
+]
+
 # (atol, rtol) for comparing a result in `dtype` against the float64 reference, for elementwise ops (a rotation,
 # an embedding). rtol is one unit in the last place of the dtype: the best a result rounded once can do, plus
 # the float32 intermediate rounding. Reductions (attention) use REDUCTION_TOLERANCES.

@@ -30,7 +30,7 @@ class LearnedAbsolute(nn.Module):
         return cls(max_positions, dim, **options)
 
     def forward(self, positions: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """positions: (...) integer in [0, max_positions). Returns (..., dim)."""
+        """positions: (...) integer in [0, max_positions). Returns (..., dim), in ``dtype`` (None: the table's)."""
         int_tensor("positions", positions, host_read=True)
         # Ids on another device are moved, as for RoPE; a meta table would read CPU ids as zeros.
         positions = to_device("positions", positions, self.table.weight.device, "the learned table")

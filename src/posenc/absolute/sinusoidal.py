@@ -58,7 +58,7 @@ class Sinusoidal(nn.Module):
         return cls(dim, **options)
 
     def forward(self, positions: torch.Tensor, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """positions: (...) integer >= 0. Returns (..., dim)."""
+        """positions: (...) integer >= 0. Returns (..., dim) in ``dtype`` (computed in float64, then cast)."""
         int_tensor("positions", positions, host_read=True)
         # The table would give values (sin is odd), but no token sits before position 0: as LearnedAbsolute.
         if positions.numel() and not values_readable(positions.device):

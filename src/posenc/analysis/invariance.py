@@ -54,7 +54,7 @@ def relative_invariance(
     encoding: any posenc encoding module. Its ``acts_on`` decides the path: QK encodings rotate q and k
     (``encoding(q, k, positions=...)``); INPUT encodings add ``encoding(positions)`` to both; SCORE_BIAS encodings
     add ``score_bias`` of head ``head``; NONE adds nothing. The score is q.k / sqrt(d), as in attention.
-    head_dim: d, needed only where the encoding has no width of its own (score biases, NoPE).
+    head_dim: d, needed only where the encoding has no width of its own (score biases, NoPE). seed: q and k's.
     Computed in float64 wherever the encoding allows it (RoPE's cos/sin tables may be float32).
     """
     positive_int("length", length)

@@ -583,7 +583,10 @@ def write_figures(
     svg: bool = False,
     dpi: int = 110,
 ) -> list[Path]:
-    """Write ``<name>.png`` (and ``<name>.svg`` with ``svg``) for each figure into ``out_dir``. Returns the paths."""
+    """Write ``<name>.png`` (and ``<name>.svg`` with ``svg``) for each figure into ``out_dir``. Returns the paths.
+
+    names: figures of ``FIGURES`` (None: all); inputs: what they are drawn for (None: ``FigureInputs()``); dpi: the
+    PNGs' resolution, 10 to 1200."""
     names = check_names(names)
     if isinstance(dpi, bool) or not isinstance(dpi, int) or not 10 <= dpi <= 1200:
         raise ValueError(f"dpi must be an integer in [10, 1200], got {dpi!r}")

@@ -200,7 +200,8 @@ def write_report(
     config: FigureConfig | None = None,
     figures: Sequence[str] | None = None,
 ) -> Path:
-    """Write the self-contained report page; returns its path (default ``run_dir/report.html``).
+    """Write the self-contained report page; returns its path (default ``run_dir/report.html``). config and
+    figures: as for ``render_html``.
 
     The file is written to a temporary name and renamed, so an interrupted run never leaves half a page.
     """

@@ -186,7 +186,8 @@ def run_figure_config(run_dir: str | Path) -> FigureConfig | None:
 
 
 def run_entropy(run_dir: str | Path) -> tuple[dict[str, EntropyResult], str] | None:
-    """The attention entropy a run folder holds and where it came from, or None if it measured none."""
+    """The attention entropy a run folder holds and where it came from, or None if it measured none. A folder with
+    no results at all is a ValueError (as ``read_results``)."""
     run = Path(run_dir)
     if (run / "entropy.csv").is_file():
         return read_entropy_csv(run / "entropy.csv"), f"measured in {run.name}/entropy.csv"

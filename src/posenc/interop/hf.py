@@ -613,6 +613,8 @@ def rope_from_config(config: Any, *, layer_type: str | None = None, mode: Litera
     config: a ``transformers`` config object, a dict, or a path to a config.json (or its folder), old or new form;
     a dict or file is read through the config class its model_type names where transformers is installed and the
     class takes it, as ``from_pretrained`` would (the class's defaults for what it leaves out).
+    layer_type: for configs with one rope dict per layer type, which one (``rope_layer_types`` lists them); a
+    ValueError for a config with a single rope dict.
     mode: 'hf' (Hugging Face's numbers, the default) or 'consistent'; see ``RoPE``.
     """
     kwargs = rope_kwargs_from_config(config, layer_type=layer_type)

@@ -628,7 +628,8 @@ def patch_model(
     ``dynamic`` / ``longrope``, "consistent" is offered for ``SUPPORTED_ARCHITECTURES``, whose attention is known
     to hand its keys to the attention function with the rotated channels first.
     Returns a ``PatchReport``. Raises ValueError for a model posenc cannot patch (saying why), a model already
-    patched, or a RoPE that would not rotate as the model's own does (all checked before anything is replaced).
+    patched, or a RoPE that would not rotate as the model's own does (all checked before anything is replaced);
+    TypeError for an object that is no transformers model (no ``config``).
     """
     found = _architecture(model)
     model_type = found.model_type
@@ -1021,6 +1022,8 @@ def tiny_model_from_config(
     max_position_embeddings: the trained length the scaling types extend from (default: the config's).
     keep_scaling: keep the config's rope scaling (LongRoPE factor lists must then fit the head dim); by default the
     model gets plain RoPE, to which ``patch_model(model, rope_parameters=...)`` applies an extension later.
+    seed: the initial weights' (the global generator is left as it was); attn_implementation: transformers'
+    ("sdpa", "eager", ...).
     Returns an unpatched ``transformers`` ``*ForCausalLM`` in float32, eval mode; ``model(input_ids).logits`` is
     (b, s, vocab_size).
     """

@@ -82,6 +82,8 @@ class LabConfig:
     each target length; 0 = none), finetune_lr, task (None, "copy" or "passkey"), task_samples.
     Data and seeds: corpus (None = the Python standard library), max_corpus_bytes (None = all),
     val_fraction, seed, num_seeds (seeds seed .. seed + num_seeds - 1).
+    hf_config: a Hugging Face config.json whose architecture (a small random model of it) replaces the rope model;
+    encodings must then be ("rope",).
     """
 
     dim: int
@@ -272,8 +274,10 @@ class LabConfig:
         return self.finetune_lr if self.finetune_lr is not None else self.lr / 10
 
     def results_key(self) -> dict[str, Any]:
-        """The fields that change a unit's numbers. The others (encodings, extensions, num_seeds) only choose
-        which units run, and fine-tunes carry their step count in their own name."""
+        """The fields that change a unit's numbers. The others (encodings, extensions, seed, num_seeds) only choose
+        which units run (a unit's seed is in its folder's name), and fine-tunes carry their step count in their own
+        name. Paths are replaced by what they hold: the corpus by nothing (config_id hashes its bytes), hf_config by
+        the file's content."""
         selecting = {"encodings", "extensions", "num_seeds", "seed", "finetune_steps", "hf_config"}
         key = {k: v for k, v in dataclasses.asdict(self).items() if k not in selecting}
         if self.corpus is not None:
@@ -387,7 +391,8 @@ def make_config(preset: str = "default", **overrides: Any) -> LabConfig:
     """A preset with some fields replaced (None values are ignored, so unset command-line flags pass through).
 
     Changing ``train_len`` without ``eval_lengths`` keeps the preset's multiples (1x, 2x, 4x, 8x), and
-    ``score_len`` follows at half the training length unless given.
+    ``score_len`` follows at half the training length unless given. ``hf_config`` without ``encodings`` runs
+    ("rope",) alone, the model that the architecture replaces.
     """
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; known presets: {', '.join(PRESETS)}")

@@ -218,7 +218,8 @@ def claim_folder(out: Path, config: LabConfig, corpus: Corpus, ident: str) -> No
 class Lab:
     """One run of the lab: ``Lab(config, out).run()``.
 
-    progress: tqdm bars with tokens/s; device: where models run ("cpu", "cuda"); echo: where status lines go.
+    progress: tqdm bars with tokens/s; device: where models run ("cpu", "cuda"); echo: where status lines go;
+    command: the command line, recorded in results.json and report.md (and the folder's lock).
     ranks: this process among several (torchrun); None = the default process group if one is initialised, else
     one process. Only rank 0 shows progress, echoes and writes; every rank's ``run`` returns the same results.
     """

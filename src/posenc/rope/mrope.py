@@ -186,7 +186,8 @@ class MRoPE(RoPE):
         """q: (b, h_q, s, d), k: (b, h_k, s, d) for "bhsd" ((b, s, h, d) for "bshd"); positions: (3, b, s) or
         (3, 1, s) integer ids, or anything ``RoPE.forward`` takes; offset: an int added to every axis (when
         decoding text after a prompt with images: the largest id of the prompt + 1, which is the cache length plus
-        the model's rope delta, not the cache length). Returns new (q, k) with the input dtypes.
+        the model's rope delta, not the cache length; a (b,) tensor only with text ids); seq_len: as for
+        ``RoPE.forward``. Returns new (q, k) with the input dtypes.
 
         A (3, s) tensor is read as text ids of a batch of 3, as ``RoPE`` reads it; three axes are (3, b, s)."""
         ambiguous = isinstance(positions, torch.Tensor) and positions.dim() == 2 and positions.shape[0] == AXES
