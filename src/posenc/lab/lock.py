@@ -116,10 +116,11 @@ def _in_use(folder: Path, holder: str) -> str:
         pid, host, since, command = info["pid"], info["host"], info["since"], info["command"]
     except (ValueError, TypeError, KeyError):
         pid = host = since = command = None  # between its flock and its write
-    if host == socket.gethostname() and pid != os.getpid() and not (isinstance(pid, int) and _alive(pid)):
+    here = host == socket.gethostname()
+    if here and not (isinstance(pid, int) and _alive(pid)):  # this process is alive: it stays named
         # An ended run's: the holder has not written its own yet, or cannot (another user's file, read-only).
         pid = None
-    if pid == os.getpid() and host == socket.gethostname():
+    if here and pid == os.getpid():
         return (
             f"--out {folder} is held by a Lab in this process that prepare() took it for, since {since}: run() it, "
             "call its release(), or pass another --out"
