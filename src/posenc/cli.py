@@ -139,6 +139,15 @@ def _figure_config(args: argparse.Namespace, run_dir: str | None = None):  # -> 
     return FigureConfig.from_flags(rope_parameters=params, **flags)
 
 
+def _note_in_progress(command: str, run_dir: str) -> None:
+    """Says on stderr that a lab run is writing run_dir, whose results are then an earlier run's (or none yet)."""
+    from posenc.analysis.run import in_progress
+
+    note = in_progress(run_dir)
+    if note is not None:
+        print(f"posenc {command}: note: {note}", file=sys.stderr)
+
+
 def _plot(args: argparse.Namespace) -> int:
     from posenc.analysis.plots import check_names, figure_inputs, write_figures
 
@@ -147,6 +156,8 @@ def _plot(args: argparse.Namespace) -> int:
         config = _figure_config(args, args.run)
         inputs = figure_inputs(config, args.run, need_entropy="attention_entropy" in names)
         paths = write_figures(args.out, names, inputs, svg=args.svg, dpi=args.dpi)
+        if args.run is not None:
+            _note_in_progress("plot", args.run)
     except (ValueError, TypeError) as err:
         print(f"posenc plot: error: {err}", file=sys.stderr)
         return 2
@@ -184,6 +195,7 @@ def _report(args: argparse.Namespace) -> int:
         path = write_report(
             args.run_dir, out=args.out, config=_figure_config(args, args.run_dir), figures=None if args.figures else []
         )
+        _note_in_progress("report", args.run_dir)
     except (ValueError, TypeError) as err:
         print(f"posenc report: error: {err}", file=sys.stderr)
         return 2

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from posenc.cli import main
+from posenc.lab import lock
 
 
 def test_plot_writes_the_named_figures(tmp_path, capsys):
@@ -99,6 +100,31 @@ def test_report(tmp_path, capsys, make_run):
     (tmp_path / "empty").mkdir()
     assert main(["report", str(tmp_path / "empty")]) == 2
     assert "has no results.csv" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(lock.fcntl is None, reason="the lab's folder lock is POSIX flock")
+def test_a_folder_a_lab_run_is_writing_is_said_to_be(tmp_path, capsys, make_run, hold_folder):
+    run = make_run(tmp_path / "run", entropy=False, lab_png=False)
+    proc = hold_folder(run)
+    running = f"a posenc lab run (pid {proc.pid} on "
+    assert main(["report", str(run), "--no-figures"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith(f"posenc report: note: {running}") and "its results.csv is the one an earlier run" in err
+    assert f'<p class="note">When this page was written, {running}' in (run / "report.html").read_text()
+    assert main(["plot", "wavelengths", "--out", str(tmp_path / "figures"), "--run", str(run)]) == 0
+    assert f"posenc plot: note: {running}" in capsys.readouterr().err
+    # A first run with no results yet: not "stopped before writing results.csv; rerun", which would be refused.
+    first = tmp_path / "first"
+    first.mkdir()
+    (first / "config.json").write_text("{}")
+    hold_folder(first)
+    assert main(["report", str(first)]) == 2
+    err = capsys.readouterr().err
+    assert "has no results.csv yet: a posenc lab run (pid" in err and "is writing it now" in err
+    proc.kill()
+    proc.wait()
+    assert main(["report", str(run), "--no-figures"]) == 0
+    assert "note" not in capsys.readouterr().err and 'class="note"' not in (run / "report.html").read_text()
 
 
 def test_the_reports_plot_command_reproduces_its_config(tmp_path):

@@ -9,7 +9,7 @@ import os
 import socket
 import subprocess
 import sys
-import textwrap
+import threading
 
 import pytest
 
@@ -19,36 +19,17 @@ from posenc.lab.runner import Lab
 
 pytestmark = pytest.mark.skipif(lock.fcntl is None, reason="flock is POSIX; elsewhere the lab runs unlocked")
 
-HOLDER = textwrap.dedent(
-    """
-    import sys
-    from pathlib import Path
-    from posenc.lab.lock import FolderLock
-    held = FolderLock(Path(sys.argv[1]), "posenc lab --preset quick --out elsewhere")
-    print("locked", flush=True)
-    sys.stdin.read()  # until the test closes stdin or kills this process
-    """
-)
-
 
 def quiet(config, out):
     return Lab(config, out, progress=False, echo=lambda line: None)
 
 
 @pytest.fixture
-def other_process(tmp_path):
+def other_process(tmp_path, hold_folder):
     """Another process that holds tmp_path / "out"'s lock until killed."""
     out = tmp_path / "out"
     out.mkdir()
-    proc = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, str(out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert proc.stdout.readline() == "locked\n"
-        yield proc, out
-    finally:
-        proc.kill()
-        proc.wait()
+    return hold_folder(out), out
 
 
 def test_a_folder_in_use_by_another_process_is_refused_naming_it(other_process, tiny_config, capsys):
@@ -185,3 +166,30 @@ def test_a_lock_that_cannot_be_taken_names_the_file(tiny_config, tmp_path, monke
         why = "Input/output error"
     with pytest.raises(ValueError, match=f"cannot be made the run folder: {out / '.lock'}: {why}"):
         quiet(tiny_config(), out).prepare()
+
+
+def test_holder_names_another_run_and_not_this_process(other_process, tmp_path):
+    proc, out = other_process
+    named = lock.holder(out)
+    assert named.startswith(f"a posenc lab run (pid {proc.pid} on {socket.gethostname()}, since ")
+    assert named.endswith(": posenc lab --preset quick --out elsewhere)")
+    (out / ".lock").write_text("")  # as between the holder's flock and its write: held, but by nobody named
+    assert lock.holder(out) == "a posenc lab run"
+    proc.kill()
+    proc.wait()
+    assert lock.holder(out) is None  # the file stays; nobody holds it
+    own = FolderLock(out)
+    assert lock.holder(out) is None  # this process's own run, which writes its own report: not "another run"
+    own.release()
+    assert lock.holder(tmp_path / "never made") is None
+
+
+def test_a_run_that_starts_during_a_probe_waits_it_out(tmp_path):
+    """holder() takes a shared lock for microseconds; a run starting in that moment must not be turned away."""
+    (tmp_path / ".lock").touch()
+    with open(tmp_path / ".lock") as probe:
+        lock.fcntl.flock(probe.fileno(), lock.fcntl.LOCK_SH | lock.fcntl.LOCK_NB)
+        threading.Timer(0.05, lock.fcntl.flock, (probe.fileno(), lock.fcntl.LOCK_UN)).start()
+        held = FolderLock(tmp_path)  # was FolderInUse at once
+        assert held.held
+    held.release()

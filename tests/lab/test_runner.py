@@ -75,6 +75,7 @@ def test_a_run_writes_csv_json_report_and_plots(finished):
         assert f"]({name})" in report
     page = (out / "report.html").read_text()  # the self-contained page of posenc.analysis, at every run's end
     assert "rope+yarn" in page and page.count("data:image/png;base64,") >= len(PLOTS)
+    assert 'class="note"' not in page  # the run that holds the folder writes it: no "a run is writing it" note
     assert not list(out.rglob("*.tmp"))
 
 

@@ -27,7 +27,7 @@ import posenc
 from posenc import _atomic
 from posenc.analysis.config import FigureConfig
 from posenc.analysis.plots import FIGURES, FigureInputs, png_bytes
-from posenc.analysis.run import finite_number, read_results, run_entropy, run_figure_config
+from posenc.analysis.run import finite_number, in_progress, read_results, run_entropy, run_figure_config
 
 # What tells one measured model from another in results.csv (seeds are averaged over, lengths become columns).
 KEY_COLUMNS = ("encoding", "extension", "finetune_steps", "train_len")
@@ -74,6 +74,7 @@ th { background: #f3f3f3; } td:first-child, td:nth-child(2) { text-align: left; 
 figure { margin: 1.2rem 0; } figure img { max-width: 100%; border: 1px solid #eee; }
 figcaption { color: #555; font-size: 0.9rem; } pre { background: #f7f7f7; padding: 0.8rem; overflow-x: auto; }
 .meta { color: #666; font-size: 0.9rem; }
+.note { background: #fff6d5; border: 1px solid #e0c050; padding: 0.5rem 0.8rem; }
 """
 
 
@@ -99,11 +100,13 @@ def render_html(
 ) -> str:
     """The report page as a string. run_dir: a lab run folder (results.csv required); config: what figures 1-7
     are drawn for (default: the run's own model from results.json, else ``FigureConfig()``); figures: which
-    analysis figures (default all, ``[]`` for none)."""
+    analysis figures (default all, ``[]`` for none). On a folder that another lab run is writing now, a note at the
+    top names that run: the results shown are an earlier run's (``posenc.analysis.run.in_progress``)."""
     run = Path(run_dir)
     if run.is_file():  # read_results would call it missing: say what it is instead
         raise ValueError(f"{str(run)!r} is a file, not a run folder; give the --out folder of a `posenc lab` run")
     rows = read_results(run)
+    running = in_progress(run)
     config = config or run_figure_config(run) or FigureConfig()
     names = list(FIGURES) if figures is None else list(figures)
     unknown = [n for n in names if n not in FIGURES]
@@ -119,6 +122,7 @@ def render_html(
         f'<p class="meta">{html.escape(str(run.resolve()))}; written '
         f"{datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')} by posenc "
         f"{html.escape(posenc.__version__)}. Self-contained: every image is embedded.</p>",
+        *([f'<p class="note">When this page was written, {html.escape(running)}.</p>'] if running else []),
         "<h2>Bits per byte by evaluation length</h2>",
         "<p>Mean over seeds (± sample standard deviation where a run has several); n/a where a model was run at "
         "that length but has no value there (its rows of results.csv, below, give the reason); blank where it was "

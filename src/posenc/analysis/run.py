@@ -9,6 +9,7 @@ or from the ``entropy_by_layer`` column of results.csv (one list of per-layer me
 from __future__ import annotations
 
 import csv
+import datetime
 import json
 import math
 import re
@@ -22,6 +23,7 @@ import torch
 from posenc import _atomic
 from posenc.analysis.config import FigureConfig
 from posenc.analysis.entropy import EntropyResult
+from posenc.lab.lock import holder
 
 REQUIRED_COLUMNS = ("encoding", "extension", "train_len", "eval_len", "seed", "bits_per_byte")
 ENTROPY_COLUMNS = ("encoding", "extension", "length", "layer", "head", "entropy")
@@ -53,6 +55,12 @@ def read_results(run_dir: str | Path) -> list[dict[str, str]]:
         raise ValueError(f"run folder {str(run)!r} does not exist; give the --out folder of a `posenc lab` run")
     path = run / "results.csv"
     if not path.is_file():
+        running = holder(run)
+        if running is not None:  # not "stopped": a rerun now would be refused, the folder being in use
+            raise ValueError(
+                f"run folder {str(run)!r} has no results.csv yet: {running} is writing it now, and "
+                "writes results.csv and report.html when it finishes"
+            )
         if (run / "config.json").is_file():  # a run that stopped before its first report: its units are kept
             raise ValueError(
                 f"run folder {str(run)!r} holds a lab run that stopped before writing results.csv; rerun the same "
@@ -74,6 +82,23 @@ def read_results(run_dir: str | Path) -> list[dict[str, str]]:
     if not rows:
         raise ValueError(f"{path} has a header but no rows; the run finished no measurement yet")
     return rows
+
+
+def in_progress(run_dir: str | Path) -> str | None:
+    """None, or what a reader of ``run_dir`` must be told: a lab run is writing it now, so the results read there are
+    an earlier run's (or there are none yet) until that run finishes and rewrites them."""
+    run = Path(run_dir)
+    running = holder(run)
+    if running is None:
+        return None
+    try:
+        written = datetime.datetime.fromtimestamp((run / "results.csv").stat().st_mtime, datetime.timezone.utc)
+    except OSError:
+        return f"{running} is writing {run} now and has not written results.csv yet"
+    return (
+        f"{running} is writing {run} now: its results.csv is the one an earlier run wrote at "
+        f"{written:%Y-%m-%d %H:%M} UTC, until this one finishes and rewrites it and report.html"
+    )
 
 
 def write_entropy_csv(path: str | Path, results: Mapping[tuple[str, str], EntropyResult]) -> Path:

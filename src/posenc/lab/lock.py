@@ -2,7 +2,8 @@
 find unfinished (the same numbers, twice the work), and a run in a folder that another one is adopting could read
 its half-rewritten units. The lock is advisory (``flock``) on ``<out>/.lock``: the kernel drops it when its holder
 ends, however it ends (Ctrl-C, SIGKILL), so no run has to clear a stale one (on NFS, where flock is a lock of lockd's,
-a crashed client's lock lasts until its server's lock recovery)."""
+a crashed client's lock lasts until its server's lock recovery). ``holder`` tells a reader of the folder (``posenc
+report``) that a run is writing it now, without holding that run up."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import errno
 import json
 import os
 import socket
+import time
 from pathlib import Path
 from typing import IO, Any
 
@@ -24,6 +26,9 @@ except ImportError:  # Windows: no flock; the lab runs unlocked there, as before
 # Filesystems that take no locks (some FUSE mounts, NFS without lockd; EBADF: NFS's emulated flock on a file opened
 # read-only): the run goes on unlocked rather than fail.
 _NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.EBADF}
+# How long a run waits for the lock before it is refused: long enough to outlast a holder() probe (microseconds), so
+# that a run which starts while a report looks at its folder is not turned away; short against any real run.
+_WAIT_SECONDS = 0.25
 
 
 class FolderInUse(ValueError):
@@ -55,7 +60,7 @@ class FolderLock:
             # description is not written.
             file, writable = open(self.path, encoding="utf-8"), False  # noqa: SIM115
         try:
-            fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _lock_exclusive(file.fileno())
         except BlockingIOError:
             file.seek(0)
             holder = file.read()
@@ -109,24 +114,76 @@ class FolderLock:
         self.release()
 
 
-def _in_use(folder: Path, holder: str) -> str:
-    """The refusal, naming the holder as its lock file describes it."""
+def holder(folder: Path) -> str | None:
+    """Who is running in ``folder`` now, for readers that must not take it for a finished or stopped run (``posenc
+    report``, ``posenc plot --run``). None where no other lab run holds its lock: none does, the holder is this
+    process (a run writing its own report), or the platform or filesystem takes no locks. Else the holder as its
+    lock file describes it, e.g. ``"a posenc lab run (pid 42 on vm, since 2026-12-04T09:06:18+00:00: posenc lab
+    --preset quick --out runs)"``, or ``"a posenc lab run"`` where it cannot say (between the holder's flock and its
+    write)."""
+    if fcntl is None:
+        return None
     try:
-        info: Any = json.loads(holder)
+        file = open(folder / ".lock", encoding="utf-8")  # noqa: SIM115 (closed below, however the probe ends)
+    except OSError:  # no lock file (no run has taken the folder) or none this user may read
+        return None
+    with file:
+        try:
+            # Shared and at once: a probe never waits for a run, and never holds one up (FolderLock waits it out).
+            fcntl.flock(file.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid, host, since, command = _described(file.read())
+        except OSError:
+            return None  # no locks taken here: nothing can be told
+        else:
+            fcntl.flock(file.fileno(), fcntl.LOCK_UN)
+            return None
+    if pid == os.getpid() and host == socket.gethostname():
+        return None
+    who = _who(pid, host, since, command)
+    return f"a posenc lab run ({who})" if who else "a posenc lab run"
+
+
+def _lock_exclusive(fd: int) -> None:
+    """LOCK_EX without blocking, tried again for _WAIT_SECONDS; raises BlockingIOError if it is still held then."""
+    deadline = time.monotonic() + _WAIT_SECONDS
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.01)
+
+
+def _described(text: str) -> tuple[int | None, str | None, str | None, str | None]:
+    """(pid, host, since, command) from the text of a held lock file; pid None where it names no live process: the
+    holder has not written its own description yet, or cannot (another user's file, locked read-only)."""
+    try:
+        info: Any = json.loads(text)
         pid, host, since, command = info["pid"], info["host"], info["since"], info["command"]
     except (ValueError, TypeError, KeyError):
-        pid = host = since = command = None  # between its flock and its write
-    here = host == socket.gethostname()
-    if here and not (isinstance(pid, int) and _alive(pid)):  # this process is alive: it stays named
-        # An ended run's: the holder has not written its own yet, or cannot (another user's file, read-only).
+        return None, None, None, None  # between its flock and its write
+    if host == socket.gethostname() and not (isinstance(pid, int) and _alive(pid)):  # this process stays named
         pid = None
-    if here and pid == os.getpid():
+    return pid, host, since, command
+
+
+def _who(pid: int | None, host: str | None, since: str | None, command: str | None) -> str:
+    return "" if pid is None else f"pid {pid} on {host}, since {since}{': ' + command if command else ''}"
+
+
+def _in_use(folder: Path, holder: str) -> str:
+    """The refusal, naming the holder as its lock file describes it."""
+    pid, host, since, command = _described(holder)
+    if pid == os.getpid() and host == socket.gethostname():
         return (
             f"--out {folder} is held by a Lab in this process that prepare() took it for, since {since}: run() it, "
             "call its release(), or pass another --out"
         )
-    who = "" if pid is None else f" (pid {pid} on {host}, since {since}{': ' + command if command else ''})"
+    who = _who(pid, host, since, command)
     return (
-        f"--out {folder} is in use by another posenc lab run{who}; wait for it to finish (a rerun then skips the "
-        "units it finished), or pass another --out"
+        f"--out {folder} is in use by another posenc lab run{f' ({who})' if who else ''}; wait for it to finish (a "
+        "rerun then skips the units it finished), or pass another --out"
     )
