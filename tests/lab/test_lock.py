@@ -184,8 +184,9 @@ def test_holder_names_another_run_and_not_this_process(other_process, tmp_path):
     assert lock.holder(tmp_path / "never made") is None
 
 
-def test_a_run_that_starts_during_a_probe_waits_it_out(tmp_path):
+def test_a_run_that_starts_during_a_probe_waits_it_out(tmp_path, monkeypatch):
     """holder() takes a shared lock for microseconds; a run starting in that moment must not be turned away."""
+    monkeypatch.setattr(lock, "_WAIT_SECONDS", 30.0)  # the probe here lasts 50 ms: no race with a loaded machine
     (tmp_path / ".lock").touch()
     with open(tmp_path / ".lock") as probe:
         lock.fcntl.flock(probe.fileno(), lock.fcntl.LOCK_SH | lock.fcntl.LOCK_NB)
