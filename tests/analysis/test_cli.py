@@ -109,8 +109,8 @@ def test_a_folder_a_lab_run_is_writing_is_said_to_be(tmp_path, capsys, make_run,
     running = f"a posenc lab run (pid {proc.pid} on "
     assert main(["report", str(run), "--no-figures"]) == 0
     err = capsys.readouterr().err
-    assert err.startswith(f"posenc report: note: {running}") and "its results.csv is the one an earlier run" in err
-    assert f'<p class="note">When this page was written, {running}' in (run / "report.html").read_text()
+    assert err.startswith(f"posenc report: note: {running}") and "its results.csv was last written at" in err
+    assert f'<p class="note">As this page was written: {running}' in (run / "report.html").read_text()
     assert main(["plot", "wavelengths", "--out", str(tmp_path / "figures"), "--run", str(run)]) == 0
     assert f"posenc plot: note: {running}" in capsys.readouterr().err
     # A first run with no results yet: not "stopped before writing results.csv; rerun", which would be refused.
@@ -120,7 +120,9 @@ def test_a_folder_a_lab_run_is_writing_is_said_to_be(tmp_path, capsys, make_run,
     hold_folder(first)
     assert main(["report", str(first)]) == 2
     err = capsys.readouterr().err
-    assert "has no results.csv yet: a posenc lab run (pid" in err and "is writing it now" in err
+    assert "has no results.csv yet: a posenc lab run (pid" in err and "is writing this folder now" in err
+    assert main(["plot", "wavelengths", "--out", str(tmp_path / "figures"), "--run", str(first)]) == 0
+    assert "is writing" in (err := capsys.readouterr().err) and "has not written results.csv yet" in err
     proc.kill()
     proc.wait()
     assert main(["report", str(run), "--no-figures"]) == 0

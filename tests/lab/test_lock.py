@@ -32,8 +32,9 @@ def other_process(tmp_path, hold_folder):
     return hold_folder(out), out
 
 
-def test_a_folder_in_use_by_another_process_is_refused_naming_it(other_process, tiny_config, capsys):
+def test_a_folder_in_use_by_another_process_is_refused_naming_it(other_process, tiny_config, capsys, monkeypatch):
     proc, out = other_process
+    monkeypatch.setattr(lock, "_PROBE_WAIT_SECONDS", 60.0)  # a run's lock is refused at once, not waited on as a probe
     config = tiny_config()
     overrides = {k: getattr(config, k) for k in ("corpus", "dim", "layers", "heads", "train_len", "steps")}
     status = runner.run_command(preset="quick", out=out, overrides=overrides, progress=False)
@@ -142,8 +143,9 @@ def test_a_lock_file_of_another_user_is_locked_read_only(tmp_path, monkeypatch):
     monkeypatch.setattr(lock, "open", not_for_writing, raising=False)
     held = FolderLock(tmp_path, "mine")
     assert held.held and "mine" not in (tmp_path / ".lock").read_text()
-    with pytest.raises(FolderInUse, match=r"in use by another posenc lab run; wait") as refused:
-        FolderLock(tmp_path)  # the lock is real; the description, an ended run's, is not shown
+    assert lock.holder(tmp_path) is None  # this process's, though the file names an ended run: no note on its report
+    with pytest.raises(FolderInUse, match=r"held by a Lab in this process") as refused:
+        FolderLock(tmp_path)  # the lock is real and known as this process's; the description, an ended run's, unshown
     assert "theirs" not in str(refused.value)
     held.release()
     (tmp_path / ".lock").unlink()
@@ -186,7 +188,7 @@ def test_holder_names_another_run_and_not_this_process(other_process, tmp_path):
 
 def test_a_run_that_starts_during_a_probe_waits_it_out(tmp_path, monkeypatch):
     """holder() takes a shared lock for microseconds; a run starting in that moment must not be turned away."""
-    monkeypatch.setattr(lock, "_WAIT_SECONDS", 30.0)  # the probe here lasts 50 ms: no race with a loaded machine
+    monkeypatch.setattr(lock, "_PROBE_WAIT_SECONDS", 30.0)  # the probe here lasts 50 ms: no race with a loaded machine
     (tmp_path / ".lock").touch()
     with open(tmp_path / ".lock") as probe:
         lock.fcntl.flock(probe.fileno(), lock.fcntl.LOCK_SH | lock.fcntl.LOCK_NB)
@@ -194,3 +196,27 @@ def test_a_run_that_starts_during_a_probe_waits_it_out(tmp_path, monkeypatch):
         held = FolderLock(tmp_path)  # was FolderInUse at once
         assert held.held
     held.release()
+
+
+def test_a_probe_leaves_the_folder_free_and_sees_other_probes_as_none(tmp_path, monkeypatch):
+    monkeypatch.setattr(lock, "_PROBE_WAIT_SECONDS", 0.0)  # a run waits for no probe here
+    (tmp_path / ".lock").touch()
+    assert lock.holder(tmp_path) is None
+    FolderLock(tmp_path).release()  # the probe took nothing with it
+    with open(tmp_path / ".lock") as other_probe:
+        lock.fcntl.flock(other_probe.fileno(), lock.fcntl.LOCK_SH | lock.fcntl.LOCK_NB)
+        assert lock.holder(tmp_path) is None  # two probes at once: neither is a run
+        with pytest.raises(FolderInUse, match=r"\.lock has been held shared for 0 s, by a process reading the folder"):
+            FolderLock(tmp_path)  # a probe that lasts: the refusal says what holds it, not "another posenc lab run"
+
+
+def test_holder_of_odd_lock_files(other_process, tmp_path):
+    _, out = other_process
+    (out / ".lock").write_bytes(b"\xff{")  # undecodable: still a run, unnamed, not an error
+    assert lock.holder(out) == "a posenc lab run"
+    with pytest.raises(FolderInUse, match="in use by another posenc lab run; wait"):
+        FolderLock(out)
+    fifo = tmp_path / "fifo"
+    fifo.mkdir()
+    os.mkfifo(fifo / ".lock")
+    assert lock.holder(fifo) is None  # without waiting for a writer

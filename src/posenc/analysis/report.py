@@ -101,7 +101,7 @@ def render_html(
     """The report page as a string. run_dir: a lab run folder (results.csv required); config: what figures 1-7
     are drawn for (default: the run's own model from results.json, else ``FigureConfig()``); figures: which
     analysis figures (default all, ``[]`` for none). On a folder that another lab run is writing now, a note at the
-    top names that run: the results shown are an earlier run's (``posenc.analysis.run.in_progress``)."""
+    top names that run: the results shown may be an earlier run's (``posenc.analysis.run.in_progress``)."""
     run = Path(run_dir)
     if run.is_file():  # read_results would call it missing: say what it is instead
         raise ValueError(f"{str(run)!r} is a file, not a run folder; give the --out folder of a `posenc lab` run")
@@ -122,7 +122,7 @@ def render_html(
         f'<p class="meta">{html.escape(str(run.resolve()))}; written '
         f"{datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')} by posenc "
         f"{html.escape(posenc.__version__)}. Self-contained: every image is embedded.</p>",
-        *([f'<p class="note">When this page was written, {html.escape(running)}.</p>'] if running else []),
+        *([f'<p class="note">As this page was written: {html.escape(running)}.</p>'] if running else []),
         "<h2>Bits per byte by evaluation length</h2>",
         "<p>Mean over seeds (± sample standard deviation where a run has several); n/a where a model was run at "
         "that length but has no value there (its rows of results.csv, below, give the reason); blank where it was "

@@ -58,8 +58,8 @@ def read_results(run_dir: str | Path) -> list[dict[str, str]]:
         running = holder(run)
         if running is not None:  # not "stopped": a rerun now would be refused, the folder being in use
             raise ValueError(
-                f"run folder {str(run)!r} has no results.csv yet: {running} is writing it now, and "
-                "writes results.csv and report.html when it finishes"
+                f"run folder {str(run)!r} has no results.csv yet: {running} is writing this folder now, and writes "
+                "results.csv and report.html when it finishes"
             )
         if (run / "config.json").is_file():  # a run that stopped before its first report: its units are kept
             raise ValueError(
@@ -85,8 +85,8 @@ def read_results(run_dir: str | Path) -> list[dict[str, str]]:
 
 
 def in_progress(run_dir: str | Path) -> str | None:
-    """None, or what a reader of ``run_dir`` must be told: a lab run is writing it now, so the results read there are
-    an earlier run's (or there are none yet) until that run finishes and rewrites them."""
+    """None, or what a reader of ``run_dir`` must be told: a lab run is writing it now, so the results read there may
+    be an earlier run's (or there are none yet) until that run finishes and rewrites them."""
     run = Path(run_dir)
     running = holder(run)
     if running is None:
@@ -95,9 +95,10 @@ def in_progress(run_dir: str | Path) -> str | None:
         written = datetime.datetime.fromtimestamp((run / "results.csv").stat().st_mtime, datetime.timezone.utc)
     except OSError:
         return f"{running} is writing {run} now and has not written results.csv yet"
+    # Not "an earlier run's": the run writes results.csv a few seconds before it finishes and lets the folder go.
     return (
-        f"{running} is writing {run} now: its results.csv is the one an earlier run wrote at "
-        f"{written:%Y-%m-%d %H:%M} UTC, until this one finishes and rewrites it and report.html"
+        f"{running} is writing {run} now: its results.csv was last written at {written:%Y-%m-%d %H:%M:%S} UTC, and "
+        "the run rewrites it and report.html when it finishes"
     )
 
 

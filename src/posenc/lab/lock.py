@@ -26,9 +26,12 @@ except ImportError:  # Windows: no flock; the lab runs unlocked there, as before
 # Filesystems that take no locks (some FUSE mounts, NFS without lockd; EBADF: NFS's emulated flock on a file opened
 # read-only): the run goes on unlocked rather than fail.
 _NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.EBADF}
-# How long a run waits for the lock before it is refused: long enough to outlast a holder() probe (microseconds), so
-# that a run which starts while a report looks at its folder is not turned away; short against any real run.
-_WAIT_SECONDS = 0.25
+# How long a run waits while only shared locks are in its way: holder() probes (microseconds each; a report stopped
+# with Ctrl-Z in the middle of one would hold it longer). A run holds its lock exclusively, and is refused at once.
+_PROBE_WAIT_SECONDS = 10.0
+# The .lock files this process's FolderLocks hold, by (device, inode), with the pid that took each and since when: how
+# holder() and a refusal know this process's own lock where the file cannot say (another user's, locked read-only).
+_HELD: dict[tuple[int, int], tuple[int, str]] = {}
 
 
 class FolderInUse(ValueError):
@@ -39,8 +42,9 @@ class FolderLock:
     """Holds ``<folder>/.lock`` from construction until ``release()`` (or until the object is collected).
 
     Raises FolderInUse, naming the holder (pid, host, start time and command, which it writes into the file), when
-    another run holds it, this process included (a prepared Lab that has not run yet); an OSError (its filename the
-    lock file) where the file cannot be opened at all."""
+    another run holds it, this process included (a prepared Lab that has not run yet), and (saying so) where readers'
+    shared locks (``holder``) keep it for over _PROBE_WAIT_SECONDS; an OSError (its filename the lock file) where the
+    file cannot be opened at all."""
 
     def __init__(self, folder: Path, command: str = "") -> None:
         self.path = folder / ".lock"
@@ -49,28 +53,31 @@ class FolderLock:
         if fcntl is None:
             return
         # Kept for release(), which also runs from __del__ at interpreter exit, when modules may be torn down.
-        self._unlock = (fcntl.flock, fcntl.LOCK_UN, os.getpid)
+        self._unlock = (fcntl.flock, fcntl.LOCK_UN, os.getpid, _HELD)
         try:
             # Opened without truncation: the holder's own description must survive a refused open.
-            file, writable = open(self.path, "a+", encoding="utf-8"), True  # noqa: SIM115 (held open for the run)
+            file, writable = open(self.path, "a+", **_TEXT), True  # noqa: SIM115 (held open for the run)
         except PermissionError:
             if not self.path.is_file():
                 raise
             # Another user's .lock in a folder this user may write: flock needs no write access, only the holder's
             # description is not written.
-            file, writable = open(self.path, encoding="utf-8"), False  # noqa: SIM115
+            file, writable = open(self.path, **_TEXT), False  # noqa: SIM115
         try:
-            _lock_exclusive(file.fileno())
-        except BlockingIOError:
+            self._key = _key(file)
+            _lock_exclusive(file)
+        except FolderInUse as refused:
             file.seek(0)
             holder = file.read()
             file.close()
-            raise FolderInUse(_in_use(folder, holder)) from None
+            raise FolderInUse(str(refused) or _in_use(folder, holder, self._key)) from None
         except OSError as error:
             file.close()
             if error.errno in _NO_LOCKS:
                 return
             raise OSError(error.errno, error.strerror, str(self.path)) from error
+        since = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        _HELD[self._key] = (self._pid, since)
         if writable:
             file.seek(0)
             file.truncate()
@@ -79,7 +86,7 @@ class FolderLock:
                     {
                         "pid": self._pid,
                         "host": socket.gethostname(),
-                        "since": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+                        "since": since,
                         "command": command,
                     }
                 )
@@ -98,12 +105,13 @@ class FolderLock:
         file, self._file = self._file, None
         if file is None:
             return
-        flock, unlock, getpid = self._unlock  # not the modules': this also runs from __del__ at interpreter exit
+        flock, unlock, getpid, held = self._unlock  # not the modules': this also runs from __del__ at exit
         # Unlocked, not only closed: a process forked since (a DataLoader's workers, a fork Pool) holds a copy of the
         # descriptor, and the lock lasts while any copy is open. Not in such a child, whose end must not free its
         # parent's folder.
         try:
             if getpid() == self._pid:
+                held.pop(self._key, None)
                 flock(file.fileno(), unlock)
         except OSError:
             pass  # the close below drops it too, where no child holds a copy
@@ -120,41 +128,63 @@ def holder(folder: Path) -> str | None:
     process (a run writing its own report), or the platform or filesystem takes no locks. Else the holder as its
     lock file describes it, e.g. ``"a posenc lab run (pid 42 on vm, since 2026-12-04T09:06:18+00:00: posenc lab
     --preset quick --out runs)"``, or ``"a posenc lab run"`` where it cannot say (between the holder's flock and its
-    write)."""
-    if fcntl is None:
+    write, or an unreadable description)."""
+    path = folder / ".lock"
+    if fcntl is None or not path.is_file():  # not a FIFO either, whose open would wait for a writer
         return None
     try:
-        file = open(folder / ".lock", encoding="utf-8")  # noqa: SIM115 (closed below, however the probe ends)
-    except OSError:  # no lock file (no run has taken the folder) or none this user may read
+        file = open(path, **_TEXT)  # noqa: SIM115 (closed below, however the probe ends)
+    except OSError:  # gone since, or another user's that this one may not read
         return None
     with file:
         try:
-            # Shared and at once: a probe never waits for a run, and never holds one up (FolderLock waits it out).
+            # Shared and at once: a probe never waits for a run, and a starting run waits out probes (only runs
+            # lock exclusively).
             fcntl.flock(file.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
-            pid, host, since, command = _described(file.read())
+            mine = _HELD.get(_key(file))
+            if mine is not None and mine[0] == os.getpid():
+                return None
+            who = _who(*_described(file.read()))
         except OSError:
             return None  # no locks taken here: nothing can be told
         else:
             fcntl.flock(file.fileno(), fcntl.LOCK_UN)
             return None
-    if pid == os.getpid() and host == socket.gethostname():
-        return None
-    who = _who(pid, host, since, command)
     return f"a posenc lab run ({who})" if who else "a posenc lab run"
 
 
-def _lock_exclusive(fd: int) -> None:
-    """LOCK_EX without blocking, tried again for _WAIT_SECONDS; raises BlockingIOError if it is still held then."""
-    deadline = time.monotonic() + _WAIT_SECONDS
+# The lock file is read as text whatever it holds: undecodable bytes must not turn a probe or a refusal into an error.
+_TEXT: dict[str, Any] = {"encoding": "utf-8", "errors": "replace"}
+
+
+def _key(file: IO[str]) -> tuple[int, int]:
+    status = os.fstat(file.fileno())
+    return status.st_dev, status.st_ino
+
+
+def _lock_exclusive(file: IO[str]) -> None:
+    """LOCK_EX without blocking. Raises FolderInUse (with an empty message: the caller names the holder) where a run
+    holds the lock, or (saying so) where shared holders, holder() probes, keep it for _PROBE_WAIT_SECONDS."""
+    fd = file.fileno()
+    deadline = time.monotonic() + _PROBE_WAIT_SECONDS
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return
         except BlockingIOError:
-            if time.monotonic() >= deadline:
-                raise
-            time.sleep(0.01)
+            pass
+        try:  # who is in the way: a run (exclusive), or only probes (shared)?
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise FolderInUse("") from None
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        if time.monotonic() >= deadline:
+            raise FolderInUse(
+                f"{file.name} has been held shared for {_PROBE_WAIT_SECONDS:g} s, by a process reading the folder "
+                "(`posenc report`, `posenc plot --run`; one stopped with Ctrl-Z?); let it finish, then run again"
+            )
+        time.sleep(0.01)
 
 
 def _described(text: str) -> tuple[int | None, str | None, str | None, str | None]:
@@ -174,10 +204,12 @@ def _who(pid: int | None, host: str | None, since: str | None, command: str | No
     return "" if pid is None else f"pid {pid} on {host}, since {since}{': ' + command if command else ''}"
 
 
-def _in_use(folder: Path, holder: str) -> str:
+def _in_use(folder: Path, holder: str, key: tuple[int, int]) -> str:
     """The refusal, naming the holder as its lock file describes it."""
     pid, host, since, command = _described(holder)
-    if pid == os.getpid() and host == socket.gethostname():
+    mine = _HELD.get(key)
+    if mine is not None and mine[0] == os.getpid():
+        since = mine[1]
         return (
             f"--out {folder} is held by a Lab in this process that prepare() took it for, since {since}: run() it, "
             "call its release(), or pass another --out"
