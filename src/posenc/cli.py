@@ -140,7 +140,7 @@ def _figure_config(args: argparse.Namespace, run_dir: str | None = None):  # -> 
 
 
 def _note_in_progress(command: str, run_dir: str) -> None:
-    """Says on stderr that a lab run is writing run_dir, whose results are then an earlier run's (or none yet)."""
+    """Says on stderr that a lab run is writing run_dir, whose results may then be an earlier run's (or none yet)."""
     from posenc.analysis.run import in_progress
 
     note = in_progress(run_dir)

@@ -120,9 +120,11 @@ def test_a_folder_a_lab_run_is_writing_is_said_to_be(tmp_path, capsys, make_run,
     hold_folder(first)
     assert main(["report", str(first)]) == 2
     err = capsys.readouterr().err
-    assert "has no results.csv yet: a posenc lab run (pid" in err and "is writing this folder now" in err
+    assert f"run folder {str(first)!r} has no results yet: a posenc lab run (pid" in err
+    assert f"is writing {first} now; it writes results.csv and report.html when it finishes" in err
     assert main(["plot", "wavelengths", "--out", str(tmp_path / "figures"), "--run", str(first)]) == 0
-    assert "is writing" in (err := capsys.readouterr().err) and "has not written results.csv yet" in err
+    assert "posenc plot: note: a posenc lab run (pid" in (err := capsys.readouterr().err)
+    assert "it writes results.csv and report.html when it finishes" in err
     proc.kill()
     proc.wait()
     assert main(["report", str(run), "--no-figures"]) == 0

@@ -55,12 +55,9 @@ def read_results(run_dir: str | Path) -> list[dict[str, str]]:
         raise ValueError(f"run folder {str(run)!r} does not exist; give the --out folder of a `posenc lab` run")
     path = run / "results.csv"
     if not path.is_file():
-        running = holder(run)
+        running = in_progress(run)
         if running is not None:  # not "stopped": a rerun now would be refused, the folder being in use
-            raise ValueError(
-                f"run folder {str(run)!r} has no results.csv yet: {running} is writing this folder now, and writes "
-                "results.csv and report.html when it finishes"
-            )
+            raise ValueError(f"run folder {str(run)!r} has no results yet: {running}")
         if (run / "config.json").is_file():  # a run that stopped before its first report: its units are kept
             raise ValueError(
                 f"run folder {str(run)!r} holds a lab run that stopped before writing results.csv; rerun the same "
@@ -94,7 +91,7 @@ def in_progress(run_dir: str | Path) -> str | None:
     try:
         written = datetime.datetime.fromtimestamp((run / "results.csv").stat().st_mtime, datetime.timezone.utc)
     except OSError:
-        return f"{running} is writing {run} now and has not written results.csv yet"
+        return f"{running} is writing {run} now; it writes results.csv and report.html when it finishes"
     # Not "an earlier run's": the run writes results.csv a few seconds before it finishes and lets the folder go.
     return (
         f"{running} is writing {run} now: its results.csv was last written at {written:%Y-%m-%d %H:%M:%S} UTC, and "
