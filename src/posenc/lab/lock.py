@@ -32,6 +32,8 @@ _PROBE_WAIT_SECONDS = 10.0
 # The .lock files this process's FolderLocks hold, by (device, inode), with the pid that took each and since when: how
 # holder() and a refusal know this process's own lock where the file cannot say (another user's, locked read-only).
 _HELD: dict[tuple[int, int], tuple[int, str]] = {}
+# The lock file is read as text whatever it holds: undecodable bytes must not turn a probe or a refusal into an error.
+_TEXT: dict[str, Any] = {"encoding": "utf-8", "errors": "replace"}
 
 
 class FolderInUse(ValueError):
@@ -152,10 +154,6 @@ def holder(folder: Path) -> str | None:
             fcntl.flock(file.fileno(), fcntl.LOCK_UN)
             return None
     return f"a posenc lab run ({who})" if who else "a posenc lab run"
-
-
-# The lock file is read as text whatever it holds: undecodable bytes must not turn a probe or a refusal into an error.
-_TEXT: dict[str, Any] = {"encoding": "utf-8", "errors": "replace"}
 
 
 def _key(file: IO[str]) -> tuple[int, int]:
