@@ -144,8 +144,7 @@ def holder(folder: Path) -> str | None:
             # lock exclusively).
             fcntl.flock(file.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
-            mine = _HELD.get(_key(file))
-            if mine is not None and mine[0] == os.getpid():
+            if _held_here(_key(file)) is not None:
                 return None
             who = _who(*_described(file.read()))
         except OSError:
@@ -159,6 +158,13 @@ def holder(folder: Path) -> str | None:
 def _key(file: IO[str]) -> tuple[int, int]:
     status = os.fstat(file.fileno())
     return status.st_dev, status.st_ino
+
+
+def _held_here(key: tuple[int, int]) -> str | None:
+    """Since when this process's own FolderLock holds the lock file ``key``; None where it does not (a forked child
+    keeps its parent's record, under the parent's pid)."""
+    mine = _HELD.get(key)
+    return mine[1] if mine is not None and mine[0] == os.getpid() else None
 
 
 def _lock_exclusive(file: IO[str]) -> None:
@@ -204,15 +210,13 @@ def _who(pid: int | None, host: str | None, since: str | None, command: str | No
 
 def _in_use(folder: Path, holder: str, key: tuple[int, int]) -> str:
     """The refusal, naming the holder as its lock file describes it."""
-    pid, host, since, command = _described(holder)
-    mine = _HELD.get(key)
-    if mine is not None and mine[0] == os.getpid():
-        since = mine[1]
+    since = _held_here(key)
+    if since is not None:
         return (
             f"--out {folder} is held by a Lab in this process that prepare() took it for, since {since}: run() it, "
             "call its release(), or pass another --out"
         )
-    who = _who(pid, host, since, command)
+    who = _who(*_described(holder))
     return (
         f"--out {folder} is in use by another posenc lab run{f' ({who})' if who else ''}; wait for it to finish (a "
         "rerun then skips the units it finished), or pass another --out"
