@@ -139,17 +139,15 @@ def _figure_config(args: argparse.Namespace, run_dir: str | None = None):  # -> 
     return FigureConfig.from_flags(rope_parameters=params, **flags)
 
 
-def _note_in_progress(command: str, run_dir: str) -> None:
-    """Says on stderr that a lab run is writing run_dir, whose results may then be an earlier run's (or none yet)."""
-    from posenc.analysis.run import in_progress
-
-    note = in_progress(run_dir)
+def _note_in_progress(command: str, note: str | None) -> None:
+    """Says on stderr that a lab run is writing the run folder, whose results may then be an earlier run's."""
     if note is not None:
         print(f"posenc {command}: note: {note}", file=sys.stderr)
 
 
 def _plot(args: argparse.Namespace) -> int:
     from posenc.analysis.plots import check_names, figure_inputs, write_figures
+    from posenc.analysis.run import in_progress
 
     try:
         names = check_names(args.names)
@@ -157,7 +155,7 @@ def _plot(args: argparse.Namespace) -> int:
         inputs = figure_inputs(config, args.run, need_entropy="attention_entropy" in names)
         paths = write_figures(args.out, names, inputs, svg=args.svg, dpi=args.dpi)
         if args.run is not None:
-            _note_in_progress("plot", args.run)
+            _note_in_progress("plot", in_progress(args.run))
     except (ValueError, TypeError) as err:
         print(f"posenc plot: error: {err}", file=sys.stderr)
         return 2
@@ -190,12 +188,15 @@ def _add_plot(sub: argparse._SubParsersAction) -> None:
 
 def _report(args: argparse.Namespace) -> int:
     from posenc.analysis.report import write_report
+    from posenc.analysis.run import in_progress
 
     try:
+        config = _figure_config(args, args.run_dir)
+        running = in_progress(args.run_dir)  # looked at once: the page and stderr say the same
         path = write_report(
-            args.run_dir, out=args.out, config=_figure_config(args, args.run_dir), figures=None if args.figures else []
+            args.run_dir, out=args.out, config=config, figures=None if args.figures else [], running=running
         )
-        _note_in_progress("report", args.run_dir)
+        _note_in_progress("report", running)
     except (ValueError, TypeError) as err:
         print(f"posenc report: error: {err}", file=sys.stderr)
         return 2

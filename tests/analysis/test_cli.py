@@ -131,6 +131,18 @@ def test_a_folder_a_lab_run_is_writing_is_said_to_be(tmp_path, capsys, make_run,
     assert "note" not in capsys.readouterr().err and 'class="note"' not in (run / "report.html").read_text()
 
 
+def test_the_report_looks_at_the_lock_once_so_its_page_and_stderr_agree(tmp_path, capsys, make_run, monkeypatch):
+    # A run that ends while the page renders: a second look would find no holder, and the two would disagree.
+    run = make_run(tmp_path / "run", entropy=False, lab_png=False)
+    answers = iter(["a posenc lab run (pid 42 on vm)"])
+    monkeypatch.setattr("posenc.analysis.run.holder", lambda folder: next(answers, None))
+    assert main(["report", str(run), "--no-figures"]) == 0
+    assert capsys.readouterr().err.startswith("posenc report: note: a posenc lab run (pid 42 on vm) is writing")
+    assert (
+        '<p class="note">As this page was written: a posenc lab run (pid 42 on vm)' in (run / "report.html").read_text()
+    )
+
+
 def test_the_reports_plot_command_reproduces_its_config(tmp_path):
     import shlex
 

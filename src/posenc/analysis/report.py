@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import datetime
+import enum
 import html
 import json
 import shlex
@@ -31,6 +32,12 @@ from posenc.analysis.run import finite_number, in_progress, read_results, run_en
 
 # What tells one measured model from another in results.csv (seeds are averaged over, lengths become columns).
 KEY_COLUMNS = ("encoding", "extension", "finetune_steps", "train_len")
+
+
+class _Probe(enum.Enum):
+    """The default of ``running``: look at the folder's lock as the page is written."""
+
+    LOCK = enum.auto()
 
 
 def summary_table(rows: Sequence[Mapping[str, str]]) -> tuple[list[str], list[list[str]]]:
@@ -97,16 +104,20 @@ def render_html(
     *,
     config: FigureConfig | None = None,
     figures: Sequence[str] | None = None,
+    running: str | _Probe | None = _Probe.LOCK,
 ) -> str:
     """The report page as a string. run_dir: a lab run folder (results.csv required); config: what figures 1-7
     are drawn for (default: the run's own model from results.json, else ``FigureConfig()``); figures: which
     analysis figures (default all, ``[]`` for none). On a folder that another lab run is writing now, a note at the
-    top names that run: the results shown may be an earlier run's (``posenc.analysis.run.in_progress``)."""
+    top names that run: the results shown may be an earlier run's. running: that note, as
+    ``posenc.analysis.run.in_progress(run_dir)`` words it, or None for none; by default the folder is looked at
+    as the page is written. A caller that also tells its user passes the one it showed, so the two agree."""
     run = Path(run_dir)
     if run.is_file():  # read_results would call it missing: say what it is instead
         raise ValueError(f"{str(run)!r} is a file, not a run folder; give the --out folder of a `posenc lab` run")
     rows = read_results(run)
-    running = in_progress(run)
+    if running is _Probe.LOCK:
+        running = in_progress(run)
     config = config or run_figure_config(run) or FigureConfig()
     names = list(FIGURES) if figures is None else list(figures)
     unknown = [n for n in names if n not in FIGURES]
@@ -203,16 +214,17 @@ def write_report(
     out: str | Path | None = None,
     config: FigureConfig | None = None,
     figures: Sequence[str] | None = None,
+    running: str | _Probe | None = _Probe.LOCK,
 ) -> Path:
-    """Write the self-contained report page; returns its path (default ``run_dir/report.html``). config and
-    figures: as for ``render_html``.
+    """Write the self-contained report page; returns its path (default ``run_dir/report.html``). config,
+    figures and running: as for ``render_html``.
 
     The file is written to a temporary name and renamed, so an interrupted run never leaves half a page.
     """
     path = Path(out) if out is not None else Path(run_dir) / "report.html"
     if path.is_dir():
         raise ValueError(f"--out {str(path)!r} is a directory; give the path of the .html file to write")
-    page = render_html(run_dir, config=config, figures=figures)
+    page = render_html(run_dir, config=config, figures=figures, running=running)
     with _atomic.atomic_path(path) as temporary:
         temporary.write_text(page, encoding="utf-8")
     return path
