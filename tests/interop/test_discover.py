@@ -308,10 +308,10 @@ def test_a_cache_filled_before_patching_stays_valid() -> None:
         patched = copy.deepcopy(model)
         ids = tokens(12)
         with torch.no_grad():
-            expected = model(ids[:, 8:], past_key_values=model(ids[:, :8], use_cache=True).past_key_values).logits
-            past = patched(ids[:, :8], use_cache=True).past_key_values  # filled unpatched
+            expected = model(ids[:, 8:], cache=model(ids[:, :8], use_cache=True).cache).logits
+            past = patched(ids[:, :8], use_cache=True).cache  # filled unpatched
             report = patch_model(patched)
-            got = patched(ids[:, 8:], past_key_values=past).logits
+            got = patched(ids[:, 8:], cache=past).logits
         torch.testing.assert_close(got, expected, **FP32)
         if model_type == "deepseek_v3":
             assert report.rotations["apply_rotary_pos_emb_interleave"] == "interleaved, returned evens then odds"

@@ -534,11 +534,11 @@ def test_length_dependent_types_compile_as_the_unpatched_model_does(mode: str) -
         with torch.no_grad():
             compiled = torch.compile(patched, backend="eager")
             ours = compiled(prompt, use_cache=True)
-            ours = compiled(step, past_key_values=ours.past_key_values).logits
+            ours = compiled(step, cache=ours.cache).logits
     finally:
         torch._dynamo.reset()
     with torch.no_grad():
-        theirs = model(step, past_key_values=model(prompt, use_cache=True).past_key_values).logits
+        theirs = model(step, cache=model(prompt, use_cache=True).cache).logits
     torch.testing.assert_close(ours, theirs, **FP32)
 
 

@@ -106,8 +106,8 @@ def test_the_text_models_multimodal_rope_is_posencs(model_type: str) -> None:
         text = language(input_ids=ids, position_ids=torch.arange(12).expand(2, 12)).last_hidden_state
         assert (text - ours).abs().max() > 1e-2
         # A cached decoding step with (3, b, s) ids continues the prefill's.
-        past = language(input_ids=ids[:, :8], position_ids=axes[..., :8], use_cache=True).past_key_values
-        step = language(input_ids=ids[:, 8:], position_ids=axes[..., 8:], past_key_values=past).last_hidden_state
+        past = language(input_ids=ids[:, :8], position_ids=axes[..., :8], use_cache=True).cache
+        step = language(input_ids=ids[:, 8:], position_ids=axes[..., 8:], cache=past).last_hidden_state
         torch.testing.assert_close(step, theirs[:, 8:], **FP32)
     unpatch_model(patched)
     assert not is_patched(patched) and type(patched.model.language_model.rotary_emb).__name__.endswith(
