@@ -102,7 +102,10 @@ def test_bad_input_is_a_clear_error(tmp_path):
     broken.write_text("{")
     with pytest.raises(ValueError, match="is not valid JSON"):
         FigureConfig.from_json(broken)
-    with pytest.raises(ValueError, match="hidden_size and num_attention_heads"):
+    with (
+        pytest.raises(ValueError, match="hidden_size and num_attention_heads"),
+        pytest.warns(UserWarning, match="'x' is not"),
+    ):
         FigureConfig.from_mapping({"model_type": "x"})
 
 

@@ -499,6 +499,8 @@ def test_without_transformers_a_model_type_is_read_without_a_warning(monkeypatch
         ({"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 1024}, "original_max_position"),
     ],
 )
+# Yarn-Llama-2's factor 16 on a 2048-position config: the mismatch warning is expected here.
+@pytest.mark.filterwarnings(r"ignore:rope_parameters\['factor'\]=.* differs from max_position_embeddings")
 def test_keys_the_type_does_not_read_are_ignored_as_transformers_does(rope, unused):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
