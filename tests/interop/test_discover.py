@@ -312,6 +312,8 @@ def test_a_cache_filled_before_patching_stays_valid() -> None:
             past = patched(ids[:, :8], use_cache=True).cache  # filled unpatched
             report = patch_model(patched)
             got = patched(ids[:, 8:], cache=past).logits
+            full = model(ids).logits
+        torch.testing.assert_close(expected, full[:, 8:], **FP32)  # the cache is read: the check below is one
         torch.testing.assert_close(got, expected, **FP32)
         if model_type == "deepseek_v3":
             assert report.rotations["apply_rotary_pos_emb_interleave"] == "interleaved, returned evens then odds"

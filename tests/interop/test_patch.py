@@ -357,12 +357,15 @@ NEW_SCALINGS = [
     ("llama", {"rope_type": "dynamic", "factor": 2.0}),
     ("llama", {"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0}),
     ("llama", {"rope_type": "ntk", "factor": 4.0}),  # posenc-only: written as default with a larger rope_theta
-    ("qwen2", {"type": "yarn", "factor": 4.0, "beta_fast": 16.0}),  # the legacy spelling of rope_type
+    # The legacy spelling of rope_type; beta_fast moves the ramp only where the original length is well past 2 pi 32.
+    ("qwen2", {"type": "yarn", "factor": 4.0, "beta_fast": 16.0, "original_max_position_embeddings": 4096}),
     ("gpt_neox", {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}),
     ("phi3", rope_case("phi3", "longrope")["rope_parameters"] | {"original_max_position_embeddings": 8}),
 ]
 
 
+# The qwen2 case's original length is past the tiny model's 16 positions: the mismatch warning is expected there.
+@pytest.mark.filterwarnings(r"ignore:rope_parameters\['factor'\]=.* differs from max_position_embeddings")
 @pytest.mark.parametrize(("arch", "rope_parameters"), NEW_SCALINGS)
 def test_new_scaling_survives_save_and_plain_reload(arch: str, rope_parameters: dict, tmp_path: Path) -> None:
     model = build(arch)
@@ -800,12 +803,23 @@ def test_tiny_model_missing_file_or_wrong_type(tmp_path: Path) -> None:
     ],
 )
 def test_lab_extensions_apply_to_a_tiny_model(rope_parameters: dict) -> None:
-    # The lab's training-free study: train at 32 tokens, then evaluate at 4x with each extension.
+    # The lab's training-free study: train at 32 tokens, then evaluate at 4x with each extension. The patched model
+    # gives the logits of transformers' own model built from the config the patch wrote, with the same weights.
     model = tiny_model_from_config(CONFIGS / "llama-3.1-8b.json", max_position_embeddings=32)
+    with torch.no_grad():  # attention peaked enough for the positions to matter in a random model
+        for name, parameter in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                parameter.mul_(8)
+    unscaled = copy.deepcopy(model)
     patch_model(model, rope_parameters=rope_parameters)
+    plain = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(model.config)).eval()
+    plain.load_state_dict(unscaled.state_dict())
+    ids = torch.randint(0, 256, (2, 128), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        logits = model(torch.randint(0, 256, (2, 128), generator=torch.Generator().manual_seed(0))).logits
-    assert logits.shape == (2, 128, 256) and torch.isfinite(logits).all()
+        logits, theirs, before = model(ids).logits, plain(ids).logits, unscaled(ids).logits
+    assert logits.shape == (2, 128, 256)
+    torch.testing.assert_close(logits, theirs, **FP32)
+    assert (logits - before).abs().max() > 1e-2  # the extension changed the model
 
 
 def test_training_through_the_patch_gives_transformers_gradients() -> None:

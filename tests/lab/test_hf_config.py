@@ -22,8 +22,9 @@ pytest.importorskip("transformers")
 
 CONFIGS = {
     "llama": {"model_type": "llama", "rope_theta": 500000.0, "hidden_act": "silu", "rms_norm_eps": 1e-6},
-    # Partial rotary: a quarter of each head's dims rotate.
-    "gpt_neox": {"model_type": "gpt_neox", "rotary_pct": 0.5, "rope_theta": 10000, "use_parallel_residual": True},
+    # Partial rotary: half of each head's dims rotate. GPT-NeoX's base is rotary_emb_base (its config ignores
+    # rope_theta), and not the default, so that the check below shows it was read.
+    "gpt_neox": {"model_type": "gpt_neox", "rotary_pct": 0.5, "rotary_emb_base": 20000, "use_parallel_residual": True},
 }
 
 
@@ -55,7 +56,7 @@ def test_a_lab_run_on_a_hugging_face_architecture(model_type, corpus_dir, tmp_pa
     with open(out / "results.csv") as f:
         assert {r["architecture"] for r in csv.DictReader(f)} == {model_type}
     # The report's figures draw the RoPE the model trained with: the file's theta and rotary fraction.
-    rotary, theta = {"llama": (8, 500000.0), "gpt_neox": (4, 10000.0)}[model_type]
+    rotary, theta = {"llama": (8, 500000.0), "gpt_neox": (4, 20000.0)}[model_type]
     assert results["rope"] == {
         "head_dim": 8,
         "rotary_dim": rotary,
