@@ -138,6 +138,20 @@ def compiled_flex(monkeypatch):
         yield
 
 
+@pytest.fixture
+def flex_calls(monkeypatch) -> list[int]:
+    """The calls CausalSelfAttention routes to FlexAttention, one entry each: without it, a layer that never routed
+    there would compare the materialized path with itself (with compiled_flex, a routed call that fell back warns)."""
+    calls: list[int] = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return flex_bias.attend_flex(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "attend_flex", counted)
+    return calls
+
+
 def _materialized(layer, monkeypatch, *args, **kwargs):
     with monkeypatch.context() as materialize:
         materialize.setattr(flex_bias, "CPU_MIN_SCORES", 2**62)
@@ -145,7 +159,7 @@ def _materialized(layer, monkeypatch, *args, **kwargs):
 
 
 @pytest.mark.parametrize("name", ["alibi", "t5-causal"])
-def test_packed_documents_get_one_semantics_on_every_path(name, monkeypatch, compiled_flex):
+def test_packed_documents_get_one_semantics_on_every_path(name, monkeypatch, compiled_flex, flex_calls):
     """Compiled FlexAttention, the materialized bias and return_attention agree when position ids restart
     mid-row. ALiBi's materialized bias used to hide the earlier document's keys whose ids exceed the query's
     (0.47 apart); causality is by token order on every path, and every earlier key gets -slope * |m - n|."""
@@ -157,13 +171,14 @@ def test_packed_documents_get_one_semantics_on_every_path(name, monkeypatch, com
         materialized = _materialized(layer, monkeypatch, x, positions=packed)
         _, probs = layer(x, positions=packed, return_attention=True)
         flexed = layer(x, positions=packed)
+    assert flex_calls == [1]
     assert_close(flexed, materialized.double(), reduction=True)
     # The second document's first token (id 0, token 24) still sees every key of the first document.
     assert (probs[0, :, 24, :25] > 0).all()
 
 
 @pytest.mark.parametrize("name", ["alibi", "t5-causal"])
-def test_document_ids_keep_documents_apart_on_every_path(name, monkeypatch, compiled_flex):
+def test_document_ids_keep_documents_apart_on_every_path(name, monkeypatch, compiled_flex, flex_calls):
     """With document ids the compiled FlexAttention's block mask, the materialized mask and return_attention agree,
     for ids per sequence of a batch and shared by it, and each document attends as if alone. 300 tokens: the block
     mask (128-token blocks) skips whole blocks between documents."""
@@ -172,11 +187,13 @@ def test_document_ids_keep_documents_apart_on_every_path(name, monkeypatch, comp
     x = torch.randn(2, 300, 32)
     rows = [torch.repeat_interleave(torch.arange(3), torch.tensor(n)) for n in ([130, 40, 130], [3, 250, 47])]
     for docs in (torch.stack(rows), rows[0][None]):
+        flex_calls.clear()
         with torch.no_grad():
             flexed = layer(x, document_ids=docs)
             materialized = _materialized(layer, monkeypatch, x, document_ids=docs)
             _, probs = layer(x, document_ids=docs, return_attention=True)
             alone = _materialized(layer, monkeypatch, x[:1, 170:], document_ids=None)
+        assert flex_calls == [1]
         assert_close(flexed, materialized.double(), reduction=True)
         assert_close(flexed[:1, 170:], alone.double(), reduction=True)
         assert (probs[0, :, 170:, :170] == 0).all() and (probs[:, :, 130:170, :130] == 0).all() == (docs.shape[0] == 1)
@@ -198,7 +215,7 @@ def test_attend_flex_keeps_documents_apart_for_queries_after_cached_keys(compile
     assert_close(got, expected.double(), reduction=True)
 
 
-def test_flex_serves_several_lengths_and_position_forms(monkeypatch, compiled_flex):
+def test_flex_serves_several_lengths_and_position_forms(monkeypatch, compiled_flex, flex_calls):
     """Lengths, batch sizes, and shared then per-sequence positions in one process, each through the compiled
     kernel (a fallback would warn): with dynamic lengths on CPU, a call that switched the score_mod's form made a
     recompile that failed inside inductor, and static compiles once hit dynamo's limit and went unfused."""
@@ -208,9 +225,10 @@ def test_flex_serves_several_lengths_and_position_forms(monkeypatch, compiled_fl
     per_sequence = torch.arange(64).repeat(2, 1) + torch.tensor([[0], [5]])
     calls = [(x[:1, :41], None), (x[:1, :57], None), (x, None), (x, per_sequence), (x[:, :50], None)]
     with torch.no_grad():
-        for inputs, positions in calls:
+        for routed, (inputs, positions) in enumerate(calls, start=1):
             flexed = layer(inputs, positions=positions)
             expected = _materialized(layer, monkeypatch, inputs, positions=positions)
+            assert len(flex_calls) == routed
             assert_close(flexed, expected.double(), reduction=True)
 
 
@@ -306,7 +324,7 @@ def test_a_compiled_layer_falls_back_to_unfused_flex_with_a_warning(monkeypatch)
     assert_close(got, expected.double(), reduction=True)
 
 
-def test_causal_self_attention_routes_long_cpu_inference_to_flex(monkeypatch):
+def test_causal_self_attention_routes_long_cpu_inference_to_flex(monkeypatch, flex_calls):
     """The compiled path, end to end: same output with and without FlexAttention."""
     torch.manual_seed(0)
     layer = CausalSelfAttention(32, 4, num_kv_heads=2, encoding=ALiBi(4)).eval()
@@ -316,7 +334,9 @@ def test_causal_self_attention_routes_long_cpu_inference_to_flex(monkeypatch):
         monkeypatch.setattr(flex_bias, "CPU_MIN_SCORES", 0)
         monkeypatch.setattr(flex_bias, "_GIVEN_UP", set())
         assert flex_bias.use_flex(layer.encoding, x[:, None], x[:, None], x[:, None], need_probs=False)
+        assert flex_calls == []
         flexed = layer(x)
+    assert flex_calls == [1]
     assert_close(flexed, materialized.double(), reduction=True)
 
 
