@@ -57,6 +57,11 @@ def test_rope_benchmark_writes_every_provider_mode_and_dtype(tmp_path: Path, all
         for dtype in ("fp32", "bf16")
     }
     assert all(float(r["p20"]) <= float(r["p50"]) <= float(r["p80"]) and float(r["ratio_to_copy"]) > 0 for r in rows)
+    # Each ratio is against the copy of its own mode and dtype (p50 is written to 0.1 us, hence the tolerance).
+    copy_p50 = {(r["mode"], r["dtype"]): float(r["p50"]) for r in rows if r["provider"] == "copy"}
+    for r in rows:
+        expected = 1.0 if r["provider"] == "copy" else copy_p50[r["mode"], r["dtype"]] / float(r["p50"])
+        assert float(r["ratio_to_copy"]) == pytest.approx(expected, rel=0.05, abs=1e-3), r
     assert all(f"alloc={alloc}" in r["device"] for r in rows)
     assert not out.with_name(out.name + ".partial").exists()
 

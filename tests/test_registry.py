@@ -49,8 +49,9 @@ def test_cli_info(capsys):
     assert "rope types:" in out and "backends:" in out
 
 
-def test_python_dash_m_posenc_is_the_posenc_command():
-    done = subprocess.run([sys.executable, "-m", "posenc", "info"], capture_output=True, text=True, timeout=120)
+@pytest.mark.parametrize("module", ["posenc", "posenc.cli"])  # the README's torchrun line runs -m posenc.cli
+def test_python_dash_m_posenc_is_the_posenc_command(module):
+    done = subprocess.run([sys.executable, "-m", module, "info"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "rope types:" in done.stdout, done.stderr
 
 
