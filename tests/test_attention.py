@@ -13,7 +13,7 @@ import torch
 
 import posenc
 from posenc.attention import CausalSelfAttention, KVCache, add_input_encoding
-from posenc.testing import assert_close, attention_reference, sinusoidal_reference
+from posenc.testing import assert_close, attention_reference, sinusoidal_reference, t5_bucket_reference
 
 DIM, HEADS, KV_HEADS, HEAD_DIM = 32, 4, 2, 8
 
@@ -247,9 +247,17 @@ def test_attention_matches_float64_reference(name, dtype):
     bias = None
     if name == "rope":
         q, k = posenc.testing.rope_reference(q, torch.arange(s)), posenc.testing.rope_reference(k, torch.arange(s))
-    elif name in ("alibi", "t5"):
-        pos = torch.arange(s)[None]
-        bias = encoding.double().score_bias(pos, pos).masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), 0)
+    elif name == "alibi":  # from the reference slopes, not the encoding's own bias
+        bias = posenc.testing.alibi_bias_reference(HEADS, list(range(s)), list(range(s))).double()
+    elif name == "t5":  # the encoding's learned table, read at the reference's buckets (key - query)
+        options = dict(bidirectional=encoding.bidirectional, num_buckets=encoding.num_buckets)
+        buckets = [
+            [t5_bucket_reference(n - m, max_distance=encoding.max_distance, **options) for n in range(s)]
+            for m in range(s)
+        ]
+        bias = encoding.table.weight.double()[torch.tensor(buckets)].permute(2, 0, 1)  # (h, s, s)
+    if bias is not None:  # future keys are masked by the reference; their bias is never read
+        bias = bias.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), 0)
     heads = attention_reference(q, k, v, bias=bias)
     expected = attn64.o_proj(heads.transpose(1, 2).reshape(b, s, DIM))
     assert_close(out, expected, reduction=True)
