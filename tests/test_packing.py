@@ -113,6 +113,21 @@ def test_a_packed_row_gives_each_document_what_it_gives_alone(name, lengths, dat
     torch.testing.assert_close(fast, packed, atol=1e-12, rtol=1e-12)
 
 
+def test_positions_restart_at_each_document_where_an_encoding_can_tell():
+    """Relative encodings give the same scores whether positions restart at each document or run on through the
+    row; dynamic NTK does not: it scales for the largest position + 1. Two documents of 6 tokens with a trained
+    length of 8 are each unscaled, as alone, though the row of 12 is past it."""
+    torch.manual_seed(0)
+    rope = posenc.RoPE(HEAD_DIM, rope_parameters={"rope_type": "dynamic", "factor": 2.0}, max_position_embeddings=8)
+    attn = CausalSelfAttention(DIM, HEADS, encoding=rope).double()
+    x = torch.randn(1, 12, DIM, dtype=torch.float64)
+    alone = torch.cat([attn(x[:, :6]), attn(x[:, 6:])], dim=1)
+    docs = ids_for([6, 6])[None]
+    torch.testing.assert_close(attn(x, document_ids=docs), alone, atol=1e-12, rtol=1e-12)
+    # Positions that run on through the row (given as such) scale both documents for 12.
+    assert (attn(x, document_ids=docs, positions=torch.arange(12)) - alone).abs().max() > 1e-3
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attend_with_document_mask_matches_the_float64_reference(dtype):
     """attend with a document mask against attention_reference run per document, with and without a bias."""
