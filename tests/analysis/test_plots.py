@@ -6,6 +6,7 @@ import io
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -194,9 +195,14 @@ def test_figures_do_not_mislead_where_a_teacher_found_them_to():
     alibi = [ax.images[0].get_clim() for ax in render("bias_matrices").axes if ax.images][:2]
     assert alibi[0] == alibi[1]
     # The outermost diagonals hold one cell each: a spread of 0 there says nothing, and is not drawn.
-    relative = render("relative_invariance").axes[2]
-    for line in relative.get_lines():
+    invariance = render("relative_invariance")
+    for line in invariance.axes[2].get_lines():
         assert min(line.get_ydata()) > 1e-10 or line.get_label().startswith("RoPE"), line.get_label()
+    # What the figure teaches, in its data: RoPE's scores are constant along each diagonal, sinusoidal's are not.
+    for ax, flat in zip(invariance.axes[:2], (True, False), strict=True):
+        scores = np.asarray(ax.images[0].get_array())
+        spread = max(np.ptp(np.diagonal(scores, offset)) for offset in range(1 - len(scores), len(scores)))
+        assert (spread < 1e-10) == flat and ax.get_title().startswith("RoPE") == flat, (ax.get_title(), spread)
     # The uniform-attention reference is drawn over the curves that lie on it.
     entropy = render("attention_entropy").axes[0]
     reference = next(line for line in entropy.get_lines() if line.get_label().startswith("uniform causal"))
