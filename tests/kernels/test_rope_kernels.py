@@ -166,6 +166,22 @@ def test_float64_math_rounds_to_16_bits_through_float32_like_torch(backend, dtyp
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_16_bit_x_with_float64_tables_keeps_what_float32_tables_lose(backend, dtype, interleaved):
+    """Within a 16-bit tolerance float32 math would pass: cos = 1/2 + 2^-27 and sin = 1/2 - 2^-27 are both 1/2 in
+    float32, so x1 cos - x2 sin with x1 = x2 = 2^10 is 0 there and 2^-16 in float64 math, which both dtypes hold."""
+    device = DEVICE[backend]
+    cos = torch.full((4, 4), 0.5 + 2.0**-27, dtype=torch.float64, device=device)
+    sin = torch.full((4, 4), 0.5 - 2.0**-27, dtype=torch.float64, device=device)
+    x = torch.full((2, 1, 4, 8), 2.0**10, dtype=dtype, device=device)
+    out = apply_rotary(x, cos, sin, offset=0, interleaved=interleaved, backend=backend).cpu().double()
+    first = out[..., 0::2] if interleaved else out[..., :4]  # x1 cos - x2 sin, per pair
+    second = out[..., 1::2] if interleaved else out[..., 4:]  # x2 cos + x1 sin
+    assert (first == 2.0**-16).all() and (second == 2.0**10).all(), out[0, 0, 0]
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
 def test_float32_x_with_float64_tables_is_float64_math_rounded_once(backend):
     """Within float32's tolerance a float32 rotation would pass too: bit for bit, against float64 math rounded."""
     device = DEVICE[backend]
