@@ -85,7 +85,12 @@ q = torch.randn(1, 2, 4, 8)
         (
             lambda: posenc.build_for_model("alibi", dim=8, num_heads=2, head_dim=4, max_positions=8, base=3.0),
             TypeError,
-            "base",
+            r"encoding 'alibi' takes no option 'base'; its options: causal \(its sizes come from dim",
+        ),
+        (
+            lambda: posenc.build_for_model("nope", dim=8, num_heads=2, head_dim=4, max_positions=8, causal=False),
+            TypeError,
+            r"encoding 'nope' takes no option 'causal'; its options: none",
         ),
         (lambda: posenc.CausalSelfAttention(30, 4), ValueError, r"dim=30 must be divisible by num_heads=4"),
         (

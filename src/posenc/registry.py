@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from torch import nn
@@ -47,6 +48,21 @@ def build_for_model(
     ``rope_parameters``, ``num_buckets``); an option the family does not take is a TypeError, never silently
     dropped.
     """
-    return _lookup(name).from_model_dims(
+    family = _lookup(name)
+    options = _options(family)
+    unknown = [key for key in kwargs if key not in options]
+    if unknown:  # before the call: Python's own error would name the argument but not what the family takes
+        raise TypeError(
+            f"encoding {name!r} takes no option {', '.join(map(repr, unknown))}; its options: "
+            f"{', '.join(options) or 'none'} (its sizes come from dim, num_heads, head_dim and max_positions)"
+        )
+    return family.from_model_dims(
         dim=dim, num_heads=num_heads, head_dim=head_dim, max_positions=max_positions, **kwargs
     )
+
+
+def _options(family: type[nn.Module]) -> list[str]:
+    """The keyword-only arguments of the family's constructor: what build_for_model passes on beside the sizes."""
+    if family.__init__ is nn.Module.__init__:  # takes nothing (its *args, **kwargs only raise)
+        return []
+    return [p.name for p in inspect.signature(family).parameters.values() if p.kind is p.KEYWORD_ONLY]
