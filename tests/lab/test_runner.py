@@ -6,6 +6,7 @@ import csv
 import io
 import json
 import shutil
+import statistics
 
 import pytest
 
@@ -80,10 +81,19 @@ def test_a_run_writes_csv_json_report_and_plots(finished):
 
 
 def test_extensions_really_change_the_rope_model(finished):
-    _, out, _ = finished
+    config, out, _ = finished
     by = {(r["extension"], r["finetune_steps"], r["eval_len"]): r["bits_per_byte"] for r in rows_of(out)}
     for extension in ("pi", "ntk", "yarn", "llama3"):
         assert by[(extension, "0", "64")] != by[("none", "0", "64")], extension
+    # Each length is extended by its own factor s = n / train_len (docs/lab.md), not the longest length's.
+    units = json.loads((out / "results.json").read_text())["timings"]["units"]
+    scaled = {k: u["rope_parameters"] for k, u in units.items() if k.startswith("rope+") and "dynamic" not in k}
+    assert len(scaled) == 4 + 2 * 3  # pi, ntk, yarn, llama3, and pi and yarn fine-tuned at 3 lengths
+    for name, parameters in scaled.items():
+        assert {int(n): p["factor"] for n, p in parameters.items()} == {
+            int(n): int(n) / config.train_len for n in parameters
+        }, name
+        assert "+ft" in name or sorted(map(int, parameters)) == [16, 32, 64], name
 
 
 def test_rerun_skips_everything_it_finished(finished, monkeypatch):
@@ -375,14 +385,35 @@ def test_multiple_seeds_report_mean_and_spread(tiny_config, tmp_path):
     config = tiny_config(encodings=("rope",), extensions=("pi",), num_seeds=2)
     results = quiet(config, tmp_path).run()
     assert {r["seed"] for r in results["rows"]} == {0, 1}
-    assert "±" in (tmp_path / "report.md").read_text()
+    # Each cell of rope's row is the mean ± sample std of both seeds at that cell's length, as printed. Entropy
+    # too: it grows with the length, where these tiny models' bits per byte hardly change.
+    report = (tmp_path / "report.md").read_text()
+    rope = [r for r in rows_of(tmp_path) if r["extension"] == "none"]
+    for title, column in (("## Bits per byte by context length", "bits_per_byte"), ("## Attention entropy", "entropy")):
+        table = report.split(title)[1].split("\n\n")[1].splitlines()
+        lengths, shown = (line.strip("| ").split(" | ")[1:] for line in (table[0], table[2]))
+        assert lengths == [str(n) for n in config.eval_lengths] and table[2].startswith("| rope |")
+        for n, cell in zip(lengths, shown, strict=True):
+            values = [float(r[column]) for r in rope if r["eval_len"] == n]
+            assert len(values) == 2
+            assert cell == f"{statistics.fmean(values):.3f} ± {statistics.stdev(values):.3f}", (column, n)
 
 
-def test_task_accuracy_is_reported_by_length(tiny_config, tmp_path):
+def test_task_accuracy_is_reported_by_length(tiny_config, tmp_path, monkeypatch):
     config = tiny_config(
         encodings=("learned", "rope"), extensions=("yarn",), task="passkey", train_len=40, eval_lengths=(40, 80)
     )
+    seen = []
+    real = runner.task_accuracy
+
+    def spy(model, samples, **kwargs):
+        seen.append(tuple(samples.inputs.shape))
+        return real(model, samples, **kwargs)
+
+    monkeypatch.setattr(runner, "task_accuracy", spy)
     rows = quiet(config, tmp_path).run()["rows"]
+    # Every applicable length gets its own samples: n bytes of input, the answer predicted from n back.
+    assert sorted(seen) == sorted((config.task_samples, r["eval_len"]) for r in rows if r["task_accuracy"] is not None)
     measured = {(r["encoding"], r["extension"], r["eval_len"]): r["task_accuracy"] for r in rows}
     assert measured[("learned", "none", 80)] is None  # not applicable past the table
     assert all(0.0 <= measured[k] <= 1.0 for k in measured if k != ("learned", "none", 80))
