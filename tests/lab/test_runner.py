@@ -7,13 +7,15 @@ import io
 import json
 import shutil
 import statistics
+from collections import defaultdict
 
 import pytest
+from matplotlib.container import ErrorbarContainer
 
 from posenc.cli import main
 from posenc.lab import runner, store
 from posenc.lab.config import make_config
-from posenc.lab.report import PLOTS
+from posenc.lab.report import PLOTS, figures, label
 from posenc.lab.runner import Lab, plan
 
 REQUIRED = ("encoding", "extension", "train_len", "eval_len", "seed", "bits_per_byte")
@@ -78,6 +80,72 @@ def test_a_run_writes_csv_json_report_and_plots(finished):
     assert "rope+yarn" in page and page.count("data:image/png;base64,") >= len(PLOTS)
     assert 'class="note"' not in page  # the run that holds the folder writes it: no "a run is writing it" note
     assert not list(out.rglob("*.tmp"))
+
+
+def drawn(axis):
+    """Legend name -> (x, y) of its curve; an errorbar's data line is the first element of its container."""
+    curves = {}
+    for handle, name in zip(*axis.get_legend_handles_labels(), strict=True):
+        line = handle.lines[0] if isinstance(handle, ErrorbarContainer) else handle
+        curves[name] = ([float(x) for x in line.get_xdata()], [float(y) for y in line.get_ydata()])
+    return curves
+
+
+def by_length(rows, value):
+    """Model label -> (eval lengths ascending, mean of ``value`` over seeds at each), from results.csv's cells.
+
+    Computed here, not with report.aggregate, which has no test of its own."""
+    values = defaultdict(list)
+    for row in rows:
+        if row[value]:  # empty where the model is not applicable at that length
+            values[(label(row), row["eval_len"])].append(float(row[value]))
+    curves = defaultdict(lambda: ([], []))
+    for (name, length), members in sorted(values.items()):
+        curves[name][0].append(length)
+        curves[name][1].append(statistics.fmean(members))
+    return dict(curves)
+
+
+def assert_curves(axis, expected):
+    curves = drawn(axis)
+    assert set(curves) == set(expected)
+    for name, (xs, ys) in expected.items():
+        assert curves[name][0] == xs, name
+        assert curves[name][1] == pytest.approx(ys, rel=1e-12), name
+
+
+def test_the_plots_draw_the_right_columns_of_results_csv(finished):
+    # The PNG files only prove something was drawn: read the figures' data instead, from results.json alone.
+    _, out, _ = finished
+    stored = json.loads((out / "results.json").read_text())
+    drawn_figures = figures(stored)
+    assert set(drawn_figures) == set(PLOTS)
+    # label() reads finetune_steps as a number; the CSV gives strings.
+    rows = [{**r, "finetune_steps": int(r["finetune_steps"]), "eval_len": int(r["eval_len"])} for r in rows_of(out)]
+    encodings = [r for r in rows if r["extension"] == "none"]
+    rope = [r for r in rows if r["encoding"] == "rope"]
+    (bpb,) = drawn_figures["bpb_by_length.png"].axes
+    assert_curves(bpb, by_length(encodings, "bits_per_byte"))
+    (extensions,) = drawn_figures["rope_extensions.png"].axes
+    assert_curves(extensions, by_length(rope, "bits_per_byte"))
+    entropy_encodings, entropy_extensions = drawn_figures["entropy_by_length.png"].axes
+    assert_curves(entropy_encodings, by_length(encodings, "entropy"))
+    assert_curves(entropy_extensions, by_length(rope, "entropy"))
+
+    # loss_by_position is not in results.csv: the mean over seeds of results.json's rows in the longest windows.
+    longest = max(r["eval_len"] for r in rows)
+    at_longest = defaultdict(list)
+    for row in stored["rows"]:
+        if row["eval_len"] == longest and row["applicable"] and not row["finetune_steps"]:
+            at_longest[label(row)].append(row)
+    expected = {}
+    for name, members in at_longest.items():
+        losses = [statistics.fmean(column) for column in zip(*(m["loss_by_position"] for m in members), strict=True)]
+        width = members[0]["position_bin"]
+        expected[name] = ([(i + 0.5) * width for i in range(len(losses))], losses)
+    assert "rope+yarn" in expected and "learned" not in expected  # learned stops at train_len
+    (positions,) = drawn_figures["loss_by_position.png"].axes
+    assert_curves(positions, expected)
 
 
 def test_extensions_really_change_the_rope_model(finished):

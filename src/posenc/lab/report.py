@@ -250,23 +250,41 @@ def _lines(axis: Any, rows: list[dict[str, Any]], value: str, labels: list[str],
 
 
 def plot_all(out: Path, results: dict[str, Any]) -> None:
+    """Write every figure of ``figures`` as its PNG, atomically, in PLOTS order."""
+    drawn = figures(results)
+    for name in PLOTS:
+        if name in drawn:
+            _save(drawn[name], out / name)
+        else:
+            # A narrower rerun in a folder that had rope would otherwise keep showing its old plot.
+            (out / name).unlink(missing_ok=True)
+
+
+def figures(results: dict[str, Any]) -> dict[str, Any]:
+    """The figures of ``plots_of(results["rows"])`` by file name, drawn but not saved (so tests can read their data).
+
+    - bpb_by_length.png: per encoding (extension "none"), bits_per_byte against eval_len, mean over seeds.
+    - rope_extensions.png (only with rope rows): the same for "rope" and each rope extension and fine-tune.
+    - entropy_by_length.png: entropy the same way; encodings on the left, rope extensions on the right (if any).
+    - loss_by_position.png: per model not fine-tuned, loss_by_position at the longest eval_len, mean over seeds,
+      against the bin centres (i + 0.5) * position_bin.
+    Error bars are the sample std over seeds; models not applicable at a length have no point there.
+    """
     rows, train_len = results["rows"], results["config"]["train_len"]
     enc_labels, ext_labels = _labels(rows, extensions=False), _labels(rows, extensions=True)
+    drawn = {}
 
     figure, (axis,) = _figure()
     _lines(axis, rows, "bits_per_byte", enc_labels, train_len, "bits per byte")
     axis.set_title(f"trained at {train_len} (dotted)")
-    _save(figure, out / "bpb_by_length.png")
+    drawn["bpb_by_length.png"] = figure
 
     rope_rows = [r for r in rows if r["encoding"] == "rope"]
     if rope_rows:
         figure, (axis,) = _figure()
         _lines(axis, rope_rows, "bits_per_byte", ["rope", *ext_labels], train_len, "bits per byte")
         axis.set_title("RoPE extensions of the trained rope model")
-        _save(figure, out / "rope_extensions.png")
-    else:
-        # A narrower rerun in a folder that had rope would otherwise keep showing its old plot.
-        (out / "rope_extensions.png").unlink(missing_ok=True)
+        drawn["rope_extensions.png"] = figure
 
     figure, axes = _figure(2 if rope_rows else 1)
     _lines(axes[0], rows, "entropy", enc_labels, train_len, "attention entropy (nats)")
@@ -274,8 +292,13 @@ def plot_all(out: Path, results: dict[str, Any]) -> None:
     if rope_rows:
         _lines(axes[1], rope_rows, "entropy", ["rope", *ext_labels], train_len, "attention entropy (nats)")
         axes[1].set_title("RoPE extensions")
-    _save(figure, out / "entropy_by_length.png")
+    drawn["entropy_by_length.png"] = figure
 
+    drawn["loss_by_position.png"] = _loss_by_position(rows, train_len)
+    return drawn
+
+
+def _loss_by_position(rows: list[dict[str, Any]], train_len: int) -> Any:
     figure, (axis,) = _figure()
     longest = max(r["eval_len"] for r in rows)
     curves: dict[str, list[list[float]]] = defaultdict(list)
@@ -295,4 +318,4 @@ def plot_all(out: Path, results: dict[str, Any]) -> None:
     axis.grid(alpha=0.3)
     if curves:
         axis.legend(fontsize=7, ncol=2)
-    _save(figure, out / "loss_by_position.png")
+    return figure
