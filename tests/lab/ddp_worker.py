@@ -2,8 +2,8 @@
 
 Runs ``posenc lab`` with the given arguments, exactly as the command line does, and records what this process
 did to LOG_DIR/rank<RANK>.json: the exit status, every file it wrote (every write, the lab's and the report's,
-goes through ``posenc._atomic.atomic_path``), and everything it printed to stdout and stderr (progress bars
-included).
+goes through ``posenc._atomic.atomic_path``), everything it printed to stdout and stderr (progress bars
+included), what it trained on and what it evaluated (see ``spy_on_work``).
 Usage: python ddp_worker.py LOG_DIR lab-arguments...
 """
 
@@ -20,6 +20,39 @@ import torch.distributed as dist
 
 from posenc import _atomic
 from posenc.cli import main
+from posenc.lab import runner, train
+
+
+def spy_on_work() -> dict[str, list]:
+    """Record, without changing what runs, the work this rank did: the losses alone cannot show it (every rank
+    training on the whole batch averages identical gradients into the one-process step).
+
+    "batches": per ``train`` call, the global batches' window starts (steps, batch) and the starts this rank
+    trained on at each step. "evals": per unit evaluated, the lengths asked for and those this rank scored."""
+    work: dict[str, list] = {"batches": [], "evals": []}
+    real_train_starts, real_windows_at = train.train_starts, train.windows_at
+    real_evaluate, real_evaluate_length = runner.Lab._evaluate, runner.evaluate_length
+
+    def train_starts(*args, **kwargs):
+        starts = real_train_starts(*args, **kwargs)
+        work["batches"].append({"global": starts.tolist(), "used": []})
+        return starts
+
+    def windows_at(data, starts, length):
+        work["batches"][-1]["used"].append(starts.tolist())
+        return real_windows_at(data, starts, length)
+
+    def evaluate(self, unit, models, lengths):
+        work["evals"].append({"lengths": list(lengths), "mine": []})
+        return real_evaluate(self, unit, models, lengths)
+
+    def evaluate_length(model, val, ends, length, **options):
+        work["evals"][-1]["mine"].append(length)
+        return real_evaluate_length(model, val, ends, length, **options)
+
+    train.train_starts, train.windows_at = train_starts, windows_at
+    runner.Lab._evaluate, runner.evaluate_length = evaluate, evaluate_length
+    return work
 
 
 def run(log_dir: str, argv: list[str]) -> int:
@@ -34,10 +67,11 @@ def run(log_dir: str, argv: list[str]) -> int:
             yield tmp
 
     _atomic.atomic_path = recording
+    work = spy_on_work()
     stdout, stderr = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
         status = main(["lab", *argv])
-    log = {"status": status, "written": written, "stdout": stdout.getvalue(), "stderr": stderr.getvalue()}
+    log = {"status": status, "written": written, "stdout": stdout.getvalue(), "stderr": stderr.getvalue(), **work}
     log["left_the_group"] = not dist.is_initialized()  # the lab joins torchrun's group for the run, then leaves it
     Path(log_dir, f"rank{rank}.json").write_text(json.dumps(log))
     return status

@@ -24,7 +24,7 @@ from posenc.cli import main
 from posenc.lab.config import make_config
 from posenc.lab.dist import Ranks
 from posenc.lab.lock import FolderLock
-from posenc.lab.runner import Lab
+from posenc.lab.runner import Lab, assign_lengths
 from posenc.testing import run_torchrun
 
 pytestmark = pytest.mark.skipif(
@@ -73,6 +73,15 @@ def metrics(out: Path, unit: str) -> dict:
     return json.loads((out / "runs" / unit / "seed0" / "metrics.json").read_text())
 
 
+def assert_each_rank_evaluated_its_share(logs: dict[int, dict]) -> None:
+    """Every evaluation was split as the runner's assign_lengths says, and rank 1 had work (not rank 0 doing all)."""
+    for rank, log in logs.items():
+        assert log["evals"], rank
+        for unit in log["evals"]:
+            assert unit["mine"] == assign_lengths(unit["lengths"], 2)[rank], (rank, unit)
+    assert any(unit["mine"] for unit in logs[1]["evals"])
+
+
 def without_seconds(eval_results: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k != "seconds"} for r in eval_results]
 
@@ -107,6 +116,16 @@ def test_two_ranks_give_the_one_process_losses(runs):
             msg=lambda m, unit=unit: f"{unit}: {m}",
         )
     assert json.loads((two / "results.json").read_text())["machine"]["processes"] == 2
+    # Equal losses also come from every rank training on the whole batch (DDP averages identical gradients), so
+    # check the rows: the same global batches on both ranks, and rank r trained on the r-th half of each.
+    batches = {rank: log["batches"] for rank, log in runs["first"].items()}
+    assert len(batches[0]) == len(TRAINED)
+    assert [b["global"] for b in batches[0]] == [b["global"] for b in batches[1]]
+    for rank, calls in batches.items():
+        for call in calls:
+            starts = torch.tensor(call["global"])
+            half = starts.shape[1] // 2
+            assert call["used"] == starts[:, rank * half : (rank + 1) * half].tolist(), rank
 
 
 def test_only_rank_0_writes_files_and_prints(runs):
@@ -129,17 +148,20 @@ def test_a_rerun_under_torchrun_resumes_what_is_missing_and_skips_the_rest(runs)
     # Nothing trained again: rope+yarn re-evaluated from the saved rope weights, every other unit skipped.
     runs_written = sorted(Path(p).relative_to(out).as_posix() for p in rank0["written"] if "/runs/" in p)
     assert runs_written == ["runs/rope+yarn/seed0/metrics.json"]
+    assert runs["again"][0]["batches"] == runs["again"][1]["batches"] == []
     assert rank0["stdout"].count("done earlier, skipped") == 4
     for path, content in runs["before"].items():
         if path.name != "metrics.json" or path.parent.parent.name != "rope+yarn":
             assert path.read_bytes() == content, path
     # The resumed evaluation (split across the ranks again) gives the same numbers as the first.
+    assert_each_rank_evaluated_its_share(runs["again"])
     assert without_seconds(metrics(out, "rope+yarn")["eval"]) == without_seconds(runs["yarn_metrics"]["eval"])
     assert json.loads((out / "results.json").read_text())["timings"]["units_skipped"] == 4
 
 
 def test_evaluation_split_across_ranks_equals_one_process(runs, corpus_dir, tmp_path):
     """The two-process run's saved weights, evaluated again by one process: identical numbers, every unit."""
+    assert_each_rank_evaluated_its_share(runs["first"])  # else rank 0 alone evaluating would pass the comparison
     copy = tmp_path / "copy"
     shutil.copytree(runs["root"] / "two", copy)
     for path in copy.rglob("metrics.json"):
