@@ -84,10 +84,12 @@ def rotate(backend, q, k, cos, sin, kwargs, **extra):
 def check_forward_backward(backend, kind, *, b, hq, hk, s, d, r, dtype, interleaved, factor=1.0):
     q, k, kwargs, ref_pos, form = make_case(kind, b=b, hq=hq, hk=hk, s=s, d=d, dtype=dtype)
     cos, sin = (form(t) for t in table(r, 320, factor=factor))
+    # The kernel's own inputs are checked for being left untouched: on a GPU, a .to() inside rotate would be a copy.
+    q, k = q.to(DEVICE[backend]), k.to(DEVICE[backend])
     q_in, k_in = q.clone(), k.clone()
     q_out, k_out = rotate(backend, q, k, cos, sin, kwargs, interleaved=interleaved)
     assert q_out.dtype == dtype and q_out.shape == q.shape and k_out.shape == k.shape
-    for x, out in ((q, q_out), (k, k_out)):
+    for x, out in ((q.cpu(), q_out), (k.cpu(), k_out)):
         expected = rope_reference(x, ref_pos, rotary_dim=r, interleaved=interleaved, attention_factor=factor)
         assert_close(out, expected, msg=f"{backend} {kind} {dtype} d={d} r={r} s={s}")
     assert torch.equal(q, q_in) and torch.equal(k, k_in), "out-of-place must leave its inputs untouched"
