@@ -841,6 +841,52 @@ def test_torch_compile_fullgraph_backward():
 
 
 @pytest.mark.parametrize("backend", ["cpu", "triton"])
+@pytest.mark.parametrize("use", ["alias", "views", "graph_input"])
+def test_in_place_backward_under_torch_compile_wherever_x_is_read_after(backend, use):
+    """Traced, the in-place rotation's gradient must not depend on reading apply_rotary_'s result rather than x
+    itself. Through an autograd.Function with ctx.mark_dirty, Dynamo before torch 2.13 dropped the mark
+    (pytorch/pytorch#184113): later reads of x skipped the Function and its gradient was 2*R*x, not 2*x; a graph
+    input rotated in place got a wrong gradient on 2.13 too. The values match eager's in-place kernel exactly."""
+    torch._dynamo.reset()  # one lambda per case below: keep within dynamo's recompile limit
+    device = DEVICE[backend]
+    cos, sin = (t.to(device) for t in table(32, 16))
+    scale = torch.arange(1.0, 41.0, device=device)  # so that no gradient is a plain multiple of x
+
+    def alias(x, backend):
+        y = x * 1.0
+        apply_rotary_(y, cos, sin, offset=2, backend=backend)
+        return y
+
+    def views(x, backend):  # q and k slices of one qkv tensor, v not rotated
+        # Elementwise, not a projection: a GPU's matmul may round differently inside the graph than outside it,
+        # and the outputs are compared bit for bit.
+        qkv = torch.stack([x, 2 * x, 3 * x], dim=-2)
+        apply_rotary_(qkv[..., 0, :], cos, sin, offset=2, backend=backend)
+        apply_rotary_(qkv[..., 1, :], cos, sin, offset=2, backend=backend)
+        return qkv
+
+    leaf = torch.randn(2, 3, 7, 40, device=device, requires_grad=True)
+    if use == "graph_input":
+        compiled = torch.compile(
+            lambda t: apply_rotary_(t, cos, sin, offset=2, backend=backend), fullgraph=True, backend="aot_eager"
+        )
+        run = {b: (lambda x, b=b: alias(x, b)) for b in ("torch", backend)}
+        run["compiled"] = lambda x: (y := x * 1.0, compiled(y))[0]
+    else:
+        fn = alias if use == "alias" else views
+        compiled = torch.compile(lambda t: fn(t, backend), fullgraph=True, backend="aot_eager")
+        run = {"torch": lambda x: fn(x, "torch"), backend: lambda x: fn(x, backend), "compiled": compiled}
+    outs, grads = {}, {}
+    for name, f in run.items():
+        out = f(leaf)
+        outs[name] = out.detach()
+        grads[name] = torch.autograd.grad((out * (scale if use != "views" else 1.0)).square().sum(), leaf)[0]
+    assert torch.equal(outs["compiled"], outs[backend])
+    torch.testing.assert_close(grads["compiled"], grads["torch"], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(grads[backend], grads["torch"], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
 @pytest.mark.parametrize("kind", ["position_ids", "per_sequence", "varlen"])
 @pytest.mark.parametrize("table_form", ["as_is", "pair_stride"])
 def test_positions_outside_the_table_never_read_past_it_under_torch_compile(backend, kind, table_form):

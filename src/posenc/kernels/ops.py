@@ -465,8 +465,10 @@ class _RotaryInPlace(_EagerRotation):
         xs, (offset, kind, interleaved, conjugate, backend), cos, sin, positions, offsets, cu_seqlens = (
             _EagerRotation._unpack(ctx, args)
         )
-        rotate = rotary_ if torch.compiler.is_compiling() else _rotary_inplace_impl
-        rotate(xs, cos, sin, positions, offsets, offset, cu_seqlens, kind, interleaved, conjugate, backend)
+        # Eager only: traced calls that need a gradient take rotary_inplace's copy-back path instead.
+        _rotary_inplace_impl(
+            xs, cos, sin, positions, offsets, offset, cu_seqlens, kind, interleaved, conjugate, backend
+        )
         ctx.mark_dirty(*xs)
         return tuple(xs)
 
@@ -512,8 +514,19 @@ def rotary_inplace(
     conjugate: bool,
     backend: str,
 ) -> None:
-    """``rotary_`` with autograd when any x requires grad (the gradient is rotated back, like the copy's)."""
-    if _needs_grad(xs):
+    """``rotary_`` with autograd when any x requires grad (the gradient is rotated back, like the copy's).
+
+    Traced with a gradient wanted, x is overwritten (``copy_``) with ``posenc::rotary``'s rotated copy: the same
+    values bit for bit (the copy kernel's tail is x's own), through an in-place op that Dynamo and autograd track.
+    ``_RotaryInPlace`` is not traced: Dynamo before torch 2.13 drops its ``ctx.mark_dirty`` (pytorch/pytorch#184113),
+    later reads of x skip the Function, and x's gradient missed the rotation without a word (2*R*x, not 2*x, for
+    x.square().sum()); a compiled function's input rotated in place lost it on 2.13 too.
+    """
+    if _needs_grad(xs) and torch.compiler.is_compiling():
+        outs = rotary(list(xs), cos, sin, positions, offsets, offset, cu_seqlens, kind, interleaved, conjugate, backend)
+        for x, out in zip(xs, outs, strict=True):
+            x.copy_(out)
+    elif _needs_grad(xs):
         options = (offset, kind, interleaved, conjugate, backend)
         _RotaryInPlace.apply(*xs, options, cos, sin, positions, offsets, cu_seqlens)
     elif torch.compiler.is_compiling():
