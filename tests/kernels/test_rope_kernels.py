@@ -10,6 +10,8 @@ import functools
 import mmap
 import os
 import platform
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -526,8 +528,11 @@ def test_a_table_the_kernels_cannot_read_as_is_is_copied_only_where_tokens_read_
     q, k, kwargs, ref_pos, _ = make_case(kind, b=2, hq=3, hk=1, s=5, d=16, dtype=dtype)
     cos, sin = table(16, 320, dtype=torch.float64)
     if table_form == "pair_stride":
-        pairs = torch.stack([cos, sin], -1).float()  # (n, r/2, 2): freqs_cis seen as real
+        # (n, r/2, 2): freqs_cis seen as real, made on the kernel's device: .to() another device would copy the
+        # view into a contiguous table, and on a GPU the test would then have no pair stride to check.
+        pairs = torch.stack([cos, sin], -1).float().to(DEVICE[backend])
         cos, sin = pairs[..., 0], pairs[..., 1]
+        assert cos.stride(-1) == 2
     else:
         cos, sin = cos.float(), sin.float()
     copied = []
@@ -953,8 +958,22 @@ def test_bad_cu_seqlens_are_refused_under_torch_compile_too(backend, cu_seqlens)
     compiled = torch.compile(
         lambda x, cu: apply_rotary(x, cos, sin, cu_seqlens=cu, backend=backend), fullgraph=True, backend="aot_eager"
     )
-    with pytest.raises(RuntimeError, match="cu_seqlens must start at 0, end at total_tokens and be non-decreasing"):
-        compiled(x, cu)
+    message = "cu_seqlens must start at 0, end at total_tokens and be non-decreasing"
+    if device == "cuda":
+        # A device-side assert: the process's CUDA context is unusable after it, so it fires in a process of its own.
+        script = (
+            "import torch; from posenc import apply_rotary\n"
+            "cos, sin = torch.ones(64, 4, device='cuda'), torch.zeros(64, 4, device='cuda')\n"
+            "f = torch.compile(lambda x, cu: apply_rotary(x, cos, sin, cu_seqlens=cu, backend='triton'),\n"
+            "                  fullgraph=True, backend='aot_eager')\n"
+            f"f(torch.randn(7, 1, 8, device='cuda'), torch.tensor({cu_seqlens}, device='cuda'))\n"
+            "torch.cuda.synchronize()\n"
+        )
+        run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+        assert run.returncode != 0 and message in run.stderr, run.stderr[-2000:]
+    else:
+        with pytest.raises(RuntimeError, match=message):
+            compiled(x, cu)
     good = torch.tensor([0, 2, 7], device=device)
     torch.testing.assert_close(compiled(x, good), apply_rotary(x, cos, sin, cu_seqlens=good, backend=backend))
 
