@@ -1141,7 +1141,8 @@ def test_triton_configurations_give_the_default_bits(kind, interleaved, d, r):
         return outs, plans[0]
 
     expected, default = run()
-    assert default.options == {"enable_fp_fusion": True} and default.constants["HEADS"] == 1
+    # The default (from the H200 run): two heads a program where cos/sin are the same for every head, as here.
+    assert default.options == {"enable_fp_fusion": True} and default.constants["HEADS"] == 2
     assert not any(o.isnan().any() for o in expected)
     for block_s, num_warps, heads in ((1, 1, 1), (4, 2, 2), (16, 8, 1), (64, 4, 4), (8, 4, 8)):
         outs, plan = run(block_s=block_s, num_warps=num_warps, heads_per_program=heads)
@@ -1172,13 +1173,13 @@ def test_triton_head_groups_in_place_q_only_conjugate_and_rows_outside_the_table
         return x
 
     # A table read at positions, two of them past its 16 rows: those tokens NaN in every head, and only those.
-    expected = run("bhsd", cos, sin, positions)
+    expected = run("bhsd", cos, sin, positions, heads_per_program=1)
     got = run("bhsd", cos, sin, positions, heads_per_program=heads)
     outside = (positions >= 16)[:, None, :, None].expand_as(q)
     assert torch.equal(got.isnan(), outside) and torch.equal(expected.isnan(), outside)
     assert torch.equal(got.nan_to_num(), expected.nan_to_num())
     # (s, r/2) cos/sin broadcast over batch and heads.
-    expected = run("broadcast", cos[:9], sin[:9], None)
+    expected = run("broadcast", cos[:9], sin[:9], None, heads_per_program=1)
     assert torch.equal(run("broadcast", cos[:9], sin[:9], None, heads_per_program=heads), expected)
 
 
@@ -1215,6 +1216,11 @@ def test_triton_configurations_are_checked():
                      True, heads_per_program=2)  # fmt: skip
     assert triton_plans([x], [torch.empty_like(x)], per_head, per_head, None, None, 0, None, "broadcast", False,
                         False, True, heads_per_program=1)  # fmt: skip
+    # By default: one head a program for such cos/sin, two where every head reads the same rows.
+    (own,) = triton_plans([x], [torch.empty_like(x)], per_head, per_head, None, None, 0, None, "broadcast", False,
+                          False, True)  # fmt: skip
+    (shared,) = plan()
+    assert own.constants["HEADS"] == 1 and shared.constants["HEADS"] == 2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a CUDA device")

@@ -50,12 +50,12 @@ def _rope_kernel(
     CU_SEQLENS,
     offset,
     n_rows,
-    n0,
     n2,
     n_blocks,
     heads_q,
     heads_k,
     groups_q,
+    n_groups,
     n_seq,
     search_steps,
     sq0,
@@ -94,40 +94,33 @@ def _rope_kernel(
     CHECK_ROWS: tl.constexpr,
     VIA_FLOAT32: tl.constexpr,
 ):
-    # One flat grid of (head group, i0, token block), token blocks fastest: CUDA caps grid dims 1 and 2 at 65535,
-    # which a batch, or the heads axis of a broadcast call given x as (b * s, h, d), can pass.
+    # One flat grid of (i0, token block, head group), head groups fastest: CUDA caps grid dims 1 and 2 at 65535,
+    # which a batch, or the heads axis of a broadcast call given x as (b * s, h, d), can pass. Head groups fastest
+    # so that the programs reading one token block's cos/sin rows run together and all but the first find them
+    # in L2: with token blocks fastest each head group streamed the whole table again, and on an H200 at s = 32k
+    # (16 MiB of float32 cos/sin against 640 MiB of q and k) that held the forward to 0.74 of a copy's speed.
     # n_blocks = cdiv(n2, BLOCK_S) comes from the host: computed here in i32, n2 + BLOCK_S - 1 wraps near 2**31.
     # A program rotates HEADS heads of one x (groups_q groups of q, then k's), loading the tokens' positions and
     # cos/sin rows once for all of them; the host keeps HEADS at 1 where cos/sin differ between heads.
     pid = tl.program_id(0).to(tl.int64)
-    pid_s = pid % n_blocks
-    i0 = (pid // n_blocks) % n0
-    group = pid // (n_blocks * n0)
-    # Groups past groups_q rotate k: the same code with k's pointers and strides. The strides are cast so that both
-    # branches agree on the type: Triton passes an int argument as i32, or i64 past 2**31, or as the constant 1,
-    # and a variable may not change type between the branches of an `if`.
-    if group < groups_q:
-        first = group * HEADS
-        heads = tl.cast(heads_q, tl.int64)
-        X = Q + i0 * sq0
-        OUT = OUT_Q + i0 * soq0
-        CS = i0 * cq0 + first * cq1
-        x_head = tl.cast(sq1, tl.int64)
-        out_head = tl.cast(soq1, tl.int64)
-        x_row = tl.cast(sq2, tl.int64)
-        out_row = tl.cast(soq2, tl.int64)
-        c_row = tl.cast(cq2, tl.int64)
-    else:
-        first = (group - groups_q) * HEADS
-        heads = tl.cast(heads_k, tl.int64)
-        X = K + i0 * sk0
-        OUT = OUT_K + i0 * sok0
-        CS = i0 * ck0 + first * ck1
-        x_head = tl.cast(sk1, tl.int64)
-        out_head = tl.cast(sok1, tl.int64)
-        x_row = tl.cast(sk2, tl.int64)
-        out_row = tl.cast(sok2, tl.int64)
-        c_row = tl.cast(ck2, tl.int64)
+    group = pid % n_groups
+    pid_s = (pid // n_groups) % n_blocks
+    i0 = pid // (n_groups * n_blocks)
+    # Groups past groups_q rotate k: the same code with k's pointers and strides, chosen by selects, not by an `if`:
+    # triton 3.6 loses the pointers' 16-byte alignment at the join of an `if`'s branches and then stores one element
+    # at a time (st.global.b16 for bf16, where a select keeps st.global.v4.b32; 3.9 vectorises both). The strides
+    # are cast to one type: Triton passes an int argument as i32, or i64 past 2**31, or as the constant 1.
+    is_q = group < groups_q
+    first = tl.where(is_q, group, group - groups_q) * HEADS
+    heads = tl.where(is_q, tl.cast(heads_q, tl.int64), tl.cast(heads_k, tl.int64))
+    X = tl.where(is_q, Q + i0 * sq0, K + i0 * sk0)
+    OUT = tl.where(is_q, OUT_Q + i0 * soq0, OUT_K + i0 * sok0)
+    CS = tl.where(is_q, i0 * cq0 + first * cq1, i0 * ck0 + first * ck1)
+    x_head = tl.where(is_q, tl.cast(sq1, tl.int64), tl.cast(sk1, tl.int64))
+    out_head = tl.where(is_q, tl.cast(soq1, tl.int64), tl.cast(sok1, tl.int64))
+    x_row = tl.where(is_q, tl.cast(sq2, tl.int64), tl.cast(sk2, tl.int64))
+    out_row = tl.where(is_q, tl.cast(soq2, tl.int64), tl.cast(sok2, tl.int64))
+    c_row = tl.where(is_q, tl.cast(cq2, tl.int64), tl.cast(ck2, tl.int64))
 
     t = pid_s * BLOCK_S + tl.arange(0, BLOCK_S).to(tl.int64)
     t_ok = t < n2
@@ -345,14 +338,18 @@ def plan_launch(
     if positions is not None:
         pos_strides = (0 if positions.shape[0] == 1 else positions.stride(0), positions.stride(1))
     block_h = _next_power_of_2(half)
+    # The defaults, from benchmarks/triton_tune.py on an H200 (docs/benchmarks.md, "GPU"): at d = 128, 16 tokens
+    # and 2 heads a program on 4 warps took 0.91 to 0.99 of a copy's time over bf16/fp32 and (b, h, s, d)/(b, s, h,
+    # d) at s = 16k, where the 32 tokens and 1 head used before took 0.89 to 0.98 (0.93 against 0.90 at 32k, bf16).
+    # 8 tokens did as well, within the runs' noise, but leave bf16 with 8-byte rather than 16-byte accesses.
     if block_s is None:
-        block_s = max(1, min(_next_power_of_2(n2), 4096 // (2 * block_h)))
+        block_s = max(1, min(_next_power_of_2(n2), 2048 // (2 * block_h)))
     elif isinstance(block_s, bool) or not isinstance(block_s, int) or block_s < 1 or block_s & (block_s - 1):
         raise ValueError(f"block_s must be a power of two (tokens per program), got {block_s!r}")
     if num_warps is not None and (isinstance(num_warps, bool) or num_warps not in WARPS):
         raise ValueError(f"num_warps must be one of {WARPS}, got {num_warps!r}")
     if heads_per_program is None:
-        heads_per_program = 1
+        heads_per_program = 1 if q_cos_strides[1] or k_cos_strides[1] else 2
     elif (
         isinstance(heads_per_program, bool)
         or not isinstance(heads_per_program, int)
@@ -379,12 +376,12 @@ def plan_launch(
         cu_seqlens if cu_seqlens is not None else dummy,
         offset,
         table_rows if table_rows is not None else 0,
-        n0,
         n2,
         n_blocks,
         heads_q,
         heads_k,
         groups_q,
+        groups_q + groups_k,
         n_seq,
         n_seq.bit_length() + 1,  # binary-search steps over n_seq + 1 edges
         *x_strides[0],
