@@ -45,13 +45,14 @@ step() { # step SECONDS NAME COMMAND...
   # (ld/st.global.v4.b32), as posenc.kernels.triton_targets checks on CPU-only machines.
   step 10 "the rotary kernels' global accesses" bash -c 'for f in $(find "$TRITON_CACHE_DIR" -name "_rope_kernel.ptx");
     do echo "$(grep -oE "(ld|st)\.global(\.[a-z0-9]+)*" "$f" | sort | uniq -c | tr -s " \n" " ")"; done'
-  # POSENC_TRITON_NATIVE=1: tests/conftest.py leaves TRITON_INTERPRET off and the Triton cases run on CUDA (the
-  # other backends' cases are CPU work that CI does; all of tests/kernels did not finish in 150 s on the H200; these took 56 s). Most
-  # of the step is compiling kernels: 12 workers where pytest-xdist is installed (the H200 image has it, and 16
-  # cores). SIGINT at the limit, so that pytest still prints which tests failed.
+  # POSENC_TRITON_NATIVE=1: tests/conftest.py leaves TRITON_INTERPRET off and the Triton cases run on CUDA, with
+  # the CUDA-only ones (CUDA graph capture). The other backends' cases are CPU work that CI does: all of
+  # tests/kernels did not finish in 150 s on the H200, the Triton ones took 56 s. Most of the step is compiling
+  # kernels: 12 workers where pytest-xdist is installed (the H200 image has it, and 16 cores). SIGINT at the limit,
+  # so that pytest still prints which tests failed.
   workers=$($PY -c "import xdist" 2>/dev/null && echo "-n 12")
   step 120 "kernel tests, Triton compiled for the GPU" env POSENC_TRITON_NATIVE=1 TRITON_INTERPRET=0 \
-    $PY -m pytest -q $workers tests/kernels -k triton -rf --tb=short -p no:cacheprovider \
+    $PY -m pytest -q $workers tests/kernels -k "triton or cuda" -rf --tb=short -p no:cacheprovider \
     --ignore=tests/kernels/test_rope_fuzz.py
   step 90 "Triton configurations at 16k" $PY benchmarks/triton_tune.py --seq 16384 --dtypes bf16 fp32 \
     --layouts bhsd bshd --block-s 8 16 32 --warps 4 8 --heads 1 2 4 --reps 20 --csv "$RESULTS/rope_gpu_tune.csv"

@@ -1,10 +1,10 @@
 """Triton rotary kernel and its launcher (no autograd here; see ``posenc.kernels.ops``).
 
 One launch rotates q and k together (GQA: different head counts). Each program rotates BLOCK_S tokens of HEADS
-heads (1 by default) of q or of k: it loads the positions and cos/sin rows of those tokens once, rotates the r/2
-pairs of each head in float32 (float64 if cos is float64) and stores in x's dtype; with COPY_TAIL it also copies
-channels r..d-1. The backward of a rotation is the same kernel with CONJUGATE (the rotation by -angle is the
-transpose).
+heads (2 by default, 1 where cos/sin differ by head) of q or of k: it loads the positions and cos/sin rows of those
+tokens once, rotates the r/2 pairs of each head in float32 (float64 if cos is float64) and stores in x's dtype; with
+COPY_TAIL it also copies channels r..d-1. The backward of a rotation is the same kernel with CONJUGATE (the rotation
+by -angle is the transpose).
 
 Positions, per token t of sequence i0: ``POS[i0, t]`` (HAS_POS) or t, plus ``OFFSETS[i0]`` (HAS_OFFSETS) plus
 ``offset``; with IS_VARLEN the tokens are packed (t is global), i0 is found by binary search in CU_SEQLENS and
@@ -339,8 +339,8 @@ def plan_launch(
         pos_strides = (0 if positions.shape[0] == 1 else positions.stride(0), positions.stride(1))
     block_h = _next_power_of_2(half)
     # The defaults, from benchmarks/triton_tune.py on an H200 (docs/benchmarks.md, "GPU"): at d = 128, 16 tokens
-    # and 2 heads a program on 4 warps took 0.91 to 0.99 of a copy's time over bf16/fp32 and (b, h, s, d)/(b, s, h,
-    # d) at s = 16k, where the 32 tokens and 1 head used before took 0.89 to 0.98 (0.93 against 0.90 at 32k, bf16).
+    # and 2 heads a program on 4 warps ran at 0.91 to 0.99 of a copy's speed over bf16/fp32 and (b, h, s, d)/(b, s, h,
+    # d) at s = 16k, where the 32 tokens and 1 head used before ran at 0.89 to 0.98 (0.93 against 0.90 at 32k, bf16).
     # 8 tokens did as well, within the runs' noise, but leave bf16 with 8-byte rather than 16-byte accesses.
     if block_s is None:
         block_s = max(1, min(_next_power_of_2(n2), 2048 // (2 * block_h)))
