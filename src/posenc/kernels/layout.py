@@ -166,10 +166,13 @@ def check_table_call(
             # Sizes as ints: under torch.compile they may be symbolic, which Dynamo can format but not concatenate.
             hint = f"; for {name} in (b, s, h, d) pass layout='bshd'" if kind == "bhsd" else ""
             given = tuple(int(n) for n in positions.shape)
-            raise ValueError(
+            # The constant part built apart: Dynamo before torch 2.13 shows an f-string holding a symbolic size as
+            # its pieces (in a fullgraph error), and this keeps the expected shapes in one piece.
+            expected = (
                 f"positions must have shape ({int(seq)},) or ({int(batch)}, {int(seq)}) to match the sequence of "
-                f"{where}, got {given}{hint}"
+                f"{where}, got "
             )
+            raise ValueError(f"{expected}{given}{hint}")
         if positions.device != first.device:
             raise ValueError(f"positions is on {positions.device} but x on {first.device}")
     if seq > 0 and consecutive_rows(kind, positions, offsets):
