@@ -522,13 +522,16 @@ def rotary_inplace(
     later reads of x skip the Function, and x's gradient missed the rotation without a word (2*R*x, not 2*x, for
     x.square().sum()); a compiled function's input rotated in place lost it on 2.13 too.
     """
-    if _needs_grad(xs) and torch.compiler.is_compiling():
-        outs = rotary(list(xs), cos, sin, positions, offsets, offset, cu_seqlens, kind, interleaved, conjugate, backend)
-        for x, out in zip(xs, outs, strict=True):
-            x.copy_(out)
-    elif _needs_grad(xs):
-        options = (offset, kind, interleaved, conjugate, backend)
-        _RotaryInPlace.apply(*xs, options, cos, sin, positions, offsets, cu_seqlens)
+    if _needs_grad(xs):
+        if torch.compiler.is_compiling():
+            outs = rotary(
+                list(xs), cos, sin, positions, offsets, offset, cu_seqlens, kind, interleaved, conjugate, backend
+            )
+            for x, out in zip(xs, outs, strict=True):
+                x.copy_(out)
+        else:
+            options = (offset, kind, interleaved, conjugate, backend)
+            _RotaryInPlace.apply(*xs, options, cos, sin, positions, offsets, cu_seqlens)
     elif torch.compiler.is_compiling():
         rotary_(list(xs), cos, sin, positions, offsets, offset, cu_seqlens, kind, interleaved, conjugate, backend)
     else:

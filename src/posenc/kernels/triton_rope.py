@@ -348,15 +348,16 @@ def plan_launch(
         raise ValueError(f"block_s must be a power of two (tokens per program), got {block_s!r}")
     if num_warps is not None and (isinstance(num_warps, bool) or num_warps not in WARPS):
         raise ValueError(f"num_warps must be one of {WARPS}, got {num_warps!r}")
+    per_head_cos = bool(q_cos_strides[1] or k_cos_strides[1])
     if heads_per_program is None:
-        heads_per_program = 1 if q_cos_strides[1] or k_cos_strides[1] else 2
+        heads_per_program = 1 if per_head_cos else 2
     elif (
         isinstance(heads_per_program, bool)
         or not isinstance(heads_per_program, int)
         or not 1 <= heads_per_program <= 64
     ):
         raise ValueError(f"heads_per_program must be an int in 1..64, got {heads_per_program!r}")
-    elif heads_per_program > 1 and (q_cos_strides[1] or k_cos_strides[1]):
+    elif heads_per_program > 1 and per_head_cos:
         raise ValueError(
             f"heads_per_program={heads_per_program} shares one load of cos/sin between heads, but these cos/sin "
             "differ by head; pass heads_per_program=1"
