@@ -1,14 +1,15 @@
-"""The Triton rotary kernel's configurations side by side: tokens (BLOCK_S) x warps x heads per program.
+"""The Triton rotary kernel's configurations side by side: tokens (BLOCK_S) x warps x heads per program x the
+grid's order (superblock: token blocks every head group covers before the next ones; 1 runs head groups fastest).
 
 Every configuration rotates the same q (b, 32, s, 128) and k (b, 8, s, 128), out of place (the forward), in one
-launch planned as ``apply_rotary_qk`` plans it but with BLOCK_S, num_warps and heads_per_program given. Before
-anything is timed, each configuration's output must equal the default's bit for bit (the tiling does not change the
-arithmetic) or, where the compiler rounds differently, be within the dtype's tolerance of the float64 reference
-(reported). The cases take turns rep by rep with ``copy`` (clone() of q and k) and the default plan, which is also
-timed under its explicit configuration: the two rows differ by the run's noise. Rows as ``rope.py``'s, provider
-"BLOCK_S=32 warps=4 heads=1", mode "fwd-bhsd" or "fwd-bshd" (how q and k lie in memory; "-adjacent" appended for
-adjacent pairs, ``--pairs adjacent``), gb_per_s the bytes a rotation must move over the p50. On CUDA the GPU's clock
-by default (``common.measure_interleaved``).
+launch planned as ``apply_rotary_qk`` plans it but with BLOCK_S, num_warps, heads_per_program and superblock given.
+Before anything is timed, each configuration's output must equal the default's bit for bit (the tiling does not
+change the arithmetic) or, where the compiler rounds differently, be within the dtype's tolerance of the float64
+reference (reported). The cases take turns rep by rep with ``copy`` (clone() of q and k) and the default plan, which
+is also timed under its explicit configuration: the two rows differ by the run's noise. Rows as ``rope.py``'s,
+provider "BLOCK_S=32 warps=4 heads=1" (" super=8" appended for superblock 8), mode "fwd-bhsd" or "fwd-bshd" (how q
+and k lie in memory; "-adjacent" appended for adjacent pairs, ``--pairs adjacent``), gb_per_s the bytes a rotation
+must move over the p50. On CUDA the GPU's clock by default (``common.measure_interleaved``).
 
     python benchmarks/triton_tune.py --device cuda --seq 16384 --csv docs/results/rope_gpu_tune.csv
 
@@ -31,7 +32,16 @@ from rope import DTYPES, HEAD_DIM, HEADS_K, HEADS_Q, tables
 
 
 def rotation(
-    q, k, cos, sin, layout: str, interleaved: bool, block_s: int | None, num_warps: int | None, heads: int | None
+    q,
+    k,
+    cos,
+    sin,
+    layout: str,
+    interleaved: bool,
+    block_s: int | None,
+    num_warps: int | None,
+    heads: int | None,
+    superblock: int | None,
 ):
     """A timed function: q and k rotated into new tensors by one launch of the given configuration."""
     from posenc.kernels import triton_rope  # imports triton: only once a configuration is asked for
@@ -40,7 +50,7 @@ def rotation(
         outs = [torch.empty_like(q), torch.empty_like(k)]
         plans = triton_plans(
             [q, k], outs, cos, sin, None, None, 0, None, layout, interleaved, False, True,
-            block_s=block_s, num_warps=num_warps, heads_per_program=heads,
+            block_s=block_s, num_warps=num_warps, heads_per_program=heads, superblock=superblock,
         )  # fmt: skip
         for plan in plans:
             triton_rope.launch(plan)
@@ -88,6 +98,13 @@ def main() -> None:
     parser.add_argument("--block-s", type=int, nargs="+", default=[8, 16, 32, 64, 128], help="tokens per program")
     parser.add_argument("--warps", type=int, nargs="+", default=[1, 2, 4, 8], help="warps per program")
     parser.add_argument("--heads", type=int, nargs="+", default=[1], help="heads per program (sharing cos/sin loads)")
+    parser.add_argument(
+        "--superblocks",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="token blocks every head group covers before the next ones (1: head groups fastest)",
+    )
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--csv", type=Path, default=None)
     add_clock_argument(parser)
@@ -104,11 +121,13 @@ def main() -> None:
         cos, sin = tables(args.seq, dtype, args.device)["half"]  # (s, d/2) float32, as RoPE keeps it
         cases = {
             "copy": lambda q=q, k=k: (q.clone(), k.clone()),
-            "default": rotation(q, k, cos, sin, layout, interleaved, None, None, None),
+            "default": rotation(q, k, cos, sin, layout, interleaved, None, None, None, None),
         }
-        for block_s, warps, heads in itertools.product(args.block_s, args.warps, args.heads):
-            name = f"BLOCK_S={block_s} warps={warps} heads={heads}"
-            cases[name] = rotation(q, k, cos, sin, layout, interleaved, block_s, warps, heads)
+        for block_s, warps, heads, superblock in itertools.product(
+            args.block_s, args.warps, args.heads, args.superblocks
+        ):
+            name = f"BLOCK_S={block_s} warps={warps} heads={heads}" + (f" super={superblock}" if superblock > 1 else "")
+            cases[name] = rotation(q, k, cos, sin, layout, interleaved, block_s, warps, heads, superblock)
         mode = f"fwd-{layout}" + ("-adjacent" if interleaved else "")
         check(cases, q, k, layout, interleaved, f"{dtype_name} {mode}")
         times = measure_interleaved(cases, reps=args.reps, device=args.device, clock=clock)

@@ -117,13 +117,14 @@ def test_triton_tune_checks_and_times_every_configuration(tmp_path: Path) -> Non
     _run(
         "triton_tune.py",
         *("--device", "cpu", "--seq", "8", "--dtypes", "bf16", "--layouts", "bhsd", "bshd", "--pairs", "half"),
-        *("adjacent", "--block-s", "4", "8", "--warps", "2", "--heads", "1", "4", "--reps", "2"),
-        *("--csv", str(out)),
+        *("adjacent", "--block-s", "4", "--warps", "2", "--heads", "2", "4", "--superblocks", "1", "2"),
+        *("--reps", "2", "--csv", str(out)),
         interpret=True,
     )
     rows = _rows(out)
-    # Interpreted, each configuration takes about a second per mode: two of the three dimensions vary.
-    configs = {f"BLOCK_S={b} warps=2 heads={h}" for b in (4, 8) for h in (1, 4)}
+    # Interpreted, each configuration takes about a second per mode: two of the four dimensions vary. 8 tokens
+    # make 2 blocks of 4, so superblock 2 is a run of both (the grid's other order).
+    configs = {f"BLOCK_S=4 warps=2 heads={h}" + (" super=2" if sb == 2 else "") for h in (2, 4) for sb in (1, 2)}
     modes = ("fwd-bhsd", "fwd-bshd", "fwd-bhsd-adjacent", "fwd-bshd-adjacent")
     assert {(r["provider"], r["mode"]) for r in rows} == {(p, m) for p in {"copy", "default"} | configs for m in modes}
     assert all("clock=host" in r["device"] and r["gb_per_s"] != "" for r in rows)

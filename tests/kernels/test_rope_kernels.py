@@ -1144,12 +1144,20 @@ def test_triton_configurations_give_the_default_bits(kind, interleaved, d, r):
     # The default (from the H200 run): two heads a program where cos/sin are the same for every head, as here.
     assert default.options == {"enable_fp_fusion": True} and default.constants["HEADS"] == 2
     assert not any(o.isnan().any() for o in expected)
-    for block_s, num_warps, heads in ((1, 1, 1), (4, 2, 2), (16, 8, 1), (64, 4, 4), (8, 4, 8)):
-        outs, plan = run(block_s=block_s, num_warps=num_warps, heads_per_program=heads)
+    assert default.constants["SUPER_S"] == 1
+    # superblock: runs of token blocks, each covered by every head group before the next; with BLOCK_S=4 there are
+    # 6 blocks a row (21 tokens) or 7 (varlen's 28), so runs of 4 leave a short last run, and 100 means one run.
+    configs = [(1, 1, 1, 1), (4, 2, 2, 1), (16, 8, 1, 1), (64, 4, 4, 1), (8, 4, 8, 1)]
+    configs += [(4, 1, 2, 3), (4, 2, 1, 4), (2, 1, 4, 7), (4, 4, 2, 100)]
+    for block_s, num_warps, heads, superblock in configs:
+        outs, plan = run(block_s=block_s, num_warps=num_warps, heads_per_program=heads, superblock=superblock)
         assert plan.constants["BLOCK_S"] == block_s and plan.options["num_warps"] == num_warps
+        n_blocks = triton.cdiv(tokens, block_s)
+        assert plan.constants["SUPER_S"] == min(superblock, n_blocks)
         groups = triton.cdiv(5, heads) + triton.cdiv(3, heads)
-        assert plan.grid == (triton.cdiv(tokens, block_s) * n0 * groups,)
-        assert all(map(torch.equal, outs, expected)), f"BLOCK_S={block_s} num_warps={num_warps} heads={heads}"
+        assert plan.grid == (n_blocks * n0 * groups,)
+        config = f"BLOCK_S={block_s} num_warps={num_warps} heads={heads} superblock={superblock}"
+        assert all(map(torch.equal, outs, expected)), config
 
 
 @pytest.mark.parametrize("heads", [2, 3, 8])
@@ -1209,6 +1217,9 @@ def test_triton_configurations_are_checked():
     for bad in (0, 65, 2.0, True):
         with pytest.raises(ValueError, match=r"heads_per_program must be an int in 1..64"):
             plan(heads_per_program=bad)
+    for bad in (0, -1, 2**20 + 1, 4.0, True):
+        with pytest.raises(ValueError, match=r"superblock must be an int in 1..2\*\*20 \(token blocks a run\)"):
+            plan(superblock=bad)
     # cos/sin given per head (a broadcast 4-D view whose head axis is not 1): one load cannot serve two heads.
     per_head = torch.zeros(1, 2, 8, 8)
     with pytest.raises(ValueError, match="these cos/sin differ by head; pass heads_per_program=1"):

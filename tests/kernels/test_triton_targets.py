@@ -39,6 +39,7 @@ def test_every_case_compiles_for_both_architectures(compiled):
     assert len(compiled) == 2 * len(cases) >= 20
     # The regression that only the compiler sees: q's token stride passed as i64, k's as i32.
     assert "bf16 q token stride past 2**31" in cases
+    assert "bf16 d128 superblock 8" in cases
 
 
 def test_no_register_spills(compiled):

@@ -193,11 +193,12 @@ def triton_plans(
     block_s: int | None = None,
     num_warps: int | None = None,
     heads_per_program: int | None = None,
+    superblock: int | None = None,
 ) -> list:  # of posenc.kernels.triton_rope.Launch (imported lazily: importing it imports triton)
     """The Triton launches that rotating xs into outs makes (arguments as ``_rotary_impl``'s): one for q and k
     together, or one each where their (batch, token) sizes differ (broadcast cos/sin allow that); none if empty.
-    block_s, num_warps, heads_per_program: a configuration other than the default (``triton_rope.plan_launch``),
-    for tuning.
+    block_s, num_warps, heads_per_program, superblock: a configuration other than the default
+    (``triton_rope.plan_launch``), for tuning.
 
     Needs no GPU: ``posenc.kernels.triton_targets`` compiles these plans for GPU architectures on any machine.
     """
@@ -242,6 +243,7 @@ def triton_plans(
             block_s=block_s,
             num_warps=num_warps,
             heads_per_program=heads_per_program,
+            superblock=superblock,
         )
         if plan is not None:
             plans.append(plan)

@@ -82,6 +82,7 @@ def _rope_kernel(
     TAIL: tl.constexpr,
     DENSE_COS: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    SUPER_S: tl.constexpr,
     HEADS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -94,18 +95,32 @@ def _rope_kernel(
     CHECK_ROWS: tl.constexpr,
     VIA_FLOAT32: tl.constexpr,
 ):
-    # One flat grid of (i0, token block, head group), head groups fastest: CUDA caps grid dims 1 and 2 at 65535,
-    # which a batch, or the heads axis of a broadcast call given x as (b * s, h, d), can pass. Head groups fastest
-    # so that the programs reading one token block's cos/sin rows run together and all but the first find them
-    # in L2: with token blocks fastest each head group streamed the whole table again, and on an H200 at s = 32k
-    # (16 MiB of float32 cos/sin against 640 MiB of q and k) that held the forward to 0.74 of a copy's speed.
-    # n_blocks = cdiv(n2, BLOCK_S) comes from the host: computed here in i32, n2 + BLOCK_S - 1 wraps near 2**31.
-    # A program rotates HEADS heads of one x (groups_q groups of q, then k's), loading the tokens' positions and
-    # cos/sin rows once for all of them; the host keeps HEADS at 1 where cos/sin differ between heads.
+    # One flat grid of (i0, token block, head group), head groups fastest (within runs of SUPER_S token blocks,
+    # below): CUDA caps grid dims 1 and 2 at 65535, which a batch, or the heads axis of a broadcast call given x as
+    # (b * s, h, d), can pass. Head groups fastest so that the programs reading one token block's cos/sin rows run
+    # together and all but the first find them in L2: with token blocks fastest each head group streamed the whole
+    # table again, and on an H200 at s = 32k (16 MiB of float32 cos/sin against 640 MiB of q and k) that held the
+    # forward to 0.74 of a copy's speed. n_blocks = cdiv(n2, BLOCK_S) comes from the host: computed here in i32,
+    # n2 + BLOCK_S - 1 wraps near 2**31. A program rotates HEADS heads of one x (groups_q groups of q, then k's),
+    # loading the tokens' positions and cos/sin rows once for all of them; the host keeps HEADS at 1 where cos/sin
+    # differ between heads.
     pid = tl.program_id(0).to(tl.int64)
-    group = pid % n_groups
-    pid_s = (pid // n_groups) % n_blocks
-    i0 = pid // (n_groups * n_blocks)
+    if SUPER_S == 1:
+        group = pid % n_groups
+        pid_s = (pid // n_groups) % n_blocks
+        i0 = pid // (n_groups * n_blocks)
+    else:
+        # Runs of SUPER_S token blocks: every head group covers a run's blocks before the next run starts, so a
+        # head's tokens are read in stretches of SUPER_S * BLOCK_S, and a run's cos/sin rows (SUPER_S * BLOCK_S of
+        # them) stay in L2 while all the head groups read them. The last run of a row i0 may be shorter.
+        per_i0 = n_groups * n_blocks
+        i0 = pid // per_i0
+        rest = pid % per_i0
+        run_first = (rest // (n_groups * SUPER_S)) * SUPER_S
+        run_len = tl.minimum(n_blocks - run_first, SUPER_S)
+        inner = rest - run_first * n_groups
+        group = inner // run_len
+        pid_s = run_first + inner % run_len
     # Groups past groups_q rotate k: the same code with k's pointers and strides, chosen by selects, not by an `if`:
     # triton 3.6 loses the pointers' 16-byte alignment at the join of an `if`'s branches and then stores one element
     # at a time (st.global.b16 for bf16, where a select keeps st.global.v4.b32; 3.9 vectorises both). The strides
@@ -257,6 +272,7 @@ def plan_launch(
     block_s: int | None = None,
     num_warps: int | None = None,
     heads_per_program: int | None = None,
+    superblock: int | None = None,
 ) -> Launch | None:
     """Check a call and lay out the kernel's arguments: one launch for q, or q and k; None if there is nothing to do.
 
@@ -266,9 +282,11 @@ def plan_launch(
     cu_seqlens: (n_seq + 1,) int32/int64 for packed tokens (then n0 = 1 and n2 = total tokens) or None;
     table_rows: the rows of the (rows, r/2) table that positions index, or None for cos/sin views read per token;
     a token whose position falls outside the table comes out NaN (the kernel cannot raise);
-    block_s, num_warps, heads_per_program: tokens per program (a power of two), warps per program, and heads per
-    program (1 to 64; above 1 only where cos/sin are the same for every head), in place of the defaults
-    (``benchmarks/triton_tune.py`` times them against each other; the results do not depend on them).
+    block_s, num_warps, heads_per_program, superblock: tokens per program (a power of two), warps per program,
+    heads per program (1 to 64; above 1 only where cos/sin are the same for every head), and the token blocks
+    every head group covers before the grid moves on to the next ones (1 to 2**20; 1, the default, runs the head
+    groups fastest), in place of the defaults (``benchmarks/triton_tune.py`` times them against each other; the
+    results do not depend on them).
     Nothing here needs a GPU, so ``posenc.kernels.triton_targets`` compiles the very launch a call makes.
     """
     if len(xs) not in (1, 2) or not len(xs) == len(outs) == len(coss) == len(sins):
@@ -362,6 +380,10 @@ def plan_launch(
             f"heads_per_program={heads_per_program} shares one load of cos/sin between heads, but these cos/sin "
             "differ by head; pass heads_per_program=1"
         )
+    if superblock is None:
+        superblock = 1
+    elif isinstance(superblock, bool) or not isinstance(superblock, int) or not 1 <= superblock <= 2**20:
+        raise ValueError(f"superblock must be an int in 1..2**20 (token blocks a run), got {superblock!r}")
     n_blocks = -(-n2 // block_s)
     groups_q, groups_k = -(-heads_q // heads_per_program), -(-heads_k // heads_per_program)
     dummy = q  # stands in for absent optional pointers; never read (the matching constexpr is False)
@@ -398,6 +420,8 @@ def plan_launch(
         "TAIL": tail,
         "DENSE_COS": q_cos_strides[2] == half and k_cos_strides[2] == half,
         "BLOCK_S": block_s,
+        # More than the blocks there are is the same order as all of them: one constexpr, one compile.
+        "SUPER_S": min(superblock, n_blocks),
         "HEADS": heads_per_program,
         "BLOCK_H": block_h,
         "BLOCK_T": min(64, _next_power_of_2(max(tail, 1))),

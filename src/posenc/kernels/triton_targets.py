@@ -157,6 +157,12 @@ def _case_plans() -> dict[str, Launch]:
         xs, [torch.empty_like(x) for x in xs], torch.zeros(512, 64), torch.zeros(512, 64), None, None, 0, None,
         "bhsd", False, False, True, block_s=64, num_warps=8,
     )  # fmt: skip
+    # Runs of token blocks that every head group covers before the next run (benchmarks/triton_tune.py's
+    # --superblocks): the other order of the grid.
+    (plans["bf16 d128 superblock 8"],) = triton_plans(
+        xs, [torch.empty_like(x) for x in xs], torch.zeros(512, 64), torch.zeros(512, 64), None, None, 0, None,
+        "bhsd", False, False, True, superblock=8,
+    )  # fmt: skip
     # Several heads a program (one load of positions and cos/sin for all), packed tokens, a tail. (With adjacent
     # pairs too, ptxas for sm_80 capped this at 96 registers and spilled 8 bytes: a tuning candidate may, the
     # launches a call makes by default may not.)
