@@ -9,6 +9,12 @@ attention layer runs per call, against ``RoPE``). ``apply_rotary_qk(freqs_cis ta
 of ``TABLE_ROWS`` positions kept as Meta's complex ``freqs_cis`` (cos and sin the real and imaginary parts, a view
 with a pair stride the kernels cannot read as is): the rows the tokens read are copied, not the table.
 
+Where the Triton kernel runs (CUDA, or the interpreter with ``--launch-parts``), three more cases take a Triton
+call's host time apart (a decode step took 0.31 ms on an H200's VM against 0.23 ms for Hugging Face's eager
+formula): ``apply_rotary_qk(backend='triton')``, the same with the launch replaced by a no-op (posenc's Python:
+checks and the plan), and ``triton launch (planned once)`` (a plan made beforehand, launched: Triton's launcher and
+the device's context), plus ``triton kernel[grid] (planned once)`` (the same without ``torch.cuda.device``).
+
     python benchmarks/rope_module.py --csv docs/results/rope_module_cpu.csv
 """
 
@@ -34,7 +40,34 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TABLE_ROWS = 131072  # a 128k-context model's table
 
 
-def make_cases(rope: RoPE, dtype: torch.dtype, seq: int, offset: int, device: str) -> dict:
+def launch_parts(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> dict:
+    """A Triton call and its parts (see the module's docstring), for host time per call."""
+    from posenc.kernels import triton_rope  # imports triton: only where asked
+    from posenc.kernels.ops import triton_plans
+
+    def call_without_launch():
+        launch, triton_rope.launch = triton_rope.launch, lambda plan: None
+        try:
+            return apply_rotary_qk(q, k, cos, sin, backend="triton")
+        finally:
+            triton_rope.launch = launch
+
+    outs = [torch.empty_like(q), torch.empty_like(k)]
+    (plan,) = triton_plans([q, k], outs, cos, sin, None, None, 0, None, "broadcast", False, False, True)
+
+    def kernel_alone():
+        triton_rope._rope_kernel[plan.grid](*plan.args, **plan.constants, **plan.options)
+        return outs
+
+    return {
+        "apply_rotary_qk(backend='triton')": lambda: apply_rotary_qk(q, k, cos, sin, backend="triton"),
+        "apply_rotary_qk(backend='triton'), launch a no-op": call_without_launch,
+        "triton launch (planned once)": lambda: (triton_rope.launch(plan), outs)[1],
+        "triton kernel[grid] (planned once)": kernel_alone,
+    }
+
+
+def make_cases(rope: RoPE, dtype: torch.dtype, seq: int, offset: int, device: str, parts: bool = False) -> dict:
     q, k = random_qk(1, 32, 8, seq, 128, dtype=dtype, device=device)
     positions = torch.arange(offset, offset + seq, device=device)
     cos, sin = rope.cos_sin(positions, dtype=torch.float32)
@@ -64,6 +97,8 @@ def make_cases(rope: RoPE, dtype: torch.dtype, seq: int, offset: int, device: st
         given_cos, given_sin = hf_rope(q, position_ids)
         cases["apply_rotary_pos_emb"] = lambda: apply_rotary_pos_emb(q, k, given_cos, given_sin)
         cases["hf-llama"] = hf_llama
+    if parts:
+        cases |= launch_parts(q, k, cos, sin)
     return cases
 
 
@@ -71,17 +106,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
+    parser.add_argument("--prefill", type=int, default=4096, help="tokens of the prefill case")
+    parser.add_argument("--reps", type=int, nargs=2, default=[30, 2000], help="reps of the prefill and the decode")
+    parser.add_argument(
+        "--launch-parts",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="time a Triton call's parts (default: on CUDA; on CPU it needs TRITON_INTERPRET=1)",
+    )
     parser.add_argument("--csv", type=Path, default=None)
     add_allocation_argument(parser)
     args = parser.parse_args()
+    parts = args.device == "cuda" if args.launch_parts is None else args.launch_parts
 
     env = environment(args.device, args.alloc)
     rope = RoPE(128)
     rows = []
     with torch.no_grad():
-        for mode, seq, offset, reps in (("prefill", 4096, 0, 30), ("decode", 1, 4095, 2000)):
+        prefill, decode = ("prefill", args.prefill, 0, args.reps[0]), ("decode", 1, args.prefill - 1, args.reps[1])
+        for mode, seq, offset, reps in (prefill, decode):
             for dtype_name in args.dtypes:
-                cases = make_cases(rope, DTYPES[dtype_name], seq, offset, args.device)
+                cases = make_cases(rope, DTYPES[dtype_name], seq, offset, args.device, parts)
                 times = measure_interleaved(cases, reps=reps, device=args.device)
                 shape = f"b=1,hq=32,hk=8,s={seq},d=128,offset={offset}"
                 rows += rows_against_copy(times, op="rope-module", mode=mode, dtype=dtype_name, shape=shape, env=env)
