@@ -141,15 +141,24 @@ def test_a_length_that_cannot_be_read_is_asked_for(mode):
     assert mrope(meta_q, meta_q, positions=axes)[0].shape == q.shape
 
 
-def test_a_length_that_varies_between_compiled_calls_gets_a_graph_each():
-    """Dynamo makes an int argument symbolic once it changes between calls; dynamic's frequencies are float64 host
-    math that a symbolic length cannot go through, so the length is specialized rather than traced."""
-    rope = make_rope("dynamic", "consistent")
-    q, k = random_qk(1, 2, 1, 5, HEAD_DIM)
-    compiled = compile_traced(lambda q, k, n: rope(q, k, offset=20, seq_len=n))
-    for seq_len in (64, 128, 256):
-        for got, want in zip(compiled(q, k, seq_len), rope(q, k, offset=20, seq_len=seq_len), strict=True):
-            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+@pytest.mark.parametrize("mode", ["hf", "consistent"])
+def test_dynamic_ntk_compiles_one_graph_for_every_length_past_the_trained_one(mode):
+    """Dynamo makes an int argument symbolic once it changes between calls. dynamic's frequencies past
+    max_position_embeddings were computed from the length made a constant, one graph per length: a fullgraph
+    decode loop past the trained length stopped at Dynamo's recompile limit on its 9th step. They are computed in
+    the graph from the symbolic length now, to the same bits as eager."""
+    torch._dynamo.utils.counters.clear()
+    rope = make_rope("dynamic", mode)
+    q, k = random_qk(1, 2, 1, 1, HEAD_DIM)
+    compiled = compile_traced(lambda q, k, n: rope(q, k, offset=n - 1, seq_len=n))
+    for seq_len in range(MAX_POS + 1, MAX_POS + 21):
+        got, want = compiled(q, k, seq_len), rope(q, k, offset=seq_len - 1, seq_len=seq_len)
+        assert all(map(torch.equal, got, want)), seq_len
+    # The first length, then a symbolic one (one graph for all the others).
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2
+    # Each length scales its own frequencies, so a graph that kept the first length's would have failed above.
+    first, last = (rope(q, k, offset=MAX_POS, seq_len=n)[0] for n in (MAX_POS + 1, MAX_POS + 20))
+    assert not torch.equal(first, last)
 
 
 def test_longrope_compiles_one_graph_per_side_of_its_original_length_not_one_per_length():

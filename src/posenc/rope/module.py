@@ -237,7 +237,7 @@ class RoPE(nn.Module):
         """The one length that stands for every seq_len with the same frequencies (None: the unscaled ones), so that
         the cache, and a graph traced under torch.compile, serve them all: LongRoPE reads only the side of its
         original length, dynamic NTK scales only past max_position_embeddings, the other types ignore seq_len. The
-        comparisons keep a symbolic length symbolic; only a scaled dynamic length is made a constant of the graph."""
+        comparisons keep a symbolic length symbolic, and a scaled dynamic length is returned as it is."""
         spec = self.spec
         if seq_len is None or spec.rope_type not in SEQ_LEN_DEPENDENT:
             return None
@@ -245,7 +245,11 @@ class RoPE(nn.Module):
             original = int(spec.params["original_max_position_embeddings"])
             return original + 1 if seq_len > original else None
         limit = spec.max_position_embeddings
-        return operator.index(seq_len) if limit is None or seq_len > limit else None
+        if limit is not None and seq_len <= limit:
+            return None
+        # Traced, a length that varies between calls (which Dynamo makes symbolic) stays symbolic: dynamic's
+        # frequencies are then computed in the graph from it, one graph for every length past the trained one.
+        return seq_len if torch.compiler.is_compiling() else operator.index(seq_len)
 
     @property
     def rotates_cached_keys(self) -> bool:
@@ -323,8 +327,9 @@ class RoPE(nn.Module):
         if needed is None:
             # Traced or captured: a table sized by max(positions) would be a data-dependent step that breaks the
             # graph. The angles give the values the table holds. The frequencies are constants of the graph,
-            # computed on the host in float64: one graph per set of frequencies (``_frequency_length``), so a scaled
-            # dynamic NTK length that varies between calls (which Dynamo makes symbolic) is one graph per length.
+            # computed on the host in float64, one graph per set of frequencies (``_frequency_length``); but a scaled
+            # dynamic NTK length that varies between calls (which Dynamo makes symbolic) has its frequencies computed
+            # in the graph, from the symbolic length, one graph for all such lengths.
             inv_freq, factor = self.frequencies(seq_len)
             return angles_to_cos_sin(positions, inv_freq, factor, dtype)
         if length_dependent or needed > _TABLE_LIMIT:
