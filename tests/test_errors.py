@@ -482,7 +482,7 @@ _i = torch.arange(5)
         (
             lambda: posenc.rope_frequencies(16, {"rope_type": "linear", "factor": 1e50}),
             ValueError,
-            r"rope_type 'linear' .* gives frequencies that are 0 in float32",
+            r"rope_type 'linear' .* gives frequencies that are 0 or infinite in float32",
         ),
         # Bare errors from deep code before.
         (
@@ -516,6 +516,116 @@ _i = torch.arange(5)
 def test_errors_found_by_the_second_bad_input_audit(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+_cos4 = torch.randn(4, 4)
+_longrope = {"rope_type": "longrope", "short_factor": [1.0] * 4, "original_max_position_embeddings": 16, "factor": 2.0}
+
+
+def _byte_lm():
+    from posenc.lab.model import ByteLM, ModelSpec
+
+    return ByteLM(ModelSpec(dim=16, layers=1, heads=2, max_positions=8), "rope")
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        # Silent before: k's channels past q's head dim passed through unrotated.
+        (
+            lambda: posenc.apply_rotary_qk(torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 16), _cos4, _cos4),
+            ValueError,
+            r"q and k must share a head dim \(their last dim\), got 8, 16",
+        ),
+        # Silent before: cos and sin times 1e39 are infinite in float32, and 1e-50 rounds them to 0.
+        (
+            lambda: posenc.RoPE(
+                8,
+                rope_parameters={"rope_type": "yarn", "factor": 2.0, "attention_factor": 1e39},
+                max_position_embeddings=16,
+            ),
+            ValueError,
+            r"gives an attention factor of 1e\+39, which cos and sin cannot carry in float32",
+        ),
+        (
+            lambda: posenc.rope_frequencies(
+                8, {"rope_type": "yarn", "factor": 2.0, "attention_factor": 1e-50}, max_position_embeddings=16
+            ),
+            ValueError,
+            r"gives an attention factor of 1e-50",
+        ),
+        # Silent before: the length-dependent types skipped the float32 range check of their frequencies.
+        (
+            lambda: posenc.rope_frequencies(
+                8, {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e300}, max_position_embeddings=16
+            ),
+            ValueError,
+            r"rope_type 'dynamic' .* gives frequencies that are 0 or infinite in float32",
+        ),
+        (
+            lambda: posenc.rope_frequencies(8, {**_longrope, "long_factor": [1e-300] * 4}, max_position_embeddings=32),
+            ValueError,
+            r"rope_type 'longrope' .* gives frequencies that are 0 or infinite in float32",
+        ),
+        # Silent before: sizes a family does not read went unchecked until the name changed.
+        (
+            lambda: posenc.build_for_model("rope", dim=-1, num_heads=2, head_dim=8, max_positions=8),
+            ValueError,
+            "dim must be a positive integer, got -1",
+        ),
+        (
+            lambda: posenc.build_for_model("alibi", dim=16, num_heads=2, head_dim=8, max_positions=0),
+            ValueError,
+            "max_positions must be a positive integer, got 0",
+        ),
+        # Bare errors from deep code before.
+        (
+            lambda: posenc.apply_rotary_(torch.randn(1, 2, 4, 8, requires_grad=True), _cos4, _cos4, backend="torch"),
+            RuntimeError,
+            "x is a leaf tensor that requires grad, .* use apply_rotary for a rotated copy",
+        ),
+        (
+            lambda: posenc.apply_rotary_(torch.randn(1, 2, 4, 8, requires_grad=True), _cos4, _cos4, backend="cpu"),
+            RuntimeError,
+            "x is a leaf tensor that requires grad",
+        ),
+        (
+            lambda: posenc.RoPE(8)(q, q, offset=2**63),
+            ValueError,
+            r"offset must fit in int64 \(below 2\*\*63, a token position\), got 9223372036854775808",
+        ),
+        (lambda: posenc.RoPE(8)(q, q, offset=2**64), ValueError, "offset must fit in int64"),
+        (lambda: posenc.ALiBi(2).bias(1, 2, offset=2**64), ValueError, r"offset \+ q_len must fit in int64"),
+        (
+            lambda: MRoPE(8, mrope_section=[2, 1, 1])(
+                q, q, positions=torch.zeros(3, 1, 4, dtype=torch.long, device="meta")
+            ),
+            ValueError,
+            "positions is on meta but the activations on cpu",
+        ),
+        (
+            lambda: posenc.add_input_encoding(torch.randn(1, 4, 8), "learned", torch.arange(4)),
+            TypeError,
+            r"encoding must be an nn.Module or None, got str; build one by name with posenc.build_for_model",
+        ),
+        (lambda: _byte_lm()(torch.tensor([[256]])), ValueError, r"tokens must be byte ids in 0..255, got ids from 256"),
+        (
+            lambda: _byte_lm()(torch.tensor([[-1, 3]])),
+            ValueError,
+            r"tokens must be byte ids in 0..255, got ids from -1",
+        ),
+        (lambda: _byte_lm()(torch.tensor([[1.0]])), TypeError, "tokens must be an integer tensor of byte ids"),
+    ],
+)
+def test_errors_found_by_the_third_bad_input_audit(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_byte_ids_may_come_as_uint8():
+    """A byte corpus read as uint8 (nn.Embedding takes int32/int64 only): the same logits as int64 ids."""
+    model, ids = _byte_lm(), torch.tensor([[104, 105, 0, 255]])
+    assert torch.equal(model(ids.to(torch.uint8))[0], model(ids)[0])
 
 
 def test_numpy_numbers_are_numbers() -> None:

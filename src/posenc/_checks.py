@@ -20,6 +20,12 @@ def integer_offset(value: Any) -> Any:
     return value
 
 
+def int64_int(name: str, value: int) -> None:
+    """An int that becomes an int64 position: past 2**63 - 1 torch would raise OverflowError, or wrap it negative."""
+    if not torch.compiler.is_compiling() and not -(2**63) <= value < 2**63:
+        raise ValueError(f"{name} must fit in int64 (below 2**63, a token position), got {value}")
+
+
 def user_stacklevel() -> int:
     """The ``stacklevel`` for ``warnings.warn`` that points at the first frame outside posenc: the user's call,
     however deep inside posenc the warning is raised (Python 3.12's ``skip_file_prefixes``, by hand)."""

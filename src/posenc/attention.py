@@ -221,6 +221,25 @@ def _describe(layer: nn.Module) -> str:
     return f"{type(layer).__name__} with " + ("no encoding" if encoding is None else type(encoding).__name__)
 
 
+def _check_encoding(encoding: object) -> None:
+    """encoding: an nn.Module that declares where it acts, or None."""
+    if encoding is not None and not isinstance(encoding, nn.Module):
+        hint = (
+            f"; build one by name with posenc.build_for_model({encoding!r}, dim=..., num_heads=..., head_dim=..., "
+            "max_positions=...)"
+            if isinstance(encoding, str)
+            else ""
+        )
+        raise TypeError(f"encoding must be an nn.Module or None, got {type(encoding).__name__}{hint}")
+    if encoding is not None and not isinstance(getattr(encoding, "acts_on", None), ActsOn):
+        # acts_on is all that is read of an encoding first; without it a forward would fail far from here.
+        raise TypeError(
+            f"encoding {type(encoding).__name__} does not declare where it acts: an encoding needs a class "
+            "attribute acts_on = posenc.ActsOn.QK, SCORE_BIAS, INPUT or NONE (see posenc.encoding); for no "
+            "encoding pass encoding=None or posenc.NoPE()"
+        )
+
+
 def add_input_encoding(x: torch.Tensor, encoding: nn.Module | None, positions: torch.Tensor) -> torch.Tensor:
     """x: (b, s, dim); positions: (s,) or (b or 1, s). Adds the encoding if it acts on the input, else returns x.
 
@@ -232,6 +251,7 @@ def add_input_encoding(x: torch.Tensor, encoding: nn.Module | None, positions: t
             "add_input_encoding needs positions: torch.arange(s) for whole sequences, or cache.next_positions(s) "
             "(the positions after the cached ones) when decoding with a KVCache"
         )
+    _check_encoding(encoding)
     if encoding is None or encoding.acts_on is not ActsOn.INPUT:
         return x
     float_tensor("x", x)
@@ -307,21 +327,7 @@ class CausalSelfAttention(nn.Module):
         self.k_proj = nn.Linear(dim, num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(dim, num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(num_heads * self.head_dim, dim, bias=bias)
-        if encoding is not None and not isinstance(encoding, nn.Module):
-            hint = (
-                f"; build one by name with posenc.build_for_model({encoding!r}, dim=..., num_heads=..., head_dim=..., "
-                "max_positions=...)"
-                if isinstance(encoding, str)
-                else ""
-            )
-            raise TypeError(f"encoding must be an nn.Module or None, got {type(encoding).__name__}{hint}")
-        if encoding is not None and not isinstance(getattr(encoding, "acts_on", None), ActsOn):
-            # acts_on is all the layer reads of an encoding; without it the first forward would fail far from here.
-            raise TypeError(
-                f"encoding {type(encoding).__name__} does not declare where it acts: an encoding needs a class "
-                "attribute acts_on = posenc.ActsOn.QK, SCORE_BIAS, INPUT or NONE (see posenc.encoding); for no "
-                "encoding pass encoding=None or posenc.NoPE()"
-            )
+        _check_encoding(encoding)
         if encoding is not None and getattr(encoding, "acts_on", None) is ActsOn.INPUT:
             # The layer cannot add it (it goes into the residual stream once, before the first layer) and would
             # run as if it had no encoding at all, past a learned table too.

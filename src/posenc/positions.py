@@ -13,7 +13,15 @@ from __future__ import annotations
 
 import torch
 
-from posenc._checks import assert_without_sync, int_tensor, integer_offset, movable, size_in, values_readable
+from posenc._checks import (
+    assert_without_sync,
+    int64_int,
+    int_tensor,
+    integer_offset,
+    movable,
+    size_in,
+    values_readable,
+)
 
 
 def resolve_positions(
@@ -53,6 +61,8 @@ def resolve_positions(
         raise TypeError(f"offset must be an int or an integer tensor, got {type(offset).__name__}")
     elif offset < 0:
         raise ValueError(f"offset must be >= 0 (it counts tokens already in the cache), got {offset}")
+    else:
+        int64_int("offset", offset)
 
     if positions is None:
         pos = torch.arange(seq_len, device=device, dtype=torch.long)[None, :]

@@ -7,6 +7,7 @@ from typing import Any
 
 from torch import nn
 
+from posenc._checks import positive_int
 from posenc.absolute import LearnedAbsolute, Sinusoidal
 from posenc.bias import ALiBi, T5Bias
 from posenc.nope import NoPE
@@ -46,9 +47,18 @@ def build_for_model(
     dim: model width; num_heads: h (ALiBi's slopes, T5's bias per head); head_dim: per-head width; max_positions:
     the training length (the learned table's size); kwargs: options of that family's constructor (e.g. ``base``,
     ``rope_parameters``, ``num_buckets``); an option the family does not take is a TypeError, never silently
-    dropped.
+    dropped. The four sizes must be positive ints for every family, also those that read fewer of them, so that a
+    bad one shows before the name changes to one that reads it. (dim need not be num_heads * head_dim: Gemma's is
+    not.)
     """
     family = _lookup(name)
+    for size, value in (
+        ("dim", dim),
+        ("num_heads", num_heads),
+        ("head_dim", head_dim),
+        ("max_positions", max_positions),
+    ):
+        positive_int(size, value)
     options = _options(family)
     unknown = [key for key in kwargs if key not in options]
     if unknown:  # before the call: Python's own error would name the argument but not what the family takes

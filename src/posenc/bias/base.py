@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from posenc._checks import int_tensor, integer_offset, positive_int, same_device, size_in
+from posenc._checks import int64_int, int_tensor, integer_offset, positive_int, same_device, size_in
 from posenc.encoding import ActsOn
 
 
@@ -57,6 +57,7 @@ class ScoreBias(nn.Module):
             raise TypeError(f"offset must be an int >= 0 (tokens already in the cache), got {offset!r}")
         if offset < 0:
             raise ValueError(f"offset must be an int >= 0 (tokens already in the cache), got {offset!r}")
+        int64_int("offset + q_len", offset + q_len)
         device = self._device()
         q = torch.arange(offset, offset + q_len, device=device)
         k = torch.arange(k_len, device=device)

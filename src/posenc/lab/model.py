@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from posenc._checks import values_readable
 from posenc.attention import CausalSelfAttention, add_input_encoding
 from posenc.encoding import ActsOn
 from posenc.positions import positions_from_document_ids, resolve_document_ids
@@ -134,6 +135,14 @@ class ByteLM(nn.Module):
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
             shape = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
             raise ValueError(f"tokens must be a (b, s) tensor of byte ids, got {shape}")
+        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+            raise TypeError(f"tokens must be an integer tensor of byte ids (uint8 or int64), got {tokens.dtype}")
+        tokens = tokens.long()  # nn.Embedding takes int32/int64 ids only; bytes come as uint8
+        # nn.Embedding's own error for an id outside the table names neither the tokens nor the range.
+        if tokens.numel() and values_readable(tokens.device):
+            low, high = torch.stack(torch.aminmax(tokens)).tolist()
+            if low < 0 or high >= VOCAB_SIZE:
+                raise ValueError(f"tokens must be byte ids in 0..{VOCAB_SIZE - 1}, got ids from {low} to {high}")
         b, s = tokens.shape
         if document_ids is None:
             positions = torch.arange(s, device=tokens.device)[None]

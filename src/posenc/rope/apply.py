@@ -224,6 +224,12 @@ def rotate_tensors(
     tensors = list(xs.values())
     if len({x.dtype for x in tensors}) > 1:
         raise ValueError(f"{' and '.join(xs)} must share a dtype, got {', '.join(str(x.dtype) for x in tensors)}")
+    if len({x.shape[-1] for x in tensors}) > 1:
+        # Attention takes q . k over the head dim; a wider k would also keep its extra channels unrotated unseen.
+        raise ValueError(
+            f"{' and '.join(xs)} must share a head dim (their last dim), got "
+            f"{', '.join(str(x.shape[-1]) for x in tensors)}"
+        )
     if inplace:
         for name, x in xs.items():
             # A contiguous tensor shares no memory between elements: the common case skips the stride checks (the
@@ -236,6 +242,12 @@ def rotate_tensors(
                 raise RuntimeError(
                     f"{name} was made under torch.inference_mode() and may be updated in place only inside it; "
                     f"call this inside torch.inference_mode(), or use apply_rotary for a rotated copy"
+                )
+            if not torch.compiler.is_compiling() and x.requires_grad and x.is_leaf and torch.is_grad_enabled():
+                # torch's own message comes from deep inside the rotation, and differs between the backends.
+                raise RuntimeError(
+                    f"{name} is a leaf tensor that requires grad, which autograd does not let change in place; use "
+                    f"apply_rotary for a rotated copy, or rotate it under torch.no_grad()"
                 )
     chosen = choose_backend(backend, tensors, cos, sin, kind, inplace=inplace)
     if chosen != "torch":

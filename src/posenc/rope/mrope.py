@@ -25,6 +25,7 @@ from posenc._checks import (
     positive_int,
     sequence_length,
     size_in,
+    to_device,
 )
 from posenc.rope.apply import apply_rotary_qk
 from posenc.rope.frequencies import SEQ_LEN_DEPENDENT
@@ -217,7 +218,7 @@ class MRoPE(RoPE):
                 f"positions must have shape (3, b, s) = (3, {q.shape[0]}, {q.shape[seq_axis]}) (temporal, height, "
                 f"width ids), got {tuple(positions.shape)}"
             )
-        pos = positions.to(device=q.device, dtype=torch.long) + offset
+        pos = to_device("positions", positions, q.device).to(torch.long) + offset
         dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         if seq_len is None and q.device.type != "meta":  # advances 'hf' dynamic NTK's state, as RoPE.forward does
             cos, sin = self.call_cos_sin(pos, dtype=dtype)  # (b or 1, s, r/2)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from posenc._checks import base_value, even_positive_int, positive_int, sequence_length, user_stacklevel
-from posenc.rope.frequencies import SCALINGS, SEQ_LEN_DEPENDENT, proportional_pairs
+from posenc.rope.frequencies import SCALINGS, proportional_pairs
 
 # Per rope_type: keys that must be present and keys that may be present (beyond the common ones).
 REQUIRED_KEYS: dict[str, frozenset[str]] = {
@@ -335,17 +335,30 @@ def parse_rope_parameters(
         params=params,
         max_position_embeddings=max_position_embeddings,
     )
-    if rope_type not in SEQ_LEN_DEPENDENT:
-        # A factor whose ntk base overflows is refused here, not at the first call; so is one that takes
-        # frequencies below float32's range (linear with factor 1e50 rotated nothing).
+    # A factor whose ntk base overflows is refused here, not at the first call; so is one that takes frequencies
+    # below float32's range (linear with factor 1e50 rotated nothing) or past it, and an attention factor that cos
+    # and sin cannot carry in float32. The length-dependent types are checked at the lengths they start from
+    # (dynamic's trained one) and, for longrope, past its original length too.
+    lengths: tuple[int | None, ...] = (None,)
+    if rope_type == "longrope":
+        lengths = (None, int(params["original_max_position_embeddings"]) + 1)
+    for length in lengths:
         with torch.device("cpu"):  # values to check, also where the caller builds on meta
-            inv_freq, _ = compute_frequencies(spec)
+            inv_freq, factor = compute_frequencies(spec, seq_len=length)
         if rope_type == "proportional":
             inv_freq = inv_freq[: proportional_pairs(params["partial_rotary_factor"], rotary_dim)]
-        if not bool((inv_freq.float() > 0).all()):
+        as_float32 = inv_freq.float()
+        if not bool(((as_float32 > 0) & (as_float32 < math.inf)).all()):
             raise ValueError(
-                f"rope_type {rope_type!r} with {params} gives frequencies that are 0 in float32 (smallest "
-                f"{float(inv_freq.min()):.3g}): nothing would rotate there; use a smaller factor or rope_theta"
+                f"rope_type {rope_type!r} with {params} gives frequencies that are 0 or infinite in float32 "
+                f"(from {float(inv_freq.min()):.3g} to {float(inv_freq.max()):.3g}): nothing would rotate there, or "
+                "only NaN; use a smaller factor or rope_theta"
+            )
+        if not 0 < float(torch.tensor(float(factor)).float()) < math.inf:
+            raise ValueError(
+                f"rope_type {rope_type!r} with {params} gives an attention factor of {float(factor):.3g}, which "
+                "cos and sin cannot carry in float32 (they would be 0 or infinite); use an attention_factor that "
+                "float32 holds (about 1e-38 to 3e38)"
             )
     _warn_where_transformers_warns(rope_type, params, max_position_embeddings)
     return spec
