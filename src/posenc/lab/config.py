@@ -224,7 +224,7 @@ class LabConfig:
 
         if not isinstance(self.hf_config, str):
             raise TypeError(f"hf_config must be a path (str) to a config.json, got {self.hf_config!r}")
-        read_hf_config(self.hf_config)
+        read_hf_config(self.hf_config, warn=True)
         require_transformers()
         if self.encodings != ("rope",):
             raise ValueError(

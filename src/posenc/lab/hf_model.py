@@ -28,9 +28,11 @@ def require_transformers() -> None:
         raise ValueError("--hf-config needs the transformers package, which is not installed; pip install transformers")
 
 
-def read_hf_config(path: str) -> dict[str, Any]:
+def read_hf_config(path: str, *, warn: bool = False) -> dict[str, Any]:
     """The dict in the config.json at ``path`` (a file, or a folder holding config.json), checked to name a
-    supported architecture. Raises ValueError naming --hf-config and the fix; transformers is not imported."""
+    supported architecture. Raises ValueError naming --hf-config and the fix; transformers is not imported.
+    warn: say that the lab drops the file's RoPE scaling, if it has one (once, where the lab's config is checked:
+    the file is read again for every unit's model)."""
     from posenc.interop.hf import read_config_json
     from posenc.interop.patch import SUPPORTED_ARCHITECTURES
 
@@ -48,7 +50,7 @@ def read_hf_config(path: str) -> dict[str, Any]:
         )
     scalings = [source.get(key) for key in ("rope_parameters", "rope_scaling")]
     scaled = {str(s.get("rope_type") or s.get("type")) for s in scalings if isinstance(s, dict)} - {"None", "default"}
-    if scaled:
+    if scaled and warn:
         warnings.warn(
             f"hf_config (--hf-config) {path!r} scales its RoPE ({', '.join(sorted(scaled))}); the lab drops that "
             "scaling and trains plain RoPE with the file's rope_theta and rotary fraction, then applies its own "

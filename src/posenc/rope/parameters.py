@@ -345,6 +345,7 @@ def parse_rope_parameters(
     for length in lengths:
         with torch.device("cpu"):  # values to check, also where the caller builds on meta
             inv_freq, factor = compute_frequencies(spec, seq_len=length)
+            factor_as_float32 = float(torch.tensor(float(factor)).float())
         if rope_type == "proportional":
             inv_freq = inv_freq[: proportional_pairs(params["partial_rotary_factor"], rotary_dim)]
         as_float32 = inv_freq.float()
@@ -354,7 +355,7 @@ def parse_rope_parameters(
                 f"(from {float(inv_freq.min()):.3g} to {float(inv_freq.max()):.3g}): nothing would rotate there, or "
                 "only NaN; use a smaller factor or rope_theta"
             )
-        if not 0 < float(torch.tensor(float(factor)).float()) < math.inf:
+        if not 0 < factor_as_float32 < math.inf:
             raise ValueError(
                 f"rope_type {rope_type!r} with {params} gives an attention factor of {float(factor):.3g}, which "
                 "cos and sin cannot carry in float32 (they would be 0 or infinite); use an attention_factor that "
