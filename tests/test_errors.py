@@ -592,10 +592,19 @@ def _byte_lm():
         (
             lambda: posenc.RoPE(8)(q, q, offset=2**63),
             ValueError,
-            r"offset must fit in int64 \(below 2\*\*63, a token position\), got 9223372036854775808",
+            r"the last position, offset \+ seq_len - 1, must fit in int64 \(below 2\*\*63, a token position\), "
+            r"got 9223372036854775811",
         ),
-        (lambda: posenc.RoPE(8)(q, q, offset=2**64), ValueError, "offset must fit in int64"),
-        (lambda: posenc.ALiBi(2).bias(1, 2, offset=2**64), ValueError, r"offset \+ q_len must fit in int64"),
+        (lambda: posenc.RoPE(8)(q, q, offset=2**63 - 2), ValueError, r"offset \+ seq_len - 1, must fit in int64"),
+        (lambda: posenc.RoPE(8)(q, q, offset=2**64), ValueError, r"offset \+ seq_len - 1, must fit in int64"),
+        (lambda: posenc.ALiBi(2).bias(2, 2, offset=2**63 - 1), ValueError, r"offset \+ q_len - 1, must fit in int64"),
+        (
+            lambda: MRoPE(8, mrope_section=[2, 1, 1])(
+                q, q, offset=2**64, positions=torch.zeros(3, 1, 4, dtype=torch.long)
+            ),
+            ValueError,
+            "offset must fit in int64",
+        ),
         (
             lambda: MRoPE(8, mrope_section=[2, 1, 1])(
                 q, q, positions=torch.zeros(3, 1, 4, dtype=torch.long, device="meta")

@@ -62,7 +62,7 @@ def resolve_positions(
     elif offset < 0:
         raise ValueError(f"offset must be >= 0 (it counts tokens already in the cache), got {offset}")
     else:
-        int64_int("offset", offset)
+        int64_int("the last position, offset + seq_len - 1,", offset + max(seq_len, 1) - 1)
 
     if positions is None:
         pos = torch.arange(seq_len, device=device, dtype=torch.long)[None, :]

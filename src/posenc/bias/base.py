@@ -57,7 +57,7 @@ class ScoreBias(nn.Module):
             raise TypeError(f"offset must be an int >= 0 (tokens already in the cache), got {offset!r}")
         if offset < 0:
             raise ValueError(f"offset must be an int >= 0 (tokens already in the cache), got {offset!r}")
-        int64_int("offset + q_len", offset + q_len)
+        int64_int("the last query's position, offset + q_len - 1,", offset + q_len - 1)
         device = self._device()
         q = torch.arange(offset, offset + q_len, device=device)
         k = torch.arange(k_len, device=device)

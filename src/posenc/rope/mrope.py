@@ -20,6 +20,7 @@ import torch
 
 from posenc._checks import (
     float_dtype,
+    int64_int,
     int_tensor,
     integer_offset,
     positive_int,
@@ -209,6 +210,7 @@ class MRoPE(RoPE):
             )
         if offset < 0:
             raise ValueError(f"offset must be >= 0 (it counts tokens already in the cache), got {offset}")
+        int64_int("offset", offset)
         if (
             positions.shape[0] != AXES
             or positions.shape[2] != q.shape[seq_axis]
