@@ -26,6 +26,12 @@ def int64_int(name: str, value: int) -> None:
         raise ValueError(f"{name} must fit in int64 (below 2**63, a token position), got {value}")
 
 
+def host_min_max(t: torch.Tensor) -> tuple[int, int]:
+    """(min, max) of a non-empty integer tensor, read on the host with one device sync, not two."""
+    low, high = torch.stack(torch.aminmax(t)).tolist()
+    return low, high
+
+
 def user_stacklevel() -> int:
     """The ``stacklevel`` for ``warnings.warn`` that points at the first frame outside posenc: the user's call,
     however deep inside posenc the warning is raised (Python 3.12's ``skip_file_prefixes``, by hand)."""

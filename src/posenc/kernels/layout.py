@@ -18,7 +18,15 @@ from typing import Literal
 
 import torch
 
-from posenc._checks import angle_dtypes, assert_without_sync, float_tensor, int_tensor, size_in, values_readable
+from posenc._checks import (
+    angle_dtypes,
+    assert_without_sync,
+    float_tensor,
+    host_min_max,
+    int_tensor,
+    size_in,
+    values_readable,
+)
 
 Kind = Literal["broadcast", "bhsd", "bshd", "varlen"]
 KINDS = ("broadcast", "bhsd", "bshd", "varlen")
@@ -193,7 +201,7 @@ def check_table_call(
             cu_seqlens=cu_seqlens,
             device=first.device,
         )
-        low, high = torch.stack(torch.aminmax(pos)).tolist()  # one device sync, not two
+        low, high = host_min_max(pos)
         if low < 0:
             raise ValueError(
                 f"positions must be >= 0 (offset + position ids), got a negative entry ({low}); positions index the "

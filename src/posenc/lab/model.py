@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from posenc._checks import values_readable
+from posenc._checks import host_min_max, values_readable
 from posenc.attention import CausalSelfAttention, add_input_encoding
 from posenc.encoding import ActsOn
 from posenc.positions import positions_from_document_ids, resolve_document_ids
@@ -140,7 +140,7 @@ class ByteLM(nn.Module):
         tokens = tokens.long()  # nn.Embedding takes int32/int64 ids only; bytes come as uint8
         # nn.Embedding's own error for an id outside the table names neither the tokens nor the range.
         if tokens.numel() and values_readable(tokens.device):
-            low, high = torch.stack(torch.aminmax(tokens)).tolist()
+            low, high = host_min_max(tokens)
             if low < 0 or high >= VOCAB_SIZE:
                 raise ValueError(f"tokens must be byte ids in 0..{VOCAB_SIZE - 1}, got ids from {low} to {high}")
         b, s = tokens.shape

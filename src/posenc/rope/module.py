@@ -22,6 +22,7 @@ from posenc._checks import (
     flag,
     float_dtype,
     float_tensor,
+    host_min_max,
     int_tensor,
     integer_offset,
     same_device,
@@ -357,7 +358,7 @@ class RoPE(nn.Module):
             if self.spec.rope_type in SEQ_LEN_DEPENDENT and seq_len is None:
                 raise _length_unreadable(self.spec.rope_type)
             return None
-        low, high = torch.stack(torch.aminmax(positions)).tolist()  # one device sync, not two
+        low, high = host_min_max(positions)
         if low < 0:  # a table would wrap around to its last rows
             raise ValueError(f"positions must be >= 0, got a negative entry ({low})")
         if seq_len is not None and high >= seq_len:
