@@ -47,6 +47,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from posenc import _compile_marks as compile_marks
 from posenc.interop._discover import (
     ModelRope,
     Rotation,
@@ -346,7 +347,7 @@ def _attend_with_rotated_keys(
     return attend(module, query, key, value, attention_mask, *args, **kwargs)
 
 
-@torch.compiler.disable(reason="'consistent' mode reads the step's length, max(position_ids) + 1, on the host")
+@compile_marks.disable(reason="'consistent' mode reads the step's length, max(position_ids) + 1, on the host")
 def _rotate_keys_for_step(
     rope: RoPE, key: torch.Tensor, key_positions: torch.Tensor, position_ids: torch.Tensor
 ) -> torch.Tensor:

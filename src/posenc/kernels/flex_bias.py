@@ -52,6 +52,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from posenc import _compile_marks as compile_marks
 from posenc._checks import values_readable
 from posenc.bias import ALiBi, T5Bias, t5_relative_bucket
 
@@ -169,7 +170,18 @@ def _compiled_call(flex: Callable, q, k, v, score_mod: ScoreMod, block_mask) -> 
         ) from error
 
 
-def _in_own_graph(flex: Callable, q, k, v, score_mod: ScoreMod, block_mask) -> torch.Tensor:
+# Inductor's CPU FlexAttention lowering (torch 2.13) fails on q, k, v computed in the same graph (projections, views:
+# "not enough values to unpack", "NoValidChoicesError"); with graph inputs, as in a graph of its own, it compiles.
+# Not recursive: the flex call inside is still compiled.
+@compile_marks.disable(
+    recursive=False,
+    reason=(
+        "posenc runs CPU FlexAttention as a graph of its own: inductor cannot lower it on tensors computed in the "
+        "caller's graph. For one graph (fullgraph=True), raise posenc.kernels.flex_bias.CPU_MIN_SCORES past s * t "
+        "to materialize the bias instead"
+    ),
+)
+def _flex_in_own_graph(flex: Callable, q, k, v, score_mod: ScoreMod, block_mask) -> torch.Tensor:
     """``_compiled_call`` from inside a caller's compiled graph, which cannot catch a FlexFallback to materialize:
     where the compiled kernel cannot serve, the same result from flex_attention's unfused math, with a warning."""
     if q.device.type not in _GIVEN_UP:
@@ -182,20 +194,6 @@ def _in_own_graph(flex: Callable, q, k, v, score_mod: ScoreMod, block_mask) -> t
     from torch.nn.attention.flex_attention import flex_attention
 
     return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)
-
-
-# Inductor's CPU FlexAttention lowering (torch 2.13) fails on q, k, v computed in the same graph (projections, views:
-# "not enough values to unpack", "NoValidChoicesError"); with graph inputs, as in a graph of its own, it compiles.
-# Not recursive: the flex call inside is still compiled.
-_flex_in_own_graph = torch.compiler.disable(
-    _in_own_graph,
-    recursive=False,
-    reason=(
-        "posenc runs CPU FlexAttention as a graph of its own: inductor cannot lower it on tensors computed in the "
-        "caller's graph. For one graph (fullgraph=True), raise posenc.kernels.flex_bias.CPU_MIN_SCORES past s * t "
-        "to materialize the bias instead"
-    ),
-)
 
 
 def flex_available() -> bool:

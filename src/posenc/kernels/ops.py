@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 import torch.autograd.forward_ad as fwAD
 
+from posenc._compile_marks import assume_constant_result
 from posenc.kernels.cpu_rope import DTYPE_CODES, cpu_available, cpu_unavailable_reason, rope_cpu_jobs
 from posenc.kernels.layout import KINDS, Kind, canonical, canonical_cos, consecutive_rows, token_positions
 
@@ -33,19 +34,19 @@ def _triton_module_or_error() -> tuple[object | None, str]:
     return triton_rope, ""
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def triton_available() -> bool:
     """True when Triton imports and a CUDA device is present (the auto backend's condition for CUDA tensors)."""
     return torch.cuda.is_available() and _triton_imports()
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def _triton_imports() -> bool:
     # Through assume_constant_result, as triton_available: dynamo warns on a call to a functools.cache'd function.
     return _triton_module_or_error()[0] is not None
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def _cpu_built() -> bool:
     return cpu_available()
 

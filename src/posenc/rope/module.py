@@ -16,6 +16,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from posenc import _compile_marks as compile_marks
 from posenc._checks import (
     INDEX_DTYPES,
     assert_without_sync,
@@ -113,7 +114,7 @@ def _length_unreadable(rope_type: str) -> ValueError:
     )
 
 
-@torch.compiler.disable(
+@compile_marks.disable(
     reason="dynamic NTK scales for max(positions) + 1, read on the host; for fullgraph=True pass seq_len= to "
     "RoPE.forward (CausalSelfAttention and patched transformers models cannot: compile them without fullgraph)"
 )
