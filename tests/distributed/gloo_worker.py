@@ -3,6 +3,12 @@
 Each rank builds RoPE from the same config, computes its shard's cos/sin and rotations, and checks with
 collectives that (1) inv_freq and the cos/sin table are bitwise equal on every rank, (2) the shard's rotated rows
 equal the rows of the whole-sequence rotation. Writes ok-<rank> to the output folder on success.
+
+Ranks of one job run the same code on one machine here, so (1) would hold for any deterministic formula; what can
+differ between real ranks is how each came to its table. So rank 0 computes it on one thread from positions 0..n-1,
+and rank 1 on two threads, having first grown its table past torch's parallel grain (32768 elements) and asking
+for the positions backwards and in two pieces of odd sizes: a row must not depend on its table's size, on how
+the work was split, or on which rows came with it.
 """
 
 from __future__ import annotations
@@ -21,11 +27,18 @@ from posenc.distributed import shard_positions
 def main(out_dir: str, configs: list[dict]) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    seq_len = 64
+    torch.set_num_threads(1 + rank % 2)
+    seq_len, long_len = 64, 9001
     for params in configs:
         rope = posenc.RoPE(16, rope_parameters=params or None, max_position_embeddings=16)
         positions = torch.arange(seq_len)
-        cos, sin = rope.cos_sin(positions, seq_len=seq_len)
+        if rank % 2 == 0:
+            cos, sin = rope.cos_sin(positions, seq_len=seq_len)
+        else:
+            rope.cos_sin(torch.arange(long_len), seq_len=long_len)  # a table (or angles) past the parallel grain
+            backwards = positions.flip(0)
+            pieces = [rope.cos_sin(part, seq_len=seq_len) for part in (backwards[:23], backwards[23:])]
+            cos, sin = (torch.cat([piece[i] for piece in pieces]).flip(0) for i in (0, 1))
         inv_freq, _ = rope.frequencies(seq_len)
         for mine in (cos, sin, inv_freq):
             gathered = [torch.empty_like(mine) for _ in range(world)]
