@@ -465,6 +465,15 @@ def test_multiple_seeds_report_mean_and_spread(tiny_config, tmp_path):
             values = [float(r[column]) for r in rope if r["eval_len"] == n]
             assert len(values) == 2
             assert cell == f"{statistics.fmean(values):.3f} ± {statistics.stdev(values):.3f}", (column, n)
+    # The plot too: each point the mean of both seeds, each error bar the sample std either side of it.
+    (bpb,) = figures(json.loads((tmp_path / "results.json").read_text()))["bpb_by_length.png"].axes
+    rope = [{**r, "finetune_steps": int(r["finetune_steps"]), "eval_len": int(r["eval_len"])} for r in rope]
+    assert_curves(bpb, by_length(rope, "bits_per_byte"))
+    (container,) = [h for h in bpb.get_legend_handles_labels()[0] if isinstance(h, ErrorbarContainer)]
+    (bars,) = container.lines[2]
+    for n, ((_, low), (_, high)) in zip(config.eval_lengths, bars.get_segments(), strict=True):
+        values = [float(r["bits_per_byte"]) for r in rope if r["eval_len"] == n]
+        assert (high - low) / 2 == pytest.approx(statistics.stdev(values), rel=1e-9), n
 
 
 def test_task_accuracy_is_reported_by_length(tiny_config, tmp_path, monkeypatch):
