@@ -330,6 +330,46 @@ def test_in_place_bumps_the_version_so_stale_saved_tensors_raise(backend):
         product.backward()
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+def test_q_and_k_backward_one_after_the_other(backend):
+    """One fused node rotates q and k. A backward through q alone, then one through k, each give their gradient,
+    as the torch path's two graphs do ("auto" must not make this depend on the device); the fused node once freed
+    its tables in the first backward and the second raised "backward through the graph a second time"."""
+    device = DEVICE[backend]
+    cos, sin = (t.to(device) for t in table(16, 8))
+    gen = torch.Generator().manual_seed(0)
+    q0, k0, gq, gk = (torch.randn(shape, generator=gen).to(device) for shape in [(1, 3, 5, 16), (1, 1, 5, 16)] * 2)
+    grads = {}
+    for name in ("torch", backend):
+        q, k = q0.clone().requires_grad_(), k0.clone().requires_grad_()
+        out_q, out_k = apply_rotary_qk(q, k, cos, sin, offset=2, backend=name)
+        out_q.backward(gq)
+        assert k.grad is None
+        out_k.backward(gk)
+        grads[name] = (q.grad, k.grad)
+    for got, expected in zip(grads[backend], grads["torch"], strict=True):
+        assert_close(got, expected)  # float32's tolerance: two float32 computations
+
+
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+@pytest.mark.parametrize("changed", ["cos", "positions"])
+def test_tables_changed_in_place_before_the_backward_are_refused(backend, changed):
+    """A fused backward reads the table and positions the forward read, so changing them in between is refused,
+    as save_for_backward would refuse it (the fused Functions keep them on ctx, and check their versions). The
+    torch path saves the rows it gathered, so there such a change cannot alter the gradient."""
+    device = DEVICE[backend]
+    cos, sin = (t.to(device) for t in table(16, 8))
+    positions = torch.tensor([[3, 1, 4, 1, 5]], device=device)
+    for in_place in (False, True):
+        x = torch.randn(1, 2, 5, 16, device=device, requires_grad=True)
+        tables = {"cos": cos.clone(), "positions": positions.clone()}
+        rotate = apply_rotary_ if in_place else apply_rotary
+        out = rotate(x * 1.0, tables["cos"], sin, positions=tables["positions"], backend=backend)
+        tables[changed].add_(1)
+        with pytest.raises(RuntimeError, match="modified in place"):
+            out.sum().backward()
+
+
 @pytest.mark.parametrize("backend", ["auto", "torch", "cpu", "triton"])
 def test_in_place_refuses_memory_shared_by_an_expanded_view(backend):
     device = DEVICE.get(backend, "cpu")

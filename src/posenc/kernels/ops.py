@@ -352,9 +352,10 @@ def _rotary_setup(ctx, inputs, output) -> None:
     ctx.options = (offset, kind, interleaved, conjugate, backend)
 
 
-def _rotate_grads(ctx, grads: Sequence[torch.Tensor | None], rotate) -> list[torch.Tensor | None]:
-    """The gradients of xs: each incoming gradient rotated back by ``rotate`` (the op, or ``rotary_copy``)."""
-    cos, sin, positions, offsets, cu_seqlens = ctx.saved_tensors
+def _rotate_grads(ctx, grads: Sequence[torch.Tensor | None], rotate, saved: Sequence) -> list[torch.Tensor | None]:
+    """The gradients of xs: each incoming gradient rotated back by ``rotate`` (the op, or ``rotary_copy``), with
+    ``saved`` = (cos, sin, positions, offsets, cu_seqlens)."""
+    cos, sin, positions, offsets, cu_seqlens = saved
     offset, kind, interleaved, conjugate, backend = ctx.options
     present = [i for i, g in enumerate(grads) if g is not None]
     result: list[torch.Tensor | None] = [None] * len(grads)
@@ -378,7 +379,7 @@ def _rotate_grads(ctx, grads: Sequence[torch.Tensor | None], rotate) -> list[tor
 
 
 def _rotary_backward(ctx, grads):
-    return _rotate_grads(ctx, grads, rotary), None, None, None, None, None, None, None, None, None, None
+    return _rotate_grads(ctx, grads, rotary, ctx.saved_tensors), *([None] * 10)
 
 
 rotary.register_autograd(_rotary_backward, setup_context=_rotary_setup)
@@ -433,15 +434,27 @@ class _EagerRotation(torch.autograd.Function):
         """Save what the backward needs; returns (xs, options, cos, sin, positions, offsets, cu_seqlens)."""
         xs, (options, cos, sin, positions, offsets, cu_seqlens) = args[:-_TRAILING], args[-_TRAILING:]
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(cos, sin, positions, offsets, cu_seqlens)
+        # Kept on ctx rather than by save_for_backward, which frees them after the node's first backward: one node
+        # rotates q and k, so a backward through q alone would leave a later one through k nothing to read (on the
+        # torch path they are separate graphs, and "auto" must not make that depend on the device). They are
+        # inputs, so no reference cycle; save_for_backward's check that they are unchanged is made in ``backward``.
+        ctx.saved = (cos, sin, positions, offsets, cu_seqlens)
+        ctx.versions = [None if t is None else t._version for t in ctx.saved]
         ctx.options = options
         return list(xs), options, cos, sin, positions, offsets, cu_seqlens
 
     @staticmethod
     def backward(ctx, *grads):
+        names = ("cos", "sin", "positions", "offsets", "cu_seqlens")
+        for name, t, version in zip(names, ctx.saved, ctx.versions, strict=True):
+            if t is not None and t._version != version:
+                raise RuntimeError(
+                    f"the {name} tensor given to the rotation was modified in place after it ran (version {version}, "
+                    f"now {t._version}), and its backward reads it: change a clone of it instead"
+                )
         # One gradient per rotated tensor, which come first among the inputs.
         wanted = [g if need else None for g, need in zip(grads, ctx.needs_input_grad[: len(grads)], strict=True)]
-        return (*_rotate_grads(ctx, wanted, rotary_copy), *([None] * _TRAILING))
+        return (*_rotate_grads(ctx, wanted, rotary_copy, ctx.saved), *([None] * _TRAILING))
 
 
 class _RotaryCopy(_EagerRotation):
