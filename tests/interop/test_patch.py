@@ -631,6 +631,19 @@ def test_new_partial_rotary_on_a_whole_head_architecture_is_refused(rope_paramet
     assert not is_patched(model) and model.config.rope_parameters["rope_type"] == "default"
 
 
+@pytest.mark.parametrize("arch", sorted(_WHOLE_HEAD_ATTENTION))
+def test_a_loaded_config_with_partial_rotary_on_a_whole_head_architecture_is_refused(arch: str) -> None:
+    """transformers honours partial_rotary_factor for the scaled types and builds half the frequencies, which these
+    architectures' attention cannot apply: the unpatched model fails. patch_model used to patch it without a word
+    into a model that rotated half of each head, which no transformers model of that config does."""
+    model = build_partial(arch, "linear", factor=2.0)
+    with pytest.raises(RuntimeError, match="size of tensor"):
+        model(tokens())
+    with pytest.raises(ValueError, match=r"rotates all 16 channels.*fails on it too.*Drop partial_rotary_factor"):
+        patch_model(model)
+    assert not is_patched(model)
+
+
 def test_a_rope_that_rotates_fewer_channels_than_the_model_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     # The safety net under rope_kwargs_from_config: simulate it reading a factor the model ignores (the old bug).
     read = patch_module.rope_kwargs_from_config

@@ -565,12 +565,9 @@ def _new_config_rope(
         mode=mode,
         backend=backend,
     )
-    if architecture in _WHOLE_HEAD_ATTENTION and intended.rotary_dim != head_dim:
-        raise ValueError(
-            f"{type(config).__name__}'s attention rotates all {head_dim} channels of each head, so it cannot hold "
-            f"partial_rotary_factor={given.get('partial_rotary_factor')!r} (rotary dim {intended.rotary_dim}): the "
-            "saved model would not run. Drop partial_rotary_factor from rope_parameters"
-        )
+    _require_whole_head(
+        architecture, config, intended, "the saved model would not run. Drop partial_rotary_factor from rope_parameters"
+    )
     hf_params = _hf_rope_parameters(intended, given)
     values: dict[str, Any] = {"rope_parameters": hf_params}
     # Phi-3 keeps original_max_position_embeddings at the top level, and transformers lets it win over the dict's.
@@ -595,6 +592,16 @@ def _new_config_rope(
     _require_same_rotation(installed, [("built from the new config", rotary_cls(rebuilt))], architecture)
     values["rope_parameters"] = copy.deepcopy(rebuilt.rope_parameters)
     return values, installed
+
+
+def _require_whole_head(architecture: str, config: Any, rope: RoPE, consequence: str) -> None:
+    """A rotary dim below head_dim for an architecture whose attention rotates every channel is refused."""
+    if architecture in _WHOLE_HEAD_ATTENTION and rope.rotary_dim != rope.head_dim:
+        raise ValueError(
+            f"{type(config).__name__}'s attention rotates all {rope.head_dim} channels of each head, so it cannot "
+            f"hold partial_rotary_factor={rope.rotary_dim / rope.head_dim:g} (rotary dim {rope.rotary_dim}) with "
+            f"rope_type {rope.rope_type!r}: {consequence}"
+        )
 
 
 def patch_model(
@@ -646,6 +653,17 @@ def patch_model(
             (group_config, members, _ropes_for(group_config, members, model_type, mode=mode, backend=backend))
             for group_config, members in groups
         ]
+        for group_config, _, ropes in installs:
+            for rope in ropes.values():
+                # transformers honours the factor for scaled types (not for 'default' in these architectures, nor
+                # does posenc), builds fewer frequencies than the attention rotates, and fails with a size mismatch.
+                _require_whole_head(
+                    model_type,
+                    group_config,
+                    rope,
+                    "the unpatched model fails on it too, with a size mismatch in apply_rotary_pos_emb. Drop "
+                    "partial_rotary_factor from the config's rope_parameters",
+                )
     elif model_type not in SUPPORTED_ARCHITECTURES or len(groups) > 1 or rope_layer_types(config):
         # Other architectures may read the rope dict elsewhere when built (DeepSeek-V3's attention takes its softmax
         # scale from YaRN's mscale), so a rewritten config could reload as a different model than the patched one.
