@@ -127,6 +127,17 @@ def _meta_layer_loaded_by_assignment(make_encoding):
         (lambda: rope(torch.randn(1, 2, 4, 6), q), ValueError, r"q must be 4-D .* d = head_dim = 8"),
         (lambda: rope(q[0], q[0]), ValueError, r"q must be 4-D"),
         (lambda: rope(q, q[:, :, :3]), ValueError, "q and k must share batch and sequence sizes"),
+        (  # GQA's q and k as (b, s, h, d) without layout=: the sizes that differ are the head counts
+            lambda: rope(torch.randn(2, 6, 4, 8), torch.randn(2, 6, 2, 8)),
+            ValueError,
+            r"got \(2, 6, 4, 8\) and \(2, 6, 2, 8\) \(layout 'bhsd'\); they do as \(b, s, h, d\): for q and k "
+            r"stored so, pass layout='bshd'",
+        ),
+        (
+            lambda: rope(torch.randn(2, 4, 6, 8), torch.randn(2, 2, 6, 8), layout="bshd"),
+            ValueError,
+            r"\(layout 'bshd'\); they do as \(b, h, s, d\): for q and k stored so, pass layout='bhsd'",
+        ),
         (
             lambda: rope(q, q, positions=torch.arange(5)),
             ValueError,

@@ -467,9 +467,14 @@ class RoPE(nn.Module):
                 )
         seq_axis = 2 if layout == "bhsd" else 1
         if q.shape[0] != k.shape[0] or q.shape[seq_axis] != k.shape[seq_axis]:
+            other, other_axis = ("bshd", 1) if layout == "bhsd" else ("bhsd", 2)
+            hint = ""
+            if q.shape[0] == k.shape[0] and q.shape[other_axis] == k.shape[other_axis]:  # e.g. GQA's q, k in bshd
+                shape = "(b, s, h, d)" if other == "bshd" else "(b, h, s, d)"
+                hint = f"; they do as {shape}: for q and k stored so, pass layout={other!r}"
             raise ValueError(
                 f"q and k must share batch and sequence sizes, got {tuple(q.shape)} and {tuple(k.shape)} "
-                f"(layout {layout!r})"
+                f"(layout {layout!r}){hint}"
             )
         return seq_axis
 
