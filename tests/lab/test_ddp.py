@@ -53,7 +53,7 @@ FLAGS = [
     "--eval-lengths", "8,16,32", "--steps", "6", "--batch-size", "8", "--eval-windows", "4",
     "--encodings", "rope,t5", "--extensions", "yarn", "--finetune-steps", "2",
 ]  # fmt: skip
-TRAINED = ("rope", "t5", "rope+yarn+ft2-len16", "rope+yarn+ft2-len32")
+TRAINED = ("rope", "t5", "rope+ft2-len16", "rope+ft2-len32", "rope+yarn+ft2-len16", "rope+yarn+ft2-len32")
 
 
 def torchrun_lab(logs: Path, *args: str, ok: bool = True) -> dict[int, dict]:
@@ -149,14 +149,14 @@ def test_a_rerun_under_torchrun_resumes_what_is_missing_and_skips_the_rest(runs)
     runs_written = sorted(Path(p).relative_to(out).as_posix() for p in rank0["written"] if "/runs/" in p)
     assert runs_written == ["runs/rope+yarn/seed0/metrics.json"]
     assert runs["again"][0]["batches"] == runs["again"][1]["batches"] == []
-    assert rank0["stdout"].count("done earlier, skipped") == 4
+    assert rank0["stdout"].count("done earlier, skipped") == len(TRAINED)
     for path, content in runs["before"].items():
         if path.name != "metrics.json" or path.parent.parent.name != "rope+yarn":
             assert path.read_bytes() == content, path
     # The resumed evaluation (split across the ranks again) gives the same numbers as the first.
     assert_each_rank_evaluated_its_share(runs["again"])
     assert without_seconds(metrics(out, "rope+yarn")["eval"]) == without_seconds(runs["yarn_metrics"]["eval"])
-    assert json.loads((out / "results.json").read_text())["timings"]["units_skipped"] == 4
+    assert json.loads((out / "results.json").read_text())["timings"]["units_skipped"] == len(TRAINED)
 
 
 def test_evaluation_split_across_ranks_equals_one_process(runs, corpus_dir, tmp_path):

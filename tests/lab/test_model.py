@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import posenc
 from posenc.lab.config import EXTENSIONS, extension_rope_parameters
-from posenc.lab.model import ByteLM, ModelSpec, next_byte_loss
+from posenc.lab.model import ByteLM, ModelSpec, encoding_for, next_byte_loss
 
 SPEC = ModelSpec(dim=16, layers=2, heads=2, max_positions=8)
 
@@ -44,6 +44,43 @@ def test_changing_later_bytes_never_changes_earlier_logits(encoding, cut):
         a, _ = model(tokens)
         b, _ = model(changed)
     torch.testing.assert_close(a[:, :cut], b[:, :cut], rtol=1e-5, atol=1e-5)
+
+
+def test_every_encoding_starts_from_the_same_shared_weights():
+    """For a seed, the weights every model has (embedding, projections, norms) are the same whatever the encoding,
+    so that encodings are compared in pairs; learned and t5 draw their tables from a stream of their own (they
+    used to shift every weight drawn after them). The caller's generator moves as it does for rope."""
+    shared = {}
+    for encoding in posenc.available():
+        torch.manual_seed(0)
+        model = ByteLM(SPEC, encoding)
+        after = torch.rand(1)
+        # The encoding's own tables (registered by the model and again by each attention layer) set aside.
+        state = {k: v for k, v in model.state_dict().items() if not k.startswith("encoding.") and ".encoding." not in k}
+        shared[encoding] = (state, after)
+    reference, after = shared["rope"]
+    for encoding, (state, drawn) in shared.items():
+        assert state.keys() == reference.keys(), encoding
+        assert all(torch.equal(state[k], reference[k]) for k in state), encoding
+        assert torch.equal(drawn, after), encoding
+    torch.manual_seed(0)
+    first = ByteLM(SPEC, "t5").encoding.table.weight
+    torch.manual_seed(1)
+    assert not torch.equal(first, ByteLM(SPEC, "t5").encoding.table.weight)  # the seed still sets the tables
+
+
+@pytest.mark.parametrize("train_len", [*range(2, 70), 128, 300, 512])
+def test_the_lab_t5_uses_at_eval_only_buckets_that_training_reaches(train_len):
+    """Every distance a window 8x the training length holds falls in a bucket that some distance below train_len
+    also falls in: the lab sizes T5's buckets to its training length (T5's own max_distance of 128 left the
+    buckets of distances past ~66 untrained at a training length of 64)."""
+    t5 = encoding_for(ModelSpec(dim=16, layers=1, heads=2, max_positions=train_len), "t5")
+    assert t5.max_distance == train_len and t5.num_buckets == min(32, train_len)
+    last = 8 * train_len - 1
+    buckets = t5.buckets(torch.tensor([last]), torch.arange(last + 1))[0, 0].flip(0)  # by distance 0..last
+    trained = set(buckets[:train_len].tolist())
+    assert set(buckets.tolist()) <= trained
+    assert len(trained) >= min(train_len, 17)  # and it keeps its resolution: at least the exact buckets and one more
 
 
 def test_learned_table_refuses_to_run_past_its_size():

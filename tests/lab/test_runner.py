@@ -53,12 +53,13 @@ def test_a_run_writes_csv_json_report_and_plots(finished):
     config, out, results = finished
     rows = rows_of(out)
     assert set(REQUIRED) <= set(rows[0])
-    # 6 encodings x 4 lengths, 5 extensions x 3 lengths, pi and yarn fine-tuned at each of 3 lengths
-    assert len(rows) == 6 * 4 + 5 * 3 + 2 * 3 == len(results["rows"])
+    # 6 encodings x 4 lengths, 5 extensions x 3 lengths, pi, yarn and their control (plain rope, "none")
+    # fine-tuned at each of 3 lengths
+    assert len(rows) == 6 * 4 + 5 * 3 + 3 * 3 == len(results["rows"])
     assert {r["encoding"] for r in rows} == set(config.encodings)
     assert {r["extension"] for r in rows} == {"none", *config.extensions}
-    assert {(r["extension"], r["eval_len"]) for r in rows if r["finetune_steps"] == "2"} == {
-        (e, str(n)) for e in ("pi", "yarn") for n in (16, 32, 64)
+    assert {(r["encoding"], r["extension"], r["eval_len"]) for r in rows if r["finetune_steps"] == "2"} == {
+        ("rope", e, str(n)) for e in ("none", "pi", "yarn") for n in (16, 32, 64)
     }
     for row in rows:
         if row["encoding"] == "learned" and int(row["eval_len"]) > 8:
@@ -73,6 +74,9 @@ def test_a_run_writes_csv_json_report_and_plots(finished):
     assert stored["timings"]["units_run"] == len(plan(config)) and stored["command"] == "posenc lab --test"
     report = (out / "report.md").read_text()
     assert "| learned | " in report and "n/a" in report and "rope+yarn+ft2" in report
+    # The control is a row of the extensions' table, not of the encodings' (nor a curve of bpb_by_length.png).
+    extensions_table = report.split("RoPE extensions")[1]
+    assert "| rope+ft2 |" in extensions_table and "| rope+ft2 |" not in report.split("RoPE extensions")[0]
     for name in PLOTS:
         assert (out / name).read_bytes().startswith(b"\x89PNG\r\n\x1a\n"), name
         assert f"]({name})" in report
@@ -122,7 +126,7 @@ def test_the_plots_draw_the_right_columns_of_results_csv(finished):
     assert set(drawn_figures) == set(PLOTS)
     # label() reads finetune_steps as a number; the CSV gives strings.
     rows = [{**r, "finetune_steps": int(r["finetune_steps"]), "eval_len": int(r["eval_len"])} for r in rows_of(out)]
-    encodings = [r for r in rows if r["extension"] == "none"]
+    encodings = [r for r in rows if r["extension"] == "none" and not r["finetune_steps"]]
     rope = [r for r in rows if r["encoding"] == "rope"]
     (bpb,) = drawn_figures["bpb_by_length.png"].axes
     assert_curves(bpb, by_length(encodings, "bits_per_byte"))
@@ -155,8 +159,18 @@ def test_extensions_really_change_the_rope_model(finished):
         assert by[(extension, "0", "64")] != by[("none", "0", "64")], extension
     # Each length is extended by its own factor s = n / train_len (docs/lab.md), not the longest length's.
     units = json.loads((out / "results.json").read_text())["timings"]["units"]
-    scaled = {k: u["rope_parameters"] for k, u in units.items() if k.startswith("rope+") and "dynamic" not in k}
+    scaled = {
+        k: u["rope_parameters"]
+        for k, u in units.items()
+        if k.startswith("rope+") and "dynamic" not in k and not k.startswith("rope+ft")
+    }
     assert len(scaled) == 4 + 2 * 3  # pi, ntk, yarn, llama3, and pi and yarn fine-tuned at 3 lengths
+    # The control is tuned with the RoPE the model trained with, and differs from the untuned model.
+    control = {k: u["rope_parameters"] for k, u in units.items() if k.startswith("rope+ft")}
+    assert sorted(control) == [f"rope+ft2-len{n}/seed0" for n in (16, 32, 64)]
+    assert all(list(p.values()) == [None] for p in control.values())
+    for n in ("16", "32", "64"):
+        assert by[("none", "2", n)] != by[("none", "0", n)], n
     for name, parameters in scaled.items():
         assert {int(n): p["factor"] for n, p in parameters.items()} == {
             int(n): int(n) / config.train_len for n in parameters
@@ -633,7 +647,8 @@ def test_fine_tunes_keep_the_bytes_per_step_and_a_constant_rate(tiny_config, tmp
     assert (pretrain["batch_size"], pretrain["min_lr_fraction"], pretrain["lr"]) == (
         config.batch_size, config.min_lr_fraction, config.lr
     )  # fmt: skip
-    assert [(k["seq_len"], k["batch_size"]) for k in finetunes] == [(16, config.batch_size // 2), (32, 1)]
+    # pi and its control at each length
+    assert [(k["seq_len"], k["batch_size"]) for k in finetunes] == [(16, config.batch_size // 2)] * 2 + [(32, 1)] * 2
     assert all(k["min_lr_fraction"] == 1.0 and k["lr"] == config.resolved_finetune_lr for k in finetunes)
     assert all(k["grad_clip"] == config.grad_clip and k["steps"] == 2 for k in finetunes)
 

@@ -51,16 +51,27 @@ class ModelSpec:
         return self.dim // self.heads
 
 
+def lab_defaults(encoding: str, train_len: int) -> dict[str, Any]:
+    """Options the lab gives an encoding unless told otherwise. T5's buckets are sized to the training length
+    (``max_distance`` = train_len, at most 32 buckets): with T5's own 128 at a training length of 64, the buckets of
+    distances 67 and more never met a gradient, and longer windows were scored with their initial values. Now
+    every distance at or past train_len falls in the last bucket, which training reaches (as in the ALiBi paper's
+    comparison, where T5 trained at 512 with max_distance 128)."""
+    if encoding == "t5":
+        return {"num_buckets": min(32, train_len), "max_distance": train_len}
+    return {}
+
+
 def encoding_for(spec: ModelSpec, encoding: str, options: Mapping[str, Any] | None = None) -> nn.Module:
     """The encoding ``ByteLM(spec, encoding, options)`` shares among its layers, built alone (the lab checks and
-    records a rope model's RoPE without building the model)."""
+    records a rope model's RoPE without building the model): ``lab_defaults`` updated by ``options``."""
     return build_for_model(
         encoding,
         dim=spec.dim,
         num_heads=spec.heads,
         head_dim=spec.head_dim,
         max_positions=spec.max_positions,
-        **dict(options or {}),
+        **{**lab_defaults(encoding, spec.max_positions), **dict(options or {})},
     )
 
 
@@ -113,7 +124,12 @@ class ByteLM(nn.Module):
         super().__init__()
         self.spec = spec
         self.encoding_name = encoding
-        self.encoding = encoding_for(spec, encoding, encoding_options)
+        # The encoding's own weights (learned, t5) come from a stream of their own, drawn from the caller's without
+        # moving it: every encoding's model then starts from the same shared weights for a seed, so that encodings
+        # are compared in pairs (before, learned and t5 shifted every weight drawn after theirs).
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(int(torch.randint(2**62, ())))
+            self.encoding = encoding_for(spec, encoding, encoding_options)
         self.embed = nn.Embedding(VOCAB_SIZE, spec.dim)
         self.blocks = nn.ModuleList(Block(spec, self.encoding) for _ in range(spec.layers))
         self.norm = nn.LayerNorm(spec.dim)

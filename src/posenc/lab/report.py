@@ -123,7 +123,8 @@ def _table(rows: list[dict[str, Any]], value: str, lengths: list[int], labels: l
 def _labels(rows: list[dict[str, Any]], *, extensions: bool) -> list[str]:
     seen: dict[str, None] = {}
     for row in rows:
-        if (row["extension"] != "none") == extensions:
+        # The fine-tunes' control (plain rope, tuned) goes with the extensions it is the control of.
+        if (row["extension"] != "none" or bool(row["finetune_steps"])) == extensions:
             seen[label(row)] = None
     return list(seen)
 
@@ -263,8 +264,10 @@ def plot_all(out: Path, results: dict[str, Any]) -> None:
 def figures(results: dict[str, Any]) -> dict[str, Any]:
     """The figures of ``plots_of(results["rows"])`` by file name, drawn but not saved (so tests can read their data).
 
-    - bpb_by_length.png: per encoding (extension "none"), bits_per_byte against eval_len, mean over seeds.
-    - rope_extensions.png (only with rope rows): the same for "rope" and each rope extension and fine-tune.
+    - bpb_by_length.png: per encoding (extension "none", not fine-tuned), bits_per_byte against eval_len, mean over
+      seeds.
+    - rope_extensions.png (only with rope rows): the same for "rope" and each rope extension and fine-tune (with
+      the fine-tunes' control, "rope+ft<steps>").
     - entropy_by_length.png: entropy the same way; encodings on the left, rope extensions on the right (if any).
     - loss_by_position.png: per model not fine-tuned, loss_by_position at the longest eval_len, mean over seeds,
       against the bin centres (i + 0.5) * position_bin.

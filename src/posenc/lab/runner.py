@@ -47,7 +47,8 @@ FORMAT_VERSION = 1
 @dataclasses.dataclass(frozen=True)
 class Unit:
     """encoding: the trained family; extension: "none" or a RoPE extension of the trained rope model;
-    finetune_steps / target_len: for a fine-tuned extension, its steps and the one length it is tuned for."""
+    finetune_steps / target_len: for a fine-tune of the trained rope model, its steps and the one length it is
+    tuned for; with extension "none" it is the fine-tunes' control, plain RoPE tuned the same way."""
 
     encoding: str
     seed: int
@@ -57,29 +58,33 @@ class Unit:
 
     @property
     def name(self) -> str:
-        if self.extension == "none":
-            return self.encoding
-        if self.finetune_steps:
-            return f"{self.encoding}+{self.extension}+ft{self.finetune_steps}-len{self.target_len}"
-        return f"{self.encoding}+{self.extension}"
+        name = self.encoding if self.extension == "none" else f"{self.encoding}+{self.extension}"
+        return f"{name}+ft{self.finetune_steps}-len{self.target_len}" if self.finetune_steps else name
+
+    @property
+    def reads_trained_rope(self) -> bool:
+        """An extension or fine-tune of the seed's trained rope model (which loads its weights)."""
+        return self.encoding == "rope" and (self.extension != "none" or self.finetune_steps > 0)
 
     def folder(self, out: Path) -> Path:
         return out / "runs" / self.name / f"seed{self.seed}"
 
 
 def plan(config: LabConfig) -> list[Unit]:
-    """Every unit of a run, in the order they run: per seed, the encodings, then the extensions, then fine-tunes."""
+    """Every unit of a run, in the order they run: per seed, the encodings, then the extensions, then fine-tunes:
+    of each fine-tunable extension and, as their control, of plain RoPE ("none") with the same steps and data."""
     units = []
     # Extensions act past the training length only: with no eval length there, they have nothing to measure.
     extensions = config.extensions if config.extension_lengths else ()
     for seed in config.seeds:
         units += [Unit(encoding, seed) for encoding in config.encodings]
         units += [Unit("rope", seed, extension) for extension in extensions]
-        if config.finetune_steps:
+        tuned = [extension for extension in extensions if extension in FINETUNABLE]
+        if config.finetune_steps and tuned:
+            # Without the control, a fine-tune's gain could not be told from what tuning at the length does alone.
             units += [
                 Unit("rope", seed, extension, config.finetune_steps, length)
-                for extension in config.extensions
-                if extension in FINETUNABLE
+                for extension in ("none", *tuned)
                 for length in config.extension_lengths
             ]
     return units
@@ -443,14 +448,13 @@ class Lab:
         if unit_metrics.get("config_id") != self.config_id:
             raise store.RunFolderError(f"{done} belongs to another configuration; delete it or use another --out")
         weights = done.parent / "model.safetensors"
-        if unit.encoding == "rope" and unit.extension == "none" and not weights.exists():
+        if unit.encoding == "rope" and not unit.reads_trained_rope and not weights.exists():
             # Unfinished extensions of this seed rebuild this model from its weights: it is trained again for them
             # (same numbers).
             waiting = [
                 other.name
                 for other in self._planned
-                if other.encoding == "rope"
-                and other.extension != "none"
+                if other.reads_trained_rope
                 and other.seed == unit.seed
                 and not (other.folder(self.out) / "metrics.json").exists()
             ]
@@ -463,22 +467,24 @@ class Lab:
 
     def _run_unit(self, unit: Unit) -> dict[str, Any]:
         folder = unit.folder(self.out)
-        if unit.extension == "none":
+        if unit.finetune_steps:
+            n = unit.target_len
+            assert n is not None
+            lengths = [n]
+            # The control ("none") is tuned with the RoPE it trained with, which metrics.json records as null.
+            rope_parameters = {n: None if unit.extension == "none" else self._rope_parameters(unit.extension, n)}
+            model, train_info = self._trained(unit, lambda: self._extended(unit.seed, rope_parameters[n]), seq_len=n)
+            models = {n: model}
+        elif unit.extension == "none":
             model, train_info = self._trained(unit, lambda: self._build(unit.encoding), seq_len=self.config.train_len)
             lengths = list(self.config.eval_lengths)
             models = {n: model for n in lengths}
             rope_parameters = {}
-        elif not unit.finetune_steps:
+        else:
             train_info = None
             lengths = list(self.config.extension_lengths)
             rope_parameters = {n: self._rope_parameters(unit.extension, n) for n in lengths}
             models = {n: self._extended(unit.seed, rope_parameters[n]) for n in lengths}
-        else:
-            n = unit.target_len
-            assert n is not None
-            lengths, rope_parameters = [n], {n: self._rope_parameters(unit.extension, n)}
-            model, train_info = self._trained(unit, lambda: self._extended(unit.seed, rope_parameters[n]), seq_len=n)
-            models = {n: model}
         results = self._evaluate(unit, models, lengths)
         unit_metrics = {
             "config_id": self.config_id,
@@ -515,8 +521,9 @@ class Lab:
     def _rope_parameters(self, extension: str, length: int) -> dict[str, Any]:
         return extension_rope_parameters(extension, length / self.config.train_len, self.config.train_len)
 
-    def _extended(self, seed: int, rope_parameters: dict[str, Any]) -> ByteLM:
-        """The trained rope model of ``seed`` with its RoPE rebuilt from ``rope_parameters`` (same weights)."""
+    def _extended(self, seed: int, rope_parameters: dict[str, Any] | None) -> ByteLM:
+        """The trained rope model of ``seed`` with its RoPE rebuilt from ``rope_parameters`` (same weights; None:
+        as it trained)."""
         model = self._build("rope", rope_parameters)
         store.load_weights(model, Unit("rope", seed).folder(self.out) / "model.safetensors")
         return model.to(self.device)
