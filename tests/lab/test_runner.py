@@ -404,10 +404,14 @@ def test_a_folder_keyed_by_its_corpus_path_is_adopted_not_retrained(finished, tm
     assert (copy / "results.csv").read_text() == (out / "results.csv").read_text()
 
 
-def test_the_id_a_corpus_path_gave_is_the_one_earlier_posenc_wrote():
-    # Written by posenc at c4b9396 for this configuration and corpus hash: adoption recomputes it.
+def test_the_id_a_corpus_path_gave_is_the_one_earlier_posenc_wrote(monkeypatch):
+    # Written by posenc at c4b9396 (format 1) for this configuration and corpus hash: adoption recomputes it. In
+    # format 2 the same folder's id is another, so such a folder is refused (its models were of the old kind).
     config = make_config("quick", corpus="/data/text", dim=16, layers=1, heads=2, train_len=8, steps=6)
-    assert runner._hash_of(config.results_key() | {"corpus": "/data/text"}, "ab" * 32) == "05e03dd1b9d7f916"
+    path_keyed = config.results_key() | {"corpus": "/data/text"}
+    assert runner._hash_of(path_keyed, "ab" * 32) != "05e03dd1b9d7f916"
+    monkeypatch.setattr(runner, "FORMAT_VERSION", 1)
+    assert runner._hash_of(path_keyed, "ab" * 32) == "05e03dd1b9d7f916"
     assert runner.config_id(config, "ab" * 32) != "05e03dd1b9d7f916"
 
 
@@ -433,7 +437,7 @@ def test_a_folder_of_another_format_is_not_adopted(finished, tmp_path, monkeypat
     shutil.copytree(out, copy)
     _as_when_the_path_was_keyed(copy)
     monkeypatch.setattr(runner, "FORMAT_VERSION", runner.FORMAT_VERSION + 1)
-    with pytest.raises(ValueError, match=r"different configuration \(differs in: format\)"):
+    with pytest.raises(ValueError, match=r"different configuration \(differs in: format: made by an earlier posenc"):
         quiet(config, copy).prepare()
 
 

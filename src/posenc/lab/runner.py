@@ -41,7 +41,10 @@ from posenc.lab.lock import FolderLock
 from posenc.lab.model import ByteLM, encoding_for
 from posenc.lab.train import TrainingDiverged, TrainResult, train
 
-FORMAT_VERSION = 1
+# Part of every config_id: raised when the same settings would give other numbers, so that a folder of an earlier
+# posenc is refused rather than resumed into one report with units of the new kind. 2 (2026-12-04): T5's buckets
+# sized to the training length, encodings' tables drawn apart from the shared weights, the fine-tunes' control.
+FORMAT_VERSION = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,7 +200,8 @@ def claim_folder(out: Path, config: LabConfig, corpus: Corpus, ident: str) -> No
             if not same_bytes:
                 changed.append("corpus (different bytes)")
             raise ValueError(
-                f"{out} holds a lab run with a different configuration (differs in: {', '.join(changed) or 'format'}); "
+                f"{out} holds a lab run with a different configuration (differs in: "
+                f"{', '.join(changed) or 'format: made by an earlier posenc, whose models or measurements differ'}); "
                 "pass another --out, or delete that folder to start over"
             )
         return
