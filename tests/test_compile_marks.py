@@ -53,3 +53,26 @@ def test_compile_marks_apply_whichever_is_imported_first(before):
     )
     assert done.returncode == 0 and done.stdout.endswith("ok\n"), done.stdout + done.stderr[-3000:]
     assert f"dynamo after import posenc: {bool(before)}" in done.stdout
+
+
+def test_a_mark_that_fails_is_a_warning_and_the_others_still_apply():
+    """A mark that cannot be applied must not make ``import torch._dynamo`` fail (nor leave later marks unapplied):
+    it is a warning, and that function runs unmarked."""
+    code = """
+import sys, warnings
+import posenc
+from posenc import _compile_marks
+from posenc.kernels import ops
+assert "torch._dynamo" not in sys.modules
+_compile_marks._when_dynamo_loads(lambda: 1 / 0)
+_compile_marks._pending.insert(0, _compile_marks._pending.pop())  # before posenc's own
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import torch._dynamo
+assert any("could not mark a function" in str(w.message) and "ZeroDivisionError" in str(w.message) for w in caught)
+assert getattr(ops.triton_available, "_dynamo_marked_constant", False)
+assert getattr(posenc.rope.module._call_cos_sin_eagerly, "_torchdynamo_disable", False)
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.endswith("ok\n"), done.stdout + done.stderr[-3000:]

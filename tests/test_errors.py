@@ -130,13 +130,18 @@ def _meta_layer_loaded_by_assignment(make_encoding):
         (  # GQA's q and k as (b, s, h, d) without layout=: the sizes that differ are the head counts
             lambda: rope(torch.randn(2, 6, 4, 8), torch.randn(2, 6, 2, 8)),
             ValueError,
-            r"got \(2, 6, 4, 8\) and \(2, 6, 2, 8\) \(layout 'bhsd'\); they do as \(b, s, h, d\): for q and k "
-            r"stored so, pass layout='bshd'",
+            r"got \(2, 6, 4, 8\) and \(2, 6, 2, 8\) \(layout 'bhsd'\); if they are stored \(b, s, h, d\) \(GQA: 4 "
+            r"and 2 heads\), pass layout='bshd'$",
         ),
         (
             lambda: rope(torch.randn(2, 4, 6, 8), torch.randn(2, 2, 6, 8), layout="bshd"),
             ValueError,
-            r"\(layout 'bshd'\); they do as \(b, h, s, d\): for q and k stored so, pass layout='bhsd'",
+            r"\(layout 'bshd'\); if they are stored \(b, h, s, d\) \(GQA: 4 and 2 heads\), pass layout='bhsd'$",
+        ),
+        (  # a decode step's q against k of more tokens also matches as (b, s, h, d): no hint, it would mislead
+            lambda: rope(torch.randn(1, 8, 1, 8), torch.randn(1, 8, 10, 8)),
+            ValueError,
+            r"got \(1, 8, 1, 8\) and \(1, 8, 10, 8\) \(layout 'bhsd'\)$",
         ),
         (
             lambda: rope(q, q, positions=torch.arange(5)),

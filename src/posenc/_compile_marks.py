@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import importlib.abc
 import sys
+import threading
+import warnings
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -19,6 +21,9 @@ F = TypeVar("F", bound=Callable)
 
 _DYNAMO = "torch._dynamo"
 _pending: list[Callable[[], None]] = []
+# One thread may register a mark while another ends Dynamo's import: the check and the append, and the hook's
+# removal and the drain, each happen under it, so that no mark waits for a hook that will not fire.
+_lock = threading.RLock()
 
 
 def _dynamo_loaded() -> bool:
@@ -28,17 +33,27 @@ def _dynamo_loaded() -> bool:
 
 
 def _when_dynamo_loads(apply: Callable[[], None]) -> None:
-    if _dynamo_loaded():
-        apply()
-        return
-    _pending.append(apply)
-    if not any(isinstance(f, _DynamoImportHook) for f in sys.meta_path):
-        sys.meta_path.insert(0, _DynamoImportHook())
+    with _lock:
+        if not _dynamo_loaded():
+            _pending.append(apply)
+            if not any(isinstance(f, _DynamoImportHook) for f in sys.meta_path):
+                sys.meta_path.insert(0, _DynamoImportHook())
+            return
+    apply()
 
 
 def _apply_pending() -> None:
-    while _pending:
-        _pending.pop(0)()
+    """Apply the marks waiting for Dynamo; one that fails is a warning, not a failed ``import torch._dynamo`` (the
+    function then runs unmarked: traced into, without posenc's reason)."""
+    with _lock:
+        _remove_hook()
+        waiting = _pending[:]
+        _pending.clear()
+    for apply in waiting:
+        try:
+            apply()
+        except Exception as error:
+            warnings.warn(f"posenc could not mark a function for torch.compile: {error!r}", stacklevel=2)
 
 
 class _MarkingLoader(importlib.abc.Loader):
@@ -56,8 +71,7 @@ class _MarkingLoader(importlib.abc.Loader):
         finally:
             # The module keeps its own loader (inspect, linecache and importlib.reload ask it); this one served once.
             module.__loader__ = module.__spec__.loader = self.loader
-        _remove_hook()  # not after a failed import: a second attempt finds the hook again
-        _apply_pending()
+        _apply_pending()  # which removes the hook; not after a failed import: a second attempt finds it again
 
 
 class _DynamoImportHook(importlib.abc.MetaPathFinder):

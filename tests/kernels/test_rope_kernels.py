@@ -334,7 +334,8 @@ def test_in_place_bumps_the_version_so_stale_saved_tensors_raise(backend):
 def test_q_and_k_backward_one_after_the_other(backend):
     """One fused node rotates q and k. A backward through q alone, then one through k, each give their gradient,
     as the torch path's two graphs do ("auto" must not make this depend on the device); the fused node once freed
-    its tables in the first backward and the second raised "backward through the graph a second time"."""
+    its tables in the first backward and the second raised "backward through the graph a second time". Through
+    the same output twice it still raises, as on the torch path (unless retain_graph=True)."""
     device = DEVICE[backend]
     cos, sin = (t.to(device) for t in table(16, 8))
     gen = torch.Generator().manual_seed(0)
@@ -347,27 +348,40 @@ def test_q_and_k_backward_one_after_the_other(backend):
         assert k.grad is None
         out_k.backward(gk)
         grads[name] = (q.grad, k.grad)
+        with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+            out_q.backward(gq)
+        out_q, _ = apply_rotary_qk(q, k, cos, sin, offset=2, backend=name)
+        q.grad = None
+        out_q.backward(gq, retain_graph=True)
+        out_q.backward(gq)
+        assert_close(q.grad, 2 * grads[name][0])
     for got, expected in zip(grads[backend], grads["torch"], strict=True):
         assert_close(got, expected)  # float32's tolerance: two float32 computations
 
 
 @pytest.mark.parametrize("backend", ["cpu", "triton"])
 @pytest.mark.parametrize("changed", ["cos", "positions"])
-def test_tables_changed_in_place_before_the_backward_are_refused(backend, changed):
-    """A fused backward reads the table and positions the forward read, so changing them in between is refused,
-    as save_for_backward would refuse it (the fused Functions keep them on ctx, and check their versions). The
-    torch path saves the rows it gathered, so there such a change cannot alter the gradient."""
+@pytest.mark.parametrize("when", ["before the first backward", "between the backwards of q and k"])
+def test_tables_changed_in_place_before_a_backward_are_refused(backend, changed, when):
+    """A fused backward reads the table and positions the forward read, so changing them in between is refused:
+    by save_for_backward's check in the first backward, and by the same check made by hand in a later one through
+    k (the tables kept on ctx for it). The torch path saves the rows it gathered, so there such a change cannot
+    alter the gradient."""
     device = DEVICE[backend]
     cos, sin = (t.to(device) for t in table(16, 8))
     positions = torch.tensor([[3, 1, 4, 1, 5]], device=device)
-    for in_place in (False, True):
-        x = torch.randn(1, 2, 5, 16, device=device, requires_grad=True)
-        tables = {"cos": cos.clone(), "positions": positions.clone()}
-        rotate = apply_rotary_ if in_place else apply_rotary
-        out = rotate(x * 1.0, tables["cos"], sin, positions=tables["positions"], backend=backend)
+    q, k = (torch.randn(1, h, 5, 16, device=device, requires_grad=True) for h in (2, 1))
+    tables = {"cos": cos.clone(), "positions": positions.clone()}
+    out_q, out_k = apply_rotary_qk(q * 1.0, k * 1.0, tables["cos"], sin, positions=tables["positions"], backend=backend)
+    if when == "before the first backward":
         tables[changed].add_(1)
-        with pytest.raises(RuntimeError, match="modified in place"):
-            out.sum().backward()
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out_q.sum().backward()
+    else:
+        out_q.sum().backward()
+        tables[changed].add_(1)
+        with pytest.raises(RuntimeError, match=f"the {changed} tensor given to the rotation was modified in place"):
+            out_k.sum().backward()
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch", "cpu", "triton"])

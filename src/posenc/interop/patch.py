@@ -658,7 +658,7 @@ def patch_model(
                 # transformers honours the factor for scaled types (not for 'default' in these architectures, nor
                 # does posenc), builds fewer frequencies than the attention rotates, and fails with a size mismatch.
                 _require_whole_head(
-                    model_type,
+                    getattr(group_config, "model_type", model_type),  # a composite model's text config's
                     group_config,
                     rope,
                     "the unpatched model fails on it too, with a size mismatch in apply_rotary_pos_emb. Drop "

@@ -434,27 +434,47 @@ class _EagerRotation(torch.autograd.Function):
         """Save what the backward needs; returns (xs, options, cos, sin, positions, offsets, cu_seqlens)."""
         xs, (options, cos, sin, positions, offsets, cu_seqlens) = args[:-_TRAILING], args[-_TRAILING:]
         ctx.set_materialize_grads(False)
-        # Kept on ctx rather than by save_for_backward, which frees them after the node's first backward: one node
-        # rotates q and k, so a backward through q alone would leave a later one through k nothing to read (on the
-        # torch path they are separate graphs, and "auto" must not make that depend on the device). They are
-        # inputs, so no reference cycle; save_for_backward's check that they are unchanged is made in ``backward``.
-        ctx.saved = (cos, sin, positions, offsets, cu_seqlens)
-        ctx.versions = [None if t is None else t._version for t in ctx.saved]
+        ctx.save_for_backward(cos, sin, positions, offsets, cu_seqlens)
+        # Also kept on ctx: one node rotates q and k, and save_for_backward frees its tensors in the node's first
+        # backward, so a backward through q alone would leave a later one through k nothing to read (on the torch
+        # path they are separate graphs, and "auto" must not make that depend on the device). They are inputs, so
+        # no reference cycle; they live as long as the graph (cos/sin are a table's rows, positions a few ints),
+        # and only this second backward reads them, past saved-tensor hooks, with save_for_backward's check that
+        # they are unchanged made by hand.
+        ctx.kept = (cos, sin, positions, offsets, cu_seqlens)
+        ctx.versions = [None if t is None or t.is_inference() else t._version for t in ctx.kept]
+        ctx.backpropagated = set()  # the outputs a freeing backward has gone through
         ctx.options = options
         return list(xs), options, cos, sin, positions, offsets, cu_seqlens
 
     @staticmethod
-    def backward(ctx, *grads):
+    def _tables(ctx, wanted: Sequence[torch.Tensor | None]) -> Sequence[torch.Tensor | None]:
+        """The saved tensors, or, after a backward that freed them, the kept ones for outputs not yet gone
+        through (the same output again without retain_graph=True raises torch's own error, as on the torch path)."""
+        present = {i for i, g in enumerate(wanted) if g is not None}
+        try:
+            return ctx.saved_tensors
+        except RuntimeError:  # freed by an earlier backward, or torch's refusal of what was saved (inference tensors)
+            if not ctx.backpropagated or present & ctx.backpropagated:
+                raise
         names = ("cos", "sin", "positions", "offsets", "cu_seqlens")
-        for name, t, version in zip(names, ctx.saved, ctx.versions, strict=True):
-            if t is not None and t._version != version:
+        for name, t, version in zip(names, ctx.kept, ctx.versions, strict=True):
+            if version is not None and t._version != version:
                 raise RuntimeError(
                     f"the {name} tensor given to the rotation was modified in place after it ran (version {version}, "
                     f"now {t._version}), and its backward reads it: change a clone of it instead"
                 )
+        return ctx.kept
+
+    @staticmethod
+    def backward(ctx, *grads):
         # One gradient per rotated tensor, which come first among the inputs.
         wanted = [g if need else None for g, need in zip(grads, ctx.needs_input_grad[: len(grads)], strict=True)]
-        return (*_rotate_grads(ctx, wanted, rotary_copy, ctx.saved), *([None] * _TRAILING))
+        tables = _EagerRotation._tables(ctx, wanted)
+        # Every backward is counted as freeing: one with retain_graph=True leaves saved_tensors readable, and the
+        # set is then never consulted.
+        ctx.backpropagated |= {i for i, g in enumerate(wanted) if g is not None}
+        return (*_rotate_grads(ctx, wanted, rotary_copy, tables), *([None] * _TRAILING))
 
 
 class _RotaryCopy(_EagerRotation):

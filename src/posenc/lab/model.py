@@ -55,8 +55,8 @@ def lab_defaults(encoding: str, train_len: int) -> dict[str, Any]:
     """Options the lab gives an encoding unless told otherwise. T5's buckets are sized to the training length
     (``max_distance`` = train_len, at most 32 buckets): with T5's own 128 at a training length of 64, the buckets of
     distances 67 and more never met a gradient, and longer windows were scored with their initial values. Now
-    every distance at or past train_len falls in the last bucket, which training reaches (as in the ALiBi paper's
-    comparison, where T5 trained at 512 with max_distance 128)."""
+    every distance at or past train_len falls in the last bucket, which training reaches (as in T5 itself, trained on
+    512 tokens with max_distance 128)."""
     if encoding == "t5":
         return {"num_buckets": min(32, train_len), "max_distance": train_len}
     return {}
@@ -128,7 +128,8 @@ class ByteLM(nn.Module):
         # moving it: every encoding's model then starts from the same shared weights for a seed, so that encodings
         # are compared in pairs (before, learned and t5 shifted every weight drawn after theirs).
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(int(torch.randint(2**62, ())))
+            # The CPU generator only: torch.manual_seed would reseed the CUDA ones too, which fork_rng did not save.
+            torch.default_generator.manual_seed(int(torch.randint(2**62, ())))
             self.encoding = encoding_for(spec, encoding, encoding_options)
         self.embed = nn.Embedding(VOCAB_SIZE, spec.dim)
         self.blocks = nn.ModuleList(Block(spec, self.encoding) for _ in range(spec.layers))

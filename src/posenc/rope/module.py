@@ -469,9 +469,12 @@ class RoPE(nn.Module):
         if q.shape[0] != k.shape[0] or q.shape[seq_axis] != k.shape[seq_axis]:
             other, other_axis = ("bshd", 1) if layout == "bhsd" else ("bhsd", 2)
             hint = ""
-            if q.shape[0] == k.shape[0] and q.shape[other_axis] == k.shape[other_axis]:  # e.g. GQA's q, k in bshd
+            # GQA's q and k read in the other layout: what differs is then their head counts, q's a multiple of k's.
+            # (q shorter than k, a decode step against its cache, also matches under the other layout: no hint.)
+            hq, hk = q.shape[seq_axis], k.shape[seq_axis]
+            if q.shape[0] == k.shape[0] and q.shape[other_axis] == k.shape[other_axis] and hq > hk and hq % hk == 0:
                 shape = "(b, s, h, d)" if other == "bshd" else "(b, h, s, d)"
-                hint = f"; they do as {shape}: for q and k stored so, pass layout={other!r}"
+                hint = f"; if they are stored {shape} (GQA: {hq} and {hk} heads), pass layout={other!r}"
             raise ValueError(
                 f"q and k must share batch and sequence sizes, got {tuple(q.shape)} and {tuple(k.shape)} "
                 f"(layout {layout!r}){hint}"
