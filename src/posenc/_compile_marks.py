@@ -26,17 +26,21 @@ _pending: list[Callable[[], None]] = []
 _lock = threading.RLock()
 
 
+def _hook_installed() -> bool:
+    return any(isinstance(f, _DynamoImportHook) for f in sys.meta_path)
+
+
 def _dynamo_loaded() -> bool:
     # Present in sys.modules but still executing (posenc imported from inside Dynamo's own import) counts as not
     # loaded: the hook, still in place, applies the marks when that import ends.
-    return _DYNAMO in sys.modules and not any(isinstance(f, _DynamoImportHook) for f in sys.meta_path)
+    return _DYNAMO in sys.modules and not _hook_installed()
 
 
 def _when_dynamo_loads(apply: Callable[[], None]) -> None:
     with _lock:
         if not _dynamo_loaded():
             _pending.append(apply)
-            if not any(isinstance(f, _DynamoImportHook) for f in sys.meta_path):
+            if not _hook_installed():
                 sys.meta_path.insert(0, _DynamoImportHook())
             return
     apply()
@@ -105,12 +109,13 @@ def disable(*, reason: str, recursive: bool = True) -> Callable[[F], F]:
     def mark(fn: F) -> F:
         import torch
 
-        if _dynamo_loaded():
+        def marked() -> F:
             return torch.compiler.disable(fn, recursive=recursive, reason=reason)
+
+        if _dynamo_loaded():
+            return marked()
         module = sys.modules[fn.__module__]
-        _when_dynamo_loads(
-            lambda: setattr(module, fn.__name__, torch.compiler.disable(fn, recursive=recursive, reason=reason))
-        )
+        _when_dynamo_loads(lambda: setattr(module, fn.__name__, marked()))
         return fn
 
     return mark

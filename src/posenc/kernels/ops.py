@@ -448,10 +448,10 @@ class _EagerRotation(torch.autograd.Function):
         return list(xs), options, cos, sin, positions, offsets, cu_seqlens
 
     @staticmethod
-    def _tables(ctx, wanted: Sequence[torch.Tensor | None]) -> Sequence[torch.Tensor | None]:
-        """The saved tensors, or, after a backward that freed them, the kept ones for outputs not yet gone
-        through (the same output again without retain_graph=True raises torch's own error, as on the torch path)."""
-        present = {i for i, g in enumerate(wanted) if g is not None}
+    def _tables(ctx, present: set[int]) -> Sequence[torch.Tensor | None]:
+        """The saved tensors, or, after a backward that freed them, the kept ones if none of the outputs ``present``
+        (those with a gradient now) was gone through (the same output again without retain_graph=True raises
+        torch's own error, as on the torch path)."""
         try:
             return ctx.saved_tensors
         except RuntimeError:  # freed by an earlier backward, or torch's refusal of what was saved (inference tensors)
@@ -470,10 +470,11 @@ class _EagerRotation(torch.autograd.Function):
     def backward(ctx, *grads):
         # One gradient per rotated tensor, which come first among the inputs.
         wanted = [g if need else None for g, need in zip(grads, ctx.needs_input_grad[: len(grads)], strict=True)]
-        tables = _EagerRotation._tables(ctx, wanted)
+        present = {i for i, g in enumerate(wanted) if g is not None}
+        tables = _EagerRotation._tables(ctx, present)
         # Every backward is counted as freeing: one with retain_graph=True leaves saved_tensors readable, and the
         # set is then never consulted.
-        ctx.backpropagated |= {i for i, g in enumerate(wanted) if g is not None}
+        ctx.backpropagated |= present
         return (*_rotate_grads(ctx, wanted, rotary_copy, tables), *([None] * _TRAILING))
 
 
