@@ -644,6 +644,29 @@ def test_a_loaded_config_with_partial_rotary_on_a_whole_head_architecture_is_ref
     assert not is_patched(model)
 
 
+@pytest.mark.parametrize(
+    ("rope_type", "params"),
+    [
+        ("dynamic", {"factor": 2.0}),
+        ("yarn", {"factor": 4.0, "original_max_position_embeddings": 16}),
+        (
+            "llama3",
+            {"factor": 8.0, "original_max_position_embeddings": 16, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
+        ),
+    ],
+)
+def test_every_scaled_type_with_partial_rotary_on_a_whole_head_architecture_is_refused(
+    rope_type: str, params: dict
+) -> None:
+    # The check is on the rotary fraction, whatever scales the frequencies: each of these builds half of them too.
+    model = build_partial("llama", rope_type, **params)
+    with pytest.raises(RuntimeError, match="size of tensor"):
+        model(tokens())
+    with pytest.raises(ValueError, match=r"rotates all 16 channels.*Drop partial_rotary_factor"):
+        patch_model(model)
+    assert not is_patched(model)
+
+
 def test_a_rope_that_rotates_fewer_channels_than_the_model_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     # The safety net under rope_kwargs_from_config: simulate it reading a factor the model ignores (the old bug).
     read = patch_module.rope_kwargs_from_config
