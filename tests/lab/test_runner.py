@@ -373,72 +373,24 @@ def test_the_same_corpus_by_another_path_resumes_the_same_units(tiny_config, cor
         quiet(tiny_config(corpus="copy", encodings=("nope",), extensions=()), out).prepare()
 
 
-def _as_when_the_path_was_keyed(out):
-    """Rewrite a run folder as posenc wrote it while the corpus path was part of the key: its old config_id."""
-    previous = store.read_json(out / "config.json")
-    key = previous["results_key"] | {"corpus": "/where/it/was"}
-    old = runner._hash_of(key, previous["corpus_sha256"])
-    for path in [out / "config.json", *out.glob("runs/*/seed*/*.json")]:
-        data = store.read_json(path)
-        if data.get("config_id") == previous["config_id"]:
-            store.write_json(path, data | {"config_id": old})
-    store.write_json(out / "config.json", previous | {"config_id": old, "results_key": key})
-    return previous["config_id"], old
-
-
-def test_a_folder_keyed_by_its_corpus_path_is_adopted_not_retrained(finished, tmp_path, monkeypatch):
+def test_a_folder_of_another_format_is_refused_and_left_as_it_was(finished, tmp_path, monkeypatch):
     config, out, _ = finished
     copy = tmp_path / "copy"
     shutil.copytree(out, copy)
-    ident, old = _as_when_the_path_was_keyed(copy)
-    assert ident != old
-    changed = make_config("quick", **{**vars(config), "steps": 7})
-    with pytest.raises(ValueError, match=r"differs in: steps\)"):  # the path is not named as a difference
-        quiet(changed, copy).prepare()
-    assert store.read_json(copy / "config.json")["config_id"] == old  # a refusal changes nothing
-    monkeypatch.setattr(runner, "train", lambda *a, **k: pytest.fail("an adopted unit was trained again"))
-    again = quiet(config, copy).run()
-    assert again["timings"]["units_run"] == 0
-    ids = {store.read_json(p).get("config_id") for p in [copy / "config.json", *copy.glob("runs/*/seed*/*.json")]}
-    assert ids == {ident}
-    assert (copy / "results.csv").read_text() == (out / "results.csv").read_text()
 
+    def files():
+        return {p: p.read_bytes() for p in copy.rglob("*") if p.is_file() and p.name != ".lock"}
 
-def test_the_id_a_corpus_path_gave_is_the_one_earlier_posenc_wrote(monkeypatch):
-    # Written by posenc at c4b9396 (format 1) for this configuration and corpus hash: adoption recomputes it. In
-    # format 2 the same folder's id is another, so such a folder is refused (its models were of the old kind).
-    config = make_config("quick", corpus="/data/text", dim=16, layers=1, heads=2, train_len=8, steps=6)
-    path_keyed = config.results_key() | {"corpus": "/data/text"}
-    assert runner._hash_of(path_keyed, "ab" * 32) != "05e03dd1b9d7f916"
-    monkeypatch.setattr(runner, "FORMAT_VERSION", 1)
-    assert runner._hash_of(path_keyed, "ab" * 32) == "05e03dd1b9d7f916"
-    assert runner.config_id(config, "ab" * 32) != "05e03dd1b9d7f916"
-
-
-def test_units_keyed_by_their_corpus_path_without_config_json_are_adopted(tiny_config, corpus_dir, tmp_path):
-    config = tiny_config(encodings=("nope",), extensions=())
-    out = tmp_path / "out"
-    first = quiet(config, out).run()
-    ident = store.read_json(out / "config.json")["config_id"]
-    previous = store.read_json(out / "config.json")
-    old = runner._hash_of(previous["results_key"] | {"corpus": config.corpus}, previous["corpus_sha256"])
-    for path in out.glob("runs/*/seed*/*.json"):
-        store.write_json(path, store.read_json(path) | {"config_id": old})
-    (out / "config.json").unlink()
-    again = quiet(config, out).run()
-    assert again["rows"] == first["rows"] and again["timings"]["units_skipped"] == 1
-    ids = {store.read_json(p)["config_id"] for p in [out / "config.json", *out.glob("runs/*/seed*/*.json")]}
-    assert ids == {ident}
-
-
-def test_a_folder_of_another_format_is_not_adopted(finished, tmp_path, monkeypatch):
-    config, out, _ = finished
-    copy = tmp_path / "copy"
-    shutil.copytree(out, copy)
-    _as_when_the_path_was_keyed(copy)
+    before = files()
+    # The same settings and corpus under another results format: every id differs, no setting does.
     monkeypatch.setattr(runner, "FORMAT_VERSION", runner.FORMAT_VERSION + 1)
     with pytest.raises(ValueError, match=r"different configuration \(differs in: format: made by an earlier posenc"):
         quiet(config, copy).prepare()
+    assert files() == before
+    (copy / "config.json").unlink()
+    with pytest.raises(ValueError, match=r"has no config.json but holds finished units of another configuration"):
+        quiet(config, copy).prepare()
+    assert files() == {p: b for p, b in before.items() if p.name != "config.json"}
 
 
 def test_a_damaged_file_found_during_the_run_is_one_line_naming_it(finished, tmp_path, capsys):

@@ -1,9 +1,9 @@
-"""One lab run per folder at a time. Two runs of the same command into one folder would each train every unit they
-find unfinished (the same numbers, twice the work), and a run in a folder that another one is adopting could read
-its half-rewritten units. The lock is advisory (``flock``) on ``<out>/.lock``: the kernel drops it when its holder
-ends, however it ends (Ctrl-C, SIGKILL), so no run has to clear a stale one (on NFS, where flock is a lock of lockd's,
-a crashed client's lock lasts until its server's lock recovery). ``holder`` tells a reader of the folder (``posenc
-report``) that a run is writing it now, without holding that run up."""
+"""One lab run per folder at a time. Two runs of the same command into one folder would each train every unit they find
+unfinished (the same numbers, twice the work), and two runs of different configurations into a new folder could both
+find it unclaimed and mix their units. The lock is advisory (``flock``) on ``<out>/.lock``: the kernel drops it when
+its holder ends, however it ends (Ctrl-C, SIGKILL), so no run has to clear a stale one (on NFS, where flock is a lock
+of lockd's, a crashed client's lock lasts until its server's lock recovery). ``holder`` tells a reader of the folder
+(``posenc report``) that a run is writing it now, without holding that run up."""
 
 from __future__ import annotations
 

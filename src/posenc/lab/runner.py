@@ -161,21 +161,11 @@ def _hash_of(results_key: Any, corpus_sha256: Any) -> str:
 
 
 def _settings(results_key: dict[str, Any]) -> dict[str, Any]:
-    """A results key as stored in JSON, without the corpus path that keys written before it left them hold."""
-    # Through JSON, so tuples compare equal to the lists they were stored as.
-    key = json.loads(json.dumps(results_key))
-    if key.get("corpus") is not None:
-        del key["corpus"]
-    return key
+    """A results key as stored in JSON (tuples compare equal to the lists they were stored as)."""
+    return json.loads(json.dumps(results_key))
 
 
-def _adopt(out: Path, old: str | None, config: LabConfig, corpus: Corpus, ident: str) -> None:
-    """Claim ``out`` for ``ident`` in its config.json, giving the files of configuration ``old`` (if any) that id
-    first: units before config.json, so that an adoption cut short is redone by the next run."""
-    for path in sorted(out.glob("runs/*/seed*/*.json")) if old is not None else ():
-        data = store.read_json(path)
-        if isinstance(data, dict) and data.get("config_id") == old:
-            store.write_json(path, data | {"config_id": ident})
+def _write_config(out: Path, config: LabConfig, corpus: Corpus, ident: str) -> None:
     store.write_json(
         out / "config.json", {"config_id": ident, "results_key": config.results_key(), "corpus_sha256": corpus.sha256}
     )
@@ -189,39 +179,29 @@ def claim_folder(out: Path, config: LabConfig, corpus: Corpus, ident: str) -> No
         if previous.get("config_id") == ident:
             return
         old, new = _settings(previous.get("results_key", {})), _settings(config.results_key())
-        same_bytes = previous.get("corpus_sha256") == corpus.sha256
-        written = previous.get("config_id") == _hash_of(previous.get("results_key"), previous.get("corpus_sha256"))
-        if old == new and same_bytes and written:
-            # Made in this format while the corpus's path was part of the key (and spelled otherwise, or by an
-            # earlier posenc): the same settings and text, so its units are this configuration's.
-            _adopt(out, previous["config_id"], config, corpus, ident)
-        else:
-            changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
-            if not same_bytes:
-                changed.append("corpus (different bytes)")
-            raise ValueError(
-                f"{out} holds a lab run with a different configuration (differs in: "
-                f"{', '.join(changed) or 'format: made by an earlier posenc, whose models or measurements differ'}); "
-                "pass another --out, or delete that folder to start over"
-            )
-        return
+        changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+        if previous.get("corpus_sha256") != corpus.sha256:
+            changed.append("corpus (different bytes)")
+        # Nothing named: the same settings and text under another id, which only an earlier results format gives
+        # (its models or measurements differ: format 2 changed the lab's T5 buckets and initial weights).
+        raise ValueError(
+            f"{out} holds a lab run with a different configuration (differs in: "
+            f"{', '.join(changed) or 'format: made by an earlier posenc, whose models or measurements differ'}); "
+            "pass another --out, or delete that folder to start over"
+        )
     # No config.json, but finished units (it was deleted): they must be this configuration's too, or the folder
     # would be claimed for settings its units do not have.
-    # Units finished while the corpus's path was part of the key carry the id it gave (spelled as now).
-    keyed_by_path = (
-        None if config.corpus is None else _hash_of(config.results_key() | {"corpus": config.corpus}, corpus.sha256)
-    )
     others = sorted(
         str(metrics.parent.relative_to(out))
         for metrics in out.glob("runs/*/seed*/metrics.json")
-        if store.read_json(metrics).get("config_id") not in (ident, keyed_by_path)
+        if store.read_json(metrics).get("config_id") != ident
     )
     if others:
         raise ValueError(
             f"{out} has no config.json but holds finished units of another configuration ({', '.join(others[:3])}"
             f"{', ...' if len(others) > 3 else ''}); pass another --out, or delete that folder to start over"
         )
-    _adopt(out, keyed_by_path, config, corpus, ident)
+    _write_config(out, config, corpus, ident)
 
 
 class Lab:
@@ -293,7 +273,7 @@ class Lab:
                 )
             try:
                 self.out.mkdir(parents=True, exist_ok=True)
-                # Before the folder is read: a run adopting it rewrites its units' files.
+                # Before the folder is read: a run that claims it writes its config.json.
                 self._lock = FolderLock(self.out, self.command)
                 claim_folder(self.out, config, self.corpus, self.config_id)
             except OSError as error:  # a parent that is a file, a read-only or missing mount
