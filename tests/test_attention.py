@@ -198,6 +198,18 @@ def test_a_float64_model_gets_the_sinusoidal_encoding_in_float64():
     torch.testing.assert_close(got[0], want, atol=1e-13, rtol=0)  # float32 values were off by 3e-8
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", ["sinusoidal", "learned"])
+def test_a_half_precision_model_gets_the_sum_rounded_once(name, dtype):
+    """The encoding in float32 added to x in float32, then one rounding: rounding the encoding first and the sum
+    again made a fifth of bf16 sums another value (max error 0.023 against 0.016 for one rounding)."""
+    torch.manual_seed(0)
+    encoding = posenc.build_for_model(name, dim=256, num_heads=4, head_dim=64, max_positions=64)
+    x, positions = torch.randn(4, 64, 256).to(dtype), torch.arange(64)
+    want = (x.float() + encoding(positions[None], dtype=torch.float32)).to(dtype)
+    assert torch.equal(add_input_encoding(x, encoding, positions), want)
+
+
 @pytest.mark.parametrize(
     ("encoding", "width"),
     [(posenc.Sinusoidal(32), 64), (posenc.LearnedAbsolute(16, 16), 32), (posenc.LearnedAbsolute(16, 1), 32)],

@@ -273,7 +273,8 @@ def add_input_encoding(x: torch.Tensor, encoding: nn.Module | None, positions: t
             f"the encoding {type(encoding).__name__} has dim={encoded.shape[-1]} but x's last dim (the model width) "
             f"is {x.shape[-1]}; build the encoding with dim={x.shape[-1]}"
         )
-    return x + encoded.to(x.dtype)
+    # The sum in the encoding's precision, then one rounding to x's dtype: adding a rounded encoding rounds twice.
+    return (x.to(encoded.dtype) + encoded).to(x.dtype)
 
 
 def _encoding_device(encoding: nn.Module) -> torch.device | None:
