@@ -92,6 +92,14 @@ q = torch.randn(1, 2, 4, 8)
             TypeError,
             r"encoding 'nope' takes no option 'causal'; its options: none",
         ),
+        (
+            # It replaced max_positions without a word.
+            lambda: posenc.build_for_model(
+                "rope", dim=8, num_heads=2, head_dim=4, max_positions=64, max_position_embeddings=4096
+            ),
+            TypeError,
+            r"max_position_embeddings=4096 is the training length that max_positions=64 already gives",
+        ),
         (lambda: posenc.CausalSelfAttention(30, 4), ValueError, r"dim=30 must be divisible by num_heads=4"),
         (
             lambda: posenc.CausalSelfAttention(32, 4, num_kv_heads=3),

@@ -197,8 +197,14 @@ class RoPE(nn.Module):
 
     @classmethod
     def from_model_dims(cls, *, dim: int, num_heads: int, head_dim: int, max_positions: int, **options: Any) -> RoPE:
-        # The training length is what the length-dependent scaling types extend from.
-        return cls(head_dim, **{"max_position_embeddings": max_positions, **options})
+        # The training length is what the length-dependent scaling types extend from. Given twice it would have to be
+        # one value silently chosen over the other.
+        if "max_position_embeddings" in options:
+            raise TypeError(
+                f"max_position_embeddings={options['max_position_embeddings']!r} is the training length that "
+                f"max_positions={max_positions} already gives a model's RoPE; pass it once, as max_positions"
+            )
+        return cls(head_dim, max_position_embeddings=max_positions, **options)
 
     @property
     def head_dim(self) -> int:
