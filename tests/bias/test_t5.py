@@ -67,3 +67,32 @@ def test_causal_future_shares_bucket_zero():
     # In a causal T5 every future key maps to bucket 0, like distance 0 (the mask hides it anyway).
     buckets = posenc.t5_relative_bucket(torch.tensor([0, 1, 50]), bidirectional=False)
     assert buckets.tolist() == [0, 0, 0]
+
+
+def _for_model(max_positions: int, **options) -> posenc.T5Bias:
+    return posenc.build_for_model("t5", dim=8, num_heads=2, head_dim=4, max_positions=max_positions, **options)
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+@pytest.mark.parametrize("train_len", [*range(2, 70), 128, 300, 512])
+def test_buckets_built_from_a_model_are_all_reached_in_training(train_len, bidirectional):
+    """Every distance of a window 8x the training length (both directions for an encoder) falls in a bucket that a
+    distance below the training length also falls in: T5's own max_distance of 128 left the far buckets of a model
+    trained on 64 tokens at their initial values, and they were read at every longer distance."""
+    t5 = _for_model(train_len, bidirectional=bidirectional)
+    last = 8 * train_len - 1
+    relative = torch.arange(-last, last + 1) if bidirectional else -torch.arange(last + 1)
+    buckets = posenc.t5_relative_bucket(
+        relative, bidirectional=bidirectional, num_buckets=t5.num_buckets, max_distance=t5.max_distance
+    )
+    seen = relative.abs() < train_len
+    assert set(buckets.tolist()) <= set(buckets[seen].tolist())
+    assert t5.num_buckets == (2 if bidirectional else 1) * max(2, min(32 // (2 if bidirectional else 1), train_len))
+
+
+def test_options_given_to_a_model_built_t5_are_kept():
+    assert (_for_model(64, num_buckets=8).num_buckets, _for_model(64, num_buckets=8).max_distance) == (8, 64)
+    assert _for_model(4, num_buckets=32).max_distance == 17  # above its 16 exact buckets, not the invalid 4
+    assert _for_model(1).num_buckets == 2  # the fewest T5 takes; a model of one position sees only distance 0
+    t5 = _for_model(64, num_buckets=32, max_distance=128)
+    assert (t5.num_buckets, t5.max_distance) == (32, 128)  # T5's own, when asked for

@@ -72,8 +72,8 @@ def test_every_encoding_starts_from_the_same_shared_weights():
 @pytest.mark.parametrize("train_len", [*range(2, 70), 128, 300, 512])
 def test_the_lab_t5_uses_at_eval_only_buckets_that_training_reaches(train_len):
     """Every distance a window 8x the training length holds falls in a bucket that some distance below train_len
-    also falls in: the lab sizes T5's buckets to its training length (T5's own max_distance of 128 left the
-    buckets of distances past ~66 untrained at a training length of 64)."""
+    also falls in: build_for_model sizes T5's buckets to the training length (T5's own max_distance of 128 left
+    the buckets of distances past ~66 untrained at a training length of 64)."""
     t5 = encoding_for(ModelSpec(dim=16, layers=1, heads=2, max_positions=train_len), "t5")
     assert t5.max_distance == train_len and t5.num_buckets == min(32, train_len)
     last = 8 * train_len - 1

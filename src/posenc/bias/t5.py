@@ -86,6 +86,18 @@ class T5Bias(ScoreBias):
 
     @classmethod
     def from_model_dims(cls, *, dim: int, num_heads: int, head_dim: int, max_positions: int, **options: Any) -> T5Bias:
+        """Buckets sized to the training length ``max_positions`` unless given: ``max_distance`` = max_positions and
+        at most 32 buckets (16 a direction when bidirectional), so that every bucket is one training reaches and
+        longer sequences put their longer distances in the last, trained one. T5's own 128 came with 512-token
+        training; at a training length under about 66 its far buckets never meet a gradient."""
+        bidirectional = options.get("bidirectional", False)
+        directions = 2 if bidirectional else 1
+        if "num_buckets" not in options:
+            options["num_buckets"] = directions * max(2, min(32 // directions, max_positions))
+        per_direction = options["num_buckets"] // directions
+        if "max_distance" not in options and isinstance(per_direction, int):
+            # Above the exact buckets, which a training length below them would otherwise leave max_distance inside.
+            options["max_distance"] = max(max_positions, per_direction // 2 + 1)
         return cls(num_heads, **options)
 
     def buckets(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:

@@ -51,27 +51,17 @@ class ModelSpec:
         return self.dim // self.heads
 
 
-def lab_defaults(encoding: str, train_len: int) -> dict[str, Any]:
-    """Options the lab gives an encoding unless told otherwise. T5's buckets are sized to the training length
-    (``max_distance`` = train_len, at most 32 buckets): with T5's own 128 at a training length of 64, the buckets of
-    distances 67 and more never met a gradient, and longer windows were scored with their initial values. Now
-    every distance at or past train_len falls in the last bucket, which training reaches (as in T5 itself, trained on
-    512 tokens with max_distance 128)."""
-    if encoding == "t5":
-        return {"num_buckets": min(32, train_len), "max_distance": train_len}
-    return {}
-
-
 def encoding_for(spec: ModelSpec, encoding: str, options: Mapping[str, Any] | None = None) -> nn.Module:
     """The encoding ``ByteLM(spec, encoding, options)`` shares among its layers, built alone (the lab checks and
-    records a rope model's RoPE without building the model): ``lab_defaults`` updated by ``options``."""
+    records a rope model's RoPE without building the model). Its sizes come from ``spec``: T5's buckets, too, are
+    sized to the training length (``T5Bias.from_model_dims``)."""
     return build_for_model(
         encoding,
         dim=spec.dim,
         num_heads=spec.heads,
         head_dim=spec.head_dim,
         max_positions=spec.max_positions,
-        **{**lab_defaults(encoding, spec.max_positions), **dict(options or {})},
+        **dict(options or {}),
     )
 
 
