@@ -244,12 +244,13 @@ def add_input_encoding(x: torch.Tensor, encoding: nn.Module | None, positions: t
     """x: (b, s, dim); positions: (s,) or (b or 1, s). Adds the encoding if it acts on the input, else returns x.
 
     positions has no default: torch.arange(s) for whole sequences, ``cache.next_positions(s)`` when decoding (a
-    default of 0..s-1 would put every decoded token at position 0). Call it before the layers add this step to the
-    cache."""
+    default of 0..s-1 would put every decoded token at position 0), ``positions_from_document_ids(document_ids)`` for
+    packed rows. Call it before the layers add this step to the cache."""
     if positions is None:
         raise TypeError(
-            "add_input_encoding needs positions: torch.arange(s) for whole sequences, or cache.next_positions(s) "
-            "(the positions after the cached ones) when decoding with a KVCache"
+            "add_input_encoding needs positions: torch.arange(s) for whole sequences, cache.next_positions(s) "
+            "(the positions after the cached ones) when decoding with a KVCache, or "
+            "posenc.positions_from_document_ids(document_ids) for packed documents"
         )
     _check_encoding(encoding)
     if encoding is None or encoding.acts_on is not ActsOn.INPUT:
