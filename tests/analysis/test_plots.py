@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 import subprocess
 import sys
 
@@ -51,6 +52,17 @@ def test_frequency_figure_shows_every_scaling_type():
     labels = [t.get_text() for t in fig.axes[1].get_legend().get_texts()] if fig.axes[1].get_legend() else []
     labels = labels or [line.get_label() for line in fig.axes[1].get_lines()]
     assert labels == list(SCALINGS)
+    left = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert "longrope (example factors, attention factor" in left[list(SCALINGS).index("longrope")]
+
+
+def test_dynamic_at_four_times_its_length_divides_the_slowest_pair_by_thirteen():
+    """docs/figures.md: Hugging Face's dynamic NTK scales the base by alpha^(r/(r-2)), alpha = factor * s - (factor
+    - 1) for s = length / trained length; at factor 4 and s = 4, alpha = 13 and the slowest pair turns 13x slower."""
+    config = FigureConfig(rope_parameters={"rope_type": "yarn", "factor": 4.0}, train_len=2048)
+    right = render("scaled_frequencies", FigureInputs(config=config)).axes[1]
+    dynamic = next(line for line in right.get_lines() if line.get_label() == "dynamic")
+    assert dynamic.get_ydata()[-1] == pytest.approx(1 / 13, rel=1e-12)
 
 
 def test_write_figures_png_and_svg(tmp_path):
@@ -112,7 +124,8 @@ def test_frequency_figures_keep_proportional_and_partial_rotation_apart():
     ratios = torch.cat([torch.tensor(line.get_ydata(), dtype=torch.float64) for line in right.get_lines()])
     assert float(ratios[ratios.isfinite()].max()) <= 1.0 + 1e-12
     decay = render("long_term_decay", FigureInputs(config=config)).axes[0]
-    assert [line.get_label() for line in decay.get_lines()][:3] == [f"default, base={b}" for b in (500, 10000, 500000)]
+    labels = [line.get_label() for line in decay.get_lines() if not line.get_label().startswith("_")]
+    assert labels[:3] == [f"default, base={b}" for b in (500, 10000, 500000)]
     assert decay.get_lines()[0].get_ydata()[0] > 15  # distance 1 on 32 pairs, not on 8: near 32 * ... / 32 = 16
     title = render("wavelengths", FigureInputs(config=config)).axes[0].get_title()
     assert "11 of 32 turn less than once within L;\nscaled, 24 turn less than once within 8192 (24 never turn)" in title
@@ -141,8 +154,6 @@ def test_figures_leave_the_global_generator_alone():
 
 
 def test_phase_title_states_the_angle_the_arrows_make():
-    import math
-
     from matplotlib.text import Annotation
 
     ax = render("phase_difference").axes[0]
@@ -153,6 +164,84 @@ def test_phase_title_states_the_angle_the_arrows_make():
 
     assert angle(q5, k2) == pytest.approx(angle(q9, k6), abs=1e-9)
     assert f"→ {angle(q5, k2):.2f} rad in both" in ax.get_title()
+
+
+# The figure's unrotated pair, q = (1, 0.25) and k = (0.8, -0.3), as one complex number each: for a 2-d pair
+# RoPE(q at m) · RoPE(k at n) = Re[q e^{i m θ} conj(k e^{i n θ})] = Re[q conj(k) e^{i (m - n) θ}].
+PHASE_Q, PHASE_K = complex(1.0, 0.25), complex(0.8, -0.3)
+
+
+def test_phase_scores_lie_on_the_drawn_curve_of_their_own_phase():
+    """Every dot sits on the curve at its own x, and the curve is Re[q conj(k) e^{ix}]: a phase drawn as (n - m)θ,
+    or a curve turned the wrong way, moves the dots off it."""
+    right = render("phase_difference").axes[1]
+    grid, curve = right.get_lines()[0].get_xydata().T
+    phase, scores = right.collections[0].get_offsets().T
+    expected = PHASE_Q * PHASE_K.conjugate()
+    assert np.abs(curve - (expected * np.exp(1j * grid)).real).max() < 1e-9
+    assert np.abs(scores - (expected * np.exp(1j * phase)).real).max() < 1e-9
+    assert phase.min() >= 0 and phase.max() < 2 * np.pi
+
+
+def test_phase_title_turns_the_unrotated_angle_by_three_theta():
+    title = render("phase_difference").axes[0].get_title()
+    theta = 10000.0 ** (-2 / 64)  # pair 1 of d = 64, base 10000
+    start = math.atan2(PHASE_Q.imag, PHASE_Q.real) - math.atan2(PHASE_K.imag, PHASE_K.real)  # from k to q
+    assert title.startswith("pair 1:")
+    assert (
+        f"angle k→q: {start:.2f} rad unrotated, + 3θ = {3 * theta:.2f} → {(start + 3 * theta) % (2 * math.pi):.2f} rad"
+        in title
+    )
+
+
+def test_uniform_causal_entropy_is_the_mean_log_over_rows():
+    """Uniform attention over t keys has entropy ln t; row m of a causal sequence sees m + 1 keys, so a length-L
+    sequence averages ln t over t = 1..L (1.917 at 16, 4.560 at 256)."""
+    ax = render("attention_entropy").axes[0]
+    reference = next(line for line in ax.get_lines() if line.get_label().startswith("uniform causal"))
+    lengths, drawn = reference.get_xydata().T
+    expected = [math.fsum(math.log(t) for t in range(1, int(length) + 1)) / length for length in lengths]
+    assert np.abs(drawn - expected).max() < 1e-12
+    assert drawn[lengths == 16][0] == pytest.approx(1.917, abs=5e-4)
+    assert drawn[lengths == 256][0] == pytest.approx(4.560, abs=5e-4)
+
+
+@pytest.mark.parametrize("config", [FigureConfig(), YARN], ids=["default", "yarn"])
+def test_decay_lines_are_the_bound_at_the_distances_they_are_drawn_at(config):
+    """Faint: long_term_decay at every distance drawn; bold: their mean over log-spaced bins; for a type with an
+    attention factor, dashed: the bold line divided by the factor squared."""
+    from posenc.analysis import long_term_decay
+    from posenc.analysis.plots import DECAY_BINS_PER_DECADE
+
+    distances = torch.arange(1, config.eval_len + 1)
+    expected = {
+        f"default, base={base:g}": long_term_decay(
+            config.head_dim, rope_parameters={"rope_theta": base}, distances=distances
+        )
+        for base in (500.0, 10000.0, 500000.0)
+    }
+    if config is YARN:
+        expected["yarn, d=32, base=10000, factor=8"] = long_term_decay(
+            32, rope_parameters=YARN.rope_parameters, distances=distances, max_position_embeddings=256, seq_len=2048
+        )
+    lines = {line.get_label(): line for line in render("long_term_decay", FigureInputs(config=config)).axes[0].lines}
+    assert {label for label in lines if label.startswith("_")} == {f"_every distance: {label}" for label in expected}
+    for label, result in expected.items():
+        x, y = lines[f"_every distance: {label}"].get_xydata().T
+        assert np.array_equal(x, distances.numpy()) and np.abs(y - result.bound.numpy()).max() < 1e-12, label
+        # The bold line: the mean of the faint one's points over each bin [10^(b/B), 10^((b+1)/B)).
+        _, index, counts = np.unique(
+            np.floor(np.log10(x) * DECAY_BINS_PER_DECADE), return_inverse=True, return_counts=True
+        )
+        binned_x, binned_y = lines[label].get_xydata().T
+        assert np.abs(binned_x - np.bincount(index, x) / counts).max() < 1e-9, label
+        assert np.abs(binned_y - np.bincount(index, y) / counts).max() < 1e-12, label
+    if config is YARN:
+        squared = (0.1 * np.log(8.0) + 1) ** 2  # YaRN's temperature at factor 8, on q and on k
+        dashed = lines[f"the same ÷ attention factor² ({squared:.4g}): its frequencies alone"]
+        assert (
+            np.abs(dashed.get_ydata() * squared - lines["yarn, d=32, base=10000, factor=8"].get_ydata()).max() < 1e-12
+        )
 
 
 def test_entropy_curves_past_ten_differ_by_line_style():
@@ -198,6 +287,11 @@ def test_figures_do_not_mislead_where_a_teacher_found_them_to():
     invariance = render("relative_invariance")
     for line in invariance.axes[2].get_lines():
         assert min(line.get_ydata()) > 1e-10 or line.get_label().startswith("RoPE"), line.get_label()
+    # Rounding noise is stated as a bound, so that the figure is the same on every run.
+    assert invariance.axes[0].get_title().endswith("max spread along m - n: < 1e-14")
+    # Every heatmap puts query 0 at the top, as attention matrices are drawn.
+    heatmaps = [ax.images[0] for fig in (invariance, render("bias_matrices")) for ax in fig.axes if ax.images]
+    assert len(heatmaps) == 5 and {image.origin for image in heatmaps} == {"upper"}
     # What the figure teaches, in its data: RoPE's scores are constant along each diagonal, sinusoidal's are not.
     for ax, flat in zip(invariance.axes[:2], (True, False), strict=True):
         scores = np.asarray(ax.images[0].get_array())

@@ -195,7 +195,12 @@ def pair_layouts(inputs: FigureInputs) -> Figure:
     axes = fig.subplots(2, 1)
     for ax, interleaved, name in (
         (axes[0], True, "adjacent pairs (interleaved=True: RoFormer, GPT-J)"),
-        (axes[1], False, "split half (interleaved=False: Llama's rotate_half)"),
+        (
+            axes[1],
+            False,
+            "split half (interleaved=False: rotate_half of Hugging Face's Llama)\nMeta's own Llama code rotates "
+            "adjacent pairs; HF's conversion script permutes the q/k projection weights so the two agree",
+        ),
     ):
         # Which channels pair depends on the layout alone; proportional RoPE also stands some pairs still, which
         # the schematic head shows in the same proportion (drawn plain, every pair looked rotated).
@@ -283,10 +288,12 @@ def invariance_heatmaps(inputs: FigureInputs) -> Figure:
     fig = _new_figure(14, 4.6)
     axes = fig.subplots(1, 3)
     for ax, (name, result) in zip(axes[:2], results.items(), strict=True):
-        image = ax.imshow(result.scores.numpy(), origin="lower", cmap="viridis")
+        image = ax.imshow(result.scores.numpy(), origin="upper", cmap="viridis")
         ax.set_xlabel("key position n")
         ax.set_ylabel("query position m")
-        ax.set_title(f"{name}\nmax spread along m - n: {result.max_spread:.2g}", fontsize=10)
+        # Rounding noise differs between machines and builds in its last digits: a bound keeps the image the same.
+        spread = "< 1e-14" if result.max_spread < 1e-14 else f"{result.max_spread:.2g}"
+        ax.set_title(f"{name}\nmax spread along m - n: {spread}", fontsize=10)
         fig.colorbar(image, ax=ax, label="q·k / √d")
     for name, result in results.items():
         # Spread 0 cannot go on a log axis; the floor is far below float32 resolution. The two outermost diagonals
@@ -302,6 +309,20 @@ def invariance_heatmaps(inputs: FigureInputs) -> Figure:
 
 
 # -- 4 ---------------------------------------------------------------------------------------------------------
+DECAY_BINS_PER_DECADE = 10
+
+
+def _log_binned_mean(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: (n,) increasing, >= 1; y: (n,). The mean x and mean y of the points in each bin
+    10^(b/B) <= x < 10^((b+1)/B), B = DECAY_BINS_PER_DECADE, that holds any, in order."""
+    bins = torch.floor(torch.log10(x.double()) * DECAY_BINS_PER_DECADE).long()
+    _, index, counts = torch.unique_consecutive(bins, return_inverse=True, return_counts=True)
+    x_mean, y_mean = (
+        torch.zeros(counts.shape[0], dtype=torch.float64).index_add_(0, index, v.double()) / counts for v in (x, y)
+    )
+    return x_mean, y_mean
+
+
 def decay_curves(inputs: FigureInputs) -> Figure:
     """RoFormer's long-term decay bound for several bases (and the configured scaling type)."""
     config = inputs.config
@@ -313,6 +334,14 @@ def decay_curves(inputs: FigureInputs) -> Figure:
     keep = distances > 0  # distance 0 has no place on the log axis
     fig = _new_figure(9, 5)
     ax = fig.subplots()
+
+    def draw(bound: torch.Tensor, **style: object) -> None:
+        # Past ~100 positions the bound oscillates faster than the log axis can show, and the curves turn into
+        # overlapping bands: a mean over log-spaced bins is drawn over the bound itself, which stays faint behind.
+        x, y = distances[keep], bound[keep]
+        (line,) = ax.plot(*_log_binned_mean(x, y), **style)
+        ax.plot(x, y, lw=0.5, alpha=0.25, color=line.get_color(), label=f"_every distance: {line.get_label()}")
+
     bases = sorted({500.0, 10000.0, 500000.0, config.base})
     # The comparison curves rotate the configured channels; 'proportional' reads partial_rotary_factor as the
     # fraction of pairs that turn, over the whole head, so beside it they rotate the whole head.
@@ -322,7 +351,7 @@ def decay_curves(inputs: FigureInputs) -> Figure:
     for base in bases:
         result = long_term_decay(config.head_dim, rope_parameters={"rope_theta": base, **partial}, distances=distances)
         rotary = f", r={2 * result.inv_freq.shape[0]}" if 2 * result.inv_freq.shape[0] != config.head_dim else ""
-        ax.plot(result.distances[keep], result.bound[keep], lw=1, label=f"default, base={base:g}{rotary}")
+        draw(result.bound, lw=1.4, label=f"default, base={base:g}{rotary}")
     if config.rope_type != "default":
         result = long_term_decay(
             config.head_dim,
@@ -331,12 +360,26 @@ def decay_curves(inputs: FigureInputs) -> Figure:
             max_position_embeddings=config.train_len,
             seq_len=config.eval_len,  # the length the other figures scale for (distance eval_len needs eval_len + 1)
         )
-        ax.plot(result.distances[keep], result.bound[keep], lw=1.4, color="k", label=_config_label(config))
+        draw(result.bound, lw=1.8, color="k", label=_config_label(config))
+        squared = result.attention_factor**2
+        if squared != 1.0:
+            # The temperature scales every score alike; what is left changes with distance: the frequencies' part.
+            ax.plot(
+                *_log_binned_mean(distances[keep], result.bound[keep] / squared),
+                lw=1.4,
+                ls="--",
+                color="k",
+                label=f"the same ÷ attention factor² ({squared:.4g}): its frequencies alone",
+            )
     ax.axvline(config.train_len, color="0.5", ls=":", label=f"training length L={config.train_len}")
     ax.set_xscale("log")
     ax.set_xlabel("relative distance |m - n|  [positions]")
-    ax.set_ylabel(r"bound: $(2/r)\,\sum_j\,|\sum_{i<j} e^{i(m-n)\theta_i}|$  (× attention factor²)")
-    ax.set_title(f"Long-term decay (Su et al. §3.4.3), d={config.head_dim}{_length_note(config)}")
+    ax.set_ylabel(r"bound: mean over $j = 1..r/2$ of $|\sum_{k<j} e^{i(m-n)\theta_k}|$  (× attention factor²)")
+    ax.set_title(
+        f"Long-term decay (Su et al. §3.4.3), d={config.head_dim}{_length_note(config)}\n"
+        f"bold: mean over log-spaced bins ({DECAY_BINS_PER_DECADE} per decade); faint: the bound itself",
+        fontsize=10,
+    )
     ax.legend(fontsize=8)
     return fig
 
@@ -406,7 +449,9 @@ def scaled_frequencies(inputs: FigureInputs) -> Figure:
     pairs = torch.arange(table.inv_freq.shape[1])
     for t, name in enumerate(table.rope_types):
         style = "-" if t < 10 else "--"
-        label = f"{name} (attention factor {float(table.attention_factor[t]):.3g})"
+        # LongRoPE's factors are searched per model: unless configured, the figure's are an example ramp.
+        example = "example factors, " if name == "longrope" and config.rope_type != "longrope" else ""
+        label = f"{name} ({example}attention factor {float(table.attention_factor[t]):.3g})"
         positive = table.inv_freq[t] > 0  # zero-frequency pairs cannot go on a log axis
         left.semilogy(pairs[positive], table.inv_freq[t][positive], style, lw=1.2, label=label)
         right.plot(pairs, ratio[t], style, lw=1.2, label=name)
