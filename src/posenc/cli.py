@@ -291,7 +291,11 @@ def _add_lab(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dim", type=int, help="model width")
     p.add_argument("--layers", type=int, help="transformer blocks")
     p.add_argument("--heads", type=int, help="attention heads")
-    p.add_argument("--finetune-steps", type=int, help="fine-tune pi and yarn at each target length (0: none)")
+    p.add_argument(
+        "--finetune-steps",
+        type=int,
+        help="fine-tune pi and yarn, and plain rope as their control, at each target length (0: none)",
+    )
     p.add_argument("--task", choices=("copy", "passkey"), help="also measure exact-match accuracy on a task")
     p.add_argument(
         "--hf-config",
