@@ -230,9 +230,9 @@ def test_decay_lines_are_the_bound_at_the_distances_they_are_drawn_at(config):
         x, y = lines[f"_every distance: {label}"].get_xydata().T
         assert np.array_equal(x, distances.numpy()) and np.abs(y - result.bound.numpy()).max() < 1e-12, label
         # The bold line: the mean of the faint one's points over each bin [10^(b/B), 10^((b+1)/B)).
-        _, index, counts = np.unique(
-            np.floor(np.log10(x) * DECAY_BINS_PER_DECADE), return_inverse=True, return_counts=True
-        )
+        # Bins by exact integer arithmetic: 10^(b/B) <= x  <=>  10^b <= x^B.
+        bins = [max(b for b in range(0, 64) if 10**b <= int(d) ** DECAY_BINS_PER_DECADE) for d in x]
+        _, index, counts = np.unique(bins, return_inverse=True, return_counts=True)
         binned_x, binned_y = lines[label].get_xydata().T
         assert np.abs(binned_x - np.bincount(index, x) / counts).max() < 1e-9, label
         assert np.abs(binned_y - np.bincount(index, y) / counts).max() < 1e-12, label

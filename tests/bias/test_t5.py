@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -87,11 +88,36 @@ def test_buckets_built_from_a_model_are_all_reached_in_training(train_len, bidir
     )
     seen = relative.abs() < train_len
     assert set(buckets.tolist()) <= set(buckets[seen].tolist())
-    assert t5.num_buckets == (2 if bidirectional else 1) * max(2, min(32 // (2 if bidirectional else 1), train_len))
+    assert len(set(buckets[seen].tolist())) >= min(train_len, 17)  # and the exact buckets and one more stay in use
+
+
+@pytest.mark.parametrize(
+    ("max_positions", "bidirectional", "sizes"),
+    [
+        (64, False, (32, 64)),
+        (64, True, (32, 64)),
+        (8, False, (8, 8)),
+        (8, True, (16, 8)),
+        (1, False, (2, 2)),
+        (512, False, (32, 512)),
+        (512, True, (32, 512)),
+    ],
+)
+def test_a_model_built_t5_is_sized_by_the_training_length(max_positions, bidirectional, sizes):
+    t5 = _for_model(max_positions, bidirectional=bidirectional)
+    assert (t5.num_buckets, t5.max_distance) == sizes
+
+
+def test_bad_sizes_given_to_a_model_built_t5_are_named():
+    with pytest.raises(ValueError, match="num_buckets must be a positive integer, got '32'"):
+        _for_model(64, num_buckets="32")
+    with pytest.raises(TypeError, match="bidirectional must be True or False"):
+        _for_model(64, bidirectional="yes")
 
 
 def test_options_given_to_a_model_built_t5_are_kept():
     assert (_for_model(64, num_buckets=8).num_buckets, _for_model(64, num_buckets=8).max_distance) == (8, 64)
+    assert _for_model(64, num_buckets=np.int64(8)).max_distance == 64  # numpy's integers are sizes too
     assert _for_model(4, num_buckets=32).max_distance == 17  # above its 16 exact buckets, not the invalid 4
     assert _for_model(1).num_buckets == 2  # the fewest T5 takes; a model of one position sees only distance 0
     t5 = _for_model(64, num_buckets=32, max_distance=128)

@@ -631,38 +631,30 @@ def test_new_partial_rotary_on_a_whole_head_architecture_is_refused(rope_paramet
     assert not is_patched(model) and model.config.rope_parameters["rope_type"] == "default"
 
 
-@pytest.mark.parametrize("arch", sorted(_WHOLE_HEAD_ATTENTION))
-def test_a_loaded_config_with_partial_rotary_on_a_whole_head_architecture_is_refused(arch: str) -> None:
+# Every whole-head architecture with one scaled type, and the other scaled types with one: the check is on the
+# rotary fraction, whatever scales the frequencies, and each of these builds half of them.
+LOADED_PARTIAL = [(arch, "linear", {"factor": 2.0}) for arch in sorted(_WHOLE_HEAD_ATTENTION)] + [
+    ("llama", "dynamic", {"factor": 2.0}),
+    ("llama", "yarn", {"factor": 4.0, "original_max_position_embeddings": 16}),
+    (
+        "llama",
+        "llama3",
+        {"factor": 8.0, "original_max_position_embeddings": 16, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
+    ),
+]
+
+
+@pytest.mark.parametrize(("arch", "rope_type", "params"), LOADED_PARTIAL)
+def test_a_loaded_config_with_partial_rotary_on_a_whole_head_architecture_is_refused(
+    arch: str, rope_type: str, params: dict
+) -> None:
     """transformers honours partial_rotary_factor for the scaled types and builds half the frequencies, which these
     architectures' attention cannot apply: the unpatched model fails. patch_model used to patch it without a word
     into a model that rotated half of each head, which no transformers model of that config does."""
-    model = build_partial(arch, "linear", factor=2.0)
+    model = build_partial(arch, rope_type, **params)
     with pytest.raises(RuntimeError, match="size of tensor"):
         model(tokens())
     with pytest.raises(ValueError, match=r"rotates all 16 channels.*fails on it too.*Drop partial_rotary_factor"):
-        patch_model(model)
-    assert not is_patched(model)
-
-
-@pytest.mark.parametrize(
-    ("rope_type", "params"),
-    [
-        ("dynamic", {"factor": 2.0}),
-        ("yarn", {"factor": 4.0, "original_max_position_embeddings": 16}),
-        (
-            "llama3",
-            {"factor": 8.0, "original_max_position_embeddings": 16, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
-        ),
-    ],
-)
-def test_every_scaled_type_with_partial_rotary_on_a_whole_head_architecture_is_refused(
-    rope_type: str, params: dict
-) -> None:
-    # The check is on the rotary fraction, whatever scales the frequencies: each of these builds half of them too.
-    model = build_partial("llama", rope_type, **params)
-    with pytest.raises(RuntimeError, match="size of tensor"):
-        model(tokens())
-    with pytest.raises(ValueError, match=r"rotates all 16 channels.*Drop partial_rotary_factor"):
         patch_model(model)
     assert not is_patched(model)
 

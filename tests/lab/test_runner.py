@@ -387,6 +387,11 @@ def test_a_folder_of_another_format_is_refused_and_left_as_it_was(finished, tmp_
     with pytest.raises(ValueError, match=r"different configuration \(differs in: format: made by an earlier posenc"):
         quiet(config, copy).prepare()
     assert files() == before
+    # As posenc wrote a --corpus run before 5535ae7 (format 1): the corpus path in the key, which is not a difference.
+    previous = store.read_json(copy / "config.json")
+    store.write_json(copy / "config.json", previous | {"results_key": previous["results_key"] | {"corpus": "/old"}})
+    with pytest.raises(ValueError, match=r"different configuration \(differs in: format: made by an earlier posenc"):
+        quiet(config, copy).prepare()
     (copy / "config.json").unlink()
     with pytest.raises(ValueError, match=r"has no config.json but holds finished units of another configuration"):
         quiet(config, copy).prepare()

@@ -315,7 +315,8 @@ DECAY_BINS_PER_DECADE = 10
 def _log_binned_mean(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x: (n,) increasing, >= 1; y: (n,). The mean x and mean y of the points in each bin
     10^(b/B) <= x < 10^((b+1)/B), B = DECAY_BINS_PER_DECADE, that holds any, in order."""
-    bins = torch.floor(torch.log10(x.double()) * DECAY_BINS_PER_DECADE).long()
+    # An integer distance lies at least 2.6e-4 from any edge but the powers of ten, where log10 may be a bit short.
+    bins = torch.floor(torch.log10(x.double()) * DECAY_BINS_PER_DECADE + 1e-9).long()
     _, index, counts = torch.unique_consecutive(bins, return_inverse=True, return_counts=True)
     x_mean, y_mean = (
         torch.zeros(counts.shape[0], dtype=torch.float64).index_add_(0, index, v.double()) / counts for v in (x, y)

@@ -87,17 +87,19 @@ class T5Bias(ScoreBias):
     @classmethod
     def from_model_dims(cls, *, dim: int, num_heads: int, head_dim: int, max_positions: int, **options: Any) -> T5Bias:
         """Buckets sized to the training length ``max_positions`` unless given: ``max_distance`` = max_positions and
-        at most 32 buckets (16 a direction when bidirectional), so that every bucket is one training reaches and
-        longer sequences put their longer distances in the last, trained one. T5's own 128 came with 512-token
-        training; at a training length under about 66 its far buckets never meet a gradient."""
-        bidirectional = options.get("bidirectional", False)
+        at most 32 buckets (16 a direction when bidirectional), so that every bucket some distance falls in, at any
+        length, is one that training reaches: longer sequences put their longer distances in the last one. T5's own
+        max_distance of 128 came with 512-token training; at a training length of 113 or less, 32 causal buckets
+        reaching 128 have buckets that training never reaches and longer sequences read. (Until 2026-12-04 this
+        built T5's 32 and 128 at every length.)"""
+        bidirectional = flag("bidirectional", options.get("bidirectional", False))
         directions = 2 if bidirectional else 1
-        if "num_buckets" not in options:
+        if "num_buckets" in options:
+            options["num_buckets"] = positive_int("num_buckets", options["num_buckets"])
+        else:
             options["num_buckets"] = directions * max(2, min(32 // directions, max_positions))
-        per_direction = options["num_buckets"] // directions
-        if "max_distance" not in options and isinstance(per_direction, int):
-            # Above the exact buckets, which a training length below them would otherwise leave max_distance inside.
-            options["max_distance"] = max(max_positions, per_direction // 2 + 1)
+        # Above the exact buckets, which a training length below them would otherwise leave max_distance inside.
+        options.setdefault("max_distance", max(max_positions, options["num_buckets"] // directions // 2 + 1))
         return cls(num_heads, **options)
 
     def buckets(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:

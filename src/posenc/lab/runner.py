@@ -161,8 +161,12 @@ def _hash_of(results_key: Any, corpus_sha256: Any) -> str:
 
 
 def _settings(results_key: dict[str, Any]) -> dict[str, Any]:
-    """A results key as stored in JSON (tuples compare equal to the lists they were stored as)."""
-    return json.loads(json.dumps(results_key))
+    """A results key as stored in JSON (tuples compare equal to the lists they were stored as), without the corpus
+    path that keys of format 1 hold: their corpus is judged by its bytes, and the refusal names the format."""
+    key = json.loads(json.dumps(results_key))
+    if key.get("corpus") is not None:
+        del key["corpus"]
+    return key
 
 
 def _write_config(out: Path, config: LabConfig, corpus: Corpus, ident: str) -> None:
