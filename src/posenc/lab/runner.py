@@ -169,12 +169,6 @@ def _settings(results_key: dict[str, Any]) -> dict[str, Any]:
     return key
 
 
-def _write_config(out: Path, config: LabConfig, corpus: Corpus, ident: str) -> None:
-    store.write_json(
-        out / "config.json", {"config_id": ident, "results_key": config.results_key(), "corpus_sha256": corpus.sha256}
-    )
-
-
 def claim_folder(out: Path, config: LabConfig, corpus: Corpus, ident: str) -> None:
     """Refuse a folder that holds results of another configuration or corpus (they would mix in one report)."""
     path = out / "config.json"
@@ -205,7 +199,7 @@ def claim_folder(out: Path, config: LabConfig, corpus: Corpus, ident: str) -> No
             f"{out} has no config.json but holds finished units of another configuration ({', '.join(others[:3])}"
             f"{', ...' if len(others) > 3 else ''}); pass another --out, or delete that folder to start over"
         )
-    _write_config(out, config, corpus, ident)
+    store.write_json(path, {"config_id": ident, "results_key": config.results_key(), "corpus_sha256": corpus.sha256})
 
 
 class Lab:
