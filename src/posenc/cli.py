@@ -296,7 +296,9 @@ def _add_lab(sub: argparse._SubParsersAction) -> None:
         type=int,
         help="fine-tune pi and yarn, and plain rope as their control, at each target length (0: none)",
     )
-    p.add_argument("--task", choices=("copy", "passkey"), help="also measure exact-match accuracy on a task")
+    p.add_argument(
+        "--task", choices=("copy", "passkey"), help="also measure exact-match and per-byte accuracy on a task"
+    )
     p.add_argument(
         "--hf-config",
         metavar="PATH",

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from posenc.lab.data import eval_window_ends, windows_ending
-from posenc.lab.evaluate import attention_entropy, evaluate_length, task_accuracy, task_samples
+from posenc.lab.evaluate import TaskScore, attention_entropy, evaluate_length, task_accuracy, task_samples
 from posenc.lab.model import ByteLM, ModelSpec, next_byte_loss
 
 SPEC = ModelSpec(dim=16, layers=2, heads=2, max_positions=8)
@@ -135,13 +135,17 @@ def test_task_layout_and_exact_match(kind):
     if kind == "passkey":
         assert answer.isdigit() and len(answer) == 5
     targets = full[:, 1:]
-    assert task_accuracy(Oracle(samples.inputs, targets), samples, batch_size=3) == 1.0
+    assert task_accuracy(Oracle(samples.inputs, targets), samples, batch_size=3) == TaskScore(1.0, 1.0)
+    answer_bytes = samples.answers.numel()  # 4 samples of 5 digits or 16 letters
     wrong = targets.clone()
     wrong[1, -2] = (wrong[1, -2] + 1) % 256  # one wrong answer byte for sample 1
-    assert task_accuracy(Oracle(samples.inputs, wrong), samples) == 0.75
+    wrong[3, -3:] = (wrong[3, -3:] + 1) % 256  # and three for sample 3, the last batch of 3 samples
+    assert task_accuracy(Oracle(samples.inputs, wrong), samples, batch_size=3) == TaskScore(
+        0.5, (answer_bytes - 4) / answer_bytes
+    )
     wrong_filler = targets.clone()
     wrong_filler[2, 5] = (wrong_filler[2, 5] + 1) % 256  # a wrong prediction outside the answer does not count
-    assert task_accuracy(Oracle(samples.inputs, wrong_filler), samples) == 1.0
+    assert task_accuracy(Oracle(samples.inputs, wrong_filler), samples) == TaskScore(1.0, 1.0)
     assert torch.equal(task_samples(kind, filler, seed=1).answers, samples.answers)
 
 

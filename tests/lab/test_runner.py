@@ -467,9 +467,28 @@ def test_task_accuracy_is_reported_by_length(tiny_config, tmp_path, monkeypatch)
     # Every applicable length gets its own samples: n bytes of input, the answer predicted from n back.
     assert sorted(seen) == sorted((config.task_samples, r["eval_len"]) for r in rows if r["task_accuracy"] is not None)
     measured = {(r["encoding"], r["extension"], r["eval_len"]): r["task_accuracy"] for r in rows}
-    assert measured[("learned", "none", 80)] is None  # not applicable past the table
-    assert all(0.0 <= measured[k] <= 1.0 for k in measured if k != ("learned", "none", 80))
-    assert "passkey task: exact-match accuracy" in (tmp_path / "report.md").read_text()
+    per_byte = {(r["encoding"], r["extension"], r["eval_len"]): r["task_byte_accuracy"] for r in rows}
+    assert measured[("learned", "none", 80)] is None and per_byte[("learned", "none", 80)] is None  # past the table
+    assert all(0.0 <= measured[k] <= per_byte[k] <= 1.0 for k in measured if k != ("learned", "none", 80))
+    report = (tmp_path / "report.md").read_text()
+    assert "passkey task: exact-match accuracy" in report and "passkey task: per-byte accuracy (chance: 1/10" in report
+    csv_rows = list(csv.DictReader(io.StringIO((tmp_path / "results.csv").read_text())))
+    assert [float(r["task_byte_accuracy"]) for r in csv_rows if r["task_byte_accuracy"]] == [
+        r["task_byte_accuracy"] for r in rows if r["task_byte_accuracy"] is not None
+    ]
+
+
+def test_units_evaluated_before_the_per_byte_accuracy_report_it_blank(tiny_config, tmp_path):
+    config = tiny_config(encodings=("nope",), extensions=(), task="passkey", train_len=40, eval_lengths=(40,))
+    quiet(config, tmp_path).run()
+    metrics = tmp_path / "runs" / "nope" / "seed0" / "metrics.json"
+    data = store.read_json(metrics)
+    store.write_json(
+        metrics, data | {"eval": [{k: v for k, v in r.items() if k != "task_byte_accuracy"} for r in data["eval"]]}
+    )
+    rows = quiet(config, tmp_path).run()["rows"]
+    assert [r["task_byte_accuracy"] for r in rows] == [None] and rows[0]["task_accuracy"] is not None
+    assert next(csv.DictReader(io.StringIO((tmp_path / "results.csv").read_text())))["task_byte_accuracy"] == ""
 
 
 @pytest.mark.parametrize(

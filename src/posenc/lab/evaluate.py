@@ -40,7 +40,8 @@ class LengthResult:
     at each position 0..L-1, in up to POSITION_BINS bins of ``position_bin`` positions (L / bins: a fraction where
     the bins of a length that is no multiple of them hold one position more or less); entropy_by_layer: mean
     attention entropy (nats) of the scored queries, over heads and windows, per layer; task_accuracy: fraction
-    of task samples answered exactly (None when no task ran).
+    of task samples answered exactly, task_byte_accuracy: fraction of their answer bytes predicted (None when no
+    task ran).
     """
 
     eval_len: int
@@ -52,6 +53,7 @@ class LengthResult:
     position_bin: float = 1
     entropy_by_layer: list[float] | None = None
     task_accuracy: float | None = None
+    task_byte_accuracy: float | None = None
     seconds: float = 0.0
 
 
@@ -124,6 +126,10 @@ def _past_learned_table(model: ByteLM, length: int) -> bool:
     return isinstance(encoding, LearnedAbsolute) and length > encoding.max_positions
 
 
+# A uniform guess's per-byte accuracy on each task's answers.
+TASK_CHANCE = {"passkey": "1/10, a digit", "copy": "1/26, a lowercase letter"}
+
+
 @dataclasses.dataclass(frozen=True)
 class TaskSamples:
     """Inputs (k, L) int64 with a needle near the start; answer_positions (A,): the input positions whose
@@ -173,14 +179,24 @@ def _bytes(text: str, k: int) -> torch.Tensor:
     return torch.tensor(list(text.encode()), dtype=torch.long).expand(k, -1)
 
 
+@dataclasses.dataclass(frozen=True)
+class TaskScore:
+    """exact: fraction of samples whose every answer byte is predicted; per_byte: fraction of answer bytes predicted.
+    per_byte tells partial retrieval from none where exact is 0 for both (chance: ``TASK_CHANCE``)."""
+
+    exact: float
+    per_byte: float
+
+
 @torch.no_grad()
-def task_accuracy(model: ByteLM, samples: TaskSamples, *, batch_size: int = 16) -> float:
-    """Fraction of samples whose every answer byte is the model's argmax prediction (teacher-forced)."""
+def task_accuracy(model: ByteLM, samples: TaskSamples, *, batch_size: int = 16) -> TaskScore:
+    """How many answer bytes are the model's argmax prediction (teacher-forced), by sample and by byte."""
     device = next(model.parameters()).device
-    correct = 0
+    exact = per_byte = 0
     for first in range(0, samples.inputs.shape[0], batch_size):
         inputs = samples.inputs[first : first + batch_size].to(device)
         logits, _ = model(inputs)
-        predicted = logits[:, samples.answer_positions].argmax(-1).cpu()
-        correct += int((predicted == samples.answers[first : first + batch_size]).all(dim=1).sum())
-    return correct / samples.inputs.shape[0]
+        right = logits[:, samples.answer_positions].argmax(-1).cpu() == samples.answers[first : first + batch_size]
+        exact += int(right.all(dim=1).sum())
+        per_byte += int(right.sum())
+    return TaskScore(exact / samples.inputs.shape[0], per_byte / samples.answers.numel())

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from posenc.lab import store
+from posenc.lab.evaluate import TASK_CHANCE
 
 CSV_COLUMNS = (
     "encoding",
@@ -34,6 +35,7 @@ CSV_COLUMNS = (
     "entropy_by_layer",
     "task",
     "task_accuracy",
+    "task_byte_accuracy",
     "scored_bytes",
 )
 PLOTS = {
@@ -200,6 +202,10 @@ def to_markdown(results: dict[str, Any]) -> str:
             f"## {config['task']} task: exact-match accuracy",
             "",
             _table(rows, "task_accuracy", lengths, [*enc_labels, *ext_labels], digits=2),
+            "",
+            f"## {config['task']} task: per-byte accuracy (chance: {TASK_CHANCE[config['task']]})",
+            "",
+            _table(rows, "task_byte_accuracy", lengths, [*enc_labels, *ext_labels], digits=2),
             "",
         ]
     reasons = sorted({(label(r), r["eval_len"], r["reason"]) for r in rows if not r["applicable"]})

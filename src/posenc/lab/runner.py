@@ -616,8 +616,8 @@ class Lab:
                 if config.task is not None and result.applicable:
                     filler = windows_ending(self.corpus.val, self.ends[: config.task_samples], n)
                     samples = task_samples(config.task, filler, seed=unit.seed)
-                    accuracy = task_accuracy(models[n], samples, batch_size=config.eval_batch_size)
-                    result = dataclasses.replace(result, task_accuracy=accuracy)
+                    score = task_accuracy(models[n], samples, batch_size=config.eval_batch_size)
+                    result = dataclasses.replace(result, task_accuracy=score.exact, task_byte_accuracy=score.per_byte)
                 local[n] = result
         gathered = {n: r for part in self.ranks.all_gather(local) for n, r in part.items()}
         results = [gathered[n] for n in lengths]
@@ -654,6 +654,8 @@ class Lab:
                         "entropy_by_layer": entropy,
                         "task": config.task or "",
                         "task_accuracy": r["task_accuracy"],
+                        # Absent from units evaluated before it was measured (2026-12-04): blank, not 0.
+                        "task_byte_accuracy": r.get("task_byte_accuracy"),
                         "scored_bytes": r["scored_bytes"],
                         "loss_by_position": r["loss_by_position"],
                         "position_bin": r["position_bin"],
