@@ -37,6 +37,26 @@ def test_buckets_match_hugging_face_t5_and_reference(bidirectional, num_buckets,
     assert torch.equal(ours, reference)
 
 
+@pytest.mark.parametrize(
+    ("num_buckets", "max_distance", "bidirectional", "relative"),
+    [(32, 939, False, -728), (64, 939, True, 728), (64, 1878, False, -1456)],
+)
+def test_buckets_take_t5s_float32_logarithm_where_float64_differs(num_buckets, max_distance, bidirectional, relative):
+    """CONFIGS have no bucket edge between the float32 and the float64 logarithm; these do (a model built for 939
+    or 1878 tokens gets them as max_distance): there T5's float32 logarithm puts ``relative`` one bucket above the
+    float64 reference, and posenc must follow T5."""
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    kwargs = dict(bidirectional=bidirectional, num_buckets=num_buckets, max_distance=max_distance)
+    assert (
+        t5_bucket_reference(relative, **kwargs) + 1
+        == T5Attention._relative_position_bucket(torch.tensor([relative]), **kwargs).item()
+    )  # the edge is still there
+    relatives = torch.arange(-3000, 3001)
+    ours = posenc.t5_relative_bucket(relatives, **kwargs)
+    assert torch.equal(ours, T5Attention._relative_position_bucket(relatives, **kwargs))
+
+
 @settings(max_examples=50, deadline=None)
 @given(
     config=st.sampled_from(CONFIGS),
