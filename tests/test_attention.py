@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import posenc
-from posenc.attention import CausalSelfAttention, KVCache, add_input_encoding
+from posenc.attention import CausalSelfAttention, KVCache, add_input_encoding, attend
 from posenc.testing import assert_close, attention_reference, sinusoidal_reference, t5_bucket_reference
 
 DIM, HEADS, KV_HEADS, HEAD_DIM = 32, 4, 2, 8
@@ -273,6 +273,25 @@ def test_attention_matches_float64_reference(name, dtype):
     heads = attention_reference(q, k, v, bias=bias)
     expected = attn64.o_proj(heads.transpose(1, 2).reshape(b, s, DIM))
     assert_close(out, expected, reduction=True)
+
+
+@pytest.mark.parametrize("need_probs", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_score_bias_is_added_in_float32_for_16_bit_inputs(dtype, need_probs):
+    """ALiBi's bias at long distances has no exact 16-bit value: -2048.25 and -2048 (slope 1/4, keys 8193 and 8192
+    back) are one value in bf16 and fp16, which would weigh the two keys alike. ``attend`` adds the bias in float32,
+    so the nearer key keeps its weight sigmoid(slope), as in float64."""
+    alibi = posenc.ALiBi(HEADS)
+    bias = alibi.score_bias(torch.tensor([8193]), torch.tensor([0, 1]))  # (1, h, 1, 2), float32
+    q, k = torch.zeros(1, HEADS, 1, HEAD_DIM, dtype=dtype), torch.zeros(1, HEADS, 2, HEAD_DIM, dtype=dtype)
+    v = torch.zeros(1, HEADS, 2, HEAD_DIM, dtype=dtype)
+    v[:, :, 1] = 1  # the output is the weight of the nearer key
+    out, probs = attend(q, k, v, torch.ones(1, 2, dtype=torch.bool), bias, need_probs=need_probs)
+    nearer = torch.sigmoid(posenc.alibi_slopes(HEADS, dtype=torch.float64))  # (h,)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out[0, :, 0].double(), nearer[:, None].expand(HEADS, HEAD_DIM), atol=2**-8, rtol=0)
+    if need_probs:
+        torch.testing.assert_close(probs[0, :, 0, 1].double(), nearer, atol=1e-6, rtol=0)
 
 
 def test_return_attention_probabilities_sum_to_one_and_are_causal():
