@@ -203,3 +203,17 @@ def test_cos_sin_and_rotation_match_transformers(params: dict[str, Any], hf_orac
         bound = torch.cat((pair * tol, pair * tol, torch.zeros_like(x[..., 2 * half :])), dim=-1)
         bound = bound + 4 * hf_oracle.EPS32 * (x.abs() + theirs.abs())
         assert bool(((ours - theirs).abs() <= bound).all()), params
+
+
+@pytest.mark.parametrize(("head_dim", "partial", "rotary_dim"), [(128, 0.35, 44), (32, 0.4, 12), (100, 0.57, 56)])
+def test_a_partial_factor_that_leaves_a_fraction_truncates_like_transformers(
+    head_dim: int, partial: float, rotary_dim: int, hf_oracle
+) -> None:
+    """transformers rotates int(head_dim * partial_rotary_factor) channels: 44.8 -> 44, 12.8 -> 12, and
+    0.57 * 100 = 56.99999999999999 -> 56. Rounding instead would give 45, 13 and 57, odd, and refuse the config."""
+    params = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": partial}
+    spec = parse_rope_parameters(head_dim, params)
+    hf_inv, _ = hf_oracle.frequencies(head_dim, params, MAX_POS)
+    assert spec.rotary_dim == rotary_dim == 2 * hf_inv.shape[0]
+    inv, _ = compute_frequencies(spec)
+    torch.testing.assert_close(inv, hf_inv.double(), rtol=hf_oracle.inv_freq_rtol(10000.0), atol=0.0)
