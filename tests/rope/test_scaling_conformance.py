@@ -41,6 +41,8 @@ CASES: dict[str, list[dict[str, Any]]] = {
         {"factor": 16.0, "original_max_position_embeddings": 1024, "mscale": 0.707, "mscale_all_dim": 1.0},
         {"factor": 8.0, "original_max_position_embeddings": 512, "mscale": 1.0},  # one of the two: plain mscale
         {"factor": 8.0, "original_max_position_embeddings": 512, "mscale": 1.0, "mscale_all_dim": 0.0},
+        # A zero mscale counts as absent too (transformers tests truth): not 1 / mscale(factor, mscale_all_dim).
+        {"factor": 8.0, "original_max_position_embeddings": 512, "mscale": 0.0, "mscale_all_dim": 0.707},
         # Only one of the two, not 1: transformers then ignores it (get_mscale(factor) alone).
         {"factor": 8.0, "original_max_position_embeddings": 512, "mscale": 0.707},
         {"factor": 8.0, "original_max_position_embeddings": 512, "mscale_all_dim": 0.707},
