@@ -84,6 +84,21 @@ def test_llama3_keeps_high_and_divides_low_frequencies(
     assert bool((inv[middle] >= plain[middle] / factor * (1 - slack)).all())
 
 
+@pytest.mark.parametrize("factor", [2.0, 8.0])
+def test_llama3_is_continuous_at_both_band_edges(factor: float) -> None:
+    """A pair whose wavelength is exactly an edge of the band (pair 0's, 2 pi, with the edge put there) gets the
+    value both sides of that edge agree on: divided by factor at original / low_freq_factor, kept at original /
+    high_freq_factor. The band includes its edges, as transformers' does; outside it the low edge kept the pair."""
+    original = 8
+    edge = original / (2 * math.pi)
+    assert original / edge == 2 * math.pi  # exactly pair 0's wavelength in float64
+    common = {"rope_type": "llama3", "factor": factor, "rope_theta": 1e4, "original_max_position_embeddings": original}
+    at_low = freqs(8, {**common, "low_freq_factor": edge, "high_freq_factor": 4.0})
+    at_high = freqs(8, {**common, "low_freq_factor": 0.5, "high_freq_factor": edge})
+    assert at_low[0].item() == 1.0 / factor
+    assert at_high[0].item() == 1.0
+
+
 @settings(max_examples=40, deadline=None)
 @given(rotary_dims.filter(lambda r: r >= 4), bases, factors)
 def test_ntk_keeps_highest_and_divides_lowest_by_factor(r: int, base: float, factor: float) -> None:
