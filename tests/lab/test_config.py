@@ -111,6 +111,17 @@ def test_dynamic_is_the_trained_rope_at_the_training_length():
     torch.testing.assert_close(rope.frequencies(seq_len=64)[0], default_inv_freq(16, 10000.0), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("scale", [2, 4, 8])
+def test_dynamic_takes_no_target_and_is_hugging_faces_factor_2(scale):
+    # factor 2 whatever the target: at s times the training length, HF's alpha = 2 * s - 1 scales the base by
+    # alpha ** (d / (d - 2)). The target's own factor (4 for a 4x target) would make it 4 * s - 3.
+    params = extension_rope_parameters("dynamic", 4, 64)
+    assert params == extension_rope_parameters("dynamic", 8, 64) == {"rope_type": "dynamic", "factor": 2.0}
+    rope = posenc.RoPE(16, rope_parameters=params, max_position_embeddings=64)
+    expected = default_inv_freq(16, 10000.0 * (2 * scale - 1) ** (16 / 14))
+    torch.testing.assert_close(rope.frequencies(seq_len=64 * scale)[0], expected, rtol=1e-12, atol=0)
+
+
 def test_unknown_extension():
     with pytest.raises(ValueError, match="unknown extension 'rerope'"):
         extension_rope_parameters("rerope", 2, 64)
