@@ -122,6 +122,20 @@ def test_dynamic_takes_no_target_and_is_hugging_faces_factor_2(scale):
     torch.testing.assert_close(rope.frequencies(seq_len=64 * scale)[0], expected, rtol=1e-12, atol=0)
 
 
+@pytest.mark.parametrize("name", ["yarn", "llama3"])
+def test_yarn_and_llama3_extend_from_the_training_length(name):
+    # Their original length is train_len, not the target: pairs that turn less than once within the 64 trained
+    # positions (pair 3 on, wavelength 199) are fully interpolated, the fastest pair is kept.
+    params = extension_rope_parameters(name, 4, 64)
+    assert params["original_max_position_embeddings"] == 64
+    rope = posenc.RoPE(16, rope_parameters=params, max_position_embeddings=64)
+    inv_freq, default = rope.frequencies(seq_len=256)[0], default_inv_freq(16, 10000.0)
+    slow = 2 * math.pi / default > 64
+    assert slow.tolist() == [False] * 3 + [True] * 5
+    torch.testing.assert_close(inv_freq[slow], default[slow] / 4, rtol=1e-12, atol=0)
+    assert inv_freq[0] == default[0]
+
+
 def test_unknown_extension():
     with pytest.raises(ValueError, match="unknown extension 'rerope'"):
         extension_rope_parameters("rerope", 2, 64)
