@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -37,6 +39,15 @@ def test_rows_by_hand():
     assert row["ntk"][-1].item() == pytest.approx(plain[-1].item() / 8.0, rel=1e-12)
     ratio = table.ratio_to_default()
     assert torch.equal(ratio[table.rope_types.index("default")], torch.ones(16, dtype=torch.float64))
+
+
+def test_rows_give_each_pairs_wavelength_in_positions():
+    table = frequency_table(16, base=100.0, train_len=64, factor=4.0)
+    rows = table.to_rows()
+    assert rows and all(row["wavelength"] == 2 * math.pi / row["inv_freq"] for row in rows if row["inv_freq"])
+    default = [row for row in rows if row["rope_type"] == "default"]
+    assert [row["pair"] for row in default] == list(range(8))
+    assert default[1]["wavelength"] == pytest.approx(2 * math.pi * 100.0 ** (2 / 16), rel=1e-12)
 
 
 def test_every_type_has_an_example_that_validates():
