@@ -50,6 +50,16 @@ def test_rows_give_each_pairs_wavelength_in_positions():
     assert default[1]["wavelength"] == pytest.approx(2 * math.pi * 100.0 ** (2 / 16), rel=1e-12)
 
 
+def test_longrope_example_ramps_from_kept_to_fully_interpolated():
+    example = example_rope_parameters("longrope", rotary_dim=16, train_len=64, factor=4.0)
+    assert example["short_factor"] == [1.0] * 8
+    assert example["long_factor"][0] == 1.0 and example["long_factor"][-1] == 4.0
+    # Past the original length the long factors apply: the fastest pair kept, the slowest divided by the factor.
+    table = frequency_table(16, train_len=64, factor=4.0, rope_types=["default", "longrope"])
+    ratio = table.ratio_to_default()[1]
+    assert ratio[0] == 1.0 and ratio[-1].item() == pytest.approx(1 / 4.0, rel=1e-12)
+
+
 def test_every_type_has_an_example_that_validates():
     assert set(SCALINGS) <= set(EXAMPLE_ROPE_PARAMETERS)
     for name in SCALINGS:
