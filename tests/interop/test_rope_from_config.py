@@ -237,6 +237,15 @@ def test_raw_configs_read_as_transformers_reads_them() -> None:
     assert (neox_rope.base, neox_rope.rotary_dim) == (500.0, 32)
 
 
+@pytest.mark.usefixtures("dict_reading")
+def test_deepseek_v3_pairs_adjacent_channels_unless_its_config_says_not() -> None:
+    """DeepseekV3Config defaults rope_interleave to True; its config.json does not spell it out."""
+    cfg = load("deepseek-v3.json")
+    assert "rope_interleave" not in cfg and transformers.DeepseekV3Config().rope_interleave is True
+    assert rope_from_config(cfg).interleaved
+    assert not rope_from_config({**cfg, "rope_interleave": False}).interleaved
+
+
 def test_mode_passes_through() -> None:
     rope = rope_from_config(CONFIGS / "phi-3-mini-128k-instruct.json", mode="consistent")
     assert rope.mode == "consistent" and rope.rotates_cached_keys
