@@ -67,6 +67,8 @@ def test_weight_decay_only_on_matrices():
     model = ByteLM(SPEC, "t5")
     decay, no_decay = make_optimizer(model, lr=1e-3, weight_decay=0.1).param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    # betas are in no config (nor its results key): a change would silently mix runs a resume takes as one.
+    assert decay["betas"] == no_decay["betas"] == (0.9, 0.95)
     assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
 
