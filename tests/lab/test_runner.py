@@ -10,11 +10,13 @@ import statistics
 from collections import defaultdict
 
 import pytest
+import torch
 from matplotlib.container import ErrorbarContainer
 
 from posenc.cli import main
 from posenc.lab import runner, store
 from posenc.lab.config import make_config
+from posenc.lab.data import eval_window_ends
 from posenc.lab.report import PLOTS, figures, label
 from posenc.lab.runner import Lab, plan
 
@@ -449,6 +451,25 @@ def test_multiple_seeds_report_mean_and_spread(tiny_config, tmp_path):
     for n, ((_, low), (_, high)) in zip(config.eval_lengths, bars.get_segments(), strict=True):
         values = [float(r["bits_per_byte"]) for r in rope if r["eval_len"] == n]
         assert (high - low) / 2 == pytest.approx(statistics.stdev(values), rel=1e-9), n
+
+
+def test_every_length_is_scored_on_windows_ending_at_the_same_offsets(tiny_config, tmp_path, monkeypatch):
+    # The same final score_len bytes at every length: the ends come from the longest length, once.
+    config = tiny_config(encodings=("nope",), extensions=(), eval_lengths=(8, 16, 32))
+    seen = {}
+    real = runner.evaluate_length
+
+    def spy(model, val, ends, length, **kwargs):
+        seen[length] = ends.clone()
+        return real(model, val, ends, length, **kwargs)
+
+    monkeypatch.setattr(runner, "evaluate_length", spy)
+    lab = quiet(config, tmp_path)
+    lab.run()
+    expected = eval_window_ends(lab.corpus.val, longest=32, count=config.eval_windows)
+    assert sorted(seen) == [8, 16, 32]
+    for length, ends in seen.items():
+        assert torch.equal(ends, expected), length
 
 
 def test_task_accuracy_is_reported_by_length(tiny_config, tmp_path, monkeypatch):
