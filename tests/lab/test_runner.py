@@ -17,7 +17,7 @@ from posenc.cli import main
 from posenc.lab import runner, store
 from posenc.lab.config import make_config
 from posenc.lab.data import eval_window_ends
-from posenc.lab.report import PLOTS, figures, label
+from posenc.lab.report import PLOTS, aggregate, figures, label
 from posenc.lab.runner import Lab, plan
 
 REQUIRED = ("encoding", "extension", "train_len", "eval_len", "seed", "bits_per_byte")
@@ -470,6 +470,18 @@ def test_every_length_is_scored_on_windows_ending_at_the_same_offsets(tiny_confi
     assert sorted(seen) == [8, 16, 32]
     for length, ends in seen.items():
         assert torch.equal(ends, expected), length
+
+
+def test_aggregate_is_the_mean_and_sample_std_of_the_applicable_seeds():
+    # Three seeds, skewed: the mean (3) is not the median (2), the sample std (sqrt 7) not the population one.
+    row = {"encoding": "rope", "extension": "pi", "finetune_steps": 0, "eval_len": 16, "applicable": True}
+    rows = [{**row, "seed": s, "bits_per_byte": v, "reason": ""} for s, v in enumerate([1.0, 2.0, 6.0])]
+    rows.append({**row, "seed": 3, "bits_per_byte": None, "applicable": False, "reason": "past the table"})
+    table = aggregate(rows, "bits_per_byte")
+    assert table.keys() == {("rope+pi", 16)}
+    cell = table["rope+pi", 16]
+    assert cell["mean"] == 3.0 and cell["spread"] == pytest.approx(7**0.5, rel=1e-12)
+    assert cell["n"] == 3 and cell["reason"] == "past the table"
 
 
 def test_task_accuracy_is_reported_by_length(tiny_config, tmp_path, monkeypatch):
