@@ -106,6 +106,11 @@ def test_other_errors_are_not_mistaken_for_not_applicable():
     ends = eval_window_ends(TEXT, longest=16, count=3)
     with pytest.raises(ValueError, match="something else went wrong"):
         evaluate_length(model, TEXT, ends, 16, score_len=4)
+    # A learned table runs at its own size (8): an error there is not "past the table".
+    learned = ByteLM(SPEC, "learned")
+    learned.blocks[0].attn.forward = broken
+    with pytest.raises(ValueError, match="something else went wrong"):
+        evaluate_length(learned, TEXT, ends, SPEC.max_positions, score_len=4)
     with pytest.raises(ValueError, match="score_len must be in"):
         evaluate_length(ByteLM(SPEC, "rope"), TEXT, ends, 8, score_len=9)
 
