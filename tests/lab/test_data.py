@@ -167,6 +167,14 @@ def test_every_length_ends_on_the_same_bytes(size, count, lengths):
         assert windows_ending(text, ends, n).shape == (count, n + 1)
 
 
+def test_eval_window_ends_are_spread_evenly_from_the_first_room_to_the_end():
+    # 21 bytes, windows of 5: ends from 5 to 21, at 0, 16/3, 32/3 and 16 bytes past the first, rounded down.
+    text = torch.zeros(21, dtype=torch.uint8)
+    assert eval_window_ends(text, longest=4, count=4).tolist() == [5, 10, 15, 21]
+    assert eval_window_ends(text, longest=4, count=17).tolist() == list(range(5, 22))
+    assert eval_window_ends(text, longest=4, count=1).tolist() == [5]
+
+
 def test_an_empty_corpus_says_so(tmp_path):
     (tmp_path / "empty.txt").write_text("")
     with pytest.raises(ValueError, match=r"is empty \(0 bytes of text\)"):
