@@ -154,6 +154,25 @@ def test_task_layout_and_exact_match(kind):
     assert torch.equal(task_samples(kind, filler, seed=1).answers, samples.answers)
 
 
+def test_task_needle_and_tail_byte_by_byte():
+    filler = windows_ending(TEXT, eval_window_ends(TEXT, longest=64, count=300), 64)
+    for kind in ("passkey", "copy"):
+        samples = task_samples(kind, filler, seed=2)
+        full = torch.cat((samples.inputs, samples.answers[:, -1:]), dim=1)
+        assert torch.equal(full[:, 40:-30], filler[:, 40:-30])  # filler between needle and tail
+        for row, answer in zip(full.tolist(), samples.answers.tolist(), strict=True):
+            text = bytes(row)
+            if kind == "passkey":
+                key = bytes(answer)
+                assert text.startswith(b'\npasskey = "' + key + b'"\n') and text.endswith(b'\npasskey = "' + key)
+            else:
+                letters = text[1:25]  # 24 letters between newlines; the first 8 cue the other 16
+                assert text[0:1] == text[25:26] == b"\n" and letters.isalpha() and letters.islower()
+                assert bytes(answer) == letters[8:] and text.endswith(b"\n" + letters)
+        # Uniform over the whole alphabet: every digit / letter is drawn.
+        assert len(set(samples.answers.flatten().tolist())) == (10 if kind == "passkey" else 26), kind
+
+
 def test_task_needs_room_and_a_known_kind():
     filler = windows_ending(TEXT, eval_window_ends(TEXT, longest=16, count=2), 16)
     with pytest.raises(ValueError, match="the passkey task needs windows of 35 bytes of context, more than 16"):
