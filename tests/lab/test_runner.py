@@ -70,6 +70,8 @@ def test_a_run_writes_csv_json_report_and_plots(finished):
         else:
             assert row["applicable"] == "True" and 0 < float(row["bits_per_byte"]) < 12
             assert len(json.loads(row["entropy_by_layer"])) == 1
+        # The factor is how far past training: eval_len / train_len (2 at 16 for train_len 8).
+        assert float(row["factor"]) == int(row["eval_len"]) / config.train_len
     stored = json.loads((out / "results.json").read_text())
     assert stored["corpus"]["sha256"] == results["corpus"]["sha256"] and stored["seeds"] == [0]
     assert {"torch", "python", "posenc"} <= set(stored["versions"]) and stored["machine"]["cpu_count"] >= 1
