@@ -474,6 +474,16 @@ def test_every_length_is_scored_on_windows_ending_at_the_same_offsets(tiny_confi
         assert torch.equal(ends, expected), length
 
 
+def test_a_rows_entropy_is_the_mean_of_its_layers(tiny_config, tmp_path):
+    # Two layers, so the mean over layers is neither layer's own value.
+    config = tiny_config(encodings=("alibi",), extensions=(), layers=2, eval_lengths=(8, 16))
+    rows = quiet(config, tmp_path).run()["rows"]
+    assert len(rows) == 2
+    for row in rows:
+        first, second = row["entropy_by_layer"]
+        assert first != second and row["entropy"] == (first + second) / 2
+
+
 def test_aggregate_is_the_mean_and_sample_std_of_the_applicable_seeds():
     # Three seeds, skewed: the mean (3) is not the median (2), the sample std (sqrt 7) not the population one.
     row = {"encoding": "rope", "extension": "pi", "finetune_steps": 0, "eval_len": 16, "applicable": True}
