@@ -58,6 +58,13 @@ def test_llama3_leaves_alone_the_pairs_shorter_than_l_over_high_freq_factor():
     torch.testing.assert_close(result.inv_freq[far], result.base_inv_freq[far] / 8.0, rtol=1e-15, atol=0)
 
 
+def test_unchanged_means_exactly_unchanged():
+    # A factor a hair above 1 moves every frequency a little: none is left as plain RoPE has it.
+    result = wavelengths(16, 64, rope_parameters={"rope_type": "linear", "factor": 1.0001})
+    assert not bool(result.unchanged.any())
+    assert bool(wavelengths(16, 64, rope_parameters={"rope_type": "linear", "factor": 1.0}).unchanged.all())
+
+
 def test_bad_input_is_a_clear_error():
     with pytest.raises(ValueError, match="train_len must be a positive integer"):
         wavelengths(64, 0)
