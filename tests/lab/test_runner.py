@@ -17,7 +17,7 @@ from posenc.cli import main
 from posenc.lab import runner, store
 from posenc.lab.config import make_config
 from posenc.lab.data import eval_window_ends
-from posenc.lab.report import PLOTS, aggregate, figures, label
+from posenc.lab.report import PLOTS, aggregate, figures, label, summary_tables
 from posenc.lab.runner import Lab, plan
 
 REQUIRED = ("encoding", "extension", "train_len", "eval_len", "seed", "bits_per_byte")
@@ -482,6 +482,32 @@ def test_a_rows_entropy_is_the_mean_of_its_layers(tiny_config, tmp_path):
     for row in rows:
         first, second = row["entropy_by_layer"]
         assert first != second and row["entropy"] == (first + second) / 2
+
+
+def test_summary_tables_by_hand():
+    def row(encoding, extension, n, bpb, applicable=True):
+        return {"encoding": encoding, "extension": extension, "finetune_steps": 0, "eval_len": n,
+                "bits_per_byte": bpb, "applicable": applicable, "reason": "" if applicable else "past"}  # fmt: skip
+
+    rows = [row("rope", "none", 8, 2.0), row("rope", "none", 16, 3.0), row("learned", "none", 8, 2.5)]
+    rows += [row("learned", "none", 16, None, applicable=False), row("rope", "pi", 16, 2.75)]
+    text = summary_tables({"rows": rows, "config": {"train_len": 8}, "seeds": [0]})
+    # The extensions' table shows only lengths past training, with the unextended model beside them.
+    assert text == "\n".join(
+        [
+            "Bits per byte, trained at 8, by eval length:",
+            "| model | 8 | 16 |",
+            "|---|---|---|",
+            "| rope | 2.000 | 3.000 |",
+            "| learned | 2.500 | n/a |",
+            "",
+            "RoPE extensions of the trained rope model, bits per byte:",
+            "| model | 16 |",
+            "|---|---|",
+            "| rope | 3.000 |",
+            "| rope+pi | 2.750 |",
+        ]
+    )
 
 
 def test_aggregate_is_the_mean_and_sample_std_of_the_applicable_seeds():
