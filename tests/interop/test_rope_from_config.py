@@ -246,6 +246,23 @@ def test_deepseek_v3_pairs_adjacent_channels_unless_its_config_says_not() -> Non
     assert not rope_from_config({**cfg, "rope_interleave": False}).interleaved
 
 
+@pytest.mark.usefixtures("dict_reading")
+@pytest.mark.parametrize("rope_type", ["yarn", "llama3"])
+def test_kwargs_take_a_top_level_original_length_for_every_type_that_reads_one(rope_type: str) -> None:
+    raw = {
+        "model_type": "llama",
+        "hidden_size": 128,
+        "num_attention_heads": 2,
+        "max_position_embeddings": 8192,
+        "original_max_position_embeddings": 2048,
+        "rope_parameters": {"rope_type": rope_type, "factor": 4.0, "original_max_position_embeddings": 1024},
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        kwargs = rope_kwargs_from_config(raw)
+    assert kwargs["rope_parameters"]["original_max_position_embeddings"] == 2048
+
+
 def test_mode_passes_through() -> None:
     rope = rope_from_config(CONFIGS / "phi-3-mini-128k-instruct.json", mode="consistent")
     assert rope.mode == "consistent" and rope.rotates_cached_keys
