@@ -9,6 +9,7 @@ a float32 product of a float32 frequency; ours is taken in float64).
 
 from __future__ import annotations
 
+import copy
 import importlib
 import inspect
 import json
@@ -648,7 +649,10 @@ def test_partial_scaled_types_and_a_top_level_original_length_read_as_transforme
         config_class, rotary_class = classes[model_type]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            hf = rotary_class(config_class(**{k: v for k, v in raw.items() if k != "model_type"}))
+            # A deep copy: transformers writes the top-level original length into the rope dict it is given, and
+            # posenc must apply that priority itself, not find it already done.
+            hf_kwargs = copy.deepcopy({k: v for k, v in raw.items() if k != "model_type"})
+            hf = rotary_class(config_class(**hf_kwargs))
             inv_freq, factor = rope_from_config(raw).frequencies()
         torch.testing.assert_close(inv_freq.float(), hf.inv_freq, rtol=1e-6, atol=0, msg=f"{model_type} {raw}")
         assert factor == pytest.approx(hf.attention_scaling, rel=1e-6)
