@@ -152,12 +152,8 @@ def assign_lengths(lengths: list[int], world_size: int) -> list[list[int]]:
 
 def config_id(config: LabConfig, corpus_sha256: str) -> str:
     """A short hash of everything that changes a unit's numbers."""
-    return _hash_of(config.results_key(), corpus_sha256)
-
-
-def _hash_of(results_key: Any, corpus_sha256: Any) -> str:
-    key = json.dumps({"config": results_key, "corpus": corpus_sha256, "format": FORMAT_VERSION}, sort_keys=True)
-    return hashlib.sha256(key.encode()).hexdigest()[:16]
+    key = {"config": config.results_key(), "corpus": corpus_sha256, "format": FORMAT_VERSION}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _settings(results_key: dict[str, Any]) -> dict[str, Any]:
