@@ -311,7 +311,7 @@ _pairs = torch.rand(4, 8)
         (
             lambda: posenc.T5Bias(2).score_bias(torch.arange(3, device="meta"), torch.arange(3, device="meta")),
             ValueError,
-            "q_positions is on meta but the T5 bias table is on cpu",
+            "q_positions is on meta but the T5 bias table on cpu: a meta tensor has no values to move",
         ),
         (lambda: posenc.Sinusoidal(16)(torch.arange(3), dtype=torch.long), TypeError, "dtype must be a floating-point"),
         (lambda: posenc.LearnedAbsolute(8, 16)(torch.arange(3), dtype=torch.int32), TypeError, "dtype must be a"),
@@ -396,7 +396,7 @@ _pairs = torch.rand(4, 8)
         (
             lambda: posenc.ALiBi(4).score_bias(torch.arange(3), torch.arange(3, device="meta")),
             ValueError,
-            "q_positions is on cpu but k_positions is on meta",
+            "k_positions is on meta but the ALiBi slopes on cpu: a meta tensor has no values to move",
         ),
         (lambda: posenc.RoPE(16).cos_sin([1, 2]), TypeError, "positions must be an integer torch.Tensor, got list"),
         # Messages that named the wrong thing before.

@@ -51,3 +51,15 @@ def test_narrow_integer_positions_do_not_wrap(name, dtype):
         far = torch.iinfo(dtype).max - 7  # 120, 32760, about 2.1e9: twice that wraps in the dtype itself
         q, k = torch.tensor([far]), torch.tensor([-far, 0])
         torch.testing.assert_close(enc.score_bias(q.to(dtype), k.to(dtype)), enc.score_bias(q, k))
+
+
+@pytest.mark.parametrize("name", list(BIASES))
+def test_positions_move_to_the_encoding_like_ropes_do(name):
+    # Positions are index tensors: RoPE and the learned table move them to the activations' device, and the biases
+    # refused them ("q_positions is on cpu but ... on meta") until 2026-12-05. Meta stands in for a second device.
+    encoding = BIASES[name]().to("meta")
+    q, k = torch.arange(2, 5), torch.arange(5)
+    for pair in ((q, k), (q, k.to("meta")), (q.to("meta"), k)):
+        bias = encoding.score_bias(*pair)
+        assert bias.device.type == "meta" and bias.shape == (1, 4, 3, 5)
+    assert encoding.bias(3, 5, offset=2).device.type == "meta"

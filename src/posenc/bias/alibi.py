@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from posenc._checks import flag, float_dtype, float_tensor, positive_int, same_device
+from posenc._checks import flag, float_dtype, float_tensor, positive_int
 from posenc.bias.base import ScoreBias, score_positions
 
 
@@ -37,9 +37,10 @@ def alibi_bias(
 ) -> torch.Tensor:
     """-slope * |m - n| for query position m and key position n.
 
-    slopes: (h,); q_positions: (b, sq) or (sq,); k_positions: (b, sk) or (sk,) integer. Returns (b, h, sq, sk)
-    float32, or float64 for float64 slopes (b = 1 for 1-D positions): never 16 bits, whose 8 or 11 bits of
-    mantissa cannot hold slope * distance (a bf16 slope 2^-0.5 is off by 8e-5: 0.6 at distance 8192). With
+    slopes: (h,); q_positions: (b, sq) or (sq,); k_positions: (b, sk) or (sk,) integer, moved to the slopes'
+    device if elsewhere. Returns (b, h, sq, sk) float32, or float64 for float64 slopes (b = 1 for 1-D positions):
+    never 16 bits, whose 8 or 11 bits of mantissa cannot hold slope * distance (a bf16 slope 2^-0.5 is off by 8e-5:
+    0.6 at distance 8192). With
     ``causal`` the future (n > m) is -inf, so the bias alone is a full mask: that is only right where positions
     are token indices, not for packed documents whose ids restart.
     ``ALiBi.score_bias`` passes ``causal=False``: attention masks by token order itself.
@@ -48,8 +49,7 @@ def alibi_bias(
     flag("causal", causal)
     if slopes.dim() != 1:
         raise ValueError(f"slopes must be (h,), one per head, got shape {tuple(slopes.shape)}")
-    q_positions, k_positions = score_positions(q_positions, k_positions)
-    same_device(("slopes", "q_positions"), slopes, q_positions)
+    q_positions, k_positions = score_positions(q_positions, k_positions, device=slopes.device, what="the ALiBi slopes")
     dtype = torch.float64 if slopes.dtype == torch.float64 else torch.float32
     distance = (q_positions[:, :, None] - k_positions[:, None, :]).to(dtype)  # (b, sq, sk)
     bias = -slopes.to(dtype)[None, :, None, None] * distance.abs()[:, None]
@@ -96,9 +96,9 @@ class ALiBi(ScoreBias):
         return self
 
     def score_bias(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
-        """q_positions: (b, sq) or (sq,), k_positions: (b, sk) or (sk,) integer. Returns (b, h, sq, sk) float32
-        (float64 once the module is cast to float64), finite everywhere (the caller's attention mask decides what
-        is future)."""
+        """q_positions: (b, sq) or (sq,), k_positions: (b, sk) or (sk,) integer, on any device (moved to the
+        slopes'; meta ids cannot serve real slopes). Returns (b, h, sq, sk) float32 (float64 once the module is cast
+        to float64), finite everywhere (the caller's attention mask decides what is future)."""
         return alibi_bias(self.slopes, q_positions, k_positions, causal=False)
 
     def bias(self, q_len: int, k_len: int, *, offset: int = 0) -> torch.Tensor:

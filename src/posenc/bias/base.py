@@ -6,12 +6,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from posenc._checks import int64_int, int_tensor, integer_offset, positive_int, same_device, size_in
+from posenc._checks import int64_int, int_tensor, integer_offset, positive_int, size_in, to_device
 from posenc.encoding import ActsOn
 
 
-def score_positions(q_positions: torch.Tensor, k_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q_positions: (sq,) or (b, sq), k_positions: (sk,) or (b, sk) integer. Returns both as (b or 1, n) int64.
+def score_positions(
+    q_positions: torch.Tensor, k_positions: torch.Tensor, *, device: torch.device, what: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q_positions: (sq,) or (b, sq), k_positions: (sk,) or (b, sk) integer. Returns both as (b or 1, n) int64 on
+    ``device``, where the encoding's own tensors (``what``, for errors) are.
+
+    Positions are index tensors, moved like RoPE's and the learned table's: CPU ids may serve a CUDA bias, real ids a
+    meta one (shape inference); meta ids, which have no values, cannot serve a real one.
 
     A 1-D tensor is one sequence shared by the whole batch (a batch of 1 that broadcasts), as ``positions=`` of
     ``CausalSelfAttention``. Raises TypeError for non-integer positions (ALiBi and T5 alike: a float position is
@@ -26,9 +32,9 @@ def score_positions(q_positions: torch.Tensor, k_positions: torch.Tensor) -> tup
                 f"{name} must have shape (n,) or (b, n) (one row of positions per sequence), "
                 f"got shape {tuple(positions.shape)}"
             )
+        positions = to_device(name, positions, device, what)
         checked.append((positions if positions.dim() == 2 else positions[None]).long())
     q, k = checked
-    same_device(("q_positions", "k_positions"), q, k)
     if q.shape[0] != k.shape[0] and not size_in(1, (q.shape[0], k.shape[0])):
         raise ValueError(
             f"q_positions has batch {q.shape[0]} but k_positions has batch {k.shape[0]}; give both the same batch, "

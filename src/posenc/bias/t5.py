@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from posenc._checks import flag, int_tensor, positive_int, same_device
+from posenc._checks import flag, int_tensor, positive_int
 from posenc._embedding import SmallInitEmbedding
 from posenc.bias.base import ScoreBias, score_positions
 
@@ -103,9 +103,12 @@ class T5Bias(ScoreBias):
         return cls(num_heads, **options)
 
     def buckets(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
-        """q_positions: (b, sq) or (sq,), k_positions: (b, sk) or (sk,) integer. Returns (b, sq, sk) int64 bucket
-        ids (b = 1 for 1-D positions)."""
-        q_positions, k_positions = score_positions(q_positions, k_positions)
+        """q_positions: (b, sq) or (sq,), k_positions: (b, sk) or (sk,) integer, on any device (moved to the table's;
+        meta ids cannot serve a real table). Returns (b, sq, sk) int64 bucket ids on the table's device (b = 1 for
+        1-D positions)."""
+        q_positions, k_positions = score_positions(
+            q_positions, k_positions, device=self.table.weight.device, what="the T5 bias table"
+        )
         relative = k_positions[:, None, :] - q_positions[:, :, None]
         return t5_relative_bucket(
             relative,
@@ -117,8 +120,7 @@ class T5Bias(ScoreBias):
     def score_bias(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
         """q_positions: (b, sq) or (sq,), k_positions: (b, sk) or (sk,) integer. Returns (b, h, sq, sk) in the
         table's dtype; a causal T5 puts keys after the query in bucket 0 (never -inf): the attention masks them."""
-        buckets = self.buckets(q_positions, k_positions)  # on the positions' device, checked there
-        same_device(("q_positions", "the T5 bias table"), buckets, self.table.weight)
+        buckets = self.buckets(q_positions, k_positions)  # on the table's device
         return self.table(buckets).permute(0, 3, 1, 2)
 
     def extra_repr(self) -> str:
