@@ -131,7 +131,7 @@ def _meta_layer_loaded_by_assignment(make_encoding):
     ("call", "error", "match"),
     [
         (lambda: rope(q.long(), q), TypeError, r"q must be a floating-point tensor, got dtype torch.int64"),
-        (lambda: rope(q, q.double()), ValueError, r"q and k must have the same dtype"),
+        (lambda: rope(q, q.double()), TypeError, r"q and k must have the same dtype"),
         (lambda: rope(torch.randn(1, 2, 4, 6), q), ValueError, r"q must be 4-D .* d = head_dim = 8"),
         (lambda: rope(q[0], q[0]), ValueError, r"q must be 4-D"),
         (lambda: rope(q, q[:, :, :3]), ValueError, "q and k must share batch and sequence sizes"),

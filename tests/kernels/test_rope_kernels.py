@@ -1116,7 +1116,7 @@ def test_errors_name_the_argument_and_the_fix():
         apply_rotary(packed, cos, sin, cu_seqlens=torch.tensor([0, 6]), positions=torch.arange(6))
     with pytest.raises(ValueError, match="drop layout"):
         apply_rotary(packed, cos, sin, cu_seqlens=torch.tensor([0, 6]), layout="bhsd")
-    with pytest.raises(ValueError, match="must share a dtype"):
+    with pytest.raises(TypeError, match="must share a dtype"):  # like cos/sin's, the cache's and the weights'
         apply_rotary_qk(x, x.double(), cos[:5], sin[:5])
     with pytest.raises(ValueError, match="share their batch and token sizes"):
         apply_rotary_qk(x, x[:, :, :4], cos, sin, offset=0)

@@ -223,7 +223,7 @@ def rotate_tensors(
         )
     tensors = list(xs.values())
     if len({x.dtype for x in tensors}) > 1:
-        raise ValueError(f"{' and '.join(xs)} must share a dtype, got {', '.join(str(x.dtype) for x in tensors)}")
+        raise TypeError(f"{' and '.join(xs)} must share a dtype, got {', '.join(str(x.dtype) for x in tensors)}")
     if len({x.shape[-1] for x in tensors}) > 1:
         # Attention takes q . k over the head dim; a wider k would also keep its extra channels unrotated unseen.
         raise ValueError(

@@ -462,7 +462,7 @@ class RoPE(nn.Module):
         same_device(("q", "k"), q, k)
         sequence_length("seq_len", seq_len)  # for every type, though only the length-dependent ones read it
         if q.dtype != k.dtype:
-            raise ValueError(f"q and k must have the same dtype, got {q.dtype} and {k.dtype}")
+            raise TypeError(f"q and k must have the same dtype, got {q.dtype} and {k.dtype}")
         if layout not in ("bhsd", "bshd"):
             raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
         for name, t in (("q", q), ("k", k)):
