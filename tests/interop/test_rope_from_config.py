@@ -673,7 +673,9 @@ def rotary_of(config: Any) -> torch.nn.Module:
     name = model_type_to_module_name(config.model_type)
     modeling = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
     (cls,) = [
-        c for n, c in vars(modeling).items() if n.endswith("RotaryEmbedding") and c.__module__ == modeling.__name__
+        c
+        for n, c in vars(modeling).items()
+        if n.endswith("RotaryEmbedding") and c.__module__ == modeling.__name__ and "Vision" not in n
     ]
     return cls(config)
 
@@ -726,6 +728,68 @@ def test_a_rope_dict_per_layer_type_keeps_its_own_trained_length() -> None:
             assert rope.spec.params["original_max_position_embeddings"] == original
             expected = rotary_of(config).full_attention_inv_freq.double()
             torch.testing.assert_close(rope.frequencies()[0], expected, rtol=1e-6, atol=0)
+
+
+def _gemma_layers(model_type: str, **options: Any) -> Any:
+    layers = {"num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"]}
+    dims = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+    return transformers.AutoConfig.for_model(model_type, **dims, max_position_embeddings=2048, **{**layers, **options})
+
+
+@pytest.mark.parametrize("model_type", ["gemma4_text", "embedding_gemma2_text"])
+def test_a_layer_type_reads_its_per_layer_config(model_type: str) -> None:
+    """transformers' heterogeneous configs: Gemma 4's full-attention layers take global_head_dim (here 32) as their
+    head_dim through per_layer_config, which posenc did not read until 2026-12-05: it gave those layers the sliding
+    layers' 16, half the frequencies, silently (patch_model refused, rope_from_config did not)."""
+    config = _gemma_layers(model_type, global_head_dim=32)
+    assert config.to_dict()["per_layer_config"]["1"]["head_dim"] == 32
+    reference = rotary_of(config)
+    for given in (config, config.to_dict()):
+        for layer_type, head_dim in (("full_attention", 32), ("sliding_attention", 16)):
+            rope = rope_from_config(given, layer_type=layer_type)
+            assert rope.head_dim == head_dim
+            expected = getattr(reference, f"{layer_type}_inv_freq").double()
+            torch.testing.assert_close(rope.frequencies()[0], expected, rtol=1e-6, atol=0)
+
+
+def test_layers_of_one_type_that_differ_in_their_per_layer_config_are_refused() -> None:
+    config = _gemma_layers("gemma4_text", num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2)
+    cfg = {**config.to_dict(), "per_layer_config": {"1": {"head_dim": 32}, "3": {"head_dim": 64}}}
+    with pytest.raises(ValueError, match="is not homogeneous across layers"):  # transformers refuses it, too
+        transformers.AutoConfig.for_model(**cfg).per_layer_config["full_attention"]
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "the full_attention layers of this config differ in their per_layer_config (layer 1: {'head_dim': 32}, "
+            "layer 3: {'head_dim': 64}), so no one RoPE serves them"
+        ),
+    ):
+        rope_from_config(cfg, layer_type="full_attention")
+    assert rope_from_config(cfg, layer_type="sliding_attention").head_dim == 16
+
+
+@pytest.mark.parametrize("truncate", [False, None, True])
+def test_yarn_in_a_layer_types_dict_truncates_as_transformers_does(truncate: bool | None) -> None:
+    """transformers' YaRN reads truncate from the outer rope_parameters, never from a layer type's dict, so a
+    Gemma 3 whose full_attention dict says truncate: false still truncates. posenc read the inner key (0.15
+    relative off in inv_freq); now it rotates as the model does, and warns where the dict says otherwise."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4, "original_max_position_embeddings": 512}
+    sliding = {"rope_type": "default", "rope_theta": 1e4}
+    config = _gemma_layers(
+        "gemma3_text",
+        rope_parameters={"full_attention": {**yarn, "truncate": truncate}, "sliding_attention": sliding},
+    )
+    expected = rotary_of(config).full_attention_inv_freq.double()
+    for given in (config, config.to_dict()):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            rope = rope_from_config(given, layer_type="full_attention")
+        said = [str(w.message) for w in caught if "reads YaRN's truncate from the outer" in str(w.message)]
+        assert len(said) == (0 if truncate else 1)
+        torch.testing.assert_close(rope.frequencies()[0], expected, rtol=1e-6, atol=0)
+    # What the dict asked for is a different rotation: the test above can tell them apart.
+    untruncated = RoPE(16, rope_parameters={**yarn, "truncate": False}).frequencies()[0]
+    assert not torch.allclose(untruncated, expected, rtol=1e-3)
 
 
 @pytest.mark.usefixtures("dict_reading")

@@ -358,6 +358,28 @@ def _rope_dict(cfg: Mapping[str, Any]) -> Any:
     return scaling or params
 
 
+def _layer_type_config(cfg: Mapping[str, Any], layer_type: str | None) -> Mapping[str, Any]:
+    """cfg as the layers of ``layer_type`` see it: with their ``per_layer_config`` overrides (transformers'
+    heterogeneous configs: Gemma 4's full-attention layers take ``global_head_dim`` as their head_dim), which must be
+    the same for every layer of the type, as transformers requires where it reads a layer type's config. cfg itself
+    where it has no overrides or no layer type is asked for."""
+    overrides = cfg.get("per_layer_config")
+    layer_types = list(cfg.get("layer_types") or ())
+    if not isinstance(overrides, Mapping) or not overrides or layer_type not in layer_types:
+        return cfg
+    by_layer = {int(index): dict(values or {}) for index, values in overrides.items()}
+    layers = [index for index, kind in enumerate(layer_types) if kind == layer_type]
+    first = by_layer.get(layers[0], {})
+    differ = [index for index in layers if by_layer.get(index, {}) != first]
+    if differ:
+        raise ValueError(
+            f"the {layer_type} layers of this config differ in their per_layer_config (layer {layers[0]}: {first}, "
+            f"layer {differ[0]}: {by_layer.get(differ[0], {})}), so no one RoPE serves them; transformers refuses "
+            "to read such a layer type as one config too"
+        )
+    return {**cfg, **first}
+
+
 def rope_layer_types(config: Any) -> tuple[str, ...]:
     """The layer types that have a rope dict of their own in ``config``, sorted (Gemma 3's 'full_attention' and
     'sliding_attention'): the values ``rope_kwargs_from_config(config, layer_type=...)`` takes. () for a config
@@ -384,7 +406,7 @@ def rope_kwargs_from_config(config: Any, *, layer_type: str | None = None) -> di
     if isinstance(default_theta, Mapping):  # per layer type, as Gemma 3's config class keeps it (global / local)
         kind = "local" if layer_type == "sliding_attention" else "global"
         default_theta = default_theta.get(layer_type, default_theta.get(kind, 10000.0))
-    cfg = _with_aliases(_text_model(cfg))
+    cfg = _with_aliases(_layer_type_config(_text_model(cfg), layer_type))
     model_type = str(cfg.get("model_type") or "")
     if model_type in _UNSUPPORTED_MODELS:
         raise ValueError(f"model_type {model_type!r} is not supported: {_UNSUPPORTED_MODELS[model_type]}")
@@ -398,7 +420,18 @@ def rope_kwargs_from_config(config: Any, *, layer_type: str | None = None) -> di
     if nested:
         if layer_type not in nested:
             raise ValueError(f"this config has one rope dict per layer type; pass layer_type= one of {nested}")
-        rope = dict(rope[layer_type] or {})
+        outer, rope = rope, dict(rope[layer_type] or {})
+        if "truncate" in rope or "truncate" in outer:
+            # transformers' YaRN reads truncate from the outer dict (config.rope_parameters.get("truncate", True)),
+            # never from a layer type's own: the model truncates unless the outer dict says otherwise.
+            given, rope["truncate"] = rope.get("truncate", True), outer.get("truncate", True)
+            if rope.get("rope_type", rope.get("type")) == "yarn" and bool(given) != bool(rope["truncate"]):
+                warnings.warn(
+                    f"the {layer_type} rope dict says truncate={given!r}, but transformers reads YaRN's truncate "
+                    f"from the outer rope_parameters, not from a layer type's dict, so the model runs with "
+                    f"truncate={rope['truncate']!r}; rotating as the model does",
+                    stacklevel=user_stacklevel(),
+                )
     elif layer_type is not None:
         raise ValueError(f"layer_type={layer_type!r} given but the config has a single rope dict; drop layer_type")
 
