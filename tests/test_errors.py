@@ -24,6 +24,8 @@ q = torch.randn(1, 2, 4, 8)
         (lambda: posenc.RoPE(8, rotary_dim=10), ValueError, r"rotary_dim=10 must be <= head_dim=8"),
         (lambda: posenc.RoPE(8, rotary_dim=5), ValueError, r"rotary_dim must be even.*use 4 or 6"),
         (lambda: posenc.RoPE(7), ValueError, r"head_dim=7 is odd .* pass rotary_dim=6 to rotate 6 of the 7 channels"),
+        # Said "pass rotary_dim=0", which is refused.
+        (lambda: posenc.RoPE(1), ValueError, r"head_dim=1 leaves nothing to rotate: .* use head_dim >= 2"),
         (lambda: posenc.RoPE(8, rotary_dim=0), ValueError, "rotary_dim must be a positive integer"),
         (lambda: posenc.RoPE(8, base=1.0), ValueError, r"base must be a finite number > 1"),
         (lambda: posenc.RoPE(8, base=math.inf), ValueError, r"base must be a finite number > 1"),

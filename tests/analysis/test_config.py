@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -144,3 +145,16 @@ def test_a_bad_original_length_is_blamed_on_its_key_and_a_run_keeps_it():
     rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": "abc"}
     with pytest.raises(ValueError, match="original_max_position_embeddings"):
         FigureConfig.from_flags(rope_parameters=rope)
+
+
+@pytest.mark.parametrize("head_dim", [3, 63, 255])
+def test_an_odd_head_dim_is_told_the_rotary_fraction_figures_take(head_dim):
+    """RoPE's own message said to pass rotary_dim, which neither FigureConfig nor posenc plot takes."""
+    fraction = round((head_dim - 0.5) / head_dim, 6)
+    hint = f"partial_rotary_factor={fraction} (posenc plot / report: --rope-param partial_rotary_factor={fraction})"
+    with pytest.raises(
+        ValueError, match=re.escape(f"rotate {head_dim - 1} of the {head_dim} channels with the rope parameter {hint}")
+    ):
+        FigureConfig(head_dim=head_dim)
+    config = FigureConfig(head_dim=head_dim, rope_parameters={"partial_rotary_factor": fraction})
+    assert config.spec.rotary_dim == head_dim - 1

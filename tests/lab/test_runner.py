@@ -426,6 +426,12 @@ def test_a_fine_tune_asked_for_extensions_that_take_none_is_noted(tiny_config, t
         echo=lines.append,
     ).run()
     assert not [line for line in lines if "fine-tunes only" in line]
+    lines.clear()
+    # Silent until 2026-12-05: the steps were taken and nothing was tuned, not even the control.
+    config = tiny_config(encodings=("rope",), extensions=(), finetune_steps=2)
+    Lab(config, tmp_path / "t", progress=False, echo=lines.append).run()
+    expected = "with no extension asked for (--extensions none) nothing is fine-tuned"
+    assert f"note: --finetune-steps fine-tunes only pi and yarn, so {expected}" in lines
 
 
 def test_multiple_seeds_report_mean_and_spread(tiny_config, tmp_path):

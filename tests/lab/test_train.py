@@ -10,6 +10,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from posenc.lab import train as train_module
 from posenc.lab.model import ByteLM, ModelSpec
 from posenc.lab.train import LOSS_POINTS, lr_at, make_optimizer, train
 
@@ -50,6 +51,22 @@ def test_same_seed_same_weights_other_seed_other_weights():
     for (name, x), y in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
         assert torch.equal(x, y), name
     assert any(not torch.equal(x, z) for x, z in zip(a.state_dict().values(), c.state_dict().values(), strict=True))
+
+
+def test_the_bar_shows_the_loss_in_bits_per_byte(monkeypatch):
+    """As the run's summary line and every table do; it showed nats, so the loss seemed to rise when the bar closed."""
+    shown = []
+
+    class Bar(train_module.tqdm):
+        def set_postfix(self, ordered_dict=None, refresh=True, **kwargs):
+            shown.append({**(ordered_dict or {}), **kwargs})
+            super().set_postfix(ordered_dict, refresh, **kwargs)
+
+    monkeypatch.setattr(train_module, "tqdm", Bar)
+    torch.manual_seed(0)
+    result = train(ByteLM(SPEC, "rope"), TEXT, seq_len=8, batch_size=8, steps=21, lr=1e-2, seed=0, progress=True)
+    expected = [{"bits/byte": f"{result.losses[step] / math.log(2):.3f}"} for step in (0, 20)]
+    assert shown == expected
 
 
 @pytest.mark.parametrize("encoding", ["rope", "t5", "learned"])

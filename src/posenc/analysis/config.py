@@ -24,6 +24,21 @@ DEFAULT_TRAIN_LEN = 2048
 _HF_MARKERS = frozenset({"hidden_size", "num_attention_heads", "model_type"})
 
 
+def _check_odd_head_dim(head_dim: int, rope_parameters: Mapping[str, Any]) -> None:
+    """RoPE's own error for an odd head_dim says to pass rotary_dim, which figures take as a rotary fraction."""
+    if head_dim % 2 == 0 or head_dim == 1 or "partial_rotary_factor" in rope_parameters:
+        return
+    if rope_parameters.get("rope_type", rope_parameters.get("type")) == "proportional":
+        return  # its own error says all channels turn in pairs
+    # A fraction whose product with head_dim truncates to head_dim - 1 with room to spare for float rounding.
+    fraction = round((head_dim - 0.5) / head_dim, 6)
+    raise ValueError(
+        f"head_dim={head_dim} is odd and RoPE rotates channels in pairs: use an even head_dim, or rotate "
+        f"{head_dim - 1} of the {head_dim} channels with the rope parameter partial_rotary_factor={fraction} "
+        f"(posenc plot / report: --rope-param partial_rotary_factor={fraction})"
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class FigureConfig:
     """What the figures are drawn for.
@@ -56,6 +71,7 @@ class FigureConfig:
                 f"got {type(self.rope_parameters).__name__}"
             )
         object.__setattr__(self, "rope_parameters", dict(self.rope_parameters))
+        _check_odd_head_dim(self.head_dim, self.rope_parameters)
         # The figures' L (the dashed line, the length the extensions scale from) is the scaling's own. A bad value
         # of the key is left to parse_rope_parameters below, whose message names it.
         original = self.rope_parameters.get("original_max_position_embeddings")

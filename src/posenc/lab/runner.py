@@ -371,10 +371,14 @@ class Lab:
                 f"({', '.join(self.config.extensions)}) have nothing to measure and are not run"
             )
         tunable = [e for e in self.config.extensions if e in FINETUNABLE]
-        if self.config.finetune_steps and self.config.extensions and self.config.extension_lengths and not tunable:
+        if self.config.finetune_steps and self.config.extension_lengths and not tunable:
             self.echo(
                 f"note: --finetune-steps fine-tunes only {' and '.join(FINETUNABLE)}, so "
-                f"{', '.join(self.config.extensions)} run without a fine-tune"
+                + (
+                    f"{', '.join(self.config.extensions)} run without a fine-tune"
+                    if self.config.extensions
+                    else "with no extension asked for (--extensions none) nothing is fine-tuned"
+                )
             )
         if self.ranks.is_main:
             # A narrower rerun into a folder (fewer encodings, another seed) rewrites the report for its own

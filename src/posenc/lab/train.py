@@ -89,7 +89,8 @@ def train(
     seq_len: bytes per window the model sees; the batches depend only on (data, seq_len, batch_size, steps, seed).
     batch_size: the global batch; with ``ranks`` of several processes (in an initialised process group) each
     takes rows ``ranks.batch_slice(batch_size)`` of it, and batch_size must divide evenly. Every rank ends with
-    the same weights and returns the same losses. Shows a progress bar in tokens/s unless ``progress`` is False.
+    the same weights and returns the same losses (nats per byte). Shows a progress bar in tokens/s, with the latest
+    loss in bits per byte, unless ``progress`` is False.
     """
     ranks = ranks or Ranks()
     rows = ranks.batch_slice(batch_size)
@@ -128,7 +129,8 @@ def train(
                         f"training diverged: the loss is {shown} at step {step + 1} of {steps} with peak lr {lr:g}; "
                         "lower the learning rate (--lr)"
                     )
-                bar.set_postfix(loss=f"{shown:.3f}", refresh=False)
+                # In bits per byte, the unit of everything else the lab reports (the loss itself is in nats).
+                bar.set_postfix({"bits/byte": f"{shown / math.log(2):.3f}"}, refresh=False)
     seconds = time.perf_counter() - start
     model.eval()
     # Each rank's loss is a mean over the same number of tokens, so their mean is the global batch's mean loss.
@@ -149,7 +151,7 @@ def _data_parallel(model: ByteLM, device: torch.device) -> DistributedDataParall
     """``model`` wrapped to average its gradients over the default process group during backward."""
     # No buffer sync before each forward: the encodings' buffers (slopes, cos/sin tables) are computed identically
     # on every rank from the config, and RoPE's table grows lazily, so broadcasting them would only cost time.
-    # torch 2.13 renamed the option; torch >= 2.4 (our floor) has the old name.
+    # torch 2.13 renamed the option; torch >= 2.8 (our floor) has the old name.
     renamed = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
     options = {"forward_sync_buffers": False} if renamed else {"broadcast_buffers": False}
     return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None, **options)

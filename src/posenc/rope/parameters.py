@@ -316,6 +316,8 @@ def parse_rope_parameters(
             )
         rotary_dim = from_factor
     if rotary_dim is None:
+        if head_dim == 1:
+            raise ValueError("head_dim=1 leaves nothing to rotate: RoPE turns channels in pairs, so use head_dim >= 2")
         if head_dim % 2:
             raise ValueError(
                 f"head_dim={head_dim} is odd and RoPE rotates channels in pairs: pass rotary_dim={head_dim - 1} to "
