@@ -54,6 +54,10 @@ def test_frequency_figure_shows_every_scaling_type():
     assert labels == list(SCALINGS)
     left = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
     assert "longrope (example factors, attention factor" in left[list(SCALINGS).index("longrope")]
+    # proportional turns a quarter of the 16 pairs; its other 12 cannot go on the log axis, and the legend says so.
+    proportional = left[list(SCALINGS).index("proportional")]
+    assert proportional == "proportional (attention factor 1, 12 pairs at θ = 0 not drawn)"
+    assert sum("not drawn" in label for label in left) == 1
 
 
 def test_dynamic_at_four_times_its_length_divides_the_slowest_pair_by_thirteen():

@@ -452,8 +452,12 @@ def scaled_frequencies(inputs: FigureInputs) -> Figure:
         style = "-" if t < 10 else "--"
         # LongRoPE's factors are searched per model: unless configured, the figure's are an example ramp.
         example = "example factors, " if name == "longrope" and config.rope_type != "longrope" else ""
-        label = f"{name} ({example}attention factor {float(table.attention_factor[t]):.3g})"
         positive = table.inv_freq[t] > 0  # zero-frequency pairs cannot go on a log axis
+        # proportional's still pairs have θ = 0: without a word its line just stops (and, where it turns, lies under
+        # default's).
+        still = int((~positive).sum())
+        zeros = f", {still} pairs at θ = 0 not drawn" if still else ""
+        label = f"{name} ({example}attention factor {float(table.attention_factor[t]):.3g}{zeros})"
         left.semilogy(pairs[positive], table.inv_freq[t][positive], style, lw=1.2, label=label)
         right.plot(pairs, ratio[t], style, lw=1.2, label=name)
     left.set_xlabel("frequency pair i")
