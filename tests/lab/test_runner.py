@@ -215,6 +215,12 @@ def test_ctrl_c_keeps_finished_units_and_resuming_gives_the_same_numbers(tiny_co
     assert resumed["timings"]["units_skipped"] == 2
     # Same seed, same numbers: trained in another order of process states, the results are byte-identical.
     assert (out / "results.csv").read_text() == (reference / "results.csv").read_text()
+    # So are the weights files, header included: safetensors writes metadata keys in a random order (a Rust
+    # HashMap), and with two keys the same weights differed by their header from run to run.
+    weights = sorted(path.relative_to(reference) for path in reference.rglob("model.safetensors"))
+    assert len(weights) == 9  # learned, sinusoidal, rope, and the fine-tunes of none and pi at 3 lengths
+    for path in weights:
+        assert (out / path).read_bytes() == (reference / path).read_bytes(), path
 
 
 def test_interrupted_evaluation_resumes_without_retraining(tiny_config, tmp_path, monkeypatch):

@@ -579,7 +579,7 @@ class Lab:
         }
         if self.ranks.is_main:
             # Weights first, then train.json: train.json present means the weights beside it are complete.
-            store.save_weights(model, weights, metadata={"encoding": unit.encoding, "unit": unit.name})
+            store.save_weights(model, weights, metadata={"unit": unit.name})
             store.write_json(info_path, info)
         # The other ranks may load these weights next (an extension of the rope model): not before they exist.
         self.ranks.barrier()

@@ -52,7 +52,8 @@ def read_json(path: Path) -> Any:
 
 def save_weights(model: nn.Module, path: Path, metadata: dict[str, str] | None = None) -> None:
     """Weights in safetensors. ``save_model`` (not ``save_file``) because the shared encoding appears under
-    every layer, and safetensors refuses tensors that share memory unless it deduplicates them itself."""
+    every layer, and safetensors refuses tensors that share memory unless it deduplicates them itself. It writes
+    ``metadata``'s keys in a random order (a Rust HashMap): with one key, the same weights give the same bytes."""
     with _atomic.atomic_path(path, own_folder=True) as tmp:  # safetensors makes a temporary file of its own
         save_model(model, str(tmp), metadata=metadata)
 
