@@ -58,3 +58,10 @@ def test_lab_doc_yarn_temperature_example_runs(tmp_path, capsys):
         length, given, bits_per_byte, entropy = line.split()
         assert (int(length), given) == (n, factor)
         assert 0 < float(bits_per_byte) < 16 and float(entropy) > 0
+
+
+def test_the_readme_counts_the_verified_architectures():
+    from posenc.interop.patch import VERIFIED_ARCHITECTURES
+
+    (count,) = re.findall(r"(\d+) architectures of transformers", README.read_text())
+    assert int(count) == len(VERIFIED_ARCHITECTURES)

@@ -13,7 +13,7 @@ from torch import nn
 
 from posenc.interop import patch as patch_module
 from posenc.interop._discover import innermost, probe_rotation, rotation_signature
-from posenc.interop.patch import PosencRotaryEmbedding, _rotate_qk, is_patched, patch_model, unpatch_model
+from posenc.interop.patch import PosencRotaryEmbedding, _rotate_one, _rotate_qk, is_patched, patch_model, unpatch_model
 from posenc.rope.module import RoPE
 from posenc.testing import TINY_HF_SIZES
 
@@ -112,10 +112,12 @@ def test_the_probe_leaves_the_models_rotary_module_as_it_was() -> None:
 
 
 def test_unsqueeze_dim_is_found_positionally_and_by_keyword() -> None:
-    assert rotation_signature(modeling("llama").apply_rotary_pos_emb, "f") == (0, 1)
+    assert rotation_signature(modeling("llama").apply_rotary_pos_emb, "f") == (0, 1, 2)
     # DeepSeek's interleave variant: (q, k, cos, sin, position_ids=None, unsqueeze_dim=1)
     interleave = modeling("deepseek_v3").apply_rotary_pos_emb_interleave
-    assert rotation_signature(interleave, "f") == (1, 1)
+    assert rotation_signature(interleave, "f") == (1, 1, 2)
+    # Gemma 4's, called on q and on k in turn: (x, cos, sin, unsqueeze_dim=1)
+    assert rotation_signature(modeling("gemma4").apply_rotary_pos_emb, "f") == (0, 1, 1)
     q, k = torch.randn(1, 5, 3, 8), torch.randn(1, 5, 1, 8)  # heads after tokens: unsqueeze_dim=2
     cos, sin = torch.randn(1, 5, 4), torch.randn(1, 5, 4)
     options = dict(interleaved=False, regrouped=False, backend="torch", keys=True, unsqueeze_at=1, unsqueeze_default=1)
@@ -147,7 +149,7 @@ class KernelizedFunction(nn.Module):
 def test_the_function_under_a_kernelized_module_is_read() -> None:
     wrapped = KernelizedFunction(rotate_nothing)
     assert innermost(wrapped) is rotate_nothing
-    assert rotation_signature(wrapped, "apply_rotary_pos_emb") == (0, 1)
+    assert rotation_signature(wrapped, "apply_rotary_pos_emb") == (0, 1, 2)
     assert innermost(nn.Linear(2, 2)).__class__ is nn.Linear  # a module with no function in its closure is itself
     with pytest.raises(ValueError, match=r"apply_rotary_pos_emb\(q, k\) is not \(q, k, cos, sin"):  # its own
         rotation_signature(KernelizedFunction(lambda q, k: (q, k)), "apply_rotary_pos_emb")
@@ -375,6 +377,35 @@ def test_a_rotation_with_arguments_posenc_would_ignore_is_refused() -> None:
 
     with pytest.raises(ValueError, match="apply_rotary_pos_emb takes scale, which posenc's rotation has no"):
         rotation_signature(scaled, "apply_rotary_pos_emb")
+
+
+def test_a_rotation_of_one_tensor_is_probed_on_q_and_on_k_and_replaced_by_one() -> None:
+    """Gemma 3n and Gemma 4 rotate q and k in separate calls of (x, cos, sin, unsqueeze_dim): refused as "not (q, k,
+    cos, sin, ...)" until 2026-12-05."""
+    gemma4 = modeling("gemma4").apply_rotary_pos_emb
+    rotation = probe_rotation("apply_rotary_pos_emb", gemma4, Rotary(8), layer_type=None, head_dim=8)
+    assert (rotation.tensors, rotation.layout, rotation.unsqueeze_at, rotation.unsqueeze_default) == (
+        1,
+        "split-half",
+        0,
+        1,
+    )
+    x = torch.randn(1, 5, 3, 8)  # heads after tokens, as Gemma 4 calls it: unsqueeze_dim=2
+    cos, sin = torch.randn(1, 5, 4).repeat(1, 1, 2), torch.randn(1, 5, 4).repeat(1, 1, 2)  # transformers' halves
+    options = dict(interleaved=False, regrouped=False, backend="torch", unsqueeze_at=0, unsqueeze_default=1)
+    ours = _rotate_one(x, cos[..., :4], sin[..., :4], unsqueeze_dim=2, **options)
+    torch.testing.assert_close(ours, _rotate_one(x, cos[..., :4], sin[..., :4], 2, **options), atol=0, rtol=0)
+    torch.testing.assert_close(ours, gemma4(x, cos, sin, unsqueeze_dim=2), atol=1e-6, rtol=1e-6)
+
+    def negative(x, cos, sin, unsqueeze_dim=1):  # one tensor, the wrong way round
+        return gemma4(x, cos, -sin, unsqueeze_dim)
+
+    with pytest.raises(ValueError, match="matches neither pair layout"):
+        probe_rotation("apply_rotary_pos_emb", negative, Rotary(8), layer_type=None, head_dim=8)
+    with pytest.raises(ValueError, match="not the rotated tensor"):
+        probe_rotation("f", lambda x, cos, sin, unsqueeze_dim=1: (x, x), Rotary(8), layer_type=None, head_dim=8)
+    with pytest.raises(ValueError, match=r"f takes scale, which posenc's rotation has no counterpart for"):
+        rotation_signature(lambda x, cos, sin, scale=1.0, unsqueeze_dim=1: x, "f")
 
 
 def test_a_rotation_that_takes_a_shorter_q_than_its_cos_sin_is_refused() -> None:

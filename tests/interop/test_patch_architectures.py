@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from posenc.interop._discover import ROTATION_PREFIX, innermost
+from posenc.interop._discover import ROTATION_PREFIX, innermost, rotation_signature
 from posenc.interop.hf import rope_layer_types
 from posenc.interop.patch import VERIFIED_ARCHITECTURES, is_patched, patch_model
 from posenc.testing import TINY_HF_SIZES
@@ -60,6 +60,13 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     # transformers' float32 cos/sin against posenc's float64-derived ones differ by 8e-3 there.
     "hrm_text": dict(initializer_range=0.1),
     "zaya": dict(num_experts_per_tok=1),
+    # Per-layer inputs; Gemma 4's full-attention layers take global_head_dim (per_layer_config), and Gemma 3n's
+    # default shares the caches of its last layers, which two layers cannot.
+    **{
+        model_type: dict(global_head_dim=32, hidden_size_per_layer_input=8, vocab_size_per_layer_input=128)
+        for model_type in ("gemma4_text", "gemma4_unified_text")
+    },
+    "gemma3n_text": dict(num_kv_shared_layers=0, hidden_size_per_layer_input=8, vocab_size_per_layer_input=128),
     "minimax_m3_vl_text": dict(layer_types=["minimax_m3_sparse"] * 2, index_head_dim=8),  # with its indexer
     # Its rope dict names only the layer types of its own pattern; one layer in each of its input, looped (twice)
     # and output sections, which its defaults size for 36 layers (a cached step then fails in transformers).
@@ -136,7 +143,7 @@ def tiny(model_type: str, rope_type: str | None = None) -> Any:
                 sizes.pop("head_dim")
                 sizes.pop("num_key_value_heads")
             kwargs = {
-                key: value for key, value in sizes.items() if hasattr(defaults, key) and not _read_only(defaults, key)
+                key: value for key, value in sizes.items() if _has(defaults, key) and not _read_only(defaults, key)
             }
             if rope_type is not None:
                 base = kwargs.get("rope_parameters") or defaults.rope_parameters or {}
@@ -164,6 +171,17 @@ def tiny(model_type: str, rope_type: str | None = None) -> Any:
         except Exception as error:  # config classes that need more than sizes, optional packages, ...
             pytest.skip(f"{model_type}: no tiny model runs here ({type(error).__name__}: {str(error)[:120]})")
     return model
+
+
+def _has(config: Any, key: str) -> bool:
+    """hasattr, for heterogeneous configs too: Gemma 4's refuses to read head_dim globally, since it is per layer."""
+    try:
+        getattr(config, key)
+    except AttributeError:
+        return False
+    except Exception:  # transformers' AmbiguousGlobalPerLayerAttributeError: the attribute is there, per layer
+        return True
+    return True
 
 
 def _read_only(config: Any, key: str) -> bool:
@@ -234,15 +252,29 @@ def test_patched_with_the_same_logits_or_refused(model_type: str) -> None:
     torch.testing.assert_close(cached, expected_cached, **FP32)
 
     # The rotation is on the path: without it the logits move.
+    kinds: dict[str, int] = {}
     for module in patched.modules():
         forward = module.__dict__.get("forward")
         if forward is not None:
             namespace = innermost(forward.__func__).__globals__
             for name in report.rotations:
-                namespace[name] = lambda q, k, *args, **kwargs: (q, k)
+                if name not in kinds:  # the first namespace holds posenc's rotation, not yet the stand-in below
+                    kinds[name] = _tensors(namespace[name], name)
+                if kinds[name] == 1:  # (x, cos, sin): Gemma 3n, Gemma 4
+                    namespace[name] = lambda x, *args, **kwargs: x
+                else:
+                    namespace[name] = lambda q, k, *args, **kwargs: (q, k)
     with torch.no_grad():
         unrotated = patched(ids).logits
     assert ((unrotated - full).abs().max() > SENSITIVE) != (model_type in INSENSITIVE)
+
+
+def _tensors(function: Any, name: str) -> int:
+    """How many tensors a rotation function takes: posenc's replacement (a partial) or transformers' own."""
+    replaced = getattr(function, "func", None)
+    if replaced is not None:
+        return 1 if replaced.__name__ == "_rotate_one" else 2
+    return rotation_signature(function, name)[2]
 
 
 DYNAMIC = sorted(
@@ -270,8 +302,9 @@ def test_dynamic_ntk_gives_the_same_logits(model_type: str) -> None:
 
 
 # One of each kind the scan adds beyond SUPPORTED_ARCHITECTURES: evens-then-odds (DeepSeek-V3), adjacent pairs from
-# repeat_interleave'd cos/sin (Cohere), one rope per layer type (Gemma 3), partial and adjacent (GLM).
-BEYOND = ("deepseek_v3", "cohere", "gemma3_text", "glm")
+# repeat_interleave'd cos/sin (Cohere), one rope per layer type (Gemma 3), partial and adjacent (GLM), q and k
+# rotated in separate calls, with a head_dim per layer type (Gemma 4).
+BEYOND = ("deepseek_v3", "cohere", "gemma3_text", "glm", "gemma4_text")
 
 
 @pytest.mark.parametrize("model_type", BEYOND)

@@ -49,7 +49,8 @@ class Rotation:
     regrouped: True when it returns the rotated channels evens first, then odds (the MLA models'
     ``apply_rotary_pos_emb_interleave``): the same q.k for every pair of q and k, so posenc rotates them in place;
     unsqueeze_at: the index, among the arguments after (q, k, cos, sin), at which a positional ``unsqueeze_dim``
-    arrives; unsqueeze_default: its default.
+    arrives; unsqueeze_default: its default; tensors: 2 for a function of (q, k, cos, sin, ...), 1 for one of
+    (x, cos, sin, ...) that the attention calls on q and on k in turn (Gemma 3n, Gemma 4).
     """
 
     name: str
@@ -57,6 +58,7 @@ class Rotation:
     regrouped: bool
     unsqueeze_at: int
     unsqueeze_default: int
+    tensors: int = 2
 
     @property
     def layout(self) -> str:
@@ -198,9 +200,9 @@ def _indexes_cos_sin(cls: type[nn.Module]) -> str | None:
     return match.group(0) if match else None
 
 
-def rotation_signature(function: Callable[..., Any], name: str) -> tuple[int, int]:
-    """(unsqueeze_at, unsqueeze_default) of a rotation function; ValueError unless it is (q, k, cos, sin) followed
-    by unsqueeze_dim and at most position_ids."""
+def rotation_signature(function: Callable[..., Any], name: str) -> tuple[int, int, int]:
+    """(unsqueeze_at, unsqueeze_default, tensors) of a rotation function; ValueError unless it is (q, k, cos, sin)
+    or (x, cos, sin) followed by unsqueeze_dim and at most position_ids."""
     try:
         signature = inspect.signature(innermost(function))
     except (TypeError, ValueError) as error:
@@ -208,16 +210,17 @@ def rotation_signature(function: Callable[..., Any], name: str) -> tuple[int, in
     parameters = list(signature.parameters.values())
     names = [p.name for p in parameters]
     positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if len(positional) < 4 or names[2:4] != ["cos", "sin"] or "unsqueeze_dim" not in names:
-        raise ValueError(f"{name}{signature} is not (q, k, cos, sin, ..., unsqueeze_dim)")
+    tensors = next((n for n in (2, 1) if len(positional) >= n + 2 and names[n : n + 2] == ["cos", "sin"]), None)
+    if tensors is None or "unsqueeze_dim" not in names:
+        raise ValueError(f"{name}{signature} is not (q, k, cos, sin, ..., unsqueeze_dim) or (x, cos, sin, ...)")
     # Arguments posenc's replacement would ignore must be ones that transformers' functions ignore too: an unknown
     # one could change what the function does in a call the probe did not make.
-    unknown = [n for n in names[4:] if n not in ("unsqueeze_dim", "position_ids")]
+    unknown = [n for n in names[tensors + 2 :] if n not in ("unsqueeze_dim", "position_ids")]
     if unknown:
         raise ValueError(f"{name} takes {', '.join(unknown)}, which posenc's rotation has no counterpart for")
     at = names.index("unsqueeze_dim")
     default = parameters[at].default
-    return at - 4, 1 if default is inspect.Parameter.empty else int(default)
+    return at - tensors - 2, 1 if default is inspect.Parameter.empty else int(default), tensors
 
 
 def buffer_order(pairs: int, mrope: tuple[Sequence[int], str] | None = None) -> torch.Tensor:
@@ -252,7 +255,11 @@ def probe_rotation(
     ids that differ, and posenc's cos/sin made by ``posenc.rope.mrope.mrope_cos_sin``: so the sharing of the pairs
     among the axes is checked with the rotation.
     """
-    unsqueeze_at, unsqueeze_default = rotation_signature(function, name)
+    unsqueeze_at, unsqueeze_default, tensors = rotation_signature(function, name)
+
+    def rotated(q: torch.Tensor, k: torch.Tensor) -> Any:
+        return function(q, k, cos, sin) if tensors == 2 else (function(q, cos, sin), function(k, cos, sin))
+
     probe = copy.deepcopy(rotary)
     buffer = getattr(probe, state_name(layer_type, "inv_freq"), None)
     if not isinstance(buffer, torch.Tensor) or buffer.is_meta:
@@ -288,11 +295,13 @@ def probe_rotation(
             q = torch.randn(1, 2, positions.shape[-1], d, generator=generator).to(device)
             k = torch.randn(1, 1, positions.shape[-1], d, generator=generator).to(device)
             try:
-                theirs = function(q, k, cos, sin)
+                theirs = rotated(q, k)
             except Exception as error:
                 if d == r:  # with r channels every rotation function must run
                     raise ValueError(f"{name} failed on q, k of {r} channels: {error}") from error
                 continue  # the attention slices the rotated channels out before calling it
+            if tensors == 1 and not all(isinstance(t, torch.Tensor) for t in theirs):
+                raise ValueError(f"{name} returned {type(theirs[0]).__name__}, not the rotated tensor")
             if not (isinstance(theirs, (tuple, list)) and len(theirs) == 2):
                 raise ValueError(f"{name} returned {type(theirs).__name__}, not (q, k)")
             candidates = (layout,) if layout is not None else ((False, False), (True, False), (True, True))
@@ -319,9 +328,9 @@ def probe_rotation(
     short_q = torch.randn(1, 2, 2, r, generator=generator).to(device)
     try:
         with torch.no_grad():
-            function(short_q, k[..., :r], cos, sin)
+            rotated(short_q, k[..., :r])
     except Exception:
-        return Rotation(name, layout[0], layout[1], unsqueeze_at, unsqueeze_default)
+        return Rotation(name, layout[0], layout[1], unsqueeze_at, unsqueeze_default, tensors)
     raise ValueError(
         f"{name} rotates a q of fewer tokens than its cos/sin (against the last of them), which posenc's rotation, one "
         "cos/sin per token of q and of k, does not"

@@ -80,7 +80,8 @@ VERIFIED_ARCHITECTURES: frozenset[str] = frozenset(
         *("afmoe", "apertus", "apertus1p5_text", "arcee", "aria_text", "axk1", "axk2", "bailing_hybrid", "beam"),
         *("bitnet", "cohere", "cohere2", "cohere2_moe", "cwm", "deepseek_v3", "deepseek_v32", "diffllama", "doge"),
         *("dory", "dots1", "ergo", "ernie4_5", "ernie4_5_moe", "exaone4", "exaone_moe", "falcon", "flex_olmo", "flint"),
-        *("gemma", "gemma2", "gemma3_text", "glm", "glm4", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "gpt_neox"),
+        *("gemma", "gemma2", "gemma3_text", "gemma3n_text", "gemma4_text", "gemma4_unified_text", "glm", "glm4"),
+        *("glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "gpt_neox"),
         *("gpt_neox_japanese", "gpt_oss", "granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoeshared"),
         *("helium", "hrm_text", "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "hy_v4", "hyperclovax", "jais2"),
         *("jetmoe", "kolibri1", "laguna", "lara_mini", "lfm2", "lfm3", "llama", "mellum", "mimo_v2_flash", "minicpm3"),
@@ -297,8 +298,7 @@ def _rotate_qk(
     the KV cache hold what transformers' would (a cache filled before patching stays valid).
     keys=False leaves k unrotated (it is rotated at read, see ``_attend_with_rotated_keys``).
     """
-    unsqueeze_dim = kwargs.get("unsqueeze_dim", args[unsqueeze_at] if len(args) > unsqueeze_at else unsqueeze_default)
-    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    cos, sin = _unsqueezed(cos, sin, args, kwargs, unsqueeze_at, unsqueeze_default)
     if not keys or k is None:
         q = apply_rotary(q, cos, sin, interleaved=interleaved, backend=backend)
     else:
@@ -307,6 +307,34 @@ def _rotate_qk(
         q = _evens_then_odds(q, 2 * cos.shape[-1])
         k = k if k is None or not keys else _evens_then_odds(k, 2 * cos.shape[-1])
     return q, k
+
+
+def _rotate_one(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *args: Any,
+    interleaved: bool,
+    regrouped: bool,
+    backend: str,
+    unsqueeze_at: int,
+    unsqueeze_default: int,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """posenc's rotation function of (x, cos, sin, ...), which the attention calls on q and on k in turn (Gemma 3n,
+    Gemma 4): as ``_rotate_qk``, for one tensor."""
+    cos, sin = _unsqueezed(cos, sin, args, kwargs, unsqueeze_at, unsqueeze_default)
+    x = apply_rotary(x, cos, sin, interleaved=interleaved, backend=backend)
+    return _evens_then_odds(x, 2 * cos.shape[-1]) if regrouped else x
+
+
+def _unsqueezed(
+    cos: torch.Tensor, sin: torch.Tensor, args: tuple, kwargs: Mapping[str, Any], at: int, default: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin with the head axis inserted where the replaced function's unsqueeze_dim says: positionally at
+    ``at`` among the arguments after the tensors and cos/sin, by keyword, or ``default``."""
+    unsqueeze_dim = kwargs.get("unsqueeze_dim", args[at] if len(args) > at else default)
+    return cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
 
 
 def _evens_then_odds(x: torch.Tensor, r: int) -> torch.Tensor:
@@ -849,18 +877,24 @@ def _patched_forward(
     torch.compile guards), whose rotation functions are posenc's, each in the layout its original rotates in."""
     func = cls.forward
     namespace = innermost(func).__globals__
-    replacements: dict[str, Any] = {
-        rotation.name: functools.partial(
-            _rotate_qk,
+    replacements: dict[str, Any] = {}
+    for rotation in rotations:
+        options = dict(
             interleaved=rotation.interleaved,
             regrouped=rotation.regrouped,
             backend=rope.backend,
-            keys=not keys_at_read,
             unsqueeze_at=rotation.unsqueeze_at,
             unsqueeze_default=rotation.unsqueeze_default,
         )
-        for rotation in rotations
-    }
+        if rotation.tensors == 2:
+            replacements[rotation.name] = functools.partial(_rotate_qk, keys=not keys_at_read, **options)
+        elif keys_at_read:  # it cannot tell q from k, so it cannot leave the keys to be rotated at read
+            raise ValueError(
+                f"{cls.__qualname__} rotates q and k in separate calls of {rotation.name}; mode='consistent' is not "
+                "supported for it (use mode='hf')"
+            )
+        else:
+            replacements[rotation.name] = functools.partial(_rotate_one, **options)
     if keys_at_read:
         if _ATTENTION_REGISTRY_NAME not in namespace:
             raise ValueError(
