@@ -96,3 +96,31 @@ def test_learned_tables_keep_their_small_init_when_materialised_from_meta(name):
     plain = torch.nn.Embedding(*built.shape)
     torch.nn.init.normal_(plain.weight, std=0.02)
     assert torch.equal(built, plain.weight)
+
+
+@pytest.mark.parametrize(
+    "rope_parameters",
+    [
+        None,
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+        {
+            "rope_type": "longrope",
+            "short_factor": [1.0] * 4,
+            "long_factor": [2.0] * 4,
+            "factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    ],
+)
+def test_a_rope_run_under_a_meta_device_context_works_once_materialised(rope_parameters):
+    """Shape inference under torch.device("meta") ran RoPE there, and its kept frequencies were meta tensors: after
+    to_empty() the layer failed inside torch ("Cannot copy out of meta tensor"). Frequencies are made on the CPU."""
+    with torch.device("meta"):
+        layer = posenc.CausalSelfAttention(32, 4, encoding=posenc.RoPE(8, rope_parameters=rope_parameters))
+        assert layer(torch.randn(1, 20, 32)).shape == (1, 20, 32)
+    assert layer.encoding.frequencies(20)[0].device.type == "cpu"
+    reference = posenc.CausalSelfAttention(32, 4, encoding=posenc.RoPE(8, rope_parameters=rope_parameters))
+    layer.to_empty(device="cpu")
+    layer.load_state_dict(reference.state_dict())
+    x = torch.randn(1, 20, 32)
+    torch.testing.assert_close(layer(x), reference(x), atol=0, rtol=0)

@@ -21,9 +21,14 @@ import torch
 ScalingFn = Callable[..., tuple[torch.Tensor, float]]
 
 
+# Frequencies are host values, float64 on the CPU whatever default device the caller has set: RoPE keeps them, and
+# one computed under a torch.device("meta") context (shape inference) stayed meta, with no values once the module
+# was materialised with to_empty().
+
+
 def default_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
-    """theta_i = base^(-2i/r) for i in [0, r/2). Returns (r/2,) float64."""
-    return 1.0 / base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    """theta_i = base^(-2i/r) for i in [0, r/2). Returns (r/2,) float64 on the CPU."""
+    return 1.0 / base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64, device="cpu") / rotary_dim)
 
 
 def default(*, rotary_dim: int, base: float, **_: object) -> tuple[torch.Tensor, float]:
@@ -128,7 +133,7 @@ def yarn(
     low, high = max(low, 0), min(high, rotary_dim - 1)
     if low == high:
         high += 0.001  # a zero-width ramp would divide by zero
-    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0.0, 1.0)
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float64, device="cpu") - low) / (high - low)).clamp(0.0, 1.0)
     inv_freq = default_inv_freq(rotary_dim, base)
     return inv_freq / factor * ramp + inv_freq * (1.0 - ramp), float(attention_factor)
 
@@ -157,7 +162,8 @@ def longrope(
             1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original_max_position_embeddings))
         )
     chosen = long_factor if seq_len and seq_len > original_max_position_embeddings else short_factor
-    return default_inv_freq(rotary_dim, base) / torch.tensor(chosen, dtype=torch.float64), float(attention_factor)
+    chosen = torch.tensor(chosen, dtype=torch.float64, device="cpu")
+    return default_inv_freq(rotary_dim, base) / chosen, float(attention_factor)
 
 
 def llama3(
@@ -220,8 +226,8 @@ def proportional(
     (i, i + r/2) for the high i, not the trailing channels. All frequencies are then divided by ``factor``.
     """
     rotated = proportional_pairs(partial_rotary_factor, rotary_dim)
-    inv_freq = 1.0 / base ** (torch.arange(0, 2 * rotated, 2, dtype=torch.float64) / rotary_dim)
-    inv_freq = torch.cat((inv_freq, torch.zeros(rotary_dim // 2 - rotated, dtype=torch.float64)))
+    inv_freq = 1.0 / base ** (torch.arange(0, 2 * rotated, 2, dtype=torch.float64, device="cpu") / rotary_dim)
+    inv_freq = torch.cat((inv_freq, torch.zeros(rotary_dim // 2 - rotated, dtype=torch.float64, device="cpu")))
     return inv_freq / factor, 1.0
 
 

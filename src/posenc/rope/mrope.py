@@ -94,8 +94,10 @@ def mrope_axis_of_pair(mrope_section: Sequence[int], *, layout: MRopeLayout = "s
     sections[2] pairs read t."""
     sections = list(mrope_section)
     if layout == "sections":
-        return (torch.arange(len(sections)) % AXES).repeat_interleave(torch.tensor(sections))
-    j = torch.arange(sum(sections))
+        return (torch.arange(len(sections), device="cpu") % AXES).repeat_interleave(
+            torch.tensor(sections, device="cpu")
+        )
+    j = torch.arange(sum(sections), device="cpu")
     axis = torch.zeros_like(j)
     if layout == "interleaved":
         for a in (1, 2):
