@@ -421,11 +421,11 @@ def rope_kwargs_from_config(config: Any, *, layer_type: str | None = None) -> di
         if layer_type not in nested:
             raise ValueError(f"this config has one rope dict per layer type; pass layer_type= one of {nested}")
         outer, rope = rope, dict(rope[layer_type] or {})
-        if "truncate" in rope or "truncate" in outer:
+        if rope.get("rope_type", rope.get("type")) == "yarn" and ("truncate" in rope or "truncate" in outer):
             # transformers' YaRN reads truncate from the outer dict (config.rope_parameters.get("truncate", True)),
             # never from a layer type's own: the model truncates unless the outer dict says otherwise.
             given, rope["truncate"] = rope.get("truncate", True), outer.get("truncate", True)
-            if rope.get("rope_type", rope.get("type")) == "yarn" and bool(given) != bool(rope["truncate"]):
+            if bool(given) != bool(rope["truncate"]):
                 warnings.warn(
                     f"the {layer_type} rope dict says truncate={given!r}, but transformers reads YaRN's truncate "
                     f"from the outer rope_parameters, not from a layer type's dict, so the model runs with "
