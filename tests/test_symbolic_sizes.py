@@ -49,7 +49,9 @@ def _mrope_positions(x):
 
 
 def _score_positions(x):
-    q, k = score_positions(torch.tensor([[0, 1, 2, 3], [5, 6, 7, 8]]), torch.arange(4) + x.shape[0])
+    q, k = score_positions(
+        torch.tensor([[0, 1, 2, 3], [5, 6, 7, 8]]), torch.arange(4) + x.shape[0], device=x.device, what="x"
+    )
     return x + (q.sum() + k.sum())
 
 

@@ -104,6 +104,32 @@ def test_forward_mode_ad_carries_the_tangent(backend):
         assert_close(got, want)
 
 
+@pytest.mark.parametrize("inplace", [False, True])
+def test_torch_func_transforms_and_tangents_inside_torch_compile(inplace):
+    """Compiled, "auto" took the fused op under transforms too: vmap and grad failed inside it, and jvp and
+    forward-mode AD returned zeros or no tangent, without a word (until 2026-12-05)."""
+    torch._dynamo.reset()
+    cos, sin = angles(3, 8)
+    rotate = posenc.apply_rotary_ if inplace else posenc.apply_rotary
+    f = lambda x: rotate(x.clone(), cos, sin)  # noqa: E731
+    reference = lambda x: posenc.apply_rotary(x, cos, sin, backend="torch")  # noqa: E731
+    x, t, w = torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16)
+    batch = torch.randn(4, 1, 2, 3, 16)
+    assert_close(torch.compile(torch.func.vmap(f), fullgraph=True)(batch), torch.func.vmap(reference)(batch))
+    grad = torch.compile(torch.func.grad(lambda x: (f(x) * w).sum()), fullgraph=True)(x)
+    assert_close(grad, posenc.apply_rotary(w, cos, sin, conjugate=True))
+    _, jvp = torch.compile(lambda x, t: torch.func.jvp(f, (x,), (t,)), fullgraph=True)(x, t)
+    assert_close(jvp, reference(t))
+
+    def forward_mode(x, t):
+        with fwAD.dual_level():
+            return fwAD.unpack_dual(f(fwAD.make_dual(x, t))).tangent
+
+    tangent = torch.compile(forward_mode)(x, t)
+    assert tangent is not None
+    assert_close(tangent, reference(t))
+
+
 def test_explicit_fused_backend_refuses_transforms_and_tangents():
     cos, sin = angles(3, 8)
     x = torch.randn(1, 2, 3, 16)

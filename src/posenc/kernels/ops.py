@@ -55,12 +55,14 @@ def transformed(*tensors: torch.Tensor) -> bool:
     """Whether a ``torch.func`` transform (vmap, grad, jacrev, jvp, ...) is running, or a forward-mode AD tangent
     rides on one of ``tensors``. The fused kernels read raw storage and have neither a batching rule nor a
     forward-mode derivative: a batched tensor has no data pointer, and a tangent would be dropped without a word.
-    Inside torch.compile this is Dynamo's business and answers False."""
-    if torch.compiler.is_compiling():
-        return False
+    Under torch.compile too: Dynamo answers both questions as it traces (a compiled vmap or grad failed in the fused
+    op, and a compiled jvp dropped its tangent, until 2026-12-05); with a dual level open it cannot ask a tensor
+    for its tangent, so any open level counts."""
     if torch._C._are_functorch_transforms_active():
         return True
-    return fwAD._current_level >= 0 and any(fwAD.unpack_dual(t).tangent is not None for t in tensors)
+    if fwAD._current_level < 0:
+        return False
+    return torch.compiler.is_compiling() or any(fwAD.unpack_dual(t).tangent is not None for t in tensors)
 
 
 def _fused_problem(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, kind: str, inplace: bool) -> str:
