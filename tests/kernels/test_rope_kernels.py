@@ -442,6 +442,23 @@ def test_empty_inputs_and_gradient_flags(backend):
     assert q_out.requires_grad and not k_out.requires_grad
 
 
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_empty_inputs_have_empty_gradients(backend):
+    """The gradient of an empty output's sum comes expanded (stride 0), which .contiguous() leaves as it is: the
+    CPU kernel refused it ("unit stride in their last dim"), so backward through an empty batch failed."""
+    device = DEVICE[backend]
+    cos, sin = (t.to(device) for t in table(8, 16))
+    for shape in ((0, 2, 5, 8), (2, 0, 5, 8), (2, 2, 0, 8)):
+        q = torch.randn(shape, device=device, requires_grad=True)
+        k = torch.randn(shape[0], 1, shape[2], 8, device=device, requires_grad=True)  # not empty beside h = 0
+        q_out, k_out = apply_rotary_qk(q, k, cos, sin, offset=3, backend=backend)
+        (q_out.sum() + k_out.sum()).backward()
+        assert q.grad.shape == shape and k.grad.shape == k.shape
+    if backend == "cpu":
+        x = torch.randn(0, 3, 5, 8, requires_grad=True)
+        torch.library.opcheck(ops.rotary, ([x], cos, sin, None, None, 2, None, "bhsd", False, False, "cpu"))
+
+
 @pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
 def test_empty_calls_with_position_ids(backend):
     """Position ids of an empty sequence ((b, 0) or (0,)) or of an empty batch, against a table shorter than s:

@@ -279,6 +279,12 @@ def _launch(
         raise ValueError(f"the rotary ops run backend 'cpu' or 'triton', got {backend!r}")
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    # Nothing to rotate in an empty tensor, whose strides can be anything: the gradient of an empty output's sum
+    # comes expanded (stride 0), which .contiguous() leaves as it is and the kernel's stride check refused.
+    pairs = [(x, o) for x, o in zip(xs, outs, strict=True) if x.numel()]
+    if not pairs:
+        return
+    xs, outs = [x for x, _ in pairs], [o for _, o in pairs]
     pos, first_row = None, 0
     if kind == "broadcast":
         # The CPU kernel broadcasts size-1 dims itself (stride 0): cos padded to 4-D, not expanded per x.
