@@ -161,6 +161,25 @@ def test_dynamic_ntk_compiles_one_graph_for_every_length_past_the_trained_one(mo
     assert not torch.equal(first, last)
 
 
+@pytest.mark.parametrize("rope_type", sorted(set(SCALINGS) - set(SEQ_LEN_DEPENDENT)))
+def test_fixed_frequencies_compile_one_graph_for_every_int_offset_and_length(rope_type):
+    """The cached table grew to the next power of two inside the traced graph, which was guarded on its size: a
+    fullgraph decode loop with an int offset recompiled at 256, 512, ... and failed at Dynamo's limit (position
+    16384 in the report), prefills of growing length likewise. Traced, the angles are computed in the graph now."""
+    torch._dynamo.utils.counters.clear()
+    rope = make_rope(rope_type)
+    q, k = random_qk(1, 2, 1, 1, HEAD_DIM)
+    decode = compile_traced(lambda q, k, n: rope(q, k, offset=n))
+    for offset in (0, 1, 300, 700, 1500, 3000, 5000, 9000, 17000, 33000, 65535):
+        assert all(map(torch.equal, decode(q, k, offset), rope(q, k, offset=offset))), offset
+    prefill = compile_traced(lambda q, k: rope(q, k))
+    for length in (5, 300, 600, 1200, 2500):
+        q, k = random_qk(1, 2, 1, length, HEAD_DIM)
+        assert all(map(torch.equal, prefill(q, k), rope(q, k))), length
+    # each: the first call's constants, then one symbolic graph
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 4
+
+
 def test_longrope_compiles_one_graph_per_side_of_its_original_length_not_one_per_length():
     """LongRoPE's frequencies change only where seq_len passes original_max_position_embeddings, but the length was
     specialized like dynamic's: a 'consistent' cache's decode steps (a new length each) recompiled every step until

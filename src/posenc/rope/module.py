@@ -419,7 +419,11 @@ class RoPE(nn.Module):
             if seq_len is not None and bounds is not None and bounds[1] >= seq_len:
                 bounds = None  # the general path checks the positions against seq_len exactly (high may overshoot)
             table = None
-            if bounds is not None and bounds[1] < _TABLE_LIMIT:
+            # Not while torch.compile traces: a table grown to the next power of two inside the graph guarded each
+            # graph on the table's size, one graph per size (a decode loop with an int offset hit the recompile
+            # limit at 16384, a hard error under fullgraph=True). The angles there are computed in the graph, to
+            # the table's bits, one graph for every offset and length.
+            if bounds is not None and bounds[1] < _TABLE_LIMIT and not torch.compiler.is_compiling():
                 # Frequencies that do not depend on the length: the kernels read the cached table at the tokens'
                 # rows (a slice for an int offset), with no per-token cos/sin built here first (measured: 4-6% of a
                 # CPU prefill call; at decode size ~35 us of a ~100 us call with position ids). The table covers
