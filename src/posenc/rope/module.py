@@ -140,8 +140,9 @@ class RoPE(nn.Module):
       frequencies they were rotated with, so decoding past the switch differs from a full forward.
     * ``"consistent"``: stateless; every call scales for its own max(positions) + 1, and ``CausalSelfAttention``
       keeps the keys unrotated in the ``KVCache`` and re-rotates them when the frequencies change, so every score of
-      a step uses one set of frequencies. For one attention layer, token-by-token decoding then equals a full
-      forward; in a deeper stack, the cached keys and values of later layers were computed from hidden states of
+      a step uses one set of frequencies. For one attention layer, each decoding step then equals a full forward
+      of the prefix it completes (not of the whole sequence: that scales every row for the final length); in a
+      deeper stack, the cached keys and values of later layers were computed from hidden states of
       earlier steps, which no re-rotation can revisit, so there the guarantee is per score, not end to end.
     """
 
