@@ -40,9 +40,8 @@ def alibi_bias(
     slopes: (h,); q_positions: (b, sq) or (sq,); k_positions: (b, sk) or (sk,) integer, moved to the slopes'
     device if elsewhere. Returns (b, h, sq, sk) float32, or float64 for float64 slopes (b = 1 for 1-D positions):
     never 16 bits, whose 8 or 11 bits of mantissa cannot hold slope * distance (a bf16 slope 2^-0.5 is off by 8e-5:
-    0.6 at distance 8192). With
-    ``causal`` the future (n > m) is -inf, so the bias alone is a full mask: that is only right where positions
-    are token indices, not for packed documents whose ids restart.
+    0.6 at distance 8192). With ``causal`` the future (n > m) is -inf, so the bias alone is a full mask: that is
+    only right where positions are token indices, not for packed documents whose ids restart.
     ``ALiBi.score_bias`` passes ``causal=False``: attention masks by token order itself.
     """
     float_tensor("slopes", slopes)
