@@ -345,9 +345,9 @@ def parse_rope_parameters(
     if rope_type == "longrope":
         lengths = (None, int(params["original_max_position_embeddings"]) + 1)
     for length in lengths:
-        with torch.device("cpu"):  # values to check, also where the caller builds on meta
-            inv_freq, factor = compute_frequencies(spec, seq_len=length)
-            factor_as_float32 = float(torch.tensor(float(factor)).float())
+        # On the CPU, as every frequency is (posenc.rope.frequencies), also where the caller builds on meta.
+        inv_freq, factor = compute_frequencies(spec, seq_len=length)
+        factor_as_float32 = float(torch.tensor(float(factor), device="cpu").float())
         if rope_type == "proportional":
             inv_freq = inv_freq[: proportional_pairs(params["partial_rotary_factor"], rotary_dim)]
         as_float32 = inv_freq.float()
