@@ -624,6 +624,24 @@ def _byte_lm():
         (lambda: posenc.RoPE(8)(q, q, offset=2**63 - 2), ValueError, r"offset \+ seq_len - 1, must fit in int64"),
         (lambda: posenc.RoPE(8)(q, q, offset=2**64), ValueError, r"offset \+ seq_len - 1, must fit in int64"),
         (lambda: posenc.ALiBi(2).bias(2, 2, offset=2**63 - 1), ValueError, r"offset \+ q_len - 1, must fit in int64"),
+        # offset + position ids past 2**63 - 1 wrapped negative and was reported as a negative position.
+        (
+            lambda: posenc.RoPE(8)(q, q, offset=5, positions=torch.tensor([0, 1, 2, 2**63 - 1])),
+            ValueError,
+            r"offset \+ position ids must fit in int64 \(below 2\*\*63, a token position\), got a sum past 2\*\*63 - 1",
+        ),
+        (
+            lambda: posenc.RoPE(8)(q, q, offset=torch.tensor([2**63 - 2]), positions=torch.arange(4)),
+            ValueError,
+            r"offset \+ position ids must fit in int64",
+        ),
+        (
+            lambda: posenc.apply_rotary(
+                q, _cos4, _cos4, offset=torch.tensor([5]), positions=torch.tensor([0, 1, 2, 2**63 - 1]), backend="cpu"
+            ),
+            ValueError,
+            r"offset \+ position ids must fit in int64",
+        ),
         (
             lambda: MRoPE(8, mrope_section=[2, 1, 1])(
                 q, q, offset=2**64, positions=torch.zeros(3, 1, 4, dtype=torch.long)

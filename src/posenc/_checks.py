@@ -26,6 +26,16 @@ def int64_int(name: str, value: int) -> None:
         raise ValueError(f"{name} must fit in int64 (below 2**63, a token position), got {value}")
 
 
+def wrapped_positions(ids: torch.Tensor | None) -> ValueError | None:
+    """Where offset + position ids came out negative, though every offset was checked >= 0: the error saying the sum
+    wrapped past int64 when no id is negative either (``ids`` None: there are none), else None (a negative id)."""
+    if ids is not None and bool((ids < 0).any()):
+        return None
+    return ValueError(
+        "offset + position ids must fit in int64 (below 2**63, a token position), got a sum past 2**63 - 1"
+    )
+
+
 def host_min_max(t: torch.Tensor) -> tuple[int, int]:
     """(min, max) of a non-empty integer tensor, read on the host with one device sync, not two."""
     low, high = torch.stack(torch.aminmax(t)).tolist()

@@ -21,6 +21,7 @@ from posenc._checks import (
     movable,
     size_in,
     values_readable,
+    wrapped_positions,
 )
 
 
@@ -80,6 +81,8 @@ def resolve_positions(
         pos = positions.to(device=device, dtype=torch.long)
     pos = pos + offset
     if check_data and positions is not None and pos.numel() and bool((pos < 0).any()):
+        if (wrapped := wrapped_positions(positions)) is not None:
+            raise wrapped
         raise ValueError("positions must be >= 0 (offset + position ids), got a negative entry")
     if not check_data and isinstance(offset, torch.Tensor):
         assert_without_sync(offset >= 0, "offset must be >= 0 (it counts tokens already in the cache)")

@@ -26,6 +26,7 @@ from posenc._checks import (
     int_tensor,
     size_in,
     values_readable,
+    wrapped_positions,
 )
 
 Kind = Literal["broadcast", "bhsd", "bshd", "varlen"]
@@ -203,6 +204,8 @@ def check_table_call(
         )
         low, high = host_min_max(pos)
         if low < 0:
+            if (wrapped := wrapped_positions(positions)) is not None:
+                raise wrapped
             raise ValueError(
                 f"positions must be >= 0 (offset + position ids), got a negative entry ({low}); positions index the "
                 "table rows"
