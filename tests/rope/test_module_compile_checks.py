@@ -282,3 +282,60 @@ def test_a_length_dependent_rope_compiles_with_a_graph_break_where_the_length_is
     compiled_mrope = torch.compile(mrope, backend="aot_eager")
     for got, want in zip(compiled_mrope(q, k, positions=axes), mrope(q, k, positions=axes), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def _graph_targets(fn, *args) -> list[str]:
+    """The names of the calls in the FX graph Dynamo hands its backend for fn(*args): an op's qualified name
+    ("posenc.angles_cos_sin.default"), a function's or method's own ("sin", "mul")."""
+    targets: list[str] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs):
+        for node in gm.graph.nodes:
+            if node.op in ("call_function", "call_method"):
+                target = node.target
+                targets.append(
+                    str(target)
+                    if isinstance(target, torch._ops.OpOverload)
+                    else getattr(target, "__name__", str(target))
+                )
+        return gm.forward
+
+    torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    return targets
+
+
+@pytest.mark.parametrize("rope_type", ["default", "yarn", "longrope", "dynamic"])
+def test_traced_angles_reach_the_graph_as_one_opaque_op(rope_type):
+    """Traced in the open, the angles' sin and cos were inlined by Inductor into the torch path's rotation: two float64
+    sines per element of every head. A compiled RoPE forward took 6.6x a compiled rotation by a ready table on the
+    CPU (2x on the fused CPU path). They are computed by one op now, (..., r/2) once, and equal eager's."""
+    rope = posenc.RoPE(HEAD_DIM, rope_parameters=PARAMS[rope_type], max_position_embeddings=MAX_POS, backend="torch")
+    q, k = random_qk(1, 4, 2, 7, HEAD_DIM)
+    fn = (lambda q, k: rope(q, k, seq_len=SEQ_LEN)) if rope_type in SEQ_LEN_DEPENDENT else (lambda q, k: rope(q, k))
+    targets = _graph_targets(fn, q, k)
+    assert targets.count("posenc.angles_cos_sin.default") == 1, targets
+    assert "sin" not in targets and "cos" not in targets, targets
+    compiled = torch.compile(fn, fullgraph=True)  # Inductor: its code computes the rotation
+    for got, want in zip(compiled(q, k), fn(q, k), strict=True):
+        torch.testing.assert_close(got, want, rtol=2.5e-7, atol=2e-7)  # a float32 ulp or two
+
+
+def test_an_exported_torch_path_rope_holds_no_posenc_op():
+    """README: a package built with backend="torch" needs nothing but torch. The opaque angles op is for
+    torch.compile's code generation only; torch.export keeps the angles in aten ops."""
+
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rope = posenc.RoPE(HEAD_DIM, rope_parameters=PARAMS["yarn"], backend="torch")
+
+        def forward(self, q, k, positions):
+            return self.rope(q, k, positions=positions)
+
+    q, k = random_qk(1, 2, 1, 5, HEAD_DIM)
+    positions = torch.tensor([3, 0, 9, 40, 2])
+    program = torch.export.export(Attention(), (q, k, positions))
+    targets = [str(n.target) for n in program.graph.nodes if n.op == "call_function"]
+    assert not [t for t in targets if "posenc" in t], targets
+    for got, want in zip(program.module()(q, k, positions), Attention()(q, k, positions), strict=True):
+        torch.testing.assert_close(got, want, rtol=2.5e-7, atol=2e-7)  # a float32 ulp or two

@@ -33,7 +33,7 @@ from posenc._checks import (
     values_readable,
 )
 from posenc.encoding import ActsOn
-from posenc.kernels.ops import BACKENDS
+from posenc.kernels.ops import BACKENDS, transformed
 from posenc.positions import resolve_positions
 from posenc.rope.apply import Backend, apply_rotary, apply_rotary_qk, rotate_tensors
 from posenc.rope.frequencies import SEQ_LEN_DEPENDENT
@@ -57,11 +57,40 @@ def angles_to_cos_sin(
 
     The product is taken in float64: in float32, position 1e6 times a frequency near 1 is off by ~0.06 rad.
     """
-    angles = positions.to(torch.float64)[..., None] * inv_freq.to(device=positions.device, dtype=torch.float64)
+    inv_freq = inv_freq.to(device=positions.device, dtype=torch.float64)
+    if (
+        torch.compiler.is_compiling()
+        and not torch.compiler.is_exporting()
+        and not transformed(positions, inv_freq)
+        and not (inv_freq.requires_grad and torch.is_grad_enabled())
+    ):
+        # Opaque to Inductor, so cos/sin are computed once, (..., r/2), and read by the rotation. Traced in the open,
+        # Inductor inlined them into the rotation of the torch path: two float64 sines per element of every head.
+        # Measured on the CPU (q (1, 8, 2048, 128), k (1, 2, 2048, 128), float32, one thread): a compiled RoPE
+        # forward took 6.6x the time of a compiled rotation by a ready table, and 2x on the fused CPU path.
+        return _angles_cos_sin(positions, inv_freq, float(attention_factor), dtype)
+    return _angles_cos_sin_impl(positions, inv_freq, float(attention_factor), dtype)
+
+
+def _angles_cos_sin_impl(
+    positions: torch.Tensor, inv_freq: torch.Tensor, attention_factor: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    angles = positions.to(torch.float64)[..., None] * inv_freq
     cos, sin = angles.cos(), angles.sin()
     if attention_factor != 1.0:
         cos, sin = cos * attention_factor, sin * attention_factor
     return cos.to(dtype), sin.to(dtype)
+
+
+_angles_cos_sin = torch.library.custom_op("posenc::angles_cos_sin", mutates_args=())(_angles_cos_sin_impl)
+
+
+@_angles_cos_sin.register_fake
+def _(
+    positions: torch.Tensor, inv_freq: torch.Tensor, attention_factor: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (*positions.shape, inv_freq.shape[0])
+    return positions.new_empty(shape, dtype=dtype), positions.new_empty(shape, dtype=dtype)
 
 
 def _position_bounds(
