@@ -684,6 +684,94 @@ def test_a_rope_with_another_attention_scaling_than_the_model_is_refused(monkeyp
     assert not is_patched(model)
 
 
+def _phimoe(short_mscale: float, long_mscale: float) -> Any:
+    """A tiny PhiMoE with LongRoPE (original length 16, trained 64) whose forward scales cos/sin by the mscales."""
+    rope_parameters = {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "original_max_position_embeddings": 16,
+        "short_factor": [1 + i / 8 for i in range(8)],
+        "long_factor": [2.0 + 3 * i for i in range(8)],
+        "short_mscale": short_mscale,
+        "long_mscale": long_mscale,
+    }
+    config = transformers.PhimoeConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        num_local_experts=4,
+        vocab_size=128,
+        max_position_embeddings=64,
+        initializer_range=0.3,
+        rope_parameters=rope_parameters,
+    )
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def test_phimoe_longrope_rotates_as_its_rotary_embedding_does() -> None:
+    """PhiMoE's forward takes LongRoPE's short factors at every length and scales cos/sin by the config's mscale,
+    not LongRoPE's own factor (transformers 5.25). posenc built the generic LongRoPE: patched logits were off by 10.8
+    past the original length (with Phi-3.5-MoE's mscale 1.2432, refused as "matches neither pair layout"), and
+    rope_from_config's cos at position 0 was 1.2247 where the model's is 1.2432."""
+    model = _phimoe(1.2432, 1.2432)
+    assert rope_from_config(model.config).cos_sin(torch.tensor([0]))[0][0, 0].item() == pytest.approx(1.2432)
+    patched = copy.deepcopy(model)
+    patch_model(patched)
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for n in (16, 17, 40):  # up to the original length, one past it, and far past it
+            torch.testing.assert_close(patched(ids[:, :n]).logits, model(ids[:, :n]).logits, rtol=0, atol=1e-4)
+
+
+def test_phimoe_with_two_mscales_is_refused_saying_why() -> None:
+    model = _phimoe(1.2, 1.3)
+    with pytest.raises(
+        ValueError, match=r"short_mscale=1.2 up to original_max_position_embeddings and long_mscale=1.3"
+    ):
+        patch_model(model)
+    assert not is_patched(model)
+
+
+def test_a_rotary_forward_that_departs_from_its_buffers_past_the_probe_is_refused() -> None:
+    """Mistral Large 4's LeRoPE turns by inv_freq * exp(alpha), alpha learned, where its inv_freq buffer holds the
+    plain frequencies. Nonzero only on slow pairs, alpha stayed below the probe's tolerance at positions < 16 and the
+    patch went through, hidden states off by 2.98 at 2000 tokens. The far positions see it."""
+    modeling = pytest.importorskip("transformers.models.mistral_large4.modeling_mistral_large4")
+    config = transformers.models.mistral_large4.configuration_mistral_large4.MistralLarge4TextConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        kv_lora_rank=32,
+        qk_rope_head_dim=16,
+        v_head_dim=16,
+        qk_nope_head_dim=16,
+        head_dim=16,
+        index_topk=8,
+        index_head_dim=16,
+        index_n_heads=2,
+        max_position_embeddings=64,
+        initializer_range=0.3,
+    )
+    torch.manual_seed(0)
+    model = modeling.MistralLarge4TextModel(config).eval()
+    with torch.no_grad():
+        model.rotary_emb.alpha.copy_(torch.tensor([0, 0, 0, 0, 0, 0.7, 0.7, 0.7]))
+    with pytest.raises(
+        ValueError, match=r"rotates differently .* learned parameters \(alpha\) that posenc does not read"
+    ):
+        patch_model(model)
+    assert not is_patched(model)
+
+
 # --- errors -------------------------------------------------------------------------------------------------
 
 

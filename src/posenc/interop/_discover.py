@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from posenc.rope.apply import apply_rotary_qk
-from posenc.rope.module import angles_to_cos_sin
+from posenc.rope.module import RoPE, angles_to_cos_sin
 from posenc.rope.mrope import mrope_cos_sin
 
 ROTATION_PREFIX = "apply_rotary_pos_emb"
@@ -237,6 +237,86 @@ def buffer_order(pairs: int, mrope: tuple[Sequence[int], str] | None = None) -> 
     return torch.cat((order[:spatial:2], order[1:spatial:2], order[spatial:]))
 
 
+def forward_scaling(module: nn.Module, layer_type: str | None, *, default: float) -> float:
+    """The factor a rotary module's forward scales cos/sin by, read as its cos at position 0 (a copy is run: the
+    forward may advance a dynamic state). It need not be the ``attention_scaling`` it holds: PhiMoE's forward scales
+    by the config's mscale instead. ``default`` where the forward gives no real (cos, sin) to read (a complex
+    ``freqs_cis``, or a module that needs more than (x, position_ids))."""
+    probe = copy.deepcopy(module)
+    buffer = getattr(probe, state_name(layer_type, "inv_freq"))
+    x = torch.zeros(1, 1, 1, device=buffer.device)
+    positions = torch.zeros(1, 1, dtype=torch.long, device=buffer.device)
+    try:
+        with torch.no_grad():
+            out = probe(x, positions, layer_type) if layer_type else probe(x, positions)
+    except Exception:  # the attribute is then all there is to read
+        return default
+    if not (isinstance(out, (tuple, list)) and len(out) == 2 and isinstance(out[0], torch.Tensor)):
+        return default
+    cos = out[0]
+    if cos.is_complex() or not cos.is_floating_point() or cos.numel() == 0:
+        return default
+    return float(cos.flatten()[0])
+
+
+def far_position_problem(
+    rotary: nn.Module,
+    layer_type: str | None,
+    rope: RoPE,
+    rotated: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], Any],
+    layout: tuple[bool, bool],
+    generator: torch.Generator,
+) -> str:
+    """Why ``rotated`` (the model's rotation function, called with cos/sin from a copy of ``rotary``) differs from
+    posenc's rotation by ``rope`` in ``layout`` at far positions, or "" where it does not.
+
+    Each call is one sequence: positions up to the trained length, just past it, and 4x past it, as a prefill or a
+    decode step there would ask, with ``rope``'s cos/sin for the length the copy scaled for. This sees what the
+    model's forward does beyond its inv_freq buffer at lengths the probe below 16 does not reach: Mistral Large 4's
+    learned LeRoPE alpha on slow pairs, PhiMoE's length-dependent mscale."""
+    probe = copy.deepcopy(rotary)
+    buffer = getattr(probe, state_name(layer_type, "inv_freq"))
+    device = buffer.device
+    limit = int(getattr(probe, "original_max_seq_len", 0) or rope.max_position_embeddings or 16)
+    # HF's float32 angles are off by up to position * inv_freq * eps (of the buffer's dtype: a bf16 model's may be
+    # bf16), times |x| up to ~5 for these q, k.
+    eps = max(2.0**-24, torch.finfo(buffer.dtype).eps / 2)
+    r = rope.rotary_dim
+    interleaved, regrouped = layout
+    for positions in ((0, 1, limit - 1), (0, limit, 2 * limit + 3), (0, 3, 4 * limit + 7)):
+        ids = torch.tensor([positions], device=device)
+        try:
+            with torch.no_grad():
+                cos, sin = probe(torch.zeros(1, 3, 1, device=device), ids, *((layer_type,) if layer_type else ()))
+        except Exception:  # a model that cannot run there itself (GPT-J's fixed table ends at its trained length)
+            continue
+        length = max(positions) + 1
+        if rope.rope_type == "dynamic":  # the length transformers' dynamic state scaled for in that call
+            length = int(getattr(probe, state_name(layer_type, "max_seq_len_cached"), length))
+        ours_cos, ours_sin = rope.cos_sin(ids[0].cpu(), seq_len=max(length, max(positions) + 1))
+        q = torch.randn(1, 2, 3, r, generator=generator, dtype=torch.float32)
+        k = torch.randn(1, 1, 3, r, generator=generator, dtype=torch.float32)
+        ours = apply_rotary_qk(
+            q, k, ours_cos[None, None], ours_sin[None, None], interleaved=interleaved, backend="torch"
+        )
+        if regrouped:
+            ours = tuple(torch.cat((t[..., 0:r:2], t[..., 1:r:2]), dim=-1) for t in ours)
+        with torch.no_grad():
+            theirs = rotated(q.to(device), k.to(device), cos, sin)
+        tolerance = _PROBE_TOLERANCE + 8 * max(positions) * eps
+        worst = max((t.detach().float().cpu() - o).abs().max().item() for t, o in zip(theirs, ours, strict=True))
+        if not worst <= tolerance:
+            learned = [name for name, _ in probe.named_parameters()]
+            why = f"; it has learned parameters ({', '.join(learned)}) that posenc does not read" if learned else ""
+            return (
+                f"at positions {list(positions)} the model's {type(rotary).__name__} rotates differently from "
+                f"posenc's RoPE for its config (rope_type={rope.rope_type!r}): off by {worst:.3g}, allowed "
+                f"{tolerance:.3g}{why}. Its forward computes cos/sin from more than its inv_freq and attention "
+                "scaling; patching would change the model's logits there"
+            )
+    return ""
+
+
 def probe_rotation(
     name: str,
     function: Callable[..., Any],
@@ -245,9 +325,13 @@ def probe_rotation(
     layer_type: str | None,
     head_dim: int,
     mrope: tuple[Sequence[int], str] | None = None,
+    rope: RoPE | None = None,
 ) -> Rotation:
     """Run ``function`` (a model's ``apply_rotary_pos_emb*``) with cos/sin from a copy of ``rotary`` and return
     the layout in which it equals posenc's rotation; ValueError saying how it differs otherwise.
+
+    rope: posenc's RoPE for the model (not M-RoPE); given, the layout found is then checked at far positions too,
+    past the trained length, against ``rope``'s own cos/sin (``far_position_problem``).
 
     The copy is called at positions below 16, and posenc's cos/sin are made from the frequencies and scaling the
     copy holds after that call: this checks the rotation, not the frequencies (``patch`` compares those). mrope:
@@ -257,7 +341,7 @@ def probe_rotation(
     """
     unsqueeze_at, unsqueeze_default, tensors = rotation_signature(function, name)
 
-    def rotated(q: torch.Tensor, k: torch.Tensor) -> Any:
+    def rotated(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Any:
         return function(q, k, cos, sin) if tensors == 2 else (function(q, cos, sin), function(k, cos, sin))
 
     probe = copy.deepcopy(rotary)
@@ -278,7 +362,9 @@ def probe_rotation(
             raise ValueError(f"{type(rotary).__name__} could not be run to check {name}: {error}") from error
         inv_freq = getattr(probe, state_name(layer_type, "inv_freq")).detach().to(torch.float64)
         inv_freq = inv_freq[torch.argsort(buffer_order(inv_freq.numel(), mrope)).to(device)]  # in pair order
-        scaling = float(getattr(probe, state_name(layer_type, "attention_scaling"), 1.0))
+        scaling = forward_scaling(
+            rotary, layer_type, default=float(getattr(probe, state_name(layer_type, "attention_scaling"), 1.0))
+        )
         if mrope is None:
             ours_cos, ours_sin = angles_to_cos_sin(positions, inv_freq, scaling, torch.float32)
         else:
@@ -295,7 +381,7 @@ def probe_rotation(
             q = torch.randn(1, 2, positions.shape[-1], d, generator=generator).to(device)
             k = torch.randn(1, 1, positions.shape[-1], d, generator=generator).to(device)
             try:
-                theirs = rotated(q, k)
+                theirs = rotated(q, k, cos, sin)
             except Exception as error:
                 if d == r:  # with r channels every rotation function must run
                     raise ValueError(f"{name} failed on q, k of {r} channels: {error}") from error
@@ -322,13 +408,21 @@ def probe_rotation(
                 layout = None
                 break
     if layout is None:
-        raise ValueError(f"{name} does not rotate as posenc does: {problem}")
+        raise ValueError(
+            f"{name} does not rotate as posenc does: {problem}, with the cos/sin that {type(rotary).__name__}'s "
+            "inv_freq and attention scaling give (either the function rotates otherwise, or the rotary embedding's "
+            "forward computes its cos/sin from more than those)"
+        )
+    if rope is not None and mrope is None:
+        problem = far_position_problem(rotary, layer_type, rope, rotated, layout, generator)
+        if problem:
+            raise ValueError(problem)
     # posenc rotates q and k with one cos/sin per token of each: a function that also takes a q shorter than its
     # cos/sin (MuSE-Glimmer's assistant rotates the last q_len of them) must have been given one by its model.
     short_q = torch.randn(1, 2, 2, r, generator=generator).to(device)
     try:
         with torch.no_grad():
-            rotated(short_q, k[..., :r])
+            rotated(short_q, k[..., :r], cos, sin)
     except Exception:
         return Rotation(name, layout[0], layout[1], unsqueeze_at, unsqueeze_default, tensors)
     raise ValueError(

@@ -392,6 +392,36 @@ def rope_layer_types(config: Any) -> tuple[str, ...]:
     return tuple(sorted(key for key, value in rope.items() if key in layer_types and value is not None))
 
 
+def _phimoe_rope(rope_type: str, rope: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """PhiMoE's rope dict as the LongRoPE that its rotary embedding computes. Its forward (transformers 5.25,
+    ``PhimoeRotaryEmbedding``) takes the frequencies for no length, so LongRoPE's short factors at every length,
+    and scales cos/sin by the dict's ``short_mscale`` up to ``original_max_position_embeddings`` and ``long_mscale``
+    past it, in place of LongRoPE's own attention factor. With one mscale for both sides (Phi-3.5-MoE's 1.2432), that
+    is LongRoPE with long_factor = short_factor and attention_factor = the mscale; two differ by length, which no
+    posenc.RoPE does."""
+    if rope_type != "longrope":
+        raise ValueError(
+            f"model_type 'phimoe' with rope_type {rope_type!r} is not supported: PhiMoE's rotary embedding scales "
+            "cos/sin by the rope dict's short_mscale / long_mscale in place of the type's own attention factor, "
+            "which posenc maps for 'longrope' (Phi-3.5-MoE's) only"
+        )
+    mscales = {key: rope.pop(key, None) for key in ("short_mscale", "long_mscale")}
+    missing = [key for key, value in mscales.items() if value is None]
+    if missing:
+        raise ValueError(
+            f"PhiMoE's longrope dict needs {' and '.join(missing)}: its rotary embedding scales cos/sin by them (the "
+            "model itself fails without them)"
+        )
+    short, long = (float(value) for value in mscales.values())
+    if short != long:
+        raise ValueError(
+            f"PhiMoE's rotary embedding scales cos/sin by short_mscale={short} up to original_max_position_embeddings "
+            f"and long_mscale={long} past it, a scale that changes with the length, which posenc.RoPE does not have; "
+            "with one value for both, posenc rotates as the model does"
+        )
+    return "longrope", {**rope, "long_factor": rope.get("short_factor"), "attention_factor": short}
+
+
 def rope_kwargs_from_config(config: Any, *, layer_type: str | None = None) -> dict[str, Any]:
     """The ``RoPE`` (or ``MRoPE``) constructor arguments a model's config implies, as a dict with ``head_dim``.
 
@@ -442,6 +472,8 @@ def rope_kwargs_from_config(config: Any, *, layer_type: str | None = None) -> di
     rope_type = pop_rope_type(rope)
     if model_type == "phi3" and rope_type == "yarn":
         rope_type = "longrope"  # Phi3Config maps its legacy 'yarn' to LongRoPE
+    if model_type == "phimoe" and rope_type != "default":
+        rope_type, rope = _phimoe_rope(rope_type, rope)
 
     # The model type decides how its axes share the pairs, as the model's rotary class does (transformers never
     # reads a config's mrope_interleaved key, and a config.json need not carry it); a model type posenc does not

@@ -53,6 +53,7 @@ from posenc.interop._discover import (
     Rotation,
     buffer_order,
     find_rope_modules,
+    forward_scaling,
     innermost,
     probe_rotation,
     rotation_signature,
@@ -522,7 +523,7 @@ def _require_same_rotation(
             finfo.tiny,
         )
         theirs = theirs.detach().to(device="cpu", dtype=torch.float64).flatten()
-        scaling = float(scaling)
+        scaling = forward_scaling(module, layer_type, default=float(scaling))
         problem = None
         if theirs.numel() != ours.numel():
             problem = (
@@ -709,7 +710,8 @@ def patch_model(
     first_members, first_ropes = installs[0][1], installs[0][2]
     first = next(iter(first_ropes.values()))
     layer_type = next(iter(first_ropes)) or None
-    rotations = _probe_rotations(found, first_members[0][1], layer_type, first)
+    # With rope_parameters the model's own rotary module stands for the old scaling: checked only for the layout.
+    rotations = _probe_rotations(found, first_members[0][1], layer_type, first, same_rope=rope_parameters is None)
     keys_at_read = any(rope.rotates_cached_keys for _, _, ropes in installs for rope in ropes.values())
     if keys_at_read:
         _require_keys_at_read(found, rotations, [ropes for _, _, ropes in installs])
@@ -800,10 +802,11 @@ def _ropes_for(
 
 
 def _probe_rotations(
-    found: ModelRope, rotary: nn.Module, layer_type: str | None, rope: RoPE
+    found: ModelRope, rotary: nn.Module, layer_type: str | None, rope: RoPE, *, same_rope: bool
 ) -> dict[type[nn.Module], tuple[Rotation, ...]]:
     """Each attention class's rotation functions, probed (``posenc.interop._discover.probe_rotation``) once each
-    with cos/sin from ``rotary`` (for ``layer_type``) and heads of ``rope.head_dim`` channels.
+    with cos/sin from ``rotary`` (for ``layer_type``) and heads of ``rope.head_dim`` channels; with ``same_rope``
+    (``rope`` is to reproduce ``rotary``), at far positions against ``rope`` too.
 
     A rotary module that is not materialised (meta) cannot be run: the architectures posenc knows take their
     layout from the config then; any other is refused.
@@ -821,7 +824,13 @@ def _probe_rotations(
                 try:
                     if runnable:
                         probed[id(function)] = probe_rotation(
-                            name, function, rotary, layer_type=layer_type, head_dim=rope.head_dim, mrope=_mrope_of(rope)
+                            name,
+                            function,
+                            rotary,
+                            layer_type=layer_type,
+                            head_dim=rope.head_dim,
+                            mrope=_mrope_of(rope),
+                            rope=rope if same_rope else None,
                         )
                     elif found.model_type in SUPPORTED_ARCHITECTURES:
                         probed[id(function)] = Rotation(
