@@ -158,7 +158,9 @@ class KVCache:
             raise ValueError("this KVCache holds keys rotated by another encoding; start a new KVCache()")
         self._check_new(k, v, self.unrotated_k, positions)
         unrotated, all_v, k_pos = self._appended(self.unrotated_k, k, v, positions)
-        seq_len = int(k_pos.max()) + 1
+        # Read as a forward call without a cache reads it: in a graph break under torch.compile, 1 on the meta
+        # device (shapes only), posenc's error where no value may be read (a CUDA graph capture).
+        seq_len = encoding.call_scaling_length(k_pos)
         inv_freq = encoding.frequencies(seq_len)[0]
         if self.k is not None and self.rotated_with is not None and torch.equal(inv_freq, self.rotated_with):
             rotated = torch.cat((self.k, encoding.rotate(k, positions, seq_len=seq_len)), dim=2)

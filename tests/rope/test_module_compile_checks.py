@@ -284,6 +284,56 @@ def test_a_length_dependent_rope_compiles_with_a_graph_break_where_the_length_is
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("rope_type", sorted(SEQ_LEN_DEPENDENT))
+def test_a_consistent_cache_takes_the_shapes_on_the_meta_device(rope_type):
+    """'consistent' mode's KVCache read max(positions) + 1 with int(): Tensor.item() failed on the meta device, where
+    the same layer without a cache (or in 'hf' mode) takes the shapes. A prefill past the trained length, a step."""
+    attention = posenc.CausalSelfAttention(4 * HEAD_DIM, 4, encoding=make_rope(rope_type, "consistent")).to("meta")
+    x = torch.randn(2, 2 * MAX_POS, 4 * HEAD_DIM, device="meta")
+    cache = posenc.KVCache()
+    assert attention(x, cache=cache).shape == x.shape
+    assert attention(x[:, :1], cache=cache).shape == (2, 1, 4 * HEAD_DIM)
+    assert cache.k.shape == cache.unrotated_k.shape == (2, 4, 2 * MAX_POS + 1, HEAD_DIM)
+
+
+@pytest.mark.parametrize("rope_type", sorted(SEQ_LEN_DEPENDENT))
+def test_a_consistent_cache_under_fullgraph_says_to_compile_without_it(rope_type):
+    """The cache's length is read on the host, and CausalSelfAttention takes no seq_len=: with fullgraph=True the
+    error was Dynamo's 'Could not guard on data-dependent expression u0 + 1 <= 32', and is now posenc's reason,
+    which says what to do. Without fullgraph the graph breaks there, and a step across the switch equals eager's."""
+    attention = posenc.CausalSelfAttention(4 * HEAD_DIM, 4, encoding=make_rope(rope_type, "consistent"))
+    x = torch.randn(1, MAX_POS + 1, 4 * HEAD_DIM, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(Exception, match=r"compile it without fullgraph=True") as caught:
+        compile_traced(lambda x, cache: attention(x, cache=cache))(x[:, :5], posenc.KVCache())
+    assert "data-dependent" not in str(caught.value)
+    compiled = torch.compile(lambda x, cache: attention(x, cache=cache), backend="eager")
+    eager_cache, compiled_cache = posenc.KVCache(), posenc.KVCache()
+    # Below the trained length, then a step past it (the keys re-rotated): two of the frequencies.
+    steps = [slice(0, MAX_POS), slice(MAX_POS, MAX_POS + 1)]
+    for chunk in steps:
+        want = attention(x[:, chunk], cache=eager_cache)
+        torch.testing.assert_close(compiled(x[:, chunk], compiled_cache), want, rtol=1e-6, atol=1e-6)
+
+
+def test_a_consistent_cache_where_no_value_may_be_read_asks_for_the_length(monkeypatch):
+    """In a CUDA graph capture (values_readable False; here on the CPU, by hand) the cache read the length with a
+    device sync, which a capture refuses; it now raises the error the call without a cache gives, before the cache
+    changes."""
+    import posenc.rope.module as module
+
+    attention = posenc.CausalSelfAttention(4 * HEAD_DIM, 4, encoding=make_rope("dynamic", "consistent"))
+    x = torch.randn(1, 6, 4 * HEAD_DIM)
+    cache = posenc.KVCache()
+    attention(x[:, :5], cache=cache)
+    monkeypatch.setattr(module, "values_readable", lambda device: False)
+    with pytest.raises(ValueError, match=r"pass seq_len=") as uncached:
+        attention(x)
+    with pytest.raises(ValueError, match=r"pass seq_len=") as cached:
+        attention(x[:, 5:], cache=cache)
+    assert str(cached.value) == str(uncached.value)
+    assert cache.length == 5
+
+
 def _graph_targets(fn, *args) -> list[str]:
     """The names of the calls in the FX graph Dynamo hands its backend for fn(*args): an op's qualified name
     ("posenc.angles_cos_sin.default"), a function's or method's own ("sin", "mul")."""

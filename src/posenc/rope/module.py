@@ -151,6 +151,15 @@ def _call_cos_sin_eagerly(rope: RoPE, positions: torch.Tensor, dtype: torch.dtyp
     return rope.cos_sin(positions, seq_len=rope.scaling_length(positions), dtype=dtype)
 
 
+@compile_marks.disable(
+    reason="'consistent' mode's KVCache rotates the cached keys for max(positions) + 1, read on the host; "
+    "CausalSelfAttention takes no seq_len=, so compile it without fullgraph=True (the length is then read in this "
+    "graph break)"
+)
+def _scaling_length_eagerly(rope: RoPE, positions: torch.Tensor) -> int | None:
+    return rope.scaling_length(positions)
+
+
 class RoPE(nn.Module):
     """Rotary position embedding (Su et al., 2021) for queries and keys.
 
@@ -313,6 +322,15 @@ class RoPE(nn.Module):
         if length < self.max_position_embeddings < seen:  # reset: back to the original frequencies
             self.hf_scaled_len = self.max_position_embeddings
         return self.hf_scaled_len
+
+    def call_scaling_length(self, positions: torch.Tensor) -> int | None:
+        """``scaling_length`` wherever a forward call runs: inside torch.compile the length-dependent types read it
+        outside the graph, in a graph break (with ``fullgraph=True`` an error that says to compile without it), as
+        ``call_cos_sin`` does; 1 on the meta device; in a CUDA graph capture the error that asks for seq_len=. What
+        a 'consistent' ``KVCache`` rotates its keys for."""
+        if self.spec.rope_type in SEQ_LEN_DEPENDENT and torch.compiler.is_compiling():
+            return _scaling_length_eagerly(self, positions)
+        return self.scaling_length(positions)
 
     def call_cos_sin(
         self, positions: torch.Tensor, *, dtype: torch.dtype = torch.float32
