@@ -545,6 +545,20 @@ def test_length_dependent_types_compile_as_the_unpatched_model_does(mode: str) -
     torch.testing.assert_close(ours, theirs, **FP32)
 
 
+def test_consistent_mode_under_fullgraph_says_to_compile_without_it() -> None:
+    """The step's length is read on the host in each attention layer: fullgraph=True's error named the read but not
+    what to do, where the cache without patching (posenc.KVCache) says to compile without fullgraph. LongRoPE's
+    rotary embedding has no break of its own before it (dynamic's says the same)."""
+    model = build("llama", "longrope")
+    patch_model(model, mode="consistent")
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad(), pytest.raises(Exception, match=r"compile the patched model without fullgraph=True"):
+            torch.compile(model, backend="eager", fullgraph=True)(tokens(length=4))
+    finally:
+        torch._dynamo.reset()
+
+
 def test_a_longrope_model_patched_compiles_into_one_graph_as_unpatched() -> None:
     """transformers chooses LongRoPE's short or long factors with torch.where, inside the graph, so the unpatched
     model compiles with fullgraph=True; the patched one broke its graph at the length read (an error there)."""

@@ -376,7 +376,10 @@ def _attend_with_rotated_keys(
     return attend(module, query, key, value, attention_mask, *args, **kwargs)
 
 
-@compile_marks.disable(reason="'consistent' mode reads the step's length, max(position_ids) + 1, on the host")
+@compile_marks.disable(
+    reason="'consistent' mode reads the step's length, max(position_ids) + 1, on the host; compile the patched model "
+    "without fullgraph=True (the length is then read in this graph break, in each attention layer)"
+)
 def _rotate_keys_for_step(
     rope: RoPE, key: torch.Tensor, key_positions: torch.Tensor, position_ids: torch.Tensor
 ) -> torch.Tensor:
