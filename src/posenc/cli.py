@@ -124,6 +124,7 @@ def _figure_config(args: argparse.Namespace, run_dir: str | None = None):  # -> 
         return FigureConfig.from_json(args.config)
     if not params and all(v is None for v in flags.values()):
         return None  # the default, or the run's own model for --run / report
+    _check_type_reads_flags(args, params)
     run = run_figure_config(run_dir) if run_dir is not None else None
     if run is not None:
         # The run's lengths unless a length is given, as --train-len or as the scaling's original length.
@@ -137,6 +138,40 @@ def _figure_config(args: argparse.Namespace, run_dir: str | None = None):  # -> 
         if partial is not None and "partial_rotary_factor" not in params and flags["rope_type"] != "proportional":
             params["partial_rotary_factor"] = partial
     return FigureConfig.from_flags(rope_parameters=params, **flags)
+
+
+def _check_type_reads_flags(args: argparse.Namespace, params: dict[str, object]) -> None:
+    """Every key --factor / --rope-param give is one the rope type reads. Left to the parser, the error named a
+    rope_parameters dict the user never wrote (and, with no --rope-type, a type 'default' they never chose). A type
+    named twice, or one that is not a known name, is left to FigureConfig.from_flags and its parser to report."""
+    from posenc.rope.frequencies import SCALINGS
+    from posenc.rope.parameters import LEGACY_TYPES, OPTIONAL_KEYS, REQUIRED_KEYS, unread_keys
+
+    names = [name for name in (args.rope_type, params.get("rope_type"), params.get("type")) if name is not None]
+    if not all(isinstance(name, str) for name in names):
+        return
+    names = [name for name in names if name]  # '' names no type, as in parse_rope_parameters
+    if len({LEGACY_TYPES.get(name, name) for name in names}) > 1:
+        return
+    chosen = names[0] if names else None
+    kind = LEGACY_TYPES.get(chosen, chosen) if chosen else "default"
+    if kind not in REQUIRED_KEYS:
+        return
+    unread = unread_keys(kind, params)
+    if not unread:
+        return
+    key = "factor" if "factor" in unread else unread[0]
+    flag = "--factor" if key == "factor" and args.factor is not None else f"--rope-param {key}"
+    readers = [name for name in SCALINGS if key in REQUIRED_KEYS[name] | OPTIONAL_KEYS[name]]
+    own = ", ".join(sorted(REQUIRED_KEYS[kind] | OPTIONAL_KEYS[kind])) or "no parameters of its own"
+    given = f"--rope-type {args.rope_type}" if args.rope_type else f"rope type {chosen!r}"
+    if not readers:
+        takes = f" ({given} takes {own})" if chosen is not None else ""
+        raise ValueError(f"{flag}: no rope type reads {key!r}; check its spelling{takes}")
+    add = f"--rope-type {readers[0]}" if len(readers) == 1 else f"a --rope-type that reads it: {', '.join(readers)}"
+    if chosen is None:
+        raise ValueError(f"{flag} needs a scaling --rope-type (plain RoPE has no {key}); add {add}")
+    raise ValueError(f"{flag} is not a parameter of {given} (it takes {own}); drop it, or use {add}")
 
 
 def _note_in_progress(command: str, note: str | None) -> None:

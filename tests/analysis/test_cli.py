@@ -81,6 +81,36 @@ def test_plot_bad_input(tmp_path, capsys, make_run):
 
 
 @pytest.mark.parametrize("command", ["plot", "report"])
+def test_a_scaling_flag_the_rope_type_does_not_read_is_named_as_the_flag(tmp_path, capsys, make_run, command):
+    # The parser's own message named a rope_parameters dict and a type 'default' that the user never wrote.
+    run = make_run(tmp_path / "run", entropy=False, lab_png=False)
+    words = ["plot", "wavelengths", "--out", str(tmp_path / "out")] if command == "plot" else ["report", str(run)]
+    readers_of_factor = "linear, ntk, dynamic, yarn, longrope, llama3, proportional"
+    cases = {
+        ("--factor", "4"): f"--factor needs a scaling --rope-type (plain RoPE has no factor); add a --rope-type that "
+        f"reads it: {readers_of_factor}",
+        ("--rope-param", "beta_fast=16"): "--rope-param beta_fast needs a scaling --rope-type (plain RoPE has no "
+        "beta_fast); add --rope-type yarn",
+        ("--rope-type", "linear", "--rope-param", "beta_fast=16"): "--rope-param beta_fast is not a parameter of "
+        "--rope-type linear (it takes factor); drop it, or use --rope-type yarn",
+        ("--rope-type", "default", "--factor", "4"): "--factor is not a parameter of --rope-type default (it takes "
+        f"no parameters of its own); drop it, or use a --rope-type that reads it: {readers_of_factor}",
+        ("--rope-param", "type=linear", "--rope-param", "fator=2"): "--rope-param fator: no rope type reads 'fator'; "
+        "check its spelling (rope type 'linear' takes factor)",
+    }
+    for flags, message in cases.items():
+        assert main([*words, *flags]) == 2
+        err = capsys.readouterr().err
+        assert err == f"posenc {command}: error: {message}\n", flags
+    assert not (tmp_path / "out").exists() and not (run / "report.html").exists()
+    # Types given twice keep their own message; a key the type reads is drawn.
+    assert main([*words, "--rope-type", "yarn", "--factor", "4", "--rope-param", "rope_type=linear"]) == 2
+    assert "rope_type is given twice with different values" in capsys.readouterr().err
+    if command == "plot":
+        assert main([*words, "--rope-param", "rope_type=linear", "--factor", "2"]) == 0
+
+
+@pytest.mark.parametrize("command", ["plot", "report"])
 def test_an_unwritable_out_is_one_error_line(tmp_path, capsys, make_run, command):
     blocker = tmp_path / "afile"
     blocker.write_text("")
