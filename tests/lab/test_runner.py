@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import csv
 import io
 import json
@@ -17,7 +18,7 @@ from posenc.cli import main
 from posenc.lab import runner, store
 from posenc.lab.config import make_config
 from posenc.lab.data import eval_window_ends
-from posenc.lab.report import PLOTS, aggregate, figures, label, summary_tables
+from posenc.lab.report import PLOTS, aggregate, figures, label, summary_tables, to_markdown
 from posenc.lab.runner import Lab, plan
 
 REQUIRED = ("encoding", "extension", "train_len", "eval_len", "seed", "bits_per_byte")
@@ -88,6 +89,25 @@ def test_a_run_writes_csv_json_report_and_plots(finished):
     assert "rope+yarn" in page and page.count("data:image/png;base64,") >= len(PLOTS)
     assert 'class="note"' not in page  # the run that holds the folder writes it: no "a run is writing it" note
     assert not list(out.rglob("*.tmp"))
+
+
+def test_the_report_counts_in_the_singular_where_there_is_one(finished):
+    # The quick preset's model read "1 layers" in report.md.
+    _, _, results = finished
+    ones, twos = copy.deepcopy(results), copy.deepcopy(results)
+    counts = {"config": ("layers", "heads", "steps", "batch_size", "eval_windows", "score_len")}
+    counts |= {"corpus": ("files",), "timings": ("units_run",), "machine": ("cpu_count", "torch_threads")}
+    for part, keys in counts.items():
+        for key in keys:
+            ones[part][key], twos[part][key] = 1, 2
+    one, two = to_markdown(ones), to_markdown(twos)
+    assert "(1 file, " in one and "(2 files, " in two
+    assert "- model: 1 layer, width 16, 1 head, trained at 8 bytes for 1 step of 1 window\n" in one
+    assert "- model: 2 layers, width 16, 2 heads, trained at 8 bytes for 2 steps of 2 windows\n" in two
+    assert "- evaluation: 1 window per length, the same final 1 byte of each scored" in one
+    assert "- evaluation: 2 windows per length, the same final 2 bytes of each scored" in two
+    assert "(1 unit run, " in one and ", 1 CPU, 1 torch thread\n" in one
+    assert "(2 units run, " in two and ", 2 CPUs, 2 torch threads\n" in two
 
 
 def drawn(axis):

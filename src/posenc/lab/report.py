@@ -156,6 +156,11 @@ def summary_tables(results: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
+def _count(n: int, noun: str) -> str:
+    """'1 layer', '2 layers': the quick preset's one layer read '1 layers'."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def to_markdown(results: dict[str, Any]) -> str:
     """report.md: the run's provenance, every table, the not-applicable reasons and the plots."""
     rows, config = results["rows"], results["config"]
@@ -167,16 +172,17 @@ def to_markdown(results: dict[str, Any]) -> str:
         "",
         f"Command: `{results['command'] or 'posenc.lab.runner.Lab(...).run()'}`",
         "",
-        f"- corpus: {corpus['source']} ({corpus['files']} files, {corpus['bytes']:,} bytes, sha256 "
+        f"- corpus: {corpus['source']} ({_count(corpus['files'], 'file')}, {corpus['bytes']:,} bytes, sha256 "
         f"`{corpus['sha256'][:16]}…`; last {config['val_fraction']:.0%} held out)",
-        f"- model: {config['layers']} layers, width {config['dim']}, {config['heads']} heads, trained at "
-        f"{train_len} bytes for {config['steps']} steps of {config['batch_size']} windows",
-        f"- evaluation: {config['eval_windows']} windows per length, the same final {config['score_len']} bytes of "
-        "each scored at every length (sliding window)",
+        f"- model: {_count(config['layers'], 'layer')}, width {config['dim']}, {_count(config['heads'], 'head')}, "
+        f"trained at {train_len} bytes for {_count(config['steps'], 'step')} of "
+        f"{_count(config['batch_size'], 'window')}",
+        f"- evaluation: {_count(config['eval_windows'], 'window')} per length, the same final "
+        f"{_count(config['score_len'], 'byte')} of each scored at every length (sliding window)",
         f"- seeds: {', '.join(str(s) for s in results['seeds'])}; wall time of this invocation "
-        f"{timings['wall_seconds']:.1f} s ({timings['units_run']} units run, {timings['units_skipped']} "
-        f"skipped as done); torch {results['versions']['torch']}, {results['machine']['cpu_count']} CPUs, "
-        f"{results['machine']['torch_threads']} torch threads",
+        f"{timings['wall_seconds']:.1f} s ({_count(timings['units_run'], 'unit')} run, {timings['units_skipped']} "
+        f"skipped as done); torch {results['versions']['torch']}, {_count(results['machine']['cpu_count'], 'CPU')}, "
+        f"{_count(results['machine']['torch_threads'], 'torch thread')}",
         "",
         "## Bits per byte by context length",
         "",
