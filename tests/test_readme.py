@@ -65,3 +65,35 @@ def test_the_readme_counts_the_verified_architectures():
 
     (count,) = re.findall(r"(\d+) architectures of transformers", README.read_text())
     assert int(count) == len(VERIFIED_ARCHITECTURES)
+
+
+def _signature_text(function) -> str:
+    """`name(a, *, b=None, c="x")` as the README writes a signature: strings in double quotes."""
+    import inspect
+    import json
+
+    words, star = [], False
+    for parameter in list(inspect.signature(function).parameters.values())[1:]:  # no self
+        if parameter.kind is parameter.KEYWORD_ONLY and not star:
+            words.append("*")
+            star = True
+        if parameter.default is parameter.empty:
+            words.append(parameter.name)
+        else:
+            default = parameter.default
+            words.append(f"{parameter.name}={json.dumps(default) if isinstance(default, str) else default}")
+    return f"{function.__name__}({', '.join(words)})"
+
+
+def test_the_readme_gives_ropes_cos_sin_accessors_and_says_which_follows_forward():
+    # It gave cos_sin alone: the Hugging Face pattern (cos/sin once per step, then apply_rotary) built on it differed
+    # from forward on a decode step after a longer prefill ('hf' dynamic NTK), unsaid.
+    from posenc import RoPE
+
+    text = " ".join(README.read_text().split())  # the bullet's line breaks fall anywhere
+    for method in (RoPE.forward, RoPE.cos_sin, RoPE.call_cos_sin):
+        assert f"`{_signature_text(method)}" in text, method.__name__
+    (bullet,) = re.findall(r"`cos_sin\(positions.*?One instance is meant", text)
+    assert "reads and advances no state" in bullet
+    assert "the cos/sin that `forward` with no `seq_len` rotates by" in bullet
+    assert "`call_cos_sin(positions, *, dtype=torch.float32) -> (cos, sin)` is the per-step accessor" in bullet

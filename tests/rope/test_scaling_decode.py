@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from posenc import CausalSelfAttention, KVCache, RoPE
+from posenc import CausalSelfAttention, KVCache, RoPE, apply_rotary
 
 HEAD_DIM, HEADS, KV_HEADS, MAX_POS, PREFILL, TOTAL = 16, 4, 2, 16, 10, 40
 TYPES: dict[str, dict[str, Any]] = {
@@ -130,6 +130,33 @@ def test_hf_dynamic_state_grows_and_resets_like_transformers() -> None:
         torch.testing.assert_close(rotated[0, 0, :, :half], hf_cos[0, :, :half].double(), rtol=0.0, atol=1e-5)
         torch.testing.assert_close(rotated[0, 0, :, half:], hf_sin[0, :, :half].double(), rtol=0.0, atol=1e-5)
         assert rope.hf_scaled_len == int(hf_rotary.max_seq_len_cached), length
+
+
+@pytest.mark.parametrize("mode", ["hf", "consistent"])
+@pytest.mark.parametrize("rope_type", list(TYPES))
+def test_call_cos_sin_is_the_per_step_accessor_that_rotates_as_forward_does(rope_type: str, mode: str) -> None:
+    """cos/sin once per step, then apply_rotary (the Hugging Face pattern): call_cos_sin gives what forward rotates
+    by, advancing 'hf' dynamic NTK's state as forward does; cos_sin reads no state and scales for its positions."""
+    by_forward, by_accessor = (
+        RoPE(HEAD_DIM, rope_parameters=TYPES[rope_type], max_position_embeddings=MAX_POS, mode=mode) for _ in range(2)
+    )
+    torch.manual_seed(0)
+    # A long prefill, decode steps at shorter lengths past the max (the prefill's scaling holds in 'hf'), a step that
+    # grows it, a call below the max (dynamic's reset), one step after it.
+    steps = [torch.arange(30), torch.tensor([20]), torch.tensor([21]), torch.arange(22, 40), torch.arange(10)]
+    steps.append(torch.tensor([10]))
+    stale = False  # whether some step shows cos_sin scaling for less than forward did
+    for positions in steps:
+        q = torch.randn(2, HEADS, positions.numel(), HEAD_DIM)
+        rotated, _ = by_forward(q, q, positions=positions)
+        cos, sin = by_accessor.call_cos_sin(positions)
+        torch.testing.assert_close(apply_rotary(q, cos, sin), rotated, rtol=0.0, atol=0.0)
+        stateless = apply_rotary(q, *by_accessor.cos_sin(positions))
+        stale |= not torch.equal(stateless, rotated)
+        if mode == "consistent" or rope_type != "dynamic":
+            torch.testing.assert_close(stateless, rotated, rtol=0.0, atol=0.0)
+    assert by_forward.hf_scaled_len == by_accessor.hf_scaled_len
+    assert stale == (mode == "hf" and rope_type == "dynamic")
 
 
 def test_frequencies_are_computed_once_per_recent_length_and_handed_out_as_copies(

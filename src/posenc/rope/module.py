@@ -335,12 +335,18 @@ class RoPE(nn.Module):
     def call_cos_sin(
         self, positions: torch.Tensor, *, dtype: torch.dtype = torch.float32
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (..., r/2) for positions at the length a forward call scales for (``scaling_length``, which
-        advances 'hf' dynamic NTK's state). Inside torch.compile the length-dependent types compute them outside
-        the graph, one graph break where transformers' ``dynamic_rope_update`` makes one too; with
-        ``fullgraph=True`` or in a CUDA graph capture, give the length: ``cos_sin(positions, seq_len=...)``.
-        LongRoPE is the exception: it only chooses between two sets of frequencies, which the graph does itself
-        (as transformers' does, with no break)."""
+        """The per-step accessor: positions (...) integer ids. Returns cos, sin (..., r/2) in ``dtype``, the ones
+        ``forward`` (with no seq_len) rotates these positions by, at the length it scales for (``scaling_length``),
+        advancing 'hf' dynamic NTK's state (the largest length seen) as a forward call does: in mode 'hf' the values
+        transformers' rotary embedding gives for the same sequence of calls. Call it once per step, where forward
+        would be called, and rotate with ``apply_rotary(x, cos, sin)``. ``cos_sin`` reads no state: for 'hf'
+        dynamic it differs from forward on a call shorter than the longest one seen but not shorter than
+        max_position_embeddings (a decode step after a longer prefill).
+
+        Inside torch.compile the length-dependent types compute them outside the graph, one graph break where
+        transformers' ``dynamic_rope_update`` makes one too; with ``fullgraph=True`` or in a CUDA graph capture,
+        give the length: ``cos_sin(positions, seq_len=...)``. LongRoPE is the exception: it only chooses between
+        two sets of frequencies, which the graph does itself (as transformers' does, with no break)."""
         if positions.numel() == 0:  # nothing to scale for, nor any state to advance
             return self.cos_sin(positions, dtype=dtype)
         in_graph = torch.compiler.is_compiling() and positions.dim() <= 2  # not M-RoPE's axes
@@ -371,6 +377,12 @@ class RoPE(nn.Module):
 
         seq_len: the sequence length that length-dependent types scale for (default: max(positions) + 1, which
         torch.compile and CUDA graph capture cannot read: there these types need it given).
+
+        Reads and advances no state: the length-dependent types scale for these positions (or seq_len) alone, as
+        mode 'consistent' does, in either mode. For 'hf' dynamic NTK, ``forward`` (and transformers) scale for the
+        longest length seen instead, so on a decode step after a longer prefill (past max_position_embeddings) these
+        differ from what forward rotates by. The per-step accessor that equals forward, advancing the state as it
+        does, is ``call_cos_sin``.
         """
         int_tensor("positions", positions, host_read=True)
         float_dtype("dtype", dtype)
