@@ -7,7 +7,9 @@ Each case runs in a fresh process, so the peak resident memory (ru_maxrss) of th
 after building the inputs, is what the attention itself added; on CUDA the peak allocated memory is used. The peak
 covers a first call (which compiles, where a path compiles) and a second one; the time is the second call's. Any
 UserWarning a path raised (FlexAttention giving up and materializing the bias, say) is kept in the row's
-``warnings`` column and printed, so a fallback is not reported under the flex path's name.
+``warnings`` column and printed, so a fallback is not reported under the flex path's name. The CSV is rewritten
+(atomically) after every case, so a run cut short keeps the rows it measured; a case that fails (an OOM, say) has its
+stderr printed, the others still run, and the exit status is then 1.
 
     python benchmarks/bias_memory.py                    # CPU, s = 8192, 8 heads: a few minutes on 2 cores
     python benchmarks/bias_memory.py --device cuda --seq 16384
@@ -24,7 +26,6 @@ the ids are per row, (B, s):
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import resource
 import subprocess
@@ -35,7 +36,14 @@ from pathlib import Path
 
 import torch
 
+from common import write_rows
+
 PATHS = ("materialized", "flex", "compiled-layer-materialized", "compiled-layer-flex")
+COLUMNS = (
+    "encoding", "path", "seq", "documents", "batch", "heads", "head_dim", "device", "peak_mib", "seconds", "torch",
+    "warnings",
+)  # fmt: skip
+STDERR_CHARS = 6000  # of a failed case's stderr, printed: its traceback, not every warning before it
 
 
 def run_one(
@@ -49,8 +57,6 @@ def run_one(
     torch.manual_seed(0)
     encoding = (ALiBi(heads) if encoding_name == "alibi" else T5Bias(heads)).to(device)
     q, k, v = (torch.randn(batch, heads, seq, head_dim, device=device) for _ in range(3))
-    if seq % documents:
-        raise SystemExit(f"--seq {seq} must be a multiple of --documents {documents}")
     docs = None
     if documents > 1:
         tokens = torch.arange(seq, device=device)
@@ -126,44 +132,52 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1, help="rows, with documents of their own (default 1)")
     parser.add_argument("--one", nargs=2, metavar=("ENCODING", "PATH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    check_sizes(parser, args)
     if args.one:
         print(
             json.dumps(run_one(*args.one, args.seq, args.heads, args.head_dim, args.device, args.documents, args.batch))
         )
         return
-    rows = []
-    for encoding, path in [(encoding, path) for encoding in args.encodings for path in args.paths]:
-        command = [
-            sys.executable,
-            __file__,
-            "--one",
-            encoding,
-            path,
-            "--seq",
-            str(args.seq),
-            "--heads",
-            str(args.heads),
-            "--head-dim",
-            str(args.head_dim),
-            "--device",
-            args.device,
-            "--documents",
-            str(args.documents),
-            "--batch",
-            str(args.batch),
-        ]
-        done = subprocess.run(command, capture_output=True, text=True, check=True)
+    cases = [(encoding, path) for encoding in args.encodings for path in args.paths]
+    rows, failed = [], []
+    for encoding, path in cases:
+        done = subprocess.run(case_command(args, encoding, path), capture_output=True, text=True)
+        if done.returncode != 0:
+            # The case's own error (an OOM, a compile failure) and then the next case: one case must not cost the
+            # others' rows.
+            failed.append(f"{encoding} {path}")
+            print(f"{encoding:>6} {path:>26}: FAILED (exit {done.returncode}), its stderr:", file=sys.stderr)
+            print(done.stderr[-STDERR_CHARS:], file=sys.stderr, flush=True)
+            continue
         row = json.loads(done.stdout.strip().splitlines()[-1])
         rows.append(row)
+        # After every case, so that a run cut short (gpu_check.sh's step limit) keeps the rows it measured.
+        write_rows(rows, args.csv, COLUMNS)
         print(f"{encoding:>6} {path:>26}: peak +{row['peak_mib']:>9.1f} MiB, {row['seconds']:.2f} s", flush=True)
         if row["warnings"]:
             print(f"{'':>34} warned: {row['warnings']}", flush=True)
-    args.csv.parent.mkdir(parents=True, exist_ok=True)
-    with args.csv.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"wrote {args.csv}")
+    if rows:
+        print(f"wrote {len(rows)} rows to {args.csv}")
+    if failed:
+        sys.exit(f"{len(failed)} of {len(cases)} cases failed ({', '.join(failed)}); their stderr is above")
+
+
+def check_sizes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse sizes every case would fail on, before a process is started for any."""
+    for name in ("seq", "heads", "head_dim", "documents", "batch"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.seq % args.documents:
+        parser.error(f"--seq {args.seq} must be a multiple of --documents {args.documents} (documents of equal length)")
+
+
+def case_command(args: argparse.Namespace, encoding: str, path: str) -> list[str]:
+    """This script again, measuring one (encoding, path) in a process of its own."""
+    sizes = ("--seq", args.seq, "--heads", args.heads, "--head-dim", args.head_dim, "--documents", args.documents)
+    return [
+        sys.executable, __file__, "--one", encoding, path, "--device", args.device, "--batch", str(args.batch),
+        *map(str, sizes),
+    ]  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -260,12 +260,12 @@ def percentiles(times: list[float]) -> tuple[float, float, float]:
     return q[1], statistics.median(times), q[7]
 
 
-def write_rows(rows: list[dict], path: Path) -> None:
+def write_rows(rows: list[dict], path: Path, columns: tuple[str, ...] = COLUMNS) -> None:
     """The CSV, replaced atomically: a run interrupted mid-write leaves the previous file whole."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
     with partial.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
         writer.writerows(rows)
     os.replace(partial, path)

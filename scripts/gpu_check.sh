@@ -51,18 +51,21 @@ step() { # step SECONDS NAME COMMAND...
   # kernels: 12 workers where pytest-xdist is installed (the H200 image has it, and 16 cores). SIGINT at the limit,
   # so that pytest still prints which tests failed.
   workers=$($PY -c "import xdist" 2>/dev/null && echo "-n 12")
-  step 120 "kernel tests, Triton compiled for the GPU" env POSENC_TRITON_NATIVE=1 TRITON_INTERPRET=0 \
+  step 100 "kernel tests, Triton compiled for the GPU" env POSENC_TRITON_NATIVE=1 TRITON_INTERPRET=0 \
     $PY -m pytest -q $workers tests/kernels -k "triton or cuda" -rf --tb=short -p no:cacheprovider \
     --ignore=tests/kernels/test_rope_fuzz.py
   # The grid's order too: runs of 16 .. 1024 token blocks a head group (1024 at BLOCK_S=16 is all of them, the order
   # of before 2026-12-04), against head groups fastest (1). On (b, h, s, d) memory Liger's kernel was 5-7% faster
   # in bf16; 96 configurations took 49 s in run 3 on the H200.
-  step 90 "Triton configurations at 16k" $PY benchmarks/triton_tune.py --seq 16384 --dtypes bf16 fp32 \
+  step 80 "Triton configurations at 16k" $PY benchmarks/triton_tune.py --seq 16384 --dtypes bf16 fp32 \
     --layouts bhsd bshd --block-s 8 16 32 --warps 4 --heads 1 2 --superblocks 1 16 128 1024 --reps 20 \
     --csv "$RESULTS/rope_gpu_tune.csv"
   step 90 "RoPE sweep" $PY benchmarks/rope.py --device cuda --seqs 1024 4096 32768 --dtypes bf16 fp32 \
     --reps 20 --csv "$RESULTS/rope_gpu.csv"
-  step 60 "bias memory" $PY benchmarks/bias_memory.py --device cuda --seq 8192 --paths materialized flex --csv "$RESULTS/bias_memory_gpu.csv"
+  # Four cases, each in a process of its own (CUDA's start, and flex's compile): run 1's first two took most of its
+  # 40 s. The CSV is rewritten after each case, so a cut keeps the cases done.
+  step 90 "bias memory" $PY benchmarks/bias_memory.py --device cuda --seq 8192 --paths materialized flex \
+    --csv "$RESULTS/bias_memory_gpu.csv"
   # Host time per call, with a Triton call taken apart (posenc's Python, the launcher, the device context): run 1
   # found a decode step at 0.31 ms against 0.23 ms for HF's eager formula. bf16 alone and 1000 decode reps: run 1's
   # step (both dtypes, 2000) printed its rows and then met its 30 s limit.

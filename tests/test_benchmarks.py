@@ -6,11 +6,14 @@ Each runs in a subprocess: they pin glibc's allocation regime with mallopt, whic
 from __future__ import annotations
 
 import csv
+import importlib
 import importlib.util
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import ClassVar
 
 import pytest
@@ -39,6 +42,16 @@ def _run(script: str, *args: str, interpret: bool = False) -> None:
 def _rows(path: Path) -> list[dict[str, str]]:
     with path.open() as f:  # a first line of "# command" where a script records the command that made it
         return list(csv.DictReader(line for line in f if not line.startswith("#")))
+
+
+def _benchmark(name: str) -> ModuleType:
+    """A benchmark script imported here, for the tests that stand in for its subprocesses or providers (run with
+    ``--alloc system``: no mallopt in this process)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
 
 
 @pytest.mark.parametrize("alloc", ["fresh", "reuse"])
@@ -102,6 +115,61 @@ def test_bias_memory_packs_documents(tmp_path: Path) -> None:
         ("t5", "materialized", "4", "2"),
     ]
     assert all(not r["warnings"] and float(r["peak_mib"]) >= 0 for r in rows)
+
+
+def _bias_row(encoding: str, path: str) -> dict:
+    return {"encoding": encoding, "path": path, "seq": 64, "documents": 1, "batch": 1, "heads": 2, "head_dim": 8,
+            "device": "cuda", "peak_mib": 1.5, "seconds": 0.01, "torch": torch.__version__, "warnings": ""}  # fmt: skip
+
+
+def test_bias_memory_keeps_every_row_when_a_case_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each case's process stood in for: the CSV is on disk with the cases done when the next one starts (a step
+    limit that cuts the run keeps them), a failing case's stderr is printed, the cases after it still run, and the
+    exit status says one failed."""
+    bias_memory = _benchmark("bias_memory")
+    out = tmp_path / "bias.csv"
+    on_disk = []
+
+    def run(command: list[str], *, capture_output: bool = False, text: bool = False, check: bool = False):
+        encoding, path = command[command.index("--one") + 1 : command.index("--one") + 3]
+        on_disk.append([(r["encoding"], r["path"]) for r in _rows(out)] if out.exists() else [])
+        if (encoding, path) == ("alibi", "flex"):
+            done = subprocess.CompletedProcess(command, 1, "", "torch.OutOfMemoryError: CUDA out of memory.\n")
+        else:
+            done = subprocess.CompletedProcess(command, 0, "compiling\n" + json.dumps(_bias_row(encoding, path)), "")
+        if check:
+            done.check_returncode()
+        return done
+
+    monkeypatch.setattr(bias_memory.subprocess, "run", run)
+    sizes = ["--seq", "64", "--heads", "2", "--head-dim", "8"]
+    argv = ["bias_memory.py", "--device", "cuda", *sizes, "--paths", "materialized", "flex", "--csv", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as exited:
+        bias_memory.main()
+    assert "1 of 4 cases failed (alibi flex)" in str(exited.value.code)
+    assert "torch.OutOfMemoryError: CUDA out of memory." in capsys.readouterr().err
+    done = [("alibi", "materialized"), ("t5", "materialized"), ("t5", "flex")]
+    assert on_disk == [[], done[:1], done[:1], done[:2]]
+    assert [(r["encoding"], r["path"]) for r in _rows(out)] == done
+    assert list(_rows(out)[0]) == list(bias_memory.COLUMNS)
+
+
+def test_bias_memory_refuses_sizes_before_starting_a_case(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bias_memory = _benchmark("bias_memory")
+    started = []
+    monkeypatch.setattr(bias_memory.subprocess, "run", lambda command, **kwargs: started.append(command))
+    monkeypatch.setattr(
+        sys, "argv", ["bias_memory.py", "--seq", "30", "--documents", "4", "--csv", str(tmp_path / "b")]
+    )
+    with pytest.raises(SystemExit) as exited:
+        bias_memory.main()
+    assert exited.value.code == 2 and not started
+    assert "--seq 30 must be a multiple of --documents 4" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not _in_git(), reason="cpu_kernel_ab.py reads the baseline's source from git")
