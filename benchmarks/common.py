@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import ctypes
+import hashlib
 import os
 import platform
 import statistics
@@ -148,13 +149,29 @@ def rows_against_copy(
 
 
 def commit() -> str:
-    try:
-        here = Path(__file__).parent  # the checkout the script lives in, wherever it is run from
-        command = ["git", "rev-parse", "--short", "HEAD"]
-        out = subprocess.run(command, capture_output=True, text=True, timeout=10, cwd=here)
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.TimeoutExpired):
+    """HEAD's short hash, "unknown" outside a git checkout. Where files other than docs/ differ from HEAD (tracked
+    changes or untracked files), "+dirty." and a hash of those changes follow: the GPU runs copy an uncommitted
+    working tree, and rows of different code must not share one stamp. docs/ is left out because the benchmarks
+    rewrite their own CSVs there."""
+    here = Path(__file__).parent  # the checkout the script lives in, wherever it is run from
+    head = _git(here, "rev-parse", "--short", "HEAD").decode().strip()
+    if not head:
         return "unknown"
+    code = (":(top)", ":(top,exclude)docs")  # the whole tree but docs/, wherever `here` is in it
+    status = _git(here, "status", "--porcelain", "--untracked-files=normal", "--", *code)
+    if not status:
+        return head
+    diff = _git(here, "diff", "--no-color", "--no-ext-diff", "--binary", "HEAD", "--", *code)
+    return f"{head}+dirty.{hashlib.sha1(status + diff).hexdigest()[:8]}"
+
+
+def _git(where: Path, *args: str) -> bytes:
+    """git's stdout, run in ``where``; empty where git, the checkout or HEAD is missing."""
+    try:
+        out = subprocess.run(["git", "-C", str(where), *args], capture_output=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return b""
+    return out.stdout if out.returncode == 0 else b""
 
 
 def device_name(device: str) -> str:

@@ -10,6 +10,8 @@ import importlib
 import importlib.util
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -170,6 +172,53 @@ def test_bias_memory_refuses_sizes_before_starting_a_case(
         bias_memory.main()
     assert exited.value.code == 2 and not started
     assert "--seq 30 must be a multiple of --documents 4" in capsys.readouterr().err
+
+
+def _git(repo: Path, *args: str) -> str:
+    command = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false", *args]
+    return subprocess.run(command, cwd=repo, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def _load_common(where: Path) -> ModuleType:
+    """benchmarks/common.py copied to ``where``/benchmarks and imported from there: its commit() reads that tree."""
+    (where / "benchmarks").mkdir(parents=True, exist_ok=True)
+    shutil.copy(ROOT / "benchmarks" / "common.py", where / "benchmarks" / "common.py")
+    spec = importlib.util.spec_from_file_location(f"common_in_{where.name}", where / "benchmarks" / "common.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+def test_commit_stamp_marks_a_tree_that_differs_from_head(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU runs copy a working tree: rows of uncommitted code say so, and two such trees differ; the benchmarks'
+    own CSVs under docs/ do not count."""
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))  # neither tree is inside another checkout
+    for name in ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    repo = tmp_path / "repo"
+    (repo / "src").mkdir(parents=True)
+    (repo / "docs").mkdir()
+    (repo / "src" / "kernel.py").write_text("x = 1\n")
+    (repo / "docs" / "results.csv").write_text("a\n")
+    common = _load_common(repo)
+    _git(repo, "init", "-q")
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-qm", "first")
+    head = _git(repo, "rev-parse", "--short", "HEAD")
+    assert common.commit() == head
+    (repo / "docs" / "results.csv").write_text("b\n")
+    assert common.commit() == head
+    (repo / "src" / "kernel.py").write_text("x = 2\n")
+    first = common.commit()
+    (repo / "src" / "kernel.py").write_text("x = 3\n")
+    second = common.commit()
+    assert re.fullmatch(rf"{head}\+dirty\.[0-9a-f]{{8}}", first) and second.startswith(f"{head}+dirty.")
+    assert first != second
+    (repo / "src" / "kernel.py").write_text("x = 1\n")
+    (repo / "src" / "new.py").write_text("")
+    assert common.commit().startswith(f"{head}+dirty.")
+    assert _load_common(tmp_path / "plain").commit() == "unknown"
 
 
 @pytest.mark.skipif(not _in_git(), reason="cpu_kernel_ab.py reads the baseline's source from git")
