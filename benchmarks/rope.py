@@ -11,10 +11,13 @@ dtype, as its ``RotaryEmbedding`` caches them. Modes: fwd, bwd (the backward alo
 the backward modes take ``torch.autograd.grad`` of q and k. The copy of each mode moves the same bytes as the op
 (two clones for fwd+bwd). On CUDA the times are the GPU's (``--clock device``: events, L2 flushed and the host's
 work hidden before each call; ``common.measure_interleaved``), or the host's around each synchronized call
-(``--clock host``: Python and launch overhead included). The CSV is rewritten (atomically) after every mode: a
-run cut short leaves the rows it measured, in place of the file's earlier contents. On CPU, ``--alloc`` pins where
-output buffers come from (``common.set_allocation``): fresh pages every call (default; the OS zero-filling them is
-most of a copy's time) or recycled heap memory (``--alloc reuse``).
+(``--clock host``: Python and launch overhead included). Before any timing, each provider's rotated q and k (and,
+where a backward mode is asked for, their gradients) are compared once per length and dtype with the float64
+reference (``check_values``): a provider off by more than rounding, or one that raises, is reported as WRONG VALUES
+and its rows are left out, the others are timed, and the exit status is then 1. The CSV is rewritten (atomically)
+after every mode: a run cut short leaves the rows it measured, in place of the file's earlier contents. On CPU,
+``--alloc`` pins where output buffers come from (``common.set_allocation``): fresh pages every call (default; the OS
+zero-filling them is most of a copy's time) or recycled heap memory (``--alloc reuse``).
 
     python benchmarks/rope.py                       # CPU defaults, a few minutes on 2 cores
     python benchmarks/rope.py --device cuda --seqs 1024 4096 16384 32768 --reps 50
@@ -23,6 +26,8 @@ most of a copy's time) or recycled heap memory (``--alloc reuse``).
 from __future__ import annotations
 
 import argparse
+import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -38,10 +43,15 @@ from common import (
     write_rows,
 )
 from posenc import apply_rotary_qk
-from posenc.testing import random_qk
+from posenc.testing import TOLERANCES, random_qk, rope_reference
 
 HEADS_Q, HEADS_K, HEAD_DIM = 32, 8, 128
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# check_values allows TOLERANCES' atol + VALUE_SLACK x its rtol (two units of the dtype's rounding) x the largest
+# input value. Hugging Face's formula in x's dtype (flash-attn and Liger are given cos/sin in x's dtype too) rounds
+# cos/sin, two products and their sum: at most about 3 sqrt(2) half-units of the largest input, 2.1 rtol. A rotation
+# left out, or garbage, is off by about the input's own size.
+VALUE_SLACK = 4.0
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -156,6 +166,69 @@ def make_case(name: str, fn: Callable, mode: str, q: torch.Tensor, k: torch.Tens
     return lambda: torch.autograd.grad(outs, (qg, kg), grads, retain_graph=True)
 
 
+def check_values(chosen: dict[str, Callable], q: torch.Tensor, k: torch.Tensor, modes: list[str]) -> dict[str, str]:
+    """Each provider once against the float64 reference (``posenc.testing.rope_reference``), before any timing:
+    its forward as "fwd" calls it (no grad) where ``modes`` has it, and its forward and the gradients of q and k
+    where a backward mode is asked for. q (b, h_q, s, d), k (b, h_k, s, d), contiguous. Returns name -> what is wrong,
+    for the providers off by more than rounding (``VALUE_SLACK``) or that raised; "copy" is not a rotation."""
+    backward = bool({"bwd", "fwd+bwd"} & set(modes))
+    calls = [(False, "fwd")] if "fwd" in modes else []
+    calls += [(True, "fwd and its gradients")] if backward else []
+    positions = torch.arange(q.shape[2], device=q.device)
+    inputs, grads = {"q": q, "k": k}, None
+    expected = {what: rope_reference(x, positions) for what, x in inputs.items()}
+    if backward:
+        b, h_q, s, d = q.shape
+        grads = random_qk(b, h_q, k.shape[1], s, d, dtype=q.dtype, seed=1, device=q.device)
+        inputs |= {"dq": grads[0], "dk": grads[1]}
+        # A rotation's gradient is the rotation back: the output gradients turned by -position.
+        expected |= {"dq": rope_reference(grads[0], -positions), "dk": rope_reference(grads[1], -positions)}
+    wrong: dict[str, str] = {}
+    for name, fn in chosen.items():
+        if name == "copy":
+            continue
+        for with_grads, label in calls:
+            try:
+                outputs = provider_values(name, fn, q, k, grads if with_grads else None)
+            except Exception as error:  # reported with the other faults: the remaining providers are still timed
+                traceback.print_exc()
+                wrong[name] = f"{label} raised {type(error).__name__}: {error}"
+                break
+            faults = [value_fault(outputs[what], expected[what], inputs[what]) for what in outputs]
+            faults = [f"{what} {fault}" for what, fault in zip(outputs, faults, strict=True) if fault]
+            if faults:
+                wrong[name] = f"{label}: " + "; ".join(faults)
+                break
+    return wrong
+
+
+def provider_values(
+    name: str, fn: Callable, q: torch.Tensor, k: torch.Tensor, grads: tuple[torch.Tensor, torch.Tensor] | None
+) -> dict[str, torch.Tensor]:
+    """One call of a provider on copies of q and k in the memory it is given (``HF_LAYOUT``; Liger rotates them, and
+    the output gradients, in place): {"q", "k"} rotated, and with ``grads`` also {"dq", "dk"}."""
+    layout = hf_layout if name in HF_LAYOUT else torch.clone
+    qq, kk = layout(q), layout(k)
+    if grads is None:
+        with torch.no_grad():
+            return dict(zip("qk", fn(qq, kk), strict=True))
+    qq, kk = qq.detach().requires_grad_(), kk.detach().requires_grad_()  # leaves, as make_case gives them
+    outs = fn(qq, kk)
+    dq, dk = torch.autograd.grad(outs, (qq, kk), tuple(layout(g) for g in grads))
+    return {"q": outs[0].detach(), "k": outs[1].detach(), "dq": dq, "dk": dk}
+
+
+def value_fault(actual: torch.Tensor, expected: torch.Tensor, source: torch.Tensor) -> str:
+    """What is off in ``actual`` against the float64 ``expected``; empty where it is within rounding (the tolerance
+    scaled by ``source``'s largest value, see ``VALUE_SLACK``)."""
+    if actual.shape != expected.shape:
+        return f"has shape {tuple(actual.shape)}, not {tuple(expected.shape)}"
+    atol, rtol = TOLERANCES[actual.dtype]
+    allowed = atol + VALUE_SLACK * rtol * source.abs().max().item()
+    error = (actual.double() - expected).abs().nan_to_num(float("inf")).max().item()
+    return "" if error <= allowed else f"is off by up to {error:.3g} (allowed {allowed:.3g})"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -172,7 +245,7 @@ def main() -> None:
     clock = chosen_clock(parser, args)
 
     env = environment(args.device, args.alloc, clock if args.device == "cuda" else None)
-    rows = []
+    rows, failed = [], []
     for seq in args.seqs:
         for dtype_name in args.dtypes:
             dtype = DTYPES[dtype_name]
@@ -180,6 +253,12 @@ def main() -> None:
             chosen = providers(args.device, seq, dtype)
             if args.providers:
                 chosen = {n: f for n, f in chosen.items() if n in args.providers or n == "copy"}
+            for name, what in check_values(chosen, q, k, args.modes).items():
+                print(f"WRONG VALUES: {name} at s={seq} {dtype_name}, {what}; its rows are left out", flush=True)
+                failed.append(f"{name} (s={seq} {dtype_name})")
+                del chosen[name]
+            checked = ", ".join(name for name in chosen if name != "copy")
+            print(f"values at s={seq} {dtype_name} within rounding of float64: {checked}", flush=True)
             shape = f"b={args.batch},hq={HEADS_Q},hk={HEADS_K},s={seq},d={HEAD_DIM}"
             for mode in args.modes:
                 cases = {name: make_case(name, fn, mode, q, k) for name, fn in chosen.items()}
@@ -190,6 +269,8 @@ def main() -> None:
                 )
                 write_rows(rows, args.csv)
     print(f"wrote {len(rows)} rows to {args.csv}")
+    if failed:
+        sys.exit(f"wrong values, rows left out: {', '.join(failed)}")
 
 
 if __name__ == "__main__":

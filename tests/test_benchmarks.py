@@ -81,6 +81,57 @@ def test_rope_benchmark_writes_every_provider_mode_and_dtype(tmp_path: Path, all
     assert not out.with_name(out.name + ".partial").exists()
 
 
+def test_rope_benchmark_leaves_out_a_provider_with_wrong_values(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before timing: a provider that leaves q and k unrotated, one whose forward is right and whose gradients are
+    not, and one that raises are each reported and their rows left out; the right one is timed; exit status 1."""
+    rope = _benchmark("rope")
+    real_providers = rope.providers
+
+    def providers(device: str, seq: int, dtype: torch.dtype) -> dict:
+        cos, sin = rope.tables(seq, dtype, device)["full"]
+
+        def rotated_forward_identity_backward(q, k):
+            return tuple(x + (r - x).detach() for x, r in zip((q, k), rope.hf_eager(q, k, cos, sin), strict=True))
+
+        def raises(q, k):
+            raise RuntimeError("no kernel for this shape")
+
+        chosen = real_providers(device, seq, dtype)
+        chosen |= {"posenc-torch": lambda q, k: (q.clone(), k.clone()), "posenc-cpu": rotated_forward_identity_backward}
+        return chosen | {"torch.compile(hf-eager)": raises}
+
+    monkeypatch.setattr(rope, "providers", providers)
+    out = tmp_path / "rope.csv"
+    names = ["posenc-cpu", "posenc-torch", "hf-eager", "torch.compile(hf-eager)"]
+    argv = ["rope.py", "--seqs", "7", "--dtypes", "bf16", "--modes", "fwd", "bwd", "--reps", "1", "--alloc", "system"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--providers", *names, "--csv", str(out)])
+    with pytest.raises(SystemExit) as exited:
+        rope.main()
+    wrong = ("posenc-cpu", "posenc-torch", "torch.compile(hf-eager)")
+    assert str(exited.value.code) == "wrong values, rows left out: " + ", ".join(f"{n} (s=7 bf16)" for n in wrong)
+    printed = capsys.readouterr().out
+    assert "WRONG VALUES: posenc-cpu at s=7 bf16, fwd and its gradients: dq is off by up to" in printed
+    assert "WRONG VALUES: posenc-torch at s=7 bf16, fwd: q is off by up to" in printed
+    assert "torch.compile(hf-eager) at s=7 bf16, fwd raised RuntimeError: no kernel for this shape" in printed
+    assert {(r["provider"], r["mode"]) for r in _rows(out)} == {
+        (p, m) for p in ("copy", "hf-eager") for m in ("fwd", "bwd")
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_rope_value_check_passes_the_cpu_providers(dtype: torch.dtype) -> None:
+    """The tolerance leaves room for every real provider's rounding (Hugging Face's formula in x's dtype rounds
+    most), at an odd length (torch.compile left out: its first compile takes most of a minute here)."""
+    rope = _benchmark("rope")
+    q, k = rope.random_qk(1, rope.HEADS_Q, rope.HEADS_K, 217, rope.HEAD_DIM, dtype=dtype)
+    chosen = {
+        name: fn for name, fn in rope.providers("cpu", 217, dtype).items() if not name.startswith("torch.compile")
+    }
+    assert rope.check_values(chosen, q, k, ["fwd", "bwd"]) == {}
+
+
 def _in_git() -> bool:
     return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True).returncode == 0
 
