@@ -51,9 +51,9 @@ def main() -> None:
     # tokens/s here. Named in the device column.
     add_allocation_argument(parser, default="system")
     args = parser.parse_args()
-    env = environment("cpu", args.alloc)  # before any tensor exists, as the other scripts do
-    if args.threads is not None:
+    if args.threads is not None:  # first: the device column names the thread count
         torch.set_num_threads(args.threads)
+    env = environment("cpu", args.alloc)  # before any tensor exists, as the other scripts do
 
     config = PRESETS[args.preset]
     spec = config.model_spec()

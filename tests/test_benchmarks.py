@@ -149,9 +149,11 @@ def test_decode_and_lab_throughput_benchmarks_run_with_one_rep(tmp_path: Path) -
         ("before", "switch", "after")
     }  # fmt: skip
     _run("lab_throughput.py", *("--preset", "quick", "--encodings", "rope", "--steps", "1", "--reps", "1"),
-         "--no-progress", "--out", str(tmp_path / "lab.csv"))  # fmt: skip
+         "--threads", "3", "--no-progress", "--out", str(tmp_path / "lab.csv"))  # fmt: skip
     rows = _rows(tmp_path / "lab.csv")
     assert [r["provider"] for r in rows] == ["lab", "plain"] and rows[0]["p20"] == rows[0]["p50"] == rows[0]["p80"]
+    # The device column names the threads the run used (--threads 3), not torch's count before it applied them.
+    assert all(r["device"].split(",")[0].endswith(" x3") for r in rows), rows[0]["device"]
 
 
 def test_bias_memory_packs_documents(tmp_path: Path) -> None:
