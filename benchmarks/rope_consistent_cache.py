@@ -69,6 +69,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="decode runs per setting; the fastest step is kept")
     parser.add_argument("--out", type=Path, default=None, help="also write the CSV here")
     args = parser.parse_args(argv)
+    # Decode steps run at positions --prefill .. --total - 1; the phases need a step before position --max-pos, the
+    # step at it (the switch) and one after it.
+    if not 1 <= args.prefill < args.max_pos < args.total - 1:
+        parser.error(
+            f"need 1 <= --prefill < --max-pos < --total - 1 (a decode step before the switch at position --max-pos, "
+            f"and one after it); got --prefill {args.prefill}, --max-pos {args.max_pos}, --total {args.total}"
+        )
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     dim = args.heads * args.head_dim

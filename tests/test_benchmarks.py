@@ -156,6 +156,25 @@ def test_decode_and_lab_throughput_benchmarks_run_with_one_rep(tmp_path: Path) -
     assert all(r["device"].split(",")[0].endswith(" x3") for r in rows), rows[0]["device"]
 
 
+@pytest.mark.parametrize(
+    ("prefill", "max_pos", "total"),
+    [(80, 64, 120), (8, 64, 64), (8, 64, 65), (0, 64, 120)],
+    ids=["prefill-past-max-pos", "max-pos-at-total", "no-step-after-the-switch", "no-prefill"],
+)
+def test_decode_benchmark_refuses_lengths_without_its_three_phases(
+    prefill: int, max_pos: int, total: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A step before the switch, the switch at --max-pos, one after it: else an error naming the flags, not mislabeled
+    phases or a StatisticsError."""
+    consistent_cache = _benchmark("rope_consistent_cache")
+    argv = ["--head-dim", "16", "--heads", "2", "--kv-heads", "1", "--repeats", "1"]
+    with pytest.raises(SystemExit) as exited:
+        consistent_cache.main([*argv, "--prefill", str(prefill), "--max-pos", str(max_pos), "--total", str(total)])
+    assert exited.value.code == 2
+    error = capsys.readouterr().err
+    assert f"--prefill {prefill}, --max-pos {max_pos}, --total {total}" in error and "--prefill < --max-pos" in error
+
+
 def test_bias_memory_packs_documents(tmp_path: Path) -> None:
     """The materialized path only (FlexAttention's first compile would take a minute here); the flex path with
     document ids is tested against it in tests/kernels/test_flex_bias.py."""
