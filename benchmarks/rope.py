@@ -15,9 +15,11 @@ work hidden before each call; ``common.measure_interleaved``), or the host's aro
 where a backward mode is asked for, their gradients) are compared once per length and dtype with the float64
 reference (``check_values``): a provider off by more than rounding, or one that raises, is reported as WRONG VALUES
 and its rows are left out, the others are timed, and the exit status is then 1. The CSV is rewritten (atomically)
-after every mode: a run cut short leaves the rows it measured, in place of the file's earlier contents. On CPU,
-``--alloc`` pins where output buffers come from (``common.set_allocation``): fresh pages every call (default; the OS
-zero-filling them is most of a copy's time) or recycled heap memory (``--alloc reuse``).
+after every mode: a run cut short leaves the rows it measured, in place of the file's earlier contents. ``--providers``
+takes names from PROVIDERS; one measured on the other device only (posenc-cpu on CUDA; posenc-triton, liger,
+flash-attn on CPU) is noted and left out. On CPU, ``--alloc`` pins where
+output buffers come from (``common.set_allocation``): fresh pages every call (default; the OS zero-filling them is
+most of a copy's time) or recycled heap memory (``--alloc reuse``).
 
     python benchmarks/rope.py                       # CPU defaults, a few minutes on 2 cores
     python benchmarks/rope.py --device cuda --seqs 1024 4096 16384 32768 --reps 50
@@ -47,6 +49,18 @@ from posenc.testing import TOLERANCES, random_qk, rope_reference
 
 HEADS_Q, HEADS_K, HEAD_DIM = 32, 8, 128
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PROVIDERS = (
+    "copy", "posenc-cpu", "posenc-triton", "posenc-triton-bshd", "posenc-torch", "hf-eager", "torch.compile(hf-eager)",
+    "liger", "flash-attn",
+)  # fmt: skip
+# The providers measured on one device only (the rest run on both).
+ONLY_ON = {
+    "posenc-cpu": "cpu",
+    "posenc-triton": "cuda",
+    "posenc-triton-bshd": "cuda",
+    "liger": "cuda",
+    "flash-attn": "cuda",
+}
 # check_values allows TOLERANCES' atol + VALUE_SLACK x its rtol (two units of the dtype's rounding) x the largest
 # input value. Hugging Face's formula in x's dtype (flash-attn and Liger are given cos/sin in x's dtype too) rounds
 # cos/sin, two products and their sum: at most about 3 sqrt(2) half-units of the largest input, 2.1 rtol. A rotation
@@ -229,6 +243,19 @@ def value_fault(actual: torch.Tensor, expected: torch.Tensor, source: torch.Tens
     return "" if error <= allowed else f"is off by up to {error:.3g} (allowed {allowed:.3g})"
 
 
+def chosen_providers(parser: argparse.ArgumentParser, names: list[str] | None, device: str) -> list[str] | None:
+    """``--providers`` checked: an unknown name is an error, one measured on the other device only is noted."""
+    if not names:
+        return None
+    unknown = [name for name in names if name not in PROVIDERS]
+    if unknown:
+        parser.error(f"--providers: unknown {', '.join(unknown)}; known: {', '.join(PROVIDERS)}")
+    for name in names:
+        if ONLY_ON.get(name, device) != device:
+            print(f"note: {name} runs on --device {ONLY_ON[name]} only; not measured on this --device {device} run")
+    return names
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -243,6 +270,7 @@ def main() -> None:
     add_allocation_argument(parser)
     args = parser.parse_args()
     clock = chosen_clock(parser, args)
+    names = chosen_providers(parser, args.providers, args.device)
 
     env = environment(args.device, args.alloc, clock if args.device == "cuda" else None)
     rows, failed = [], []
@@ -251,8 +279,8 @@ def main() -> None:
             dtype = DTYPES[dtype_name]
             q, k = random_qk(args.batch, HEADS_Q, HEADS_K, seq, HEAD_DIM, dtype=dtype, device=args.device)
             chosen = providers(args.device, seq, dtype)
-            if args.providers:
-                chosen = {n: f for n, f in chosen.items() if n in args.providers or n == "copy"}
+            if names:
+                chosen = {n: f for n, f in chosen.items() if n in names or n == "copy"}
             for name, what in check_values(chosen, q, k, args.modes).items():
                 print(f"WRONG VALUES: {name} at s={seq} {dtype_name}, {what}; its rows are left out", flush=True)
                 failed.append(f"{name} (s={seq} {dtype_name})")

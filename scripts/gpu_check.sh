@@ -4,7 +4,8 @@
 # benchmarks and the fuzz. Each step runs under its own time limit and a failing step is logged without stopping the
 # next, so one slow or broken step cannot cost the measurements; the limits add up to 560 s (a step that ignores
 # SIGINT is killed 10 s after its limit), inside one call of the device tool with room for the machine's start in a
-# 15-minute lease (6 min 17 s on the H200, 2026-12-04). It writes six files (the tool returns eight).
+# 15-minute lease (6 min 17 s on the H200, 2026-12-04). It writes six files under $RESULTS: five CSVs and
+# gpu_check.log. The exit status is 1 where any step failed (every step still runs, and its files stay).
 # Needs torch with CUDA, triton, pytest, hypothesis and transformers; posenc itself is read from src/.
 # Liger and flash-attention join the comparison when importable: scripts/gpu_prepare.sh puts them in .gpu/site.
 #
@@ -77,4 +78,5 @@ step() { # step SECONDS NAME COMMAND...
   # The verdict last, so that it is in the tail the device tool returns.
   step 20 "the goal's verdict" $PY scripts/gpu_goal.py "$RESULTS/rope_gpu_16k.csv"
   echo "=== done $(date -u +%H:%M:%S); a step failed: $failed"
+  exit "$failed" # the block's status, and with pipefail the script's: tee's would be 0
 } 2>&1 | tee "$RESULTS/gpu_check.log"

@@ -132,6 +132,26 @@ def test_rope_value_check_passes_the_cpu_providers(dtype: torch.dtype) -> None:
     assert rope.check_values(chosen, q, k, ["fwd", "bwd"]) == {}
 
 
+def test_rope_benchmark_names_the_providers_it_knows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A misspelled name is an error listing the known ones; a GPU provider on a CPU run is a note, not a crash."""
+    rope = _benchmark("rope")
+    argv = ["rope.py", "--seqs", "8", "--dtypes", "fp32", "--modes", "fwd", "--reps", "1", "--alloc", "system"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--providers", "posenc-torhc", "--csv", str(tmp_path / "a.csv")])
+    with pytest.raises(SystemExit) as exited:
+        rope.main()
+    assert exited.value.code == 2
+    assert f"--providers: unknown posenc-torhc; known: {', '.join(rope.PROVIDERS)}" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "argv", [*argv, "--providers", "liger", "hf-eager", "--csv", str(tmp_path / "b.csv")])
+    rope.main()
+    assert "note: liger runs on --device cuda only; not measured on this --device cpu run" in capsys.readouterr().out
+    assert [r["provider"] for r in _rows(tmp_path / "b.csv")] == ["copy", "hf-eager"]
+    # Every provider a CPU run makes is a known name, measured on the CPU.
+    made = set(rope.providers("cpu", 8, torch.float32))
+    assert made == {name for name in rope.PROVIDERS if rope.ONLY_ON.get(name, "cpu") == "cpu"}
+
+
 def _in_git() -> bool:
     return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True).returncode == 0
 
@@ -446,3 +466,26 @@ def test_gpu_goal_verdicts_from_benchmark_rows() -> None:
         "s=16384 fp32 fwd: no liger row": None,
         "s=16384 fp32 fwd: no flash-attn row": None,
     }
+
+
+@pytest.mark.skipif(shutil.which("timeout") is None, reason="gpu_check.sh runs each step under coreutils' timeout")
+def test_gpu_check_runs_every_step_and_exits_1_where_one_failed(tmp_path: Path) -> None:
+    """gpu_check.sh with a stand-in for python that says CUDA is there and succeeds at every step but the one named
+    in FAIL: every step runs, the log is saved, and the exit status is the verdict (the log is piped into tee, whose
+    status would be 0). Its step limits fit the 560 s its header promises."""
+    script = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    limits = [int(limit) for limit in re.findall(r"^\s*step (\d+) ", script, re.MULTILINE)]
+    assert sum(limits) <= 560
+    python = tmp_path / "python"
+    python.write_text('#!/bin/sh\ncase "$*" in *"$FAIL"*) exit 3 ;; esac\nexit 0\n')
+    python.chmod(0o755)
+    for fail, status in (("scripts/gpu_goal.py", 1), ("no step runs this", 0)):
+        results = tmp_path / f"results-{status}"
+        env = {**os.environ, "PYTHON": str(python), "RESULTS": str(results), "FAIL": fail}
+        env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+        done = subprocess.run(
+            ["bash", str(ROOT / "scripts" / "gpu_check.sh")], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == status, done.stdout[-2000:]
+        log = (results / "gpu_check.log").read_text()
+        assert log.count("(limit ") == len(limits) and log.count("FAILED") == status, log
