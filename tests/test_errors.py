@@ -548,6 +548,12 @@ _cos4 = torch.randn(4, 4)
 _longrope = {"rope_type": "longrope", "short_factor": [1.0] * 4, "original_max_position_embeddings": 16, "factor": 2.0}
 
 
+def _view_made_under_no_grad() -> torch.Tensor:
+    activations = torch.randn(1, 4, 2, 8, requires_grad=True) * 1
+    with torch.no_grad():
+        return activations.transpose(1, 2)
+
+
 def _byte_lm():
     from posenc.lab.model import ByteLM, ModelSpec
 
@@ -614,6 +620,13 @@ def _byte_lm():
             lambda: posenc.apply_rotary_(torch.randn(1, 2, 4, 8, requires_grad=True), _cos4, _cos4, backend="cpu"),
             RuntimeError,
             "x is a leaf tensor that requires grad",
+        ),
+        # Called a leaf (it has no grad_fn), or torch's "a leaf Variable" on the fused backends.
+        (
+            lambda: posenc.apply_rotary_(_view_made_under_no_grad(), _cos4, _cos4, backend="cpu"),
+            RuntimeError,
+            r"x is a view made under torch\.no_grad\(\) of a tensor that requires grad, .* rotate a copy with "
+            "apply_rotary",
         ),
         (
             lambda: posenc.RoPE(8)(q, q, offset=2**63),

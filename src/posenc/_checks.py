@@ -131,6 +131,17 @@ def may_overlap(x: torch.Tensor) -> bool:
     return False
 
 
+def inplace_refused(names: str, error: RuntimeError) -> RuntimeError:
+    """autograd's refusal (``error``, raised before anything was written) to let an in-place rotation change
+    ``names``, saying so and what to do instead. torch's own message says why (a view of a leaf, one of several
+    views made by one op: unbind, split)."""
+    return RuntimeError(
+        f"autograd refuses to let the rotation change {names} in place, and nothing was rotated: {error} Rotate a "
+        "copy with apply_rotary instead (or, where no gradient should flow through the rotation, rotate under "
+        "torch.no_grad())"
+    )
+
+
 def base_value(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number > 1, got {type(value).__name__}")

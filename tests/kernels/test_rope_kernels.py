@@ -10,6 +10,7 @@ import functools
 import mmap
 import os
 import platform
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -425,6 +426,40 @@ def test_in_place_on_an_inference_tensor_follows_torch(backend):
     with torch.inference_mode():
         apply_rotary_(x, cos, sin, offset=0, backend=backend)
     assert_close(x.cpu(), expected.cpu().double())
+
+
+def _refused_in_place(case: str, device: str):
+    """(the tensor that must stay unchanged, x to rotate in place, cos, sin, the error's pattern) for one way of
+    giving an x that autograd cannot record rotating in place."""
+    cos, sin = (t.to(device) for t in table(8, 16))
+    weight = torch.randn(2, 4, 3, 8, device=device, requires_grad=True)  # a leaf, (b, s, h, d)
+    if case == "view_of_a_leaf":
+        return weight, weight.transpose(1, 2), cos, sin, "a view of a leaf Variable"
+    product = weight * 1
+    if case == "unbind_view":
+        return product, product.unbind(2)[0][:, :, None], cos, sin, "function that returns multiple views"
+    if case == "view_made_under_no_grad":
+        with torch.no_grad():
+            x = product.transpose(1, 2)
+        return product, x, cos, sin, r"x is a view made under torch\.no_grad\(\) of a tensor that requires grad"
+    with torch.inference_mode():
+        cos, sin = cos.clone(), sin.clone()
+    return product, product.transpose(1, 2), cos, sin, r"cos/sin were made under torch\.inference_mode\(\)"
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto", "cpu", "triton"])
+@pytest.mark.parametrize("case", ["view_of_a_leaf", "unbind_view", "view_made_under_no_grad", "inference_cos_sin"])
+def test_in_place_refused_by_autograd_leaves_x_as_it_was(backend, case):
+    """Every backend refuses before writing, as torch's own in-place ops do: the fused ones wrote x through
+    pointers and autograd refused it afterwards (a Parameter's view, or unbind's, was left rotated by a caught
+    error). The error names x and what to do instead."""
+    watched, x, cos, sin, pattern = _refused_in_place(case, DEVICE.get(backend, "cpu"))
+    before = watched.detach().clone()
+    with pytest.raises(RuntimeError, match=pattern) as error:
+        apply_rotary_(x, cos, sin, offset=0, layout="bshd", backend=backend)
+    assert torch.equal(watched.detach(), before)
+    message = str(error.value)
+    assert re.search(r"\bx\b", message) and ("apply_rotary" in message or "clone()" in message)
 
 
 @pytest.mark.parametrize("backend", ["cpu", "triton"])

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 import torch.autograd.forward_ad as fwAD
 
+from posenc._checks import inplace_refused
 from posenc._compile_marks import assume_constant_result
 from posenc.kernels.cpu_rope import DTYPE_CODES, cpu_available, cpu_unavailable_reason, rope_cpu_jobs
 from posenc.kernels.layout import KINDS, Kind, canonical, canonical_cos, consecutive_rows, token_positions
@@ -503,17 +504,17 @@ class _RotaryCopy(_EagerRotation):
 
 
 class _RotaryInPlace(_EagerRotation):
-    """Autograd for the in-place rotation (torch.library cannot register autograd for a mutating op)."""
+    """Autograd for the in-place rotation (torch.library cannot register autograd for a mutating op). It records
+    the rotation and writes nothing: ``rotary_inplace`` launches the kernel once ``apply`` has returned.
+
+    Autograd checks a dirty tensor (a leaf's view, one of unbind's views, a view made under no_grad: torch's
+    in-place errors) and the saved ones (no inference tensors) after ``forward`` returns: a kernel launched in
+    ``forward`` had rotated x by then, so a caught error left x changed (the torch backend refuses before writing).
+    """
 
     @staticmethod
     def forward(ctx, *args):
-        xs, (offset, kind, interleaved, conjugate, backend), cos, sin, positions, offsets, cu_seqlens = (
-            _EagerRotation._unpack(ctx, args)
-        )
-        # Eager only: traced calls that need a gradient take rotary_inplace's copy-back path instead.
-        _rotary_inplace_impl(
-            xs, cos, sin, positions, offsets, offset, cu_seqlens, kind, interleaved, conjugate, backend
-        )
+        xs = _EagerRotation._unpack(ctx, args)[0]
         ctx.mark_dirty(*xs)
         return tuple(xs)
 
@@ -558,8 +559,14 @@ def rotary_inplace(
     interleaved: bool,
     conjugate: bool,
     backend: str,
+    *,
+    names: str = "x",
 ) -> None:
     """``rotary_`` with autograd when any x requires grad (the gradient is rotated back, like the copy's).
+    names: xs as errors call them.
+
+    In eager, autograd's refusals (torch's in-place errors, an inference tensor to save) come before the kernel
+    writes anything (``_RotaryInPlace``), raised naming xs and the fix.
 
     Traced with a gradient wanted, x is overwritten (``copy_``) with ``posenc::rotary``'s rotated copy: the same
     values bit for bit (the copy kernel's tail is x's own), through an in-place op that Dynamo and autograd track.
@@ -576,7 +583,15 @@ def rotary_inplace(
                 x.copy_(out)
         else:
             options = (offset, kind, interleaved, conjugate, backend)
-            _RotaryInPlace.apply(*xs, options, cos, sin, positions, offsets, cu_seqlens)
+            try:
+                _RotaryInPlace.apply(*xs, options, cos, sin, positions, offsets, cu_seqlens)
+            except RuntimeError as error:
+                raise inplace_refused(names, error) from error
+            # Outside any graph, as in a Function's forward: the launch's views and copies of x and cos need none.
+            with torch.no_grad():
+                _rotary_inplace_impl(
+                    list(xs), cos, sin, positions, offsets, offset, cu_seqlens, kind, interleaved, conjugate, backend
+                )
     elif torch.compiler.is_compiling():
         rotary_(list(xs), cos, sin, positions, offsets, offset, cu_seqlens, kind, interleaved, conjugate, backend)
     else:

@@ -17,6 +17,7 @@ from posenc._checks import (
     assert_without_sync,
     flag,
     float_tensor,
+    inplace_refused,
     integer_offset,
     may_overlap,
     same_device,
@@ -243,17 +244,13 @@ def rotate_tensors(
                     f"{name} was made under torch.inference_mode() and may be updated in place only inside it; "
                     f"call this inside torch.inference_mode(), or use apply_rotary for a rotated copy"
                 )
-            if not torch.compiler.is_compiling() and x.requires_grad and x.is_leaf and torch.is_grad_enabled():
-                # torch's own message comes from deep inside the rotation, and differs between the backends.
-                raise RuntimeError(
-                    f"{name} is a leaf tensor that requires grad, which autograd does not let change in place; use "
-                    f"apply_rotary for a rotated copy, or rotate it under torch.no_grad()"
-                )
+            if not torch.compiler.is_compiling() and torch.is_grad_enabled() and x.requires_grad:
+                _refuse_untracked_change(name, x, cos, sin)
     chosen = choose_backend(backend, tensors, cos, sin, kind, inplace=inplace)
     if chosen != "torch":
         args = (cos, sin, positions, offsets, offset_int, cu_seqlens, kind, interleaved, conjugate, chosen)
         if inplace:
-            rotary_inplace(tensors, *args)
+            rotary_inplace(tensors, *args, names=" and ".join(xs))
             return tensors
         return rotary_copy(tensors, *args)
 
@@ -287,19 +284,57 @@ def rotate_tensors(
             head_axis = 1 if kind == "bhsd" else 2
             cos, sin = cos.unsqueeze(head_axis), sin.unsqueeze(head_axis)
     outs = []
-    for x in tensors:
+    for name, x in xs.items():
         if inplace:
-            rotary_dim = 2 * cos.shape[-1]
-            part = x[..., :rotary_dim]
-            if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
-                # cos's gradient needs x as it was: autograd saves it, and the copy_ below would overwrite it.
-                part = part.clone()
-            rotated = apply_rotary_torch(part, cos, sin, interleaved=interleaved, conjugate=conjugate)
-            x.narrow(-1, 0, rotary_dim).copy_(rotated)
+            _rotate_in_place(name, x, cos, sin, interleaved, conjugate)
             outs.append(x)
         else:
             outs.append(apply_rotary_torch(x, cos, sin, interleaved=interleaved, conjugate=conjugate))
     return outs
+
+
+def _rotate_in_place(
+    name: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, conjugate: bool
+) -> None:
+    """The torch path's in-place rotation of x (..., d), called ``name`` in errors, with cos/sin broadcastable to
+    x.shape[:-1] + (r/2,)."""
+    rotary_dim = 2 * cos.shape[-1]
+    part = x[..., :rotary_dim]
+    if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
+        # cos's gradient needs x as it was: autograd saves it, and the copy_ below would overwrite it.
+        part = part.clone()
+    rotated = apply_rotary_torch(part, cos, sin, interleaved=interleaved, conjugate=conjugate)
+    try:
+        x.narrow(-1, 0, rotary_dim).copy_(rotated)
+    except RuntimeError as error:  # autograd's in-place checks, made before the copy writes: x is as it was
+        raise inplace_refused(name, error) from error
+
+
+def _refuse_untracked_change(name: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Raise, before anything is written, where autograd cannot record rotating x (which requires grad, with grad
+    mode on) in place, in the cases torch's own error would misname or whose fix is not apply_rotary. The other
+    refusals (a view of a leaf, one of unbind's views) are torch's own, raised before the write too."""
+    if x.is_leaf and x._base is not None and x._base.requires_grad:
+        # No grad_fn, though a view of a tensor that requires grad: made under no_grad. torch's error for it differs
+        # between the backends, one of them calling x a leaf.
+        raise RuntimeError(
+            f"{name} is a view made under torch.no_grad() of a tensor that requires grad, and autograd does not let "
+            f"such a view change in place with grad mode on (it cannot tell whether to record the change); make the "
+            f"view outside torch.no_grad(), rotate it inside torch.no_grad() too, or rotate a copy with apply_rotary"
+        )
+    if x.is_leaf:
+        # torch's own message comes from deep inside the rotation, and differs between the backends.
+        raise RuntimeError(
+            f"{name} is a leaf tensor that requires grad, which autograd does not let change in place; use "
+            f"apply_rotary for a rotated copy, or rotate it under torch.no_grad()"
+        )
+    if cos.is_inference() or sin.is_inference():
+        # Saved for the backward, which autograd refuses for inference tensors: a copy would be refused as well.
+        raise RuntimeError(
+            f"cos/sin were made under torch.inference_mode() and the rotation of {name}, which requires grad, saves "
+            f"them for its backward, which autograd does not allow; pass copies made outside inference mode "
+            f"(cos.clone(), sin.clone()), or rotate under torch.no_grad()"
+        )
 
 
 def apply_rotary(
