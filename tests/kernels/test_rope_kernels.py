@@ -494,6 +494,33 @@ def test_empty_inputs_have_empty_gradients(backend):
         torch.library.opcheck(ops.rotary, ([x], cos, sin, None, None, 2, None, "bhsd", False, False, "cpu"))
 
 
+@pytest.mark.parametrize("backend", ["auto", "cpu", "triton"])
+def test_inputs_and_gradients_whose_elements_share_memory(backend):
+    """x as sliding windows (strides (1, 1)), and a gradient made by as_strided with stride 1 on its batch dim, rotate
+    as on the torch path: the output's layout copied x's (empty_like), which put stride 1 on another dim than the
+    channels, and the kernels refused it ("unit stride in their last dim"). The op's fake gives the same strides."""
+    device = DEVICE.get(backend, "cpu")
+    cos, sin = (t.to(device) for t in table(8, 16))
+    windows = torch.randn(12, dtype=torch.float64).to(device).requires_grad_()
+    x = windows.unfold(0, 8, 1)  # (5, 8), rows 1 apart
+    grad_storage = torch.randn(100, dtype=torch.float64).to(device)
+    q = torch.randn(2, 3, 4, 8, dtype=torch.float64).to(device).requires_grad_()
+    results = {}
+    for name in ("torch", backend):
+        windows.grad, q.grad = None, None
+        out = apply_rotary(x, cos[:5], sin[:5], backend=name)
+        out.backward(grad_storage[:12].unfold(0, 8, 1))
+        q_out = apply_rotary(q, cos, sin, offset=3, backend=name)
+        q_out.backward(grad_storage.as_strided((2, 3, 4, 8), (1, 9, 2, 1)))
+        results[name] = (out.detach(), windows.grad, q_out.detach(), q.grad)
+    for got, expected in zip(results[backend], results["torch"], strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    if backend == "cpu":
+        torch.library.opcheck(
+            ops.rotary, ([x.detach()], cos[:5], sin[:5], None, None, 0, None, "broadcast", False, False, "cpu")
+        )
+
+
 @pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
 def test_empty_calls_with_position_ids(backend):
     """Position ids of an empty sequence ((b, 0) or (0,)) or of an empty batch, against a table shorter than s:

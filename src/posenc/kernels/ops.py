@@ -327,6 +327,16 @@ def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
     return x if x.shape[-1] <= 1 or x.stride(-1) == 1 else x.contiguous()
 
 
+def _output_like(x: torch.Tensor) -> torch.Tensor:
+    """A new tensor of x's shape and dtype for the kernels to write, x (..., d) with a unit last stride: x's strides
+    where x is dense, else row-major. empty_like orders the strides of an x whose elements share memory (sliding
+    windows, an as_strided gradient) by x's, which may put stride 1 on another dim: the kernels refuse that."""
+    out = torch.empty_like(x)
+    if out.shape[-1] > 1 and out.stride(-1) != 1:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    return out
+
+
 def _rotary_impl(
     xs: list[torch.Tensor],
     cos: torch.Tensor,
@@ -342,7 +352,7 @@ def _rotary_impl(
 ) -> list[torch.Tensor]:
     """Rotated copies of xs (see ``posenc.apply_rotary``'s arguments); channels past r are copied."""
     xs = [_unit_last_stride(x) for x in xs]
-    outs = [torch.empty_like(x) for x in xs]
+    outs = [_output_like(x) for x in xs]
     _launch(xs, outs, cos, sin, positions, offsets, offset, cu_seqlens, kind, interleaved, conjugate, backend, True)  # type: ignore[arg-type]
     return outs
 
@@ -352,7 +362,7 @@ rotary = torch.library.custom_op("posenc::rotary", mutates_args=())(_rotary_impl
 
 @rotary.register_fake
 def _rotary_fake(xs, cos, sin, positions, offsets, offset, cu_seqlens, kind, interleaved, conjugate, backend):
-    return [torch.empty_like(_unit_last_stride(x)) for x in xs]
+    return [_output_like(_unit_last_stride(x)) for x in xs]
 
 
 def _rotary_setup(ctx, inputs, output) -> None:
