@@ -463,6 +463,27 @@ def test_in_place_refused_by_autograd_leaves_x_as_it_was(backend, case):
 
 
 @pytest.mark.parametrize("backend", ["cpu", "triton"])
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("kind", ["position_ids", "per_sequence", "varlen"])
+def test_indices_made_under_inference_mode_serve_a_rotation_that_needs_grad(backend, inplace, kind):
+    """Position ids, offsets or cu_seqlens made under torch.inference_mode() (kept from an evaluation pass), for an
+    x that requires grad: the torch path never saves them; the fused ones saved them for backward, which autograd
+    refuses for inference tensors, so every such call failed there."""
+    device = DEVICE[backend]
+    q, _, kwargs, _, _ = make_case(kind, b=2, hq=2, hk=1, s=5, d=8, dtype=torch.float64)
+    cos, sin = (t.to(device).double() for t in table(8, 400))
+    with torch.inference_mode():
+        kwargs = {key: (v.to(device).clone() if isinstance(v, torch.Tensor) else v) for key, v in kwargs.items()}
+    grads = []
+    for name in ("torch", backend):
+        leaf = q.to(device).requires_grad_()
+        rotate = apply_rotary_ if inplace else apply_rotary
+        rotate(leaf * 1, cos, sin, backend=name, **kwargs).square().mul(leaf).sum().backward()
+        grads.append(leaf.grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
 def test_empty_inputs_and_gradient_flags(backend):
     """All-empty q and k (an empty batch or prefill) rotate to empty outputs; an output whose input needs no
     gradient does not need one (k beside a q that does)."""

@@ -452,6 +452,11 @@ class _EagerRotation(torch.autograd.Function):
     def _unpack(ctx, args: tuple) -> tuple:
         """Save what the backward needs; returns (xs, options, cos, sin, positions, offsets, cu_seqlens)."""
         xs, (options, cos, sin, positions, offsets, cu_seqlens) = args[:-_TRAILING], args[-_TRAILING:]
+        # Indices, which the torch path never saves: one made under inference mode, which autograd refuses to save,
+        # is copied (a few ints), so that it serves here as it does there.
+        positions, offsets, cu_seqlens = (
+            t.clone() if t is not None and t.is_inference() else t for t in (positions, offsets, cu_seqlens)
+        )
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(cos, sin, positions, offsets, cu_seqlens)
         # Also kept on ctx: one node rotates q and k, and save_for_backward frees its tensors in the node's first
