@@ -545,6 +545,23 @@ def test_length_dependent_types_compile_as_the_unpatched_model_does(mode: str) -
     torch.testing.assert_close(ours, theirs, **FP32)
 
 
+def test_consistent_mode_refuses_the_paged_cache_of_continuous_batching() -> None:
+    """generate_batch packs several requests' keys into one row of a paged cache (no transformers Cache, so the
+    cache check never saw it) and hands the attention block_table / read_index: the keys' positions, counted back
+    from the first new token, were wrong, and two of three requests decoded other tokens without a word. A decode
+    step as the paged cache hands it (two requests, 13 keys) is refused; run whole, generate_batch logs the error
+    and fails the requests."""
+    rope = RoPE(
+        16, rope_parameters={"rope_type": "dynamic", "factor": 2.0}, max_position_embeddings=8, mode="consistent"
+    )
+    query, key = torch.randn(1, 4, 2, 16), torch.randn(1, 2, 13, 16)
+    paged = {"position_ids": torch.tensor([[3, 8]]), "block_table": None, "read_index": [torch.arange(13)]}
+    with pytest.raises(
+        TypeError, match=r"cannot serve a paged KV cache .* block_table, read_index\), .*; patch with mode='hf'"
+    ):
+        patch_module._attend_with_rotated_keys(lambda *a, **k: None, rope, None, query, key, key, None, **paged)
+
+
 def test_consistent_mode_under_fullgraph_says_to_compile_without_it() -> None:
     """The step's length is read on the host in each attention layer: fullgraph=True's error named the read but not
     what to do, where the cache without patching (posenc.KVCache) says to compile without fullgraph. LongRoPE's

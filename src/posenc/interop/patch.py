@@ -343,6 +343,10 @@ def _evens_then_odds(x: torch.Tensor, r: int) -> torch.Tensor:
     return torch.cat((x[..., 0:r:2], x[..., 1:r:2], x[..., r:]), dim=-1)
 
 
+# What transformers' continuous batching passes to the attention (its PagedAttentionCache's reads), 5.25.
+_PAGED_ATTENTION_KWARGS = frozenset({"block_table", "read_index", "write_index"})
+
+
 def _attend_with_rotated_keys(
     attend: Callable[..., Any],
     rope: RoPE,
@@ -369,6 +373,15 @@ def _attend_with_rotated_keys(
         )
     new, total = query.shape[-2], key.shape[-2]
     key_positions = position_ids
+    paged = sorted(_PAGED_ATTENTION_KWARGS & kwargs.keys())
+    if total > new and paged:
+        # Continuous batching (generate_batch) packs several requests' keys into one row, read from a paged cache
+        # that is no transformers Cache: counting positions back from the first new token rotated them wrongly.
+        raise TypeError(
+            "posenc's 'consistent' mode cannot serve a paged KV cache (continuous batching, generate_batch: the "
+            f"attention got {', '.join(paged)}), whose keys of several requests share one row; patch with "
+            "mode='hf', or use generate with a DynamicCache"
+        )
     if total > new:
         past = position_ids[:, :1] - (total - new) + torch.arange(total - new, device=position_ids.device)
         key_positions = torch.cat((past.clamp_min(0), position_ids), dim=-1)
@@ -664,7 +677,8 @@ def patch_model(
     as the equivalent ``default`` config with a larger ``rope_theta``.
     mode: "hf" (Hugging Face's numbers, also for ``dynamic`` / ``longrope`` with a KV cache) or "consistent" (keys
     cached unrotated and rotated at read with each step's frequencies, so cached decoding equals a full forward;
-    it needs a ``DynamicCache``, and the patched attention raises TypeError when given a ``StaticCache``). For
+    it needs a ``DynamicCache``, and the patched attention raises TypeError when given a ``StaticCache`` or the
+    paged cache of continuous batching). For
     ``dynamic`` / ``longrope``, "consistent" is offered for ``SUPPORTED_ARCHITECTURES``, whose attention is known
     to hand its keys to the attention function with the rotated channels first.
     Returns a ``PatchReport``. Raises ValueError for a model posenc cannot patch (saying why), a model already
