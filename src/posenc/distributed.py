@@ -22,13 +22,14 @@ def shard_positions(
     """Position ids held by ``rank``, (seq_len // world_size,) int64, in the order the rank stores its tokens.
 
     load_balance: cut into 2 * world_size chunks and take chunks ``rank`` and ``2 * world_size - 1 - rank``;
-    otherwise take the rank's contiguous slice.
+    otherwise take the rank's contiguous slice. One rank holds the whole sequence, of any length (nothing to
+    balance: generic code calling this with the world size of a single process needs no even length).
     """
     seq_len, world_size = positive_int("seq_len", seq_len), positive_int("world_size", world_size)
     rank = integer_offset(rank)  # numpy's integers too, as for the sizes
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"rank must be an int in [0, {world_size}) for world_size={world_size}, got {rank!r}")
-    chunks = 2 * world_size if flag("load_balance", load_balance) else world_size
+    chunks = 2 * world_size if flag("load_balance", load_balance) and world_size > 1 else world_size
     if seq_len % chunks:
         raise ValueError(
             f"seq_len={seq_len} must be divisible by {chunks} "
@@ -36,7 +37,7 @@ def shard_positions(
             f"pad the sequence to {seq_len + chunks - seq_len % chunks}"
         )
     size = seq_len // chunks
-    if not load_balance:
+    if chunks == world_size:
         return torch.arange(rank * size, (rank + 1) * size, device=device)
     first = torch.arange(rank * size, (rank + 1) * size, device=device)
     mirror = chunks - 1 - rank

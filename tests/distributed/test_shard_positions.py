@@ -64,3 +64,10 @@ def test_numpy_integers_are_taken_for_every_size() -> None:
 def test_shards_are_int64_in_both_layouts() -> None:
     for load_balance in (True, False):
         assert shard_positions(8, 2, 1, load_balance=load_balance).dtype == torch.int64
+
+
+@pytest.mark.parametrize("balance", [True, False])
+def test_one_rank_holds_a_sequence_of_any_length(balance) -> None:
+    """With one rank there is nothing to balance: an odd length was refused ("must be divisible by 2"), so generic
+    code calling shard_positions(L, world_size, rank) broke in single-process runs."""
+    assert torch.equal(shard_positions(7, 1, 0, load_balance=balance), torch.arange(7))
