@@ -211,7 +211,7 @@ def to_markdown(results: dict[str, Any]) -> str:
             "",
             f"## {config['task']} task: per-byte accuracy (chance: {TASK_CHANCE[config['task']]})",
             "",
-            _table(rows, "task_byte_accuracy", lengths, [*enc_labels, *ext_labels], digits=2),
+            _table(rows, "task_byte_accuracy", lengths, [*enc_labels, *ext_labels], digits=3),
             "",
         ]
     reasons = sorted({(label(r), r["eval_len"], r["reason"]) for r in rows if not r["applicable"]})
