@@ -68,8 +68,30 @@ def test_one_process_collectives_are_identities_and_decide_reraises():
         ("cuda", 4, 3, (torch.device("cuda", 3), "nccl")),
     ],
 )
-def test_devices_and_backends(device, world, local_rank, expected):
+def test_devices_and_backends(device, world, local_rank, expected, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a machine with a GPU per process
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     assert resolve_device(device, world_size=world, local_rank=local_rank) == expected
+
+
+def test_more_processes_than_gpus_is_named_as_such(corpus_dir, tmp_path, monkeypatch, capsys):
+    """torchrun --nproc-per-node 2 on a 1-GPU machine: rank 1 was refused 'cuda:1' ('pass one of those, or --device
+    cuda', which it had passed) and said nothing, as only rank 0 printed; rank 0 waited for the group until torchrun
+    ended it. The rank says why, and what to start instead."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    fewer = r"LOCAL_RANK 1, but this machine has 1 CUDA GPU\(s\) .*\(--nproc-per-node 1\)"
+    with pytest.raises(ValueError, match=fewer):
+        resolve_device("cuda", world_size=2, local_rank=1)
+    for name, value in {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(runner, "train", lambda *a, **k: pytest.fail("training started"))
+    out = tmp_path / "run"
+    status = main(["lab", "--preset", "quick", "--corpus", str(corpus_dir), "--out", str(out), "--device", "cuda"])
+    assert status == 2 and not out.exists()
+    assert capsys.readouterr().err.startswith(
+        "posenc lab: error (rank 1): torchrun started this process as LOCAL_RANK 1"
+    )
 
 
 @pytest.mark.parametrize(

@@ -144,6 +144,12 @@ def resolve_device(device: str, *, world_size: int, local_rank: int) -> tuple[to
                 f"--device {device} names one GPU, but torchrun started {world_size} processes: pass --device cuda "
                 "and each process takes cuda:LOCAL_RANK"
             )
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if 0 < count <= local_rank:
+            raise ValueError(
+                f"torchrun started this process as LOCAL_RANK {local_rank}, but this machine has {count} CUDA GPU(s) "
+                f"and each process takes its own: start at most {count} per machine (--nproc-per-node {count})"
+            )
         return torch.device("cuda", local_rank), "nccl"
     raise ValueError(
         f"posenc lab under torchrun runs on cpu (gloo) or cuda (nccl), not on {resolved.type!r}; pass --device cpu "

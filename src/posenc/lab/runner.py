@@ -788,6 +788,14 @@ def _run_lab(
 ) -> int:
     try:
         ranks, resolved = group.enter_context(process_group(device))
+    except (ValueError, TypeError) as error:
+        # Said by every rank that meets it: before the group exists a rank's own device (its GPU) may be the one
+        # that fails, and rank 0, waiting for the group, would say nothing before torchrun ends it.
+        rank = os.environ.get("RANK", "0")
+        where = "" if os.environ.get("WORLD_SIZE", "1") in ("", "1") else f" (rank {rank})"
+        print(f"posenc lab: error{where}: {error}", file=sys.stderr)
+        return 2
+    try:
         config = make_config(preset, **overrides)
         if threads is not None:
             if isinstance(threads, bool) or not isinstance(threads, int) or threads <= 0:
