@@ -727,15 +727,7 @@ def _phimoe(short_mscale: float, long_mscale: float) -> Any:
         "long_mscale": long_mscale,
     }
     config = transformers.PhimoeConfig(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        num_local_experts=4,
-        vocab_size=128,
-        max_position_embeddings=64,
-        initializer_range=0.3,
+        **{**SIZES, "num_key_value_heads": 2, "num_local_experts": 4, "max_position_embeddings": 64},
         rope_parameters=rope_parameters,
     )
     torch.manual_seed(0)
