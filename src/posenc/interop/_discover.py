@@ -237,6 +237,13 @@ def buffer_order(pairs: int, mrope: tuple[Sequence[int], str] | None = None) -> 
     return torch.cat((order[:spatial:2], order[1:spatial:2], order[spatial:]))
 
 
+def run_rotary(module: nn.Module, x: torch.Tensor, positions: torch.Tensor, layer_type: str | None) -> Any:
+    """``module(x, position_ids)`` for a model's rotary embedding, with the ``layer_type`` argument that rotary
+    embeddings with a rope dict per layer type take; under no_grad."""
+    with torch.no_grad():
+        return module(x, positions, layer_type) if layer_type else module(x, positions)
+
+
 def forward_scaling(module: nn.Module, layer_type: str | None, *, default: float) -> float:
     """The factor a rotary module's forward scales cos/sin by, read as its cos at position 0 (a copy is run: the
     forward may advance a dynamic state). It need not be the ``attention_scaling`` it holds: PhiMoE's forward scales
@@ -247,8 +254,7 @@ def forward_scaling(module: nn.Module, layer_type: str | None, *, default: float
     x = torch.zeros(1, 1, 1, device=buffer.device)
     positions = torch.zeros(1, 1, dtype=torch.long, device=buffer.device)
     try:
-        with torch.no_grad():
-            out = probe(x, positions, layer_type) if layer_type else probe(x, positions)
+        out = run_rotary(probe, x, positions, layer_type)
     except Exception:  # the attribute is then all there is to read
         return default
     if not (isinstance(out, (tuple, list)) and len(out) == 2 and isinstance(out[0], torch.Tensor)):
@@ -286,14 +292,13 @@ def far_position_problem(
     for positions in ((0, 1, limit - 1), (0, limit, 2 * limit + 3), (0, 3, 4 * limit + 7)):
         ids = torch.tensor([positions], device=device)
         try:
-            with torch.no_grad():
-                cos, sin = probe(torch.zeros(1, 3, 1, device=device), ids, *((layer_type,) if layer_type else ()))
+            cos, sin = run_rotary(probe, torch.zeros(1, 3, 1, device=device), ids, layer_type)
         except Exception:  # a model that cannot run there itself (GPT-J's fixed table ends at its trained length)
             continue
         length = max(positions) + 1
         if rope.rope_type == "dynamic":  # the length transformers' dynamic state scaled for in that call
-            length = int(getattr(probe, state_name(layer_type, "max_seq_len_cached"), length))
-        ours_cos, ours_sin = rope.cos_sin(ids[0].cpu(), seq_len=max(length, max(positions) + 1))
+            length = max(length, int(getattr(probe, state_name(layer_type, "max_seq_len_cached"), length)))
+        ours_cos, ours_sin = rope.cos_sin(ids[0].cpu(), seq_len=length)
         q = torch.randn(1, 2, 3, r, generator=generator, dtype=torch.float32)
         k = torch.randn(1, 1, 3, r, generator=generator, dtype=torch.float32)
         ours = apply_rotary_qk(
@@ -357,7 +362,7 @@ def probe_rotation(
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         try:
-            cos, sin = probe(x, positions, layer_type) if layer_type else probe(x, positions)
+            cos, sin = run_rotary(probe, x, positions, layer_type)
         except Exception as error:  # a rotary module that needs more than (x, position_ids): cannot be checked
             raise ValueError(f"{type(rotary).__name__} could not be run to check {name}: {error}") from error
         inv_freq = getattr(probe, state_name(layer_type, "inv_freq")).detach().to(torch.float64)
