@@ -455,15 +455,76 @@ def test_consistent_mode_refuses_a_cache_of_keys_rotated_before() -> None:
         twin = copy.deepcopy(ours)  # a copy of the patched model, and of its cache (beam search), are the same patch
         expected = ours(ids[:, 10:], cache=copy.deepcopy(cache)).logits
         torch.testing.assert_close(twin(ids[:, 10:], cache=cache).logits, expected, **FP32)
-        for fill_with in ("unpatched", "hf", "another consistent patch"):
+        for fill_with in ("unpatched", "hf", "consistent with a fixed type"):
             other = copy.deepcopy(reference)
-            if fill_with != "unpatched":
-                patch_model(other, mode="consistent" if fill_with.startswith("another") else "hf")
+            if fill_with == "hf":
+                patch_model(other, mode="hf")
+            elif fill_with != "unpatched":  # yarn's frequencies do not change with the length: keys rotated at write
+                patch_model(other, mode="consistent", rope_parameters={"rope_type": "yarn", "factor": 2.0})
             foreign = transformers.DynamicCache(config=reference.config)
             other(ids[:, :10], cache=foreign)
             with pytest.raises(ValueError, match=r"holds 10 keys for layer 0 that posenc's mode='consistent' did not"):
                 ours(ids[:, 10:], cache=foreign)
         ours(ids[:, 10:], cache=transformers.DynamicCache(config=reference.config))  # a new one is fine
+
+
+def consistent_filled_cache() -> tuple[Any, torch.Tensor, Any]:
+    """(a model patched in 'consistent' mode and unpatched since, 20 tokens, a DynamicCache it filled with the first
+    12 while patched, unrotated): one layer with dynamic NTK, so that cached decoding equals a full forward and the
+    8 new tokens take the scaling length past the trained 16."""
+    model = build("llama", "dynamic", num_hidden_layers=1)
+    ids = tokens(length=20)
+    patch_model(model, mode="consistent")
+    cache = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids[:, :12], cache=cache)
+    unpatch_model(model)
+    return model, ids, cache
+
+
+@pytest.mark.parametrize("rope_parameters", [None, {"rope_type": "dynamic", "factor": 4.0}])
+def test_consistent_mode_continues_a_cache_that_another_consistent_patch_filled(
+    rope_parameters: dict[str, Any] | None,
+) -> None:
+    """The keys a consistent patch caches hold no rotation, so the model patched again continues them, with its
+    frequencies whatever they are (it was refused, with advice to patch with mode='hf', which misread them)."""
+    model, ids, cache = consistent_filled_cache()
+    patch_model(model, mode="consistent", rope_parameters=rope_parameters)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids[:, 12:], cache=cache).logits, model(ids).logits[:, 12:], **FP32)
+
+
+@pytest.mark.parametrize(
+    ("mode", "rope_parameters"), [("hf", None), ("consistent", {"rope_type": "yarn", "factor": 2.0})]
+)
+def test_a_model_that_caches_rotated_keys_refuses_a_cache_that_consistent_filled(
+    mode: str, rope_parameters: dict[str, Any] | None
+) -> None:
+    """'hf' mode, and 'consistent' with a type whose frequencies do not change with the length, rotate keys when
+    they cache them: they attended to a consistent patch's unrotated keys as they were (logits off by ~9, no
+    error)."""
+    model, ids, cache = consistent_filled_cache()
+    patch_model(model, mode=mode, rope_parameters=rope_parameters)
+    refused = r"holds 12 keys for layer 0 that posenc's mode='consistent' cached unrotated"
+    with torch.no_grad(), pytest.raises(ValueError, match=refused):
+        model(ids[:, 12:], cache=cache)
+
+
+def test_an_emptied_cache_holds_the_keys_of_whatever_fills_it_next() -> None:
+    """cache.reset() leaves a consistent patch's marks: an 'hf' patch that fills the emptied cache with rotated keys
+    drops them, so the consistent patch refuses those keys (it took them as its own and rotated them twice)."""
+    reference = build("llama", "dynamic", num_hidden_layers=1)
+    ids = tokens(length=20)
+    consistent, hf = copy.deepcopy(reference), copy.deepcopy(reference)
+    patch_model(consistent, mode="consistent")
+    patch_model(hf, mode="hf")
+    cache = transformers.DynamicCache(config=reference.config)
+    with torch.no_grad():
+        consistent(ids[:, :12], cache=cache)
+        cache.reset()
+        hf(ids[:, :12], cache=cache)
+        with pytest.raises(ValueError, match=r"holds 12 keys for layer 0 that posenc's mode='consistent' did not"):
+            consistent(ids[:, 12:], cache=cache)
 
 
 @pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])

@@ -22,7 +22,10 @@ step (the copy's ``ALL_ATTENTION_FUNCTIONS`` is wrapped for that), so every scor
 frequencies and cached decoding equals a full forward pass. This needs a cache that returns the past keys in order
 without gaps (``DynamicCache``, what ``generate`` uses by default, sliding-window layers included). A
 ``StaticCache`` returns its whole fixed-size buffer, so the keys' positions cannot be counted back from the new
-tokens: the patched attention raises a TypeError when it is given one in that mode (``mode="hf"`` takes it).
+tokens: the patched attention raises a TypeError when it is given one in that mode (``mode="hf"`` takes it). The
+cache layers it fills are marked as unrotated: every patched attention reads the mark, so that one rotating keys at
+read refuses keys rotated when cached and one rotating them when cached refuses unrotated ones (the unpatched model
+does not read it).
 
 Before anything is replaced, the posenc RoPE is checked against the model's own rotary embedding (the same number
 of frequencies, the same inv_freq within the buffer's rounding, the same attention scaling) and each rotation
@@ -678,7 +681,9 @@ def patch_model(
     mode: "hf" (Hugging Face's numbers, also for ``dynamic`` / ``longrope`` with a KV cache) or "consistent" (keys
     cached unrotated and rotated at read with each step's frequencies, so cached decoding equals a full forward;
     it needs a ``DynamicCache``, and the patched attention raises TypeError when given a ``StaticCache`` or the
-    paged cache of continuous batching). For
+    paged cache of continuous batching; a cache it filled holds unrotated keys, which the model patched again in
+    this mode continues and a patch that rotates keys when it caches them refuses: see ``unpatch_model`` for the
+    unpatched model). For
     ``dynamic`` / ``longrope``, "consistent" is offered for ``SUPPORTED_ARCHITECTURES``, whose attention is known
     to hand its keys to the attention function with the rotated channels first.
     Returns a ``PatchReport``. Raises ValueError for a model posenc cannot patch (saying why), a model already
@@ -929,49 +934,76 @@ def _patched_forward(
             )
         replacements[_ATTENTION_REGISTRY_NAME] = _KeysRotatedAtRead(namespace[_ATTENTION_REGISTRY_NAME], rope)
         return _checking_the_cache(_with_globals(func, replacements))
-    return _with_globals(func, replacements)
+    return _refusing_unrotated_keys(_with_globals(func, replacements))
+
+
+def _cache_class() -> type | None:
+    """transformers' ``Cache`` base class, or None in a version without one."""
+    cache_cls = getattr(importlib.import_module("transformers.cache_utils"), "Cache", None)
+    return cache_cls if isinstance(cache_cls, type) else None
+
+
+def _caches_in(cache_cls: type, args: tuple, kwargs: Mapping[str, Any]) -> list[Any]:
+    """The caches among a forward's arguments. Found by type, not by name: transformers has called the argument
+    past_key_values, cache and (in GPT-NeoX) layer_past, positionally or by keyword."""
+    return [value for value in (*args, *kwargs.values()) if isinstance(value, cache_cls)]
 
 
 def _checking_the_cache(forward: types.FunctionType) -> types.FunctionType:
-    """'consistent' mode: ``forward`` preceded by ``_require_growing_cache`` on the cache it is given.
-
-    The cache is found by type, not by name: transformers has called the argument past_key_values, cache and (in
-    GPT-NeoX) layer_past, positionally or by keyword.
-    """
+    """'consistent' mode: ``forward`` preceded by ``_require_growing_cache`` and ``_require_unrotated_keys`` on the
+    cache it is given, and followed by marking the cache layer as holding unrotated keys."""
     cache_utils = importlib.import_module("transformers.cache_utils")
-    cache_cls, growing_layer = getattr(cache_utils, "Cache", None), getattr(cache_utils, "DynamicLayer", None)
-    if not (isinstance(cache_cls, type) and isinstance(growing_layer, type)):
+    cache_cls, growing_layer = _cache_class(), getattr(cache_utils, "DynamicLayer", None)
+    if cache_cls is None or not isinstance(growing_layer, type):
         raise ValueError(
             "transformers.cache_utils has no Cache / DynamicLayer; mode='consistent' is not supported for this "
             "transformers version (use mode='hf')"
         )
 
-    # Marks the cache layers this forward filled with unrotated keys. Shared by the model's deep copies, whose
-    # forwards are this one; copies of a cache (beam search) share it too.
-    mark = _UnrotatedKeys()
-
     @functools.wraps(forward)
     def checked(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        caches = [value for value in (*args, *kwargs.values()) if isinstance(value, cache_cls)]
+        caches = _caches_in(cache_cls, args, kwargs)
         layer = getattr(self, "layer_idx", None)
         for cache in caches:
             _require_growing_cache(cache, growing_layer)
             if isinstance(layer, int):
-                _require_unrotated_keys(cache, layer, mark)
+                _require_unrotated_keys(cache, layer)
         out = forward(self, *args, **kwargs)
         if isinstance(layer, int):
             for cache in caches:
-                cache.__dict__.setdefault(_MARKS_ATTR, {})[layer] = mark
+                cache.__dict__.setdefault(_MARKS_ATTR, {})[layer] = _UNROTATED
         return out
 
     return checked
 
 
-_MARKS_ATTR = "_posenc_unrotated_keys"  # a cache's {layer index: the _UnrotatedKeys of the forward that filled it}
+def _refusing_unrotated_keys(forward: types.FunctionType) -> types.FunctionType:
+    """A forward that caches keys rotated ('hf' mode, or 'consistent' with a fixed type): ``forward`` preceded by
+    ``_require_rotated_keys`` on the cache it is given. Unchanged in a transformers version without ``Cache``."""
+    cache_cls = _cache_class()
+    if cache_cls is None:
+        return forward
+
+    @functools.wraps(forward)
+    def checked(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        layer = getattr(self, "layer_idx", None)
+        if isinstance(layer, int):
+            for cache in _caches_in(cache_cls, args, kwargs):
+                _require_rotated_keys(cache, layer)
+        return forward(self, *args, **kwargs)
+
+    return checked
+
+
+# A cache's {layer index: _UNROTATED} for the layers a 'consistent' forward (keys rotated at read) filled.
+_MARKS_ATTR = "_posenc_unrotated_keys"
 
 
 class _UnrotatedKeys:
-    """What a 'consistent' forward leaves on the cache layers it fills: their keys are unrotated. Copied as itself."""
+    """What a 'consistent' forward leaves on the cache layers it fills: their keys are unrotated. Copied as itself.
+
+    Unrotated keys are the key projections alone, the same whichever RoPE rotates them, so any 'consistent' forward
+    of the model may continue them: the same patch, a copy of the model, or the model patched again."""
 
     def __copy__(self) -> _UnrotatedKeys:
         return self
@@ -980,18 +1012,50 @@ class _UnrotatedKeys:
         return self
 
 
-def _require_unrotated_keys(cache: Any, layer: int, mark: _UnrotatedKeys) -> None:
-    """Raise unless the keys ``cache`` holds for ``layer`` (if any) were put there by this 'consistent' forward: any
-    others were rotated when cached (before patching, or by a model patched with mode='hf'), and would be rotated
-    twice."""
-    held = cache.get_seq_length(layer) if layer < len(getattr(cache, "layers", ()) or ()) else 0
-    if held and getattr(cache, _MARKS_ATTR, {}).get(layer) is not mark:
+_UNROTATED = _UnrotatedKeys()
+
+
+def _held_keys(cache: Any, layer: int) -> int:
+    """How many keys ``cache`` holds for ``layer`` (0 for a layer it has not built yet)."""
+    return cache.get_seq_length(layer) if layer < len(getattr(cache, "layers", ()) or ()) else 0
+
+
+def _marked_unrotated(cache: Any, layer: int) -> bool:
+    # isinstance, not identity: a pickled and loaded cache holds a new instance.
+    return isinstance((getattr(cache, _MARKS_ATTR, None) or {}).get(layer), _UnrotatedKeys)
+
+
+def _require_unrotated_keys(cache: Any, layer: int) -> None:
+    """Raise unless the keys ``cache`` holds for ``layer`` (if any) were put there by a 'consistent' forward: any
+    others were rotated when cached (before patch_model, after unpatch_model, or by a model patched with mode='hf'),
+    and would be rotated twice."""
+    held = _held_keys(cache, layer)
+    if held and not _marked_unrotated(cache, layer):
         raise ValueError(
             f"this {type(cache).__name__} holds {held} keys for layer {layer} that posenc's mode='consistent' did not "
-            "cache: they are rotated already (cached before patch_model, or by a model patched with mode='hf' or "
-            "another patch), and consistent mode keeps keys unrotated and rotates them at read, so they would be "
-            "rotated twice. Start a new cache for this model, or patch it with mode='hf', which continues such a cache"
+            "cache: they are rotated already (cached before patch_model, after unpatch_model, or by a model patched "
+            "with mode='hf' or with a rope type whose keys are rotated when cached), and consistent mode keeps keys "
+            "unrotated and rotates them at read, so they would be rotated twice. Start a new cache for this model, "
+            "or patch it with mode='hf', which continues such a cache"
         )
+
+
+def _require_rotated_keys(cache: Any, layer: int) -> None:
+    """Raise if ``cache`` holds keys for ``layer`` that a 'consistent' forward cached unrotated: a forward that
+    rotates keys when it caches them would attend to them unrotated. A layer emptied since (``cache.reset()``) is
+    unmarked, as this forward fills it with rotated keys."""
+    if not _marked_unrotated(cache, layer):
+        return
+    held = _held_keys(cache, layer)
+    if not held:
+        del cache.__dict__[_MARKS_ATTR][layer]
+        return
+    raise ValueError(
+        f"this {type(cache).__name__} holds {held} keys for layer {layer} that posenc's mode='consistent' cached "
+        "unrotated (it rotates them at read, with each step's frequencies); this model rotates keys when it caches "
+        "them and would attend to those unrotated. Continue the cache with a model patched with mode='consistent' "
+        "and a rope type whose frequencies change with the length ('dynamic', 'longrope'), or start a new cache"
+    )
 
 
 def _require_growing_cache(cache: Any, growing_layer: type) -> None:
@@ -1019,7 +1083,12 @@ def is_patched(model: nn.Module) -> bool:
 
 def unpatch_model(model: nn.Module) -> PatchReport:
     """Undo ``patch_model``: the original rotary modules, the class's attention forward, and the config's rope
-    values as they were before patching. Returns the report of the patch that was undone."""
+    values as they were before patching. Returns the report of the patch that was undone.
+
+    A KV cache filled in ``mode="consistent"`` with ``dynamic`` / ``longrope`` holds unrotated keys, which the
+    unpatched model, rotating keys when it caches them, would attend to as they are, with no error (posenc no
+    longer runs in it to refuse them): start a new cache, or continue that one after ``patch_model(model,
+    mode="consistent")``."""
     state: _PatchState | None = getattr(model, _STATE_ATTR, None)
     if state is None:
         raise ValueError("model is not patched by posenc (patch_model was not called, or unpatch_model already was)")
