@@ -70,3 +70,28 @@ def test_bad_input_is_a_clear_error():
         long_term_decay(64, max_distance=0)
     with pytest.raises(ValueError, match="needs max_position_embeddings"):
         long_term_decay(64, rope_parameters={"rope_type": "dynamic", "factor": 2.0})
+
+
+@pytest.mark.parametrize(
+    ("distances", "inv_freq", "factor", "error", "match"),
+    [
+        # An empty inv_freq gave NaN at every distance without a word; the others failed deep inside torch.
+        (torch.arange(4), torch.ones(0, dtype=torch.float64), 1.0, ValueError, "inv_freq must be a non-empty 1-D"),
+        (torch.arange(4), torch.ones(2, 2), 1.0, ValueError, "inv_freq must be a non-empty 1-D"),
+        (torch.arange(4), [1.0, 0.1], 1.0, TypeError, "inv_freq must be a torch.Tensor"),
+        (torch.arange(4), torch.arange(2), 1.0, TypeError, "inv_freq must be a floating-point tensor"),
+        (torch.arange(6).view(2, 3), torch.ones(2), 1.0, ValueError, r"distances must be 1-D \(n,\)"),
+        (torch.arange(4), torch.ones(2), float("nan"), ValueError, "attention_factor must be finite"),
+        (torch.arange(4), torch.ones(2), "1.0", TypeError, "attention_factor must be a real number"),
+    ],
+)
+def test_decay_bound_refuses_what_it_cannot_average(distances, inv_freq, factor, error, match):
+    with pytest.raises(error, match=match):
+        decay_bound(distances, inv_freq, factor)
+
+
+def test_decay_bound_takes_a_float32_inv_freq_and_a_numpy_factor():
+    numpy = pytest.importorskip("numpy")
+    inv_freq = posenc.rope_frequencies(8)[0]  # float32
+    bound = decay_bound(torch.arange(3), inv_freq, numpy.float64(1.5))
+    torch.testing.assert_close(bound, decay_bound(torch.arange(3), inv_freq.double(), 1.5))

@@ -13,12 +13,14 @@ factor on both q and k, so the score and the bound carry attention_factor square
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from posenc._checks import int_tensor, positive_int
+from posenc._checks import float_tensor, int_tensor, positive_int
 from posenc.rope.module import RoPE
 
 
@@ -34,10 +36,24 @@ class DecayResult:
 
 
 def decay_bound(distances: torch.Tensor, inv_freq: torch.Tensor, attention_factor: float = 1.0) -> torch.Tensor:
-    """distances: (n,) integer; inv_freq: (r/2,). Returns (n,) float64:
+    """distances: (n,) integer; inv_freq: (r/2,) float, moved to distances' device. Returns (n,) float64:
     attention_factor^2 * mean_j |sum_{k<j} e^{i d theta_k}|."""
     int_tensor("distances", distances)
-    angles = distances.to(torch.float64)[:, None] * inv_freq.to(torch.float64)[None, :]  # (n, r/2)
+    if distances.dim() != 1:
+        raise ValueError(f"distances must be 1-D (n,), got shape {tuple(distances.shape)}")
+    float_tensor("inv_freq", inv_freq)
+    # An empty inv_freq gave a bound of NaN (the mean over no pairs) at every distance.
+    if inv_freq.dim() != 1 or inv_freq.numel() == 0:
+        raise ValueError(
+            f"inv_freq must be a non-empty 1-D tensor (r/2,), one frequency per pair, got shape "
+            f"{tuple(inv_freq.shape)}; RoPE.frequencies()[0] gives one"
+        )
+    if isinstance(attention_factor, bool) or not isinstance(attention_factor, numbers.Real):
+        raise TypeError(f"attention_factor must be a real number, got {type(attention_factor).__name__}")
+    if not math.isfinite(attention_factor):
+        raise ValueError(f"attention_factor must be finite, got {attention_factor}")
+    inv_freq = inv_freq.to(device=distances.device, dtype=torch.float64)
+    angles = distances.to(torch.float64)[:, None] * inv_freq[None, :]  # (n, r/2)
     partial_sums = torch.polar(torch.ones_like(angles), angles).cumsum(dim=-1)  # S_1 .. S_{r/2}
     return partial_sums.abs().mean(dim=-1) * attention_factor**2
 
