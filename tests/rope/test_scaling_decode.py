@@ -159,6 +159,22 @@ def test_call_cos_sin_is_the_per_step_accessor_that_rotates_as_forward_does(rope
     assert stale == (mode == "hf" and rope_type == "dynamic")
 
 
+def test_call_cos_sin_of_batched_positions_rotates_as_forward_with_the_head_axis_its_docstring_names() -> None:
+    """(b, s) positions give (b, s, r/2) cos/sin: with b equal to h, passed to apply_rotary without a head axis they
+    broadcast over the heads (head i turned by row i's positions) and no shape check can tell; the docstring's
+    recipe, cos[:, None] for (b, h, s, d) and cos[:, :, None] for (b, s, h, d), rotates as forward does."""
+    rope = RoPE(HEAD_DIM)
+    torch.manual_seed(0)
+    positions = torch.stack((torch.arange(5), torch.arange(5) + 7))  # b = 2 rows that differ
+    q = torch.randn(2, 2, 5, HEAD_DIM)  # h = b = 2
+    rotated, _ = rope(q, q, positions=positions)
+    cos, sin = rope.call_cos_sin(positions)
+    torch.testing.assert_close(apply_rotary(q, cos[:, None], sin[:, None]), rotated, rtol=0.0, atol=0.0)
+    bshd = apply_rotary(q.transpose(1, 2), cos[:, :, None], sin[:, :, None]).transpose(1, 2)
+    torch.testing.assert_close(bshd, rotated, rtol=0.0, atol=0.0)
+    assert not torch.allclose(apply_rotary(q, cos, sin), rotated)  # the trap: no error, other angles
+
+
 def test_frequencies_are_computed_once_per_recent_length_and_handed_out_as_copies(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

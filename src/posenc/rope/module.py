@@ -339,9 +339,12 @@ class RoPE(nn.Module):
         ``forward`` (with no seq_len) rotates these positions by, at the length it scales for (``scaling_length``),
         advancing 'hf' dynamic NTK's state (the largest length seen) as a forward call does: in mode 'hf' the values
         transformers' rotary embedding gives for the same sequence of calls. Call it once per step, where forward
-        would be called, and rotate with ``apply_rotary(x, cos, sin)``. ``cos_sin`` reads no state: for 'hf'
-        dynamic it differs from forward on a call shorter than the longest one seen but not shorter than
-        max_position_embeddings (a decode step after a longer prefill).
+        would be called, and rotate with ``apply_rotary(x, cos, sin)``, giving cos and sin a head axis where the
+        positions have a batch axis: for (b, s) positions and x (b, h, s, d), ``cos[:, None], sin[:, None]`` (as
+        transformers' ``unsqueeze_dim=1``), for x (b, s, h, d) ``cos[:, :, None]``; a (b, s, r/2) cos passed as it is
+        broadcasts over the heads when b equals h, rotating head i by row i's positions without an error. ``cos_sin``
+        reads no state: for 'hf' dynamic it differs from forward on a call shorter than the longest one seen but not
+        shorter than max_position_embeddings (a decode step after a longer prefill).
 
         Inside torch.compile the length-dependent types compute them outside the graph, one graph break where
         transformers' ``dynamic_rope_update`` makes one too; with ``fullgraph=True`` or in a CUDA graph capture,
