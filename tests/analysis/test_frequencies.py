@@ -118,3 +118,19 @@ def test_bad_input_is_a_clear_error():
         frequency_table(64, parameters={"linear": {"rope_type": "ntk", "factor": 2.0}})
     with pytest.raises(ValueError, match="needs the key"):
         frequency_table(64, parameters={"linear": {}})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        # A string was read as its letters ("unknown rope_type 'l'"); the others failed in dict() with "dictionary
+        # update sequence element #0 ...", naming no argument.
+        ({"rope_types": "linear"}, r"rope_types must be a list of type names, e.g. \['linear'\]"),
+        ({"parameters": "linear"}, "parameters must map a rope_type to its rope_parameters"),
+        ({"parameters": {"linear": "factor"}}, "parameters must map a rope_type to its rope_parameters"),
+        ({"parameters": {"linear": None}}, "parameters must map a rope_type to its rope_parameters"),
+    ],
+)
+def test_arguments_of_the_wrong_kind_are_named(kwargs, match):
+    with pytest.raises(TypeError, match=match):
+        frequency_table(8, **kwargs)

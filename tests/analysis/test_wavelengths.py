@@ -78,3 +78,10 @@ def test_bad_input_is_a_clear_error():
     with pytest.raises(ValueError, match=r"train_len=8192 but .* original_max_position_embeddings=2048: .* pass "):
         wavelengths(64, 8192, rope_parameters=yarn)
     assert wavelengths(64, 2048, rope_parameters=yarn).train_len == 2048
+
+
+@pytest.mark.parametrize("rope_parameters", ["linear", [("rope_type", "linear")]])
+def test_rope_parameters_that_are_not_a_dict_are_named(rope_parameters):
+    # A string failed with "AttributeError: 'str' object has no attribute 'get'".
+    with pytest.raises(TypeError, match="rope_parameters must be a dict"):
+        wavelengths(8, 64, rope_parameters=rope_parameters)

@@ -133,6 +133,8 @@ def frequency_table(
     replace the example (e.g. ``{"yarn": {"factor": 8.0, "beta_fast": 16.0, ...}}``).
     """
     positive_int("train_len", train_len)
+    if isinstance(rope_types, str):  # tuple("linear") would be its letters, and the error name the type 'l'
+        raise TypeError(f"rope_types must be a list of type names, e.g. [{rope_types!r}], got a string")
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1.0:
         raise ValueError(f"factor must be a number >= 1 (the context extension ratio), got {factor!r}")
     seq_len = positive_int("seq_len", seq_len) if seq_len is not None else round(factor * train_len)
@@ -152,7 +154,15 @@ def frequency_table(
         names = tuple(name for name in names if name not in NEEDS_FOUR_CHANNELS)
     if not names:
         raise ValueError("rope_types is empty; leave it out to show every type in SCALINGS")
-    parameters = dict(parameters or {})
+    if parameters is None:
+        parameters = {}
+    # dict() of a string or a list failed with "dictionary update sequence element #0 ...", naming no argument.
+    if not isinstance(parameters, Mapping) or not all(isinstance(own, Mapping) for own in parameters.values()):
+        raise TypeError(
+            "parameters must map a rope_type to its rope_parameters, e.g. {'yarn': {'factor': 8.0}}, got "
+            f"{parameters!r}"
+        )
+    parameters = dict(parameters)
     unknown = sorted(set(parameters) - set(SCALINGS))
     if unknown:
         raise ValueError(f"parameters names unknown rope_type(s) {', '.join(unknown)}; known: {', '.join(SCALINGS)}")

@@ -65,6 +65,11 @@ def wavelengths(
     as for ``posenc.RoPE``; seq_len: the length that length-dependent types (dynamic) scale for.
     """
     positive_int("train_len", train_len)
+    if rope_parameters is not None and not isinstance(rope_parameters, Mapping):  # read with .get below
+        raise TypeError(
+            "rope_parameters must be a dict like {'rope_type': 'default', 'rope_theta': 10000.0}, "
+            f"got {type(rope_parameters).__name__}"
+        )
     # The counts against L (pairs that turn less than once) must use the length the scaling extends from: a model
     # config's max_position_embeddings (the extended length) beside YaRN's original one counted them at the wrong L.
     original = (rope_parameters or {}).get("original_max_position_embeddings")
