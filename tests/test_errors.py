@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import posenc
+from posenc import testing
 from posenc.bias.alibi import alibi_bias
 from posenc.distributed import shard_positions
 from posenc.rope.mrope import MRoPE
@@ -684,6 +685,20 @@ def _byte_lm():
     ],
 )
 def test_errors_found_by_the_third_bad_input_audit(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        # Silent before: the last column of an odd dim was torch.empty's, never written (any values memory held).
+        (lambda: testing.sinusoidal_reference(torch.arange(3), 7), ValueError, "dim must be even and positive"),
+        # Silent before: any layout but 'bhsd' was read as 'bshd'.
+        (lambda: testing.random_qk(1, 2, 2, 3, 8, layout="bhds"), ValueError, "layout must be 'bhsd' or 'bshd'"),
+    ],
+)
+def test_errors_found_by_the_fourth_bad_input_audit(call, error, match):
     with pytest.raises(error, match=match):
         call()
 

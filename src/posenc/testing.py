@@ -114,7 +114,10 @@ def rope_reference(
 
 
 def sinusoidal_reference(positions: torch.Tensor, dim: int, *, base: float = 10000.0) -> torch.Tensor:
-    """PE(p, 2i) = sin(p / base^(2i/d)), PE(p, 2i+1) = cos(p / base^(2i/d)) (Vaswani et al., §3.5)."""
+    """PE(p, 2i) = sin(p / base^(2i/d)), PE(p, 2i+1) = cos(p / base^(2i/d)) (Vaswani et al., §3.5). dim: even."""
+    if dim <= 0 or dim % 2:
+        # The loop fills pairs: an odd dim left the last column of torch.empty unwritten (whatever memory held).
+        raise ValueError(f"dim must be even and positive (sin/cos pairs), got {dim}")
     pos = positions.to(torch.float64)
     out = torch.empty((*positions.shape, dim), dtype=torch.float64)
     for i in range(dim // 2):
@@ -191,6 +194,8 @@ def random_qk(
     device: str | torch.device = "cpu",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Random q (b, h_q, s, d) and k (b, h_k, s, d) (or bshd), drawn in float64 and cast to ``dtype``."""
+    if layout not in ("bhsd", "bshd"):  # any other string was read as "bshd"
+        raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
     gen = torch.Generator().manual_seed(seed)
     shapes = [(batch, h, seq, head_dim) if layout == "bhsd" else (batch, seq, h, head_dim) for h in (q_heads, k_heads)]
     q, k = (torch.randn(shape, generator=gen, dtype=torch.float64).to(device=device, dtype=dtype) for shape in shapes)
