@@ -81,3 +81,11 @@ def test_bad_input_is_a_clear_error():
         relative_invariance(posenc.RoPE(64), head_dim=32)
     with pytest.raises(ValueError, match="length must be a positive integer"):
         relative_invariance(posenc.RoPE(64), 0)
+
+
+def test_a_length_past_a_learned_table_names_length_not_a_position():
+    # The default length 64 against an 8-row table: the table's error said position 63 was outside it and to build
+    # a larger table, naming a position the caller never gave.
+    with pytest.raises(ValueError, match=r"length=64 .*\(max_positions=8\); pass length <= 8"):
+        relative_invariance(posenc.LearnedAbsolute(8, 8))
+    assert relative_invariance(posenc.LearnedAbsolute(8, 8), 8).scores.shape == (8, 8)

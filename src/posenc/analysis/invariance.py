@@ -77,6 +77,14 @@ def relative_invariance(
         )  # (1, 1, L, d) each: q and k at every position
         qs, ks = rotated_q[0, 0].double(), rotated_k[0, 0].double()
     elif acts_on is ActsOn.INPUT:
+        limit = getattr(encoding, "max_positions", None)
+        if isinstance(limit, int) and length > limit:
+            # The table's own error named position length - 1 and said to build a larger table, though the caller
+            # gave no positions, only a length (64 by default).
+            raise ValueError(
+                f"length={length} places q and k at positions up to {length - 1}, past the rows of "
+                f"{type(encoding).__name__}'s table (max_positions={limit}); pass length <= {limit}"
+            )
         table = encoding(positions, dtype=torch.float64)  # (L, d)
         qs, ks = q + table, k + table
     else:
