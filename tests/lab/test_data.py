@@ -13,6 +13,7 @@ from posenc.lab import data
 from posenc.lab.data import (
     FILE_SEPARATOR,
     corpus_files,
+    eval_text_needed,
     eval_window_ends,
     load_corpus,
     train_starts,
@@ -173,6 +174,19 @@ def test_eval_window_ends_are_spread_evenly_from_the_first_room_to_the_end():
     assert eval_window_ends(text, longest=4, count=4).tolist() == [5, 10, 15, 21]
     assert eval_window_ends(text, longest=4, count=17).tolist() == list(range(5, 22))
     assert eval_window_ends(text, longest=4, count=1).tolist() == [5]
+
+
+def test_the_even_spread_keeps_scored_bytes_apart_whenever_the_text_allows():
+    # Ends at least score_len apart score no byte twice; eval_text_needed is the least text on which any spread
+    # of the ends can do so, and the even spread does on all of it (the lab refuses less).
+    for score_len in (1, 3, 8):
+        for count in (2, 5, 17):
+            needed = eval_text_needed(longest=20, count=count, score_len=score_len)
+            for size in range(needed, needed + 3 * count):
+                ends = eval_window_ends(torch.zeros(size, dtype=torch.uint8), longest=20, count=count)
+                assert int(ends.diff().min()) >= score_len, (score_len, count, size)
+            # One byte less: the ends span at most size - 21 bytes, fewer than (count - 1) * score_len.
+            assert needed - 1 - 21 < (count - 1) * score_len
 
 
 def test_an_empty_corpus_says_so(tmp_path):

@@ -115,6 +115,16 @@ def test_other_errors_are_not_mistaken_for_not_applicable():
         evaluate_length(ByteLM(SPEC, "rope"), TEXT, ends, 8, score_len=9)
 
 
+def test_ends_closer_than_score_len_are_refused():
+    # Their scored bytes overlapped: some bytes counted several times in bits_per_byte, and scored_bytes counted
+    # each of them again, with nothing said.
+    model = ByteLM(SPEC, "rope")
+    with pytest.raises(ValueError, match=r"two of the 3 ends are 3 bytes apart, so with score_len=4 some bytes"):
+        evaluate_length(model, TEXT, torch.tensor([20, 30, 33]), 8, score_len=4)
+    result = evaluate_length(model, TEXT, torch.tensor([20, 30, 34]), 8, score_len=4)  # 4 apart: none scored twice
+    assert result.scored_bytes == 12
+
+
 class Oracle(nn.Module):
     """Predicts ``targets`` (k, L) for the k known input rows (a stand-in for a perfect model)."""
 

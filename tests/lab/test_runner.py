@@ -17,7 +17,7 @@ from matplotlib.container import ErrorbarContainer
 from posenc.cli import main
 from posenc.lab import runner, store
 from posenc.lab.config import make_config
-from posenc.lab.data import eval_window_ends
+from posenc.lab.data import eval_window_ends, load_corpus
 from posenc.lab.report import PLOTS, aggregate, figures, label, summary_tables, to_markdown
 from posenc.lab.runner import Lab, plan
 
@@ -693,6 +693,36 @@ def test_cli_float_options_must_be_finite(tmp_path, capsys, value):
 def test_a_task_needs_to_fit_the_shortest_eval_length_not_the_training_length(tiny_config, tmp_path):
     # Tasks run at the eval lengths only; prepare refused this, checking the task against train_len = 8.
     quiet(tiny_config(task="passkey", eval_lengths=(64, 128)), tmp_path / "out").prepare()
+
+
+def test_a_validation_split_too_short_for_distinct_scored_bytes_is_refused(tiny_config, corpus_dir):
+    # 1944 validation bytes; windows of 65 bytes scoring their final 4 fit apart 470 times ((1944 - 65) // 4 + 1).
+    # 600 passed before (it needs only 600 distinct ends) and scored each byte about 1.3 times.
+    corpus = load_corpus(corpus_dir, val_fraction=0.1)
+    assert corpus.val.numel() == 1944
+    runner.check_corpus(corpus, tiny_config(eval_windows=470))
+    ends = eval_window_ends(corpus.val, longest=64, count=470)
+    assert int(ends.diff().min()) >= 4
+    with pytest.raises(
+        ValueError, match=r"600 eval windows at length 64, each scoring its final 4 bytes \(--score-len\)"
+    ) as refused:
+        runner.check_corpus(corpus, tiny_config(eval_windows=600))
+    assert "need 2461; use a larger corpus, at most 470 --eval-windows, a shorter --score-len" in str(refused.value)
+    assert "has 1944 bytes" in str(refused.value)
+
+
+def test_the_default_preset_on_a_small_corpus_is_refused_not_scored_over_and_over(
+    corpus_dir, tmp_path, capsys, monkeypatch
+):
+    # It ran: 256 windows 5 or 6 bytes apart, each scoring its final 32 bytes, so results.csv said 8192 scored bytes
+    # where 1463 distinct ones were scored about 5.6 times each, and bits_per_byte weighted them so.
+    monkeypatch.setattr(runner, "train", lambda *a, **k: pytest.fail("training started"))
+    status = main(["lab", "--corpus", str(corpus_dir), "--out", str(tmp_path / "out"), "--no-progress"])
+    assert status == 2
+    err = capsys.readouterr().err
+    assert err.startswith("posenc lab: error:") and "256 eval windows at length 512" in err
+    assert "at most 45 --eval-windows, a shorter --score-len or shorter --eval-lengths" in err
+    assert not (tmp_path / "out" / "runs").exists()
 
 
 def test_a_corpus_a_preset_caps_is_not_told_to_grow(tmp_path):

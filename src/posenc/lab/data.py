@@ -176,11 +176,19 @@ def windows_at(data: torch.Tensor, starts: torch.Tensor, length: int) -> torch.T
     return data[starts[:, None] + torch.arange(length + 1)].long()
 
 
+def eval_text_needed(*, longest: int, count: int, score_len: int) -> int:
+    """Bytes of text that ``count`` windows of ``longest + 1`` need for their final ``score_len`` bytes never to
+    overlap: the first window whole, then ``score_len`` more per window."""
+    return longest + 1 + (count - 1) * score_len
+
+
 def eval_window_ends(data: torch.Tensor, *, longest: int, count: int) -> torch.Tensor:
     """``count`` end offsets into ``data`` (n,), evenly spread, each with room for a window of ``longest + 1``.
 
     A window of any length L <= longest ending at the same end scores the same final bytes, so every length is
-    judged on identical targets. Returns (count,) int64: exclusive ends.
+    judged on identical targets. Consecutive ends are at least floor((n - longest - 1) / (count - 1)) apart, so the
+    final S bytes of the windows never overlap where n >= ``eval_text_needed(longest, count, S)``: no spread of
+    ``count`` ends keeps them apart on less text. Returns (count,) int64: exclusive ends.
     """
     room = data.numel() - (longest + 1)
     if room < 0 or count > room + 1:

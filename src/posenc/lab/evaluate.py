@@ -36,12 +36,12 @@ class LengthResult:
     """One model at one context length.
 
     applicable False means the model cannot run at this length at all (``reason`` says why) and every number is
-    None. bits_per_byte: mean over the k * S scored bytes; loss_by_position: bits per byte averaged over windows
-    at each position 0..L-1, in up to POSITION_BINS bins of ``position_bin`` positions (L / bins: a fraction where
-    the bins of a length that is no multiple of them hold one position more or less); entropy_by_layer: mean
-    attention entropy (nats) of the scored queries, over heads and windows, per layer; task_accuracy: fraction
-    of task samples answered exactly, task_byte_accuracy: fraction of their answer bytes predicted (None when no
-    task ran).
+    None. bits_per_byte: mean over the k * S scored bytes, all distinct (the windows end at least S apart), and
+    scored_bytes = k * S; loss_by_position: bits per byte averaged over windows at each position 0..L-1, in up to
+    POSITION_BINS bins of ``position_bin`` positions (L / bins: a fraction where the bins of a length that is no
+    multiple of them hold one position more or less); entropy_by_layer: mean attention entropy (nats) of the scored
+    queries, over heads and windows, per layer; task_accuracy: fraction of task samples answered exactly,
+    task_byte_accuracy: fraction of their answer bytes predicted (None when no task ran).
     """
 
     eval_len: int
@@ -78,11 +78,20 @@ def evaluate_length(
 ) -> LengthResult:
     """Score ``model`` with windows of ``length`` bytes of context ending at ``ends`` (k,) in ``val`` (n,) uint8.
 
-    A learned absolute table shorter than ``length`` is reported not applicable with the table's own error,
-    never clamped. Any other error propagates.
+    ``ends`` must be at least ``score_len`` apart (a ValueError otherwise), so that no byte is scored twice. A
+    learned absolute table shorter than ``length`` is reported not applicable with the table's own error, never
+    clamped. Any other error propagates.
     """
     if not 0 < score_len <= length:
         raise ValueError(f"score_len must be in [1, length={length}], got {score_len}")
+    gap = int(ends.sort().values.diff().min()) if ends.numel() > 1 else score_len
+    if gap < score_len:
+        # Overlapping scored bytes would count some bytes several times in bits_per_byte and scored_bytes.
+        raise ValueError(
+            f"two of the {ends.numel()} ends are {gap} bytes apart, so with score_len={score_len} some bytes would "
+            "be scored more than once: ends must be at least score_len apart (eval_window_ends spreads them so on "
+            "text of eval_text_needed(...) bytes); use fewer windows, a shorter score_len or more text"
+        )
     start = time.perf_counter()
     device = next(model.parameters()).device
     position_loss = torch.zeros(length, dtype=torch.float64)

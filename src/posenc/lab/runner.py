@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 
 from posenc.lab import store
 from posenc.lab.config import FINETUNABLE, LabConfig, extension_rope_parameters, make_config
-from posenc.lab.data import Corpus, eval_window_ends, load_corpus, windows_ending
+from posenc.lab.data import Corpus, eval_text_needed, eval_window_ends, load_corpus, windows_ending
 from posenc.lab.dist import Ranks, process_group
 from posenc.lab.evaluate import LengthResult, evaluate_length, task_accuracy, task_samples
 from posenc.lab.lock import FolderLock
@@ -95,8 +95,11 @@ def plan(config: LabConfig) -> list[Unit]:
 
 def check_corpus(corpus: Corpus, config: LabConfig) -> None:
     """Raise a ValueError, before anything trains, if the corpus cannot feed this configuration."""
-    longest = max(config.eval_lengths)
-    val_needed = longest + config.eval_windows
+    longest, windows, score_len = max(config.eval_lengths), config.eval_windows, config.score_len
+    # Window ends at least score_len apart, so that no byte is scored twice: overlapping scored bytes made
+    # bits_per_byte a weighted mean over fewer distinct bytes than scored_bytes counted. eval_window_ends spreads
+    # the ends that far apart whenever the text holds this much.
+    val_needed = eval_text_needed(longest=longest, count=windows, score_len=score_len)
     # A preset that reads only the start of a corpus (quick: 1 MiB) is not helped by a larger one.
     capped = config.max_corpus_bytes is not None and corpus.size >= config.max_corpus_bytes
     more_text = (
@@ -104,11 +107,15 @@ def check_corpus(corpus: Corpus, config: LabConfig) -> None:
         if capped
         else "use a larger corpus"
     )
-    if corpus.val.numel() < val_needed:
+    val = corpus.val.numel()
+    if val < val_needed:
+        fit = (val - longest - 1) // score_len + 1  # windows whose scored bytes fit apart; < 1: not one window
+        fixes = f"at most {fit} --eval-windows, a shorter --score-len or " if fit > 0 else ""
         raise ValueError(
             f"corpus {corpus.source!r} holds too little text: {corpus.size} bytes, whose validation part "
-            f"({config.val_fraction:.0%}) has {corpus.val.numel()} bytes, but {config.eval_windows} eval windows "
-            f"at length {longest} need {val_needed}; {more_text}, fewer --eval-windows or shorter --eval-lengths"
+            f"({config.val_fraction:.0%}) has {val} bytes, but {windows} eval windows at length {longest}, each "
+            f"scoring its final {score_len} bytes (--score-len) and no byte twice, need {val_needed}; {more_text}, "
+            f"{fixes}shorter --eval-lengths"
         )
     train_needed = (longest if config.finetune_steps and config.extensions else config.train_len) + 1
     if corpus.train.numel() < train_needed:
