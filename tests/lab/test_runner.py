@@ -749,8 +749,9 @@ def test_a_narrower_rerun_says_which_finished_units_its_report_leaves_out(finish
 
 
 def test_fine_tunes_keep_the_bytes_per_step_and_a_constant_rate(tiny_config, tmp_path, monkeypatch):
-    """Pretraining takes the config's batch and schedule; a fine-tune at L takes batch * train_len / L windows (the
-    same bytes per step) at the fine-tune rate, constant after warmup (min_lr_fraction 1), as PI and YaRN do."""
+    """Pretraining takes the config's batch and schedule; a fine-tune at L takes max(1, batch * train_len // L)
+    windows (pretraining's bytes per step in whole windows, docs/lab.md) at the fine-tune rate, constant after
+    warmup (min_lr_fraction 1), as PI and YaRN do."""
     config = tiny_config(encodings=("rope",), extensions=("pi",), finetune_steps=2, eval_lengths=(8, 16, 32))
     calls = []
     real = runner.train

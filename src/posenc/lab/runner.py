@@ -135,14 +135,15 @@ def check_world_size(config: LabConfig, world_size: int) -> None:
             finetune_batch = finetune_batch_size(config, length)
             if finetune_batch % world_size:
                 raise ValueError(
-                    f"the fine-tune at length {length} uses a global batch of {finetune_batch} windows (batch_size * "
-                    f"train_len / {length}), which {world_size} processes cannot split evenly; use fewer processes, "
-                    "a larger --batch-size, or --finetune-steps 0"
+                    f"the fine-tune at length {length} uses a global batch of {finetune_batch} windows (max(1, "
+                    f"batch_size * train_len // {length})), which {world_size} processes cannot split evenly; use "
+                    "fewer processes, a larger --batch-size, or --finetune-steps 0"
                 )
 
 
 def finetune_batch_size(config: LabConfig, seq_len: int) -> int:
-    """Windows per fine-tuning step at ``seq_len``: the same bytes per step as pretraining."""
+    """Windows per fine-tuning step at ``seq_len``: pretraining's bytes per step rounded down to whole windows, at
+    least one (so a step may hold fewer bytes than pretraining's, or more where seq_len exceeds them all)."""
     return max(1, config.batch_size * config.train_len // seq_len)
 
 
@@ -549,7 +550,7 @@ class Lab:
         config = self.config
         if unit.finetune_steps:
             steps, lr, seed = unit.finetune_steps, config.resolved_finetune_lr, unit.seed
-            # The same bytes per step as pretraining; the rate stays constant after warmup, as in PI and YaRN.
+            # Pretraining's bytes per step in whole windows; the rate stays constant after warmup, as in PI and YaRN.
             batch_size, min_lr_fraction = finetune_batch_size(config, seq_len), 1.0
         else:
             steps, lr, seed = config.steps, config.lr, unit.seed
