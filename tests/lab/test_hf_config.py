@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import re
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import torch
 
 from posenc.analysis.run import run_figure_config
 from posenc.cli import main
-from posenc.lab.config import extension_rope_parameters, make_config
+from posenc.lab.config import EXTENSIONS, extension_rope_parameters, make_config
 from posenc.lab.model import ModelSpec
 
 pytest.importorskip("transformers")
@@ -103,6 +104,44 @@ def test_extensions_change_the_hugging_face_model(model_type, tmp_path):
     for name, value in weights[0][0].items():
         assert torch.equal(value, weights[0][1][name])
     assert any(not torch.equal(value, weights[1][0][name]) for name, value in weights[0][0].items())
+
+
+def test_extended_hugging_face_models_warn_nothing_and_rotate_as_before(tmp_path):
+    """Every --hf-config run with llama3 printed transformers' "original_max_position_embeddings field must be less
+    than max_position_embeddings, got 8 and max_position_embeddings=8": the extended model's config claimed the
+    trained length. It now holds the length a yarn or llama3 extension reaches, which changes no number."""
+    from posenc.interop import patch_model
+    from posenc.lab.hf_model import HFByteLM
+
+    path = write_config(tmp_path, CONFIGS["llama"])
+    spec = ModelSpec(dim=16, layers=1, heads=2, max_positions=8)
+    torch.manual_seed(0)
+    weights = HFByteLM(spec, path).state_dict()
+    tokens = torch.randint(0, 256, (2, 16))
+    expected = {}
+    for extension in EXTENSIONS:  # as the lab built them before: the trained length's model, patched
+        before = HFByteLM(spec, path)
+        before.load_state_dict(weights)
+        patch_model(before.hf, rope_parameters=extension_rope_parameters(extension, 2.0, 8))
+        expected[extension] = before(tokens)[0]
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("transformers")  # its loggers do not propagate to the root, so caplog sees nothing
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.WARNING)
+    try:
+        extended = {e: HFByteLM(spec, path, extension_rope_parameters(e, 2.0, 8)) for e in EXTENSIONS}
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert [record.getMessage() for record in records] == []
+    for extension, model in extended.items():
+        model.load_state_dict(weights)
+        assert torch.equal(model(tokens)[0], expected[extension]), extension
+        target = 16 if extension in ("yarn", "llama3") else 8  # dynamic NTK scales past the trained length
+        assert model.hf.config.max_position_embeddings == target, extension
 
 
 @pytest.mark.parametrize(

@@ -60,10 +60,24 @@ def read_hf_config(path: str, *, warn: bool = False) -> dict[str, Any]:
     return source
 
 
+def extended_length(trained: int, rope_parameters: Mapping[str, Any] | None) -> int:
+    """The max_position_embeddings of a model trained at ``trained`` and extended by ``rope_parameters``.
+
+    An extension that names the length it extends from (yarn, llama3: ``original_max_position_embeddings``) reaches
+    ``factor`` times it, and transformers reads max_position_embeddings as that target: its llama3 check warns when
+    the original is not below it (the lab's extended models claimed the trained length, so every llama3 model
+    warned), and its yarn check compares max / original with factor. Neither reads it for the frequencies. The other
+    types keep the trained length, which dynamic NTK scales past."""
+    if rope_parameters is None or "original_max_position_embeddings" not in rope_parameters:
+        return trained
+    return round(rope_parameters["factor"] * rope_parameters["original_max_position_embeddings"])
+
+
 class HFByteLM(nn.Module):
     """A byte-level ``transformers`` causal LM of the architecture in ``hf_config``, sized by ``spec``.
 
-    spec: dim, layers, heads and max_positions (the training length, written as max_position_embeddings);
+    spec: dim, layers, heads and max_positions (the training length, written as max_position_embeddings, or the
+    length a yarn or llama3 extension reaches: ``extended_length``);
     hf_config: the config.json's path (architecture, rope_theta, rotary fraction, norms come from it; its rope
     scaling is dropped); rope_parameters: None for the plain RoPE the model trains with, or an extension's
     rope_parameters (``posenc.lab.config.extension_rope_parameters``) installed by ``patch_model``.
@@ -85,15 +99,16 @@ class HFByteLM(nn.Module):
         # torch.manual_seed decides the weights, as it does for ByteLM.
         seed = int(torch.randint(0, 2**31 - 1, ()).item())
         # The lab's sizes replace the file's, also where the rotation is sized from them (its head_dim is dropped).
+        max_positions = extended_length(spec.max_positions, rope_parameters)
         sized = {k: v for k, v in source.items() if k != "head_dim"}
-        sized.update(hidden_size=spec.dim, num_attention_heads=spec.heads, max_position_embeddings=spec.max_positions)
+        sized.update(hidden_size=spec.dim, num_attention_heads=spec.heads, max_position_embeddings=max_positions)
         self.hf = tiny_model_from_config(
             sized,
             hidden_size=spec.dim,
             num_layers=spec.layers,
             num_heads=spec.heads,
             vocab_size=VOCAB_SIZE,
-            max_position_embeddings=spec.max_positions,
+            max_position_embeddings=max_positions,
             seed=seed,
             attn_implementation="eager",  # the only implementation that returns attention probabilities
         )
