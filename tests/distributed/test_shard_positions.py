@@ -40,6 +40,28 @@ def test_rope_on_a_shard_equals_rows_of_the_whole(interleaved, balance):
         assert torch.equal(shard_q, full_q[:, :, pos]) and torch.equal(shard_k, full_k[:, :, pos])
 
 
+def test_a_packed_row_on_shards_as_the_readme_says():
+    """README, "Several processes": a rank rotates by the whole row's position ids at its indices, scaled for the
+    row's largest position id + 1 (not the row length, nor the shard's maximum); the chunks balance the row's causal
+    work, not the documents'."""
+    docs = posenc.document_ids_from_cu_seqlens(torch.tensor([0, 5, 19, 24]))  # documents of 5, 14 and 5 tokens
+    positions = posenc.positions_from_document_ids(docs)
+    dynamic = {"rope_type": "dynamic", "factor": 2.0}
+    q, k = torch.randn(1, 2, 24, 16), torch.randn(1, 2, 24, 16)
+    full_q, full_k = posenc.RoPE(16, rope_parameters=dynamic, max_position_embeddings=8)(q, k, positions=positions)
+    for seq_len, same in ((int(positions.max()) + 1, True), (24, False), (None, False)):
+        shards = []
+        for rank in range(3):
+            idx = shard_positions(24, 3, rank)
+            rope = posenc.RoPE(16, rope_parameters=dynamic, max_position_embeddings=8)
+            shard_q, shard_k = rope(q[:, :, idx], k[:, :, idx], positions=positions[idx], seq_len=seq_len)
+            shards.append(torch.equal(shard_q, full_q[:, :, idx]) and torch.equal(shard_k, full_k[:, :, idx]))
+        assert all(shards) if same else not all(shards), seq_len
+    idx = [shard_positions(24, 3, rank) for rank in range(3)]
+    assert [int((i + 1).sum()) for i in idx] == [100] * 3
+    assert [int((positions[i] + 1).sum()) for i in idx] == [24, 51, 60]
+
+
 @pytest.mark.parametrize(
     ("args", "kwargs", "match"),
     [
