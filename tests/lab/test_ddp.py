@@ -115,7 +115,9 @@ def test_two_ranks_give_the_one_process_losses(runs):
             atol=0,
             msg=lambda m, unit=unit: f"{unit}: {m}",
         )
-    assert json.loads((two / "results.json").read_text())["machine"]["processes"] == 2
+    results = json.loads((two / "results.json").read_text())
+    assert results["machine"]["processes"] == 2
+    assert {unit["processes"] for unit in results["timings"]["units"].values()} == {2}  # each unit says so too
     # Equal losses also come from every rank training on the whole batch (DDP averages identical gradients), so
     # check the rows: the same global batches on both ranks, and rank r trained on the r-th half of each.
     batches = {rank: log["batches"] for rank, log in runs["first"].items()}

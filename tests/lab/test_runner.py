@@ -96,7 +96,7 @@ def test_the_report_counts_in_the_singular_where_there_is_one(finished):
     _, _, results = finished
     ones, twos = copy.deepcopy(results), copy.deepcopy(results)
     counts = {"config": ("layers", "heads", "steps", "batch_size", "eval_windows", "score_len")}
-    counts |= {"corpus": ("files",), "timings": ("units_run",), "machine": ("cpu_count", "torch_threads")}
+    counts |= {"corpus": ("files",), "timings": ("units_run",), "machine": ("cpu_count", "torch_threads", "processes")}
     for part, keys in counts.items():
         for key in keys:
             ones[part][key], twos[part][key] = 1, 2
@@ -106,8 +106,8 @@ def test_the_report_counts_in_the_singular_where_there_is_one(finished):
     assert "- model: 2 layers, width 16, 2 heads, trained at 8 bytes for 2 steps of 2 windows\n" in two
     assert "- evaluation: 1 window per length, the same final 1 byte of each scored" in one
     assert "- evaluation: 2 windows per length, the same final 2 bytes of each scored" in two
-    assert "(1 unit run, " in one and ", 1 CPU, 1 torch thread\n" in one
-    assert "(2 units run, " in two and ", 2 CPUs, 2 torch threads\n" in two
+    assert "(1 unit run, " in one and ", 1 CPU, 1 torch thread, 1 process\n" in one
+    assert "(2 units run, " in two and ", 2 CPUs, 2 torch threads, 2 processes\n" in two
 
 
 def drawn(axis):
@@ -208,6 +208,27 @@ def test_rerun_skips_everything_it_finished(finished, monkeypatch):
     monkeypatch.setattr(runner, "train", lambda *a, **k: pytest.fail("a finished unit was trained again"))
     again = quiet(config, out).run()
     assert again["timings"]["units_run"] == 0 and (out / "results.csv").read_text() == before
+
+
+def test_each_unit_records_its_threads_and_processes_and_older_units_still_load(tiny_config, tmp_path, monkeypatch):
+    # Under torchrun a unit's timings are one rank's share: a resumed run that mixed 1 and 2 processes showed
+    # threads per unit but not processes. Units written before either was recorded load as None (not recorded).
+    config = tiny_config(encodings=("rope", "alibi"))
+    out = tmp_path / "run"
+    first = quiet(config, out).run()
+    for unit in first["timings"]["units"].values():
+        assert unit["torch_threads"] == torch.get_num_threads() and unit["processes"] == 1
+    assert first["machine"]["processes"] == 1
+    older = out / "runs" / "alibi" / "seed0" / "metrics.json"
+    stored = json.loads(older.read_text())
+    assert stored["processes"] == 1
+    del stored["processes"], stored["torch_threads"]
+    store.write_json(older, stored)
+    monkeypatch.setattr(runner, "train", lambda *a, **k: pytest.fail("a finished unit was trained again"))
+    again = quiet(config, out).run()
+    units = again["timings"]["units"]
+    assert (units["alibi/seed0"]["torch_threads"], units["alibi/seed0"]["processes"]) == (None, None)
+    assert units["rope/seed0"]["processes"] == 1 and again["rows"] == first["rows"]
 
 
 def test_ctrl_c_keeps_finished_units_and_resuming_gives_the_same_numbers(tiny_config, tmp_path, monkeypatch):

@@ -156,9 +156,9 @@ def summary_tables(results: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
-def _count(n: int, noun: str) -> str:
-    """'1 layer', '2 layers': the quick preset's one layer read '1 layers'."""
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+def _count(n: int, noun: str, plural: str | None = None) -> str:
+    """'1 layer', '2 layers': the quick preset's one layer read '1 layers'. ``plural``: where it is not noun + s."""
+    return f"{n} {noun}" if n == 1 else f"{n} {plural or noun + 's'}"
 
 
 def to_markdown(results: dict[str, Any]) -> str:
@@ -182,7 +182,8 @@ def to_markdown(results: dict[str, Any]) -> str:
         f"- seeds: {', '.join(str(s) for s in results['seeds'])}; wall time of this invocation "
         f"{timings['wall_seconds']:.1f} s ({_count(timings['units_run'], 'unit')} run, {timings['units_skipped']} "
         f"skipped as done); torch {results['versions']['torch']}, {_count(results['machine']['cpu_count'], 'CPU')}, "
-        f"{_count(results['machine']['torch_threads'], 'torch thread')}",
+        f"{_count(results['machine']['torch_threads'], 'torch thread')}, "
+        f"{_count(results['machine']['processes'], 'process', 'processes')}",
         "",
         "## Bits per byte by context length",
         "",

@@ -485,6 +485,9 @@ class Lab:
             "eval": [dataclasses.asdict(r) for r in results],
             # The thread count changes float sums in the last bits: a resumed run says which units ran with which.
             "torch_threads": torch.get_num_threads(),
+            # Under torchrun each rank does part of the work, so a unit's seconds read per process count; a resumed
+            # run may mix units of one and of several processes.
+            "processes": self.ranks.world_size,
         }
         if self.ranks.is_main:
             store.write_json(folder / "metrics.json", unit_metrics)
@@ -677,6 +680,7 @@ class Lab:
                 "eval_seconds": round(sum(r["seconds"] for r in m["eval"]), 3),
                 "rope_parameters": m["rope_parameters"],
                 "torch_threads": m.get("torch_threads"),  # None: finished before it was recorded
+                "processes": m.get("processes"),  # None: finished before it was recorded (2026-12-05)
             }
             for m in metrics
         }
