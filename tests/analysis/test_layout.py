@@ -20,6 +20,18 @@ def test_layouts(head_dim, rotary_dim):
     assert split.pair.tolist() == [c % half for c in range(rotary_dim)] + passthrough
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("base", [1e14, 1e30])
+def test_the_slow_pairs_of_a_large_base_still_rotate(base, interleaved):
+    """sin(theta_i) of the slowest pairs lies far below 1e-12 here; they turn all the same, and the layout says so
+    (a 1e-12 threshold called them pass-through channels, which figure 2 drew grey)."""
+    layout = rotary_pairs(posenc.RoPE(16, base=base, interleaved=interleaved))
+    partner = [c ^ 1 for c in range(16)] if interleaved else [(c + 8) % 16 for c in range(16)]
+    pair = [c // 2 for c in range(16)] if interleaved else [c % 8 for c in range(16)]
+    assert layout.partner.tolist() == partner
+    assert layout.pair.tolist() == pair
+
+
 def test_zero_frequency_pairs_pass_through():
     rope = posenc.RoPE(16, rope_parameters={"rope_type": "proportional", "partial_rotary_factor": 0.5})
     layout = rotary_pairs(rope)

@@ -312,3 +312,10 @@ def test_pair_layouts_grey_the_pairs_proportional_rope_stands_still():
     for ax in render("pair_layouts", FigureInputs(config=config)).axes[:2]:
         labels = [t.get_text() for t in ax.texts if t.get_text().startswith("θ") or t.get_text() == "-"]
         assert labels.count("-") == 12 and {label for label in labels if label != "-"} == {"θ0", "θ1"}
+
+
+def test_pair_layouts_of_a_large_base_turn_every_pair():
+    """Base 1e30: the slow pairs turn by under 1e-12 rad per position, but they turn (they were drawn grey, '-')."""
+    for ax in render("pair_layouts", FigureInputs(config=FigureConfig(rope_parameters={"rope_theta": 1e30}))).axes[:2]:
+        labels = [t.get_text() for t in ax.texts if t.get_text().startswith("θ") or t.get_text() == "-"]
+        assert sorted(labels) == sorted(f"θ{i}" for i in range(8) for _ in range(2))

@@ -33,7 +33,10 @@ def rotary_pairs(rope: RoPE) -> PairLayout:
     rotated = rotated[0, 0]  # row c: e_c turned by its pair's angle
     off_diagonal = rotated.abs().clone()
     off_diagonal.fill_diagonal_(0.0)
-    moved = off_diagonal.amax(dim=-1) > 1e-12
+    # Exactly 0 off the diagonal only for a channel that does not turn (pass-through, or a pair of frequency 0): every
+    # other entry is the partner's sin(theta_i), however small (a threshold like 1e-12 called the slow pairs of a
+    # large base, theta below it, unrotated).
+    moved = off_diagonal.amax(dim=-1) > 0
     partner = torch.where(moved, off_diagonal.argmax(dim=-1), torch.full((d,), -1))
     # The angle each rotated channel turned by, matched to the nearest frequency; zero-frequency pairs (e.g.
     # proportional RoPE's tail) do not move and count as pass-through.
