@@ -319,3 +319,13 @@ def test_pair_layouts_of_a_large_base_turn_every_pair():
     for ax in render("pair_layouts", FigureInputs(config=FigureConfig(rope_parameters={"rope_theta": 1e30}))).axes[:2]:
         labels = [t.get_text() for t in ax.texts if t.get_text().startswith("θ") or t.get_text() == "-"]
         assert sorted(labels) == sorted(f"θ{i}" for i in range(8) for _ in range(2))
+
+
+def test_an_odd_head_rotated_as_its_error_advises_draws_every_figure():
+    """FigureConfig's error for head_dim=7 advises partial_rotary_factor=0.928571; the invariance figure then failed
+    (sinusoidal needs an even width) after three figures were written. Sinusoidal is compared at d=6, and says so."""
+    config = FigureConfig(head_dim=7, rope_parameters={"partial_rotary_factor": 0.928571})
+    fig = render("relative_invariance", FigureInputs(config=config))
+    assert fig.axes[0].get_title().startswith("RoPE (default)\nmax spread along m - n: < 1e-14")
+    assert fig.axes[1].get_title().startswith("sinusoidal (added to q and k, d=6)\n")
+    assert np.asarray(fig.axes[0].images[0].get_array()).shape == (64, 64)

@@ -281,9 +281,13 @@ def invariance_heatmaps(inputs: FigureInputs) -> Figure:
     """Score of a fixed q, k over positions (m, n): constant along diagonals for RoPE, not for sinusoidal."""
     config = inputs.config
     length = 64
+    # Sinusoidal vectors are (sin, cos) pairs: an odd head (RoPE turning all but one channel, as FigureConfig's error
+    # for an odd head_dim advises) is compared with sinusoidal at the even width below it, which the panel names.
+    width = config.head_dim - config.head_dim % 2
+    sinusoidal = "sinusoidal (added to q and k" + (f", d={width})" if width != config.head_dim else ")")
     results = {
         f"RoPE ({config.rope_type})": relative_invariance(_rope(config), length),
-        "sinusoidal (added to q and k)": relative_invariance(Sinusoidal(config.head_dim, base=config.base), length),
+        sinusoidal: relative_invariance(Sinusoidal(width, base=config.base), length),
     }
     fig = _new_figure(14, 4.6)
     axes = fig.subplots(1, 3)
