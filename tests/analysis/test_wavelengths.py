@@ -65,6 +65,21 @@ def test_unchanged_means_exactly_unchanged():
     assert bool(wavelengths(16, 64, rope_parameters={"rope_type": "linear", "factor": 1.0}).unchanged.all())
 
 
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"rope_type": "yarn", "factor": 1.0},
+        {"rope_type": "llama3", "factor": 1.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
+    ],
+    ids=["yarn", "llama3"],
+)
+def test_factor_one_leaves_every_pair_unchanged(params):
+    """Their blends of theta / 1 and theta land an ulp off theta for some pairs, which figure 5 drew uncircled."""
+    result = wavelengths(64, 2048, rope_parameters=params)
+    assert bool(result.unchanged.all())
+    assert not bool(wavelengths(64, 2048, rope_parameters={**params, "factor": 1.0 + 1e-12}).unchanged.all())
+
+
 def test_bad_input_is_a_clear_error():
     with pytest.raises(ValueError, match="train_len must be a positive integer"):
         wavelengths(64, 0)

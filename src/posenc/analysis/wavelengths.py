@@ -24,7 +24,7 @@ class WavelengthResult:
     """Per rotated pair i (shape (r/2,) each): inv_freq theta_i float64 under the configuration; wavelength
     2 pi / theta_i in positions; base_inv_freq / base_wavelength for plain RoPE with the same base and rotary dim;
     train_len L. Derived: rotations (turns within L), partial (True where the pair turns less than once within
-    L) and unchanged (True where the scaling left theta_i exactly as plain RoPE has it)."""
+    L) and unchanged (True where the scaling left theta_i as plain RoPE has it, to 4 ulp)."""
 
     inv_freq: torch.Tensor
     wavelength: torch.Tensor
@@ -48,7 +48,9 @@ class WavelengthResult:
 
     @property
     def unchanged(self) -> torch.Tensor:
-        return self.inv_freq == self.base_inv_freq
+        # Up to rounding: at factor 1, YaRN's ramp and Llama 3's band blend theta / 1 with theta and land an ulp off
+        # theta, and a pair the type leaves alone must not look changed for that (a factor 1 + 1e-12 changes it).
+        return (self.inv_freq - self.base_inv_freq).abs() <= 4 * torch.finfo(torch.float64).eps * self.base_inv_freq
 
 
 def wavelengths(
