@@ -329,3 +329,12 @@ def test_an_odd_head_rotated_as_its_error_advises_draws_every_figure():
     assert fig.axes[0].get_title().startswith("RoPE (default)\nmax spread along m - n: < 1e-14")
     assert fig.axes[1].get_title().startswith("sinusoidal (added to q and k, d=6)\n")
     assert np.asarray(fig.axes[0].images[0].get_array()).shape == (64, 64)
+
+
+def test_scaled_frequencies_of_a_one_pair_head_are_visible():
+    """d=2: each type has one point, and a line of one point is not drawn; the figure was two empty panels."""
+    fig = render("scaled_frequencies", FigureInputs(config=FigureConfig(head_dim=2)))
+    for ax in fig.axes[:2]:
+        lines = ax.get_lines()
+        assert lines
+        assert all(len(line.get_xdata()) == 1 and line.get_marker() not in (None, "None", "") for line in lines)

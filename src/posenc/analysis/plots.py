@@ -452,6 +452,8 @@ def scaled_frequencies(inputs: FigureInputs) -> Figure:
     left, right = fig.subplots(1, 2)
     ratio = table.ratio_to_default()
     pairs = torch.arange(table.inv_freq.shape[1])
+    # A head of one pair (d=2) gives each type one point, which a line alone does not draw: mark the points.
+    marker = "o" if pairs.numel() == 1 else None
     for t, name in enumerate(table.rope_types):
         style = "-" if t < 10 else "--"
         # LongRoPE's factors are searched per model: unless configured, the figure's are an example ramp.
@@ -462,8 +464,8 @@ def scaled_frequencies(inputs: FigureInputs) -> Figure:
         still = int((~positive).sum())
         zeros = f", {still} pairs at θ = 0 not drawn" if still else ""
         label = f"{name} ({example}attention factor {float(table.attention_factor[t]):.3g}{zeros})"
-        left.semilogy(pairs[positive], table.inv_freq[t][positive], style, lw=1.2, label=label)
-        right.plot(pairs, ratio[t], style, lw=1.2, label=name)
+        left.semilogy(pairs[positive], table.inv_freq[t][positive], style, lw=1.2, marker=marker, label=label)
+        right.plot(pairs, ratio[t], style, lw=1.2, marker=marker, label=name)
     left.set_xlabel("frequency pair i")
     left.set_ylabel("θ_i  [rad / position]")
     left.set_title("inverse frequencies", fontsize=10)
