@@ -32,6 +32,21 @@ def test_the_slow_pairs_of_a_large_base_still_rotate(base, interleaved):
     assert layout.pair.tolist() == pair
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_a_frequency_above_half_pi_names_its_own_pair(interleaved):
+    """A LongRoPE short factor of 0.3 turns pair 0 by 3.33 rad per position: |sin| against |cos| read it as 0.19 rad,
+    pair 1's 0.1 being nearest, and the layout (and the phase figure's channels) named the wrong pair."""
+    params = {
+        "rope_type": "longrope",
+        "short_factor": [0.3, 1.0, 1.0, 1.0],
+        "long_factor": [1.0] * 4,
+        "factor": 2.0,
+        "original_max_position_embeddings": 64,
+    }
+    layout = rotary_pairs(posenc.RoPE(8, rope_parameters=params, max_position_embeddings=128, interleaved=interleaved))
+    assert layout.pair.tolist() == ([c // 2 for c in range(8)] if interleaved else [c % 4 for c in range(8)])
+
+
 def test_zero_frequency_pairs_pass_through():
     rope = posenc.RoPE(16, rope_parameters={"rope_type": "proportional", "partial_rotary_factor": 0.5})
     layout = rotary_pairs(rope)

@@ -338,3 +338,16 @@ def test_scaled_frequencies_of_a_one_pair_head_are_visible():
         lines = ax.get_lines()
         assert lines
         assert all(len(line.get_xdata()) == 1 and line.get_marker() not in (None, "None", "") for line in lines)
+
+
+def test_phase_figure_of_a_pair_turning_past_half_pi():
+    """A LongRoPE short factor of 0.1 turns pair 1 by 7.5 rad per position. The layout matched no channel to pair 1
+    (|sin| against |cos| read another angle) and the figure raised IndexError; its scores lie on its curve."""
+    short = [1.0, 0.1] + [1.0] * 30
+    params = {"rope_type": "longrope", "short_factor": short, "long_factor": [1.0] * 32, "factor": 2.0}
+    fig = render("phase_difference", FigureInputs(config=FigureConfig(rope_parameters=params, train_len=2048)))
+    right = fig.axes[1]
+    assert "θ_1 = 7.5 rad" in right.get_title()
+    phase, score = np.asarray(right.collections[0].get_offsets()).T
+    curve = np.interp(phase, right.get_lines()[0].get_xdata(), right.get_lines()[0].get_ydata())
+    assert np.abs(curve - score).max() < 1e-3  # the curve is drawn at 200 points: linear interpolation's error

@@ -1,7 +1,7 @@
 """Which channels RoPE rotates together, read off the module itself rather than restated.
 
-Each basis vector e_c is rotated at position 1, where pair i turns by theta_i in (0, 1] rad (sin != 0), so the
-output of e_c is nonzero exactly on c and its partner; the angle it turned by names the frequency pair.
+Each basis vector e_c is rotated at position 1, where pair i turns by theta_i (sin != 0), so the output of e_c is
+nonzero exactly on c and its partner; the angle it turned by, modulo 2 pi, names the frequency pair.
 """
 
 from __future__ import annotations
@@ -41,7 +41,15 @@ def rotary_pairs(rope: RoPE) -> PairLayout:
     # The angle each rotated channel turned by, matched to the nearest frequency; zero-frequency pairs (e.g.
     # proportional RoPE's tail) do not move and count as pass-through.
     inv_freq, _ = rope.frequencies()
-    angle = torch.atan2(off_diagonal.amax(dim=-1), rotated.diagonal().abs())
-    nearest = (angle[:, None] - inv_freq[None, :]).abs().argmin(dim=-1)
+    # The signed angle: the lower channel of a pair is its x (e_x turns to (cos, sin)), the higher its y (e_y turns to
+    # (-sin, cos)). A frequency above pi/2 (LongRoPE's factors below 1) read as |sin| against |cos| aliased onto a slow
+    # pair's; compared modulo 2 pi it does not.
+    index = torch.arange(d)
+    towards = rotated[index, partner.clamp(min=0)] * torch.where(partner > index, 1.0, -1.0)
+    angle = torch.atan2(towards, rotated.diagonal())
+    gap = angle[:, None] - inv_freq[None, :]
+    # Whole turns come off by rounding, not remainder(gap + pi, 2 pi): adding pi rounds tiny thetas (base 1e30) alike.
+    gap = gap - 2 * torch.pi * torch.round(gap / (2 * torch.pi))
+    nearest = gap.abs().argmin(dim=-1)
     pair = torch.where(moved, nearest, torch.full((d,), -1))
     return PairLayout(partner=partner, pair=pair)
