@@ -11,6 +11,7 @@ import torch
 
 from posenc import RoPE
 from posenc.analysis import FigureConfig, example_rope_parameters
+from posenc.analysis.run import run_figure_config
 from posenc.interop import rope_from_config
 
 
@@ -158,3 +159,15 @@ def test_an_odd_head_dim_is_told_the_rotary_fraction_figures_take(head_dim):
         FigureConfig(head_dim=head_dim)
     config = FigureConfig(head_dim=head_dim, rope_parameters={"partial_rotary_factor": fraction})
     assert config.spec.rotary_dim == head_dim - 1
+
+
+@pytest.mark.parametrize(("head_dim", "rotary_dim"), [(44, 30), (49, 16), (256, 64)])
+def test_an_absolute_rotary_dim_keeps_its_channels(head_dim, rotary_dim, tmp_path):
+    """GPT-J's rotary_dim, and a lab run's, become the fraction rotary_dim / head_dim, which for 30 of 44 is an ulp
+    short of giving 30 back: the parser read int(29.999...) = 29 channels and refused the config as odd."""
+    hf = {"model_type": "gptj", "n_embd": 4 * head_dim, "n_head": 4, "rotary_dim": rotary_dim, "n_positions": 2048}
+    assert FigureConfig.from_mapping(hf).spec.rotary_dim == rotary_dim
+    sizes = {"dim": 4 * head_dim, "heads": 4, "train_len": 64, "eval_lengths": [64, 128]}
+    rope = {"head_dim": head_dim, "rotary_dim": rotary_dim, "interleaved": True, "rope_parameters": {}}
+    (tmp_path / "results.json").write_text(json.dumps({"config": sizes, "rope": rope}))
+    assert run_figure_config(tmp_path).spec.rotary_dim == rotary_dim

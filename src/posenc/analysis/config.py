@@ -24,6 +24,17 @@ DEFAULT_TRAIN_LEN = 2048
 _HF_MARKERS = frozenset({"hidden_size", "num_attention_heads", "model_type"})
 
 
+def rotary_fraction(rotary_dim: int, head_dim: int) -> float:
+    """The partial_rotary_factor f that rotates rotary_dim of head_dim channels: int(head_dim * f) == rotary_dim.
+
+    rotary_dim / head_dim itself can land an ulp low (30 / 44 * 44 = 29.999...), which the parser's int() truncates
+    to an odd 29 and refuses; the next float up gives rotary_dim exactly."""
+    fraction = rotary_dim / head_dim
+    if int(head_dim * fraction) < rotary_dim:
+        fraction = math.nextafter(fraction, math.inf)
+    return fraction
+
+
 def _check_odd_head_dim(head_dim: int, rope_parameters: Mapping[str, Any]) -> None:
     """RoPE's own error for an odd head_dim says to pass rotary_dim, which figures take as a rotary fraction."""
     if head_dim % 2 == 0 or head_dim == 1 or "partial_rotary_factor" in rope_parameters:
@@ -160,7 +171,7 @@ class FigureConfig:
         head_dim = kwargs["head_dim"]
         rope = dict(kwargs["rope_parameters"])
         if "rotary_dim" in kwargs:
-            rope["partial_rotary_factor"] = kwargs["rotary_dim"] / head_dim
+            rope["partial_rotary_factor"] = rotary_fraction(kwargs["rotary_dim"], head_dim)
         max_positions = kwargs["max_position_embeddings"]
         spec = parse_rope_parameters(head_dim, rope, max_position_embeddings=max_positions)
         if rope.get("factor") is None and "factor" in spec.params:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from posenc import _atomic
-from posenc.analysis.config import FigureConfig
+from posenc.analysis.config import FigureConfig, rotary_fraction
 from posenc.analysis.entropy import EntropyResult
 from posenc.lab.lock import holder
 
@@ -200,7 +200,7 @@ def run_figure_config(run_dir: str | Path) -> FigureConfig | None:
         return FigureConfig(head_dim=head_dim + head_dim % 2, **sizes)
     parameters = dict(rope["rope_parameters"])
     if rope["rotary_dim"] != rope["head_dim"] and parameters.get("rope_type") != "proportional":
-        parameters["partial_rotary_factor"] = rope["rotary_dim"] / rope["head_dim"]
+        parameters["partial_rotary_factor"] = rotary_fraction(rope["rotary_dim"], rope["head_dim"])
     # The scaling's original length is the figures' training length; the run's own trained length says it here.
     parameters.pop("original_max_position_embeddings", None)
     return FigureConfig(
