@@ -141,3 +141,16 @@ def test_factor_lists_may_be_tensors_or_numpy() -> None:
         params = {**LONG, "short_factor": convert(LONG["short_factor"]), "long_factor": convert(LONG["long_factor"])}
         got = RoPE(16, rope_parameters={**params, "original_max_position_embeddings": 8, "factor": 4.0}).frequencies(64)
         assert torch.equal(got[0], expected[0]) and got[1] == expected[1]
+
+
+def test_rotary_fraction_gives_back_every_even_rotary_dim() -> None:
+    """rotary_dim / head_dim lands an ulp low for 2256 of these pairs (30 / 44 * 44 = 29.999...), and the parser's
+    int() then sized an odd rotation; the fraction that interop and the figures write must size it exactly."""
+    from posenc.rope.parameters import rotary_fraction
+
+    for head_dim in range(2, 513):
+        for rotary_dim in range(2, head_dim + 1, 2):
+            fraction = rotary_fraction(rotary_dim, head_dim)
+            assert int(head_dim * fraction) == rotary_dim, (rotary_dim, head_dim)
+            if fraction != rotary_dim / head_dim:  # the pairs the plain quotient sized wrong
+                assert RoPE(head_dim, rope_parameters={"partial_rotary_factor": fraction}).rotary_dim == rotary_dim

@@ -16,23 +16,12 @@ from typing import Any
 from posenc._checks import positive_int
 from posenc.analysis.frequencies import EXAMPLE_ROPE_PARAMETERS, example_rope_parameters
 from posenc.interop.hf import rope_kwargs_from_config
-from posenc.rope.parameters import REQUIRED_KEYS, RopeSpec, parse_rope_parameters, pop_rope_type
+from posenc.rope.parameters import REQUIRED_KEYS, RopeSpec, parse_rope_parameters, pop_rope_type, rotary_fraction
 
 # The training length the figures assume when nothing says otherwise.
 DEFAULT_TRAIN_LEN = 2048
 # Keys of a Hugging Face model config.json that say something about positions; the rest are ignored there.
 _HF_MARKERS = frozenset({"hidden_size", "num_attention_heads", "model_type"})
-
-
-def rotary_fraction(rotary_dim: int, head_dim: int) -> float:
-    """The partial_rotary_factor f that rotates rotary_dim of head_dim channels: int(head_dim * f) == rotary_dim.
-
-    rotary_dim / head_dim itself can land an ulp low (30 / 44 * 44 = 29.999...), which the parser's int() truncates
-    to an odd 29 and refuses; the next float up gives rotary_dim exactly."""
-    fraction = rotary_dim / head_dim
-    if int(head_dim * fraction) < rotary_dim:
-        fraction = math.nextafter(fraction, math.inf)
-    return fraction
 
 
 def _check_odd_head_dim(head_dim: int, rope_parameters: Mapping[str, Any]) -> None:

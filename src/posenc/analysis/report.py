@@ -1,13 +1,13 @@
 """``posenc report RUN_DIR``: one self-contained ``report.html`` for a lab run folder.
 
-The page holds the lab's results as tables, the lab's own PNG plots and the eight analysis figures, every image
+The page holds the lab's results as tables, the lab's own PNG plots and the nine analysis figures, every image
 embedded as a base64 ``data:`` URI and all styling inline: it opens offline from any disk, with no server, no
 network and no script. The lab calls ``write_report(run_dir)`` at the end of a run; anyone can call it again.
 
 What a run folder holds (``posenc.lab`` writes it): ``results.csv`` in long format (at least ``encoding,
 extension, train_len, eval_len, seed, bits_per_byte``; required), ``results.json`` (config, corpus, versions),
-``report.md`` and PNG plots. Figure 8 draws the attention entropy the run measured (see ``posenc.analysis.run``)
-and falls back to a small random model, saying so, when the run has none.
+``report.md`` and PNG plots. Figure 9 (attention_entropy) draws the entropy the run measured (see
+``posenc.analysis.run``) and falls back to a small random model, saying so, when the run has none.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def render_html(
     figures: Sequence[str] | None = None,
     running: str | _Probe | None = _Probe.LOCK,
 ) -> str:
-    """The report page as a string. run_dir: a lab run folder (results.csv required); config: what figures 1-7
+    """The report page as a string. run_dir: a lab run folder (results.csv required); config: what figures 1-8
     are drawn for (default: the run's own model from results.json, else ``FigureConfig()``); figures: which
     analysis figures (default all, ``[]`` for none). On a folder that another lab run is writing now, a note at the
     top names that run: the results shown may be an earlier run's. running: that note, as
@@ -160,7 +160,7 @@ def render_html(
         parts.extend(_figure(p.read_bytes(), p.stem, p.name) for p in lab_images)
 
     if names:
-        # Figure 8 draws the run's own entropy when it measured some, else a random model's (and says so).
+        # Figure 9 draws the run's own entropy when it measured some, else a random model's (and says so).
         measured = run_entropy(run)
         if measured is None:
             inputs = FigureInputs(config=config)

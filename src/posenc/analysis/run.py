@@ -21,9 +21,10 @@ from pathlib import Path
 import torch
 
 from posenc import _atomic
-from posenc.analysis.config import FigureConfig, rotary_fraction
+from posenc.analysis.config import FigureConfig
 from posenc.analysis.entropy import EntropyResult
 from posenc.lab.lock import holder
+from posenc.rope.parameters import rotary_fraction
 
 REQUIRED_COLUMNS = ("encoding", "extension", "train_len", "eval_len", "seed", "bits_per_byte")
 ENTROPY_COLUMNS = ("encoding", "extension", "length", "layer", "head", "entropy")

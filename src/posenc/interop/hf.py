@@ -28,7 +28,7 @@ from typing import Any, Literal
 from posenc._checks import positive_int, user_stacklevel
 from posenc.rope.module import RoPE
 from posenc.rope.mrope import MRoPE, MRopeLayout
-from posenc.rope.parameters import REQUIRED_KEYS, pop_rope_type, unread_keys
+from posenc.rope.parameters import REQUIRED_KEYS, pop_rope_type, rotary_fraction, unread_keys
 
 # Model types whose rotation pairs adjacent channels (x0, x1), (x2, x3), ...: a rotate_half on x[..., ::2] and
 # x[..., 1::2], rotate_every_two, view_as_complex, or pairs rotated in place and stored evens-then-odds (the MLA
@@ -552,7 +552,7 @@ def rope_kwargs_from_config(config: Any, *, layer_type: str | None = None) -> di
                 f"rotation of {rotated} channels, which the "
                 f"qk_rope_head_dim={head_dim} rotated channels cannot hold; transformers' model would fail too"
             )
-        rope["partial_rotary_factor"] = rotated / head_dim
+        rope["partial_rotary_factor"] = rotary_fraction(rotated, head_dim)
     if head_dim is None:
         hidden, heads = _first(cfg, "hidden_size", "n_embd", "d_model"), _first(cfg, "num_attention_heads", "n_head")
         if hidden is None or heads is None:

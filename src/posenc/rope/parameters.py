@@ -78,6 +78,17 @@ class RopeSpec:
 NEEDS_FOUR_CHANNELS = ("ntk", "dynamic")
 
 
+def rotary_fraction(rotary_dim: int, head_dim: int) -> float:
+    """The partial_rotary_factor f that rotates rotary_dim of head_dim channels: int(head_dim * f) == rotary_dim.
+
+    rotary_dim / head_dim itself can land an ulp low (30 / 44 * 44 = 29.999...), which the parser's int() truncates
+    to an odd 29 and refuses; the next float up gives rotary_dim exactly."""
+    fraction = rotary_dim / head_dim
+    if int(head_dim * fraction) < rotary_dim:
+        fraction = math.nextafter(fraction, math.inf)
+    return fraction
+
+
 def _real(key: str, value: Any, *, low: float, low_inclusive: bool, hint: str = "", index: int | None = None) -> float:
     """value as a float in range; key (and index, for an entry of a list) name it in errors. Numbers of any kind
     are taken: Python's, numpy's, and one-element tensors (factor lists saved as tensors)."""
