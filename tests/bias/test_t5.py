@@ -142,3 +142,83 @@ def test_options_given_to_a_model_built_t5_are_kept():
     assert _for_model(1).num_buckets == 2  # the fewest T5 takes; a model of one position sees only distance 0
     t5 = _for_model(64, num_buckets=32, max_distance=128)
     assert (t5.num_buckets, t5.max_distance) == (32, 128)  # T5's own, when asked for
+
+
+@pytest.mark.parametrize(
+    "other", [{"max_distance": 1024}, {"bidirectional": True}, {"num_buckets": 16}], ids=lambda o: next(iter(o))
+)
+def test_a_table_saved_with_other_bucket_settings_is_refused(other):
+    """The state dict held only the (num_buckets, h) table: one learned at max_distance 512 loaded into a T5Bias
+    reaching 1024 (or into an encoder's), and its values were read at other distances (0.068 apart at 600 tokens)."""
+    saved = _for_model(512)
+    settings = {"num_buckets": 32, "max_distance": 512, "bidirectional": False}
+    target = posenc.T5Bias(2, **{**settings, **other})
+    before = target.table.weight.clone()
+    with pytest.raises(
+        RuntimeError,
+        match=r"saved with num_buckets=32, max_distance=512, bidirectional=False, but this T5Bias has .*"
+        r"Build the T5Bias with num_buckets=32, max_distance=512, bidirectional=False to load it",
+    ):
+        target.load_state_dict(saved.state_dict(), strict=False)  # settings are values: refused however loaded
+    assert torch.equal(target.table.weight, before)  # refused before the table is copied in
+    same = posenc.T5Bias(2, **settings)
+    same.load_state_dict(saved.state_dict())
+    positions = torch.arange(600)
+    assert torch.equal(same.score_bias(positions, positions), saved.score_bias(positions, positions))
+
+
+def test_a_refused_table_is_named_by_where_it_sits():
+    model = torch.nn.ModuleDict({"decoder": _for_model(512)})
+    other = torch.nn.ModuleDict({"decoder": _for_model(1024)})
+    with pytest.raises(RuntimeError, match=r"table \(under 'decoder\.'\) was saved with .*max_distance=512"):
+        other.load_state_dict(model.state_dict())
+    with pytest.raises(RuntimeError, match=r"must be an integer tensor \[num_buckets, max_distance, bidirectional\]"):
+        other.load_state_dict({**model.state_dict(), "decoder._extra_state": torch.tensor([32.0, 512.0, 0.0])})
+
+
+def test_a_state_dict_saved_before_the_settings_loads_strictly():
+    """State dicts saved by earlier posenc hold the table alone: they still load, strict as well."""
+    saved = _for_model(512)
+    state = saved.state_dict()
+    assert state.pop("_extra_state").tolist() == [32, 512, 0]
+    target = _for_model(1024)  # nothing to compare the table against but its shape, as before
+    result = target.load_state_dict(state, strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    assert torch.equal(target.table.weight, saved.table.weight)
+
+
+def test_the_settings_round_trip_through_safetensors(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    saved = _for_model(512, bidirectional=True)
+    save_file(saved.state_dict(), str(tmp_path / "t5.safetensors"))
+    state = load_file(str(tmp_path / "t5.safetensors"))
+    assert state["_extra_state"].tolist() == [32, 512, 1]
+    loaded = _for_model(512, bidirectional=True)
+    loaded.load_state_dict(state)
+    assert torch.equal(loaded.table.weight, saved.table.weight)
+    with pytest.raises(RuntimeError, match=r"bidirectional=True, but this T5Bias has .*bidirectional=False"):
+        _for_model(512).load_state_dict(state)
+
+
+@pytest.mark.parametrize("cast", [torch.nn.Module.half, lambda m: m.to(torch.bfloat16), torch.nn.Module.double])
+def test_a_cast_keeps_the_settings(cast):
+    t5 = cast(_for_model(512))
+    settings = t5.state_dict()["_extra_state"]
+    assert settings.dtype == torch.int64 and settings.tolist() == [32, 512, 0]
+    _for_model(512).load_state_dict(t5.state_dict())  # the table is cast back on load, the settings compared
+    with pytest.raises(RuntimeError, match="max_distance=512"):
+        _for_model(1024).load_state_dict(t5.state_dict())
+
+
+def test_the_settings_of_a_bias_built_on_the_meta_device_are_real():
+    """Built on the meta device and materialised (to_empty): the settings come from the module, not from memory
+    that to_empty leaves uninitialised."""
+    with torch.device("meta"):
+        t5 = _for_model(512)
+        assert t5.state_dict()["_extra_state"].tolist() == [32, 512, 0]
+    t5.to_empty(device="cpu")
+    assert t5.state_dict()["_extra_state"].tolist() == [32, 512, 0]
+    t5.load_state_dict(_for_model(512).state_dict())
+    with pytest.raises(RuntimeError, match=r"max_distance=1024, .*max_distance=512"):
+        t5.load_state_dict(_for_model(1024).state_dict())

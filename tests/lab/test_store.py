@@ -146,6 +146,32 @@ def test_weights_saved_while_the_layers_held_input_encodings_still_load():
         assert torch.equal(value, saved[name]), name
 
 
+def test_t5_weights_saved_before_the_bucket_settings_still_load():
+    """A t5 ByteLM saved at e659a41 (seed 0), before T5Bias saved its bucket settings: the one bias is shared by
+    every layer, and a buffer for them would have been one tensor under three names, which safetensors' load_model
+    refuses in a file that has none of them. A run interrupted then resumes after an upgrade."""
+    path = Path(__file__).parents[1] / "fixtures" / "lab_t5_v0.safetensors"
+    spec = ModelSpec(dim=8, layers=2, heads=2, max_positions=4, mlp_ratio=1)
+    saved = load_file(str(path))
+    assert not any(key.endswith("_extra_state") for key in saved)
+    model = ByteLM(spec, "t5")
+    store.load_weights(model, path)
+    assert torch.equal(model.encoding.table.weight, saved["blocks.0.attn.encoding.table.weight"])
+    assert model.blocks[1].attn.encoding.table.weight is model.encoding.table.weight
+    torch.manual_seed(0)
+    assert all(torch.equal(a, b) for a, b in zip(ByteLM(spec, "t5").parameters(), model.parameters(), strict=True))
+
+
+def test_t5_weights_of_other_bucket_settings_are_refused(tmp_path):
+    spec = ModelSpec(dim=8, layers=2, heads=2, max_positions=64, mlp_ratio=1)
+    store.save_weights(ByteLM(spec, "t5"), tmp_path / "m.safetensors")
+    store.load_weights(ByteLM(spec, "t5"), tmp_path / "m.safetensors")
+    # The same table shape, (32, h), reaching 128 instead of 64.
+    other = ByteLM(spec, "t5", {"max_distance": 128})
+    with pytest.raises(RuntimeError, match=r"saved with num_buckets=32, max_distance=64, .* has .*max_distance=128"):
+        store.load_weights(other, tmp_path / "m.safetensors")
+
+
 @pytest.mark.parametrize("change", ["both names", "a weight missing"])
 def test_an_old_weights_file_that_does_not_fit_is_refused(change, tmp_path):
     """The rename path loads strictly too: a file holding both the old and the new name of the table, or lacking a

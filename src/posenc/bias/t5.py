@@ -7,6 +7,7 @@ import math
 from typing import Any
 
 import torch
+from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX
 
 from posenc._checks import flag, int_tensor, positive_int
 from posenc._embedding import SmallInitEmbedding
@@ -61,10 +62,17 @@ def t5_relative_bucket(
     return buckets + torch.where(is_small, distance, large)
 
 
+def _settings_text(num_buckets: int, max_distance: int, bidirectional: bool) -> str:
+    return f"num_buckets={num_buckets}, max_distance={max_distance}, bidirectional={bidirectional}"
+
+
 class T5Bias(ScoreBias):
     """num_heads: h; num_buckets, max_distance: as in T5; bidirectional: True for encoders, False for decoders.
 
-    ``table`` is a (num_buckets, h) learned embedding.
+    ``table`` is a (num_buckets, h) learned embedding. The state dict also holds the bucket settings
+    (``_extra_state``: int64 [num_buckets, max_distance, bidirectional]), and loading refuses a table saved with
+    others: its shape alone let a table learned at another max_distance or direction load, and be read at other
+    distances. State dicts saved before the settings were (without the key) still load, strictly too.
 
     As in T5, a decoder's (``bidirectional=False``) relative position n - m > 0 falls in bucket 0, the query's own.
     Attention masks by token order, not by ids, so with packed documents whose ids restart a query also sees the
@@ -122,6 +130,54 @@ class T5Bias(ScoreBias):
         table's dtype; a causal T5 puts keys after the query in bucket 0 (never -inf): the attention masks them."""
         buckets = self.buckets(q_positions, k_positions)  # on the table's device
         return self.table(buckets).permute(0, 3, 1, 2)
+
+    def get_extra_state(self) -> torch.Tensor:
+        # A tensor, which safetensors stores, and a new one on every call: a buffer would be one tensor under every
+        # layer that shares the bias, which safetensors' save_model keeps once, and its load_model then refused the
+        # files saved before (no such key under any name) for the names it had dropped.
+        return torch.tensor([self.num_buckets, self.max_distance, int(self.bidirectional)], device="cpu")
+
+    def set_extra_state(self, state: Any) -> None:
+        self._check_saved_settings(state, "")
+
+    def _check_saved_settings(self, state: Any, prefix: str) -> None:
+        where = f" (under {prefix!r})" if prefix else ""
+        if not isinstance(state, torch.Tensor) or state.shape != (3,) or state.dtype.is_floating_point:
+            raise RuntimeError(
+                f"the T5 bias settings saved{where} must be an integer tensor [num_buckets, max_distance, "
+                f"bidirectional], as T5Bias.state_dict() writes them, got {state!r}"
+            )
+        if state.is_meta:  # no values to compare: loading meta tensors copies nothing either
+            return
+        num_buckets, max_distance, bidirectional = (int(v) for v in state.tolist())
+        saved = _settings_text(num_buckets, max_distance, bool(bidirectional))
+        mine = _settings_text(self.num_buckets, self.max_distance, self.bidirectional)
+        if saved != mine:
+            raise RuntimeError(
+                f"the T5 bias table{where} was saved with {saved}, but this T5Bias has {mine}: its learned values "
+                f"belong to other distances. Build the T5Bias with {saved} to load it (from_model_dims and "
+                "build_for_model size the buckets by max_positions: pass the saved values as options)"
+            )
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        key = prefix + _EXTRA_STATE_KEY_SUFFIX
+        if key in state_dict:  # checked here, before the table (a child module) loads, and named by its prefix
+            self._check_saved_settings(state_dict[key], prefix)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        # Saved before the settings were: the table's shape is all there is to check, as it was.
+        if key not in state_dict and key in missing_keys:
+            missing_keys.remove(key)
 
     def extra_repr(self) -> str:
         return (
