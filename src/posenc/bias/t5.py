@@ -7,7 +7,6 @@ import math
 from typing import Any
 
 import torch
-from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX
 
 from posenc._checks import flag, int_tensor, positive_int
 from posenc._embedding import SmallInitEmbedding
@@ -60,6 +59,10 @@ def t5_relative_bucket(
     ).to(torch.long)
     large = large.clamp(max=num_buckets - 1)
     return buckets + torch.where(is_small, distance, large)
+
+
+# The key nn.Module gives get_extra_state's value under the module's prefix (torch's own name is private).
+_EXTRA_STATE_KEY_SUFFIX = "_extra_state"
 
 
 def _settings_text(num_buckets: int, max_distance: int, bidirectional: bool) -> str:
