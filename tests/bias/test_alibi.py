@@ -129,3 +129,27 @@ def test_share_memory_shares_the_slopes_too():
     alibi = posenc.ALiBi(8)
     alibi.share_memory()
     assert alibi.slopes.is_shared()
+
+
+@pytest.mark.parametrize("move", ["cpu", "float", "to_cpu"])
+def test_a_module_built_or_cast_in_inference_mode_can_be_moved_after_it(move):
+    # Slopes made inside torch.inference_mode are inference tensors; a move or cast that changes nothing returns
+    # the buffer itself, and the in-place refresh of its values raised "Inplace update to inference tensor outside
+    # InferenceMode is not allowed" from model.cpu() or model.float(), which a plain module takes without a word.
+    apply = {"cpu": lambda m: m.cpu(), "float": lambda m: m.float(), "to_cpu": lambda m: m.to("cpu")}[move]
+    reference = torch.tensor(alibi_slopes_reference(12), dtype=torch.float64)
+    with torch.inference_mode():
+        built = posenc.CausalSelfAttention(24, 12, encoding=posenc.ALiBi(12))
+    cast = posenc.CausalSelfAttention(24, 12, encoding=posenc.ALiBi(12))
+    with torch.inference_mode():
+        cast.half()  # fp16 slopes are replaced by float32 ones, made in inference mode
+    cast.float()
+    for layer in (built, cast):
+        apply(layer)
+        torch.testing.assert_close(layer.encoding.slopes.double(), reference, rtol=2**-24, atol=0)
+    built(torch.randn(1, 5, 24))
+    x = torch.randn(1, 5, 24)
+    # The cast one's weights are ordinary tensors again (made by .float() outside inference mode): it trains.
+    x.requires_grad_()
+    cast(x).sum().backward()
+    assert x.grad is not None

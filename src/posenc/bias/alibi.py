@@ -87,8 +87,10 @@ class ALiBi(ScoreBias):
         slopes = self.slopes
         exact = alibi_slopes(self.num_heads, dtype=torch.float64)
         if slopes.dtype in (torch.float32, torch.float64):
-            # In place, so that what fn did to the storage (share_memory_, a device) stays done.
-            with torch.no_grad():
+            # In place, so that what fn did to the storage (share_memory_, a device) stays done. A move or cast
+            # that changes nothing hands back the buffer itself, which is an inference tensor where the module was
+            # built or cast inside torch.inference_mode: writing to one is refused outside it, so write inside it.
+            with torch.no_grad(), torch.inference_mode(slopes.is_inference() or torch.is_inference_mode_enabled()):
                 slopes.copy_(exact)
         else:
             self._buffers["slopes"] = exact.to(device=slopes.device, dtype=torch.float32)
