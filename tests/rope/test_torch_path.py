@@ -90,6 +90,36 @@ def test_torch_func_transforms(backend, interleaved):
     assert jacobian.shape == x.shape + x.shape
 
 
+TRANSFORMS = {
+    "grad": lambda f, x: torch.func.grad(lambda x: f(x).sum())(x),
+    "jacrev": lambda f, x: torch.func.jacrev(f)(x),
+    "vjp": lambda f, x: torch.func.vjp(f, x)[0],
+    "jvp": lambda f, x: torch.func.jvp(f, (x,), (torch.ones_like(x),))[0],
+    "per-sample grad": lambda f, x: torch.func.vmap(torch.func.grad(lambda x: f(x[None]).sum()))(x),
+}
+
+
+@pytest.mark.parametrize("transform", list(TRANSFORMS))
+@pytest.mark.parametrize("rope_parameters", [None, {"rope_type": "dynamic", "factor": 2.0}], ids=["rope", "dynamic"])
+def test_a_rope_first_used_inside_a_torch_func_transform_serves_eager_calls_after_it(transform, rope_parameters):
+    """The cos/sin table made by a RoPE's first call inside torch.func.grad (jacrev, vjp, jvp: per-sample gradients)
+    was kept, though there even a fresh tensor is the transform's wrapper, which has no storage once the transform
+    returns: every later eager call on the fused kernels raised "Cannot access data pointer of Tensor that doesn't
+    have storage" (until 2026-12-05)."""
+    rope = posenc.RoPE(8, rope_parameters=rope_parameters, max_position_embeddings=4)
+    k = torch.randn(1, 2, 6, 8)
+    q = torch.randn(1, 2, 6, 8)
+    TRANSFORMS[transform](lambda x: rope(x, k)[0], q)
+    expected = posenc.RoPE(8, rope_parameters=rope_parameters, max_position_embeddings=4)(q, k)
+    for got, want in zip(rope(q, k), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # And a table kept by an eager call serves a transform as a constant: the gradient is the inverse rotation.
+    w = torch.randn_like(q)
+    grad = torch.func.grad(lambda x: (rope(x, k)[0] * w).sum())(q)
+    cos, sin = rope.cos_sin(torch.arange(6))
+    assert_close(grad, posenc.apply_rotary(w, cos, sin, conjugate=True))
+
+
 @pytest.mark.parametrize("backend", ["torch", "auto"])
 def test_forward_mode_ad_carries_the_tangent(backend):
     # The fused kernels have no forward derivative: before "auto" routed around them, the tangent came out None.

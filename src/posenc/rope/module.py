@@ -273,6 +273,8 @@ class RoPE(nn.Module):
         found = self._frequencies.pop(key, None)  # re-inserted below: the dict's order is the order of use
         if found is None:
             found = compute_frequencies(self.spec, seq_len=key)
+            if transformed():  # made inside torch.func.grad & co: not kept (see _table)
+                return found
             if len(self._frequencies) >= _FREQUENCIES_KEPT:
                 # The least recently used; threads sharing this RoPE may evict it first (a cache: nothing is lost).
                 with contextlib.suppress(StopIteration, RuntimeError):
@@ -444,7 +446,12 @@ class RoPE(nn.Module):
             # could not save one for backward.
             with torch.inference_mode(False):
                 table = angles_to_cos_sin(torch.arange(size, device=device), inv_freq, factor, dtype)
-            self._tables[(device, dtype)] = table
+            # Not kept when made inside a torch.func transform (grad, jacrev, vjp, jvp: per-sample gradients, say):
+            # there even a fresh tensor is the transform's wrapper, which has no storage once it returns, and the
+            # next eager call's fused kernel failed on it ("Cannot access data pointer of Tensor that doesn't have
+            # storage"). One kept from an eager call serves the transforms as a constant.
+            if not transformed():
+                self._tables[(device, dtype)] = table
         return table
 
     def forward(
