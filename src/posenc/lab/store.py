@@ -8,8 +8,9 @@ import re
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, load_model, save_model
+from safetensors.torch import load_file, load_model, save_file
 from torch import nn
 
 from posenc import _atomic
@@ -51,11 +52,25 @@ def read_json(path: Path) -> Any:
 
 
 def save_weights(model: nn.Module, path: Path, metadata: dict[str, str] | None = None) -> None:
-    """Weights in safetensors. ``save_model`` (not ``save_file``) because the shared encoding appears under
-    every layer, and safetensors refuses tensors that share memory unless it deduplicates them itself. It writes
-    ``metadata``'s keys in a random order (a Rust HashMap): with one key, the same weights give the same bytes."""
+    """Weights in safetensors, each tensor the model shares under several names (the encoding every layer holds)
+    stored once, under the first of its names. safetensors writes ``metadata``'s keys in a random order (a Rust
+    HashMap), so with one key the same weights give the same bytes. ``save_model`` is not used: it adds a key per
+    shared name (T5's table: one per layer), which made a T5 unit's file differ from run to run, header only."""
     with _atomic.atomic_path(path, own_folder=True) as tmp:  # safetensors makes a temporary file of its own
-        save_model(model, str(tmp), metadata=metadata)
+        save_file(_unshared(model.state_dict()), str(tmp), metadata=metadata)
+
+
+def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with each tensor that appears under several names kept under the first in sorted order, the name
+    ``save_model`` keeps, so that ``load_model`` ties the others to it again."""
+    kept: dict[tuple[Any, ...], str] = {}
+    for name in sorted(state):
+        tensor = state[name]
+        storage = tensor.untyped_storage()
+        # Empty tensors share the null pointer without sharing anything.
+        same = (storage.data_ptr(), tensor.storage_offset(), tensor.shape, tensor.stride(), tensor.dtype)
+        kept.setdefault(same if storage.nbytes() else (name,), name)
+    return {name: state[name] for name in kept.values()}
 
 
 # Until 2026-12-01 every ByteLM layer held the model's encoding, input encodings too, so save_model kept a learned
