@@ -607,6 +607,23 @@ def test_task_accuracy_is_reported_by_length(tiny_config, tmp_path, monkeypatch)
     ]
 
 
+def test_each_unit_records_the_device_and_processes_it_ran_with(tiny_config, tmp_path):
+    """A folder may be resumed on another device or with another number of processes (torchrun), which change float
+    sums in the last bits as the thread count does; results.json recorded the thread count per unit but these only
+    for the last invocation, so units of two settings mixed in one report without a trace."""
+    config = tiny_config(encodings=("alibi", "nope"), extensions=())
+    quiet(tiny_config(encodings=("alibi",), extensions=()), tmp_path).run()
+    metrics = tmp_path / "runs" / "alibi" / "seed0" / "metrics.json"
+    assert (store.read_json(metrics)["device"], store.read_json(metrics)["processes"]) == ("cpu", 1)
+    # As a unit finished by `torchrun --nproc-per-node=2 ... --device cuda` would have left it.
+    store.write_json(metrics, store.read_json(metrics) | {"device": "cuda:0", "processes": 2})
+    units = quiet(config, tmp_path).run()["timings"]["units"]
+    assert {name: (unit["device"], unit["processes"]) for name, unit in units.items()} == {
+        "alibi/seed0": ("cuda:0", 2),
+        "nope/seed0": ("cpu", 1),
+    }
+
+
 def test_units_evaluated_before_the_per_byte_accuracy_report_it_blank(tiny_config, tmp_path):
     config = tiny_config(encodings=("nope",), extensions=(), task="passkey", train_len=40, eval_lengths=(40,))
     quiet(config, tmp_path).run()

@@ -483,10 +483,10 @@ class Lab:
             "train": train_info,
             "rope_parameters": {str(n): p for n, p in rope_parameters.items()},
             "eval": [dataclasses.asdict(r) for r in results],
-            # The thread count changes float sums in the last bits: a resumed run says which units ran with which.
+            # The thread count, the device and the number of processes change float sums in the last bits, and a
+            # folder may be resumed with others of each: a resumed run says which units ran with which.
             "torch_threads": torch.get_num_threads(),
-            # Under torchrun each rank does part of the work, so a unit's seconds read per process count; a resumed
-            # run may mix units of one and of several processes.
+            "device": str(self.device),
             "processes": self.ranks.world_size,
         }
         if self.ranks.is_main:
@@ -679,8 +679,10 @@ class Lab:
                 else {k: v for k, v in m["train"].items() if k not in ("loss_curve", "losses")},
                 "eval_seconds": round(sum(r["seconds"] for r in m["eval"]), 3),
                 "rope_parameters": m["rope_parameters"],
-                "torch_threads": m.get("torch_threads"),  # None: finished before it was recorded
-                "processes": m.get("processes"),  # None: finished before it was recorded (2026-12-05)
+                # None: finished before it was recorded
+                "torch_threads": m.get("torch_threads"),
+                "device": m.get("device"),
+                "processes": m.get("processes"),
             }
             for m in metrics
         }
