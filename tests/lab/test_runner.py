@@ -210,24 +210,25 @@ def test_rerun_skips_everything_it_finished(finished, monkeypatch):
     assert again["timings"]["units_run"] == 0 and (out / "results.csv").read_text() == before
 
 
-def test_each_unit_records_its_threads_and_processes_and_older_units_still_load(tiny_config, tmp_path, monkeypatch):
-    # Under torchrun a unit's timings are one rank's share: a resumed run that mixed 1 and 2 processes showed
-    # threads per unit but not processes. Units written before either was recorded load as None (not recorded).
+def test_each_unit_records_its_threads_device_and_processes(tiny_config, tmp_path, monkeypatch):
+    # Under torchrun a unit's timings are one rank's share, and the device and the process count change float sums
+    # in the last bits: a resumed run that mixed settings showed threads per unit but neither of these. Units
+    # written before they were recorded load as None (not recorded).
     config = tiny_config(encodings=("rope", "alibi"))
     out = tmp_path / "run"
     first = quiet(config, out).run()
     for unit in first["timings"]["units"].values():
-        assert unit["torch_threads"] == torch.get_num_threads() and unit["processes"] == 1
+        assert unit["torch_threads"] == torch.get_num_threads() and (unit["device"], unit["processes"]) == ("cpu", 1)
     assert first["machine"]["processes"] == 1
     older = out / "runs" / "alibi" / "seed0" / "metrics.json"
     stored = json.loads(older.read_text())
-    assert stored["processes"] == 1
-    del stored["processes"], stored["torch_threads"]
+    assert (stored["device"], stored["processes"]) == ("cpu", 1)
+    del stored["processes"], stored["torch_threads"], stored["device"]
     store.write_json(older, stored)
     monkeypatch.setattr(runner, "train", lambda *a, **k: pytest.fail("a finished unit was trained again"))
     again = quiet(config, out).run()
     units = again["timings"]["units"]
-    assert (units["alibi/seed0"]["torch_threads"], units["alibi/seed0"]["processes"]) == (None, None)
+    assert [units["alibi/seed0"][key] for key in ("torch_threads", "device", "processes")] == [None] * 3
     assert units["rope/seed0"]["processes"] == 1 and again["rows"] == first["rows"]
 
 
@@ -605,23 +606,6 @@ def test_task_accuracy_is_reported_by_length(tiny_config, tmp_path, monkeypatch)
     assert [float(r["task_byte_accuracy"]) for r in csv_rows if r["task_byte_accuracy"]] == [
         r["task_byte_accuracy"] for r in rows if r["task_byte_accuracy"] is not None
     ]
-
-
-def test_each_unit_records_the_device_and_processes_it_ran_with(tiny_config, tmp_path):
-    """A folder may be resumed on another device or with another number of processes (torchrun), which change float
-    sums in the last bits as the thread count does; results.json recorded the thread count per unit but these only
-    for the last invocation, so units of two settings mixed in one report without a trace."""
-    config = tiny_config(encodings=("alibi", "nope"), extensions=())
-    quiet(tiny_config(encodings=("alibi",), extensions=()), tmp_path).run()
-    metrics = tmp_path / "runs" / "alibi" / "seed0" / "metrics.json"
-    assert (store.read_json(metrics)["device"], store.read_json(metrics)["processes"]) == ("cpu", 1)
-    # As a unit finished by `torchrun --nproc-per-node=2 ... --device cuda` would have left it.
-    store.write_json(metrics, store.read_json(metrics) | {"device": "cuda:0", "processes": 2})
-    units = quiet(config, tmp_path).run()["timings"]["units"]
-    assert {name: (unit["device"], unit["processes"]) for name, unit in units.items()} == {
-        "alibi/seed0": ("cuda:0", 2),
-        "nope/seed0": ("cpu", 1),
-    }
 
 
 def test_units_evaluated_before_the_per_byte_accuracy_report_it_blank(tiny_config, tmp_path):
