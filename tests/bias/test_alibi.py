@@ -4,6 +4,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import nn
 
 import posenc
 from posenc.testing import alibi_bias_reference, alibi_slopes_reference, attention_reference
@@ -153,3 +154,24 @@ def test_a_module_built_or_cast_in_inference_mode_can_be_moved_after_it(move):
     x.requires_grad_()
     cast(x).sum().backward()
     assert x.grad is not None
+
+
+@pytest.mark.parametrize("learned", [True, False])
+def test_a_cast_or_move_keeps_slopes_that_are_not_the_head_counts(learned):
+    # _apply recomputed the slopes from the head count on every cast and move: learned slopes (an nn.Parameter) or
+    # assigned ones went back to 1/4, 1/16, ... on .to("cpu", torch.float32), .double() or .cuda(), without a word.
+    alibi = posenc.ALiBi(4)
+    custom = torch.tensor([0.5, 0.3, 0.2, 0.1])
+    alibi.slopes = nn.Parameter(custom.clone()) if learned else custom.clone()
+    for cast in (lambda m: m.to("cpu", torch.float32), lambda m: m.double(), lambda m: m.float()):
+        cast(alibi)
+        torch.testing.assert_close(alibi.slopes.detach().float(), custom, rtol=0, atol=0)
+    assert isinstance(alibi.slopes, nn.Parameter) == learned
+    if learned:  # a 16-bit cast rounds a Parameter as it rounds every other one, and keeps it a Parameter
+        alibi.bfloat16()
+        assert isinstance(alibi.slopes, nn.Parameter) and alibi.slopes.dtype == torch.bfloat16
+        assert not dict(alibi.named_buffers())
+    else:  # an assigned buffer stays float32, unrounded, as the head count's do
+        alibi.bfloat16()
+        assert alibi.slopes.dtype == torch.float32
+        torch.testing.assert_close(alibi.slopes, custom, rtol=0, atol=0)

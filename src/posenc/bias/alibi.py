@@ -57,6 +57,14 @@ def alibi_bias(
     return bias
 
 
+def _standard(slopes: torch.Tensor, num_heads: int) -> bool:
+    """Whether ``slopes`` are ``alibi_slopes(num_heads)`` in their own dtype (on the meta device, with no values
+    to read: assumed so, as ``ALiBi`` builds them)."""
+    if slopes.is_meta:
+        return True
+    return torch.equal(slopes, alibi_slopes(num_heads, dtype=slopes.dtype).to(slopes.device))
+
+
 class ALiBi(ScoreBias):
     """num_heads: h; causal: the ``bias`` view is -inf on keys after the query (False: symmetric, for encoders).
 
@@ -82,18 +90,21 @@ class ALiBi(ScoreBias):
     def _apply(self, fn, recurse: bool = True) -> ALiBi:  # type: ignore[no-untyped-def]
         # A cast of the module decides the bias dtype, float64 or float32, but the slopes are recomputed from the
         # head count rather than cast: model.to(bfloat16) would round 2^-0.5 to 0.70703125, and .double() would
-        # keep float32's rounding of it.
+        # keep float32's rounding of it. Slopes that are not the head count's (learned ones, a Parameter, or
+        # assigned ones) keep their values: recomputed, every .to() and .float() reset them without a word.
+        before = self.slopes.detach()  # its own view: a Parameter's .data is swapped by the cast
         super()._apply(fn, recurse)
         slopes = self.slopes
-        exact = alibi_slopes(self.num_heads, dtype=torch.float64)
+        target = alibi_slopes(self.num_heads, dtype=torch.float64) if _standard(before, self.num_heads) else before
         if slopes.dtype in (torch.float32, torch.float64):
             # In place, so that what fn did to the storage (share_memory_, a device) stays done. A move or cast
             # that changes nothing hands back the buffer itself, which is an inference tensor where the module was
             # built or cast inside torch.inference_mode: writing to one is refused outside it, so write inside it.
-            with torch.no_grad(), torch.inference_mode(slopes.is_inference() or torch.is_inference_mode_enabled()):
-                slopes.copy_(exact)
-        else:
-            self._buffers["slopes"] = exact.to(device=slopes.device, dtype=torch.float32)
+            # no_grad inside: inference_mode(False) turns grad mode back on, and a Parameter refuses the write.
+            with torch.inference_mode(slopes.is_inference() or torch.is_inference_mode_enabled()), torch.no_grad():
+                slopes.copy_(target)
+        elif "slopes" in self._buffers:  # a Parameter stays the tensor its optimizer holds, cast as any other
+            self._buffers["slopes"] = target.to(device=slopes.device, dtype=torch.float32)
         return self
 
     def score_bias(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
