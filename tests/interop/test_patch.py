@@ -819,10 +819,8 @@ def test_phimoe_with_two_mscales_is_refused_saying_why() -> None:
     assert not is_patched(model)
 
 
-def test_a_rotary_forward_that_departs_from_its_buffers_past_the_probe_is_refused() -> None:
-    """Mistral Large 4's LeRoPE turns by inv_freq * exp(alpha), alpha learned, where its inv_freq buffer holds the
-    plain frequencies. Nonzero only on slow pairs, alpha stayed below the probe's tolerance at positions < 16 and the
-    patch went through, hidden states off by 2.98 at 2000 tokens. The far positions see it."""
+def tiny_mistral_large4() -> Any:
+    """A tiny Mistral Large 4 text model, whose LeRoPE turns by inv_freq * exp(alpha), alpha learned (init 0)."""
     modeling = pytest.importorskip("transformers.models.mistral_large4.modeling_mistral_large4")
     config = transformers.models.mistral_large4.configuration_mistral_large4.MistralLarge4TextConfig(
         vocab_size=128,
@@ -846,14 +844,36 @@ def test_a_rotary_forward_that_departs_from_its_buffers_past_the_probe_is_refuse
         initializer_range=0.3,
     )
     torch.manual_seed(0)
-    model = modeling.MistralLarge4TextModel(config).eval()
-    with torch.no_grad():
-        model.rotary_emb.alpha.copy_(torch.tensor([0, 0, 0, 0, 0, 0.7, 0.7, 0.7]))
-    with pytest.raises(
-        ValueError, match=r"rotates differently .* learned parameters \(alpha\) that posenc does not read"
-    ):
+    return modeling.MistralLarge4TextModel(config).eval()
+
+
+def test_a_rotary_forward_that_departs_from_its_buffers_past_the_probe_is_refused() -> None:
+    """Mistral Large 4's LeRoPE turns by inv_freq * exp(alpha), alpha learned, where its inv_freq buffer holds the
+    plain frequencies. Nonzero only on slow pairs, alpha stayed below the probe's tolerance at positions < 16 and the
+    patch went through, hidden states off by 2.98 at 2000 tokens. The far positions see it. (alpha a buffer here: as
+    a parameter it is refused before the probe, see the next test.)"""
+    model = tiny_mistral_large4()
+    del model.rotary_emb.alpha
+    model.rotary_emb.register_buffer("alpha", torch.tensor([0, 0, 0, 0, 0, 0.7, 0.7, 0.7]), persistent=False)
+    with pytest.raises(ValueError, match=r"rotates differently .* Its forward computes cos/sin from more than"):
         patch_model(model)
     assert not is_patched(model)
+
+
+def test_learned_rotary_frequencies_are_refused_not_dropped() -> None:
+    # A rotary module with parameters was replaced by posenc's, computed from the config: at alpha's init (0) Mistral
+    # Large 4 patched without a word and training it lost alpha (gone from the parameters, its gradient None); so did
+    # an inv_freq made an nn.Parameter.
+    model = tiny_mistral_large4()
+    with pytest.raises(ValueError, match=r"MistralLarge4TextRotaryEmbedding \(rotary_emb\) holds parameters \(alpha\)"):
+        patch_model(model)
+    assert not is_patched(model) and isinstance(model.rotary_emb.alpha, torch.nn.Parameter)
+    llama = build("llama")
+    rotary = llama.get_decoder().rotary_emb
+    rotary.inv_freq = torch.nn.Parameter(rotary.inv_freq.clone())
+    with pytest.raises(ValueError, match=r"LlamaRotaryEmbedding \(model\.rotary_emb\) holds parameters \(inv_freq\)"):
+        patch_model(llama)
+    assert not is_patched(llama)
 
 
 # --- errors -------------------------------------------------------------------------------------------------

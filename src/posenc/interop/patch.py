@@ -687,7 +687,8 @@ def patch_model(
     ``dynamic`` / ``longrope``, "consistent" is offered for ``SUPPORTED_ARCHITECTURES``, whose attention is known
     to hand its keys to the attention function with the rotated channels first.
     Returns a ``PatchReport``. Raises ValueError for a model posenc cannot patch (saying why), a model already
-    patched, or a RoPE that would not rotate as the model's own does (all checked before anything is replaced);
+    patched, a rotary module with parameters (learned frequencies, which posenc's would drop), or a RoPE that would
+    not rotate as the model's own does (all checked before anything is replaced);
     TypeError for an object that is no transformers model (no ``config``).
     """
     found = _architecture(model)
@@ -696,6 +697,7 @@ def patch_model(
         raise ValueError("model is already patched by posenc; call unpatch_model(model) first")
     config = model.config
     groups = _rotary_groups(model, found)
+    _require_no_parameters(model_type, groups)
 
     # Everything that can fail runs before the model or its config is touched. RoPE validates mode and backend.
     values: dict[str, Any] = {}
@@ -800,6 +802,22 @@ def _rotary_groups(model: nn.Module, found: ModelRope) -> list[tuple[Any, list[t
         own = own if callable(getattr(own, "to_dict", None)) else model.config
         groups.setdefault(id(own), (own, []))[1].append((name, module))
     return [group for group in groups.values() if group[1]]
+
+
+def _require_no_parameters(model_type: str, groups: Sequence[tuple[Any, Sequence[tuple[str, nn.Module]]]]) -> None:
+    """Raise ValueError where a rotary module holds parameters (learned frequencies, an inv_freq made an
+    nn.Parameter): the PosencRotaryEmbedding that replaces it computes fixed frequencies from the config, so the
+    patched model would drop them from its parameters and their gradients (None, with no error) without a word."""
+    for _, members in groups:
+        for name, module in members:
+            held = [parameter_name for parameter_name, _ in module.named_parameters()]
+            if held:
+                raise ValueError(
+                    f"posenc cannot patch this {model_type} model: its {type(module).__name__} ({name}) holds "
+                    f"parameters ({', '.join(held)}), learned rotary frequencies that posenc's rotary embedding, "
+                    "computed from the config, would replace with fixed ones (their gradients lost); keep "
+                    "transformers' rotary embedding for this model"
+                )
 
 
 def _ropes_for(
