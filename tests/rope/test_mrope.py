@@ -177,6 +177,33 @@ def test_three_axis_positions_compile_with_fullgraph() -> None:
         compiled(q, positions - 3)
 
 
+@pytest.mark.parametrize(
+    ("layout", "section"), [("sections", [2, 3, 3]), ("interleaved", [4, 2, 2]), ("alternating", [3, 3, 2])]
+)
+def test_three_axis_decode_steps_compile_into_one_graph_without_breaks(layout: str, section: list[int]) -> None:
+    """Without fullgraph=True (generate's compile, a user's torch.compile(model)), the pairs' axes were laid out with
+    a repeat_interleave by section sizes ('sections') or a boolean index ('alternating'), whose output shape depends
+    on values: a graph break on every call, in every decode step of a patched Qwen2-VL or ERNIE-4.5-VL, whose
+    unpatched model compiles whole. The axes are a constant of the graph now."""
+    from torch._dynamo.testing import CompileCounter
+
+    rope = MRoPE(16, mrope_section=section, mrope_layout=layout)
+    q, k = torch.randn(2, 2, 1, 16), torch.randn(2, 1, 1, 16)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    counter = CompileCounter()
+    compiled = torch.compile(lambda q, k, p: rope(q, k, positions=p), backend=counter)
+    try:
+        for step in range(4):
+            positions = torch.tensor([step, step // 2 + 5, step % 2 + 9])[:, None, None].expand(3, 2, 1)
+            for got, want in zip(compiled(q, k, positions), rope(q, k, positions=positions), strict=True):
+                assert torch.equal(got, want)
+        breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+        assert (breaks, counter.frame_count) == (0, 1)
+    finally:
+        torch._dynamo.reset()
+
+
 def test_three_rows_of_ids_for_another_batch_size_name_both_forms() -> None:
     rope = MRoPE(16, mrope_section=[4, 2, 2])
     q = torch.randn(2, 1, 5, 16)

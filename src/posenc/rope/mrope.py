@@ -92,20 +92,17 @@ def mrope_axis_of_pair(mrope_section: Sequence[int], *, layout: MRopeLayout = "s
     and low frequencies alike.
     'alternating' (ERNIE-4.5-VL; sections in the order h, w, t): the first h + w pairs alternate h, w; the last
     sections[2] pairs read t."""
+    # Built from Python ints: traced by torch.compile, a repeat_interleave by section sizes (or a boolean index)
+    # has a data-dependent shape, which broke the graph on every call of a sections / alternating M-RoPE (a patched
+    # Qwen2-VL's or ERNIE-4.5-VL's forward, whose unpatched model compiles whole); a list is a constant of the graph.
     sections = list(mrope_section)
     if layout == "sections":
-        return (torch.arange(len(sections), device="cpu") % AXES).repeat_interleave(
-            torch.tensor(sections, device="cpu")
-        )
-    j = torch.arange(sum(sections), device="cpu")
-    axis = torch.zeros_like(j)
-    if layout == "interleaved":
-        for a in (1, 2):
-            axis[(j % AXES == a) & (j < AXES * sections[a])] = a
+        axes = [i % AXES for i, count in enumerate(sections) for _ in range(count)]
+    elif layout == "interleaved":
+        axes = [j % AXES if j % AXES and j < AXES * sections[j % AXES] else 0 for j in range(sum(sections))]
     else:
-        spatial = j < sections[0] + sections[1]
-        axis[spatial] = 1 + j[spatial] % 2
-    return axis
+        axes = [1 + j % 2 if j < sections[0] + sections[1] else 0 for j in range(sum(sections))]
+    return torch.tensor(axes, dtype=torch.long, device="cpu")
 
 
 def mrope_cos_sin(
