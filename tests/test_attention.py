@@ -388,3 +388,33 @@ def test_negative_positions_are_refused_by_every_encoding(name) -> None:
                                                                       max_positions=16))  # fmt: skip
     with pytest.raises(ValueError, match="positions must be >= 0"):
         layer(torch.randn(1, 3, 16), positions=torch.tensor([-1, 0, 1]))
+
+
+def test_a_consistent_step_below_the_cached_maximum_rotates_for_the_whole_sequence() -> None:
+    """'consistent' mode rotates every key and query for max(all positions) + 1, the length the full pass scales for:
+    a step whose position lies below the cached maximum (ids out of order) is scaled for the whole sequence, not for
+    its own position + 1 (whose frequencies differ here: dynamic NTK scales past 4)."""
+    torch.manual_seed(0)
+    dynamic = {"rope_type": "dynamic", "factor": 2.0}
+    rope = posenc.RoPE(HEAD_DIM, rope_parameters=dynamic, max_position_embeddings=4, mode="consistent")
+    attn = CausalSelfAttention(DIM, HEADS, num_kv_heads=KV_HEADS, encoding=rope).double()
+    x = torch.randn(1, 11, DIM, dtype=torch.float64)
+    positions = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 6]])
+    full = attn(x, positions=positions)
+    cache = KVCache()
+    prefill = attn(x[:, :10], positions=positions[:, :10], cache=cache)
+    step = attn(x[:, 10:], positions=positions[:, 10:], cache=cache)
+    torch.testing.assert_close(torch.cat((prefill, step), dim=1), full, atol=1e-12, rtol=1e-12)
+
+
+def test_a_consistent_rope_refuses_a_cache_whose_keys_it_did_not_keep_unrotated() -> None:
+    """A cache built from rotated keys holds none unrotated to re-rotate: a 'consistent' dynamic RoPE refuses it
+    rather than starting over from the new tokens (which would drop every cached key without a word)."""
+    dynamic = {"rope_type": "dynamic", "factor": 2.0}
+    rope = posenc.RoPE(HEAD_DIM, rope_parameters=dynamic, max_position_embeddings=4, mode="consistent")
+    attn = CausalSelfAttention(DIM, HEADS, encoding=rope)
+    k = torch.randn(1, HEADS, 3, HEAD_DIM)
+    cache = KVCache(k=k, v=k.clone(), positions=torch.arange(3)[None])
+    with pytest.raises(ValueError, match="holds keys rotated by another encoding; start a new KVCache"):
+        attn(torch.randn(1, 1, DIM), cache=cache)
+    assert cache.length == 3 and cache.k is k
