@@ -81,6 +81,20 @@ def test_positions_from_document_ids_keeps_batch_rows_apart():
     )
 
 
+def test_document_ids_in_any_order_count_as_the_ordered_ones():
+    """Ids need only be one run each, in any order (as Hugging Face's packed masks take them): descending or
+    shuffled ids give the positions and the attention that 0, 1, 2, ... give."""
+    docs = torch.tensor([[2, 2, 0, 0, 0, 1], [5, 3, 3, 4, 4, 4]])
+    ordered = torch.tensor([[0, 0, 1, 1, 1, 2], [0, 1, 1, 2, 2, 2]])
+    expected = torch.tensor([[0, 1, 0, 1, 2, 0], [0, 0, 1, 0, 1, 2]])
+    assert torch.equal(posenc.positions_from_document_ids(docs), expected)
+    assert torch.equal(posenc.positions_from_document_ids(ordered), expected)
+    torch.manual_seed(0)
+    attn = layer_for(make_encoding("alibi"))
+    x = torch.randn(2, 6, DIM, dtype=torch.float64)
+    assert torch.equal(attn(x, document_ids=docs), attn(x, document_ids=ordered))
+
+
 # ---- attention
 
 
@@ -252,6 +266,8 @@ def test_causal_mask_takes_one_row_of_ids():
     mask = causal_mask(5, 5, docs.device, docs)
     assert torch.equal(mask, causal_mask(5, 5, docs.device, docs[None]))
     assert mask.shape == (1, 1, 5, 5) and mask[0, 0].sum() == 3 + 6
+    # Fewer queries than keys: the queries are the last tokens, and their rows of the full mask.
+    assert torch.equal(causal_mask(2, 5, docs.device, docs), mask[..., 3:, :])
 
 
 @pytest.mark.parametrize(
