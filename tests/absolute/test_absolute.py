@@ -34,6 +34,17 @@ def test_learned_table_lookup_and_bounds():
         enc(torch.tensor([-1, 16]))
 
 
+def test_a_learned_table_gives_the_dtype_asked_for():
+    """forward(dtype=) casts the rows: add_input_encoding asks for x's dtype (float32 at least), so a float32 table
+    added to float64 activations keeps their float64 bits (rows in float32 would round x to float32 first)."""
+    enc = posenc.LearnedAbsolute(8, 4)
+    rows = enc.table.weight.detach()[:3].double()
+    out = enc(torch.arange(3), dtype=torch.float64)
+    assert out.dtype == torch.float64 and torch.equal(out, rows)
+    x = torch.randn(1, 3, 4, dtype=torch.float64)
+    assert torch.equal(posenc.add_input_encoding(x, enc, torch.arange(3)), x + rows)
+
+
 def test_sinusoidal_refuses_negative_positions():
     enc = posenc.Sinusoidal(8)
     with pytest.raises(ValueError, match=r"positions must be >= 0 \(token positions count from 0\), got -5"):

@@ -119,6 +119,16 @@ def test_casting_the_module_never_rounds_the_slopes(cast):
     torch.testing.assert_close(posenc.ALiBi(12).float().double().slopes, reference, rtol=1e-15, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_public_alibi_bias_of_16_bit_slopes_is_float32(dtype):
+    """alibi_bias never computes in 16 bits, whatever the slopes' dtype: a bf16 distance of 8191 is 8192, so a
+    16-bit bias is off by a whole slope there. With 16-bit slopes every product is exact in float32."""
+    slopes = posenc.alibi_slopes(4, dtype=dtype)
+    bias = posenc.alibi_bias(slopes, torch.tensor([8191]), torch.tensor([0, 8190]), causal=False)
+    assert bias.dtype == torch.float32
+    assert torch.equal(bias[0, :, 0], -slopes.float()[:, None] * torch.tensor([8191.0, 1.0]))
+
+
 def test_bias_offset_takes_numpy_integers():
     import numpy as np
 

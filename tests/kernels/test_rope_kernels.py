@@ -1203,6 +1203,9 @@ def test_errors_name_the_argument_and_the_fix():
         apply_rotary(x, cos, sin, offset=torch.tensor(4))
     with pytest.raises(ValueError, match="offset must be >= 0"):
         apply_rotary(x, cos, sin, offset=-1)
+    # A negative per-sequence offset too, where the position ids make up for it (rows 0..4): as resolve_positions.
+    with pytest.raises(ValueError, match="offset must be >= 0, got a negative entry"):
+        apply_rotary(x, cos, sin, positions=torch.arange(1, 6), offset=torch.tensor([0, -1]))
     with pytest.raises(TypeError, match="offset must be an int"):
         apply_rotary(x, cos, sin, offset=1.5)
     with pytest.raises(ValueError, match=r"positions must have shape \(5,\) or \(2, 5\)"):
