@@ -418,3 +418,13 @@ def test_a_consistent_rope_refuses_a_cache_whose_keys_it_did_not_keep_unrotated(
     with pytest.raises(ValueError, match="holds keys rotated by another encoding; start a new KVCache"):
         attn(torch.randn(1, 1, DIM), cache=cache)
     assert cache.length == 3 and cache.k is k
+
+
+def test_cache_update_refuses_keys_and_positions_on_different_devices() -> None:
+    """KVCache.update checks the devices of what it is handed (meta keys stand in for CUDA ones here): keys on one
+    device and positions on another would be cached apart and fail at a later step, far from the cause."""
+    cache = KVCache()
+    k = torch.empty(1, 2, 3, 8, device="meta")
+    with pytest.raises(ValueError, match="k, v and positions must be on one device, got meta, meta and cpu"):
+        cache.update(k, k, torch.arange(3)[None])
+    assert cache.length == 0
