@@ -171,3 +171,19 @@ def test_an_absolute_rotary_dim_keeps_its_channels(head_dim, rotary_dim, tmp_pat
     rope = {"head_dim": head_dim, "rotary_dim": rotary_dim, "interleaved": True, "rope_parameters": {}}
     (tmp_path / "results.json").write_text(json.dumps({"config": sizes, "rope": rope}))
     assert run_figure_config(tmp_path).spec.rotary_dim == rotary_dim
+
+
+@pytest.mark.parametrize(
+    ("rope_type", "given", "head_dim", "match"),
+    [
+        ("longrope", {"factor": 0.5}, 32, r"rope_parameters\['factor'\] must be >= 1.0"),
+        ("linear", {"factor": 0.5}, 32, r"rope_parameters\['factor'\] must be >= 1.0"),
+        ("linear", {"factor": 2.0, "partial_rotary_factor": 0.25}, 2, "partial_rotary_factor=0.25 of head_dim=2"),
+        ("yarn", {"original_max_position_embeddings": 0}, 32, "original_max_position_embeddings"),
+    ],
+)
+def test_bad_rope_parameters_are_named_not_the_example_arguments(rope_type, given, head_dim, match):
+    """example_rope_parameters checks its own arguments: the values it refuses are left to the rope parameter
+    checks, whose errors name the key the user gave."""
+    with pytest.raises(ValueError, match=match):
+        FigureConfig.from_flags(rope_type=rope_type, rope_parameters=given, head_dim=head_dim)

@@ -134,3 +134,21 @@ def test_bad_input_is_a_clear_error():
 def test_arguments_of_the_wrong_kind_are_named(kwargs, match):
     with pytest.raises(TypeError, match=match):
         frequency_table(8, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"factor": 0}, ValueError, "factor must be a number >= 1"),
+        ({"factor": float("nan")}, ValueError, "factor must be a number >= 1"),
+        ({"factor": "2"}, ValueError, "factor must be a number >= 1"),
+        ({"rotary_dim": 0}, ValueError, "rotary_dim must be a positive integer"),
+        ({"rotary_dim": 7}, ValueError, "rotary_dim must be even"),
+        ({"train_len": 0}, ValueError, "train_len must be a positive integer"),
+    ],
+)
+def test_example_rope_parameters_refuses_bad_arguments(kwargs, error, match):
+    """They were handed back unchecked ({'factor': 0}), as parameters no RoPE accepts."""
+    given = {"rotary_dim": 8, "train_len": 64, "factor": 4.0, **kwargs}
+    with pytest.raises(error, match=match):
+        example_rope_parameters("linear", **given)

@@ -211,9 +211,15 @@ class FigureConfig:
             d = cls.head_dim if head_dim is None else head_dim
             rotary = d if kind == "proportional" else int(d * rope.get("partial_rotary_factor", 1.0)) // 2 * 2
             length = rope.get("original_max_position_embeddings", DEFAULT_TRAIN_LEN) if train_len is None else train_len
-            example = example_rope_parameters(
-                kind, rotary_dim=rotary, train_len=length, factor=rope.get("factor") or 4.0
-            )
+            factor = rope.get("factor") or 4.0
+            # The example is drawn with stand-ins for values it refuses (a factor below 1, a partial_rotary_factor
+            # that leaves no pair, an odd head_dim): those stay in rope, and parse_rope_parameters below refuses
+            # them, naming the key.
+            if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1.0:
+                factor = 4.0
+            if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+                length = DEFAULT_TRAIN_LEN
+            example = example_rope_parameters(kind, rotary_dim=max(rotary // 2 * 2, 2), train_len=length, factor=factor)
             missing = not REQUIRED_KEYS.get(kind, frozenset()) <= rope.keys()
             if missing or (example and not example.keys() & rope.keys()):
                 for key, value in example.items():

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from posenc._checks import positive_int
+from posenc._checks import even_positive_int, positive_int
 from posenc.rope.frequencies import SCALINGS
 from posenc.rope.module import RoPE
 from posenc.rope.parameters import NEEDS_FOUR_CHANNELS, parse_rope_parameters
@@ -60,8 +60,19 @@ EXAMPLE_ROPE_PARAMETERS: dict[str, ExampleFn] = {
 }
 
 
+def _check_factor(factor: Any) -> None:
+    # `not factor >= 1` refuses NaN too.
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1.0:
+        raise ValueError(f"factor must be a number >= 1 (the context extension ratio), got {factor!r}")
+
+
 def example_rope_parameters(rope_type: str, *, rotary_dim: int, train_len: int, factor: float = 4.0) -> dict[str, Any]:
-    """The rope_parameters (without rope_type / rope_theta) used to show ``rope_type`` in tables and figures."""
+    """The rope_parameters (without rope_type / rope_theta) used to show ``rope_type`` in tables and figures.
+
+    rotary_dim: the channels rotated (even); train_len: the trained context; factor: the extension ratio (>= 1)."""
+    even_positive_int("rotary_dim", rotary_dim)
+    positive_int("train_len", train_len)
+    _check_factor(factor)
     if rope_type not in SCALINGS:
         raise ValueError(f"unknown rope_type {rope_type!r}; known types: {', '.join(SCALINGS)}")
     if rope_type not in EXAMPLE_ROPE_PARAMETERS:
@@ -135,8 +146,7 @@ def frequency_table(
     positive_int("train_len", train_len)
     if isinstance(rope_types, str):  # tuple("linear") would be its letters, and the error name the type 'l'
         raise TypeError(f"rope_types must be a list of type names, e.g. [{rope_types!r}], got a string")
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1.0:
-        raise ValueError(f"factor must be a number >= 1 (the context extension ratio), got {factor!r}")
+    _check_factor(factor)
     seq_len = positive_int("seq_len", seq_len) if seq_len is not None else round(factor * train_len)
     common = {} if partial_rotary_factor is None else {"partial_rotary_factor": partial_rotary_factor}
     rotary = parse_rope_parameters(head_dim, common).rotary_dim
