@@ -1170,6 +1170,24 @@ def test_auto_picks_the_fused_cpu_kernel_and_falls_back_to_torch():
     assert choose_backend("auto", [x.reshape(1, 1, 2, 3, 8)], cos.detach(), sin, "broadcast") == "torch"
 
 
+@pytest.mark.parametrize(
+    ("xs", "cos", "kind", "error", "match"),
+    [
+        ([], None, "broadcast", ValueError, "xs must hold at least one tensor"),
+        (None, None, "broadcast", TypeError, "xs must be a list of tensors"),
+        ([torch.zeros(1, 3, 8)], [1.0], "broadcast", TypeError, "cos must be a torch.Tensor, got list"),
+        ([torch.zeros(1, 3, 8)], None, "bsd", ValueError, "kind must be one of"),
+    ],
+)
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_choose_backend_names_a_bad_argument(backend, xs, cos, kind, error, match):
+    """An empty xs raised IndexError from xs[0], a list cos AttributeError from cos.requires_grad."""
+    table_cos, sin = table(8, 3)
+    xs = torch.zeros(1, 3, 8) if xs is None else xs
+    with pytest.raises(error, match=match):
+        choose_backend(backend, xs, table_cos if cos is None else cos, sin, kind)
+
+
 def test_rope_module_passes_backend_through():
     q, k = torch.randn(2, 4, 9, 64), torch.randn(2, 2, 9, 64)
     fused = posenc.RoPE(64, rotary_dim=48, backend="cpu")(q, k, offset=torch.tensor([0, 5]))

@@ -88,10 +88,21 @@ def choose_backend(
 ) -> str:
     """Resolve "auto" to "triton" (CUDA tensors), "cpu" (CPU tensors) or "torch"; check an explicit choice.
 
-    Raises ValueError naming what is wrong when an explicit fused backend cannot take the call.
+    xs: a list of the tensors to rotate (x, or q and k). Raises ValueError naming what is wrong when an explicit
+    fused backend cannot take the call.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(repr(b) for b in BACKENDS)}, got {backend!r}")
+    # Checked here, where it is public: an empty xs failed with IndexError, a list cos with AttributeError.
+    if not isinstance(xs, (list, tuple)):
+        raise TypeError(f"xs must be a list of tensors (x, or q and k), got {type(xs).__name__}")
+    if not xs:
+        raise ValueError("xs must hold at least one tensor (x, or q and k), got an empty list")
+    for name, value in [*((f"xs[{i}]", x) for i, x in enumerate(xs)), ("cos", cos), ("sin", sin)]:
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if backend == "torch":
         return "torch"
     problem = _fused_problem(xs, cos, sin, kind, inplace)
