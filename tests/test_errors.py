@@ -820,3 +820,24 @@ def test_numpy_integers_are_offsets_everywhere_as_for_the_bias_encodings() -> No
         rope(q, k, offset=np.int64(-1))
     with pytest.raises(TypeError, match="offset must be an int"):
         rope(q, k, offset=np.float32(3))
+
+
+def test_testing_assert_close_compares_integers_exactly():
+    """Integer tensors (positions, buckets) raised KeyError: torch.int64, from the tolerance table."""
+    testing.assert_close(torch.tensor([1, 2**60 + 1]), torch.tensor([1, 2**60 + 1]))
+    testing.assert_close(torch.tensor([0, 3]), torch.tensor([0.0, 3.0], dtype=torch.float64))
+    with pytest.raises(AssertionError):
+        testing.assert_close(torch.tensor([2**60 + 1]), torch.tensor([2**60]))  # equal once in float64
+    with pytest.raises(TypeError, match=r"has tolerances for .* got actual of dtype torch.complex64"):
+        testing.assert_close(torch.zeros(2, dtype=torch.complex64), torch.zeros(2))
+
+
+def test_testing_references_name_mismatched_shapes():
+    """Both raised torch's broadcast RuntimeError, naming tensors a and b."""
+    q, kv = torch.randn(1, 3, 4, 8), torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="q's heads must be a multiple of k's"):
+        testing.attention_reference(q, kv, kv)
+    with pytest.raises(ValueError, match=r"positions must be \(s,\) or broadcastable to x.shape\[:-1\] = \(1, 4\)"):
+        testing.rope_reference(torch.randn(1, 4, 8), torch.arange(5))
+    broadcast = testing.rope_reference(torch.ones(2, 3, 4, 8), torch.arange(4).expand(3, 4))
+    torch.testing.assert_close(broadcast, testing.rope_reference(torch.ones(2, 3, 4, 8), torch.arange(4)))

@@ -63,8 +63,19 @@ TINY_HF_SIZES: dict[str, int | float] = dict(
 
 
 def assert_close(actual: torch.Tensor, reference: torch.Tensor, *, reduction: bool = False, msg: str = "") -> None:
-    """Compare ``actual`` (any dtype) with a float64 ``reference`` using the tolerance of ``actual.dtype``."""
+    """Compare ``actual`` with a float64 ``reference`` using the tolerance of ``actual.dtype`` (float64, float32,
+    bfloat16, float16); integer and bool tensors (positions, buckets, masks) have no rounding and compare exactly."""
+    if not actual.is_floating_point() and not actual.is_complex():
+        # In int64 where both are integers: float64 holds integers exactly only up to 2**53.
+        wide = torch.int64 if not (reference.is_floating_point() or reference.is_complex()) else torch.float64
+        torch.testing.assert_close(actual.to(wide), reference.to(wide), atol=0, rtol=0, msg=msg or None)
+        return
     table = REDUCTION_TOLERANCES if reduction else TOLERANCES
+    if actual.dtype not in table:
+        raise TypeError(
+            f"assert_close has tolerances for {', '.join(str(t) for t in table)} and compares integers exactly; "
+            f"got actual of dtype {actual.dtype}"
+        )
     atol, rtol = table[actual.dtype]
     torch.testing.assert_close(
         actual.to(torch.float64), reference.to(torch.float64), atol=atol, rtol=rtol, msg=msg or None
@@ -102,6 +113,13 @@ def rope_reference(
         thetas = rope_inv_freq_reference(r, base)
     elif len(thetas) != r // 2:
         raise ValueError(f"inv_freq has {len(thetas)} frequencies but rotary_dim={r} needs {r // 2}")
+    if positions.dim() > x.dim() - 1 or any(
+        p not in (1, n) for p, n in zip(reversed(positions.shape), reversed(x.shape[:-1]), strict=False)
+    ):
+        raise ValueError(
+            f"positions must be (s,) or broadcastable to x.shape[:-1] = {tuple(x.shape[:-1])}, got shape "
+            f"{tuple(positions.shape)}"
+        )
     pos = positions.to(torch.float64)
     out = x.clone()
     for i, theta in enumerate(thetas):
@@ -170,6 +188,11 @@ def attention_reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Causal softmax(q k^T / sqrt(d) + bias) v in float64. q: (b, h, s, d); k, v: (b, g, s, d), g | h."""
+    if q.shape[1] % k.shape[1] or v.shape[1] != k.shape[1]:
+        raise ValueError(
+            f"q's heads must be a multiple of k's and v's (grouped-query attention), got h={q.shape[1]} q heads, "
+            f"{k.shape[1]} k heads and {v.shape[1]} v heads"
+        )
     q, k, v = (t.to(torch.float64) for t in (q, k, v))
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
