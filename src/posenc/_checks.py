@@ -134,7 +134,14 @@ def may_overlap(x: torch.Tensor) -> bool:
 def inplace_refused(names: str, error: RuntimeError) -> RuntimeError:
     """autograd's refusal (``error``, raised before anything was written) to let an in-place rotation change
     ``names``, saying so and what to do instead. torch's own message says why (a view of a leaf, one of several
-    views made by one op: unbind, split)."""
+    views made by one op: unbind, split). torch.func.vmap refuses too, before writing, where x is not batched but
+    cos/sin are (each batch entry would write its own rotation into the one x): that is said as vmap's."""
+    if str(error).startswith("vmap:"):
+        return RuntimeError(
+            f"torch.func.vmap refuses the in-place rotation of {names}, and nothing was rotated: {names} is not "
+            f"batched but cos/sin are, so each batch entry would write its own rotation into the one tensor. Rotate a "
+            f"copy with apply_rotary instead, or batch {names} too. (vmap said: {error})"
+        )
     return RuntimeError(
         f"autograd refuses to let the rotation change {names} in place, and nothing was rotated: {error} Rotate a "
         "copy with apply_rotary instead (or, where no gradient should flow through the rotation, rotate under "

@@ -227,3 +227,22 @@ def test_index_arguments_of_the_wrong_kind_name_themselves():
     cos = torch.randn(8, 4)
     with pytest.raises(TypeError, match="cu_seqlens must hold integer prefix sums"):
         posenc.apply_rotary(torch.randn(5, 1, 8), cos, cos, cu_seqlens=torch.tensor([0.0, 5.0]))
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_vmap_refusing_an_unbatched_inplace_rotation_is_said_as_vmaps(requires_grad):
+    """x shared, cos/sin batched: vmap refuses the in-place write, which was reported as autograd refusing it."""
+    x = torch.randn(2, 3, 4)
+    source = x.clone().requires_grad_(requires_grad)
+
+    def rotate(cos, sin):
+        y = source.clone()
+        posenc.apply_rotary_(y, cos, sin)
+        return y.sum()
+
+    before = x.clone()
+    match = r"torch.func.vmap refuses the in-place rotation of x, and nothing was rotated: x is not batched"
+    with pytest.raises(RuntimeError, match=match) as info:
+        torch.func.vmap(rotate)(torch.randn(4, 3, 2), torch.randn(4, 3, 2))
+    assert "autograd" not in str(info.value) and "apply_rotary instead" in str(info.value)
+    assert torch.equal(x, before)
