@@ -247,3 +247,28 @@ def test_three_axes_scale_for_the_seq_len_given() -> None:
     for got, want in zip(mrope(q, k, positions=same, seq_len=32), rope(q, k, seq_len=32), strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     assert not torch.allclose(mrope(q, k, positions=same, seq_len=32)[0], mrope(q, k, positions=same)[0])
+
+
+def test_fullgraph_longrope_with_three_axes_says_what_to_pass():
+    """The graph break's reason spoke of dynamic NTK and CausalSelfAttention, neither of which was involved."""
+    rope = MRoPE(
+        8,
+        mrope_section=[2, 1, 1],
+        rope_parameters={
+            "rope_type": "longrope",
+            "factor": 4.0,
+            "original_max_position_embeddings": 4,
+            "short_factor": [1.0] * 4,
+            "long_factor": [2.0] * 4,
+        },
+    )
+    q = torch.randn(1, 2, 6, 8)
+    positions = torch.arange(6).expand(3, 1, 6)
+    compiled = torch.compile(lambda q: rope(q, q, positions=positions)[0], backend="eager", fullgraph=True)
+    with pytest.raises(Exception, match=r"reason: rope_type 'longrope' with position ids of more than 2 dims") as info:
+        compiled(q)
+    assert "dynamic NTK" not in str(info.value) and "CausalSelfAttention" not in str(info.value)
+    assert "pass seq_len= to MRoPE.forward" in str(info.value)
+    # What it advises compiles, and rotates as eager does.
+    given = torch.compile(lambda q: rope(q, q, positions=positions, seq_len=6)[0], backend="eager", fullgraph=True)
+    torch.testing.assert_close(given(q), rope(q, q, positions=positions)[0])

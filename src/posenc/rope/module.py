@@ -143,11 +143,24 @@ def _length_unreadable(rope_type: str) -> ValueError:
     )
 
 
+# One marked function per length-dependent type, since a mark's reason is fixed: it is what fullgraph=True shows.
 @compile_marks.disable(
-    reason="dynamic NTK scales for max(positions) + 1, read on the host; for fullgraph=True pass seq_len= to "
-    "RoPE.forward (CausalSelfAttention and patched transformers models cannot: compile them without fullgraph)"
+    reason="rope_type 'dynamic' (dynamic NTK) scales for max(positions) + 1, read on the host; for fullgraph=True "
+    "pass seq_len= to RoPE.forward / MRoPE.forward (CausalSelfAttention and patched transformers models cannot: "
+    "compile them without fullgraph)"
 )
 def _call_cos_sin_eagerly(rope: RoPE, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return rope.cos_sin(positions, seq_len=rope.scaling_length(positions), dtype=dtype)
+
+
+@compile_marks.disable(
+    reason="rope_type 'longrope' with position ids of more than 2 dims (M-RoPE's (3, b, s) axes) chooses its short "
+    "or long factors for max(positions) + 1, read on the host; for fullgraph=True pass seq_len= to MRoPE.forward or "
+    "cos_sin (a patched transformers model cannot: compile it without fullgraph)"
+)
+def _call_longrope_cos_sin_eagerly(
+    rope: RoPE, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     return rope.cos_sin(positions, seq_len=rope.scaling_length(positions), dtype=dtype)
 
 
@@ -357,6 +370,8 @@ class RoPE(nn.Module):
         in_graph = torch.compiler.is_compiling() and positions.dim() <= 2  # not M-RoPE's axes
         if self.spec.rope_type == "longrope" and in_graph:
             return self._longrope_cos_sin_in_graph(positions, dtype)
+        if self.spec.rope_type == "longrope" and torch.compiler.is_compiling():  # M-RoPE's axes
+            return _call_longrope_cos_sin_eagerly(self, positions, dtype)
         if self.spec.rope_type in SEQ_LEN_DEPENDENT and torch.compiler.is_compiling():
             return _call_cos_sin_eagerly(self, positions, dtype)
         return self.cos_sin(positions, seq_len=self.scaling_length(positions), dtype=dtype)
