@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from posenc._checks import positive_int
-from posenc.analysis.frequencies import EXAMPLE_ROPE_PARAMETERS, example_rope_parameters
+from posenc.analysis.frequencies import EXAMPLE_ROPE_PARAMETERS, example_rope_parameters, is_extension_factor
 from posenc.interop.hf import rope_kwargs_from_config
 from posenc.rope.parameters import REQUIRED_KEYS, RopeSpec, parse_rope_parameters, pop_rope_type, rotary_fraction
 
@@ -215,7 +215,7 @@ class FigureConfig:
             # The example is drawn with stand-ins for values it refuses (a factor below 1, a partial_rotary_factor
             # that leaves no pair, an odd head_dim): those stay in rope, and parse_rope_parameters below refuses
             # them, naming the key.
-            if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1.0:
+            if not is_extension_factor(factor):
                 factor = 4.0
             if isinstance(length, bool) or not isinstance(length, int) or length < 1:
                 length = DEFAULT_TRAIN_LEN

@@ -60,9 +60,13 @@ EXAMPLE_ROPE_PARAMETERS: dict[str, ExampleFn] = {
 }
 
 
+def is_extension_factor(factor: Any) -> bool:
+    """Whether ``factor`` is a context extension ratio: a real number >= 1 (`not factor >= 1` catches NaN)."""
+    return not isinstance(factor, bool) and isinstance(factor, (int, float)) and factor >= 1.0
+
+
 def _check_factor(factor: Any) -> None:
-    # `not factor >= 1` refuses NaN too.
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1.0:
+    if not is_extension_factor(factor):
         raise ValueError(f"factor must be a number >= 1 (the context extension ratio), got {factor!r}")
 
 
