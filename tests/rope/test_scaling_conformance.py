@@ -11,6 +11,7 @@ of transformers' float32 pipeline; posenc is float64), attention_factor absolute
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -108,6 +109,12 @@ def test_frequencies_match_transformers(rope_type: str, hf_oracle) -> None:
             assert abs(factor - float(hf_factor)) <= 1e-9, context
             checked += 1
     assert checked >= 27 * len(CASES[rope_type])
+
+
+def test_the_docs_count_the_yarn_parameter_sets() -> None:
+    # docs/scaling.md says how many; it said thirteen after two more cases had made fifteen.
+    docs = (Path(__file__).parents[2] / "docs" / "scaling.md").read_text()
+    assert f"yarn alone has {len(CASES['yarn'])}," in " ".join(docs.split())
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])

@@ -79,7 +79,8 @@ class LabConfig:
     Evaluation: eval_lengths (context lengths, each >= train_len), score_len (final bytes of every window that
     are scored, the same bytes at every length), eval_windows (windows per length), eval_batch_size.
     What: encodings, extensions (RoPE, applied to the trained rope model), finetune_steps (for pi and yarn at
-    each target length; 0 = none), finetune_lr, task (None, "copy" or "passkey"), task_samples.
+    each target length, and plain rope beside them as their control; 0 = none), finetune_lr, task (None, "copy"
+    or "passkey"), task_samples.
     Data and seeds: corpus (None = the Python standard library), max_corpus_bytes (None = all),
     val_fraction, seed, num_seeds (seeds seed .. seed + num_seeds - 1).
     hf_config: a Hugging Face config.json whose architecture (a small random model of it) replaces the rope model;
