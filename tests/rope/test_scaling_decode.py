@@ -201,3 +201,37 @@ def test_frequencies_are_computed_once_per_recent_length_and_handed_out_as_copie
     assert computed[-1] == 40 and len(computed) == 21
     with pytest.raises(ValueError, match="seq_len must be a positive integer"):
         rope.frequencies(0)
+
+
+class _Interleaved(RoPE):
+    """A RoPE on which another request's call runs right after a call writes the 'hf' dynamic state, as a thread
+    sharing the module can: the interleaving that a switch interval of 1 us hit about once in 10^4 calls."""
+
+    other: torch.Tensor | None = None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        other = self.__dict__.get("other")
+        if name == "hf_scaled_len" and other is not None:
+            self.__dict__["other"] = None
+            self.scaling_length(other)
+
+
+@pytest.mark.parametrize(("length", "other", "expected"), [(40, 10, 40), (10, 40, MAX_POS)])
+def test_hf_dynamic_call_scales_for_the_state_it_read_when_another_call_changes_it_meanwhile(
+    length: int, other: int, expected: int
+) -> None:
+    """A long call's length read back after a short call's reset scaled it for max_position_embeddings, short of
+    its positions (forward raised "seq_len is shorter than the positions"); a short call's read back after a long
+    call's growth gave it scaled frequencies where plain ones were due, silently."""
+    rope = _Interleaved(HEAD_DIM, rope_parameters=TYPES["dynamic"], max_position_embeddings=MAX_POS)
+    rope.scaling_length(torch.arange(30))  # a longer call before: the short call resets, the long one grows
+    rope.other = torch.arange(other)
+    assert rope.scaling_length(torch.arange(length)) == expected
+    plain = RoPE(HEAD_DIM, rope_parameters=TYPES["dynamic"], max_position_embeddings=MAX_POS)
+    q = torch.randn(1, HEADS, length, HEAD_DIM)
+    rope.scaling_length(torch.arange(30))
+    rope.other = torch.arange(other)
+    rotated, _ = rope(q, q)
+    expected_rotated, _ = plain(q, q, seq_len=expected)
+    torch.testing.assert_close(rotated, expected_rotated, rtol=0.0, atol=0.0)

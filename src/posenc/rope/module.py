@@ -331,12 +331,18 @@ class RoPE(nn.Module):
         if self.mode == "consistent" or self.spec.rope_type != "dynamic":
             return length
         assert self.hf_scaled_len is not None and self.max_position_embeddings is not None
+        # The length returned is decided from this one reading of the state, never read back after the write:
+        # threads sharing this RoPE change it in between, and a read-back let a long call take another call's reset
+        # (scaling for max_position_embeddings, short of its own positions: a ValueError) and a short call another's
+        # growth (scaled frequencies where plain ones are due, silently).
         seen = self.hf_scaled_len
         if length > seen:  # growth: scale for the new longest length
-            self.hf_scaled_len = length
-        if length < self.max_position_embeddings < seen:  # reset: back to the original frequencies
-            self.hf_scaled_len = self.max_position_embeddings
-        return self.hf_scaled_len
+            self.hf_scaled_len = scaled = length
+        elif length < self.max_position_embeddings < seen:  # reset: back to the original frequencies
+            self.hf_scaled_len = scaled = self.max_position_embeddings
+        else:
+            scaled = seen
+        return scaled
 
     def call_scaling_length(self, positions: torch.Tensor) -> int | None:
         """``scaling_length`` wherever a forward call runs: inside torch.compile the length-dependent types read it
