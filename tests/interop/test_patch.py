@@ -284,6 +284,27 @@ def test_a_patched_model_refuses_pickling_and_copies_as_patched() -> None:
         assert torch.equal(torch.load(buffer, weights_only=False)(ids).logits, before)
 
 
+def test_a_shallow_copy_unpatched_leaves_the_model_it_shares_modules_with_unpatched_and_saying_so() -> None:
+    """copy.copy of a patched model shares its modules (and the patch's state): unpatching the copy unpatched both,
+    but the original still said it was patched, patch_model refused it as "already patched", and unpatch_model
+    failed inside torch (AttributeError: 'LlamaRotaryEmbedding' object has no attribute 'device')."""
+    model = build("llama")
+    ids = tokens()
+    with torch.no_grad():
+        before = model(ids).logits
+        patch_model(model)
+        shallow = copy.copy(model)
+        unpatch_model(shallow)
+        assert not is_patched(model) and not is_patched(shallow)
+        assert torch.equal(model(ids).logits, before)
+        with pytest.raises(ValueError, match=r"not patched by posenc.*copy\.copy that shares its modules"):
+            unpatch_model(model)
+        patch_model(model)  # and patched again as any unpatched model
+        assert is_patched(model)
+        unpatch_model(model)
+        assert torch.equal(model(ids).logits, before)
+
+
 def test_unpatch_after_a_dtype_cast_gives_the_model_that_cast_would_have_given() -> None:
     """The original rotary module was outside the model while patched, so model.to(bf16) did not cast its inv_freq;
     unpatching casts it as the cast would have (logits differed by 0.004 from the never-patched model)."""

@@ -153,6 +153,15 @@ class _PatchState:
     config: Any
     original_config_values: dict[str, Any]  # attribute -> its value before patching
     weights_dtype: torch.dtype | None  # the model's floating parameters' dtype when patched
+    # Set by unpatch_model. A shallow copy (copy.copy) of a patched model shares its modules and this state: once
+    # either is unpatched, so is the other, which must then say so rather than try to undo it again.
+    undone: bool = False
+
+
+def _patch_state(model: nn.Module) -> _PatchState | None:
+    """The state of the patch in force on ``model``, or None."""
+    state: _PatchState | None = getattr(model, _STATE_ATTR, None)
+    return None if state is None or state.undone else state
 
 
 class _PickleGuard:
@@ -693,7 +702,7 @@ def patch_model(
     """
     found = _architecture(model)
     model_type = found.model_type
-    if getattr(model, _STATE_ATTR, None) is not None:
+    if _patch_state(model) is not None:
         raise ValueError("model is already patched by posenc; call unpatch_model(model) first")
     config = model.config
     groups = _rotary_groups(model, found)
@@ -1096,7 +1105,7 @@ def _require_growing_cache(cache: Any, growing_layer: type) -> None:
 
 def is_patched(model: nn.Module) -> bool:
     """True when ``patch_model`` patched this model and ``unpatch_model`` has not undone it."""
-    return getattr(model, _STATE_ATTR, None) is not None
+    return _patch_state(model) is not None
 
 
 def unpatch_model(model: nn.Module) -> PatchReport:
@@ -1107,9 +1116,12 @@ def unpatch_model(model: nn.Module) -> PatchReport:
     unpatched model, rotating keys when it caches them, would attend to as they are, with no error (posenc no
     longer runs in it to refuse them): start a new cache, or continue that one after ``patch_model(model,
     mode="consistent")``."""
-    state: _PatchState | None = getattr(model, _STATE_ATTR, None)
+    state = _patch_state(model)
     if state is None:
-        raise ValueError("model is not patched by posenc (patch_model was not called, or unpatch_model already was)")
+        raise ValueError(
+            "model is not patched by posenc (patch_model was not called, or unpatch_model already was, on it or on a "
+            "copy.copy that shares its modules)"
+        )
     # The originals were outside the module tree while patched: follow a device move made meanwhile, and a dtype
     # cast that changed the model's floating parameters (model.to(torch.bfloat16) would have cast inv_freq too). A
     # cast to the dtype the parameters already had goes unseen.
@@ -1128,6 +1140,7 @@ def unpatch_model(model: nn.Module) -> PatchReport:
     for module in state.attention:
         module.__dict__.pop("forward", None)
         module.__dict__.pop(_GUARD_ATTR, None)
+    state.undone = True
     object.__delattr__(model, _STATE_ATTR)
     return state.report
 
