@@ -3,7 +3,8 @@
 Runs ``posenc lab`` with the given arguments, exactly as the command line does, and records what this process
 did to LOG_DIR/rank<RANK>.json: the exit status, every file it wrote (every write, the lab's and the report's,
 goes through ``posenc._atomic.atomic_path``), everything it printed to stdout and stderr (progress bars
-included), what it trained on and what it evaluated (see ``spy_on_work``).
+included), what it trained on and what it evaluated (see ``spy_on_work``). With POSENC_TEST_INTERRUPT_AT_BATCH=N in
+its environment, training is interrupted at its N-th batch (see ``interrupt_training``).
 Usage: python ddp_worker.py LOG_DIR lab-arguments...
 """
 
@@ -55,6 +56,21 @@ def spy_on_work() -> dict[str, list]:
     return work
 
 
+def interrupt_training(at: int) -> None:
+    """Raise KeyboardInterrupt (Ctrl-C) on every rank at the same point, the ``at``-th batch trained on (from 1),
+    with a checkpoint saved at every chance before it."""
+    runner.CHECKPOINT_SECONDS = 0.0
+    spied, batches = train.windows_at, []
+
+    def windows_at(*args, **kwargs):
+        batches.append(1)
+        if len(batches) == at:
+            raise KeyboardInterrupt
+        return spied(*args, **kwargs)
+
+    train.windows_at = windows_at
+
+
 def run(log_dir: str, argv: list[str]) -> int:
     rank = int(os.environ.get("RANK", "0"))
     written: list[str] = []
@@ -68,6 +84,8 @@ def run(log_dir: str, argv: list[str]) -> int:
 
     _atomic.atomic_path = recording
     work = spy_on_work()
+    if "POSENC_TEST_INTERRUPT_AT_BATCH" in os.environ:
+        interrupt_training(int(os.environ["POSENC_TEST_INTERRUPT_AT_BATCH"]))
     stdout, stderr = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
         status = main(["lab", *argv])

@@ -161,6 +161,31 @@ def test_a_rerun_under_torchrun_resumes_what_is_missing_and_skips_the_rest(runs)
     assert json.loads((out / "results.json").read_text())["timings"]["units_skipped"] == len(TRAINED)
 
 
+def test_a_unit_interrupted_in_training_resumes_from_rank_0s_checkpoint_on_every_rank(runs, corpus_dir, monkeypatch):
+    """Interrupted at rope's step 3 (checkpoint after step 1), the rerun resumes there on both ranks and ends with
+    the uninterrupted two-process run's files: with two ranks each gradient and loss is one a + b either way."""
+    root, out = runs["root"], runs["root"] / "resumed"
+    flags = [*FLAGS, "--corpus", str(corpus_dir), "--out", str(out), "--no-progress"]
+    monkeypatch.setenv("POSENC_TEST_INTERRUPT_AT_BATCH", "4")
+    stopped = torchrun_lab(root / "logs-interrupted", *flags, ok=False)
+    assert stopped[0]["status"] == stopped[1]["status"] == 130 and stopped[1]["written"] == []
+    assert sorted(p.name for p in (out / "runs" / "rope" / "seed0").iterdir()) == ["checkpoint.safetensors"]
+    monkeypatch.delenv("POSENC_TEST_INTERRUPT_AT_BATCH")
+    logs = torchrun_lab(root / "logs-resumed", *flags)
+    assert "resumed at step 1 of 6 from a checkpoint" in logs[0]["stdout"] and logs[1]["stdout"] == ""
+    assert [len(logs[rank]["batches"][0]["used"]) for rank in (0, 1)] == [5, 5]  # steps 1 to 5 of rope, on each
+    two, timing = root / "two", ("seconds", "tokens_per_second")
+    for unit in TRAINED:
+        folder, expected = out / "runs" / unit / "seed0", two / "runs" / unit / "seed0"
+        assert not (folder / "checkpoint.safetensors").exists(), unit
+        assert (folder / "model.safetensors").read_bytes() == (expected / "model.safetensors").read_bytes(), unit
+        resumed, uninterrupted = train_info(out, unit), train_info(two, unit)
+        assert {k: v for k, v in resumed.items() if k not in timing} == {
+            k: v for k, v in uninterrupted.items() if k not in timing
+        }, unit
+    assert (out / "results.csv").read_text() == (two / "results.csv").read_text()
+
+
 def test_evaluation_split_across_ranks_equals_one_process(runs, corpus_dir, tmp_path):
     """The two-process run's saved weights, evaluated again by one process: identical numbers, every unit."""
     assert_each_rank_evaluated_its_share(runs["first"])  # else rank 0 alone evaluating would pass the comparison

@@ -16,6 +16,7 @@ from matplotlib.container import ErrorbarContainer
 
 from posenc.cli import main
 from posenc.lab import runner, store
+from posenc.lab import train as train_module
 from posenc.lab.config import make_config
 from posenc.lab.data import eval_window_ends, load_corpus
 from posenc.lab.report import PLOTS, aggregate, figures, label, summary_tables, to_markdown
@@ -263,6 +264,73 @@ def test_ctrl_c_keeps_finished_units_and_resuming_gives_the_same_numbers(tiny_co
     assert len(weights) == 9  # learned, sinusoidal, rope, and the fine-tunes of none and pi at 3 lengths
     for path in weights:
         assert (out / path).read_bytes() == (reference / path).read_bytes(), path
+
+
+def without_timing(path):
+    info = json.loads(path.read_text())
+    return {k: v for k, v in info.items() if k not in ("seconds", "tokens_per_second")}
+
+
+def test_an_interrupt_mid_training_resumes_from_the_checkpoint_bit_for_bit(tiny_config, tmp_path, monkeypatch):
+    """A unit interrupted in training goes on from its last checkpoint, not from step 0, and ends with the files of
+    a run never interrupted: the same weights (byte for byte), train.json losses and results.csv."""
+    config = tiny_config(encodings=("t5",), extensions=(), steps=45)
+    reference = tmp_path / "reference"
+    quiet(config, reference).run()  # saves no checkpoint: it ends in well under CHECKPOINT_SECONDS
+    out = tmp_path / "interrupted"
+    folder = out / "runs" / "t5" / "seed0"
+    monkeypatch.setattr(runner, "CHECKPOINT_SECONDS", 0.0)  # at every check: after steps 1 and 21
+    real_windows_at, batches, interrupt = train_module.windows_at, [], [True]
+
+    def counted(*args, **kwargs):  # the batches trained on; the first run is interrupted at step 30
+        batches.append(1)
+        if interrupt[0] and len(batches) == 31:
+            raise KeyboardInterrupt
+        return real_windows_at(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "windows_at", counted)
+    with pytest.raises(KeyboardInterrupt):
+        quiet(config, out).run()
+    interrupt[0] = False
+    assert sorted(p.name for p in folder.iterdir()) == ["checkpoint.safetensors"] and not list(out.rglob("*.tmp"))
+    # One run saved this under another configuration (another lr): it is not resumed, and not lost either.
+    tensors, metadata = store.load_tensors(folder / "checkpoint.safetensors")
+    other = json.loads(metadata["posenc_train_state"])
+    other["identity"]["lr"] *= 2
+    other_folder = tmp_path / "other"
+    shutil.copytree(out, other_folder)
+    store.save_tensors(
+        other_folder / "runs" / "t5" / "seed0" / "checkpoint.safetensors",
+        tensors,
+        {"posenc_train_state": json.dumps(other)},
+    )
+    for folder_, resumed_at, trained in ((out, 21, 45 - 21), (other_folder, None, 45)):
+        batches.clear()
+        lines = []
+        Lab(config, folder_, progress=False, echo=lines.append).run()
+        assert len(batches) == trained, folder_
+        said = [line for line in lines if "resumed at step" in line or "not resumed" in line]
+        if resumed_at is None:
+            assert len(said) == 1 and "saved by another configuration or posenc, not resumed" in said[0]
+        else:
+            assert len(said) == 1 and f"resumed at step {resumed_at} of 45 from a checkpoint" in said[0]
+        unit = folder_ / "runs" / "t5" / "seed0"
+        assert sorted(p.name for p in unit.iterdir()) == ["metrics.json", "model.safetensors", "train.json"]
+        expected = reference / "runs" / "t5" / "seed0"
+        assert (unit / "model.safetensors").read_bytes() == (expected / "model.safetensors").read_bytes()
+        assert without_timing(unit / "train.json") == without_timing(expected / "train.json")
+        assert (folder_ / "results.csv").read_text() == (reference / "results.csv").read_text()
+    # The resumed unit's seconds are those of both runs: its first 21 steps' time is kept, not lost.
+    assert json.loads((folder / "train.json").read_text())["seconds"] > other["seconds"] > 0
+
+
+def test_a_checkpoint_that_cannot_be_read_is_said_and_not_resumed(tiny_config, tmp_path):
+    # Written atomically by the lab, so only something else cuts it short: it costs the time it saved, not the run.
+    path = tmp_path / "checkpoint.safetensors"
+    path.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{")
+    lines = []
+    assert Lab(tiny_config(), tmp_path / "run", echo=lines.append)._checkpoint(path, {"unit": "rope"}) is None
+    assert len(lines) == 1 and f"{path} cannot be read (" in lines[0] and "training from step 0" in lines[0]
 
 
 def test_interrupted_evaluation_resumes_without_retraining(tiny_config, tmp_path, monkeypatch):

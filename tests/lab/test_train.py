@@ -10,9 +10,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from posenc.lab import store
 from posenc.lab import train as train_module
 from posenc.lab.model import ByteLM, ModelSpec
-from posenc.lab.train import LOSS_POINTS, lr_at, make_optimizer, train
+from posenc.lab.train import LOSS_POINTS, TrainState, lr_at, make_optimizer, train
 
 SPEC = ModelSpec(dim=16, layers=1, heads=2, max_positions=8)
 TEXT = torch.tensor(list(b"abcdefgh" * 200), dtype=torch.uint8)
@@ -112,3 +113,76 @@ def test_gradients_are_clipped_to_grad_clip_every_step_and_not_at_zero(grad_clip
     train(ByteLM(SPEC, "nope"), TEXT, seq_len=8, batch_size=4, steps=3, lr=1e-2, seed=0, grad_clip=grad_clip,
           progress=False)  # fmt: skip
     assert calls == ([grad_clip] * 3 if grad_clip else [])
+
+
+def through_a_file(state: TrainState, folder, identity) -> TrainState | None:
+    """``state`` written to a safetensors file and read back, as the lab's checkpoints are."""
+    path = folder / "checkpoint.safetensors"
+    store.save_tensors(path, *state.to_tensors(identity))
+    return TrainState.from_tensors(*store.load_tensors(path), identity)
+
+
+@pytest.mark.parametrize("encoding", ["t5", "rope"])  # t5: one table shared by every layer, and an extra state
+def test_a_run_resumed_from_a_saved_state_ends_as_the_uninterrupted_one(encoding, tmp_path):
+    """Bit for bit: weights, every step's loss, and AdamW's state (its moments and step count) at a later save."""
+    spec = ModelSpec(dim=16, layers=2, heads=2, max_positions=8)
+    options = {"seq_len": 8, "batch_size": 8, "steps": 45, "lr": 1e-2, "seed": 0, "progress": False}
+
+    def trained(seed, **kwargs):
+        torch.manual_seed(seed)
+        model = ByteLM(spec, encoding)
+        return model, train(model, TEXT, **options, **kwargs)
+
+    reference, expected = trained(0)
+    saved: list[TrainState] = []
+    _, result = trained(0, save=saved.append, save_every=0.0)
+    # At the bar's checks (steps 0, 20, 40), the state after that step; saving changes no number.
+    assert [state.step for state in saved] == [1, 21, 41] and result.losses == expected.losses
+    assert saved[1].losses.tolist() == expected.losses[:21] and saved[1].seconds > 0
+    step_count = saved[1].optimizer[0]["step"]
+    assert step_count.dtype == torch.float32 and step_count.device.type == "cpu" and float(step_count) == 21
+    state = through_a_file(saved[1], tmp_path, {"unit": encoding})
+    assert state is not None
+    assert state.optimizer[0]["step"].dtype == torch.float32 and state.optimizer[0]["step"].shape == ()
+    later: list[TrainState] = []
+    model, resumed = trained(1, resume=state, save=later.append, save_every=0.0)  # other initial weights: replaced
+    assert resumed.losses == expected.losses and resumed.loss_curve == expected.loss_curve
+    assert resumed.final_loss == expected.final_loss and resumed.seconds > state.seconds
+    for (name, x), y in zip(reference.state_dict().items(), model.state_dict().values(), strict=True):
+        assert torch.equal(x, y), name
+    assert [s.step for s in later] == [41]
+    for index, moments in saved[2].optimizer.items():
+        for key, value in moments.items():
+            assert torch.equal(later[0].optimizer[index][key], value), (index, key)
+    # The state given is not changed by training from it: it resumes again to the same end.
+    assert trained(2, resume=state)[1].losses == expected.losses
+
+
+def test_a_state_saved_under_another_identity_is_not_resumed(tmp_path):
+    torch.manual_seed(0)
+    saved: list[TrainState] = []
+    train(ByteLM(SPEC, "alibi"), TEXT, seq_len=8, batch_size=4, steps=3, lr=1e-2, seed=0, save=saved.append,
+          save_every=0.0, progress=False)  # fmt: skip
+    # Only at step 0: never after the last step, whose weights the caller saves.
+    assert [state.step for state in saved] == [1]
+    identity = {"unit": "alibi", "lengths": (8, 16)}
+    assert through_a_file(saved[0], tmp_path, identity) is not None  # a tuple stored as a list is the same identity
+    tensors, metadata = saved[0].to_tensors(identity)
+    assert TrainState.from_tensors(tensors, metadata, {**identity, "unit": "rope"}) is None
+    assert TrainState.from_tensors(tensors, {}, identity) is None  # no state: a plain weights file
+
+
+def test_the_bar_of_a_resumed_run_starts_at_its_step(monkeypatch):
+    started = []
+
+    class Bar(train_module.tqdm):
+        def __init__(self, *args, **kwargs):
+            started.append(kwargs.get("initial", 0))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "tqdm", Bar)
+    saved: list[TrainState] = []
+    options = {"seq_len": 8, "batch_size": 8, "steps": 25, "lr": 1e-2, "seed": 0, "progress": True}
+    train(ByteLM(SPEC, "rope"), TEXT, **options, save=saved.append, save_every=0.0)
+    train(ByteLM(SPEC, "rope"), TEXT, **options, resume=saved[-1])
+    assert [state.step for state in saved] == [1, 21] and started == [0, 21 * 8 * 8]

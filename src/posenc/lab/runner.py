@@ -4,7 +4,9 @@ A unit is one thing that finishes and is saved on its own: training and evaluati
 evaluating one training-free RoPE extension of the trained rope model, or fine-tuning one extension at one target
 length. Each unit lives in ``OUT/runs/<name>/seed<seed>/``; its ``metrics.json`` is written last, atomically, so its
 presence means the unit is done. Weights are saved (atomically) before evaluation starts, so an interrupted
-evaluation resumes without retraining. Everything is checked before the first unit starts.
+evaluation resumes without retraining, and a unit in training saves a checkpoint about every minute, from which an
+interrupted training resumes with the numbers of an uninterrupted one. Everything is checked before the first unit
+starts.
 
 Under torchrun (``Ranks`` of several processes) every rank runs every unit in lockstep: training splits each
 global batch across ranks, evaluation splits the lengths, and rank 0 alone writes files and prints. Rank 0 also
@@ -39,12 +41,15 @@ from posenc.lab.dist import Ranks, process_group
 from posenc.lab.evaluate import LengthResult, evaluate_length, task_accuracy, task_samples
 from posenc.lab.lock import FolderLock
 from posenc.lab.model import ByteLM, encoding_for
-from posenc.lab.train import TrainingDiverged, TrainResult, train
+from posenc.lab.train import TrainingDiverged, TrainResult, TrainState, train
 
 # Part of every config_id: raised when the same settings would give other numbers, so that a folder of an earlier
 # posenc is refused rather than resumed into one report with units of the new kind. 2 (2026-12-04): T5's buckets
 # sized to the training length, encodings' tables drawn apart from the shared weights, the fine-tunes' control.
 FORMAT_VERSION = 2
+
+# A unit in training saves its state about this often (wall time), so that an interrupt loses at most this much of it.
+CHECKPOINT_SECONDS = 60.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -537,6 +542,8 @@ class Lab:
         model = build()
         folder = unit.folder(self.out)
         weights, info_path = folder / "model.safetensors", folder / "train.json"
+        # Training's state while the unit trains: deleted once the weights and train.json are saved.
+        checkpoint = folder / "checkpoint.safetensors"
 
         def saved_info() -> dict[str, Any] | None:
             if weights.exists() and info_path.exists():
@@ -549,6 +556,8 @@ class Lab:
         if info is not None:
             store.load_weights(model, weights)
             self.echo(f"  weights saved earlier, loaded from {weights}")
+            if self.ranks.is_main:  # killed between train.json and the checkpoint's deletion
+                checkpoint.unlink(missing_ok=True)
             return model.to(self.device), info
         config = self.config
         if unit.finetune_steps:
@@ -558,22 +567,39 @@ class Lab:
         else:
             steps, lr, seed = config.steps, config.lr, unit.seed
             batch_size, min_lr_fraction = config.batch_size, config.min_lr_fraction
+        options = {
+            "seq_len": seq_len,
+            "batch_size": batch_size,
+            "steps": steps,
+            "lr": lr,
+            "seed": seed,
+            "warmup_fraction": config.warmup_fraction,
+            "min_lr_fraction": min_lr_fraction,
+            "weight_decay": config.weight_decay,
+            "grad_clip": config.grad_clip,
+        }
+        # What a checkpoint must have been saved under to be resumed: everything that sets the unit's numbers.
+        identity = {"config_id": self.config_id, "unit": unit.name, **options}
+        # Read by rank 0 and sent to the others, so that every rank resumes the same state, or none.
+        resume = self.ranks.decide(lambda: self._checkpoint(checkpoint, identity))
+        if resume is not None:
+            self.echo(f"  resumed at step {resume.step} of {steps} from a checkpoint ({checkpoint})")
+
+        def save(state: TrainState) -> None:
+            if self.ranks.is_main:
+                store.save_tensors(checkpoint, *state.to_tensors(identity))
+
         model = model.to(self.device)
         result: TrainResult = train(
             model,
             self.corpus.train,
-            seq_len=seq_len,
-            batch_size=batch_size,
-            steps=steps,
-            lr=lr,
-            seed=seed,
-            warmup_fraction=config.warmup_fraction,
-            min_lr_fraction=min_lr_fraction,
-            weight_decay=config.weight_decay,
-            grad_clip=config.grad_clip,
+            **options,
             desc=f"train {unit.name} seed {unit.seed}",
             progress=self.progress,
             ranks=self.ranks,
+            resume=resume,
+            save=save,
+            save_every=CHECKPOINT_SECONDS,
         )
         info = {
             "config_id": self.config_id,
@@ -592,6 +618,7 @@ class Lab:
             # Weights first, then train.json: train.json present means the weights beside it are complete.
             store.save_weights(model, weights, metadata={"unit": unit.name})
             store.write_json(info_path, info)
+            checkpoint.unlink(missing_ok=True)
         # The other ranks may load these weights next (an extension of the rope model): not before they exist.
         self.ranks.barrier()
         self.echo(
@@ -599,6 +626,20 @@ class Lab:
             f"final loss {info['final_loss_bits_per_byte']:.3f} bits/byte"
         )
         return model, info
+
+    def _checkpoint(self, path: Path, identity: dict[str, Any]) -> TrainState | None:
+        """The training state saved at ``path`` under ``identity``, or None: none saved, or one that cannot be
+        resumed (said, and then overwritten by the next checkpoint; it costs only the time it saved)."""
+        if not path.exists():
+            return None
+        try:
+            state = TrainState.from_tensors(*store.load_tensors(path), identity)
+        except store.RunFolderError as error:
+            self.echo(f"  {path} cannot be read ({error.__cause__}), not resumed: training from step 0")
+            return None
+        if state is None:
+            self.echo(f"  {path} was saved by another configuration or posenc, not resumed: training from step 0")
+        return state
 
     def _evaluate(self, unit: Unit, models: dict[int, ByteLM], lengths: list[int]) -> list[LengthResult]:
         config = self.config

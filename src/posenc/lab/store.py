@@ -3,8 +3,10 @@ checkpoints, each renamed over its target only once it is whole."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +58,21 @@ def save_weights(model: nn.Module, path: Path, metadata: dict[str, str] | None =
     stored once, under the first of its names. safetensors writes ``metadata``'s keys in a random order (a Rust
     HashMap), so with one key the same weights give the same bytes. ``save_model`` is not used: it adds a key per
     shared name (T5's table: one per layer), which made a T5 unit's file differ from run to run, header only."""
+    save_tensors(path, _unshared(model.state_dict()), metadata)
+
+
+def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    """``tensors`` (none sharing memory) and string ``metadata`` in one safetensors file, written atomically."""
     with _atomic.atomic_path(path, own_folder=True) as tmp:  # safetensors makes a temporary file of its own
-        save_file(_unshared(model.state_dict()), str(tmp), metadata=metadata)
+        save_file(tensors, str(tmp), metadata=metadata)
+
+
+def load_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors (on the CPU) and the metadata of a safetensors file. A file that is not whole safetensors, or
+    is gone, is a RunFolderError."""
+    with _readable(path), safe_open(str(path), framework="pt") as f:
+        names = f.keys()
+        return {name: f.get_tensor(name) for name in names}, f.metadata() or {}
 
 
 def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -81,8 +96,16 @@ _LAYER_HELD_INPUT_ENCODING = re.compile(r"blocks\.\d+\.attn\.(encoding\..+)")
 def load_weights(model: nn.Module, path: Path) -> None:
     """Load weights saved by ``save_weights`` into a model of the same shape (strict), those of earlier versions
     too: a run interrupted before an upgrade resumes. A file that is not whole safetensors is a RunFolderError."""
-    try:
+    with _readable(path):
         _load_weights(model, path)
+
+
+@contextlib.contextmanager
+def _readable(path: Path) -> Iterator[None]:
+    """Reading the safetensors file ``path``: what safetensors or the OS raise for a damaged or missing file
+    becomes a RunFolderError that says what to delete."""
+    try:
+        yield
     except SafetensorError as error:
         raise RunFolderError(
             f"{path} is not a whole safetensors file ({error}); delete it and the unit is trained again"

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 import math
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -63,6 +66,59 @@ def make_optimizer(model: ByteLM, *, lr: float, weight_decay: float) -> torch.op
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
 
 
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """Training stopped after ``step`` of its steps, all that resuming it needs (the batches and the learning rate
+    follow from the step): ``seconds`` of training so far, ``losses`` (step,) float32 on the whole global batch,
+    the model's state dict and the optimizer's per-parameter state (AdamW's exp_avg, exp_avg_sq and its step
+    count, a float32 tensor), keyed by the parameter's index as in ``Optimizer.state_dict()["state"]``. CPU copies,
+    untouched by further training."""
+
+    step: int
+    seconds: float
+    losses: torch.Tensor
+    model: dict[str, torch.Tensor]
+    optimizer: dict[int, dict[str, torch.Tensor]]
+
+    def to_tensors(self, identity: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """The state as safetensors holds it: tensors named ``losses``, ``model.NAME`` and ``optimizer.INDEX.KEY``,
+        and one metadata entry (one key: safetensors writes several in a random order) with the step, the seconds
+        and ``identity`` (JSON values: what the state belongs to, which ``from_tensors`` must be given again)."""
+        tensors = {"losses": self.losses}
+        tensors |= {f"model.{name}": tensor for name, tensor in self.model.items()}
+        for index, state in self.optimizer.items():
+            tensors |= {f"optimizer.{index}.{key}": tensor for key, tensor in state.items()}
+        about = {"format": _STATE_FORMAT, "identity": identity, "step": self.step, "seconds": self.seconds}
+        return tensors, {_STATE_KEY: json.dumps(about, sort_keys=True)}
+
+    @classmethod
+    def from_tensors(
+        cls, tensors: dict[str, torch.Tensor], metadata: dict[str, str], identity: dict[str, Any]
+    ) -> TrainState | None:
+        """The state ``to_tensors`` gave, or None if it was saved under another identity (or is no such state)."""
+        try:
+            about = json.loads(metadata[_STATE_KEY])
+        except (KeyError, json.JSONDecodeError):
+            return None
+        # Through JSON, so that tuples compare equal to the lists they were stored as.
+        if about.get("format") != _STATE_FORMAT or about.get("identity") != json.loads(json.dumps(identity)):
+            return None
+        model, optimizer = {}, {}
+        for name, tensor in tensors.items():
+            part, _, rest = name.partition(".")
+            if part == "model":
+                model[rest] = tensor
+            elif part == "optimizer":
+                index, _, key = rest.partition(".")
+                optimizer.setdefault(int(index), {})[key] = tensor
+        return cls(about["step"], about["seconds"], tensors["losses"], model, optimizer)
+
+
+# The metadata key of a saved TrainState, and its layout's version: a state of another layout is not resumed.
+_STATE_KEY = "posenc_train_state"
+_STATE_FORMAT = 1
+
+
 class TrainingDiverged(ValueError):
     """The loss became nan or inf: the weights are lost and the unit cannot finish (a lower lr can)."""
 
@@ -83,6 +139,9 @@ def train(
     desc: str = "train",
     progress: bool = True,
     ranks: Ranks | None = None,
+    resume: TrainState | None = None,
+    save: Callable[[TrainState], None] | None = None,
+    save_every: float = 60.0,
 ) -> TrainResult:
     """Train ``model`` in place on random windows of ``data`` (n,) uint8.
 
@@ -91,21 +150,56 @@ def train(
     takes rows ``ranks.batch_slice(batch_size)`` of it, and batch_size must divide evenly. Every rank ends with
     the same weights and returns the same losses (nats per byte). Shows a progress bar in tokens/s, with the latest
     loss in bits per byte, unless ``progress`` is False.
+
+    resume: a state that ``save`` was given by a call with the same arguments: training goes on from its step and
+    ends with the weights and losses the uninterrupted call gives, bit for bit on the same machine (its seconds are
+    the sum of both calls'). save: called on every rank with the state about every ``save_every`` seconds, at the
+    bar's checks (every 20 steps) and never after the last step; rank 0's clock decides, so every rank saves at the
+    same step. Saving draws no random numbers and changes no number.
     """
     ranks = ranks or Ranks()
     rows = ranks.batch_slice(batch_size)
     starts = train_starts(data, seq_len=seq_len, batch_size=batch_size, steps=steps, seed=seed)[:, rows]
     optimizer = make_optimizer(model, lr=lr, weight_decay=weight_decay)
     device = next(model.parameters()).device
+    losses = torch.empty(steps)  # this rank's own, but the first `first`: restored, already means over the ranks
+    first, seconds_before = 0, 0.0
+    if resume is not None:
+        if not 0 < resume.step < steps or resume.losses.shape != (resume.step,):
+            raise ValueError(
+                f"resume holds the state after step {resume.step} with {resume.losses.numel()} losses, which a call "
+                f"of {steps} steps cannot have saved: pass a state saved by a call with these arguments"
+            )
+        # Before DDP wraps the model, which broadcasts rank 0's weights: every rank resumes the same state anyway.
+        model.load_state_dict(resume.model)
+        # Optimizer.load_state_dict keeps AdamW's step count where it was (a CPU tensor unless capturable or fused)
+        # and puts the rest on the parameters' device; copies, since it holds them and updates them in place.
+        saved = {
+            index: {key: value.clone() for key, value in state.items()} for index, state in resume.optimizer.items()
+        }
+        optimizer.load_state_dict({"state": saved, "param_groups": optimizer.state_dict()["param_groups"]})
+        first, seconds_before = resume.step, resume.seconds
+        losses[:first] = resume.losses
     forward = _data_parallel(model, device) if ranks.world_size > 1 else model
-    losses = torch.empty(steps)
     model.train()
     tokens_per_step = batch_size * seq_len  # over all ranks: the bar shows the run's throughput
-    start = time.perf_counter()
+
+    def global_losses(upto: int) -> torch.Tensor:
+        """Steps [0, upto)'s losses on the whole global batch: each rank's loss is a mean over the same number of
+        tokens, so their mean is the global batch's mean loss. Restored ones are such means already."""
+        return torch.cat([losses[:first], ranks.all_reduce_mean(losses[first:upto].to(device)).cpu()])
+
+    start = saved_at = time.perf_counter()
     with tqdm(
-        total=steps * tokens_per_step, unit="tok", unit_scale=True, desc=desc, disable=not progress, leave=False
+        total=steps * tokens_per_step,
+        initial=first * tokens_per_step,
+        unit="tok",
+        unit_scale=True,
+        desc=desc,
+        disable=not progress,
+        leave=False,
     ) as bar:
-        for step in range(steps):
+        for step in range(first, steps):
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(
                     step, steps=steps, lr=lr, warmup_fraction=warmup_fraction, min_lr_fraction=min_lr_fraction
@@ -131,11 +225,26 @@ def train(
                     )
                 # In bits per byte, the unit of everything else the lab reports (the loss itself is in nats).
                 bar.set_postfix({"bits/byte": f"{shown / math.log(2):.3f}"}, refresh=False)
-    seconds = time.perf_counter() - start
+                # Rank 0's clock, told to all: the losses' reduction below is a collective, which every rank must join.
+                if (
+                    save is not None
+                    and step < steps - 1
+                    and ranks.broadcast(time.perf_counter() - saved_at >= save_every)
+                ):
+                    save(
+                        TrainState(
+                            step + 1,
+                            seconds_before + time.perf_counter() - start,
+                            global_losses(step + 1),
+                            _cpu_copy(model.state_dict()),
+                            {i: _cpu_copy(state) for i, state in optimizer.state_dict()["state"].items()},
+                        )
+                    )
+                    saved_at = time.perf_counter()
+    seconds = seconds_before + time.perf_counter() - start
     model.eval()
-    # Each rank's loss is a mean over the same number of tokens, so their mean is the global batch's mean loss.
     # One reduction after the loop, not one per step: the loss never feeds back into training.
-    losses = ranks.all_reduce_mean(losses.to(device)).cpu()
+    losses = global_losses(steps)
     tail = max(1, steps // 10)
     return TrainResult(
         steps=steps,
@@ -155,6 +264,12 @@ def _data_parallel(model: ByteLM, device: torch.device) -> DistributedDataParall
     renamed = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
     options = {"forward_sync_buffers": False} if renamed else {"broadcast_buffers": False}
     return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None, **options)
+
+
+def _cpu_copy(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    # Copies even on the CPU: the originals change with the next step, and tied weights must not share memory in
+    # safetensors.
+    return {name: tensor.detach().to("cpu", copy=True) for name, tensor in tensors.items()}
 
 
 def _curve(losses: torch.Tensor) -> list[tuple[int, float]]:
