@@ -942,6 +942,28 @@ def test_loading_the_kernel_again_keeps_the_streaming_threshold():
         cpu_rope.set_stream_threshold(previous)
 
 
+def test_a_kernel_that_builds_but_cannot_load_falls_back_to_torch(monkeypatch):
+    """A cache folder on a filesystem mounted noexec compiles the library but cannot map it: ctypes raises OSError.
+    That made every CPU RoPE call (backend "auto"), `posenc info` and the lab fail with a bare OSError; now the
+    kernel is unavailable with the reason and the fix, and "auto" takes the torch path."""
+    source = cpu_rope.SOURCE.read_bytes()
+    assert cpu_rope.build_library(source)[0] is not None  # built and cached: the next call only loads it
+
+    def refuse(path, *args, **kwargs):
+        raise OSError(f"{path}: failed to map segment from shared object")
+
+    monkeypatch.setattr(cpu_rope.ctypes, "CDLL", refuse)
+    library, reason = cpu_rope.build_library(source)
+    assert library is None and "failed to map segment" in reason and "XDG_CACHE_HOME" in reason
+    monkeypatch.setattr(cpu_rope, "_library", functools.cache(lambda: cpu_rope.build_library(source)))
+    q = torch.randn(1, 2, 5, 8)
+    cos, sin = table(8, 5)
+    assert choose_backend("auto", [q], cos, sin, "broadcast") == "torch"
+    assert_close(apply_rotary(q, cos, sin), rope_reference(q, torch.arange(5)[None, None], rotary_dim=8))
+    with pytest.raises(RuntimeError, match="XDG_CACHE_HOME"):
+        apply_rotary(q, cos, sin, backend="cpu")
+
+
 def test_the_kernel_cache_tells_cpus_with_one_name_apart(monkeypatch, tmp_path):
     """A -march=native library is keyed by the CPU's feature flags, not only its model name: a cache shared by two
     VMs that both call themselves "AMD EPYC" must not hand one the other's instructions."""

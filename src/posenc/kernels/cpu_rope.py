@@ -100,7 +100,14 @@ def build_library(source: bytes, *, arch: str = "native") -> tuple[ctypes.CDLL |
             if result.returncode != 0:
                 return None, f"building {SOURCE.name} failed:\n{result.stderr[-2000:]}"
             os.replace(partial, target)
-    library = ctypes.CDLL(str(target))
+    try:
+        library = ctypes.CDLL(str(target))
+    except OSError as error:
+        # Built, but not loadable: a cache on a filesystem mounted noexec (a hardened /tmp or home) maps no code.
+        return None, (
+            f"loading the built kernel failed: {error}; set XDG_CACHE_HOME to a folder on a filesystem that allows "
+            "executing programs (not mounted noexec)"
+        )
     library.posenc_rope.argtypes = (ctypes.c_char_p, ctypes.c_int32, ctypes.c_int32)
     library.posenc_rope.restype = ctypes.c_int
     if hasattr(library, "posenc_rope_jobs"):  # older revisions (benchmarks/cpu_kernel_ab.py) have one job a call
