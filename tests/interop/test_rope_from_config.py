@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import importlib.util
 import inspect
 import json
 import math
@@ -852,6 +853,26 @@ def test_a_legacy_rope_scaling_that_transformers_folds_into_layer_dicts(monkeypa
     }
     with pytest.raises(ValueError, match=rf"rope_scaling block beside rope dicts per layer type, .*{fix}"):
         rope_from_config(nested, layer_type="full_attention")
+
+
+def test_without_transformers_a_dict_with_a_model_type_says_it_misses_the_class_defaults(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Without transformers a dict is read as written, so the same call gave another RoPE, silently: Phi's rotary
+    fraction, Gemma's head_dim of 256 and Llama 4's theta of 500000 are their config classes' defaults."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a)
+    )
+    monkeypatch.setattr(hf_interop, "_through_config_class", lambda cfg: None)  # as without transformers
+    gemma = {"model_type": "gemma", "hidden_size": 1024, "num_attention_heads": 16}
+    (tmp_path / "config.json").write_text(json.dumps(gemma))
+    for given in (gemma, tmp_path):
+        with pytest.warns(UserWarning, match="transformers is not installed, so this 'gemma' config .* pip install"):
+            assert rope_from_config(given).head_dim == 64  # hidden / heads: GemmaConfig's 256 needs transformers
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no model type: no config class to miss
+        rope_from_config({"hidden_size": 64, "num_attention_heads": 4})
 
 
 @pytest.mark.parametrize(

@@ -226,6 +226,17 @@ def _load(config: Any) -> tuple[dict[str, Any], Any]:
         cfg = read_config_json(config) if isinstance(config, (str, os.PathLike)) else dict(config)
         built = _through_config_class(cfg)
         if built is None:
+            model_type = cfg.get("model_type")
+            if model_type and importlib.util.find_spec("transformers") is None:
+                # Silently, the same dict gave another RoPE with and without transformers (Phi's rotary fraction,
+                # Gemma's head_dim of 256, Llama 4's theta of 500000 are the config classes' defaults).
+                warnings.warn(
+                    f"transformers is not installed, so this {model_type!r} config is read as written: what it "
+                    "leaves out takes posenc's generic defaults (head_dim = hidden_size // num_attention_heads, "
+                    "rope_theta 10000, the whole head rotated), not the defaults of the model's config class that "
+                    "from_pretrained applies; pip install transformers to read it as the model does",
+                    stacklevel=user_stacklevel(),
+                )
             return cfg, _dict_default_theta(cfg)
         config = built
     if callable(getattr(config, "to_dict", None)):
