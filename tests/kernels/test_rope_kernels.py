@@ -11,8 +11,10 @@ import mmap
 import os
 import platform
 import re
+import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -962,6 +964,32 @@ def test_a_kernel_that_builds_but_cannot_load_falls_back_to_torch(monkeypatch):
     assert_close(apply_rotary(q, cos, sin), rope_reference(q, torch.arange(5)[None, None], rotary_dim=8))
     with pytest.raises(RuntimeError, match="XDG_CACHE_HOME"):
         apply_rotary(q, cos, sin, backend="cpu")
+
+
+@pytest.mark.skipif(not hasattr(os, "getuid"), reason="POSIX owners and modes")
+def test_the_kernel_cache_in_the_temp_dir_is_this_users_alone(monkeypatch, tmp_path):
+    """Where the user's cache folder cannot be written, the library is built in the temp dir, which other users
+    share: a posenc-UID folder there that anyone may write into, or that another user owns, could hold their library
+    under the name this process loads (a hash of public facts), and was used as it was."""
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))  # mkdir under a file fails: the temp dir's turn
+    shared_tmp = tmp_path / "tmp"
+    shared_tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(shared_tmp))
+    shared = shared_tmp / f"posenc-{os.getuid()}"
+    shared.mkdir()
+    shared.chmod(0o777)  # as another user could have made it, before this user's first build
+    private = cpu_rope._cache_dir()
+    assert private != shared and private.parent == shared_tmp
+    assert private.stat().st_uid == os.getuid() and stat.S_IMODE(private.stat().st_mode) == 0o700
+    if os.getuid() == 0:  # only root can give a folder away
+        shared.chmod(0o700)
+        os.chown(shared, 65534, -1)
+        assert cpu_rope._cache_dir() != shared
+    shared.rmdir()
+    assert cpu_rope._cache_dir() == shared and stat.S_IMODE(shared.stat().st_mode) == 0o700  # made private, reused
+    assert cpu_rope._cache_dir() == shared
 
 
 def test_the_kernel_cache_tells_cpus_with_one_name_apart(monkeypatch, tmp_path):

@@ -18,6 +18,7 @@ import hashlib
 import os
 import platform
 import shutil
+import stat
 import struct
 import subprocess
 import tempfile
@@ -49,7 +50,19 @@ def _cache_dir() -> Path:
             return root
     except OSError:
         pass
-    return Path(tempfile.gettempdir()) / f"posenc-{os.getuid()}"
+    # The temp dir is shared with other users, and a library's name is a hash of facts anyone can read: a folder
+    # there that another user owns or may write into could hold a library of theirs under that name, which this
+    # process would load. Such a folder is refused for a private one of this process.
+    if hasattr(os, "getuid"):
+        shared = Path(tempfile.gettempdir()) / f"posenc-{os.getuid()}"
+        try:
+            shared.mkdir(mode=0o700, exist_ok=True)
+            info = shared.lstat()
+            if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o022:
+                return shared
+        except OSError:
+            pass
+    return Path(tempfile.mkdtemp(prefix="posenc-"))
 
 
 def _cpu_model() -> str:
