@@ -966,6 +966,28 @@ def test_a_kernel_that_builds_but_cannot_load_falls_back_to_torch(monkeypatch):
         apply_rotary(q, cos, sin, backend="cpu")
 
 
+@pytest.mark.parametrize(
+    "failure",
+    [OSError(28, "No space left on device"), subprocess.TimeoutExpired("c++", 300)],
+    ids=["disk full", "compiler past its time limit"],
+)
+def test_a_build_that_fails_midway_makes_the_kernel_unavailable(monkeypatch, tmp_path, failure):
+    """A full disk under the cache, or a compiler past its time limit, raised out of the build: every CPU RoPE call
+    with backend "auto" failed with it. Now the kernel is unavailable with the reason, and nothing is left behind."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # an empty cache: the build runs
+    real_run = subprocess.run
+
+    def run(args, *rest, **kwargs):
+        if "-o" in args:  # the compile, not `c++ --version`
+            raise failure
+        return real_run(args, *rest, **kwargs)
+
+    monkeypatch.setattr(cpu_rope.subprocess, "run", run)
+    library, reason = cpu_rope.build_library(cpu_rope.SOURCE.read_bytes())
+    assert library is None and reason.startswith("building cpu_rope.cpp in ") and str(failure) in reason
+    assert list((tmp_path / "posenc").iterdir()) == []
+
+
 @pytest.mark.skipif(not hasattr(os, "getuid"), reason="POSIX owners and modes")
 def test_the_kernel_cache_in_the_temp_dir_is_this_users_alone(monkeypatch, tmp_path):
     """Where the user's cache folder cannot be written, the library is built in the temp dir, which other users

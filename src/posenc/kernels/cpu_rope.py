@@ -102,17 +102,23 @@ def build_library(source: bytes, *, arch: str = "native") -> tuple[ctypes.CDLL |
     directory = _cache_dir()
     target = directory / f"cpu_rope_{key.hexdigest()[:16]}.so"
     if not target.exists():
-        directory.mkdir(parents=True, exist_ok=True)
-        # Build under unique names and rename: concurrent first uses (test workers) never see half a file.
-        with tempfile.TemporaryDirectory(dir=directory) as scratch:
-            source_path, partial = Path(scratch) / SOURCE.name, Path(scratch) / "partial.so"
-            source_path.write_bytes(source)
-            result = subprocess.run(
-                [compiler, *flags, str(source_path), "-o", str(partial)], capture_output=True, text=True, timeout=300
-            )
-            if result.returncode != 0:
-                return None, f"building {SOURCE.name} failed:\n{result.stderr[-2000:]}"
-            os.replace(partial, target)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            # Build under unique names and rename: concurrent first uses (test workers) never see half a file.
+            with tempfile.TemporaryDirectory(dir=directory) as scratch:
+                source_path, partial = Path(scratch) / SOURCE.name, Path(scratch) / "partial.so"
+                source_path.write_bytes(source)
+                result = subprocess.run(
+                    [compiler, *flags, str(source_path), "-o", str(partial)],
+                    capture_output=True,
+                    text=True,
+                    timeout=300,
+                )
+                if result.returncode != 0:
+                    return None, f"building {SOURCE.name} failed:\n{result.stderr[-2000:]}"
+                os.replace(partial, target)
+        except (OSError, subprocess.SubprocessError) as error:  # a full disk, a compiler past its time limit
+            return None, f"building {SOURCE.name} in {directory} failed: {error}"
     try:
         library = ctypes.CDLL(str(target))
     except OSError as error:
