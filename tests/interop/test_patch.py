@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import importlib
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -1124,3 +1125,9 @@ def test_float32_blend_error_of_transformers_is_not_taken_for_a_different_rotati
     ids = tokens()
     with torch.no_grad():
         torch.testing.assert_close(patched(ids).logits, reference(ids).logits, **FP32)
+
+
+def test_tiny_model_from_config_without_transformers_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(ModuleNotFoundError, match=r"tiny_model_from_config .* pip install transformers"):
+        tiny_model_from_config({"model_type": "llama", "hidden_size": 32, "num_attention_heads": 2})

@@ -1519,3 +1519,17 @@ def test_values_are_read_only_outside_tracing_and_capture(monkeypatch):
     assert values_readable(torch.device("cpu")) and values_readable(None)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert values_readable("cpu") and not values_readable(torch.device("cuda", 0))
+
+
+def test_triton_not_installed_names_the_install_command(monkeypatch):
+    """Without triton, backend='triton' said only "No module named 'triton'"."""
+    ops._triton_module_or_error.cache_clear()
+    monkeypatch.setitem(sys.modules, "posenc.kernels.triton_rope", None)  # import raises ModuleNotFoundError
+    monkeypatch.delattr(posenc.kernels, "triton_rope", raising=False)  # else `from` finds the attribute
+    try:
+        x, cos, sin = torch.randn(1, 2, 3, 8), torch.ones(3, 4), torch.zeros(3, 4)
+        with pytest.raises(RuntimeError, match=r"backend='triton' is unavailable: .*pip install 'posenc\[triton\]'"):
+            apply_rotary(x, cos, sin, backend="triton")
+    finally:
+        monkeypatch.undo()
+        ops._triton_module_or_error.cache_clear()

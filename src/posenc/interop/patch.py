@@ -1206,7 +1206,13 @@ def tiny_model_from_config(
     Returns an unpatched ``transformers`` ``*ForCausalLM`` in float32, eval mode; ``model(input_ids).logits`` is
     (b, s, vocab_size).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ModuleNotFoundError as error:
+        raise ModuleNotFoundError(
+            f"tiny_model_from_config builds a transformers model and needs the package ({error}); "
+            "pip install transformers"
+        ) from error
 
     if isinstance(config, (str, os.PathLike)):
         source = read_config_json(config)

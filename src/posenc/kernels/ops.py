@@ -30,7 +30,9 @@ BACKENDS = ("auto", "torch", "triton", "cpu")
 def _triton_module_or_error() -> tuple[object | None, str]:
     try:
         from posenc.kernels import triton_rope
-    except Exception as error:  # ImportError, or triton failing to find a driver
+    except ModuleNotFoundError as error:
+        return None, f"importing triton failed: {error} (pip install 'posenc[triton]')"
+    except Exception as error:  # triton failing to find a driver
         return None, f"importing triton failed: {error}"
     return triton_rope, ""
 
