@@ -128,14 +128,15 @@ def _rotate_copy(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
 class _RotateCopy(torch.autograd.Function):
     """``_rotate_copy`` with its gradient: the backward of a rotation is the conjugate rotation (cos/sin constant)."""
 
+    # forward(ctx, ...), not forward + setup_context: for a Function with setup_context, torch's apply binds the
+    # arguments with inspect.signature on every call, ~30 us, which was most of a decode step's torch path (q and k:
+    # two calls). setup_context serves torch.func transforms only, and those take the plain formula
+    # (apply_rotary_torch), never this Function.
     @staticmethod
-    def forward(x, cos, sin, interleaved, conjugate):  # type: ignore[override]
-        return _rotate_copy(x, cos, sin, interleaved, conjugate)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):  # type: ignore[override]
-        _, cos, sin, ctx.interleaved, ctx.conjugate = inputs
+    def forward(ctx, x, cos, sin, interleaved, conjugate):  # type: ignore[override]
+        ctx.interleaved, ctx.conjugate = interleaved, conjugate
         ctx.save_for_backward(cos, sin)
+        return _rotate_copy(x, cos, sin, interleaved, conjugate)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
