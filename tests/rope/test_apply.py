@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import posenc
+from posenc.rope.module import angles_to_cos_sin
 from posenc.testing import DTYPES, assert_close, random_qk, rope_inv_freq_reference, rope_reference
 
 
@@ -440,3 +441,66 @@ def test_tables_are_kept_per_device_and_dtype_and_grow_past_powers_of_two():
         last, _ = posenc.RoPE(64, backend="torch")(x, x)
         alone, _ = posenc.RoPE(64, backend="torch")(x[:, :, -1:], x[:, :, -1:], offset=s - 1)
         torch.testing.assert_close(last[:, :, -1:], alone, rtol=0, atol=0)
+
+
+FAR = 1 << 16  # the first position past a RoPE's table
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize(
+    "call",
+    [
+        {"offset": FAR},
+        {"offset": FAR + 2047},  # the window's last start for a one-token step
+        {"offset": 2**40 + 5},
+        {"offset": torch.tensor([FAR + 1, FAR + 1500])},
+        {"positions": torch.tensor([[FAR + 3], [FAR + 900]])},
+        {"positions": torch.tensor([[3], [900]], dtype=torch.int32), "offset": FAR + 4000},
+        {"positions": torch.tensor([FAR + 7, FAR + 8, FAR + 2])},
+    ],
+)
+def test_far_positions_read_a_window_with_the_bits_of_their_own_angles(backend, dtype, call):
+    """Past the table a RoPE computed each call's angles (2.7x the time of a one-token call); it now keeps a window
+    of rows, and every position reads the bits angles_to_cos_sin gives it alone."""
+    if backend == "triton" and dtype == torch.bfloat16:
+        pytest.skip("the Triton interpreter rounds bf16 down; compiled for a GPU by scripts/gpu_check.sh")
+    rope = posenc.RoPE(16, backend=backend)
+    seq = 1 if "positions" not in call else call["positions"].shape[-1]
+    q, k = random_qk(2, 3, 2, seq, 16, seed=1)
+    q, k = q.to(dtype), k.to(dtype)
+    table_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    positions = call.get("positions", torch.arange(seq)).long() + (
+        call["offset"][:, None] if isinstance(call.get("offset"), torch.Tensor) else call.get("offset", 0)
+    )
+    cos, sin = angles_to_cos_sin(positions.expand(2, seq), rope.frequencies()[0], dtype=table_dtype)
+    expected = posenc.apply_rotary_qk(q, k, cos[:, None], sin[:, None], backend=backend)
+    got = rope(q, k, **call)
+    assert rope._windows, "the call took the window"
+    for g, e in zip(got, expected, strict=True):
+        assert torch.equal(g, e)
+
+
+def test_a_decode_loop_far_out_reuses_its_window_and_moves_it_by_halves():
+    rope = posenc.RoPE(8)
+    q, k = random_qk(1, 1, 1, 1, 8)
+    key = (torch.device("cpu"), torch.float32)
+    rope(q, k, offset=FAR + 10)
+    window = rope._windows[key]
+    for step in range(FAR + 11, FAR + 2048):
+        rope(q, k, offset=step)
+        assert rope._windows[key] is window
+    rope(q, k, offset=FAR + 2048)
+    assert rope._windows[key][0] == FAR + 2048 and len(rope._windows) == 1
+    assert not posenc.RoPE(8).__getstate__()["_windows"] and not pickle.loads(pickle.dumps(rope))._windows
+
+
+def test_far_positions_that_do_not_fit_a_window_or_go_negative_take_the_general_path():
+    rope = posenc.RoPE(8)
+    q, k = random_qk(2, 1, 1, 1, 8)
+    spread = torch.tensor([FAR, FAR + 5000])  # farther apart than half a window
+    expected = rope_reference(q, spread[:, None, None])
+    assert_close(rope(q, k, offset=spread)[0], expected)
+    assert not rope._windows
+    with pytest.raises(ValueError, match="positions must be >= 0"):
+        rope(q, k, positions=torch.tensor([[FAR], [-1]]))
