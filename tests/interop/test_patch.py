@@ -975,6 +975,33 @@ def test_patch_twice_and_unpatch_twice() -> None:
         unpatch_model(model)
 
 
+def test_patch_of_a_model_with_a_part_patched_says_so() -> None:
+    """patch_model(model.model), then patch_model(model) (or the reverse order): the error said only that posenc's
+    rotary embedding "has no inv_freq or attention_scaling to check posenc's RoPE against"."""
+    model = build("llama")
+    patch_model(model.model)
+    with pytest.raises(ValueError, match=r"model\.model is already patched by posenc.*unpatch_model\(model\.model\)"):
+        patch_model(model)
+    unpatch_model(model.model)
+    patch_model(model)
+    with pytest.raises(ValueError, match="part of a model that posenc has patched"):
+        patch_model(model.model)
+    assert is_patched(model) and not is_patched(model.model)
+
+
+def test_config_edited_after_the_model_was_built_is_named_in_the_error() -> None:
+    """The model's rotary module keeps the frequencies it was built with (transformers does not read the config
+    again); the refusal blamed only a gap in posenc, not the edited config, for which the fix is the user's."""
+    model = build("llama")
+    model.config.rope_parameters = {
+        **model.config.rope_parameters,
+        "rope_theta": 2 * model.config.rope_parameters["rope_theta"],
+    }
+    with pytest.raises(ValueError, match="config was changed after the model was built"):
+        patch_model(model)
+    assert not is_patched(model)
+
+
 # --- tiny_model_from_config (the lab's HF-architecture model) -------------------------------------------------
 
 

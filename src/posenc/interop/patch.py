@@ -568,9 +568,15 @@ def _require_same_rotation(
             raise ValueError(
                 f"posenc's RoPE for this {architecture} config ({what}rope_type={rope.rope_type!r}) does not rotate "
                 f"as the model's {type(module).__name__} ({name}) does: {problem}. Patching would change the model's "
-                "logits, so the model is left as it was; this is a gap in posenc.interop.rope_kwargs_from_config "
-                "for this transformers version (please report it with the config's rope_parameters), unless the "
-                "model's buffers hold no values yet (after to_empty(): patch before it, or once they are loaded)"
+                "logits, so the model is left as it was. posenc reads the config, the model rotates by what its "
+                "rotary module was built with: if the config was changed after the model was built (model.config's "
+                "rope_parameters or rope_theta edited, which transformers does not read back either, or a config "
+                "object shared with a model patched with rope_parameters=), restore it, or load the model with the "
+                "config you want (from_pretrained(..., config=config)), or change the scaling with "
+                "patch_model(model, rope_parameters=...). Otherwise this is a gap in "
+                "posenc.interop.rope_kwargs_from_config for this transformers version (please report it with the "
+                "config's rope_parameters), unless the model's buffers hold no values yet (after to_empty(): patch "
+                "before it, or once they are loaded)"
             )
 
 
@@ -700,10 +706,12 @@ def patch_model(
     not rotate as the model's own does (all checked before anything is replaced);
     TypeError for an object that is no transformers model (no ``config``).
     """
+    if isinstance(model, nn.Module):
+        if _patch_state(model) is not None:
+            raise ValueError("model is already patched by posenc; call unpatch_model(model) first")
+        _require_no_patched_part(model)
     found = _architecture(model)
     model_type = found.model_type
-    if _patch_state(model) is not None:
-        raise ValueError("model is already patched by posenc; call unpatch_model(model) first")
     config = model.config
     groups = _rotary_groups(model, found)
     _require_no_parameters(model_type, groups)
@@ -800,6 +808,24 @@ def patch_model(
     state = _PatchState(report, swapped, list(found.attention), config, originals, _weights_dtype(model))
     object.__setattr__(model, _STATE_ATTR, state)
     return report
+
+
+def _require_no_patched_part(model: nn.Module) -> None:
+    """Raise ValueError where part of ``model`` was patched on its own (``patch_model(model.model)``), or ``model`` is
+    part of a patched model: its rotary module is then posenc's, which has no transformers buffers to check against,
+    and the error said only that."""
+    for name, module in model.named_modules():
+        if name and _patch_state(module) is not None:
+            raise ValueError(
+                f"model.{name} is already patched by posenc (patch_model was called on it); call "
+                f"unpatch_model(model.{name}) first, or keep that patch and leave the whole model as it is"
+            )
+    for name, module in model.named_modules():
+        if isinstance(module, PosencRotaryEmbedding):
+            raise ValueError(
+                f"model.{name} is posenc's rotary embedding: model is part of a model that posenc has patched (it "
+                "shares that model's modules); call unpatch_model on the model that patch_model was called on first"
+            )
 
 
 def _rotary_groups(model: nn.Module, found: ModelRope) -> list[tuple[Any, list[tuple[str, nn.Module]]]]:
