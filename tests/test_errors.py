@@ -181,6 +181,17 @@ def _meta_layer_loaded_by_assignment(make_encoding):
             ValueError,
             r"cos.shape\[-1\]=5 pairs needs 2\*5=10 channels but x.shape\[-1\]=8",
         ),
+        (  # Hugging Face's cos/sin, each pair's value twice (b, s, d): the error says how to take posenc's from them
+            lambda: posenc.apply_rotary(x, torch.ones(1, 4, 8), torch.ones(1, 4, 8)),
+            ValueError,
+            r"pairs needs 2\*8=16 channels .*Hugging Face's cos/sin \(\.\.\., rotary_dim\) hold each pair's value "
+            r"twice .*pass cos\[\.\.\., :4\] and sin\[\.\.\., :4\]$",
+        ),
+        (  # the same as a table read at an offset
+            lambda: posenc.apply_rotary(x, torch.ones(9, 8), torch.ones(9, 8), offset=0),
+            ValueError,
+            r"one value per pair, \(n_positions, rotary_dim // 2\); Hugging Face's .*pass cos\[\.\.\., :4\]",
+        ),
         (
             lambda: posenc.apply_rotary(x, torch.ones(3, 4), torch.ones(3, 4)),
             ValueError,

@@ -29,6 +29,21 @@ from posenc._checks import (
     wrapped_positions,
 )
 
+
+# Hugging Face's rotary embeddings return torch.cat((freqs, freqs), -1): each pair's angle twice, (..., rotary_dim).
+# With full rotation that is refused by width; with rotary_dim <= head_dim / 2 (GPT-NeoX's rotary_pct=0.25) it fits
+# and would rotate twice the channels by the wrong angles, which no shape can show: hence the docs' warning too.
+def hf_cos_hint(width: int, channels: int) -> str:
+    """The end of the error for cos/sin of last dim ``width`` too wide for x's ``channels``: where they could be
+    Hugging Face's (an even width up to the head dim), how to take posenc's from them; else nothing."""
+    if width % 2 or width > channels:
+        return ""
+    return (
+        f"; Hugging Face's cos/sin (..., rotary_dim) hold each pair's value twice (torch.cat((freqs, freqs), -1)): "
+        f"pass cos[..., :{width // 2}] and sin[..., :{width // 2}]"
+    )
+
+
 Kind = Literal["broadcast", "bhsd", "bshd", "varlen"]
 KINDS = ("broadcast", "bhsd", "bshd", "varlen")
 
@@ -95,7 +110,7 @@ def check_table_call(
         if half == 0 or 2 * half > x.shape[-1]:
             raise ValueError(
                 f"cos.shape[-1]={half} pairs needs {2 * half} channels but {name}.shape[-1]={x.shape[-1]}; "
-                "the table holds one value per pair, (n_positions, rotary_dim // 2)"
+                "the table holds one value per pair, (n_positions, rotary_dim // 2)" + hf_cos_hint(half, x.shape[-1])
             )
         token_axes = (0,) if kind == "varlen" else (0, 2) if kind == "bhsd" else (0, 1)
         if any(x.shape[a] != first.shape[a] for a in token_axes):

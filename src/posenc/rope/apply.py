@@ -24,7 +24,7 @@ from posenc._checks import (
     size_in,
     values_readable,
 )
-from posenc.kernels.layout import check_table_call, consecutive_rows, rotary_kind, token_positions
+from posenc.kernels.layout import check_table_call, consecutive_rows, hf_cos_hint, rotary_kind, token_positions
 from posenc.kernels.ops import choose_backend, rotary_copy, rotary_inplace, transformed
 
 Backend = Literal["auto", "torch", "triton", "cpu"]
@@ -53,7 +53,7 @@ def check_x_for(x: torch.Tensor, cos: torch.Tensor, half: int, name: str = "x") 
     if half == 0 or 2 * half > x.shape[-1]:
         raise ValueError(
             f"cos.shape[-1]={half} pairs needs 2*{half}={2 * half} channels but {name}.shape[-1]={x.shape[-1]}; "
-            "cos/sin hold one value per pair, (..., rotary_dim // 2)"
+            f"cos/sin hold one value per pair, (..., rotary_dim // 2){hf_cos_hint(half, x.shape[-1])}"
         )
     target = (*x.shape[:-1], half)
     # By hand: torch.broadcast_shapes was 40% of a small call's Python overhead.
@@ -360,7 +360,12 @@ def apply_rotary(
     * cos, sin: (n_positions, r/2) tables, read at each token's position: ``positions`` (s,) or (b, s) ids,
       plus ``offset`` (int, or (b,) per sequence; default 0..s-1 + offset); x is (b, h, s, d) for
       ``layout="bhsd"`` (default) or (b, s, h, d) for "bshd"; with ``cu_seqlens`` (n_seq + 1,) x is packed
-      (total_tokens, h, d) and positions restart at 0 in every sequence (plus ``offset``).
+      (total_tokens, h, d) and positions restart at 0 in every sequence (plus ``offset``). Give ``layout`` for x in
+      (b, s, h, d) (flash-attention's layout): read at an ``offset`` alone, such an x fits "bhsd" too, as s heads of
+      h tokens, and would be rotated by the wrong positions without an error.
+
+    From Hugging Face's cos/sin, (b, s, r) with each pair's value twice, pass ``cos[..., : r // 2]``: whole, they
+    would rotate 2r channels by the wrong angles where 2r <= d (partial rotation), which no shape check can see.
 
     interleaved: adjacent pairs (x0, x1), (x2, x3), ... if True, else split-half pairs (i, i + r/2).
     conjugate: rotate by the negative angle (the inverse rotation).

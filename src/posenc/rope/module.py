@@ -513,6 +513,8 @@ class RoPE(nn.Module):
         """Rotate queries and keys by their absolute positions.
 
         q: (b, h_q, s, d), k: (b, h_k, s, d) for layout "bhsd"; (b, s, h, d) for "bshd". h_q may differ from h_k.
+        q and k (b, s, h, d) of one head count also fit "bhsd", as s heads of h tokens, and are rotated by the wrong
+        positions without an error: pass layout="bshd" for them (GQA's differing head counts are refused).
         positions: (s,) or (b, s) integer ids (e.g. packed documents restarting at 0); default 0..s-1.
         offset: int or (b,) tensor added to the positions (tokens already in a KV cache).
         seq_len: the length ``dynamic`` / ``longrope`` scale for (default: max(positions) + 1; for ``dynamic`` in
