@@ -185,3 +185,19 @@ def test_a_cast_or_move_keeps_slopes_that_are_not_the_head_counts(learned):
         alibi.bfloat16()
         assert alibi.slopes.dtype == torch.float32
         torch.testing.assert_close(alibi.slopes, custom, rtol=0, atol=0)
+
+
+def test_slopes_assigned_for_another_head_count_are_refused_on_every_path():
+    """ALiBi(4) given 8 slopes returned an 8-head bias, which attention met with a bare size mismatch, and the flex
+    score_mod read the first 4 slopes without a word."""
+    from posenc.kernels.flex_bias import score_mod_for
+
+    alibi = posenc.ALiBi(4)
+    alibi.slopes = posenc.alibi_slopes(8)
+    match = r"ALiBi.slopes has shape \(8,\), but this ALiBi has num_heads=4.*alibi_slopes\(h\)\[i:j\]"
+    with pytest.raises(ValueError, match=match):
+        alibi.bias(3, 3)
+    with pytest.raises(ValueError, match=match):
+        score_mod_for(alibi, torch.arange(3)[None], 0)
+    alibi.slopes = posenc.alibi_slopes(8)[4:]  # a tensor-parallel rank's heads 4..7
+    assert torch.equal(alibi.bias(3, 3), posenc.ALiBi(8).bias(3, 3)[4:])

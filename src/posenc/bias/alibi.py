@@ -111,7 +111,17 @@ class ALiBi(ScoreBias):
         """q_positions: (b, sq) or (sq,), k_positions: (b, sk) or (sk,) integer, on any device (moved to the
         slopes'; meta ids cannot serve real slopes). Returns (b, h, sq, sk) float32 (float64 once the module is cast
         to float64), finite everywhere (the caller's attention mask decides what is future)."""
-        return alibi_bias(self.slopes, q_positions, k_positions, causal=False)
+        return alibi_bias(self.head_slopes(), q_positions, k_positions, causal=False)
+
+    def head_slopes(self) -> torch.Tensor:
+        """``slopes``, (num_heads,), after checking that assigned ones still have one per head."""
+        if self.slopes.shape != (self.num_heads,):
+            raise ValueError(
+                f"ALiBi.slopes has shape {tuple(self.slopes.shape)}, but this ALiBi has num_heads={self.num_heads}: "
+                "assign one slope per head (a tensor-parallel rank holding heads i..j-1 of h: ALiBi(j - i) with "
+                "slopes posenc.alibi_slopes(h)[i:j])"
+            )
+        return self.slopes
 
     def bias(self, q_len: int, k_len: int, *, offset: int = 0) -> torch.Tensor:
         """Queries at offset..offset+q_len-1, keys at 0..k_len-1. Returns (h, q_len, k_len) in ``score_bias``'s dtype;

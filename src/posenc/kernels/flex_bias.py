@@ -255,7 +255,7 @@ def score_mod_for(encoding: nn.Module, positions: torch.Tensor, past: int) -> Sc
     """The score_mod of a known bias encoding, or None (then the caller materializes the bias).
     positions: (b or 1, t) of the keys; the queries are the keys from index ``past`` on."""
     if isinstance(encoding, ALiBi):
-        return alibi_score_mod(encoding.slopes, positions, past)
+        return alibi_score_mod(encoding.head_slopes(), positions, past)
     if isinstance(encoding, T5Bias):
         return t5_score_mod(encoding, positions, past)
     return None
