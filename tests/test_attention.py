@@ -428,3 +428,60 @@ def test_cache_update_refuses_keys_and_positions_on_different_devices() -> None:
     with pytest.raises(ValueError, match="k, v and positions must be on one device, got meta, meta and cpu"):
         cache.update(k, k, torch.arange(3)[None])
     assert cache.length == 0
+
+
+@pytest.mark.parametrize("name", posenc.available())
+def test_a_cropped_cache_continues_as_if_the_dropped_tokens_were_never_fed(name):
+    """Speculative decoding: a draft of 4 tokens fed, 1 kept; then other tokens. Equal to a full forward of what
+    was kept and what came after, with the positions following the kept ones."""
+    torch.manual_seed(0)
+    encoding = make_encoding(name).double()
+    attn = layer_for(encoding, num_kv_heads=KV_HEADS)
+    x, draft = torch.randn(2, 9, DIM, dtype=torch.float64), torch.randn(2, 4, DIM, dtype=torch.float64)
+    cache = KVCache()
+    first = run(attn, encoding, x[:, :5], torch.arange(5)[None], cache)
+    run(attn, encoding, draft, cache.next_positions(4), cache)
+    cache.crop(-3)  # the draft's first token kept
+    assert cache.length == 6 and cache.next_positions(1).tolist() == [[6]]
+    rest = [run(attn, encoding, x[:, i : i + 1], cache.next_positions(1), cache) for i in range(5, 9)]
+    kept = torch.cat((x[:, :5], draft[:, :1], x[:, 5:]), dim=1)
+    full = run(attn, encoding, kept, torch.arange(10)[None])
+    got = torch.cat((first, full[:, 5:6], *rest), dim=1)
+    torch.testing.assert_close(got[:, :5], full[:, :5], atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(got[:, 6:], full[:, 6:], atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_a_consistent_cache_cropped_back_below_the_switch_rotates_for_the_kept_length(rope_type):
+    """Grown past the trained length (scaled frequencies) and cropped back below it: the next step's keys and
+    query use the frequencies of the kept sequence, as a full forward of it does."""
+    torch.manual_seed(0)
+    parameters = {"rope_type": "dynamic", "factor": 2.0}
+    if rope_type == "longrope":
+        half = HEAD_DIM // 2
+        parameters = {"rope_type": "longrope", "long_factor": [2.0] * half, "short_factor": [1.0] * half}
+        parameters["original_max_position_embeddings"] = 4
+    rope = posenc.RoPE(HEAD_DIM, rope_parameters=parameters, max_position_embeddings=4, mode="consistent").double()
+    attn = CausalSelfAttention(DIM, HEADS, num_kv_heads=KV_HEADS, encoding=rope).double()
+    x = torch.randn(1, 9, DIM, dtype=torch.float64)
+    cache = KVCache()
+    attn(x, positions=torch.arange(9)[None], cache=cache)  # 9 > 4: scaled
+    cache.crop(3)
+    step = attn(x[:, 3:4], positions=cache.next_positions(1), cache=cache)  # length 4: not scaled
+    full = attn(x[:, :4], positions=torch.arange(4)[None])
+    torch.testing.assert_close(step, full[:, 3:], atol=1e-12, rtol=1e-12)
+
+
+def test_crop_keeps_drops_and_refuses_as_transformers_does():
+    cache = KVCache()
+    cache.crop(0)  # an empty cache: nothing to drop
+    k = torch.randn(1, 2, 5, 4)
+    cache.update(k, k, torch.arange(5)[None])
+    cache.crop(7)  # past the length: unchanged, as DynamicCache.crop
+    assert cache.length == 5
+    with pytest.raises(ValueError, match=r"length=-6 drops more tokens than this KVCache holds \(5\); pass 0..5"):
+        cache.crop(-6)
+    with pytest.raises(TypeError, match="length must be an int"):
+        cache.crop(2.0)
+    cache.crop(np.int64(-5))
+    assert cache.length == 0 and cache.k is None and cache.next_positions(2).tolist() == [[0, 1]]

@@ -136,6 +136,30 @@ class KVCache:
         steps = torch.arange(1, seq_len + 1, dtype=torch.long, device=self.positions.device)
         return self.positions[:, -1:] + steps
 
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` cached tokens and drop the rest: a rejected speculative draft, a beam cut back.
+        A negative length drops that many from the end, and one at or past ``self.length`` changes nothing, as in
+        transformers' ``DynamicCache.crop``. Decoding then goes on after the last kept position (``next_positions``);
+        a 'consistent' RoPE's kept keys stay rotated with the frequencies they had, and the next step rotates
+        them again only if its length's frequencies differ."""
+        length = integer_offset(length)  # numpy's integers too
+        if isinstance(length, bool) or not isinstance(length, int):
+            raise TypeError(f"length must be an int (the number of cached tokens to keep), got {length!r}")
+        held = self.length
+        keep = held + length if length < 0 else min(length, held)
+        if keep < 0:
+            raise ValueError(
+                f"length={length} drops more tokens than this KVCache holds ({held}); pass 0..{held} to keep that "
+                f"many, or -{held}..-1 to drop that many from the end"
+            )
+        if keep == 0:
+            self.k = self.v = self.positions = self.unrotated_k = self.rotated_with = None
+            return
+        assert self.k is not None and self.v is not None and self.positions is not None
+        self.k, self.v, self.positions = self.k[:, :, :keep], self.v[:, :, :keep], self.positions[:, :keep]
+        if self.unrotated_k is not None:
+            self.unrotated_k = self.unrotated_k[:, :, :keep]
+
     def update(
         self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
