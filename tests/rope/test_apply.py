@@ -457,6 +457,9 @@ FAR = 1 << 16  # the first position past a RoPE's table
         {"offset": torch.tensor([FAR + 1, FAR + 1500])},
         {"positions": torch.tensor([[FAR + 3], [FAR + 900]])},
         {"positions": torch.tensor([[3], [900]], dtype=torch.int32), "offset": FAR + 4000},
+        # Moved back by the window's start, 8-bit ids wrapped (uint8 200 read row 44): the shift is taken in int64.
+        {"positions": torch.tensor([[200], [3]], dtype=torch.uint8), "offset": FAR + 100},
+        {"positions": torch.tensor([[3], [-5]], dtype=torch.int8), "offset": FAR + 4000},
         {"positions": torch.tensor([FAR + 7, FAR + 8, FAR + 2])},
     ],
 )

@@ -564,7 +564,8 @@ class RoPE(nn.Module):
                 if positions is None:
                     offset = offset - first
                 else:
-                    positions, offset = positions - (first - offset), 0
+                    # In int64: the shifted ids reach _WINDOW - 1, past what 8-bit ids hold (they wrapped).
+                    positions, offset = positions.long() - (first - offset), 0
             elif bounds is None and not torch.compiler.is_compiling() and not values_readable(q.device):
                 # Captured into a CUDA graph: nothing may read a value or copy from the host, so the table built
                 # while warming up is read as it stands; a position outside it reads no memory beyond it (the Triton
