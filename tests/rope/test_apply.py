@@ -507,3 +507,14 @@ def test_far_positions_that_do_not_fit_a_window_or_go_negative_take_the_general_
     assert not rope._windows
     with pytest.raises(ValueError, match="positions must be >= 0"):
         rope(q, k, positions=torch.tensor([[FAR], [-1]]))
+
+
+def test_far_position_ids_with_per_sequence_offsets_take_the_general_path():
+    # Position ids (b, s) and offsets (b,) would be moved back by broadcasting (b,) over s, rotating each token by
+    # another sequence's offset (silently where s equals b): that pairing keeps the general path.
+    rope = posenc.RoPE(8)
+    q, k = random_qk(2, 1, 2, 2, 8)
+    positions, offset = torch.tensor([[3, 4], [900, 901]]), torch.tensor([FAR, FAR + 5])
+    expected = rope_reference(q, (positions + offset[:, None])[:, None])
+    assert_close(rope(q, k, positions=positions, offset=offset)[0], expected)
+    assert not rope._windows
