@@ -185,7 +185,8 @@ def _meta_layer_loaded_by_assignment(make_encoding):
             lambda: posenc.apply_rotary(x, torch.ones(1, 4, 8), torch.ones(1, 4, 8)),
             ValueError,
             r"pairs needs 2\*8=16 channels .*Hugging Face's cos/sin \(\.\.\., rotary_dim\) hold each pair's value "
-            r"twice .*pass cos\[\.\.\., :4\] and sin\[\.\.\., :4\]$",
+            r"twice: pass cos\[\.\.\., :4\] and sin\[\.\.\., :4\] where the model concatenates .*cos\[\.\.\., ::2\] "
+            r"and sin\[\.\.\., ::2\] where it interleaves them \(torch.repeat_interleave\(freqs, 2, -1\): Cohere\)$",
         ),
         (  # the same as a table read at an offset
             lambda: posenc.apply_rotary(x, torch.ones(9, 8), torch.ones(9, 8), offset=0),

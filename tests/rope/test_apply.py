@@ -518,3 +518,24 @@ def test_far_position_ids_with_per_sequence_offsets_take_the_general_path():
     expected = rope_reference(q, (positions + offset[:, None])[:, None])
     assert_close(rope(q, k, positions=positions, offset=offset)[0], expected)
     assert not rope._windows
+
+
+@pytest.mark.parametrize(
+    ("form", "recipe"),
+    [
+        ("torch.cat((freqs, freqs), -1)", slice(None, 4)),
+        ("torch.repeat_interleave(freqs, 2, -1)", slice(None, None, 2)),
+    ],
+)
+def test_the_error_for_hugging_faces_cos_names_the_slice_that_fits_each_of_its_forms(form, recipe):
+    """Cohere's rotary embedding repeats each angle in place (repeat_interleave), not in two halves (cat): the hint
+    said only cos[..., :r // 2], which for it rotates by the first quarter of the angles, each twice (max error 3.8),
+    silently. The slice the error names for each form gives posenc's cos/sin."""
+    freqs = torch.arange(5.0)[:, None] * posenc.rope_frequencies(8)[0][None]  # (s, r/2) angles
+    hf_cos = torch.cat((freqs, freqs), -1).cos() if "cat" in form else torch.repeat_interleave(freqs, 2, -1).cos()
+    x = torch.randn(1, 2, 5, 8)
+    with pytest.raises(ValueError) as error:
+        posenc.apply_rotary(x, hf_cos, hf_cos)
+    named = "cos[..., :4]" if recipe.step is None else "cos[..., ::2]"
+    assert f"{named} and sin" in str(error.value) and form in str(error.value)
+    torch.testing.assert_close(hf_cos[..., recipe], freqs.cos(), rtol=0, atol=0)

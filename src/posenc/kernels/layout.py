@@ -30,17 +30,22 @@ from posenc._checks import (
 )
 
 
-# Hugging Face's rotary embeddings return torch.cat((freqs, freqs), -1): each pair's angle twice, (..., rotary_dim).
-# With full rotation that is refused by width; with rotary_dim <= head_dim / 2 (GPT-NeoX's rotary_pct=0.25) it fits
-# and would rotate twice the channels by the wrong angles, which no shape can show: hence the docs' warning too.
+# Hugging Face's rotary embeddings return each pair's angle twice, (..., rotary_dim): torch.cat((freqs, freqs), -1) in
+# most models, torch.repeat_interleave(freqs, 2, -1) in Cohere's (Cohere2, Ergo, BLT), whose first half holds the first
+# quarter of the angles, each twice. No shape tells the two apart, so the hint names both: the first half alone, the
+# recipe for the concatenated form, silently rotated a Cohere model's q and k by the wrong angles (max error 3.8 on
+# unit-scale x). With full rotation such cos/sin are refused by width; with rotary_dim <= head_dim / 2 (GPT-NeoX's
+# rotary_pct=0.25) they fit and would rotate twice the channels by the wrong angles: hence the docs' warning too.
 def hf_cos_hint(width: int, channels: int) -> str:
     """The end of the error for cos/sin of last dim ``width`` too wide for x's ``channels``: where they could be
     Hugging Face's (an even width up to the head dim), how to take posenc's from them; else nothing."""
     if width % 2 or width > channels:
         return ""
     return (
-        f"; Hugging Face's cos/sin (..., rotary_dim) hold each pair's value twice (torch.cat((freqs, freqs), -1)): "
-        f"pass cos[..., :{width // 2}] and sin[..., :{width // 2}]"
+        f"; Hugging Face's cos/sin (..., rotary_dim) hold each pair's value twice: pass cos[..., :{width // 2}] and "
+        f"sin[..., :{width // 2}] where the model concatenates them (torch.cat((freqs, freqs), -1): Llama, GLM and "
+        "most), cos[..., ::2] and sin[..., ::2] where it interleaves them (torch.repeat_interleave(freqs, 2, -1): "
+        "Cohere)"
     )
 
 

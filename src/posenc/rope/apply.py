@@ -364,8 +364,10 @@ def apply_rotary(
       (b, s, h, d) (flash-attention's layout): read at an ``offset`` alone, such an x fits "bhsd" too, as s heads of
       h tokens, and would be rotated by the wrong positions without an error.
 
-    From Hugging Face's cos/sin, (b, s, r) with each pair's value twice, pass ``cos[..., : r // 2]``: whole, they
-    would rotate 2r channels by the wrong angles where 2r <= d (partial rotation), which no shape check can see.
+    From Hugging Face's cos/sin, (b, s, r) with each pair's value twice, pass ``cos[..., : r // 2]`` where the model
+    concatenates them (``torch.cat((freqs, freqs), -1)``: Llama, GLM and most) and ``cos[..., ::2]`` where it
+    interleaves them (``torch.repeat_interleave(freqs, 2, -1)``: Cohere); whole, they would rotate 2r channels by the
+    wrong angles where 2r <= d (partial rotation), which no shape check can see.
 
     interleaved: adjacent pairs (x0, x1), (x2, x3), ... if True, else split-half pairs (i, i + r/2).
     conjugate: rotate by the negative angle (the inverse rotation).
