@@ -48,6 +48,9 @@ _TABLE_LIMIT = 1 << 16
 # computing their angles per call took 2.7x the time (119 against 44 us of CPU time for a one-token bf16 call, 32/8
 # heads) and, on CUDA, a device sync per call for the positions' extent.
 _WINDOW = 1 << 12
+# Windows kept per device and dtype, the latest used: several requests far out sharing a RoPE (threads of a server)
+# each keep theirs, where one kept window was rebuilt on every call of two alternating streams (4.0 ms a call).
+_WINDOWS_KEPT = 8
 # Lengths whose frequencies a RoPE keeps (see RoPE.frequencies).
 _FREQUENCIES_KEPT = 8
 
@@ -96,6 +99,18 @@ def _(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     shape = (*positions.shape, inv_freq.shape[0])
     return positions.new_empty(shape, dtype=dtype), positions.new_empty(shape, dtype=dtype)
+
+
+def _keepable() -> bool:
+    """Whether a table or window made now may be kept for later calls. Not inside a torch.func transform (grad,
+    jacrev, vjp, jvp: per-sample gradients, say): there even a fresh tensor is the transform's wrapper, which has no
+    storage once it returns, and the next eager call's fused kernel failed on it ("Cannot access data pointer of
+    Tensor that doesn't have storage"); one kept from an eager call serves the transforms as a constant. Not while a
+    CUDA graph is captured: its memory is written only when the graph replays, so an eager call before that would
+    read uninitialised rows."""
+    if transformed():
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 def _position_bounds(
@@ -233,8 +248,8 @@ class RoPE(nn.Module):
         # Plain attributes, not buffers: derived from the config, rebuilt per device on first use, so the
         # module is safe to create on the meta device and never goes stale after .to().
         self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
-        # (first row's position, cos, sin) past the table, see _WINDOW.
-        self._windows: dict[tuple[torch.device, torch.dtype], tuple[int, torch.Tensor, torch.Tensor]] = {}
+        # (device, dtype, first row's position) -> cos, sin past the table, see _WINDOW; oldest use first.
+        self._windows: dict[tuple[torch.device, torch.dtype, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._frequencies: dict[int | None, tuple[torch.Tensor, float]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
@@ -470,24 +485,25 @@ class RoPE(nn.Module):
         table = self._tables.get((device, dtype))
         if table is None or table[0].shape[0] < needed:
             table = self._rows(device, 0, max(256, 1 << (needed - 1).bit_length()), dtype)
-            # Not kept when made inside a torch.func transform (grad, jacrev, vjp, jvp: per-sample gradients, say):
-            # there even a fresh tensor is the transform's wrapper, which has no storage once it returns, and the
-            # next eager call's fused kernel failed on it ("Cannot access data pointer of Tensor that doesn't have
-            # storage"). One kept from an eager call serves the transforms as a constant.
-            if not transformed():
+            if _keepable():
                 self._tables[(device, dtype)] = table
         return table
 
     def _window(self, device: torch.device, low: int, dtype: torch.dtype) -> tuple[int, torch.Tensor, torch.Tensor]:
         """The rows of positions first..first + _WINDOW - 1, first the multiple of _WINDOW / 2 at or below ``low``:
-        they cover low..low + _WINDOW / 2 - 1 at least. Kept, one per device and dtype, as the table is."""
+        they cover low..low + _WINDOW / 2 - 1 at least. Kept as the table is, the latest _WINDOWS_KEPT used of
+        each device and dtype."""
         first = low // (_WINDOW // 2) * (_WINDOW // 2)
-        window = self._windows.get((device, dtype))
-        if window is None or window[0] != first:
-            window = (first, *self._rows(device, first, _WINDOW, dtype))
-            if not transformed():  # as in _table
-                self._windows[(device, dtype)] = window
-        return window
+        key = (device, dtype, first)
+        window = self._windows.pop(key, None)  # re-inserted below: the dict's order is the order of use
+        if window is None:
+            window = self._rows(device, first, _WINDOW, dtype)
+        if _keepable():
+            self._windows[key] = window
+            same = [other for other in self._windows if other[:2] == key[:2]]
+            for other in same[:-_WINDOWS_KEPT]:
+                self._windows.pop(other, None)  # another thread may have dropped it first
+        return (first, *window)
 
     def _rows(
         self, device: torch.device, first: int, count: int, dtype: torch.dtype
