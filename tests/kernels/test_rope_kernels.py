@@ -1524,7 +1524,8 @@ def test_values_are_read_only_outside_tracing_and_capture(monkeypatch):
 def test_triton_not_installed_names_the_install_command(monkeypatch):
     """Without triton, backend='triton' said only "No module named 'triton'"."""
     ops._triton_module_or_error.cache_clear()
-    monkeypatch.setitem(sys.modules, "posenc.kernels.triton_rope", None)  # import raises ModuleNotFoundError
+    monkeypatch.setitem(sys.modules, "triton", None)  # importing it raises ModuleNotFoundError, name "triton"
+    monkeypatch.delitem(sys.modules, "posenc.kernels.triton_rope", raising=False)
     monkeypatch.delattr(posenc.kernels, "triton_rope", raising=False)  # else `from` finds the attribute
     try:
         x, cos, sin = torch.randn(1, 2, 3, 8), torch.ones(3, 4), torch.zeros(3, 4)

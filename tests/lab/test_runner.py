@@ -329,8 +329,42 @@ def test_a_checkpoint_that_cannot_be_read_is_said_and_not_resumed(tiny_config, t
     path = tmp_path / "checkpoint.safetensors"
     path.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{")
     lines = []
-    assert Lab(tiny_config(), tmp_path / "run", echo=lines.append)._checkpoint(path, {"unit": "rope"}) is None
+    lab = Lab(tiny_config(), tmp_path / "run", echo=lines.append)
+    assert lab._checkpoint(path, {"unit": "rope"}, lab._build("rope")) is None
     assert len(lines) == 1 and f"{path} cannot be read (" in lines[0] and "training from step 0" in lines[0]
+
+
+@pytest.mark.parametrize("saved_for", ["t5", "rope with wider layers"])
+def test_a_checkpoint_of_another_model_under_the_same_identity_is_said_and_not_resumed(
+    tiny_config, tmp_path, saved_for
+):
+    """A posenc that changed the model without a new FORMAT_VERSION: its parameters' names or shapes differ, and
+    the resume failed inside load_state_dict on every rerun."""
+    lab = Lab(tiny_config(), tmp_path / "run", echo=(lines := []).append)
+    other = lab._build("t5") if saved_for == "t5" else Lab(tiny_config(dim=24), tmp_path / "b")._build("rope")
+    optimizer = train_module.make_optimizer(other, lr=1e-3, weight_decay=0.1)
+    other(torch.zeros(1, 4, dtype=torch.long))[0].sum().backward()
+    optimizer.step()
+    state = train_module.TrainState(
+        1,
+        0.5,
+        torch.zeros(1),
+        {k: v.clone() for k, v in other.state_dict().items()},
+        dict(optimizer.state_dict()["state"]),
+    )
+    path = tmp_path / "checkpoint.safetensors"
+    store.save_tensors(path, *state.to_tensors({"unit": "rope"}))
+    assert lab._checkpoint(path, {"unit": "rope"}, lab._build("rope")) is None
+    assert lines == [f"  {path} was saved by another configuration or posenc, not resumed: training from step 0"]
+    own = lab._build("rope")
+    optimizer = train_module.make_optimizer(own, lr=1e-3, weight_decay=0.1)
+    own(torch.zeros(1, 4, dtype=torch.long))[0].sum().backward()
+    optimizer.step()
+    state = train_module.TrainState(
+        1, 0.5, torch.zeros(1), dict(own.state_dict()), dict(optimizer.state_dict()["state"])
+    )
+    store.save_tensors(path, *state.to_tensors({"unit": "rope"}))
+    assert lab._checkpoint(path, {"unit": "rope"}, lab._build("rope")).step == 1  # its own model's: resumed
 
 
 def test_interrupted_evaluation_resumes_without_retraining(tiny_config, tmp_path, monkeypatch):

@@ -1235,6 +1235,8 @@ def tiny_model_from_config(
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ModuleNotFoundError as error:
+        if error.name != "transformers":  # a module transformers needs: its own message says which
+            raise
         raise ModuleNotFoundError(
             f"tiny_model_from_config builds a transformers model and needs the package ({error}); "
             "pip install transformers"

@@ -31,7 +31,9 @@ def _triton_module_or_error() -> tuple[object | None, str]:
     try:
         from posenc.kernels import triton_rope
     except ModuleNotFoundError as error:
-        return None, f"importing triton failed: {error} (pip install 'posenc[triton]')"
+        # Triton itself missing, or a module it needs: install hints only for the first.
+        hint = " (pip install 'posenc[triton]')" if error.name == "triton" else ""
+        return None, f"importing triton failed: {error}{hint}"
     except Exception as error:  # triton failing to find a driver
         return None, f"importing triton failed: {error}"
     return triton_rope, ""

@@ -41,7 +41,7 @@ from posenc.lab.dist import Ranks, process_group
 from posenc.lab.evaluate import LengthResult, evaluate_length, task_accuracy, task_samples
 from posenc.lab.lock import FolderLock
 from posenc.lab.model import ByteLM, encoding_for
-from posenc.lab.train import TrainingDiverged, TrainResult, TrainState, train
+from posenc.lab.train import TrainingDiverged, TrainResult, TrainState, make_optimizer, train
 
 # Part of every config_id: raised when the same settings would give other numbers, so that a folder of an earlier
 # posenc is refused rather than resumed into one report with units of the new kind. 2 (2026-12-04): T5's buckets
@@ -581,7 +581,7 @@ class Lab:
         # What a checkpoint must have been saved under to be resumed: everything that sets the unit's numbers.
         identity = {"config_id": self.config_id, "unit": unit.name, **options}
         # Read by rank 0 and sent to the others, so that every rank resumes the same state, or none.
-        resume = self.ranks.decide(lambda: self._checkpoint(checkpoint, identity))
+        resume = self.ranks.decide(lambda: self._checkpoint(checkpoint, identity, model))
         if resume is not None:
             self.echo(f"  resumed at step {resume.step} of {steps} from a checkpoint ({checkpoint})")
 
@@ -627,9 +627,9 @@ class Lab:
         )
         return model, info
 
-    def _checkpoint(self, path: Path, identity: dict[str, Any]) -> TrainState | None:
-        """The training state saved at ``path`` under ``identity``, or None: none saved, or one that cannot be
-        resumed (said, and then overwritten by the next checkpoint; it costs only the time it saved)."""
+    def _checkpoint(self, path: Path, identity: dict[str, Any], model: ByteLM) -> TrainState | None:
+        """The training state saved at ``path`` under ``identity`` for ``model``, or None: none saved, or one that
+        cannot be resumed (said, and then overwritten by the next checkpoint; it costs only the time it saved)."""
         if not path.exists():
             return None
         try:
@@ -637,8 +637,11 @@ class Lab:
         except store.RunFolderError as error:
             self.echo(f"  {path} cannot be read ({error.__cause__}), not resumed: training from step 0")
             return None
-        if state is None:
+        if state is None or not _fits(state, model):
+            # A model of other parameters under the same identity: a posenc that changed the model without a new
+            # FORMAT_VERSION. Loading it would fail inside load_state_dict on every rerun.
             self.echo(f"  {path} was saved by another configuration or posenc, not resumed: training from step 0")
+            return None
         return state
 
     def _evaluate(self, unit: Unit, models: dict[int, ByteLM], lengths: list[int]) -> list[LengthResult]:
@@ -755,6 +758,29 @@ class Lab:
             "timings": {**timings, "units": units},
             "rows": rows,
         }
+
+
+def _fits(state: TrainState, model: ByteLM) -> bool:
+    """Whether ``state`` holds the parameters and buffers ``model`` has, of the same shapes and dtypes, and AdamW
+    moments of each parameter's shape."""
+    own = model.state_dict()
+    if state.model.keys() != own.keys():
+        return False
+    if any(
+        isinstance(own[name], torch.Tensor)
+        and (state.model[name].shape != own[name].shape or state.model[name].dtype != own[name].dtype)
+        for name in own
+    ):
+        return False
+    # In the optimizer's order of parameters, which its state's indices follow.
+    groups = make_optimizer(model, lr=1.0, weight_decay=0.0).param_groups
+    shapes = [p.shape for group in groups for p in group["params"]]
+    for index, moments in state.optimizer.items():
+        if not 0 <= index < len(shapes):
+            return False
+        if any(key.startswith("exp_avg") and value.shape != shapes[index] for key, value in moments.items()):
+            return False
+    return True
 
 
 def _silent(line: str) -> None:
