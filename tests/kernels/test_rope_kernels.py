@@ -1534,3 +1534,38 @@ def test_triton_not_installed_names_the_install_command(monkeypatch):
     finally:
         monkeypatch.undo()
         ops._triton_module_or_error.cache_clear()
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+@pytest.mark.parametrize("rotary_dim", [8, 6])
+@pytest.mark.parametrize("call", ["broadcast", "offset", "offsets", "positions", "varlen", "qk", "in place"])
+def test_batched_backward_passes_match_one_by_one(backend, rotary_dim, call):
+    """jacobian(vectorize=True) and grad(is_grads_batched=True) run the backward under autograd's own vmap, whose
+    gradients have no storage: every backend failed there ("Cannot access data pointer", or no batching rule for
+    the torch path's alias). They take the torch formula now, with the numbers of one backward at a time."""
+    torch.manual_seed(0)
+    half = rotary_dim // 2
+    x = torch.randn(1, 2, 3, 8)
+    cos, sin = torch.randn(3, half), torch.randn(3, half)
+    table = torch.randn(10, half), torch.randn(10, half)
+    calls = {
+        "broadcast": lambda x: apply_rotary(x, cos, sin, backend=backend),
+        "offset": lambda x: apply_rotary(x, *table, offset=2, backend=backend),
+        "offsets": lambda x: apply_rotary(x, *table, offset=torch.tensor([3]), backend=backend),
+        "positions": lambda x: apply_rotary(x, *table, positions=torch.tensor([5, 1, 7]), backend=backend),
+        "varlen": lambda x: apply_rotary(
+            x[0].transpose(0, 1).reshape(3, 2, 8), *table, cu_seqlens=torch.tensor([0, 1, 3]), backend=backend
+        ),
+        "qk": lambda x: torch.cat(apply_rotary_qk(x, x[:, :1] * 2, *table, offset=1, backend=backend), dim=1),
+        "in place": lambda x: apply_rotary_(x * 1, *table, offset=4, backend=backend),
+    }
+    f = calls[call]
+    one_by_one = torch.autograd.functional.jacobian(f, x)
+    assert torch.equal(torch.autograd.functional.jacobian(f, x, vectorize=True), one_by_one)
+    x.requires_grad_(True)
+    out = f(x)
+    grads = torch.randn(4, *out.shape)
+    (batched,) = torch.autograd.grad(out, x, grads, is_grads_batched=True, retain_graph=True)
+    for g, got in zip(grads, batched, strict=True):
+        # The fused backward rounds its multiply-adds once, the batched torch formula twice: float32's tolerance.
+        assert_close(got, torch.autograd.grad(out, x, g, retain_graph=True)[0].double())

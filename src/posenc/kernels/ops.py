@@ -70,6 +70,13 @@ def transformed(*tensors: torch.Tensor) -> bool:
     return torch.compiler.is_compiling() or any(fwAD.unpack_dual(t).tangent is not None for t in tensors)
 
 
+def batched(*tensors: torch.Tensor) -> bool:
+    """``transformed``, or one of ``tensors`` batched by autograd's own vmap, which ``jacobian(vectorize=True)``,
+    ``hessian(vectorize=True)`` and ``grad(is_grads_batched=True)`` run backward passes under (no functorch level
+    is active there; such a tensor has no storage either)."""
+    return transformed(*tensors) or any(torch._C._functorch.is_legacy_batchedtensor(t) for t in tensors)
+
+
 def _fused_problem(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, kind: str, inplace: bool) -> str:
     """Why the fused kernels cannot take this call, or "" when they can."""
     if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
@@ -393,7 +400,26 @@ def _rotate_grads(ctx, grads: Sequence[torch.Tensor | None], rotate, saved: Sequ
     offset, kind, interleaved, conjugate, backend = ctx.options
     present = [i for i, g in enumerate(grads) if g is not None]
     result: list[torch.Tensor | None] = [None] * len(grads)
-    if present:
+    if present and batched(*(grads[i] for i in present)):  # type: ignore[misc]
+        # Batched gradients (jacobian(vectorize=True), grad(is_grads_batched=True)) have no storage for a kernel
+        # to read ("Cannot access data pointer"): the torch path's formula, which vmap batches.
+        from posenc.rope.apply import rotate_tensors  # that module imports this one
+
+        rotated = rotate_tensors(
+            {f"the gradient of output {i}": grads[i] for i in present},  # type: ignore[misc]
+            cos,
+            sin,
+            interleaved=interleaved,
+            conjugate=not conjugate,
+            positions=positions,
+            offset=None if kind == "broadcast" else (offsets if offsets is not None else offset),
+            cu_seqlens=cu_seqlens,
+            layout=kind if kind in ("bhsd", "bshd") else None,
+            backend="torch",
+            inplace=False,
+            rows_checked=True,
+        )
+    elif present:
         rotated = rotate(
             [grads[i] for i in present],
             cos,
@@ -407,6 +433,7 @@ def _rotate_grads(ctx, grads: Sequence[torch.Tensor | None], rotate, saved: Sequ
             not conjugate,
             backend,
         )
+    if present:
         for i, g in zip(present, rotated, strict=True):
             result[i] = g
     return result

@@ -25,7 +25,7 @@ from posenc._checks import (
     values_readable,
 )
 from posenc.kernels.layout import check_table_call, consecutive_rows, hf_cos_hint, rotary_kind, token_positions
-from posenc.kernels.ops import choose_backend, rotary_copy, rotary_inplace, transformed
+from posenc.kernels.ops import batched, choose_backend, rotary_copy, rotary_inplace
 
 Backend = Literal["auto", "torch", "triton", "cpu"]
 
@@ -141,8 +141,10 @@ class _RotateCopy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         cos, sin = ctx.saved_tensors
-        # Through apply again, so that a double backward (create_graph=True) is a rotation too.
-        return _RotateCopy.apply(grad, cos, sin, ctx.interleaved, not ctx.conjugate), None, None, None, None
+        # Through apply again (apply_rotary_torch takes it), so that a double backward (create_graph=True) is a
+        # rotation too; batched gradients (jacobian(vectorize=True)) take the plain formula, which vmap batches.
+        grad = apply_rotary_torch(grad, cos, sin, interleaved=ctx.interleaved, conjugate=not ctx.conjugate)
+        return grad, None, None, None, None
 
 
 def apply_rotary_torch(
@@ -161,14 +163,15 @@ def apply_rotary_torch(
     rotary = 2 * cos.shape[-1]
     wide = compute_dtype(x, cos)
     cos, sin = cos.to(wide), sin.to(wide)
-    if not (cos.requires_grad or sin.requires_grad or torch.compiler.is_compiling() or transformed(x, cos, sin)):
+    if not (cos.requires_grad or sin.requires_grad or torch.compiler.is_compiling() or batched(x, cos, sin)):
         # out= writes can be differentiated by no autograd mode, batched by no vmap, nor fused by Inductor: the
         # rotation's own backward serves x; the plain formula below serves learned angles, compiled graphs,
         # torch.func transforms and forward-mode AD.
         return _RotateCopy.apply(x, cos, sin, interleaved, conjugate)
-    rotated = rotate_pairs(x[..., :rotary].to(wide), cos, sin, interleaved=interleaved, conjugate=conjugate).to(x.dtype)
     if rotary == x.shape[-1]:
-        return rotated
+        # No slice of the whole: autograd's own vmap (jacobian(vectorize=True)) has no batching rule for the alias.
+        return rotate_pairs(x.to(wide), cos, sin, interleaved=interleaved, conjugate=conjugate).to(x.dtype)
+    rotated = rotate_pairs(x[..., :rotary].to(wide), cos, sin, interleaved=interleaved, conjugate=conjugate).to(x.dtype)
     return torch.cat((rotated, x[..., rotary:]), dim=-1)
 
 
