@@ -42,14 +42,20 @@ def test_both_formulas_match_the_float64_rotation(dtype, interleaved, rotary, co
         assert torch.equal(out[..., rotary:], x[..., rotary:])
 
 
-def test_the_out_formula_keeps_strides_and_takes_views():
-    # A transposed (b, s, h, d) view and a strided slice: out= writes follow empty_like's layout of x.
-    base = torch.randn(2, 5, 3, 32, dtype=torch.float64)
-    cos, sin = angles(5, 8, torch.float64)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("interleaved", LAYOUTS)
+def test_the_out_formula_keeps_strides_and_takes_views(dtype, interleaved):
+    # A transposed (b, s, h, d) view (Hugging Face's q) and a strided slice: out= writes follow empty_like's layout
+    # of x, and the values are those of a contiguous x bit for bit. bf16 takes the float32 buffer cast into out.
+    base = torch.randn(2, 5, 3, 32, dtype=torch.float64).to(dtype)
+    cos, sin = angles(5, 6, torch.float64 if dtype == torch.float64 else torch.float32)
     for x in (base.transpose(1, 2), base.transpose(1, 2)[..., ::2]):
-        got = apply_rotary_torch(x, cos, sin)
+        got = apply_rotary_torch(x, cos, sin, interleaved=interleaved)
         assert got.stride() == torch.empty_like(x).stride()
-        expected = apply_rotary_torch(x.contiguous(), cos.requires_grad_(), sin.requires_grad_()).detach()
+        assert torch.equal(got, apply_rotary_torch(x.contiguous(), cos, sin, interleaved=interleaved))
+        expected = apply_rotary_torch(
+            x.contiguous(), cos.requires_grad_(), sin.requires_grad_(), interleaved=interleaved
+        ).detach()
         cos, sin = cos.detach(), sin.detach()
         assert_close(got, expected)
 
