@@ -1319,6 +1319,27 @@ def test_errors_name_the_argument_and_the_fix():
         apply_rotary(x, cos, sin)
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_per_sequence_offsets_alone_are_checked_from_their_min_and_max(backend):
+    # Without position ids the rows' range is read from the offsets (no positions tensor built for the check):
+    # every refusal of the positions built and read is kept, with its message.
+    x = torch.randn(2, 3, 5, 16)
+    cos, sin = table(16, 8)
+    with pytest.raises(ValueError, match="offset must be >= 0, got a negative entry"):
+        apply_rotary(x, cos, sin, offset=torch.tensor([0, -1]), backend=backend)
+    with pytest.raises(ValueError, match="offset must be >= 0, got a negative entry"):  # an empty sequence too
+        apply_rotary(x[:, :, :0], cos, sin, offset=torch.tensor([0, -1]), backend=backend)
+    with pytest.raises(ValueError, match=r"positions reach 1 \.\. 8 but the cos/sin table has 8 rows"):
+        apply_rotary(x, cos, sin, offset=torch.tensor([4, 1], dtype=torch.int32), backend=backend)
+    with pytest.raises(ValueError, match=r"offset \+ position ids must fit in int64"):
+        apply_rotary(x, cos, sin, offset=torch.tensor([0, 2**63 - 3]), backend=backend)
+    rows = torch.tensor([[3], [0]]) + torch.arange(5)
+    assert torch.equal(
+        apply_rotary(x, cos, sin, offset=torch.tensor([3, 0]), backend=backend),
+        apply_rotary(x, cos, sin, positions=rows, backend=backend),
+    )
+
+
 def test_triton_launches_on_the_tensors_gpu(monkeypatch):
     """Triton launches on the current CUDA device: tensors on another GPU must make theirs current first (as
     flash-attention's and Liger's launchers do). Checked with a stand-in kernel; no GPU needed."""
