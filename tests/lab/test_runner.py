@@ -324,6 +324,42 @@ def test_an_interrupt_mid_training_resumes_from_the_checkpoint_bit_for_bit(tiny_
     assert json.loads((folder / "train.json").read_text())["seconds"] > other["seconds"] > 0
 
 
+def test_a_unit_resumed_with_another_thread_count_records_both_in_train_json(tiny_config, tmp_path, monkeypatch):
+    """The thread count changes float sums in their last bits and metrics.json records the last run's: a unit whose
+    checkpoint's steps ran with 1 thread and the rest with 2 says so (its numbers are those of neither setting)."""
+    config = tiny_config(encodings=("alibi",), extensions=(), steps=30)
+    out, threads = tmp_path / "run", torch.get_num_threads()
+    monkeypatch.setattr(runner, "CHECKPOINT_SECONDS", 0.0)  # saves after steps 1 and 21
+    real_windows_at, batches = train_module.windows_at, []
+
+    def interrupted(*args, **kwargs):
+        batches.append(1)
+        if len(batches) == 25:
+            raise KeyboardInterrupt
+        return real_windows_at(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "windows_at", interrupted)
+    try:
+        torch.set_num_threads(1)
+        with pytest.raises(KeyboardInterrupt):
+            quiet(config, out).run()
+        monkeypatch.setattr(train_module, "windows_at", real_windows_at)
+        torch.set_num_threads(2)
+        lines = []
+        results = Lab(config, out, progress=False, echo=lines.append).run()
+    finally:
+        torch.set_num_threads(threads)
+    assert any("resumed at step 21 of 30" in line for line in lines)
+    said = [line for line in lines if "earlier steps ran with" in line]
+    assert len(said) == 1 and "1 torch thread(s) on cpu in 1 process(es), these with 2 torch thread(s)" in said[0]
+    expected = [
+        {"from_step": 0, "torch_threads": 1, "device": "cpu", "processes": 1},
+        {"from_step": 21, "torch_threads": 2, "device": "cpu", "processes": 1},
+    ]
+    assert json.loads((out / "runs" / "alibi" / "seed0" / "train.json").read_text())["trained_with"] == expected
+    assert results["timings"]["units"]["alibi/seed0"]["train"]["trained_with"] == expected
+
+
 def test_a_checkpoint_that_cannot_be_read_is_said_and_not_resumed(tiny_config, tmp_path):
     # Written atomically by the lab, so only something else cuts it short: it costs the time it saved, not the run.
     path = tmp_path / "checkpoint.safetensors"

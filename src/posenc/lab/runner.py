@@ -582,12 +582,28 @@ class Lab:
         identity = {"config_id": self.config_id, "unit": unit.name, **options}
         # Read by rank 0 and sent to the others, so that every rank resumes the same state, or none.
         resume = self.ranks.decide(lambda: self._checkpoint(checkpoint, identity, model))
+        # The thread count, the device and the process count change float sums in their last bits, and metrics.json
+        # records this run's: a unit resumed under others ran with several, which its train.json names (trained_with).
+        here = {
+            "torch_threads": torch.get_num_threads(),
+            "device": str(self.device),
+            "processes": self.ranks.world_size,
+        }
+        trained_with = [{"from_step": 0, **here}]
         if resume is not None:
             self.echo(f"  resumed at step {resume.step} of {steps} from a checkpoint ({checkpoint})")
+            trained_with = _trained_with(resume.notes.get("trained_with"), resume.step, here)
+            if len(trained_with) > 1:
+                before = ", ".join(_described(part) for part in trained_with[:-1])
+                self.echo(
+                    f"  note: its earlier steps ran with {before}, these with {_described(trained_with[-1])}: the "
+                    "unit's numbers differ from either setting's in their last bits (train.json's trained_with)"
+                )
 
         def save(state: TrainState) -> None:
             if self.ranks.is_main:
-                store.save_tensors(checkpoint, *state.to_tensors(identity))
+                noted = dataclasses.replace(state, notes={"trained_with": trained_with})
+                store.save_tensors(checkpoint, *noted.to_tensors(identity))
 
         model = model.to(self.device)
         result: TrainResult = train(
@@ -614,6 +630,8 @@ class Lab:
             "loss_curve": result.loss_curve,
             "losses": result.losses,
         }
+        if len(trained_with) > 1:  # absent when one setting trained it all, as in a run never interrupted
+            info["trained_with"] = trained_with
         if self.ranks.is_main:
             # Weights first, then train.json: train.json present means the weights beside it are complete.
             store.save_weights(model, weights, metadata={"unit": unit.name})
@@ -781,6 +799,21 @@ def _fits(state: TrainState, model: ByteLM) -> bool:
         if any(key.startswith("exp_avg") and value.shape != shapes[index] for key, value in moments.items()):
             return False
     return True
+
+
+def _trained_with(earlier: Any, step: int, here: dict[str, Any]) -> list[dict[str, Any]]:
+    """The settings a unit resumed at ``step`` trained with: ``earlier``, a checkpoint's list of {"from_step", and
+    the settings from it on} (None from a checkpoint that has none: its steps' settings are unknown), then ``here``
+    from ``step`` on unless the last part ran with the same."""
+    parts = list(earlier) if isinstance(earlier, list) and earlier else [{"from_step": 0}]
+    last = {k: v for k, v in parts[-1].items() if k != "from_step"}
+    return parts if last == here else [*parts, {"from_step": step, **here}]
+
+
+def _described(part: dict[str, Any]) -> str:
+    if "torch_threads" not in part:
+        return "settings the checkpoint does not record"
+    return f"{part['torch_threads']} torch thread(s) on {part['device']} in {part['processes']} process(es)"
 
 
 def _silent(line: str) -> None:

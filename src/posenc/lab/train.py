@@ -72,13 +72,15 @@ class TrainState:
     follow from the step): ``seconds`` of training so far, ``losses`` (step,) float32 on the whole global batch,
     the model's state dict and the optimizer's per-parameter state (AdamW's exp_avg, exp_avg_sq and its step
     count, a float32 tensor), keyed by the parameter's index as in ``Optimizer.state_dict()["state"]``. CPU copies,
-    untouched by further training."""
+    untouched by further training. notes: JSON values the caller keeps with the state, outside its identity (train()
+    gives none; the lab's runner records what the steps so far ran with)."""
 
     step: int
     seconds: float
     losses: torch.Tensor
     model: dict[str, torch.Tensor]
     optimizer: dict[int, dict[str, torch.Tensor]]
+    notes: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_tensors(self, identity: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """The state as safetensors holds it: tensors named ``losses``, ``model.NAME`` and ``optimizer.INDEX.KEY``,
@@ -89,6 +91,8 @@ class TrainState:
         for index, state in self.optimizer.items():
             tensors |= {f"optimizer.{index}.{key}": tensor for key, tensor in state.items()}
         about = {"format": _STATE_FORMAT, "identity": identity, "step": self.step, "seconds": self.seconds}
+        if self.notes:
+            about["notes"] = self.notes
         return tensors, {_STATE_KEY: json.dumps(about, sort_keys=True)}
 
     @classmethod
@@ -111,7 +115,7 @@ class TrainState:
             elif part == "optimizer":
                 index, _, key = rest.partition(".")
                 optimizer.setdefault(int(index), {})[key] = tensor
-        return cls(about["step"], about["seconds"], tensors["losses"], model, optimizer)
+        return cls(about["step"], about["seconds"], tensors["losses"], model, optimizer, about.get("notes", {}))
 
 
 # The metadata key of a saved TrainState, and its layout's version: a state of another layout is not resumed.
