@@ -95,3 +95,12 @@ def test_bad_input_is_a_clear_error(tmp_path):
     bad.write_text("encoding,length\nrope,4\n")
     with pytest.raises(ValueError, match="lacks the column"):
         read_entropy_csv(bad)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_the_model_is_handed_back_in_the_mode_it_came_in(training):
+    # Measured in eval mode (no dropout), then put back: a training loop that measures entropy keeps training.
+    model = ByteLM(ModelSpec(dim=32, layers=1, heads=2, max_positions=16), "rope").train(training)
+    attention_entropy(model, [4, 8], inputs=torch.randint(0, 256, (1, 8)))
+    assert model.training is training
+    assert all(m.training is training for m in model.modules())

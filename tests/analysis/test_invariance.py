@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 import posenc
 from posenc.analysis import relative_invariance
+from posenc.encoding import ActsOn
 
 
 def test_rope_spread_is_zero_and_sinusoidal_is_large():
@@ -89,3 +90,23 @@ def test_a_length_past_a_learned_table_names_length_not_a_position():
     with pytest.raises(ValueError, match=r"length=64 .*\(max_positions=8\); pass length <= 8"):
         relative_invariance(posenc.LearnedAbsolute(8, 8))
     assert relative_invariance(posenc.LearnedAbsolute(8, 8), 8).scores.shape == (8, 8)
+
+
+class _PaddingBias(torch.nn.Module):
+    """A relative score bias that masks the first two keys (left padding) with -inf, as a user's bias may."""
+
+    acts_on = ActsOn.SCORE_BIAS
+    num_heads = 1
+
+    def score_bias(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
+        distance = (k_positions[:, None, :] - q_positions[:, :, None]).double()  # (b, q, k)
+        padded = (k_positions < 2)[:, None, :].expand_as(distance)
+        return torch.where(padded, -math.inf, 0.1 * distance)[:, None]  # (b, 1, q, k)
+
+
+def test_a_bias_masking_with_minus_infinity_is_compared_where_finite():
+    # A diagonal crosses the masked keys and the unmasked ones: its spread is the range of its finite scores (0 for
+    # a relative bias), not max - (-inf) = inf.
+    result = relative_invariance(_PaddingBias(), 12, head_dim=8)
+    assert bool(torch.isinf(result.scores[:, :2]).all()) and bool(torch.isfinite(result.scores[:, 2:]).all())
+    assert result.max_spread < 1e-12

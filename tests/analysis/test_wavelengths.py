@@ -9,6 +9,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+import posenc
 from posenc.analysis import wavelengths
 
 
@@ -100,3 +101,20 @@ def test_rope_parameters_that_are_not_a_dict_are_named(rope_parameters):
     # A string failed with "AttributeError: 'str' object has no attribute 'get'".
     with pytest.raises(TypeError, match="rope_parameters must be a dict"):
         wavelengths(8, 64, rope_parameters=rope_parameters)
+
+
+def test_an_original_length_above_train_len_is_refused_too():
+    # The counts against L are wrong whichever way round the two lengths differ, not only when train_len is larger.
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192}
+    with pytest.raises(ValueError, match=r"train_len=2048 but .* original_max_position_embeddings=8192: .* pass "):
+        wavelengths(64, 2048, rope_parameters=yarn)
+
+
+def test_a_length_dependent_type_takes_the_seq_len_it_is_given():
+    # Dynamic NTK is plain RoPE up to train_len and scaled past it: seq_len must reach the frequencies.
+    params = {"rope_type": "dynamic", "factor": 4.0}
+    assert bool(wavelengths(64, 2048, rope_parameters=params).unchanged.all())
+    past = wavelengths(64, 2048, rope_parameters=params, seq_len=8192)
+    expected = posenc.RoPE(64, rope_parameters=params, max_position_embeddings=2048).frequencies(8192)[0]
+    torch.testing.assert_close(past.inv_freq, expected, rtol=0, atol=0)
+    assert not bool(past.unchanged[1:].any())  # pair 0 turns at 1 rad per position whatever the base
