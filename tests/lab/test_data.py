@@ -134,8 +134,9 @@ def test_train_starts_depend_on_the_seed_only():
     assert a.shape == (5, 4) and int(a.max()) + 17 <= 1000
     exact = train_starts(text[:17], seq_len=16, batch_size=4, steps=50, seed=3)  # one window fits: it starts at 0
     assert (exact == 0).all()
-    with pytest.raises(ValueError, match="fewer than one window of 17"):
-        train_starts(text[:10], seq_len=16, batch_size=4, steps=5, seed=3)
+    for short in (10, 16):  # 16 bytes: one short of a window (torch's randint refused an empty range)
+        with pytest.raises(ValueError, match="fewer than one window of 17"):
+            train_starts(text[:short], seq_len=16, batch_size=4, steps=5, seed=3)
 
 
 def test_windows_at_gives_inputs_and_next_byte_targets():
@@ -193,3 +194,11 @@ def test_an_empty_corpus_says_so(tmp_path):
     (tmp_path / "empty.txt").write_text("")
     with pytest.raises(ValueError, match=r"is empty \(0 bytes of text\)"):
         load_corpus(tmp_path / "empty.txt")
+
+
+def test_eval_window_ends_take_as_many_windows_as_there_are_distinct_ends():
+    # 20 bytes hold windows of 17 ending at 17..20: four distinct ends, and a fifth would repeat one of them.
+    text = torch.zeros(20, dtype=torch.uint8)
+    assert eval_window_ends(text, longest=16, count=4).tolist() == [17, 18, 19, 20]
+    with pytest.raises(ValueError, match="too few for 5 windows of 17"):
+        eval_window_ends(text, longest=16, count=5)

@@ -166,8 +166,10 @@ def test_task_layout_and_exact_match(kind):
 
 def test_task_needle_and_tail_byte_by_byte():
     filler = windows_ending(TEXT, eval_window_ends(TEXT, longest=64, count=300), 64)
+    before = filler.clone()
     for kind in ("passkey", "copy"):
         samples = task_samples(kind, filler, seed=2)
+        assert torch.equal(filler, before), "the filler windows were written over"
         full = torch.cat((samples.inputs, samples.answers[:, -1:]), dim=1)
         assert torch.equal(full[:, 40:-30], filler[:, 40:-30])  # filler between needle and tail
         for row, answer in zip(full.tolist(), samples.answers.tolist(), strict=True):
