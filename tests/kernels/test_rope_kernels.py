@@ -261,6 +261,11 @@ def test_gradcheck_float64_through_cos_sin_on_the_torch_path():
     cos, sin = angles.cos().requires_grad_(), angles.sin().requires_grad_()
     assert choose_backend("auto", [x], cos, sin, "broadcast") == "torch"
     assert torch.autograd.gradcheck(lambda a, c, s: apply_rotary(a, c, s), (x, cos, sin))
+    # Either table alone needing a gradient keeps the call there too: the fused kernels would give it none.
+    for cos_grad, sin_grad in ((True, False), (False, True)):
+        cos, sin = angles.cos().requires_grad_(cos_grad), angles.sin().requires_grad_(sin_grad)
+        assert choose_backend("auto", [x], cos, sin, "broadcast") == "torch"
+        assert torch.autograd.gradcheck(lambda a, c, s: apply_rotary(a, c, s), (x, cos, sin))
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
@@ -635,6 +640,10 @@ def test_cpu_launcher_enters_a_table_at_first_row_and_checks_the_rows_it_reads()
         rope_cpu(x, out, cos, sin, positions, first_row=3, interleaved=True, conjugate=False, copy_tail=True)
     with pytest.raises(ValueError, match=r"tokens read rows 0 .. 4 but cos/sin have 1 rows"):
         rope_cpu(x, out, cos[:1], sin[:1], None, interleaved=True, conjugate=False, copy_tail=True)
+    # A 4-D view of one row broadcasts it over the tokens only entered at row 0: past it there is no row to read.
+    one_cos, one_sin = cos[:1][None, None], sin[:1][None, None]
+    with pytest.raises(ValueError, match=r"tokens read rows 1 .. 5 but cos/sin have 1 rows"):
+        rope_cpu(x, out, one_cos, one_sin, None, first_row=1, interleaved=True, conjugate=False, copy_tail=True)
 
 
 @pytest.mark.parametrize("backend", ["cpu", "triton"])
