@@ -131,6 +131,20 @@ def test_proportional_zeroes_the_tail_pairs() -> None:
     torch.testing.assert_close(inv[:8], default_inv_freq(64, 1e6)[:8], rtol=0.0, atol=0.0)
 
 
+def test_proportional_without_a_fraction_turns_every_pair() -> None:
+    # partial_rotary_factor defaults to 1: every pair turns, at plain RoPE's frequencies.
+    inv = freqs(64, {"rope_type": "proportional", "rope_theta": 1e6})
+    torch.testing.assert_close(inv, default_inv_freq(64, 1e6), rtol=0.0, atol=0.0)
+
+
+def test_yarns_own_defaults_are_the_ones_the_parser_fills_in() -> None:
+    # SCALINGS["yarn"] is callable without the parser: its beta_fast / beta_slow defaults must be the parser's (32, 1).
+    spec = parse_rope_parameters(64, {"rope_type": "yarn", "factor": 8.0}, max_position_embeddings=8192)
+    bare = SCALINGS["yarn"](rotary_dim=64, base=spec.base, factor=8.0, original_max_position_embeddings=8192)
+    parsed = compute_frequencies(spec)
+    assert torch.equal(bare[0], parsed[0]) and bare[1] == parsed[1]
+
+
 def test_seq_len_dependent_types_are_the_ones_that_read_seq_len() -> None:
     params = {
         "dynamic": {"factor": 4.0},

@@ -52,6 +52,11 @@ LONG = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0]
         ({**LONG, "short_factor": "1.0"}, TypeError, "short_factor'] must be a list of 8 positive numbers"),
         ({"partial_rotary_factor": 0.0}, ValueError, "partial_rotary_factor must be in (0, 1]"),
         ({"partial_rotary_factor": 1.5}, ValueError, "partial_rotary_factor must be in (0, 1]"),
+        (  # an odd rotary dim is named as the factor's, which the caller gave, not as a rotary_dim to change
+            {"partial_rotary_factor": 0.4375},
+            ValueError,
+            "partial_rotary_factor=0.4375 of head_dim=16 gives rotary_dim=int(16 * 0.4375) = 7, but channels rotate",
+        ),
         ({"rope_type": "proportional", "partial_rotary_factor": -0.5}, ValueError, "must be in (0, 1]"),
         (
             {"rope_type": "linear", "factor": 2.0, "beta_fast": 3},
