@@ -7,6 +7,7 @@ DynamicCache step by step, including dynamic NTK's stateful growth and reset.
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import pytest
@@ -235,3 +236,26 @@ def test_hf_dynamic_call_scales_for_the_state_it_read_when_another_call_changes_
     rotated, _ = rope(q, q)
     expected_rotated, _ = plain(q, q, seq_len=expected)
     torch.testing.assert_close(rotated, expected_rotated, rtol=0.0, atol=0.0)
+
+
+def test_tables_leave_with_a_move_and_stay_out_of_pickles() -> None:
+    # Derived caches, rebuilt on use: a move drops the tables of other devices (their memory), and a pickle (a
+    # spawned process, deepcopy, torch.save of a model) carries none.
+    rope = RoPE(16)
+    q = torch.randn(1, 1, 300, 16)
+    rope(q, q)
+    rope(q.double(), q.double())
+    assert len(rope._tables) == 2
+    twin = pickle.loads(pickle.dumps(rope))
+    assert twin._tables == twin._windows == twin._frequencies == {} and len(rope._tables) == 2
+    assert torch.equal(twin(q, q)[0], rope(q, q)[0])
+    rope.to("meta")
+    assert rope._tables == {}
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_a_negative_offset_is_refused_even_where_the_positions_lift_every_row_above_zero(backend: str) -> None:
+    # The table path read the offsets' minimum and went on when offset + positions stayed >= 0.
+    q = torch.randn(2, 1, 5, 16)
+    with pytest.raises(ValueError, match=r"offset must be >= 0 \(it counts tokens already in the cache\)"):
+        RoPE(16, backend=backend)(q, q, offset=torch.tensor([-1, 0]), positions=torch.arange(1, 6))
