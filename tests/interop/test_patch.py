@@ -798,6 +798,18 @@ def test_a_rope_with_another_attention_scaling_than_the_model_is_refused(monkeyp
     assert not is_patched(model)
 
 
+def test_frequencies_a_hair_off_the_models_are_refused() -> None:
+    # 1e-4 relative is far past the float32 buffer's rounding (~1e-6) and what a wrong scaling factor near 1 (linear
+    # at 1.0001) gives; a tolerance loose enough to take it would take such a config too.
+    model = build("llama", "default")
+    rotary = model.model.rotary_emb
+    for name in ("inv_freq", "original_inv_freq"):
+        getattr(rotary, name).mul_(1 + 1e-4)
+    with pytest.raises(ValueError, match=r"inv_freq differs by up to 0.0001 relative \(allowed 1e-05\)"):
+        patch_model(model)
+    assert not is_patched(model)
+
+
 def _phimoe(short_mscale: float, long_mscale: float) -> Any:
     """A tiny PhiMoE with LongRoPE (original length 16, trained 64) whose forward scales cos/sin by the mscales."""
     rope_parameters = {
