@@ -485,3 +485,35 @@ def test_crop_keeps_drops_and_refuses_as_transformers_does():
         cache.crop(2.0)
     cache.crop(np.int64(-5))
     assert cache.length == 0 and cache.k is None and cache.next_positions(2).tolist() == [[0, 1]]
+
+
+@pytest.mark.parametrize("name", ["alibi", "t5", "rope"])
+def test_biased_attention_and_probabilities_stay_float32_under_autocast(name):
+    """A score bias is attended in float32 and the probabilities are float32; autocast cast the matmuls and SDPA
+    (its attn_mask, the bias) back to bf16, and the probabilities under autocast were off by ~4e-3 from those of the
+    same bf16 q/k/v outside it. Now autocast changes nothing in them: the projections alone run in bf16."""
+    torch.manual_seed(0)
+    encoding = posenc.build_for_model(name, dim=DIM, num_heads=HEADS, head_dim=HEAD_DIM, max_positions=64)
+    q, k, v = (torch.randn(2, HEADS, 12, HEAD_DIM).bfloat16() for _ in range(3))
+    positions = torch.arange(12)[None]
+    bias = encoding.score_bias(positions, positions) if name != "rope" else None
+    allowed = torch.ones(12, 12, dtype=torch.bool).tril()
+    for need_probs in (True, False):
+        if bias is None and not need_probs:
+            continue  # attended in the activations' dtype, as autocast would have it
+        expected = attend(q, k, v, allowed, bias, need_probs=need_probs)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = attend(q, k, v, allowed, bias, need_probs=need_probs)
+        for g, e in zip(got, expected, strict=True):
+            if e is not None:
+                assert g.dtype == e.dtype
+                assert torch.equal(g, e)
+
+
+def test_dtype_mismatch_on_the_meta_device_is_named():
+    """Shape inference on the meta device with x in another dtype than the weights: posenc's TypeError, not
+    torch's 'unknown device type for autocast' from asking whether autocast was on for meta."""
+    with torch.device("meta"):
+        attn = CausalSelfAttention(16, 2, encoding=posenc.RoPE(head_dim=8))
+    with pytest.raises(TypeError, match=r"x is torch\.bfloat16 but the layer's weights are torch\.float32"):
+        attn(torch.empty(1, 3, 16, device="meta", dtype=torch.bfloat16))

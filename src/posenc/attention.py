@@ -9,6 +9,7 @@ batch, s new tokens, t cached + new tokens, h query heads, g key/value heads, d 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import itertools
@@ -448,7 +449,7 @@ class CausalSelfAttention(nn.Module):
                     f"x is on {x.device} but the layer's weights are on {weight.device}; move one to the other "
                     f"(layer.to({str(x.device)!r}), or layer.to_empty(device=...) for a layer built on the meta device)"
                 )
-            if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+            if x.dtype != weight.dtype and not autocast_on(x.device):
                 raise TypeError(
                     f"x is {x.dtype} but the layer's weights are {weight.dtype}; move one to the other "
                     "(layer.to(x.dtype) or x.to(...))"
@@ -540,21 +541,31 @@ def attend(
     at least one key per query, such as causal_mask's with document ids); bias: (b or 1, h, s, t) or None.
 
     A score bias is added in float32 (ALiBi's slope * 8192 has no exact bf16 value), so low-precision inputs
-    are attended in float32 when a bias is present; so are the probabilities of ``need_probs``. float64 stays
-    float64 either way. Returns ((b, h, s, d) in q's dtype, probs (b, h, s, t) in that wider dtype, or None).
+    are attended in float32 when a bias is present; so are the probabilities of ``need_probs``, under autocast too
+    (which is disabled for them). float64 stays float64 either way. Returns ((b, h, s, d) in q's dtype, probs
+    (b, h, s, t) in that wider dtype, or None).
     """
     s, t = allowed.shape[-2:]
     dtype = torch.promote_types(q.dtype, torch.float32)
-    if need_probs:
-        scores = q.to(dtype) @ k.to(dtype).transpose(-1, -2) / math.sqrt(q.shape[-1])
-        if bias is not None:
-            scores = scores + bias.to(dtype)
-        probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
-        return (probs @ v.to(dtype)).to(q.dtype), probs
-    if bias is None:
+    if bias is None and not need_probs:
         if s == t and allowed.dim() == 2:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True), None
         return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed), None
-    mask = bias.to(dtype).masked_fill(~allowed, float("-inf"))
-    out = F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), attn_mask=mask)
-    return out.to(q.dtype), None
+    # Autocast would cast these float32 matmuls and SDPA, its attn_mask (the bias) included, back to bf16/fp16:
+    # probabilities off by ~4e-3 and a bias rounded to 8 bits, where the float32 ones are meant.
+    with torch.autocast(q.device.type, enabled=False) if autocast_on(q.device) else contextlib.nullcontext():
+        if need_probs:
+            scores = q.to(dtype) @ k.to(dtype).transpose(-1, -2) / math.sqrt(q.shape[-1])
+            if bias is not None:
+                scores = scores + bias.to(dtype)
+            probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
+            return (probs @ v.to(dtype)).to(q.dtype), probs
+        mask = bias.to(dtype).masked_fill(~allowed, float("-inf"))
+        out = F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), attn_mask=mask)
+        return out.to(q.dtype), None
+
+
+def autocast_on(device: torch.device) -> bool:
+    """Whether autocast is enabled for ``device``'s type. False for a type autocast does not know (meta), for which
+    ``torch.is_autocast_enabled`` raises."""
+    return torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type)
