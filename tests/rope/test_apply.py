@@ -273,6 +273,33 @@ def test_cache_grows_lazily_and_is_reused():
     assert rope._tables[(torch.device("cpu"), torch.float32)][0] is table
 
 
+@pytest.mark.parametrize("backend", ["auto", "torch", "cpu", "triton"])
+@pytest.mark.parametrize("call", [{}, {"offset": 3}, {"positions": torch.tensor([[4, 0, 2, 2, 9, 1, 3]])}])
+def test_checkpointed_call_backpropagates_after_a_longer_call_grew_the_table(backend, call):
+    """Activation checkpointing recomputes a call in the backward, and the non-reentrant kind checks that it saves
+    tensors of the shapes the forward saved. The fused backward saves the table it reads: a longer call in between
+    (a second micro-batch whose loss is summed with the first before one backward) grew the shared table, and the
+    recompute raised CheckpointError on "different metadata". Each call now saves its own rows, as the torch path
+    does; the gradients are those of the call without checkpointing."""
+    from torch.utils.checkpoint import checkpoint
+
+    rope = posenc.RoPE(8, backend=backend)
+    w = torch.randn(8, 8, generator=torch.Generator().manual_seed(2))
+
+    def rotated(x, options):
+        q, k = rope(x @ w, x[:, :1] @ w, **options)
+        return (q.sin() * k.cos()).sum()
+
+    x = torch.randn(1, 2, 7, 8, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    longer = torch.randn(1, 1, 300, 8, requires_grad=True)  # past the first table's 256 rows
+    loss = checkpoint(rotated, x, call, use_reentrant=False)
+    checkpoint(rotated, longer, {}, use_reentrant=False)
+    loss.backward()
+    expected = x.detach().clone().requires_grad_()
+    rotated(expected, call).backward()
+    assert torch.equal(x.grad, expected.grad)
+
+
 def test_meta_device_construction():
     with torch.device("meta"):
         rope = posenc.RoPE(64)

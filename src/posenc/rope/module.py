@@ -563,7 +563,13 @@ class RoPE(nn.Module):
                 # CPU prefill call; at decode size ~35 us of a ~100 us call with position ids). The table covers
                 # every row up to the bound, so when no position can be negative the rows need no second check
                 # (on CUDA a device sync each).
-                table, trusted = self._table(q.device, max(bounds[1] + 1, 1), table_dtype), bounds[0] >= 0
+                needed = max(bounds[1] + 1, 1)
+                table, trusted = self._table(q.device, needed, table_dtype), bounds[0] >= 0
+                if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+                    # The fused backward saves the table it is given: cut to this call's rows, so that an activation
+                    # checkpoint's recompute saves one of the same shape after a longer call has grown the shared
+                    # table in between (non-reentrant checkpointing raised CheckpointError on "different metadata").
+                    table = (table[0][:needed], table[1][:needed])
             elif (
                 # First: while Dynamo traces, a comparison of the (symbolic) bounds would guard the graph on it.
                 not torch.compiler.is_compiling()
