@@ -360,6 +360,28 @@ def test_a_unit_resumed_with_another_thread_count_records_both_in_train_json(tin
     assert results["timings"]["units"]["alibi/seed0"]["train"]["trained_with"] == expected
 
 
+def test_a_checkpoint_that_cannot_be_written_is_said_once_and_training_goes_on(tiny_config, tmp_path, monkeypatch):
+    """A full disk or quota ended the unit's training with a bare SafetensorError / OSError from the checkpoint,
+    which only saves time; the unit now finishes with the numbers of a run that saved none."""
+    config = tiny_config(encodings=("rope",), extensions=(), steps=45)
+    reference = tmp_path / "reference"
+    quiet(config, reference).run()
+    monkeypatch.setattr(runner, "CHECKPOINT_SECONDS", 0.0)
+    real = store.save_tensors
+
+    def full(path, *args, **kwargs):  # room for the weights at the end, not for a checkpoint
+        if path.name == "checkpoint.safetensors":
+            raise OSError(28, "No space left")
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(store, "save_tensors", full)
+    lines: list[str] = []
+    Lab(config, tmp_path / "full", echo=lines.append, progress=False).run()
+    said = [line for line in lines if "could not write a checkpoint" in line]
+    assert len(said) == 1 and "No space left" in said[0] and "training goes on without" in said[0]
+    assert (tmp_path / "full" / "results.csv").read_text() == (reference / "results.csv").read_text()
+
+
 def test_a_checkpoint_that_cannot_be_read_is_said_and_not_resumed(tiny_config, tmp_path):
     # Written atomically by the lab, so only something else cuts it short: it costs the time it saved, not the run.
     path = tmp_path / "checkpoint.safetensors"
@@ -401,6 +423,9 @@ def test_a_checkpoint_of_another_model_under_the_same_identity_is_said_and_not_r
     )
     store.save_tensors(path, *state.to_tensors({"unit": "rope"}))
     assert lab._checkpoint(path, {"unit": "rope"}, lab._build("rope")).step == 1  # its own model's: resumed
+    del state.optimizer[0]  # a parameter without its moments would resume silently with others' weights
+    store.save_tensors(path, *state.to_tensors({"unit": "rope"}))
+    assert lab._checkpoint(path, {"unit": "rope"}, lab._build("rope")) is None
 
 
 def test_interrupted_evaluation_resumes_without_retraining(tiny_config, tmp_path, monkeypatch):

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 from tqdm.auto import tqdm
 
 from posenc.lab import store
@@ -600,10 +601,20 @@ class Lab:
                     "unit's numbers differ from either setting's in their last bits (train.json's trained_with)"
                 )
 
+        unsaved: list[str] = []  # why the last checkpoint could not be written, said once
+
         def save(state: TrainState) -> None:
-            if self.ranks.is_main:
-                noted = dataclasses.replace(state, notes={"trained_with": trained_with})
+            if not self.ranks.is_main:
+                return
+            noted = dataclasses.replace(state, notes={"trained_with": trained_with})
+            try:
                 store.save_tensors(checkpoint, *noted.to_tensors(identity))
+            except (OSError, SafetensorError) as error:
+                # A checkpoint only saves time: a full disk or quota must not end a training that would finish (the
+                # weights at its end are smaller than a checkpoint, which holds the AdamW moments too).
+                if not unsaved:
+                    self.echo(f"  could not write a checkpoint to {checkpoint} ({error}); training goes on without")
+                unsaved.append(str(error))
 
         model = model.to(self.device)
         result: TrainResult = train(
@@ -782,7 +793,7 @@ def _fits(state: TrainState, model: ByteLM) -> bool:
     """Whether ``state`` holds the parameters and buffers ``model`` has, of the same shapes and dtypes, and AdamW
     moments of each parameter's shape."""
     own = model.state_dict()
-    if state.model.keys() != own.keys():
+    if state.model.keys() != own.keys() or state.losses.shape != (state.step,):
         return False
     if any(
         isinstance(own[name], torch.Tensor)
@@ -793,8 +804,10 @@ def _fits(state: TrainState, model: ByteLM) -> bool:
     # In the optimizer's order of parameters, which its state's indices follow.
     groups = make_optimizer(model, lr=1.0, weight_decay=0.0).param_groups
     shapes = [p.shape for group in groups for p in group["params"]]
+    if sorted(state.optimizer) != list(range(len(shapes))):  # every parameter's moments, none other
+        return False
     for index, moments in state.optimizer.items():
-        if not 0 <= index < len(shapes):
+        if set(moments) != {"exp_avg", "exp_avg_sq", "step"}:
             return False
         if any(key.startswith("exp_avg") and value.shape != shapes[index] for key, value in moments.items()):
             return False

@@ -115,6 +115,8 @@ class TrainState:
             elif part == "optimizer":
                 index, _, key = rest.partition(".")
                 optimizer.setdefault(int(index), {})[key] = tensor
+        if "losses" not in tensors:  # written by something else: nothing to resume
+            return None
         return cls(about["step"], about["seconds"], tensors["losses"], model, optimizer, about.get("notes", {}))
 
 
