@@ -343,7 +343,10 @@ def test_q_and_k_backward_one_after_the_other(backend):
     """One fused node rotates q and k. A backward through q alone, then one through k, each give their gradient,
     as the torch path's two graphs do ("auto" must not make this depend on the device); the fused node once freed
     its tables in the first backward and the second raised "backward through the graph a second time". Through
-    the same output twice it still raises, as on the torch path (unless retain_graph=True)."""
+    the same output twice it still raises, as on the torch path (unless retain_graph=True). This holds for q and k
+    that are leaves: where they come from other operations (projections), the first backward also runs k's
+    upstream nodes with no gradient and frees what they saved, so the second needs retain_graph=True on the fused
+    backends (README, "Fast RoPE"; one node per tensor would cost a second launch in every backward)."""
     device = DEVICE[backend]
     cos, sin = (t.to(device) for t in table(16, 8))
     gen = torch.Generator().manual_seed(0)
