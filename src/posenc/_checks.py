@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import operator
@@ -61,6 +62,18 @@ def values_readable(device: torch.device | str | None) -> bool:
         return False
     kind = torch.device(device).type if device is not None else None
     return kind != "meta" and not (kind == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
+def autocast_on(device: torch.device) -> bool:
+    """Whether autocast is enabled for ``device``'s type. False for a type autocast does not know (meta), for which
+    ``torch.is_autocast_enabled`` raises."""
+    return torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type)
+
+
+def autocast_off(device: torch.device) -> contextlib.AbstractContextManager:
+    """A context with autocast disabled for ``device``'s type where it is on: float32 computations meant as float32
+    (a score bias, attention probabilities), which autocast would cast to bf16/fp16."""
+    return torch.autocast(device.type, enabled=False) if autocast_on(device) else contextlib.nullcontext()
 
 
 def assert_without_sync(condition: torch.Tensor, message: str) -> None:

@@ -9,7 +9,6 @@ batch, s new tokens, t cached + new tokens, h query heads, g key/value heads, d 
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import itertools
@@ -22,7 +21,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from posenc._checks import flag, float_tensor, int_tensor, integer_offset, positive_int, size_in
+from posenc._checks import (
+    autocast_off,
+    autocast_on,
+    flag,
+    float_tensor,
+    int_tensor,
+    integer_offset,
+    positive_int,
+    size_in,
+)
 from posenc.encoding import ActsOn
 from posenc.kernels.flex_bias import FlexFallback, attend_flex, use_flex
 from posenc.positions import positions_from_document_ids, resolve_document_ids, resolve_positions
@@ -553,7 +561,7 @@ def attend(
         return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed), None
     # Autocast would cast these float32 matmuls and SDPA, its attn_mask (the bias) included, back to bf16/fp16:
     # probabilities off by ~4e-3 and a bias rounded to 8 bits, where the float32 ones are meant.
-    with torch.autocast(q.device.type, enabled=False) if autocast_on(q.device) else contextlib.nullcontext():
+    with autocast_off(q.device):
         if need_probs:
             scores = q.to(dtype) @ k.to(dtype).transpose(-1, -2) / math.sqrt(q.shape[-1])
             if bias is not None:
@@ -563,9 +571,3 @@ def attend(
         mask = bias.to(dtype).masked_fill(~allowed, float("-inf"))
         out = F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), attn_mask=mask)
         return out.to(q.dtype), None
-
-
-def autocast_on(device: torch.device) -> bool:
-    """Whether autocast is enabled for ``device``'s type. False for a type autocast does not know (meta), for which
-    ``torch.is_autocast_enabled`` raises."""
-    return torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type)

@@ -215,6 +215,25 @@ def test_attend_flex_keeps_documents_apart_for_queries_after_cached_keys(compile
     assert_close(got, expected.double(), reduction=True)
 
 
+def test_attend_flex_is_float32_under_autocast_too(compiled_flex, flex_calls):
+    """Autocast cast flex_attention's float32 q, k and v back to bf16, so a layer routed to FlexAttention (CUDA from
+    1M scores, CPU inference from 16M) gave other numbers under autocast than outside it (max 0.016 at s = 128), and
+    than the materialized path, which is float32 under autocast. Now the same bits inside autocast as outside."""
+    torch.manual_seed(0)
+    layer = CausalSelfAttention(32, 4, encoding=ALiBi(4)).eval()
+    x = torch.randn(1, 128, 32)
+    with torch.no_grad():
+        q, k, v = (torch.randn(1, 4, 128, 8, dtype=torch.bfloat16) for _ in range(3))
+        positions = torch.arange(128)[None]
+        outside = flex_bias.attend_flex(q, k, v, layer.encoding, positions, positions)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            inside = flex_bias.attend_flex(q, k, v, layer.encoding, positions, positions)
+            routed = layer(x)
+        expected = layer.bfloat16()(x.bfloat16())  # the projections in bf16, as autocast runs them
+    assert torch.equal(inside, outside)
+    assert len(flex_calls) == 2 and torch.equal(routed, expected)
+
+
 def test_flex_serves_several_lengths_and_position_forms(monkeypatch, compiled_flex, flex_calls):
     """Lengths, batch sizes, and shared then per-sequence positions in one process, each through the compiled
     kernel (a fallback would warn): with dynamic lengths on CPU, a call that switched the score_mod's form made a

@@ -53,7 +53,7 @@ import torch
 from torch import nn
 
 from posenc import _compile_marks as compile_marks
-from posenc._checks import values_readable
+from posenc._checks import autocast_off, values_readable
 from posenc.bias import ALiBi, T5Bias, t5_relative_bucket
 
 # Below this many scores per head the materialized mask is small (64 MiB in float32) and not worth a compile.
@@ -336,10 +336,13 @@ def attend_flex(
     block_mask = causal_block_mask(allowed, s, t, past, document_ids, device=q.device)
     dtype, out_dtype = torch.promote_types(q.dtype, torch.float32), q.dtype
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    if not torch.compiler.is_compiling():
-        out = _compiled_call(flex, q, k, v, score_mod, block_mask)
-    elif q.device.type == "cpu":
-        out = _flex_in_own_graph(flex, q, k, v, score_mod, block_mask)
-    else:  # inside the caller's torch.compile on CUDA: its graph holds the call
-        out = flex(q, k, v, score_mod=score_mod, block_mask=block_mask)
+    # Autocast casts flex_attention's q, k and v back to bf16/fp16 (its probabilities then meet v in that dtype):
+    # off, as in attend's materialized path, which this one must equal under autocast too.
+    with autocast_off(q.device):
+        if not torch.compiler.is_compiling():
+            out = _compiled_call(flex, q, k, v, score_mod, block_mask)
+        elif q.device.type == "cpu":
+            out = _flex_in_own_graph(flex, q, k, v, score_mod, block_mask)
+        else:  # inside the caller's torch.compile on CUDA: its graph holds the call
+            out = flex(q, k, v, score_mod=score_mod, block_mask=block_mask)
     return out.to(out_dtype)
