@@ -491,9 +491,7 @@ class Lab:
             "eval": [dataclasses.asdict(r) for r in results],
             # The thread count, the device and the number of processes change float sums in the last bits, and a
             # folder may be resumed with others of each: a resumed run says which units ran with which.
-            "torch_threads": torch.get_num_threads(),
-            "device": str(self.device),
-            "processes": self.ranks.world_size,
+            **self._run_settings(),
         }
         if self.ranks.is_main:
             store.write_json(folder / "metrics.json", unit_metrics)
@@ -585,11 +583,7 @@ class Lab:
         resume = self.ranks.decide(lambda: self._checkpoint(checkpoint, identity, model))
         # The thread count, the device and the process count change float sums in their last bits, and metrics.json
         # records this run's: a unit resumed under others ran with several, which its train.json names (trained_with).
-        here = {
-            "torch_threads": torch.get_num_threads(),
-            "device": str(self.device),
-            "processes": self.ranks.world_size,
-        }
+        here = self._run_settings()
         trained_with = [{"from_step": 0, **here}]
         if resume is not None:
             self.echo(f"  resumed at step {resume.step} of {steps} from a checkpoint ({checkpoint})")
@@ -655,6 +649,12 @@ class Lab:
             f"final loss {info['final_loss_bits_per_byte']:.3f} bits/byte"
         )
         return model, info
+
+    def _run_settings(self) -> dict[str, Any]:
+        """What this process runs with that changes float sums in their last bits: the thread count, the device and
+        the number of processes."""
+        threads, processes = torch.get_num_threads(), self.ranks.world_size
+        return {"torch_threads": threads, "device": str(self.device), "processes": processes}
 
     def _checkpoint(self, path: Path, identity: dict[str, Any], model: ByteLM) -> TrainState | None:
         """The training state saved at ``path`` under ``identity`` for ``model``, or None: none saved, or one that
@@ -779,9 +779,7 @@ class Lab:
                 "platform": platform.platform(),
                 "processor": platform.processor() or platform.machine(),
                 "cpu_count": _cpu_count(),
-                "torch_threads": torch.get_num_threads(),
-                "device": str(self.device),
-                "processes": self.ranks.world_size,
+                **self._run_settings(),
                 "backend": dist.get_backend() if self.ranks.world_size > 1 else None,
             },
             "timings": {**timings, "units": units},
