@@ -43,8 +43,8 @@ Layout = Literal["bhsd", "bshd"]
 
 # Beyond this many positions the table would cost more than computing angles for the positions asked for.
 _TABLE_LIMIT = 1 << 16
-# Beyond the table, a RoPE keeps one window of this many rows (2 MiB at r = 128, float32), starting at a multiple of
-# half of it, around the positions last asked for: decode steps far out read it as they read the table, where
+# Beyond the table, a RoPE keeps windows of this many rows (2 MiB at r = 128, float32), each starting at a multiple
+# of half of it, around the positions asked for: decode steps far out read it as they read the table, where
 # computing their angles per call took 2.7x the time (119 against 44 us of CPU time for a one-token bf16 call, 32/8
 # heads) and, on CUDA, a device sync per call for the positions' extent.
 _WINDOW = 1 << 12
@@ -496,13 +496,15 @@ class RoPE(nn.Module):
         first = low // (_WINDOW // 2) * (_WINDOW // 2)
         key = (device, dtype, first)
         window = self._windows.pop(key, None)  # re-inserted below: the dict's order is the order of use
-        if window is None:
+        built = window is None
+        if built:
             window = self._rows(device, first, _WINDOW, dtype)
         if _keepable():
             self._windows[key] = window
-            same = [other for other in self._windows if other[:2] == key[:2]]
-            for other in same[:-_WINDOWS_KEPT]:
-                self._windows.pop(other, None)  # another thread may have dropped it first
+            if built:  # only a new window can take the count past the limit
+                same = [other for other in self._windows if other[:2] == key[:2]]
+                for other in same[:-_WINDOWS_KEPT]:
+                    self._windows.pop(other, None)  # another thread may have dropped it first
         return (first, *window)
 
     def _rows(
