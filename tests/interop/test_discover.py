@@ -13,7 +13,8 @@ from torch import nn
 
 from posenc.interop import patch as patch_module
 from posenc.interop._discover import innermost, probe_rotation, rotation_signature
-from posenc.interop.patch import PosencRotaryEmbedding, _rotate_one, _rotate_qk, is_patched, patch_model, unpatch_model
+from posenc.interop.patch import PosencRotaryEmbedding, is_patched, patch_model, unpatch_model
+from posenc.interop.rotary import _rotate_one, _rotate_qk
 from posenc.rope.module import RoPE
 from posenc.testing import TINY_HF_SIZES
 

@@ -19,11 +19,12 @@ import pytest
 import torch
 
 from posenc import RoPE
+from posenc.interop import consistent as consistent_module
 from posenc.interop import patch as patch_module
 from posenc.interop import rope_from_config
 from posenc.interop._discover import innermost
+from posenc.interop.architectures import _WHOLE_HEAD_ATTENTION
 from posenc.interop.patch import (
-    _WHOLE_HEAD_ATTENTION,
     SUPPORTED_ARCHITECTURES,
     PosencRotaryEmbedding,
     is_patched,
@@ -642,7 +643,7 @@ def test_consistent_mode_refuses_the_paged_cache_of_continuous_batching() -> Non
     with pytest.raises(
         TypeError, match=r"cannot serve a paged KV cache .* block_table, read_index\), .*; patch with mode='hf'"
     ):
-        patch_module._attend_with_rotated_keys(lambda *a, **k: None, rope, None, query, key, key, None, **paged)
+        consistent_module._attend_with_rotated_keys(lambda *a, **k: None, rope, None, query, key, key, None, **paged)
 
 
 def test_consistent_mode_under_fullgraph_says_to_compile_without_it() -> None:

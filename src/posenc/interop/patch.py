@@ -31,6 +31,11 @@ Before anything is replaced, the posenc RoPE is checked against the model's own 
 of frequencies, the same inv_freq within the buffer's rounding, the same attention scaling) and each rotation
 function is run against posenc's rotation; a mismatch is an error, never a silently different model.
 
+The parts it installs live beside this module, which checks, patches and unpatches: ``posenc.interop.rotary`` (the
+rotary embedding and rotation functions), ``posenc.interop.consistent`` (keys rotated at read, and the cache's
+marks), ``posenc.interop.architectures`` (the model types it knows by name); ``tiny_model_from_config`` is
+``posenc.interop.tiny``'s.
+
 Shape key: b batch, h heads, s new tokens, t tokens in the cache (t >= s), d head dim, r rotary dim.
 """
 
@@ -39,18 +44,15 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import importlib
 import math
-import os
 import types
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from posenc import _compile_marks as compile_marks
 from posenc.interop._discover import (
     ModelRope,
     Rotation,
@@ -62,42 +64,16 @@ from posenc.interop._discover import (
     rotation_signature,
     state_name,
 )
-from posenc.interop.hf import read_config_json, rope_kwargs_from_config, rope_layer_types
-from posenc.rope.apply import apply_rotary, apply_rotary_qk
+from posenc.interop.architectures import _WHOLE_HEAD_ATTENTION, SUPPORTED_ARCHITECTURES, VERIFIED_ARCHITECTURES
+from posenc.interop.consistent import _checking_the_cache, _KeysRotatedAtRead, _refusing_unrotated_keys
+from posenc.interop.consistent import _UnrotatedKeys as _UnrotatedKeys  # caches pickled by older posenc name it here
+from posenc.interop.hf import rope_kwargs_from_config, rope_layer_types
+from posenc.interop.rotary import PosencRotaryEmbedding, _rotate_one, _rotate_qk
+from posenc.interop.tiny import tiny_model_from_config as tiny_model_from_config  # importable from here, as before
 from posenc.rope.frequencies import SEQ_LEN_DEPENDENT, float32_blend_rtol
-from posenc.rope.module import RoPE, angles_to_cos_sin
-from posenc.rope.mrope import MRoPE, mrope_cos_sin
+from posenc.rope.module import RoPE
+from posenc.rope.mrope import MRoPE
 
-# The model types whose code reads the rope dict only in the rotary embedding, so that rope_parameters= may change
-# it in place (saved and reloaded with every rope type in tests/interop/test_patch.py), whose attention hands keys
-# to the attention function with the rotated channels first ('consistent' mode), and that tiny_model_from_config
-# builds.
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("gemma", "gpt_neox", "llama", "mistral", "phi3", "qwen2", "qwen3")
-# Architectures whose apply_rotary_pos_emb rotates all head_dim channels (no pass-through part): a rotary dim below
-# head_dim crashes their unpatched forward, so a saved config asking for one would not load into a working model.
-_WHOLE_HEAD_ATTENTION = frozenset({"gemma", "llama", "mistral", "qwen2", "qwen3"})
-# The model types whose patched tiny models give the unpatched logits, full forward and cached decoding, in
-# tests/interop/test_patch_architectures.py and test_patch_multimodal.py (transformers 5.25; `python
-# scripts/patch_coverage.py` lists the first). Others that pass patch_model's checks are patched with a warning.
-VERIFIED_ARCHITECTURES: frozenset[str] = frozenset(
-    {
-        *("afmoe", "apertus", "apertus1p5_text", "arcee", "aria_text", "axk1", "axk2", "bailing_hybrid", "beam"),
-        *("bitnet", "cohere", "cohere2", "cohere2_moe", "cwm", "deepseek_v3", "deepseek_v32", "diffllama", "doge"),
-        *("dory", "dots1", "ergo", "ernie4_5", "ernie4_5_moe", "exaone4", "exaone_moe", "falcon", "flex_olmo", "flint"),
-        *("gemma", "gemma2", "gemma3_text", "gemma3n_text", "gemma4_text", "gemma4_unified_text", "glm", "glm4"),
-        *("glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "gpt_neox"),
-        *("gpt_neox_japanese", "gpt_oss", "granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoeshared"),
-        *("helium", "hrm_text", "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "hy_v4", "hyperclovax", "jais2"),
-        *("jetmoe", "kolibri1", "laguna", "lara_mini", "lfm2", "lfm3", "llama", "mellum", "mimo_v2_flash", "minicpm3"),
-        *("minicpm5_moe", "minimax", "minimax_m2", "ministral", "ministral3", "mistral", "mixtral"),
-        *("modernbert-decoder", "moshi", "nemotron", "olmo", "olmo2", "olmo3", "olmo_hybrid", "olmoe", "persimmon"),
-        *("phi", "phi3", "phimoe", "qwen2", "qwen2_moe", "qwen3", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe"),
-        *("qwen3_next", "seed_oss", "smollm3", "solar_open", "stablelm", "starcoder2", "vaultgemma", "youtu", "zaya"),
-        # vision-language models, their text model's M-RoPE (tests/interop/test_patch_multimodal.py)
-        *("ernie4_5_vl_moe", "glm4v", "glm4v_moe", "glm_ocr", "paddleocr_vl", "qwen2_5_omni_thinker", "qwen2_5_vl"),
-        *("qwen2_vl", "qwen3_vl", "qwen3_vl_moe"),
-    }
-)
 # inv_freq agreement with a float32 frequency buffer: transformers' float32 pow is off by up to
 # (ln(base) + 8) * 2**-24 relative (~1.3e-6 at base 5e5), plus float32_blend_rtol for YaRN without truncation and
 # Llama 3 (4.6e-5 for YaRN at factor 256, 1.3e-5 for Llama 3.1's); a wrong rotary dim, base or scaling is off by far
@@ -191,239 +167,6 @@ _GUARD_ATTR = "_posenc_patched_forward"
 
 def _weights_dtype(model: nn.Module) -> torch.dtype | None:
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
-
-
-class PosencRotaryEmbedding(nn.Module):
-    """Stands in for a model's ``*RotaryEmbedding``: ``forward(x, position_ids, layer_type=None) -> (cos, sin)``.
-
-    rope: the ``RoPE``, or one per layer type (``{"full_attention": ..., "sliding_attention": ...}``) for a config
-    with a rope dict per layer type, whose model then asks for each type's cos/sin by ``layer_type``.
-    x: (b, s, hidden), only its dtype is read; position_ids: (b or 1, s) integer.
-    Returns cos, sin: (b or 1, s, r/2), float64 for a float64 model else float32 (one value per rotated pair,
-    posenc's convention, consumed by the patched attention's rotation, not by Hugging Face's).
-
-    Fixed types keep their float64 frequencies in a buffer (``inv_freq``, or ``{layer_type}_inv_freq``) that
-    follows device moves but never dtype casts, so the forward has no data-dependent step and ``torch.compile``
-    traces it without a graph break. ``dynamic`` and ``longrope`` ask the ``RoPE`` for the frequencies of each
-    call's length (``RoPE.scaling_length``: in 'hf' mode with transformers' dynamic NTK state).
-    """
-
-    def __init__(self, rope: RoPE | Mapping[str, RoPE]) -> None:
-        super().__init__()
-        if isinstance(rope, RoPE):
-            self.layer_types: tuple[str, ...] = ()
-            self.rope = rope
-        else:
-            if not rope or not all(isinstance(value, RoPE) for value in rope.values()):
-                raise TypeError("rope must be a RoPE or a non-empty dict mapping each layer type to its RoPE")
-            self.layer_types = tuple(rope)
-            self.ropes = nn.ModuleDict(dict(rope))
-        self.attention_factors: dict[str, float] = {}
-        for layer_type, each in self._ropes().items():
-            inv_freq, attention_factor = each.frequencies()
-            self.register_buffer(state_name(layer_type, "inv_freq"), inv_freq.to(torch.float64), persistent=False)
-            self.attention_factors[layer_type] = float(attention_factor)
-
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> PosencRotaryEmbedding:
-        # model.half() / .to(bfloat16) cast every float buffer; the frequencies must stay float64 (a bf16 inv_freq
-        # is off by 2**-9, i.e. whole turns at position 1e4), so only the device move is kept. They are made
-        # afresh from the RoPE: a model built on the meta device and moved with to_empty() has no values to keep.
-        super()._apply(fn, recurse)
-        for layer_type, rope in self._ropes().items():
-            name = state_name(layer_type, "inv_freq")
-            device = self._buffers[name].device
-            self._buffers[name] = rope.frequencies()[0].to(device=device, dtype=torch.float64)
-        return self
-
-    def _ropes(self) -> dict[str, RoPE]:
-        """layer type ('' for a single rope dict) -> its RoPE."""
-        return {"": self.rope} if not self.layer_types else dict(self.ropes)
-
-    @property
-    def device(self) -> torch.device:
-        return next(iter(self._buffers.values())).device
-
-    @property
-    def rope_type(self) -> str | dict[str, str]:
-        """The type, or one per layer type, as transformers' rotary modules hold it (the RoPEs are built from the
-        model's config, so these are transformers' names): a model's forward may read it (Ergo computes cos/sin for
-        each layer type it lists)."""
-        names = {key: rope.rope_type for key, rope in self._ropes().items()}
-        return names if self.layer_types else names[""]
-
-    def forward(
-        self, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.layer_types:
-            if layer_type is not None:
-                raise ValueError(
-                    f"layer_type={layer_type!r} given, but this model's config has one rope dict for every layer"
-                )
-            rope, key = self.rope, ""
-        elif layer_type in self.layer_types:
-            rope, key = self.ropes[layer_type], layer_type
-        else:
-            raise ValueError(f"layer_type must be one of {list(self.layer_types)}, got {layer_type!r}")
-        dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-        if rope.rope_type in SEQ_LEN_DEPENDENT:
-            return rope.call_cos_sin(position_ids, dtype=dtype)
-        inv_freq = getattr(self, state_name(key, "inv_freq"))
-        if position_ids.dim() == 3:  # (3, b, s): temporal, height, width ids
-            if not isinstance(rope, MRoPE) or position_ids.shape[0] != 3:
-                raise ValueError(
-                    f"position_ids of shape {tuple(position_ids.shape)}: (3, b, s) ids are for multimodal RoPE, and "
-                    f"this rotary embedding's is {type(rope).__name__}"
-                )
-            return mrope_cos_sin(
-                position_ids, inv_freq, rope.mrope_section, self.attention_factors[key], dtype, layout=rope.mrope_layout
-            )
-        # Text ids (b, s): the same id on every axis, which is plain RoPE whatever the layout.
-        return angles_to_cos_sin(position_ids, inv_freq, self.attention_factors[key], dtype)
-
-    def extra_repr(self) -> str:
-        ropes = self._ropes()
-        return ", ".join(
-            f"{key + ': ' if key else ''}rope_type={rope.rope_type!r}, rotary_dim={rope.rotary_dim}, mode={rope.mode!r}"
-            for key, rope in ropes.items()
-        )
-
-
-def _rotate_qk(
-    q: torch.Tensor,
-    k: torch.Tensor | None,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    *args: Any,
-    interleaved: bool,
-    regrouped: bool,
-    backend: str,
-    keys: bool,
-    unsqueeze_at: int,
-    unsqueeze_default: int,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """posenc's ``apply_rotary_pos_emb*``: q (b, h_q, s, d), k (b, h_k, s, d) or None (Mistral Large 4's layers that
-    reuse another layer's keys), heads after s with unsqueeze_dim=2; cos, sin (b or 1, s, r/2). The arguments after
-    (q, k, cos, sin) are the replaced function's: unsqueeze_dim, positionally at ``unsqueeze_at`` or by keyword, and
-    position_ids, which transformers' functions ignore too (``rotation_signature`` admits no others).
-
-    regrouped: return the rotated channels evens first, then odds, as the replaced function does, so that q, k and
-    the KV cache hold what transformers' would (a cache filled before patching stays valid).
-    keys=False leaves k unrotated (it is rotated at read, see ``_attend_with_rotated_keys``).
-    """
-    cos, sin = _unsqueezed(cos, sin, args, kwargs, unsqueeze_at, unsqueeze_default)
-    if not keys or k is None:
-        q = apply_rotary(q, cos, sin, interleaved=interleaved, backend=backend)
-    else:
-        q, k = apply_rotary_qk(q, k, cos, sin, interleaved=interleaved, backend=backend)
-    if regrouped:
-        q = _evens_then_odds(q, 2 * cos.shape[-1])
-        k = k if k is None or not keys else _evens_then_odds(k, 2 * cos.shape[-1])
-    return q, k
-
-
-def _rotate_one(
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    *args: Any,
-    interleaved: bool,
-    regrouped: bool,
-    backend: str,
-    unsqueeze_at: int,
-    unsqueeze_default: int,
-    **kwargs: Any,
-) -> torch.Tensor:
-    """posenc's rotation function of (x, cos, sin, ...), which the attention calls on q and on k in turn (Gemma 3n,
-    Gemma 4): as ``_rotate_qk``, for one tensor."""
-    cos, sin = _unsqueezed(cos, sin, args, kwargs, unsqueeze_at, unsqueeze_default)
-    x = apply_rotary(x, cos, sin, interleaved=interleaved, backend=backend)
-    return _evens_then_odds(x, 2 * cos.shape[-1]) if regrouped else x
-
-
-def _unsqueezed(
-    cos: torch.Tensor, sin: torch.Tensor, args: tuple, kwargs: Mapping[str, Any], at: int, default: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin with the head axis inserted where the replaced function's unsqueeze_dim says: positionally at
-    ``at`` among the arguments after the tensors and cos/sin, by keyword, or ``default``."""
-    unsqueeze_dim = kwargs.get("unsqueeze_dim", args[at] if len(args) > at else default)
-    return cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
-
-
-def _evens_then_odds(x: torch.Tensor, r: int) -> torch.Tensor:
-    """x (..., d) with its first r channels reordered 0, 2, 4, ..., 1, 3, 5, ... and the rest after them."""
-    return torch.cat((x[..., 0:r:2], x[..., 1:r:2], x[..., r:]), dim=-1)
-
-
-# What transformers' continuous batching passes to the attention (its PagedAttentionCache's reads), 5.25.
-_PAGED_ATTENTION_KWARGS = frozenset({"block_table", "read_index", "write_index"})
-
-
-def _attend_with_rotated_keys(
-    attend: Callable[..., Any],
-    rope: RoPE,
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    *args: Any,
-    **kwargs: Any,
-) -> Any:
-    """'consistent' mode: rotate every key, cached ones included, with the frequencies of this step, then attend.
-
-    query: (b, h_q, s, d), already rotated; key: (b, h_k, t, d) unrotated, the t - s cached keys first. The cached
-    keys' positions continue backwards from the first new token's. In rows with left padding that count reaches
-    below 0 exactly on the pad slots, which the mask hides; they are rotated as position 0 (RoPE takes no negative
-    positions), which changes no score that is used.
-    """
-    position_ids = kwargs.get("position_ids")
-    if position_ids is None:
-        raise RuntimeError(
-            "posenc's 'consistent' mode needs the position_ids the model passes to its attention; this model did "
-            "not pass them (patch with mode='hf')"
-        )
-    new, total = query.shape[-2], key.shape[-2]
-    key_positions = position_ids
-    paged = sorted(_PAGED_ATTENTION_KWARGS & kwargs.keys())
-    if total > new and paged:
-        # Continuous batching (generate_batch) packs several requests' keys into one row, read from a paged cache
-        # that is no transformers Cache: counting positions back from the first new token rotated them wrongly.
-        raise TypeError(
-            "posenc's 'consistent' mode cannot serve a paged KV cache (continuous batching, generate_batch: the "
-            f"attention got {', '.join(paged)}), whose keys of several requests share one row; patch with "
-            "mode='hf', or use generate with a DynamicCache"
-        )
-    if total > new:
-        past = position_ids[:, :1] - (total - new) + torch.arange(total - new, device=position_ids.device)
-        key_positions = torch.cat((past.clamp_min(0), position_ids), dim=-1)
-    key = _rotate_keys_for_step(rope, key, key_positions, position_ids)
-    return attend(module, query, key, value, attention_mask, *args, **kwargs)
-
-
-@compile_marks.disable(
-    reason="'consistent' mode reads the step's length, max(position_ids) + 1, on the host; compile the patched model "
-    "without fullgraph=True (the length is then read in this graph break, in each attention layer)"
-)
-def _rotate_keys_for_step(
-    rope: RoPE, key: torch.Tensor, key_positions: torch.Tensor, position_ids: torch.Tensor
-) -> torch.Tensor:
-    # Outside any torch.compile graph: a graph break in each attention layer (transformers' dynamic_rope_update
-    # breaks once per forward, in the rotary embedding; the consistent mode's keys are rotated in every layer).
-    return rope.rotate(key, key_positions, seq_len=rope.scaling_length(position_ids))
-
-
-class _KeysRotatedAtRead:
-    """Stands in for ``ALL_ATTENTION_FUNCTIONS`` inside a patched attention forward ('consistent' mode)."""
-
-    def __init__(self, functions: Any, rope: RoPE) -> None:
-        self._functions = functions
-        self._rope = rope
-
-    def get_interface(self, implementation: str, default: Callable[..., Any]) -> Callable[..., Any]:
-        return functools.partial(
-            _attend_with_rotated_keys, self._functions.get_interface(implementation, default), self._rope
-        )
 
 
 def _with_globals(func: types.FunctionType, replacements: Mapping[str, Any]) -> types.FunctionType:
@@ -990,145 +733,6 @@ def _patched_forward(
     return _refusing_unrotated_keys(_with_globals(func, replacements))
 
 
-def _cache_class() -> type | None:
-    """transformers' ``Cache`` base class, or None in a version without one."""
-    cache_cls = getattr(importlib.import_module("transformers.cache_utils"), "Cache", None)
-    return cache_cls if isinstance(cache_cls, type) else None
-
-
-def _caches_in(cache_cls: type, args: tuple, kwargs: Mapping[str, Any]) -> list[Any]:
-    """The caches among a forward's arguments. Found by type, not by name: transformers has called the argument
-    past_key_values, cache and (in GPT-NeoX) layer_past, positionally or by keyword."""
-    return [value for value in (*args, *kwargs.values()) if isinstance(value, cache_cls)]
-
-
-def _checking_the_cache(forward: types.FunctionType) -> types.FunctionType:
-    """'consistent' mode: ``forward`` preceded by ``_require_growing_cache`` and ``_require_unrotated_keys`` on the
-    cache it is given, and followed by marking the cache layer as holding unrotated keys."""
-    cache_utils = importlib.import_module("transformers.cache_utils")
-    cache_cls, growing_layer = _cache_class(), getattr(cache_utils, "DynamicLayer", None)
-    if cache_cls is None or not isinstance(growing_layer, type):
-        raise ValueError(
-            "transformers.cache_utils has no Cache / DynamicLayer; mode='consistent' is not supported for this "
-            "transformers version (use mode='hf')"
-        )
-
-    @functools.wraps(forward)
-    def checked(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        caches = _caches_in(cache_cls, args, kwargs)
-        layer = getattr(self, "layer_idx", None)
-        for cache in caches:
-            _require_growing_cache(cache, growing_layer)
-            if isinstance(layer, int):
-                _require_unrotated_keys(cache, layer)
-        out = forward(self, *args, **kwargs)
-        if isinstance(layer, int):
-            for cache in caches:
-                cache.__dict__.setdefault(_MARKS_ATTR, {})[layer] = _UNROTATED
-        return out
-
-    return checked
-
-
-def _refusing_unrotated_keys(forward: types.FunctionType) -> types.FunctionType:
-    """A forward that caches keys rotated ('hf' mode, or 'consistent' with a fixed type): ``forward`` preceded by
-    ``_require_rotated_keys`` on the cache it is given. Unchanged in a transformers version without ``Cache``."""
-    cache_cls = _cache_class()
-    if cache_cls is None:
-        return forward
-
-    @functools.wraps(forward)
-    def checked(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        layer = getattr(self, "layer_idx", None)
-        if isinstance(layer, int):
-            for cache in _caches_in(cache_cls, args, kwargs):
-                _require_rotated_keys(cache, layer)
-        return forward(self, *args, **kwargs)
-
-    return checked
-
-
-# A cache's {layer index: _UNROTATED} for the layers a 'consistent' forward (keys rotated at read) filled.
-_MARKS_ATTR = "_posenc_unrotated_keys"
-
-
-class _UnrotatedKeys:
-    """What a 'consistent' forward leaves on the cache layers it fills: their keys are unrotated. Copied as itself.
-
-    Unrotated keys are the key projections alone, the same whichever RoPE rotates them, so any 'consistent' forward
-    of the model may continue them: the same patch, a copy of the model, or the model patched again."""
-
-    def __copy__(self) -> _UnrotatedKeys:
-        return self
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> _UnrotatedKeys:
-        return self
-
-
-_UNROTATED = _UnrotatedKeys()
-
-
-def _held_keys(cache: Any, layer: int) -> int:
-    """How many keys ``cache`` holds for ``layer`` (0 for a layer it has not built yet)."""
-    return cache.get_seq_length(layer) if layer < len(getattr(cache, "layers", ()) or ()) else 0
-
-
-def _marked_unrotated(cache: Any, layer: int) -> bool:
-    # isinstance, not identity: a pickled and loaded cache holds a new instance.
-    return isinstance((getattr(cache, _MARKS_ATTR, None) or {}).get(layer), _UnrotatedKeys)
-
-
-def _require_unrotated_keys(cache: Any, layer: int) -> None:
-    """Raise unless the keys ``cache`` holds for ``layer`` (if any) were put there by a 'consistent' forward: any
-    others were rotated when cached (before patch_model, after unpatch_model, or by a model patched with mode='hf'),
-    and would be rotated twice."""
-    held = _held_keys(cache, layer)
-    if held and not _marked_unrotated(cache, layer):
-        raise ValueError(
-            f"this {type(cache).__name__} holds {held} keys for layer {layer} that posenc's mode='consistent' did not "
-            "cache: they are rotated already (cached before patch_model, after unpatch_model, or by a model patched "
-            "with mode='hf' or with a rope type whose keys are rotated when cached), and consistent mode keeps keys "
-            "unrotated and rotates them at read, so they would be rotated twice. Start a new cache for this model, "
-            "or patch it with mode='hf', which continues such a cache"
-        )
-
-
-def _require_rotated_keys(cache: Any, layer: int) -> None:
-    """Raise if ``cache`` holds keys for ``layer`` that a 'consistent' forward cached unrotated: a forward that
-    rotates keys when it caches them would attend to them unrotated. A layer emptied since (``cache.reset()``) is
-    unmarked, as this forward fills it with rotated keys."""
-    if not _marked_unrotated(cache, layer):
-        return
-    held = _held_keys(cache, layer)
-    if not held:
-        del cache.__dict__[_MARKS_ATTR][layer]
-        return
-    raise ValueError(
-        f"this {type(cache).__name__} holds {held} keys for layer {layer} that posenc's mode='consistent' cached "
-        "unrotated (it rotates them at read, with each step's frequencies); this model rotates keys when it caches "
-        "them and would attend to those unrotated. Continue the cache with a model patched with mode='consistent' "
-        "and a rope type whose frequencies change with the length ('dynamic', 'longrope'), or start a new cache"
-    )
-
-
-def _require_growing_cache(cache: Any, growing_layer: type) -> None:
-    """Raise TypeError unless every layer of ``cache`` appends new keys after the cached ones (a ``DynamicLayer``,
-    sliding or quantized); a fixed-size layer (``StaticLayer``) returns its whole buffer, whose slots do not sit
-    at the positions that 'consistent' mode counts back from the new tokens."""
-    kinds = {type(layer) for layer in getattr(cache, "layers", None) or ()}
-    replicate = getattr(cache, "layer_class_to_replicate", None)
-    if isinstance(replicate, type):  # the class of the layers a lazily built cache will add
-        kinds.add(replicate)
-    fixed = sorted(kind.__name__ for kind in kinds if not issubclass(kind, growing_layer))
-    if fixed:
-        raise TypeError(
-            "posenc's mode='consistent' rotates every cached key at read and needs a cache that returns the past "
-            f"keys in order without gaps, like DynamicCache; got a {type(cache).__name__} with {', '.join(fixed)} "
-            "layers, whose fixed-size buffers would give the keys wrong positions. Use a DynamicCache (generate's "
-            "default: drop cache_implementation='static') or patch the model with mode='hf'"
-        )
-
-
 def is_patched(model: nn.Module) -> bool:
     """True when ``patch_model`` patched this model and ``unpatch_model`` has not undone it."""
     return _patch_state(model) is not None
@@ -1203,131 +807,3 @@ def _hand_back_dynamic_state(original: nn.Module, layer_type: str, length: int |
         original.register_buffer(state_name(layer_type, "inv_freq"), first, persistent=False)
         setattr(original, state_name(layer_type, "original_inv_freq"), first)
         setattr(original, cached, trained)
-
-
-def tiny_model_from_config(
-    config: str | os.PathLike[str] | Mapping[str, Any],
-    *,
-    hidden_size: int = 64,
-    num_layers: int = 2,
-    num_heads: int = 4,
-    num_kv_heads: int | None = None,
-    head_dim: int | None = None,
-    vocab_size: int = 256,
-    max_position_embeddings: int | None = None,
-    keep_scaling: bool = False,
-    seed: int = 0,
-    attn_implementation: str = "sdpa",
-) -> nn.Module:
-    """A small randomly initialised causal LM of the architecture in a ``config.json``, with its RoPE.
-
-    config: a path to a config.json (or its folder) or the dict it holds; its ``model_type`` must be in
-    ``SUPPORTED_ARCHITECTURES``. The architecture's code, ``rope_theta``, rotary fraction and pair layout come from
-    it; the sizes from the arguments (head_dim defaults to hidden_size // num_heads; num_kv_heads to num_heads).
-    max_position_embeddings: the trained length the scaling types extend from (default: the config's).
-    keep_scaling: keep the config's rope scaling (LongRoPE factor lists must then fit the head dim); by default the
-    model gets plain RoPE, to which ``patch_model(model, rope_parameters=...)`` applies an extension later.
-    seed: the initial weights' (the global generator is left as it was); attn_implementation: transformers'
-    ("sdpa", "eager", ...).
-    Returns an unpatched ``transformers`` ``*ForCausalLM`` in float32, eval mode; ``model(input_ids).logits`` is
-    (b, s, vocab_size).
-    """
-    try:
-        from transformers import AutoConfig, AutoModelForCausalLM
-    except ModuleNotFoundError as error:
-        if error.name != "transformers":  # a module transformers needs: its own message says which
-            raise
-        raise ModuleNotFoundError(
-            f"tiny_model_from_config builds a transformers model and needs the package ({error}); "
-            "pip install transformers"
-        ) from error
-
-    if isinstance(config, (str, os.PathLike)):
-        source = read_config_json(config)
-    elif isinstance(config, Mapping):
-        source = dict(config)
-    else:
-        raise TypeError(f"config must be a path to a config.json or a dict, got {type(config).__name__}")
-    model_type = source.get("model_type")
-    if model_type not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"config's model_type {model_type!r} is not supported; supported architectures: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    for name, value in (
-        ("hidden_size", hidden_size),
-        ("num_layers", num_layers),
-        ("num_heads", num_heads),
-        ("vocab_size", vocab_size),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-    if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads <= 0 or num_heads % kv_heads:
-        raise ValueError(f"num_kv_heads must be a positive divisor of num_heads={num_heads}, got {num_kv_heads!r}")
-    if head_dim is None:
-        if hidden_size % num_heads:
-            raise ValueError(f"hidden_size={hidden_size} must be divisible by num_heads={num_heads}, or give head_dim")
-        head_dim = hidden_size // num_heads
-    if model_type == "gpt_neox" and head_dim * num_heads != hidden_size:
-        raise ValueError(
-            f"GPT-NeoX ties head_dim to hidden_size / num_heads = {hidden_size / num_heads}; drop head_dim"
-        )
-    if model_type == "gpt_neox" and kv_heads != num_heads:
-        raise ValueError("GPT-NeoX has no grouped-query attention; leave num_kv_heads unset")
-    if max_position_embeddings is not None and (
-        isinstance(max_position_embeddings, bool)
-        or not isinstance(max_position_embeddings, int)
-        or max_position_embeddings <= 0
-    ):
-        raise ValueError(f"max_position_embeddings must be a positive integer, got {max_position_embeddings!r}")
-
-    rope = rope_kwargs_from_config(source)
-    params = dict(rope["rope_parameters"])
-    if not keep_scaling:
-        params = {key: params[key] for key in ("rope_theta", "partial_rotary_factor") if key in params}
-        params["rope_type"] = "default"
-    trained = max_position_embeddings if max_position_embeddings is not None else rope["max_position_embeddings"]
-    sizes: dict[str, Any] = {
-        "hidden_size": hidden_size,
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": head_dim,
-        "intermediate_size": 4 * hidden_size,
-        "vocab_size": vocab_size,
-        "max_position_embeddings": trained,
-        "rope_parameters": params,
-        "pad_token_id": None,
-        "bos_token_id": None,
-        "eos_token_id": None,
-    }
-    if model_type == "gpt_neox":
-        del sizes["num_key_value_heads"], sizes["head_dim"]
-    kept = {key: value for key, value in source.items() if key in _KEPT_KEYS}
-    if not keep_scaling:
-        kept.pop("original_max_position_embeddings", None)
-    hf_config = AutoConfig.for_model(model_type, **kept, **sizes)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(
-            hf_config, dtype=torch.float32, attn_implementation=attn_implementation
-        )
-    return model.eval()
-
-
-# config.json keys that describe the architecture's behaviour (kept from the source); sizes and token ids are not.
-_KEPT_KEYS = frozenset(
-    {
-        "hidden_act",
-        "rms_norm_eps",
-        "layer_norm_eps",
-        "attention_bias",
-        "mlp_bias",
-        "use_parallel_residual",
-        "sliding_window",
-        "use_sliding_window",
-        "original_max_position_embeddings",
-        "rope_interleave",
-    }
-)

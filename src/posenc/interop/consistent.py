@@ -1,0 +1,233 @@
+"""'consistent' mode's keys rotated at read, and the marks on the KV cache that keep every key rotated exactly once.
+
+With a type whose frequencies change with the length (``dynamic``, ``longrope``), a patched attention caches its keys
+unrotated, and ``_KeysRotatedAtRead``, standing in for its ``ALL_ATTENTION_FUNCTIONS``, rotates all of them with the
+frequencies of the current step (``_attend_with_rotated_keys``). ``_checking_the_cache`` wraps such a forward: it
+refuses a cache of fixed-size layers (``StaticCache``) or one holding keys rotated when cached, and marks the layers
+it fills as unrotated; ``_refusing_unrotated_keys`` wraps every other patched forward, which refuses those layers.
+
+Shape key: b batch, h heads, s new tokens, t tokens in the cache (t >= s), d head dim.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import types
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from posenc import _compile_marks as compile_marks
+from posenc.rope.module import RoPE
+
+# What transformers' continuous batching passes to the attention (its PagedAttentionCache's reads), 5.25.
+_PAGED_ATTENTION_KWARGS = frozenset({"block_table", "read_index", "write_index"})
+
+
+def _attend_with_rotated_keys(
+    attend: Callable[..., Any],
+    rope: RoPE,
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    """'consistent' mode: rotate every key, cached ones included, with the frequencies of this step, then attend.
+
+    query: (b, h_q, s, d), already rotated; key: (b, h_k, t, d) unrotated, the t - s cached keys first. The cached
+    keys' positions continue backwards from the first new token's. In rows with left padding that count reaches
+    below 0 exactly on the pad slots, which the mask hides; they are rotated as position 0 (RoPE takes no negative
+    positions), which changes no score that is used.
+    """
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None:
+        raise RuntimeError(
+            "posenc's 'consistent' mode needs the position_ids the model passes to its attention; this model did "
+            "not pass them (patch with mode='hf')"
+        )
+    new, total = query.shape[-2], key.shape[-2]
+    key_positions = position_ids
+    paged = sorted(_PAGED_ATTENTION_KWARGS & kwargs.keys())
+    if total > new and paged:
+        # Continuous batching (generate_batch) packs several requests' keys into one row, read from a paged cache
+        # that is no transformers Cache: counting positions back from the first new token rotated them wrongly.
+        raise TypeError(
+            "posenc's 'consistent' mode cannot serve a paged KV cache (continuous batching, generate_batch: the "
+            f"attention got {', '.join(paged)}), whose keys of several requests share one row; patch with "
+            "mode='hf', or use generate with a DynamicCache"
+        )
+    if total > new:
+        past = position_ids[:, :1] - (total - new) + torch.arange(total - new, device=position_ids.device)
+        key_positions = torch.cat((past.clamp_min(0), position_ids), dim=-1)
+    key = _rotate_keys_for_step(rope, key, key_positions, position_ids)
+    return attend(module, query, key, value, attention_mask, *args, **kwargs)
+
+
+@compile_marks.disable(
+    reason="'consistent' mode reads the step's length, max(position_ids) + 1, on the host; compile the patched model "
+    "without fullgraph=True (the length is then read in this graph break, in each attention layer)"
+)
+def _rotate_keys_for_step(
+    rope: RoPE, key: torch.Tensor, key_positions: torch.Tensor, position_ids: torch.Tensor
+) -> torch.Tensor:
+    # Outside any torch.compile graph: a graph break in each attention layer (transformers' dynamic_rope_update
+    # breaks once per forward, in the rotary embedding; the consistent mode's keys are rotated in every layer).
+    return rope.rotate(key, key_positions, seq_len=rope.scaling_length(position_ids))
+
+
+class _KeysRotatedAtRead:
+    """Stands in for ``ALL_ATTENTION_FUNCTIONS`` inside a patched attention forward ('consistent' mode)."""
+
+    def __init__(self, functions: Any, rope: RoPE) -> None:
+        self._functions = functions
+        self._rope = rope
+
+    def get_interface(self, implementation: str, default: Callable[..., Any]) -> Callable[..., Any]:
+        return functools.partial(
+            _attend_with_rotated_keys, self._functions.get_interface(implementation, default), self._rope
+        )
+
+
+def _cache_class() -> type | None:
+    """transformers' ``Cache`` base class, or None in a version without one."""
+    cache_cls = getattr(importlib.import_module("transformers.cache_utils"), "Cache", None)
+    return cache_cls if isinstance(cache_cls, type) else None
+
+
+def _caches_in(cache_cls: type, args: tuple, kwargs: Mapping[str, Any]) -> list[Any]:
+    """The caches among a forward's arguments. Found by type, not by name: transformers has called the argument
+    past_key_values, cache and (in GPT-NeoX) layer_past, positionally or by keyword."""
+    return [value for value in (*args, *kwargs.values()) if isinstance(value, cache_cls)]
+
+
+def _checking_the_cache(forward: types.FunctionType) -> types.FunctionType:
+    """'consistent' mode: ``forward`` preceded by ``_require_growing_cache`` and ``_require_unrotated_keys`` on the
+    cache it is given, and followed by marking the cache layer as holding unrotated keys."""
+    cache_utils = importlib.import_module("transformers.cache_utils")
+    cache_cls, growing_layer = _cache_class(), getattr(cache_utils, "DynamicLayer", None)
+    if cache_cls is None or not isinstance(growing_layer, type):
+        raise ValueError(
+            "transformers.cache_utils has no Cache / DynamicLayer; mode='consistent' is not supported for this "
+            "transformers version (use mode='hf')"
+        )
+
+    @functools.wraps(forward)
+    def checked(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        caches = _caches_in(cache_cls, args, kwargs)
+        layer = getattr(self, "layer_idx", None)
+        for cache in caches:
+            _require_growing_cache(cache, growing_layer)
+            if isinstance(layer, int):
+                _require_unrotated_keys(cache, layer)
+        out = forward(self, *args, **kwargs)
+        if isinstance(layer, int):
+            for cache in caches:
+                cache.__dict__.setdefault(_MARKS_ATTR, {})[layer] = _UNROTATED
+        return out
+
+    return checked
+
+
+def _refusing_unrotated_keys(forward: types.FunctionType) -> types.FunctionType:
+    """A forward that caches keys rotated ('hf' mode, or 'consistent' with a fixed type): ``forward`` preceded by
+    ``_require_rotated_keys`` on the cache it is given. Unchanged in a transformers version without ``Cache``."""
+    cache_cls = _cache_class()
+    if cache_cls is None:
+        return forward
+
+    @functools.wraps(forward)
+    def checked(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        layer = getattr(self, "layer_idx", None)
+        if isinstance(layer, int):
+            for cache in _caches_in(cache_cls, args, kwargs):
+                _require_rotated_keys(cache, layer)
+        return forward(self, *args, **kwargs)
+
+    return checked
+
+
+# A cache's {layer index: _UNROTATED} for the layers a 'consistent' forward (keys rotated at read) filled.
+_MARKS_ATTR = "_posenc_unrotated_keys"
+
+
+class _UnrotatedKeys:
+    """What a 'consistent' forward leaves on the cache layers it fills: their keys are unrotated. Copied as itself.
+
+    Unrotated keys are the key projections alone, the same whichever RoPE rotates them, so any 'consistent' forward
+    of the model may continue them: the same patch, a copy of the model, or the model patched again."""
+
+    def __copy__(self) -> _UnrotatedKeys:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _UnrotatedKeys:
+        return self
+
+
+_UNROTATED = _UnrotatedKeys()
+
+
+def _held_keys(cache: Any, layer: int) -> int:
+    """How many keys ``cache`` holds for ``layer`` (0 for a layer it has not built yet)."""
+    return cache.get_seq_length(layer) if layer < len(getattr(cache, "layers", ()) or ()) else 0
+
+
+def _marked_unrotated(cache: Any, layer: int) -> bool:
+    # isinstance, not identity: a pickled and loaded cache holds a new instance.
+    return isinstance((getattr(cache, _MARKS_ATTR, None) or {}).get(layer), _UnrotatedKeys)
+
+
+def _require_unrotated_keys(cache: Any, layer: int) -> None:
+    """Raise unless the keys ``cache`` holds for ``layer`` (if any) were put there by a 'consistent' forward: any
+    others were rotated when cached (before patch_model, after unpatch_model, or by a model patched with mode='hf'),
+    and would be rotated twice."""
+    held = _held_keys(cache, layer)
+    if held and not _marked_unrotated(cache, layer):
+        raise ValueError(
+            f"this {type(cache).__name__} holds {held} keys for layer {layer} that posenc's mode='consistent' did not "
+            "cache: they are rotated already (cached before patch_model, after unpatch_model, or by a model patched "
+            "with mode='hf' or with a rope type whose keys are rotated when cached), and consistent mode keeps keys "
+            "unrotated and rotates them at read, so they would be rotated twice. Start a new cache for this model, "
+            "or patch it with mode='hf', which continues such a cache"
+        )
+
+
+def _require_rotated_keys(cache: Any, layer: int) -> None:
+    """Raise if ``cache`` holds keys for ``layer`` that a 'consistent' forward cached unrotated: a forward that
+    rotates keys when it caches them would attend to them unrotated. A layer emptied since (``cache.reset()``) is
+    unmarked, as this forward fills it with rotated keys."""
+    if not _marked_unrotated(cache, layer):
+        return
+    held = _held_keys(cache, layer)
+    if not held:
+        del cache.__dict__[_MARKS_ATTR][layer]
+        return
+    raise ValueError(
+        f"this {type(cache).__name__} holds {held} keys for layer {layer} that posenc's mode='consistent' cached "
+        "unrotated (it rotates them at read, with each step's frequencies); this model rotates keys when it caches "
+        "them and would attend to those unrotated. Continue the cache with a model patched with mode='consistent' "
+        "and a rope type whose frequencies change with the length ('dynamic', 'longrope'), or start a new cache"
+    )
+
+
+def _require_growing_cache(cache: Any, growing_layer: type) -> None:
+    """Raise TypeError unless every layer of ``cache`` appends new keys after the cached ones (a ``DynamicLayer``,
+    sliding or quantized); a fixed-size layer (``StaticLayer``) returns its whole buffer, whose slots do not sit
+    at the positions that 'consistent' mode counts back from the new tokens."""
+    kinds = {type(layer) for layer in getattr(cache, "layers", None) or ()}
+    replicate = getattr(cache, "layer_class_to_replicate", None)
+    if isinstance(replicate, type):  # the class of the layers a lazily built cache will add
+        kinds.add(replicate)
+    fixed = sorted(kind.__name__ for kind in kinds if not issubclass(kind, growing_layer))
+    if fixed:
+        raise TypeError(
+            "posenc's mode='consistent' rotates every cached key at read and needs a cache that returns the past "
+            f"keys in order without gaps, like DynamicCache; got a {type(cache).__name__} with {', '.join(fixed)} "
+            "layers, whose fixed-size buffers would give the keys wrong positions. Use a DynamicCache (generate's "
+            "default: drop cache_implementation='static') or patch the model with mode='hf'"
+        )
