@@ -155,14 +155,17 @@ def _check_type_reads_flags(args: argparse.Namespace, params: dict[str, object])
         return
     chosen = names[0] if names else None
     kind = LEGACY_TYPES.get(chosen, chosen) if chosen else "default"
-    if kind not in REQUIRED_KEYS:
+    if kind not in REQUIRED_KEYS or kind not in OPTIONAL_KEYS:
         return
     unread = unread_keys(kind, params)
     if not unread:
         return
     key = "factor" if "factor" in unread else unread[0]
     flag = "--factor" if key == "factor" and args.factor is not None else f"--rope-param {key}"
-    readers = [name for name in SCALINGS if key in REQUIRED_KEYS[name] | OPTIONAL_KEYS[name]]
+    # .get: a type registered in SCALINGS without key lines is reported by the parser, not as a KeyError here.
+    readers = [
+        name for name in SCALINGS if key in REQUIRED_KEYS.get(name, frozenset()) | OPTIONAL_KEYS.get(name, frozenset())
+    ]
     own = ", ".join(sorted(REQUIRED_KEYS[kind] | OPTIONAL_KEYS[kind])) or "no parameters of its own"
     given = f"--rope-type {args.rope_type}" if args.rope_type else f"rope type {chosen!r}"
     if not readers:

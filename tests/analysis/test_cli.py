@@ -8,6 +8,8 @@ import pytest
 
 from posenc.cli import main
 from posenc.lab import lock
+from posenc.rope import frequencies
+from posenc.rope.parameters import OPTIONAL_KEYS, REQUIRED_KEYS
 
 
 def test_plot_writes_the_named_figures(tmp_path, capsys):
@@ -85,7 +87,9 @@ def test_a_scaling_flag_the_rope_type_does_not_read_is_named_as_the_flag(tmp_pat
     # The parser's own message named a rope_parameters dict and a type 'default' that the user never wrote.
     run = make_run(tmp_path / "run", entropy=False, lab_png=False)
     words = ["plot", "wavelengths", "--out", str(tmp_path / "out")] if command == "plot" else ["report", str(run)]
-    readers_of_factor = "linear, ntk, dynamic, yarn, longrope, llama3, proportional"
+    readers_of_factor = ", ".join(
+        name for name in frequencies.SCALINGS if "factor" in REQUIRED_KEYS[name] | OPTIONAL_KEYS[name]
+    )
     cases = {
         ("--factor", "4"): f"--factor needs a scaling --rope-type (plain RoPE has no factor); add a --rope-type that "
         f"reads it: {readers_of_factor}",
@@ -108,6 +112,19 @@ def test_a_scaling_flag_the_rope_type_does_not_read_is_named_as_the_flag(tmp_pat
     assert "rope_type is given twice with different values" in capsys.readouterr().err
     if command == "plot":
         assert main([*words, "--rope-param", "rope_type=linear", "--factor", "2"]) == 0
+
+
+def test_a_type_registered_without_its_keys_leaves_the_flag_check_working(tmp_path, capsys, monkeypatch):
+    # The check looked up every registered type's keys, and a type in SCALINGS alone was a KeyError traceback.
+    monkeypatch.setitem(frequencies.SCALINGS, "brand_new", frequencies.default)
+    flags = ["--rope-type", "linear", "--rope-param", "beta_fast=16"]
+    assert main(["plot", "wavelengths", "--out", str(tmp_path / "out"), *flags]) == 2
+    assert capsys.readouterr().err == (
+        "posenc plot: error: --rope-param beta_fast is not a parameter of --rope-type linear (it takes factor); drop "
+        "it, or use --rope-type yarn\n"
+    )
+    assert main(["plot", "wavelengths", "--out", str(tmp_path / "out"), "--rope-type", "brand_new"]) == 2
+    assert "'brand_new' is registered in SCALINGS" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", ["plot", "report"])

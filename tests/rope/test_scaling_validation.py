@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from posenc import RoPE, rope_frequencies
+from posenc.rope import frequencies
 from posenc.rope.frequencies import SCALINGS
+from posenc.rope.parameters import OPTIONAL_KEYS, REQUIRED_KEYS
 
 LONG = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
 
@@ -19,7 +21,7 @@ LONG = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0]
         (
             {"rope_type": "su_per"},
             ValueError,
-            "unknown rope_type 'su_per'; known types: default, dynamic, linear, llama3, longrope, ntk",
+            "unknown rope_type 'su_per'; known types: ",  # every one: test_unknown_type_lists_every_known_type
         ),
         ({"type": "nope"}, ValueError, "known types:"),
         ({"rope_type": "linear"}, ValueError, "needs the key(s) factor"),
@@ -78,6 +80,17 @@ def test_unknown_type_lists_every_known_type() -> None:
         RoPE(16, rope_parameters={"rope_type": "magic"})
     for name in SCALINGS:
         assert name in str(info.value)
+
+
+def test_every_registered_type_has_its_key_lines() -> None:
+    assert set(REQUIRED_KEYS) == set(OPTIONAL_KEYS) == set(SCALINGS)
+
+
+def test_a_type_registered_without_its_keys_is_named(monkeypatch) -> None:
+    """A type added to SCALINGS alone (the function and its registry line) raised a bare KeyError: 'brand_new'."""
+    monkeypatch.setitem(frequencies.SCALINGS, "brand_new", frequencies.default)
+    with pytest.raises(ValueError, match=r"'brand_new' is registered in SCALINGS .* REQUIRED_KEYS and OPTIONAL_KEYS"):
+        RoPE(16, rope_parameters={"rope_type": "brand_new"})
 
 
 @pytest.mark.parametrize("bad", [[("rope_type", "linear")], "linear", 4.0])

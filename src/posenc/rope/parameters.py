@@ -266,6 +266,12 @@ def parse_rope_parameters(
     rope_type = pop_rope_type(params)
     if rope_type not in SCALINGS:
         raise ValueError(f"unknown rope_type {rope_type!r}; known types: {', '.join(sorted(SCALINGS))}")
+    if rope_type not in REQUIRED_KEYS or rope_type not in OPTIONAL_KEYS:
+        # A type added to SCALINGS alone: without this, a bare KeyError from the line below.
+        raise ValueError(
+            f"rope_type {rope_type!r} is registered in SCALINGS but posenc.rope.parameters does not know its keys: "
+            "add a line for it to both REQUIRED_KEYS and OPTIONAL_KEYS (frozenset() where it has none)"
+        )
 
     required = REQUIRED_KEYS[rope_type]
     missing = sorted(required - params.keys())
