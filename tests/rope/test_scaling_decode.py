@@ -259,3 +259,23 @@ def test_a_negative_offset_is_refused_even_where_the_positions_lift_every_row_ab
     q = torch.randn(2, 1, 5, 16)
     with pytest.raises(ValueError, match=r"offset must be >= 0 \(it counts tokens already in the cache\)"):
         RoPE(16, backend=backend)(q, q, offset=torch.tensor([-1, 0]), positions=torch.arange(1, 6))
+
+
+def test_a_new_length_dependent_type_is_scaled_for_every_length(monkeypatch) -> None:
+    """Every length-dependent type but dynamic got its seq_len=None frequencies up to max_position_embeddings (the
+    cache key assumed dynamic's plain RoPE there), so a type added to SEQ_LEN_DEPENDENT rotated silently unscaled."""
+    from posenc.rope import frequencies, module, parameters
+
+    def shrinking(*, rotary_dim: int, base: float, seq_len: int | None = None, **_: object):
+        return frequencies.default_inv_freq(rotary_dim, base) / (1 + (seq_len or 0) / 100), 1.0
+
+    monkeypatch.setitem(frequencies.SCALINGS, "shrinking", shrinking)
+    monkeypatch.setitem(parameters.REQUIRED_KEYS, "shrinking", frozenset())
+    monkeypatch.setitem(parameters.OPTIONAL_KEYS, "shrinking", frozenset())
+    monkeypatch.setattr(module, "SEQ_LEN_DEPENDENT", module.SEQ_LEN_DEPENDENT | {"shrinking"})
+    rope = RoPE(HEAD_DIM, rope_parameters={"rope_type": "shrinking"}, max_position_embeddings=64)
+    for length in (10, 64, 100):
+        expected = shrinking(rotary_dim=HEAD_DIM, base=10000.0, seq_len=length)[0]
+        torch.testing.assert_close(rope.frequencies(length)[0], expected, rtol=0.0, atol=0.0)
+        cos, _ = rope.cos_sin(torch.arange(length), dtype=torch.float64)
+        torch.testing.assert_close(cos[-1], torch.cos((length - 1) * expected), rtol=1e-15, atol=1e-15)

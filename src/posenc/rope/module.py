@@ -321,16 +321,19 @@ class RoPE(nn.Module):
     def _frequency_length(self, seq_len: int | None) -> int | None:
         """The one length that stands for every seq_len with the same frequencies (None: the unscaled ones), so that
         the cache, and a graph traced under torch.compile, serve them all: LongRoPE reads only the side of its
-        original length, dynamic NTK scales only past max_position_embeddings, the other types ignore seq_len. The
-        comparisons keep a symbolic length symbolic, and a scaled dynamic length is returned as it is."""
+        original length, dynamic NTK scales only past max_position_embeddings, the fixed types ignore seq_len, and
+        any other length-dependent type gets seq_len itself. The comparisons keep a symbolic length symbolic, and a
+        scaled length is returned as it is."""
         spec = self.spec
         if seq_len is None or spec.rope_type not in SEQ_LEN_DEPENDENT:
             return None
         if spec.rope_type == "longrope":
             original = int(spec.params["original_max_position_embeddings"])
             return original + 1 if seq_len > original else None
+        # Only dynamic is known to be plain RoPE up to the trained length: a type added to SEQ_LEN_DEPENDENT got
+        # its seq_len=None frequencies there, silently, whatever its function computes for that length.
         limit = spec.max_position_embeddings
-        if limit is not None and seq_len <= limit:
+        if spec.rope_type == "dynamic" and limit is not None and seq_len <= limit:
             return None
         # Traced, a length that varies between calls (which Dynamo makes symbolic) stays symbolic: dynamic's
         # frequencies are then computed in the graph from it, one graph for every length past the trained one.
