@@ -417,6 +417,21 @@ def test_ntk_is_written_as_default_with_the_equivalent_theta() -> None:
     assert model.config.rope_parameters["rope_theta"] == pytest.approx(10000.0 * 4.0 ** (16 / 14), rel=1e-12)
 
 
+def test_a_posenc_only_type_without_a_translation_is_refused_before_the_model_is_touched(monkeypatch) -> None:
+    # A scaling type added to posenc alone reached transformers' rotary class, a bare KeyError from its
+    # ROPE_INIT_FUNCTIONS lookup.
+    from posenc.rope import frequencies, parameters
+
+    monkeypatch.setitem(frequencies.SCALINGS, "brand_new", frequencies.linear)
+    monkeypatch.setitem(parameters.REQUIRED_KEYS, "brand_new", frozenset({"factor"}))
+    monkeypatch.setitem(parameters.OPTIONAL_KEYS, "brand_new", frozenset())
+    model = build("llama")
+    before = copy.deepcopy(model.config.rope_parameters)
+    with pytest.raises(ValueError, match=r"rope_type 'brand_new' is posenc's own: .*_hf_rope_parameters"):
+        patch_model(model, rope_parameters={"rope_type": "brand_new", "factor": 2.0})
+    assert not is_patched(model) and model.config.rope_parameters == before
+
+
 def test_keeps_model_theta_and_partial_factor_unless_given() -> None:
     model = build("gpt_neox")
     report = patch_model(model, rope_parameters={"rope_type": "linear", "factor": 2.0})

@@ -375,6 +375,7 @@ def _new_config_rope(
         architecture, config, intended, "the saved model would not run. Drop partial_rotary_factor from rope_parameters"
     )
     hf_params = _hf_rope_parameters(intended, given)
+    _require_transformers_type(hf_params)
     values: dict[str, Any] = {"rope_parameters": hf_params}
     # Phi-3 keeps original_max_position_embeddings at the top level, and transformers lets it win over the dict's.
     if "original_max_position_embeddings" in hf_params and hasattr(config, "original_max_position_embeddings"):
@@ -398,6 +399,21 @@ def _new_config_rope(
     _require_same_rotation(installed, [("built from the new config", rotary_cls(rebuilt))], architecture)
     values["rope_parameters"] = copy.deepcopy(rebuilt.rope_parameters)
     return values, installed
+
+
+def _require_transformers_type(hf_params: Mapping[str, Any]) -> None:
+    """A rope_type that transformers has no function for is refused: its rotary class, built from the new config,
+    failed with a bare KeyError, and no from_pretrained could rebuild the model from what would be saved."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope_type = hf_params.get("rope_type") or "default"
+    if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(
+            f"rope_type {rope_type!r} is posenc's own: transformers has no function for it, so a config that names "
+            "it could not be loaded again. patch_model writes only types transformers builds (posenc's 'ntk' as the "
+            "equivalent 'default' config; another posenc-only type needs such a translation in "
+            "posenc.interop.patch._hf_rope_parameters)"
+        )
 
 
 def _require_whole_head(architecture: str, config: Any, rope: RoPE, consequence: str) -> None:
