@@ -265,6 +265,30 @@ def test_kwargs_take_a_top_level_original_length_for_every_type_that_reads_one(r
     assert kwargs["rope_parameters"]["original_max_position_embeddings"] == 2048
 
 
+@pytest.mark.usefixtures("dict_reading")
+def test_a_new_type_that_reads_the_original_length_takes_the_top_level_one(monkeypatch) -> None:
+    # hf.py kept its own list of the types that read it (llama3, yarn, longrope): a type added to posenc's tables
+    # scaled from max_position_embeddings (8192) instead of the config's original length (2048), without a word.
+    from posenc.rope import frequencies, parameters
+
+    monkeypatch.setitem(frequencies.SCALINGS, "brand_new", frequencies.yarn)
+    monkeypatch.setitem(parameters.REQUIRED_KEYS, "brand_new", frozenset({"factor"}))
+    monkeypatch.setitem(parameters.OPTIONAL_KEYS, "brand_new", frozenset({"original_max_position_embeddings"}))
+    monkeypatch.setattr(parameters, "_NEEDS_ORIGINAL", parameters._NEEDS_ORIGINAL | {"brand_new"})
+    raw = {
+        "model_type": "llama",
+        "hidden_size": 128,
+        "num_attention_heads": 2,
+        "max_position_embeddings": 8192,
+        "original_max_position_embeddings": 2048,
+        "rope_parameters": {"rope_type": "brand_new", "factor": 4.0},
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers: no validation function for 'brand_new'
+        rope = rope_from_config(raw)
+    assert rope.spec.params["original_max_position_embeddings"] == 2048
+
+
 def test_mode_passes_through() -> None:
     rope = rope_from_config(CONFIGS / "phi-3-mini-128k-instruct.json", mode="consistent")
     assert rope.mode == "consistent" and rope.rotates_cached_keys

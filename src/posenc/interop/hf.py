@@ -28,7 +28,7 @@ from typing import Any, Literal
 from posenc._checks import positive_int, user_stacklevel
 from posenc.rope.module import RoPE
 from posenc.rope.mrope import MRoPE, MRopeLayout
-from posenc.rope.parameters import REQUIRED_KEYS, pop_rope_type, rotary_fraction, unread_keys
+from posenc.rope.parameters import OPTIONAL_KEYS, REQUIRED_KEYS, pop_rope_type, rotary_fraction, unread_keys
 
 # Model types whose rotation pairs adjacent channels (x0, x1), (x2, x3), ...: a rotate_half on x[..., ::2] and
 # x[..., 1::2], rotate_every_two, view_as_complex, or pairs rotated in place and stored evens-then-odds (the MLA
@@ -186,7 +186,6 @@ _MROPE_MODELS: dict[str, tuple[MRopeLayout, tuple[int, ...]]] = {
     **dict.fromkeys(("glm_ocr", "glm_ocr_text"), _GLM4_V),
     **dict.fromkeys(("ernie4_5_vl_moe", "ernie4_5_vl_moe_text"), _ERNIE_VL),
 }
-_NEEDS_ORIGINAL = frozenset({"llama3", "yarn", "longrope"})
 # Where composite configs keep their text model, in the order looked for.
 _NESTED_CONFIGS = ("text_config", "thinker_config", "vlm_config")
 # Composite model types whose text model is another model type that the tables above name, for a config.json whose
@@ -534,7 +533,10 @@ def rope_kwargs_from_config(config: Any, *, layer_type: str | None = None) -> di
     original = None if nested else _first(cfg, "original_max_position_embeddings")
     if original is None and not nested:
         original = _ORIGINAL_DEFAULTS.get(model_type)
-    if rope_type in _NEEDS_ORIGINAL and original is not None:
+    # Every type whose keys include the original length (posenc.rope.parameters' tables): a list kept here went
+    # stale for a type added there, which then scaled from max_position_embeddings instead, silently.
+    keys = REQUIRED_KEYS.get(rope_type, frozenset()) | OPTIONAL_KEYS.get(rope_type, frozenset())
+    if original is not None and "original_max_position_embeddings" in keys:
         rope["original_max_position_embeddings"] = original
 
     if rope_type in REQUIRED_KEYS:
