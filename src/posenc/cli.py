@@ -301,6 +301,10 @@ def _flag_text(value: object) -> str:
 
 
 def _add_lab(sub: argparse._SubParsersAction) -> None:
+    # The names come from the lab's tables, read when the parser is built: a hand-written copy went stale.
+    from posenc.lab.config import EXTENSIONS, PRESETS, TASKS
+    from posenc.registry import ENCODINGS
+
     p = sub.add_parser(
         "lab",
         help="train a tiny byte-level LM per encoding and measure how each extrapolates (nothing to download)",
@@ -308,10 +312,12 @@ def _add_lab(sub: argparse._SubParsersAction) -> None:
         "source, evaluate each at 1x-8x its training length with a sliding window, apply the RoPE extensions, "
         "and write results.csv, results.json, report.md, report.html and plots to --out. Rerunning resumes.",
     )
-    p.add_argument("--preset", choices=("quick", "default", "full"), default="default", help="sizes and budget")
+    p.add_argument("--preset", choices=tuple(PRESETS), default="default", help="sizes and budget")
     p.add_argument("--out", help="run folder (default lab-runs/PRESET); rerun the same command to resume")
-    p.add_argument("--encodings", type=_comma_names, help="comma list (default all: learned,sinusoidal,t5,...)")
-    p.add_argument("--extensions", type=_comma_names, help="comma list of pi,ntk,dynamic,yarn,llama3, or none")
+    p.add_argument("--encodings", type=_comma_names, help=f"comma list (default all: {','.join(ENCODINGS)})")
+    p.add_argument(
+        "--extensions", type=_comma_names, help=f"comma list of {','.join(EXTENSIONS)}, or none (default all)"
+    )
     p.add_argument("--seed", type=int, help="first seed (default 0)")
     p.add_argument("--seeds", type=int, help="number of seeds (default 1; full: 3)")
     p.add_argument(
@@ -334,9 +340,7 @@ def _add_lab(sub: argparse._SubParsersAction) -> None:
         type=int,
         help="fine-tune pi and yarn, and plain rope as their control, at each target length (0: none)",
     )
-    p.add_argument(
-        "--task", choices=("copy", "passkey"), help="also measure exact-match and per-byte accuracy on a task"
-    )
+    p.add_argument("--task", choices=TASKS, help="also measure exact-match and per-byte accuracy on a task")
     p.add_argument(
         "--hf-config",
         metavar="PATH",

@@ -154,3 +154,23 @@ def test_extensions_with_no_length_past_training_are_not_planned():
     assert config.extensions and not config.extension_lengths
     assert [unit.name for unit in plan(config)] == list(config.encodings)
     assert make_config("quick", dim=4, heads=2, extensions=("pi", "yarn")).extensions == ("pi", "yarn")
+
+
+def test_lab_help_lists_the_names_the_config_takes(monkeypatch, capsys):
+    # The help text wrote the extensions, presets and tasks by hand: an extension added to EXTENSIONS, a family
+    # added to the registry, or a preset or task added to the lab went unlisted (or, for --preset, refused).
+    from posenc.cli import main
+    from posenc.lab import config
+    from posenc.registry import ENCODINGS
+
+    monkeypatch.setitem(EXTENSIONS, "brand_new", EXTENSIONS["pi"])
+    monkeypatch.setitem(ENCODINGS, "brand_new_family", ENCODINGS["nope"])
+    monkeypatch.setitem(PRESETS, "tiny", PRESETS["quick"])
+    monkeypatch.setattr(config, "TASKS", (*config.TASKS, "brand_new_task"))
+    monkeypatch.setenv("COLUMNS", "400")  # argparse breaks a long comma list inside a word
+    with pytest.raises(SystemExit):
+        main(["lab", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "{quick,default,full,tiny}" in text and "{copy,passkey,brand_new_task}" in text
+    assert f"comma list of {','.join(EXTENSIONS)}, or none" in text and ",brand_new," in text
+    assert "nope,rope,brand_new_family)" in text
