@@ -174,3 +174,27 @@ def test_lab_help_lists_the_names_the_config_takes(monkeypatch, capsys):
     assert "{quick,default,full,tiny}" in text and "{copy,passkey,brand_new_task}" in text
     assert f"comma list of {','.join(EXTENSIONS)}, or none" in text and ",brand_new," in text
     assert "nope,rope,brand_new_family)" in text
+
+
+def test_an_encoding_that_cannot_be_built_for_the_model_is_refused_by_the_config(monkeypatch):
+    # Only rope's and sinusoidal's size rules were checked by name: a registered family with its own rule failed at
+    # its unit, after the encodings before it had trained.
+    from posenc.registry import ENCODINGS
+
+    class WideHeads(posenc.NoPE):
+        @classmethod
+        def from_model_dims(cls, *, dim, num_heads, head_dim, max_positions, **options):
+            if head_dim < 64:
+                raise ValueError(f"head_dim must be >= 64, got {head_dim}")
+            return cls()
+
+    monkeypatch.setitem(ENCODINGS, "wide_heads", WideHeads)
+    state = torch.random.get_rng_state()
+    config = make_config(
+        "quick", encodings=("learned", "t5"), extensions=()
+    )  # builds both; the caller's random state stays
+    assert torch.equal(torch.random.get_rng_state(), state) and config.encodings == ("learned", "t5")
+    with pytest.raises(
+        ValueError, match=r"encoding wide_heads cannot be built .*head_dim=16.*: head_dim must be >= 64"
+    ):
+        make_config("quick", encodings=("alibi", "wide_heads"), extensions=())

@@ -198,8 +198,31 @@ class LabConfig:
                 f"seed={self.seed} with num_seeds={self.num_seeds} runs seeds up to {self.seed + self.num_seeds - 1}, "
                 f"past the largest seed torch takes ({_MAX_SEED} = 2**64 - 1)"
             )
+        if self.hf_config is None:
+            self._check_encodings_build()
         if self.hf_config is None and "rope" in self.encodings:
             self._check_extension_ropes()
+
+    def _check_encodings_build(self) -> None:
+        # Each encoding built for the lab's model now, as the extensions' RoPEs are below: a family whose sizes do
+        # not fit and that the named checks above do not know (one added to the registry) failed at its own unit,
+        # after the encodings before it had trained. fork_rng: a learned table's init must not move the caller's
+        # random state.
+        import torch
+
+        from posenc.lab.model import encoding_for
+
+        spec = self.model_spec()
+        for name in self.encodings:
+            try:
+                with torch.random.fork_rng(devices=[]):
+                    encoding_for(spec, name)
+            except (ValueError, TypeError) as error:
+                raise ValueError(
+                    f"encoding {name} cannot be built for the lab's model (dim={self.dim}, heads={self.heads}, head_dim"
+                    f"={spec.head_dim}, train_len={self.train_len}): {error}; change those sizes or leave {name} out "
+                    "of encodings"
+                ) from error
 
     def _check_extension_ropes(self) -> None:
         # Each extension's RoPE for the lab's own model, built now: a head too small for it (ntk and dynamic need
