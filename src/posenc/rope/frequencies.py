@@ -4,7 +4,8 @@ Every function here works in float64 and returns ``(inv_freq, attention_factor)`
 (r/2,), where r is the rotary dim. Positions times these frequencies give the rotation angles; keeping them in
 float64 until the cos/sin table is built is what makes position 2**20 as exact as position 20.
 
-A scaling type is one function plus one line in ``SCALINGS``. Kernels never change for it: they consume cos/sin.
+A scaling type is one function plus one line in ``SCALINGS``, and its keys in ``posenc.rope.parameters``
+(docs/scaling.md, "Adding a scaling type", lists the rest). Kernels never change for it: they consume cos/sin.
 The functions take plain, already validated and resolved values (``posenc.rope.parameters`` owns the dict keys,
 the defaults and the fallbacks); each follows the formula of Hugging Face ``transformers``' function of the same
 name in ``modeling_rope_utils.py``, branch for branch, but in float64.
