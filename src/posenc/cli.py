@@ -302,7 +302,7 @@ def _flag_text(value: object) -> str:
 
 def _add_lab(sub: argparse._SubParsersAction) -> None:
     # The names come from the lab's tables, read when the parser is built: a hand-written copy went stale.
-    from posenc.lab.config import EXTENSIONS, PRESETS, TASKS
+    from posenc.lab.config import EXTENSIONS, FINETUNABLE, PRESETS, TASKS
     from posenc.registry import ENCODINGS
 
     p = sub.add_parser(
@@ -338,7 +338,7 @@ def _add_lab(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--finetune-steps",
         type=int,
-        help="fine-tune pi and yarn, and plain rope as their control, at each target length (0: none)",
+        help=f"fine-tune {' and '.join(FINETUNABLE)}, and plain rope as their control, at each target length (0: none)",
     )
     p.add_argument("--task", choices=TASKS, help="also measure exact-match and per-byte accuracy on a task")
     p.add_argument(

@@ -167,6 +167,7 @@ def test_lab_help_lists_the_names_the_config_takes(monkeypatch, capsys):
     monkeypatch.setitem(ENCODINGS, "brand_new_family", ENCODINGS["nope"])
     monkeypatch.setitem(PRESETS, "tiny", PRESETS["quick"])
     monkeypatch.setattr(config, "TASKS", (*config.TASKS, "brand_new_task"))
+    monkeypatch.setattr(config, "FINETUNABLE", (*config.FINETUNABLE, "brand_new"))
     monkeypatch.setenv("COLUMNS", "400")  # argparse breaks a long comma list inside a word
     with pytest.raises(SystemExit):
         main(["lab", "--help"])
@@ -174,6 +175,7 @@ def test_lab_help_lists_the_names_the_config_takes(monkeypatch, capsys):
     assert "{quick,default,full,tiny}" in text and "{copy,passkey,brand_new_task}" in text
     assert f"comma list of {','.join(EXTENSIONS)}, or none" in text and ",brand_new," in text
     assert "nope,rope,brand_new_family)" in text
+    assert "fine-tune pi and yarn and brand_new, and plain rope" in text
 
 
 def test_an_encoding_that_cannot_be_built_for_the_model_is_refused_by_the_config(monkeypatch):
