@@ -86,9 +86,11 @@ def label(row: dict[str, Any]) -> str:
 
 
 def aggregate(rows: Iterable[dict[str, Any]], value: str) -> dict[tuple[str, int], dict[str, Any]]:
-    """(label, eval_len) -> {"mean", "spread" (sample std over seeds, None for one seed), "n", "reason"}.
+    """(label, eval_len) -> {"mean", "spread" (sample std over seeds, None for one seed), "n", "of", "reason"}.
 
-    A model not applicable at a length has mean None and its reason."""
+    n: the seeds with a value; of: the seeds where the model applies (n < of where some have no value, as units
+    evaluated before task_byte_accuracy was measured). A model not applicable at a length has mean None and its
+    reason."""
     groups: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
     for row in rows:
         groups[(label(row), row["eval_len"])].append(row)
@@ -99,6 +101,7 @@ def aggregate(rows: Iterable[dict[str, Any]], value: str) -> dict[tuple[str, int
             "mean": statistics.fmean(values) if values else None,
             "spread": statistics.stdev(values) if len(values) > 1 else None,
             "n": len(values),
+            "of": sum(1 for m in members if m["applicable"]),
             "reason": next((m["reason"] for m in members if not m["applicable"]), ""),
         }
     return table
@@ -108,9 +111,12 @@ def _cell(entry: dict[str, Any] | None, digits: int = 3) -> str:
     if entry is None:
         return ""
     if entry["mean"] is None:
-        return "n/a"
+        # Applicable but never measured (units evaluated before the value existed) is not "not applicable".
+        return "not measured" if entry.get("of") else "n/a"
     text = f"{entry['mean']:.{digits}f}"
-    return text if entry["spread"] is None else f"{text} ± {entry['spread']:.{digits}f}"
+    text = text if entry["spread"] is None else f"{text} ± {entry['spread']:.{digits}f}"
+    # A mean over fewer seeds than the run's, under the same label, must say so: it is another quantity.
+    return f"{text} ({entry['n']} of {entry['of']} seeds)" if entry["n"] < entry.get("of", entry["n"]) else text
 
 
 def _table(rows: list[dict[str, Any]], value: str, lengths: list[int], labels: list[str], digits: int = 3) -> str:
