@@ -20,10 +20,24 @@ def test_summary_table_by_hand(tmp_path, make_run):
     header, body = summary_table(read_results(make_run(tmp_path / "run", entropy=False, lab_png=False)))
     assert header == ["encoding", "extension", "train_len", "bpb @ 64", "bpb @ 128"]
     assert body == [
-        ["rope", "none", "64", "2.6000 ± 0.1414", "3.1000"],
-        ["rope", "yarn", "64", "", "2.6000"],
-        ["learned", "none", "64", "2.8000", "n/a"],
+        ["rope", "none", "64", "2.6000 ± 0.1414", "3.1000 (1 of 2 seeds)"],
+        ["rope", "yarn", "64", "", "2.6000 (1 of 2 seeds)"],
+        ["learned", "none", "64", "2.8000 (1 of 2 seeds)", "n/a"],
     ]
+
+
+def test_a_value_over_fewer_seeds_than_the_file_holds_says_so():
+    # Seed 1's rope row at 128 is missing (a folder put together by hand, or cut short): its value is seed 0's
+    # alone and the mean at 64 is over both, which the cells must tell apart.
+    common = {"encoding": "rope", "extension": "none", "train_len": "64"}
+    rows = [
+        {**common, "eval_len": "64", "seed": "0", "bits_per_byte": "2.0"},
+        {**common, "eval_len": "64", "seed": "1", "bits_per_byte": "3.0"},
+        {**common, "eval_len": "128", "seed": "0", "bits_per_byte": "4.0"},
+        {**common, "eval_len": "128", "seed": "1", "bits_per_byte": "nan"},
+    ]
+    assert summary_table(rows)[1] == [["rope", "none", "64", "2.5000 ± 0.7071", "4.0000 (1 of 2 seeds)"]]
+    assert summary_table(rows[:3])[1] == [["rope", "none", "64", "2.5000 ± 0.7071", "4.0000 (1 of 2 seeds)"]]
 
 
 def test_the_summary_explains_n_a_and_blank_cells_as_they_are(tmp_path, make_run):
@@ -31,7 +45,7 @@ def test_the_summary_explains_n_a_and_blank_cells_as_they_are(tmp_path, make_run
     summary = page.split("<h2>Bits per byte by evaluation length</h2>", 1)[1].split("<details>", 1)[0]
     assert "see the full rows below for the reason" not in summary
     assert "blank where it was not run at that length" in summary
-    assert "<td>rope</td><td>yarn</td><td>64</td><td></td><td>2.6000</td>" in summary
+    assert "<td>rope</td><td>yarn</td><td>64</td><td></td><td>2.6000 (1 of 2 seeds)</td>" in summary
 
 
 def test_report_holds_tables_and_embedded_images(tmp_path, make_run):

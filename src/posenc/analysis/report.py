@@ -45,10 +45,13 @@ def summary_table(rows: Sequence[Mapping[str, str]]) -> tuple[list[str], list[li
     extension, finetune_steps where the column exists, train_len) and one column per eval_len.
     Returns (header, body) as strings: 'n/a' where results.csv has rows for that model and length but no finite
     value (e.g. learned positions past their table; the row's reason says why), '' where it has no row at all
-    (e.g. the RoPE extensions, which are only evaluated past the training length), as report.md does."""
+    (e.g. the RoPE extensions, which are only evaluated past the training length), as report.md does. A value over
+    fewer of the file's seeds than it holds says so ('3.1000 (1 of 2 seeds)'): a folder missing some seeds' rows
+    for a model (not as the lab writes one) must not pass it off as the mean over all."""
     keys = [c for c in KEY_COLUMNS if rows and c in rows[0]]
     cells: dict[tuple[str, ...], dict[int, list[float | None]]] = defaultdict(lambda: defaultdict(list))
     lengths: set[int] = set()
+    seeds = len({row.get("seed") for row in rows})
     for row in rows:
         eval_len = int(float(row["eval_len"]))
         lengths.add(eval_len)
@@ -64,10 +67,13 @@ def summary_table(rows: Sequence[Mapping[str, str]]) -> tuple[list[str], list[li
                 line.append("")
             elif not values:
                 line.append("n/a")
-            elif len(values) == 1:
-                line.append(f"{values[0]:.4f}")
             else:
-                line.append(f"{statistics.mean(values):.4f} ± {statistics.stdev(values):.4f}")
+                text = (
+                    f"{values[0]:.4f}"
+                    if len(values) == 1
+                    else f"{statistics.mean(values):.4f} ± {statistics.stdev(values):.4f}"
+                )
+                line.append(text if len(values) >= seeds else f"{text} ({len(values)} of {seeds} seeds)")
         body.append(line)
     return header, body
 
@@ -137,7 +143,8 @@ def render_html(
         "<h2>Bits per byte by evaluation length</h2>",
         "<p>Mean over seeds (± sample standard deviation where a run has several); n/a where a model was run at "
         "that length but has no value there (its rows of results.csv, below, give the reason); blank where it was "
-        "not run at that length (the RoPE extensions start past the training length).</p>",
+        "not run at that length (the RoPE extensions start past the training length); (k of N seeds) where a value "
+        "stands on fewer of the file's N seeds.</p>",
         _table(*summary_table(rows)),
         f"<details><summary>All {len(rows)} rows of results.csv</summary>",
         _table(list(rows[0].keys()), [[row.get(k) or "" for k in rows[0]] for row in rows]),
