@@ -132,6 +132,28 @@ def test_rope_value_check_passes_the_cpu_providers(dtype: torch.dtype) -> None:
     assert rope.check_values(chosen, q, k, ["fwd", "bwd"]) == {}
 
 
+def test_rope_copy_floor_reads_what_each_mode_of_a_rotation_reads() -> None:
+    """The copy moves the bytes the op moves, and the same ones: fwd+bwd's backward half reads the output gradients,
+    tensors of their own, so its floor clones a second pair shaped like q and k rather than q and k again (which the
+    first half had just brought into the cache, a floor under the real one where q and k fit there)."""
+    rope = _benchmark("rope")
+    q, k = rope.random_qk(1, 4, 2, 8, 16, dtype=torch.bfloat16)
+    read: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def clone(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        read.append((a, b))
+        return a.clone(), b.clone()
+
+    rope.make_case("copy", clone, "fwd", q, k)()
+    assert len(read) == 1 and read[0][0] is q and read[0][1] is k
+    read.clear()
+    rope.make_case("copy", clone, "fwd+bwd", q, k)()
+    assert len(read) == 2 and read[0][0] is q and read[0][1] is k
+    for second, first in zip(read[1], (q, k), strict=True):
+        assert (second.shape, second.stride(), second.dtype) == (first.shape, first.stride(), first.dtype)
+        assert not any(second.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for x in (q, k))
+
+
 def test_rope_benchmark_names_the_providers_it_knows(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
