@@ -477,17 +477,48 @@ def test_gpu_goal_verdicts_from_benchmark_rows() -> None:
         row("posenc-triton-bshd", "bf16", 0.095, 0.84, 3530.0),  # Liger's layout: compared with Liger
     ]
     assert dict(gpu_goal.verdicts(rows)) == {
-        "s=16384 bf16 fwd: posenc-triton at 0.94 of the copy (4.20 TB/s); 3.95 TB/s = 0.82 of the nominal 4.8 TB/s "
+        "s=16384 bf16 fwd: posenc-triton at 0.940 of the copy (4.20 TB/s); 3.95 TB/s = 0.82 of the nominal 4.8 TB/s "
         "(goal >= 0.9 of the copy)": True,
-        "s=16384 bf16 fwd: posenc-triton-bshd at 0.84 of the copy (4.20 TB/s); 3.53 TB/s = 0.74 of the nominal 4.8 "
+        "s=16384 bf16 fwd: posenc-triton-bshd at 0.840 of the copy (4.20 TB/s); 3.53 TB/s = 0.74 of the nominal 4.8 "
         "TB/s (goal >= 0.9 of the copy)": False,
         "s=16384 bf16 fwd: posenc-triton-bshd p50 0.0950 ms, liger 0.0900 ms": False,
         "s=16384 bf16 fwd: posenc-triton p50 0.0850 ms, flash-attn 0.0840 ms": False,
-        "s=16384 fp32 fwd: posenc-triton at 0.80 of the copy (4.20 TB/s); 3.36 TB/s = 0.70 of the nominal 4.8 TB/s "
+        "s=16384 fp32 fwd: posenc-triton at 0.800 of the copy (4.20 TB/s); 3.36 TB/s = 0.70 of the nominal 4.8 TB/s "
         "(goal >= 0.9 of the copy)": False,
         "s=16384 fp32 fwd: no liger row": None,
         "s=16384 fp32 fwd: no flash-attn row": None,
     }
+
+
+def test_gpu_goal_is_unknown_for_a_dtype_the_run_lacks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A CSV with fp32 rows alone, every check met, does not pass the goal: bf16 (the issue's dtype) was not
+    measured. And a ratio just under the goal is not printed as the goal itself."""
+    spec = importlib.util.spec_from_file_location("gpu_goal", ROOT / "scripts" / "gpu_goal.py")
+    gpu_goal = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_goal)
+    shape = "b=1,hq=32,hk=8,s=16384,d=128"
+    rows = [
+        {"provider": name, "mode": "fwd", "dtype": "fp32", "shape": shape, "p50": p50, "ratio_to_copy": ratio}
+        | {"gb_per_s": "", "device": "GPU"}
+        for name, p50, ratio in (
+            ("copy", "0.16", "1.0"),
+            ("posenc-triton", "0.17", "0.95"),
+            *((rival, "0.18", "0.9") for rival in gpu_goal.RIVALS),
+        )
+    ]
+    path = tmp_path / "fp32_only.csv"
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    assert gpu_goal.main([str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "goal: UNKNOWN s=16384 bf16 fwd: no rows" in out
+    assert "goal: MET s=16384 fp32 fwd: posenc-triton at 0.950 (goal >= 0.9 of the copy)" in out
+    assert gpu_goal.main([str(path), "--dtypes", "fp32"]) == 0
+    rows[1]["ratio_to_copy"] = "0.897"
+    ((line, met),) = [(line, met) for line, met in gpu_goal.verdicts(rows, dtypes=("fp32",)) if "goal >=" in line]
+    assert "at 0.897 " in line and met is False
 
 
 @pytest.mark.skipif(shutil.which("timeout") is None, reason="gpu_check.sh runs each step under coreutils' timeout")
