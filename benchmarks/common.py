@@ -7,6 +7,7 @@ over this provider's p50, where the script gives them), device, torch, commit.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import ctypes
 import hashlib
@@ -148,11 +149,14 @@ def rows_against_copy(
     return rows
 
 
+UNTRACKED_READ_BYTES = 1 << 20  # untracked files up to this size are hashed whole by commit()
+
+
 def commit() -> str:
     """HEAD's short hash, "unknown" outside a git checkout. Where files other than docs/ differ from HEAD (tracked
-    changes or untracked files), "+dirty." and a hash of those changes follow: the GPU runs copy an uncommitted
-    working tree, and rows of different code must not share one stamp. docs/ is left out because the benchmarks
-    rewrite their own CSVs there."""
+    changes or untracked files), "+dirty." and a hash of those changes follow (untracked files' contents too: git's
+    diff leaves them out): the GPU runs copy an uncommitted working tree, and rows of different code must not share
+    one stamp. docs/ is left out because the benchmarks rewrite their own CSVs there."""
     here = Path(__file__).parent  # the checkout the script lives in, wherever it is run from
     head = _git(here, "rev-parse", "--short", "HEAD").decode().strip()
     if not head:
@@ -162,7 +166,17 @@ def commit() -> str:
     if not status:
         return head
     diff = _git(here, "diff", "--no-color", "--no-ext-diff", "--binary", "HEAD", "--", *code)
-    return f"{head}+dirty.{hashlib.sha1(status + diff).hexdigest()[:8]}"
+    digest = hashlib.sha1(status + diff)
+    top = Path(_git(here, "rev-parse", "--show-toplevel").decode().strip())
+    untracked = _git(here, "ls-files", "--others", "--exclude-standard", "--full-name", "-z", "--", *code)
+    for name in sorted(filter(None, untracked.split(b"\0"))):
+        digest.update(name + b"\0")
+        with contextlib.suppress(OSError):  # gone since git listed it, or unreadable: its name still counts
+            path = top / name.decode()
+            size = path.stat().st_size
+            # Source is small; a large untracked file (a data set, a cache) counts by its size, unread.
+            digest.update(path.read_bytes() if size <= UNTRACKED_READ_BYTES else str(size).encode())
+    return f"{head}+dirty.{digest.hexdigest()[:8]}"
 
 
 def _git(where: Path, *args: str) -> bytes:

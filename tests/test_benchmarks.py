@@ -331,7 +331,11 @@ def test_commit_stamp_marks_a_tree_that_differs_from_head(tmp_path: Path, monkey
     assert first != second
     (repo / "src" / "kernel.py").write_text("x = 1\n")
     (repo / "src" / "new.py").write_text("")
-    assert common.commit().startswith(f"{head}+dirty.")
+    empty = common.commit()
+    assert empty.startswith(f"{head}+dirty.")
+    # An untracked file's contents count, not its name alone: git's diff leaves them out.
+    (repo / "src" / "new.py").write_text("y = 1\n")
+    assert common.commit().startswith(f"{head}+dirty.") and common.commit() != empty
     assert _load_common(tmp_path / "plain").commit() == "unknown"
 
 
