@@ -3,7 +3,9 @@
 Providers: posenc-cpu / posenc-triton (fused, one call for q and k; on a GPU also posenc-triton-bshd, the same call
 on q and k stored (b, s, h, d), the memory Liger is given), posenc-torch (the pure-torch path), hf-eager
 (Hugging Face's ``q * cos + rotate_half(q) * sin`` with full-width cos/sin in x's dtype), torch.compile(hf-eager),
-copy (``clone()`` of q and k: the memory-bandwidth floor), and on a GPU liger (Liger-Kernel's rope) and flash-attn
+copy (``clone()`` of q and k: the memory-bandwidth floor), copy-one-launch (the same bytes held in one buffer and
+cloned by one launch: two clones pay a launch and a drain between them, which a rotation of q and k in one launch
+does not, so on a GPU this is the stricter floor), and on a GPU liger (Liger-Kernel's rope) and flash-attn
 (``apply_rotary_emb``) when installed, each given the inputs it is built for: Liger rotates q and k in place and
 wants them as Hugging Face's attention leaves them, (b, s, h, d) in memory seen as (b, h, s, d) (from contiguous (b,
 h, s, d) it first makes a transposed copy of each); flash-attn takes (b, s, h, d) views and cos/sin (s, d/2) in x's
@@ -51,9 +53,11 @@ from posenc.testing import TOLERANCES, random_qk, rope_reference
 HEADS_Q, HEADS_K, HEAD_DIM = 32, 8, 128
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PROVIDERS = (
-    "copy", "posenc-cpu", "posenc-triton", "posenc-triton-bshd", "posenc-torch", "hf-eager", "torch.compile(hf-eager)",
-    "liger", "flash-attn",
+    "copy", "copy-one-launch", "posenc-cpu", "posenc-triton", "posenc-triton-bshd", "posenc-torch", "hf-eager",
+    "torch.compile(hf-eager)", "liger", "flash-attn",
 )  # fmt: skip
+# The floors: copies of the bytes a rotation moves, not rotations (no values to check; kept whatever --providers says).
+COPIES = frozenset({"copy", "copy-one-launch"})
 # The providers measured on one device only (the rest run on both).
 ONLY_ON = {
     "posenc-cpu": "cpu",
@@ -96,7 +100,7 @@ def providers(device: str, seq: int, dtype: torch.dtype) -> dict[str, Callable]:
     """name -> f(q, k) returning the rotated (q, k) (or the copies)."""
     table = tables(seq, dtype, device)
     (half_cos, half_sin), (hf_cos, hf_sin) = table["half"], table["full"]
-    result: dict[str, Callable] = {"copy": lambda q, k: (q.clone(), k.clone())}
+    result: dict[str, Callable] = {"copy": lambda q, k: (q.clone(), k.clone()), "copy-one-launch": torch.clone}
     fused = "posenc-cpu" if device == "cpu" else "posenc-triton"
     backend = "cpu" if device == "cpu" else "triton"
     result[fused] = lambda q, k: apply_rotary_qk(q, k, half_cos, half_sin, backend=backend)
@@ -167,6 +171,14 @@ def make_case(name: str, fn: Callable, mode: str, q: torch.Tensor, k: torch.Tens
             gq, gk = torch.randn_like(q), torch.randn_like(k)
             return lambda: (fn(q, k), fn(gq, gk))[1]
         return lambda: fn(q, k)
+    if name == "copy-one-launch":
+        # q's and k's bytes side by side in one buffer, one clone each pass (fwd+bwd: the forward's and then the
+        # gradients', a buffer of their own as above). fn is torch.clone.
+        flat = torch.cat([q.reshape(-1), k.reshape(-1)])
+        if mode == "fwd+bwd":
+            grads = torch.randn_like(flat)
+            return lambda: (fn(flat), fn(grads))[1]
+        return lambda: fn(flat)
     if mode == "fwd":
 
         def forward():
@@ -204,7 +216,7 @@ def check_values(chosen: dict[str, Callable], q: torch.Tensor, k: torch.Tensor, 
         expected |= {"dq": rope_reference(grads[0], -positions), "dk": rope_reference(grads[1], -positions)}
     wrong: dict[str, str] = {}
     for name, fn in chosen.items():
-        if name == "copy":
+        if name in COPIES:
             continue
         for with_grads, label in calls:
             try:
@@ -285,12 +297,12 @@ def main() -> None:
             q, k = random_qk(args.batch, HEADS_Q, HEADS_K, seq, HEAD_DIM, dtype=dtype, device=args.device)
             chosen = providers(args.device, seq, dtype)
             if names:
-                chosen = {n: f for n, f in chosen.items() if n in names or n == "copy"}
+                chosen = {n: f for n, f in chosen.items() if n in names or n in COPIES}
             for name, what in check_values(chosen, q, k, args.modes).items():
                 print(f"WRONG VALUES: {name} at s={seq} {dtype_name}, {what}; its rows are left out", flush=True)
                 failed.append(f"{name} (s={seq} {dtype_name})")
                 del chosen[name]
-            checked = ", ".join(name for name in chosen if name != "copy")
+            checked = ", ".join(name for name in chosen if name not in COPIES)
             print(f"values at s={seq} {dtype_name} within rounding of float64: {checked}", flush=True)
             shape = f"b={args.batch},hq={HEADS_Q},hk={HEADS_K},s={seq},d={HEAD_DIM}"
             for mode in args.modes:

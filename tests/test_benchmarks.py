@@ -67,7 +67,7 @@ def test_rope_benchmark_writes_every_provider_mode_and_dtype(tmp_path: Path, all
     rows = _rows(out)
     assert {(r["provider"], r["mode"], r["dtype"]) for r in rows} == {
         (provider, mode, dtype)
-        for provider in ("copy", "posenc-cpu", "posenc-torch", "hf-eager")
+        for provider in ("copy", "copy-one-launch", "posenc-cpu", "posenc-torch", "hf-eager")
         for mode in ("fwd", "bwd", "fwd+bwd")
         for dtype in ("fp32", "bf16")
     }
@@ -116,7 +116,7 @@ def test_rope_benchmark_leaves_out_a_provider_with_wrong_values(
     assert "WRONG VALUES: posenc-torch at s=7 bf16, fwd: q is off by up to" in printed
     assert "torch.compile(hf-eager) at s=7 bf16, fwd raised RuntimeError: no kernel for this shape" in printed
     assert {(r["provider"], r["mode"]) for r in _rows(out)} == {
-        (p, m) for p in ("copy", "hf-eager") for m in ("fwd", "bwd")
+        (p, m) for p in ("copy", "copy-one-launch", "hf-eager") for m in ("fwd", "bwd")
     }
 
 
@@ -146,6 +146,15 @@ def test_rope_copy_floor_reads_what_each_mode_of_a_rotation_reads() -> None:
 
     rope.make_case("copy", clone, "fwd", q, k)()
     assert len(read) == 1 and read[0][0] is q and read[0][1] is k
+    # The one-launch copy: one buffer of q's and k's bytes (their values), one clone a pass.
+    flat: list[torch.Tensor] = []
+    rope.make_case("copy-one-launch", lambda x: flat.append(x) or x.clone(), "fwd", q, k)()
+    assert len(flat) == 1 and flat[0].nbytes == q.nbytes + k.nbytes
+    assert torch.equal(flat[0], torch.cat([q.reshape(-1), k.reshape(-1)]))
+    flat.clear()
+    rope.make_case("copy-one-launch", lambda x: flat.append(x) or x.clone(), "fwd+bwd", q, k)()
+    assert [x.nbytes for x in flat] == [q.nbytes + k.nbytes] * 2
+    assert flat[0].data_ptr() != flat[1].data_ptr()
     read.clear()
     rope.make_case("copy", clone, "fwd+bwd", q, k)()
     assert len(read) == 2 and read[0][0] is q and read[0][1] is k
@@ -168,7 +177,7 @@ def test_rope_benchmark_names_the_providers_it_knows(
     monkeypatch.setattr(sys, "argv", [*argv, "--providers", "liger", "hf-eager", "--csv", str(tmp_path / "b.csv")])
     rope.main()
     assert "note: liger runs on --device cuda only; not measured on this --device cpu run" in capsys.readouterr().out
-    assert [r["provider"] for r in _rows(tmp_path / "b.csv")] == ["copy", "hf-eager"]
+    assert [r["provider"] for r in _rows(tmp_path / "b.csv")] == ["copy", "copy-one-launch", "hf-eager"]
     # Every provider a CPU run makes is a known name, measured on the CPU.
     made = set(rope.providers("cpu", 8, torch.float32))
     assert made == {name for name in rope.PROVIDERS if rope.ONLY_ON.get(name, "cpu") == "cpu"}
@@ -492,6 +501,33 @@ def test_gpu_goal_verdicts_from_benchmark_rows() -> None:
         "s=16384 fp32 fwd: no liger row": None,
         "s=16384 fp32 fwd: no flash-attn row": None,
     }
+
+
+def test_gpu_goal_judges_against_the_faster_copy() -> None:
+    """Two clones pay a launch boundary that a rotation of q and k in one launch does not (Liger at 1.34 of the
+    two-clone copy at 1k on the H200): where the run has the one-launch copy and it is faster, the goal is judged
+    against it; where it is slower, against the two clones."""
+    spec = importlib.util.spec_from_file_location("gpu_goal", ROOT / "scripts" / "gpu_goal.py")
+    gpu_goal = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_goal)
+    shape = "b=1,hq=32,hk=8,s=16384,d=128"
+
+    def rows(one_launch_p50: str) -> list[dict[str, str]]:
+        made = (("copy", "0.0800", "1.0"), ("copy-one-launch", one_launch_p50, ""), ("posenc-triton", "0.0870", "0.92"))
+        return [
+            {"provider": name, "mode": "fwd", "dtype": "bf16", "shape": shape, "p50": p50, "ratio_to_copy": ratio}
+            | {"device": "NVIDIA H200, clock=device"}
+            for name, p50, ratio in made
+        ]
+
+    def goal(rows: list[dict[str, str]]) -> tuple[str, bool | None]:
+        ((line, met),) = [(l, m) for l, m in gpu_goal.verdicts(rows, dtypes=("bf16",)) if "goal >=" in l]
+        return line, met
+
+    line, met = goal(rows("0.0770"))  # one launch faster: 0.077 / 0.087 = 0.885
+    assert "posenc-triton at 0.885 (goal" in line and met is False
+    line, met = goal(rows("0.0820"))  # one launch slower: the two clones' 0.92 stands
+    assert "posenc-triton at 0.920 (goal" in line and met is True
 
 
 def test_gpu_goal_is_unknown_for_a_dtype_the_run_lacks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
