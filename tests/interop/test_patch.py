@@ -286,6 +286,39 @@ def test_a_patched_model_refuses_pickling_and_copies_as_patched() -> None:
         assert torch.equal(torch.load(buffer, weights_only=False)(ids).logits, before)
 
 
+@pytest.mark.parametrize("mode", ["hf", "consistent"])
+def test_a_patched_model_dropped_frees_its_attention_weights_without_the_cycle_collector(mode: str) -> None:
+    """Each patched attention module held its forward as a bound method (module -> forward -> module), a reference
+    cycle: a patched model dropped without unpatch_model kept every layer's q/k/v/o projections alive until Python's
+    cyclic collector ran, where an unpatched model's are freed at ``del`` (a server swapping models, or a
+    ``del model; torch.cuda.empty_cache()``, kept the weights on the GPU). A deep copy's forwards stay its own."""
+    import gc
+    import inspect
+    import weakref
+
+    model = build("llama", "dynamic")
+    patch_model(model, mode=mode)
+    twin = copy.deepcopy(model)
+    attention = twin.model.layers[0].self_attn
+    assert attention.forward.__self__ is attention  # bound to the copy, not to the model it was copied from
+    unbound = inspect.signature(type(attention).forward).parameters
+    assert list(inspect.signature(attention.forward).parameters) == list(unbound)[1:]  # as a bound method's
+    ids = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(twin(ids).logits, model(ids).logits, **FP32)
+    weights = [weakref.ref(layer.self_attn.q_proj.weight) for layer in model.model.layers]
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        del model
+        assert all(weight() is None for weight in weights)
+    finally:
+        if enabled:
+            gc.enable()
+    with torch.no_grad():
+        twin(ids)  # the copy runs on, unaffected
+
+
 def test_a_shallow_copy_unpatched_leaves_the_model_it_shares_modules_with_unpatched_and_saying_so() -> None:
     """copy.copy of a patched model shares its modules (and the patch's state): unpatching the copy unpatched both,
     but the original still said it was patched, patch_model refused it as "already patched", and unpatch_model

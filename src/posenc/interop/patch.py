@@ -44,9 +44,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import inspect
 import math
 import types
 import warnings
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -142,7 +144,7 @@ def _patch_state(model: nn.Module) -> _PatchState | None:
 
 class _PickleGuard:
     """Held by each patched attention module, so that pickling it, or anything holding it (the model, a layer),
-    is refused; copy.deepcopy keeps the patched forwards (it copies a bound method's function as is), and a guard.
+    is refused; copy.deepcopy keeps the patched forwards (each calls its module's copy), and a guard.
 
     Pickle stores each attention module's instance forward (a copy of the class's, bound) by its name, so a loaded
     model would run the class's unpatched forward on posenc's cos/sin and fail in a shape mismatch."""
@@ -163,6 +165,52 @@ class _PickleGuard:
 
 
 _GUARD_ATTR = "_posenc_patched_forward"
+
+
+class _PatchedForward:
+    """A patched attention module's forward: the patched function, called with the module, which it holds weakly.
+
+    A bound method (module -> its forward -> module) made each patched layer a reference cycle: a patched model
+    dropped without ``unpatch_model`` kept every layer's q/k/v/o projections alive until Python's cyclic collector
+    ran, where an unpatched model's are freed at ``del`` (``del model; torch.cuda.empty_cache()`` left them on the
+    GPU). ``__func__`` and ``__self__`` are a bound method's."""
+
+    __slots__ = ("__func__", "_module")
+
+    def __init__(self, func: types.FunctionType, module: nn.Module) -> None:
+        self.__func__ = func
+        self._module = weakref.ref(module)
+
+    @property
+    def __self__(self) -> nn.Module | None:
+        return self._module()
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        # A bound method's: the function's without its first parameter (callers check forward's arguments by it).
+        signature = inspect.signature(self.__func__)
+        return signature.replace(parameters=list(signature.parameters.values())[1:])
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self._module()
+        if module is None:  # only a forward kept apart from its layer outlives it
+            raise ReferenceError("this patched forward's attention module no longer exists; call the module itself")
+        return self.__func__(module, *args, **kwargs)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return _PickleGuard().__reduce_ex__(protocol)  # the guard's error, whichever of the two pickle meets first
+
+    def __copy__(self) -> _PatchedForward:
+        return self  # immutable, as a bound method
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _PatchedForward:
+        # Copied with its module (deepcopy(model)), whose copy is in the memo before its __dict__ is copied: the
+        # copy's forward calls the copy. Copied alone, it goes on calling the module it was made for.
+        module = self._module()
+        if module is None:
+            return self
+        copied = memo.get(id(module))
+        return _PatchedForward(self.__func__, copied if isinstance(copied, nn.Module) else module)
 
 
 def _weights_dtype(model: nn.Module) -> torch.dtype | None:
@@ -561,7 +609,7 @@ def patch_model(
             swapped.append((named[parent_name], attr, module))
     for module in found.attention:
         # An instance attribute: nn.Module.__call__ finds it before the class's forward.
-        module.forward = types.MethodType(forwards[type(module)], module)
+        module.forward = _PatchedForward(forwards[type(module)], module)
         object.__setattr__(module, _GUARD_ATTR, _PickleGuard())
 
     state = _PatchState(report, swapped, list(found.attention), config, originals, _weights_dtype(model))
