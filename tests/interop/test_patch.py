@@ -319,6 +319,37 @@ def test_a_patched_model_dropped_frees_its_attention_weights_without_the_cycle_c
         twin(ids)  # the copy runs on, unaffected
 
 
+def test_a_patched_base_model_dropped_frees_its_weights_and_its_copy_unpatches_itself() -> None:
+    """A base model (``AutoModel``: LlamaModel, as embedding servers load it) holds its rotary module itself, and
+    the patch's state, kept on the model, held that parent: model -> state -> model, a cycle that kept the whole
+    model alive past ``del`` until Python's cyclic collector ran. A deep copy unpatched restores its own modules."""
+    import gc
+    import weakref
+
+    model = build("llama").model
+    ids = tokens()
+    with torch.no_grad():
+        before = model(ids).last_hidden_state
+        patch_model(model)
+        patched = model(ids).last_hidden_state
+        twin = copy.deepcopy(model)
+        unpatch_model(twin)
+        assert torch.equal(twin(ids).last_hidden_state, before)
+        assert torch.equal(model(ids).last_hidden_state, patched) and is_patched(model)
+    assert isinstance(model.rotary_emb, PosencRotaryEmbedding) and not isinstance(
+        twin.rotary_emb, PosencRotaryEmbedding
+    )
+    weights = [weakref.ref(model), weakref.ref(model.embed_tokens.weight)]
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        del model
+        assert all(weight() is None for weight in weights)
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def test_a_shallow_copy_unpatched_leaves_the_model_it_shares_modules_with_unpatched_and_saying_so() -> None:
     """copy.copy of a patched model shares its modules (and the patch's state): unpatching the copy unpatched both,
     but the original still said it was patched, patch_model refused it as "already patched", and unpatch_model

@@ -126,7 +126,10 @@ class _PatchState:
     """What ``unpatch_model`` puts back."""
 
     report: PatchReport
-    rotary: list[tuple[nn.Module, str, nn.Module]]  # (parent, attribute, original module)
+    # (the parent's name in the model, attribute, original module). A name, not the parent: this state is kept on
+    # the model, and a base model (LlamaModel) is its rotary module's parent, so model -> state -> model was a cycle
+    # that kept a dropped patched model's weights alive until Python's cyclic collector ran.
+    rotary: list[tuple[str, str, nn.Module]]
     attention: list[nn.Module]
     config: Any
     original_config_values: dict[str, Any]  # attribute -> its value before patching
@@ -606,7 +609,7 @@ def patch_model(
         for name, module in members:
             parent_name, _, attr = name.rpartition(".")
             setattr(named[parent_name], attr, replacement)
-            swapped.append((named[parent_name], attr, module))
+            swapped.append((parent_name, attr, module))
     for module in found.attention:
         # An instance attribute: nn.Module.__call__ finds it before the class's forward.
         module.forward = _PatchedForward(forwards[type(module)], module)
@@ -823,7 +826,8 @@ def unpatch_model(model: nn.Module) -> PatchReport:
     cast = dtype if dtype is not None and dtype != state.weights_dtype else None
     for key, value in state.original_config_values.items():
         setattr(state.config, key, value)
-    for parent, attr, original in state.rotary:
+    for parent_name, attr, original in state.rotary:
+        parent = model.get_submodule(parent_name)
         patched = getattr(parent, attr)
         original.to(device=patched.device, dtype=cast)
         if isinstance(patched, PosencRotaryEmbedding):
