@@ -472,6 +472,24 @@ def test_a_consistent_cache_cropped_back_below_the_switch_rotates_for_the_kept_l
     torch.testing.assert_close(step, full[:, 3:], atol=1e-12, rtol=1e-12)
 
 
+def test_a_deep_copy_of_a_cropped_cache_holds_only_the_kept_tokens():
+    """crop keeps views of the cached tensors (as DynamicCache.crop does), and a deep copy (a beam, a branch from a
+    shared prefix) copied the views' whole storage: a cache of 4096 tokens cropped to 16 gave every copy the keys
+    and values of 4096 tokens. Copies hold their own kept tokens, and continue as the cache does."""
+    torch.manual_seed(0)
+    attn = CausalSelfAttention(DIM, HEADS, encoding=posenc.RoPE(HEAD_DIM)).double()
+    x = torch.randn(1, 4096, DIM, dtype=torch.float64)
+    cache = KVCache()
+    with torch.no_grad():
+        attn(x, cache=cache)
+        cache.crop(16)
+        branch = copy.deepcopy(cache)
+        for name in ("k", "v", "positions"):
+            held, kept = getattr(branch, name), getattr(cache, name)
+            assert held.untyped_storage().nbytes() == kept.nbytes and torch.equal(held, kept)
+        torch.testing.assert_close(attn(x[:, 16:17], cache=branch), attn(x[:, 16:17], cache=cache), atol=0, rtol=0)
+
+
 def test_crop_keeps_drops_and_refuses_as_transformers_does():
     cache = KVCache()
     cache.crop(0)  # an empty cache: nothing to drop

@@ -99,8 +99,10 @@ class KVCache:
                 owner = value() if value is not None else None
                 copied = memo.get(id(owner)) if owner is not None else None
                 clone.__dict__[key] = weakref.ref(copied) if isinstance(copied, nn.Module) else value
-            elif isinstance(value, torch.Tensor) and value.grad_fn is not None:
+            elif isinstance(value, torch.Tensor) and (value.grad_fn is not None or not value.requires_grad):
                 # Filled with grad enabled: torch cannot deepcopy a tensor with history; a clone keeps the history.
+                # A clone for the others too: after crop they are views, whose whole storage torch's deepcopy
+                # copies (a cache of 4096 tokens cropped to 16 gave each copy 4096 tokens' keys and values).
                 clone.__dict__[key] = memo.setdefault(id(value), value.clone())
             else:
                 clone.__dict__[key] = copy.deepcopy(value, memo)
