@@ -501,8 +501,36 @@ def test_crop_keeps_drops_and_refuses_as_transformers_does():
         cache.crop(-6)
     with pytest.raises(TypeError, match="length must be an int"):
         cache.crop(2.0)
+    with pytest.raises(TypeError, match="length must be an int"):
+        cache.crop(True)  # not 1
     cache.crop(np.int64(-5))
     assert cache.length == 0 and cache.k is None and cache.next_positions(2).tolist() == [[0, 1]]
+
+
+def test_crop_to_zero_empties_a_consistent_cache_as_if_nothing_was_fed():
+    """crop(0) keeps no token (not all of them, as a negative length's count from the end would): a consistent
+    cache's unrotated keys and their frequencies go with the rest, and decoding starts over from position 0."""
+    torch.manual_seed(0)
+    rope = posenc.RoPE(HEAD_DIM, rope_parameters={"rope_type": "dynamic", "factor": 2.0}, max_position_embeddings=4,
+                       mode="consistent").double()  # fmt: skip
+    attn = CausalSelfAttention(DIM, HEADS, num_kv_heads=KV_HEADS, encoding=rope).double()
+    x = torch.randn(1, 6, DIM, dtype=torch.float64)
+    cache = KVCache()
+    attn(x, positions=torch.arange(6)[None], cache=cache)  # 6 > 4: scaled
+    cache.crop(0)
+    assert cache.length == 0 and cache.unrotated_k is None and cache.rotated_with is None
+    step = attn(x[:, :3], positions=cache.next_positions(3), cache=cache)
+    torch.testing.assert_close(step, attn(x[:, :3], positions=torch.arange(3)[None]), atol=0, rtol=0)
+
+
+def test_a_layer_with_float32_weights_takes_bf16_x_under_autocast():
+    # Autocast casts the projections' inputs itself: x in another dtype than the weights is refused outside it only.
+    attn = CausalSelfAttention(DIM, HEADS, encoding=posenc.RoPE(HEAD_DIM))
+    x = torch.randn(1, 5, DIM, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert attn(x).dtype == torch.bfloat16
+    with pytest.raises(TypeError, match=r"x is torch\.bfloat16 but the layer's weights are torch\.float32"):
+        attn(x)
 
 
 @pytest.mark.parametrize("name", ["alibi", "t5", "rope"])

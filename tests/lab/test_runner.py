@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import dataclasses
 import io
 import json
 import shutil
@@ -13,6 +14,7 @@ from collections import defaultdict
 import pytest
 import torch
 from matplotlib.container import ErrorbarContainer
+from safetensors import SafetensorError
 
 from posenc.cli import main
 from posenc.lab import runner, store
@@ -277,6 +279,8 @@ def test_an_interrupt_mid_training_resumes_from_the_checkpoint_bit_for_bit(tiny_
     config = tiny_config(encodings=("t5",), extensions=(), steps=45)
     reference = tmp_path / "reference"
     quiet(config, reference).run()  # saves no checkpoint: it ends in well under CHECKPOINT_SECONDS
+    # One setting trained it all: train.json names none (the resumed one, compared with it below, neither).
+    assert "trained_with" not in json.loads((reference / "runs" / "t5" / "seed0" / "train.json").read_text())
     out = tmp_path / "interrupted"
     folder = out / "runs" / "t5" / "seed0"
     monkeypatch.setattr(runner, "CHECKPOINT_SECONDS", 0.0)  # at every check: after steps 1 and 21
@@ -367,11 +371,12 @@ def test_a_checkpoint_that_cannot_be_written_is_said_once_and_training_goes_on(t
     reference = tmp_path / "reference"
     quiet(config, reference).run()
     monkeypatch.setattr(runner, "CHECKPOINT_SECONDS", 0.0)
-    real = store.save_tensors
+    real, refused = store.save_tensors, []
 
     def full(path, *args, **kwargs):  # room for the weights at the end, not for a checkpoint
         if path.name == "checkpoint.safetensors":
-            raise OSError(28, "No space left")
+            refused.append(path)  # safetensors' own error (its write), then an OSError (the rename)
+            raise SafetensorError("No space left on device") if len(refused) == 1 else OSError(28, "No space left")
         return real(path, *args, **kwargs)
 
     monkeypatch.setattr(store, "save_tensors", full)
@@ -379,6 +384,7 @@ def test_a_checkpoint_that_cannot_be_written_is_said_once_and_training_goes_on(t
     Lab(config, tmp_path / "full", echo=lines.append, progress=False).run()
     said = [line for line in lines if "could not write a checkpoint" in line]
     assert len(said) == 1 and "No space left" in said[0] and "training goes on without" in said[0]
+    assert len(refused) == 3  # after steps 1, 21 and 41
     assert (tmp_path / "full" / "results.csv").read_text() == (reference / "results.csv").read_text()
 
 
@@ -428,6 +434,56 @@ def test_a_checkpoint_of_another_model_under_the_same_identity_is_said_and_not_r
     assert lab._checkpoint(path, {"unit": "rope"}, lab._build("rope")) is None
 
 
+def test_a_checkpoint_whose_parts_do_not_fit_the_model_is_not_resumed(tiny_config, tmp_path):
+    """Each part _fits checks, spoiled one at a time in a state of the model's own parameters: any one of them would
+    fail inside train() or resume AdamW with moments that are not the parameters' own."""
+    lab = Lab(tiny_config(), tmp_path / "run", echo=(lines := []).append)
+    model = lab._build("rope")
+    optimizer = train_module.make_optimizer(model, lr=1e-3, weight_decay=0.1)
+    model(torch.zeros(1, 4, dtype=torch.long))[0].sum().backward()
+    optimizer.step()
+    moments = optimizer.state_dict()["state"]
+    good = train_module.TrainState(1, 0.5, torch.zeros(1), dict(model.state_dict()), dict(moments))
+    path = tmp_path / "checkpoint.safetensors"
+    assert lab._checkpoint(path, {"unit": "rope"}, model) is None and lines == []  # none saved: nothing to say
+    name = next(iter(good.model))
+    # Two parameters' moments of different shapes, exchanged: the optimizer's order of parameters changed.
+    other = next(i for i in moments if moments[i]["exp_avg"].shape != moments[0]["exp_avg"].shape)
+    last = max(moments)
+    spoiled = {
+        "losses of another step count": dataclasses.replace(good, losses=torch.zeros(2)),
+        "a parameter in float64": dataclasses.replace(good, model={**good.model, name: good.model[name].double()}),
+        "the last parameter's moments under the next index": dataclasses.replace(
+            good, optimizer={**{i: m for i, m in moments.items() if i != last}, last + 1: moments[last]}
+        ),
+        "no exp_avg_sq": dataclasses.replace(
+            good, optimizer={**moments, 0: {k: v for k, v in moments[0].items() if k != "exp_avg_sq"}}
+        ),
+        "another parameter's moments": dataclasses.replace(
+            good, optimizer={**moments, 0: moments[other], other: moments[0]}
+        ),
+        "another parameter's exp_avg_sq": dataclasses.replace(
+            good, optimizer={**moments, 0: {**moments[0], "exp_avg_sq": moments[other]["exp_avg_sq"].clone()}}
+        ),
+    }
+    store.save_tensors(path, *good.to_tensors({"unit": "rope"}))
+    assert lab._checkpoint(path, {"unit": "rope"}, model).step == 1
+    for what, state in spoiled.items():
+        store.save_tensors(path, *state.to_tensors({"unit": "rope"}))
+        assert lab._checkpoint(path, {"unit": "rope"}, model) is None, what
+
+
+def test_trained_with_and_its_description_of_checkpoints_that_record_no_settings():
+    here = {"torch_threads": 2, "device": "cpu", "processes": 1}
+    # A checkpoint of a posenc before trained_with (None), or one whose list is empty: its steps' settings are unknown.
+    for earlier in (None, []):
+        parts = runner._trained_with(earlier, 21, here)
+        assert parts == [{"from_step": 0}, {"from_step": 21, **here}]
+        assert runner._described(parts[0]) == "settings the checkpoint does not record"
+    assert runner._described(parts[1]) == "2 torch thread(s) on cpu in 1 process(es)"
+    assert runner._trained_with([{"from_step": 0, **here}], 21, here) == [{"from_step": 0, **here}]
+
+
 def test_interrupted_evaluation_resumes_without_retraining(tiny_config, tmp_path, monkeypatch):
     # Heads of 3 channels: no rope, so an odd head size trains, and the report draws its RoPE figures at 4.
     config = tiny_config(encodings=("alibi",), extensions=(), dim=12, heads=4)
@@ -444,8 +500,11 @@ def test_interrupted_evaluation_resumes_without_retraining(tiny_config, tmp_path
     assert sorted(p.name for p in folder.iterdir()) == ["model.safetensors", "train.json"]
     monkeypatch.setattr(runner, "evaluate_length", real)
     monkeypatch.setattr(runner, "train", lambda *a, **k: pytest.fail("trained again"))
+    # As a run killed between writing train.json and deleting its checkpoint leaves it: deleted when the unit resumes.
+    (folder / "checkpoint.safetensors").write_bytes(b"left over")
     results = quiet(config, out).run()
     assert len(results["rows"]) == 4 and (folder / "metrics.json").exists()
+    assert not (folder / "checkpoint.safetensors").exists()
     # Without a rope model there is no extensions plot to draw, nor one named in the report.
     assert not (out / "rope_extensions.png").exists() and "rope_extensions.png" not in (out / "report.md").read_text()
     assert (out / "entropy_by_length.png").exists() and (out / "report.html").exists()

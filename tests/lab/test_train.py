@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import json
 import math
+import types
 
 import pytest
 import torch
@@ -170,6 +173,42 @@ def test_a_state_saved_under_another_identity_is_not_resumed(tmp_path):
     tensors, metadata = saved[0].to_tensors(identity)
     assert TrainState.from_tensors(tensors, metadata, {**identity, "unit": "rope"}) is None
     assert TrainState.from_tensors(tensors, {}, identity) is None  # no state: a plain weights file
+    # Another layout of the state, or one without its losses (written by something else): not resumed.
+    about = json.loads(metadata["posenc_train_state"])
+    other_format = {"posenc_train_state": json.dumps({**about, "format": about["format"] + 1})}
+    assert TrainState.from_tensors(tensors, other_format, identity) is None
+    assert TrainState.from_tensors({k: v for k, v in tensors.items() if k != "losses"}, metadata, identity) is None
+
+
+@pytest.mark.parametrize("step, losses", [(3, 3), (1, 2), (0, 0)])
+def test_a_state_no_call_of_these_steps_saved_is_refused(step, losses):
+    torch.manual_seed(0)
+    state = TrainState(step, 1.0, torch.zeros(losses), ByteLM(SPEC, "nope").state_dict(), {})
+    with pytest.raises(ValueError, match=f"resume holds the state after step {step} with {losses} losses"):
+        train(ByteLM(SPEC, "nope"), TEXT, seq_len=8, batch_size=4, steps=3, lr=1e-2, seed=0, resume=state,
+              progress=False)  # fmt: skip
+
+
+def test_saves_come_save_every_seconds_apart_and_count_the_resumed_state_s_seconds(monkeypatch):
+    """On a clock that advances one second per step: with save_every=30, of the checks after steps 1, 21, 41 and
+    61 only 41's saves (61 is 20 s after it); a resumed state's seconds are added to every later one's."""
+    clock = [0.0]
+    real_windows_at = train_module.windows_at
+
+    def one_second_per_step(*args, **kwargs):
+        clock[0] += 1.0
+        return real_windows_at(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "windows_at", one_second_per_step)
+    monkeypatch.setattr(train_module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    options = {"seq_len": 8, "batch_size": 2, "steps": 65, "lr": 1e-2, "seed": 0, "progress": False}
+    saved: list[TrainState] = []
+    train(ByteLM(SPEC, "nope"), TEXT, **options, save=saved.append, save_every=30.0)
+    assert [(state.step, state.seconds) for state in saved] == [(41, 41.0)]
+    clock[0], later = 0.0, []
+    earlier = dataclasses.replace(saved[0], seconds=1000.0)
+    result = train(ByteLM(SPEC, "nope"), TEXT, **options, resume=earlier, save=later.append, save_every=0.0)
+    assert [(state.step, state.seconds) for state in later] == [(61, 1020.0)] and result.seconds == 1024.0
 
 
 def test_the_bar_of_a_resumed_run_starts_at_its_step(monkeypatch):

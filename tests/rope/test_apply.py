@@ -300,6 +300,26 @@ def test_checkpointed_call_backpropagates_after_a_longer_call_grew_the_table(bac
     assert torch.equal(x.grad, expected.grad)
 
 
+@pytest.mark.parametrize("backend", ["auto", "cpu"])
+def test_checkpointed_call_with_only_k_requiring_grad_backpropagates_after_the_table_grew(backend):
+    """As above, with q a constant (a cross-attention query, or keys alone trained): its rows are cut too."""
+    from torch.utils.checkpoint import checkpoint
+
+    rope = posenc.RoPE(8, backend=backend)
+    q = torch.randn(1, 1, 7, 8, generator=torch.Generator().manual_seed(1))
+
+    def rotated(x):
+        return (rope(q[:, :, : x.shape[2]], x)[1].sin()).sum()
+
+    x = torch.randn(1, 1, 7, 8, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    loss = checkpoint(rotated, x, use_reentrant=False)
+    rope(torch.randn(1, 1, 300, 8), torch.randn(1, 1, 300, 8))  # past the first table's 256 rows
+    loss.backward()
+    expected = x.detach().clone().requires_grad_()
+    rotated(expected).backward()
+    assert torch.equal(x.grad, expected.grad)
+
+
 def test_meta_device_construction():
     with torch.device("meta"):
         rope = posenc.RoPE(64)
@@ -538,12 +558,13 @@ def test_streams_far_apart_keep_their_own_windows_up_to_the_limit():
             rope(q, k, offset=first + 5)
     assert list(rope._windows) == [(*cpu, first) for first in starts[:2]]
     kept = dict(rope._windows)
-    for first in starts[:2]:
+    for first in reversed(starts[:2]):  # the first one built is now the latest used
         rope(q, k, offset=first + 6)
         assert rope._windows[(*cpu, first)] is kept[(*cpu, first)]
-    for first in starts[1:]:
+    for first in starts[2:]:
         rope(q, k, offset=first)
-    assert list(rope._windows) == [(*cpu, first) for first in starts[1:]]  # the least recently used went
+    # The least recently used went, not the oldest built.
+    assert list(rope._windows) == [(*cpu, first) for first in (starts[0], *starts[2:])]
     rope(q.double(), k.double(), offset=FAR)
     assert len(rope._windows) == module._WINDOWS_KEPT + 1  # other dtypes count apart
     assert not posenc.RoPE(8).__getstate__()["_windows"] and not pickle.loads(pickle.dumps(rope))._windows
@@ -552,9 +573,13 @@ def test_streams_far_apart_keep_their_own_windows_up_to_the_limit():
 def test_far_positions_that_do_not_fit_a_window_or_go_negative_take_the_general_path():
     rope = posenc.RoPE(8)
     q, k = random_qk(2, 1, 1, 1, 8)
-    spread = torch.tensor([FAR, FAR + 5000])  # farther apart than half a window
-    expected = rope_reference(q, spread[:, None, None])
-    assert_close(rope(q, k, offset=spread)[0], expected)
+    # Farther apart than half a window: more than a window, or less, past the rows a window from FAR holds.
+    for spread in (torch.tensor([FAR, FAR + 5000]), torch.tensor([FAR + 2047, FAR + 5047])):
+        expected = rope_reference(q, spread[:, None, None])
+        assert_close(rope(q, k, offset=spread)[0], expected)
+        assert not rope._windows
+    # A window's last rows would pass int64's maximum.
+    assert_close(rope(q, k, offset=2**63 - 10)[0], rope_reference(q, torch.tensor(2**63 - 10)))
     assert not rope._windows
     with pytest.raises(ValueError, match="positions must be >= 0"):
         rope(q, k, positions=torch.tensor([[FAR], [-1]]))

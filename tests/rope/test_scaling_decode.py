@@ -245,12 +245,13 @@ def test_tables_leave_with_a_move_and_stay_out_of_pickles() -> None:
     q = torch.randn(1, 1, 300, 16)
     rope(q, q)
     rope(q.double(), q.double())
-    assert len(rope._tables) == 2
+    rope(q[:, :, :1], q[:, :, :1], offset=1 << 16)  # past the table: a window
+    assert len(rope._tables) == 2 and len(rope._windows) == 1
     twin = pickle.loads(pickle.dumps(rope))
     assert twin._tables == twin._windows == twin._frequencies == {} and len(rope._tables) == 2
     assert torch.equal(twin(q, q)[0], rope(q, q)[0])
     rope.to("meta")
-    assert rope._tables == {}
+    assert rope._tables == rope._windows == {}
 
 
 @pytest.mark.parametrize("backend", ["torch", "auto"])

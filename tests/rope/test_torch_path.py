@@ -143,6 +143,16 @@ def test_a_rope_first_used_inside_a_torch_func_transform_serves_eager_calls_afte
     assert_close(grad, posenc.apply_rotary(w, cos, sin, conjugate=True))
 
 
+def test_a_window_made_inside_a_torch_func_transform_is_not_kept():
+    # As the table above: positions past the table read a window, which a transform's call must not keep either.
+    rope, far = posenc.RoPE(8), 1 << 16
+    q, k = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8)
+    torch.func.grad(lambda x: rope(x, k, offset=far)[0].sum())(q)
+    assert not rope._windows
+    for got, want in zip(rope(q, k, offset=far), posenc.RoPE(8)(q, k, offset=far), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("backend", ["torch", "auto"])
 def test_forward_mode_ad_carries_the_tangent(backend):
     # The fused kernels have no forward derivative: before "auto" routed around them, the tangent came out None.
