@@ -32,17 +32,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors import SafetensorError
 from tqdm.auto import tqdm
 
 from posenc.lab import store
+from posenc.lab.checkpoint import checkpoint_saver, load_checkpoint, settings_trained_with
 from posenc.lab.config import FINETUNABLE, LabConfig, extension_rope_parameters, make_config
 from posenc.lab.data import Corpus, eval_text_needed, eval_window_ends, load_corpus, windows_ending
 from posenc.lab.dist import Ranks, process_group
 from posenc.lab.evaluate import LengthResult, evaluate_length, task_accuracy, task_samples
 from posenc.lab.lock import FolderLock
 from posenc.lab.model import ByteLM, encoding_for
-from posenc.lab.train import TrainingDiverged, TrainResult, TrainState, make_optimizer, train
+from posenc.lab.train import TrainingDiverged, TrainResult, train
 
 # Part of every config_id: raised when the same settings would give other numbers, so that a folder of an earlier
 # posenc is refused rather than resumed into one report with units of the new kind. 2 (2026-12-04): T5's buckets
@@ -580,35 +580,12 @@ class Lab:
         # What a checkpoint must have been saved under to be resumed: everything that sets the unit's numbers.
         identity = {"config_id": self.config_id, "unit": unit.name, **options}
         # Read by rank 0 and sent to the others, so that every rank resumes the same state, or none.
-        resume = self.ranks.decide(lambda: self._checkpoint(checkpoint, identity, model))
+        resume = self.ranks.decide(lambda: load_checkpoint(checkpoint, identity, model, echo=self.echo))
         # The thread count, the device and the process count change float sums in their last bits, and metrics.json
         # records this run's: a unit resumed under others ran with several, which its train.json names (trained_with).
         here = self._run_settings()
-        trained_with = [{"from_step": 0, **here}]
-        if resume is not None:
-            self.echo(f"  resumed at step {resume.step} of {steps} from a checkpoint ({checkpoint})")
-            trained_with = _trained_with(resume.notes.get("trained_with"), resume.step, here)
-            if len(trained_with) > 1:
-                before = ", ".join(_described(part) for part in trained_with[:-1])
-                self.echo(
-                    f"  note: its earlier steps ran with {before}, these with {_described(trained_with[-1])}: the "
-                    "unit's numbers differ from either setting's in their last bits (train.json's trained_with)"
-                )
-
-        unsaved: list[str] = []  # why the last checkpoint could not be written, said once
-
-        def save(state: TrainState) -> None:
-            if not self.ranks.is_main:
-                return
-            noted = dataclasses.replace(state, notes={"trained_with": trained_with})
-            try:
-                store.save_tensors(checkpoint, *noted.to_tensors(identity))
-            except (OSError, SafetensorError) as error:
-                # A checkpoint only saves time: a full disk or quota must not end a training that would finish (the
-                # weights at its end are smaller than a checkpoint, which holds the AdamW moments too).
-                if not unsaved:
-                    self.echo(f"  could not write a checkpoint to {checkpoint} ({error}); training goes on without")
-                unsaved.append(str(error))
+        trained_with = settings_trained_with(resume, here, steps=steps, path=checkpoint, echo=self.echo)
+        save = checkpoint_saver(checkpoint, identity, trained_with, is_main=self.ranks.is_main, echo=self.echo)
 
         model = model.to(self.device)
         result: TrainResult = train(
@@ -655,23 +632,6 @@ class Lab:
         the number of processes."""
         threads, processes = torch.get_num_threads(), self.ranks.world_size
         return {"torch_threads": threads, "device": str(self.device), "processes": processes}
-
-    def _checkpoint(self, path: Path, identity: dict[str, Any], model: ByteLM) -> TrainState | None:
-        """The training state saved at ``path`` under ``identity`` for ``model``, or None: none saved, or one that
-        cannot be resumed (said, and then overwritten by the next checkpoint; it costs only the time it saved)."""
-        if not path.exists():
-            return None
-        try:
-            state = TrainState.from_tensors(*store.load_tensors(path), identity)
-        except store.RunFolderError as error:
-            self.echo(f"  {path} cannot be read ({error.__cause__}), not resumed: training from step 0")
-            return None
-        if state is None or not _fits(state, model):
-            # A model of other parameters under the same identity: a posenc that changed the model without a new
-            # FORMAT_VERSION. Loading it would fail inside load_state_dict on every rerun.
-            self.echo(f"  {path} was saved by another configuration or posenc, not resumed: training from step 0")
-            return None
-        return state
 
     def _evaluate(self, unit: Unit, models: dict[int, ByteLM], lengths: list[int]) -> list[LengthResult]:
         config = self.config
@@ -785,46 +745,6 @@ class Lab:
             "timings": {**timings, "units": units},
             "rows": rows,
         }
-
-
-def _fits(state: TrainState, model: ByteLM) -> bool:
-    """Whether ``state`` holds the parameters and buffers ``model`` has, of the same shapes and dtypes, and AdamW
-    moments of each parameter's shape."""
-    own = model.state_dict()
-    if state.model.keys() != own.keys() or state.losses.shape != (state.step,):
-        return False
-    if any(
-        isinstance(own[name], torch.Tensor)
-        and (state.model[name].shape != own[name].shape or state.model[name].dtype != own[name].dtype)
-        for name in own
-    ):
-        return False
-    # In the optimizer's order of parameters, which its state's indices follow.
-    groups = make_optimizer(model, lr=1.0, weight_decay=0.0).param_groups
-    shapes = [p.shape for group in groups for p in group["params"]]
-    if sorted(state.optimizer) != list(range(len(shapes))):  # every parameter's moments, none other
-        return False
-    for index, moments in state.optimizer.items():
-        if set(moments) != {"exp_avg", "exp_avg_sq", "step"}:
-            return False
-        if any(key.startswith("exp_avg") and value.shape != shapes[index] for key, value in moments.items()):
-            return False
-    return True
-
-
-def _trained_with(earlier: Any, step: int, here: dict[str, Any]) -> list[dict[str, Any]]:
-    """The settings a unit resumed at ``step`` trained with: ``earlier``, a checkpoint's list of {"from_step", and
-    the settings from it on} (None from a checkpoint that has none: its steps' settings are unknown), then ``here``
-    from ``step`` on unless the last part ran with the same."""
-    parts = list(earlier) if isinstance(earlier, list) and earlier else [{"from_step": 0}]
-    last = {k: v for k, v in parts[-1].items() if k != "from_step"}
-    return parts if last == here else [*parts, {"from_step": step, **here}]
-
-
-def _described(part: dict[str, Any]) -> str:
-    if "torch_threads" not in part:
-        return "settings the checkpoint does not record"
-    return f"{part['torch_threads']} torch thread(s) on {part['device']} in {part['processes']} process(es)"
 
 
 def _silent(line: str) -> None:

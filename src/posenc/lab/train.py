@@ -73,7 +73,7 @@ class TrainState:
     the model's state dict and the optimizer's per-parameter state (AdamW's exp_avg, exp_avg_sq and its step
     count, a float32 tensor), keyed by the parameter's index as in ``Optimizer.state_dict()["state"]``. CPU copies,
     untouched by further training. notes: JSON values the caller keeps with the state, outside its identity (train()
-    gives none; the lab's runner records what the steps so far ran with)."""
+    gives none; the lab's checkpoint module records what the steps so far ran with)."""
 
     step: int
     seconds: float
