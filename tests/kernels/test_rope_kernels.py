@@ -799,13 +799,24 @@ def isa_library(level: str):
     return library, ""
 
 
-@pytest.fixture(params=list(ISA_LEVELS))
-def isa_level(request, monkeypatch):
-    library, reason = isa_library(request.param)
+def use_isa_level(level: str, monkeypatch) -> str:
+    library, reason = isa_library(level)
     if library is None:
         pytest.skip(reason)
     monkeypatch.setattr(cpu_rope, "_library", lambda: (library, ""))
-    return request.param
+    return level
+
+
+@pytest.fixture(params=list(ISA_LEVELS))
+def isa_level(request, monkeypatch):
+    return use_isa_level(request.param, monkeypatch)
+
+
+# The baseline level's portable loops store plainly (test_the_baseline_x86_build_has_no_streaming_stores): its
+# streaming cases were skipped on every machine.
+@pytest.fixture(params=[level for level in ISA_LEVELS if level != "x86-64"])
+def streaming_isa_level(request, monkeypatch):
+    return use_isa_level(request.param, monkeypatch)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -835,8 +846,8 @@ def skip_unless_streaming(library=None):
 
 @pytest.fixture
 def streaming_stores(request):
-    """Every out-of-place call of the CPU kernel (the package's, or the ``isa_level`` one in its place) streams its
-    stores, as calls larger than the last-level cache do. Skips where the build has no streaming stores."""
+    """Every out-of-place call of the CPU kernel (the package's, or the ``streaming_isa_level`` one in its place)
+    streams its stores, as calls larger than the last-level cache do. Skips where the build has no streaming stores."""
     library = cpu_rope._library()[0]
     skip_unless_streaming(library)
     previous = cpu_rope.set_stream_threshold(0, library=library)
@@ -859,10 +870,18 @@ def test_cpu_streaming_stores_match_reference(streaming_stores, kind, dtype, int
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize(("d", "r", "s"), [(80, 80, 7), (128, 96, 33)])
-def test_cpu_builds_for_older_x86_levels_stream_stores(isa_level, streaming_stores, dtype, interleaved, d, r, s):
+def test_cpu_builds_for_older_x86_levels_stream_stores(
+    streaming_isa_level, streaming_stores, dtype, interleaved, d, r, s
+):
     x = torch.randn(2, 4, s, d).to(dtype)
-    assert cpu_rope.streams(x, torch.empty_like(x), *table(r, s)), f"the {isa_level} build should stream"
+    assert cpu_rope.streams(x, torch.empty_like(x), *table(r, s)), f"the {streaming_isa_level} build should stream"
     check_forward_backward("cpu", "offset", b=2, hq=4, hk=2, s=s, d=d, r=r, dtype=dtype, interleaved=interleaved)
+
+
+def test_the_baseline_x86_build_has_no_streaming_stores(monkeypatch):
+    """Why streaming_isa_level leaves x86-64 out: SSE2 only, no vector rows, so nothing to stream."""
+    use_isa_level("x86-64", monkeypatch)
+    assert not cpu_rope.can_stream(cpu_rope._library()[0])
 
 
 def test_cpu_streams_only_large_out_of_place_writes_into_resident_pages():
