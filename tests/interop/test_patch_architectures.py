@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from posenc.interop._discover import ROTATION_PREFIX, innermost, rotation_signature
-from posenc.interop.hf import rope_layer_types
+from posenc.interop.hf import rope_kwargs_from_config, rope_layer_types
 from posenc.interop.patch import VERIFIED_ARCHITECTURES, is_patched, patch_model
 from posenc.testing import TINY_HF_SIZES
 
@@ -150,6 +150,10 @@ def tiny(model_type: str, rope_type: str | None = None) -> Any:
                 kept = {
                     key: base[key] for key in ("rope_theta", "partial_rotary_factor", "mrope_section") if key in base
                 }
+                if "llama_4_scaling_beta" in base:
+                    # Ministral 3's attention scales q by log(1 + position // original) and fails without both keys;
+                    # an original length unlike max_position_embeddings, which dynamic NTK scales from, either way.
+                    kept.update(llama_4_scaling_beta=base["llama_4_scaling_beta"], original_max_position_embeddings=4)
                 kwargs.update(
                     max_position_embeddings=8, rope_parameters={"rope_type": rope_type, "factor": 2.0, **kept}
                 )
@@ -277,11 +281,27 @@ def _tensors(function: Any, name: str) -> int:
     return rotation_signature(function, name)[2]
 
 
+# Verified types that cannot take dynamic NTK, and why (checked below): their cases skipped on every machine.
+NO_DYNAMIC = {
+    "phi3": r"type field must be one of \['longrope'\]",  # transformers' Phi3Config refuses other types
+    "phimoe": r"model_type 'phimoe' with rope_type 'dynamic' is not supported",  # posenc maps its longrope only
+}
 DYNAMIC = sorted(
     model_type
     for model_type in VERIFIED_ARCHITECTURES & set(CANDIDATES)
-    if not rope_layer_types(transformers.AutoConfig.for_model(model_type))
+    if not rope_layer_types(transformers.AutoConfig.for_model(model_type)) and model_type not in NO_DYNAMIC
 )
+
+
+def test_the_types_left_out_of_dynamic_cannot_take_it() -> None:
+    dynamic = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}
+    with pytest.raises(Exception, match=NO_DYNAMIC["phi3"]):  # huggingface_hub's validation error wraps it
+        transformers.AutoConfig.for_model("phi3", rope_parameters=dynamic)
+    # PhiMoE's config takes it given the mscales its rotary embedding multiplies cos/sin by; posenc refuses it.
+    mscales = {"short_mscale": 1.0, "long_mscale": 1.0}
+    config = transformers.AutoConfig.for_model("phimoe", rope_parameters={**dynamic, **mscales})
+    with pytest.raises(ValueError, match=NO_DYNAMIC["phimoe"]):
+        rope_kwargs_from_config(config)
 
 
 @pytest.mark.parametrize("model_type", DYNAMIC)
