@@ -33,6 +33,10 @@ def test_schedule_warms_up_linearly_then_decays_to_the_floor(steps, warmup, floo
     assert all(2.0 * floor - 1e-12 <= r <= 2.0 + 1e-12 for r in decay)
     if len(decay) > 1:
         assert decay[0] == pytest.approx(2.0) and decay[-1] == pytest.approx(2.0 * floor)
+    # A cosine between those ends, as docs/lab.md says: a linear decay has the same ends and falls monotonically too.
+    for i, rate in enumerate(decay):
+        cosine = 0.5 * (1 + math.cos(math.pi * i / max(1, len(decay) - 1)))
+        assert rate == pytest.approx(2.0 * (floor + (1 - floor) * cosine))
 
 
 def test_constant_after_warmup_when_the_floor_is_one():
