@@ -82,10 +82,17 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         for model_type in ("qwen3_5_text", "qwen3_5_moe_text")
     },
     # hybrids whose first layers are linear attention or state space: enough layers to reach an attention one
-    **{
-        model_type: dict(num_hidden_layers=4)
-        for model_type in (*("bailing_hybrid", "granitemoehybrid", "jamba", "lfm3", "qwen3_next", "qwen4_exp_text"),)
-    },
+    **{model_type: dict(num_hidden_layers=4) for model_type in ("bailing_hybrid", "lfm3", "qwen3_next")},
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1),  # its second layer attends (without RoPE)
+    "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"], position_embedding_type="rope"),
+    # its attention layers need the QSA indexer (refused: see REFUSED), the fields of which default to None; with
+    # Qwen 3.5's M-RoPE sizes above, so that the refusal is the indexer's, not a section that does not fit
+    "qwen4_exp_text": dict(
+        head_dim=64,
+        rope_parameters=dict(rope_theta=1e4, partial_rotary_factor=0.25, mrope_section=[3, 3, 2]),
+        **dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=2),
+    ),
+    "kolibri1_1": dict(index_num_heads=2),  # its validator: at most the query heads per key head
     # one rotary embedding per rope_theta, each with a config of its own, and a layer without RoPE (theta 0)
     **{
         model_type: dict(num_hidden_layers=3, layer_rope_theta=[1e4, 500.0, 0.0])
@@ -100,11 +107,12 @@ SENSITIVE = 1e-3
 
 # model_type -> why posenc refuses it (a regex of the error).
 REFUSED: dict[str, str] = {
-    "nemotron_h": r"one \*RotaryEmbedding class; .* none",
+    **dict.fromkeys(("jamba", "nemotron_h"), r"one \*RotaryEmbedding class; .* none"),
     **dict.fromkeys(("codegen", "gptj"), r"holds no inv_freq buffer"),
     "deepseek_v4": r"rotates the last qk_rope_head_dim channels",
     "nanochat": r"negative angle",
     "minimax_m3_vl_text": r"MiniMaxM3VLIndexer cuts cos/sin itself \(cos\[\.\.\., : self\.head_dim\]\)",
+    "qwen4_exp_text": r"QSAIndexer\._select_tokens calls apply_rotary_pos_emb outside forward",
 }
 # Architectures whose patching this file must see succeed, whatever else the installed transformers holds.
 MUST_PATCH = (

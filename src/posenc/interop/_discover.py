@@ -133,6 +133,24 @@ def rotation_names(cls: type[nn.Module]) -> tuple[str, ...]:
     )
 
 
+def _rotates_outside_forward(cls: type[nn.Module]) -> str | None:
+    """'Class.method calls apply_rotary_pos_emb' for the first method of ``cls`` other than forward that calls a
+    rotation function (Qwen4-Exp's indexer rotates its pooled keys in _select_tokens); None where none does."""
+    for klass in cls.__mro__:
+        if klass.__module__.startswith("torch."):
+            continue
+        for attr, value in vars(klass).items():
+            function = getattr(value, "__func__", value)  # staticmethod, classmethod
+            code = getattr(function, "__code__", None)
+            if attr == "forward" or code is None:
+                continue
+            namespace = function.__globals__
+            for called in sorted(code.co_names):
+                if called.startswith(ROTATION_PREFIX) and callable(namespace.get(called)):
+                    return f"{klass.__name__}.{attr} calls {called}"
+    return None
+
+
 def find_rope_modules(model: nn.Module, model_type: str) -> ModelRope:
     """The rotary embeddings and rotating attention modules of ``model``; ValueError naming what is missing."""
     rotary = tuple(
@@ -168,6 +186,13 @@ def find_rope_modules(model: nn.Module, model_type: str) -> ModelRope:
         cls = type(module)
         if cls not in calls:
             calls[cls] = rotation_names(cls)
+            outside = _rotates_outside_forward(cls)
+            if outside:
+                raise ValueError(
+                    f"its {outside} outside forward: posenc replaces only the rotation functions that forward "
+                    "calls, so there transformers' own would rotate with posenc's cos/sin, r/2 values per token where "
+                    "it takes r"
+                )
         if calls[cls]:
             attention.append(module)
     calls = {cls: names for cls, names in calls.items() if names}
