@@ -24,7 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(script: str, *args: str, interpret: bool = False) -> None:
+def _run(script: str, *args: str, interpret: bool = False) -> str:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     # CPU providers only: the benchmarks run interpreted Triton only where asked (triton_tune.py's check on CPU).
     env.pop("TRITON_INTERPRET", None)
@@ -39,6 +39,7 @@ def _run(script: str, *args: str, interpret: bool = False) -> None:
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
 
 
 def _rows(path: Path) -> list[dict[str, str]]:
@@ -224,6 +225,17 @@ def test_decode_benchmark_refuses_lengths_without_its_three_phases(
     assert exited.value.code == 2
     error = capsys.readouterr().err
     assert f"--prefill {prefill}, --max-pos {max_pos}, --total {total}" in error and "--prefill < --max-pos" in error
+
+
+def test_rope_memory_prints_a_row_per_case_with_its_floor() -> None:
+    out = _run("rope_memory.py", "--seq", "256", "--dtypes", "bf16", "--backends", "torch")
+    rows = [line.strip("|").split("|") for line in out.splitlines() if line.startswith("| torch")]
+    assert len(rows) == 16  # pairs x rotary x copy/in place x fwd/fwd+bwd
+    q_and_k = (32 + 8) * 256 * 128 * 2 / 2**20
+    for *_, call, mode, peak, floor, extra, _ in (map(str.strip, r) for r in rows):
+        kept = (call == "copy") + (mode == "fwd+bwd")
+        assert float(floor) == pytest.approx(kept * q_and_k, abs=0.05)
+        assert float(extra) == pytest.approx(float(peak) - float(floor), abs=0.15)
 
 
 def test_bias_memory_packs_documents(tmp_path: Path) -> None:
