@@ -8,10 +8,13 @@ the same calls (dynamic NTK keeps state between calls in transformers, and so do
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import gc
 import importlib
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -286,13 +289,24 @@ def test_a_patched_model_refuses_pickling_and_copies_as_patched() -> None:
         assert torch.equal(torch.load(buffer, weights_only=False)(ids).logits, before)
 
 
+@contextlib.contextmanager
+def _without_the_cycle_collector() -> Iterator[None]:
+    """Only reference counting frees objects inside: what a reference cycle holds stays alive."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 @pytest.mark.parametrize("mode", ["hf", "consistent"])
 def test_a_patched_model_dropped_frees_its_attention_weights_without_the_cycle_collector(mode: str) -> None:
     """Each patched attention module held its forward as a bound method (module -> forward -> module), a reference
     cycle: a patched model dropped without unpatch_model kept every layer's q/k/v/o projections alive until Python's
     cyclic collector ran, where an unpatched model's are freed at ``del`` (a server swapping models, or a
     ``del model; torch.cuda.empty_cache()``, kept the weights on the GPU). A deep copy's forwards stay its own."""
-    import gc
     import inspect
     import weakref
 
@@ -307,14 +321,9 @@ def test_a_patched_model_dropped_frees_its_attention_weights_without_the_cycle_c
     with torch.no_grad():
         torch.testing.assert_close(twin(ids).logits, model(ids).logits, **FP32)
     weights = [weakref.ref(layer.self_attn.q_proj.weight) for layer in model.model.layers]
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with _without_the_cycle_collector():
         del model
         assert all(weight() is None for weight in weights)
-    finally:
-        if enabled:
-            gc.enable()
     with torch.no_grad():
         twin(ids)  # the copy runs on, unaffected
 
@@ -323,7 +332,6 @@ def test_a_patched_base_model_dropped_frees_its_weights_and_its_copy_unpatches_i
     """A base model (``AutoModel``: LlamaModel, as embedding servers load it) holds its rotary module itself, and
     the patch's state, kept on the model, held that parent: model -> state -> model, a cycle that kept the whole
     model alive past ``del`` until Python's cyclic collector ran. A deep copy unpatched restores its own modules."""
-    import gc
     import weakref
 
     model = build("llama").model
@@ -340,14 +348,9 @@ def test_a_patched_base_model_dropped_frees_its_weights_and_its_copy_unpatches_i
         twin.rotary_emb, PosencRotaryEmbedding
     )
     weights = [weakref.ref(model), weakref.ref(model.embed_tokens.weight)]
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with _without_the_cycle_collector():
         del model
         assert all(weight() is None for weight in weights)
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def test_a_shallow_copy_unpatched_leaves_the_model_it_shares_modules_with_unpatched_and_saying_so() -> None:
