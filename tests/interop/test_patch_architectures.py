@@ -82,7 +82,11 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         for model_type in ("qwen3_5_text", "qwen3_5_moe_text")
     },
     # hybrids whose first layers are linear attention or state space: enough layers to reach an attention one
-    **{model_type: dict(num_hidden_layers=4) for model_type in ("bailing_hybrid", "lfm3", "qwen3_next")},
+    **{model_type: dict(num_hidden_layers=4) for model_type in ("bailing_hybrid", "lfm3", "qwen3_next", "nemotron_h")},
+    # an attention layer first: transformers' cache reads the decoded length from layer 0, a recurrent one's is 0
+    "recurrent_gemma": dict(block_types=["attention", "recurrent"]),
+    "zamba": dict(num_hidden_layers=4),  # two hybrid layers, the second tied to the first
+    "zamba2": dict(num_hidden_layers=4, use_mem_rope=True),  # its RoPE is off by default
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1),  # its second layer attends (without RoPE)
     "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"], position_embedding_type="rope"),
     # its attention layers need the QSA indexer (refused: see REFUSED), the fields of which default to None; with
@@ -92,6 +96,21 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         rope_parameters=dict(rope_theta=1e4, partial_rotary_factor=0.25, mrope_section=[3, 3, 2]),
         **dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=2),
     ),
+    # its default rope dict is empty: one per layer type, interleaved M-RoPE sections that fit 8 pairs
+    "cohere_compass_text": dict(
+        rope_parameters=dict(full_attention=dict(rope_type="default", rope_theta=1e4, mrope_section=[4, 2, 2]))
+    ),
+    # Its attention reads rope_theta (unused) from the attention sub-config, which has no such field, and clamps
+    # q, k, v to clip_qkv, which fails at its default None (DBRX's own config.json: 8); its experts' hidden size
+    # is copied from d_model before the alias hidden_size is applied.
+    "dbrx": dict(
+        d_model=64,
+        attn_config=dict(kv_n_heads=2, rope_theta=1e4, clip_qkv=8.0),
+        ffn_config=dict(ffn_hidden_size=64),
+    ),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"]),  # its default is None, which its layers index
+    # its rotary embedding is head_dim wide (64 by default), its rotation qk_rope_head_dim: both 64 in LongCat's own
+    "longcat_flash": dict(qk_rope_head_dim=64),
     "kolibri1_1": dict(index_num_heads=2),  # its validator: at most the query heads per key head
     # one rotary embedding per rope_theta, each with a config of its own, and a layer without RoPE (theta 0)
     **{
@@ -107,10 +126,11 @@ SENSITIVE = 1e-3
 
 # model_type -> why posenc refuses it (a regex of the error).
 REFUSED: dict[str, str] = {
-    **dict.fromkeys(("jamba", "nemotron_h"), r"one \*RotaryEmbedding class; .* none"),
+    **dict.fromkeys(("jamba", "nemotron_h", "zamba"), r"one \*RotaryEmbedding class; .* none"),
     **dict.fromkeys(("codegen", "gptj"), r"holds no inv_freq buffer"),
     "deepseek_v4": r"rotates the last qk_rope_head_dim channels",
     "nanochat": r"negative angle",
+    "cohere_compass_text": r"multimodal RoPE with one rope dict per layer type, which posenc does not read",
     "minimax_m3_vl_text": r"MiniMaxM3VLIndexer cuts cos/sin itself \(cos\[\.\.\., : self\.head_dim\]\)",
     "qwen4_exp_text": r"QSAIndexer\._select_tokens calls apply_rotary_pos_emb outside forward",
 }
@@ -165,12 +185,20 @@ def tiny(model_type: str, rope_type: str | None = None) -> Any:
                 kwargs.update(
                     max_position_embeddings=8, rope_parameters={"rope_type": rope_type, "factor": 2.0, **kept}
                 )
+            default_types = getattr(defaults, "layer_types", None)
+            if (
+                isinstance(default_types, list)
+                and not _read_only(defaults, "layer_types")
+                and "layer_types" not in kwargs
+            ):
+                # Every kind of layer the default stack has, in turn (Gemma 3 has five sliding layers first), given
+                # to the config rather than set on it: Zamba's validator checks their number against the layers'.
+                # Under the field's own name: Zamba 2 derives hybrid_layer_ids from it before an alias is applied.
+                kinds = list(dict.fromkeys(default_types))
+                layers = kwargs.get("num_hidden_layers", defaults.num_hidden_layers)
+                name = getattr(type(defaults), "attribute_map", {}).get("layer_types", "layer_types")
+                kwargs[name] = [kinds[i % len(kinds)] for i in range(layers)]
             config = transformers.AutoConfig.for_model(model_type, **kwargs)
-            if isinstance(getattr(config, "layer_types", None), list) and not _read_only(config, "layer_types"):
-                # Every kind of layer the default stack has, in turn (Gemma 3 has five sliding layers first).
-                kinds = list(dict.fromkeys(getattr(defaults, "layer_types", None) or config.layer_types))
-                if "layer_types" not in OVERRIDES.get(model_type, {}):
-                    config.layer_types = [kinds[i % len(kinds)] for i in range(config.num_hidden_layers)]
             with torch.device("meta"):
                 parameters = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
             if parameters > MAX_PARAMETERS:
@@ -197,7 +225,9 @@ def _has(config: Any, key: str) -> bool:
 
 
 def _read_only(config: Any, key: str) -> bool:
-    """A property of the config class without a setter (Falcon's head_dim): derived, not given."""
+    """A property of the config class without a setter (Falcon's head_dim, Bamba's layer_types): derived, not
+    given."""
+    key = getattr(type(config), "attribute_map", {}).get(key, key)  # Bamba's layer_types is its layers_block_type
     attribute = getattr(type(config), key, None)
     return isinstance(attribute, property) and attribute.fset is None
 
@@ -210,8 +240,14 @@ def logits(model: Any, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits of a full forward, logits of the last 4 tokens decoded after an 8-token prefill with the cache)."""
     with torch.no_grad():
         full = model(ids).logits
-        past = model(ids[:, :8], use_cache=True).cache
-        cached = model(ids[:, 8:], cache=past).logits
+        prefill = model(ids[:, :8], use_cache=True)
+        if "cache" in prefill:
+            cached = model(ids[:, 8:], cache=prefill.cache).logits
+        else:  # RecurrentGemma returns no cache (its recurrent state is in its modules) and decodes a token a call
+            cache = transformers.DynamicCache(config=model.config)
+            model(ids[:, :8], use_cache=True, cache=cache)
+            steps = [model(ids[:, i : i + 1], use_cache=True, cache=cache).logits for i in range(8, ids.shape[1])]
+            cached = torch.cat(steps, dim=1)
     return full, cached
 
 
@@ -293,6 +329,7 @@ def _tensors(function: Any, name: str) -> int:
 NO_DYNAMIC = {
     "phi3": r"type field must be one of \['longrope'\]",  # transformers' Phi3Config refuses other types
     "phimoe": r"model_type 'phimoe' with rope_type 'dynamic' is not supported",  # posenc maps its longrope only
+    "recurrent_gemma": r"does not support RoPE types other than `default`",  # its rotary embedding refuses it
 }
 DYNAMIC = sorted(
     model_type
@@ -310,6 +347,9 @@ def test_the_types_left_out_of_dynamic_cannot_take_it() -> None:
     config = transformers.AutoConfig.for_model("phimoe", rope_parameters={**dynamic, **mscales})
     with pytest.raises(ValueError, match=NO_DYNAMIC["phimoe"]):
         rope_kwargs_from_config(config)
+    config = transformers.AutoConfig.for_model("recurrent_gemma", rope_parameters=dynamic)
+    with pytest.raises(ValueError, match=NO_DYNAMIC["recurrent_gemma"]), torch.device("meta"):
+        transformers.AutoModelForCausalLM.from_config(config)
 
 
 @pytest.mark.parametrize("model_type", DYNAMIC)

@@ -31,6 +31,7 @@ VERIFIED_ARCHITECTURES: frozenset[str] = frozenset(
         *("modernbert-decoder", "moshi", "nemotron", "olmo", "olmo2", "olmo3", "olmo_hybrid", "olmoe", "persimmon"),
         *("phi", "phi3", "phimoe", "qwen2", "qwen2_moe", "qwen3", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe"),
         *("qwen3_next", "seed_oss", "smollm3", "solar_open", "stablelm", "starcoder2", "vaultgemma", "youtu", "zaya"),
+        *("dbrx", "falcon_h1", "lfm2_moe", "longcat_flash", "recurrent_gemma", "zamba2"),
         # vision-language models, their text model's M-RoPE (tests/interop/test_patch_multimodal.py)
         *("ernie4_5_vl_moe", "glm4v", "glm4v_moe", "glm_ocr", "paddleocr_vl", "qwen2_5_omni_thinker", "qwen2_5_vl"),
         *("qwen2_vl", "qwen3_vl", "qwen3_vl_moe"),
