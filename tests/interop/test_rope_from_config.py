@@ -248,17 +248,22 @@ def test_deepseek_v3_pairs_adjacent_channels_unless_its_config_says_not() -> Non
     assert not rope_from_config({**cfg, "rope_interleave": False}).interleaved
 
 
-@pytest.mark.usefixtures("dict_reading")
-@pytest.mark.parametrize("rope_type", ["yarn", "llama3"])
-def test_kwargs_take_a_top_level_original_length_for_every_type_that_reads_one(rope_type: str) -> None:
-    raw = {
+def _llama_trained_at_2048(rope_parameters: dict[str, Any]) -> dict[str, Any]:
+    """A Llama config.json with the original (trained) length at the top level, as Phi-3 keeps it, beside 8192."""
+    return {
         "model_type": "llama",
         "hidden_size": 128,
         "num_attention_heads": 2,
         "max_position_embeddings": 8192,
         "original_max_position_embeddings": 2048,
-        "rope_parameters": {"rope_type": rope_type, "factor": 4.0, "original_max_position_embeddings": 1024},
+        "rope_parameters": rope_parameters,
     }
+
+
+@pytest.mark.usefixtures("dict_reading")
+@pytest.mark.parametrize("rope_type", ["yarn", "llama3"])
+def test_kwargs_take_a_top_level_original_length_for_every_type_that_reads_one(rope_type: str) -> None:
+    raw = _llama_trained_at_2048({"rope_type": rope_type, "factor": 4.0, "original_max_position_embeddings": 1024})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         kwargs = rope_kwargs_from_config(raw)
@@ -275,14 +280,7 @@ def test_a_new_type_that_reads_the_original_length_takes_the_top_level_one(monke
     monkeypatch.setitem(parameters.REQUIRED_KEYS, "brand_new", frozenset({"factor"}))
     monkeypatch.setitem(parameters.OPTIONAL_KEYS, "brand_new", frozenset({"original_max_position_embeddings"}))
     monkeypatch.setattr(parameters, "_NEEDS_ORIGINAL", parameters._NEEDS_ORIGINAL | {"brand_new"})
-    raw = {
-        "model_type": "llama",
-        "hidden_size": 128,
-        "num_attention_heads": 2,
-        "max_position_embeddings": 8192,
-        "original_max_position_embeddings": 2048,
-        "rope_parameters": {"rope_type": "brand_new", "factor": 4.0},
-    }
+    raw = _llama_trained_at_2048({"rope_type": "brand_new", "factor": 4.0})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # transformers: no validation function for 'brand_new'
         rope = rope_from_config(raw)
