@@ -9,6 +9,8 @@ import json
 import shutil
 import statistics
 from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -234,21 +236,27 @@ def test_each_unit_records_its_threads_device_and_processes(tiny_config, tmp_pat
     assert units["rope/seed0"]["processes"] == 1 and again["rows"] == first["rows"]
 
 
+def _interrupted_at_call(n: int, real: Callable[..., Any]) -> Callable[..., Any]:
+    """``real``, but its n-th call raises KeyboardInterrupt (a Ctrl-C at that point) instead."""
+    calls = 0
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == n:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    return wrapper
+
+
 def test_ctrl_c_keeps_finished_units_and_resuming_gives_the_same_numbers(tiny_config, tmp_path, monkeypatch):
     config = tiny_config(encodings=("learned", "sinusoidal", "rope"), extensions=("pi",), finetune_steps=2)
     reference = tmp_path / "reference"
     quiet(config, reference).run()
     out = tmp_path / "interrupted"
-    calls = []
     real_train = runner.train
-
-    def interrupted_third_time(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real_train(*args, **kwargs)
-
-    monkeypatch.setattr(runner, "train", interrupted_third_time)
+    monkeypatch.setattr(runner, "train", _interrupted_at_call(3, real_train))
     with pytest.raises(KeyboardInterrupt):
         quiet(config, out).run()
     done = sorted(p.parent.parent.name for p in out.rglob("metrics.json"))
@@ -333,15 +341,8 @@ def test_a_unit_resumed_with_another_thread_count_records_both_in_train_json(tin
     config = tiny_config(encodings=("alibi",), extensions=(), steps=30)
     out, threads = tmp_path / "run", torch.get_num_threads()
     monkeypatch.setattr(runner, "CHECKPOINT_SECONDS", 0.0)  # saves after steps 1 and 21
-    real_windows_at, batches = train_module.windows_at, []
-
-    def interrupted(*args, **kwargs):
-        batches.append(1)
-        if len(batches) == 25:
-            raise KeyboardInterrupt
-        return real_windows_at(*args, **kwargs)
-
-    monkeypatch.setattr(train_module, "windows_at", interrupted)
+    real_windows_at = train_module.windows_at
+    monkeypatch.setattr(train_module, "windows_at", _interrupted_at_call(25, real_windows_at))
     try:
         torch.set_num_threads(1)
         with pytest.raises(KeyboardInterrupt):
