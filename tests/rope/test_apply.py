@@ -570,6 +570,34 @@ def test_streams_far_apart_keep_their_own_windows_up_to_the_limit():
     assert not posenc.RoPE(8).__getstate__()["_windows"] and not pickle.loads(pickle.dumps(rope))._windows
 
 
+def test_a_window_added_by_another_thread_while_one_is_evicted_stops_no_call():
+    """Threads of a server sharing a RoPE far out: one thread's call adding its window while another's new window
+    looked for the windows to evict raised "dictionary changed size during iteration" (2 of 300 rounds of six
+    threads). Here the other thread's insertion is made at that very moment, from a key the scan compares."""
+    from posenc.rope import module
+
+    rope = posenc.RoPE(8)
+    q, k = random_qk(1, 1, 1, 1, 8)
+    cpu = (torch.device("cpu"), torch.float32)
+    window = rope._rows(cpu[0], FAR, module._WINDOW, cpu[1])
+
+    class OtherThread:
+        """A key's device slot: when the scan compares it, another thread's call adds its window."""
+
+        def __eq__(self, other: object) -> bool:
+            rope._windows.setdefault((*cpu, FAR + 2048 * 100), window)
+            return False
+
+        __hash__ = object.__hash__
+
+    rope._windows[(OtherThread(), cpu[1], 0)] = window
+    got = rope(q, k, offset=FAR + 5)
+    expected = posenc.RoPE(8)(q, k, offset=FAR + 5)
+    for g, e in zip(got, expected, strict=True):
+        assert torch.equal(g, e)
+    assert (*cpu, FAR) in rope._windows and (*cpu, FAR + 2048 * 100) in rope._windows
+
+
 def test_far_positions_that_do_not_fit_a_window_or_go_negative_take_the_general_path():
     rope = posenc.RoPE(8)
     q, k = random_qk(2, 1, 1, 1, 8)

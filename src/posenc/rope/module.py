@@ -505,7 +505,10 @@ class RoPE(nn.Module):
         if _keepable():
             self._windows[key] = window
             if built:  # only a new window can take the count past the limit
-                same = [other for other in self._windows if other[:2] == key[:2]]
+                # Over a copy of the keys, which tuple() takes without running Python code in between: another
+                # thread adding or dropping a window while the keys were compared stopped this call with
+                # "RuntimeError: dictionary changed size during iteration".
+                same = [other for other in tuple(self._windows) if other[:2] == key[:2]]
                 for other in same[:-_WINDOWS_KEPT]:
                     self._windows.pop(other, None)  # another thread may have dropped it first
         return (first, *window)
