@@ -1564,6 +1564,15 @@ def test_table_calls_capture_into_a_cuda_graph():
         torch.cuda.synchronize()
         for got, want in zip(captured, expected, strict=True):
             torch.testing.assert_close(got, want, rtol=0, atol=0, msg=name)
+    # A longer call grows RoPE's table; the graph still reads the old one, which must outlive it (not be handed to
+    # the garbage written here).
+    rope(torch.randn(1, 1, 2000, 64, device=device), torch.randn(1, 1, 2000, 64, device=device))
+    garbage = [torch.full((256, 32), float("nan"), device=device) for _ in range(64)]
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(captured, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg="RoPE after its table grew")
+    del garbage
 
 
 def test_values_are_read_only_outside_tracing_and_capture(monkeypatch):

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
+import weakref
 from typing import Any
 
 import pytest
@@ -332,6 +335,62 @@ def test_a_consistent_cache_where_no_value_may_be_read_asks_for_the_length(monke
         attention(x[:, 5:], cache=cache)
     assert str(cached.value) == str(uncached.value)
     assert cache.length == 5
+
+
+@contextlib.contextmanager
+def _capturing_a_cuda_graph(monkeypatch, *, readable: bool):
+    """What a RoPE sees while a CUDA graph is captured (here on the CPU, by hand): a stream that captures and, unless
+    ``readable``, no tensor value to read."""
+    import posenc.rope.module as module
+
+    with monkeypatch.context() as capture:
+        capture.setattr(torch.cuda, "is_available", lambda: True)
+        capture.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        if not readable:
+            capture.setattr(module, "values_readable", lambda device: False)
+        yield
+
+
+@pytest.mark.parametrize("offset_kind", ["int", "tensor"])
+def test_a_table_a_cuda_graph_captured_outlives_the_call_that_grows_it(monkeypatch, offset_kind):
+    """A captured graph reads the kept table by address at every replay. A later eager call that grew the table
+    (a longer prompt) freed the captured one, and replays rotated by whatever the allocator had written there since,
+    without an error. The module now keeps every table a capture read."""
+    rope = posenc.RoPE(HEAD_DIM)
+    q, k = random_qk(1, 2, 1, 3, HEAD_DIM)
+    offset = 4 if offset_kind == "int" else torch.tensor([4])
+    want = rope(q, k, offset=offset)  # the warm-up a capture needs: the table of 256 rows
+    (table,) = (cos for cos, _ in rope._tables.values())
+    captured_table = weakref.ref(table)
+    del table
+    with _capturing_a_cuda_graph(monkeypatch, readable=offset_kind == "int"):
+        got = rope(q, k, offset=offset)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    rope(*random_qk(1, 2, 1, 1000, HEAD_DIM))  # grows the table to 1024 rows
+    gc.collect()
+    assert captured_table() is not None
+    assert all(cos.shape[0] == 1024 for cos, _ in rope._tables.values())
+
+
+def test_a_far_window_a_cuda_graph_captured_outlives_its_eviction(monkeypatch):
+    """Past the table, a capture reads a kept window by address. The capture took it out of the kept windows and did
+    not put it back (nothing is kept while capturing), so it was freed as the call returned, and evicted windows
+    likewise: the module now keeps every window a capture read, and the window stays in use."""
+    rope = posenc.RoPE(HEAD_DIM)
+    q, k = random_qk(1, 2, 1, 1, HEAD_DIM)
+    far = 1 << 17
+    want = rope(q, k, offset=far)
+    (window,) = (cos for cos, _ in rope._windows.values())
+    captured_window = weakref.ref(window)
+    del window
+    with _capturing_a_cuda_graph(monkeypatch, readable=True):
+        got = rope(q, k, offset=far)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert len(rope._windows) == 1
+    for step in range(1, 12):  # more windows than are kept: the first is evicted
+        rope(q, k, offset=far + step * 4096)
+    gc.collect()
+    assert captured_window() is not None
 
 
 def _graph_targets(fn, *args) -> list[str]:

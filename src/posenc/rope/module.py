@@ -108,9 +108,12 @@ def _keepable() -> bool:
     Tensor that doesn't have storage"); one kept from an eager call serves the transforms as a constant. Not while a
     CUDA graph is captured: its memory is written only when the graph replays, so an eager call before that would
     read uninitialised rows."""
-    if transformed():
-        return False
-    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+    return not (transformed() or _capturing())
+
+
+def _capturing() -> bool:
+    """Whether a CUDA graph is being captured on the current stream."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _position_bounds(
@@ -251,12 +254,15 @@ class RoPE(nn.Module):
         # (device, dtype, first row's position) -> cos, sin past the table, see _WINDOW; oldest use first.
         self._windows: dict[tuple[torch.device, torch.dtype, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._frequencies: dict[int | None, tuple[torch.Tensor, float]] = {}
+        # Tables a CUDA graph capture has read: the graph reads them by address at every replay, so a later call
+        # that grows the table must not free them (the allocator would hand their memory to other tensors).
+        self._captured: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def __getstate__(self) -> dict[str, Any]:
         # The tables and frequencies are derived and rebuilt on demand: a pickle (torch.save(model), a spawned
         # process, deepcopy) of a RoPE that has served 60k positions in two dtypes would carry ~100 MB of them.
         state = self.__dict__.copy()
-        state["_tables"], state["_windows"], state["_frequencies"] = {}, {}, {}
+        state["_tables"], state["_windows"], state["_frequencies"], state["_captured"] = {}, {}, {}, []
         return state
 
     def _apply(self, fn: Any, recurse: bool = True) -> RoPE:  # type: ignore[override]
@@ -268,6 +274,8 @@ class RoPE(nn.Module):
             target = None
         self._tables = {key: table for key, table in self._tables.items() if key[0] == target}
         self._windows = {key: window for key, window in self._windows.items() if key[0] == target}
+        # A graph captured on the device left reads weights that moved too: it cannot replay correctly anyway.
+        self._captured = [table for table in self.__dict__.get("_captured", []) if table[0].device == target]
         return super()._apply(fn, recurse)
 
     @classmethod
@@ -490,7 +498,18 @@ class RoPE(nn.Module):
             table = self._rows(device, 0, max(256, 1 << (needed - 1).bit_length()), dtype)
             if _keepable():
                 self._tables[(device, dtype)] = table
+        else:
+            self._hold_for_graph(table)
         return table
+
+    def _hold_for_graph(self, rows: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Keep a kept table or window for the module's life if a CUDA graph being captured reads it: the graph
+        reads it by address at every replay, and a later call that grows the table or drops the window freed it,
+        so that replays rotated by whatever the allocator had written there since, without an error."""
+        if _capturing():
+            captured = self.__dict__.setdefault("_captured", [])  # a RoPE pickled before 2026-12-05 has none
+            if not any(rows is kept for kept in captured):
+                captured.append(rows)
 
     def _window(self, device: torch.device, low: int, dtype: torch.dtype) -> tuple[int, torch.Tensor, torch.Tensor]:
         """The rows of positions first..first + _WINDOW - 1, first the multiple of _WINDOW / 2 at or below ``low``:
@@ -502,7 +521,9 @@ class RoPE(nn.Module):
         built = window is None
         if built:
             window = self._rows(device, first, _WINDOW, dtype)
-        if _keepable():
+        else:
+            self._hold_for_graph(window)
+        if _keepable() or not built:
             self._windows[key] = window
             if built:  # only a new window can take the count past the limit
                 # Over a copy of the keys, which tuple() takes without running Python code in between: another
@@ -601,6 +622,8 @@ class RoPE(nn.Module):
                 # while warming up is read as it stands; a position outside it reads no memory beyond it (the Triton
                 # kernel gives those tokens NaN, the torch path asserts on the device).
                 table, trusted = self._tables.get((q.device, table_dtype)), False
+                if table is not None:
+                    self._hold_for_graph(table)
             if table is not None:
                 q, k = rotate_tensors(
                     {"q": q, "k": k},
