@@ -53,12 +53,21 @@ def user_stacklevel() -> int:
     return level
 
 
+def fake_mode_active() -> bool:
+    """Whether a ``FakeTensorMode`` is on (shape inference by torch's memory and FLOP estimators, say): its tensors,
+    on any device, have shapes but no values, as on the meta device, and the tensors it makes are fake too. False
+    while torch.compile traces (its own fake mode, which the traced paths serve; Dynamo cannot trace the query)."""
+    if torch.compiler.is_compiling():
+        return False
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+
+
 def values_readable(device: torch.device | str | None) -> bool:
     """Whether a check may read tensor values on the host (a device sync): not while torch.compile traces (the
     graph would break) nor while a CUDA graph captures on the current stream (the capture would fail). Checks of
-    values are skipped there, and on the meta device, which has none (shape inference); shapes, dtypes and devices
-    are still checked."""
-    if torch.compiler.is_compiling():
+    values are skipped there, and on the meta device and under a FakeTensorMode, which have none (shape
+    inference: a read raised torch's DataDependentOutputException); shapes, dtypes and devices are still checked."""
+    if torch.compiler.is_compiling() or fake_mode_active():
         return False
     kind = torch.device(device).type if device is not None else None
     return kind != "meta" and not (kind == "cuda" and torch.cuda.is_current_stream_capturing())

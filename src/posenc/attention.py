@@ -24,6 +24,7 @@ from torch import nn
 from posenc._checks import (
     autocast_off,
     autocast_on,
+    fake_mode_active,
     flag,
     float_tensor,
     int_tensor,
@@ -197,7 +198,9 @@ class KVCache:
         # device (shapes only), posenc's error where no value may be read (a CUDA graph capture).
         seq_len = encoding.call_scaling_length(k_pos)
         inv_freq = encoding.frequencies(seq_len)[0]
-        if self.k is not None and self.rotated_with is not None and torch.equal(inv_freq, self.rotated_with):
+        # Under a FakeTensorMode the frequencies have no values to compare: every key is rotated (the same shapes).
+        same = self.k is not None and self.rotated_with is not None and not fake_mode_active()
+        if same and torch.equal(inv_freq, self.rotated_with):
             rotated = torch.cat((self.k, encoding.rotate(k, positions, seq_len=seq_len)), dim=2)
         else:
             rotated = encoding.rotate(unrotated, k_pos, seq_len=seq_len)

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.autograd.forward_ad as fwAD
+from torch._subclasses.fake_tensor import FakeTensor
 
 from posenc._checks import inplace_refused
 from posenc._compile_marks import assume_constant_result
@@ -576,6 +577,13 @@ class _RotaryInPlace(_EagerRotation):
         return tuple(xs)
 
 
+def _fake(*tensors: torch.Tensor) -> bool:
+    """Whether one of ``tensors`` is a FakeTensor (a FakeTensorMode's shape inference): it has a data pointer with
+    no memory behind it, which the fused kernels wrote through (a segmentation fault on the CPU). The custom ops'
+    fake implementations give their outputs' shapes, as they do for torch.compile."""
+    return any(isinstance(t, FakeTensor) for t in tensors)
+
+
 def _needs_grad(xs: Sequence[torch.Tensor]) -> bool:
     return torch.is_grad_enabled() and any(x.requires_grad for x in xs)
 
@@ -593,10 +601,11 @@ def rotary_copy(
     conjugate: bool,
     backend: str,
 ) -> list[torch.Tensor]:
-    """``posenc::rotary`` when traced (torch.compile); in eager, ``_RotaryCopy`` when autograd is involved, else
-    the implementation directly (the op's dispatch costs ~150 us a call, more than a decode step's kernel)."""
+    """``posenc::rotary`` when traced (torch.compile) or given FakeTensors; in eager, ``_RotaryCopy`` when autograd
+    is involved, else the implementation directly (the op's dispatch costs ~150 us a call, more than a decode step's
+    kernel)."""
     args = (cos, sin, positions, offsets, offset, cu_seqlens, kind, interleaved, conjugate, backend)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or _fake(*xs, cos, sin):
         return rotary(list(xs), *args)
     if _needs_grad(xs):
         options = (offset, kind, interleaved, conjugate, backend)
@@ -631,8 +640,9 @@ def rotary_inplace(
     later reads of x skip the Function, and x's gradient missed the rotation without a word (2*R*x, not 2*x, for
     x.square().sum()); a compiled function's input rotated in place lost it on 2.13 too.
     """
+    traced = torch.compiler.is_compiling() or _fake(*xs, cos, sin)  # the ops' fake implementations serve both
     if _needs_grad(xs):
-        if torch.compiler.is_compiling():
+        if traced:
             outs = rotary(
                 list(xs), cos, sin, positions, offsets, offset, cu_seqlens, kind, interleaved, conjugate, backend
             )
@@ -649,7 +659,7 @@ def rotary_inplace(
                 _rotary_inplace_impl(
                     list(xs), cos, sin, positions, offsets, offset, cu_seqlens, kind, interleaved, conjugate, backend
                 )
-    elif torch.compiler.is_compiling():
+    elif traced:
         rotary_(list(xs), cos, sin, positions, offsets, offset, cu_seqlens, kind, interleaved, conjugate, backend)
     else:
         _rotary_inplace_impl(

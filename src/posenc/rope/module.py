@@ -20,6 +20,7 @@ from posenc import _compile_marks as compile_marks
 from posenc._checks import (
     INDEX_DTYPES,
     assert_without_sync,
+    fake_mode_active,
     flag,
     float_dtype,
     float_tensor,
@@ -107,13 +108,21 @@ def _keepable() -> bool:
     storage once it returns, and the next eager call's fused kernel failed on it ("Cannot access data pointer of
     Tensor that doesn't have storage"); one kept from an eager call serves the transforms as a constant. Not while a
     CUDA graph is captured: its memory is written only when the graph replays, so an eager call before that would
-    read uninitialised rows."""
-    return not (transformed() or _capturing())
+    read uninitialised rows. Not under a FakeTensorMode: its tensors have no values, and a real call after it read
+    the fake table (a segmentation fault in the fused CPU kernel); nor are kept ones read there (``_kept``)."""
+    return not (transformed() or fake_mode_active() or _capturing())
 
 
 def _capturing() -> bool:
     """Whether a CUDA graph is being captured on the current stream."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _kept(cache: dict) -> dict:
+    """``cache`` (a RoPE's tables, windows or frequencies), or an empty dict under a FakeTensorMode, which refuses
+    real tensors in its computations ("Please convert all Tensors to FakeTensors first"): there they are made anew,
+    fake, and not kept (``_keepable``)."""
+    return {} if fake_mode_active() else cache
 
 
 def _position_bounds(
@@ -314,10 +323,10 @@ class RoPE(nn.Module):
         # Every layer sharing this RoPE asks for the same length in one step, and a 'consistent' cache asks three
         # times (the keys' check, k, q): the last few lengths are kept (37-150 us each, float64 on the host).
         key = self._frequency_length(seq_len)
-        found = self._frequencies.pop(key, None)  # re-inserted below: the dict's order is the order of use
+        found = _kept(self._frequencies).pop(key, None)  # re-inserted below: the dict's order is the order of use
         if found is None:
             found = compute_frequencies(self.spec, seq_len=key)
-            if transformed():  # made inside torch.func.grad & co: not kept (see _table)
+            if transformed() or fake_mode_active():  # made inside torch.func.grad & co, or fake: not kept (_keepable)
                 return found
             if len(self._frequencies) >= _FREQUENCIES_KEPT:
                 # The least recently used; threads sharing this RoPE may evict it first (a cache: nothing is lost).
@@ -357,7 +366,7 @@ class RoPE(nn.Module):
         """The seq_len a forward call scales for; advances the 'hf' dynamic NTK state as transformers does."""
         if self.spec.rope_type not in SEQ_LEN_DEPENDENT or positions.numel() == 0:
             return None
-        if positions.device.type == "meta":  # shapes only (a model built there): any length gives them, no state
+        if positions.device.type == "meta" or fake_mode_active():  # shapes only: any length gives them, no state
             return 1
         if not values_readable(positions.device):
             raise _length_unreadable(self.spec.rope_type)
@@ -470,7 +479,7 @@ class RoPE(nn.Module):
         """max(positions) + 1 for non-empty positions, read on the host after checking they are >= 0 (1 on the
         meta device, which has no values); None where values cannot be read (torch.compile, CUDA graph capture):
         then the check runs with the graph, and a length-dependent type without seq_len is an error."""
-        if positions.device.type == "meta":
+        if positions.device.type == "meta" or fake_mode_active():  # no values: shapes only, as in scaling_length
             return 1
         # A seq_len that does not cover the positions would scale dynamic NTK / LongRoPE for a shorter sequence than
         # the one present; refused for every type, so that it shows before a config switches to one that reads it.
@@ -493,7 +502,7 @@ class RoPE(nn.Module):
         return high + 1
 
     def _table(self, device: torch.device, needed: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        table = self._tables.get((device, dtype))
+        table = _kept(self._tables).get((device, dtype))
         if table is None or table[0].shape[0] < needed:
             table = self._rows(device, 0, max(256, 1 << (needed - 1).bit_length()), dtype)
             if _keepable():
@@ -517,7 +526,7 @@ class RoPE(nn.Module):
         each device and dtype."""
         first = low // (_WINDOW // 2) * (_WINDOW // 2)
         key = (device, dtype, first)
-        window = self._windows.pop(key, None)  # re-inserted below: the dict's order is the order of use
+        window = _kept(self._windows).pop(key, None)  # re-inserted below: the dict's order is the order of use
         built = window is None
         if built:
             window = self._rows(device, first, _WINDOW, dtype)
@@ -621,7 +630,7 @@ class RoPE(nn.Module):
                 # Captured into a CUDA graph: nothing may read a value or copy from the host, so the table built
                 # while warming up is read as it stands; a position outside it reads no memory beyond it (the Triton
                 # kernel gives those tokens NaN, the torch path asserts on the device).
-                table, trusted = self._tables.get((q.device, table_dtype)), False
+                table, trusted = _kept(self._tables).get((q.device, table_dtype)), False
                 if table is not None:
                     self._hold_for_graph(table)
             if table is not None:

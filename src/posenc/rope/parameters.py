@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from posenc._checks import base_value, even_positive_int, positive_int, sequence_length, user_stacklevel
 from posenc.rope.frequencies import SCALINGS, proportional_pairs
@@ -239,6 +240,30 @@ def _partial_rotary_factor(value: Any) -> float:
     return float(value)
 
 
+def _check_float32_range(spec: RopeSpec, lengths: tuple[int | None, ...]) -> None:
+    """Raise where the frequencies or the attention factor of ``spec`` at any of ``lengths`` leave float32's range."""
+    rope_type, params, rotary_dim = spec.rope_type, spec.params, spec.rotary_dim
+    for length in lengths:
+        # On the CPU, as every frequency is (posenc.rope.frequencies), also where the caller builds on meta.
+        inv_freq, factor = compute_frequencies(spec, seq_len=length)
+        factor_as_float32 = float(torch.tensor(float(factor), device="cpu").float())
+        if rope_type == "proportional":
+            inv_freq = inv_freq[: proportional_pairs(params["partial_rotary_factor"], rotary_dim)]
+        as_float32 = inv_freq.float()
+        if not bool(((as_float32 > 0) & (as_float32 < math.inf)).all()):
+            raise ValueError(
+                f"rope_type {rope_type!r} with {params} gives frequencies that are 0 or infinite in float32 "
+                f"(from {float(inv_freq.min()):.3g} to {float(inv_freq.max()):.3g}): nothing would rotate there, or "
+                "only NaN; use a smaller factor or rope_theta"
+            )
+        if not 0 < factor_as_float32 < math.inf:
+            raise ValueError(
+                f"rope_type {rope_type!r} with {params} gives an attention factor of {float(factor):.3g}, which "
+                "cos and sin cannot carry in float32 (they would be 0 or infinite); use an attention_factor that "
+                "float32 holds (about 1e-38 to 3e38)"
+            )
+
+
 def parse_rope_parameters(
     head_dim: int,
     rope_parameters: Mapping[str, Any] | None = None,
@@ -361,25 +386,10 @@ def parse_rope_parameters(
     lengths: tuple[int | None, ...] = (None,)
     if rope_type == "longrope":
         lengths = (None, int(params["original_max_position_embeddings"]) + 1)
-    for length in lengths:
-        # On the CPU, as every frequency is (posenc.rope.frequencies), also where the caller builds on meta.
-        inv_freq, factor = compute_frequencies(spec, seq_len=length)
-        factor_as_float32 = float(torch.tensor(float(factor), device="cpu").float())
-        if rope_type == "proportional":
-            inv_freq = inv_freq[: proportional_pairs(params["partial_rotary_factor"], rotary_dim)]
-        as_float32 = inv_freq.float()
-        if not bool(((as_float32 > 0) & (as_float32 < math.inf)).all()):
-            raise ValueError(
-                f"rope_type {rope_type!r} with {params} gives frequencies that are 0 or infinite in float32 "
-                f"(from {float(inv_freq.min()):.3g} to {float(inv_freq.max()):.3g}): nothing would rotate there, or "
-                "only NaN; use a smaller factor or rope_theta"
-            )
-        if not 0 < factor_as_float32 < math.inf:
-            raise ValueError(
-                f"rope_type {rope_type!r} with {params} gives an attention factor of {float(factor):.3g}, which "
-                "cos and sin cannot carry in float32 (they would be 0 or infinite); use an attention_factor that "
-                "float32 holds (about 1e-38 to 3e38)"
-            )
+    # Under a FakeTensorMode too (shape inference that builds the model), whose tensors have no values to read:
+    # these are the config's, checked on the host (a DataDependentOutputException from torch, else).
+    with unset_fake_temporarily():
+        _check_float32_range(spec, lengths)
     _warn_where_transformers_warns(rope_type, params, max_position_embeddings)
     return spec
 
