@@ -54,19 +54,22 @@ def test_rotations_with_position_tensors_need_no_values_under_fake_tensor_mode()
     assert by_ids.shape == by_offsets.shape == (2, 3, 5, 8) and packed.shape == (5, 3, 8)
 
 
+@pytest.mark.parametrize("offset", [3, torch.tensor([3])], ids=["int", "tensor"])
 @pytest.mark.parametrize("real_first", [False, True])
-def test_a_rope_serves_real_calls_and_fake_ones_in_either_order(real_first):
+def test_a_rope_serves_real_calls_and_fake_ones_in_either_order(real_first, offset):
     # Its cos/sin table made under the mode was kept, fake: the next real call failed on it (a segmentation fault in
-    # the fused CPU kernel); a real table kept from before was read there, which the mode refuses.
+    # the fused CPU kernel); a real table kept from before was read there, which the mode refuses (with a tensor
+    # offset, by the branch for a CUDA graph capture, where no value may be read either).
     rope = posenc.RoPE(8, backend="torch")
     q, k = torch.randn(1, 2, 6, 8), torch.randn(1, 1, 6, 8)
-    expected = posenc.RoPE(8, backend="torch")(q, k, offset=3)
+    expected = posenc.RoPE(8, backend="torch")(q, k, offset=offset)
     if real_first:
-        rope(q, k, offset=3)
+        rope(q, k, offset=offset)
     with FakeTensorMode() as mode:
-        fake_q, fake_k = rope(mode.from_tensor(q), mode.from_tensor(k), offset=3)
+        fake_offset = offset if isinstance(offset, int) else mode.from_tensor(offset)
+        fake_q, fake_k = rope(mode.from_tensor(q), mode.from_tensor(k), offset=fake_offset)
     assert isinstance(fake_q, FakeTensor) and fake_q.shape == q.shape and fake_k.shape == k.shape
-    for got, want in zip(rope(q, k, offset=3), expected, strict=True):
+    for got, want in zip(rope(q, k, offset=offset), expected, strict=True):
         assert not isinstance(got, FakeTensor)
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
