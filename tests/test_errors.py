@@ -853,3 +853,27 @@ def test_testing_references_name_mismatched_shapes():
         testing.rope_reference(torch.randn(1, 4, 8), torch.arange(5))
     broadcast = testing.rope_reference(torch.ones(2, 3, 4, 8), torch.arange(4).expand(3, 4))
     torch.testing.assert_close(broadcast, testing.rope_reference(torch.ones(2, 3, 4, 8), torch.arange(4)))
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda nested, cos, sin: posenc.apply_rotary(nested, cos[:1], sin[:1]),
+        lambda nested, cos, sin: posenc.apply_rotary(nested, cos, sin, offset=0, layout="bshd"),
+        lambda nested, cos, sin: posenc.apply_rotary_(nested, cos, sin, offset=0, layout="bshd"),
+        lambda nested, cos, sin: posenc.RoPE(8)(nested, nested),
+    ],
+    ids=["broadcast", "table", "in place", "RoPE"],
+)
+def test_a_nested_tensor_is_refused_with_the_packed_form_that_works(call):
+    """A jagged nested tensor (a natural way to hold packed sequences) broke deep inside torch ("'NestedIntNode'
+    object has no attribute 'add'"); it is refused, naming the packed call, which rotates each sequence from 0."""
+    sequences = [torch.randn(3, 2, 8), torch.randn(2, 2, 8)]
+    nested = torch.nested.nested_tensor(sequences, layout=torch.jagged)
+    angles = torch.arange(16.0)[:, None] * torch.rand(4)
+    cos, sin = angles.cos(), angles.sin()
+    with pytest.raises(TypeError, match=r"is a nested tensor.*\.values\(\) \(total_tokens, h, d\) with cu_seqlens="):
+        call(nested, cos, sin)
+    packed = posenc.apply_rotary(nested.values(), cos, sin, cu_seqlens=nested.offsets())
+    one_by_one = [posenc.apply_rotary(s, cos, sin, offset=0, layout="bshd") for s in (x[None] for x in sequences)]
+    torch.testing.assert_close(packed, torch.cat(one_by_one, dim=1)[0], rtol=0, atol=0)

@@ -183,6 +183,11 @@ def base_value(name: str, value: Any) -> float:
 def float_tensor(name: str, x: Any) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.is_nested:  # its ragged dim broke deep inside torch ("'NestedIntNode' object has no attribute 'add'")
+        raise TypeError(
+            f"{name} is a nested tensor, which posenc does not take: pass packed sequences as {name}.values() "
+            f"(total_tokens, h, d) with cu_seqlens={name}.offsets() to apply_rotary, or pad them to (b, s, ...)"
+        )
     if not x.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}; cast it with .float()")
     return x
