@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import gc
 import importlib
 import json
@@ -253,6 +254,99 @@ def test_unpatch_restores_the_original_bit_for_bit(backend: str) -> None:
     assert torch.equal(before, after)
     assert model.model.rotary_emb is original_rotary and model.config.rope_parameters is original_rope
     assert all("forward" not in layer.self_attn.__dict__ for layer in model.model.layers)
+
+
+def _hook_as_accelerate_does(module: torch.nn.Module, calls: list[str]) -> None:
+    """accelerate.hooks.add_hook_to_module's mechanics (which dispatch_model, cpu_offload and from_pretrained's
+    device_map use): the module's forward kept in _old_forward, ``forward`` a wrapper that runs the hook (here: records
+    a call) around it. accelerate is no dependency of posenc; its hooks are these few lines."""
+    if not (hasattr(module, "_hf_hook") and hasattr(module, "_old_forward")):
+        module._old_forward = module.forward
+    module._hf_hook = "hook"
+
+    def new_forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        calls.append("hook")
+        return module._old_forward(*args, **kwargs)
+
+    module.forward = functools.update_wrapper(functools.partial(new_forward, module), module._old_forward)
+
+
+def _unhook_as_accelerate_does(module: torch.nn.Module) -> None:
+    """accelerate.hooks.remove_hook_from_module's mechanics."""
+    del module._hf_hook
+    module.forward = module._old_forward
+    del module._old_forward
+
+
+def test_an_accelerate_hook_added_before_patching_keeps_running_and_can_be_removed() -> None:
+    """patch_model replaced the hook's wrapper in ``forward``: the hook (device alignment, offloaded weights) stopped
+    running without a word, and removing it put back the class's forward, which failed in a shape mismatch on
+    posenc's cos/sin."""
+    reference, model = build("llama", "yarn"), build("llama", "yarn")
+    attention, calls, ids = model.model.layers[0].self_attn, [], tokens()
+    _hook_as_accelerate_does(attention, calls)
+    with torch.no_grad():
+        expected, before = reference(ids).logits, model(ids).logits
+        patch_model(model)
+        calls.clear()
+        torch.testing.assert_close(model(ids).logits, expected, **FP32)
+        assert calls == ["hook"]
+        _unhook_as_accelerate_does(attention)
+        torch.testing.assert_close(model(ids).logits, expected, **FP32)
+        unpatch_model(model)
+        assert torch.equal(model(ids).logits, before)
+
+
+def test_an_accelerate_hook_added_after_patching_outlives_unpatch() -> None:
+    """unpatch_model removed the hook's wrapper from ``forward``, so the hook stopped running; removing it afterwards
+    put back posenc's forward on the unpatched model, which refused transformers' cos/sin."""
+    model = build("llama", "yarn")
+    attention, calls, ids = model.model.layers[0].self_attn, [], tokens()
+    with torch.no_grad():
+        before = model(ids).logits
+        patch_model(model)
+        _hook_as_accelerate_does(attention, calls)
+        unpatch_model(model)
+        calls.clear()
+        assert torch.equal(model(ids).logits, before)
+        assert calls == ["hook"]
+        _unhook_as_accelerate_does(attention)
+        assert torch.equal(model(ids).logits, before)
+
+
+def _offload_as_accelerate_does(model: torch.nn.Module) -> None:
+    """accelerate's cpu_offload, in effect: every parameter on the meta device but while its module runs (buffers
+    stay where they are)."""
+    for module in model.modules():
+        weights = {name: p for name, p in module._parameters.items() if p is not None}
+        if not weights:
+            continue
+
+        def load(module: torch.nn.Module, args: Any, weights: dict = weights) -> None:
+            module._parameters.update(weights)
+
+        def unload(module: torch.nn.Module, args: Any, output: Any, weights: dict = weights) -> None:
+            for name, p in weights.items():
+                module._parameters[name] = torch.nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+
+        module.register_forward_pre_hook(load)
+        module.register_forward_hook(unload)
+        unload(module, (), None)
+
+
+def test_an_offloaded_model_computes_cos_sin_where_its_rotary_module_did() -> None:
+    """posenc's rotary module went to the first parameter's device, the meta device in an offloaded model, and
+    every forward failed ("Cannot copy out of meta tensor")."""
+    reference, model = build("llama", "yarn"), build("llama", "yarn")
+    _offload_as_accelerate_does(model)
+    assert next(model.parameters()).is_meta
+    ids = tokens()
+    with torch.no_grad():
+        expected = reference(ids).logits
+        torch.testing.assert_close(model(ids).logits, expected)  # the emulation runs the model as it was
+        patch_model(model)
+        assert model.model.rotary_emb.inv_freq.device.type == "cpu"
+        torch.testing.assert_close(model(ids).logits, expected, **FP32)
 
 
 def test_a_patched_model_refuses_pickling_and_copies_as_patched() -> None:

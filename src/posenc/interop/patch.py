@@ -9,7 +9,8 @@ What is replaced, per patched model and nothing else in the process:
   resolve its ``apply_rotary_pos_emb*`` functions to posenc's rotation (``posenc.apply_rotary_qk``, any backend),
   each in the pair layout the original was found to rotate in. The class, the modeling module and every other
   model of the same class are untouched, and the copy is plain Python, so ``torch.compile`` traces it like the
-  original.
+  original. Under an accelerate hook (``dispatch_model``, ``cpu_offload``: ``forward`` is the hook's wrapper of
+  ``_old_forward``) it goes in ``_old_forward``, so the hook keeps running, before and after ``unpatch_model``.
 
 Which modules and functions these are is found by inspecting the model (``posenc.interop._discover``), so any
 architecture that follows transformers' RoPE conventions can be patched; ``VERIFIED_ARCHITECTURES`` are those whose
@@ -134,6 +135,9 @@ class _PatchState:
     config: Any
     original_config_values: dict[str, Any]  # attribute -> its value before patching
     weights_dtype: torch.dtype | None  # the model's floating parameters' dtype when patched
+    # Per attention module, the instance forward its patched one replaced (accelerate's _old_forward, see
+    # _forward_slot), or None for the class's.
+    replaced_forwards: list[Any]
     # Set by unpatch_model. A shallow copy (copy.copy) of a patched model shares its modules and this state: once
     # either is unpatched, so is the other, which must then say so rather than try to undo it again.
     undone: bool = False
@@ -168,6 +172,10 @@ class _PickleGuard:
 
 
 _GUARD_ATTR = "_posenc_patched_forward"
+# accelerate's add_hook_to_module (used by dispatch_model, cpu_offload and from_pretrained(device_map=...)) keeps a
+# module's forward in _OLD_FORWARD_ATTR and sets `forward` to a wrapper that runs the hook (_HOOK_ATTR) around it.
+_OLD_FORWARD_ATTR = "_old_forward"
+_HOOK_ATTR = "_hf_hook"
 
 
 class _PatchedForward:
@@ -214,6 +222,40 @@ class _PatchedForward:
             return self
         copied = memo.get(id(module))
         return _PatchedForward(self.__func__, copied if isinstance(copied, nn.Module) else module)
+
+
+def _forward_slot(module: nn.Module) -> str:
+    """The instance attribute that holds ``module``'s own forward: accelerate's ``_old_forward`` under one of its
+    hooks, whose wrapper in ``forward`` calls it (a patched forward put in ``forward`` would bypass the hook, and
+    the hook's removal would put back the unpatched forward, which fails on posenc's cos/sin), else ``forward``."""
+    hooked = _HOOK_ATTR in module.__dict__ and _OLD_FORWARD_ATTR in module.__dict__
+    return _OLD_FORWARD_ATTR if hooked else "forward"
+
+
+def _restore_forward(module: nn.Module, replaced: Any) -> None:
+    """Put back the forward that ``module``'s patched one replaced (``replaced``; None: the class's), in the slot
+    the patched one holds now: ``forward``, or accelerate's ``_old_forward`` where a hook was added after patching
+    (its wrapper in ``forward`` stays, and calls the original)."""
+    for slot in ("forward", _OLD_FORWARD_ATTR):
+        if isinstance(module.__dict__.get(slot), _PatchedForward):
+            if replaced is not None:
+                setattr(module, slot, replaced)
+            elif slot == "forward":
+                del module.__dict__[slot]
+            else:  # what add_hook_to_module would have kept of the unpatched module
+                setattr(module, slot, types.MethodType(type(module).forward, module))
+            return
+    # Replaced since by something that keeps no _old_forward: the class's forward, as before posenc.
+    module.__dict__.pop("forward", None)
+
+
+def _rotary_device(rotary: nn.Module, model: nn.Module) -> torch.device:
+    """Where ``rotary`` computes its cos/sin: the device of its buffers. Not the first parameter's: an offloaded model
+    (accelerate's cpu_offload, a device_map with "cpu" or "disk") holds its parameters on the meta device until each
+    is called, its rotary module's inv_freq on the device it runs on. A model not materialised yet (all on meta)
+    gets the parameters' device."""
+    device = next((buffer.device for buffer in rotary.buffers() if not buffer.is_meta), None)
+    return device if device is not None else next((p.device for p in model.parameters()), torch.device("cpu"))
 
 
 def _weights_dtype(model: nn.Module) -> torch.dtype | None:
@@ -592,9 +634,9 @@ def patch_model(
         rotations=layouts,
     )
     replacements = []
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
     for group_config, members, ropes in installs:
-        replacement = PosencRotaryEmbedding(ropes if len(ropes) > 1 or "" not in ropes else ropes[""]).to(device)
+        replacement = PosencRotaryEmbedding(ropes if len(ropes) > 1 or "" not in ropes else ropes[""])
+        replacement.to(_rotary_device(members[0][1], model))
         if hasattr(members[0][1], "config"):  # read by some models' forward (Granite-SWA keys cos/sin by its theta)
             replacement.config = group_config
         replacements.append((replacement, members))
@@ -610,12 +652,17 @@ def patch_model(
             parent_name, _, attr = name.rpartition(".")
             setattr(named[parent_name], attr, replacement)
             swapped.append((parent_name, attr, module))
+    replaced_forwards = []
     for module in found.attention:
         # An instance attribute: nn.Module.__call__ finds it before the class's forward.
-        module.forward = _PatchedForward(forwards[type(module)], module)
+        slot = _forward_slot(module)
+        replaced_forwards.append(module.__dict__.get(slot))
+        setattr(module, slot, _PatchedForward(forwards[type(module)], module))
         object.__setattr__(module, _GUARD_ATTR, _PickleGuard())
 
-    state = _PatchState(report, swapped, list(found.attention), config, originals, _weights_dtype(model))
+    state = _PatchState(
+        report, swapped, list(found.attention), config, originals, _weights_dtype(model), replaced_forwards
+    )
     object.__setattr__(model, _STATE_ATTR, state)
     return report
 
@@ -835,8 +882,8 @@ def unpatch_model(model: nn.Module) -> PatchReport:
                 if rope.rope_type == "dynamic" and rope.mode == "hf":
                     _hand_back_dynamic_state(original, layer_type, rope.hf_scaled_len)
         setattr(parent, attr, original)
-    for module in state.attention:
-        module.__dict__.pop("forward", None)
+    for module, replaced in zip(state.attention, state.replaced_forwards, strict=True):
+        _restore_forward(module, replaced)
         module.__dict__.pop(_GUARD_ATTR, None)
     state.undone = True
     object.__delattr__(model, _STATE_ATTR)
