@@ -349,6 +349,59 @@ def test_an_offloaded_model_computes_cos_sin_where_its_rotary_module_did() -> No
         torch.testing.assert_close(model(ids).logits, expected, **FP32)
 
 
+class _Forwarding(torch.nn.Module):
+    """A wrapper as peft's PeftModel (and its LoraModel inside) is, in what matters here: the model is a submodule,
+    and attribute look-ups the wrapper cannot answer go to it."""
+
+    def __init__(self, model: torch.nn.Module, name: str) -> None:
+        super().__init__()
+        self.name = name
+        self.add_module(name, model)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            inner = self._modules.get(self.__dict__["name"])
+            if inner is None:  # add_module asks before the model is in
+                raise
+            return getattr(inner, name)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._modules[self.name](*args, **kwargs)
+
+
+def test_a_wrapper_of_a_patched_model_is_not_taken_for_it() -> None:
+    """get_peft_model(patched model): the wrapper answered with the wrapped model's patch, so is_patched said True,
+    patch_model said to call unpatch_model(wrapper), and unpatch_model(wrapper) failed half-way on an AttributeError
+    (the patch's module names are the wrapped model's)."""
+    model = build("llama", "yarn")
+    ids = tokens()
+    with torch.no_grad():
+        before = model(ids).logits
+    patch_model(model)
+    wrapper = _Forwarding(_Forwarding(model, "model"), "base_model")
+    assert not is_patched(wrapper) and is_patched(model)
+    with pytest.raises(ValueError, match=r"model\.base_model\.model is already patched"):
+        patch_model(wrapper)
+    with pytest.raises(ValueError, match=r"but model\.base_model\.model is: call unpatch_model\(model\.base_model"):
+        unpatch_model(wrapper)
+    unpatch_model(model)
+    with torch.no_grad():
+        assert torch.equal(wrapper(ids).logits, before)
+
+
+def test_the_model_inside_a_patched_wrapper_says_where_the_patch_is() -> None:
+    model = build("llama")
+    wrapper = _Forwarding(_Forwarding(model, "model"), "base_model")
+    patch_model(wrapper)
+    assert not is_patched(model)
+    with pytest.raises(ValueError, match=r"model\.model\.rotary_emb is posenc's rotary embedding: model is part of"):
+        unpatch_model(model)
+    unpatch_model(wrapper)
+    assert not isinstance(model.model.rotary_emb, PosencRotaryEmbedding)
+
+
 def test_a_patched_model_refuses_pickling_and_copies_as_patched() -> None:
     """Pickle stores the per-instance attention forwards by name: a torch.save'd patched model loaded with the
     class's own forward beside posenc's rotary module, said it was patched, and failed in a shape mismatch at its

@@ -144,8 +144,10 @@ class _PatchState:
 
 
 def _patch_state(model: nn.Module) -> _PatchState | None:
-    """The state of the patch in force on ``model``, or None."""
-    state: _PatchState | None = getattr(model, _STATE_ATTR, None)
+    """The state of the patch in force on ``model``, or None. Read from the model's own attributes: a wrapper whose
+    ``__getattr__`` forwards to the model it wraps (peft's PeftModel) would otherwise answer with that model's state,
+    whose module names are not the wrapper's (unpatch_model(wrapper) failed half-way on an AttributeError)."""
+    state: _PatchState | None = vars(model).get(_STATE_ATTR)
     return None if state is None or state.undone else state
 
 
@@ -685,6 +687,24 @@ def _require_no_patched_part(model: nn.Module) -> None:
             )
 
 
+def _where_the_patch_is(model: nn.Module) -> str:
+    """Why an unpatched ``model`` may still run posenc: a part of it was patched, or it is a part of (or was taken
+    out of) a patched model; else the usual reasons."""
+    for name, module in model.named_modules():
+        if name and _patch_state(module) is not None:
+            return f", but model.{name} is: call unpatch_model(model.{name})"
+    for name, module in model.named_modules():
+        if isinstance(module, PosencRotaryEmbedding):
+            return (
+                f", but model.{name} is posenc's rotary embedding: model is part of a model that posenc patched (a "
+                "wrapper such as peft's PeftModel, which merge_and_unload leaves the patched model of); call "
+                "unpatch_model on the model that patch_model was called on"
+            )
+    return (
+        " (patch_model was not called, or unpatch_model already was, on it or on a copy.copy that shares its modules)"
+    )
+
+
 def _rotary_groups(model: nn.Module, found: ModelRope) -> list[tuple[Any, list[tuple[str, nn.Module]]]]:
     """The rotary modules grouped by the config each was built from (the model's, or one of its own: Granite-SWA
     keeps one rotary embedding per rope_theta), the model's config first."""
@@ -862,10 +882,7 @@ def unpatch_model(model: nn.Module) -> PatchReport:
     mode="consistent")``."""
     state = _patch_state(model)
     if state is None:
-        raise ValueError(
-            "model is not patched by posenc (patch_model was not called, or unpatch_model already was, on it or on a "
-            "copy.copy that shares its modules)"
-        )
+        raise ValueError(f"model is not patched by posenc{_where_the_patch_is(model)}")
     # The originals were outside the module tree while patched: follow a device move made meanwhile, and a dtype
     # cast that changed the model's floating parameters (model.to(torch.bfloat16) would have cast inv_freq too). A
     # cast to the dtype the parameters already had goes unseen.
