@@ -314,6 +314,29 @@ def test_an_accelerate_hook_added_after_patching_outlives_unpatch() -> None:
         assert torch.equal(model(ids).logits, before)
 
 
+def test_an_instance_forward_that_is_not_accelerates_is_named_when_patching_bypasses_it() -> None:
+    """A wrapper set as an attention module's instance forward (a profiler, a logger) stopped running while patched,
+    without a word: patching warns, naming the module and the hook that would keep running, and unpatch_model puts the
+    wrapper back."""
+    model = build("llama", "yarn")
+    attention, calls, ids = model.model.layers[1].self_attn, [], tokens()
+    original = attention.forward
+
+    def logged(*args, **kwargs):
+        calls.append("wrapper")
+        return original(*args, **kwargs)
+
+    attention.forward = logged
+    with pytest.warns(UserWarning, match=r"model\.model\.layers\.1\.self_attn\.forward is set on the instance"):
+        patch_model(model)
+    with torch.no_grad():
+        model(ids)
+        assert calls == []
+        unpatch_model(model)
+        model(ids)
+    assert calls == ["wrapper"] and attention.forward is logged
+
+
 def _offload_as_accelerate_does(model: torch.nn.Module) -> None:
     """accelerate's cpu_offload, in effect: every parameter on the meta device but while its module runs (buffers
     stay where they are)."""

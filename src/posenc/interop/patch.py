@@ -619,6 +619,20 @@ def patch_model(
             stacklevel=2,
         )
 
+    attention_ids = {id(module) for module in found.attention}
+    wrapped = [
+        name
+        for name, module in model.named_modules()
+        if id(module) in attention_ids and _forward_slot(module) == "forward" and "forward" in module.__dict__
+    ]
+    if wrapped:  # accelerate's hooks are kept (_forward_slot); another instance forward cannot be called around ours
+        warnings.warn(
+            f"model.{wrapped[0]}.forward is set on the instance ({len(wrapped)} attention module(s)), not by an "
+            "accelerate hook: while patched, posenc's forward runs instead of it and unpatch_model puts it back; to "
+            "keep a wrapper running, add it after patch_model as a forward hook (register_forward_hook)",
+            stacklevel=2,
+        )
+
     layouts = {rotation.name: rotation.layout for per_class in rotations.values() for rotation in per_class}
     rope_config = installs[0][0]  # a composite model's text config
     report = PatchReport(
