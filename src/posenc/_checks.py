@@ -21,6 +21,19 @@ def integer_offset(value: Any) -> Any:
     return value
 
 
+def refuse_jit_trace(what: str) -> None:
+    """Raise RuntimeError naming ``what`` while torch.jit.trace records (the TorchScript-based
+    ``torch.onnx.export(..., dynamo=False)`` too): it hands Python code sizes as tensors, so the size checks and
+    tables here failed deep inside (AttributeError: 'Tensor' object has no attribute 'bit_length'; "Unsupported
+    value kind: UInt"), and decisions taken in Python would be baked into the trace."""
+    if torch.jit.is_tracing():
+        raise RuntimeError(
+            f"{what} cannot be recorded by torch.jit.trace (nor by torch.onnx.export(..., dynamo=False), which "
+            "traces with it): export with torch.export.export, or torch.onnx.export(..., dynamo=True) (the default), "
+            "which take it, lengths and offsets included; apply_rotary and apply_rotary_qk given cos/sin do trace"
+        )
+
+
 def int64_int(name: str, value: int) -> None:
     """An int that becomes an int64 position: past 2**63 - 1 torch would raise OverflowError, or wrap it negative."""
     if not torch.compiler.is_compiling() and not -(2**63) <= value < 2**63:

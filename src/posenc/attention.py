@@ -30,6 +30,7 @@ from posenc._checks import (
     int_tensor,
     integer_offset,
     positive_int,
+    refuse_jit_trace,
     size_in,
 )
 from posenc.encoding import ActsOn
@@ -292,6 +293,7 @@ def add_input_encoding(x: torch.Tensor, encoding: nn.Module | None, positions: t
             "(the positions after the cached ones) when decoding with a KVCache, or "
             "posenc.positions_from_document_ids(document_ids) for packed documents"
         )
+    refuse_jit_trace("add_input_encoding")
     _check_encoding(encoding)
     if encoding is None or encoding.acts_on is not ActsOn.INPUT:
         return x
@@ -448,6 +450,7 @@ class CausalSelfAttention(nn.Module):
         Returns (b, s, dim); with ``return_attention`` also the probabilities (b, h, s, t) in float32 (float64
         for float64 inputs).
         """
+        refuse_jit_trace("CausalSelfAttention")
         float_tensor("x", x)
         flag("return_attention", return_attention)
         dim = getattr(self.q_proj, "in_features", None)

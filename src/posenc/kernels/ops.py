@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -78,8 +79,33 @@ def batched(*tensors: torch.Tensor) -> bool:
     return transformed(*tensors) or any(torch._C._functorch.is_legacy_batchedtensor(t) for t in tensors)
 
 
+def _recorded_without_fused_kernels() -> str:
+    """Why a graph being recorded now cannot hold the fused kernels, or "" when none is (or one can).
+
+    torch.jit.trace records only dispatched ops: the kernels write through raw pointers (ctypes, Triton launches), so
+    the trace kept the empty output and returned unwritten memory at every replay, without an error. The ONNX
+    exporters have no ONNX function for posenc's ops ("No ONNX function found for posenc.rotary"); the torch path
+    exports to ONNX operators."""
+    if torch.jit.is_tracing():  # also the TorchScript-based torch.onnx.export(..., dynamo=False)
+        return "torch.jit.trace records no call of the fused kernels, which write through raw pointers"
+    # Traced by torch.export inside torch.onnx.export: non-strict first, then, when that fails, strict (Dynamo).
+    if torch.compiler.is_compiling() and _onnx_exporting():
+        return "torch.onnx.export has no ONNX function for posenc's fused-kernel ops"
+    return ""
+
+
+@assume_constant_result  # Dynamo (the strict export's retry) reads the exporter's flag as it traces
+def _onnx_exporting() -> bool:
+    # torch.onnx is imported by the exporter: a process that never imported it is not exporting.
+    onnx = sys.modules.get("torch.onnx")
+    return onnx is not None and onnx.is_in_onnx_export()
+
+
 def _fused_problem(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, kind: str, inplace: bool) -> str:
     """Why the fused kernels cannot take this call, or "" when they can."""
+    recorded = _recorded_without_fused_kernels()
+    if recorded:
+        return recorded
     if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
         return "cos/sin require grad and the fused kernels do not differentiate them"
     if transformed(*xs, cos, sin):

@@ -231,10 +231,12 @@ def apply_rotary_torch(
     rotary = 2 * cos.shape[-1]
     wide = compute_dtype(x, cos)
     cos, sin = cos.to(wide), sin.to(wide)
-    if not (cos.requires_grad or sin.requires_grad or torch.compiler.is_compiling() or batched(x, cos, sin)):
+    recorded = torch.compiler.is_compiling() or torch.jit.is_tracing()
+    if not (cos.requires_grad or sin.requires_grad or recorded or batched(x, cos, sin)):
         # out= writes can be differentiated by no autograd mode, batched by no vmap, nor fused by Inductor: the
         # rotation's own backward serves x; the plain formula below serves learned angles, compiled graphs,
-        # torch.func transforms and forward-mode AD.
+        # torch.func transforms and forward-mode AD. Traced by torch.jit.trace, the writes into slices of the output
+        # were dropped by the TorchScript-based ONNX exporter: its model returned the empty output's memory.
         return _RotateCopy.apply(x, cos, sin, interleaved, conjugate)
     if rotary == x.shape[-1]:
         # No slice of the whole: autograd's own vmap (jacobian(vectorize=True)) has no batching rule for the alias.
@@ -297,7 +299,8 @@ def rotate_tensors(
     tensors = list(xs.values())
     if len({x.dtype for x in tensors}) > 1:
         raise TypeError(f"{' and '.join(xs)} must share a dtype, got {', '.join(str(x.dtype) for x in tensors)}")
-    if len({x.shape[-1] for x in tensors}) > 1:
+    # Compared, not gathered in a set: torch.jit.trace gives sizes as tensors, which a set holds by identity.
+    if any(x.shape[-1] != tensors[0].shape[-1] for x in tensors[1:]):
         # Attention takes q . k over the head dim; a wider k would also keep its extra channels unrotated unseen.
         raise ValueError(
             f"{' and '.join(xs)} must share a head dim (their last dim), got "

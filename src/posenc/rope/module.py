@@ -27,6 +27,7 @@ from posenc._checks import (
     host_min_max,
     int_tensor,
     integer_offset,
+    refuse_jit_trace,
     same_device,
     sequence_length,
     size_in,
@@ -453,6 +454,7 @@ class RoPE(nn.Module):
         differ from what forward rotates by. The per-step accessor that equals forward, advancing the state as it
         does, is ``call_cos_sin``.
         """
+        refuse_jit_trace(f"{type(self).__name__}.cos_sin")
         int_tensor("positions", positions, host_read=True)
         float_dtype("dtype", dtype)
         sequence_length("seq_len", seq_len)
@@ -576,6 +578,7 @@ class RoPE(nn.Module):
         CUDA graph capture, where positions cannot be read; a positive int for every type.
         Returns new (q, k) with the input dtypes.
         """
+        refuse_jit_trace(type(self).__name__)
         seq_axis = self._check_qk(q, k, layout, seq_len)
         offset = integer_offset(offset)
         # float32 tables for every activation dtype but float64, whose callers want float64 exactness.

@@ -24,6 +24,7 @@ from posenc._checks import (
     int_tensor,
     integer_offset,
     positive_int,
+    refuse_jit_trace,
     sequence_length,
     size_in,
     to_device,
@@ -157,6 +158,7 @@ class MRoPE(RoPE):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: (3, b, s) integer ids, or text ids of at most 2 dims (then as ``RoPE.cos_sin``). Returns cos,
         sin: (b, s, r/2) in ``dtype``. seq_len: as for ``RoPE.cos_sin``."""
+        refuse_jit_trace("MRoPE.cos_sin")
         int_tensor("positions", positions, host_read=True)
         if positions.dim() < 3:
             return super().cos_sin(positions, seq_len=seq_len, dtype=dtype)
@@ -191,6 +193,7 @@ class MRoPE(RoPE):
         ``RoPE.forward``. Returns new (q, k) with the input dtypes.
 
         A (3, s) tensor is read as text ids of a batch of 3, as ``RoPE`` reads it; three axes are (3, b, s)."""
+        refuse_jit_trace("MRoPE")
         ambiguous = isinstance(positions, torch.Tensor) and positions.dim() == 2 and positions.shape[0] == AXES
         if ambiguous and isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[0] != AXES:
             raise ValueError(
