@@ -122,9 +122,13 @@ def sequence_length(name: str, value: Any) -> int | None:
     """None (a length derived from the positions) or a positive int, refused alike by encodings that ignore it, so
     that a bad value shows before a config switches to one that reads it."""
     value = integer_offset(value)  # numpy's integers too
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+    # torch.export hands a length taken from a dynamic size (positions.shape[-1]) as a torch.SymInt, which is no int:
+    # refused as "must be a positive integer, got s80", dynamic NTK could not be exported with any seq_len but a
+    # constant. (Dynamo gives its symbolic ints as ints.)
+    integral = isinstance(value, (int, torch.SymInt))
+    if value is not None and (isinstance(value, bool) or not integral or value <= 0):
         # An int that varies between compiled calls is symbolic and cannot be formatted; its value (a guard) can.
-        shown = value if isinstance(value, bool) or not isinstance(value, int) else operator.index(value)
+        shown = value if isinstance(value, bool) or not integral else operator.index(value)
         raise ValueError(f"{name} must be a positive integer (a sequence length), got {shown!r}")
     return value
 

@@ -448,3 +448,31 @@ def test_an_exported_torch_path_rope_holds_no_posenc_op():
     assert not [t for t in targets if "posenc" in t], targets
     for got, want in zip(program.module()(q, k, positions), Attention()(q, k, positions), strict=True):
         torch.testing.assert_close(got, want, rtol=2.5e-7, atol=2e-7)  # a float32 ulp or two
+
+
+@pytest.mark.parametrize(("low", "high"), [(2, MAX_POS), (MAX_POS + 1, 4 * MAX_POS)])
+def test_dynamic_ntk_exports_with_a_symbolic_seq_len(low, high):
+    """torch.export hands positions.shape[-1] as a torch.SymInt, which was refused as "seq_len must be a positive
+    integer (a sequence length), got s80": dynamic NTK exported only with a constant length, its frequencies baked.
+    Now one program per side of max_position_embeddings (the Dim's range) computes them for each call's length."""
+
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rope = posenc.RoPE(
+                HEAD_DIM, rope_parameters=PARAMS["dynamic"], max_position_embeddings=MAX_POS, backend="torch"
+            )
+
+        def forward(self, q, k, positions):
+            return self.rope(q, k, positions=positions, seq_len=positions.shape[-1])
+
+    seq = torch.export.Dim("s", min=low, max=high)
+    q, k = random_qk(1, 2, 1, high, HEAD_DIM)
+    program = torch.export.export(
+        Attention(), (q, k, torch.arange(high)), dynamic_shapes=({2: seq}, {2: seq}, {0: seq})
+    )
+    for length in (low, (low + high) // 2):
+        q, k = random_qk(1, 2, 1, length, HEAD_DIM)
+        positions = torch.arange(length)
+        for got, want in zip(program.module()(q, k, positions), Attention()(q, k, positions), strict=True):
+            torch.testing.assert_close(got, want, rtol=2.5e-7, atol=2e-7)  # a float32 ulp or two

@@ -172,7 +172,8 @@ def _length_unreadable(rope_type: str) -> ValueError:
         "torch.compile, a CUDA graph capture or on the meta device; pass seq_len= (the length to scale for, e.g. "
         "the tokens in the cache plus the new ones) to RoPE's forward or cos_sin, or, where the caller cannot "
         "(CausalSelfAttention, a patched transformers model), compile without fullgraph=True: the length is then "
-        "read in a graph break"
+        "read in a graph break. torch.export has no graph breaks: there pass seq_len=positions.shape[-1] (or the "
+        "cached + new length), with the length's Dim on one side of max_position_embeddings (a program for each)"
     )
 
 
