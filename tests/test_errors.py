@@ -502,6 +502,13 @@ _i = torch.arange(5)
             TypeError,
             r"cos/sin must be float32 or float64 \(whatever x's dtype\), got torch.float16",
         ),
+        (  # float8 (a quantized model's dtype) was called 16-bit
+            lambda: posenc.apply_rotary(
+                _cpu_x, torch.ones(5, 4).to(torch.float8_e4m3fn), torch.ones(5, 4).to(torch.float8_e4m3fn)
+            ),
+            TypeError,
+            r"got torch.float8_e4m3fn: 8-bit cos/sin lose the angles' precision",
+        ),
         (
             lambda: posenc.apply_rotary(_cpu_x, torch.ones(8, 4).bfloat16(), torch.ones(8, 4).bfloat16(), offset=0),
             TypeError,

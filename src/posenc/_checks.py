@@ -268,6 +268,7 @@ def angle_dtypes(cos: Any, sin: Any) -> None:
         raise TypeError(f"cos and sin must share a dtype, got {cos.dtype} and {sin.dtype}")
     if cos.dtype not in (torch.float32, torch.float64):
         raise TypeError(
-            f"cos/sin must be float32 or float64 (whatever x's dtype), got {cos.dtype}: 16-bit cos/sin lose the "
-            "angles' precision; build them in float32 (posenc.RoPE.cos_sin does) or pass cos.float(), sin.float()"
+            f"cos/sin must be float32 or float64 (whatever x's dtype), got {cos.dtype}: "
+            f"{torch.finfo(cos.dtype).bits}-bit cos/sin lose the angles' precision; build them in float32 "
+            "(posenc.RoPE.cos_sin does) or pass cos.float(), sin.float()"
         )
