@@ -208,19 +208,24 @@ def test_explicit_fused_backend_refuses_transforms_and_tangents():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("rotary", [4, 8])
-def test_learned_angles_get_gradients_through_the_in_place_rotation(dtype, rotary):
+@pytest.mark.parametrize("learned", ["cos and sin", "cos", "sin"])
+def test_learned_angles_get_gradients_through_the_in_place_rotation(dtype, rotary, learned):
     """apply_rotary_ with cos/sin that require grad: cos's gradient needs x as it was before the rotation, which
-    the in-place write once overwrote (fp32 and fp64 failed in backward)."""
+    the in-place write once overwrote (fp32 and fp64 failed in backward). Either of them alone requiring grad is
+    recorded too, not written into x as a rotation with nothing to record."""
     gen = torch.Generator().manual_seed(0)
     angles = torch.rand(5, rotary // 2, generator=gen, dtype=torch.float64)
-    cos, sin = (f(angles).float().requires_grad_() for f in (torch.cos, torch.sin))
+    cos, sin = (
+        f(angles).float().requires_grad_(name in learned) for f, name in ((torch.cos, "cos"), (torch.sin, "sin"))
+    )
     x = torch.randn(2, 3, 5, 8, generator=gen).to(dtype)
-    expected_cos, expected_sin = (t.detach().clone().requires_grad_() for t in (cos, sin))
+    expected_cos, expected_sin = (t.detach().clone().requires_grad_(t.requires_grad) for t in (cos, sin))
     posenc.apply_rotary(x, expected_cos, expected_sin).square().sum().backward()
     out = posenc.apply_rotary_(x.clone(), cos, sin)
     out.square().sum().backward()
-    torch.testing.assert_close(cos.grad, expected_cos.grad)
-    torch.testing.assert_close(sin.grad, expected_sin.grad)
+    for got, expected in ((cos, expected_cos), (sin, expected_sin)):
+        if expected.requires_grad:
+            torch.testing.assert_close(got.grad, expected.grad)
 
 
 def test_vmapped_positions_and_offsets_are_a_clear_error():
@@ -337,3 +342,54 @@ def test_the_torch_path_makes_its_temporaries_a_block_at_a_time(monkeypatch, dty
 
     extra = _peak_bytes(run) - held
     assert extra <= 2 * block, f"{extra / x.nbytes:.2f}x x's size above what the call holds"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("interleaved", LAYOUTS)
+@pytest.mark.parametrize("rotary", [64, 48])
+@pytest.mark.parametrize(
+    ("shape", "angle_shape"),
+    [
+        ((1, 3, 37, 64), (37,)),  # blocks along the sequence, the last of them a single row
+        ((1, 37, 5, 64), (1, 1, 5)),  # along the heads, which cos/sin broadcast over (size 1 there)
+        ((1, 37, 5, 64), (1, 37, 5)),  # along the heads, cos/sin given per head
+    ],
+)
+def test_the_torch_path_rotates_a_block_of_rows_at_a_time_as_it_rotates_the_whole(
+    monkeypatch, dtype, interleaved, rotary, shape, angle_shape
+):
+    """Above _BLOCK_BYTES the torch path rotates x a block of rows at a time (into a copy, straight into x in place,
+    and in the conjugate of every backward): the same bits as below it, where x is rotated whole. Only the memory of
+    the blocks was tested: rows cut off at a block boundary, or cos/sin taken from the wrong rows, went unnoticed."""
+    import posenc.rope.apply as apply
+
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype)
+    theta = torch.randn(*angle_shape, rotary // 2, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    cos, sin = (theta * 10).cos().float(), (theta * 10).sin().float()
+    grad = torch.randn_like(x)
+
+    def rotations(block: int) -> list[torch.Tensor]:
+        monkeypatch.setattr(apply, "_BLOCK_BYTES", block)
+        copied = posenc.apply_rotary(x, cos, sin, interleaved=interleaved, backend="torch")
+        in_place = x.clone()
+        with torch.no_grad():
+            posenc.apply_rotary_(in_place, cos, sin, interleaved=interleaved, backend="torch")
+        leaf = x.clone().requires_grad_()
+        posenc.apply_rotary(leaf, cos, sin, interleaved=interleaved, backend="torch").backward(grad)
+        return [copied, in_place, leaf.grad]
+
+    whole = rotations(1 << 30)
+    # 3000 bytes: ~10 blocks of 4 or 5 rows; 25000: more than the rotated channels of (1, 3, 37, 64) at r = 48
+    # (21312 bytes) but less than all of x, so that x is split, into a single block.
+    for block in (3000, 25000):
+        blocked = rotations(block)
+        for name, expected, got in zip(("copy", "in place", "backward"), whole, blocked, strict=True):
+            assert torch.equal(got, expected), f"{name}, blocks of {block} bytes"
+    assert_close(blocked[0], apply_rotary_torch(x.double(), cos.double(), sin.double(), interleaved=interleaved))
+    if len(angle_shape) == 1:  # a single vector above the block size is rotated whole: it has no rows to split
+        vector, angle = x[0, 0, 0], theta[0]
+        monkeypatch.setattr(apply, "_BLOCK_BYTES", 16)
+        rotated = posenc.apply_rotary(vector, angle.cos(), angle.sin(), interleaved=interleaved, backend="torch")
+        monkeypatch.setattr(apply, "_BLOCK_BYTES", 1 << 30)
+        expected = posenc.apply_rotary(vector, angle.cos(), angle.sin(), interleaved=interleaved, backend="torch")
+        assert torch.equal(rotated, expected)
