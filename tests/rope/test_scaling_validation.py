@@ -91,6 +91,12 @@ def test_a_type_registered_without_its_keys_is_named(monkeypatch) -> None:
     monkeypatch.setitem(frequencies.SCALINGS, "brand_new", frequencies.default)
     with pytest.raises(ValueError, match=r"'brand_new' is registered in SCALINGS .* REQUIRED_KEYS and OPTIONAL_KEYS"):
         RoPE(16, rope_parameters={"rope_type": "brand_new"})
+    for given, other in ((REQUIRED_KEYS, OPTIONAL_KEYS), (OPTIONAL_KEYS, REQUIRED_KEYS)):  # a line in one of them only
+        with monkeypatch.context() as line:
+            line.setitem(given, "brand_new", frozenset())
+            assert "brand_new" not in other
+            with pytest.raises(ValueError, match=r"'brand_new' is registered in SCALINGS .* both REQUIRED_KEYS"):
+                RoPE(16, rope_parameters={"rope_type": "brand_new"})
 
 
 @pytest.mark.parametrize("bad", [[("rope_type", "linear")], "linear", 4.0])
