@@ -573,6 +573,34 @@ def test_gpu_goal_is_unknown_for_a_dtype_the_run_lacks(tmp_path: Path, capsys: p
     assert "at 0.897 " in line and met is False
 
 
+def test_gpu_goal_meets_at_the_goal_and_at_a_tie_and_reads_only_the_named_length_and_copy() -> None:
+    """The goal is ">= 0.9 of the copy" and "not slower than" a rival: exactly 0.900, and a p50 equal to the
+    rival's, are met. s=1638 is not a prefix match of s=16384's rows; a run with the one-launch copy but not the
+    two-clone one is UNKNOWN; a dtype beyond the judged ones that the CSV has is judged too."""
+    spec = importlib.util.spec_from_file_location("gpu_goal", ROOT / "scripts" / "gpu_goal.py")
+    gpu_goal = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_goal)
+
+    def rows(dtype: str, providers: tuple[str, ...]) -> list[dict[str, str]]:
+        p50 = {"copy": "0.090", "copy-one-launch": "0.095", "posenc-triton": "0.100", "liger": "0.100"}
+        ratio = {"copy": "1.0", "posenc-triton": "0.900"}
+        return [
+            {"provider": name, "mode": "fwd", "dtype": dtype, "shape": "b=1,hq=32,hk=8,s=16384,d=128"}
+            | {"p50": p50[name], "ratio_to_copy": ratio.get(name, ""), "gb_per_s": "", "device": "GPU"}
+            for name in providers
+        ]
+
+    judged = dict(gpu_goal.verdicts(rows("fp16", ("copy", "copy-one-launch", "posenc-triton", "liger")), dtypes=()))
+    assert judged["s=16384 fp16 fwd: posenc-triton at 0.900 (goal >= 0.9 of the copy)"] is True
+    assert judged["s=16384 fp16 fwd: posenc-triton p50 0.1000 ms, liger 0.1000 ms"] is True
+    assert gpu_goal.verdicts(rows("bf16", ("copy", "posenc-triton")), seq=1638, dtypes=("bf16",)) == [
+        ("s=1638 bf16 fwd: no rows", None)
+    ]
+    assert gpu_goal.verdicts(rows("bf16", ("copy-one-launch", "posenc-triton")), dtypes=("bf16",)) == [
+        ("s=16384 bf16 fwd: no posenc-triton or copy row", None)
+    ]
+
+
 @pytest.mark.skipif(shutil.which("timeout") is None, reason="gpu_check.sh runs each step under coreutils' timeout")
 def test_gpu_check_runs_every_step_and_exits_1_where_one_failed(tmp_path: Path) -> None:
     """gpu_check.sh with a stand-in for python that says CUDA is there and succeeds at every step but the one named
