@@ -356,7 +356,25 @@ def test_commit_stamp_marks_a_tree_that_differs_from_head(tmp_path: Path, monkey
     assert empty.startswith(f"{head}+dirty.")
     # An untracked file's contents count, not its name alone: git's diff leaves them out.
     (repo / "src" / "new.py").write_text("y = 1\n")
-    assert common.commit().startswith(f"{head}+dirty.") and common.commit() != empty
+    one = common.commit()
+    assert one.startswith(f"{head}+dirty.") and one != empty
+    (repo / "src" / "new.py").write_text("y = 2\n")  # the same size: read, not sized
+    assert common.commit() not in (one, empty)
+    # docs/ and what git ignores do not count, untracked or not.
+    (repo / "docs" / "new.csv").write_text("a\n")
+    (repo / ".git" / "info" / "exclude").write_text("*.log\n")
+    (repo / "src" / "run.log").write_text("1\n")
+    two = common.commit()
+    (repo / "docs" / "new.csv").write_text("b\n")
+    (repo / "src" / "run.log").write_text("2\n")
+    assert common.commit() == two
+    # A file above UNTRACKED_READ_BYTES counts by its size, unread.
+    monkeypatch.setattr(common, "UNTRACKED_READ_BYTES", 4)
+    big = common.commit()
+    (repo / "src" / "new.py").write_text("y = 3\n")
+    assert common.commit() == big
+    (repo / "src" / "new.py").write_text("y = 30\n")
+    assert common.commit() != big
     assert _load_common(tmp_path / "plain").commit() == "unknown"
 
 
