@@ -423,3 +423,81 @@ def test_a_rotation_that_takes_a_shorter_q_than_its_cos_sin_is_refused() -> None
 
     with pytest.raises(ValueError, match="rotates a q of fewer tokens than its cos/sin"):
         probe_rotation("apply_rotary_pos_emb", last_tokens, Rotary(8), layer_type=None, head_dim=8)
+
+
+def _modeling_module(source: str) -> dict[str, Any]:
+    """The namespace of a stand-in modeling module: ``source`` run beside transformers' apply_rotary_pos_emb."""
+    namespace = {"__name__": "modeling_standin", "nn": nn, "torch": torch}
+    namespace["apply_rotary_pos_emb"] = modeling("llama").apply_rotary_pos_emb
+    exec(source, namespace)
+    return namespace
+
+
+def test_a_rotation_called_outside_forward_is_found_wherever_the_class_keeps_the_method() -> None:
+    """Qwen4-Exp's indexer rotates in a plain method of its own class; the check reads every method but forward
+    (which patch_model patches), inherited, static, or under a functools.wraps decorator (torch.no_grad(), which
+    hid the method's calls: accepted, it rotated with posenc's cos/sin in transformers' function), by the
+    module-level functions it calls, not by an attribute that merely shares their prefix."""
+    from posenc.interop._discover import _rotates_outside_forward
+
+    found = _modeling_module(
+        """
+def _first(x):
+    return x
+
+class RotatesInForward(nn.Module):
+    def forward(self, q, cos, sin):
+        return apply_rotary_pos_emb(q, q, cos, sin)
+
+    def scale(self, config):
+        return config.apply_rotary_pos_emb_scale  # an attribute, not the function
+
+class Helper(nn.Module):
+    def select(self, q, cos, sin):
+        return _first(apply_rotary_pos_emb(q, q, cos, sin))
+
+class Inherits(Helper):
+    def forward(self, x):
+        return x
+
+class Static(nn.Module):
+    @staticmethod
+    def select(q, cos, sin):
+        return apply_rotary_pos_emb(q, q, cos, sin)
+
+class Decorated(nn.Module):
+    @torch.no_grad()
+    def select(self, q, cos, sin):
+        return apply_rotary_pos_emb(q, q, cos, sin)
+"""
+    )
+    assert _rotates_outside_forward(found["RotatesInForward"]) is None
+    for name, method in (
+        ("Helper", "Helper"),
+        ("Inherits", "Helper"),
+        ("Static", "Static"),
+        ("Decorated", "Decorated"),
+    ):
+        assert _rotates_outside_forward(found[name]) == f"{method}.select calls apply_rotary_pos_emb", name
+
+
+def test_a_module_that_rotates_only_outside_its_forward_is_refused() -> None:
+    """A submodule whose forward rotates nothing but whose helper does (called by the attention it sits in) would
+    rotate with transformers' function and posenc's cos/sin: refused, though its class has no rotation to patch."""
+    from posenc.interop._discover import find_rope_modules
+
+    found = _modeling_module(
+        """
+class Indexer(nn.Module):
+    def forward(self, x):
+        return x
+
+    def select(self, q, cos, sin):
+        return apply_rotary_pos_emb(q, q, cos, sin)
+"""
+    )
+    model = build("llama")
+    find_rope_modules(model, "llama")  # as built: accepted
+    model.model.layers[0].self_attn.indexer = found["Indexer"]()
+    with pytest.raises(ValueError, match=r"its Indexer\.select calls apply_rotary_pos_emb outside forward"):
+        find_rope_modules(model, "llama")

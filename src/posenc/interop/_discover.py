@@ -135,12 +135,15 @@ def rotation_names(cls: type[nn.Module]) -> tuple[str, ...]:
 
 def _rotates_outside_forward(cls: type[nn.Module]) -> str | None:
     """'Class.method calls apply_rotary_pos_emb' for the first method of ``cls`` other than forward that calls a
-    rotation function (Qwen4-Exp's indexer rotates its pooled keys in _select_tokens); None where none does."""
+    rotation function (Qwen4-Exp's indexer rotates its pooled keys in _select_tokens), its own or inherited, static,
+    or decorated; None where none does."""
     for klass in cls.__mro__:
         if klass.__module__.startswith("torch."):
             continue
         for attr, value in vars(klass).items():
             function = getattr(value, "__func__", value)  # staticmethod, classmethod
+            if isinstance(function, types.FunctionType):  # under functools.wraps decorators (torch.no_grad())
+                function = innermost(function)
             code = getattr(function, "__code__", None)
             if attr == "forward" or code is None:
                 continue
