@@ -498,6 +498,25 @@ def test_a_patched_model_dropped_frees_its_attention_weights_without_the_cycle_c
         twin(ids)  # the copy runs on, unaffected
 
 
+def test_a_patched_forward_kept_apart_from_its_layer_copies_as_a_bound_method_and_names_its_end() -> None:
+    """A patched forward holds its attention module weakly. Copied alone it goes on calling that module, as a
+    bound method does (copy.copy fell back to pickling and raised the pickling guard's error); once the module is
+    gone, calling it says so instead of failing inside the attention on None, and a deep copy of it is itself."""
+    model = build("llama")
+    patch_model(model)
+    attention = model.model.layers[0].self_attn
+    forward = attention.forward
+    assert copy.copy(forward) is forward
+    alone = copy.deepcopy(forward)
+    assert alone.__self__ is attention and alone.__func__ is forward.__func__
+    del model, attention, alone
+    gc.collect()
+    assert forward.__self__ is None
+    assert copy.deepcopy(forward) is forward
+    with pytest.raises(ReferenceError, match="attention module no longer exists; call the module itself"):
+        forward(torch.zeros(1, 2, 64))
+
+
 def test_a_patched_base_model_dropped_frees_its_weights_and_its_copy_unpatches_itself() -> None:
     """A base model (``AutoModel``: LlamaModel, as embedding servers load it) holds its rotary module itself, and
     the patch's state, kept on the model, held that parent: model -> state -> model, a cycle that kept the whole
