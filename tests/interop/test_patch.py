@@ -782,10 +782,14 @@ def test_consistent_mode_continues_a_cache_that_another_consistent_patch_filled(
 ) -> None:
     """The keys a consistent patch caches hold no rotation, so the model patched again continues them, with its
     frequencies whatever they are (it was refused, with advice to patch with mode='hf', which misread them)."""
+    import pickle
+
     model, ids, cache = consistent_filled_cache()
     patch_model(model, mode="consistent", rope_parameters=rope_parameters)
+    loaded = pickle.loads(pickle.dumps(cache))  # its marks are new instances: still the marks
     with torch.no_grad():
         torch.testing.assert_close(model(ids[:, 12:], cache=cache).logits, model(ids).logits[:, 12:], **FP32)
+        torch.testing.assert_close(model(ids[:, 12:], cache=loaded).logits, model(ids).logits[:, 12:], **FP32)
 
 
 @pytest.mark.parametrize(
@@ -926,10 +930,14 @@ def test_consistent_mode_refuses_the_paged_cache_of_continuous_batching() -> Non
 
 
 def test_consistent_mode_refuses_a_lazily_built_cache_of_fixed_size_layers() -> None:
-    """A cache with no layers yet is judged by the class of the layers it will add (layer_class_to_replicate)."""
-    from transformers.cache_utils import Cache, DynamicLayer, StaticLayer
+    """A cache with no layers yet is judged by the class of the layers it will add (layer_class_to_replicate); a
+    kind of DynamicLayer (sliding) grows as it does. Caches are found among positional arguments too."""
+    from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer, StaticLayer
 
-    consistent_module._require_growing_cache(Cache(layer_class_to_replicate=DynamicLayer), DynamicLayer)
+    for growing in (DynamicLayer, DynamicSlidingWindowLayer):
+        consistent_module._require_growing_cache(Cache(layer_class_to_replicate=growing), DynamicLayer)
+    first, second = Cache(layer_class_to_replicate=DynamicLayer), Cache(layer_class_to_replicate=DynamicLayer)
+    assert consistent_module._caches_in(Cache, (None, first), {"cache": second, "x": 1}) == [first, second]
     with pytest.raises(TypeError, match=r"got a Cache with StaticLayer layers"):
         consistent_module._require_growing_cache(Cache(layer_class_to_replicate=StaticLayer), DynamicLayer)
 
