@@ -488,6 +488,10 @@ def test_a_deep_copy_of_a_cropped_cache_holds_only_the_kept_tokens():
             held, kept = getattr(branch, name), getattr(cache, name)
             assert held.untyped_storage().nbytes() == kept.nbytes and torch.equal(held, kept)
         torch.testing.assert_close(attn(x[:, 16:17], cache=branch), attn(x[:, 16:17], cache=cache), atol=0, rtol=0)
+        # Tensors shared before the copy are shared after it, as deepcopy does: a shallow branch copied with its
+        # cache is not a second copy of the keys.
+        twin, shallow = copy.deepcopy((cache, copy.copy(cache)))
+        assert all(getattr(twin, name) is getattr(shallow, name) for name in ("k", "v", "positions"))
 
 
 def test_crop_keeps_drops_and_refuses_as_transformers_does():
