@@ -539,6 +539,12 @@ def test_without_transformers_a_model_type_is_read_without_a_warning(monkeypatch
             warnings.simplefilter("error")
             assert hf._transformers_rotates("llama") is True
             rope_from_config({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4})
+            # Phi3Config's default original length, which it gives a raw dict without a top-level one, is known
+            # without the class too (test_raw_configs_read_as_transformers_reads_them: with it).
+            long = {"type": "longrope", "short_factor": [1.0] * 16, "long_factor": [3.0] * 16, "factor": 4.0}
+            phi3 = {"model_type": "phi3", "hidden_size": 64, "num_attention_heads": 2, "max_position_embeddings": 8192}
+            phi3["rope_scaling"] = {**long, "original_max_position_embeddings": 2048}
+            assert rope_from_config(phi3).spec.params["original_max_position_embeddings"] == 4096
     finally:
         hf._transformers_rotates.cache_clear()
 
