@@ -125,6 +125,10 @@ def test_a_type_registered_without_its_keys_leaves_the_flag_check_working(tmp_pa
     )
     assert main(["plot", "wavelengths", "--out", str(tmp_path / "out"), "--rope-type", "brand_new"]) == 2
     assert "'brand_new' is registered in SCALINGS" in capsys.readouterr().err
+    # A line in REQUIRED_KEYS alone: still the parser's message, not a KeyError from the flag check.
+    monkeypatch.setitem(REQUIRED_KEYS, "brand_new", frozenset())
+    assert main(["plot", "wavelengths", "--out", str(tmp_path / "out"), "--rope-type", "brand_new", *flags[2:]]) == 2
+    assert "'brand_new' is registered in SCALINGS" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", ["plot", "report"])
