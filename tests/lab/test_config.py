@@ -200,3 +200,12 @@ def test_an_encoding_that_cannot_be_built_for_the_model_is_refused_by_the_config
         ValueError, match=r"encoding wide_heads cannot be built .*head_dim=16.*: head_dim must be >= 64"
     ):
         make_config("quick", encodings=("alibi", "wide_heads"), extensions=())
+
+    class TypedHeads(posenc.NoPE):  # a family whose rule raises TypeError (a size of the wrong kind) is named too
+        @classmethod
+        def from_model_dims(cls, *, dim, num_heads, head_dim, max_positions, **options):
+            raise TypeError("head_dim must be a power of two")
+
+    monkeypatch.setitem(ENCODINGS, "typed_heads", TypedHeads)
+    with pytest.raises(ValueError, match=r"encoding typed_heads cannot be built .*: head_dim must be a power of two"):
+        make_config("quick", encodings=("typed_heads",), extensions=())
