@@ -11,6 +11,28 @@ import sys
 from typing import Any
 
 import torch
+from torch._guards import CompileContext, TracingContext
+
+
+def compiling() -> bool:
+    """Whether this thread traces posenc's code for torch.compile or torch.export: what posenc asks instead of
+    ``torch.compiler.is_compiling()``, which in torch 2.13 is one flag for the whole process, True in every thread
+    while any thread compiles (another thread's eager call then took the traced path: ~6x the host time, and the
+    errors meant for torch.compile, such as dynamic NTK's "pass seq_len=").
+
+    Where Dynamo traces this function both of torch's queries fold to True, and the rest is never traced. Elsewhere
+    the flag counts only in a thread that holds a compile's or an export's context, both thread-local: Dynamo's
+    ``CompileContext`` for the whole compile (the backend, AOTAutograd, make_fx and fake implementations run inside
+    it) and export's ``TracingContext`` around its make_fx trace. AOTAutograd traces the backward in the same
+    thread (it turns autograd's worker threads off). Where the flag is off this costs one call more than torch's
+    query; ~1 us where another thread holds it (a missing thread-local attribute is slow to look up)."""
+    if not torch.compiler.is_compiling():
+        return False
+    return (
+        torch.compiler.is_dynamo_compiling()
+        or CompileContext.try_get() is not None
+        or TracingContext.try_get() is not None
+    )
 
 
 def integer_offset(value: Any) -> Any:
@@ -36,7 +58,7 @@ def refuse_jit_trace(what: str) -> None:
 
 def int64_int(name: str, value: int) -> None:
     """An int that becomes an int64 position: past 2**63 - 1 torch would raise OverflowError, or wrap it negative."""
-    if not torch.compiler.is_compiling() and not -(2**63) <= value < 2**63:
+    if not compiling() and not -(2**63) <= value < 2**63:
         raise ValueError(f"{name} must fit in int64 (below 2**63, a token position), got {value}")
 
 
@@ -70,7 +92,7 @@ def fake_mode_active() -> bool:
     """Whether a ``FakeTensorMode`` is on (shape inference by torch's memory and FLOP estimators, say): its tensors,
     on any device, have shapes but no values, as on the meta device, and the tensors it makes are fake too. False
     while torch.compile traces (its own fake mode, which the traced paths serve; Dynamo cannot trace the query)."""
-    if torch.compiler.is_compiling():
+    if compiling():
         return False
     return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
 
@@ -80,7 +102,7 @@ def values_readable(device: torch.device | str | None) -> bool:
     graph would break) nor while a CUDA graph captures on the current stream (the capture would fail). Checks of
     values are skipped there, and on the meta device and under a FakeTensorMode, which have none (shape
     inference: a read raised torch's DataDependentOutputException); shapes, dtypes and devices are still checked."""
-    if torch.compiler.is_compiling() or fake_mode_active():
+    if compiling() or fake_mode_active():
         return False
     kind = torch.device(device).type if device is not None else None
     return kind != "meta" and not (kind == "cuda" and torch.cuda.is_current_stream_capturing())

@@ -15,6 +15,7 @@ import torch
 
 from posenc._checks import (
     assert_without_sync,
+    compiling,
     int64_int,
     int_tensor,
     integer_offset,
@@ -62,7 +63,7 @@ def resolve_positions(
         raise TypeError(f"offset must be an int or an integer tensor, got {type(offset).__name__}")
     elif offset < 0:
         raise ValueError(f"offset must be >= 0 (it counts tokens already in the cache), got {offset}")
-    elif not torch.compiler.is_compiling():  # max() of a symbolic length would add a guard
+    elif not compiling():  # max() of a symbolic length would add a guard
         int64_int("the last position, offset + seq_len - 1,", offset + max(seq_len, 1) - 1)
 
     if positions is None:

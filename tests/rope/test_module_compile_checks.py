@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import threading
 import weakref
 from typing import Any
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 import posenc
+from posenc import _checks
 from posenc.rope.frequencies import SCALINGS, SEQ_LEN_DEPENDENT
 from posenc.testing import random_qk
 
@@ -476,3 +478,65 @@ def test_dynamic_ntk_exports_with_a_symbolic_seq_len(low, high):
         positions = torch.arange(length)
         for got, want in zip(program.module()(q, k, positions), Attention()(q, k, positions), strict=True):
             torch.testing.assert_close(got, want, rtol=2.5e-7, atol=2e-7)  # a float32 ulp or two
+
+
+def _fresh_add_one():
+    """x + 1 in a code object of its own: Dynamo keeps its compiles per code object, and each use must compile."""
+    namespace: dict[str, Any] = {}
+    exec("def add_one(x):\n    return x + 1\n", namespace)
+    return namespace["add_one"]
+
+
+@contextlib.contextmanager
+def _another_thread_compiling(probe=None):
+    """Another thread held inside a torch.compile (its backend waits) for the block: torch 2.13's
+    ``torch.compiler.is_compiling()`` is one flag for the process, so it reads True here too. Yields what ``probe()``
+    answered in the compiling thread, inside that compile but outside Dynamo's trace (its backend)."""
+    inside, done, seen = threading.Event(), threading.Event(), []
+
+    def waiting_backend(gm, example_inputs):
+        if probe is not None:
+            seen.append(probe())
+        inside.set()
+        done.wait(timeout=120)
+        return gm
+
+    thread = threading.Thread(target=torch.compile(_fresh_add_one(), backend=waiting_backend), args=(torch.zeros(2),))
+    thread.start()
+    try:
+        assert inside.wait(timeout=120), "the other thread never reached its backend"
+        assert torch.compiler.is_compiling()  # what fooled posenc: the other thread's flag
+        yield seen
+    finally:
+        done.set()
+        thread.join()
+
+
+def test_an_eager_call_while_another_thread_compiles_takes_the_eager_path():
+    """A threaded server: one thread compiles (a recompile for a new shape), another runs an eager step meanwhile (or
+    a compiled model's graph break). The eager thread read torch's process-wide flag and took the traced path:
+    dynamic NTK without seq_len= and a 'consistent' KVCache step raised the error meant for torch.compile, and a
+    fixed type built no table (~6x the host time). Only the compiling thread counts as tracing now."""
+    q, k = random_qk(1, 2, 2, 3, HEAD_DIM, seed=0)
+    dynamic, default = make_rope("dynamic"), make_rope("default")
+    attention = posenc.CausalSelfAttention(4 * HEAD_DIM, 4, encoding=make_rope("dynamic", "consistent"))
+    x = torch.randn(1, MAX_POS + 1, 4 * HEAD_DIM, generator=torch.Generator().manual_seed(0))
+    want_cache = posenc.KVCache()
+    want = [dynamic(q, k), default(q, k), attention(x[:, :MAX_POS], cache=want_cache)]
+    want.append(attention(x[:, MAX_POS:], cache=want_cache))
+    dynamic, default = make_rope("dynamic"), make_rope("default")  # no table or frequencies kept yet
+    cache = posenc.KVCache()
+    with _another_thread_compiling():
+        got = [dynamic(q, k), default(q, k), attention(x[:, :MAX_POS], cache=cache)]
+        got.append(attention(x[:, MAX_POS:], cache=cache))  # past the trained length: the keys re-rotated
+        assert default._tables, "the eager path keeps its cos/sin table; the traced one builds none"
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_only_the_compiling_thread_counts_as_tracing():
+    """posenc's check: True in the compiling thread's eager code during the compile (a backend, AOTAutograd's
+    make_fx), False in any other thread meanwhile, and False once the compile is over."""
+    with _another_thread_compiling(_checks.compiling) as seen:
+        assert not _checks.compiling()
+    assert seen == [True]
+    assert not _checks.compiling()

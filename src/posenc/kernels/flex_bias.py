@@ -53,7 +53,7 @@ import torch
 from torch import nn
 
 from posenc import _compile_marks as compile_marks
-from posenc._checks import autocast_off, values_readable
+from posenc._checks import autocast_off, compiling, values_readable
 from posenc.bias import ALiBi, T5Bias, t5_relative_bucket
 
 # Below this many scores per head the materialized mask is small (64 MiB in float32) and not worth a compile.
@@ -87,7 +87,7 @@ def _flex(device_type: str = "cuda") -> Callable | None:
         # FlexAttention only saves memory when compiled (eager is the reference math); dynamic shapes where they
         # compile (see the module docstring).
         found = torch.compile(flex_attention, dynamic=None if device_type == "cuda" else False)
-    if not torch.compiler.is_compiling():
+    if not compiling():
         _FLEX[device_type] = found
     return found
 
@@ -339,7 +339,7 @@ def attend_flex(
     # Autocast casts flex_attention's q, k and v back to bf16/fp16 (its probabilities then meet v in that dtype):
     # off, as in attend's materialized path, which this one must equal under autocast too.
     with autocast_off(q.device):
-        if not torch.compiler.is_compiling():
+        if not compiling():
             out = _compiled_call(flex, q, k, v, score_mod, block_mask)
         elif q.device.type == "cpu":
             out = _flex_in_own_graph(flex, q, k, v, score_mod, block_mask)

@@ -20,7 +20,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 from torch._subclasses.fake_tensor import FakeTensor
 
-from posenc._checks import inplace_refused
+from posenc._checks import compiling, inplace_refused
 from posenc._compile_marks import assume_constant_result
 from posenc.kernels.cpu_rope import DTYPE_CODES, cpu_available, cpu_unavailable_reason, rope_cpu_jobs
 from posenc.kernels.layout import KINDS, Kind, canonical, canonical_cos, consecutive_rows, token_positions
@@ -69,7 +69,7 @@ def transformed(*tensors: torch.Tensor) -> bool:
         return True
     if fwAD._current_level < 0:
         return False
-    return torch.compiler.is_compiling() or any(fwAD.unpack_dual(t).tangent is not None for t in tensors)
+    return compiling() or any(fwAD.unpack_dual(t).tangent is not None for t in tensors)
 
 
 def batched(*tensors: torch.Tensor) -> bool:
@@ -89,7 +89,7 @@ def _recorded_without_fused_kernels() -> str:
     if torch.jit.is_tracing():  # also the TorchScript-based torch.onnx.export(..., dynamo=False)
         return "torch.jit.trace records no call of the fused kernels, which write through raw pointers"
     # Traced by torch.export inside torch.onnx.export: non-strict first, then, when that fails, strict (Dynamo).
-    if torch.compiler.is_compiling() and _onnx_exporting():
+    if compiling() and _onnx_exporting():
         return "torch.onnx.export has no ONNX function for posenc's fused-kernel ops"
     return ""
 
@@ -631,7 +631,7 @@ def rotary_copy(
     is involved, else the implementation directly (the op's dispatch costs ~150 us a call, more than a decode step's
     kernel)."""
     args = (cos, sin, positions, offsets, offset, cu_seqlens, kind, interleaved, conjugate, backend)
-    if torch.compiler.is_compiling() or _fake(*xs, cos, sin):
+    if compiling() or _fake(*xs, cos, sin):
         return rotary(list(xs), *args)
     if _needs_grad(xs):
         options = (offset, kind, interleaved, conjugate, backend)
@@ -666,7 +666,7 @@ def rotary_inplace(
     later reads of x skip the Function, and x's gradient missed the rotation without a word (2*R*x, not 2*x, for
     x.square().sum()); a compiled function's input rotated in place lost it on 2.13 too.
     """
-    traced = torch.compiler.is_compiling() or _fake(*xs, cos, sin)  # the ops' fake implementations serve both
+    traced = compiling() or _fake(*xs, cos, sin)  # the ops' fake implementations serve both
     if _needs_grad(xs):
         if traced:
             outs = rotary(

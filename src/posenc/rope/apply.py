@@ -15,6 +15,7 @@ import torch
 from posenc._checks import (
     angle_dtypes,
     assert_without_sync,
+    compiling,
     flag,
     float_tensor,
     inplace_refused,
@@ -231,7 +232,7 @@ def apply_rotary_torch(
     rotary = 2 * cos.shape[-1]
     wide = compute_dtype(x, cos)
     cos, sin = cos.to(wide), sin.to(wide)
-    recorded = torch.compiler.is_compiling() or torch.jit.is_tracing()
+    recorded = compiling() or torch.jit.is_tracing()
     if not (cos.requires_grad or sin.requires_grad or recorded or batched(x, cos, sin)):
         # out= writes can be differentiated by no autograd mode, batched by no vmap, nor fused by Inductor: the
         # rotation's own backward serves x; the plain formula below serves learned angles, compiled graphs,
@@ -255,7 +256,7 @@ def _refuse_shared_memory(name: str, x: torch.Tensor) -> None:
             f"would rotate those elements more than once; rotate a copy ({name}.clone()) or use apply_rotary"
         )
     # Dynamo cannot sort symbolic strides: traced calls go without this test (the expanded one above stays).
-    if not torch.compiler.is_compiling() and may_overlap(x):
+    if not compiling() and may_overlap(x):
         raise ValueError(
             f"{name} has shape {tuple(x.shape)} and strides {x.stride()}, so some of its elements share memory (an "
             f"unfold or as_strided view) and rotating it in place would mix them; rotate a copy ({name}.clone()) or "
@@ -314,12 +315,12 @@ def rotate_tensors(
                 _refuse_shared_memory(name, x)
             # torch's own in-place ops refuse this, so the torch backend would; the fused ones must agree. (Dynamo
             # cannot trace is_inference(), so traced calls go unchecked here.)
-            if not torch.compiler.is_compiling() and x.is_inference() and not torch.is_inference_mode_enabled():
+            if not compiling() and x.is_inference() and not torch.is_inference_mode_enabled():
                 raise RuntimeError(
                     f"{name} was made under torch.inference_mode() and may be updated in place only inside it; "
                     f"call this inside torch.inference_mode(), or use apply_rotary for a rotated copy"
                 )
-            if not torch.compiler.is_compiling() and torch.is_grad_enabled() and x.requires_grad:
+            if not compiling() and torch.is_grad_enabled() and x.requires_grad:
                 _refuse_untracked_change(name, x, cos, sin)
     chosen = choose_backend(backend, tensors, cos, sin, kind, inplace=inplace)
     if chosen != "torch":
@@ -375,7 +376,7 @@ def _rotate_in_place(
     x.shape[:-1] + (r/2,)."""
     rotary_dim = 2 * cos.shape[-1]
     if not (torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad or sin.requires_grad)) and not (
-        torch.compiler.is_compiling() or batched(x, cos, sin)
+        compiling() or batched(x, cos, sin)
     ):
         # Nothing to record: straight into x, a block of rows at a time, with no rotated copy of the whole.
         wide = compute_dtype(x, cos)

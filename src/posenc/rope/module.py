@@ -20,6 +20,7 @@ from posenc import _compile_marks as compile_marks
 from posenc._checks import (
     INDEX_DTYPES,
     assert_without_sync,
+    compiling,
     fake_mode_active,
     flag,
     float_dtype,
@@ -69,7 +70,7 @@ def angles_to_cos_sin(
     """
     inv_freq = inv_freq.to(device=positions.device, dtype=torch.float64)
     if (
-        torch.compiler.is_compiling()
+        compiling()
         and not torch.compiler.is_exporting()
         and not transformed(positions, inv_freq)
         and not (inv_freq.requires_grad and torch.is_grad_enabled())
@@ -318,7 +319,7 @@ class RoPE(nn.Module):
 
     def frequencies(self, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
         """Returns (inv_freq (r/2,) float64 on the CPU, attention_factor) for a sequence of ``seq_len``."""
-        if torch.compiler.is_compiling():  # constants of the graph being traced: no state to mutate
+        if compiling():  # constants of the graph being traced: no state to mutate
             return compute_frequencies(self.spec, seq_len=self._frequency_length(seq_len))
         if seq_len is not None:
             sequence_length("seq_len", seq_len)
@@ -356,7 +357,7 @@ class RoPE(nn.Module):
             return None
         # Traced, a length that varies between calls (which Dynamo makes symbolic) stays symbolic: dynamic's
         # frequencies are then computed in the graph from it, one graph for every length past the trained one.
-        return seq_len if torch.compiler.is_compiling() else operator.index(seq_len)
+        return seq_len if compiling() else operator.index(seq_len)
 
     @property
     def rotates_cached_keys(self) -> bool:
@@ -394,7 +395,7 @@ class RoPE(nn.Module):
         outside the graph, in a graph break (with ``fullgraph=True`` an error that says to compile without it), as
         ``call_cos_sin`` does; 1 on the meta device; in a CUDA graph capture the error that asks for seq_len=. What
         a 'consistent' ``KVCache`` rotates its keys for."""
-        if self.spec.rope_type in SEQ_LEN_DEPENDENT and torch.compiler.is_compiling():
+        if self.spec.rope_type in SEQ_LEN_DEPENDENT and compiling():
             return _scaling_length_eagerly(self, positions)
         return self.scaling_length(positions)
 
@@ -418,12 +419,12 @@ class RoPE(nn.Module):
         two sets of frequencies, which the graph does itself (as transformers' does, with no break)."""
         if positions.numel() == 0:  # nothing to scale for, nor any state to advance
             return self.cos_sin(positions, dtype=dtype)
-        in_graph = torch.compiler.is_compiling() and positions.dim() <= 2  # not M-RoPE's axes
+        in_graph = compiling() and positions.dim() <= 2  # not M-RoPE's axes
         if self.spec.rope_type == "longrope" and in_graph:
             return self._longrope_cos_sin_in_graph(positions, dtype)
-        if self.spec.rope_type == "longrope" and torch.compiler.is_compiling():  # M-RoPE's axes
+        if self.spec.rope_type == "longrope" and compiling():  # M-RoPE's axes
             return _call_longrope_cos_sin_eagerly(self, positions, dtype)
-        if self.spec.rope_type in SEQ_LEN_DEPENDENT and torch.compiler.is_compiling():
+        if self.spec.rope_type in SEQ_LEN_DEPENDENT and compiling():
             return _call_cos_sin_eagerly(self, positions, dtype)
         return self.cos_sin(positions, seq_len=self.scaling_length(positions), dtype=dtype)
 
@@ -599,7 +600,7 @@ class RoPE(nn.Module):
             # graph on the table's size, one graph per size (a decode loop with an int offset hit the recompile
             # limit at 16384, a hard error under fullgraph=True). The angles there are computed in the graph, to
             # the table's bits, one graph for every offset and length.
-            if bounds is not None and bounds[1] < _TABLE_LIMIT and not torch.compiler.is_compiling():
+            if bounds is not None and bounds[1] < _TABLE_LIMIT and not compiling():
                 # Frequencies that do not depend on the length: the kernels read the cached table at the tokens'
                 # rows (a slice for an int offset), with no per-token cos/sin built here first (measured: 4-6% of a
                 # CPU prefill call; at decode size ~35 us of a ~100 us call with position ids). The table covers
@@ -614,7 +615,7 @@ class RoPE(nn.Module):
                     table = (table[0][:needed], table[1][:needed])
             elif (
                 # First: while Dynamo traces, a comparison of the (symbolic) bounds would guard the graph on it.
-                not torch.compiler.is_compiling()
+                not compiling()
                 and bounds is not None
                 and bounds[0] >= 0
                 and bounds[1] - bounds[0] < _WINDOW // 2
@@ -630,7 +631,7 @@ class RoPE(nn.Module):
                 else:
                     # In int64: the shifted ids reach _WINDOW - 1, past what 8-bit ids hold (they wrapped).
                     positions, offset = positions.long() - (first - offset), 0
-            elif bounds is None and not torch.compiler.is_compiling() and not values_readable(q.device):
+            elif bounds is None and not compiling() and not values_readable(q.device):
                 # Captured into a CUDA graph: nothing may read a value or copy from the host, so the table built
                 # while warming up is read as it stands; a position outside it reads no memory beyond it (the Triton
                 # kernel gives those tokens NaN, the torch path asserts on the device).

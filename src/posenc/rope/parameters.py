@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from posenc._checks import base_value, even_positive_int, positive_int, sequence_length, user_stacklevel
+from posenc._checks import base_value, compiling, even_positive_int, positive_int, sequence_length, user_stacklevel
 from posenc.rope.frequencies import SCALINGS, proportional_pairs
 
 # Per rope_type: keys that must be present and keys that may be present (beyond the common ones).
@@ -417,7 +417,7 @@ def _warn_where_transformers_warns(rope_type: str, params: dict[str, Any], max_p
 
 def compute_frequencies(spec: RopeSpec, *, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
     """(inv_freq (r/2,) float64, attention_factor) for a validated spec and the current sequence length."""
-    if seq_len is not None and not torch.compiler.is_compiling():
+    if seq_len is not None and not compiling():
         sequence_length("seq_len", seq_len)
     return SCALINGS[spec.rope_type](
         rotary_dim=spec.rotary_dim,
