@@ -101,11 +101,51 @@ def _onnx_exporting() -> bool:
     return onnx is not None and onnx.is_in_onnx_export()
 
 
+def _runs_own_ops(t: torch.Tensor) -> bool:
+    """Whether t is a tensor subclass that runs torch's operations itself (``__torch_dispatch__``: DTensor, a wrapper
+    such as a logging or two-tensor subclass), other than a FakeTensor (see ``_dispatched``). Its data pointer is not
+    its values (a wrapper has no storage of its own): the fused kernels, which read raw storage, crashed on it. A
+    subclass with ``__torch_function__`` alone (nn.Parameter) has plain storage and is not one."""
+    return (
+        type(t) is not torch.Tensor
+        and torch._C._dispatch_keys(t).has(torch._C.DispatchKey.Python)
+        and not isinstance(t, FakeTensor)
+    )
+
+
+def _storage_problem(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor) -> str:
+    """Why the fused kernels cannot read these tensors' values from their storage, or "" when they can."""
+    tensors = (*xs, cos, sin)
+    # Every call runs this: plain tensors pass a loop of two cheap tests (a generator, or a call per tensor, cost a
+    # microsecond or more of a decode-size call's ~70).
+    for t in tensors:
+        if type(t) is not torch.Tensor or t.is_neg():
+            break
+    else:
+        return ""
+    for i, t in enumerate(tensors):
+        # The negative bit (torch._neg_view, z.conj().imag) marks a view whose storage holds the negated values:
+        # the kernels read the storage, so a copy came out with the wrong sign.
+        if _runs_own_ops(t) or t.is_neg():
+            name = ("cos", "sin")[i - len(xs)] if i >= len(xs) else f"xs[{i}]" if len(xs) > 1 else "x"
+            if t.is_neg():
+                return f"{name} is a negative view (its storage holds -{name}), which {name}.resolve_neg() materializes"
+            return (
+                f"{name} is a {type(t).__name__}, a tensor subclass that runs torch's operations itself "
+                "(__torch_dispatch__), and the fused kernels read raw storage"
+            )
+    return ""
+
+
 def _fused_problem(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, kind: str, inplace: bool) -> str:
     """Why the fused kernels cannot take this call, or "" when they can."""
     recorded = _recorded_without_fused_kernels()
     if recorded:
         return recorded
+    if not compiling():
+        problem = _storage_problem(xs, cos, sin)
+        if problem:
+            return problem
     if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
         return "cos/sin require grad and the fused kernels do not differentiate them"
     if transformed(*xs, cos, sin):
@@ -603,11 +643,21 @@ class _RotaryInPlace(_EagerRotation):
         return tuple(xs)
 
 
-def _fake(*tensors: torch.Tensor) -> bool:
-    """Whether one of ``tensors`` is a FakeTensor (a FakeTensorMode's shape inference): it has a data pointer with
-    no memory behind it, which the fused kernels wrote through (a segmentation fault on the CPU). The custom ops'
-    fake implementations give their outputs' shapes, as they do for torch.compile."""
-    return any(isinstance(t, FakeTensor) for t in tensors)
+def _dispatched(*tensors: torch.Tensor) -> bool:
+    """Whether the call must go through torch's dispatcher as the custom ops rather than launch the kernels directly:
+    one of ``tensors`` is a FakeTensor (a FakeTensorMode's shape inference: a data pointer with no memory behind it,
+    which the kernels wrote through, a segmentation fault on the CPU; the ops' fake implementations give the
+    outputs' shapes, as they do for torch.compile), a ``TorchDispatchMode`` is on, or ``torch.jit.trace`` records.
+    A mode (make_fx's tracing, a logging or FLOP-counting mode, selective checkpointing) and the tracer see only
+    what passes the dispatcher: a direct launch was missing from them, so a make_fx or jit.trace graph returned
+    the uninitialized output without the rotation. The op runs the same kernels once the mode has seen it."""
+    if torch._C._len_torch_dispatch_stack() or torch._C._get_tracing_state() is not None:
+        return True
+    # A plain loop: this runs on every call, and a generator costs a microsecond.
+    for t in tensors:  # noqa: SIM110
+        if type(t) is not torch.Tensor and isinstance(t, FakeTensor):
+            return True
+    return False
 
 
 def _needs_grad(xs: Sequence[torch.Tensor]) -> bool:
@@ -627,11 +677,11 @@ def rotary_copy(
     conjugate: bool,
     backend: str,
 ) -> list[torch.Tensor]:
-    """``posenc::rotary`` when traced (torch.compile) or given FakeTensors; in eager, ``_RotaryCopy`` when autograd
-    is involved, else the implementation directly (the op's dispatch costs ~150 us a call, more than a decode step's
-    kernel)."""
+    """``posenc::rotary`` when traced (torch.compile) or dispatched (``_dispatched``: FakeTensors, a dispatch mode,
+    jit.trace); in eager, ``_RotaryCopy`` when autograd is involved, else the implementation directly (the op's
+    dispatch costs ~150 us a call, more than a decode step's kernel)."""
     args = (cos, sin, positions, offsets, offset, cu_seqlens, kind, interleaved, conjugate, backend)
-    if compiling() or _fake(*xs, cos, sin):
+    if compiling() or _dispatched(*xs, cos, sin):
         return rotary(list(xs), *args)
     if _needs_grad(xs):
         options = (offset, kind, interleaved, conjugate, backend)
@@ -666,7 +716,7 @@ def rotary_inplace(
     later reads of x skip the Function, and x's gradient missed the rotation without a word (2*R*x, not 2*x, for
     x.square().sum()); a compiled function's input rotated in place lost it on 2.13 too.
     """
-    traced = compiling() or _fake(*xs, cos, sin)  # the ops' fake implementations serve both
+    traced = compiling() or _dispatched(*xs, cos, sin)  # the ops' fake implementations serve both
     if _needs_grad(xs):
         if traced:
             outs = rotary(

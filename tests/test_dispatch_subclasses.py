@@ -1,0 +1,148 @@
+"""The fused kernels read raw storage: tensor subclasses that run torch's operations themselves (DTensor, wrappers),
+negative views, dispatch modes (make_fx, logging, selective checkpointing) and jit.trace, which see only what passes
+torch's dispatcher, must get the right numbers all the same."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import posenc
+from posenc.rope.apply import apply_rotary_torch
+
+
+def _cos_sin(rows: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / 10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    angles = torch.arange(rows, dtype=torch.float64)[:, None] * inv
+    return angles.cos().float(), angles.sin().float()
+
+
+# In a process of its own: the CPU kernel read and wrote through the data pointer of a wrapper subclass (which has no
+# storage of its own) and of a DTensor: a segmentation fault, with "auto" as with "cpu".
+SUBCLASSES = textwrap.dedent(
+    """
+    import torch, torch.distributed as dist, posenc
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.utils._pytree import tree_map
+
+    class Wrapped(torch.Tensor):  # the smallest wrapper subclass: every op runs on the wrapped tensor
+        @staticmethod
+        def __new__(cls, inner):
+            return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, strides=inner.stride())
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            unwrap = lambda t: t.inner if isinstance(t, Wrapped) else t
+            out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+            return tree_map(lambda t: Wrapped(t) if type(t) is torch.Tensor else t, out)
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1,))
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 5, 8)
+    angles = torch.arange(16.0)[:, None] * 10000.0 ** (-torch.arange(0, 8, 2) / 8)
+    cos, sin = angles.cos(), angles.sin()
+    want = posenc.apply_rotary(x, cos[:5], sin[:5], backend="torch")
+    dcos, dsin = (distribute_tensor(t[:5], mesh, [Replicate()]) for t in (cos, sin))
+    cases = {
+        "wrapped": (lambda: Wrapped(x.clone()), cos[:5], sin[:5], lambda out: out.inner),
+        "wrapped cos": (lambda: x.clone(), Wrapped(cos[:5]), Wrapped(sin[:5]), lambda out: out),
+        "dtensor": (lambda: distribute_tensor(x.clone(), mesh, [Shard(2)]), dcos, dsin, DTensor.full_tensor),
+    }
+    for name, (make, c, s, plain) in cases.items():
+        for rotate in (posenc.apply_rotary, posenc.apply_rotary_):
+            got = plain(rotate(make(), c, s))
+            assert torch.allclose(got, want, atol=1e-6), (name, rotate.__name__, (got - want).abs().max())
+            try:
+                rotate(make(), c, s, backend="cpu")
+            except ValueError as error:
+                assert "tensor subclass" in str(error) and "backend='torch'" in str(error), str(error)
+            else:
+                raise AssertionError(f"{name}: backend='cpu' took a tensor subclass")
+        leaf = make().requires_grad_(True) if name != "wrapped cos" else x.clone().requires_grad_(True)
+        posenc.apply_rotary(leaf, c, s).square().sum().backward()
+        assert torch.allclose(plain(leaf.grad), 2 * x, atol=1e-5), name
+    dist.destroy_process_group()
+    print("ok")
+    """
+)
+
+
+def test_subclasses_that_run_their_own_ops_take_the_torch_path():
+    done = subprocess.run([sys.executable, "-c", SUBCLASSES], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stderr[-2000:])
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["copy", "in_place"])
+@pytest.mark.parametrize("negated", ["x", "cos"])
+def test_negative_views_are_rotated_with_their_sign(negated, inplace):
+    # The negative bit marks a view whose storage holds -x (torch._neg_view, z.conj().imag): the CPU kernel read the
+    # storage, and a copy came out rotated with the wrong sign, without an error.
+    x, (cos, sin) = torch.randn(2, 3, 5, 8), _cos_sin(5, 8)
+    want = apply_rotary_torch(x, cos, sin)
+    if negated == "x":
+        x_in, cos_in, want = torch.ops.aten._neg_view(x.clone()), cos, -want
+    else:
+        x_in, cos_in = x.clone(), torch.ops.aten._neg_view(-cos)
+    assert (x_in if negated == "x" else cos_in).is_neg()
+    rotate = posenc.apply_rotary_ if inplace else posenc.apply_rotary
+    torch.testing.assert_close(rotate(x_in, cos_in, sin), want)
+    with pytest.raises(ValueError, match=r"negative view .*resolve_neg"):
+        rotate(x.clone() if negated == "cos" else torch.ops.aten._neg_view(x.clone()), cos_in, sin, backend="cpu")
+
+
+class _Recording(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("backend", ["auto", "cpu"])
+def test_make_fx_and_jit_trace_record_the_fused_rotation(backend):
+    # A direct launch is missed by a dispatch mode and by the tracer: make_fx's graph and jit.trace's returned the
+    # uninitialized output of empty_like, and an in-place call's graph returned x unrotated.
+    table = _cos_sin(16, 8)
+
+    def rotated(x):
+        return posenc.apply_rotary(x, *table, offset=3, backend=backend)
+
+    def rotated_in_place(x):
+        x = x.clone()
+        posenc.apply_rotary_(x, *table, offset=3, backend=backend)
+        return x
+
+    example, x = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 5, 8)
+    want = apply_rotary_torch(x, table[0][3:8], table[1][3:8])
+    for fn in (rotated, rotated_in_place):
+        torch.testing.assert_close(make_fx(fn)(example)(x), want)
+    with pytest.warns(torch.jit.TracerWarning):  # posenc's checks read sizes, which the tracer fixes as constants
+        traced = torch.jit.trace(rotated, (example,))
+    torch.testing.assert_close(traced(x), want)
+
+
+@pytest.mark.parametrize("backend", ["auto", "cpu"])
+def test_a_dispatch_mode_sees_the_rotation_and_gradients_stay_right(backend):
+    x, (cos, sin) = torch.randn(2, 3, 5, 8), _cos_sin(5, 8)
+    leaf = x.clone().requires_grad_(True)
+    with _Recording() as mode:
+        out = posenc.apply_rotary(leaf, cos, sin, backend=backend)
+        moved = leaf * 1
+        posenc.apply_rotary_(moved, cos, sin, backend=backend)
+        (out.square().sum() + moved.square().sum()).backward()
+    assert "posenc.rotary.default" in mode.ops, mode.ops
+    torch.testing.assert_close(out, apply_rotary_torch(x, cos, sin))
+    torch.testing.assert_close(moved, apply_rotary_torch(x, cos, sin))
+    torch.testing.assert_close(leaf.grad, 4 * x)
