@@ -884,3 +884,26 @@ def test_a_nested_tensor_is_refused_with_the_packed_form_that_works(call):
     packed = posenc.apply_rotary(nested.values(), cos, sin, cu_seqlens=nested.offsets())
     one_by_one = [posenc.apply_rotary(s, cos, sin, offset=0, layout="bshd") for s in (x[None] for x in sequences)]
     torch.testing.assert_close(packed, torch.cat(one_by_one, dim=1)[0], rtol=0, atol=0)
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state:UserWarning")
+@pytest.mark.parametrize("layout", ["coo", "csr"])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda x, cos, sin, sparse: posenc.apply_rotary(sparse(x), cos[:5], sin[:5]),
+        lambda x, cos, sin, sparse: posenc.apply_rotary(x, sparse(cos[:5]), sin[:5]),
+        lambda x, cos, sin, sparse: posenc.apply_rotary_(sparse(x), cos, sin, offset=0),
+        lambda x, cos, sin, sparse: posenc.RoPE(8)(sparse(x), x),
+    ],
+    ids=["x", "cos", "in place", "RoPE"],
+)
+def test_a_sparse_tensor_is_refused_naming_to_dense(call, layout):
+    """A sparse x or cos broke deep inside torch ("unsupported memory format option Contiguous", "copy_() between
+    dense and sparse Tensors is not implemented", "Could not run 'aten::addcmul.out' ... 'SparseCPU' backend")."""
+    x = torch.randn(2, 3, 5, 8)
+    angles = torch.arange(16.0)[:, None] * torch.rand(4)
+    sparse = torch.Tensor.to_sparse if layout == "coo" else lambda t: t.to_sparse_csr(dense_dim=t.dim() - 2)
+    refusal = r"is a torch\.sparse_\w+ tensor, which posenc does not take: pass \w+\.to_dense\(\)"
+    with pytest.raises(TypeError, match=refusal):
+        call(x, angles.cos(), angles.sin(), sparse)

@@ -227,6 +227,8 @@ def float_tensor(name: str, x: Any) -> torch.Tensor:
             f"{name} is a nested tensor, which posenc does not take: pass packed sequences as {name}.values() "
             f"(total_tokens, h, d) with cu_seqlens={name}.offsets() to apply_rotary, or pad them to (b, s, ...)"
         )
+    if x.layout != torch.strided:  # sparse: broke deep inside torch ("unsupported memory format option Contiguous")
+        raise TypeError(f"{name} is a {x.layout} tensor, which posenc does not take: pass {name}.to_dense()")
     if not x.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}; cast it with .float()")
     return x
