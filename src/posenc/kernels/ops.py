@@ -647,11 +647,12 @@ def _dispatched(*tensors: torch.Tensor) -> bool:
     """Whether the call must go through torch's dispatcher as the custom ops rather than launch the kernels directly:
     one of ``tensors`` is a FakeTensor (a FakeTensorMode's shape inference: a data pointer with no memory behind it,
     which the kernels wrote through, a segmentation fault on the CPU; the ops' fake implementations give the
-    outputs' shapes, as they do for torch.compile), a ``TorchDispatchMode`` is on, or ``torch.jit.trace`` records.
-    A mode (make_fx's tracing, a logging or FLOP-counting mode, selective checkpointing) and the tracer see only
-    what passes the dispatcher: a direct launch was missing from them, so a make_fx or jit.trace graph returned
-    the uninitialized output without the rotation. The op runs the same kernels once the mode has seen it."""
-    if torch._C._len_torch_dispatch_stack() or torch._C._get_tracing_state() is not None:
+    outputs' shapes, as they do for torch.compile), or a ``TorchDispatchMode`` is on. A mode (make_fx's tracing, a
+    logging or FLOP-counting mode, selective checkpointing) sees only what passes the dispatcher: a direct launch was
+    missing from it, so a make_fx graph returned the uninitialized output without the rotation. The op runs the same
+    kernels once the mode has seen it. (``torch.jit.trace`` never gets here: ``_fused_problem`` sends it to the torch
+    path.)"""
+    if torch._C._len_torch_dispatch_stack():
         return True
     # A plain loop: this runs on every call, and a generator costs a microsecond.
     for t in tensors:  # noqa: SIM110
