@@ -74,8 +74,18 @@ def wrapped_positions(ids: torch.Tensor | None) -> ValueError | None:
 
 def host_min_max(t: torch.Tensor) -> tuple[int, int]:
     """(min, max) of a non-empty integer tensor, read on the host with one device sync, not two."""
-    low, high = torch.stack(torch.aminmax(t)).tolist()
+    low, high = replicated_values(torch.stack(torch.aminmax(t))).tolist()
     return low, high
+
+
+def replicated_values(t: torch.Tensor) -> torch.Tensor:
+    """t, or where t is a DTensor (position ids, offsets or cu_seqlens distributed with x) its whole value as a plain
+    tensor on every rank: DTensor refuses ``.tolist()`` and has no sharding strategy for ``torch._assert_async``.
+    DTensor's module is in sys.modules wherever a DTensor exists (importing it costs posenc's import ~0.3 s)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    if type(t) is not torch.Tensor and module is not None and isinstance(t, module.DTensor):
+        return t.full_tensor()
+    return t
 
 
 def user_stacklevel() -> int:
@@ -124,7 +134,7 @@ def assert_without_sync(condition: torch.Tensor, message: str) -> None:
     """Where values may not be read (``values_readable`` is False), still refuse what eager refuses: a check that
     runs with the computation, not on the host. A RuntimeError with ``message`` when the graph runs on the CPU, a
     device-side assert on CUDA; nothing on the meta device. condition: a bool tensor, true where valid."""
-    torch._assert_async(condition.all(), message)
+    torch._assert_async(replicated_values(condition.all()), message)
 
 
 def size_in(size: Any, allowed: tuple) -> bool:

@@ -137,15 +137,42 @@ def _storage_problem(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.T
     return ""
 
 
+def _is_dtensor(t: torch.Tensor) -> bool:
+    # DTensor's module is in sys.modules wherever a DTensor exists: posenc does not import torch.distributed.tensor
+    # for this. Dynamo traces the check (the type test and isinstance fold as it traces).
+    if type(t) is torch.Tensor:
+        return False
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def _traced_dtensor_problem(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor) -> str:
+    """Why a traced call (torch.compile, torch.export) cannot hold the fused ops: a DTensor among its tensors, or "".
+
+    The ops have no sharding strategy, and ``register_sharding`` cannot give them one (it builds one output spec, and
+    ``posenc::rotary`` returns a list): compiled, a DTensor call failed with "Operator posenc.rotary.default does not
+    have a sharding strategy registered". Nor would running the kernels on each rank's shard be right in general: a
+    shard of the sequence reads table rows from its local token index (offset, offsets, cu_seqlens), not its global
+    one. The torch path's ops each have DTensor's own sharding rules, as in eager (``_storage_problem``)."""
+    tensors = (*xs, cos, sin)
+    for i, t in enumerate(tensors):
+        if _is_dtensor(t):
+            name = ("cos", "sin")[i - len(xs)] if i >= len(xs) else f"xs[{i}]" if len(xs) > 1 else "x"
+            return (
+                f"{name} is a DTensor, and posenc's fused-kernel ops have no DTensor sharding strategy (the torch "
+                "path's operations have DTensor's own)"
+            )
+    return ""
+
+
 def _fused_problem(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, kind: str, inplace: bool) -> str:
     """Why the fused kernels cannot take this call, or "" when they can."""
     recorded = _recorded_without_fused_kernels()
     if recorded:
         return recorded
-    if not compiling():
-        problem = _storage_problem(xs, cos, sin)
-        if problem:
-            return problem
+    problem = _traced_dtensor_problem(xs, cos, sin) if compiling() else _storage_problem(xs, cos, sin)
+    if problem:
+        return problem
     if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
         return "cos/sin require grad and the fused kernels do not differentiate them"
     if transformed(*xs, cos, sin):
