@@ -113,6 +113,11 @@ def _runs_own_ops(t: torch.Tensor) -> bool:
     )
 
 
+def _call_name(i: int, xs: Sequence[torch.Tensor]) -> str:
+    """The name errors give the i-th of (*xs, cos, sin)."""
+    return ("cos", "sin")[i - len(xs)] if i >= len(xs) else f"xs[{i}]" if len(xs) > 1 else "x"
+
+
 def _storage_problem(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor) -> str:
     """Why the fused kernels cannot read these tensors' values from their storage, or "" when they can."""
     tensors = (*xs, cos, sin)
@@ -127,7 +132,7 @@ def _storage_problem(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.T
         # The negative bit (torch._neg_view, z.conj().imag) marks a view whose storage holds the negated values:
         # the kernels read the storage, so a copy came out with the wrong sign.
         if _runs_own_ops(t) or t.is_neg():
-            name = ("cos", "sin")[i - len(xs)] if i >= len(xs) else f"xs[{i}]" if len(xs) > 1 else "x"
+            name = _call_name(i, xs)
             if t.is_neg():
                 return f"{name} is a negative view (its storage holds -{name}), which {name}.resolve_neg() materializes"
             return (
@@ -157,7 +162,7 @@ def _traced_dtensor_problem(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: 
     tensors = (*xs, cos, sin)
     for i, t in enumerate(tensors):
         if _is_dtensor(t):
-            name = ("cos", "sin")[i - len(xs)] if i >= len(xs) else f"xs[{i}]" if len(xs) > 1 else "x"
+            name = _call_name(i, xs)
             return (
                 f"{name} is a DTensor, and posenc's fused-kernel ops have no DTensor sharding strategy (the torch "
                 "path's operations have DTensor's own)"
