@@ -347,6 +347,7 @@ def _capturing_a_cuda_graph(monkeypatch, *, readable: bool):
 
     with monkeypatch.context() as capture:
         capture.setattr(torch.cuda, "is_available", lambda: True)
+        capture.setattr(torch.cuda, "is_initialized", lambda: True)  # a capture needs CUDA initialized
         capture.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
         if not readable:
             capture.setattr(module, "values_readable", lambda device: False)

@@ -79,8 +79,9 @@ def batched(*tensors: torch.Tensor) -> bool:
     return transformed(*tensors) or any(torch._C._functorch.is_legacy_batchedtensor(t) for t in tensors)
 
 
-def _recorded_without_fused_kernels() -> str:
-    """Why a graph being recorded now cannot hold the fused kernels, or "" when none is (or one can).
+def _recorded_without_fused_kernels(traced: bool) -> str:
+    """Why a graph being recorded now cannot hold the fused kernels, or "" when none is (or one can). traced: this
+    thread traces for torch.compile or torch.export (``compiling()``, asked once by the caller).
 
     torch.jit.trace records only dispatched ops: the kernels write through raw pointers (ctypes, Triton launches), so
     the trace kept the empty output and returned unwritten memory at every replay, without an error. The ONNX
@@ -89,7 +90,7 @@ def _recorded_without_fused_kernels() -> str:
     if torch.jit.is_tracing():  # also the TorchScript-based torch.onnx.export(..., dynamo=False)
         return "torch.jit.trace records no call of the fused kernels, which write through raw pointers"
     # Traced by torch.export inside torch.onnx.export: non-strict first, then, when that fails, strict (Dynamo).
-    if compiling() and _onnx_exporting():
+    if traced and _onnx_exporting():
         return "torch.onnx.export has no ONNX function for posenc's fused-kernel ops"
     return ""
 
@@ -122,9 +123,10 @@ def _storage_problem(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.T
     """Why the fused kernels cannot read these tensors' values from their storage, or "" when they can."""
     tensors = (*xs, cos, sin)
     # Every call runs this: plain tensors pass a loop of two cheap tests (a generator, or a call per tensor, cost a
-    # microsecond or more of a decode-size call's ~70).
+    # microsecond or more of a decode-size call's ~70), torch.Tensor looked up once.
+    plain = torch.Tensor
     for t in tensors:
-        if type(t) is not torch.Tensor or t.is_neg():
+        if type(t) is not plain or t.is_neg():
             break
     else:
         return ""
@@ -172,10 +174,11 @@ def _traced_dtensor_problem(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: 
 
 def _fused_problem(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, kind: str, inplace: bool) -> str:
     """Why the fused kernels cannot take this call, or "" when they can."""
-    recorded = _recorded_without_fused_kernels()
+    traced = compiling()
+    recorded = _recorded_without_fused_kernels(traced)
     if recorded:
         return recorded
-    problem = _traced_dtensor_problem(xs, cos, sin) if compiling() else _storage_problem(xs, cos, sin)
+    problem = _traced_dtensor_problem(xs, cos, sin) if traced else _storage_problem(xs, cos, sin)
     if problem:
         return problem
     if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
