@@ -886,6 +886,24 @@ def test_a_nested_tensor_is_refused_with_the_packed_form_that_works(call):
     torch.testing.assert_close(packed, torch.cat(one_by_one, dim=1)[0], rtol=0, atol=0)
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage:UserWarning")
+def test_a_strided_nested_tensor_is_refused_with_a_conversion_that_works():
+    """torch.nested.nested_tensor's default layout (torch.strided) has no offsets() and its values() is a flat
+    buffer: the advice given for a jagged tensor failed with AttributeError. The message names the jagged
+    conversion, and what it names rotates each sequence from 0."""
+    sequences = [torch.randn(3, 2, 8), torch.randn(2, 2, 8)]
+    x = torch.nested.nested_tensor(sequences)
+    angles = torch.arange(16.0)[:, None] * torch.rand(4)
+    cos, sin = angles.cos(), angles.sin()
+    with pytest.raises(TypeError, match=r"layout=torch\.jagged\)\) as jagged\.values\(\).*to_padded_tensor") as info:
+        posenc.apply_rotary(x, cos, sin, offset=0, layout="bshd")
+    assert "x.offsets()" not in str(info.value)
+    jagged = torch.nested.nested_tensor(list(x.unbind()), layout=torch.jagged)  # as the message says
+    packed = posenc.apply_rotary(jagged.values(), cos, sin, cu_seqlens=jagged.offsets())
+    one_by_one = [posenc.apply_rotary(s, cos, sin, offset=0, layout="bshd") for s in (s[None] for s in sequences)]
+    torch.testing.assert_close(packed, torch.cat(one_by_one, dim=1)[0], rtol=0, atol=0)
+
+
 @pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state:UserWarning")
 @pytest.mark.parametrize("layout", ["coo", "csr"])
 @pytest.mark.parametrize(

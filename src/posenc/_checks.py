@@ -243,9 +243,17 @@ def float_tensor(name: str, x: Any) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.is_nested:  # its ragged dim broke deep inside torch ("'NestedIntNode' object has no attribute 'add'")
+        packed, jagged = "", name
+        if x.layout is _STRIDED:
+            # torch.nested's default layout has no offsets(), and its values() is a flat buffer (total_tokens*h*d,).
+            packed, jagged = (
+                f"(jagged = torch.nested.nested_tensor(list({name}.unbind()), layout=torch.jagged)) ",
+                "jagged",
+            )
         raise TypeError(
-            f"{name} is a nested tensor, which posenc does not take: pass packed sequences as {name}.values() "
-            f"(total_tokens, h, d) with cu_seqlens={name}.offsets() to apply_rotary, or pad them to (b, s, ...)"
+            f"{name} is a nested tensor, which posenc does not take: pass packed sequences {packed}as "
+            f"{jagged}.values() (total_tokens, h, d) with cu_seqlens={jagged}.offsets() to apply_rotary, or pad "
+            f"them to (b, s, ...) ({name}.to_padded_tensor(0.0))"
         )
     if x.layout is not _STRIDED:  # sparse: broke deep inside torch ("unsupported memory format option Contiguous")
         raise TypeError(f"{name} is a {x.layout} tensor, which posenc does not take: pass {name}.to_dense()")
