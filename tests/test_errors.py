@@ -925,3 +925,14 @@ def test_a_sparse_tensor_is_refused_naming_to_dense(call, layout):
     refusal = r"is a torch\.sparse_\w+ tensor, which posenc does not take: pass \w+\.to_dense\(\)"
     with pytest.raises(TypeError, match=refusal):
         call(x, angles.cos(), angles.sin(), sparse)
+
+
+@pytest.mark.parametrize("model", [None, 3, (1, 2)], ids=["None", "int", "tuple"])
+def test_is_patched_and_unpatch_model_take_an_object_that_is_no_module(model):
+    """An object without a __dict__ made is_patched raise TypeError ("vars() argument must have __dict__ attribute")
+    where it answered False; unpatch_model raised that bare error rather than saying what model must be."""
+    from posenc.interop.patch import is_patched, unpatch_model
+
+    assert is_patched(model) is False
+    with pytest.raises(ValueError, match=r"not patched by posenc: model must be the nn\.Module that patch_model"):
+        unpatch_model(model)

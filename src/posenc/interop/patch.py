@@ -147,7 +147,7 @@ def _patch_state(model: nn.Module) -> _PatchState | None:
     """The state of the patch in force on ``model``, or None. Read from the model's own attributes: a wrapper whose
     ``__getattr__`` forwards to the model it wraps (peft's PeftModel) would otherwise answer with that model's state,
     whose module names are not the wrapper's (unpatch_model(wrapper) failed half-way on an AttributeError)."""
-    state: _PatchState | None = vars(model).get(_STATE_ATTR)
+    state: _PatchState | None = getattr(model, "__dict__", {}).get(_STATE_ATTR)  # vars() raises on None, an int
     return None if state is None or state.undone else state
 
 
@@ -704,6 +704,8 @@ def _require_no_patched_part(model: nn.Module) -> None:
 def _where_the_patch_is(model: nn.Module) -> str:
     """Why an unpatched ``model`` may still run posenc: a part of it was patched, or it is a part of (or was taken
     out of) a patched model; else the usual reasons."""
+    if not isinstance(model, nn.Module):
+        return f": model must be the nn.Module that patch_model was called on, got {type(model).__name__}"
     for name, module in model.named_modules():
         if name and _patch_state(module) is not None:
             return f", but model.{name} is: call unpatch_model(model.{name})"
