@@ -137,3 +137,32 @@ def test_exported_outside_onnx_the_fused_kernel_stays():
     """README: a package built with the fused backends holds posenc's ops (AOTInductor runs them at their speed)."""
     program = torch.export.export(_Rope("cpu"), (*random_qk(1, 2, 2, 8, HEAD_DIM), torch.arange(8)))
     assert "posenc.rotary.default" in [str(node.target) for node in program.graph.nodes]
+
+
+@pytest.mark.parametrize("rotary_dim", [HEAD_DIM, HEAD_DIM // 2], ids=["whole head", "partial"])
+def test_a_traced_apply_rotary_inplace_writes_x_only_as_the_onnx_exporter_keeps(rotary_dim):
+    """The torch path rotated x in place with out= writes into its slices (and a copy_ into a narrow() view),
+    which torch.jit.trace records but the TorchScript ONNX exporter (dynamo=False) drops: its model returned x
+    unrotated, ~4 off, without an error (checked with onnxruntime). Traced, x is now written by copy_ into a slice,
+    which the exporter keeps, and the trace still equals eager at other lengths."""
+
+    def rotate(x, cos, sin):
+        y = x * 1.0
+        posenc.apply_rotary_(y, cos, sin)
+        return y
+
+    pairs = rotary_dim // 2
+    cos, sin = (t[:, :pairs] for t in _cos_sin(8))
+    traced = _trace(rotate, torch.randn(1, 2, 8, HEAD_DIM), cos, sin)
+    writes = [(node.kind(), next(node.inputs()).node().kind()) for node in traced.graph.nodes() if _mutates(node)]
+    assert writes == [("aten::copy_", "aten::slice")]
+    x, (cos, sin) = torch.randn(1, 2, 13, HEAD_DIM), (t[:, :pairs] for t in _cos_sin(13, 20))
+    torch.testing.assert_close(traced(x, cos, sin), rotate(x, cos, sin), rtol=2.5e-7, atol=2e-7)
+
+
+def _mutates(node: torch._C.Node) -> bool:
+    """Whether a TorchScript node writes one of its inputs (an in-place op, or an out= variant)."""
+    try:
+        return "(a!)" in node.schema()
+    except RuntimeError:  # prim:: nodes have no schema
+        return False

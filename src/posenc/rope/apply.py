@@ -375,8 +375,11 @@ def _rotate_in_place(
     """The torch path's in-place rotation of x (..., d), called ``name`` in errors, with cos/sin broadcastable to
     x.shape[:-1] + (r/2,)."""
     rotary_dim = 2 * cos.shape[-1]
+    # Recorded by torch.jit.trace, the block writes (out= into slices of x) were dropped by the TorchScript-based
+    # ONNX exporter, as apply_rotary_torch's were: its model returned x unrotated, ~4 off, without an error.
+    recorded = compiling() or torch.jit.is_tracing()
     if not (torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad or sin.requires_grad)) and not (
-        compiling() or batched(x, cos, sin)
+        recorded or batched(x, cos, sin)
     ):
         # Nothing to record: straight into x, a block of rows at a time, with no rotated copy of the whole.
         wide = compute_dtype(x, cos)
@@ -394,7 +397,8 @@ def _rotate_in_place(
         part = part.clone()
     rotated = apply_rotary_torch(part, cos, sin, interleaved=interleaved, conjugate=conjugate)
     try:
-        x.narrow(-1, 0, rotary_dim).copy_(rotated)
+        # A slice, not narrow(): the TorchScript ONNX exporter drops a copy_ into a narrow() view of x.
+        x[..., :rotary_dim].copy_(rotated)
     except RuntimeError as error:  # autograd's in-place checks, made before the copy writes: x is as it was
         raise inplace_refused(name, error) from error
 
