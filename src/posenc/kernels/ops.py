@@ -713,9 +713,10 @@ def rotary_copy(
     conjugate: bool,
     backend: str,
 ) -> list[torch.Tensor]:
-    """``posenc::rotary`` when traced (torch.compile) or dispatched (``_dispatched``: FakeTensors, a dispatch mode,
-    jit.trace); in eager, ``_RotaryCopy`` when autograd is involved, else the implementation directly (the op's
-    dispatch costs ~150 us a call, more than a decode step's kernel)."""
+    """``posenc::rotary`` when traced (torch.compile) or dispatched (``_dispatched``: FakeTensors, a dispatch mode;
+    torch.jit.trace never gets here, ``_fused_problem`` sends it to the torch path); in eager, ``_RotaryCopy`` when
+    autograd is involved, else the implementation directly (the op's dispatch costs ~150 us a call, more than a
+    decode step's kernel)."""
     args = (cos, sin, positions, offsets, offset, cu_seqlens, kind, interleaved, conjugate, backend)
     if compiling() or _dispatched(*xs, cos, sin):
         return rotary(list(xs), *args)
