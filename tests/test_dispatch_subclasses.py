@@ -99,6 +99,14 @@ def test_negative_views_are_rotated_with_their_sign(negated, inplace):
         rotate(x.clone() if negated == "cos" else torch.ops.aten._neg_view(x.clone()), cos_in, sin, backend="cpu")
 
 
+def test_a_refused_negative_view_is_named_as_the_caller_named_it():
+    """apply_rotary_qk's refusal named k "xs[1]" (and its fix "xs[1].resolve_neg()"), a name the caller never used."""
+    q, k = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8)
+    cos, sin = _cos_sin(5, 8)
+    with pytest.raises(ValueError, match=r": k is a negative view \(its storage holds -k\), which k\.resolve_neg\(\)"):
+        posenc.apply_rotary_qk(q, torch.ops.aten._neg_view(k), cos, sin, backend="cpu")
+
+
 class _Recording(TorchDispatchMode):
     def __init__(self):
         super().__init__()

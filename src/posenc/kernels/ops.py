@@ -114,13 +114,18 @@ def _runs_own_ops(t: torch.Tensor) -> bool:
     )
 
 
-def _call_name(i: int, xs: Sequence[torch.Tensor]) -> str:
-    """The name errors give the i-th of (*xs, cos, sin)."""
-    return ("cos", "sin")[i - len(xs)] if i >= len(xs) else f"xs[{i}]" if len(xs) > 1 else "x"
+def _call_name(i: int, xs: Sequence[torch.Tensor], names: Sequence[str] | None) -> str:
+    """The name errors give the i-th of (*xs, cos, sin); names: xs as the caller calls them (q, k), else x or xs[i]."""
+    if i >= len(xs):
+        return ("cos", "sin")[i - len(xs)]
+    return names[i] if names is not None else f"xs[{i}]" if len(xs) > 1 else "x"
 
 
-def _storage_problem(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor) -> str:
-    """Why the fused kernels cannot read these tensors' values from their storage, or "" when they can."""
+def _storage_problem(
+    xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, names: Sequence[str] | None = None
+) -> str:
+    """Why the fused kernels cannot read these tensors' values from their storage, or "" when they can (names: as
+    ``_call_name``'s)."""
     tensors = (*xs, cos, sin)
     # Every call runs this: plain tensors pass a loop of two cheap tests (a generator, or a call per tensor, cost a
     # microsecond or more of a decode-size call's ~70), torch.Tensor looked up once.
@@ -134,7 +139,7 @@ def _storage_problem(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.T
         # The negative bit (torch._neg_view, z.conj().imag) marks a view whose storage holds the negated values:
         # the kernels read the storage, so a copy came out with the wrong sign.
         if _runs_own_ops(t) or t.is_neg():
-            name = _call_name(i, xs)
+            name = _call_name(i, xs, names)
             if t.is_neg():
                 return f"{name} is a negative view (its storage holds -{name}), which {name}.resolve_neg() materializes"
             return (
@@ -153,7 +158,9 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     return module is not None and isinstance(t, module.DTensor)
 
 
-def _traced_dtensor_problem(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor) -> str:
+def _traced_dtensor_problem(
+    xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, names: Sequence[str] | None = None
+) -> str:
     """Why a traced call (torch.compile, torch.export) cannot hold the fused ops: a DTensor among its tensors, or "".
 
     The ops have no sharding strategy, and ``register_sharding`` cannot give them one (it builds one output spec, and
@@ -164,7 +171,7 @@ def _traced_dtensor_problem(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: 
     tensors = (*xs, cos, sin)
     for i, t in enumerate(tensors):
         if _is_dtensor(t):
-            name = _call_name(i, xs)
+            name = _call_name(i, xs, names)
             return (
                 f"{name} is a DTensor, and posenc's fused-kernel ops have no DTensor sharding strategy (the torch "
                 "path's operations have DTensor's own)"
@@ -172,13 +179,20 @@ def _traced_dtensor_problem(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: 
     return ""
 
 
-def _fused_problem(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, kind: str, inplace: bool) -> str:
-    """Why the fused kernels cannot take this call, or "" when they can."""
+def _fused_problem(
+    xs: Sequence[torch.Tensor],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kind: str,
+    inplace: bool,
+    names: Sequence[str] | None = None,
+) -> str:
+    """Why the fused kernels cannot take this call, or "" when they can (names: as ``_call_name``'s)."""
     traced = compiling()
     recorded = _recorded_without_fused_kernels(traced)
     if recorded:
         return recorded
-    problem = _traced_dtensor_problem(xs, cos, sin) if traced else _storage_problem(xs, cos, sin)
+    problem = _traced_dtensor_problem(xs, cos, sin, names) if traced else _storage_problem(xs, cos, sin, names)
     if problem:
         return problem
     if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
@@ -197,12 +211,19 @@ def _fused_problem(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Ten
 
 
 def choose_backend(
-    backend: str, xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, kind: str, *, inplace: bool = False
+    backend: str,
+    xs: Sequence[torch.Tensor],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kind: str,
+    *,
+    inplace: bool = False,
+    names: Sequence[str] | None = None,
 ) -> str:
     """Resolve "auto" to "triton" (CUDA tensors), "cpu" (CPU tensors) or "torch"; check an explicit choice.
 
-    xs: a list of the tensors to rotate (x, or q and k). Raises ValueError naming what is wrong when an explicit
-    fused backend cannot take the call.
+    xs: a list of the tensors to rotate (x, or q and k); names: what errors call them (default x, or xs[i]). Raises
+    ValueError naming what is wrong when an explicit fused backend cannot take the call.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(repr(b) for b in BACKENDS)}, got {backend!r}")
@@ -218,7 +239,7 @@ def choose_backend(
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if backend == "torch":
         return "torch"
-    problem = _fused_problem(xs, cos, sin, kind, inplace)
+    problem = _fused_problem(xs, cos, sin, kind, inplace, names)
     device = xs[0].device.type
     if backend == "auto":
         if problem:

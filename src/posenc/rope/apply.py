@@ -322,7 +322,7 @@ def rotate_tensors(
                 )
             if not compiling() and torch.is_grad_enabled() and x.requires_grad:
                 _refuse_untracked_change(name, x, cos, sin)
-    chosen = choose_backend(backend, tensors, cos, sin, kind, inplace=inplace)
+    chosen = choose_backend(backend, tensors, cos, sin, kind, inplace=inplace, names=list(xs))
     if chosen != "torch":
         args = (cos, sin, positions, offsets, offset_int, cu_seqlens, kind, interleaved, conjugate, chosen)
         if inplace:
