@@ -78,14 +78,19 @@ def host_min_max(t: torch.Tensor) -> tuple[int, int]:
     return low, high
 
 
+def is_dtensor(t: torch.Tensor) -> bool:
+    """Whether t is a DTensor. DTensor's module is in sys.modules wherever a DTensor exists, so posenc does not import
+    it (that costs posenc's import ~0.3 s). Dynamo traces the check (the type test and isinstance fold as it traces)."""
+    if type(t) is torch.Tensor:
+        return False
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
 def replicated_values(t: torch.Tensor) -> torch.Tensor:
     """t, or where t is a DTensor (position ids, offsets or cu_seqlens distributed with x) its whole value as a plain
-    tensor on every rank: DTensor refuses ``.tolist()`` and has no sharding strategy for ``torch._assert_async``.
-    DTensor's module is in sys.modules wherever a DTensor exists (importing it costs posenc's import ~0.3 s)."""
-    module = sys.modules.get("torch.distributed.tensor")
-    if type(t) is not torch.Tensor and module is not None and isinstance(t, module.DTensor):
-        return t.full_tensor()
-    return t
+    tensor on every rank: DTensor refuses ``.tolist()`` and has no sharding strategy for ``torch._assert_async``."""
+    return t.full_tensor() if is_dtensor(t) else t
 
 
 def user_stacklevel() -> int:

@@ -20,7 +20,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 from torch._subclasses.fake_tensor import FakeTensor
 
-from posenc._checks import compiling, inplace_refused
+from posenc._checks import compiling, inplace_refused, is_dtensor
 from posenc._compile_marks import assume_constant_result
 from posenc.kernels.cpu_rope import DTYPE_CODES, cpu_available, cpu_unavailable_reason, rope_cpu_jobs
 from posenc.kernels.layout import KINDS, Kind, canonical, canonical_cos, consecutive_rows, token_positions
@@ -149,15 +149,6 @@ def _storage_problem(
     return ""
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
-    # DTensor's module is in sys.modules wherever a DTensor exists: posenc does not import torch.distributed.tensor
-    # for this. Dynamo traces the check (the type test and isinstance fold as it traces).
-    if type(t) is torch.Tensor:
-        return False
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(t, module.DTensor)
-
-
 def _traced_dtensor_problem(
     xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, names: Sequence[str] | None = None
 ) -> str:
@@ -170,7 +161,7 @@ def _traced_dtensor_problem(
     one. The torch path's ops each have DTensor's own sharding rules, as in eager (``_storage_problem``)."""
     tensors = (*xs, cos, sin)
     for i, t in enumerate(tensors):
-        if _is_dtensor(t):
+        if is_dtensor(t):
             name = _call_name(i, xs, names)
             return (
                 f"{name} is a DTensor, and posenc's fused-kernel ops have no DTensor sharding strategy (the torch "
