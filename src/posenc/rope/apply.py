@@ -216,6 +216,13 @@ class _RotateCopy(torch.autograd.Function):
         return grad, None, None, None, None
 
 
+def _recorded() -> bool:
+    """Whether this call is being traced into a graph (torch.compile, torch.export, torch.jit.trace), where the torch
+    path's out= writes into slices are not taken: Inductor does not fuse them, and the TorchScript-based ONNX exporter
+    dropped them (its model returned the empty output's memory, or x unrotated in place, ~4 off, without an error)."""
+    return compiling() or torch.jit.is_tracing()
+
+
 def apply_rotary_torch(
     x: torch.Tensor,
     cos: torch.Tensor,
@@ -232,12 +239,10 @@ def apply_rotary_torch(
     rotary = 2 * cos.shape[-1]
     wide = compute_dtype(x, cos)
     cos, sin = cos.to(wide), sin.to(wide)
-    recorded = compiling() or torch.jit.is_tracing()
-    if not (cos.requires_grad or sin.requires_grad or recorded or batched(x, cos, sin)):
+    if not (cos.requires_grad or sin.requires_grad or _recorded() or batched(x, cos, sin)):
         # out= writes can be differentiated by no autograd mode, batched by no vmap, nor fused by Inductor: the
         # rotation's own backward serves x; the plain formula below serves learned angles, compiled graphs,
-        # torch.func transforms and forward-mode AD. Traced by torch.jit.trace, the writes into slices of the output
-        # were dropped by the TorchScript-based ONNX exporter: its model returned the empty output's memory.
+        # torch.func transforms and forward-mode AD.
         return _RotateCopy.apply(x, cos, sin, interleaved, conjugate)
     if rotary == x.shape[-1]:
         # No slice of the whole: autograd's own vmap (jacobian(vectorize=True)) has no batching rule for the alias.
@@ -375,11 +380,8 @@ def _rotate_in_place(
     """The torch path's in-place rotation of x (..., d), called ``name`` in errors, with cos/sin broadcastable to
     x.shape[:-1] + (r/2,)."""
     rotary_dim = 2 * cos.shape[-1]
-    # Recorded by torch.jit.trace, the block writes (out= into slices of x) were dropped by the TorchScript-based
-    # ONNX exporter, as apply_rotary_torch's were: its model returned x unrotated, ~4 off, without an error.
-    recorded = compiling() or torch.jit.is_tracing()
     if not (torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad or sin.requires_grad)) and not (
-        recorded or batched(x, cos, sin)
+        _recorded() or batched(x, cos, sin)
     ):
         # Nothing to record: straight into x, a block of rows at a time, with no rotated copy of the whole.
         wide = compute_dtype(x, cos)
