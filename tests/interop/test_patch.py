@@ -666,6 +666,26 @@ def test_new_scaling_survives_save_and_plain_reload(arch: str, rope_parameters: 
     torch.testing.assert_close(patched, plain, **FP32)
 
 
+def test_new_longrope_factors_keep_phi3s_top_level_original_length() -> None:
+    """Phi-3-128k keeps original_max_position_embeddings at the top level, which its config class copies over the
+    rope dict's. New LongRoPE factors given without it were scaled from max_position_embeddings (64, not 16), and the
+    patch refused as 'a rope_type Phi-3 does not take': they now switch at the model's original length, as the same
+    config in transformers does."""
+    model = build("phi3", "longrope")  # max_position_embeddings 64, original 16
+    pairs = ROTARY_PAIRS.get("phi3", 8)
+    report = patch_model(
+        model, rope_parameters={"rope_type": "longrope", "short_factor": [1.0] * pairs, "long_factor": [4.0] * pairs}
+    )
+    assert report.rope_parameters["original_max_position_embeddings"] == 16
+    assert model.config.original_max_position_embeddings == 16
+    fresh = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(model.config)).eval()
+    fresh.load_state_dict(model.state_dict())
+    ids = tokens()  # 28 tokens: the long factors
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, fresh(ids).logits, **FP32)
+        torch.testing.assert_close(model(ids[:, :12]).logits, fresh(ids[:, :12]).logits, **FP32)
+
+
 def test_ntk_is_written_as_default_with_the_equivalent_theta() -> None:
     model = build("llama")
     patch_model(model, rope_parameters={"rope_type": "ntk", "factor": 4.0})

@@ -76,6 +76,7 @@ from posenc.interop.tiny import tiny_model_from_config as tiny_model_from_config
 from posenc.rope.frequencies import SEQ_LEN_DEPENDENT, float32_blend_rtol
 from posenc.rope.module import RoPE
 from posenc.rope.mrope import MRoPE
+from posenc.rope.parameters import OPTIONAL_KEYS, REQUIRED_KEYS
 
 # inv_freq agreement with a float32 frequency buffer: transformers' float32 pow is off by up to
 # (ln(base) + 8) * 2**-24 relative (~1.3e-6 at base 5e5), plus float32_blend_rtol for YaRN without truncation and
@@ -457,6 +458,16 @@ def _new_config_rope(
     for key in ("rope_theta", "partial_rotary_factor"):
         if key not in given and key in base_params:
             given[key] = base_params[key]
+    # And the original length a config keeps at the top level (Phi-3), which transformers copies over the dict's:
+    # without it the intended RoPE scaled from max_position_embeddings, and Phi-3-128k with new LongRoPE factors was
+    # refused as a rope_type that Phi-3 does not take.
+    original = _top_level_original(config)
+    rope_type = given.get("rope_type")
+    takes_original = "original_max_position_embeddings" in (
+        REQUIRED_KEYS.get(rope_type, frozenset()) | OPTIONAL_KEYS.get(rope_type, frozenset())
+    )
+    if original is not None and takes_original and "original_max_position_embeddings" not in given:
+        given["original_max_position_embeddings"] = original
     head_dim = current["head_dim"]
     intended = RoPE(
         head_dim,
@@ -494,6 +505,15 @@ def _new_config_rope(
     _require_same_rotation(installed, [("built from the new config", rotary_cls(rebuilt))], architecture)
     values["rope_parameters"] = copy.deepcopy(rebuilt.rope_parameters)
     return values, installed
+
+
+def _top_level_original(config: Any) -> int | None:
+    """The config's top-level ``original_max_position_embeddings`` (Phi-3's, whose config class sets 4096 where the
+    config.json has none), or None: absent, or a config with a rope dict per layer type, which keeps its own."""
+    if rope_layer_types(config):
+        return None
+    value = getattr(config, "original_max_position_embeddings", None)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _require_transformers_type(hf_params: Mapping[str, Any]) -> None:
@@ -543,10 +563,11 @@ def patch_model(
     rope_parameters: None keeps the model's RoPE (logits equal the unpatched model's within the dtype's tolerance);
     a dict such as ``{"rope_type": "yarn", "factor": 4.0}`` changes the scaling in place and rewrites
     ``model.config.rope_parameters`` to match, so ``save_pretrained`` + plain ``from_pretrained`` reproduce it.
-    ``rope_theta`` and ``partial_rotary_factor`` default to the model's. Offered for ``SUPPORTED_ARCHITECTURES``,
-    whose code reads the rope dict only in the rotary embedding; elsewhere (DeepSeek-V3's attention reads YaRN's
-    mscale when built) load the model with the config you want and patch it with None. posenc's ``ntk`` is written
-    as the equivalent ``default`` config with a larger ``rope_theta``.
+    ``rope_theta`` and ``partial_rotary_factor`` default to the model's, and ``original_max_position_embeddings`` to
+    the config's top-level one where it has it (Phi-3), which transformers lets win over the dict's. Offered for
+    ``SUPPORTED_ARCHITECTURES``, whose code reads the rope dict only in the rotary embedding; elsewhere (DeepSeek-V3's
+    attention reads YaRN's mscale when built) load the model with the config you want and patch it with None.
+    posenc's ``ntk`` is written as the equivalent ``default`` config with a larger ``rope_theta``.
     mode: "hf" (Hugging Face's numbers, also for ``dynamic`` / ``longrope`` with a KV cache) or "consistent" (keys
     cached unrotated and rotated at read with each step's frequencies, so cached decoding equals a full forward;
     it needs a ``DynamicCache``, and the patched attention raises TypeError when given a ``StaticCache`` or the
