@@ -172,6 +172,47 @@ def test_greedy_generation_matches_transformers(arch: str, rope_type: str, use_c
     torch.testing.assert_close(torch.stack(got.logits), torch.stack(expected.logits), **FP32)
 
 
+# generate's other modes, where positions and caches move in other ways: beams reorder the cache, sampling expands
+# the batch, speculative decoding feeds several tokens and crops the cache back after a rejected draft (here across
+# the trained length, where dynamic NTK grows and LongRoPE switches factors), a static cache holds fixed slots.
+GENERATE_MODES: dict[str, dict[str, Any]] = {
+    "beam search": dict(num_beams=3),
+    "beam sampling": dict(num_beams=2, do_sample=True),
+    "sampling, 3 sequences each": dict(do_sample=True, num_return_sequences=3),
+    "prompt lookup": dict(prompt_lookup_num_tokens=3),
+    "assisted": dict(num_assistant_tokens=6, num_assistant_tokens_schedule="constant"),
+    "static cache, beam search": dict(num_beams=2, cache_implementation="static"),
+}
+
+
+@pytest.mark.parametrize(("arch", "rope_type"), [("llama", "dynamic"), ("phi3", "longrope"), ("qwen2", "yarn")])
+@pytest.mark.parametrize("mode", list(GENERATE_MODES))
+def test_every_generate_mode_matches_transformers(arch: str, rope_type: str, mode: str) -> None:
+    reference = build(arch, rope_type)
+    patched = copy.deepcopy(reference)
+    patch_model(patched)
+    options = dict(GENERATE, output_scores=True, max_new_tokens=14, **GENERATE_MODES[mode])
+    prompt = tokens(length=10)
+    assistants = {}
+    if mode in ("assisted", "prompt lookup"):  # one row; the assistant is another random model of the type
+        prompt = prompt[:1]
+        if mode == "assisted":
+            torch.manual_seed(1)
+            other = transformers.AutoModelForCausalLM.from_config(reference.config).eval()
+            assistants = {id(reference): other, id(patched): copy.deepcopy(other)}
+            patch_model(assistants[id(patched)])
+    runs = []
+    with torch.no_grad():
+        for model in (reference, patched):
+            torch.manual_seed(0)
+            extra = {"assistant_model": assistants[id(model)]} if assistants else {}
+            runs.append(model.generate(prompt, **options, **extra))
+    expected, got = runs
+    assert torch.equal(got.sequences, expected.sequences)
+    for key in ("logits", "scores"):
+        torch.testing.assert_close(torch.stack(getattr(got, key)), torch.stack(getattr(expected, key)), **FP32)
+
+
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHITECTURES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_error_is_no_larger_than_transformers_own(arch: str, dtype: torch.dtype) -> None:
