@@ -93,6 +93,18 @@ def replicated_values(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if is_dtensor(t) else t
 
 
+def replicated_like(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """t as a DTensor replicated on ``like``'s mesh where ``like`` is a DTensor and t a plain tensor, else t: a plain
+    cos/sin, position ids, offsets or cu_seqlens given with DTensor activations, taken as the whole value (the same on
+    every rank, as the same call on plain full tensors reads it). DTensor refuses to mix the two in one operation
+    ("got mixed torch.Tensor and DTensor"); replicated, its own sharding rules pick each rank's rows."""
+    if not is_dtensor(like) or is_dtensor(t):
+        return t
+    module = sys.modules["torch.distributed.tensor"]
+    mesh = like.device_mesh
+    return module.DTensor.from_local(t, mesh, [module.Replicate()] * mesh.ndim, run_check=False)
+
+
 def user_stacklevel() -> int:
     """The ``stacklevel`` for ``warnings.warn`` that points at the first frame outside posenc: the user's call,
     however deep inside posenc the warning is raised (Python 3.12's ``skip_file_prefixes``, by hand)."""

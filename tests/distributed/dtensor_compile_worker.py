@@ -2,10 +2,12 @@
 
 Compiled (and eager) rotations of DTensors, sharded on the heads, the sequence (uneven on 2 ranks: 5 tokens), the
 batch or replicated, with broadcast cos/sin (replicated, or sharded with x's sequence) and tables read at an offset or
-at position ids (replicated, or sharded with x's sequence), against a float64 formula on plain tensors. Compiled, a
-DTensor call failed with "Operator posenc.rotary.default does not have a sharding strategy registered"; with DTensor
-position ids, compiled and eager failed too (torch._assert_async has no sharding strategy; DTensor refuses .tolist()).
-Prints ok.
+at position ids (replicated, or sharded with x's sequence), at per-sequence offsets, packed by cu_seqlens, and by
+plain tensors beside the DTensors, and RoPE's forward, against a float64 formula on plain tensors (RoPE: its own call
+on them). Compiled, a DTensor call failed with "Operator posenc.rotary.default does not have a sharding strategy
+registered"; with DTensor position ids, compiled and eager failed too (torch._assert_async has no sharding strategy;
+DTensor refuses .tolist()); with a tensor offset, cu_seqlens or any plain tensor (RoPE's tables), eager and compiled
+failed with "got mixed torch.Tensor and DTensor". Prints ok.
 """
 
 from __future__ import annotations
@@ -49,34 +51,73 @@ def main() -> None:
     dt = lambda t, *p: distribute_tensor(t, mesh, list(p) or [Replicate()])  # noqa: E731
     rot = lambda *a, **k: posenc.apply_rotary(*a, **k)  # noqa: E731
 
-    # name, x, x's placement, extra tensors and their placements, kwargs, the global cos/sin rows x reads
+    # name, x, x's placement, extra tensors and their placements (one for all, or one each; None: a plain tensor,
+    # taken as the whole value on every rank), kwargs ("tN": extra tensor N), the global cos/sin rows x reads.
     cases = []
+    offsets = torch.tensor([2, 7])
+    rows_at = lambda o: o[:, None] + torch.arange(s)  # noqa: E731  # (b, s): token i of sequence j reads o[j] + i
     for p in (Shard(0), Shard(1), Shard(2), Replicate()):
         cases.append(("broadcast", x, p, (cos[:s], sin[:s]), (Replicate(),), {}, cos[:s], sin[:s]))
         rows = slice(3, 3 + s)
         cases.append(("table offset=3", x, p, (cos, sin), (Replicate(),), {"offset": 3}, cos[rows], sin[rows]))
-        cases.append(("positions", x, p, (cos, sin, positions), (Replicate(),), {}, cos[positions], sin[positions]))
+        cases.append(("positions", x, p, (cos, sin, positions), (Replicate(),), {"positions": "t2"}, cos[positions],
+                      sin[positions]))  # fmt: skip
+        # Per-sequence offsets, plain or a DTensor: the rows were built from a plain arange beside the DTensors
+        # ("aten.add.Tensor got mixed torch.Tensor and DTensor"), as were plain position ids and cos/sin.
+        want = cos[rows_at(offsets)][:, None], sin[rows_at(offsets)][:, None]
+        cases.append(("tensor offset", x, p, (cos, sin, offsets), (Replicate(), Replicate(), None),
+                      {"offset": "t2"}, *want))  # fmt: skip
+        cases.append(("dtensor offset", x, p, (cos, sin, offsets), (Replicate(),), {"offset": "t2"}, *want))
+        cases.append(("plain positions", x, p, (cos, sin, positions), (Replicate(), Replicate(), None),
+                      {"positions": "t2"}, cos[positions], sin[positions]))  # fmt: skip
+        cases.append(("plain table", x, p, (cos, sin), (None, None), {"offset": 3}, cos[rows], sin[rows]))
+        cases.append(("plain broadcast", x, p, (cos[:s], sin[:s]), (None, None), {}, cos[:s], sin[:s]))
     # cos/sin sharded along x's sequence, and positions sharded with it (each token keeps its global position).
     cases.append(("broadcast sharded cos", x, Shard(2), (cos[:s], sin[:s]), (Shard(0),), {}, cos[:s], sin[:s]))
-    cases.append(("positions sharded", x, Shard(2), (cos, sin, positions), (Replicate(), Replicate(), Shard(0)), {},
-                  cos[positions], sin[positions]))  # fmt: skip
+    cases.append(("positions sharded", x, Shard(2), (cos, sin, positions), (Replicate(), Replicate(), Shard(0)),
+                  {"positions": "t2"}, cos[positions], sin[positions]))  # fmt: skip
+    both = positions + offsets[:, None]
+    cases.append(("positions sharded + plain offset", x, Shard(2), (cos, sin, positions, offsets),
+                  (Replicate(), Replicate(), Shard(0), None), {"positions": "t2", "offset": "t3"},
+                  cos[both][:, None], sin[both][:, None]))  # fmt: skip
     bshd = x.transpose(1, 2).contiguous()
     cases.append(("bshd offset=3", bshd, Shard(1), (cos, sin), (Replicate(),), {"offset": 3, "layout": "bshd"},
                   cos[3 : 3 + s, None], sin[3 : 3 + s, None]))  # fmt: skip
+    cases.append(("bshd tensor offset", bshd, Shard(1), (cos, sin, offsets), (Replicate(), Replicate(), None),
+                  {"offset": "t2", "layout": "bshd"}, cos[rows_at(offsets)][:, :, None],
+                  sin[rows_at(offsets)][:, :, None]))  # fmt: skip
+    decode = x[:, :, :1].contiguous()  # a decode step's rows are the offsets themselves
+    cases.append(("decode tensor offset", decode, Shard(0), (cos, sin, offsets), (Replicate(), Replicate(), None),
+                  {"offset": "t2"}, cos[offsets][:, None, None], sin[offsets][:, None, None]))  # fmt: skip
+    # Two packed sequences of 3 and 4 tokens, x (total, h, d), sharded on the tokens (uneven on 2 ranks, a sequence
+    # straddling them) or the heads: positions restart at each sequence's global start.
+    packed, cu = torch.randn(7, h, d), torch.tensor([0, 3, 7])
+    packed_rows = torch.tensor([0, 1, 2, 0, 1, 2, 3])
+    for p in (Shard(0), Shard(1), Replicate()):
+        cases.append(("cu_seqlens", packed, p, (cos, sin, cu), (Replicate(), Replicate(), None),
+                      {"cu_seqlens": "t2"}, cos[packed_rows, None], sin[packed_rows, None]))  # fmt: skip
+        with_offsets = packed_rows + torch.tensor([2, 2, 2, 7, 7, 7, 7])
+        cases.append(("dtensor cu_seqlens + offset", packed, p, (cos, sin, cu, offsets), (Replicate(),),
+                      {"cu_seqlens": "t2", "offset": "t3"}, cos[with_offsets, None],
+                      sin[with_offsets, None]))  # fmt: skip
+    # Compiled in place and with a gradient too for the cases before the tensor offsets, and after them where x is
+    # sharded on its tokens (the rest compile a copy: each compile takes seconds).
+    every_way = {"broadcast", "table offset=3", "positions", "broadcast sharded cos", "positions sharded",
+                 "bshd offset=3"}  # fmt: skip
     failures = []
     for index, (name, xg, placement, extra, extra_placements, kwargs, want_cos, want_sin) in enumerate(cases):
-        kwargs = dict(kwargs)
-        if name.startswith("positions"):
-            kwargs["positions"] = "t2"
-        tensors = [dt(t, *(extra_placements if len(extra_placements) == 1 else [extra_placements[i]]))
-                   for i, t in enumerate(extra)]  # fmt: skip
+        tokens = Shard(0) if name.endswith("cu_seqlens") or "cu_seqlens +" in name else Shard(2)
+        ways = ("copy", "inplace", "grad", "eager") if name in every_way or placement == tokens else ("copy", "eager")
+        placements = extra_placements * len(extra) if len(extra_placements) == 1 else extra_placements
+        tensors = [t if where is None else dt(t, where) for t, where in zip(extra, placements, strict=True)]
         for interleaved in (False, True) if placement == Shard(2) else (index % 2 == 1,):
             want = reference(xg, want_cos, want_sin, interleaved)
-            for how in ("copy", "inplace", "grad", "eager"):
+            for how in ways:
                 torch._dynamo.reset()
 
                 def f(a, c, s_, *rest, how=how, interleaved=interleaved, kwargs=kwargs):
-                    k = {key: rest[0] if value == "t2" else value for key, value in kwargs.items()}
+                    given = (c, s_, *rest)
+                    k = {key: given[int(v[1:])] if str(v)[:1] == "t" else v for key, v in kwargs.items()}
                     if how == "inplace":
                         return posenc.apply_rotary_(a, c, s_, interleaved=interleaved, **k)
                     return rot(a, c, s_, interleaved=interleaved, **k)
@@ -99,6 +140,24 @@ def main() -> None:
                     assert err < 1e-5, f"max error {err}"
                 except Exception as error:
                     failures.append(f"{name} {placement} interleaved={interleaved} {how}: {type(error).__name__}: "
+                                    f"{str(error).splitlines()[0][:300]}")  # fmt: skip
+    # RoPE's cached tables are plain tensors: with DTensor q and k every call failed (mixed torch.Tensor and DTensor).
+    rope = posenc.RoPE(d, rotary_dim=2 * half)
+    q, k = torch.randn(b, h, s, d), torch.randn(b, 2, s, d)
+    for kwargs in ({}, {"offset": 3}, {"offset": offsets}, {"offset": dt(offsets)}, {"positions": positions},
+                   {"positions": dt(positions, Shard(0))}):  # fmt: skip
+        plain = {key: v.full_tensor() if isinstance(v, DTensor) else v for key, v in kwargs.items()}
+        want_q, want_k = rope(q, k, **plain)
+        for p in (Shard(1), Shard(2)):
+            for compiled in (False, True):
+                torch._dynamo.reset()
+                run = torch.compile(rope, backend="aot_eager", fullgraph=True) if compiled else rope
+                try:
+                    got_q, got_k = run(dt(q, p), dt(k, p), **kwargs)
+                    err = max((got_q.full_tensor() - want_q).abs().max(), (got_k.full_tensor() - want_k).abs().max())
+                    assert err < 1e-5, f"max error {float(err)}"
+                except Exception as error:
+                    failures.append(f"RoPE {list(kwargs)} {p} compiled={compiled}: {type(error).__name__}: "
                                     f"{str(error).splitlines()[0][:300]}")  # fmt: skip
     dist.destroy_process_group()
     if failures:

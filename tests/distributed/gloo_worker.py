@@ -9,6 +9,8 @@ differ between real ranks is how each came to its table. So rank 0 computes it o
 and rank 1 on two threads, having first grown its table past torch's parallel grain (32768 elements) and asking
 for the positions backwards and in two pieces of odd sizes: a row must not depend on its table's size, on how
 the work was split, or on which rows came with it.
+
+Then DTensor calls sharded across the two ranks (``_sharded_dtensor_calls``): per-sequence offsets and cu_seqlens.
 """
 
 from __future__ import annotations
@@ -22,6 +24,33 @@ import torch.distributed as dist
 
 import posenc
 from posenc.distributed import shard_positions
+
+
+def _sharded_dtensor_calls(world: int) -> None:
+    """apply_rotary of DTensors sharded unevenly across the ranks, at per-sequence offsets and packed by cu_seqlens
+    (themselves sharded, or plain), equal to the call on the whole tensors."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    dt = lambda t, *p: distribute_tensor(t, mesh, list(p) or [Replicate()])  # noqa: E731
+    gen = torch.Generator().manual_seed(1)
+    cos, sin = posenc.RoPE(16).cos_sin(torch.arange(40))
+    packed, x = torch.randn(9, 2, 16, generator=gen), torch.randn(4, 2, 5, 16, generator=gen)
+    cu, offsets = torch.tensor([0, 3, 3, 7, 9]), torch.tensor([1, 2, 3, 4])
+    # x, its kwargs, x's placement, theirs (None: plain tensors, cos/sin too)
+    calls = [
+        (packed, {"cu_seqlens": cu, "offset": offsets}, Shard(0), Shard(0)),
+        (packed, {"cu_seqlens": cu}, Shard(0), None),
+        (x, {"offset": offsets}, Shard(2), Shard(0)),
+        (x, {"offset": offsets, "positions": torch.tensor([4, 0, 2, 1, 3])}, Shard(2), None),
+    ]
+    for whole, kwargs, placement, ids_placement in calls:
+        want = posenc.apply_rotary(whole, cos, sin, **kwargs)
+        given = {key: t if ids_placement is None else dt(t, ids_placement) for key, t in kwargs.items()}
+        tables = [t if ids_placement is None else dt(t) for t in (cos, sin)]
+        got = posenc.apply_rotary(dt(whole, placement), *tables, **given).full_tensor()
+        assert (got - want).abs().max() < 1e-6, (list(kwargs), placement)
 
 
 def main(out_dir: str, configs: list[dict]) -> None:
@@ -51,6 +80,7 @@ def main(out_dir: str, configs: list[dict]) -> None:
         pos = shard_positions(seq_len, world, rank)
         shard_q, shard_k = rope(q[:, :, pos], k[:, :, pos], positions=pos, seq_len=seq_len)
         assert torch.equal(shard_q, full_q[:, :, pos]) and torch.equal(shard_k, full_k[:, :, pos]), params
+    _sharded_dtensor_calls(world)
     dist.barrier()
     dist.destroy_process_group()
     with open(os.path.join(out_dir, f"ok-{rank}"), "w") as f:

@@ -1,6 +1,8 @@
 """Compiled rotations of DTensors (world size 1, gloo, in a process of its own): the fused ops have no sharding
 strategy, so a compiled DTensor call failed with "Operator posenc.rotary.default does not have a sharding strategy
-registered" (and, with position ids, "aten._assert_async.msg does not have a sharding strategy registered")."""
+registered" (and, with position ids, "aten._assert_async.msg does not have a sharding strategy registered"); tensor
+offsets, cu_seqlens and plain tensors beside DTensors (RoPE's own tables) failed eager too, "got mixed torch.Tensor
+and DTensor"."""
 
 from __future__ import annotations
 

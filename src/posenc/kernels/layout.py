@@ -24,6 +24,9 @@ from posenc._checks import (
     float_tensor,
     host_min_max,
     int_tensor,
+    is_dtensor,
+    replicated_like,
+    replicated_values,
     size_in,
     values_readable,
     wrapped_positions,
@@ -277,28 +280,48 @@ def token_positions(
 ) -> torch.Tensor:
     """The table row of every token: (b or 1, s) int64, or (1, total_tokens) for varlen.
 
-    ``batch`` is b (the number of packed sequences for varlen); ``seq`` is s (total_tokens for varlen).
+    ``batch`` is b (the number of packed sequences for varlen); ``seq`` is s (total_tokens for varlen). Where one of
+    positions, offsets and cu_seqlens is a DTensor, so are the others and the result (``replicated_like``).
     """
+    like = _first_dtensor(positions, offsets, cu_seqlens)
     if kind == "varlen":
         assert cu_seqlens is not None
-        cu = cu_seqlens.to(torch.long)
+        # DTensor has no sharding strategy for searchsorted: found on the whole values, then replicated.
+        cu = replicated_values(cu_seqlens).to(torch.long)
+        offsets = None if offsets is None else replicated_values(offsets)
         token = torch.arange(seq, device=device)
         # searchsorted finds each token's sequence without a Python loop over sequences.
         sequence = torch.searchsorted(cu[1:], token, right=True)
-        pos = token - cu[sequence] + (offsets[sequence] if offsets is not None else 0) + offset
-        return pos[None]
+        pos = (token - cu[sequence] + (offsets[sequence] if offsets is not None else 0) + offset)[None]
+        return pos if like is None else replicated_like(pos, like)
+    if like is not None:
+        positions, offsets = (None if t is None else replicated_like(t, like) for t in (positions, offsets))
     if positions is None and offsets is not None and seq == 1:
         # A decode step's rows are its per-sequence offsets: a view of them, not an arange and a sum (measured: a
         # CPU decode call of q and k with a (b,) offset took 55 us, not 69).
         return offsets[:, None] + offset if offset else offsets[:, None]
     if positions is None:
-        pos = torch.arange(seq, device=device)[None]
+        pos = _arange(seq, device, like)[None]
     else:  # (s,) or (b, s); not reshape(-1, s), which cannot infer -1 when s = 0
         pos = positions.to(torch.long)
         pos = pos[None] if pos.dim() == 1 else pos
     if offsets is not None:
         pos = pos + offsets[:, None]
     return pos + offset if offset else pos
+
+
+def _first_dtensor(*tensors: torch.Tensor | None) -> torch.Tensor | None:
+    """The first DTensor among tensors, or None."""
+    for t in tensors:
+        if t is not None and is_dtensor(t):
+            return t
+    return None
+
+
+def _arange(seq: int, device: torch.device, like: torch.Tensor | None) -> torch.Tensor:
+    """0..seq-1 (int64), replicated on like's mesh where like is a DTensor."""
+    token = torch.arange(seq, device=device)
+    return token if like is None else replicated_like(token, like)
 
 
 def canonical(x: torch.Tensor, kind: Kind) -> torch.Tensor:

@@ -20,7 +20,9 @@ from posenc._checks import (
     float_tensor,
     inplace_refused,
     integer_offset,
+    is_dtensor,
     may_overlap,
+    replicated_like,
     same_device,
     size_in,
     values_readable,
@@ -335,10 +337,17 @@ def rotate_tensors(
             return tensors
         return rotary_copy(tensors, *args)
 
+    first = tensors[0]
+    if is_dtensor(first):
+        # Plain cos/sin, ids, offsets or cu_seqlens beside DTensor activations (RoPE's own tables, say): DTensor
+        # refuses to mix them in one operation, so they join x's mesh, replicated (each the whole value).
+        cos, sin = replicated_like(cos, first), replicated_like(sin, first)
+        positions, offsets, cu_seqlens = (
+            None if t is None else replicated_like(t, first) for t in (positions, offsets, cu_seqlens)
+        )
     if kind != "broadcast":
         # The table rows of the tokens, (b or 1, s, r/2): a slice when they are consecutive, else gathered once per
         # token; then a head axis where x has one.
-        first = tensors[0]
         batch = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else first.shape[0]
         seq = first.shape[{"bhsd": 2, "bshd": 1, "varlen": 0}[kind]]
         if consecutive_rows(kind, positions, offsets):

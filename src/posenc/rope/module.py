@@ -29,6 +29,7 @@ from posenc._checks import (
     int_tensor,
     integer_offset,
     refuse_jit_trace,
+    replicated_values,
     same_device,
     sequence_length,
     size_in,
@@ -584,6 +585,12 @@ class RoPE(nn.Module):
         refuse_jit_trace(type(self).__name__)
         seq_axis = self._check_qk(q, k, layout, seq_len)
         offset = integer_offset(offset)
+        # DTensor ids or offsets whole, as plain ones are taken: the tables and angles here are plain tensors, which
+        # DTensor refuses to index by or add to a DTensor; the rotation replicates the rows it reads on q's mesh.
+        if isinstance(positions, torch.Tensor):
+            positions = replicated_values(positions)
+        if isinstance(offset, torch.Tensor):
+            offset = replicated_values(offset)
         # float32 tables for every activation dtype but float64, whose callers want float64 exactness.
         table_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         seq = q.shape[seq_axis]
