@@ -10,7 +10,8 @@ and rank 1 on two threads, having first grown its table past torch's parallel gr
 for the positions backwards and in two pieces of odd sizes: a row must not depend on its table's size, on how
 the work was split, or on which rows came with it.
 
-Then DTensor calls sharded across the two ranks (``_sharded_dtensor_calls``): per-sequence offsets and cu_seqlens.
+Then DTensor calls sharded across the two ranks (``_sharded_dtensor_calls``): per-sequence offsets and cu_seqlens,
+and their refusal where only one rank holds a bad offset.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -28,7 +30,9 @@ from posenc.distributed import shard_positions
 
 def _sharded_dtensor_calls(world: int) -> None:
     """apply_rotary of DTensors sharded unevenly across the ranks, at per-sequence offsets and packed by cu_seqlens
-    (themselves sharded, or plain), equal to the call on the whole tensors."""
+    (themselves sharded, or plain), equal to the call on the whole tensors; a negative offset held by one rank's shard
+    alone is refused on every rank. That check read each rank's shard only: the rank holding it raised, and the other
+    went on into the next collective, waiting there for a peer that never came (a hang)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -51,10 +55,18 @@ def _sharded_dtensor_calls(world: int) -> None:
         tables = [t if ids_placement is None else dt(t) for t in (cos, sin)]
         got = posenc.apply_rotary(dt(whole, placement), *tables, **given).full_tensor()
         assert (got - want).abs().max() < 1e-6, (list(kwargs), placement)
+    bad = torch.tensor([1, 2, 3, -4])  # the last rank's shard alone holds the negative offset
+    try:
+        posenc.apply_rotary(dt(x, Shard(0)), dt(cos), dt(sin), offset=dt(bad, Shard(0)), positions=torch.arange(5))
+    except ValueError as error:
+        assert "offset must be >= 0" in str(error), error
+    else:
+        raise AssertionError("a negative offset on one rank's shard was not refused on this rank")
 
 
 def main(out_dir: str, configs: list[dict]) -> None:
-    dist.init_process_group("gloo")
+    # A rank waiting in a collective for one that raised fails in a minute, not in gloo's default 30.
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1 + rank % 2)
     seq_len, long_len = 64, 9001

@@ -168,7 +168,9 @@ def check_table_call(
         offset = offset.reshape(1).expand(batch) if offset.shape != (batch,) else offset
         if offset.device != first.device:
             raise ValueError(f"offset is on {offset.device} but x on {first.device}")
-        if check_data and not rows_checked and not reads_offsets and bool((offset < 0).any()):
+        # Whole, where offset is a DTensor: .any() of a shard read on the host is that rank's alone, so only the rank
+        # holding a negative offset raised, and the others went on into the next collective (a hang on NCCL).
+        if check_data and not rows_checked and not reads_offsets and bool((replicated_values(offset) < 0).any()):
             raise ValueError(_NEGATIVE_OFFSET)
         offsets = offset.to(torch.long)
     elif offset is not None:
