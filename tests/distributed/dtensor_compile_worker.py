@@ -159,6 +159,26 @@ def main() -> None:
                 except Exception as error:
                     failures.append(f"RoPE {list(kwargs)} {p} compiled={compiled}: {type(error).__name__}: "
                                     f"{str(error).splitlines()[0][:300]}")  # fmt: skip
+    # cos_sin and rotate with DTensor ids: the plain table indexed by a DTensor failed (mixed torch.Tensor and
+    # DTensor). cos/sin come back laid out as the ids are.
+    ids = torch.tensor([[3, 1, 4, 1, 5], [0, 1, 2, 3, 9]])
+    want_cos, want_sin = rope.cos_sin(ids)
+    want_x = rope.rotate(x, ids)
+    for p in (Shard(0), Shard(1), Replicate()):
+        for compiled in (False, True):
+            torch._dynamo.reset()
+            cos_sin = torch.compile(rope.cos_sin, backend="aot_eager", fullgraph=True) if compiled else rope.cos_sin
+            rotate = torch.compile(rope.rotate, backend="aot_eager", fullgraph=True) if compiled else rope.rotate
+            try:
+                got_cos, got_sin = cos_sin(dt(ids, p))
+                assert got_cos.placements == (p,), got_cos.placements
+                got_x = rotate(dt(x, Shard(2)), dt(ids, p))
+                pairs = ((got_cos, want_cos), (got_sin, want_sin), (got_x, want_x))
+                err = max((got.full_tensor() - want).abs().max() for got, want in pairs)
+                assert err < 1e-6, f"max error {float(err)}"
+            except Exception as error:
+                failures.append(f"RoPE.cos_sin/rotate ids {p} compiled={compiled}: {type(error).__name__}: "
+                                f"{str(error).splitlines()[0][:300]}")  # fmt: skip
     dist.destroy_process_group()
     if failures:
         raise SystemExit("\n".join(failures))

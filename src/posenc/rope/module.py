@@ -28,7 +28,9 @@ from posenc._checks import (
     host_min_max,
     int_tensor,
     integer_offset,
+    is_dtensor,
     refuse_jit_trace,
+    replicated_like,
     replicated_values,
     same_device,
     sequence_length,
@@ -461,6 +463,14 @@ class RoPE(nn.Module):
         refuse_jit_trace(f"{type(self).__name__}.cos_sin")
         int_tensor("positions", positions, host_read=True)
         float_dtype("dtype", dtype)
+        if is_dtensor(positions):
+            # The table and frequencies are plain tensors, which DTensor refuses to index by a DTensor or multiply
+            # ("got mixed torch.Tensor and DTensor"): the rows of the whole ids, laid out as the ids are (a shard of
+            # the ids gets its shard of cos/sin; Replicate to Shard keeps each rank's own rows, no communication).
+            whole = self.cos_sin(positions.full_tensor(), seq_len=seq_len, dtype=dtype)
+            mesh, placements = positions.device_mesh, positions.placements
+            cos, sin = (replicated_like(t, positions).redistribute(mesh, placements) for t in whole)
+            return cos, sin
         sequence_length("seq_len", seq_len)
         if positions.numel() == 0:
             empty = torch.empty((*positions.shape, self.rotary_dim // 2), device=positions.device, dtype=dtype)
