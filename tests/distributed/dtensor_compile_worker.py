@@ -159,6 +159,30 @@ def main() -> None:
                 except Exception as error:
                     failures.append(f"RoPE {list(kwargs)} {p} compiled={compiled}: {type(error).__name__}: "
                                     f"{str(error).splitlines()[0][:300]}")  # fmt: skip
+    # Plain (whole) x with DTensor ids, offsets or cu_seqlens (and cos/sin): with plain cos/sin, the fused CPU kernel
+    # ("auto") read the DTensor ids' storage, not their values, and rotated by the wrong rows without an error (max
+    # error 4.6); the torch path failed with "mixed torch.Tensor and DTensor".
+    plain_calls = [
+        (x, {"positions": positions}, cos[positions], sin[positions]),
+        (x, {"offset": offsets}, cos[rows_at(offsets)][:, None], sin[rows_at(offsets)][:, None]),
+        (packed, {"cu_seqlens": cu, "offset": offsets}, cos[with_offsets, None], sin[with_offsets, None]),
+    ]
+    for xg, kwargs, want_cos, want_sin in plain_calls:
+        want = reference(xg, want_cos, want_sin, False)
+        for p in (Shard(0), Replicate()):
+            for backend, compiled in (("auto", False), ("torch", False), ("auto", True)):
+                torch._dynamo.reset()
+                call = torch.compile(rot, backend="aot_eager", fullgraph=True) if compiled else rot
+                given = {key: dt(t, p) for key, t in kwargs.items()}
+                tables = (cos, sin) if p == Shard(0) else (dt(cos), dt(sin))  # plain ones took the fused kernel
+                try:
+                    got = call(xg, *tables, backend=backend, **given)
+                    assert type(got) is torch.Tensor, type(got)
+                    err = (got.double() - want).abs().max().item()
+                    assert err < 1e-5, f"max error {err}"
+                except Exception as error:
+                    failures.append(f"plain x, DTensor {list(kwargs)} {p} {backend} compiled={compiled}: "
+                                    f"{type(error).__name__}: {str(error).splitlines()[0][:300]}")  # fmt: skip
     # cos_sin and rotate with DTensor ids: the plain table indexed by a DTensor failed (mixed torch.Tensor and
     # DTensor). cos/sin come back laid out as the ids are.
     ids = torch.tensor([[3, 1, 4, 1, 5], [0, 1, 2, 3, 9]])

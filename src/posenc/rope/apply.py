@@ -23,6 +23,7 @@ from posenc._checks import (
     is_dtensor,
     may_overlap,
     replicated_like,
+    replicated_values,
     same_device,
     size_in,
     values_readable,
@@ -271,6 +272,16 @@ def _refuse_shared_memory(name: str, x: torch.Tensor) -> None:
         )
 
 
+def _dtensors_beside_plain(xs: dict[str, torch.Tensor], others: tuple) -> bool:
+    """Whether one of ``others`` (cos, sin, ids, offset, cu_seqlens) is a DTensor and none of the activations xs is.
+    Plain tensors and ints pass with a type test each (this runs on every call)."""
+    plain = torch.Tensor
+    for t in others:
+        if t is not None and type(t) is not plain and type(t) is not int and is_dtensor(t):
+            return not any(is_dtensor(x) for x in xs.values())
+    return False
+
+
 def rotate_tensors(
     xs: dict[str, torch.Tensor],
     cos: torch.Tensor,
@@ -294,6 +305,13 @@ def rotate_tensors(
     flag("interleaved", interleaved)
     offset = integer_offset(offset)
     flag("conjugate", conjugate)
+    if _dtensors_beside_plain(xs, (cos, sin, positions, offset, cu_seqlens)):
+        # DTensor angles, ids, offsets or cu_seqlens beside plain (whole) activations: their whole values. The fused
+        # kernels read raw storage, which a DTensor's is not, and are chosen by the activations and cos/sin alone:
+        # DTensor position ids came out rotated by the wrong rows (max error 4.6) without an error.
+        cos, sin, positions, offset, cu_seqlens = (
+            replicated_values(t) for t in (cos, sin, positions, offset, cu_seqlens)
+        )
     kind = rotary_kind(layout, positions, offset, cu_seqlens)
     offsets, offset_int = None, 0
     if kind == "broadcast":
