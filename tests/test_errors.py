@@ -936,3 +936,37 @@ def test_is_patched_and_unpatch_model_take_an_object_that_is_no_module(model):
     assert is_patched(model) is False
     with pytest.raises(ValueError, match=r"not patched by posenc: model must be the nn\.Module that patch_model"):
         unpatch_model(model)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda x, freqs_cis: posenc.apply_rotary(x, freqs_cis[:5, None], freqs_cis[:5, None], interleaved=True),
+        lambda x, freqs_cis: posenc.apply_rotary(x, freqs_cis, freqs_cis, offset=0, layout="bshd", interleaved=True),
+        lambda x, freqs_cis: posenc.apply_rotary_(x, freqs_cis, freqs_cis, offset=0, layout="bshd", interleaved=True),
+    ],
+    ids=["broadcast", "table", "in place"],
+)
+def test_a_complex_freqs_cis_is_refused_naming_its_real_and_imaginary_parts(call):
+    """Meta's complex freqs_cis as cos/sin was refused with "cast it with .float()", which drops the imaginary part:
+    followed, cos and sin both became cos(angle) and q and k were rotated wrongly without an error. The message names
+    .real and .imag with adjacent pairs, and that call is Meta's complex product."""
+    x = torch.randn(2, 5, 3, 8, dtype=torch.float64)
+    angles = torch.arange(16.0, dtype=torch.float64)[:, None] * torch.rand(4, dtype=torch.float64)
+    freqs_cis = torch.polar(torch.ones_like(angles), angles)
+    with pytest.raises(TypeError, match=r"cos is complex .*\.float\(\) would drop its imaginary part") as info:
+        call(x, freqs_cis)
+    assert "cos=freqs_cis.real, sin=freqs_cis.imag, with interleaved=True" in str(info.value)
+    out = posenc.apply_rotary(x, freqs_cis.real, freqs_cis.imag, offset=0, layout="bshd", interleaved=True)
+    meta = torch.view_as_real(torch.view_as_complex(x.reshape(2, 5, 3, 4, 2)) * freqs_cis[:5, None]).flatten(3)
+    torch.testing.assert_close(out, meta, rtol=1e-15, atol=1e-15)
+
+
+def test_a_complex_x_is_refused_naming_its_real_view():
+    angles = torch.arange(16.0)[:, None] * torch.rand(4)
+    pairs = torch.view_as_complex(torch.randn(2, 3, 5, 4, 2))
+    with pytest.raises(TypeError, match=r"x is complex .*torch\.view_as_real\(x\)\.flatten\(-2\)\), rotated with "):
+        posenc.apply_rotary(pairs, angles.cos()[:5], angles.sin()[:5])
+    with pytest.raises(TypeError, match=r"q is complex .*torch\.view_as_real\(q\)\.flatten\(-2\)\)"):
+        posenc.RoPE(8)(pairs, pairs)
+

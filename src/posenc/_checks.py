@@ -274,9 +274,27 @@ def float_tensor(name: str, x: Any) -> torch.Tensor:
         )
     if x.layout is not _STRIDED:  # sparse: broke deep inside torch ("unsupported memory format option Contiguous")
         raise TypeError(f"{name} is a {x.layout} tensor, which posenc does not take: pass {name}.to_dense()")
+    if x.is_complex():
+        raise TypeError(_complex_refused(name, x.dtype))
     if not x.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}; cast it with .float()")
     return x
+
+
+def _complex_refused(name: str, dtype: torch.dtype) -> str:
+    """The error for a complex tensor: the integer dtypes' fix, .float(), would drop its imaginary part (a complex
+    ``freqs_cis`` passed as cos and sin so rotated by cos(angle) twice, without an error)."""
+    if name in ("cos", "sin"):
+        fix = (
+            "Meta's complex freqs_cis (s, r/2) is cos=freqs_cis.real, sin=freqs_cis.imag, with interleaved=True "
+            "(its pairs are adjacent channels)"
+        )
+    else:
+        fix = f"pass real values (a tensor viewed as complex pairs is torch.view_as_real({name}).flatten(-2))"
+        if name in ("x", "q", "k"):
+            fix += ", rotated with interleaved=True"
+    refused = f"{name} is complex ({dtype}), which posenc does not take; {name}.float() would drop its imaginary part"
+    return f"{refused}: {fix}"
 
 
 # Integer dtypes that torch supports in arithmetic and comparisons; its uint16/32/64 lack most kernels (even `<`).
