@@ -196,8 +196,8 @@ def _meta_layer_loaded_by_assignment(make_encoding):
         (
             lambda: posenc.apply_rotary(x, torch.ones(3, 4), torch.ones(3, 4)),
             ValueError,
-            r"do not broadcast to x.shape\[:-1\] \+ \(r/2,\) .* for x in \(b, s, h, d\), as flash-attention and "
-            r"Liger lay it out, pass cos\[:, None\] \(s, 1, r/2\), or the whole table with offset= or positions= and "
+            r"do not broadcast to x.shape\[:-1\] \+ \(r/2,\) .* for x in \(b, s, h, d\), as flash-attention "
+            r"lays it out, pass cos\[:, None\] \(s, 1, r/2\), or the whole table with offset= or positions= and "
             r"layout='bshd'",
         ),
         (
@@ -970,3 +970,20 @@ def test_a_complex_x_is_refused_naming_its_real_view():
     with pytest.raises(TypeError, match=r"q is complex .*torch\.view_as_real\(q\)\.flatten\(-2\)\)"):
         posenc.RoPE(8)(pairs, pairs)
 
+
+@pytest.mark.parametrize("flat", [False, True], ids=["(n, h, d)", "(n, h * d)"])
+def test_tokens_laid_out_one_after_another_are_refused_naming_the_view_that_reads_them(flat):
+    """vLLM's q, (n_tokens, h * d) or (n_tokens, h, d) read at position ids (n_tokens,), was refused with "x must be
+    4-D (b, h, s, d)" alone; the message names the view and layout that take it, and that call is per-token
+    rotation."""
+    n, h, d = 6, 4, 8
+    angles = torch.arange(32.0)[:, None] * torch.rand(d // 2)
+    cos, sin = angles.cos(), angles.sin()
+    positions = torch.tensor([3, 4, 5, 0, 1, 17])
+    q = torch.randn(n, h * d) if flat else torch.randn(n, h, d)
+    view = r"x\.view\(1, n_tokens, -1, head_dim\)" if flat else r"x\[None\]"
+    with pytest.raises(ValueError, match=rf"x must be 4-D \(b, h, s, d\) .*vLLM's q and k.* pass {view} with layout"):
+        posenc.apply_rotary(q, cos, sin, positions=positions)
+    out = posenc.apply_rotary(q.view(1, n, -1, d), cos, sin, positions=positions, layout="bshd")
+    expected = posenc.apply_rotary(q.view(n, -1, d), cos[positions, None], sin[positions, None])
+    torch.testing.assert_close(out.reshape(q.shape), expected.reshape(q.shape), rtol=0, atol=0)

@@ -52,6 +52,19 @@ def hf_cos_hint(width: int, channels: int) -> str:
     )
 
 
+def _token_major_hint(name: str, x: torch.Tensor, kind: str) -> str:
+    """The end of the error for an x of too few dims in a table call: tokens laid out one after another, (n_tokens,
+    h, d) or flat (n_tokens, h * d) as vLLM keeps q and k, are one sequence of a (b, s, h, d) batch of one."""
+    if kind == "varlen" or x.dim() not in (2, 3):
+        return ""
+    view = f"{name}[None]" if x.dim() == 3 else f"{name}.view(1, n_tokens, -1, head_dim)"
+    return (
+        "; for tokens laid out (n_tokens, h, d) or (n_tokens, h * d) (vLLM's q and k) read at position ids "
+        f"(n_tokens,), pass {view} with layout='bshd' (a view, no copy); for packed sequences counting from 0, pass "
+        "it as (n_tokens, h, d) with cu_seqlens"
+    )
+
+
 Kind = Literal["broadcast", "bhsd", "bshd", "varlen"]
 KINDS = ("broadcast", "bhsd", "bshd", "varlen")
 
@@ -114,7 +127,10 @@ def check_table_call(
                 f"{name} is on {x.device} but cos/sin on {cos.device}/{sin.device}; move all to one device"
             )
         if x.dim() != rank:
-            raise ValueError(f"{name} must be {rank}-D {axes} for this call, got shape {tuple(x.shape)}")
+            raise ValueError(
+                f"{name} must be {rank}-D {axes} for this call, got shape {tuple(x.shape)}"
+                + _token_major_hint(name, x, kind)
+            )
         if half == 0 or 2 * half > x.shape[-1]:
             raise ValueError(
                 f"cos.shape[-1]={half} pairs needs {2 * half} channels but {name}.shape[-1]={x.shape[-1]}; "

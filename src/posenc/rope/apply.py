@@ -68,7 +68,7 @@ def check_x_for(x: torch.Tensor, cos: torch.Tensor, half: int, name: str = "x") 
         raise ValueError(
             f"cos/sin of shape {tuple(cos.shape)} do not broadcast to {name}.shape[:-1] + (r/2,) = {target}; "
             f"for {name} in (b, h, s, d) pass cos of shape (s, r/2), (b, 1, s, r/2) or (1, 1, s, r/2); for {name} in "
-            "(b, s, h, d), as flash-attention and Liger lay it out, pass cos[:, None] (s, 1, r/2), or the whole table "
+            "(b, s, h, d), as flash-attention lays it out, pass cos[:, None] (s, 1, r/2), or the whole table "
             "with offset= or positions= and layout='bshd'"
         )
 
