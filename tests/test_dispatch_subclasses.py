@@ -105,6 +105,26 @@ def test_a_refused_negative_view_is_named_as_the_caller_named_it():
     cos, sin = _cos_sin(5, 8)
     with pytest.raises(ValueError, match=r": k is a negative view \(its storage holds -k\), which k\.resolve_neg\(\)"):
         posenc.apply_rotary_qk(q, torch.ops.aten._neg_view(k), cos, sin, backend="cpu")
+    with pytest.raises(
+        ValueError, match=r": cos is a negative view \(its storage holds -cos\), which cos\.resolve_neg"
+    ):
+        posenc.apply_rotary_qk(q, k, torch.ops.aten._neg_view(-cos), sin, backend="cpu")
+    with pytest.raises(
+        ValueError, match=r": sin is a negative view \(its storage holds -sin\), which sin\.resolve_neg"
+    ):
+        posenc.apply_rotary(q, cos, torch.ops.aten._neg_view(-sin), backend="cpu")
+
+
+def test_a_parameter_is_rotated_by_the_fused_kernels():
+    """nn.Parameter is a subclass with __torch_function__ alone: its storage holds its values, so the fused kernels
+    take it, an explicit fused backend too (only subclasses that run torch's operations themselves are refused)."""
+    x, (cos, sin) = torch.randn(2, 3, 5, 8), _cos_sin(5, 8)
+    weight = torch.nn.Parameter(x.clone())
+    cos_p, sin_p = (torch.nn.Parameter(t, requires_grad=False) for t in (cos, sin))
+    got = posenc.apply_rotary(weight, cos_p, sin_p, backend="cpu")
+    torch.testing.assert_close(got, apply_rotary_torch(x, cos, sin))
+    got.square().sum().backward()
+    torch.testing.assert_close(weight.grad, 2 * x)
 
 
 class _Recording(TorchDispatchMode):
@@ -132,10 +152,17 @@ def test_make_fx_and_jit_trace_record_the_fused_rotation(backend):
         posenc.apply_rotary_(x, *table, offset=3, backend=backend)
         return x
 
+    def rotated_in_place_with_grad(x):
+        x = x * 1  # a gradient wanted: the in-place call goes through the copy op and copy_
+        posenc.apply_rotary_(x, *table, offset=3, backend=backend)
+        return x
+
     example, x = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 5, 8)
     want = apply_rotary_torch(x, table[0][3:8], table[1][3:8])
     for fn in (rotated, rotated_in_place):
         torch.testing.assert_close(make_fx(fn)(example)(x), want)
+    traced = make_fx(rotated_in_place_with_grad)(example.clone().requires_grad_(True))
+    torch.testing.assert_close(traced(x), want)
     if backend == "cpu":  # a trace holds no fused kernel (tests/test_jit_and_onnx.py): refused, naming the fix
         with pytest.raises(ValueError, match=r"torch\.jit\.trace records no call of the fused kernels.*'torch'"):
             torch.jit.trace(rotated, (example,))

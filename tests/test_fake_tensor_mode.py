@@ -32,6 +32,14 @@ FUSED = textwrap.dedent(
         for out in outs:
             assert isinstance(out, FakeTensor), type(out)
             assert out.shape[-2:] == (5, 8) and out.dtype in (torch.bfloat16, torch.float32), (out.shape, out.dtype)
+    mode = FakeTensorMode()  # its FakeTensors used after it closed: no mode on the dispatch stack
+    x, cos, sin = (mode.from_tensor(t) for t in (torch.randn(2, 3, 5, 8), torch.ones(16, 4), torch.zeros(16, 4)))
+    for backend in ("cpu", "auto"):
+        for out in (
+            posenc.apply_rotary(x, cos[:5], sin[:5], backend=backend),
+            posenc.apply_rotary_(x, cos, sin, offset=3, backend=backend),
+        ):
+            assert isinstance(out, FakeTensor) and out.shape == (2, 3, 5, 8), (type(out), out.shape)
     print("ok")
     """
 )
@@ -54,7 +62,7 @@ def test_rotations_with_position_tensors_need_no_values_under_fake_tensor_mode()
     assert by_ids.shape == by_offsets.shape == (2, 3, 5, 8) and packed.shape == (5, 3, 8)
 
 
-@pytest.mark.parametrize("offset", [3, torch.tensor([3])], ids=["int", "tensor"])
+@pytest.mark.parametrize("offset", [3, torch.tensor([3]), 1 << 17], ids=["int", "tensor", "past the table"])
 @pytest.mark.parametrize("real_first", [False, True])
 def test_a_rope_serves_real_calls_and_fake_ones_in_either_order(real_first, offset):
     # Its cos/sin table made under the mode was kept, fake: the next real call failed on it (a segmentation fault in
@@ -92,6 +100,14 @@ def test_a_model_built_and_decoded_under_fake_tensor_mode(parameters, mode):
         attention(torch.randn(2, 5, 24), cache=cache)
         step = attention(torch.randn(2, 1, 24), cache=cache)
     assert isinstance(step, FakeTensor) and step.shape == (2, 1, 24)
+
+
+def test_a_length_dependent_cos_sin_needs_no_values_under_fake_tensor_mode():
+    # cos_sin reads max(positions) + 1 to check seq_len against: there are no values, and no seq_len is asked for.
+    rope = posenc.RoPE(8, rope_parameters={"rope_type": "dynamic", "factor": 2.0}, max_position_embeddings=4)
+    with FakeTensorMode():
+        cos, sin = rope.cos_sin(torch.arange(6))
+    assert isinstance(cos, FakeTensor) and cos.shape == sin.shape == (6, 4)
 
 
 def test_a_bad_config_is_refused_under_fake_tensor_mode_too():

@@ -90,6 +90,17 @@ class _Input(torch.nn.Module):
         ("CausalSelfAttention", _Attention(posenc.ALiBi(4)), (torch.randn(1, 8, 32),)),
         ("CausalSelfAttention", _Attention(None), (torch.randn(1, 8, 32),)),
         ("add_input_encoding", _Input(), (torch.randn(1, 8, 32), torch.arange(8))),
+        ("RoPE.cos_sin", lambda positions: posenc.RoPE(HEAD_DIM).cos_sin(positions), (torch.arange(8),)),
+        (
+            "MRoPE.cos_sin",
+            lambda positions: posenc.MRoPE(HEAD_DIM, mrope_section=[2, 3, 3]).cos_sin(positions),
+            (torch.zeros(3, 1, 8, dtype=torch.long),),
+        ),
+        (
+            "MRoPE",
+            lambda q, k, positions: posenc.MRoPE(HEAD_DIM, mrope_section=[2, 3, 3])(q, k, positions=positions),
+            (*random_qk(1, 2, 2, 8, HEAD_DIM), torch.zeros(3, 1, 8, dtype=torch.long)),
+        ),
     ],
 )
 def test_modules_that_cannot_be_traced_say_what_to_use(what, module, args):

@@ -15,6 +15,7 @@ import gc
 import importlib
 import json
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -328,7 +329,9 @@ def test_an_accelerate_hook_added_before_patching_keeps_running_and_can_be_remov
     _hook_as_accelerate_does(attention, calls)
     with torch.no_grad():
         expected, before = reference(ids).logits, model(ids).logits
-        patch_model(model)
+        with warnings.catch_warnings():  # the hook's wrapper is kept: nothing to warn of
+            warnings.simplefilter("error")
+            patch_model(model)
         calls.clear()
         torch.testing.assert_close(model(ids).logits, expected, **FP32)
         assert calls == ["hook"]
@@ -411,6 +414,33 @@ def test_an_offloaded_model_computes_cos_sin_where_its_rotary_module_did() -> No
         patch_model(model)
         assert model.model.rotary_emb.inv_freq.device.type == "cpu"
         torch.testing.assert_close(model(ids).logits, expected, **FP32)
+
+
+def test_a_model_on_the_meta_device_gets_its_rotary_module_there() -> None:
+    """Built on meta (shape inference, a model not materialised yet), posenc's rotary module goes where the model's
+    is, not to the CPU: its buffers sit with the model's."""
+    with torch.device("meta"):
+        model = build("llama", "yarn")
+    patch_model(model)
+    assert [buffer.device.type for buffer in model.model.rotary_emb.buffers()] == ["meta"]
+    with torch.no_grad():
+        logits = model(tokens().to("meta")).logits
+    assert logits.is_meta and logits.shape == (2, 28, model.config.vocab_size)
+
+
+def test_a_forward_set_on_the_instance_while_patched_is_dropped_by_unpatch() -> None:
+    """A wrapper set on an attention module after patch_model calls posenc's forward, which the unpatched model's
+    rotary module cannot serve: unpatch_model puts back the class's forward, as before posenc."""
+    model = build("llama", "yarn")
+    attention, ids = model.model.layers[0].self_attn, tokens()
+    with torch.no_grad():
+        before = model(ids).logits
+        patch_model(model)
+        patched = attention.forward
+        attention.forward = lambda *args, **kwargs: patched(*args, **kwargs)
+        unpatch_model(model)
+        assert "forward" not in attention.__dict__
+        assert torch.equal(model(ids).logits, before)
 
 
 class _Forwarding(torch.nn.Module):

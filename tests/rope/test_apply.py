@@ -328,6 +328,16 @@ def test_meta_device_construction():
     assert out.device.type == "meta" and out.shape == q.shape
 
 
+def test_position_tensors_on_the_meta_device_are_not_read():
+    """The meta device has no values: position ids and per-sequence offsets there are checked for shapes only, as
+    under torch.compile (reading them raised "Cannot copy out of meta tensor")."""
+    x, table = torch.empty(2, 3, 5, 8, device="meta"), torch.empty(16, 4, device="meta")
+    positions, offsets = torch.arange(5, device="meta"), torch.tensor([0, 3], device="meta")
+    for where in ({"positions": positions}, {"offset": offsets}):
+        assert posenc.apply_rotary(x, table, table, backend="torch", **where).shape == x.shape
+        assert posenc.RoPE(8)(x, x[:, :1], **where)[1].shape == (2, 1, 5, 8)
+
+
 def test_matches_hugging_face_llama_apply_rotary_pos_emb():
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb

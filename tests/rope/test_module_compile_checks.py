@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import gc
 import threading
@@ -368,11 +369,44 @@ def test_a_table_a_cuda_graph_captured_outlives_the_call_that_grows_it(monkeypat
     del table
     with _capturing_a_cuda_graph(monkeypatch, readable=offset_kind == "int"):
         got = rope(q, k, offset=offset)
+        rope(q, k, offset=offset)  # another layer sharing the RoPE: the same table, held once
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert len(rope._captured) == 1
+    # Derived state, as the tables are: a copy (deepcopy, a pickle) has no graph reading its memory.
+    assert copy.deepcopy(rope)._captured == []
     rope(*random_qk(1, 2, 1, 1000, HEAD_DIM))  # grows the table to 1024 rows
     gc.collect()
     assert captured_table() is not None
     assert all(cos.shape[0] == 1024 for cos, _ in rope._tables.values())
+    rope.to("meta")  # the device left: its tables, captured or not, go
+    assert rope._captured == []
+
+
+def test_a_table_or_window_built_while_a_cuda_graph_is_captured_is_not_kept(monkeypatch):
+    """A capture's memory is written only when the graph replays: an eager call that read a table built while
+    capturing, before that, would rotate by uninitialised rows. Nothing built there is kept."""
+    rope = posenc.RoPE(HEAD_DIM)
+    q, k = random_qk(1, 2, 1, 3, HEAD_DIM)
+    with _capturing_a_cuda_graph(monkeypatch, readable=True):
+        rope(q, k, offset=4)
+        rope(q, k, offset=1 << 17)
+    assert not rope._tables and not rope._windows
+
+
+def test_a_table_no_cuda_graph_captured_is_freed_when_the_table_grows():
+    """Only a capture holds a table past its use: eager calls that read the kept table and window hold nothing, so a
+    grown table frees the one it replaced."""
+    rope = posenc.RoPE(HEAD_DIM)
+    q, k = random_qk(1, 2, 1, 3, HEAD_DIM)
+    for _ in range(2):  # the second call reads the kept table and window
+        rope(q, k, offset=4)
+        rope(q, k, offset=1 << 17)
+    (table,) = (cos for cos, _ in rope._tables.values())
+    replaced = weakref.ref(table)
+    del table
+    rope(*random_qk(1, 2, 1, 1000, HEAD_DIM))
+    gc.collect()
+    assert replaced() is None and rope._captured == []
 
 
 def test_a_far_window_a_cuda_graph_captured_outlives_its_eviction(monkeypatch):
