@@ -440,6 +440,9 @@ def test_a_move_drops_the_tables_of_other_devices():
     assert set(rope._tables) == cpu
     meta = torch.empty(1, 1, 4, 16, device="meta")
     rope(meta, meta)
+    # A cast keeps every device's tables, not only the CPU's (a GPU's, which a CUDA graph may read by address, went).
+    torch.nn.Sequential(rope).float()
+    assert set(rope._tables) == cpu | {(torch.device("meta"), torch.float32)}
     torch.nn.Sequential(rope).cpu()  # the meta table goes
     assert set(rope._tables) == cpu
     rope.to("meta")

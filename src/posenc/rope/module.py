@@ -131,6 +131,14 @@ def _kept(cache: dict) -> dict:
     return {} if fake_mode_active() else cache
 
 
+def _stays_on(fn: Any, device: torch.device) -> bool:
+    """Whether ``fn`` (what nn.Module._apply maps each tensor by) leaves a tensor of ``device`` there."""
+    try:
+        return fn(torch.empty(0, device=device)).device == device
+    except Exception:  # an fn that takes no empty tensor: the tables go, they are rebuilt on use
+        return False
+
+
 def _position_bounds(
     seq: int, batch: int, positions: torch.Tensor | None, offset: int | torch.Tensor
 ) -> tuple[int, int] | None:
@@ -283,15 +291,17 @@ class RoPE(nn.Module):
 
     def _apply(self, fn: Any, recurse: bool = True) -> RoPE:  # type: ignore[override]
         # A move (model.cpu(), to_empty) leaves the tables of other devices unused: drop them, so that their memory
-        # goes (a 128k-row table is 64 MiB on the GPU); the tables of the device moved to stay.
-        try:
-            target = fn(torch.empty(0)).device
-        except Exception:  # an fn that takes no empty tensor: drop them all, they are rebuilt on use
-            target = None
-        self._tables = {key: table for key, table in self._tables.items() if key[0] == target}
-        self._windows = {key: window for key, window in self._windows.items() if key[0] == target}
+        # goes (a 128k-row table is 64 MiB on the GPU); the tables of a device fn leaves tensors on stay (a cast,
+        # model.float(): the tables are float32 or float64 whatever the module's dtype). Asked of each device's own
+        # tensor: a CPU tensor's answer dropped a GPU's tables at every cast, captured ones too, which a CUDA graph
+        # still read by address at each replay.
+        captured = self.__dict__.get("_captured", [])
+        devices = {key[0] for key in (*self._tables, *self._windows)} | {table[0].device for table in captured}
+        staying = {device for device in devices if _stays_on(fn, device)}
+        self._tables = {key: table for key, table in self._tables.items() if key[0] in staying}
+        self._windows = {key: window for key, window in self._windows.items() if key[0] in staying}
         # A graph captured on the device left reads weights that moved too: it cannot replay correctly anyway.
-        self._captured = [table for table in self.__dict__.get("_captured", []) if table[0].device == target]
+        self._captured = [table for table in captured if table[0].device in staying]
         return super()._apply(fn, recurse)
 
     @classmethod
