@@ -987,3 +987,27 @@ def test_tokens_laid_out_one_after_another_are_refused_naming_the_view_that_read
     out = posenc.apply_rotary(q.view(1, n, -1, d), cos, sin, positions=positions, layout="bshd")
     expected = posenc.apply_rotary(q.view(n, -1, d), cos[positions, None], sin[positions, None])
     torch.testing.assert_close(out.reshape(q.shape), expected.reshape(q.shape), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("offset", [10, torch.tensor([10, 3, 5, 7])], ids=["int", "(b,)"])
+@pytest.mark.parametrize("flat", [False, True], ids=["(b, h, d)", "(b, h * d)"])
+def test_one_token_per_sequence_read_at_an_offset_is_refused_naming_a_view_of_b_sequences(offset, flat):
+    """A decode step's q, one token of each of b sequences, (b, h, d) or (b, h * d), read at offset=: the message
+    named only x[None], which read at that offset put token i at offset + i (max error 3.5, without an error), or, with
+    a (b,) offset, failed again. It names the (b, 1, h, d) view first, and that call rotates each token at its
+    sequence's offset."""
+    b, h, d = 4, 3, 8
+    angles = torch.arange(32.0)[:, None] * torch.rand(d // 2)
+    cos, sin = angles.cos(), angles.sin()
+    q = torch.randn(b, h * d) if flat else torch.randn(b, h, d)
+    view = r"x\.view\(b, 1, -1, head_dim\)" if flat else r"x\[:, None\]"
+    with pytest.raises(
+        ValueError,
+        match=rf"x must be 4-D \(b, s, h, d\) .*one token of each sequence at offset .*"
+        rf"pass {view} with layout='bshd'",
+    ):
+        posenc.apply_rotary(q, cos, sin, offset=offset, layout="bshd")
+    out = posenc.apply_rotary(q.view(b, 1, -1, d), cos, sin, offset=offset, layout="bshd")
+    rows = torch.as_tensor(offset).expand(b)
+    expected = posenc.apply_rotary(q.view(b, -1, d), cos[rows, None], sin[rows, None])
+    torch.testing.assert_close(out.reshape(q.shape), expected.reshape(q.shape), rtol=0, atol=0)

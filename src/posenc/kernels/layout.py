@@ -52,13 +52,21 @@ def hf_cos_hint(width: int, channels: int) -> str:
     )
 
 
-def _token_major_hint(name: str, x: torch.Tensor, kind: str) -> str:
+def _token_major_hint(name: str, x: torch.Tensor, kind: str, *, at_offset: bool) -> str:
     """The end of the error for an x of too few dims in a table call: tokens laid out one after another, (n_tokens,
-    h, d) or flat (n_tokens, h * d) as vLLM keeps q and k, are one sequence of a (b, s, h, d) batch of one."""
+    h, d) or flat (n_tokens, h * d) as vLLM keeps q and k, are one sequence of a (b, s, h, d) batch of one.
+
+    at_offset: the call read x at offset= (no positions=), so its (b, h, d) is one token of each of b sequences (a
+    decode step). Read as one sequence, x[None] at that offset, token i went to offset + i (max error 3.5, no
+    error): the view named first is b sequences of one token."""
     if kind == "varlen" or x.dim() not in (2, 3):
         return ""
     view = f"{name}[None]" if x.dim() == 3 else f"{name}.view(1, n_tokens, -1, head_dim)"
-    return (
+    decode = ""
+    if at_offset:
+        one_each = f"{name}[:, None]" if x.dim() == 3 else f"{name}.view(b, 1, -1, head_dim)"
+        decode = f"; for one token of each sequence at offset (a decode step), pass {one_each} with layout='bshd'"
+    return decode + (
         "; for tokens laid out (n_tokens, h, d) or (n_tokens, h * d) (vLLM's q and k) read at position ids "
         f"(n_tokens,), pass {view} with layout='bshd' (a view, no copy); for packed sequences counting from 0, pass "
         "it as (n_tokens, h, d) with cu_seqlens"
@@ -129,7 +137,7 @@ def check_table_call(
         if x.dim() != rank:
             raise ValueError(
                 f"{name} must be {rank}-D {axes} for this call, got shape {tuple(x.shape)}"
-                + _token_major_hint(name, x, kind)
+                + _token_major_hint(name, x, kind, at_offset=offset is not None and positions is None)
             )
         if half == 0 or 2 * half > x.shape[-1]:
             raise ValueError(
