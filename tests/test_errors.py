@@ -989,6 +989,24 @@ def test_tokens_laid_out_one_after_another_are_refused_naming_the_view_that_read
     torch.testing.assert_close(out.reshape(q.shape), expected.reshape(q.shape), rtol=0, atol=0)
 
 
+def test_one_sequence_without_its_batch_axis_is_refused_naming_x_none_in_the_default_layout() -> None:
+    """An (h, s, d) x read at position ids in the default (b, h, s, d) layout is one sequence without its batch axis:
+    the message named only the token-major view with layout='bshd', which reads its heads as tokens. It names x[None]
+    in the default layout first, and that call equals the 4-D one."""
+    h, s, d = 4, 6, 8
+    angles = torch.arange(32.0)[:, None] * torch.rand(d // 2)
+    cos, sin = angles.cos(), angles.sin()
+    positions = torch.arange(s) + 3
+    x = torch.randn(h, s, d)
+    with pytest.raises(
+        ValueError, match=r"x must be 4-D \(b, h, s, d\) .*; for one sequence laid out \(h, s, d\), pass x\[None\];"
+    ):
+        posenc.apply_rotary(x, cos, sin, positions=positions)
+    out = posenc.apply_rotary(x[None], cos, sin, positions=positions)
+    expected = posenc.apply_rotary(x, cos[positions], sin[positions])
+    torch.testing.assert_close(out[0], expected, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("offset", [10, torch.tensor([10, 3, 5, 7])], ids=["int", "(b,)"])
 @pytest.mark.parametrize("flat", [False, True], ids=["(b, h, d)", "(b, h * d)"])
 def test_one_token_per_sequence_read_at_an_offset_is_refused_naming_a_view_of_b_sequences(offset, flat):

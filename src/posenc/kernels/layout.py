@@ -63,9 +63,12 @@ def _token_major_hint(name: str, x: torch.Tensor, kind: str, *, at_offset: bool)
         return ""
     view = f"{name}[None]" if x.dim() == 3 else f"{name}.view(1, n_tokens, -1, head_dim)"
     decode = ""
+    if kind == "bhsd" and x.dim() == 3:
+        # Read (b, h, s, d), a 3-D x is as likely (h, s, d) without its batch axis, which layout='bshd' would misread.
+        decode = f"; for one sequence laid out (h, s, d), pass {name}[None]"
     if at_offset:
         one_each = f"{name}[:, None]" if x.dim() == 3 else f"{name}.view(b, 1, -1, head_dim)"
-        decode = f"; for one token of each sequence at offset (a decode step), pass {one_each} with layout='bshd'"
+        decode += f"; for one token of each sequence at offset (a decode step), pass {one_each} with layout='bshd'"
     return decode + (
         "; for tokens laid out (n_tokens, h, d) or (n_tokens, h * d) (vLLM's q and k) read at position ids "
         f"(n_tokens,), pass {view} with layout='bshd' (a view, no copy); for packed sequences counting from 0, pass "
