@@ -20,6 +20,7 @@ from posenc._checks import (
     int_tensor,
     integer_offset,
     movable,
+    replicated_values,
     size_in,
     values_readable,
     wrapped_positions,
@@ -56,7 +57,9 @@ def resolve_positions(
                 f"offset must be an int or a tensor of shape ({batch},) (one per sequence), "
                 f"got shape {tuple(offset.shape)}"
             )
-        if check_data and bool((offset < 0).any()):
+        # Whole, where offset is a DTensor (and pos's test below): .any() of a shard read on the host is that rank's
+        # alone, so only the rank holding a negative entry raised while the others went on into the next collective.
+        if check_data and bool((replicated_values(offset) < 0).any()):
             raise ValueError("offset must be >= 0 (it counts tokens already in the cache), got a negative entry")
         offset = offset.to(device=device, dtype=torch.long)[:, None]
     elif isinstance(offset, bool) or not isinstance(offset, int):
@@ -81,8 +84,8 @@ def resolve_positions(
             )
         pos = positions.to(device=device, dtype=torch.long)
     pos = pos + offset
-    if check_data and positions is not None and pos.numel() and bool((pos < 0).any()):
-        if (wrapped := wrapped_positions(positions)) is not None:
+    if check_data and positions is not None and pos.numel() and bool((replicated_values(pos) < 0).any()):
+        if (wrapped := wrapped_positions(replicated_values(positions))) is not None:
             raise wrapped
         raise ValueError("positions must be >= 0 (offset + position ids), got a negative entry")
     if not check_data and isinstance(offset, torch.Tensor):

@@ -62,6 +62,33 @@ def _sharded_dtensor_calls(world: int) -> None:
         assert "offset must be >= 0" in str(error), error
     else:
         raise AssertionError("a negative offset on one rank's shard was not refused on this rank")
+    _sharded_ids_checked_whole(dt, Shard(0), gen)
+
+
+def _sharded_ids_checked_whole(dt, shard, gen: torch.Generator) -> None:
+    """Position ids and offsets sharded across the ranks, a negative entry in the last rank's shard alone: refused on
+    every rank. resolve_positions read each rank's shard only: under CausalSelfAttention the rank holding it raised
+    and the other went on into RoPE's gather of the whole ids (on gloo, "Connection closed by peer"; a hang on NCCL)."""
+    from posenc.positions import resolve_positions
+
+    attention = posenc.CausalSelfAttention(32, 2, encoding=posenc.RoPE(16))
+    x = torch.randn(4, 5, 32, generator=gen)
+    ids = torch.tensor([[0, 1, 2, 3, 4]] * 3 + [[4, 3, 2, 1, 0]])
+    assert torch.equal(attention(x, positions=dt(ids, shard)), attention(x, positions=ids))
+    bad_ids, bad_offset = ids.clone(), torch.tensor([1, 2, 3, -4])
+    bad_ids[-1, 2] = -2
+    calls = [
+        (lambda: attention(x, positions=dt(bad_ids, shard)), "positions must be >= 0"),
+        (lambda: resolve_positions(5, batch=4, positions=dt(bad_ids, shard)), "positions must be >= 0"),
+        (lambda: resolve_positions(5, batch=4, positions=dt(ids, shard), offset=dt(bad_offset, shard)), "offset"),
+    ]
+    for call, message in calls:
+        try:
+            call()
+        except ValueError as error:
+            assert message in str(error), error
+        else:
+            raise AssertionError(f"a negative entry on one rank's shard was not refused on this rank ({message})")
 
 
 def main(out_dir: str, configs: list[dict]) -> None:

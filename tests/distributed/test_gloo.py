@@ -1,5 +1,6 @@
 """Two processes on gloo: cos/sin bitwise equal across ranks; sharded RoPE equals the unsharded rows; DTensor rotations
-sharded across the ranks at per-sequence offsets and packed by cu_seqlens, a bad offset refused on every rank."""
+sharded across the ranks at per-sequence offsets and packed by cu_seqlens, a bad offset or position id refused on every
+rank."""
 
 from __future__ import annotations
 
