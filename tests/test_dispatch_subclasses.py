@@ -99,6 +99,38 @@ def test_negative_views_are_rotated_with_their_sign(negated, inplace):
         rotate(x.clone() if negated == "cos" else torch.ops.aten._neg_view(x.clone()), cos_in, sin, backend="cpu")
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+@pytest.mark.parametrize("negated", ["positions", "offset", "decode offset", "cu_seqlens"])
+def test_negative_views_of_ids_offsets_and_cu_seqlens_are_read_by_value(negated, backend):
+    """An index tensor with the negative bit holds -values in storage, which torch's own indexing (cos[ids]) and the
+    kernels read: the torch path and Triton rotated by the wrong rows (max error 4.1) or NaN rows (Triton), or the
+    wrong sequences' rows (Triton, cu_seqlens), without an error; the CPU kernel refused ids 0..9 as "outside the
+    table"."""
+    cos, sin = _cos_sin(40, 8)
+    x, packed = torch.randn(2, 2, 5, 8), torch.randn(9, 2, 8)
+    values = {
+        "positions": torch.tensor([[4, 0, 2, 1, 3], [7, 6, 5, 9, 8]]),
+        "offset": torch.tensor([3, 11]),
+        "decode offset": torch.tensor([3, 11]),
+        "cu_seqlens": torch.tensor([0, 3, 3, 7, 9]),
+    }[negated]
+    given = torch.ops.aten._neg_view(-values)
+    assert given.is_neg() and torch.equal(given, values)
+    target = {"cu_seqlens": packed, "decode offset": x[:, :, :1]}.get(negated, x)
+    key = negated.split()[-1]
+    want = posenc.apply_rotary(target, cos, sin, backend="torch", **{key: values})
+    for rotate in (posenc.apply_rotary, posenc.apply_rotary_):
+        got = rotate(target.clone(), cos, sin, backend=backend, **{key: given})
+        torch.testing.assert_close(got, want, msg=rotate.__name__)
+
+
+def test_rope_cos_sin_of_a_negative_view_of_ids_reads_their_rows():
+    """RoPE.cos_sin gathered its table at a negative view's storage (-ids, rows from the end): max error 1.8."""
+    rope, ids = posenc.RoPE(8), torch.tensor([[4, 0, 2], [7, 6, 5]])
+    got, want = rope.cos_sin(torch.ops.aten._neg_view(-ids)), rope.cos_sin(ids)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_a_refused_negative_view_is_named_as_the_caller_named_it():
     """apply_rotary_qk's refusal named k "xs[1]" (and its fix "xs[1].resolve_neg()"), a name the caller never used."""
     q, k = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8)

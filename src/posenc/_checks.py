@@ -93,6 +93,17 @@ def replicated_values(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if is_dtensor(t) else t
 
 
+def index_values(t: Any) -> Any:
+    """t, or where t is a tensor with the negative bit (``torch._neg_view``) a copy holding its values; anything else
+    (None, an int) as it is. Such an index tensor's storage holds the negated values, which torch's own indexing
+    (``table[ids]``, torch 2.13) and the fused kernels read: position ids, offsets or cu_seqlens given so picked the
+    wrong table rows without an error. Not while torch.compile or torch.export traces: Dynamo cannot ask ``is_neg()``,
+    and a resolve_neg in every graph would be one more op for exporters to know."""
+    if isinstance(t, torch.Tensor) and not compiling() and t.is_neg():
+        return t.resolve_neg()
+    return t
+
+
 def replicated_like(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """t as a DTensor replicated on ``like``'s mesh where ``like`` is a DTensor and t a plain tensor, else t: a plain
     cos/sin, position ids, offsets or cu_seqlens given with DTensor activations, taken as the whole value (the same on

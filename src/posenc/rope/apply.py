@@ -18,6 +18,7 @@ from posenc._checks import (
     compiling,
     flag,
     float_tensor,
+    index_values,
     inplace_refused,
     integer_offset,
     is_dtensor,
@@ -305,6 +306,10 @@ def rotate_tensors(
     flag("interleaved", interleaved)
     offset = integer_offset(offset)
     flag("conjugate", conjugate)
+    if positions is not None or offset is not None or cu_seqlens is not None:  # broadcast calls skip it (~0.5 us)
+        # Negative views (their storage holds -ids) by value: the table lookups below and the kernels read storage. A
+        # copy of a few ints, unlike one of x or cos/sin (sent to torch or refused by choose_backend).
+        positions, offset, cu_seqlens = index_values(positions), index_values(offset), index_values(cu_seqlens)
     if _dtensors_beside_plain(xs, (cos, sin, positions, offset, cu_seqlens)):
         # DTensor angles, ids, offsets or cu_seqlens beside plain (whole) activations: their whole values. The fused
         # kernels read raw storage, which a DTensor's is not, and are chosen by the activations and cos/sin alone:

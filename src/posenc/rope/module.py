@@ -26,6 +26,7 @@ from posenc._checks import (
     float_dtype,
     float_tensor,
     host_min_max,
+    index_values,
     int_tensor,
     integer_offset,
     is_dtensor,
@@ -473,6 +474,7 @@ class RoPE(nn.Module):
         refuse_jit_trace(f"{type(self).__name__}.cos_sin")
         int_tensor("positions", positions, host_read=True)
         float_dtype("dtype", dtype)
+        positions = index_values(positions)  # a negative view's rows: torch's table[ids] reads its storage, -ids
         if is_dtensor(positions):
             # The table and frequencies are plain tensors, which DTensor refuses to index by a DTensor or multiply
             # ("got mixed torch.Tensor and DTensor"): the rows of the whole ids, laid out as the ids are (a shard of
