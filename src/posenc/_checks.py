@@ -64,8 +64,9 @@ def int64_int(name: str, value: int) -> None:
 
 def wrapped_positions(ids: torch.Tensor | None) -> ValueError | None:
     """Where offset + position ids came out negative, though every offset was checked >= 0: the error saying the sum
-    wrapped past int64 when no id is negative either (``ids`` None: there are none), else None (a negative id)."""
-    if ids is not None and bool((ids < 0).any()):
+    wrapped past int64 when no id is negative either (``ids`` None: there are none), else None (a negative id). The
+    ids whole where they are a DTensor: a rank whose shard held no negative id said "must fit in int64"."""
+    if ids is not None and bool((replicated_values(ids) < 0).any()):
         return None
     return ValueError(
         "offset + position ids must fit in int64 (below 2**63, a token position), got a sum past 2**63 - 1"

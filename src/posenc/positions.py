@@ -85,7 +85,7 @@ def resolve_positions(
         pos = positions.to(device=device, dtype=torch.long)
     pos = pos + offset
     if check_data and positions is not None and pos.numel() and bool((replicated_values(pos) < 0).any()):
-        if (wrapped := wrapped_positions(replicated_values(positions))) is not None:
+        if (wrapped := wrapped_positions(positions)) is not None:
             raise wrapped
         raise ValueError("positions must be >= 0 (offset + position ids), got a negative entry")
     if not check_data and isinstance(offset, torch.Tensor):

@@ -67,18 +67,22 @@ def _sharded_dtensor_calls(world: int) -> None:
 
 def _sharded_ids_checked_whole(dt, shard, gen: torch.Generator) -> None:
     """Position ids and offsets sharded across the ranks, a negative entry in the last rank's shard alone: refused on
-    every rank. resolve_positions read each rank's shard only: under CausalSelfAttention the rank holding it raised
-    and the other went on into RoPE's gather of the whole ids (on gloo, "Connection closed by peer"; a hang on NCCL)."""
+    every rank, with the same message. resolve_positions read each rank's shard only: under CausalSelfAttention the
+    rank holding it raised and the other went on into RoPE's gather of the whole ids (on gloo, a timeout after the
+    process group's 60 s; a hang on NCCL)."""
     from posenc.positions import resolve_positions
 
     attention = posenc.CausalSelfAttention(32, 2, encoding=posenc.RoPE(16))
-    x = torch.randn(4, 5, 32, generator=gen)
+    x, q = torch.randn(4, 5, 32, generator=gen), torch.randn(4, 2, 5, 16, generator=gen)
+    cos, sin = posenc.RoPE(16).cos_sin(torch.arange(8))
     ids = torch.tensor([[0, 1, 2, 3, 4]] * 3 + [[4, 3, 2, 1, 0]])
     assert torch.equal(attention(x, positions=dt(ids, shard)), attention(x, positions=ids))
     bad_ids, bad_offset = ids.clone(), torch.tensor([1, 2, 3, -4])
     bad_ids[-1, 2] = -2
     calls = [
         (lambda: attention(x, positions=dt(bad_ids, shard)), "positions must be >= 0"),
+        # The rank without the negative id said "offset + position ids must fit in int64" (wrapped_positions).
+        (lambda: posenc.apply_rotary(dt(q, shard), dt(cos), dt(sin), positions=dt(bad_ids, shard)), "must be >= 0"),
         (lambda: resolve_positions(5, batch=4, positions=dt(bad_ids, shard)), "positions must be >= 0"),
         (lambda: resolve_positions(5, batch=4, positions=dt(ids, shard), offset=dt(bad_offset, shard)), "offset"),
     ]
