@@ -217,3 +217,31 @@ def test_a_dispatch_mode_sees_the_rotation_and_gradients_stay_right(backend):
     torch.testing.assert_close(out, apply_rotary_torch(x, cos, sin))
     torch.testing.assert_close(moved, apply_rotary_torch(x, cos, sin))
     torch.testing.assert_close(leaf.grad, 4 * x)
+
+
+@pytest.mark.parametrize("given", ["positions", "offset", "cu_seqlens", "RoPE", "RoPE.cos_sin", "LearnedAbsolute"])
+def test_a_wrapper_subclass_as_ids_is_refused_naming_the_argument(given):
+    """Position ids, offsets or cu_seqlens given as a __torch_dispatch__ wrapper (here torch's TwoTensor) failed deep
+    inside the range checks with torch's ".tolist() is not supported for tensor subclasses"; they are refused at the
+    call, naming the argument and a plain tensor."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    def wrapped(t):
+        return TwoTensor(t, t.clone())
+
+    cos, sin = _cos_sin(10, 8)
+    x, ids = torch.randn(1, 2, 3, 8), torch.tensor([3, 4, 5])
+    calls = {
+        "positions": ("positions", lambda: posenc.apply_rotary(x, cos, sin, positions=wrapped(ids))),
+        "offset": ("offset", lambda: posenc.apply_rotary(x, cos, sin, offset=wrapped(torch.tensor([2])))),
+        "cu_seqlens": (
+            "cu_seqlens",
+            lambda: posenc.apply_rotary(torch.randn(3, 2, 8), cos, sin, cu_seqlens=wrapped(torch.tensor([0, 3]))),
+        ),
+        "RoPE": ("positions", lambda: posenc.RoPE(8)(x, x, positions=wrapped(ids))),
+        "RoPE.cos_sin": ("positions", lambda: posenc.RoPE(8).cos_sin(wrapped(ids))),
+        "LearnedAbsolute": ("positions", lambda: posenc.LearnedAbsolute(16, 8)(wrapped(ids))),
+    }
+    name, call = calls[given]
+    with pytest.raises(TypeError, match=rf"^{name} is a TwoTensor, a tensor subclass .* pass {name} as a plain"):
+        call()

@@ -318,6 +318,13 @@ def int_tensor(name: str, x: Any, *, what: str = "positions", host_read: bool = 
     host_read: the caller reads its values on the host (to check them), which a tensor vmap batches cannot give."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be an integer torch.Tensor, got {type(x).__name__}")
+    if host_read and type(x) is not torch.Tensor and _unreadable_subclass(x):
+        # Refused here, naming the argument: torch's own ".tolist() is not supported for tensor subclasses" came from
+        # deep inside the range checks, which read the values on the host.
+        raise TypeError(
+            f"{name} is a {type(x).__name__}, a tensor subclass that runs torch's operations itself, whose values "
+            f"posenc cannot read on the host to check them; pass {name} as a plain integer tensor (a DTensor is taken)"
+        )
     if host_read and torch._C._functorch.is_batchedtensor(x):
         # Its values are checked on the host (rows of a table, >= 0), which a vmapped tensor cannot give.
         raise ValueError(
@@ -333,6 +340,15 @@ def int_tensor(name: str, x: Any, *, what: str = "positions", host_read: bool = 
             "(or torch.int32)"
         )
     return x
+
+
+def _unreadable_subclass(x: torch.Tensor) -> bool:
+    """Whether x is a ``__torch_dispatch__`` subclass (a wrapper such as a logging or two-tensor subclass) other than a
+    DTensor (read whole, ``replicated_values``) or a FakeTensor (no values to read, checks skipped); not asked while
+    torch.compile traces, which cannot trace the dispatch-key query."""
+    if compiling() or is_dtensor(x) or isinstance(x, torch._subclasses.fake_tensor.FakeTensor):
+        return False
+    return torch._C._dispatch_keys(x).has(torch._C.DispatchKey.Python)
 
 
 def same_device(names: tuple[str, str], a: torch.Tensor, b: torch.Tensor) -> None:
