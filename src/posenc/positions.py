@@ -19,7 +19,9 @@ from posenc._checks import (
     int64_int,
     int_tensor,
     integer_offset,
+    is_dtensor,
     movable,
+    replicated_like,
     replicated_values,
     size_in,
     values_readable,
@@ -104,6 +106,9 @@ def resolve_document_ids(
     for positions): an id that comes back later would make its two runs one document to the mask, while its
     positions restart at the second run."""
     int_tensor("document_ids", document_ids, what="document ids", host_read=True)
+    # Whole, where they are a DTensor: the run check read on the host is otherwise each rank's shard alone (ranks
+    # raised different errors), and the mask built from them met plain tensors ("mixed torch.Tensor and DTensor").
+    document_ids = replicated_values(document_ids)
     if device is not None:
         movable("document_ids", document_ids, device)
     as_given = tuple(document_ids.shape)
@@ -165,6 +170,10 @@ def document_ids_from_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
     int_tensor("cu_seqlens", cu_seqlens, what="prefix sums", host_read=True)
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
         raise ValueError(f"cu_seqlens must be 1-D (n_seq + 1,), got shape {tuple(cu_seqlens.shape)}")
+    if is_dtensor(cu_seqlens):
+        # DTensor has no sharding rule for repeat_interleave (a bare error from inside it): the ids of the whole
+        # prefix sums, replicated on their mesh as the rotation takes them.
+        return replicated_like(document_ids_from_cu_seqlens(cu_seqlens.full_tensor()), cu_seqlens)
     lengths = cu_seqlens.long().diff()
     if values_readable(cu_seqlens.device):
         if int(cu_seqlens[0]) != 0:

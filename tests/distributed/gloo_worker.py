@@ -63,6 +63,29 @@ def _sharded_dtensor_calls(world: int) -> None:
     else:
         raise AssertionError("a negative offset on one rank's shard was not refused on this rank")
     _sharded_ids_checked_whole(dt, Shard(0), gen)
+    _sharded_document_ids(dt, Shard(0), gen)
+
+
+def _sharded_document_ids(dt, shard, gen: torch.Generator) -> None:
+    """document_ids_from_cu_seqlens of sharded prefix sums failed inside repeat_interleave (DTensor has no rule for
+    it), and CausalSelfAttention's document ids sharded across the ranks met its plain tensors ("mixed torch.Tensor
+    and DTensor"), a run that comes back later on one rank's shard refused with different errors per rank: now the
+    ids of the whole values, and the same refusal on every rank."""
+    cu = torch.tensor([0, 3, 3, 7, 9])
+    got = posenc.document_ids_from_cu_seqlens(dt(cu, shard))
+    assert torch.equal(got.full_tensor(), posenc.document_ids_from_cu_seqlens(cu))
+    attention = posenc.CausalSelfAttention(32, 2, encoding=posenc.RoPE(16))
+    x = torch.randn(4, 5, 32, generator=gen)
+    docs = torch.tensor([[0, 0, 1, 1, 1]] * 3 + [[0, 1, 1, 2, 2]])
+    assert torch.equal(attention(x, document_ids=dt(docs, shard)), attention(x, document_ids=docs))
+    bad = docs.clone()
+    bad[-1] = torch.tensor([0, 1, 0, 2, 2])  # the last rank's shard alone has an id that comes back
+    try:
+        attention(x, document_ids=dt(bad, shard))
+    except ValueError as error:
+        assert "one run of tokens" in str(error), error
+    else:
+        raise AssertionError("document ids whose run comes back on one rank's shard were not refused on this rank")
 
 
 def _sharded_ids_checked_whole(dt, shard, gen: torch.Generator) -> None:
