@@ -245,3 +245,26 @@ def test_a_wrapper_subclass_as_ids_is_refused_naming_the_argument(given):
     name, call = calls[given]
     with pytest.raises(TypeError, match=rf"^{name} is a TwoTensor, a tensor subclass .* pass {name} as a plain"):
         call()
+
+
+@pytest.mark.parametrize("given", ["positions", "offset", "cu_seqlens", "RoPE.cos_sin"])
+def test_ids_traced_by_aot_function_are_not_refused_as_wrapper_subclasses(given):
+    """functorch.compile's aot_function traces under a FakeTensorMode, handing plain ids in as FunctionalTensors
+    (wrapper subclasses, with no values to check): they were refused as "a tensor subclass ... pass positions as a
+    plain integer tensor", though the caller had, and rotated before that refusal was added."""
+    from functorch.compile import aot_function, nop
+
+    cos, sin = _cos_sin(10, 8)
+    x, packed = torch.randn(1, 2, 3, 8), torch.randn(3, 2, 8)
+    ids, rope = torch.tensor([3, 4, 5]), posenc.RoPE(8)
+    calls = {  # cos/sin as arguments: aot_function refuses real tensors closed over
+        "positions": (lambda x, c, s, i: posenc.apply_rotary(x, c, s, positions=i), (x, cos, sin, ids)),
+        "offset": (lambda x, c, s, o: posenc.apply_rotary(x, c, s, offset=o), (x, cos, sin, torch.tensor([2]))),
+        "cu_seqlens": (
+            lambda x, c, s, cu: posenc.apply_rotary(x, c, s, cu_seqlens=cu),
+            (packed, cos, sin, torch.tensor([0, 1, 3])),
+        ),
+        "RoPE.cos_sin": (lambda i: rope.cos_sin(i)[0], (ids,)),
+    }
+    fn, args = calls[given]
+    torch.testing.assert_close(aot_function(fn, fw_compiler=nop)(*args), fn(*args))

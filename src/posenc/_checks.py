@@ -345,8 +345,9 @@ def int_tensor(name: str, x: Any, *, what: str = "positions", host_read: bool = 
 def _unreadable_subclass(x: torch.Tensor) -> bool:
     """Whether x is a ``__torch_dispatch__`` subclass (a wrapper such as a logging or two-tensor subclass) other than a
     DTensor (read whole, ``replicated_values``) or a FakeTensor (no values to read, checks skipped); not asked while
-    torch.compile traces, which cannot trace the dispatch-key query."""
-    if compiling() or is_dtensor(x) or isinstance(x, torch._subclasses.fake_tensor.FakeTensor):
+    torch.compile traces, which cannot trace the dispatch-key query, nor under a FakeTensorMode, whose checks read no
+    values: functorch.compile's aot_function and aot_module hand plain ids in as FunctionalTensors there."""
+    if compiling() or fake_mode_active() or is_dtensor(x) or isinstance(x, torch._subclasses.fake_tensor.FakeTensor):
         return False
     return torch._C._dispatch_keys(x).has(torch._C.DispatchKey.Python)
 
