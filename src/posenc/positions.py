@@ -11,6 +11,8 @@ them, position ids that restart, and flash-attention's ``cu_seqlens``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from posenc._checks import (
@@ -139,11 +141,21 @@ def _one_or_more_dims(name: str, x: torch.Tensor) -> None:
         raise ValueError(f"{name} must have a sequence dimension, (s,) or (b, s), got a 0-d tensor")
 
 
+def _of_whole_values(fn: Callable[[torch.Tensor], torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
+    """fn of a DTensor's whole values, laid out as ``ids`` are: a run of ids may cross shards, which fn, reading
+    neighbouring tokens, must see as one (each rank keeps its own rows, no communication past the gather)."""
+    whole = replicated_like(fn(ids.full_tensor()), ids)
+    return whole.redistribute(ids.device_mesh, ids.placements)
+
+
 def positions_from_document_ids(document_ids: torch.Tensor) -> torch.Tensor:
     """document_ids: (..., s) integers. Returns int64 (..., s): each token's index within its run of equal ids,
     counting from 0 (the position ids of documents packed into one row)."""
     int_tensor("document_ids", document_ids, what="document ids")
     _one_or_more_dims("document_ids", document_ids)
+    if is_dtensor(document_ids):
+        # The arange below is a plain tensor, which torch.where refused to mix with a DTensor: a bare error.
+        return _of_whole_values(positions_from_document_ids, document_ids)
     docs = document_ids.long()
     index = torch.arange(docs.shape[-1], device=docs.device).expand_as(docs)
     starts = torch.ones_like(docs, dtype=torch.bool)
@@ -158,6 +170,9 @@ def document_ids_from_positions(positions: torch.Tensor) -> torch.Tensor:
     uses to find packed sequences in ``position_ids`` (``find_packed_sequence_indices``)."""
     int_tensor("positions", positions)
     _one_or_more_dims("positions", positions)
+    if is_dtensor(positions):
+        # Sharded along the sequence, DTensor's slices and in-place write below gave wrong ids without an error.
+        return _of_whole_values(document_ids_from_positions, positions)
     pos = positions.long()
     starts = torch.ones_like(pos, dtype=torch.bool)
     starts[..., 1:] = pos[..., 1:] - pos[..., :-1] != 1

@@ -64,6 +64,26 @@ def _sharded_dtensor_calls(world: int) -> None:
         raise AssertionError("a negative offset on one rank's shard was not refused on this rank")
     _sharded_ids_checked_whole(dt, Shard(0), gen)
     _sharded_document_ids(dt, Shard(0), gen)
+    _document_ids_and_positions_sharded_along_the_sequence(dt, Shard)
+
+
+def _document_ids_and_positions_sharded_along_the_sequence(dt, shard) -> None:
+    """document_ids_from_positions of position ids sharded along the sequence gave wrong ids without an error (the
+    shards' slices and in-place write), and positions_from_document_ids of any DTensor, document_ids_from_cu_seqlens'
+    own output included, failed inside torch.where ("mixed torch.Tensor and DTensor"): now those of the whole values,
+    laid out as the ids are."""
+    docs = torch.tensor([[0, 0, 1, 1, 1, 2], [0, 1, 1, 1, 2, 2]])
+    positions = torch.tensor([[0, 1, 0, 1, 2, 3], [5, 6, 7, 0, 1, 2]])
+    for placement in (shard(1), shard(0)):
+        got = posenc.document_ids_from_positions(dt(positions, placement))
+        want = torch.tensor([[0, 0, 1, 1, 1, 1], [0, 0, 0, 1, 1, 1]])
+        assert got.placements == (placement,) and torch.equal(got.full_tensor(), want), got.full_tensor()
+        got = posenc.positions_from_document_ids(dt(docs, placement))
+        want = posenc.positions_from_document_ids(docs)
+        assert got.placements == (placement,) and torch.equal(got.full_tensor(), want), got.full_tensor()
+    cu = torch.tensor([0, 3, 3, 7, 9])
+    got = posenc.positions_from_document_ids(posenc.document_ids_from_cu_seqlens(dt(cu, shard(0))))
+    assert torch.equal(got.full_tensor(), torch.tensor([0, 1, 2, 0, 1, 2, 3, 0, 1])), got.full_tensor()
 
 
 def _sharded_document_ids(dt, shard, gen: torch.Generator) -> None:
