@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch._guards import CompileContext, TracingContext
+from torch._subclasses.fake_tensor import FakeTensor
 
 
 def compiling() -> bool:
@@ -351,14 +352,25 @@ def int_tensor(name: str, x: Any, *, what: str = "positions", host_read: bool = 
     return x
 
 
+def runs_own_ops(t: torch.Tensor) -> bool:
+    """Whether t is a tensor subclass that runs torch's operations itself (``__torch_dispatch__``: DTensor, a wrapper
+    such as a logging or two-tensor subclass), other than a FakeTensor (the custom ops serve those: kernels.ops'
+    ``_dispatched``). Its data pointer is not its values (a wrapper has no storage of its own): the fused kernels,
+    which read raw storage, crashed on it. A subclass with ``__torch_function__`` alone (nn.Parameter) has plain
+    storage and is not one."""
+    return (
+        type(t) is not torch.Tensor
+        and torch._C._dispatch_keys(t).has(torch._C.DispatchKey.Python)
+        and not isinstance(t, FakeTensor)
+    )
+
+
 def _unreadable_subclass(x: torch.Tensor) -> bool:
-    """Whether x is a ``__torch_dispatch__`` subclass (a wrapper such as a logging or two-tensor subclass) other than a
-    DTensor (read whole, ``replicated_values``) or a FakeTensor (no values to read, checks skipped); not asked while
-    torch.compile traces, which cannot trace the dispatch-key query, nor under a FakeTensorMode, whose checks read no
-    values: functorch.compile's aot_function and aot_module hand plain ids in as FunctionalTensors there."""
-    if compiling() or fake_mode_active() or is_dtensor(x) or isinstance(x, torch._subclasses.fake_tensor.FakeTensor):
-        return False
-    return torch._C._dispatch_keys(x).has(torch._C.DispatchKey.Python)
+    """Whether x is such a subclass (``runs_own_ops``) other than a DTensor (read whole, ``replicated_values``); not
+    asked while torch.compile traces, which cannot trace the dispatch-key query, nor under a FakeTensorMode, whose
+    checks read no values: functorch.compile's aot_function and aot_module hand plain ids in as FunctionalTensors
+    there."""
+    return not (compiling() or fake_mode_active() or is_dtensor(x)) and runs_own_ops(x)
 
 
 def same_device(names: tuple[str, str], a: torch.Tensor, b: torch.Tensor) -> None:

@@ -20,7 +20,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 from torch._subclasses.fake_tensor import FakeTensor
 
-from posenc._checks import compiling, inplace_refused, is_dtensor
+from posenc._checks import compiling, inplace_refused, is_dtensor, runs_own_ops
 from posenc._compile_marks import assume_constant_result
 from posenc.kernels.cpu_rope import DTYPE_CODES, cpu_available, cpu_unavailable_reason, rope_cpu_jobs
 from posenc.kernels.layout import KINDS, Kind, canonical, canonical_cos, consecutive_rows, token_positions
@@ -102,18 +102,6 @@ def _onnx_exporting() -> bool:
     return onnx is not None and onnx.is_in_onnx_export()
 
 
-def _runs_own_ops(t: torch.Tensor) -> bool:
-    """Whether t is a tensor subclass that runs torch's operations itself (``__torch_dispatch__``: DTensor, a wrapper
-    such as a logging or two-tensor subclass), other than a FakeTensor (see ``_dispatched``). Its data pointer is not
-    its values (a wrapper has no storage of its own): the fused kernels, which read raw storage, crashed on it. A
-    subclass with ``__torch_function__`` alone (nn.Parameter) has plain storage and is not one."""
-    return (
-        type(t) is not torch.Tensor
-        and torch._C._dispatch_keys(t).has(torch._C.DispatchKey.Python)
-        and not isinstance(t, FakeTensor)
-    )
-
-
 def _call_name(i: int, xs: Sequence[torch.Tensor], names: Sequence[str] | None) -> str:
     """The name errors give the i-th of (*xs, cos, sin); names: xs as the caller calls them (q, k), else x or xs[i]."""
     if i >= len(xs):
@@ -138,7 +126,7 @@ def _storage_problem(
     for i, t in enumerate(tensors):
         # The negative bit (torch._neg_view, z.conj().imag) marks a view whose storage holds the negated values:
         # the kernels read the storage, so a copy came out with the wrong sign.
-        if _runs_own_ops(t) or t.is_neg():
+        if runs_own_ops(t) or t.is_neg():
             name = _call_name(i, xs, names)
             if t.is_neg():
                 return f"{name} is a negative view (its storage holds -{name}), which {name}.resolve_neg() materializes"
