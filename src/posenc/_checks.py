@@ -120,6 +120,13 @@ def replicated_like(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return module.DTensor.from_local(t, mesh, [module.Replicate()] * mesh.ndim, run_check=False)
 
 
+def laid_out_as(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """t, computed from the whole values of the DTensor ``like`` and of its shape, as a DTensor laid out as ``like`` is
+    (each rank keeps its own rows of the replicated value, no communication): what posenc returns for DTensor ids
+    where the computation itself needs the whole (a run that crosses shards, a plain table indexed by them)."""
+    return replicated_like(t, like).redistribute(like.device_mesh, like.placements)
+
+
 def user_stacklevel() -> int:
     """The ``stacklevel`` for ``warnings.warn`` that points at the first frame outside posenc: the user's call,
     however deep inside posenc the warning is raised (Python 3.12's ``skip_file_prefixes``, by hand)."""

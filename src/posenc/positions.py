@@ -22,6 +22,7 @@ from posenc._checks import (
     int_tensor,
     integer_offset,
     is_dtensor,
+    laid_out_as,
     movable,
     replicated_like,
     replicated_values,
@@ -143,9 +144,8 @@ def _one_or_more_dims(name: str, x: torch.Tensor) -> None:
 
 def _of_whole_values(fn: Callable[[torch.Tensor], torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
     """fn of a DTensor's whole values, laid out as ``ids`` are: a run of ids may cross shards, which fn, reading
-    neighbouring tokens, must see as one (each rank keeps its own rows, no communication past the gather)."""
-    whole = replicated_like(fn(ids.full_tensor()), ids)
-    return whole.redistribute(ids.device_mesh, ids.placements)
+    neighbouring tokens, must see as one."""
+    return laid_out_as(fn(ids.full_tensor()), ids)
 
 
 def positions_from_document_ids(document_ids: torch.Tensor) -> torch.Tensor:

@@ -30,8 +30,8 @@ from posenc._checks import (
     int_tensor,
     integer_offset,
     is_dtensor,
+    laid_out_as,
     refuse_jit_trace,
-    replicated_like,
     replicated_values,
     same_device,
     sequence_length,
@@ -479,10 +479,8 @@ class RoPE(nn.Module):
             # The table and frequencies are plain tensors, which DTensor refuses to index by a DTensor or multiply
             # ("got mixed torch.Tensor and DTensor"): the rows of the whole ids, laid out as the ids are (a shard of
             # the ids gets its shard of cos/sin; Replicate to Shard keeps each rank's own rows, no communication).
-            whole = self.cos_sin(positions.full_tensor(), seq_len=seq_len, dtype=dtype)
-            mesh, placements = positions.device_mesh, positions.placements
-            cos, sin = (replicated_like(t, positions).redistribute(mesh, placements) for t in whole)
-            return cos, sin
+            cos, sin = self.cos_sin(positions.full_tensor(), seq_len=seq_len, dtype=dtype)
+            return laid_out_as(cos, positions), laid_out_as(sin, positions)
         sequence_length("seq_len", seq_len)
         if positions.numel() == 0:
             empty = torch.empty((*positions.shape, self.rotary_dim // 2), device=positions.device, dtype=dtype)
