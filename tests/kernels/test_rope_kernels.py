@@ -1567,6 +1567,8 @@ def test_table_calls_capture_into_a_cuda_graph():
     # A longer call grows RoPE's table; the graph still reads the old one, which must outlive it (not be handed to
     # the garbage written here).
     rope(torch.randn(1, 1, 2000, 64, device=device), torch.randn(1, 1, 2000, 64, device=device))
+    # A cast (model.float(), here a no-op one) keeps them too: it dropped every table but the CPU's until stop 43.
+    rope.float()
     garbage = [torch.full((256, 32), float("nan"), device=device) for _ in range(64)]
     graph.replay()
     torch.cuda.synchronize()
