@@ -91,6 +91,16 @@ def is_dtensor(t: torch.Tensor) -> bool:
     return module is not None and isinstance(t, module.DTensor)
 
 
+def first_dtensor(*tensors: Any) -> torch.Tensor | None:
+    """The first DTensor among tensors (None and ints allowed), or None. Plain tensors, ints and None pass with a type
+    test each: this runs on every rotation."""
+    plain = torch.Tensor
+    for t in tensors:
+        if t is not None and type(t) is not plain and type(t) is not int and is_dtensor(t):
+            return t
+    return None
+
+
 def replicated_values(t: torch.Tensor) -> torch.Tensor:
     """t, or where t is a DTensor (position ids, offsets or cu_seqlens distributed with x) its whole value as a plain
     tensor on every rank: DTensor refuses ``.tolist()`` and has no sharding strategy for ``torch._assert_async``."""

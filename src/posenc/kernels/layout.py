@@ -21,10 +21,10 @@ import torch
 from posenc._checks import (
     angle_dtypes,
     assert_without_sync,
+    first_dtensor,
     float_tensor,
     host_min_max,
     int_tensor,
-    is_dtensor,
     replicated_like,
     replicated_values,
     size_in,
@@ -313,7 +313,7 @@ def token_positions(
     ``batch`` is b (the number of packed sequences for varlen); ``seq`` is s (total_tokens for varlen). Where one of
     positions, offsets and cu_seqlens is a DTensor, so are the others and the result (``replicated_like``).
     """
-    like = _first_dtensor(positions, offsets, cu_seqlens)
+    like = first_dtensor(positions, offsets, cu_seqlens)
     if kind == "varlen":
         assert cu_seqlens is not None
         # DTensor has no sharding strategy for searchsorted: found on the whole values, then replicated.
@@ -338,14 +338,6 @@ def token_positions(
     if offsets is not None:
         pos = pos + offsets[:, None]
     return pos + offset if offset else pos
-
-
-def _first_dtensor(*tensors: torch.Tensor | None) -> torch.Tensor | None:
-    """The first DTensor among tensors, or None."""
-    for t in tensors:
-        if t is not None and is_dtensor(t):
-            return t
-    return None
 
 
 def _arange(seq: int, device: torch.device, like: torch.Tensor | None) -> torch.Tensor:

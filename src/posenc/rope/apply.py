@@ -16,6 +16,7 @@ from posenc._checks import (
     angle_dtypes,
     assert_without_sync,
     compiling,
+    first_dtensor,
     flag,
     float_tensor,
     index_values,
@@ -274,13 +275,8 @@ def _refuse_shared_memory(name: str, x: torch.Tensor) -> None:
 
 
 def _dtensors_beside_plain(xs: dict[str, torch.Tensor], others: tuple) -> bool:
-    """Whether one of ``others`` (cos, sin, ids, offset, cu_seqlens) is a DTensor and none of the activations xs is.
-    Plain tensors and ints pass with a type test each (this runs on every call)."""
-    plain = torch.Tensor
-    for t in others:
-        if t is not None and type(t) is not plain and type(t) is not int and is_dtensor(t):
-            return not any(is_dtensor(x) for x in xs.values())
-    return False
+    """Whether one of ``others`` (cos, sin, ids, offset, cu_seqlens) is a DTensor and none of the activations xs is."""
+    return first_dtensor(*others) is not None and not any(is_dtensor(x) for x in xs.values())
 
 
 def rotate_tensors(
