@@ -9,7 +9,17 @@ from pathlib import Path
 import pytest
 
 PORTING = Path(__file__).resolve().parents[1] / "docs" / "porting.md"
-SECTIONS = ("flash-attention", "Liger-Kernel", "vLLM", "TransformerEngine", "Meta's Llama reference", "GPT-NeoX")
+SECTIONS = (
+    "flash-attention",
+    "Liger-Kernel",
+    "vLLM",
+    "TransformerEngine",
+    "Megatron-Core",
+    "Meta's Llama reference",
+    "xformers",
+    "torchtune",
+    "GPT-NeoX",
+)
 
 
 def _examples() -> dict[str, str]:
