@@ -9,11 +9,23 @@ full length, not the shard's).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from posenc._checks import flag, integer_offset, positive_int
+from posenc._checks import flag, int_tensor, integer_offset, is_dtensor, positive_int, values_readable
+from posenc.positions import sequence_lengths
 
-__all__ = ["shard_positions"]
+__all__ = ["PackedShard", "shard_packed_positions", "shard_positions"]
+
+
+def _split(world_size: int, rank: int, load_balance: bool) -> tuple[int, int, int]:
+    """The checked world size and rank, and how many chunks each sequence is cut into."""
+    world_size = positive_int("world_size", world_size)
+    rank = integer_offset(rank)  # numpy's integers too, as for the sizes
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be an int in [0, {world_size}) for world_size={world_size}, got {rank!r}")
+    return world_size, rank, 2 * world_size if flag("load_balance", load_balance) and world_size > 1 else world_size
 
 
 def shard_positions(
@@ -25,11 +37,8 @@ def shard_positions(
     otherwise take the rank's contiguous slice. One rank holds the whole sequence, of any length (nothing to
     balance: generic code calling this with the world size of a single process needs no even length).
     """
-    seq_len, world_size = positive_int("seq_len", seq_len), positive_int("world_size", world_size)
-    rank = integer_offset(rank)  # numpy's integers too, as for the sizes
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"rank must be an int in [0, {world_size}) for world_size={world_size}, got {rank!r}")
-    chunks = 2 * world_size if flag("load_balance", load_balance) and world_size > 1 else world_size
+    seq_len = positive_int("seq_len", seq_len)
+    world_size, rank, chunks = _split(world_size, rank, load_balance)
     if seq_len % chunks:
         raise ValueError(
             f"seq_len={seq_len} must be divisible by {chunks} "
@@ -43,3 +52,60 @@ def shard_positions(
     mirror = chunks - 1 - rank
     second = torch.arange(mirror * size, (mirror + 1) * size, device=device)
     return torch.cat((first, second))
+
+
+class PackedShard(NamedTuple):
+    """What one rank holds of packed sequences under context parallelism (see ``shard_packed_positions``).
+
+    index: (total // world_size,) int64, the rows of the packed (total_tokens, ...) tensor the rank holds, in order.
+    positions: (total // world_size,) int64, each held token's position within its own sequence (RoPE's angle).
+    cu_seqlens: (n + 1,) the rank's own prefix sums (``cu_seqlens // world_size``), in cu_seqlens' dtype.
+    """
+
+    index: torch.Tensor
+    positions: torch.Tensor
+    cu_seqlens: torch.Tensor
+
+
+def shard_packed_positions(
+    cu_seqlens: torch.Tensor, world_size: int, rank: int, *, load_balance: bool = True
+) -> PackedShard:
+    """Split every packed sequence of ``cu_seqlens`` (n + 1,) across ranks on its own, as TransformerEngine's "thd"
+    format and Megatron's ``get_batch_on_this_cp_rank`` do: sequence i is cut as ``shard_positions(length_i,
+    world_size, rank)`` cuts one sequence, and the rank's pieces are concatenated in sequence order.
+
+    ``cu_seqlens`` are the padded prefix sums (TransformerEngine's ``cu_seqlens_padded``): every length divisible by
+    2 * world_size (world_size without ``load_balance``). Rotate the rank's tokens by ``positions``, e.g.
+    ``apply_rotary(t[None], cos, sin, positions=shard.positions, layout="bshd")[0]`` for t (total // world_size, h,
+    d): ``cu_seqlens=`` would count positions from 0 in each local piece, which is not where the tokens are.
+    """
+    int_tensor("cu_seqlens", cu_seqlens, what="prefix sums", host_read=True)
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+        raise ValueError(f"cu_seqlens must be 1-D (n_seq + 1,), got shape {tuple(cu_seqlens.shape)}")
+    if is_dtensor(cu_seqlens):
+        raise TypeError("cu_seqlens must be a plain tensor here (every rank's whole prefix sums): pass .full_tensor()")
+    world_size, rank, chunks = _split(world_size, rank, load_balance)
+    lengths = sequence_lengths(cu_seqlens)
+    uneven = (lengths % chunks).nonzero() if values_readable(cu_seqlens.device) else ()
+    if len(uneven):
+        at = int(uneven[0, 0])
+        length = int(lengths[at])
+        raise ValueError(
+            f"sequence {at} of cu_seqlens has length {length}, which must be divisible by {chunks} "
+            f"({'2 * world_size, for load-balanced chunks' if chunks != world_size else 'world_size'}); pad every "
+            f"sequence to a multiple of {chunks} (TransformerEngine's cu_seqlens_padded): this one to "
+            f"{length + chunks - length % chunks}"
+        )
+    device = cu_seqlens.device
+    local = lengths // world_size  # tokens of each sequence the rank holds
+    sequence = torch.repeat_interleave(torch.arange(lengths.shape[0], device=device), local)
+    starts = torch.cumsum(local, 0) - local
+    j = torch.arange(sequence.shape[0], device=device) - starts[sequence]  # index within the rank's piece
+    size = (lengths // chunks)[sequence]  # each token's chunk size
+    if chunks == world_size:
+        positions = rank * size + j
+    else:
+        second = j >= size
+        positions = torch.where(second, (chunks - 1 - rank) * size + j - size, rank * size + j)
+    index = cu_seqlens.long()[:-1][sequence] + positions
+    return PackedShard(index, positions, torch.div(cu_seqlens, world_size, rounding_mode="floor"))

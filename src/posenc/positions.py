@@ -189,6 +189,13 @@ def document_ids_from_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
         # DTensor has no sharding rule for repeat_interleave (a bare error from inside it): the ids of the whole
         # prefix sums, replicated on their mesh as the rotation takes them.
         return replicated_like(document_ids_from_cu_seqlens(cu_seqlens.full_tensor()), cu_seqlens)
+    lengths = sequence_lengths(cu_seqlens)
+    return torch.repeat_interleave(torch.arange(lengths.shape[0], device=cu_seqlens.device), lengths)
+
+
+def sequence_lengths(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """cu_seqlens: plain (n + 1,) prefix sums, already checked to be a 1-D integer tensor. Returns int64 (n,) the
+    sequence lengths, having checked (where values are readable) that the sums start at 0 and never decrease."""
     lengths = cu_seqlens.long().diff()
     if values_readable(cu_seqlens.device):
         if int(cu_seqlens[0]) != 0:
@@ -199,4 +206,4 @@ def document_ids_from_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
                 f"cu_seqlens must be non-decreasing (prefix sums of sequence lengths), but entry {at + 1} "
                 f"({int(cu_seqlens[at + 1])}) is below entry {at} ({int(cu_seqlens[at])})"
             )
-    return torch.repeat_interleave(torch.arange(lengths.shape[0], device=cu_seqlens.device), lengths)
+    return lengths

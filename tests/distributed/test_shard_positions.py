@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import posenc
-from posenc.distributed import shard_positions
+from posenc.distributed import shard_packed_positions, shard_positions
 
 
 def test_load_balanced_chunks():
@@ -93,3 +93,64 @@ def test_one_rank_holds_a_sequence_of_any_length(balance) -> None:
     """With one rank there is nothing to balance: an odd length was refused ("must be divisible by 2"), so generic
     code calling shard_positions(L, world_size, rank) broke in single-process runs."""
     assert torch.equal(shard_positions(7, 1, 0, load_balance=balance), torch.arange(7))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    world=st.integers(1, 4),
+    chunks_per_sequence=st.lists(st.integers(0, 4), min_size=1, max_size=5),
+    balance=st.booleans(),
+    dtype=st.sampled_from([torch.int32, torch.int64]),
+)
+def test_packed_shards_cut_every_sequence_as_shard_positions_cuts_one(world, chunks_per_sequence, balance, dtype):
+    chunks = 2 * world if balance and world > 1 else world
+    lengths = [n * chunks for n in chunks_per_sequence]
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=dtype)
+    whole = posenc.positions_from_document_ids(posenc.document_ids_from_cu_seqlens(cu_seqlens))
+    held = []
+    for rank in range(world):
+        shard = shard_packed_positions(cu_seqlens, world, rank, load_balance=balance)
+        want = [shard_positions(n, world, rank, load_balance=balance) for n in lengths if n]
+        assert torch.equal(shard.positions, torch.cat(want) if want else torch.zeros(0, dtype=torch.int64))
+        assert torch.equal(shard.positions, whole[shard.index])  # the held rows sit at those positions
+        assert shard.cu_seqlens.dtype == dtype and torch.equal(shard.cu_seqlens, cu_seqlens // world)
+        assert shard.positions.dtype == shard.index.dtype == torch.int64
+        held.append(shard.index)
+    assert torch.equal(torch.cat(held).sort().values, torch.arange(int(cu_seqlens[-1])))  # a partition
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rope_on_a_packed_shard_equals_rows_of_the_whole(interleaved):
+    """TransformerEngine's "thd" with context parallelism: each rank rotates its rows of every packed sequence."""
+    cu_seqlens = torch.tensor([0, 8, 12, 24], dtype=torch.int32)
+    packed = torch.randn(24, 2, 16)
+    cos, sin = posenc.RoPE(16, rotary_dim=12).cos_sin(torch.arange(24))
+    whole = posenc.apply_rotary(packed, cos, sin, cu_seqlens=cu_seqlens, interleaved=interleaved)
+    for rank in range(2):
+        shard = shard_packed_positions(cu_seqlens, 2, rank)
+        local = posenc.apply_rotary(
+            packed[shard.index][None], cos, sin, positions=shard.positions, layout="bshd", interleaved=interleaved
+        )[0]
+        assert torch.equal(local, whole[shard.index])
+
+
+@pytest.mark.parametrize(
+    ("cu_seqlens", "args", "kwargs", "error", "match"),
+    [
+        ([0, 8, 14], (2, 0), {}, ValueError, r"sequence 1 of cu_seqlens has length 6, .*divisible by 4 .*to 8"),
+        ([0, 6], (4, 0), {"load_balance": False}, ValueError, r"length 6, which must be divisible by 4 \(world_size\)"),
+        ([0, 8], (2, 2), {}, ValueError, r"rank must be an int in \[0, 2\)"),
+        ([2, 8], (2, 0), {}, ValueError, "cu_seqlens must start at 0"),
+        ([0, 8, 4], (2, 0), {}, ValueError, "cu_seqlens must be non-decreasing"),
+        ([[0, 8]], (2, 0), {}, ValueError, r"cu_seqlens must be 1-D \(n_seq \+ 1,\)"),
+        ([0.0, 8.0], (2, 0), {}, TypeError, "cu_seqlens must hold integer prefix sums"),
+    ],
+)
+def test_packed_errors(cu_seqlens, args, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        shard_packed_positions(torch.tensor(cu_seqlens), *args, **kwargs)
+
+
+def test_one_rank_holds_packed_sequences_of_any_length() -> None:
+    shard = shard_packed_positions(torch.tensor([0, 3, 3, 10]), 1, 0)
+    assert shard.positions.tolist() == [0, 1, 2, 0, 1, 2, 3, 4, 5, 6] and shard.index.tolist() == list(range(10))
