@@ -168,15 +168,27 @@ def test_attend_with_document_mask_matches_the_float64_reference(dtype):
 
 @pytest.mark.parametrize("name", posenc.available())
 def test_byte_lm_packs_documents(name):
-    """The lab model with document_ids: each document's logits as when it is the whole input."""
+    """The lab model with document_ids: each document's logits as when it is the whole input, in two rows packed
+    differently, and the gradients of a loss over them as those of the documents run one by one (an absolute
+    encoding restarts at each document too)."""
     torch.manual_seed(0)
-    model = ByteLM(ModelSpec(dim=32, layers=2, heads=4, max_positions=32), name).double().eval()
-    lengths = [11, 3, 16]
-    tokens = torch.randint(0, 256, (1, sum(lengths)))
-    with torch.no_grad():
-        packed, _ = model(tokens, document_ids=ids_for(lengths))
-        alone = torch.cat([model(part)[0] for part in tokens.split(lengths, dim=1)], dim=1)
+    model = ByteLM(ModelSpec(dim=32, layers=2, heads=4, max_positions=32), name).double()
+    rows = [[11, 3, 16], [1, 20, 9]]
+    tokens = torch.randint(0, 256, (2, 30))
+    packed, _ = model(tokens, document_ids=torch.stack([ids_for(row) for row in rows]))
+    packed.square().mean().backward()
+    grads = {key: param.grad for key, param in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    alone = torch.cat(
+        [
+            torch.cat([model(part)[0] for part in row_tokens.split(row, dim=1)], dim=1)
+            for row_tokens, row in zip(tokens.split(1), rows, strict=True)
+        ]
+    )
+    alone.square().mean().backward()
     torch.testing.assert_close(packed, alone, atol=1e-12, rtol=1e-12)
+    for key, param in model.named_parameters():
+        torch.testing.assert_close(grads[key], param.grad, atol=1e-12, rtol=1e-10, msg=key)
 
 
 @pytest.mark.parametrize("name", ["rope", "alibi", "t5"])

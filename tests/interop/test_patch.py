@@ -214,6 +214,60 @@ def test_every_generate_mode_matches_transformers(arch: str, rope_type: str, mod
         torch.testing.assert_close(torch.stack(getattr(got, key)), torch.stack(getattr(expected, key)), **FP32)
 
 
+# Packed rows as transformers' DataCollatorWithFlattening makes them: documents end to end, position_ids restarting
+# at 0, labels -100 at each document's first token. The model keeps documents apart only with no cache and no
+# attention_mask (masking_utils' find_packed_sequence_indices): use_cache=False, as training sets it.
+PACKED_CASES = [("llama", "dynamic", "consistent"), ("phi3", "longrope", "hf"), ("qwen2", "yarn", "hf")]
+
+
+def packed_row(lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(1, s) input ids, position ids restarting at each document, and labels."""
+    ids = tokens(batch=1, length=sum(lengths), seed=1)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    labels = ids.masked_fill(positions == 0, -100)
+    return ids, positions, labels
+
+
+@pytest.mark.parametrize(("arch", "rope_type", "mode"), PACKED_CASES)
+def test_a_packed_row_gives_each_document_its_own_logits_and_the_unpatched_gradients(
+    arch: str, rope_type: str, mode: str
+) -> None:
+    lengths = [5, 9, 7]  # each below the trained length of 16, the row of 21 past it
+    reference = build(arch, rope_type).train()
+    patched = copy.deepcopy(reference)
+    patch_model(patched, mode=mode)
+    ids, positions, labels = packed_row(lengths)
+    runs = []
+    for model in (reference, patched):
+        out = model(input_ids=ids, position_ids=positions, labels=labels, use_cache=False)
+        out.loss.backward()
+        runs.append((out.logits.detach(), out.loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+        with torch.no_grad():
+            alone = torch.cat([model(part, use_cache=False).logits for part in ids.split(lengths, dim=1)], dim=1)
+        torch.testing.assert_close(out.logits.detach(), alone, **FP32)
+    (logits, loss, grads), (got_logits, got_loss, got_grads) = runs
+    torch.testing.assert_close(got_logits, logits, **FP32)
+    torch.testing.assert_close(got_loss, loss, **FP32)
+    for name, grad in grads.items():
+        torch.testing.assert_close(got_grads[name], grad, **FP32, msg=name)
+
+
+@pytest.mark.parametrize("mode", ["hf", "consistent"])
+def test_a_packed_row_scales_dynamic_ntk_for_its_longest_document_as_transformers_does(mode: str) -> None:
+    # transformers scales for max(position_ids) + 1 of the call: the short document beside one of 20 turns with the
+    # frequencies for 20, not with its own unscaled ones (the documented exception to packed == alone).
+    reference = build("llama", "dynamic")
+    patched = copy.deepcopy(reference)
+    patch_model(patched, mode=mode)
+    ids, positions, _ = packed_row([20, 5])
+    with torch.no_grad():
+        expected = reference(input_ids=ids, position_ids=positions, use_cache=False).logits
+        got = patched(input_ids=ids, position_ids=positions, use_cache=False).logits
+        alone = patched(ids[:, 20:], use_cache=False).logits
+    torch.testing.assert_close(got, expected, **FP32)
+    assert (got[:, 20:] - alone).abs().max() > 1e-2
+
+
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHITECTURES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_error_is_no_larger_than_transformers_own(arch: str, dtype: torch.dtype) -> None:
