@@ -131,6 +131,25 @@ def test_rope_cos_sin_of_a_negative_view_of_ids_reads_their_rows():
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("negated", ["positions", "decode offset"])
+def test_negative_views_of_ids_are_read_by_value_under_torch_compile(negated):
+    """Traced, index_values skipped the negative bit (Dynamo cannot ask is_neg()), and the backends eager and
+    aot_eager run the torch path's cos[ids] as eager does, at the storage: max error 7.8 (positions) and 2.7 (a
+    decode step's offsets, a view of them), without an error. fullgraph: the fix must add no graph break."""
+    cos, sin = _cos_sin(40, 8)
+    x = torch.randn(2, 2, 5, 8)
+    if negated == "positions":
+        values, key = torch.tensor([[4, 0, 2, 1, 3], [7, 6, 5, 9, 8]]), "positions"
+    else:
+        values, key, x = torch.tensor([3, 11]), "offset", x[:, :, :1]
+    want = posenc.apply_rotary(x, cos, sin, backend="torch", **{key: values})
+    torch._dynamo.reset()
+    rotate = torch.compile(
+        lambda ids: posenc.apply_rotary(x, cos, sin, backend="torch", **{key: ids}), backend="aot_eager", fullgraph=True
+    )
+    torch.testing.assert_close(rotate(torch.ops.aten._neg_view(-values)), want)
+
+
 def test_a_refused_negative_view_is_named_as_the_caller_named_it():
     """apply_rotary_qk's refusal named k "xs[1]" (and its fix "xs[1].resolve_neg()"), a name the caller never used."""
     q, k = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8)

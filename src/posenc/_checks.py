@@ -111,11 +111,19 @@ def index_values(t: Any) -> Any:
     """t, or where t is a tensor with the negative bit (``torch._neg_view``) a copy holding its values; anything else
     (None, an int) as it is. Such an index tensor's storage holds the negated values, which torch's own indexing
     (``table[ids]``, torch 2.13) and the fused kernels read: position ids, offsets or cu_seqlens given so picked the
-    wrong table rows without an error. Not while torch.compile or torch.export traces: Dynamo cannot ask ``is_neg()``,
-    and a resolve_neg in every graph would be one more op for exporters to know."""
-    if isinstance(t, torch.Tensor) and not compiling() and t.is_neg():
+    wrong table rows without an error.
+
+    Traced (torch.compile, torch.export), every index tensor gets a ``resolve_neg()``: Dynamo cannot ask ``is_neg()``
+    (a graph break, an error under fullgraph), and the backends eager and aot_eager run ``table[ids]`` as eager does
+    (max error 6.6 for apply_rotary's positions on the torch path). Where the bit is clear AOTAutograd drops it (no op
+    in the compiled graph), as ``run_decompositions`` does (ONNX, AOTInductor); torch.export's own graph shows it.
+    Inductor still reads a negative view's storage, whatever posenc does (pytorch/pytorch#145093); posenc's range
+    checks then fail on the negated ids."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    if compiling():
         return t.resolve_neg()
-    return t
+    return t.resolve_neg() if t.is_neg() else t
 
 
 def replicated_like(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
