@@ -649,6 +649,24 @@ def test_cpu_launcher_enters_a_table_at_first_row_and_checks_the_rows_it_reads()
         rope_cpu(x, out, one_cos, one_sin, None, first_row=1, interleaved=True, conjugate=False, copy_tail=True)
 
 
+def test_cpu_jobs_of_one_call_read_and_check_their_own_cos_sin():
+    """The launcher checks cos/sin once for the jobs that share them (q and k): jobs with tables of their own still
+    read their own rows, and a table fit for the first job does not vouch for another job's."""
+    x, y = torch.randn(1, 2, 3, 16), torch.randn(1, 1, 3, 16)
+    cos, sin = table(16, 8)
+    other_cos, other_sin = (t[2:].clone() for t in (cos, sin))  # rows 2.. of the same angles, elsewhere in memory
+    outs = [torch.empty_like(x), torch.empty_like(y)]
+    jobs = [(x, outs[0], cos, sin), (y, outs[1], other_cos, other_sin)]
+    cpu_rope.rope_cpu_jobs(jobs, None, first_row=1, interleaved=False, conjugate=False, copy_tail=True)
+    assert_close(outs[0], rope_reference(x, (torch.arange(3) + 1)[None, None], rotary_dim=16))
+    assert_close(outs[1], rope_reference(y, (torch.arange(3) + 3)[None, None], rotary_dim=16))
+    pair_strided = torch.stack((cos, cos), -1)[..., 0], torch.stack((sin, sin), -1)[..., 0]
+    with pytest.raises(ValueError, match="unit stride in their last dim"):
+        cpu_rope.rope_cpu_jobs(
+            [jobs[0], (y, outs[1], *pair_strided)], None, interleaved=False, conjugate=False, copy_tail=True
+        )
+
+
 @pytest.mark.parametrize("backend", ["cpu", "triton"])
 def test_fused_backends_take_what_the_torch_path_takes(backend):
     """Calls the fused kernels once refused or mishandled: strided position ids and offsets, broadcast cos/sin

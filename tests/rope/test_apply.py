@@ -544,6 +544,36 @@ def test_far_positions_read_a_window_with_the_bits_of_their_own_angles(backend, 
         assert torch.equal(g, e)
 
 
+@pytest.mark.parametrize("offset", [100, torch.tensor([100])])
+def test_a_table_call_checks_each_tensor_once(monkeypatch, offset):
+    """A decode step's host cost is Python checks (~40 of ~45 us on one CPU thread): RoPE's table calls checked q and
+    k as float tensors twice and its own table as angles, and the CPU launcher read and checked cos/sin once for q
+    and again for k. Each is checked once now; every refusal stays (tests/test_errors.py)."""
+    from posenc import _checks
+    from posenc.kernels import cpu_rope, layout
+    from posenc.rope import module
+
+    checked, angles = [], []
+    float_tensor, read_angles = _checks.float_tensor, getattr(cpu_rope, "_angles", None)  # new on 2026-12-05
+
+    def counting(name, x):
+        checked.append(name)
+        return float_tensor(name, x)
+
+    for where in (_checks, module, layout):
+        monkeypatch.setattr(where, "float_tensor", counting)
+    monkeypatch.setattr(cpu_rope, "_angles", lambda cos, sin: angles.append(1) or read_angles(cos, sin), raising=False)
+    rope = posenc.RoPE(16, backend="cpu")
+    q, k = random_qk(1, 4, 2, 1, 16)
+    expected = posenc.RoPE(16, backend="torch")(q, k, offset=offset)
+    checked.clear()
+    got = rope(q, k, offset=offset)
+    assert sorted(checked) == ["k", "q"]
+    assert angles == [1]
+    for g, e in zip(got, expected, strict=True):
+        assert_close(g, e)
+
+
 def test_a_decode_loop_far_out_reuses_its_window_and_moves_it_by_halves():
     rope = posenc.RoPE(8)
     q, k = random_qk(1, 1, 1, 1, 8)

@@ -24,6 +24,7 @@ import subprocess
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -208,7 +209,7 @@ def streams(x: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     """Whether ``rope_cpu(x, out, cos, sin, None, ...)`` would use streaming stores now (see
     ``set_stream_threshold``): the kernel's own decision, for tests and benchmarks."""
     library = _loaded()
-    job = _pack_job(x, out, cos, sin, 0, (0, 0), 0, (0, 0, 1), 1)
+    job = _pack_job(x, out, cos, sin, 0, (0, 0), 0, (0, 0, 1), 1)[0]
     return job is not None and bool(library.posenc_stream_jobs(job, 1, DTYPE_CODES[x.dtype]) & 1)
 
 
@@ -274,12 +275,16 @@ def rope_cpu_jobs(
     flags = (int(interleaved), int(conjugate), int(copy_tail))
     threads = torch.get_num_threads()
     packed, dtype, wide = [], None, False
+    angles, angles_of = None, None  # cos/sin's, checked, and the (cos, sin) they are of: jobs share them (q and k)
     for x, out, cos, sin in jobs:
         if dtype is None:
             dtype, wide = x.dtype, cos.dtype == torch.float64
         elif x.dtype != dtype or (cos.dtype == torch.float64) != wide:
             raise TypeError("every job of one call must share x's dtype and cos/sin's dtype")
-        job = _pack_job(x, out, cos, sin, pos_ptr, pos_strides, first_row, flags, threads)
+        if angles_of is not None and (angles_of[0] is not cos or angles_of[1] is not sin):
+            angles = None
+        job, angles = _pack_job(x, out, cos, sin, pos_ptr, pos_strides, first_row, flags, threads, angles)
+        angles_of = (cos, sin)
         if job is not None:
             packed.append(job)
     if not packed:
@@ -299,6 +304,44 @@ def rope_cpu_jobs(
         raise TypeError(f"the CPU kernel has no variant for x {dtype} with cos/sin {'float64' if wide else 'float32'}")
 
 
+class _Angles(NamedTuple):
+    """What ``_pack_job`` reads of cos/sin, read and checked once for all the jobs of a call that share them (q and
+    k: ~1.5 us of a decode step's second job)."""
+
+    shape: tuple[int, int, int, int]  # (c0, c1, rows, r/2); a (rows, r/2) table as (1, 1, rows, r/2)
+    strides: tuple[int, int, int, int]
+    table: bool
+    wide: bool  # float64
+    cos_ptr: int
+    sin_ptr: int
+    element_size: int
+
+
+def _angles(cos: torch.Tensor, sin: torch.Tensor) -> _Angles:
+    """cos/sin's own checks (``_pack_job``'s that do not involve x), and what the jobs read of them."""
+    cos_shape, cos_strides = cos.shape, cos.stride()
+    if cos.dtype not in (torch.float32, torch.float64) or sin.dtype != cos.dtype:
+        raise TypeError(f"cos and sin must both be float32 or both float64, got {cos.dtype} and {sin.dtype}")
+    if sin.shape != cos_shape or sin.stride() != cos_strides:
+        raise ValueError(f"cos and sin must be views of one shape and strides, got {tuple(cos_shape)}")
+    table = len(cos_shape) == 2
+    if table:  # a (rows, r/2) table: the same rows for every (i0, i1)
+        cos_shape, cos_strides = (1, 1, *cos_shape), (0, 0, *cos_strides)
+    elif len(cos_shape) != 4:
+        raise ValueError(f"cos/sin must be (rows, r/2) tables or 4-D (c0, c1, rows, r/2) views, got {tuple(cos_shape)}")
+    if cos_shape[3] > 1 and cos_strides[3] != 1:
+        raise ValueError(f"cos/sin must have unit stride in their last dim, got {cos_strides}; pass .contiguous()")
+    return _Angles(
+        tuple(cos_shape),  # type: ignore[arg-type]
+        tuple(cos_strides),  # type: ignore[arg-type]
+        table,
+        cos.dtype == torch.float64,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        cos.element_size(),
+    )
+
+
 def _pack_job(
     x: torch.Tensor,
     out: torch.Tensor,
@@ -309,16 +352,17 @@ def _pack_job(
     first_row: int,
     flags: tuple[int, int, int],
     threads: int,
-) -> bytes | None:
+    angles: _Angles | None = None,
+) -> tuple[bytes | None, _Angles]:
     """Check what the C code trusts (shapes, dtypes, devices, strides, the rows it reads without positions) and
-    pack one job's ``struct Args``; None for an empty x. Each tensor's metadata is read once: on a decode step
-    this function is a good part of the call. (With positions, the kernel checks that every one is a row of the
-    table.)"""
+    pack one job's ``struct Args``: (the bytes, or None for an empty x; cos/sin's ``_Angles``). ``angles``: those of
+    this cos and sin from an earlier job of the call, already checked. Each tensor's metadata is read once: on a
+    decode step this function is a good part of the call. (With positions, the kernel checks that every one is a
+    row of the table.)"""
     shape, x_strides, out_strides = x.shape, x.stride(), out.stride()
-    cos_shape, cos_strides = cos.shape, cos.stride()
     if len(shape) != 4 or out.shape != shape:
         raise ValueError(f"x and out must be (n0, n1, n2, d) of one shape, got {tuple(shape)} and {tuple(out.shape)}")
-    if not (x.is_cpu and out.is_cpu and cos.is_cpu and sin.is_cpu):
+    if not (x.is_cpu and out.is_cpu and (angles is not None or (cos.is_cpu and sin.is_cpu))):
         devices = ", ".join(f"{n} on {t.device}" for n, t in (("x", x), ("out", out), ("cos", cos), ("sin", sin)))
         raise ValueError(f"the CPU kernel reads CPU tensors only, got {devices}")
     n0, n1, n2, d = shape
@@ -326,20 +370,12 @@ def _pack_job(
         raise ValueError(f"x and out must have unit stride in their last dim, got {x_strides} and {out_strides}")
     if x.dtype not in DTYPE_CODES or out.dtype != x.dtype:
         raise TypeError(f"x and out must share a dtype among {list(DTYPE_CODES)}, got {x.dtype} and {out.dtype}")
-    if cos.dtype not in (torch.float32, torch.float64) or sin.dtype != cos.dtype:
-        raise TypeError(f"cos and sin must both be float32 or both float64, got {cos.dtype} and {sin.dtype}")
-    if x.dtype == torch.float64 and cos.dtype != torch.float64:
+    if angles is None:
+        angles = _angles(cos, sin)
+    if x.dtype == torch.float64 and not angles.wide:
         raise TypeError("float64 x needs float64 cos/sin (the math runs in the wider dtype)")
-    if sin.shape != cos_shape or sin.stride() != cos_strides:
-        raise ValueError(f"cos and sin must be views of one shape and strides, got {tuple(cos_shape)}")
-    table = len(cos_shape) == 2
-    if table:  # a (rows, r/2) table: the same rows for every (i0, i1)
-        cos_shape, cos_strides = (1, 1, *cos_shape), (0, 0, *cos_strides)
-    elif len(cos_shape) != 4:
-        raise ValueError(f"cos/sin must be (rows, r/2) tables or 4-D (c0, c1, rows, r/2) views, got {tuple(cos_shape)}")
+    cos_shape, cos_strides = angles.shape, angles.strides
     half, rows = cos_shape[3], cos_shape[2]
-    if half > 1 and cos_strides[3] != 1:
-        raise ValueError(f"cos/sin must have unit stride in their last dim, got {cos_strides}; pass .contiguous()")
     if 2 * half > d:
         raise ValueError(f"cos has {half} pairs but x has only {d} channels")
     for axis in (0, 1):
@@ -347,17 +383,17 @@ def _pack_job(
             raise ValueError(f"cos of shape {tuple(cos_shape)} does not broadcast to x's {tuple(shape[:3])}")
     numel = n0 * n1 * n2 * d
     if numel == 0:  # no rows read (an empty positions tensor also has data_ptr 0, like none)
-        return None
-    broadcast_row = rows == 1 and first_row == 0 and not table  # a 4-D view's size-1 token axis broadcasts
+        return None, angles
+    broadcast_row = rows == 1 and first_row == 0 and not angles.table  # a 4-D view's size-1 token axis broadcasts
     if pos_ptr == 0 and not broadcast_row and (first_row < 0 or first_row + n2 > rows):
         raise ValueError(f"tokens read rows {first_row} .. {first_row + n2 - 1} but cos/sin have {rows} rows")
     row_stride = 0 if rows == 1 else cos_strides[2]
-    skip = first_row * row_stride * cos.element_size()
-    return _ARGS.pack(
+    skip = first_row * row_stride * angles.element_size
+    job = _ARGS.pack(
         x.data_ptr(),
         out.data_ptr(),
-        cos.data_ptr() + skip,
-        sin.data_ptr() + skip,
+        angles.cos_ptr + skip,
+        angles.sin_ptr + skip,
         pos_ptr,
         n0,
         n1,
@@ -375,3 +411,4 @@ def _pack_job(
         max(1, min(threads, numel // GRAIN)),
         rows,
     )
+    return job, angles

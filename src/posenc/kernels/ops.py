@@ -165,10 +165,12 @@ def _fused_problem(
     kind: str,
     inplace: bool,
     names: Sequence[str] | None = None,
+    eager: bool = False,
 ) -> str:
-    """Why the fused kernels cannot take this call, or "" when they can (names: as ``_call_name``'s)."""
-    traced = compiling()
-    recorded = _recorded_without_fused_kernels(traced)
+    """Why the fused kernels cannot take this call, or "" when they can (names: as ``_call_name``'s; eager: as
+    ``choose_backend``'s)."""
+    traced = False if eager else compiling()
+    recorded = "" if eager else _recorded_without_fused_kernels(traced)
     if recorded:
         return recorded
     problem = _traced_dtensor_problem(xs, cos, sin, names) if traced else _storage_problem(xs, cos, sin, names)
@@ -199,11 +201,14 @@ def choose_backend(
     *,
     inplace: bool = False,
     names: Sequence[str] | None = None,
+    eager: bool = False,
 ) -> str:
     """Resolve "auto" to "triton" (CUDA tensors), "cpu" (CPU tensors) or "torch"; check an explicit choice.
 
     xs: a list of the tensors to rotate (x, or q and k); names: what errors call them (default x, or xs[i]). Raises
-    ValueError naming what is wrong when an explicit fused backend cannot take the call.
+    ValueError naming what is wrong when an explicit fused backend cannot take the call. eager: the caller has made
+    sure that nothing traces the call (neither ``posenc._checks.compiling()`` nor ``torch.jit.is_tracing()``), which
+    is then not asked again.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(repr(b) for b in BACKENDS)}, got {backend!r}")
@@ -221,7 +226,7 @@ def choose_backend(
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if backend == "torch":
         return "torch"
-    problem = _fused_problem(xs, cos, sin, kind, inplace, names)
+    problem = _fused_problem(xs, cos, sin, kind, inplace, names, eager)
     device = xs[0].device.type
     if backend == "auto":
         if problem:
@@ -721,13 +726,15 @@ def rotary_copy(
     interleaved: bool,
     conjugate: bool,
     backend: str,
+    *,
+    eager: bool = False,
 ) -> list[torch.Tensor]:
     """``posenc::rotary`` when traced (torch.compile) or dispatched (``_dispatched``: FakeTensors, a dispatch mode;
     torch.jit.trace never gets here, ``_fused_problem`` sends it to the torch path); in eager, ``_RotaryCopy`` when
     autograd is involved, else the implementation directly (the op's dispatch costs ~150 us a call, more than a
-    decode step's kernel)."""
+    decode step's kernel). eager: the caller knows that torch.compile does not trace the call (``choose_backend``'s)."""
     args = (cos, sin, positions, offsets, offset, cu_seqlens, kind, interleaved, conjugate, backend)
-    if compiling() or _dispatched(*xs, cos, sin):
+    if (not eager and compiling()) or _dispatched(*xs, cos, sin):
         return rotary(list(xs), *args)
     if _needs_grad(xs):
         options = (offset, kind, interleaved, conjugate, backend)

@@ -679,6 +679,8 @@ class RoPE(nn.Module):
                     backend=self.backend,
                     inplace=False,
                     rows_checked=trusted,
+                    # _check_qk checked q and k, the tables are this module's, and a table is used only eagerly.
+                    vouched=True,
                 )
                 return q, k
         pos = resolve_positions(seq, batch=q.shape[0], positions=positions, offset=offset, device=q.device)
