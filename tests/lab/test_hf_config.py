@@ -238,3 +238,33 @@ def test_values_the_model_cannot_be_built_from_fail_before_anything_is_written(
     status = main(["lab", "--preset", "quick", "--corpus", str(corpus_dir), "--hf-config", path, "--out", str(out)])
     assert status == 2 and not out.exists()
     assert re.search(f"hf_config \\(--hf-config\\) .*cannot be built from it: .*{message}", capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("model_type", sorted(CONFIGS))
+def test_the_hugging_face_model_packs_documents_as_byte_lm_does(model_type, tmp_path):
+    """document_ids as ByteLM takes them: each document's logits as when it is the whole input (a TypeError before:
+    the keyword was ByteLM's alone), with a yarn extension patched in too."""
+    from posenc.lab.hf_model import HFByteLM
+
+    path = write_config(tmp_path, CONFIGS[model_type])
+    spec = ModelSpec(dim=16, layers=2, heads=2, max_positions=8)
+    for rope_parameters in (None, extension_rope_parameters("yarn", 2.0, 8)):
+        torch.manual_seed(0)
+        model = HFByteLM(spec, path, rope_parameters).double()
+        with torch.no_grad():  # sharper attention than the 0.02 init, so positions matter in the logits
+            for p in model.parameters():
+                if p.dim() >= 2:
+                    p.mul_(20)
+        rows = [[5, 1, 6], [4, 8]]
+        tokens = torch.randint(0, 256, (2, 12))
+        ids = torch.stack([torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row)) for row in rows])
+        packed, _ = model(tokens, document_ids=ids)
+        for b, row in enumerate(rows):
+            alone = torch.cat([model(part)[0] for part in tokens[b : b + 1].split(row, dim=1)], dim=1)
+            torch.testing.assert_close(packed[b : b + 1], alone, atol=1e-10, rtol=1e-10)
+        unpacked, _ = model(tokens)
+        assert (unpacked - packed).abs().max() > 1e-3  # the documents really were kept apart
+        shared, _ = model(tokens[:1], document_ids=ids[0])  # (s,) ids, as ByteLM takes them
+        torch.testing.assert_close(shared, packed[:1], atol=1e-12, rtol=1e-12)
+    with pytest.raises(ValueError, match=r"document_ids must have shape \(12,\) or \(2, 12\)"):
+        model(tokens, document_ids=ids[:, :5])

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from posenc.lab.model import VOCAB_SIZE, ModelSpec
+from posenc.positions import positions_from_document_ids, resolve_document_ids
 
 
 def require_transformers() -> None:
@@ -115,10 +116,20 @@ class HFByteLM(nn.Module):
         self.patch_report = None if rope_parameters is None else patch_model(self.hf, rope_parameters=rope_parameters)
 
     def forward(
-        self, tokens: torch.Tensor, *, return_attention: bool = False
+        self, tokens: torch.Tensor, *, document_ids: torch.Tensor | None = None, return_attention: bool = False
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """tokens: (b, s) int64 bytes. Returns logits (b, s, v) and, with return_attention, one (b, h, s, s)
+        """tokens: (b, s) int64 bytes; document_ids: (s,) or (b, s), one run of tokens per id, for documents packed
+        into a row, as ``ByteLM`` takes them. Returns logits (b, s, v) and, with return_attention, one (b, h, s, s)
         float32 probability tensor per layer (else an empty list)."""
-        out = self.hf(input_ids=tokens, output_attentions=return_attention, use_cache=False)
+        packed = {}
+        if document_ids is not None:
+            if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
+                raise ValueError(f"tokens must be a (b, s) tensor of byte ids, got {getattr(tokens, 'shape', tokens)}")
+            batch, seq_len = tokens.shape
+            docs = resolve_document_ids(document_ids, batch=batch, seq_len=seq_len, device=tokens.device)
+            # Position ids restarting at 0 per document are what transformers reads packing from (its masks keep
+            # documents apart only without a cache and an attention_mask, as here) and what rotates each document.
+            packed["position_ids"] = positions_from_document_ids(docs).expand(batch, seq_len)
+        out = self.hf(input_ids=tokens, output_attentions=return_attention, use_cache=False, **packed)
         attentions = [a.float() for a in out.attentions] if return_attention else []
         return out.logits, attentions
