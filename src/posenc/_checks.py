@@ -78,8 +78,37 @@ def wrapped_positions(ids: torch.Tensor | None) -> ValueError | None:
 
 def host_min_max(t: torch.Tensor) -> tuple[int, int]:
     """(min, max) of a non-empty integer tensor, read on the host with one device sync, not two."""
-    low, high = replicated_values(torch.stack(torch.aminmax(t))).tolist()
+    low, high = host_list(replicated_values(torch.stack(torch.aminmax(t))))
     return low, high
+
+
+def host_list(t: torch.Tensor) -> Any:
+    """``t.tolist()``, also inside ``torch.func.functionalize``: there every tensor is a C++ functional wrapper
+    without storage, whose ``.tolist()`` raised torch's bare "tolist() shouldn't be called on a tensor with
+    unallocated storage" (its ``.item()`` works, and so does this), also inside a grad or jvp level under it
+    (``functionalize(grad(f))``: a grad wrapper around a functional one). The wrapped tensor holds the same values,
+    read once pending in-place updates are applied (``torch._sync``). Nothing is asked of a plain tensor: the
+    wrappers are unwrapped only where ``.tolist()`` refused (~0.1 us a query on every eager call otherwise)."""
+    try:
+        return t.tolist()
+    except RuntimeError:
+        if not (torch._is_functional_tensor(t) or torch._C._functorch.is_gradtrackingtensor(t)):
+            raise
+    return _value_holder(t).tolist()
+
+
+def _value_holder(t: torch.Tensor) -> torch.Tensor:
+    """t without the functional and grad (or jvp) wrappers of torch.func's levels around it, outermost first: the
+    tensor that holds its values (a batched one where vmap batches it)."""
+    functorch = torch._C._functorch
+    while True:
+        if torch._is_functional_tensor(t):
+            torch._sync(t)
+            t = torch._from_functional_tensor(t)
+        elif functorch.is_gradtrackingtensor(t):
+            t = functorch.get_unwrapped(t)
+        else:
+            return t
 
 
 def is_dtensor(t: torch.Tensor) -> bool:
@@ -360,7 +389,12 @@ def int_tensor(name: str, x: Any, *, what: str = "positions", host_read: bool = 
             f"{name} is a {type(x).__name__}, a tensor subclass that runs torch's operations itself, whose values "
             f"posenc cannot read on the host to check them; pass {name} as a plain integer tensor (a DTensor is taken)"
         )
-    if host_read and torch._C._functorch.is_batchedtensor(x):
+    if host_read and (
+        torch._C._functorch.is_batchedtensor(x)
+        # Or inside functionalize's wrapper (vmap(functionalize(f)) batches the tensor it wraps), asked only where a
+        # transform runs (~35 ns where none does) and not while Dynamo traces, which cannot trace the unwrapping.
+        or (torch._C._are_functorch_transforms_active() and not compiling() and _batched_inside(x))
+    ):
         # Its values are checked on the host (rows of a table, >= 0), which a vmapped tensor cannot give.
         raise ValueError(
             f"{name} cannot be batched by torch.func.vmap: posenc reads its values to check them; vmap over the "
@@ -375,6 +409,11 @@ def int_tensor(name: str, x: Any, *, what: str = "positions", host_read: bool = 
             "(or torch.int32)"
         )
     return x
+
+
+def _batched_inside(x: torch.Tensor) -> bool:
+    """Whether vmap batches the tensor inside x's functional (or grad) wrappers."""
+    return torch._C._functorch.is_batchedtensor(_value_holder(x))
 
 
 def runs_own_ops(t: torch.Tensor) -> bool:

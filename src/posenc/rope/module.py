@@ -25,6 +25,7 @@ from posenc._checks import (
     flag,
     float_dtype,
     float_tensor,
+    host_list,
     host_min_max,
     index_values,
     int_tensor,
@@ -172,7 +173,7 @@ def _position_bounds(
     if reductions and not values_readable(reductions[0].device):
         return None  # traced or captured: no value may be read (RoPE.forward has a path for each that reads none)
     if reductions:
-        values = torch.stack([m.to(torch.long) for t in reductions for m in torch.aminmax(t)]).tolist()
+        values = host_list(torch.stack([m.to(torch.long) for t in reductions for m in torch.aminmax(t)]))
         if isinstance(offset, torch.Tensor) and offset.numel() and values[0] < 0:
             return None  # a negative offset: resolve_positions refuses it, as it does without position ids
         low += sum(values[0::2])

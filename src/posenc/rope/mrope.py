@@ -20,6 +20,7 @@ import torch
 
 from posenc._checks import (
     float_dtype,
+    host_list,
     int64_int,
     int_tensor,
     integer_offset,
@@ -66,7 +67,7 @@ def check_mrope_section(
     if len(sections) != AXES:
         raise ValueError(f"{layout} M-RoPE takes 3 sections ({_ORDER[layout]}), got mrope_section {list(sections)}")
     axis = mrope_axis_of_pair(sections, layout=layout)
-    counts = torch.bincount(axis, minlength=AXES).tolist()
+    counts = host_list(torch.bincount(axis, minlength=AXES))
     if layout == "alternating":
         counts = counts[1:] + counts[:1]  # h, w, t: the order of its sections
     if tuple(counts) != sections:
