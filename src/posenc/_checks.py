@@ -186,7 +186,9 @@ def user_stacklevel() -> int:
 
 # Looked up once: these run on every call, where each attribute lookup on torch costs ~20 ns.
 _dispatch_mode = torch._C._get_dispatch_mode
+_dispatch_modes_on = torch._C._len_torch_dispatch_stack  # counts the fake and proxy modes too
 _FAKE_MODE = torch._C._TorchDispatchModeKey.FAKE
+_PROXY_MODE = torch._C._TorchDispatchModeKey.PROXY
 _STRIDED = torch.strided
 
 
@@ -199,18 +201,29 @@ def fake_mode_active() -> bool:
     return not compiling() and _dispatch_mode(_FAKE_MODE) is not None
 
 
+def recording() -> bool:
+    """Whether make_fx records a graph in this thread (its proxy mode is on; functorch.compile's aot_function runs
+    it too). A value read on the host there is not in the graph: a check passed on the example and never ran again,
+    and a table sized, or a dynamic NTK length scaled, from the example's ids was baked in (at replay ids past the
+    256-row table raised torch's IndexError, a negative id read the table's last rows, and dynamic NTK scaled every
+    call for the example's length, all without a posenc error). In "real" mode the example's values were read
+    (``.tolist()`` slips past make_fx's refusal of data-dependent reads, ``.item()`` raised it from deep inside)."""
+    return _dispatch_mode(_PROXY_MODE) is not None
+
+
 def values_readable(device: torch.device | str | None) -> bool:
     """Whether a check may read tensor values on the host (a device sync): not while torch.compile traces (the
-    graph would break) nor while a CUDA graph captures on the current stream (the capture would fail). Checks of
-    values are skipped there, and on the meta device and under a FakeTensorMode, which have none (shape
-    inference: a read raised torch's DataDependentOutputException); shapes, dtypes and devices are still checked."""
+    graph would break), while make_fx records (``recording``: the graph would hold the example's values) nor while a
+    CUDA graph captures on the current stream (the capture would fail). Checks of values are skipped there (or run
+    with the graph), and on the meta device and under a FakeTensorMode, which have none (shape inference: a read
+    raised torch's DataDependentOutputException); shapes, dtypes and devices are still checked."""
     # torch's process-wide flag asked once (~0.1 us a query): when it is off, compiling() is False and
     # fake_mode_active() is the dispatch mode's query alone.
     if torch.compiler.is_compiling():
-        if compiling() or fake_mode_active():
+        if compiling() or fake_mode_active() or recording():
             return False
-    elif _dispatch_mode(_FAKE_MODE) is not None:
-        return False
+    elif _dispatch_modes_on() and (_dispatch_mode(_FAKE_MODE) is not None or _dispatch_mode(_PROXY_MODE) is not None):
+        return False  # the count first: with no mode on (every eager call) one query, ~2x faster than one by key
     # A torch.device as it is: torch.device(device) costs ~0.4 us of a decode-size call.
     if isinstance(device, torch.device):
         kind = device.type

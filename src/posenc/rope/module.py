@@ -32,6 +32,7 @@ from posenc._checks import (
     integer_offset,
     is_dtensor,
     laid_out_as,
+    recording,
     refuse_jit_trace,
     replicated_values,
     same_device,
@@ -183,12 +184,12 @@ def _position_bounds(
 
 def _length_unreadable(rope_type: str) -> ValueError:
     return ValueError(
-        f"rope_type {rope_type!r} scales for max(positions) + 1 by default, which cannot be read inside "
-        "torch.compile, a CUDA graph capture or on the meta device; pass seq_len= (the length to scale for, e.g. "
+        f"rope_type {rope_type!r} scales for max(positions) + 1 by default, which cannot be read inside torch.compile,"
+        " make_fx's trace, a CUDA graph capture or on the meta device; pass seq_len= (the length to scale for, e.g. "
         "the tokens in the cache plus the new ones) to RoPE's forward or cos_sin, or, where the caller cannot "
-        "(CausalSelfAttention, a patched transformers model), compile without fullgraph=True: the length is then "
-        "read in a graph break. torch.export has no graph breaks: there pass seq_len=positions.shape[-1] (or the "
-        "cached + new length), with the length's Dim on one side of max_position_embeddings (a program for each)"
+        "(CausalSelfAttention, a patched transformers model), compile without fullgraph=True: the length is then read"
+        " in a graph break. torch.export has no graph breaks: there pass seq_len=positions.shape[-1] (or the cached +"
+        " new length), with the length's Dim on one side of max_position_embeddings (a program for each)"
     )
 
 
@@ -385,7 +386,7 @@ class RoPE(nn.Module):
         """The seq_len a forward call scales for; advances the 'hf' dynamic NTK state as transformers does."""
         if self.spec.rope_type not in SEQ_LEN_DEPENDENT or positions.numel() == 0:
             return None
-        if positions.device.type == "meta" or fake_mode_active():  # shapes only: any length gives them, no state
+        if positions.device.type == "meta" or (fake_mode_active() and not recording()):  # shapes only, no state
             return 1
         if not values_readable(positions.device):
             raise _length_unreadable(self.spec.rope_type)
@@ -435,7 +436,8 @@ class RoPE(nn.Module):
         two sets of frequencies, which the graph does itself (as transformers' does, with no break)."""
         if positions.numel() == 0:  # nothing to scale for, nor any state to advance
             return self.cos_sin(positions, dtype=dtype)
-        in_graph = compiling() and positions.dim() <= 2  # not M-RoPE's axes
+        # make_fx's graph too: there no value may be read (its example's length would be baked in).
+        in_graph = (compiling() or recording()) and positions.dim() <= 2  # not M-RoPE's axes
         if self.spec.rope_type == "longrope" and in_graph:
             return self._longrope_cos_sin_in_graph(positions, dtype)
         if self.spec.rope_type == "longrope" and compiling():  # M-RoPE's axes
@@ -506,7 +508,8 @@ class RoPE(nn.Module):
         """max(positions) + 1 for non-empty positions, read on the host after checking they are >= 0 (1 on the
         meta device, which has no values); None where values cannot be read (torch.compile, CUDA graph capture):
         then the check runs with the graph, and a length-dependent type without seq_len is an error."""
-        if positions.device.type == "meta" or fake_mode_active():  # no values: shapes only, as in scaling_length
+        # No values: shapes only, as in scaling_length. Not for make_fx's graph, whose rows must come from the ids.
+        if positions.device.type == "meta" or (fake_mode_active() and not recording()):
             return 1
         # A seq_len that does not cover the positions would scale dynamic NTK / LongRoPE for a shorter sequence than
         # the one present; refused for every type, so that it shows before a config switches to one that reads it.
@@ -660,7 +663,7 @@ class RoPE(nn.Module):
                 else:
                     # In int64: the shifted ids reach _WINDOW - 1, past what 8-bit ids hold (they wrapped).
                     positions, offset = positions.long() - (first - offset), 0
-            elif bounds is None and not compiling() and not values_readable(q.device):
+            elif bounds is None and not compiling() and not recording() and not values_readable(q.device):
                 # Captured into a CUDA graph: nothing may read a value or copy from the host, so the table built
                 # while warming up is read as it stands; a position outside it reads no memory beyond it (the Triton
                 # kernel gives those tokens NaN, the torch path asserts on the device).
