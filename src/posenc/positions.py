@@ -196,6 +196,13 @@ def document_ids_from_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
 def sequence_lengths(cu_seqlens: torch.Tensor) -> torch.Tensor:
     """cu_seqlens: plain (n + 1,) prefix sums, already checked to be a 1-D integer tensor. Returns int64 (n,) the
     sequence lengths, having checked (where values are readable) that the sums start at 0 and never decrease."""
+    if cu_seqlens.device.type == "meta":
+        # What the callers build has as many entries as the values say (cu_seqlens[-1] tokens), which a meta tensor
+        # does not hold: torch's repeat_interleave raised "cannot repeat_interleave a meta tensor without output_size".
+        raise ValueError(
+            "cu_seqlens is on the meta device, which holds no values: the tokens it describes (cu_seqlens[-1] of them) "
+            "cannot be counted; pass the prefix sums on the CPU or the activations' device"
+        )
     lengths = cu_seqlens.long().diff()
     if values_readable(cu_seqlens.device):
         if int(cu_seqlens[0]) != 0:

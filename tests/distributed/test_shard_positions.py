@@ -154,3 +154,9 @@ def test_packed_errors(cu_seqlens, args, kwargs, error, match):
 def test_one_rank_holds_packed_sequences_of_any_length() -> None:
     shard = shard_packed_positions(torch.tensor([0, 3, 3, 10]), 1, 0)
     assert shard.positions.tolist() == [0, 1, 2, 0, 1, 2, 3, 4, 5, 6] and shard.index.tolist() == list(range(10))
+
+
+def test_packed_prefix_sums_on_the_meta_device_are_a_clear_error() -> None:
+    # Neither the shard's length nor its rows can be known without the values (a bare error from repeat_interleave).
+    with pytest.raises(ValueError, match="cu_seqlens is on the meta device, which holds no values"):
+        shard_packed_positions(torch.tensor([0, 4, 8], device="meta"), 2, 1)
