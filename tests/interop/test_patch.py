@@ -1063,13 +1063,15 @@ def test_consistent_mode_refuses_the_paged_cache_of_continuous_batching() -> Non
     with pytest.raises(
         TypeError, match=r"cannot serve a paged KV cache .* block_table, read_index\), .*; patch with mode='hf'"
     ):
-        consistent_module._attend_with_rotated_keys(lambda *a, **k: None, rope, None, query, key, key, None, **paged)
+        consistent_module._attend_with_rotated_keys(
+            lambda *a, **k: None, {"": rope}, None, query, key, key, None, **paged
+        )
     # A step with no cached keys (the requests' prefill: as many keys as new tokens) has no positions to count back:
     # attended, its keys rotated at their own positions.
     prefill = {**paged, "position_ids": torch.arange(13)[None]}
     new_key = torch.randn(1, 2, 13, 16)
     attended = consistent_module._attend_with_rotated_keys(
-        lambda module, q, k, *a, **kw: k, rope, None, torch.randn(1, 4, 13, 16), new_key, new_key, None, **prefill
+        lambda module, q, k, *a, **kw: k, {"": rope}, None, torch.randn(1, 4, 13, 16), new_key, new_key, None, **prefill
     )
     torch.testing.assert_close(attended, rope.rotate(new_key, prefill["position_ids"], seq_len=13), atol=0, rtol=0)
 

@@ -10,6 +10,12 @@ from __future__ import annotations
 # to the attention function with the rotated channels first ('consistent' mode), and that tiny_model_from_config
 # builds.
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("gemma", "gpt_neox", "llama", "mistral", "phi3", "qwen2", "qwen3")
+# Model types with a rope dict per layer type whose attention rotates q, then k (unless the layer reuses another
+# layer's keys), each in a call of apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim) on the whole head, and hands the
+# keys, cached or shared, to the attention function as they came from it: 'consistent' mode leaves the second call's
+# tensor unrotated and rotates the keys at read with the layer type's RoPE (transformers 5.25; the order of the calls
+# is read from the forward's source when patching).
+_QUERIES_THEN_KEYS_ATTENTION = frozenset({"gemma3n_text", "gemma4_text"})
 # Architectures whose apply_rotary_pos_emb rotates all head_dim channels (no pass-through part): a rotary dim below
 # head_dim crashes their unpatched forward, so a saved config asking for one would not load into a working model.
 _WHOLE_HEAD_ATTENTION = frozenset({"gemma", "llama", "mistral", "qwen2", "qwen3"})

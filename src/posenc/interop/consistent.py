@@ -29,7 +29,7 @@ _PAGED_ATTENTION_KWARGS = frozenset({"block_table", "read_index", "write_index"}
 
 def _attend_with_rotated_keys(
     attend: Callable[..., Any],
-    rope: RoPE,
+    ropes: Mapping[str, RoPE],
     module: nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -40,7 +40,11 @@ def _attend_with_rotated_keys(
 ) -> Any:
     """'consistent' mode: rotate every key, cached ones included, with the frequencies of this step, then attend.
 
-    query: (b, h_q, s, d), already rotated; key: (b, h_k, t, d) unrotated, the t - s cached keys first. The cached
+    ropes: the RoPE by layer type ("" for a model with one), the module's (its ``layer_type``) rotating the keys.
+    query: (b, h_q, s_q, d), already rotated; key: (b, h_k, t, d) unrotated, the t - s cached keys first (in Gemma 3n
+    and Gemma 4's layers that reuse another layer's keys, that layer's, which are the same tokens'); position_ids
+    (b or 1, s): the new tokens'. s_q is s but in Gemma 4's layers that reuse keys, which in generate's prefill get
+    the queries of the last tokens only (its logits_to_keep) and every new token's keys and position_ids. The cached
     keys' positions continue backwards from the first new token's. In rows with left padding that count reaches
     below 0 exactly on the pad slots, which the mask hides; they are rotated as position 0 (RoPE takes no negative
     positions), which changes no score that is used.
@@ -51,7 +55,7 @@ def _attend_with_rotated_keys(
             "posenc's 'consistent' mode needs the position_ids the model passes to its attention; this model did "
             "not pass them (patch with mode='hf')"
         )
-    new, total = query.shape[-2], key.shape[-2]
+    new, total = position_ids.shape[-1], key.shape[-2]  # not the queries': Gemma 4 may have fewer (see above)
     key_positions = position_ids
     paged = sorted(_PAGED_ATTENTION_KWARGS & kwargs.keys())
     if total > new and paged:
@@ -65,6 +69,7 @@ def _attend_with_rotated_keys(
     if total > new:
         past = position_ids[:, :1] - (total - new) + torch.arange(total - new, device=position_ids.device)
         key_positions = torch.cat((past.clamp_min(0), position_ids), dim=-1)
+    rope = ropes[""] if "" in ropes else ropes[module.layer_type]
     key = _rotate_keys_for_step(rope, key, key_positions, position_ids)
     return attend(module, query, key, value, attention_mask, *args, **kwargs)
 
@@ -84,13 +89,13 @@ def _rotate_keys_for_step(
 class _KeysRotatedAtRead:
     """Stands in for ``ALL_ATTENTION_FUNCTIONS`` inside a patched attention forward ('consistent' mode)."""
 
-    def __init__(self, functions: Any, rope: RoPE) -> None:
+    def __init__(self, functions: Any, ropes: Mapping[str, RoPE]) -> None:
         self._functions = functions
-        self._rope = rope
+        self._ropes = ropes
 
     def get_interface(self, implementation: str, default: Callable[..., Any]) -> Callable[..., Any]:
         return functools.partial(
-            _attend_with_rotated_keys, self._functions.get_interface(implementation, default), self._rope
+            _attend_with_rotated_keys, self._functions.get_interface(implementation, default), self._ropes
         )
 
 
@@ -173,8 +178,18 @@ _UNROTATED = _UnrotatedKeys()
 
 
 def _held_keys(cache: Any, layer: int) -> int:
-    """How many keys ``cache`` holds for ``layer`` (0 for a layer it has not built yet)."""
-    return cache.get_seq_length(layer) if layer < len(getattr(cache, "layers", ()) or ()) else 0
+    """How many keys ``cache`` holds for ``layer`` (0 for a layer it has not built yet, or a ``DummyLayer``)."""
+    layers = getattr(cache, "layers", ()) or ()
+    if layer >= len(layers) or _is_dummy(layers[layer]):
+        return 0
+    return cache.get_seq_length(layer)
+
+
+def _is_dummy(layer: Any) -> bool:
+    """True for transformers' ``DummyLayer``, which stands in a cache for a layer that caches nothing (Gemma 3n and
+    Gemma 4's layers that reuse another layer's keys) and holds no keys to misplace. Known by having no
+    get_seq_length, which every cache layer that holds keys has: no import, which torch.compile would not trace."""
+    return not callable(getattr(layer, "get_seq_length", None))
 
 
 def _marked_unrotated(cache: Any, layer: int) -> bool:
@@ -217,9 +232,9 @@ def _require_rotated_keys(cache: Any, layer: int) -> None:
 
 def _require_growing_cache(cache: Any, growing_layer: type) -> None:
     """Raise TypeError unless every layer of ``cache`` appends new keys after the cached ones (a ``DynamicLayer``,
-    sliding or quantized); a fixed-size layer (``StaticLayer``) returns its whole buffer, whose slots do not sit
-    at the positions that 'consistent' mode counts back from the new tokens."""
-    kinds = {type(layer) for layer in getattr(cache, "layers", None) or ()}
+    sliding or quantized) or holds none (a ``DummyLayer``); a fixed-size layer (``StaticLayer``) returns its whole
+    buffer, whose slots do not sit at the positions that 'consistent' mode counts back from the new tokens."""
+    kinds = {type(layer) for layer in getattr(cache, "layers", None) or () if not _is_dummy(layer)}
     replicate = getattr(cache, "layer_class_to_replicate", None)
     if isinstance(replicate, type):  # the class of the layers a lazily built cache will add
         kinds.add(replicate)

@@ -42,11 +42,13 @@ Shape key: b batch, h heads, s new tokens, t tokens in the cache (t >= s), d hea
 
 from __future__ import annotations
 
+import ast
 import copy
 import dataclasses
 import functools
 import inspect
 import math
+import textwrap
 import types
 import warnings
 import weakref
@@ -67,11 +69,16 @@ from posenc.interop._discover import (
     rotation_signature,
     state_name,
 )
-from posenc.interop.architectures import _WHOLE_HEAD_ATTENTION, SUPPORTED_ARCHITECTURES, VERIFIED_ARCHITECTURES
+from posenc.interop.architectures import (
+    _QUERIES_THEN_KEYS_ATTENTION,
+    _WHOLE_HEAD_ATTENTION,
+    SUPPORTED_ARCHITECTURES,
+    VERIFIED_ARCHITECTURES,
+)
 from posenc.interop.consistent import _checking_the_cache, _KeysRotatedAtRead, _refusing_unrotated_keys
 from posenc.interop.consistent import _UnrotatedKeys as _UnrotatedKeys  # caches pickled by older posenc name it here
 from posenc.interop.hf import rope_kwargs_from_config, rope_layer_types
-from posenc.interop.rotary import PosencRotaryEmbedding, _rotate_one, _rotate_qk
+from posenc.interop.rotary import PosencRotaryEmbedding, _QueriesThenKeys, _rotate_one, _rotate_qk
 from posenc.interop.tiny import tiny_model_from_config as tiny_model_from_config  # importable from here, as before
 from posenc.rope.frequencies import SEQ_LEN_DEPENDENT, float32_blend_rtol
 from posenc.rope.module import RoPE
@@ -575,7 +582,8 @@ def patch_model(
     this mode continues and a patch that rotates keys when it caches them refuses: see ``unpatch_model`` for the
     unpatched model). For
     ``dynamic`` / ``longrope``, "consistent" is offered for ``SUPPORTED_ARCHITECTURES``, whose attention is known
-    to hand its keys to the attention function with the rotated channels first.
+    to hand its keys to the attention function with the rotated channels first, and for Gemma 3n and Gemma 4's
+    text models (q, then k, rotated in separate calls; a RoPE per layer type; layers that reuse cached keys).
     Returns a ``PatchReport``. Raises ValueError for a model posenc cannot patch (saying why), a model already
     patched, a rotary module with parameters (learned frequencies, which posenc's would drop), or a RoPE that would
     not rotate as the model's own does (all checked before anything is replaced);
@@ -631,7 +639,7 @@ def patch_model(
     keys_at_read = any(rope.rotates_cached_keys for _, _, ropes in installs for rope in ropes.values())
     if keys_at_read:
         _require_keys_at_read(found, rotations, [ropes for _, _, ropes in installs])
-    forwards = {cls: _patched_forward(cls, rotations[cls], first, keys_at_read) for cls in found.calls}
+    forwards = {cls: _patched_forward(cls, rotations[cls], first, keys_at_read, first_ropes) for cls in found.calls}
     if model_type not in VERIFIED_ARCHITECTURES:
         warnings.warn(
             f"posenc checked this {model_type} model's frequencies and rotation functions, but its tests have not "
@@ -849,14 +857,22 @@ def _require_keys_at_read(
     posenc must know which channels of the key are the rotated ones and in which layout: refuse where it does not.
     installs: the RoPEs installed, per rotary config and layer type."""
     rope = next(rope for ropes in installs for rope in ropes.values() if rope.rotates_cached_keys)
+    layered = found.model_type in _QUERIES_THEN_KEYS_ATTENTION
+    known = (*SUPPORTED_ARCHITECTURES, *sorted(_QUERIES_THEN_KEYS_ATTENTION))
+    # Gemma 3n / 4 rotate each layer's keys at read with its layer type's RoPE, found by the module's layer_type.
+    strays = sorted(
+        {type(module).__name__ for module in found.attention if getattr(module, "layer_type", None) not in installs[0]}
+    )
     problem = None
-    if len(installs) > 1 or "" not in installs[0]:
+    if len(installs) > 1 or ("" not in installs[0] and not layered):
         problem = "it has more than one rope dict (per layer type, or rotary embeddings with configs of their own)"
-    elif found.model_type not in SUPPORTED_ARCHITECTURES:
+    elif found.model_type not in known:
         problem = (
-            f"posenc knows where the rotated channels sit in the keys the attention function gets only for "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            "posenc knows where the rotated channels sit in the keys the attention function gets only for "
+            f"{', '.join(known)}"
         )
+    elif "" not in installs[0] and strays:
+        problem = f"{', '.join(strays)} has no layer_type among the config's rope dicts ({', '.join(installs[0])})"
     else:
         for cls, per_class in rotations.items():
             if len(per_class) != 1 or per_class[0].layout != ("interleaved" if rope.interleaved else "split-half"):
@@ -869,13 +885,20 @@ def _require_keys_at_read(
 
 
 def _patched_forward(
-    cls: type[nn.Module], rotations: tuple[Rotation, ...], rope: RoPE, keys_at_read: bool
+    cls: type[nn.Module],
+    rotations: tuple[Rotation, ...],
+    rope: RoPE,
+    keys_at_read: bool,
+    ropes: Mapping[str, RoPE] | None = None,
 ) -> types.FunctionType:
     """One copy of ``cls.forward`` per patched model and attention class, shared by its layers (one set of
-    torch.compile guards), whose rotation functions are posenc's, each in the layout its original rotates in."""
+    torch.compile guards), whose rotation functions are posenc's, each in the layout its original rotates in.
+    rope: the first installed RoPE (its backend); ropes: with ``keys_at_read``, the RoPE that rotates the keys at
+    read, by layer type ("" for a model with one rope dict; default ``{"": rope}``)."""
     func = cls.forward
     namespace = innermost(func).__globals__
     replacements: dict[str, Any] = {}
+    queries_then_keys: _QueriesThenKeys | None = None
     for rotation in rotations:
         options = dict(
             interleaved=rotation.interleaved,
@@ -886,11 +909,10 @@ def _patched_forward(
         )
         if rotation.tensors == 2:
             replacements[rotation.name] = functools.partial(_rotate_qk, keys=not keys_at_read, **options)
-        elif keys_at_read:  # it cannot tell q from k, so it cannot leave the keys to be rotated at read
-            raise ValueError(
-                f"{cls.__qualname__} rotates q and k in separate calls of {rotation.name}; mode='consistent' is not "
-                "supported for it (use mode='hf')"
-            )
+        elif keys_at_read:  # q, then k: the second call's tensor is left to be rotated at read
+            _require_queries_then_keys(cls, rotation.name)
+            queries_then_keys = _QueriesThenKeys(functools.partial(_rotate_one, **options))
+            replacements[rotation.name] = queries_then_keys
         else:
             replacements[rotation.name] = functools.partial(_rotate_one, **options)
     if keys_at_read:
@@ -899,9 +921,65 @@ def _patched_forward(
                 f"{cls.__qualname__}.forward does not use {_ATTENTION_REGISTRY_NAME}; mode='consistent' is not "
                 "supported for it in this transformers version (use mode='hf')"
             )
-        replacements[_ATTENTION_REGISTRY_NAME] = _KeysRotatedAtRead(namespace[_ATTENTION_REGISTRY_NAME], rope)
-        return _checking_the_cache(_with_globals(func, replacements))
+        replacements[_ATTENTION_REGISTRY_NAME] = _KeysRotatedAtRead(
+            namespace[_ATTENTION_REGISTRY_NAME], ropes if ropes is not None else {"": rope}
+        )
+        checked = _checking_the_cache(_with_globals(func, replacements))
+        return checked if queries_then_keys is None else _counting_rotations(checked, queries_then_keys)
     return _refusing_unrotated_keys(_with_globals(func, replacements))
+
+
+def _require_queries_then_keys(cls: type[nn.Module], name: str) -> None:
+    """Raise ValueError unless ``cls.forward`` calls ``name`` exactly twice, first on ``query_states`` in a statement
+    that always runs, then on ``key_states``: 'consistent' mode tells k from q by that order (Gemma 3n, Gemma 4)."""
+    func = innermost(cls.forward)
+    refusal = (
+        f"{cls.__qualname__} rotates q and k in separate calls of {name}, and posenc's mode='consistent' tells the "
+        "keys (left unrotated, to be rotated at read) from the queries by the order of the calls: q first, in a "
+        "statement that always runs, then k"
+    )
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(func)))
+    except (OSError, TypeError, SyntaxError) as error:
+        raise ValueError(f"{refusal}; its source cannot be read ({error}). Patch it with mode='hf'") from error
+    body = next(node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))).body
+    calls = sorted(
+        (
+            node
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == name
+        ),
+        key=lambda node: (node.lineno, node.col_offset),
+    )
+    rotated = [ast.unparse(call.args[0]) if call.args else "?" for call in calls]
+    # A statement at the top of the body, not a branch, loop or block, always runs.
+    straight = [stmt for stmt in body if isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.Expr))]
+    first_always = bool(calls) and any(calls[0] in ast.walk(stmt) for stmt in straight)
+    if rotated != ["query_states", "key_states"] or not first_always:
+        raise ValueError(
+            f"{refusal}, and this transformers version's forward rotates {', then '.join(rotated) or 'nothing'}"
+            f"{'' if first_always else ' (the first conditionally)'}. Patch it with mode='hf'"
+        )
+
+
+def _counting_rotations(forward: types.FunctionType, queries_then_keys: _QueriesThenKeys) -> types.FunctionType:
+    """``forward`` with its calls of ``queries_then_keys`` counted from 0: q, then k unless the layer reuses another
+    layer's keys (``is_kv_shared_layer``). Another count is a RuntimeError, not a model that attends wrongly."""
+
+    @functools.wraps(forward)
+    def counted(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        queries_then_keys.begin()
+        out = forward(self, *args, **kwargs)
+        made, expected = queries_then_keys.calls_made(), 1 if getattr(self, "is_kv_shared_layer", False) else 2
+        if made != expected:
+            raise RuntimeError(
+                f"posenc's 'consistent' mode expected {expected} rotation call(s) in {type(self).__qualname__}'s "
+                f"forward (q{'' if expected == 1 else ', then k'}), got {made}; this attention differs from the one "
+                "posenc checked when patching (patch with mode='hf')"
+            )
+        return out
+
+    return counted
 
 
 def is_patched(model: nn.Module) -> bool:

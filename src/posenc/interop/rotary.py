@@ -1,18 +1,21 @@
 """What a patched model rotates with in place of transformers' code: ``PosencRotaryEmbedding``, which stands in for
 the model's ``*RotaryEmbedding`` modules (cos/sin of shape (b, s, r/2) from float64 angles), and ``_rotate_qk`` /
-``_rotate_one``, which the patched attention forward calls in place of its ``apply_rotary_pos_emb*`` functions.
+``_rotate_one``, which the patched attention forward calls in place of its ``apply_rotary_pos_emb*`` functions
+(``_QueriesThenKeys`` in 'consistent' mode where it rotates q and k in separate calls).
 
 Shape key: b batch, h heads, s new tokens, d head dim, r rotary dim.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from posenc import _compile_marks as compile_marks
 from posenc.interop._discover import state_name
 from posenc.rope.apply import apply_rotary, apply_rotary_qk
 from posenc.rope.frequencies import SEQ_LEN_DEPENDENT
@@ -166,6 +169,61 @@ def _rotate_one(
     cos, sin = _unsqueezed(cos, sin, args, kwargs, unsqueeze_at, unsqueeze_default)
     x = apply_rotary(x, cos, sin, interleaved=interleaved, backend=backend)
     return _evens_then_odds(x, 2 * cos.shape[-1]) if regrouped else x
+
+
+class _QueriesThenKeys:
+    """'consistent' mode's rotation function of (x, cos, sin, ...) for an attention forward that calls it on q and
+    then, unless the layer reuses another layer's keys, on k (Gemma 3n, Gemma 4; the order is read from its source
+    by ``posenc.interop.patch._require_queries_then_keys``): the first call of each forward rotates q as
+    ``_rotate_one``, the second returns k unrotated, to be cached so and rotated at read
+    (``_attend_with_rotated_keys``).
+
+    The calls are counted per thread (one patched model may run in several): ``begin`` before each forward,
+    ``calls_made`` after it. rotate: ``_rotate_one`` with the layout's options bound.
+    """
+
+    def __init__(self, rotate: Callable[..., torch.Tensor]) -> None:
+        self._rotate = rotate
+        self._calls = threading.local()
+
+    def begin(self) -> None:
+        _count_rotations(self._calls, reset=True)
+
+    def calls_made(self) -> int:
+        return _count_rotations(self._calls, reset=False, advance=False)
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        return _rotate_queries_only(self._rotate, self._calls, x, cos, sin, *args, **kwargs)
+
+
+@compile_marks.disable(reason="posenc's 'consistent' mode counts each attention forward's rotation calls on the host")
+def _count_rotations(calls: threading.local, *, reset: bool = False, advance: bool = True) -> int:
+    """How many rotation calls this thread's attention forward has made (0 after ``reset``); ``advance`` counts
+    one more, after the returned number."""
+    n = 0 if reset else getattr(calls, "n", 0)
+    calls.n = n + 1 if advance and not reset else n
+    return n
+
+
+@compile_marks.disable(reason="posenc's 'consistent' mode tells q from k by the order of the rotation calls")
+def _rotate_queries_only(
+    rotate: Callable[..., torch.Tensor],
+    calls: threading.local,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *args: Any,
+    **kwargs: Any,
+) -> torch.Tensor:
+    n = _count_rotations(calls)
+    if n == 0:  # the queries
+        return rotate(x, cos, sin, *args, **kwargs)
+    if n == 1:  # the keys: cached unrotated, rotated at read
+        return x
+    raise RuntimeError(
+        f"posenc's 'consistent' mode expected at most two rotation calls (q, then k) in an attention forward, got "
+        f"{n + 1}; this transformers version's attention differs from the one posenc checked (patch with mode='hf')"
+    )
 
 
 def _unsqueezed(

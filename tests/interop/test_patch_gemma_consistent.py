@@ -1,0 +1,145 @@
+"""patch_model(mode="consistent") for Gemma 3n and Gemma 4, whose attention rotates q and k in separate calls of one
+function, keeps a rope dict per layer type, and has layers that reuse another layer's keys (refused until
+2026-12-05: "more than one rope dict", then "rotates q and k in separate calls").
+
+The tiny models have four layers: sliding then full attention, each caching its keys, then one of each that reuses
+them (Gemma 4's in generate with the queries of the last token only). The sliding layers keep a fixed RoPE and the
+full ones scale with the length, so every key a layer caches comes from hidden states that no step's scaling
+touched, and consistent mode must give the logits of a full forward however the text is cut into calls.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import pytest
+import torch
+
+from posenc.interop import patch as patch_module
+from posenc.interop import patch_model
+
+transformers = pytest.importorskip("transformers")
+
+TRAINED = 8  # the 14 tokens cross it
+FP32 = dict(atol=1e-4, rtol=1e-4)  # float32 logits of magnitude ~10: observed <= 2e-6
+
+
+def full_attention_rope(rope_type: str, pairs: int) -> dict[str, Any]:
+    if rope_type == "dynamic":
+        return {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}
+    return {
+        "rope_type": "longrope",
+        "rope_theta": 1e4,
+        "short_factor": [1.0 + i / 8 for i in range(pairs)],
+        "long_factor": [2.0 + 3 * i for i in range(pairs)],
+        "original_max_position_embeddings": TRAINED,
+    }
+
+
+def tiny(model_type: str, rope_type: str) -> Any:
+    # Gemma 4's full-attention layers take global_head_dim; transformers 5.25's longrope validation reads the
+    # config's head_dim, which a global_head_dim of its own makes ambiguous (an error), so longrope keeps it equal.
+    full_head_dim = 32 if model_type == "gemma4_text" and rope_type == "dynamic" else 16
+    sizes = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_hidden_layers=4,
+        num_kv_shared_layers=2,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        sliding_window=4,
+        max_position_embeddings=TRAINED if rope_type == "dynamic" else 4 * TRAINED,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=128,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        rope_parameters={
+            "full_attention": full_attention_rope(rope_type, full_head_dim // 2),
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+    )
+    if model_type == "gemma4_text":
+        sizes["global_head_dim"] = full_head_dim
+    config = transformers.AutoConfig.for_model(model_type, **sizes)
+    assert config.kv_sharing_modes == ["store", "store", "reuse", "reuse"]
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def cut_into_calls(model: Any, ids: torch.Tensor, lengths: list[int]) -> float:
+    """The largest difference between each call's logits, continuing one DynamicCache, and a full forward's over the
+    text up to that call's end."""
+    cache, start, worst = transformers.DynamicCache(config=model.config), 0, 0.0
+    for length in lengths:
+        end = start + length
+        got = model(ids[:, start:end], cache=cache, use_cache=True).logits
+        worst = max(worst, (got - model(ids[:, :end]).logits[:, start:]).abs().max().item())
+        start = end
+    return worst
+
+
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+@pytest.mark.parametrize("model_type", ["gemma4_text", "gemma3n_text"])
+def test_consistent_mode_gives_one_scaling_however_the_text_is_cut(model_type: str, rope_type: str) -> None:
+    reference = tiny(model_type, rope_type)
+    model = copy.deepcopy(reference)
+    report = patch_model(model, mode="consistent")
+    assert (
+        report.mode == "consistent" and report.rope_type == f"full_attention: {rope_type}, sliding_attention: default"
+    )
+    ids = torch.randint(3, 128, (2, 14), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        # A full forward is transformers' own ...
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, **FP32)
+        # ... and so is every call that continues a cache, which the unpatched model's are not.
+        for lengths in ([5, 9], [3, 4, 1, 6], [1] * 14):
+            assert cut_into_calls(model, ids, lengths) < FP32["atol"]
+        assert cut_into_calls(reference, ids, [1] * 14) > 1e-2
+        # generate, a left-padded row: the same tokens and logits with the cache as without it.
+        mask = torch.ones_like(ids[:, :6])
+        mask[1, :2] = 0
+        options = dict(
+            attention_mask=mask, max_new_tokens=8, do_sample=False, return_dict_in_generate=True, output_logits=True
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # past max_position_embeddings, which the scaling is for
+            cached = model.generate(ids[:, :6], **options)
+            uncached = model.generate(ids[:, :6], use_cache=False, **options)
+    assert torch.equal(cached.sequences, uncached.sequences)
+    torch.testing.assert_close(torch.stack(cached.logits), torch.stack(uncached.logits), **FP32)
+
+
+def test_the_order_of_the_rotation_calls_is_read_before_consistent_mode_relies_on_it() -> None:
+    """consistent mode leaves the second call's tensor unrotated: a forward that rotates k first, or q only in a
+    branch, would get its queries unrotated and its keys rotated twice. Refused when patching."""
+
+    def apply_rotary_pos_emb(x: torch.Tensor, *args: Any) -> torch.Tensor:
+        return x
+
+    class KeysFirst(torch.nn.Module):
+        def forward(self, query_states: torch.Tensor, key_states: torch.Tensor) -> Any:
+            key_states = apply_rotary_pos_emb(key_states)
+            query_states = apply_rotary_pos_emb(query_states)
+            return query_states, key_states
+
+    class QueriesInABranch(torch.nn.Module):
+        def forward(self, query_states: torch.Tensor, key_states: torch.Tensor, flag: bool = True) -> Any:
+            if flag:
+                query_states = apply_rotary_pos_emb(query_states)
+            key_states = apply_rotary_pos_emb(key_states)
+            return query_states, key_states
+
+    with pytest.raises(ValueError, match=r"rotates key_states, then query_states\. Patch it with mode='hf'"):
+        patch_module._require_queries_then_keys(KeysFirst, "apply_rotary_pos_emb")
+    with pytest.raises(ValueError, match=r"query_states, then key_states \(the first conditionally\)"):
+        patch_module._require_queries_then_keys(QueriesInABranch, "apply_rotary_pos_emb")
+    for model_type in ("gemma3n", "gemma4"):
+        modeling = __import__(f"transformers.models.{model_type}.modeling_{model_type}", fromlist=["_"])
+        attention = getattr(modeling, f"{model_type.capitalize()}TextAttention")
+        patch_module._require_queries_then_keys(attention, "apply_rotary_pos_emb")  # transformers' own: q, then k
