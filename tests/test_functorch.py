@@ -153,17 +153,20 @@ def test_functionalize_mrope_and_its_construction():
 
 
 MODES = ["real", "fake", "symbolic"]
+# make_fx(pre_dispatch=True) keeps its proxy mode on a stack of its own: it recorded the example's reads as before.
+PRE_DISPATCH = pytest.mark.parametrize("pre_dispatch", [False, True], ids=["dispatch", "pre_dispatch"])
 
 
+@PRE_DISPATCH
 @pytest.mark.parametrize("mode", MODES)
-def test_make_fx_graphs_of_rope_read_the_ids_they_are_given(mode):
+def test_make_fx_graphs_of_rope_read_the_ids_they_are_given(mode, pre_dispatch):
     """make_fx recorded the example's host reads: a 256-row table sized from its ids (other ids past it raised
     torch's IndexError at replay, a negative id read the last rows without an error) and, in "real" mode, range
     checks that never ran again. The graph computes from the ids it is called with and checks them itself."""
     q, k, _, _ = _inputs()
     rope = posenc.RoPE(D)
-    cos_sin = make_fx(lambda p: rope.cos_sin(p), tracing_mode=mode)(IDS)
-    forward = make_fx(lambda q, k, p: rope(q, k, positions=p), tracing_mode=mode)(q, k, IDS)
+    cos_sin = make_fx(lambda p: rope.cos_sin(p), tracing_mode=mode, pre_dispatch=pre_dispatch)(IDS)
+    forward = make_fx(lambda q, k, p: rope(q, k, positions=p), tracing_mode=mode, pre_dispatch=pre_dispatch)(q, k, IDS)
     for ids in (IDS + 300, IDS + 5000):
         _all_close(cos_sin(ids), rope.cos_sin(ids))
         _all_close(forward(q, k, ids), rope(q, k, positions=ids))
@@ -173,28 +176,32 @@ def test_make_fx_graphs_of_rope_read_the_ids_they_are_given(mode):
         forward(q, k, IDS - 3)
 
 
+@PRE_DISPATCH
 @pytest.mark.parametrize("mode", MODES)
-def test_make_fx_of_dynamic_ntk_asks_for_seq_len(mode):
+def test_make_fx_of_dynamic_ntk_asks_for_seq_len(mode, pre_dispatch):
     """The length dynamic NTK scales for was the example's ("real") or 1 (fake): every replay scaled for it."""
     q, k, _, _ = _inputs()
     rope = posenc.RoPE(D, rope_parameters={"rope_type": "dynamic", "factor": 2.0}, max_position_embeddings=16)
     with pytest.raises(ValueError, match=r"make_fx's trace.*pass seq_len="):
-        make_fx(lambda q, k, p: rope(q, k, positions=p), tracing_mode=mode)(q, k, IDS)
+        make_fx(lambda q, k, p: rope(q, k, positions=p), tracing_mode=mode, pre_dispatch=pre_dispatch)(q, k, IDS)
     with pytest.raises(ValueError, match=r"make_fx's trace.*pass seq_len="):
-        make_fx(lambda p: rope.cos_sin(p), tracing_mode=mode)(IDS)
-    graph = make_fx(lambda q, k, p: rope(q, k, positions=p, seq_len=64), tracing_mode=mode)(q, k, IDS)
+        make_fx(lambda p: rope.cos_sin(p), tracing_mode=mode, pre_dispatch=pre_dispatch)(IDS)
+    graph = make_fx(lambda q, k, p: rope(q, k, positions=p, seq_len=64), tracing_mode=mode, pre_dispatch=pre_dispatch)(
+        q, k, IDS
+    )
     _all_close(graph(q, k, IDS + 40), rope(q, k, positions=IDS + 40, seq_len=64))
 
 
+@PRE_DISPATCH
 @pytest.mark.parametrize("mode", MODES)
-def test_make_fx_of_longrope_chooses_its_factors_in_the_graph(mode):
+def test_make_fx_of_longrope_chooses_its_factors_in_the_graph(mode, pre_dispatch):
     """As under torch.compile: the short or long factors for max(positions) + 1, chosen by the graph at each call
     (the example's choice was baked in, or a bare torch error came from reading the length)."""
     q, k, _, _ = _inputs()
     factors = {"short_factor": [1.0, 1.1, 1.2, 1.3], "long_factor": [2.0, 3.0, 4.0, 5.0], "factor": 4.0}
     params = {"rope_type": "longrope", "original_max_position_embeddings": 16, **factors}
     rope = posenc.RoPE(D, rope_parameters=params, max_position_embeddings=64)
-    graph = make_fx(lambda q, k, p: rope(q, k, positions=p), tracing_mode=mode)(q, k, IDS)
+    graph = make_fx(lambda q, k, p: rope(q, k, positions=p), tracing_mode=mode, pre_dispatch=pre_dispatch)(q, k, IDS)
     for ids in (IDS, IDS + 30):  # max 9 (short factors) and 39 (long ones)
         _all_close(graph(q, k, ids), rope(q, k, positions=ids))
 

@@ -189,6 +189,8 @@ _dispatch_mode = torch._C._get_dispatch_mode
 _dispatch_modes_on = torch._C._len_torch_dispatch_stack  # counts the fake and proxy modes too
 _FAKE_MODE = torch._C._TorchDispatchModeKey.FAKE
 _PROXY_MODE = torch._C._TorchDispatchModeKey.PROXY
+_function_modes_on = torch._C._is_torch_function_mode_enabled  # make_fx(pre_dispatch=True) pushes one
+_pre_dispatch_mode = torch._ops._get_dispatch_mode_pre_dispatch
 _STRIDED = torch.strided
 
 
@@ -207,8 +209,15 @@ def recording() -> bool:
     and a table sized, or a dynamic NTK length scaled, from the example's ids was baked in (at replay ids past the
     256-row table raised torch's IndexError, a negative id read the table's last rows, and dynamic NTK scaled every
     call for the example's length, all without a posenc error). In "real" mode the example's values were read
-    (``.tolist()`` slips past make_fx's refusal of data-dependent reads, ``.item()`` raised it from deep inside)."""
-    return _dispatch_mode(_PROXY_MODE) is not None
+    (``.tolist()`` slips past make_fx's refusal of data-dependent reads, ``.item()`` raised it from deep inside).
+    make_fx(pre_dispatch=True) keeps its proxy mode on a stack of its own, which the dispatch-mode query misses."""
+    return _dispatch_mode(_PROXY_MODE) is not None or pre_dispatch_recording()
+
+
+def pre_dispatch_recording() -> bool:
+    """Whether make_fx(pre_dispatch=True) records: its proxy mode sits on the pre-dispatch stack (process-wide), asked
+    only where a torch function mode is on in this thread (its PreDispatchTorchFunctionMode is; ~50 ns otherwise)."""
+    return _function_modes_on() and _pre_dispatch_mode(_PROXY_MODE) is not None
 
 
 def values_readable(device: torch.device | str | None) -> bool:
@@ -224,6 +233,8 @@ def values_readable(device: torch.device | str | None) -> bool:
             return False
     elif _dispatch_modes_on() and (_dispatch_mode(_FAKE_MODE) is not None or _dispatch_mode(_PROXY_MODE) is not None):
         return False  # the count first: with no mode on (every eager call) one query, ~2x faster than one by key
+    elif pre_dispatch_recording():
+        return False
     # A torch.device as it is: torch.device(device) costs ~0.4 us of a decode-size call.
     if isinstance(device, torch.device):
         kind = device.type

@@ -20,7 +20,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 from torch._subclasses.fake_tensor import FakeTensor
 
-from posenc._checks import compiling, inplace_refused, is_dtensor, runs_own_ops
+from posenc._checks import compiling, inplace_refused, is_dtensor, pre_dispatch_recording, runs_own_ops
 from posenc._compile_marks import assume_constant_result
 from posenc.kernels.cpu_rope import DTYPE_CODES, cpu_available, cpu_unavailable_reason, rope_cpu_jobs
 from posenc.kernels.layout import KINDS, Kind, canonical, canonical_cos, consecutive_rows, token_positions
@@ -694,8 +694,9 @@ def _dispatched(*tensors: torch.Tensor) -> bool:
     logging or FLOP-counting mode, selective checkpointing) sees only what passes the dispatcher: a direct launch was
     missing from it, so a make_fx graph returned the uninitialized output without the rotation. The op runs the same
     kernels once the mode has seen it. (``torch.jit.trace`` never gets here: ``_fused_problem`` sends it to the torch
-    path.)"""
-    if torch._C._len_torch_dispatch_stack():
+    path.) make_fx(pre_dispatch=True) keeps its mode on a stack of its own: asked too (its graph held only the empty
+    outputs)."""
+    if torch._C._len_torch_dispatch_stack() or pre_dispatch_recording():
         return True
     # A plain loop: this runs on every call, and a generator costs a microsecond.
     for t in tensors:  # noqa: SIM110
