@@ -189,7 +189,9 @@ def _length_unreadable(rope_type: str) -> ValueError:
         "the tokens in the cache plus the new ones) to RoPE's forward or cos_sin, or, where the caller cannot "
         "(CausalSelfAttention, a patched transformers model), compile without fullgraph=True: the length is then read"
         " in a graph break. torch.export has no graph breaks: there pass seq_len=positions.shape[-1] (or the cached +"
-        " new length), with the length's Dim on one side of max_position_embeddings (a program for each)"
+        " new length), with the length's Dim on one side of max_position_embeddings (a program for each). make_fx and"
+        " functorch's aot_function have none either: trace a caller that cannot pass seq_len= with torch.compile, or"
+        " use a type that does not read the length (linear, yarn, llama3)"
     )
 
 
