@@ -287,3 +287,27 @@ def test_ids_traced_by_aot_function_are_not_refused_as_wrapper_subclasses(given)
     }
     fn, args = calls[given]
     torch.testing.assert_close(aot_function(fn, fw_compiler=nop)(*args), fn(*args))
+
+
+def test_a_wrapper_subclass_is_taken_where_no_value_is_read_on_the_host():
+    """Only calls that check ids' values on the host refuse a __torch_dispatch__ wrapper: the document-id helpers run
+    torch's operations on it, which the wrapper serves, and return one."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    docs, positions = torch.tensor([[0, 0, 1, 1, 1, 2]]), torch.tensor([[0, 1, 0, 1, 2, 0]])
+    got = posenc.positions_from_document_ids(TwoTensor(docs, docs.clone()))
+    assert type(got) is TwoTensor and torch.equal(got.a, positions) and torch.equal(got.b, positions)
+    got = posenc.document_ids_from_positions(TwoTensor(positions, positions.clone()))
+    assert type(got) is TwoTensor and torch.equal(got.a, docs) and torch.equal(got.b, docs)
+
+
+def test_wrapper_subclass_ids_are_taken_under_torch_compile():
+    """Compiled, the checks read no values, so a wrapper subclass as position ids is not refused (eager refuses it,
+    above): Dynamo traces through the wrapper, and the rotation equals the one by the plain ids."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    cos, sin = _cos_sin(10, 8)
+    x, ids = torch.randn(1, 2, 3, 8), torch.tensor([2, 0, 1])
+    rotate = lambda x, c, s, i: posenc.apply_rotary(x, c, s, positions=i)  # noqa: E731
+    got = torch.compile(rotate, backend="aot_eager", fullgraph=True)(x, cos, sin, TwoTensor(ids, ids.clone()))
+    torch.testing.assert_close(got, rotate(x, cos, sin, ids), rtol=0, atol=0)

@@ -1029,3 +1029,40 @@ def test_one_token_per_sequence_read_at_an_offset_is_refused_naming_a_view_of_b_
     rows = torch.as_tensor(offset).expand(b)
     expected = posenc.apply_rotary(q.view(b, -1, d), cos[rows, None], sin[rows, None])
     torch.testing.assert_close(out.reshape(q.shape), expected.reshape(q.shape), rtol=0, atol=0)
+
+
+def test_a_complex_sin_beside_a_real_cos_is_refused_naming_freqs_cis():
+    """sin complex alone (cos=freqs_cis.real, sin=freqs_cis, the .imag forgotten): the freqs_cis fix too, not the one
+    for complex activations (view_as_real), which would make sin twice as wide as cos."""
+    angles = torch.arange(16.0, dtype=torch.float64)[:, None] * torch.rand(4, dtype=torch.float64)
+    freqs_cis = torch.polar(torch.ones_like(angles), angles)
+    x = torch.randn(2, 5, 3, 8, dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"^sin is complex .*cos=freqs_cis\.real, sin=freqs_cis\.imag"):
+        posenc.apply_rotary(x, freqs_cis.real, freqs_cis, offset=0, layout="bshd", interleaved=True)
+
+
+def test_a_table_on_another_device_than_x_is_refused_naming_both_devices():
+    """cos on x's device but sin on another: refused at the call, not deep inside the kernel or torch ("Tensor on
+    device meta is not on the expected device cpu!")."""
+    x, cos = torch.randn(2, 3, 5, 8), torch.randn(32, 4)
+    for backend in ("auto", "torch"):
+        with pytest.raises(ValueError, match=r"^x is on cpu but cos/sin on cpu/meta; move all to one device"):
+            posenc.apply_rotary(x, cos, cos.to("meta"), offset=0, backend=backend)
+
+
+@pytest.mark.parametrize("flat", [False, True], ids=["(n, h, d)", "(n, h * d)"])
+def test_the_token_major_hint_names_only_views_that_fit_the_call(flat):
+    """x of too few dims: the hint names only views that fit the call. Not (h, s, d) for a 2-D x; not a decode
+    step's (b, 1, h, d) view where position ids are given (x is then read at them, the offset added to each); none
+    for cu_seqlens, whose x is (total_tokens, h, d) and whose positions restart per sequence."""
+    n, h, d = 6, 4, 8
+    cos, sin = torch.randn(32, d // 2), torch.randn(32, d // 2)
+    q = torch.randn(n, h * d) if flat else torch.randn(n, h, d)
+    with pytest.raises(ValueError, match=r"x must be 4-D .*vLLM's q and k") as info:
+        posenc.apply_rotary(q, cos, sin, positions=torch.arange(n), offset=2)
+    assert "a decode step" not in str(info.value)
+    assert ("one sequence laid out (h, s, d)" in str(info.value)) is not flat
+    if flat:
+        exactly = r"^x must be 3-D \(total_tokens, h, d\) for this call, got shape \(6, 32\)$"
+        with pytest.raises(ValueError, match=exactly):
+            posenc.apply_rotary(q, cos, sin, cu_seqlens=torch.tensor([0, n]))

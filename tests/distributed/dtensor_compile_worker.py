@@ -183,6 +183,19 @@ def main() -> None:
                 except Exception as error:
                     failures.append(f"plain x, DTensor {list(kwargs)} {p} {backend} compiled={compiled}: "
                                     f"{type(error).__name__}: {str(error).splitlines()[0][:300]}")  # fmt: skip
+    # DTensor cos/sin alone beside plain x and plain (or no) ids: their whole values too. Only the ids, offsets and
+    # cu_seqlens were looked at, and the DTensor table met plain x or ids ("mixed torch.Tensor and DTensor").
+    for kwargs, rows in (({}, slice(0, s)), ({"offset": 3}, slice(3, 3 + s)), ({"positions": positions}, positions)):
+        tables = (cos, sin) if kwargs else (cos[:s], sin[:s])
+        for backend in ("auto", "torch"):
+            try:
+                got = rot(x, *(dt(t) for t in tables), backend=backend, **kwargs)
+                assert type(got) is torch.Tensor, type(got)
+                err = (got.double() - reference(x, cos[rows], sin[rows], False)).abs().max().item()
+                assert err < 1e-5, f"max error {err}"
+            except Exception as error:
+                failures.append(f"plain x and ids, DTensor cos/sin {list(kwargs)} {backend}: {type(error).__name__}: "
+                                f"{str(error).splitlines()[0][:300]}")  # fmt: skip
     # cos_sin and rotate with DTensor ids: the plain table indexed by a DTensor failed (mixed torch.Tensor and
     # DTensor). cos/sin come back laid out as the ids are.
     ids = torch.tensor([[3, 1, 4, 1, 5], [0, 1, 2, 3, 9]])

@@ -91,8 +91,12 @@ def _sharded_document_ids(dt, shard, gen: torch.Generator) -> None:
     it), and CausalSelfAttention's document ids sharded across the ranks met its plain tensors ("mixed torch.Tensor
     and DTensor"), a run that comes back later on one rank's shard refused with different errors per rank: now the
     ids of the whole values, and the same refusal on every rank."""
+    from torch.distributed.tensor import Replicate
+
     cu = torch.tensor([0, 3, 3, 7, 9])
     got = posenc.document_ids_from_cu_seqlens(dt(cu, shard))
+    # Replicated, as the rotation takes them: (total_tokens,) ids have no layout in common with (n_seq + 1,) sums.
+    assert got.placements == (Replicate(),), got.placements
     assert torch.equal(got.full_tensor(), posenc.document_ids_from_cu_seqlens(cu))
     attention = posenc.CausalSelfAttention(32, 2, encoding=posenc.RoPE(16))
     x = torch.randn(4, 5, 32, generator=gen)

@@ -1614,3 +1614,19 @@ def test_tiny_model_from_config_without_transformers_says_how_to_install(monkeyp
     monkeypatch.setitem(sys.modules, "transformers", None)
     with pytest.raises(ModuleNotFoundError, match=r"tiny_model_from_config .* pip install transformers"):
         tiny_model_from_config({"model_type": "llama", "hidden_size": 32, "num_attention_heads": 2})
+
+
+def test_phi3s_top_level_original_length_fills_in_only_what_the_dict_leaves_out() -> None:
+    """The top-level original length of a Phi-3-128k config is the default for the types that read one: a length given
+    in the dict stays (8, not the model's 16), and 'default', which reads none, is not handed it (it was refused as a
+    key that 'default' does not use)."""
+    pairs = ROTARY_PAIRS.get("phi3", 8)
+    longrope = {"rope_type": "longrope", "short_factor": [1.0] * pairs, "long_factor": [4.0] * pairs}
+    for given, original in (({**longrope, "original_max_position_embeddings": 8}, 8), ({"rope_type": "default"}, None)):
+        model = build("phi3", "longrope")  # max_position_embeddings 64, original 16
+        report = patch_model(model, rope_parameters=given)
+        assert report.rope_parameters.get("original_max_position_embeddings") == original
+        fresh = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(model.config)).eval()
+        fresh.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            torch.testing.assert_close(model(tokens()).logits, fresh(tokens()).logits, **FP32)

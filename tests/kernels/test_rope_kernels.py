@@ -1651,3 +1651,17 @@ def test_batched_backward_passes_match_one_by_one(backend, rotary_dim, call):
     for g, got in zip(grads, batched, strict=True):
         # The fused backward rounds its multiply-adds once, the batched torch formula twice: float32's tolerance.
         assert_close(got, torch.autograd.grad(out, x, g, retain_graph=True)[0].double())
+
+
+def test_choose_backend_names_a_bad_sin_or_x_and_sends_mixed_dtypes_to_torch():
+    """sin and every x are checked as cos is, each named; q and k of two dtypes go to the torch path ("auto") or are
+    refused by a fused backend, which rotates one dtype per call."""
+    cos, sin = table(8, 3)
+    x = torch.zeros(1, 3, 8)
+    with pytest.raises(TypeError, match=r"^sin must be a torch\.Tensor, got list"):
+        choose_backend("auto", [x], cos, [1.0], "broadcast")
+    with pytest.raises(TypeError, match=r"^xs\[1\] must be a torch\.Tensor, got NoneType"):
+        choose_backend("auto", [x, None], cos, sin, "broadcast")
+    assert choose_backend("auto", [x, x.double()], cos, sin, "broadcast") == "torch"
+    with pytest.raises(ValueError, match="q and k have different dtypes"):
+        choose_backend("cpu", [x, x.double()], cos, sin, "broadcast")

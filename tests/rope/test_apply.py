@@ -451,6 +451,19 @@ def test_a_move_drops_the_tables_of_other_devices():
     assert torch.equal(rope(q, q)[0], expected)
 
 
+def test_a_move_drops_the_windows_of_other_devices():
+    """The windows far past the table (4096 rows each, up to 8 per device and dtype) go with a move as the tables do,
+    and stay with a cast."""
+    rope = posenc.RoPE(16, backend="torch")
+    q = torch.randn(1, 2, 5, 16)
+    rope(q, q, offset=100_000)  # past the table's limit: a window
+    assert {key[0] for key in rope._windows} == {torch.device("cpu")}
+    torch.nn.Sequential(rope).half()
+    assert {key[0] for key in rope._windows} == {torch.device("cpu")}
+    torch.nn.Sequential(rope).to("meta")
+    assert rope._windows == {}
+
+
 def test_a_pickled_rope_leaves_its_tables_behind_and_rebuilds_them():
     """pickle / torch.save(model) / deepcopy of a RoPE that had served offset 60000 in two dtypes carried ~100 MB
     of derived tables (769 bytes fresh); a spawned process received the same."""

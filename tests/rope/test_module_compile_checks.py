@@ -568,6 +568,18 @@ def test_an_eager_call_while_another_thread_compiles_takes_the_eager_path():
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+def test_a_fake_mode_call_while_another_thread_compiles_reads_no_values():
+    """A FakeTensorMode (a memory or FLOP estimator) in one thread while another compiles: torch's process-wide flag
+    is on there too, and posenc still skips the checks that read values, which fake tensors do not have (a read
+    raised DataDependentOutputException)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with _another_thread_compiling(), FakeTensorMode():
+        q, ids = torch.randn(1, 2, 3, HEAD_DIM), torch.tensor([[2, 0, 1]])
+        cos, sin = torch.randn(10, HEAD_DIM // 2), torch.randn(10, HEAD_DIM // 2)
+        assert posenc.apply_rotary(q, cos, sin, positions=ids).shape == q.shape
+
+
 def test_only_the_compiling_thread_counts_as_tracing():
     """posenc's check: True in the compiling thread's eager code during the compile (a backend, AOTAutograd's
     make_fx), False in any other thread meanwhile, and False once the compile is over."""
