@@ -143,3 +143,23 @@ def test_the_order_of_the_rotation_calls_is_read_before_consistent_mode_relies_o
         modeling = __import__(f"transformers.models.{model_type}.modeling_{model_type}", fromlist=["_"])
         attention = getattr(modeling, f"{model_type.capitalize()}TextAttention")
         patch_module._require_queries_then_keys(attention, "apply_rotary_pos_emb")  # transformers' own: q, then k
+
+
+def test_a_model_whose_layers_reuse_keys_it_never_caches_is_refused() -> None:
+    """Gemma 4's assistant (the drafter of generate(assistant_model=...)) is a gemma4_text model whose every layer
+    reuses keys: its target model's shared_kv_states, of tokens before the assistant's own, which are not cached
+    behind its new tokens. Rotated at read from its positions, they took the wrong ones (its draft logits off by
+    ~0.5, and keys the unpatched target had rotated were rotated twice), with no error."""
+    target = tiny("gemma4_text", "dynamic")
+    text = {**target.config.to_dict(), "hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0}
+    text.update(global_head_dim=32, num_hidden_layers=2, num_kv_shared_layers=2, layer_types=text["layer_types"][:2])
+    for derived in ("kv_sharing_modes", "per_layer_config", "model_type", "transformers_version", "architectures"):
+        text.pop(derived, None)
+    config = transformers.AutoConfig.for_model(
+        "gemma4_assistant", text_config=transformers.AutoConfig.for_model("gemma4_text", **text).to_dict()
+    )
+    assistant = transformers.AutoModelForCausalLM.from_config(config)
+    assert config.text_config.kv_sharing_modes == ["reuse", "reuse"]
+    with pytest.raises(ValueError, match=r"full_attention, sliding_attention reuse keys that no layer of this"):
+        patch_model(assistant.model, mode="consistent")
+    patch_model(assistant.model, mode="hf")  # transformers' numbers: keys rotated as the target cached them

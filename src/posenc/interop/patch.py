@@ -873,6 +873,12 @@ def _require_keys_at_read(
         )
     elif "" not in installs[0] and strays:
         problem = f"{', '.join(strays)} has no layer_type among the config's rope dicts ({', '.join(installs[0])})"
+    elif borrowed := _layer_types_reusing_foreign_keys(found.attention):
+        problem = (
+            f"its layers of type {', '.join(borrowed)} reuse keys that no layer of this model caches (Gemma 4's "
+            "assistant gets its target model's shared_kv_states), of tokens whose positions posenc cannot count "
+            "back from this model's new tokens"
+        )
     else:
         for cls, per_class in rotations.items():
             if len(per_class) != 1 or per_class[0].layout != ("interleaved" if rope.interleaved else "split-half"):
@@ -882,6 +888,14 @@ def _require_keys_at_read(
             f"mode='consistent' with rope_type={rope.rope_type!r} rotates the cached keys at read, which posenc does "
             f"not do for this {found.model_type} model: {problem}. Patch it with mode='hf' (transformers' numbers)"
         )
+
+
+def _layer_types_reusing_foreign_keys(attention: Sequence[nn.Module]) -> list[str]:
+    """The layer types whose layers reuse another layer's keys (Gemma 3n / 4's ``is_kv_shared_layer``) with no layer
+    of the model storing them (``store_full_length_kv``): keys from outside the model, not cached behind its new
+    tokens, whose positions 'consistent' mode would count wrongly (Gemma 4's assistant, whose every layer reuses)."""
+    stored = {module.layer_type for module in attention if getattr(module, "store_full_length_kv", False)}
+    return sorted({module.layer_type for module in attention if getattr(module, "is_kv_shared_layer", False)} - stored)
 
 
 def _patched_forward(
