@@ -163,3 +163,25 @@ def test_a_model_whose_layers_reuse_keys_it_never_caches_is_refused() -> None:
     with pytest.raises(ValueError, match=r"full_attention, sliding_attention reuse keys that no layer of this"):
         patch_model(assistant.model, mode="consistent")
     patch_model(assistant.model, mode="hf")  # transformers' numbers: keys rotated as the target cached them
+
+
+def test_a_composite_gemma4_is_refused_naming_its_text_model_which_patches_alone() -> None:
+    """Gemma 4's composite model (gemma4, which 'consistent' mode does not take) is refused naming the call that
+    patches its gemma4_text text model alone, which keeps the consistent property inside the composite."""
+    text = tiny("gemma4_text", "dynamic").config
+    config = transformers.AutoConfig.for_model("gemma4", text_config=text.to_dict())
+    torch.manual_seed(0)
+    model = transformers.AutoModelForImageTextToText.from_config(config).eval()
+    reference = copy.deepcopy(model)
+    hint = r"patch its gemma4_text text model alone: patch_model\(model\.get_submodule\('model\.language_model'\)"
+    with pytest.raises(ValueError, match="more than one rope dict.*" + hint):
+        patch_model(copy.deepcopy(model), mode="consistent")
+    patch_model(model.get_submodule("model.language_model"), mode="consistent")
+    ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = model(input_ids=ids).logits
+        torch.testing.assert_close(full, reference(input_ids=ids).logits, atol=1e-4, rtol=1e-4)
+        cache = transformers.DynamicCache(config=model.config.text_config)
+        model(input_ids=ids[:, :11], past_key_values=cache, use_cache=True)
+        step = model(input_ids=ids[:, 11:], past_key_values=cache, use_cache=True).logits[:, -1]
+    torch.testing.assert_close(step, full[:, -1], atol=1e-4, rtol=1e-4)

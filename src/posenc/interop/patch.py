@@ -638,7 +638,7 @@ def patch_model(
     rotations = _probe_rotations(found, first_members[0][1], layer_type, first, same_rope=rope_parameters is None)
     keys_at_read = any(rope.rotates_cached_keys for _, _, ropes in installs for rope in ropes.values())
     if keys_at_read:
-        _require_keys_at_read(found, rotations, [ropes for _, _, ropes in installs])
+        _require_keys_at_read(model, found, rotations, [ropes for _, _, ropes in installs])
     forwards = {cls: _patched_forward(cls, rotations[cls], first, keys_at_read, first_ropes) for cls in found.calls}
     if model_type not in VERIFIED_ARCHITECTURES:
         warnings.warn(
@@ -849,6 +849,7 @@ def _probe_rotations(
 
 
 def _require_keys_at_read(
+    model: nn.Module,
     found: ModelRope,
     rotations: Mapping[type[nn.Module], tuple[Rotation, ...]],
     installs: Sequence[Mapping[str, RoPE]],
@@ -887,7 +888,20 @@ def _require_keys_at_read(
         raise ValueError(
             f"mode='consistent' with rope_type={rope.rope_type!r} rotates the cached keys at read, which posenc does "
             f"not do for this {found.model_type} model: {problem}. Patch it with mode='hf' (transformers' numbers)"
+            f"{_text_model_hint(model, found, known)}"
         )
+
+
+def _text_model_hint(model: nn.Module, found: ModelRope, known: Sequence[str]) -> str:
+    """Where a composite model's rotary embedding sits in a submodule of an architecture 'consistent' mode takes (Gemma
+    4's text model inside Gemma4ForConditionalGeneration), the call that patches that submodule alone."""
+    for name, _ in found.rotary:
+        holder = name.rpartition(".")[0]
+        config = getattr(model.get_submodule(holder), "config", None) if holder else None
+        kind = getattr(config, "model_type", None)
+        if kind != found.model_type and kind in known:
+            return f", or patch its {kind} text model alone: patch_model(model.get_submodule({holder!r}), ...)"
+    return ""
 
 
 def _layer_types_reusing_foreign_keys(attention: Sequence[nn.Module]) -> list[str]:
