@@ -22,8 +22,7 @@ from posenc.kernels import ops
 
 print("dynamo after import posenc:", "torch._dynamo" in sys.modules)
 sites = [(posenc.rope.module, "_call_cos_sin_eagerly"), (posenc.rope.module, "_call_longrope_cos_sin_eagerly"),
-         (posenc.rope.module, "_scaling_length_eagerly"),
-         (posenc.interop.consistent, "_rotate_keys_for_step"), (posenc.kernels.flex_bias, "_flex_in_own_graph")]
+         (posenc.rope.module, "_scaling_length_eagerly"), (posenc.kernels.flex_bias, "_flex_in_own_graph")]
 rope = posenc.RoPE(16, rope_parameters={{"rope_type": "dynamic", "factor": 2.0}}, max_position_embeddings=8)
 q = torch.randn(1, 2, 12, 16)
 compiled = torch.compile(lambda q: rope(q, q)[0], fullgraph=True, backend="eager")

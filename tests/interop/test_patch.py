@@ -1090,17 +1090,71 @@ def test_consistent_mode_refuses_a_lazily_built_cache_of_fixed_size_layers() -> 
 
 
 def test_consistent_mode_under_fullgraph_says_to_compile_without_it() -> None:
-    """The step's length is read on the host in each attention layer: fullgraph=True's error named the read but not
-    what to do, where the cache without patching (posenc.KVCache) says to compile without fullgraph. LongRoPE's
-    rotary embedding has no break of its own before it (dynamic's says the same)."""
-    model = build("llama", "longrope")
+    """Dynamic NTK reads the step's length on the host in the rotary embedding: fullgraph=True's error says to compile
+    without it (the attention layers read it in an op, with no break of their own)."""
+    model = build("llama", "dynamic")
     patch_model(model, mode="consistent")
     torch._dynamo.reset()
     try:
-        with torch.no_grad(), pytest.raises(Exception, match=r"compile the patched model without fullgraph=True"):
+        with torch.no_grad(), pytest.raises(Exception, match=r"patched transformers models cannot: compile them"):
             torch.compile(model, backend="eager", fullgraph=True)(tokens(length=4))
     finally:
         torch._dynamo.reset()
+
+
+def _decode(model: Any, ids: torch.Tensor, prompt: int) -> list[torch.Tensor]:
+    """Logits of a prompt of ``prompt`` tokens and then of one cached step per remaining token of ``ids``."""
+    with torch.no_grad():
+        out = model(ids[:, :prompt], use_cache=True)
+        logits = [out.logits]
+        for i in range(prompt, ids.shape[1]):
+            out = model(ids[:, i : i + 1], cache=out.cache)
+            logits.append(out.logits)
+    return logits
+
+
+def test_consistent_mode_compiles_as_often_whatever_the_layer_count() -> None:
+    """The cached keys are rotated at read in every attention layer, for the step's length, read on the host: in a
+    graph break there, Dynamo compiled each layer's attention forward as a frame of its own, guarded on its layer_idx
+    and cache layer, 3 x num_hidden_layers times (38 with 12 layers, past the recompile limit of 8: the layers past
+    it ran uncompiled). Now the length is read in an op inside the graph: as many compiles for 4 layers as for 2,
+    equal to eager across the trained length."""
+    from torch._dynamo.testing import CompileCounter  # a submodule that `import torch` does not load
+
+    ids = tokens(batch=1, length=TRAINED + 3)
+    compiles = {}
+    for layers in (2, 4):
+        model = build("llama", "dynamic", num_hidden_layers=layers)
+        patch_model(model, mode="consistent")
+        counter = CompileCounter()
+        torch._dynamo.reset()
+        try:
+            # A limit no count reaches: at the default (8 per function) the per-layer compiles stopped at it, and
+            # 2 and 4 layers counted alike.
+            with torch._dynamo.config.patch(recompile_limit=64):
+                ours = _decode(torch.compile(model, backend=counter), ids, TRAINED - 2)
+        finally:
+            torch._dynamo.reset()
+        for logits, reference in zip(ours, _decode(model, ids, TRAINED - 2), strict=True):
+            torch.testing.assert_close(logits, reference, **FP32)
+        compiles[layers] = counter.frame_count
+    assert compiles[4] == compiles[2], compiles
+
+
+def test_consistent_longrope_compiles_into_one_graph() -> None:
+    """LongRoPE's cached keys are rotated at read with the factors chosen on the device, as its rotary embedding
+    chooses them: the patched model compiles with fullgraph=True (an error asking to compile without it before), and
+    decodes across original_max_position_embeddings as uncompiled."""
+    model = build("llama", "longrope")
+    patch_model(model, mode="consistent")
+    ids = tokens(batch=1, length=TRAINED + 3)
+    torch._dynamo.reset()
+    try:
+        ours = _decode(torch.compile(model, backend="eager", fullgraph=True), ids, TRAINED - 2)
+    finally:
+        torch._dynamo.reset()
+    for logits, reference in zip(ours, _decode(model, ids, TRAINED - 2), strict=True):
+        torch.testing.assert_close(logits, reference, **FP32)
 
 
 def test_a_longrope_model_patched_compiles_into_one_graph_as_unpatched() -> None:

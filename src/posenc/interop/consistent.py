@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from posenc import _compile_marks as compile_marks
+from posenc._checks import compiling
+from posenc.rope.apply import apply_rotary
 from posenc.rope.module import RoPE
 
 # What transformers' continuous batching passes to the attention (its PagedAttentionCache's reads), 5.25.
@@ -74,16 +75,21 @@ def _attend_with_rotated_keys(
     return attend(module, query, key, value, attention_mask, *args, **kwargs)
 
 
-@compile_marks.disable(
-    reason="'consistent' mode reads the step's length, max(position_ids) + 1, on the host; compile the patched model "
-    "without fullgraph=True (the length is then read in this graph break, in each attention layer)"
-)
 def _rotate_keys_for_step(
     rope: RoPE, key: torch.Tensor, key_positions: torch.Tensor, position_ids: torch.Tensor
 ) -> torch.Tensor:
-    # Outside any torch.compile graph: a graph break in each attention layer (transformers' dynamic_rope_update
-    # breaks once per forward, in the rotary embedding; the consistent mode's keys are rotated in every layer).
-    return rope.rotate(key, key_positions, seq_len=rope.scaling_length(position_ids))
+    """key (b, h_k, t, d) rotated at key_positions (b or 1, t) with the frequencies for max(position_ids) + 1.
+
+    Inside torch.compile with no graph break (``RoPE.step_cos_sin_in_graph``): a break here, in every attention
+    layer, made Dynamo compile each layer's attention forward as a frame of its own, guarded on its layer_idx and
+    its cache layer, 3 x num_hidden_layers times, past the recompile limit (8) from 3 layers on."""
+    if not compiling():
+        return rope.rotate(key, key_positions, seq_len=rope.scaling_length(position_ids))
+    # The key positions' maximum is the new tokens' (the cached ones count back from the first new one), but the
+    # length is read from position_ids, as the eager path does.
+    dtype = torch.float64 if key.dtype == torch.float64 else torch.float32
+    cos, sin = rope.step_cos_sin_in_graph(key_positions, position_ids, dtype)
+    return apply_rotary(key, cos.unsqueeze(1), sin.unsqueeze(1), interleaved=rope.interleaved, backend=rope.backend)
 
 
 class _KeysRotatedAtRead:

@@ -9,6 +9,7 @@ position 20.
 from __future__ import annotations
 
 import contextlib
+import functools
 import operator
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -46,6 +47,7 @@ from posenc.kernels.ops import BACKENDS, transformed
 from posenc.positions import resolve_positions
 from posenc.rope.apply import Backend, apply_rotary, apply_rotary_qk, rotate_tensors
 from posenc.rope.frequencies import SEQ_LEN_DEPENDENT
+from posenc.rope.frequencies import dynamic as dynamic_frequencies
 from posenc.rope.parameters import RopeSpec, compute_frequencies, parse_rope_parameters
 
 Layout = Literal["bhsd", "bshd"]
@@ -100,6 +102,50 @@ def _angles_cos_sin_impl(
 
 
 _angles_cos_sin = torch.library.custom_op("posenc::angles_cos_sin", mutates_args=())(_angles_cos_sin_impl)
+
+
+def _dynamic_inv_freq_impl(
+    positions: torch.Tensor, rotary_dim: int, base: float, factor: float, max_position_embeddings: int
+) -> torch.Tensor:
+    """Dynamic NTK's inv_freq (r/2,) float64 on positions' device for max(positions) + 1, read on the host: the
+    values ``RoPE.frequencies(seq_len)`` gives (the same function of the same numbers)."""
+    seq_len = int(positions.max()) + 1
+    inv_freq = _dynamic_frequencies(rotary_dim, base, factor, max_position_embeddings, max(seq_len, 1))
+    return inv_freq.to(positions.device, copy=True)  # a copy: an op's output must not be the cached tensor
+
+
+@functools.lru_cache(maxsize=_FREQUENCIES_KEPT)
+def _dynamic_frequencies(
+    rotary_dim: int, base: float, factor: float, max_position_embeddings: int, seq_len: int
+) -> torch.Tensor:
+    # Every layer of a step asks for the same length: computed once (37-150 us on the host), as RoPE.frequencies.
+    inv_freq, _ = dynamic_frequencies(
+        rotary_dim=rotary_dim,
+        base=base,
+        factor=factor,
+        max_position_embeddings=max_position_embeddings,
+        seq_len=seq_len,
+    )
+    return inv_freq
+
+
+# An op, opaque to the graph, so that the length is read on the host without a graph break: a 'consistent' patched
+# model reads it in every attention layer, and a break there made torch.compile trace each layer's attention as a
+# frame of its own, recompiled per layer (its layer_idx and cache layer are guarded on): 3 x num_hidden_layers
+# compiles, past torch._dynamo.config.recompile_limit (8) from 3 layers on. It syncs with the device, so a CUDA
+# graph is not to capture it.
+_dynamic_inv_freq = torch.library.custom_op(
+    "posenc::dynamic_inv_freq",
+    mutates_args=(),
+    tags=(torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else (),
+)(_dynamic_inv_freq_impl)
+
+
+@_dynamic_inv_freq.register_fake
+def _(
+    positions: torch.Tensor, rotary_dim: int, base: float, factor: float, max_position_embeddings: int
+) -> torch.Tensor:
+    return positions.new_empty((rotary_dim // 2,), dtype=torch.float64)
 
 
 @_angles_cos_sin.register_fake
@@ -455,11 +501,35 @@ class RoPE(nn.Module):
         ``original_max_position_embeddings``, the short ones up to it, chosen on the device (positions are checked
         with the graph). The attention factor is the same for both."""
         int_tensor("positions", positions, host_read=True)
+        return self.step_cos_sin_in_graph(positions, positions, dtype)
+
+    def step_cos_sin_in_graph(
+        self, positions: torch.Tensor, step_positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inside torch.compile, for a length-dependent type: cos, sin (..., r/2) of ``positions`` (...) with the
+        frequencies for max(step_positions) + 1, with no graph break: ``cos_sin(positions, seq_len=that length)``'s
+        values. LongRoPE chooses its factors on the device; dynamic NTK reads the length on the host in an op
+        (``posenc::dynamic_inv_freq``). What 'consistent' mode rotates the cached keys with, in every layer."""
+        if self.spec.rope_type == "longrope":
+            original = int(self.spec.params["original_max_position_embeddings"])
+            short, factor = self.frequencies(None)
+            long, _ = self.frequencies(original + 1)
+            chosen = step_positions.max() + 1 > original
+            inv_freq = torch.where(chosen, long.to(positions.device), short.to(positions.device))
+        elif self.spec.rope_type == "dynamic":
+            spec = self.spec
+            assert spec.max_position_embeddings is not None  # parse_rope_parameters requires it for dynamic
+            inv_freq = _dynamic_inv_freq(
+                step_positions,
+                int(spec.rotary_dim),
+                float(spec.base),
+                float(spec.params["factor"]),
+                int(spec.max_position_embeddings),
+            )
+            factor = 1.0  # dynamic NTK's, at every length
+        else:
+            raise ValueError(f"rope_type {self.spec.rope_type!r} does not scale with the length")
         assert_without_sync(positions >= 0, "positions must be >= 0, got a negative entry")
-        original = int(self.spec.params["original_max_position_embeddings"])
-        short, factor = self.frequencies(None)
-        long, _ = self.frequencies(original + 1)
-        inv_freq = torch.where(positions.max() + 1 > original, long.to(positions.device), short.to(positions.device))
         return angles_to_cos_sin(positions, inv_freq, factor, dtype)
 
     def cos_sin(
