@@ -185,3 +185,21 @@ def test_a_composite_gemma4_is_refused_naming_its_text_model_which_patches_alone
         model(input_ids=ids[:, :11], past_key_values=cache, use_cache=True)
         step = model(input_ids=ids[:, 11:], past_key_values=cache, use_cache=True).logits[:, -1]
     torch.testing.assert_close(step, full[:, -1], atol=1e-4, rtol=1e-4)
+
+
+def test_consistent_gemma_compiles_and_keeps_one_scaling() -> None:
+    """Under torch.compile the cached keys are rotated in the graph (RoPE.step_cos_sin_in_graph): Gemma's sliding
+    layers keep the default type beside the scaled full-attention ones, which that method refused ("does not scale
+    with the length", a ValueError from inside the compiled forward)."""
+    torch._dynamo.reset()  # a compiled forward of another tiny Gemma: Dynamo's state of it broke this one's frames
+    model = tiny("gemma4_text", "longrope")
+    patch_model(model, mode="consistent")
+    ids = torch.randint(3, 128, (1, 14), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = model(input_ids=ids).logits
+        forward = torch.compile(model.forward, backend="eager")
+        cache = transformers.DynamicCache(config=model.config)
+        forward(input_ids=ids[:, :5], past_key_values=cache, use_cache=True)
+        step = forward(input_ids=ids[:, 5:], past_key_values=cache, use_cache=True).logits
+    torch.testing.assert_close(step, full[:, 5:], atol=1e-4, rtol=1e-4)
+    torch._dynamo.reset()

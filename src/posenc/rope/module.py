@@ -506,10 +506,13 @@ class RoPE(nn.Module):
     def step_cos_sin_in_graph(
         self, positions: torch.Tensor, step_positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inside torch.compile, for a length-dependent type: cos, sin (..., r/2) of ``positions`` (...) with the
-        frequencies for max(step_positions) + 1, with no graph break: ``cos_sin(positions, seq_len=that length)``'s
-        values. LongRoPE chooses its factors on the device; dynamic NTK reads the length on the host in an op
-        (``posenc::dynamic_inv_freq``). What 'consistent' mode rotates the cached keys with, in every layer."""
+        """Inside torch.compile: cos, sin (..., r/2) of ``positions`` (...) with the frequencies for max(step_positions)
+        + 1, with no graph break: ``cos_sin(positions, seq_len=that length)``'s values. LongRoPE chooses its factors
+        on the device; dynamic NTK reads the length on the host in an op (``posenc::dynamic_inv_freq``); a type that
+        does not scale with the length (Gemma 3n / 4's sliding layers beside scaled full-attention ones) ignores it.
+        What 'consistent' mode rotates the cached keys with, in every layer."""
+        if self.spec.rope_type not in SEQ_LEN_DEPENDENT:
+            return self.cos_sin(positions, dtype=dtype)
         if self.spec.rope_type == "longrope":
             original = int(self.spec.params["original_max_position_embeddings"])
             short, factor = self.frequencies(None)
@@ -528,7 +531,7 @@ class RoPE(nn.Module):
             )
             factor = 1.0  # dynamic NTK's, at every length
         else:
-            raise ValueError(f"rope_type {self.spec.rope_type!r} does not scale with the length")
+            raise ValueError(f"rope_type {self.spec.rope_type!r} has no in-graph length rule in posenc")
         assert_without_sync(positions >= 0, "positions must be >= 0, got a negative entry")
         return angles_to_cos_sin(positions, inv_freq, factor, dtype)
 
