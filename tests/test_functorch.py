@@ -214,3 +214,40 @@ def test_make_fx_real_mode_traces_cu_seqlens():
     graph = make_fx(fn)(q, cos, sin, CU_SEQLENS)
     other = torch.tensor([0, 4, 5, 9])
     assert_close(graph(q, cos, sin, other), fn(q, cos, sin, other))
+
+
+def test_host_list_reads_a_view_of_ids_updated_in_place_inside_functionalize():
+    """A functional wrapper holds its current values only once its base's pending in-place updates are applied
+    (``torch._sync``): a view read without them had the values from before the update."""
+
+    def read(ids):
+        view = ids[:1]
+        ids.add_(3)
+        return torch.tensor(posenc._checks.host_list(view))
+
+    assert functionalize(read)(torch.tensor([1, 2])).tolist() == [4]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_make_fx_of_a_rope_that_built_its_table_reads_the_ids_it_is_given(mode):
+    """A RoPE that built its table eagerly, then traced: the graph must not read the kept table as a CUDA graph
+    capture does (its 256 rows baked in: ids past them raised torch's IndexError at replay)."""
+    q, k, _, _ = _inputs()
+    rope = posenc.RoPE(D)
+    rope(q, k, positions=IDS)  # builds the table
+    graph = make_fx(lambda q, k, p: rope(q, k, positions=p), tracing_mode=mode)(q, k, IDS)
+    for ids in (IDS + 300, IDS + 5000):
+        _all_close(graph(q, k, ids), rope(q, k, positions=ids))
+
+
+def test_a_torch_function_mode_is_not_make_fx_recording():
+    """``with torch.device(...)`` pushes a torch function mode, as make_fx(pre_dispatch=True) does; only the latter
+    records. Under the former values are read as in eager: checks run and dynamic NTK scales for the ids' length."""
+    q, k, cos, sin = _inputs()
+    rope = posenc.RoPE(D, rope_parameters={"rope_type": "dynamic", "factor": 2.0}, max_position_embeddings=4)
+    want = rope(q, k, positions=IDS + 20)
+    with torch.device("cpu"):
+        assert not posenc._checks.recording()
+        torch.testing.assert_close(rope(q, k, positions=IDS + 20), want, rtol=0, atol=0)
+        with pytest.raises(ValueError, match=r"positions reach 30 \.\. 39 but the cos/sin table has 32 rows"):
+            posenc.apply_rotary(q, cos, sin, positions=IDS + 30)

@@ -140,9 +140,11 @@ def test_rope_on_a_packed_shard_equals_rows_of_the_whole(interleaved):
         ([0, 8, 14], (2, 0), {}, ValueError, r"sequence 1 of cu_seqlens has length 6, .*divisible by 4 .*to 8"),
         ([0, 6], (4, 0), {"load_balance": False}, ValueError, r"length 6, which must be divisible by 4 \(world_size\)"),
         ([0, 8], (2, 2), {}, ValueError, r"rank must be an int in \[0, 2\)"),
+        ([0, 8], (2, True), {}, ValueError, r"rank must be an int in \[0, 2\) for world_size=2, got True"),
         ([2, 8], (2, 0), {}, ValueError, "cu_seqlens must start at 0"),
         ([0, 8, 4], (2, 0), {}, ValueError, "cu_seqlens must be non-decreasing"),
         ([[0, 8]], (2, 0), {}, ValueError, r"cu_seqlens must be 1-D \(n_seq \+ 1,\)"),
+        ([0], (2, 0), {}, ValueError, r"cu_seqlens must be 1-D \(n_seq \+ 1,\), got shape \(1,\)"),
         ([0.0, 8.0], (2, 0), {}, TypeError, "cu_seqlens must hold integer prefix sums"),
     ],
 )

@@ -203,3 +203,46 @@ def test_consistent_gemma_compiles_and_keeps_one_scaling() -> None:
         step = forward(input_ids=ids[:, 5:], past_key_values=cache, use_cache=True).logits
     torch.testing.assert_close(step, full[:, 5:], atol=1e-4, rtol=1e-4)
     torch._dynamo.reset()
+
+
+def test_an_order_that_is_not_q_then_k_is_refused_when_patching() -> None:
+    """A forward that rotates only its queries would leave them unrotated ('consistent' mode's second call is k)."""
+
+    def apply_rotary_pos_emb(x: torch.Tensor, *args: Any) -> torch.Tensor:
+        return x
+
+    class QueriesOnly(torch.nn.Module):
+        def forward(self, query_states: torch.Tensor, key_states: torch.Tensor) -> Any:
+            query_states = apply_rotary_pos_emb(query_states)
+            return query_states, key_states
+
+    with pytest.raises(ValueError, match=r"this transformers version's forward rotates query_states\. Patch it"):
+        patch_module._require_queries_then_keys(QueriesOnly, "apply_rotary_pos_emb")
+
+
+def test_a_third_rotation_call_in_one_forward_is_an_error_at_that_call() -> None:
+    from posenc.interop.rotary import _QueriesThenKeys
+
+    calls, x = _QueriesThenKeys(lambda x, cos, sin: 2 * x), torch.ones(2)
+    calls.begin()
+    assert torch.equal(calls(x, x, x), 2 * x) and calls(x, x, x) is x  # q rotated, k left for the read
+    with pytest.raises(RuntimeError, match=r"at most two rotation calls \(q, then k\) .*, got 3"):
+        calls(x, x, x)
+
+
+@pytest.mark.parametrize("model_type", ["gemma4_text", "gemma3n_text"])
+def test_an_attention_whose_layer_type_has_no_rope_is_refused_when_patching(model_type: str) -> None:
+    """Its keys are rotated at read with its layer type's RoPE: without one, a KeyError came from the first forward."""
+    model = tiny(model_type, "dynamic")
+    attention = next(m for m in model.modules() if type(m).__name__.endswith("TextAttention"))
+    attention.layer_type = "chunked_attention"
+    with pytest.raises(ValueError, match=r"TextAttention has no layer_type among the config's rope dicts \("):
+        patch_model(model, mode="consistent")
+
+
+def test_a_layer_the_cache_has_not_built_holds_no_keys() -> None:
+    """A cache built without a config adds its layers lazily: the next layer's count is 0, not an IndexError."""
+    from posenc.interop.consistent import _held_keys
+
+    cache = transformers.DynamicCache()
+    assert _held_keys(cache, len(cache.layers)) == 0

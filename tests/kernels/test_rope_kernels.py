@@ -665,6 +665,27 @@ def test_cpu_jobs_of_one_call_read_and_check_their_own_cos_sin():
         cpu_rope.rope_cpu_jobs(
             [jobs[0], (y, outs[1], *pair_strided)], None, interleaved=False, conjugate=False, copy_tail=True
         )
+    # A job sharing the first one's cos but not its sin reads its own sin (here -sin: the inverse rotation).
+    options = dict(first_row=1, interleaved=False, conjugate=False, copy_tail=True)
+    shared, alone = [torch.empty_like(x), torch.empty_like(y)], torch.empty_like(y)
+    cpu_rope.rope_cpu_jobs([(x, shared[0], cos, sin), (y, shared[1], cos, -sin)], None, **options)
+    cpu_rope.rope_cpu_jobs([(y, alone, cos, -sin)], None, **options)
+    assert torch.equal(shared[1], alone)
+
+
+def test_cpu_kernel_checks_cos_sin_themselves():
+    """The C code trusts cos/sin's device, dtype and last stride: each refused by name, also with two pairs."""
+    x = torch.randn(1, 2, 3, 16)
+    cos, sin = table(16, 8)
+    options = dict(interleaved=False, conjugate=False, copy_tail=True)
+    with pytest.raises(ValueError, match=r"reads CPU tensors only, got .*cos on meta, sin on meta"):
+        rope_cpu(x, torch.empty_like(x), cos.to("meta"), sin.to("meta"), None, **options)
+    with pytest.raises(TypeError, match="float64 x needs float64 cos/sin"):
+        wide = x.double()
+        rope_cpu(wide, torch.empty_like(wide), cos, sin, None, **options)
+    two_pairs = (t[:, :2].t().contiguous().t() for t in (cos, sin))  # (8, 2), strides (1, 8)
+    with pytest.raises(ValueError, match="unit stride in their last dim"):
+        rope_cpu(x, torch.empty_like(x), *two_pairs, None, **options)
 
 
 @pytest.mark.parametrize("backend", ["cpu", "triton"])

@@ -268,3 +268,5 @@ def test_the_hugging_face_model_packs_documents_as_byte_lm_does(model_type, tmp_
         torch.testing.assert_close(shared, packed[:1], atol=1e-12, rtol=1e-12)
     with pytest.raises(ValueError, match=r"document_ids must have shape \(12,\) or \(2, 12\)"):
         model(tokens, document_ids=ids[:, :5])
+    with pytest.raises(ValueError, match=r"tokens must be a \(b, s\) tensor of byte ids, got torch.Size\(\[12\]\)"):
+        model(tokens[0], document_ids=ids[0])  # one row without its batch axis: not taken as 12 rows of one byte

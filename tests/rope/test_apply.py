@@ -699,3 +699,33 @@ def test_the_error_for_hugging_faces_cos_names_the_slice_that_fits_each_of_its_f
     named = "cos[..., :4]" if recipe.step is None else "cos[..., ::2]"
     assert f"{named} and sin" in str(error.value) and form in str(error.value)
     torch.testing.assert_close(hf_cos[..., recipe], freqs.cos(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("cut", ["sin shorter", "1-D", "3-D"])
+def test_table_calls_refuse_cos_sin_that_are_not_one_table_shape(backend, cut):
+    """With position ids cos and sin are one (n, r/2) table: a shorter sin was read by the torch path unchecked."""
+    cos, sin = posenc.RoPE(8).cos_sin(torch.arange(16))
+    cos, sin = {"sin shorter": (cos, sin[:10]), "1-D": (cos[:, 0], sin[:, 0]), "3-D": (cos[None], sin[None])}[cut]
+    x, ids = torch.randn(1, 2, 3, 8), torch.tensor([[1, 2, 3]])
+    with pytest.raises(ValueError, match=r"cos and sin are tables of shape \(n_positions, r/2\)"):
+        posenc.apply_rotary(x, cos, sin, positions=ids, backend=backend)
+
+
+def test_a_table_call_whose_rows_are_checked_still_checks_cu_seqlens():
+    """rows_checked (RoPE's table, the batched backward) vouches for the rows only: prefix sums are still read and
+    refused with posenc's error, not an assertion from the device."""
+    from posenc.kernels.layout import check_table_call
+
+    cos, sin = posenc.RoPE(8).cos_sin(torch.arange(16))
+    with pytest.raises(ValueError, match="cu_seqlens must be non-decreasing"):
+        check_table_call(
+            {"x": torch.randn(9, 2, 8)},
+            cos,
+            sin,
+            "varlen",
+            positions=None,
+            offset=None,
+            cu_seqlens=torch.tensor([0, 6, 3, 9]),
+            rows_checked=True,
+        )

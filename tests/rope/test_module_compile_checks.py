@@ -580,6 +580,18 @@ def test_a_fake_mode_call_while_another_thread_compiles_reads_no_values():
         assert posenc.apply_rotary(q, cos, sin, positions=ids).shape == q.shape
 
 
+def test_a_make_fx_trace_while_another_thread_compiles_reads_no_example_values():
+    """torch's process-wide flag is on while another thread compiles: a make_fx trace in this thread still records,
+    and its graph must not have the example's ids (a table sized for them) baked in."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    q, k = random_qk(1, 2, 2, 3, HEAD_DIM, seed=0)
+    ids, rope = torch.tensor([[0, 1, 2]]), posenc.RoPE(HEAD_DIM)
+    with _another_thread_compiling():
+        graph = make_fx(lambda q, k, p: rope(q, k, positions=p))(q, k, ids)
+    torch.testing.assert_close(graph(q, k, ids + 300), rope(q, k, positions=ids + 300))
+
+
 def test_only_the_compiling_thread_counts_as_tracing():
     """posenc's check: True in the compiling thread's eager code during the compile (a backend, AOTAutograd's
     make_fx), False in any other thread meanwhile, and False once the compile is over."""
