@@ -246,3 +246,18 @@ def test_a_layer_the_cache_has_not_built_holds_no_keys() -> None:
 
     cache = transformers.DynamicCache()
     assert _held_keys(cache, len(cache.layers)) == 0
+
+
+def test_a_rotation_in_the_top_level_return_is_not_called_conditional() -> None:
+    """The refusal of a forward that rotates only q names what it found; a call in the top-level return statement
+    always runs, and was labelled "(the first conditionally)"."""
+
+    def apply_rotary_pos_emb(x: torch.Tensor, *args: Any) -> torch.Tensor:
+        return x
+
+    class ReturnsRotatedQueries(torch.nn.Module):
+        def forward(self, query_states: torch.Tensor, key_states: torch.Tensor) -> Any:
+            return apply_rotary_pos_emb(query_states), key_states
+
+    with pytest.raises(ValueError, match=r"rotates query_states\. Patch it with mode='hf'"):
+        patch_module._require_queries_then_keys(ReturnsRotatedQueries, "apply_rotary_pos_emb")

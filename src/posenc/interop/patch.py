@@ -981,7 +981,7 @@ def _require_queries_then_keys(cls: type[nn.Module], name: str) -> None:
     )
     rotated = [ast.unparse(call.args[0]) if call.args else "?" for call in calls]
     # A statement at the top of the body, not a branch, loop or block, always runs.
-    straight = [stmt for stmt in body if isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.Expr))]
+    straight = [stmt for stmt in body if isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.Expr, ast.Return))]
     first_always = bool(calls) and any(calls[0] in ast.walk(stmt) for stmt in straight)
     if rotated != ["query_states", "key_states"] or not first_always:
         raise ValueError(
