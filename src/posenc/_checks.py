@@ -435,6 +435,15 @@ def int_tensor(name: str, x: Any, *, what: str = "positions", host_read: bool = 
     return x
 
 
+def prefix_sums(cu_seqlens: Any) -> torch.Tensor:
+    """cu_seqlens itself if it is flash-attention's (n_seq + 1,) integer prefix sums by type and shape (values are the
+    caller's to check: ``posenc.positions.sequence_lengths``)."""
+    int_tensor("cu_seqlens", cu_seqlens, what="prefix sums", host_read=True)
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+        raise ValueError(f"cu_seqlens must be 1-D (n_seq + 1,), got shape {tuple(cu_seqlens.shape)}")
+    return cu_seqlens
+
+
 def _batched_inside(x: torch.Tensor) -> bool:
     """Whether vmap batches the tensor inside x's functional (or grad) wrappers."""
     return torch._C._functorch.is_batchedtensor(_value_holder(x))

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from posenc._checks import flag, int_tensor, integer_offset, is_dtensor, positive_int, values_readable
+from posenc._checks import flag, integer_offset, is_dtensor, positive_int, prefix_sums, values_readable
 from posenc.positions import sequence_lengths
 
 __all__ = ["PackedShard", "shard_packed_positions", "shard_positions"]
@@ -79,9 +79,7 @@ def shard_packed_positions(
     ``apply_rotary(t[None], cos, sin, positions=shard.positions, layout="bshd")[0]`` for t (total // world_size, h,
     d): ``cu_seqlens=`` would count positions from 0 in each local piece, which is not where the tokens are.
     """
-    int_tensor("cu_seqlens", cu_seqlens, what="prefix sums", host_read=True)
-    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
-        raise ValueError(f"cu_seqlens must be 1-D (n_seq + 1,), got shape {tuple(cu_seqlens.shape)}")
+    prefix_sums(cu_seqlens)
     if is_dtensor(cu_seqlens):
         raise TypeError("cu_seqlens must be a plain tensor here (every rank's whole prefix sums): pass .full_tensor()")
     world_size, rank, chunks = _split(world_size, rank, load_balance)

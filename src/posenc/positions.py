@@ -24,6 +24,7 @@ from posenc._checks import (
     is_dtensor,
     laid_out_as,
     movable,
+    prefix_sums,
     replicated_like,
     replicated_values,
     size_in,
@@ -182,9 +183,7 @@ def document_ids_from_positions(positions: torch.Tensor) -> torch.Tensor:
 def document_ids_from_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
     """cu_seqlens: (n + 1,) prefix sums of n sequence lengths, from 0 (flash-attention's varlen form). Returns
     int64 (total_tokens,): sequence i's tokens get id i (an empty sequence takes no tokens)."""
-    int_tensor("cu_seqlens", cu_seqlens, what="prefix sums", host_read=True)
-    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
-        raise ValueError(f"cu_seqlens must be 1-D (n_seq + 1,), got shape {tuple(cu_seqlens.shape)}")
+    prefix_sums(cu_seqlens)
     if is_dtensor(cu_seqlens):
         # DTensor has no sharding rule for repeat_interleave (a bare error from inside it): the ids of the whole
         # prefix sums, replicated on their mesh as the rotation takes them.
