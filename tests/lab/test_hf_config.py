@@ -268,5 +268,14 @@ def test_the_hugging_face_model_packs_documents_as_byte_lm_does(model_type, tmp_
         torch.testing.assert_close(shared, packed[:1], atol=1e-12, rtol=1e-12)
     with pytest.raises(ValueError, match=r"document_ids must have shape \(12,\) or \(2, 12\)"):
         model(tokens, document_ids=ids[:, :5])
-    with pytest.raises(ValueError, match=r"tokens must be a \(b, s\) tensor of byte ids, got torch.Size\(\[12\]\)"):
+    with pytest.raises(ValueError, match=r"tokens must be a \(b, s\) tensor of byte ids, got \(12,\)"):
         model(tokens[0], document_ids=ids[0])  # one row without its batch axis: not taken as 12 rows of one byte
+    # Checked as ByteLM checks them, with or without document_ids (transformers' embedding would raise a bare
+    # IndexError for an id past the table, and take a 1-D row as 12 rows of one byte).
+    with pytest.raises(ValueError, match=r"tokens must be byte ids in 0\.\.255, got ids from 0 to 300"):
+        model(torch.tensor([[0, 300]]))
+    with pytest.raises(ValueError, match=r"tokens must be a \(b, s\) tensor of byte ids, got \(12,\)"):
+        model(tokens[0])
+    with pytest.raises(TypeError, match=r"tokens must be an integer tensor of byte ids .* got torch.float32"):
+        model(tokens.float())
+    torch.testing.assert_close(model(tokens.to(torch.uint8))[0], model(tokens)[0], atol=0, rtol=0)

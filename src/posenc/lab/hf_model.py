@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from posenc.lab.model import VOCAB_SIZE, ModelSpec
+from posenc.lab.model import VOCAB_SIZE, ModelSpec, byte_tokens
 from posenc.positions import positions_from_document_ids, resolve_document_ids
 
 
@@ -121,10 +121,9 @@ class HFByteLM(nn.Module):
         """tokens: (b, s) int64 bytes; document_ids: (s,) or (b, s), one run of tokens per id, for documents packed
         into a row, as ``ByteLM`` takes them. Returns logits (b, s, v) and, with return_attention, one (b, h, s, s)
         float32 probability tensor per layer (else an empty list)."""
+        tokens = byte_tokens(tokens)
         packed = {}
         if document_ids is not None:
-            if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
-                raise ValueError(f"tokens must be a (b, s) tensor of byte ids, got {getattr(tokens, 'shape', tokens)}")
             batch, seq_len = tokens.shape
             docs = resolve_document_ids(document_ids, batch=batch, seq_len=seq_len, device=tokens.device)
             # Position ids restarting at 0 per document are what transformers reads packing from (its masks keep

@@ -99,6 +99,23 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x)), probs
 
 
+def byte_tokens(tokens: torch.Tensor) -> torch.Tensor:
+    """Check a batch of byte ids for a model of the lab: (b, s) integer ids in 0..255. Returns them as int64 (what
+    embedding tables take; bytes come as uint8). Raises ValueError / TypeError naming tokens, since the embedding's
+    own error for an id outside its table names neither the tokens nor the range."""
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
+        shape = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+        raise ValueError(f"tokens must be a (b, s) tensor of byte ids, got {shape}")
+    if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+        raise TypeError(f"tokens must be an integer tensor of byte ids (uint8 or int64), got {tokens.dtype}")
+    tokens = tokens.long()
+    if tokens.numel() and values_readable(tokens.device):
+        low, high = host_min_max(tokens)
+        if low < 0 or high >= VOCAB_SIZE:
+            raise ValueError(f"tokens must be byte ids in 0..{VOCAB_SIZE - 1}, got ids from {low} to {high}")
+    return tokens
+
+
 class ByteLM(nn.Module):
     """Byte-level decoder-only transformer.
 
@@ -139,17 +156,7 @@ class ByteLM(nn.Module):
         """tokens: (b, s) int64 bytes; document_ids: (s,) or (b, s), one run of tokens per id, for documents packed
         into a row (each then starts at position 0 and attends only within itself). Returns logits (b, s, v) and, with
         return_attention, one (b, h, s, s) float32 probability tensor per layer (else an empty list)."""
-        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
-            shape = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
-            raise ValueError(f"tokens must be a (b, s) tensor of byte ids, got {shape}")
-        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
-            raise TypeError(f"tokens must be an integer tensor of byte ids (uint8 or int64), got {tokens.dtype}")
-        tokens = tokens.long()  # nn.Embedding takes int32/int64 ids only; bytes come as uint8
-        # nn.Embedding's own error for an id outside the table names neither the tokens nor the range.
-        if tokens.numel() and values_readable(tokens.device):
-            low, high = host_min_max(tokens)
-            if low < 0 or high >= VOCAB_SIZE:
-                raise ValueError(f"tokens must be byte ids in 0..{VOCAB_SIZE - 1}, got ids from {low} to {high}")
+        tokens = byte_tokens(tokens)
         b, s = tokens.shape
         if document_ids is None:
             positions = torch.arange(s, device=tokens.device)[None]
