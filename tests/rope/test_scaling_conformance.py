@@ -52,6 +52,9 @@ CASES: dict[str, list[dict[str, Any]]] = {
         {"factor": 4.0, "original_max_position_embeddings": 2048, "attention_factor": 1.25},
         {"factor": 4.0, "original_max_position_embeddings": 1024, "beta_fast": 16, "beta_slow": 2, "truncate": False},
         {"factor": 4.0, "original_max_position_embeddings": 1024, "beta_fast": 64.0, "beta_slow": 0.5},
+        # Equal betas: a step instead of a ramp, which transformers takes without a warning (posenc refused it).
+        {"factor": 4.0, "original_max_position_embeddings": 1024, "beta_fast": 8, "beta_slow": 8},
+        {"factor": 4.0, "original_max_position_embeddings": 1024, "beta_fast": 8, "beta_slow": 8, "truncate": False},
         {"factor": 1.0, "original_max_position_embeddings": 4096},
         # An original length below 2 pi * beta_slow: both ends of the ramp clamp to pair 0, a zero-width ramp that
         # transformers widens by 0.001 (without that, 0 / 0 made pair 0's frequency NaN).

@@ -34,7 +34,7 @@ LONG = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0]
         ({"rope_type": "yarn", "factor": 0.25}, ValueError, "rope_parameters['factor'] must be >= 1.0"),
         ({"rope_type": "linear", "factor": "4"}, TypeError, "rope_parameters['factor'] must be a finite real"),
         ({"rope_type": "linear", "factor": True}, TypeError, "rope_parameters['factor'] must be a finite real"),
-        ({"rope_type": "yarn", "factor": 4.0, "beta_fast": 1, "beta_slow": 1}, ValueError, "beta_fast'] must be >"),
+        ({"rope_type": "yarn", "factor": 4.0, "beta_fast": 1, "beta_slow": 2}, ValueError, "beta_fast'] must be >="),
         ({"rope_type": "yarn", "factor": 4.0, "beta_fast": 0.5}, ValueError, "beta_fast=0.5 and beta_slow=1.0"),
         ({"rope_type": "yarn", "factor": 4.0, "beta_slow": 0}, ValueError, "rope_parameters['beta_slow'] must be > 0"),
         ({"rope_type": "yarn", "factor": 4.0, "truncate": 1}, TypeError, "rope_parameters['truncate'] must be True"),

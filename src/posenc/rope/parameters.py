@@ -186,9 +186,11 @@ def _resolve(rope_type: str, params: dict[str, Any], rotary_dim: int, max_pos: i
 
     if rope_type == "yarn":
         beta_fast, beta_slow = out.setdefault("beta_fast", 32.0), out.setdefault("beta_slow", 1.0)
-        if beta_fast <= beta_slow:
+        # Equal betas are a step from kept to divided frequencies (the ramp's zero width is widened by 0.001, as in
+        # transformers, which takes them without a warning); a beta_fast below beta_slow turns the ramp around.
+        if beta_fast < beta_slow:
             raise ValueError(
-                f"rope_parameters['beta_fast'] must be > rope_parameters['beta_slow'] (defaults 32 and 1), got "
+                f"rope_parameters['beta_fast'] must be >= rope_parameters['beta_slow'] (defaults 32 and 1), got "
                 f"beta_fast={beta_fast} and beta_slow={beta_slow}"
             )
     if rope_type == "llama3" and out["low_freq_factor"] >= out["high_freq_factor"]:
