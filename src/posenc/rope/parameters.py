@@ -123,9 +123,14 @@ def _resolve(rope_type: str, params: dict[str, Any], rotary_dim: int, max_pos: i
     for key in ("low_freq_factor", "high_freq_factor"):
         if key in out:
             out[key] = _real(key, out[key], low=0.0, low_inclusive=False)
-    for key in ("beta_fast", "beta_slow", "attention_factor"):
+    for key, default in (("beta_fast", 32), ("beta_slow", 1)):
         if key in out:
-            out[key] = _real(key, out[key], low=0.0, low_inclusive=False)
+            # transformers reads `get(key) or default`, so a 0 there silently means the default.
+            zero = isinstance(out[key], numbers.Real) and out[key] == 0
+            hint = f" (transformers takes 0 for the default {default}: leave the key out for that)" if zero else ""
+            out[key] = _real(key, out[key], low=0.0, low_inclusive=False, hint=hint)
+    if "attention_factor" in out:
+        out["attention_factor"] = _real("attention_factor", out["attention_factor"], low=0.0, low_inclusive=False)
     for key in ("mscale", "mscale_all_dim"):
         if key in out:
             out[key] = _real(key, out[key], low=0.0, low_inclusive=True)
