@@ -10,7 +10,7 @@ import torch
 from posenc import RoPE, rope_frequencies
 from posenc.rope import frequencies
 from posenc.rope.frequencies import SCALINGS
-from posenc.rope.parameters import OPTIONAL_KEYS, REQUIRED_KEYS
+from posenc.rope.parameters import OPTIONAL_KEYS, REQUIRED_KEYS, compute_frequencies, parse_rope_parameters
 
 LONG = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
 
@@ -134,6 +134,26 @@ def test_original_length_must_be_a_positive_int() -> None:
     params = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 10.5}
     with pytest.raises(ValueError, match=re.escape("original_max_position_embeddings'] must be a positive integer")):
         RoPE(16, rope_parameters=params)
+
+
+@pytest.mark.parametrize("rope_type", ["yarn", "llama3", "longrope"])
+def test_an_original_length_written_as_a_whole_float_is_that_length(rope_type: str, hf_oracle) -> None:
+    """transformers computes with 2048.0 as with 2048 (llama3 warns, yarn and longrope do not): the same numbers."""
+    params = {"rope_type": rope_type, "factor": 4.0}
+    if rope_type == "longrope":
+        params |= {"short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    if rope_type == "llama3":
+        params |= {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    as_float = {**params, "original_max_position_embeddings": 32.0, "rope_theta": 10000.0}
+    spec = parse_rope_parameters(16, as_float, max_position_embeddings=128)
+    assert spec == parse_rope_parameters(
+        16, {**as_float, "original_max_position_embeddings": 32}, max_position_embeddings=128
+    )
+    for seq_len in (16, 128):
+        inv, factor = compute_frequencies(spec, seq_len=seq_len)
+        hf_inv, hf_factor = hf_oracle.frequencies(16, as_float, 128, seq_len=seq_len)
+        torch.testing.assert_close(inv, hf_inv.double(), rtol=hf_oracle.inv_freq_rtol(10000.0), atol=0.0)
+        assert abs(factor - float(hf_factor)) <= 1e-9
 
 
 @pytest.mark.parametrize("rope_type", ["ntk", "dynamic"])

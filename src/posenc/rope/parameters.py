@@ -142,9 +142,11 @@ def _resolve(rope_type: str, params: dict[str, Any], rotary_dim: int, max_pos: i
 
     if rope_type in _NEEDS_ORIGINAL:
         if "original_max_position_embeddings" in out:
-            sequence_length(
-                "rope_parameters['original_max_position_embeddings']", out["original_max_position_embeddings"]
-            )
+            original = out["original_max_position_embeddings"]
+            # transformers computes with whatever number a config holds: 2048.0 is 2048 there, no error.
+            if isinstance(original, float) and original.is_integer():
+                out["original_max_position_embeddings"] = original = int(original)
+            sequence_length("rope_parameters['original_max_position_embeddings']", original)
             if rope_type == "longrope" and out["original_max_position_embeddings"] < 2:
                 raise ValueError(
                     "rope_parameters['original_max_position_embeddings'] must be >= 2 for longrope (its attention "
