@@ -68,21 +68,32 @@ def test_the_readme_counts_the_verified_architectures():
     assert int(count) == len(VERIFIED_ARCHITECTURES)
 
 
-def _signature_text(function) -> str:
-    """`name(a, *, b=None, c="x")` as the README writes a signature: strings in double quotes."""
+def _signature_text(function, *, skip_self: bool = True) -> str:
+    """`name(a, /, *, b=None, c="x", **kwargs)` as the README writes a signature: strings in double quotes."""
     import inspect
     import json
 
     words, star = [], False
-    for parameter in list(inspect.signature(function).parameters.values())[1:]:  # no self
-        if parameter.kind is parameter.KEYWORD_ONLY and not star:
-            words.append("*")
+    parameters = list(inspect.signature(function).parameters.values())[int(skip_self) :]
+    for i, parameter in enumerate(parameters):
+        if parameter.kind is parameter.VAR_POSITIONAL:
+            words.append(f"*{parameter.name}")
             star = True
-        if parameter.default is parameter.empty:
-            words.append(parameter.name)
+        elif parameter.kind is parameter.VAR_KEYWORD:
+            words.append(f"**{parameter.name}")
         else:
-            default = parameter.default
-            words.append(f"{parameter.name}={json.dumps(default) if isinstance(default, str) else default}")
+            if parameter.kind is parameter.KEYWORD_ONLY and not star:
+                words.append("*")
+                star = True
+            if parameter.default is parameter.empty:
+                words.append(parameter.name)
+            else:
+                default = parameter.default
+                words.append(f"{parameter.name}={json.dumps(default) if isinstance(default, str) else default}")
+        if parameter.kind is parameter.POSITIONAL_ONLY and (
+            i + 1 == len(parameters) or parameters[i + 1].kind is not parameter.POSITIONAL_ONLY
+        ):
+            words.append("/")
     return f"{function.__name__}({', '.join(words)})"
 
 
@@ -98,3 +109,28 @@ def test_the_readme_gives_ropes_cos_sin_accessors_and_says_which_follows_forward
     assert "reads and advances no state" in bullet
     assert "the cos/sin that `forward` with no `seq_len` rotates by" in bullet
     assert "`call_cos_sin(positions, *, dtype=torch.float32) -> (cos, sin)` is the per-step accessor" in bullet
+
+
+def test_the_readme_gives_the_public_signatures_as_the_code_has_them():
+    # It named parameters the code does not have (rope_from_config's `config_or_dict_or_path`, shard_packed_positions'
+    # `cu_seqlens_padded`, positions_from_document_ids' `ids`, build_for_model's `**options`): a call by those names
+    # is a TypeError. And shard_packed_positions' `load_balance`, which the text goes on to use, was left out.
+    import posenc
+    from posenc import distributed, interop
+
+    text = " ".join(README.read_text().split())
+    functions = [
+        (posenc, ["build", "build_for_model", "rope_frequencies", "apply_rotary", "t5_relative_bucket"]),
+        (posenc, ["add_input_encoding", "positions_from_document_ids", "document_ids_from_positions"]),
+        (posenc, ["document_ids_from_cu_seqlens"]),
+        (interop, ["patch_model", "rope_from_config"]),
+        (distributed, ["shard_positions", "shard_packed_positions"]),
+    ]
+    for module, names in functions:
+        for name in names:
+            signature = _signature_text(getattr(module, name), skip_self=False)
+            assert f"`{module.__name__}.{signature}" in text, signature
+    classes = (posenc.RoPE, posenc.ALiBi, posenc.T5Bias, posenc.Sinusoidal, posenc.LearnedAbsolute)
+    for cls in (*classes, posenc.CausalSelfAttention):
+        signature = _signature_text(cls.__init__).replace("__init__", cls.__name__, 1)
+        assert f"`posenc.{signature}" in text, signature
