@@ -134,3 +134,19 @@ def test_the_readme_gives_the_public_signatures_as_the_code_has_them():
     for cls in (*classes, posenc.CausalSelfAttention):
         signature = _signature_text(cls.__init__).replace("__init__", cls.__name__, 1)
         assert f"`posenc.{signature}" in text, signature
+
+
+def test_the_docs_refer_to_sections_that_exist():
+    # README's apply_rotary bullet sent the reader to "Fused kernels" below, a section it does not have ("Fast RoPE").
+    pages = [README, *sorted((ROOT / "docs").glob("*.md"))]
+    headings = {page.name: re.findall(r"^#+ (.*)$", page.read_text(), flags=re.M) for page in pages}
+    references = []
+    for page in pages:
+        text = " ".join(page.read_text().split())  # a quoted title may be cut by a line break
+        for below, seen in re.findall(r'"([A-Z][^"]{2,60})" (?:below|above)|[Ss]ee "([^"]+)"', text):
+            references.append((page.name, page.name, below or seen))
+        for other, title in re.findall(r'(\w+\.md)\)?`?, "([^"]+)"', text):
+            references.append((page.name, other, title))
+    assert len(references) >= 8, references  # the patterns still find the pages' references
+    for page, target, title in references:
+        assert any(heading.startswith(title) for heading in headings[target]), (page, target, title)
