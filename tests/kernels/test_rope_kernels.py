@@ -448,17 +448,13 @@ def _refused_in_place(case: str, device: str):
     product = weight * 1
     if case == "unbind_view":
         return product, product.unbind(2)[0][:, :, None], cos, sin, "function that returns multiple views"
-    if case == "view_made_under_no_grad":
-        with torch.no_grad():
-            x = product.transpose(1, 2)
-        return product, x, cos, sin, r"x is a view made under torch\.no_grad\(\) of a tensor that requires grad"
-    with torch.inference_mode():
-        cos, sin = cos.clone(), sin.clone()
-    return product, product.transpose(1, 2), cos, sin, r"cos/sin were made under torch\.inference_mode\(\)"
+    with torch.no_grad():
+        x = product.transpose(1, 2)
+    return product, x, cos, sin, r"x is a view made under torch\.no_grad\(\) of a tensor that requires grad"
 
 
 @pytest.mark.parametrize("backend", ["torch", "auto", "cpu", "triton"])
-@pytest.mark.parametrize("case", ["view_of_a_leaf", "unbind_view", "view_made_under_no_grad", "inference_cos_sin"])
+@pytest.mark.parametrize("case", ["view_of_a_leaf", "unbind_view", "view_made_under_no_grad"])
 def test_in_place_refused_by_autograd_leaves_x_as_it_was(backend, case):
     """Every backend refuses before writing, as torch's own in-place ops do: the fused ones wrote x through
     pointers and autograd refused it afterwards (a Parameter's view, or unbind's, was left rotated by a caught
@@ -470,6 +466,30 @@ def test_in_place_refused_by_autograd_leaves_x_as_it_was(backend, case):
     assert torch.equal(watched.detach(), before)
     message = str(error.value)
     assert re.search(r"\bx\b", message) and ("apply_rotary" in message or "clone()" in message)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("kind", ["broadcast", "offset", "varlen"])
+def test_cos_sin_made_under_inference_mode_serve_a_rotation_that_needs_grad(backend, inplace, kind):
+    """cos/sin made under torch.inference_mode() (cached by an evaluation pass before training) for an x that
+    requires grad: every backend saves them for backward, which autograd refuses for inference tensors, so every such
+    call failed, with torch's own error from deep inside the rotation (in place, with posenc's refusal). They are
+    copied instead; the gradient is the one of tables made outside inference mode."""
+    device = DEVICE[backend]
+    q, _, kwargs, _, form = make_case(kind, b=2, hq=2, hk=1, s=5, d=8, dtype=torch.float64)
+    kwargs = {key: (v.to(device) if isinstance(v, torch.Tensor) else v) for key, v in kwargs.items()}
+    cos, sin = (form(t).to(device).double() for t in table(8, 40))
+    with torch.inference_mode():
+        kept = cos.clone(), sin.clone()
+    grads = []
+    for angles in ((cos, sin), kept):
+        leaf = q.to(device).requires_grad_()
+        rotate = apply_rotary_ if inplace else apply_rotary
+        rotate(leaf * 1, *angles, backend=backend, **kwargs).square().mul(leaf).sum().backward()
+        grads.append(leaf.grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+    assert kept[0].is_inference() and kept[1].is_inference()  # the caller's tables are left as they were
 
 
 @pytest.mark.parametrize("backend", ["cpu", "triton"])

@@ -347,6 +347,10 @@ def rotate_tensors(
             f"{' and '.join(xs)} must share a head dim (their last dim), got "
             f"{', '.join(str(x.shape[-1]) for x in tensors)}"
         )
+    # RoPE's own tables (vouched) are never inference tensors; Dynamo cannot trace is_inference(). ~0.5 us with grad
+    # mode on, ~0.1 us off.
+    if not vouched and torch.is_grad_enabled() and not compiling() and (cos.is_inference() or sin.is_inference()):
+        cos, sin = _saveable_cos_sin(cos, sin, tensors)
     if inplace:
         for name, x in xs.items():
             # A contiguous tensor shares no memory between elements: the common case skips the stride checks (the
@@ -447,6 +451,18 @@ def _rotate_in_place(
         raise inplace_refused(name, error) from error
 
 
+def _saveable_cos_sin(
+    cos: torch.Tensor, sin: torch.Tensor, xs: list[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin as the rotation of ``xs`` (grad mode on) may save them for its backward: copies of those made under
+    torch.inference_mode() (cached by an evaluation pass before training, say) when an x requires grad, since
+    autograd refuses to save an inference tensor ("Inference tensors cannot be saved for backward", from deep inside
+    torch). A copy per call: tables made outside inference mode are saved as they are."""
+    if not any(x.requires_grad for x in xs):
+        return cos, sin
+    return (cos.clone() if cos.is_inference() else cos), (sin.clone() if sin.is_inference() else sin)
+
+
 def _refuse_untracked_change(name: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Raise, before anything is written, where autograd cannot record rotating x (which requires grad, with grad
     mode on) in place, in the cases torch's own error would misname or whose fix is not apply_rotary. The other
@@ -464,13 +480,6 @@ def _refuse_untracked_change(name: str, x: torch.Tensor, cos: torch.Tensor, sin:
         raise RuntimeError(
             f"{name} is a leaf tensor that requires grad, which autograd does not let change in place; use "
             f"apply_rotary for a rotated copy, or rotate it under torch.no_grad()"
-        )
-    if cos.is_inference() or sin.is_inference():
-        # Saved for the backward, which autograd refuses for inference tensors: a copy would be refused as well.
-        raise RuntimeError(
-            f"cos/sin were made under torch.inference_mode() and the rotation of {name}, which requires grad, saves "
-            f"them for its backward, which autograd does not allow; pass copies made outside inference mode "
-            f"(cos.clone(), sin.clone()), or rotate under torch.no_grad()"
         )
 
 
@@ -509,6 +518,8 @@ def apply_rotary(
     conjugate: rotate by the negative angle (the inverse rotation).
     backend: "auto" (Triton on CUDA tensors, the compiled CPU kernel on CPU tensors, else torch), "torch",
     "triton" or "cpu". The fused backends do not differentiate cos/sin; "auto" uses torch when those need grad.
+    cos/sin made under torch.inference_mode() serve an x that requires grad too: autograd refuses to save them for
+    the backward, so each such call copies them (make them outside inference mode to spare the copy).
     Returns a new tensor with x's shape and dtype; ``x`` is not modified.
     """
     (out,) = rotate_tensors(
