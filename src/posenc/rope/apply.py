@@ -519,7 +519,8 @@ def apply_rotary(
     backend: "auto" (Triton on CUDA tensors, the compiled CPU kernel on CPU tensors, else torch), "torch",
     "triton" or "cpu". The fused backends do not differentiate cos/sin; "auto" uses torch when those need grad.
     cos/sin made under torch.inference_mode() serve an x that requires grad too: autograd refuses to save them for
-    the backward, so each such call copies them (make them outside inference mode to spare the copy).
+    the backward, so each such call copies them (make them outside inference mode to spare the
+    copy; under torch.compile, which cannot ask is_inference(), they must be).
     Returns a new tensor with x's shape and dtype; ``x`` is not modified.
     """
     (out,) = rotate_tensors(
