@@ -72,6 +72,25 @@ def tiny(model_type: str, rope_type: str) -> Any:
     return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
+def tiny_assistant(target: Any) -> Any:
+    """A Gemma 4 assistant (gemma4_assistant) for ``target``: two layers, sliding then full, that reuse the target's
+    shared_kv_states, at the target's head dims."""
+    text = {**target.config.to_dict(), "hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0}
+    full_head_dim = target.model.layers[1].self_attn.head_dim
+    text.update(
+        global_head_dim=full_head_dim, num_hidden_layers=2, num_kv_shared_layers=2, layer_types=text["layer_types"][:2]
+    )
+    for derived in ("kv_sharing_modes", "per_layer_config", "model_type", "transformers_version", "architectures"):
+        text.pop(derived, None)
+    config = transformers.AutoConfig.for_model(
+        "gemma4_assistant",
+        text_config=transformers.AutoConfig.for_model("gemma4_text", **text).to_dict(),
+        backbone_hidden_size=target.config.hidden_size,
+    )
+    torch.manual_seed(1)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
 def cut_into_calls(model: Any, ids: torch.Tensor, lengths: list[int]) -> float:
     """The largest difference between each call's logits, continuing one DynamicCache, and a full forward's over the
     text up to that call's end."""
@@ -150,16 +169,8 @@ def test_a_model_whose_layers_reuse_keys_it_never_caches_is_refused() -> None:
     reuses keys: its target model's shared_kv_states, of tokens before the assistant's own, which are not cached
     behind its new tokens. Rotated at read from its positions, they took the wrong ones (its draft logits off by
     ~0.5, and keys the unpatched target had rotated were rotated twice), with no error."""
-    target = tiny("gemma4_text", "dynamic")
-    text = {**target.config.to_dict(), "hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0}
-    text.update(global_head_dim=32, num_hidden_layers=2, num_kv_shared_layers=2, layer_types=text["layer_types"][:2])
-    for derived in ("kv_sharing_modes", "per_layer_config", "model_type", "transformers_version", "architectures"):
-        text.pop(derived, None)
-    config = transformers.AutoConfig.for_model(
-        "gemma4_assistant", text_config=transformers.AutoConfig.for_model("gemma4_text", **text).to_dict()
-    )
-    assistant = transformers.AutoModelForCausalLM.from_config(config)
-    assert config.text_config.kv_sharing_modes == ["reuse", "reuse"]
+    assistant = tiny_assistant(tiny("gemma4_text", "dynamic"))
+    assert assistant.config.text_config.kv_sharing_modes == ["reuse", "reuse"]
     with pytest.raises(ValueError, match=r"full_attention, sliding_attention reuse keys that no layer of this"):
         patch_model(assistant.model, mode="consistent")
     patch_model(assistant.model, mode="hf")  # transformers' numbers: keys rotated as the target cached them
@@ -261,3 +272,66 @@ def test_a_rotation_in_the_top_level_return_is_not_called_conditional() -> None:
 
     with pytest.raises(ValueError, match=r"rotates query_states\. Patch it with mode='hf'"):
         patch_module._require_queries_then_keys(ReturnsRotatedQueries, "apply_rotary_pos_emb")
+
+
+def shared_kv_states_after(model: Any, ids: torch.Tensor, lengths: list[int]) -> tuple[Any, float]:
+    """The output of the last of calls that continue one DynamicCache over ``ids``, each asked for shared_kv_states
+    (as generate(assistant_model=...) asks), and the largest difference of that call's logits from a full forward's."""
+    cache, start = transformers.DynamicCache(config=model.config), 0
+    for length in lengths:
+        options = dict(cache=cache, use_cache=True, return_shared_kv_states=True, output_hidden_states=True)
+        out = model(ids[:, start : start + length], **options)
+        start += length
+    worst = (out.logits - model(ids[:, :start]).logits[:, start - lengths[-1] :]).abs().max().item()
+    return out, worst
+
+
+def draft_logits(assistant: Any, target: Any, ids: torch.Tensor, out: Any) -> torch.Tensor:
+    """The assistant's logits for the token after ``ids`` from the target's output over them, as generate's Gemma 4
+    candidate generator computes them."""
+    embedding = target.get_input_embeddings()(ids[:, -1:])
+    inputs = torch.cat((embedding, out.hidden_states[-1][:, -1:]), dim=-1)
+    position_ids = torch.tensor([[ids.shape[1] - 1]])
+    return assistant(
+        inputs_embeds=inputs, position_ids=position_ids, shared_kv_states=dict(out.shared_kv_states)
+    ).logits
+
+
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_a_consistent_target_hands_its_assistant_the_rotated_keys(rope_type: str) -> None:
+    """Gemma 4's target returns shared_kv_states (each layer type's keys and values) to generate(assistant_model=...)'s
+    assistant, which attends to the keys as rotated. A consistent target caches keys unrotated and returned them so:
+    the assistant's draft logits were off by ~0.5 from an hf target's (tokens exact, as the target checks every
+    draft, but fewer drafts accepted)."""
+    reference = tiny("gemma4_text", rope_type)
+    hf, consistent = copy.deepcopy(reference), copy.deepcopy(reference)
+    patch_model(hf, mode="hf")
+    patch_model(consistent, mode="consistent")
+    assistant = tiny_assistant(reference)
+    ids = torch.randint(3, 128, (1, 14), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        # Within the trained length (7 of 8 tokens): an hf target's keys and values, in one call or continuing a cache.
+        for lengths in ([7], [5, 2], [4, 1, 1, 1]):
+            got, _ = shared_kv_states_after(consistent, ids, lengths)
+            want, _ = shared_kv_states_after(hf, ids, lengths)
+            assert set(got.shared_kv_states) == {"sliding_attention", "full_attention"}
+            for layer_type, (keys, values) in want.shared_kv_states.items():
+                torch.testing.assert_close(got.shared_kv_states[layer_type][0], keys, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(got.shared_kv_states[layer_type][1], values, atol=1e-5, rtol=1e-5)
+            drafted = draft_logits(assistant, consistent, ids[:, :7], got)
+            torch.testing.assert_close(drafted, draft_logits(assistant, hf, ids[:, :7], want), **FP32)
+        # generate(assistant_model=...): the assistant drafts from the prompt's keys as it does with an hf target.
+        drafts: dict[str, list[torch.Tensor]] = {"hf": [], "consistent": []}
+        assistant.generation_config.num_assistant_tokens = 3  # a published assistant's generation_config sets it
+        for name, target in (("hf", hf), ("consistent", consistent)):
+            hook = assistant.register_forward_hook(lambda module, args, out, name=name: drafts[name].append(out.logits))
+            tokens = target.generate(ids[:, :5], assistant_model=assistant, max_new_tokens=3, do_sample=False)
+            hook.remove()
+            assert tokens.shape[1] > 5 and len(drafts[name]) > 0
+        torch.testing.assert_close(torch.cat(drafts["consistent"], 1), torch.cat(drafts["hf"], 1), **FP32)
+        # Past it, every key rotated for the current length, as the target attended to them: a full forward's keys.
+        got, worst = shared_kv_states_after(consistent, ids, [5, 9])
+        assert worst < FP32["atol"]  # the cache still holds its keys unrotated: the second call is a full forward's
+        full = reference(ids, return_shared_kv_states=True).shared_kv_states
+        for layer_type, (keys, _) in got.shared_kv_states.items():
+            torch.testing.assert_close(keys, full[layer_type][0][:, :, -keys.shape[-2] :], atol=1e-5, rtol=1e-5)

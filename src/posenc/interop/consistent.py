@@ -5,6 +5,7 @@ unrotated, and ``_KeysRotatedAtRead``, standing in for its ``ALL_ATTENTION_FUNCT
 frequencies of the current step (``_attend_with_rotated_keys``). ``_checking_the_cache`` wraps such a forward: it
 refuses a cache of fixed-size layers (``StaticCache``) or one holding keys rotated when cached, and marks the layers
 it fills as unrotated; ``_refusing_unrotated_keys`` wraps every other patched forward, which refuses those layers.
+``_handing_out_rotated_shared_keys`` rotates the keys Gemma 4 returns in ``shared_kv_states`` for its assistant.
 
 Shape key: b batch, h heads, s new tokens, t tokens in the cache (t >= s), d head dim.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import types
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -57,7 +59,6 @@ def _attend_with_rotated_keys(
             "not pass them (patch with mode='hf')"
         )
     new, total = position_ids.shape[-1], key.shape[-2]  # not the queries': Gemma 4 may have fewer (see above)
-    key_positions = position_ids
     paged = sorted(_PAGED_ATTENTION_KWARGS & kwargs.keys())
     if total > new and paged:
         # Continuous batching (generate_batch) packs several requests' keys into one row, read from a paged cache
@@ -67,12 +68,19 @@ def _attend_with_rotated_keys(
             f"attention got {', '.join(paged)}), whose keys of several requests share one row; patch with "
             "mode='hf', or use generate with a DynamicCache"
         )
-    if total > new:
-        past = position_ids[:, :1] - (total - new) + torch.arange(total - new, device=position_ids.device)
-        key_positions = torch.cat((past.clamp_min(0), position_ids), dim=-1)
     rope = ropes[""] if "" in ropes else ropes[module.layer_type]
-    key = _rotate_keys_for_step(rope, key, key_positions, position_ids)
+    key = _rotate_keys_for_step(rope, key, _key_positions(position_ids, total), position_ids)
     return attend(module, query, key, value, attention_mask, *args, **kwargs)
+
+
+def _key_positions(position_ids: torch.Tensor, total: int) -> torch.Tensor:
+    """The positions (b or 1, total) of ``total`` keys whose last ``s`` are the new tokens' (position_ids: (b or 1,
+    s)): the cached ones count back from the first new token's, clamped at 0 (left padding's slots, masked)."""
+    new = position_ids.shape[-1]
+    if total <= new:
+        return position_ids
+    past = position_ids[:, :1] - (total - new) + torch.arange(total - new, device=position_ids.device)
+    return torch.cat((past.clamp_min(0), position_ids), dim=-1)
 
 
 def _rotate_keys_for_step(
@@ -103,6 +111,46 @@ class _KeysRotatedAtRead:
         return functools.partial(
             _attend_with_rotated_keys, self._functions.get_interface(implementation, default), self._ropes
         )
+
+
+_SHARED_KV_STATES = "shared_kv_states"
+
+
+def _handing_out_rotated_shared_keys(forward: types.FunctionType, ropes: Mapping[str, RoPE]) -> types.FunctionType:
+    """Gemma 4: ``forward`` (an attention whose class takes ``shared_kv_states``) that, in the model's last layer and
+    when the forward was asked to ``return_shared_kv_states``, replaces each layer type's keys in that dict by the
+    keys rotated as this step's attention rotated them (its ``ropes``, the step's frequencies).
+
+    The storing layers put their unrotated keys there, which the reusing layers rotate at read; after the last
+    layer nothing of the model reads them, and the caller (``generate(assistant_model=...)``'s Gemma 4 assistant)
+    reads them as rotated keys, as transformers' target hands them out. New tensors: the cache's own are kept."""
+    parameters = list(inspect.signature(forward).parameters)
+    position = parameters.index(_SHARED_KV_STATES) - 1 if _SHARED_KV_STATES in parameters else None  # past self
+
+    @functools.wraps(forward)
+    def handing_out(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        out = forward(self, *args, **kwargs)
+        if not kwargs.get("return_shared_kv_states") or not _is_last_layer(self):
+            return out
+        shared = kwargs.get(_SHARED_KV_STATES)
+        if shared is None and position is not None and position < len(args):
+            shared = args[position]
+        if shared is None:  # no dict, so none is returned
+            return out
+        position_ids = kwargs["position_ids"]  # there: the attention has rotated its keys with them
+        for layer_type, (key, *rest) in list(shared.items()):
+            rope = ropes[""] if "" in ropes else ropes[layer_type]
+            positions = _key_positions(position_ids, key.shape[-2])
+            shared[layer_type] = (_rotate_keys_for_step(rope, key, positions, position_ids), *rest)
+        return out
+
+    return handing_out
+
+
+def _is_last_layer(module: nn.Module) -> bool:
+    """True for the attention of the model's last decoder layer (its ``layer_idx`` is ``num_hidden_layers - 1``)."""
+    layers = getattr(getattr(module, "config", None), "num_hidden_layers", None)
+    return isinstance(layers, int) and getattr(module, "layer_idx", None) == layers - 1
 
 
 def _cache_class() -> type | None:

@@ -75,7 +75,13 @@ from posenc.interop.architectures import (
     SUPPORTED_ARCHITECTURES,
     VERIFIED_ARCHITECTURES,
 )
-from posenc.interop.consistent import _checking_the_cache, _KeysRotatedAtRead, _refusing_unrotated_keys
+from posenc.interop.consistent import (
+    _SHARED_KV_STATES,
+    _checking_the_cache,
+    _handing_out_rotated_shared_keys,
+    _KeysRotatedAtRead,
+    _refusing_unrotated_keys,
+)
 from posenc.interop.consistent import _UnrotatedKeys as _UnrotatedKeys  # caches pickled by older posenc name it here
 from posenc.interop.hf import rope_kwargs_from_config, rope_layer_types
 from posenc.interop.rotary import PosencRotaryEmbedding, _QueriesThenKeys, _rotate_one, _rotate_qk
@@ -953,6 +959,8 @@ def _patched_forward(
             namespace[_ATTENTION_REGISTRY_NAME], ropes if ropes is not None else {"": rope}
         )
         checked = _checking_the_cache(_with_globals(func, replacements))
+        if _SHARED_KV_STATES in inspect.signature(innermost(func)).parameters:
+            checked = _handing_out_rotated_shared_keys(checked, ropes if ropes is not None else {"": rope})
         return checked if queries_then_keys is None else _counting_rotations(checked, queries_then_keys)
     return _refusing_unrotated_keys(_with_globals(func, replacements))
 
