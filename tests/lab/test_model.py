@@ -7,6 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import posenc
 from posenc.lab.config import EXTENSIONS, extension_rope_parameters
@@ -67,6 +68,27 @@ def test_every_encoding_starts_from_the_same_shared_weights():
     first = ByteLM(SPEC, "t5").encoding.table.weight
     torch.manual_seed(1)
     assert not torch.equal(first, ByteLM(SPEC, "t5").encoding.table.weight)  # the seed still sets the tables
+
+
+@pytest.mark.parametrize("encoding", ["learned", "t5", "alibi"])
+def test_a_model_builds_on_the_meta_device_and_under_a_fake_tensor_mode(encoding):
+    """The encoding's seed was drawn in the ambient device context and read with int(): on the meta device that read
+    raised torch's "Tensor.item() cannot be called on meta tensors", and under a FakeTensorMode its
+    DataDependentOutputException, so the lab model could not be built for shape inference or for to_empty. Now
+    the seed is the CPU generator's draw, the same one an ordinary build makes."""
+    torch.manual_seed(0)
+    eager = ByteLM(SPEC, encoding)
+    tokens = torch.randint(0, 256, (2, 8))
+    with torch.device("meta"):
+        torch.manual_seed(0)
+        meta = ByteLM(SPEC, encoding)
+    assert meta(tokens.to("meta"))[0].shape == (2, 8, 256)
+    meta.to_empty(device="cpu")
+    meta.load_state_dict(eager.state_dict())
+    torch.testing.assert_close(meta(tokens)[0], eager(tokens)[0], rtol=0, atol=0)
+    with FakeTensorMode():
+        fake = ByteLM(SPEC, encoding)
+        assert fake(torch.randint(0, 256, (2, 8)))[0].shape == (2, 8, 256)
 
 
 @pytest.mark.parametrize("train_len", [*range(2, 70), 128, 300, 512])

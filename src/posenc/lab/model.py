@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from posenc._checks import host_min_max, values_readable
 from posenc.attention import CausalSelfAttention, add_input_encoding
@@ -63,6 +64,15 @@ def encoding_for(spec: ModelSpec, encoding: str, options: Mapping[str, Any] | No
         max_positions=spec.max_positions,
         **dict(options or {}),
     )
+
+
+def _cpu_seed() -> int:
+    """A seed drawn from the CPU generator and read on the host, whatever device context or FakeTensorMode the model
+    is built under: under ``torch.device("meta")`` the draw was a meta tensor, which ``int`` cannot read (the model
+    could not be built on the meta device), and under ``torch.device("cuda")`` it came from (and moved) a CUDA
+    generator that ``fork_rng(devices=[])`` does not restore. The same draw as before on the CPU."""
+    with unset_fake_temporarily():
+        return int(torch.randint(2**62, (), device="cpu"))
 
 
 class Block(nn.Module):
@@ -136,7 +146,7 @@ class ByteLM(nn.Module):
         # are compared in pairs (before, learned and t5 shifted every weight drawn after theirs).
         with torch.random.fork_rng(devices=[]):
             # The CPU generator only: torch.manual_seed would reseed the CUDA ones too, which fork_rng did not save.
-            torch.default_generator.manual_seed(int(torch.randint(2**62, ())))
+            torch.default_generator.manual_seed(_cpu_seed())
             self.encoding = encoding_for(spec, encoding, encoding_options)
         self.embed = nn.Embedding(VOCAB_SIZE, spec.dim)
         self.blocks = nn.ModuleList(Block(spec, self.encoding) for _ in range(spec.layers))
