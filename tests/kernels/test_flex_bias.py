@@ -215,6 +215,14 @@ def test_attend_flex_keeps_documents_apart_for_queries_after_cached_keys(compile
     assert_close(got, expected.double(), reduction=True)
 
 
+def test_attend_flex_names_more_queries_than_keys():
+    """The queries are the last s of the t keys: with s > t the positions check compared shapes that do not broadcast,
+    and torch's "The size of tensor a (7) must match the size of tensor b (2)" was the error."""
+    q, k = torch.randn(1, 4, 7, 8), torch.randn(1, 4, 5, 8)
+    with pytest.raises(ValueError, match=r"q has 7 queries but k has 5 keys: the queries must be the last s"):
+        flex_bias.attend_flex(q, k, k, ALiBi(4), torch.arange(7)[None], torch.arange(5)[None])
+
+
 def test_attend_flex_is_float32_under_autocast_too(compiled_flex, flex_calls):
     """Autocast cast flex_attention's float32 q, k and v back to bf16, so a layer routed to FlexAttention (CUDA from
     1M scores, CPU inference from 16M) gave other numbers under autocast than outside it (max 0.016 at s = 128), and

@@ -301,6 +301,13 @@ def attend_flex(
     if flex is None:
         raise RuntimeError("FlexAttention is unavailable in this PyTorch; use posenc.attention.attend")
     s, t = q.shape[2], k.shape[2]
+    if s > t:
+        # The queries are the last s keys; with fewer keys the check below compared shapes that cannot broadcast and
+        # torch's "The size of tensor a (7) must match the size of tensor b (2)" came out of it.
+        raise ValueError(
+            f"q has {s} queries but k has {t} keys: the queries must be the last s of the t keys (s <= t), as in "
+            "causal attention with a KV cache; pass the cached keys and values with the new ones"
+        )
     for name, positions, n in (("q_positions", q_positions, s), ("k_positions", k_positions, t)):
         if positions.dim() != 2 or positions.shape[1] != n:
             raise ValueError(f"{name} must have shape (b or 1, {n}), got {tuple(positions.shape)}")
