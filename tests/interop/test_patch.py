@@ -1076,6 +1076,54 @@ def test_consistent_mode_refuses_the_paged_cache_of_continuous_batching() -> Non
     torch.testing.assert_close(attended, rope.rotate(new_key, prefill["position_ids"], seq_len=13), atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_consistent_mode_computes_the_keys_cos_sin_once_per_forward(
+    rope_type: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every attention layer rotated all its cached keys with cos/sin it computed itself, the same in every layer
+    (a host read of the step's length and of the positions' extent each, and the float64 angles of every key):
+    L + 1 computations per forward with L layers. Now the first layer's are shared by the others: 2 (the new
+    tokens', the keys'), whatever the layer count, and the logits are those of the per-layer computation, bit for
+    bit."""
+    model = build("llama", rope_type, num_hidden_layers=4)
+    patch_model(model, mode="consistent")
+    ids = tokens(length=TRAINED + 4)
+    computed: list[int] = []
+    cos_sin = RoPE.cos_sin
+
+    def counted(self: RoPE, positions: torch.Tensor, **kwargs: Any) -> Any:
+        computed.append(positions.shape[-1])
+        return cos_sin(self, positions, **kwargs)
+
+    monkeypatch.setattr(RoPE, "cos_sin", counted)
+    shared = _decode(model, ids, TRAINED - 2)
+    steps = 1 + ids.shape[1] - (TRAINED - 2)
+    assert len(computed) == 2 * steps, computed
+    monkeypatch.setattr(consistent_module, "_keys_cos_sin", consistent_module._step_keys_cos_sin)
+    for ours, per_layer in zip(shared, _decode(model, ids, TRAINED - 2), strict=True):
+        assert torch.equal(ours, per_layer)
+
+
+def test_shared_keys_cos_sin_follow_position_ids_changed_in_place() -> None:
+    """The keys' cos/sin are shared by the position_ids they were made for: an inference tensor reused for the next
+    call and changed in place (no version counter shows it) gets them anew, as does a tensor whose version moved."""
+    model = build("llama", "dynamic", num_hidden_layers=2)
+    patch_model(model, mode="consistent")
+    ids = tokens(batch=1, length=TRAINED + 4)
+    for inference in (True, False):
+        with torch.inference_mode(inference), torch.no_grad():
+            cache = transformers.DynamicCache(config=model.config)
+            model(ids[:, : TRAINED + 2], cache=cache)
+            positions = torch.tensor([[TRAINED + 2]])
+            first = copy.deepcopy(cache)
+            model(ids[:, TRAINED + 2 : TRAINED + 3], cache=first, position_ids=positions)
+            positions += 1  # the same tensor, and a cache of the same length: another step's cos/sin
+            second = copy.deepcopy(cache)
+            ours = model(ids[:, TRAINED + 3 :], cache=cache, position_ids=positions).logits
+            expected = model(ids[:, TRAINED + 3 :], cache=second, position_ids=positions.clone()).logits
+        assert torch.equal(ours, expected)
+
+
 def test_consistent_mode_refuses_a_lazily_built_cache_of_fixed_size_layers() -> None:
     """A cache with no layers yet is judged by the class of the layers it will add (layer_class_to_replicate); a
     kind of DynamicLayer (sliding) grows as it does. Caches are found among positional arguments too."""

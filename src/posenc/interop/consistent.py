@@ -15,16 +15,18 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import threading
 import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
-from posenc._checks import compiling
+from posenc._checks import compiling, recording
 from posenc.rope.apply import apply_rotary
-from posenc.rope.module import RoPE
+from posenc.rope.module import RoPE, _keepable
 
 # What transformers' continuous batching passes to the attention (its PagedAttentionCache's reads), 5.25.
 _PAGED_ATTENTION_KWARGS = frozenset({"block_table", "read_index", "write_index"})
@@ -69,7 +71,7 @@ def _attend_with_rotated_keys(
             "mode='hf', or use generate with a DynamicCache"
         )
     rope = ropes[""] if "" in ropes else ropes[module.layer_type]
-    key = _rotate_keys_for_step(rope, key, _key_positions(position_ids, total), position_ids)
+    key = _rotate_keys_for_step(rope, key, position_ids)
     return attend(module, query, key, value, attention_mask, *args, **kwargs)
 
 
@@ -83,21 +85,79 @@ def _key_positions(position_ids: torch.Tensor, total: int) -> torch.Tensor:
     return torch.cat((past.clamp_min(0), position_ids), dim=-1)
 
 
-def _rotate_keys_for_step(
-    rope: RoPE, key: torch.Tensor, key_positions: torch.Tensor, position_ids: torch.Tensor
-) -> torch.Tensor:
-    """key (b, h_k, t, d) rotated at key_positions (b or 1, t) with the frequencies for max(position_ids) + 1.
+def _rotate_keys_for_step(rope: RoPE, key: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """key (b, h_k, t, d), whose last s are the new tokens' (position_ids (b or 1, s)), rotated at the keys'
+    positions (``_key_positions``) with the frequencies for max(position_ids) + 1."""
+    dtype = torch.float64 if key.dtype == torch.float64 else torch.float32
+    cos, sin = _keys_cos_sin(rope, position_ids, key.shape[-2], dtype)
+    return apply_rotary(key, cos.unsqueeze(1), sin.unsqueeze(1), interleaved=rope.interleaved, backend=rope.backend)
+
+
+def _step_keys_cos_sin(
+    rope: RoPE, position_ids: torch.Tensor, total: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (b or 1, t, r/2) of the keys' positions (``_key_positions``) with the frequencies for
+    max(position_ids) + 1.
 
     Inside torch.compile with no graph break (``RoPE.step_cos_sin_in_graph``): a break here, in every attention
     layer, made Dynamo compile each layer's attention forward as a frame of its own, guarded on its layer_idx and
     its cache layer, 3 x num_hidden_layers times, past the recompile limit (8) from 3 layers on."""
+    key_positions = _key_positions(position_ids, total)
     if not compiling():
-        return rope.rotate(key, key_positions, seq_len=rope.scaling_length(position_ids))
+        return rope.cos_sin(key_positions, seq_len=rope.scaling_length(position_ids), dtype=dtype)
     # The key positions' maximum is the new tokens' (the cached ones count back from the first new one), but the
     # length is read from position_ids, as the eager path does.
-    dtype = torch.float64 if key.dtype == torch.float64 else torch.float32
-    cos, sin = rope.step_cos_sin_in_graph(key_positions, position_ids, dtype)
-    return apply_rotary(key, cos.unsqueeze(1), sin.unsqueeze(1), interleaved=rope.interleaved, backend=rope.backend)
+    return rope.step_cos_sin_in_graph(key_positions, position_ids, dtype)
+
+
+# This thread's cos/sin of the keys' positions, by the position_ids they were made for (dropped with them): every
+# attention layer of a forward gets the same position_ids and rotates its keys with the same RoPE (or one per layer
+# type), so the first layer computes them and the others read them. Computed in each of 12 layers, a decode step
+# read the step's length and the positions' extent on the host 24 times (a device sync each on CUDA) and took the
+# float64 cos/sin of every cached position 12 times.
+_SHARED = threading.local()
+
+
+def _keys_cos_sin(
+    rope: RoPE, position_ids: torch.Tensor, total: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_step_keys_cos_sin``, computed once per (RoPE, key count, dtype) for these position_ids, as long as they
+    are unchanged (their version counter) and ``forget_keys_cos_sin`` has not dropped them. Not shared while traced
+    (torch.compile, make_fx), inside a torch.func transform, under a FakeTensorMode or in a CUDA graph capture (see
+    ``posenc.rope.module._keepable``): there each layer computes its own."""
+    if compiling() or recording() or not _keepable():
+        return _step_keys_cos_sin(rope, position_ids, total, dtype)
+    memo = _shared_memo()
+    # An inference tensor has no version counter; inference_mode is in the key, since a cos/sin made there cannot
+    # be saved for backward by a call outside it.
+    version = None if position_ids.is_inference() else position_ids._version
+    wanted = (total, dtype, torch.is_inference_mode_enabled(), version)
+    made = memo.get(position_ids)
+    if made is None:
+        made = memo[position_ids] = []
+    for owner, key, cos, sin in made:
+        if owner is rope and key == wanted:
+            return cos, sin
+    cos, sin = _step_keys_cos_sin(rope, position_ids, total, dtype)
+    made.append((rope, wanted, cos, sin))
+    return cos, sin
+
+
+def _shared_memo() -> WeakIdKeyDictionary:
+    memo = getattr(_SHARED, "memo", None)
+    if memo is None:
+        memo = _SHARED.memo = WeakIdKeyDictionary()
+    return memo
+
+
+def forget_keys_cos_sin(position_ids: torch.Tensor) -> None:
+    """Drop this thread's shared cos/sin for ``position_ids``: called where a forward starts (its rotary
+    embedding), so that an inference tensor reused for the next call, changed in place with no version counter to
+    show it, gets its cos/sin anew."""
+    if not compiling():
+        memo = getattr(_SHARED, "memo", None)
+        if memo is not None:
+            memo.pop(position_ids, None)
 
 
 class _KeysRotatedAtRead:
@@ -140,8 +200,7 @@ def _handing_out_rotated_shared_keys(forward: types.FunctionType, ropes: Mapping
         position_ids = kwargs["position_ids"]  # there: the attention has rotated its keys with them
         for layer_type, (key, *rest) in list(shared.items()):
             rope = ropes[""] if "" in ropes else ropes[layer_type]
-            positions = _key_positions(position_ids, key.shape[-2])
-            shared[layer_type] = (_rotate_keys_for_step(rope, key, positions, position_ids), *rest)
+            shared[layer_type] = (_rotate_keys_for_step(rope, key, position_ids), *rest)
         return out
 
     return handing_out

@@ -17,6 +17,7 @@ from torch import nn
 
 from posenc import _compile_marks as compile_marks
 from posenc.interop._discover import state_name
+from posenc.interop.consistent import forget_keys_cos_sin
 from posenc.rope.apply import apply_rotary, apply_rotary_qk
 from posenc.rope.frequencies import SEQ_LEN_DEPENDENT
 from posenc.rope.module import RoPE, angles_to_cos_sin
@@ -94,6 +95,9 @@ class PosencRotaryEmbedding(nn.Module):
             rope, key = self.ropes[layer_type], layer_type
         else:
             raise ValueError(f"layer_type must be one of {list(self.layer_types)}, got {layer_type!r}")
+        # A forward starts here: cos/sin that 'consistent' mode's layers shared for these position_ids in an earlier
+        # forward are made anew in this one (an inference tensor changed in place shows no version change).
+        forget_keys_cos_sin(position_ids)
         dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         if rope.rope_type in SEQ_LEN_DEPENDENT:
             return rope.call_cos_sin(position_ids, dtype=dtype)
