@@ -1137,15 +1137,27 @@ def test_consistent_mode_refuses_a_lazily_built_cache_of_fixed_size_layers() -> 
         consistent_module._require_growing_cache(Cache(layer_class_to_replicate=StaticLayer), DynamicLayer)
 
 
-def test_consistent_mode_under_fullgraph_says_to_compile_without_it() -> None:
-    """Dynamic NTK reads the step's length on the host in the rotary embedding: fullgraph=True's error says to compile
-    without it (the attention layers read it in an op, with no break of their own)."""
+@pytest.mark.parametrize("mode", ["hf", "consistent"])
+def test_dynamic_ntk_under_fullgraph(mode: str) -> None:
+    """'hf' dynamic NTK keeps transformers' state (the longest length seen), read and advanced on the host in the
+    rotary embedding: fullgraph=True's error says to compile without it. 'consistent' keeps none: the rotary
+    embedding, like the attention layers, reads the step's length in an op of the graph, so the whole model
+    compiles as one graph, a cached step included, with eager's logits (a break, with fullgraph an error, before)."""
     model = build("llama", "dynamic")
-    patch_model(model, mode="consistent")
+    patch_model(model, mode=mode)
     torch._dynamo.reset()
     try:
-        with torch.no_grad(), pytest.raises(Exception, match=r"patched transformers models cannot: compile them"):
-            torch.compile(model, backend="eager", fullgraph=True)(tokens(length=4))
+        compiled = torch.compile(model, backend="eager", fullgraph=True)
+        ids = tokens(length=TRAINED + 4)
+        with torch.no_grad():
+            if mode == "hf":
+                with pytest.raises(Exception, match=r"patched transformers models cannot: compile them"):
+                    compiled(ids[:, :4])
+                return
+            prompt = compiled(ids[:, :10], use_cache=True)
+            step = compiled(ids[:, 10:], past_key_values=prompt.past_key_values)  # past the trained length
+            torch.testing.assert_close(prompt.logits, model(ids[:, :10]).logits, **FP32)
+            torch.testing.assert_close(step.logits, model(ids).logits[:, 10:], **FP32)
     finally:
         torch._dynamo.reset()
 

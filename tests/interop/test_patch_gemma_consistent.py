@@ -198,22 +198,35 @@ def test_a_composite_gemma4_is_refused_naming_its_text_model_which_patches_alone
     torch.testing.assert_close(step, full[:, -1], atol=1e-4, rtol=1e-4)
 
 
-def test_consistent_gemma_compiles_and_keeps_one_scaling() -> None:
-    """Under torch.compile the cached keys are rotated in the graph (RoPE.step_cos_sin_in_graph): Gemma's sliding
-    layers keep the default type beside the scaled full-attention ones, which that method refused ("does not scale
-    with the length", a ValueError from inside the compiled forward)."""
+@pytest.mark.parametrize("model_type", ["gemma3n_text", "gemma4_text"])
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_consistent_gemma_compiles_as_one_graph_and_keeps_one_scaling(model_type: str, rope_type: str) -> None:
+    """Under torch.compile the cached keys are rotated in the graph (RoPE.step_cos_sin_in_graph; Gemma's sliding
+    layers keep the default type beside the scaled full-attention ones, which that method refused), the rotation
+    calls are counted in traced code (a host count broke the graph in every attention layer: 14-19 graphs for 10
+    calls of a 4-layer model, past the recompile limit) and dynamic NTK's rotary embedding reads the length in an
+    op: with fullgraph=True (one frame, so no per-layer frames), a graph per new shape Dynamo sees before it marks
+    the sizes dynamic, each step equal to a full forward over the text so far."""
     torch._dynamo.reset()  # a compiled forward of another tiny Gemma: Dynamo's state of it broke this one's frames
-    model = tiny("gemma4_text", "longrope")
+    model = tiny(model_type, rope_type)
     patch_model(model, mode="consistent")
     ids = torch.randint(3, 128, (1, 14), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        full = model(input_ids=ids).logits
-        forward = torch.compile(model.forward, backend="eager")
-        cache = transformers.DynamicCache(config=model.config)
-        forward(input_ids=ids[:, :5], past_key_values=cache, use_cache=True)
-        step = forward(input_ids=ids[:, 5:], past_key_values=cache, use_cache=True).logits
-    torch.testing.assert_close(step, full[:, 5:], atol=1e-4, rtol=1e-4)
-    torch._dynamo.reset()
+    graphs = []
+
+    def counting(graph: torch.fx.GraphModule, example_inputs: list) -> Any:
+        graphs.append(graph)
+        return graph.forward
+
+    try:
+        with torch.no_grad():
+            forward = torch.compile(model.forward, backend=counting, fullgraph=True)
+            cache = transformers.DynamicCache(config=model.config)
+            for start, end in ((0, 5), (5, 6), (6, 7), (7, 8), (8, 9), (9, 14)):  # crosses TRAINED
+                step = forward(input_ids=ids[:, start:end], past_key_values=cache, use_cache=True).logits
+                torch.testing.assert_close(step, model(input_ids=ids[:, :end]).logits[:, start:], **FP32)
+        assert len(graphs) <= 4
+    finally:
+        torch._dynamo.reset()
 
 
 def test_an_order_that_is_not_q_then_k_is_refused_when_patching() -> None:

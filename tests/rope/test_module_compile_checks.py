@@ -124,12 +124,21 @@ def test_fixed_frequency_types_compile_with_position_tensors(rope_type):
 @pytest.mark.parametrize("mode", ["hf", "consistent"])
 def test_a_length_that_cannot_be_read_is_asked_for(mode):
     """Without seq_len, dynamic scales for max(positions) + 1, a value that compiled code cannot read: the error
-    says to pass seq_len= (it was Dynamo's 'Could not guard on data-dependent expression')."""
+    says to pass seq_len= (it was Dynamo's 'Could not guard on data-dependent expression'). 'consistent' mode's
+    forward, which keeps no state, reads it in an op of the graph (posenc::dynamic_inv_freq): no break, eager's
+    numbers, within and past the trained length."""
     rope = make_rope("dynamic", mode)
     q, k = random_qk(1, 2, 1, 5, HEAD_DIM)
-    # Dynamo reports an exception raised while tracing as unsupported, with the exception's message in its text.
-    with pytest.raises(Exception, match=r"pass seq_len="):
-        compile_traced(lambda q, k, p: rope(q, k, positions=p))(q, k, torch.arange(5) + 100)
+    forward = compile_traced(lambda q, k, p: rope(q, k, positions=p))
+    if mode == "hf":
+        # Dynamo reports an exception raised while tracing as unsupported, with the exception's message in its text.
+        with pytest.raises(Exception, match=r"pass seq_len="):
+            forward(q, k, torch.arange(5) + 100)
+    else:
+        for start in (0, 100):
+            positions = torch.arange(5) + start
+            for got, want in zip(forward(q, k, positions), rope(q, k, positions=positions), strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     with pytest.raises(Exception, match=r"pass seq_len="):
         compile_traced(lambda p: rope.cos_sin(p))(torch.arange(5))
     # The meta device holds no values either, but shapes need none: a model built there (shape inference) runs,

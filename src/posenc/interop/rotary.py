@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from posenc import _compile_marks as compile_marks
+from posenc._checks import compiling
 from posenc.interop._discover import state_name
 from posenc.interop.consistent import forget_keys_cos_sin
 from posenc.rope.apply import apply_rotary, apply_rotary_qk
@@ -183,20 +184,32 @@ class _QueriesThenKeys:
     (``_attend_with_rotated_keys``).
 
     The calls are counted per thread (one patched model may run in several): ``begin`` before each forward,
-    ``calls_made`` after it. rotate: ``_rotate_one`` with the layout's options bound.
+    ``calls_made`` after it. Under torch.compile they are counted in an attribute that Dynamo traces (it cannot
+    trace a thread-local), so that the graph does not break in every attention layer: the count is then one of the
+    traced code's order, which a compiled frame fixes when it is traced, whatever other threads do. rotate:
+    ``_rotate_one`` with the layout's options bound.
     """
 
     def __init__(self, rotate: Callable[..., torch.Tensor]) -> None:
         self._rotate = rotate
         self._calls = threading.local()
+        self._traced_calls = 0
 
     def begin(self) -> None:
-        _count_rotations(self._calls, reset=True)
+        if compiling():
+            self._traced_calls = 0
+        else:
+            _count_rotations(self._calls, reset=True)
 
     def calls_made(self) -> int:
+        if compiling():
+            return self._traced_calls
         return _count_rotations(self._calls, reset=False, advance=False)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if compiling():
+            n, self._traced_calls = self._traced_calls, self._traced_calls + 1
+            return _queries_only(self._rotate, n, x, cos, sin, *args, **kwargs)
         return _rotate_queries_only(self._rotate, self._calls, x, cos, sin, *args, **kwargs)
 
 
@@ -219,7 +232,20 @@ def _rotate_queries_only(
     *args: Any,
     **kwargs: Any,
 ) -> torch.Tensor:
-    n = _count_rotations(calls)
+    return _queries_only(rotate, _count_rotations(calls), x, cos, sin, *args, **kwargs)
+
+
+def _queries_only(
+    rotate: Callable[..., torch.Tensor],
+    n: int,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *args: Any,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """x rotated where it is the forward's first rotation call (n = 0: the queries), x itself for the second (the
+    keys), else a RuntimeError."""
     if n == 0:  # the queries
         return rotate(x, cos, sin, *args, **kwargs)
     if n == 1:  # the keys: cached unrotated, rotated at read

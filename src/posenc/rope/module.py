@@ -478,28 +478,32 @@ class RoPE(nn.Module):
         reads no state: for 'hf' dynamic it differs from forward on a call shorter than the longest one seen but not
         shorter than max_position_embeddings (a decode step after a longer prefill).
 
-        Inside torch.compile the length-dependent types compute them outside the graph, one graph break where
-        transformers' ``dynamic_rope_update`` makes one too; with ``fullgraph=True`` or in a CUDA graph capture,
-        give the length: ``cos_sin(positions, seq_len=...)``. LongRoPE is the exception: it only chooses between
-        two sets of frequencies, which the graph does itself (as transformers' does, with no break)."""
+        Inside torch.compile 'hf' dynamic NTK computes them outside the graph, one graph break where transformers'
+        ``dynamic_rope_update`` makes one too; with ``fullgraph=True`` or in a CUDA graph capture, give the length:
+        ``cos_sin(positions, seq_len=...)``. LongRoPE only chooses between two sets of frequencies, which the graph
+        does itself (as transformers' does, with no break), and 'consistent' dynamic NTK, which keeps no state,
+        reads the length in an op of the graph (no break; not for CUDA graphs, which that read would defeat)."""
         if positions.numel() == 0:  # nothing to scale for, nor any state to advance
             return self.cos_sin(positions, dtype=dtype)
         # make_fx's graph too: there no value may be read (its example's length would be baked in).
         in_graph = (compiling() or recording()) and positions.dim() <= 2  # not M-RoPE's axes
-        if self.spec.rope_type == "longrope" and in_graph:
-            return self._longrope_cos_sin_in_graph(positions, dtype)
+        # 'consistent' dynamic NTK scales for these positions alone (no state), which the graph reads in an op.
+        stateless = self.spec.rope_type == "longrope" or self.mode == "consistent"
+        if in_graph and stateless and self.spec.rope_type in SEQ_LEN_DEPENDENT:
+            return self._own_step_cos_sin_in_graph(positions, dtype)
         if self.spec.rope_type == "longrope" and compiling():  # M-RoPE's axes
             return _call_longrope_cos_sin_eagerly(self, positions, dtype)
         if self.spec.rope_type in SEQ_LEN_DEPENDENT and compiling():
             return _call_cos_sin_eagerly(self, positions, dtype)
         return self.cos_sin(positions, seq_len=self.scaling_length(positions), dtype=dtype)
 
-    def _longrope_cos_sin_in_graph(
+    def _own_step_cos_sin_in_graph(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """LongRoPE's cos, sin for max(positions) + 1 without reading it on the host: the long factors past
-        ``original_max_position_embeddings``, the short ones up to it, chosen on the device (positions are checked
-        with the graph). The attention factor is the same for both."""
+        """cos, sin for max(positions) + 1 with no graph break (``step_cos_sin_in_graph``): LongRoPE's long factors
+        past ``original_max_position_embeddings``, the short ones up to it, chosen on the device (the attention
+        factor is the same for both); 'consistent' dynamic NTK's frequencies for that length, read in an op.
+        Positions are checked with the graph."""
         int_tensor("positions", positions, host_read=True)
         return self.step_cos_sin_in_graph(positions, positions, dtype)
 
