@@ -302,6 +302,11 @@ def test_resolve_positions_forms_and_dtype() -> None:
     from posenc.positions import resolve_positions
 
     assert resolve_positions(4, batch=2, offset=torch.tensor([3])).tolist() == [[3, 4, 5, 6]]
+    # One offset per sequence shifts its own row, with or without ids.
+    assert resolve_positions(3, batch=2, offset=torch.tensor([0, 5])).tolist() == [[0, 1, 2], [5, 6, 7]]
+    rows = torch.tensor([[2, 3, 4], [0, 1, 2]])
+    shifted = resolve_positions(3, batch=2, positions=rows, offset=torch.tensor([1, 10]))
+    assert shifted.tolist() == [[3, 4, 5], [10, 11, 12]]
     ids = torch.tensor([0, 1], dtype=torch.int32)
     resolved = resolve_positions(2, batch=1, positions=ids, offset=2**31)
     assert resolved.dtype == torch.int64 and resolved.tolist() == [[2**31, 2**31 + 1]]

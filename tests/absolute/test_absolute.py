@@ -23,6 +23,13 @@ def test_sinusoidal_any_position_and_batched_shape():
     assert_close(out[0, 0], sinusoidal_reference(torch.tensor([10**7]), 8)[0])
 
 
+def test_sinusoidal_keeps_positions_past_float32s_integers():
+    # 2**24 + 1 is the first integer float32 cannot hold: read through float32 it would be encoded as 2**24,
+    # whose fastest channel sin(p) differs by ~1.
+    positions = torch.tensor([2**24 + 1, 2**31 + 3])
+    assert_close(posenc.Sinusoidal(8)(positions), sinusoidal_reference(positions, 8))
+
+
 def test_learned_table_lookup_and_bounds():
     enc = posenc.LearnedAbsolute(16, 8)
     positions = torch.tensor([[0, 5, 15]])

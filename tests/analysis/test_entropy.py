@@ -81,6 +81,10 @@ def test_bad_input_is_a_clear_error(tmp_path):
         attention_entropy(scores, [], values="scores")
     with pytest.raises(ValueError, match="must be >= 0 and sum to 1"):
         attention_entropy(scores, [4], values="probs")
+    # Rows that sum to 1 through a negative weight: xlogy of it is NaN, an entropy no figure should show.
+    negative = torch.tensor([[1.0, 0.0], [-0.5, 1.5]]).expand(1, 1, 2, 2)
+    with pytest.raises(ValueError, match="must be >= 0 and sum to 1"):
+        attention_entropy(negative, [2], values="probs")
     with pytest.raises(ValueError, match="weight on future keys"):
         attention_entropy(torch.full((1, 1, 4, 4), 0.25), [4], values="probs")
     with pytest.raises(ValueError, match=r"\(b, h, s, s\) or \(l, b, h, s, s\)"):

@@ -152,3 +152,27 @@ def test_example_rope_parameters_refuses_bad_arguments(kwargs, error, match):
     given = {"rotary_dim": 8, "train_len": 64, "factor": 4.0, **kwargs}
     with pytest.raises(error, match=match):
         example_rope_parameters("linear", **given)
+
+
+def test_factor_one_is_every_types_identity():
+    # An extension ratio of 1 extends nothing: every type keeps plain RoPE's frequencies.
+    table = frequency_table(16, train_len=64, factor=1.0, rope_types=["default", "linear", "ntk", "yarn", "llama3"])
+    assert table.seq_len == 64
+    torch.testing.assert_close(table.ratio_to_default(), torch.ones(5, 8, dtype=torch.float64), rtol=1e-15, atol=0)
+
+
+def test_a_head_of_one_pair_leaves_out_the_types_that_need_two():
+    from posenc.rope.parameters import NEEDS_FOUR_CHANNELS
+
+    table = frequency_table(2, train_len=64)
+    assert "default" in table.rope_types and not set(table.rope_types) & set(NEEDS_FOUR_CHANNELS)
+
+
+@pytest.mark.parametrize("head_dim", [2, 4])
+def test_proportional_turns_at_least_one_pair_of_a_small_head(head_dim):
+    table = frequency_table(head_dim, train_len=64, rope_types=["default", "proportional"])
+    assert table.inv_freq[1, 0] == table.inv_freq[0, 0] > 0
+
+
+def test_the_default_seq_len_is_the_extended_context_to_the_nearest_token():
+    assert frequency_table(8, train_len=3, factor=1.25, rope_types=["default"]).seq_len == 4  # 3.75 tokens

@@ -110,3 +110,27 @@ def test_a_bias_masking_with_minus_infinity_is_compared_where_finite():
     result = relative_invariance(_PaddingBias(), 12, head_dim=8)
     assert bool(torch.isinf(result.scores[:, :2]).all()) and bool(torch.isfinite(result.scores[:, 2:]).all())
     assert result.max_spread < 1e-12
+
+
+def test_the_score_bias_added_is_the_one_of_the_head_asked_for():
+    # ALiBi's slopes for 4 heads are 2^-2, 2^-4, 2^-6, 2^-8: head h's scores are head 0's plus (2^-2 - slope_h)|m - n|.
+    first = relative_invariance(posenc.ALiBi(4), 6, head_dim=8, head=0)
+    distance = (torch.arange(6)[:, None] - torch.arange(6)[None, :]).abs().double()
+    for head, slope in enumerate([2**-2, 2**-4, 2**-6, 2**-8]):
+        scores = relative_invariance(posenc.ALiBi(4), 6, head_dim=8, head=head).scores
+        torch.testing.assert_close(scores - first.scores, (2**-2 - slope) * distance, rtol=0, atol=1e-12)
+
+
+def test_sinusoidal_scores_are_content_plus_position_dot_products():
+    # (q + p_m) . (k + p_n) / sqrt(d), with the paper's PE(p, 2i) = sin(p / 10000^(2i/d)), PE(p, 2i+1) = cos: the
+    # same position table on both sides (a spread computed from the wrong scores is still their own diagonals' range).
+    d, length = 8, 5
+    result = relative_invariance(posenc.Sinusoidal(d), length, seed=2)
+    q, k = torch.randn(2, d, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    q, k = q * math.sqrt(d / 2) / q.norm(), k * math.sqrt(d / 2) / k.norm()
+    pe = torch.zeros(length, d, dtype=torch.float64)
+    for p in range(length):
+        for i in range(d // 2):
+            pe[p, 2 * i] = math.sin(p / 10000 ** (2 * i / d))
+            pe[p, 2 * i + 1] = math.cos(p / 10000 ** (2 * i / d))
+    torch.testing.assert_close(result.scores, (q + pe) @ (k + pe).T / math.sqrt(d), rtol=0, atol=1e-12)

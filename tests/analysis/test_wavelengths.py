@@ -118,3 +118,10 @@ def test_a_length_dependent_type_takes_the_seq_len_it_is_given():
     expected = posenc.RoPE(64, rope_parameters=params, max_position_embeddings=2048).frequencies(8192)[0]
     torch.testing.assert_close(past.inv_freq, expected, rtol=0, atol=0)
     assert not bool(past.unchanged[1:].any())  # pair 0 turns at 1 rad per position whatever the base
+
+
+def test_a_pair_that_turns_exactly_once_within_l_is_not_partial():
+    # Linear scaling by L / (2 pi) stretches pair 0 (theta = 1) to a wavelength of exactly L: one full turn.
+    result = wavelengths(2, 64, rope_parameters={"rope_type": "linear", "factor": 64 / (2 * math.pi)})
+    assert result.wavelength.tolist() == [64.0] and result.rotations.tolist() == [1.0]
+    assert result.partial.tolist() == [False]
