@@ -582,7 +582,9 @@ def patch_model(
     the config's top-level one where it has it (Phi-3), which transformers lets win over the dict's. Offered for
     ``SUPPORTED_ARCHITECTURES``, whose code reads the rope dict only in the rotary embedding; elsewhere (DeepSeek-V3's
     attention reads YaRN's mscale when built) load the model with the config you want and patch it with None.
-    posenc's ``ntk`` is written as the equivalent ``default`` config with a larger ``rope_theta``.
+    posenc's ``ntk`` is written as the equivalent ``default`` config with a larger ``rope_theta``. Nothing else of
+    the dict it replaces is carried over: a Llama 3.1 config's ``original_max_position_embeddings`` (its pre-training
+    length) is not, so a new scaling extends from ``max_position_embeddings`` unless the new dict gives it.
     mode: "hf" (Hugging Face's numbers, also for ``dynamic`` / ``longrope`` with a KV cache) or "consistent" (keys
     cached unrotated and rotated at read with each step's frequencies, so every score of a step uses one set of
     frequencies: cached decoding equals a full forward for one layer, and per score in deeper stacks, whose later
