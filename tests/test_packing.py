@@ -239,14 +239,140 @@ def test_document_ids_compile_with_fullgraph():
             compiled(x, torch.tensor([0, 0, 1, 1, 1, 0, 0, 1, 1, 1, 1, 1]))
 
 
+# ---- left padding with a KV cache
+
+
+def _padded_cache_layer(name: str) -> tuple[torch.nn.Module, CausalSelfAttention]:
+    if name == "rope-consistent-dynamic":
+        dynamic = {"rope_type": "dynamic", "factor": 2.0}
+        encoding = posenc.RoPE(HEAD_DIM, rope_parameters=dynamic, max_position_embeddings=64, mode="consistent")
+        return encoding, layer_for(encoding.double())
+    encoding = make_encoding(name)
+    return encoding, layer_for(encoding)
+
+
+@pytest.mark.parametrize("name", [*posenc.available(), "rope-consistent-dynamic"])
+@settings(max_examples=10, deadline=None)
+@given(
+    prompts=st.lists(st.integers(1, 6), min_size=1, max_size=3),
+    steps=st.lists(st.tuples(st.integers(1, 3), st.booleans()), min_size=1, max_size=4),
+    data=st.data(),
+)
+def test_a_left_padded_batch_decodes_each_row_as_alone(name, prompts, steps, data):
+    """Every encoding, grouped-query heads: prompts of different lengths left-padded with garbage (id 0, the text
+    id 1, as transformers' attention_mask), prefilled into a KVCache and decoded in chunks (with the ids given
+    again or left to continue the row's document), then a draft cropped off and decoded again, give each row what
+    the row alone gives in one call without padding or cache, to float64 rounding."""
+    torch.manual_seed(0)
+    encoding, attn = _padded_cache_layer(name)
+    longest, new = max(prompts), sum(n for n, _ in steps)
+    texts = [torch.randn(1, n + new, DIM, dtype=torch.float64) for n in prompts]
+    alone = torch.cat([attn(add_input_encoding(x, encoding, torch.arange(x.shape[1])[None]))[:, -new:] for x in texts])
+    alone_prompts = [
+        attn(add_input_encoding(x[:, :n], encoding, torch.arange(n)[None])) for x, n in zip(texts, prompts, strict=True)
+    ]
+    pads = torch.randn(len(prompts), longest, DIM, dtype=torch.float64) * 3
+    x = torch.cat(
+        [
+            torch.cat((pads[i : i + 1, : longest - n], t[:, :n]), dim=1)
+            for i, (t, n) in enumerate(zip(texts, prompts, strict=True))
+        ]
+    )
+    ids = (torch.arange(longest)[None] >= longest - torch.tensor(prompts)[:, None]).long()
+
+    def step(cache: KVCache, x: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
+        positions = cache.next_positions(x.shape[1], document_ids=ids)  # for the input encodings, taken before
+        return attn(add_input_encoding(x, encoding, positions), document_ids=ids, cache=cache)
+
+    cache = KVCache()
+    prefill = step(cache, x, ids)
+    for row, (n, expected) in enumerate(zip(prompts, alone_prompts, strict=True)):
+        torch.testing.assert_close(prefill[row : row + 1, longest - n :], expected, atol=1e-12, rtol=1e-12)
+    decoded, done = [], 0
+    for size, give_ids in steps:
+        chunk = torch.cat([t[:, n + done : n + done + size] for t, n in zip(texts, prompts, strict=True)])
+        decoded.append(step(cache, chunk, torch.ones(len(prompts), size, dtype=torch.long) if give_ids else None))
+        done += size
+    torch.testing.assert_close(torch.cat(decoded, dim=1), alone, atol=1e-12, rtol=1e-12)
+    # A rejected draft: crop the last chunk and decode it again, token by token.
+    size = steps[-1][0]
+    cache.crop(-size)
+    assert cache.document_ids.shape[1] == cache.length
+    chunk = torch.cat([t[:, n + new - size :] for t, n in zip(texts, prompts, strict=True)])
+    again = torch.cat([step(cache, chunk[:, i : i + 1], None) for i in range(size)], dim=1)
+    torch.testing.assert_close(again, alone[:, new - size :], atol=1e-12, rtol=1e-12)
+
+
+def test_a_left_padded_consistent_rope_scales_for_the_batch_and_keeps_its_pads_out():
+    """'consistent' dynamic NTK past its original length: every step rotates the whole batch's keys for the
+    batch's largest position + 1 (as transformers scales a padded batch), so each cached step equals a full
+    forward of the padded batch so far, its pads kept out by the ids; the longest row equals itself alone."""
+    torch.manual_seed(0)
+    dynamic = {"rope_type": "dynamic", "factor": 2.0}
+    rope = posenc.RoPE(HEAD_DIM, rope_parameters=dynamic, max_position_embeddings=4, mode="consistent")
+    attn = layer_for(rope.double())
+    x = torch.randn(2, 9, DIM, dtype=torch.float64)
+    ids = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1], [1] * 9])
+    cache = KVCache()
+    steps = [attn(x[:, :6], document_ids=ids[:, :6], cache=cache)[:, -1:]]
+    steps += [attn(x[:, i : i + 1], cache=cache) for i in range(6, 9)]
+    full = [attn(x[:, :i], document_ids=ids[:, :i])[:, -1:] for i in range(6, 10)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), torch.cat(full, dim=1), atol=1e-12, rtol=1e-12)
+    alone = torch.cat([attn(x[1:, :i])[:, -1:] for i in range(6, 10)], dim=1)
+    torch.testing.assert_close(torch.cat(steps, dim=1)[1:], alone, atol=1e-12, rtol=1e-12)
+
+
+def test_a_step_may_start_a_new_document_in_the_cache():
+    """Ids given at a step that differ from the row's last cached id start a document there: its tokens restart
+    at position 0 and see only each other, as the same document run alone."""
+    torch.manual_seed(0)
+    attn = layer_for(make_encoding("rope"))
+    x = torch.randn(1, 7, DIM, dtype=torch.float64)
+    cache = KVCache()
+    attn(x[:, :4], document_ids=torch.zeros(1, 4, dtype=torch.long), cache=cache)
+    assert torch.equal(cache.next_positions(3, document_ids=torch.tensor([0, 5, 5])), torch.tensor([[4, 0, 1]]))
+    out = attn(x[:, 4:], document_ids=torch.tensor([0, 5, 5]), cache=cache)
+    torch.testing.assert_close(out[:, 1:], attn(x[:, 5:]), atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(out[:, :1], attn(x[:, :5])[:, 4:], atol=1e-12, rtol=1e-12)
+    assert torch.equal(cache.positions, torch.tensor([[0, 1, 2, 3, 4, 0, 1]]))
+
+
 # ---- errors
 
 
-def test_document_ids_with_a_cache_are_refused():
+def test_document_ids_on_a_cache_filled_without_them_are_refused():
+    """The cached keys' documents are unknown: guessing would attend to padding or hide text."""
     attn = layer_for(make_encoding("rope"))
-    x = torch.randn(1, 4, DIM, dtype=torch.float64)
-    with pytest.raises(ValueError, match=r"document_ids cannot be combined with a KV cache.*a row of its own"):
-        attn(x, document_ids=torch.zeros(4, dtype=torch.long), cache=KVCache())
+    cache = KVCache()
+    attn(torch.randn(1, 4, DIM, dtype=torch.float64), cache=cache)
+    with pytest.raises(ValueError, match=r"holds 4 tokens filled without document_ids.*from the first step on"):
+        attn(torch.randn(1, 1, DIM, dtype=torch.float64), document_ids=torch.ones(1, 1, dtype=torch.long), cache=cache)
+    with pytest.raises(ValueError, match=r"filled without document_ids"):
+        cache.next_positions(1, document_ids=torch.ones(1, 1, dtype=torch.long))
+    assert cache.length == 4 and cache.document_ids is None
+
+
+def test_document_ids_with_a_cache_are_checked_against_it():
+    """Step ids of the wrong shape, and an id that comes back after the cache moved on to another, are named
+    errors that leave the cache as it was."""
+    attn = layer_for(make_encoding("alibi"))
+    cache = KVCache()
+    attn(
+        torch.randn(2, 4, DIM, dtype=torch.float64),
+        document_ids=torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]]),
+        cache=cache,
+    )
+    step = torch.randn(2, 1, DIM, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"document_ids must have shape \(1,\) or \(2, 1\)"):
+        attn(step, document_ids=torch.ones(2, 2, dtype=torch.long), cache=cache)
+    with pytest.raises(ValueError, match=r"one run of tokens"):
+        attn(step, document_ids=torch.tensor([[0], [1]]), cache=cache)
+    k = torch.randn(2, KV_HEADS, 1, HEAD_DIM, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"document_ids must be \(b or 1, s\) = \(2 or 1, 1\)"):
+        cache.update(k, k, torch.tensor([[4]]), document_ids=torch.ones(3, 1, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"document_ids are the cached keys' ids"):
+        KVCache(document_ids=torch.zeros(1, 4, dtype=torch.long))
+    assert cache.length == 4 and torch.equal(cache.document_ids, torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]]))
 
 
 @pytest.mark.parametrize(

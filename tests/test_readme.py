@@ -32,6 +32,8 @@ def test_readme_python_examples_run_and_do_what_their_comments_say(capsys):
     assert torch.equal(first["q1"], first["q_rot"][:, :, -1:]) and torch.equal(first["k1"], first["k_rot"][:, :, -1:])
     assert first["bias"].shape == (12, 4, 16)
     assert first["cache"].length == 11  # positions 0..10
+    assert first["padded"].positions[:, -1].tolist() == [3, 5]  # each row's text from 0, its pads apart
+    assert first["padded"].document_ids[:, -1].tolist() == [1, 1]
 
 
 def test_every_docs_python_example_is_run_by_a_test():

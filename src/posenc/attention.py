@@ -35,7 +35,12 @@ from posenc._checks import (
 )
 from posenc.encoding import ActsOn
 from posenc.kernels.flex_bias import FlexFallback, attend_flex, use_flex
-from posenc.positions import positions_from_document_ids, resolve_document_ids, resolve_positions
+from posenc.positions import (
+    positions_continuing,
+    positions_from_document_ids,
+    resolve_document_ids,
+    resolve_positions,
+)
 
 
 @dataclasses.dataclass
@@ -46,6 +51,11 @@ class KVCache:
     ``unrotated_k`` and the ``inv_freq`` that ``k`` was rotated with: ``k`` is extended while the frequencies stay
     the same and rebuilt from ``unrotated_k`` (never re-rotated, so no rounding accumulates) when they change.
 
+    Filled with ``document_ids`` it keeps the keys' ids too, (b or 1, t), as it keeps their positions: a step that
+    gives none continues each row's last document, so a left-padded batch (pads one id, each row's text another:
+    transformers' ``attention_mask`` is such ids) decodes without attending to its padding. None where the first
+    step gave no ids (then every cached key is seen, as before).
+
     One cache per attention layer: the first ``CausalSelfAttention`` that fills it owns it, and another layer
     handed it while it holds keys raises ValueError. Another sequence starts with a new ``KVCache()``.
     """
@@ -55,6 +65,7 @@ class KVCache:
     positions: torch.Tensor | None = None
     unrotated_k: torch.Tensor | None = None
     rotated_with: torch.Tensor | None = None
+    document_ids: torch.Tensor | None = None
     # A weak reference, so that a cache kept around does not keep its layer's weights alive.
     _owner: weakref.ref[nn.Module] | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
@@ -62,7 +73,12 @@ class KVCache:
         # A cache is normally started empty and filled by the attention; one built with tensors must be one the
         # attention could have built.
         named = {"k": self.k, "v": self.v, "positions": self.positions}
-        for name, value in (*named.items(), ("unrotated_k", self.unrotated_k), ("rotated_with", self.rotated_with)):
+        others = (
+            ("unrotated_k", self.unrotated_k),
+            ("rotated_with", self.rotated_with),
+            ("document_ids", self.document_ids),
+        )
+        for name, value in (*named.items(), *others):
             if value is not None and not isinstance(value, torch.Tensor):
                 raise TypeError(
                     f"KVCache.{name} must be a torch.Tensor or None, got {type(value).__name__}; start with KVCache() "
@@ -73,6 +89,12 @@ class KVCache:
             raise ValueError(f"KVCache needs k, v and positions together (or none of them), got only {given}")
         if self.k is not None:
             self._check_new(self.k, self.v, None, self.positions)
+        if self.document_ids is not None:
+            if self.k is None:
+                raise ValueError("KVCache.document_ids are the cached keys' ids: give them with k, v and positions")
+            self.document_ids = resolve_document_ids(
+                self.document_ids, batch=self.k.shape[0], seq_len=self.k.shape[2], device=self.k.device
+            )
 
     @property
     def length(self) -> int:
@@ -133,17 +155,32 @@ class KVCache:
                 f"cached sequence together (batch {held}), or start a new KVCache() for another batch"
             )
 
-    def next_positions(self, seq_len: int, *, device: torch.device | str | None = None) -> torch.Tensor:
+    def next_positions(
+        self, seq_len: int, *, device: torch.device | str | None = None, document_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """(b or 1, seq_len) int64: the positions after the last cached one, per sequence; 0..seq_len-1 (on
         ``device``) while the cache is empty.
 
         Continues the cached positions, not ``length``: after a prefill at explicit positions (e.g. 100..105) the
-        next token is at 106, wherever the ids started. What ``CausalSelfAttention`` uses when given no positions,
-        and what ``add_input_encoding`` needs in a decoding loop.
+        next token is at 106, wherever the ids started. With the new tokens' ``document_ids`` (s,) or (b, s), each
+        token's index within its document instead: a token of the row's last cached document continues its
+        positions, one of another document starts at 0 (as ``positions_from_document_ids`` counts a whole row). What
+        ``CausalSelfAttention`` uses when given no positions, and what ``add_input_encoding`` needs in a decoding loop.
         """
         seq_len = integer_offset(seq_len)  # numpy's integers too
         if isinstance(seq_len, bool) or not isinstance(seq_len, (int, torch.SymInt)) or seq_len < 0:
             raise ValueError(f"seq_len must be an int >= 0 (the number of new tokens), got {seq_len!r}")
+        if document_ids is not None:
+            held = self.k.shape[0] if self.k is not None else None
+            batch = held if held is not None else (document_ids.shape[0] if document_ids.dim() == 2 else 1)
+            docs = resolve_document_ids(document_ids, batch=batch, seq_len=seq_len, device=device)
+            self._check_ids_kept(docs)
+            if self.positions is None or self.positions.shape[1] == 0:
+                return positions_from_document_ids(docs)
+            assert self.document_ids is not None
+            return positions_continuing(
+                self.document_ids[:, -1:], self.positions[:, -1:], docs.to(self.positions.device)
+            )
         if self.positions is None or self.positions.shape[1] == 0:
             return torch.arange(seq_len, device=device)[None]
         steps = torch.arange(1, seq_len + 1, dtype=torch.long, device=self.positions.device)
@@ -166,34 +203,46 @@ class KVCache:
                 f"many, or -{held}..-1 to drop that many from the end"
             )
         if keep == 0:
-            self.k = self.v = self.positions = self.unrotated_k = self.rotated_with = None
+            self.k = self.v = self.positions = self.unrotated_k = self.rotated_with = self.document_ids = None
             return
         assert self.k is not None and self.v is not None and self.positions is not None
         self.k, self.v, self.positions = self.k[:, :, :keep], self.v[:, :, :keep], self.positions[:, :keep]
         if self.unrotated_k is not None:
             self.unrotated_k = self.unrotated_k[:, :, :keep]
+        if self.document_ids is not None:
+            self.document_ids = self.document_ids[:, :keep]
 
     def update(
-        self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
+        self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, *, document_ids: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """k, v: (b, g, s, d); positions: (b or 1, s). Append the new tokens; returns everything cached so far.
-        New tokens that cannot continue the cache (batch, dtype, device, heads, head dim) raise and change nothing."""
-        self._check_new(k, v, self.k, positions)
+        """k, v: (b, g, s, d); positions: (b or 1, s); document_ids: (b or 1, s) or None (see the class). Append the
+        new tokens; returns everything cached so far (the ids of every key are then ``self.document_ids``). New
+        tokens that cannot continue the cache (batch, dtype, device, heads, head dim) raise and change nothing."""
+        self._check_new(k, v, self.k, positions, document_ids)
+        ids = self.key_document_ids(document_ids, k.shape[2])
         self.k, self.v, self.positions = self._appended(self.k, k, v, positions)
+        self.document_ids = ids
         return self.k, self.v, self.positions
 
     def update_rotating(
-        self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, encoding: nn.Module
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        encoding: nn.Module,
+        *,
+        document_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """Append unrotated keys k: (b, g, s, d) and rotate every cached key with the frequencies of the whole
         sequence, max(positions) + 1, re-rotating the old keys only when those frequencies changed.
 
         Returns (rotated keys (b, g, t, d), values, key positions (b or 1, t), the seq_len used). The cache changes
-        only once everything is computed.
+        only once everything is computed. document_ids: as for ``update``.
         """
         if self.unrotated_k is None and self.k is not None:
             raise ValueError("this KVCache holds keys rotated by another encoding; start a new KVCache()")
-        self._check_new(k, v, self.unrotated_k, positions)
+        self._check_new(k, v, self.unrotated_k, positions, document_ids)
+        ids = self.key_document_ids(document_ids, k.shape[2])
         unrotated, all_v, k_pos = self._appended(self.unrotated_k, k, v, positions)
         # Read as a forward call without a cache reads it: in a graph break under torch.compile, 1 on the meta
         # device (shapes only), posenc's error where no value may be read (a CUDA graph capture).
@@ -206,14 +255,59 @@ class KVCache:
         else:
             rotated = encoding.rotate(unrotated, k_pos, seq_len=seq_len)
         self.k, self.v, self.positions, self.unrotated_k, self.rotated_with = rotated, all_v, k_pos, unrotated, inv_freq
+        self.document_ids = ids
         return self.k, all_v, k_pos, seq_len
 
-    def _check_new(self, k: torch.Tensor, v: torch.Tensor, held: torch.Tensor | None, positions: torch.Tensor) -> None:
-        """Raise unless new keys k, values v and their positions belong together and continue ``held``, the keys
-        as cached (before any rotation)."""
+    def key_document_ids(self, document_ids: torch.Tensor | None, seq_len: int) -> torch.Tensor | None:
+        """The document ids of the cached keys and ``seq_len`` new ones, (b or 1, t), computed without changing the
+        cache: the new ones as given, document_ids (b or 1, s), or else each row's last cached id; None where
+        neither the cache nor the step has ids. Ids that break a document into two runs are not checked here."""
+        if document_ids is None:
+            if self.document_ids is None:
+                return None
+            return torch.cat((self.document_ids, self.document_ids[:, -1:].expand(-1, seq_len)), dim=1)
+        self._check_ids_kept(document_ids)
+        document_ids = document_ids.long()
+        if self.document_ids is None:
+            return document_ids
+        batch = max(self.document_ids.shape[0], document_ids.shape[0])
+        held = self.document_ids.expand(batch, -1)
+        return torch.cat((held, document_ids.to(held.device).expand(batch, -1)), dim=1)
+
+    def _check_ids_kept(self, document_ids: torch.Tensor) -> None:
+        """Raise unless this cache knows the document ids of its keys, or holds none, so that new ids can follow."""
+        if self.document_ids is None and self.k is not None:
+            # Which documents the cached keys belong to is unknown: guessing would attend to padding or hide text.
+            raise ValueError(
+                f"this KVCache holds {self.length} tokens filled without document_ids, so new tokens' document_ids "
+                "have no ids to follow; pass document_ids from the first step on (for left padding: one id for the "
+                "pads, another for each row's text, e.g. transformers' attention_mask), or start a new KVCache()"
+            )
+
+    def _check_new(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        held: torch.Tensor | None,
+        positions: torch.Tensor,
+        document_ids: torch.Tensor | None = None,
+    ) -> None:
+        """Raise unless new keys k, values v, their positions and document ids (or None) belong together and
+        continue ``held``, the keys as cached (before any rotation)."""
         float_tensor("k", k)
         float_tensor("v", v)
         int_tensor("positions", positions)
+        if document_ids is not None:
+            int_tensor("document_ids", document_ids, what="document ids")
+            if (
+                document_ids.dim() != 2
+                or document_ids.shape[1] != k.shape[2]
+                or not size_in(document_ids.shape[0], (1, k.shape[0]))
+            ):
+                raise ValueError(
+                    f"document_ids must be (b or 1, s) = ({k.shape[0]} or 1, {k.shape[2]}) for keys of shape "
+                    f"{tuple(k.shape)}, got {tuple(document_ids.shape)}"
+                )
         if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
             raise ValueError(
                 f"k and v must be (b, g, s, d) with the same b, g and s, got {tuple(k.shape)} and {tuple(v.shape)}"
@@ -444,8 +538,11 @@ class CausalSelfAttention(nn.Module):
         each sequence; else, with document_ids, each token's index within its document; else 0..s-1).
         cache: a ``KVCache`` this layer fills and reads (one per layer): prefill, then decode steps continue it.
         document_ids: (s,) or (b, s) integers, one run of tokens per id, for documents packed into a row: a token
-        attends only to earlier tokens of its own document (not with a cache, which continues one sequence per
-        row). ``posenc.document_ids_from_positions`` and ``posenc.document_ids_from_cu_seqlens`` build them.
+        attends only to earlier tokens of its own document. ``posenc.document_ids_from_positions`` and
+        ``posenc.document_ids_from_cu_seqlens`` build them. With a cache they are the new tokens' ids, kept for
+        later steps, which continue each row's last document where they give none (positions then continue it
+        too, or restart at 0 for a new id): a left-padded batch decodes as each row alone with ids 0 for the pads
+        and 1 for the text (transformers' ``attention_mask``) at the prefill. A cache filled without ids takes none.
 
         Returns (b, s, dim); with ``return_attention`` also the probabilities (b, h, s, t) in float32 (float64
         for float64 inputs).
@@ -484,11 +581,6 @@ class CausalSelfAttention(nn.Module):
         if cache is not None and not isinstance(cache, KVCache):
             raise TypeError(f"cache must be a posenc.KVCache or None, got {type(cache).__name__}")
         if cache is not None:
-            if document_ids is not None:
-                raise ValueError(
-                    "document_ids cannot be combined with a KV cache: a cache continues one sequence per batch "
-                    "row; decode packed documents each in a row of its own"
-                )
             if s == 0 and cache.length == 0:
                 # An empty first step would leave the cache holding no position to continue from.
                 raise ValueError(
@@ -502,14 +594,20 @@ class CausalSelfAttention(nn.Module):
                 f"positions must be (s,) or (b, s) ids, got shape {tuple(positions.shape)}; three-axis (3, b, s) "
                 "M-RoPE ids are taken by posenc.MRoPE called directly (text-only ids work here)"
             )
-        docs = None
+        # docs: the ids of every key (b or 1, t), or None; step_docs: the new tokens' as given.
+        docs = step_docs = None
         if document_ids is not None:
-            docs = resolve_document_ids(document_ids, batch=b, seq_len=s, device=x.device)
-            if positions is None:
-                positions = positions_from_document_ids(docs)
+            docs = step_docs = resolve_document_ids(document_ids, batch=b, seq_len=s, device=x.device)
+        if cache is not None and (step_docs is not None or cache.document_ids is not None):
+            docs = cache.key_document_ids(step_docs, s)
+            if step_docs is not None and cache.length:
+                # One run per id across the cache too: an id that came back would rejoin a document left behind.
+                docs = resolve_document_ids(docs, batch=b, seq_len=docs.shape[1], device=x.device)
         if cache is not None and positions is None:
-            pos = cache.next_positions(s, device=x.device)
+            pos = cache.next_positions(s, device=x.device, document_ids=step_docs)
         else:
+            if step_docs is not None and positions is None:
+                positions = positions_from_document_ids(step_docs)
             pos = resolve_positions(s, batch=b, positions=positions, device=x.device)
         q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -518,13 +616,13 @@ class CausalSelfAttention(nn.Module):
         acts_on = self.encoding.acts_on if self.encoding is not None else ActsOn.NONE
         k_pos = pos
         if acts_on is ActsOn.QK and cache is not None and getattr(self.encoding, "rotates_cached_keys", False):
-            k, v, k_pos, seq_len = cache.update_rotating(k, v, pos, self.encoding)
+            k, v, k_pos, seq_len = cache.update_rotating(k, v, pos, self.encoding, document_ids=step_docs)
             q = self.encoding.rotate(q, pos, seq_len=seq_len)
         else:
             if acts_on is ActsOn.QK:
                 q, k = self.encoding(q, k, positions=pos)
             if cache is not None:
-                k, v, k_pos = cache.update(k, v, pos)
+                k, v, k_pos = cache.update(k, v, pos, document_ids=step_docs)
         t = k.shape[2]
         if self.num_kv_heads != self.num_heads:
             k = k.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)

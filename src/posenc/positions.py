@@ -165,6 +165,21 @@ def positions_from_document_ids(document_ids: torch.Tensor) -> torch.Tensor:
     return index - first
 
 
+def positions_continuing(
+    last_ids: torch.Tensor, last_positions: torch.Tensor, document_ids: torch.Tensor
+) -> torch.Tensor:
+    """last_ids, last_positions: (b or 1, 1) the document id and position of the last token before these ones;
+    document_ids: (b or 1, s) the new tokens'. Returns int64 (b or 1, s): a new token of the last token's document
+    continues its positions, one of another document starts at 0 (a KV cache decoding documents one after another,
+    left padding before each row's text included)."""
+    batch = max(last_ids.shape[0], document_ids.shape[0])
+    ids = torch.cat((last_ids.expand(batch, -1), document_ids.expand(batch, -1)), dim=1)
+    within = positions_from_document_ids(ids)[:, 1:]
+    # A token whose index within its run is its distance from the last token lies in the last token's run.
+    continues = within == torch.arange(1, ids.shape[1], device=ids.device)
+    return within + torch.where(continues, last_positions.long(), 0)
+
+
 def document_ids_from_positions(positions: torch.Tensor) -> torch.Tensor:
     """positions: (..., s) integer position ids. Returns int64 (..., s) document ids counting from 0 per row: a
     new document starts wherever a position is not one more than the one before it. This is the rule Hugging Face

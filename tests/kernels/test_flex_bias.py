@@ -199,6 +199,30 @@ def test_document_ids_keep_documents_apart_on_every_path(name, monkeypatch, comp
         assert (probs[0, :, 170:, :170] == 0).all() and (probs[:, :, 130:170, :130] == 0).all() == (docs.shape[0] == 1)
 
 
+@pytest.mark.parametrize("name", ["alibi", "t5-causal"])
+def test_a_left_padded_chunked_prefill_keeps_its_pads_out_on_every_path(name, monkeypatch, compiled_flex, flex_calls):
+    """A left-padded batch prefilled into a KVCache in two chunks: the second chunk's queries follow cached keys,
+    whose document ids (kept by the cache) the compiled FlexAttention's block mask and the materialized mask read
+    alike, and each row's text attends as that row alone, unpadded, in one call."""
+    torch.manual_seed(0)
+    layer = CausalSelfAttention(32, 4, num_kv_heads=2, encoding=ENCODINGS[name]()).eval()
+    x = torch.randn(2, 40, 32)
+    ids = torch.tensor([[0] * 13 + [1] * 27, [1] * 40])
+    outs = []
+    for flex in (True, False):
+        cache = KVCache()
+        with torch.no_grad(), monkeypatch.context() as materialize:
+            if not flex:
+                materialize.setattr(flex_bias, "CPU_MIN_SCORES", 2**62)
+            first = layer(x[:, :20], document_ids=ids[:, :20], cache=cache)
+            outs.append(torch.cat((first, layer(x[:, 20:], cache=cache)), dim=1))
+    assert flex_calls == [1, 1]
+    assert_close(outs[0], outs[1].double(), reduction=True)
+    with torch.no_grad():
+        alone = _materialized(layer, monkeypatch, x[:1, 13:])
+    assert_close(outs[0][:1, 13:], alone.double(), reduction=True)
+
+
 def test_attend_flex_keeps_documents_apart_for_queries_after_cached_keys(compiled_flex):
     """attend_flex with s < t and document ids (CausalSelfAttention refuses ids with a cache, so only a direct call
     gets here): the block mask places query i at key index t - s + i, per row, as the materialized mask does."""
