@@ -348,3 +348,27 @@ def test_a_consistent_target_hands_its_assistant_the_rotated_keys(rope_type: str
         full = reference(ids, return_shared_kv_states=True).shared_kv_states
         for layer_type, (keys, _) in got.shared_kv_states.items():
             torch.testing.assert_close(keys, full[layer_type][0][:, :, -keys.shape[-2] :], atol=1e-5, rtol=1e-5)
+
+
+def test_rotated_shared_keys_are_not_rotated_again_when_gradient_checkpointing_recomputes() -> None:
+    """A consistent Gemma 4 asked to return_shared_kv_states rotates the keys in that dict at its last layer. Gradient
+    checkpointing recomputes the layers that reuse those keys during the backward, reading them from the same dict:
+    they rotated the handed-out keys a second time, and the gradients were silently wrong (off by up to 1.7). They
+    are now those of the same forward without return_shared_kv_states, which hands out the rotated keys."""
+    ids = torch.randint(3, 128, (1, 14), generator=torch.Generator().manual_seed(0))
+    reference = tiny("gemma4_text", "dynamic")
+    with torch.no_grad():
+        full = reference(ids, return_shared_kv_states=True).shared_kv_states
+    patch_model(reference.train(), mode="consistent")
+    grads = []
+    for checkpointed in (False, True):
+        model = copy.deepcopy(reference)
+        if checkpointed:
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        out = model(ids, labels=ids, use_cache=False, return_shared_kv_states=checkpointed)
+        if checkpointed:
+            for layer_type, (keys, _) in out.shared_kv_states.items():
+                torch.testing.assert_close(keys.detach(), full[layer_type][0], atol=1e-5, rtol=1e-5)
+        out.loss.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-6, rtol=1e-6)
