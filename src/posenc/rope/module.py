@@ -233,9 +233,10 @@ def _length_unreadable(rope_type: str) -> ValueError:
         f"rope_type {rope_type!r} scales for max(positions) + 1 by default, which cannot be read inside torch.compile,"
         " make_fx's trace, a CUDA graph capture or on the meta device; pass seq_len= (the length to scale for, e.g. "
         "the tokens in the cache plus the new ones) to RoPE's forward or cos_sin, or, where the caller cannot "
-        "(CausalSelfAttention, a patched transformers model), compile without fullgraph=True: the length is then read"
-        " in a graph break. torch.export has no graph breaks: there pass seq_len=positions.shape[-1] (or the cached +"
-        " new length), with the length's Dim on one side of max_position_embeddings (a program for each). make_fx and"
+        "(CausalSelfAttention, a transformers model patched in mode='hf'), compile without fullgraph=True: the length"
+        " is then read in a graph break (RoPE's forward in mode='consistent' reads it in the graph). torch.export has"
+        " no graph breaks: there pass seq_len=positions.shape[-1] (or the cached + new length), with the length's Dim"
+        " on one side of max_position_embeddings (a program for each). make_fx and"
         " functorch's aot_function have none either: trace a caller that cannot pass seq_len= with torch.compile, or"
         " use a type that does not read the length (linear, yarn, llama3)"
     )
@@ -245,7 +246,7 @@ def _length_unreadable(rope_type: str) -> ValueError:
 @compile_marks.disable(
     reason="rope_type 'dynamic' (dynamic NTK) scales for max(positions) + 1, read on the host; for fullgraph=True "
     "pass seq_len= to RoPE.forward / MRoPE.forward (CausalSelfAttention and patched transformers models cannot: "
-    "compile them without fullgraph)"
+    "compile them without fullgraph, or use mode='consistent', which reads the length in the graph)"
 )
 def _call_cos_sin_eagerly(rope: RoPE, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     return rope.cos_sin(positions, seq_len=rope.scaling_length(positions), dtype=dtype)
@@ -458,8 +459,8 @@ class RoPE(nn.Module):
     def call_scaling_length(self, positions: torch.Tensor) -> int | None:
         """``scaling_length`` wherever a forward call runs: inside torch.compile the length-dependent types read it
         outside the graph, in a graph break (with ``fullgraph=True`` an error that says to compile without it), as
-        ``call_cos_sin`` does; 1 on the meta device; in a CUDA graph capture the error that asks for seq_len=. What
-        a 'consistent' ``KVCache`` rotates its keys for."""
+        ``call_cos_sin`` does for 'hf' dynamic NTK; 1 on the meta device; in a CUDA graph capture the error that asks
+        for seq_len=. What a 'consistent' ``KVCache`` rotates its keys for."""
         if self.spec.rope_type in SEQ_LEN_DEPENDENT and compiling():
             return _scaling_length_eagerly(self, positions)
         return self.scaling_length(positions)
