@@ -546,7 +546,9 @@ class RoPE(nn.Module):
         """positions: (...) integer tensor. Returns cos, sin: (..., r/2) in ``dtype`` on positions' device.
 
         seq_len: the sequence length that length-dependent types scale for (default: max(positions) + 1, which
-        torch.compile and CUDA graph capture cannot read: there these types need it given).
+        torch.compile and make_fx read in the graph, LongRoPE choosing its factors on the device and dynamic NTK
+        reading the length in an op, ``posenc::dynamic_inv_freq``; a CUDA graph capture cannot read it: there these
+        types need it given).
 
         Reads and advances no state: the length-dependent types scale for these positions (or seq_len) alone, as
         mode 'consistent' does, in either mode. For 'hf' dynamic NTK, ``forward`` (and transformers) scale for the
@@ -569,6 +571,10 @@ class RoPE(nn.Module):
             empty = torch.empty((*positions.shape, self.rotary_dim // 2), device=positions.device, dtype=dtype)
             return empty, empty.clone()
         length_dependent = self.spec.rope_type in SEQ_LEN_DEPENDENT
+        if length_dependent and seq_len is None and (compiling() or recording()) and positions.dim() <= 2:
+            # max(positions) + 1, which no traced code may read on the host: the graph reads it itself (no state is
+            # read here, in either mode). Not in a CUDA graph capture, which cannot read it at all.
+            return self.step_cos_sin_in_graph(positions, positions, dtype)
         needed = self._positions_extent(positions, seq_len)
         if needed is None:
             # Traced or captured: a table sized by max(positions) would be a data-dependent step that breaks the
