@@ -491,22 +491,12 @@ class RoPE(nn.Module):
         # 'consistent' dynamic NTK scales for these positions alone (no state), which the graph reads in an op.
         stateless = self.spec.rope_type == "longrope" or self.mode == "consistent"
         if in_graph and stateless and self.spec.rope_type in SEQ_LEN_DEPENDENT:
-            return self._own_step_cos_sin_in_graph(positions, dtype)
+            return self.cos_sin(positions, dtype=dtype)  # which reads max(positions) + 1 in the graph
         if self.spec.rope_type == "longrope" and compiling():  # M-RoPE's axes
             return _call_longrope_cos_sin_eagerly(self, positions, dtype)
         if self.spec.rope_type in SEQ_LEN_DEPENDENT and compiling():
             return _call_cos_sin_eagerly(self, positions, dtype)
         return self.cos_sin(positions, seq_len=self.scaling_length(positions), dtype=dtype)
-
-    def _own_step_cos_sin_in_graph(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for max(positions) + 1 with no graph break (``step_cos_sin_in_graph``): LongRoPE's long factors
-        past ``original_max_position_embeddings``, the short ones up to it, chosen on the device (the attention
-        factor is the same for both); 'consistent' dynamic NTK's frequencies for that length, read in an op.
-        Positions are checked with the graph."""
-        int_tensor("positions", positions, host_read=True)
-        return self.step_cos_sin_in_graph(positions, positions, dtype)
 
     def step_cos_sin_in_graph(
         self, positions: torch.Tensor, step_positions: torch.Tensor, dtype: torch.dtype
