@@ -594,15 +594,16 @@ class CausalSelfAttention(nn.Module):
                 f"positions must be (s,) or (b, s) ids, got shape {tuple(positions.shape)}; three-axis (3, b, s) "
                 "M-RoPE ids are taken by posenc.MRoPE called directly (text-only ids work here)"
             )
-        # docs: the ids of every key (b or 1, t), or None; step_docs: the new tokens' as given.
+        # docs: the ids of every key (b or 1, t), or None (with a cache, the cache's after the update); step_docs:
+        # the new tokens' as given.
         docs = step_docs = None
         if document_ids is not None:
             docs = step_docs = resolve_document_ids(document_ids, batch=b, seq_len=s, device=x.device)
-        if cache is not None and (step_docs is not None or cache.document_ids is not None):
-            docs = cache.key_document_ids(step_docs, s)
-            if step_docs is not None and cache.length:
-                # One run per id across the cache too: an id that came back would rejoin a document left behind.
-                docs = resolve_document_ids(docs, batch=b, seq_len=docs.shape[1], device=x.device)
+        if cache is not None and step_docs is not None and cache.length:
+            # One run per id across the cache too (an id that came back would rejoin a document left behind),
+            # checked before the cache changes.
+            held_and_new = cache.key_document_ids(step_docs, s)
+            resolve_document_ids(held_and_new, batch=b, seq_len=held_and_new.shape[1], device=x.device)
         if cache is not None and positions is None:
             pos = cache.next_positions(s, device=x.device, document_ids=step_docs)
         else:
@@ -623,6 +624,8 @@ class CausalSelfAttention(nn.Module):
                 q, k = self.encoding(q, k, positions=pos)
             if cache is not None:
                 k, v, k_pos = cache.update(k, v, pos, document_ids=step_docs)
+        if cache is not None:
+            docs = cache.document_ids
         t = k.shape[2]
         if self.num_kv_heads != self.num_heads:
             k = k.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
