@@ -240,6 +240,33 @@ def test_values_the_model_cannot_be_built_from_fail_before_anything_is_written(
     assert re.search(f"hf_config \\(--hf-config\\) .*cannot be built from it: .*{message}", capsys.readouterr().err)
 
 
+@pytest.mark.parametrize("extension", [None, "yarn"])
+def test_the_hugging_face_model_builds_on_the_meta_device(extension, tmp_path):
+    """Its seed was drawn in the ambient device context and read with .item(): on the meta device that raised torch's
+    "Tensor.item() cannot be called on meta tensors", so the model could not be built for to_empty. Now the seed is
+    the CPU generator's draw (the same one an ordinary build makes: the same weights for a seed), and a meta build,
+    materialized, equals an ordinary one."""
+    from posenc.lab.hf_model import HFByteLM
+
+    path = write_config(tmp_path, CONFIGS["llama"])
+    spec = ModelSpec(dim=16, layers=2, heads=2, max_positions=8)
+    rope_parameters = None if extension is None else extension_rope_parameters(extension, 2.0, 8)
+    torch.manual_seed(0)
+    eager = HFByteLM(spec, path, rope_parameters)
+    with torch.device("meta"):
+        torch.manual_seed(0)
+        meta = HFByteLM(spec, path, rope_parameters)
+    assert all(p.is_meta for p in meta.parameters())
+    meta.to_empty(device="cpu")
+    meta.hf.init_weights()  # transformers' own rotary embedding keeps its inv_freq out of the state dict
+    meta.load_state_dict(eager.state_dict())
+    tokens = torch.randint(0, 256, (2, 12))
+    torch.testing.assert_close(meta(tokens)[0], eager(tokens)[0], rtol=0, atol=0)
+    torch.manual_seed(0)  # the draw moved the CPU generator as an ordinary build's does
+    again = HFByteLM(spec, path, rope_parameters)
+    assert all(torch.equal(v, eager.state_dict()[k]) for k, v in again.state_dict().items())
+
+
 @pytest.mark.parametrize("model_type", sorted(CONFIGS))
 def test_the_hugging_face_model_packs_documents_as_byte_lm_does(model_type, tmp_path):
     """document_ids as ByteLM takes them: each document's logits as when it is the whole input (a TypeError before:

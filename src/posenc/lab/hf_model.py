@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from posenc.lab.model import VOCAB_SIZE, ModelSpec, byte_tokens
+from posenc.lab.model import VOCAB_SIZE, ModelSpec, _cpu_seed, byte_tokens
 from posenc.positions import positions_from_document_ids, resolve_document_ids
 
 
@@ -97,8 +97,8 @@ class HFByteLM(nn.Module):
         # ByteLM's shared encoding; here the RoPE lives inside the Hugging Face model.
         self.encoding = None
         # tiny_model_from_config seeds its own generator; draw that seed from the global one so the caller's
-        # torch.manual_seed decides the weights, as it does for ByteLM.
-        seed = int(torch.randint(0, 2**31 - 1, ()).item())
+        # torch.manual_seed decides the weights, as it does for ByteLM (its range is older than ByteLM's).
+        seed = _cpu_seed(2**31 - 1)
         # The lab's sizes replace the file's, also where the rotation is sized from them (its head_dim is dropped).
         max_positions = extended_length(spec.max_positions, rope_parameters)
         sized = {k: v for k, v in source.items() if k != "head_dim"}

@@ -66,13 +66,13 @@ def encoding_for(spec: ModelSpec, encoding: str, options: Mapping[str, Any] | No
     )
 
 
-def _cpu_seed() -> int:
-    """A seed drawn from the CPU generator and read on the host, whatever device context or FakeTensorMode the model
-    is built under: under ``torch.device("meta")`` the draw was a meta tensor, which ``int`` cannot read (the model
-    could not be built on the meta device), and under ``torch.device("cuda")`` it came from (and moved) a CUDA
-    generator that ``fork_rng(devices=[])`` does not restore. The same draw as before on the CPU."""
+def _cpu_seed(high: int = 2**62) -> int:
+    """A seed in [0, high) drawn from the CPU generator and read on the host, whatever device context or
+    FakeTensorMode the model is built under: under ``torch.device("meta")`` the draw was a meta tensor, which ``int``
+    cannot read (the model could not be built on the meta device), and under ``torch.device("cuda")`` it came from
+    (and moved) a CUDA generator that ``fork_rng(devices=[])`` does not restore. The same draw as before on the CPU."""
     with unset_fake_temporarily():
-        return int(torch.randint(2**62, (), device="cpu"))
+        return int(torch.randint(high, (), device="cpu"))
 
 
 class Block(nn.Module):
