@@ -15,6 +15,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import pytest
@@ -587,6 +588,29 @@ def test_empty_calls_with_position_ids(backend):
     for x, positions in calls:
         out = apply_rotary(x.to(device), cos, sin, positions=positions.to(device), backend=backend)
         assert out.shape == x.shape
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+def test_strided_cu_seqlens_rotate_without_a_warning_from_inside_torch(backend):
+    """int64 cu_seqlens that are a strided view (a column of a bigger tensor) rotate as their contiguous copy does,
+    without torch.searchsorted's warning that a "boundary tensor is non-contiguous" (raised from inside torch, once
+    per process: warn_always makes it show on every call here, whatever ran before)."""
+    device = DEVICE[backend]
+    cos, sin = (t.to(device) for t in table(8, 10))
+    x = torch.randn(5, 2, 8, device=device)
+    cu_seqlens = torch.tensor([[0, 9], [2, 9], [5, 9]], device=device)[:, 0]
+    assert not cu_seqlens.is_contiguous()
+    offsets = torch.tensor([1, 3], device=device)
+    always = torch.is_warn_always_enabled()
+    torch.set_warn_always(True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            out = apply_rotary(x, cos, sin, cu_seqlens=cu_seqlens, offset=offsets, backend=backend)
+    finally:
+        torch.set_warn_always(always)
+    expected = apply_rotary(x, cos, sin, cu_seqlens=cu_seqlens.contiguous(), offset=offsets, backend=backend)
+    assert torch.equal(out, expected)
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])

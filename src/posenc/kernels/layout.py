@@ -322,8 +322,10 @@ def token_positions(
     like = first_dtensor(positions, offsets, cu_seqlens)
     if kind == "varlen":
         assert cu_seqlens is not None
-        # DTensor has no sharding strategy for searchsorted: found on the whole values, then replicated.
-        cu = replicated_values(cu_seqlens).to(torch.long)
+        # DTensor has no sharding strategy for searchsorted: found on the whole values, then replicated. Contiguous:
+        # searchsorted copies strided boundaries itself, warning from inside torch that the caller's cu_seqlens (an
+        # int64 column of a bigger tensor, say) "will lower the performance".
+        cu = replicated_values(cu_seqlens).to(torch.long).contiguous()
         offsets = None if offsets is None else replicated_values(offsets)
         token = torch.arange(seq, device=device)
         # searchsorted finds each token's sequence without a Python loop over sequences.
