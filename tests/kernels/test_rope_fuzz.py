@@ -8,7 +8,9 @@ with float32 or float64 tables, and gradients. Each result is checked against a 
 here from the cos/sin rows each token should read, independent of the library's own indexing and math. A second
 test drives ``posenc.RoPE`` with random scalings: the fused backends agree with the torch path given the same
 module's tables, and a sequence rotated in chunks at increasing offsets (a KV cache filled step by step) equals
-one call bit for bit.
+one call bit for bit. A third draws unusual memory (strided and expanded views, slices of one fused projection, q
+and k one tensor, empty dims, strided cos/sin and index tensors, odd incoming gradients) and checks which elements
+of each buffer a call changes.
 
 (This fuzz found that the Triton kernel stored float64 results into bf16/fp16 unlike torch: see
 ``test_float64_math_rounds_to_16_bits_through_float32_like_torch``.)
@@ -324,5 +326,291 @@ def test_rope_module_backends_agree_and_chunked_calls_equal_one_call(backend):
             pieces.append(rope(*chunk, **(device_kwargs | {"offset": start + a})))
         for i, full in enumerate(outs):
             assert torch.equal(torch.cat([p[i] for p in pieces], axis), full)
+
+    check()
+
+
+# Unusual memory: what the draws above leave out. Tiny sizes and few examples (the whole test runs in seconds).
+ODD_EXAMPLES = {"torch": 100, "cpu": 80, "auto": 50, "triton": 8 if NATIVE else 20}
+
+
+def _stored(draw, shape: tuple[int, ...], dtype: torch.dtype, form: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x of ``shape``, the buffer it is a view of) for a memory form: every other element along one dim (the
+    channels included), a dim expanded from size 1 (stride 0), or the leading dims stored in another order."""
+    n = len(shape)
+    if form == "step":
+        dim = draw(st.integers(0, n - 1))
+        buffer = torch.randn([2 * m if i == dim else m for i, m in enumerate(shape)], dtype=torch.float64).to(dtype)
+        return buffer[(slice(None),) * dim + (slice(None, None, 2),)], buffer
+    if form == "expanded" and n > 1:
+        dim = draw(st.integers(0, n - 2))
+        buffer = torch.randn([1 if i == dim else m for i, m in enumerate(shape)], dtype=torch.float64).to(dtype)
+        return buffer.expand(shape), buffer
+    if form == "permuted":
+        order = draw(st.permutations(range(n - 1)))
+        buffer = torch.randn([shape[i] for i in order] + [shape[-1]], dtype=torch.float64).to(dtype)
+        return buffer.permute(*[order.index(i) for i in range(n - 1)], n - 1), buffer
+    buffer = torch.randn(shape, dtype=torch.float64).to(dtype)
+    return buffer, buffer
+
+
+@dataclass
+class OddCall:
+    xs: dict[str, torch.Tensor]  # views of buffers (q and k may share one, or be one tensor)
+    buffers: dict[str, torch.Tensor]  # name -> the whole memory its x is a view of, in x's dtype
+    cos: torch.Tensor
+    sin: torch.Tensor
+    token_rows: object  # (cos, sin) float64 -> each token's (cos, sin), broadcastable to x.shape[:-1] + (r/2,)
+    kwargs: dict
+    interleaved: bool
+    conjugate: bool
+    inplace: bool
+    grad: str  # "none", "first" (q alone), "last" (k alone), "all", "angles" (cos and sin)
+    seed: str  # the backward's incoming gradient: "random", "ones" (expanded, stride 0) or "transposed"
+
+
+@st.composite
+def odd_calls(draw) -> OddCall:
+    """A call in unusual memory (``test_unusual_memory_matches_the_float64_reference`` lists the forms)."""
+    dtype = draw(st.sampled_from(DTYPES))
+    table_dtype = draw(st.sampled_from([torch.float32, torch.float64]))
+    half = draw(st.integers(1, 5))
+    d = 2 * half + draw(st.integers(0, 3))
+    inplace = draw(st.booleans())
+    names = ["x"] if inplace or draw(st.booleans()) else ["q", "k"]
+    low = 0 if draw(st.integers(0, 5)) == 0 else 1  # sometimes an empty batch, sequence or head count
+    b, s = draw(st.integers(low, 3)), draw(st.integers(low, 5))
+    heads = {name: draw(st.integers(low, 3)) for name in names}
+    rows = s + draw(st.integers(1, 6))
+    cos_t, sin_t = table(2 * half, rows, dtype=table_dtype)
+    kwargs: dict = {}
+    mode = draw(st.sampled_from(["broadcast", "bhsd", "bshd", "varlen"]))
+    if mode == "broadcast":
+        shapes = {name: (b, h, s, d) for name, h in heads.items()}
+        angle = torch.rand(b, 1, s, half, dtype=torch.float64) * 100
+        cos, sin = angle.cos().to(table_dtype), angle.sin().to(table_dtype)
+        form = draw(st.sampled_from(["expanded", "every-other", "transposed", "strides-differ"]))
+        if form == "expanded":  # stride 0 across the heads
+            cos, sin = (t.expand(b, max(heads.values()), s, half) for t in (cos, sin))
+            shapes = {name: (b, max(heads.values()), s, d) for name in names}
+        elif form == "every-other":  # unit stride nowhere
+            cos, sin = (torch.stack((t, t), -1)[..., 0] for t in (cos, sin))
+        elif form == "transposed":
+            cos, sin = (t.transpose(-1, -2).contiguous().transpose(-1, -2) for t in (cos, sin))
+        else:
+            sin = sin.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+        def token_rows(c, s_):
+            return c, s_
+    elif mode == "varlen":
+        lengths = draw(st.lists(st.integers(0, s), min_size=1, max_size=3))
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+        starts = [draw(st.integers(0, rows - max(lengths))) for _ in lengths]
+        kwargs["cu_seqlens"], kwargs["offset"] = cu, torch.tensor(starts)
+        pos = torch.cat([torch.arange(n) + a for n, a in zip(lengths, starts, strict=True)]).long()
+        shapes = {name: (int(cu[-1]), h, d) for name, h in heads.items()}
+        cos, sin = cos_t, sin_t
+
+        def token_rows(c, s_):
+            return c[pos][:, None], s_[pos][:, None]
+    else:
+        if mode == "bshd" or draw(st.booleans()):
+            kwargs["layout"] = mode
+        drawn = [[draw(st.integers(0, rows - 1)) for _ in range(s)] for _ in range(b)]
+        ids = torch.tensor(drawn, dtype=torch.long).reshape(b, s)
+        kwargs["positions"] = ids
+        shapes = {name: (b, h, s, d) if mode == "bhsd" else (b, s, h, d) for name, h in heads.items()}
+        head_axis = 1 if mode == "bhsd" else 2
+        cos, sin = cos_t, sin_t
+        if draw(st.booleans()):  # a table that is a column slice of a wider one, with a row stride of its own
+            cos, sin = (torch.cat((t, t), -1)[:, :half] for t in (cos, sin))
+
+        def token_rows(c, s_):
+            return c[ids].unsqueeze(head_axis), s_[ids].unsqueeze(head_axis)
+
+    # Index tensors in other memory and dtypes: every other element of a wider tensor, or int32.
+    for key in ("positions", "offset", "cu_seqlens"):
+        value = kwargs.get(key)
+        if value is not None and draw(st.booleans()):
+            kwargs[key] = torch.stack((value, value), -1)[..., 0] if draw(st.booleans()) else value.int()
+
+    form = draw(st.sampled_from(["contiguous", "step", "expanded", "permuted", "fused"]))
+    if form == "fused" and mode != "varlen":  # q and k cut out of one (b, s, heads * d) projection
+        heads_of = {name: shape[1 if mode in ("broadcast", "bhsd") else 2] for name, shape in shapes.items()}
+        buffer = torch.randn(b, s, (sum(heads_of.values()) + 1) * d, dtype=torch.float64).to(dtype)
+        xs, start = {}, 0
+        for name, h in heads_of.items():
+            x = buffer[..., start * d : (start + h) * d].view(b, s, h, d)
+            xs[name], start = (x.transpose(1, 2) if mode in ("broadcast", "bhsd") else x), start + h
+        buffers = dict.fromkeys(names, buffer)
+    else:
+        xs, buffers = {}, {}
+        for name in names:
+            xs[name], buffers[name] = _stored(draw, shapes[name], dtype, form)
+    if len(names) == 2 and shapes["q"] == shapes["k"] and draw(st.integers(0, 4)) == 0:
+        xs["k"], buffers["k"] = xs["q"], buffers["q"]  # one tensor as q and k
+    return OddCall(
+        xs=xs,
+        buffers=buffers,
+        cos=cos,
+        sin=sin,
+        token_rows=token_rows,
+        kwargs=kwargs,
+        interleaved=draw(st.booleans()),
+        conjugate=draw(st.booleans()),
+        inplace=inplace,
+        grad=draw(st.sampled_from(["none", "first", "last", "all", "angles"])),
+        seed=draw(st.sampled_from(["random", "ones", "transposed"])),
+    )
+
+
+def _view_on(base: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """x's view (shape, strides, offset into its contiguous buffer) on base, a contiguous tensor of that buffer's
+    shape: the same memory layout in another tensor (one on the device, or one that requires grad)."""
+    return base.as_strided(x.shape, x.stride(), base.storage_offset() + x.storage_offset())
+
+
+def _seed(out: torch.Tensor, form: str) -> torch.Tensor:
+    """The incoming gradient of ``out`` for the backward, in a memory form of its own."""
+    if form == "ones":
+        return torch.ones((), dtype=out.dtype, device=out.device).expand(out.shape)
+    seed = torch.randn(out.shape, dtype=torch.float64).to(out.dtype).to(out.device)
+    if form == "transposed" and out.dim() >= 2:
+        return seed.transpose(-1, -2).contiguous().transpose(-1, -2)
+    return seed
+
+
+def _rotated_elements(buffer: torch.Tensor, x: torch.Tensor, rotary: int) -> torch.Tensor:
+    """A bool mask over buffer: the elements that are rotated channels (0..r-1) of x, a view of it."""
+    index = torch.arange(buffer.numel()).view(buffer.shape)
+    mask = torch.zeros(buffer.numel(), dtype=torch.bool)
+    mask[_view_on(index, x)[..., :rotary].reshape(-1)] = True
+    return mask.view(buffer.shape)
+
+
+def _rotate(xs: dict[str, torch.Tensor], cos, sin, inplace: bool, options: dict) -> dict[str, torch.Tensor]:
+    """name -> rotated x through the entry point for xs (apply_rotary_, apply_rotary_qk or apply_rotary)."""
+    if inplace:
+        ((name, x),) = xs.items()
+        assert apply_rotary_(x, cos, sin, **options) is x
+        return {name: x}
+    if len(xs) == 2:
+        return dict(zip(xs, apply_rotary_qk(*xs.values(), cos, sin, **options), strict=True))
+    return {name: apply_rotary(x, cos, sin, **options) for name, x in xs.items()}
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton", "auto"])
+def test_unusual_memory_matches_the_float64_reference(backend):
+    """Views of every other element (the channels too), dims expanded from size 1 (stride 0), q and k cut out of one
+    fused projection, one tensor as both q and k, empty batches, sequences and heads; cos/sin expanded, strided, or
+    of differing strides; position ids, offsets and cu_seqlens strided or int32; gradients for q alone, k alone, both,
+    or cos/sin, seeded with expanded or transposed incoming gradients. Out of place leaves every buffer
+    bit-identical; in place changes exactly the rotated channels of x in its buffer and returns x; where a backend
+    refuses (an expanded x in place, a strided channel dim in place or angles that need grad on a fused backend), it
+    says so by name and writes nothing."""
+    device = DEVICE["triton"] if backend == "triton" else "cpu"
+    fused = backend in ("cpu", "triton")
+
+    @settings(max_examples=ODD_EXAMPLES[backend], deadline=None, suppress_health_check=list(HealthCheck))
+    @given(odd_calls())
+    def check(call: OddCall):
+        names = list(call.xs)
+        wanted = {"all": names, "first": names[:1], "last": names[-1:]}.get(call.grad, [])
+        bases, leaves = {}, {}  # id(buffer) -> its copy on the device, and the leaf that copy is made of
+        for name in names:
+            buffer = call.buffers[name]
+            if id(buffer) not in bases:
+                moved = buffer.to(device)
+                if any(call.buffers[n] is buffer for n in wanted):
+                    leaves[id(buffer)] = moved.requires_grad_()
+                    bases[id(buffer)] = moved * 1  # not a leaf: may change in place
+                else:
+                    bases[id(buffer)] = moved.clone()
+        xs = {name: _view_on(bases[id(call.buffers[name])], x) for name, x in call.xs.items()}
+        cos, sin = call.cos.to(device), call.sin.to(device)
+        if call.grad == "angles":
+            cos, sin = cos.detach().requires_grad_(), sin.detach().requires_grad_()
+        options = dict(interleaved=call.interleaved, conjugate=call.conjugate, backend=backend)
+        options |= on_device(device, call.kwargs)
+        rotary = 2 * cos.shape[-1]
+        before = {key: base.detach().clone() for key, base in bases.items()}
+
+        # The refusals expected, in the order they are checked.
+        (x, *_) = xs.values()
+        refusals = [
+            (
+                call.inplace
+                and x.numel()
+                and any(n > 1 and not step for n, step in zip(x.shape, x.stride(), strict=True)),
+                "repeats its memory along dim",
+            ),
+            (fused and call.grad == "angles", "cos/sin require grad and the fused kernels do not differentiate them"),
+            (
+                fused and call.inplace and x.shape[-1] > 1 and x.stride(-1) != 1,
+                "in place needs unit stride in the last dim",
+            ),
+        ]
+        refusal = next((message for refused, message in refusals if refused), None)
+        if refusal:
+            with pytest.raises(ValueError, match=refusal):
+                _rotate(xs, cos, sin, call.inplace, options)
+            for key, base in bases.items():
+                assert torch.equal(base.detach(), before[key])
+            return
+        outs = _rotate(xs, cos, sin, call.inplace, options)
+
+        token_cos, token_sin = call.token_rows(call.cos.double(), call.sin.double())
+        olds = {name: _view_on(before[id(call.buffers[name])], x) for name, x in call.xs.items()}
+        for name, out in outs.items():
+            assert out.shape == olds[name].shape and out.dtype == olds[name].dtype
+            expected = reference(
+                olds[name].cpu(), token_cos, token_sin, interleaved=call.interleaved, conjugate=call.conjugate
+            )
+            assert_close(out.detach().cpu(), expected, msg=f"{name} ({backend})")
+            assert torch.equal(out.detach()[..., rotary:], olds[name][..., rotary:])
+        for name in names:
+            key = id(call.buffers[name])
+            now, then = bases[key].detach().cpu(), before[key].cpu()
+            if call.inplace:  # exactly the rotated channels of x changed
+                kept = ~_rotated_elements(then, call.xs[name], rotary)
+                assert torch.equal(now[kept], then[kept])
+            else:
+                assert torch.equal(now, then)
+
+        differentiable = {name: out for name, out in outs.items() if out.requires_grad}
+        targets = [cos, sin] if call.grad == "angles" else list(leaves.values())
+        if not targets:
+            return
+        assert differentiable, "no output requires grad"
+        seeds = {name: _seed(out, call.seed) for name, out in differentiable.items()}
+        grads = torch.autograd.grad(
+            list(differentiable.values()), targets, grad_outputs=list(seeds.values()), allow_unused=True
+        )
+        # The float64 reference's own gradients, through the same views of float64 buffers.
+        if call.grad == "angles":
+            wide = [t.detach().cpu().double().requires_grad_() for t in (cos, sin)]
+            token_cos, token_sin = call.token_rows(*wide)
+            olds64 = {name: old.cpu().double() for name, old in olds.items()}
+        else:
+            wide = [before[key].cpu().double().requires_grad_() for key in leaves]
+            copies = dict(zip(leaves, (w * 1 for w in wide), strict=True))
+            olds64 = {
+                name: _view_on(copies[id(call.buffers[name])], x) if id(call.buffers[name]) in copies else None
+                for name, x in call.xs.items()
+            }
+        loss = sum(
+            (
+                reference(olds64[name], token_cos, token_sin, interleaved=call.interleaved, conjugate=call.conjugate)
+                * seeds[name].cpu().double()
+            ).sum()
+            for name in differentiable
+            if olds64[name] is not None
+        )
+        expected = torch.autograd.grad(loss, wide, allow_unused=True)
+        for got, want in zip(grads, expected, strict=True):
+            got = torch.zeros_like(want) if got is None else got.cpu()
+            want = torch.zeros_like(got, dtype=torch.float64) if want is None else want
+            # Sums over broadcast or shared elements (cos/sin's gradient, an expanded x) round like reductions.
+            assert_close(got, want, reduction=True, msg=f"gradient ({backend}, {call.grad})")
 
     check()
