@@ -304,9 +304,9 @@ def test_transformers_rotary_code_is_not_called_after_patching(arch: str, monkey
     # The patched forwards resolve globals in a copy of the module's namespace, made when patching: stub rotate_half
     # there too (apply_rotary_pos_emb there is posenc's).
     for module in patched.modules():
-        forward = module.__dict__.get("forward")
-        if forward is not None:
-            namespace = innermost(forward.__func__).__globals__
+        function = module.__dict__.get(patch_module._FORWARD_ATTR)  # the patched copy of its class's forward
+        if function is not None:
+            namespace = innermost(function).__globals__
             assert namespace is not vars(mod)
             monkeypatch.setitem(namespace, "rotate_half", refuse)
     with torch.no_grad():
@@ -623,23 +623,41 @@ def test_a_patched_model_dropped_frees_its_attention_weights_without_the_cycle_c
         twin(ids)  # the copy runs on, unaffected
 
 
-def test_a_patched_forward_kept_apart_from_its_layer_copies_as_a_bound_method_and_names_its_end() -> None:
-    """A patched forward holds its attention module weakly. Copied alone it goes on calling that module, as a
-    bound method does (copy.copy fell back to pickling and raised the pickling guard's error); once the module is
-    gone, calling it says so instead of failing inside the attention on None, and a deep copy of it is itself."""
+def test_a_patched_attention_module_keeps_its_class_name_signature_and_calls_itself_from_a_copy() -> None:
+    """A patched attention module gets a subclass of its class, under the same name, whose forward is a bound method
+    with the class forward's signature. Its forward held the module it was made for (weakly), so a copy that shares
+    the module's __dict__ (a DataParallel replica, which copies it) ran the original module, its weights and device;
+    the copy's own weights now run (here: a zero output projection gives zeros)."""
+    import inspect
+    import types
+
+    mod = modeling("llama")
     model = build("llama")
-    patch_model(model)
     attention = model.model.layers[0].self_attn
-    forward = attention.forward
-    assert copy.copy(forward) is forward
-    alone = copy.deepcopy(forward)
-    assert alone.__self__ is attention and alone.__func__ is forward.__func__
-    del model, attention, alone
-    gc.collect()
-    assert forward.__self__ is None
-    assert copy.deepcopy(forward) is forward
-    with pytest.raises(ReferenceError, match="attention module no longer exists; call the module itself"):
-        forward(torch.zeros(1, 2, 64))
+    expected = inspect.signature(attention.forward)
+    patch_model(model)
+    replica = attention._replicate_for_data_parallel()
+    replica.o_proj = torch.nn.Linear(64, 64, bias=False)
+    torch.nn.init.zeros_(replica.o_proj.weight)
+    hidden, positions = torch.randn(1, 5, 64), torch.arange(5)[None]
+    with torch.no_grad():
+        cos_sin = model.model.rotary_emb(hidden, positions)
+        assert not attention(hidden, cos_sin, attention_mask=None)[0].eq(0).all()
+        assert replica(hidden, cos_sin, attention_mask=None)[0].eq(0).all()
+    assert isinstance(attention, mod.LlamaAttention) and type(attention) is not mod.LlamaAttention
+    assert (type(attention).__name__, type(attention).__qualname__) == ("LlamaAttention", "LlamaAttention")
+    assert type(attention.forward) is types.MethodType and attention.forward.__self__ is attention
+    assert inspect.signature(attention.forward) == expected
+    assert copy.copy(attention.forward) == attention.forward
+    unpatch_model(model)
+    assert type(attention) is mod.LlamaAttention and "_posenc_forward" not in attention.__dict__
+    with torch.no_grad():
+        before = model(tokens()).logits
+        patch_model(model)
+        # A subclass of the patched class, as FSDP2's fully_shard makes: unpatched, it runs the class's forward.
+        attention.__class__ = type("FSDPLlamaAttention", (type(attention),), {})
+        unpatch_model(model)
+        assert torch.equal(model(tokens()).logits, before)
 
 
 def test_a_patched_base_model_dropped_frees_its_weights_and_its_copy_unpatches_itself() -> None:
@@ -1021,6 +1039,46 @@ def test_compiles_without_graph_breaks(monkeypatch: pytest.MonkeyPatch) -> None:
     finally:
         torch._dynamo.reset()
     torch.testing.assert_close(compiled, eager, **FP32)
+
+
+@pytest.mark.parametrize(("mode", "rope_type"), [("hf", "default"), ("consistent", "dynamic")])
+def test_patched_models_of_one_class_share_their_compiled_graphs(mode: str, rope_type: str) -> None:
+    """Each patched attention module held its forward as an instance attribute that was no bound method, which
+    torch.compile guards by identity: every patched model compiled again, as no unpatched one does (with 2 layers the
+    8 recompiles allowed ran out at the 9th model, sooner with graph breaks: an error with fullgraph=True, else the
+    model ran uncompiled). Four models compile with fullgraph=True into the one graph an unpatched model has, each
+    with its eager logits ('consistent' with dynamic NTK too); a fifth, patched with another scaling, gets its own
+    numbers, not the shared graph's."""
+    graphs = []
+
+    def counting(gm: torch.fx.GraphModule, inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    def compiled_and_eager(model: Any, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            return torch.compile(model, backend=counting, fullgraph=True)(ids).logits, model(ids).logits
+
+    ids = tokens(length=TRAINED + 4)
+    reference = build("llama", rope_type)
+    torch._dynamo.reset()
+    try:
+        compiled_and_eager(build("llama"), ids)
+        unpatched = len(graphs)
+        graphs.clear()
+        for _ in range(4):
+            model = copy.deepcopy(reference)
+            patch_model(model, mode=mode)
+            compiled, eager = compiled_and_eager(model, ids)
+            torch.testing.assert_close(compiled, eager, atol=0.0, rtol=0.0)
+        assert len(graphs) == unpatched, f"{len(graphs)} graphs for 4 patched models, {unpatched} for an unpatched one"
+        other = copy.deepcopy(reference)
+        patch_model(other, mode=mode, rope_parameters={"rope_type": "linear", "factor": 4.0})
+        compiled, eager = compiled_and_eager(other, ids)
+        torch.testing.assert_close(compiled, eager, atol=0.0, rtol=0.0)
+        assert not torch.allclose(eager, model(ids).logits, **FP32)  # a scaling that changes the numbers
+    finally:
+        torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("mode", ["hf", "consistent"])

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+from posenc.interop import patch as patch_module
 from posenc.interop._discover import ROTATION_PREFIX, innermost, rotation_signature
 from posenc.interop.hf import rope_kwargs_from_config, rope_layer_types
 from posenc.interop.patch import VERIFIED_ARCHITECTURES, is_patched, patch_model
@@ -302,9 +303,9 @@ def test_patched_with_the_same_logits_or_refused(model_type: str) -> None:
     # The rotation is on the path: without it the logits move.
     kinds: dict[str, int] = {}
     for module in patched.modules():
-        forward = module.__dict__.get("forward")
-        if forward is not None:
-            namespace = innermost(forward.__func__).__globals__
+        function = module.__dict__.get(patch_module._FORWARD_ATTR)  # the patched copy of its class's forward
+        if function is not None:
+            namespace = innermost(function).__globals__
             for name in report.rotations:
                 if name not in kinds:  # the first namespace holds posenc's rotation, not yet the stand-in below
                     kinds[name] = _tensors(namespace[name], name)

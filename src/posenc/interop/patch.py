@@ -5,12 +5,15 @@ What is replaced, per patched model and nothing else in the process:
 * the model's ``*RotaryEmbedding`` modules become ``PosencRotaryEmbedding``s (one per config the modules were built
   from, with one RoPE per layer type where the config has a rope dict per type): cos/sin of shape (b, s, r/2) in
   float32, from float64 angles (``posenc.rope.module.angles_to_cos_sin``), instead of Hugging Face's (b, s, r);
-* each attention module gets an instance-level ``forward``: a copy of its class's forward function whose globals
-  resolve its ``apply_rotary_pos_emb*`` functions to posenc's rotation (``posenc.apply_rotary_qk``, any backend),
-  each in the pair layout the original was found to rotate in. The class, the modeling module and every other
-  model of the same class are untouched, and the copy is plain Python, so ``torch.compile`` traces it like the
-  original. Under an accelerate hook (``dispatch_model``, ``cpu_offload``: ``forward`` is the hook's wrapper of
-  ``_old_forward``) it goes in ``_old_forward``, so the hook keeps running, before and after ``unpatch_model``.
+* each attention module runs a copy of its class's forward function whose globals resolve its
+  ``apply_rotary_pos_emb*`` functions to posenc's rotation (``posenc.apply_rotary_qk``, any backend), each in the
+  pair layout the original was found to rotate in: the module holds the copy, and its class becomes a subclass of
+  its own, of the same name, whose ``forward`` calls it (one subclass per class, shared by every patched model, so
+  that ``torch.compile`` compiles patched models of one class once, as unpatched ones; ``unpatch_model`` puts the
+  class back). The class, the modeling module and every other model of the same class are untouched, and the copy
+  is plain Python, so ``torch.compile`` traces it like the original. Under an accelerate hook (``dispatch_model``,
+  ``cpu_offload``: ``forward`` is the hook's wrapper of ``_old_forward``) ``_old_forward`` calls it, so the hook
+  keeps running, before and after ``unpatch_model``.
 
 Which modules and functions these are is found by inspecting the model (``posenc.interop._discover``), so any
 architecture that follows transformers' RoPE conventions can be patched; ``VERIFIED_ARCHITECTURES`` are those whose
@@ -51,9 +54,9 @@ import functools
 import inspect
 import math
 import textwrap
+import threading
 import types
 import warnings
-import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -148,6 +151,7 @@ class _PatchState:
     # that kept a dropped patched model's weights alive until Python's cyclic collector ran.
     rotary: list[tuple[str, str, nn.Module]]
     attention: list[nn.Module]
+    classes: list[type[nn.Module]]  # each attention module's class before patching
     config: Any
     original_config_values: dict[str, Any]  # attribute -> its value before patching
     weights_dtype: torch.dtype | None  # the model's floating parameters' dtype when patched
@@ -168,11 +172,16 @@ def _patch_state(model: nn.Module) -> _PatchState | None:
 
 
 class _PickleGuard:
-    """Held by each patched attention module, so that pickling it, or anything holding it (the model, a layer),
-    is refused; copy.deepcopy keeps the patched forwards (each calls its module's copy), and a guard.
+    """What a patched attention module is rebuilt with (``copyreg.__newobj__``'s part, see ``_patched_class``):
+    copy.copy and copy.deepcopy call it, and pickle, which stores it, refuses it, so that pickling a patched module,
+    or anything holding one (the model, a layer), raises this error.
 
-    Pickle stores each attention module's instance forward (a copy of the class's, bound) by its name, so a loaded
-    model would run the class's unpatched forward on posenc's cos/sin and fail in a shape mismatch."""
+    Pickle stores a patched module's class by its name, which finds transformers' class (a PicklingError that said
+    nothing of posenc; before that, a loaded model ran the class's unpatched forward on posenc's cos/sin and failed
+    in a shape mismatch)."""
+
+    def __call__(self, cls: type[nn.Module], *args: Any) -> nn.Module:
+        return cls.__new__(cls, *args)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError(
@@ -182,64 +191,66 @@ class _PickleGuard:
             "the model before patch_model / after unpatch_model(model), and call patch_model again where it is loaded"
         )
 
-    def __copy__(self) -> _PickleGuard:
-        return self
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> _PickleGuard:
-        return self
-
-
-_GUARD_ATTR = "_posenc_patched_forward"
+# A patched attention module's own patched forward function (unbound: it holds nothing of the module).
+_FORWARD_ATTR = "_posenc_forward"
 # accelerate's add_hook_to_module (used by dispatch_model, cpu_offload and from_pretrained(device_map=...)) keeps a
 # module's forward in _OLD_FORWARD_ATTR and sets `forward` to a wrapper that runs the hook (_HOOK_ATTR) around it.
 _OLD_FORWARD_ATTR = "_old_forward"
 _HOOK_ATTR = "_hf_hook"
 
+_PATCHED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}  # attention class -> its patched subclass
+_PATCHED_CLASSES_LOCK = threading.Lock()
 
-class _PatchedForward:
-    """A patched attention module's forward: the patched function, called with the module, which it holds weakly.
 
-    A bound method (module -> its forward -> module) made each patched layer a reference cycle: a patched model
-    dropped without ``unpatch_model`` kept every layer's q/k/v/o projections alive until Python's cyclic collector
-    ran, where an unpatched model's are freed at ``del`` (``del model; torch.cuda.empty_cache()`` left them on the
-    GPU). ``__func__`` and ``__self__`` are a bound method's."""
+def _call_patched_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return getattr(self, _FORWARD_ATTR)(self, *args, **kwargs)
 
-    __slots__ = ("__func__", "_module")
 
-    def __init__(self, func: types.FunctionType, module: nn.Module) -> None:
-        self.__func__ = func
-        self._module = weakref.ref(module)
+def _reduce_patched(self: nn.Module, protocol: Any) -> Any:
+    # The default reduction, with the class built by the guard, which pickle refuses and copy calls.
+    return (_PickleGuard(), *object.__reduce_ex__(self, max(protocol, 2))[1:])
 
-    @property
-    def __self__(self) -> nn.Module | None:
-        return self._module()
 
-    @property
-    def __signature__(self) -> inspect.Signature:
-        # A bound method's: the function's without its first parameter (callers check forward's arguments by it).
-        signature = inspect.signature(self.__func__)
-        return signature.replace(parameters=list(signature.parameters.values())[1:])
+def _patched_class(cls: type[nn.Module]) -> type[nn.Module]:
+    """The class a patched attention module of class ``cls`` is given: a subclass with ``cls``'s name, qualname and
+    module, whose ``forward`` calls the function the module holds in ``_FORWARD_ATTR`` (that patch's copy of
+    ``cls.forward``), with the signature of ``cls.forward``. One per class, shared by the modules of every model
+    patched in the process.
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        module = self._module()
-        if module is None:  # only a forward kept apart from its layer outlives it
-            raise ReferenceError("this patched forward's attention module no longer exists; call the module itself")
-        return self.__func__(module, *args, **kwargs)
+    Not an instance ``forward``: torch.compile guards an instance forward that is no bound method on its identity, so
+    each patched model compiled again (a third one with fullgraph=True failed at the recompile limit, later ones ran
+    uncompiled), and a bound method (module -> forward -> module) is a reference cycle that kept a dropped model's
+    weights alive until Python's cyclic collector ran. The module's class is compiled as its type, the function by
+    its code, both shared, so patched models compile as often as unpatched ones; a copy of a module (deepcopy, a
+    DataParallel replica) keeps its class and so calls itself."""
+    with _PATCHED_CLASSES_LOCK:
+        patched = _PATCHED_CLASSES.get(cls)
+        if patched is None:
+            # Its own code object: Dynamo keeps the frames it compiles per code object, as for the class's forward.
+            code = _call_patched_forward.__code__.replace(co_name="forward")
+            forward = types.FunctionType(code, _call_patched_forward.__globals__, "forward")
+            forward.__qualname__ = f"{cls.__qualname__}.forward"
+            forward.__module__ = cls.__module__
+            forward.__doc__ = cls.forward.__doc__
+            forward.__signature__ = inspect.signature(cls.forward)  # type: ignore[attr-defined]
+            namespace = {
+                "__module__": cls.__module__,
+                "__qualname__": cls.__qualname__,
+                "__doc__": cls.__doc__,
+                "forward": forward,
+                "__reduce_ex__": _reduce_patched,
+            }
+            patched = _PATCHED_CLASSES[cls] = type(cls)(cls.__name__, (cls,), namespace)
+    return patched
 
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        return _PickleGuard().__reduce_ex__(protocol)  # the guard's error, whichever of the two pickle meets first
 
-    def __copy__(self) -> _PatchedForward:
-        return self  # immutable, as a bound method
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> _PatchedForward:
-        # Copied with its module (deepcopy(model)), whose copy is in the memo before its __dict__ is copied: the
-        # copy's forward calls the copy. Copied alone, it goes on calling the module it was made for.
-        module = self._module()
-        if module is None:
-            return self
-        copied = memo.get(id(module))
-        return _PatchedForward(self.__func__, copied if isinstance(copied, nn.Module) else module)
+def _is_patched_forward(forward: Any) -> bool:
+    """True for a patched class's forward bound to a module (what accelerate's hook keeps of a patched module)."""
+    with _PATCHED_CLASSES_LOCK:  # another thread may be adding a class
+        return isinstance(forward, types.MethodType) and any(
+            forward.__func__ is vars(patched)["forward"] for patched in _PATCHED_CLASSES.values()
+        )
 
 
 def _forward_slot(module: nn.Module) -> str:
@@ -250,12 +261,32 @@ def _forward_slot(module: nn.Module) -> str:
     return _OLD_FORWARD_ATTR if hooked else "forward"
 
 
-def _restore_forward(module: nn.Module, replaced: Any) -> None:
-    """Put back the forward that ``module``'s patched one replaced (``replaced``; None: the class's), in the slot
-    the patched one holds now: ``forward``, or accelerate's ``_old_forward`` where a hook was added after patching
-    (its wrapper in ``forward`` stays, and calls the original)."""
+def _install_forward(module: nn.Module, function: types.FunctionType) -> Any:
+    """Make ``module`` run ``function`` (its class's forward, patched) as its forward; return the instance forward
+    this replaces (accelerate's ``_old_forward``, see ``_forward_slot``, or another set on the instance), or None."""
+    slot = _forward_slot(module)
+    replaced = module.__dict__.get(slot)
+    object.__setattr__(module, _FORWARD_ATTR, function)
+    module.__class__ = _patched_class(type(module))
+    if slot == "forward":
+        module.__dict__.pop("forward", None)
+    else:  # the hook's wrapper calls it: bound, as accelerate keeps it (the hook's wrapper holds the module too)
+        setattr(module, slot, types.MethodType(type(module).forward, module))
+    return replaced
+
+
+def _restore_forward(module: nn.Module, original_cls: type[nn.Module], replaced: Any) -> None:
+    """Undo ``_install_forward``: ``module``'s class back to ``original_cls``, and the instance forward its patched
+    one replaced (``replaced``; None: none) in the slot that holds the patched one now: ``forward``, or accelerate's
+    ``_old_forward`` where a hook was added after patching (its wrapper in ``forward`` stays, and calls the
+    original)."""
+    if _PATCHED_CLASSES.get(original_cls) is type(module):
+        module.__class__ = original_cls
+        module.__dict__.pop(_FORWARD_ATTR, None)
+    else:  # a subclass made of it since (FSDP2's fully_shard makes one): it calls the class's own forward instead
+        object.__setattr__(module, _FORWARD_ATTR, original_cls.forward)
     for slot in ("forward", _OLD_FORWARD_ATTR):
-        if isinstance(module.__dict__.get(slot), _PatchedForward):
+        if _is_patched_forward(module.__dict__.get(slot)):
             if replaced is not None:
                 setattr(module, slot, replaced)
             elif slot == "forward":
@@ -263,8 +294,10 @@ def _restore_forward(module: nn.Module, replaced: Any) -> None:
             else:  # what add_hook_to_module would have kept of the unpatched module
                 setattr(module, slot, types.MethodType(type(module).forward, module))
             return
-    # Replaced since by something that keeps no _old_forward: the class's forward, as before posenc.
-    module.__dict__.pop("forward", None)
+    if replaced is not None:
+        module.forward = replaced
+    else:  # replaced since by something that keeps no _old_forward: the class's forward, as before posenc
+        module.__dict__.pop("forward", None)
 
 
 def _rotary_device(rotary: nn.Module, model: nn.Module) -> torch.device:
@@ -710,16 +743,11 @@ def patch_model(
             parent_name, _, attr = name.rpartition(".")
             setattr(named[parent_name], attr, replacement)
             swapped.append((parent_name, attr, module))
-    replaced_forwards = []
-    for module in found.attention:
-        # An instance attribute: nn.Module.__call__ finds it before the class's forward.
-        slot = _forward_slot(module)
-        replaced_forwards.append(module.__dict__.get(slot))
-        setattr(module, slot, _PatchedForward(forwards[type(module)], module))
-        object.__setattr__(module, _GUARD_ATTR, _PickleGuard())
+    classes = [type(module) for module in found.attention]
+    replaced_forwards = [_install_forward(module, forwards[type(module)]) for module in found.attention]
 
     state = _PatchState(
-        report, swapped, list(found.attention), config, originals, _weights_dtype(model), replaced_forwards
+        report, swapped, list(found.attention), classes, config, originals, _weights_dtype(model), replaced_forwards
     )
     object.__setattr__(model, _STATE_ATTR, state)
     return report
@@ -1057,9 +1085,8 @@ def unpatch_model(model: nn.Module) -> PatchReport:
                 if rope.rope_type == "dynamic" and rope.mode == "hf":
                     _hand_back_dynamic_state(original, layer_type, rope.hf_scaled_len)
         setattr(parent, attr, original)
-    for module, replaced in zip(state.attention, state.replaced_forwards, strict=True):
-        _restore_forward(module, replaced)
-        module.__dict__.pop(_GUARD_ATTR, None)
+    for module, cls, replaced in zip(state.attention, state.classes, state.replaced_forwards, strict=True):
+        _restore_forward(module, cls, replaced)
     state.undone = True
     object.__delattr__(model, _STATE_ATTR)
     return state.report
