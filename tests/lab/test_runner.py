@@ -388,6 +388,40 @@ def test_a_checkpoint_that_cannot_be_written_is_said_once_and_training_goes_on(t
     assert (tmp_path / "full" / "results.csv").read_text() == (reference / "results.csv").read_text()
 
 
+@pytest.mark.parametrize("target", ["model.safetensors", "results.csv"])
+def test_a_full_disk_is_one_error_line_and_the_rerun_resumes(target, tiny_config, tmp_path, monkeypatch, capsys):
+    """A full disk (or quota, or a folder made read-only) while the run wrote a unit's weights or the report
+    escaped run_command as a bare SafetensorError / OSError traceback; it is now one line that says the finished
+    units are kept, and the same command, rerun once there is room, finishes as an uninterrupted run."""
+    overrides = vars(tiny_config(encodings=("rope",), extensions=("pi",)))
+    reference = tmp_path / "reference"
+    assert runner.run_command(preset="quick", out=reference, overrides=overrides, progress=False) == 0
+    real_tensors, real_text = store.save_tensors, store.write_text
+
+    def save_tensors(path, *args, **kwargs):
+        if path.name == target:
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        return real_tensors(path, *args, **kwargs)
+
+    def write_text(path, *args, **kwargs):
+        if path.name == target:
+            raise OSError(28, "No space left on device", str(path.parent / f".{path.name}.tmp"))
+        return real_text(path, *args, **kwargs)
+
+    monkeypatch.setattr(store, "save_tensors", save_tensors)
+    monkeypatch.setattr(store, "write_text", write_text)
+    out = tmp_path / "run"
+    capsys.readouterr()
+    assert runner.run_command(preset="quick", out=out, overrides=overrides, progress=False) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"posenc lab: error: {out}: ") and "No space left on device" in err[0]
+    assert "run the same command again to continue" in err[0]
+    monkeypatch.setattr(store, "save_tensors", real_tensors)
+    monkeypatch.setattr(store, "write_text", real_text)
+    assert runner.run_command(preset="quick", out=out, overrides=overrides, progress=False) == 0
+    assert (out / "results.csv").read_text() == (reference / "results.csv").read_text()
+
+
 def test_interrupted_evaluation_resumes_without_retraining(tiny_config, tmp_path, monkeypatch):
     # Heads of 3 channels: no rope, so an odd head size trains, and the report draws its RoPE figures at 4.
     config = tiny_config(encodings=("alibi",), extensions=(), dim=12, heads=4)

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 from tqdm.auto import tqdm
 
 from posenc.lab import store
@@ -786,9 +787,10 @@ def run_command(
     progress: bool = True,
     command: str = "",
 ) -> int:
-    """What ``posenc lab`` does once its flags are parsed. Returns the exit status: 0 done, 1 training diverged, 2
-    bad input (said on stderr before anything trains) or a damaged file met in the run folder (a RunFolderError,
-    said when it is met), 130 interrupted (finished units are kept; rerun to resume).
+    """What ``posenc lab`` does once its flags are parsed. Returns the exit status: 0 done, 1 training diverged or the
+    run folder could not be written (a full disk; finished units are kept), 2 bad input (said on stderr before anything
+    trains) or a damaged file met in the run folder (a RunFolderError, said when it is met), 130 interrupted (finished
+    units are kept; rerun to resume).
 
     Started by torchrun (WORLD_SIZE > 1), the process joins torchrun's group for the run and leaves it at the end;
     only rank 0 prints. Without torchrun nothing distributed is touched."""
@@ -866,4 +868,22 @@ def _run_lab(
                 file=sys.stderr,
             )
         return 1
+    except (OSError, SafetensorError) as error:
+        # A full disk or quota, or a folder made read-only since prepare(): every write is atomic, so what was written
+        # before it is whole, and the rerun resumes there (a unit's training from its last checkpoint).
+        if speaks:
+            print(
+                f"posenc lab: error: {out}: {_write_failure(error)}; the units finished before it are saved there: "
+                "make room (a full disk or quota) or make the folder writable, and run the same command again to "
+                "continue",
+                file=sys.stderr,
+            )
+        return 1
     return 0
+
+
+def _write_failure(error: OSError | SafetensorError) -> str:
+    """What went wrong, naming the file where the error does (safetensors' errors name none)."""
+    if isinstance(error, OSError) and error.strerror:
+        return f"{error.filename}: {error.strerror}" if error.filename else error.strerror
+    return str(error)
