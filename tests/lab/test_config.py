@@ -73,6 +73,21 @@ def test_bad_values_name_the_field(overrides, message):
         make_config("quick", **overrides)
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"dim": 32, "heads": 3},  # suggested dim=33: heads of 11 channels, which RoPE and sinusoidal refuse
+        {"dim": 32, "heads": 3, "encodings": ("sinusoidal",), "extensions": ()},
+        {"dim": 10, "heads": 4, "encodings": ("alibi",), "extensions": ()},
+    ],
+)
+def test_a_dim_that_heads_do_not_divide_suggests_one_that_is_taken(overrides):
+    with pytest.raises(ValueError, match=r"must be a multiple of heads") as refused:
+        make_config("quick", **overrides)
+    suggested = int(re.search(r"e\.g\. dim=(\d+)", str(refused.value))[1])
+    assert make_config("quick", **{**overrides, "dim": suggested}).dim == suggested
+
+
 def test_unknown_preset_and_unknown_field():
     with pytest.raises(ValueError, match="unknown preset 'huge'; known presets: quick, default, full"):
         make_config("huge")

@@ -149,9 +149,13 @@ class LabConfig:
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")
         self._check_names("encodings", self.encodings, tuple(ENCODINGS), allow_empty=False)
         if self.dim % self.heads:
+            # The example must pass the checks below too: dim=33 for 3 heads gives heads of 11 channels (RoPE: odd).
+            step = 2 * self.heads if "rope" in self.encodings else self.heads
+            step = math.lcm(step, 2) if "sinusoidal" in self.encodings else step
             raise ValueError(
-                f"{_given('dim', self.dim)} must be a multiple of {_given('heads', self.heads)}; "
-                f"e.g. dim={self.heads * max(1, round(self.dim / self.heads))}"
+                f"{_given('dim', self.dim)} must be a multiple of {_given('heads', self.heads)}"
+                f"{' with an even head_dim (RoPE rotates pairs)' if 'rope' in self.encodings else ''}; "
+                f"e.g. dim={step * max(1, round(self.dim / step))}"
             )
         # Only the encodings that work on pairs of channels need them even: RoPE per head, sinusoidal per model.
         if "rope" in self.encodings and (self.dim // self.heads) % 2:
