@@ -50,7 +50,8 @@ def test_none_overrides_pass_through():
         ({"encodings": ("alibi",)}, "add rope to encodings"),
         ({"eval_lengths": (16, 8)}, "eval length 8 is shorter than train_len=16"),
         ({"eval_lengths": (32, 16, 64)}, "eval_lengths (--eval-lengths) must be increasing without repeats"),
-        ({"eval_lengths": ()}, "non-empty tuple"),
+        # `--eval-lengths ,` was refused without naming its flag, as every other field's refusal does.
+        ({"eval_lengths": ()}, "eval_lengths (--eval-lengths) must be a non-empty tuple"),
         ({"score_len": 17}, "score_len=17 (--score-len) must be <= train_len=16 (--train-len)"),
         ({"task": "needle"}, "unknown task 'needle'"),
         ({"steps": 0}, "steps (--steps) must be a positive integer"),

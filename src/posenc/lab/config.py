@@ -178,7 +178,9 @@ class LabConfig:
                 "or pass no extensions (extensions=() here, --extensions none on the command line)"
             )
         if not self.eval_lengths or not isinstance(self.eval_lengths, tuple):
-            raise ValueError(f"eval_lengths must be a non-empty tuple of lengths, got {self.eval_lengths!r}")
+            raise ValueError(
+                f"{_named('eval_lengths')} must be a non-empty tuple of lengths, got {self.eval_lengths!r}"
+            )
         for length in self.eval_lengths:
             _positive_int("eval_lengths", length)
             if length < self.train_len:
