@@ -106,6 +106,18 @@ def test_bad_run_folders_are_clear_errors(tmp_path, make_run):
         write_report(run, out=tmp_path, figures=[])
 
 
+@pytest.mark.parametrize("cut", ["3.7945", "3.7945345,True,", "3.7945345,True,,2.9,[2.9],,,,128,extra"])
+def test_a_results_csv_cut_short_mid_row_is_refused(tmp_path, cut):
+    """A results.csv cut short by a partial copy gave a report whose last value was the cut one (3.7945 for
+    3.7945345...), the cells after it empty; a row of more cells than the header, too, is no row the lab wrote."""
+    header = "encoding,extension,train_len,eval_len,seed,bits_per_byte,applicable,reason,entropy,entropy_by_layer"
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "results.csv").write_text(f"{header}\nrope,none,16,16,0,3.8,True,,2.9,[2.9]\nalibi,none,16,16,0,{cut}")
+    with pytest.raises(ValueError, match=r"results\.csv, line 3, has \d+ cells where the header names 10: it was cut"):
+        read_results(run)
+
+
 def find_chromium() -> str | None:
     for name in ("chromium", "chromium-browser", "google-chrome", "chrome"):
         found = shutil.which(name)

@@ -17,6 +17,7 @@ import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -76,10 +77,26 @@ def read_results(run_dir: str | Path) -> list[dict[str, str]]:
                 f"{path} lacks the column(s) {', '.join(missing)}; a lab results.csv has at least "
                 f"{', '.join(REQUIRED_COLUMNS)}"
             )
-        rows = list(reader)
+        rows = []
+        for row in reader:
+            # A row of fewer cells than the header (a copy cut short mid-row: "3.7945" of 3.79453...) or of more
+            # would be read as values it does not hold; the lab writes every row whole.
+            if None in row or None in row.values():
+                raise ValueError(
+                    f"{path}, line {reader.line_num}, has {_cells(row)} cells where the header names "
+                    f"{len(reader.fieldnames or [])}: it was cut short or changed since `posenc lab` wrote it; rerun "
+                    "that command (it skips the finished units and writes results.csv again)"
+                )
+            rows.append(row)
     if not rows:
         raise ValueError(f"{path} has a header but no rows; the run finished no measurement yet")
     return rows
+
+
+def _cells(row: dict[Any, Any]) -> int:
+    """How many cells a csv.DictReader row had: its named values, less those it lacked (None), plus any extra."""
+    extra = row.get(None) or []
+    return sum(1 for key, value in row.items() if key is not None and value is not None) + len(extra)
 
 
 def in_progress(run_dir: str | Path) -> str | None:
