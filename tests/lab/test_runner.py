@@ -542,6 +542,22 @@ def test_a_folder_of_another_configuration_is_refused(finished):
     quiet(make_config("quick", **{**vars(config), "encodings": ("alibi",), "extensions": ()}), out).prepare()
 
 
+def test_a_folder_of_a_run_stopped_before_anything_was_saved_is_taken_by_another_configuration(tiny_config, tmp_path):
+    """Ctrl-C at once after a wrong flag left only config.json (and .lock): the corrected command was refused as
+    "a different configuration", though the folder held nothing of that run; it is now taken, and the refusal stays
+    for a folder that holds anything more (a checkpoint, a finished unit)."""
+    out, config = tmp_path / "r", tiny_config()
+    wrong = make_config("quick", **{**vars(config), "steps": 7})
+    quiet(wrong, out).prepare()
+    assert sorted(p.name for p in out.iterdir() if p.is_file()) == [".lock", "config.json"]
+    (out / "runs" / "rope").mkdir(parents=True)  # an empty folder is nothing either
+    quiet(config, out).prepare()
+    assert json.loads((out / "config.json").read_text())["results_key"]["steps"] == config.steps != 7
+    (out / "runs" / "rope" / "checkpoint.safetensors").write_bytes(b"progress of this configuration")
+    with pytest.raises(ValueError, match=r"different configuration \(differs in: steps\)"):
+        quiet(wrong, out).prepare()
+
+
 def test_a_folder_whose_config_json_was_deleted_is_claimed_only_by_its_units_configuration(finished, tmp_path):
     # It was claimed by other settings (config.json rewritten), then failed with a traceback at the first unit.
     config, out, _ = finished

@@ -187,6 +187,12 @@ def claim_folder(out: Path, config: LabConfig, corpus: Corpus, ident: str) -> No
         previous = store.read_json(path)
         if previous.get("config_id") == ident:
             return
+        if _holds_nothing_but_its_claim(out):
+            # A run stopped before its first checkpoint (a wrong flag, Ctrl-C at once): nothing of it to mix with.
+            store.write_json(
+                path, {"config_id": ident, "results_key": config.results_key(), "corpus_sha256": corpus.sha256}
+            )
+            return
         old, new = _settings(previous.get("results_key", {})), _settings(config.results_key())
         changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
         if previous.get("corpus_sha256") != corpus.sha256:
@@ -211,6 +217,11 @@ def claim_folder(out: Path, config: LabConfig, corpus: Corpus, ident: str) -> No
             f"{', ...' if len(others) > 3 else ''}); pass another --out, or delete that folder to start over"
         )
     store.write_json(path, {"config_id": ident, "results_key": config.results_key(), "corpus_sha256": corpus.sha256})
+
+
+def _holds_nothing_but_its_claim(out: Path) -> bool:
+    """True if ``out`` holds no file but its config.json and .lock (folders may be there, empty)."""
+    return all(p.is_dir() or p in (out / "config.json", out / ".lock") for p in out.rglob("*"))
 
 
 class Lab:
