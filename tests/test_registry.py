@@ -124,3 +124,14 @@ def test_a_rope_run_under_a_meta_device_context_works_once_materialised(rope_par
     layer.load_state_dict(reference.state_dict())
     x = torch.randn(1, 20, 32)
     torch.testing.assert_close(layer(x), reference(x), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["learned", "sinusoidal", "t5", "alibi", "rope"])
+def test_an_unknown_option_error_lists_options_not_the_sizes(name):
+    # The sizes are build_for_model's own arguments: listing them as options would invite passing them twice.
+    from posenc.registry import build_for_model
+
+    with pytest.raises(TypeError, match="takes no option 'bogus'") as refused:
+        build_for_model(name, dim=8, num_heads=2, head_dim=4, max_positions=8, bogus=1)
+    options = str(refused.value).split("its options: ")[1].split(" (its sizes")[0]
+    assert not {"dim", "num_heads", "head_dim", "max_positions"} & set(options.split(", ")), options

@@ -81,6 +81,10 @@ def test_a_checkpoint_whose_parts_do_not_fit_the_model_is_not_resumed(tiny_confi
     spoiled = {
         "losses of another step count": dataclasses.replace(good, losses=torch.zeros(2)),
         "a parameter in float64": dataclasses.replace(good, model={**good.model, name: good.model[name].double()}),
+        # Its moments still of the parameter's shape: only the model's own shapes tell this file from the model.
+        "a parameter of another shape": dataclasses.replace(
+            good, model={**good.model, name: good.model[name].flatten()[:-1].clone()}
+        ),
         "the last parameter's moments under the next index": dataclasses.replace(
             good, optimizer={**{i: m for i, m in moments.items() if i != last}, last + 1: moments[last]}
         ),

@@ -225,3 +225,14 @@ def test_an_encoding_that_cannot_be_built_for_the_model_is_refused_by_the_config
     monkeypatch.setitem(ENCODINGS, "typed_heads", TypedHeads)
     with pytest.raises(ValueError, match=r"encoding typed_heads cannot be built .*: head_dim must be a power of two"):
         make_config("quick", encodings=("typed_heads",), extensions=())
+
+
+def test_lab_extensions_none_is_the_empty_list_only_alone():
+    from posenc.cli import build_parser
+
+    def extensions(text):
+        return build_parser().parse_args(["lab", "--extensions", text]).extensions
+
+    assert extensions("none") == () and extensions("pi, yarn") == ("pi", "yarn")
+    # "none" among names is not "no extension": the config then refuses the unknown name instead of running none.
+    assert extensions("pi,none") == ("pi", "none")

@@ -79,6 +79,16 @@ def test_a_folder_corpus_reads_text_suffixes_in_any_case_and_skips_lab_runs(tmp_
     assert found == ["NOTES.TXT", "Setup.Py", "a.txt", "data/config.json"]
 
 
+def test_files_are_ordered_by_their_relative_path_as_text_not_by_path_parts(tmp_path):
+    # The order sets the corpus's bytes and hash (config_id): by the posix string "a-b/x.py" < "a.py" < "a/b.py"
+    # ('-' < '.' < '/'), where comparing Paths part by part puts "a/b.py" first.
+    for name in ("a/b.py", "a.py", "a-b/x.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(name)
+    found = [f.relative_to(tmp_path).as_posix() for f in corpus_files(tmp_path)]
+    assert found == ["a-b/x.py", "a.py", "a/b.py"]
+
+
 def test_max_bytes_cuts_the_joined_text_at_that_byte(tmp_path):
     """The separator after the last file kept was counted: with two 7-byte files, 8, 9 and 10 bytes all gave 7."""
     for name in ("a.txt", "b.txt"):
@@ -146,6 +156,12 @@ def test_windows_at_gives_inputs_and_next_byte_targets():
     assert batch.tolist() == [[0, 1, 2, 3, 4], [10, 11, 12, 13, 14]]
 
 
+def test_windows_at_keeps_every_byte_value():
+    # Bytes 128..255 (UTF-8 continuations, the separator's neighbours) reach the model as they are.
+    text = torch.arange(256, dtype=torch.int64).to(torch.uint8)
+    assert windows_at(text, torch.tensor([0, 250]), 5).tolist() == [list(range(6)), list(range(250, 256))]
+
+
 @settings(max_examples=30, deadline=None)
 @given(
     size=st.integers(80, 400),
@@ -202,3 +218,10 @@ def test_eval_window_ends_take_as_many_windows_as_there_are_distinct_ends():
     assert eval_window_ends(text, longest=16, count=4).tolist() == [17, 18, 19, 20]
     with pytest.raises(ValueError, match="too few for 5 windows of 17"):
         eval_window_ends(text, longest=16, count=5)
+
+
+def test_a_config_json_naming_a_configuration_but_no_corpus_stays_text(tmp_path):
+    # A lab run's config.json names both; another tool's config.json with a config_id is a file of the corpus.
+    (tmp_path / "tool").mkdir()
+    (tmp_path / "tool" / "config.json").write_text('{"config_id": "mine"}')
+    assert [f.relative_to(tmp_path).as_posix() for f in corpus_files(tmp_path)] == ["tool/config.json"]

@@ -59,6 +59,19 @@ def test_bits_per_byte_is_the_mean_loss_of_the_final_bytes_in_bits():
     assert result.entropy_by_layer == pytest.approx(expected, abs=1e-5)
 
 
+def test_score_len_may_be_the_whole_window():
+    # A config may set score_len = train_len = an eval length: every byte of each window is then scored.
+    torch.manual_seed(0)
+    model = ByteLM(SPEC, "rope")
+    ends = eval_window_ends(TEXT, longest=8, count=3)
+    result = evaluate_length(model, TEXT, ends, 8, score_len=8)
+    batch = windows_ending(TEXT, ends, 8)
+    with torch.no_grad():
+        losses = next_byte_loss(model(batch[:, :-1])[0], batch[:, 1:]).double()
+    assert result.scored_bytes == 24
+    assert result.bits_per_byte == pytest.approx(float(losses.mean()) / math.log(2), rel=1e-6)
+
+
 def test_loss_by_position_is_binned_for_long_windows():
     model = ByteLM(SPEC, "nope")
     ends = eval_window_ends(TEXT, longest=256, count=2)
@@ -185,9 +198,32 @@ def test_task_needle_and_tail_byte_by_byte():
         assert len(set(samples.answers.flatten().tolist())) == (10 if kind == "passkey" else 26), kind
 
 
+@pytest.mark.parametrize(("kind", "room"), [("passkey", 35), ("copy", 50)])
+def test_a_task_fits_a_window_exactly_its_needle_and_tail_long(kind, room):
+    # room: bytes of context the task needs (needle + tail - 1); one byte less is refused.
+    fits = task_samples(kind, windows_ending(TEXT, torch.tensor([100, 200]), room), seed=0)
+    assert fits.inputs.shape == (2, room)
+    full = torch.cat((fits.inputs, fits.answers[:, -1:]), dim=1)
+    answer = bytes(fits.answers[0].tolist())
+    assert answer in bytes(full[0, : room - len(answer)].tolist()) and bytes(full[0].tolist()).endswith(answer)
+    with pytest.raises(ValueError, match=f"needs windows of {room} bytes of context, more than {room - 1}"):
+        task_samples(kind, windows_ending(TEXT, torch.tensor([100, 200]), room - 1), seed=0)
+
+
 def test_task_needs_room_and_a_known_kind():
     filler = windows_ending(TEXT, eval_window_ends(TEXT, longest=16, count=2), 16)
     with pytest.raises(ValueError, match="the passkey task needs windows of 35 bytes of context, more than 16"):
         task_samples("passkey", filler, seed=0)
     with pytest.raises(ValueError, match="unknown task 'needle'"):
         task_samples("needle", filler, seed=0)
+
+
+def test_evaluation_runs_the_model_in_eval_mode():
+    # A freshly built model (the runner's extensions) is in training mode: a dropout, as an --hf-config model's
+    # attention_dropout, must not act while it is scored.
+    torch.manual_seed(0)
+    model = ByteLM(SPEC, "rope")
+    model.blocks[0].mlp.append(nn.Dropout(0.5))
+    ends = eval_window_ends(TEXT, longest=16, count=3)
+    scores = {evaluate_length(model.train(), TEXT, ends, 16, score_len=4).bits_per_byte for _ in range(2)}
+    assert len(scores) == 1 and not model.training

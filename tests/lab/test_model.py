@@ -161,3 +161,23 @@ def test_tokens_of_another_shape_are_a_clear_error():
     model = ByteLM(ModelSpec(dim=16, layers=1, heads=2, max_positions=8), "rope")
     with pytest.raises(ValueError, match=r"tokens must be a \(b, s\) tensor of byte ids, got \(5,\)"):
         model(torch.zeros(5, dtype=torch.long))
+
+
+def test_byte_ids_up_to_255_run_and_256_is_named():
+    model = ByteLM(ModelSpec(dim=16, layers=1, heads=2, max_positions=8), "rope")
+    assert model(torch.tensor([[0, 255]]))[0].shape == (1, 2, 256)
+    with pytest.raises(ValueError, match=r"tokens must be byte ids in 0..255, got ids from 0 to 256"):
+        model(torch.tensor([[0, 256]]))
+
+
+def test_bytes_enter_the_first_block_at_unit_scale():
+    # The embedding is drawn N(0, 1/dim) and scaled by sqrt(dim): the first block sees bytes of RMS about 1, as large
+    # as a sinusoidal encoding's values, not 1/sqrt(dim) of them.
+    torch.manual_seed(0)
+    model = ByteLM(ModelSpec(dim=64, layers=1, heads=2, max_positions=256), "nope")
+    seen = []
+    model.blocks[0].register_forward_pre_hook(lambda module, args, kwargs: seen.append(args[0]), with_kwargs=True)
+    with torch.no_grad():
+        model(torch.arange(256)[None])
+    rms = float(seen[0].pow(2).mean().sqrt())
+    assert 0.9 < rms < 1.1, rms

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import dataclasses
 import io
 import json
 import shutil
@@ -21,7 +22,7 @@ from posenc.cli import main
 from posenc.lab import runner, store
 from posenc.lab import train as train_module
 from posenc.lab.config import make_config
-from posenc.lab.data import eval_window_ends, load_corpus
+from posenc.lab.data import eval_text_needed, eval_window_ends, load_corpus
 from posenc.lab.report import PLOTS, aggregate, figures, label, summary_tables, to_markdown
 from posenc.lab.runner import Lab, plan
 
@@ -637,6 +638,19 @@ def test_a_damaged_file_found_during_the_run_is_one_line_naming_it(finished, tmp
     assert capsys.readouterr().err.startswith(f"posenc lab: error: {metrics} is not the JSON the lab writes")
 
 
+def test_a_copied_unit_of_other_settings_is_refused_by_name(finished, tmp_path, capsys):
+    # A unit folder brought from a run of another configuration, into a folder whose config.json is this one's: its
+    # numbers must not enter this run's tables as this configuration's.
+    config, out, _ = finished
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    metrics = copy / "runs" / "alibi" / "seed0" / "metrics.json"
+    store.write_json(metrics, {**store.read_json(metrics), "config_id": "0123456789abcdef"})
+    status = runner.run_command(preset="quick", out=copy, overrides=vars(config), progress=False)
+    assert status == 2
+    assert f"posenc lab: error: {metrics} belongs to another configuration" in capsys.readouterr().err
+
+
 def test_a_fine_tune_asked_for_extensions_that_take_none_is_noted(tiny_config, tmp_path):
     lines = []
     config = tiny_config(encodings=("rope",), extensions=("ntk",), finetune_steps=2)
@@ -907,6 +921,32 @@ def test_a_validation_split_too_short_for_distinct_scored_bytes_is_refused(tiny_
         runner.check_corpus(corpus, tiny_config(eval_windows=600))
     assert "need 2461; use a larger corpus, at most 470 --eval-windows, a shorter --score-len" in str(refused.value)
     assert "has 1944 bytes" in str(refused.value)
+
+
+def test_check_corpus_takes_exactly_the_text_it_needs(tiny_config, corpus_dir):
+    # One byte less would pass prepare() and fail only after training, in the evaluation of the first unit.
+    corpus = load_corpus(corpus_dir, val_fraction=0.1)
+    config = tiny_config(eval_windows=100)
+    longest, score_len = max(config.eval_lengths), config.score_len
+    needed = eval_text_needed(longest=longest, count=100, score_len=score_len)
+    runner.check_corpus(dataclasses.replace(corpus, val=corpus.val[:needed]), config)
+    assert int(eval_window_ends(corpus.val[:needed], longest=longest, count=100).diff().min()) >= score_len
+    with pytest.raises(ValueError, match=f"need {needed};"):
+        runner.check_corpus(dataclasses.replace(corpus, val=corpus.val[: needed - 1]), config)
+    # Fine-tunes train on windows of the longest eval length, pretraining on windows of train_len.
+    tuned = tiny_config(finetune_steps=2, extensions=("pi",))
+    longest = max(tuned.eval_lengths)
+    assert longest > tuned.train_len
+    runner.check_corpus(dataclasses.replace(corpus, train=corpus.train[: longest + 1]), tuned)
+    with pytest.raises(ValueError, match=f"fewer than one window of {longest + 1};"):
+        runner.check_corpus(dataclasses.replace(corpus, train=corpus.train[:longest]), tuned)
+
+
+def test_a_first_run_counts_every_unit_as_run_none_skipped(finished):
+    # The fixture's results, not its report.md: a later test reruns that folder, and its report counts the skips.
+    config, _, results = finished
+    assert results["timings"]["units_run"] == len(plan(config)) and results["timings"]["units_skipped"] == 0
+    assert f"({len(plan(config))} units run, 0 skipped as done)" in to_markdown(results)
 
 
 def test_the_default_preset_on_a_small_corpus_is_refused_not_scored_over_and_over(

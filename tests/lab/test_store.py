@@ -325,3 +325,28 @@ def test_a_folder_that_cannot_be_synced_still_gets_the_file(tmp_path, monkeypatc
     monkeypatch.setattr(os, "fsync", fsync)
     store.write_text(tmp_path / "r.txt", "done\n")
     assert (tmp_path / "r.txt").read_text() == "done\n"
+
+
+def test_an_io_error_on_sync_fails_the_write_and_keeps_the_old_file(tmp_path, monkeypatch):
+    """EIO from fsync means the data may never reach the disk: only the filesystems that cannot sync at all are let
+    be, and a failed write leaves the previous file and no temporary."""
+    import errno
+
+    path = tmp_path / "r.txt"
+    store.write_text(path, "old\n")
+
+    def fsync(descriptor):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    with pytest.raises(OSError, match="Input/output error"):
+        store.write_text(path, "new\n")
+    assert path.read_text() == "old\n" and sorted(p.name for p in tmp_path.iterdir()) == ["r.txt"]
+
+
+def test_a_weights_file_gone_before_its_read_names_the_folder_to_delete(tmp_path):
+    path = tmp_path / "seed0" / "model.safetensors"
+    with pytest.raises(store.RunFolderError, match=f"{path} is missing; delete the folder {path.parent}"):
+        store.load_tensors(path)
+    with pytest.raises(store.RunFolderError, match="is missing"):
+        store.load_weights(torch.nn.Linear(2, 2), path)
