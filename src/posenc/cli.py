@@ -342,6 +342,9 @@ def _add_lab(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--task", choices=TASKS, help="also measure exact-match and per-byte accuracy on a task")
     p.add_argument(
+        "--task-samples", type=int, help="task samples per eval length (default 32; quick: 8; <= --eval-windows)"
+    )
+    p.add_argument(
         "--hf-config",
         metavar="PATH",
         help="build the rope model as this config.json's Hugging Face architecture (random init, the lab's sizes; "

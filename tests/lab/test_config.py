@@ -54,6 +54,11 @@ def test_none_overrides_pass_through():
         ({"eval_lengths": ()}, "eval_lengths (--eval-lengths) must be a non-empty tuple"),
         ({"score_len": 17}, "score_len=17 (--score-len) must be <= train_len=16 (--train-len)"),
         ({"task": "needle"}, "unknown task 'needle'"),
+        # Each sample is written into one eval window's text: 4 windows drew 4 samples where results.json said 8.
+        (
+            {"task": "passkey", "eval_windows": 4},
+            "task_samples (--task-samples) is 8 but only eval_windows=4 (--eval-windows) give its samples' text",
+        ),
         ({"steps": 0}, "steps (--steps) must be a positive integer"),
         ({"lr": -1.0}, "lr (--lr) must be a finite number > 0"),
         ({"lr": float("nan")}, "lr (--lr) must be a finite number > 0"),

@@ -197,6 +197,13 @@ class LabConfig:
             )
         if self.task is not None and self.task not in TASKS:
             raise ValueError(f"unknown task {self.task!r}; known tasks: {', '.join(TASKS)} (or none)")
+        if self.task is not None and self.task_samples > self.eval_windows:
+            # Each sample's filler is the text of an eval window: fewer windows gave fewer samples than recorded.
+            raise ValueError(
+                f"{_named('task_samples')} is {self.task_samples} but only {_given('eval_windows', self.eval_windows)}"
+                f" give its samples' text (one window each); pass --task-samples {self.eval_windows} or "
+                f"--eval-windows {self.task_samples}"
+            )
         if self.max_corpus_bytes is not None:
             _positive_int("max_corpus_bytes", self.max_corpus_bytes)
         if self.seed + self.num_seeds - 1 > _MAX_SEED:
@@ -343,6 +350,7 @@ CLI_FLAGS = {
     "heads": "--heads",
     "finetune_steps": "--finetune-steps",
     "task": "--task",
+    "task_samples": "--task-samples",
     "hf_config": "--hf-config",
 }
 
