@@ -1041,14 +1041,15 @@ def test_compiles_without_graph_breaks(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.testing.assert_close(compiled, eager, **FP32)
 
 
-@pytest.mark.parametrize(("mode", "rope_type"), [("hf", "default"), ("consistent", "dynamic")])
+@pytest.mark.parametrize(("mode", "rope_type"), [("hf", "default"), ("consistent", "default")])
 def test_patched_models_of_one_class_share_their_compiled_graphs(mode: str, rope_type: str) -> None:
     """Each patched attention module held its forward as an instance attribute that was no bound method, which
     torch.compile guards by identity: every patched model compiled again, as no unpatched one does (with 2 layers the
     8 recompiles allowed ran out at the 9th model, sooner with graph breaks: an error with fullgraph=True, else the
     model ran uncompiled). Four models compile with fullgraph=True into the one graph an unpatched model has, each
-    with its eager logits ('consistent' with dynamic NTK too); a fifth, patched with another scaling, gets its own
-    numbers, not the shared graph's."""
+    with its eager logits; a fifth, patched with another scaling, gets its own numbers, not the shared graph's.
+    'consistent' with dynamic NTK compiles each model again: its copy of the forward holds the model's RoPEs (see
+    test_patched_models_compiled_layer_by_layer_each_rotate_with_their_own_patch)."""
     graphs = []
 
     def counting(gm: torch.fx.GraphModule, inputs: Any) -> Any:
@@ -1079,6 +1080,73 @@ def test_patched_models_of_one_class_share_their_compiled_graphs(mode: str, rope
         assert not torch.allclose(eager, model(ids).logits, **FP32)  # a scaling that changes the numbers
     finally:
         torch._dynamo.reset()
+
+
+def test_patched_models_compiled_layer_by_layer_each_rotate_with_their_own_patch() -> None:
+    """A patched attention's copy of the class forward holds the patch's rotation in its globals, which Dynamo guards
+    through the globals dict it traced first, not through the function: once patched models of one class shared a
+    class and a forward's code, a model compiled layer by layer (``layer.compile()``: the rotary embedding outside the
+    graph) after another reused the first patch's graph, its keys rotated with the first model's RoPE (logits 10.7
+    from its eager ones for a 'consistent' dynamic NTK of factor 8 after one of 2), or with its backend. Each gets
+    its own numbers; patches alike still share one graph (a third model patched as the first)."""
+    graphs = []
+
+    def counting(gm: torch.fx.GraphModule, inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    ids = tokens(length=TRAINED + 8)
+    reference = build("llama")
+    patches = [
+        dict(mode="consistent", rope_parameters={"rope_type": "dynamic", "factor": 2.0}),
+        dict(mode="consistent", rope_parameters={"rope_type": "dynamic", "factor": 8.0}),
+        dict(mode="hf", backend="torch"),
+        dict(mode="hf", backend="auto"),
+        dict(mode="hf", backend="torch"),
+    ]
+    before = 0
+    torch._dynamo.reset()
+    try:
+        for patch in patches:
+            model = copy.deepcopy(reference)
+            patch_model(model, **patch)
+            with torch.no_grad():
+                eager = model(ids).logits
+                for layer in model.model.layers:
+                    layer.compile(backend=counting)
+                compiled = model(ids).logits
+            torch.testing.assert_close(compiled, eager, **FP32)
+            if patch is patches[3]:  # the backends agree to ~1e-5: that it ran its own shows as a graph of its own
+                assert len(graphs) > before, "the model patched with backend='auto' ran the 'torch' one's graph"
+            if patch is patches[4]:
+                assert len(graphs) == before, "a model patched as the third compiled again"
+            before = len(graphs)
+    finally:
+        torch._dynamo.reset()
+
+
+def test_a_model_patched_after_its_modeling_module_changed_runs_the_module_as_it_is(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Models patched alike share one copy of the class forward, whose globals are the modeling module's as they
+    were when it was made: one patched after a function of the module was replaced (liger-kernel's way) runs it."""
+    mod = modeling("llama")
+    first, second = build("llama"), build("llama")
+    for model in (first, second):
+        model.config._attn_implementation = "eager"
+    patch_model(first)
+    calls = []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    real = mod.eager_attention_forward
+    monkeypatch.setattr(mod, "eager_attention_forward", counted)
+    patch_model(second)
+    with torch.no_grad():
+        second(tokens())
+    assert len(calls) == second.config.num_hidden_layers
 
 
 @pytest.mark.parametrize("mode", ["hf", "consistent"])

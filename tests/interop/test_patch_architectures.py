@@ -302,6 +302,7 @@ def test_patched_with_the_same_logits_or_refused(model_type: str) -> None:
 
     # The rotation is on the path: without it the logits move.
     kinds: dict[str, int] = {}
+    replaced: list[tuple[dict[str, Any], str, Any]] = []
     for module in patched.modules():
         function = module.__dict__.get(patch_module._FORWARD_ATTR)  # the patched copy of its class's forward
         if function is not None:
@@ -309,12 +310,17 @@ def test_patched_with_the_same_logits_or_refused(model_type: str) -> None:
             for name in report.rotations:
                 if name not in kinds:  # the first namespace holds posenc's rotation, not yet the stand-in below
                     kinds[name] = _tensors(namespace[name], name)
+                replaced.append((namespace, name, namespace[name]))
                 if kinds[name] == 1:  # (x, cos, sin): Gemma 3n, Gemma 4
                     namespace[name] = lambda x, *args, **kwargs: x
                 else:
                     namespace[name] = lambda q, k, *args, **kwargs: (q, k)
-    with torch.no_grad():
-        unrotated = patched(ids).logits
+    try:
+        with torch.no_grad():
+            unrotated = patched(ids).logits
+    finally:  # models patched alike later share this copy of the forward
+        for namespace, name, original in reversed(replaced):
+            namespace[name] = original
     assert ((unrotated - full).abs().max() > SENSITIVE) != (model_type in INSENSITIVE)
 
 

@@ -201,6 +201,8 @@ _HOOK_ATTR = "_hf_hook"
 
 _PATCHED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}  # attention class -> its patched subclass
 _PATCHED_CLASSES_LOCK = threading.Lock()
+# The patched forward of every patch alike, by (attention class, rotations, backend): see _patched_forward.
+_SHARED_FORWARDS: dict[tuple[Any, ...], types.FunctionType] = {}
 
 
 def _call_patched_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -327,7 +329,10 @@ def _with_globals(func: types.FunctionType, replacements: Mapping[str, Any]) -> 
         # the names up in the modeling module (sys.modules[__name__]) and find transformers' functions there.
         namespace.pop("__name__", None)
         closure = func.__closure__
-        new_func = types.FunctionType(func.__code__, namespace, func.__name__, func.__defaults__, closure)
+        # A code object of its own: Dynamo guards an inlined function by its code and the globals it read through
+        # the dict it traced first, so a copy sharing code with one of other globals ran that one's compiled graph.
+        code = func.__code__.replace()
+        new_func = types.FunctionType(code, namespace, func.__name__, func.__defaults__, closure)
     else:
         new_inner = _with_globals(inner, replacements)
         cells = func.__closure__ or ()
@@ -960,10 +965,12 @@ def _patched_forward(
     keys_at_read: bool,
     ropes: Mapping[str, RoPE] | None = None,
 ) -> types.FunctionType:
-    """One copy of ``cls.forward`` per patched model and attention class, shared by its layers (one set of
-    torch.compile guards), whose rotation functions are posenc's, each in the layout its original rotates in.
-    rope: the first installed RoPE (its backend); ropes: with ``keys_at_read``, the RoPE that rotates the keys at
-    read, by layer type ("" for a model with one rope dict; default ``{"": rope}``)."""
+    """A copy of ``cls.forward`` whose rotation functions are posenc's, each in the layout its original rotates in:
+    one per attention class, rotation layouts and backend, shared by the layers of every model patched so (one
+    compiled graph), and with ``keys_at_read`` one per patched model, whose copy's globals hold its RoPEs; a copy of
+    other globals has code of its own (see ``_with_globals``), so torch.compile never runs one patch's graph for
+    another. rope: the first installed RoPE (its backend); ropes: with ``keys_at_read``, the RoPE that rotates the
+    keys at read, by layer type ("" for a model with one rope dict; default ``{"": rope}``)."""
     func = cls.forward
     namespace = innermost(func).__globals__
     replacements: dict[str, Any] = {}
@@ -997,7 +1004,32 @@ def _patched_forward(
         if _SHARED_KV_STATES in inspect.signature(innermost(func)).parameters:
             checked = _handing_out_rotated_shared_keys(checked, ropes if ropes is not None else {"": rope})
         return checked if queries_then_keys is None else _counting_rotations(checked, queries_then_keys)
-    return _refusing_unrotated_keys(_with_globals(func, replacements))
+    key = (cls, rotations, rope.backend)  # all that replacements hold
+    with _PATCHED_CLASSES_LOCK:
+        shared = _SHARED_FORWARDS.get(key)
+        if shared is None or not _holds_globals(innermost(shared), namespace, replacements):
+            shared = _SHARED_FORWARDS[key] = _refusing_unrotated_keys(_with_globals(func, replacements))
+    return shared
+
+
+def _holds_globals(copied: types.FunctionType, namespace: Mapping[str, Any], replacements: Mapping[str, Any]) -> bool:
+    """Whether the globals that the copy ``copied`` reads are the modeling module's (``namespace``) as they are now,
+    but for ``replacements``: a module changed since the copy was made (a function of it monkeypatched) needs a
+    new copy. Only the names its code reads: others come and go (``__warningregistry__``, lazy imports)."""
+    missing = object()
+    return all(
+        copied.__globals__.get(name, missing) is namespace.get(name, missing)
+        for name in _names_read(copied.__code__) - replacements.keys()
+    )
+
+
+def _names_read(code: types.CodeType) -> set[str]:
+    """The global (and attribute) names ``code`` and the code nested in it (comprehensions, lambdas) read."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names_read(const)
+    return names
 
 
 def _require_queries_then_keys(cls: type[nn.Module], name: str) -> None:
