@@ -423,6 +423,22 @@ def test_a_full_disk_is_one_error_line_and_the_rerun_resumes(target, tiny_config
     assert (out / "results.csv").read_text() == (reference / "results.csv").read_text()
 
 
+def test_a_closed_stdout_is_not_said_to_be_a_full_disk(tiny_config, tmp_path, monkeypatch, capsys):
+    """The run's lines on a pipe its reader closed (``posenc lab ... | head -1``) raise BrokenPipeError, an OSError,
+    which run_command said was the run folder refusing writes: "make room (a full disk or quota) or make the folder
+    writable". Only a write refused by the file system is said so; this error is raised as it is."""
+    overrides = vars(tiny_config(encodings=("rope",), extensions=()))
+
+    class ClosedPipe(io.StringIO):
+        def write(self, text: str) -> int:
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr("sys.stdout", ClosedPipe())
+    with pytest.raises(BrokenPipeError):
+        runner.run_command(preset="quick", out=tmp_path / "run", overrides=overrides, progress=False)
+    assert "make room" not in capsys.readouterr().err
+
+
 def test_interrupted_evaluation_resumes_without_retraining(tiny_config, tmp_path, monkeypatch):
     # Heads of 3 channels: no rope, so an odd head size trains, and the report draws its RoPE figures at 4.
     config = tiny_config(encodings=("alibi",), extensions=(), dim=12, heads=4)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
 import math
@@ -880,6 +881,8 @@ def _run_lab(
             )
         return 1
     except (OSError, SafetensorError) as error:
+        if isinstance(error, OSError) and error.errno not in _WRITE_REFUSALS:
+            raise  # a closed stdout (`posenc lab ... | head`), a file gone: no room or permission would help
         # A full disk or quota, or a folder made read-only since prepare(): every write is atomic, so what was written
         # before it is whole, and the rerun resumes there (a unit's training from its last checkpoint).
         if speaks:
@@ -891,6 +894,14 @@ def _run_lab(
             )
         return 1
     return 0
+
+
+# What a file system that stops taking writes raises: full, over quota, read-only, refused, too big, failing.
+_WRITE_REFUSALS = frozenset(
+    getattr(errno, name)
+    for name in ("ENOSPC", "EDQUOT", "EROFS", "EACCES", "EPERM", "EFBIG", "EIO")
+    if hasattr(errno, name)
+)
 
 
 def _write_failure(error: OSError | SafetensorError) -> str:
