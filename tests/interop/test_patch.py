@@ -412,6 +412,28 @@ def test_an_accelerate_hook_added_after_patching_outlives_unpatch() -> None:
         assert torch.equal(model(ids).logits, before)
 
 
+def test_a_model_whose_accelerate_hook_was_removed_patches_again_without_a_warning() -> None:
+    """accelerate's remove_hook_from_module leaves the class's forward bound on the instance (the _old_forward it
+    kept): patching again warned that the forward was set on the instance and would be bypassed, though it calls
+    nothing more than the class's forward."""
+    model = build("llama", "yarn")
+    reference = build("llama", "yarn")
+    attention, calls, ids = model.model.layers[0].self_attn, [], tokens()
+    _hook_as_accelerate_does(attention, calls)
+    patch_model(model)
+    unpatch_model(model)
+    _unhook_as_accelerate_does(attention)
+    assert "forward" in attention.__dict__  # the bound class forward, as accelerate leaves it
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        patch_model(model)
+        patch_model(reference)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+    unpatch_model(model)
+    assert attention.forward.__func__ is type(attention).forward
+
+
 def test_an_instance_forward_that_is_not_accelerates_is_named_when_patching_bypasses_it() -> None:
     """A wrapper set as an attention module's instance forward (a profiler, a logger) stopped running while patched,
     without a word: patching warns, naming the module and the hook that would keep running, and unpatch_model puts the

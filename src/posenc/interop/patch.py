@@ -255,6 +255,16 @@ def _is_patched_forward(forward: Any) -> bool:
         )
 
 
+def _is_own_class_forward(module: nn.Module, forward: Any) -> bool:
+    """True for ``module``'s class forward bound to it: what accelerate's remove_hook_from_module leaves on the
+    instance (the ``_old_forward`` it kept), which calls nothing more than the class's forward would."""
+    return (
+        isinstance(forward, types.MethodType)
+        and forward.__self__ is module
+        and forward.__func__ is getattr(type(module).forward, "__func__", type(module).forward)
+    )
+
+
 def _forward_slot(module: nn.Module) -> str:
     """The instance attribute that holds ``module``'s own forward: accelerate's ``_old_forward`` under one of its
     hooks, whose wrapper in ``forward`` calls it (a patched forward put in ``forward`` would bypass the hook, and
@@ -703,7 +713,10 @@ def patch_model(
     wrapped = [
         name
         for name, module in model.named_modules()
-        if id(module) in attention_ids and _forward_slot(module) == "forward" and "forward" in module.__dict__
+        if id(module) in attention_ids
+        and _forward_slot(module) == "forward"
+        and "forward" in module.__dict__
+        and not _is_own_class_forward(module, module.__dict__["forward"])
     ]
     if wrapped:  # accelerate's hooks are kept (_forward_slot); another instance forward cannot be called around ours
         warnings.warn(
