@@ -87,6 +87,9 @@ def test_the_lock_goes_with_a_run_that_is_interrupted_or_refused(tiny_config, tm
     interrupted = quiet(tiny_config(encodings=("nope",), extensions=()), out)
     with pytest.raises(KeyboardInterrupt):
         interrupted.run()
+    # Progress of the interrupted configuration (a folder of nothing but config.json and .lock is taken by another).
+    (out / "runs" / "nope").mkdir(parents=True)
+    (out / "runs" / "nope" / "checkpoint.safetensors").write_bytes(b"steps of the interrupted run")
     refused = quiet(tiny_config(encodings=("nope",), extensions=(), dim=8), out)
     with pytest.raises(ValueError, match="different configuration"):
         refused.prepare()
