@@ -188,23 +188,20 @@ def claim_folder(out: Path, config: LabConfig, corpus: Corpus, ident: str) -> No
         previous = store.read_json(path)
         if previous.get("config_id") == ident:
             return
-        if _holds_nothing_but_its_claim(out):
-            # A run stopped before its first checkpoint (a wrong flag, Ctrl-C at once): nothing of it to mix with.
-            store.write_json(
-                path, {"config_id": ident, "results_key": config.results_key(), "corpus_sha256": corpus.sha256}
+        # A folder of nothing but config.json and .lock (a run stopped before its first checkpoint: a wrong flag,
+        # Ctrl-C at once) holds nothing to mix with: it is claimed below as a new one.
+        if not _holds_nothing_but_its_claim(out):
+            old, new = _settings(previous.get("results_key", {})), _settings(config.results_key())
+            changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+            if previous.get("corpus_sha256") != corpus.sha256:
+                changed.append("corpus (different bytes)")
+            # Nothing named: the same settings and text under another id, which only an earlier results format gives
+            # (its models or measurements differ: format 2 changed the lab's T5 buckets and initial weights).
+            raise ValueError(
+                f"{out} holds a lab run with a different configuration (differs in: "
+                f"{', '.join(changed) or 'format: made by an earlier posenc, whose models or measurements differ'}); "
+                "pass another --out, or delete that folder to start over"
             )
-            return
-        old, new = _settings(previous.get("results_key", {})), _settings(config.results_key())
-        changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
-        if previous.get("corpus_sha256") != corpus.sha256:
-            changed.append("corpus (different bytes)")
-        # Nothing named: the same settings and text under another id, which only an earlier results format gives
-        # (its models or measurements differ: format 2 changed the lab's T5 buckets and initial weights).
-        raise ValueError(
-            f"{out} holds a lab run with a different configuration (differs in: "
-            f"{', '.join(changed) or 'format: made by an earlier posenc, whose models or measurements differ'}); "
-            "pass another --out, or delete that folder to start over"
-        )
     # No config.json, but finished units (it was deleted): they must be this configuration's too, or the folder
     # would be claimed for settings its units do not have.
     others = sorted(
