@@ -1063,15 +1063,19 @@ def test_compiles_without_graph_breaks(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.testing.assert_close(compiled, eager, **FP32)
 
 
-@pytest.mark.parametrize(("mode", "rope_type"), [("hf", "default"), ("consistent", "default")])
+@pytest.mark.parametrize(
+    ("mode", "rope_type"),
+    [("hf", "default"), ("consistent", "default"), ("consistent", "dynamic"), ("consistent", "longrope")],
+)
 def test_patched_models_of_one_class_share_their_compiled_graphs(mode: str, rope_type: str) -> None:
     """Each patched attention module held its forward as an instance attribute that was no bound method, which
     torch.compile guards by identity: every patched model compiled again, as no unpatched one does (with 2 layers the
     8 recompiles allowed ran out at the 9th model, sooner with graph breaks: an error with fullgraph=True, else the
-    model ran uncompiled). Four models compile with fullgraph=True into the one graph an unpatched model has, each
-    with its eager logits; a fifth, patched with another scaling, gets its own numbers, not the shared graph's.
-    'consistent' with dynamic NTK compiles each model again: its copy of the forward holds the model's RoPEs (see
-    test_patched_models_compiled_layer_by_layer_each_rotate_with_their_own_patch)."""
+    model ran uncompiled). Four models compile with fullgraph=True into the graphs the first has (unscaled: as many
+    as an unpatched model has), each with its eager logits (the scaled ones through generate too); a fifth, patched
+    with another scaling, gets its own numbers, not the shared graph's. 'consistent' with dynamic NTK / LongRoPE
+    (keys rotated at read) compiled each model again until its copy of the forward read the RoPEs from the
+    attention module instead of its globals: the 8th model was an error."""
     graphs = []
 
     def counting(gm: torch.fx.GraphModule, inputs: Any) -> Any:
@@ -1082,21 +1086,37 @@ def test_patched_models_of_one_class_share_their_compiled_graphs(mode: str, rope
         with torch.no_grad():
             return torch.compile(model, backend=counting, fullgraph=True)(ids).logits, model(ids).logits
 
-    ids = tokens(length=TRAINED + 4)
+    def generated(model: Any, prompt: torch.Tensor) -> Any:
+        options = dict(max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True)
+        with torch.no_grad():
+            return model.generate(prompt, **options)
+
+    ids, prompt = tokens(length=TRAINED + 4), tokens(batch=1, length=10)
     reference = build("llama", rope_type)
     torch._dynamo.reset()
     try:
-        compiled_and_eager(build("llama"), ids)
+        compiled_and_eager(build("llama"), ids)  # an unpatched model
         unpatched = len(graphs)
         graphs.clear()
+        counts = []
         for _ in range(4):
             model = copy.deepcopy(reference)
             patch_model(model, mode=mode)
             compiled, eager = compiled_and_eager(model, ids)
             torch.testing.assert_close(compiled, eager, atol=0.0, rtol=0.0)
-        assert len(graphs) == unpatched, f"{len(graphs)} graphs for 4 patched models, {unpatched} for an unpatched one"
+            if rope_type != "default":  # cached keys rotated at read past the trained length, in the graph
+                expected = generated(model, prompt)
+                model.forward = torch.compile(model.forward, backend=counting, fullgraph=True)
+                out = generated(model, prompt)
+                assert torch.equal(out.sequences, expected.sequences)
+                torch.testing.assert_close(torch.stack(out.logits), torch.stack(expected.logits), **FP32)
+            counts.append(len(graphs))
+        assert counts[1:] == counts[:1] * 3, f"graphs after each of 4 patched models: {counts}"
+        if rope_type == "default":  # as many as an unpatched model
+            assert counts[0] == unpatched, f"{counts[0]} graphs for 4 patched models, {unpatched} for an unpatched one"
         other = copy.deepcopy(reference)
-        patch_model(other, mode=mode, rope_parameters={"rope_type": "linear", "factor": 4.0})
+        scaling = {"rope_type": "dynamic" if rope_type in ("dynamic", "longrope") else "linear", "factor": 8.0}
+        patch_model(other, mode=mode, rope_parameters=scaling)
         compiled, eager = compiled_and_eager(other, ids)
         torch.testing.assert_close(compiled, eager, atol=0.0, rtol=0.0)
         assert not torch.allclose(eager, model(ids).logits, **FP32)  # a scaling that changes the numbers
@@ -1145,6 +1165,60 @@ def test_patched_models_compiled_layer_by_layer_each_rotate_with_their_own_patch
             before = len(graphs)
     finally:
         torch._dynamo.reset()
+
+
+def test_a_deepcopy_of_a_consistent_model_rotates_its_keys_with_its_own_ropes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """'consistent' dynamic NTK rotates the cached keys at read with the model's RoPE, which the patched forward's
+    globals held, and deepcopy does not copy functions: a copy of the model rotated its keys with the original's RoPE
+    objects. Each attention module holds its RoPEs now, copied with it: the copy, cast to float64, gives the float64
+    logits of a model patched directly and reads nothing of the original's RoPE; the original is unchanged, and
+    unpatching the copy leaves it patched."""
+    ids = tokens(length=TRAINED + 8)
+    reference = build("llama", "dynamic")
+    original = copy.deepcopy(reference)
+    patch_model(original, mode="consistent")
+    with torch.no_grad():
+        before = original(ids).logits
+    twin = copy.deepcopy(original).double()
+    direct = copy.deepcopy(reference).double()
+    patch_model(direct, mode="consistent")
+    read = []
+    rope = original.model.rotary_emb.rope
+    monkeypatch.setattr(
+        rope, "cos_sin", lambda *args, **kwargs: read.append(1) or type(rope).cos_sin(rope, *args, **kwargs)
+    )
+    with torch.no_grad():
+        logits = twin(ids).logits
+    assert not read, f"the copy read the original's RoPE {len(read)} times"
+    assert logits.dtype == torch.float64
+    with torch.no_grad():
+        torch.testing.assert_close(logits, direct(ids).logits, atol=0.0, rtol=0.0)
+        unpatch_model(twin)
+        torch.testing.assert_close(original(ids).logits, before, atol=0.0, rtol=0.0)
+    assert is_patched(original) and not any(hasattr(module, consistent_module.ROPES_ATTR) for module in twin.modules())
+
+
+def test_a_consistent_model_patched_after_the_attention_registry_changed_attends_with_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """'consistent' models patched alike share one copy of the forward, whose stand-in for the modeling module's
+    ALL_ATTENTION_FUNCTIONS wraps the registry the module had when the copy was made: one patched after the registry
+    was replaced attends with the new one."""
+    mod = modeling("llama")
+    first, second = build("llama", "dynamic"), build("llama", "dynamic")
+    patch_model(first, mode="consistent")
+    registry, calls = mod.ALL_ATTENTION_FUNCTIONS, []
+
+    class Counting:
+        def get_interface(self, implementation: str, default: Any) -> Any:
+            attend = registry.get_interface(implementation, default)
+            return lambda *args, **kwargs: calls.append(1) or attend(*args, **kwargs)
+
+    monkeypatch.setattr(mod, "ALL_ATTENTION_FUNCTIONS", Counting())
+    patch_model(second, mode="consistent")
+    with torch.no_grad():
+        second(tokens())
+    assert len(calls) == second.config.num_hidden_layers
 
 
 def test_a_model_patched_after_its_modeling_module_changed_runs_the_module_as_it_is(
@@ -1206,20 +1280,20 @@ def test_consistent_mode_refuses_the_paged_cache_of_continuous_batching() -> Non
     rope = RoPE(
         16, rope_parameters={"rope_type": "dynamic", "factor": 2.0}, max_position_embeddings=8, mode="consistent"
     )
+    module = torch.nn.Module()  # a patched attention module holds its RoPEs by layer type
+    setattr(module, consistent_module.ROPES_ATTR, {"": rope})
     query, key = torch.randn(1, 4, 2, 16), torch.randn(1, 2, 13, 16)
     paged = {"position_ids": torch.tensor([[3, 8]]), "block_table": None, "read_index": [torch.arange(13)]}
     with pytest.raises(
         TypeError, match=r"cannot serve a paged KV cache .* block_table, read_index\), .*; patch with mode='hf'"
     ):
-        consistent_module._attend_with_rotated_keys(
-            lambda *a, **k: None, {"": rope}, None, query, key, key, None, **paged
-        )
+        consistent_module._attend_with_rotated_keys(lambda *a, **k: None, module, query, key, key, None, **paged)
     # A step with no cached keys (the requests' prefill: as many keys as new tokens) has no positions to count back:
     # attended, its keys rotated at their own positions.
     prefill = {**paged, "position_ids": torch.arange(13)[None]}
     new_key = torch.randn(1, 2, 13, 16)
     attended = consistent_module._attend_with_rotated_keys(
-        lambda module, q, k, *a, **kw: k, {"": rope}, None, torch.randn(1, 4, 13, 16), new_key, new_key, None, **prefill
+        lambda module, q, k, *a, **kw: k, module, torch.randn(1, 4, 13, 16), new_key, new_key, None, **prefill
     )
     torch.testing.assert_close(attended, rope.rotate(new_key, prefill["position_ids"], seq_len=13), atol=0, rtol=0)
 

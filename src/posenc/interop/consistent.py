@@ -2,10 +2,12 @@
 
 With a type whose frequencies change with the length (``dynamic``, ``longrope``), a patched attention caches its keys
 unrotated, and ``_KeysRotatedAtRead``, standing in for its ``ALL_ATTENTION_FUNCTIONS``, rotates all of them with the
-frequencies of the current step (``_attend_with_rotated_keys``). ``_checking_the_cache`` wraps such a forward: it
-refuses a cache of fixed-size layers (``StaticCache``) or one holding keys rotated when cached, and marks the layers
-it fills as unrotated; ``_refusing_unrotated_keys`` wraps every other patched forward, which refuses those layers.
-``_handing_out_rotated_shared_keys`` rotates the keys Gemma 4 returns in ``shared_kv_states`` for its assistant.
+frequencies of the current step (``_attend_with_rotated_keys``) and the RoPE that the attention module holds
+(``ROPES_ATTR``), so one copy of the forward serves every model patched alike. ``_checking_the_cache`` wraps such a
+forward: it refuses a cache of fixed-size layers (``StaticCache``) or one holding keys rotated when cached, and marks
+the layers it fills as unrotated; ``_refusing_unrotated_keys`` wraps every other patched forward, which refuses
+those layers. ``_handing_out_rotated_shared_keys`` rotates the keys Gemma 4 returns in ``shared_kv_states`` for its
+assistant.
 
 Shape key: b batch, h heads, s new tokens, t tokens in the cache (t >= s), d head dim.
 """
@@ -32,9 +34,26 @@ from posenc.rope.module import RoPE, _keepable
 _PAGED_ATTENTION_KWARGS = frozenset({"block_table", "read_index", "write_index"})
 
 
+# The attribute of a patched attention module that holds the RoPE rotating its keys at read, by layer type ("" for a
+# model with one rope dict): set by patch_model, removed by unpatch_model. On the module, not in the globals of the
+# patched forward: that copy is shared by every model patched alike (one compiled graph), and a deepcopy of the model
+# copies the module's RoPEs with it (functions are not copied: the copy rotated with the original's RoPE objects).
+ROPES_ATTR = "_posenc_ropes"
+
+
+def _module_ropes(module: nn.Module) -> Mapping[str, RoPE]:
+    """The RoPEs by layer type that ``module`` (a patched attention module) rotates its keys with at read."""
+    ropes = getattr(module, ROPES_ATTR, None)
+    if ropes is None:
+        raise RuntimeError(
+            f"posenc's 'consistent' mode rotates the keys of an attention module patched by patch_model, and this "
+            f"{type(module).__name__} holds no RoPE for it ({ROPES_ATTR}): call patch_model on the model it belongs to"
+        )
+    return ropes
+
+
 def _attend_with_rotated_keys(
     attend: Callable[..., Any],
-    ropes: Mapping[str, RoPE],
     module: nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -45,7 +64,8 @@ def _attend_with_rotated_keys(
 ) -> Any:
     """'consistent' mode: rotate every key, cached ones included, with the frequencies of this step, then attend.
 
-    ropes: the RoPE by layer type ("" for a model with one), the module's (its ``layer_type``) rotating the keys.
+    module: the patched attention module, whose RoPEs by layer type (``ROPES_ATTR``; "" for a model with one) rotate
+    the keys, its ``layer_type``'s where it has several.
     query: (b, h_q, s_q, d), already rotated; key: (b, h_k, t, d) unrotated, the t - s cached keys first (in Gemma 3n
     and Gemma 4's layers that reuse another layer's keys, that layer's, which are the same tokens'); position_ids
     (b or 1, s): the new tokens'. s_q is s but in Gemma 4's layers that reuse keys, which in generate's prefill get
@@ -70,6 +90,7 @@ def _attend_with_rotated_keys(
             f"attention got {', '.join(paged)}), whose keys of several requests share one row; patch with "
             "mode='hf', or use generate with a DynamicCache"
         )
+    ropes = _module_ropes(module)
     rope = ropes[""] if "" in ropes else ropes[module.layer_type]
     key = _rotate_keys_for_step(rope, _unrotated(key), position_ids)
     return attend(module, query, key, value, attention_mask, *args, **kwargs)
@@ -161,25 +182,23 @@ def forget_keys_cos_sin(position_ids: torch.Tensor) -> None:
 
 
 class _KeysRotatedAtRead:
-    """Stands in for ``ALL_ATTENTION_FUNCTIONS`` inside a patched attention forward ('consistent' mode)."""
+    """Stands in for ``ALL_ATTENTION_FUNCTIONS`` inside a patched attention forward ('consistent' mode). Holds no
+    RoPE: the attention function is called with the module, which holds them (``ROPES_ATTR``)."""
 
-    def __init__(self, functions: Any, ropes: Mapping[str, RoPE]) -> None:
+    def __init__(self, functions: Any) -> None:
         self._functions = functions
-        self._ropes = ropes
 
     def get_interface(self, implementation: str, default: Callable[..., Any]) -> Callable[..., Any]:
-        return functools.partial(
-            _attend_with_rotated_keys, self._functions.get_interface(implementation, default), self._ropes
-        )
+        return functools.partial(_attend_with_rotated_keys, self._functions.get_interface(implementation, default))
 
 
 _SHARED_KV_STATES = "shared_kv_states"
 
 
-def _handing_out_rotated_shared_keys(forward: types.FunctionType, ropes: Mapping[str, RoPE]) -> types.FunctionType:
+def _handing_out_rotated_shared_keys(forward: types.FunctionType) -> types.FunctionType:
     """Gemma 4: ``forward`` (an attention whose class takes ``shared_kv_states``) that, in the model's last layer and
     when the forward was asked to ``return_shared_kv_states``, replaces each layer type's keys in that dict by the
-    keys rotated as this step's attention rotated them (its ``ropes``, the step's frequencies).
+    keys rotated as this step's attention rotated them (the module's RoPEs, ``ROPES_ATTR``, the step's frequencies).
 
     The storing layers put their unrotated keys there, which the reusing layers rotate at read; after the last
     layer nothing of the model reads them but a layer recomputed by gradient checkpointing, which is given the
@@ -200,6 +219,7 @@ def _handing_out_rotated_shared_keys(forward: types.FunctionType, ropes: Mapping
         if shared is None:  # no dict, so none is returned
             return out
         position_ids = kwargs["position_ids"]  # there: the attention has rotated its keys with them
+        ropes = _module_ropes(self)
         for layer_type, (key, *rest) in list(shared.items()):
             rope = ropes[""] if "" in ropes else ropes[layer_type]
             # Rotated already where this forward is recomputed (gradient checkpointing): from the same keys again,

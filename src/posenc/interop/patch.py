@@ -82,6 +82,7 @@ from posenc.interop.architectures import (
 )
 from posenc.interop.consistent import (
     _SHARED_KV_STATES,
+    ROPES_ATTR,
     _checking_the_cache,
     _handing_out_rotated_shared_keys,
     _KeysRotatedAtRead,
@@ -700,7 +701,9 @@ def patch_model(
     keys_at_read = any(rope.rotates_cached_keys for _, _, ropes in installs for rope in ropes.values())
     if keys_at_read:
         _require_keys_at_read(model, found, rotations, [ropes for _, _, ropes in installs])
-    forwards = {cls: _patched_forward(cls, rotations[cls], first, keys_at_read, first_ropes) for cls in found.calls}
+    forwards = {
+        cls: _patched_forward(cls, rotations[cls], first, keys_at_read, tuple(first_ropes)) for cls in found.calls
+    }
     if model_type not in VERIFIED_ARCHITECTURES:
         warnings.warn(
             f"posenc checked this {model_type} model's frequencies and rotation functions, but its tests have not "
@@ -763,6 +766,9 @@ def patch_model(
             swapped.append((parent_name, attr, module))
     classes = [type(module) for module in found.attention]
     replaced_forwards = [_install_forward(module, forwards[type(module)]) for module in found.attention]
+    if keys_at_read:  # one rope dict (_require_keys_at_read): the RoPEs the rotary module holds, by layer type
+        for module in found.attention:
+            object.__setattr__(module, ROPES_ATTR, dict(first_ropes))
 
     state = _PatchState(
         report, swapped, list(found.attention), classes, config, originals, _weights_dtype(model), replaced_forwards
@@ -976,14 +982,16 @@ def _patched_forward(
     rotations: tuple[Rotation, ...],
     rope: RoPE,
     keys_at_read: bool,
-    ropes: Mapping[str, RoPE] | None = None,
+    layer_types: tuple[str, ...] = ("",),
 ) -> types.FunctionType:
     """A copy of ``cls.forward`` whose rotation functions are posenc's, each in the layout its original rotates in:
-    one per attention class, rotation layouts and backend, shared by the layers of every model patched so (one
-    compiled graph), and with ``keys_at_read`` one per patched model, whose copy's globals hold its RoPEs; a copy of
-    other globals has code of its own (see ``_with_globals``), so torch.compile never runs one patch's graph for
-    another. rope: the first installed RoPE (its backend); ropes: with ``keys_at_read``, the RoPE that rotates the
-    keys at read, by layer type ("" for a model with one rope dict; default ``{"": rope}``)."""
+    one per attention class, rotation layouts, backend and (with ``keys_at_read``) layer types, shared by the layers
+    of every model patched so (one compiled graph). With ``keys_at_read`` it rotates the keys at read with the RoPEs
+    the attention module holds (``ROPES_ATTR``, set by patch_model), not ones of its globals: until 2026-12-05 each
+    such model had a copy of its own, compiled again (the 8th 2-layer Llama hit the recompile limit, an error with
+    fullgraph=True). A copy of other globals has code of its own (see ``_with_globals``), so torch.compile never
+    runs one patch's graph for another. rope: the first installed RoPE (its backend); layer_types: with
+    ``keys_at_read``, those of the RoPEs that rotate the keys ("" for a model with one rope dict)."""
     func = cls.forward
     namespace = innermost(func).__globals__
     replacements: dict[str, Any] = {}
@@ -1010,19 +1018,28 @@ def _patched_forward(
                 f"{cls.__qualname__}.forward does not use {_ATTENTION_REGISTRY_NAME}; mode='consistent' is not "
                 "supported for it in this transformers version (use mode='hf')"
             )
-        replacements[_ATTENTION_REGISTRY_NAME] = _KeysRotatedAtRead(
-            namespace[_ATTENTION_REGISTRY_NAME], ropes if ropes is not None else {"": rope}
-        )
-        checked = _checking_the_cache(_with_globals(func, replacements))
-        if _SHARED_KV_STATES in inspect.signature(innermost(func)).parameters:
-            checked = _handing_out_rotated_shared_keys(checked, ropes if ropes is not None else {"": rope})
-        return checked if queries_then_keys is None else _counting_rotations(checked, queries_then_keys)
-    key = (cls, rotations, rope.backend)  # all that replacements hold
+        replacements[_ATTENTION_REGISTRY_NAME] = _KeysRotatedAtRead(namespace[_ATTENTION_REGISTRY_NAME])
+    key = (cls, rotations, rope.backend, keys_at_read, layer_types if keys_at_read else ())  # all replacements hold
     with _PATCHED_CLASSES_LOCK:
         shared = _SHARED_FORWARDS.get(key)
         if shared is None or not _holds_globals(innermost(shared), namespace, replacements):
-            shared = _SHARED_FORWARDS[key] = _refusing_unrotated_keys(_with_globals(func, replacements))
+            shared = _SHARED_FORWARDS[key] = _wrapped_forward(func, replacements, keys_at_read, queries_then_keys)
     return shared
+
+
+def _wrapped_forward(
+    func: types.FunctionType,
+    replacements: Mapping[str, Any],
+    keys_at_read: bool,
+    queries_then_keys: _QueriesThenKeys | None,
+) -> types.FunctionType:
+    """``func`` with ``replacements`` for its globals, and the checks of the cache its patch needs around it."""
+    if not keys_at_read:
+        return _refusing_unrotated_keys(_with_globals(func, replacements))
+    checked = _checking_the_cache(_with_globals(func, replacements))
+    if _SHARED_KV_STATES in inspect.signature(innermost(func)).parameters:
+        checked = _handing_out_rotated_shared_keys(checked)
+    return checked if queries_then_keys is None else _counting_rotations(checked, queries_then_keys)
 
 
 def _holds_globals(copied: types.FunctionType, namespace: Mapping[str, Any], replacements: Mapping[str, Any]) -> bool:
@@ -1030,6 +1047,10 @@ def _holds_globals(copied: types.FunctionType, namespace: Mapping[str, Any], rep
     but for ``replacements``: a module changed since the copy was made (a function of it monkeypatched) needs a
     new copy. Only the names its code reads: others come and go (``__warningregistry__``, lazy imports)."""
     missing = object()
+    # A stand-in for the attention registry wraps the module's: it must wrap the module's as it is now.
+    registry = copied.__globals__.get(_ATTENTION_REGISTRY_NAME)
+    if isinstance(registry, _KeysRotatedAtRead) and registry._functions is not namespace.get(_ATTENTION_REGISTRY_NAME):
+        return False
     return all(
         copied.__globals__.get(name, missing) is namespace.get(name, missing)
         for name in _names_read(copied.__code__) - replacements.keys()
@@ -1132,6 +1153,7 @@ def unpatch_model(model: nn.Module) -> PatchReport:
         setattr(parent, attr, original)
     for module, cls, replaced in zip(state.attention, state.classes, state.replaced_forwards, strict=True):
         _restore_forward(module, cls, replaced)
+        module.__dict__.pop(ROPES_ATTR, None)
     state.undone = True
     object.__delattr__(model, _STATE_ATTR)
     return state.report

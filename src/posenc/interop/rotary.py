@@ -183,11 +183,11 @@ class _QueriesThenKeys:
     ``_rotate_one``, the second returns k unrotated, to be cached so and rotated at read
     (``_attend_with_rotated_keys``).
 
-    The calls are counted per thread (one patched model may run in several): ``begin`` before each forward,
-    ``calls_made`` after it. Under torch.compile they are counted in an attribute that Dynamo traces (it cannot
-    trace a thread-local), so that the graph does not break in every attention layer: the count is then one of the
-    traced code's order, which a compiled frame fixes when it is traced, whatever other threads do. rotate:
-    ``_rotate_one`` with the layout's options bound.
+    The calls are counted per thread (the models patched alike share one, and a model may run in several threads):
+    ``begin`` before each forward, ``calls_made`` after it. Under torch.compile they are counted in an attribute that
+    Dynamo traces (it cannot trace a thread-local), so that the graph does not break in every attention layer: the
+    count is then one of the traced code's order, which a compiled frame fixes when it is traced, whatever other
+    threads or models do. rotate: ``_rotate_one`` with the layout's options bound.
     """
 
     def __init__(self, rotate: Callable[..., torch.Tensor]) -> None:
