@@ -47,6 +47,34 @@ def test_large_positions_stay_exact(dtype):
     assert_close(q_out, rope_reference(q, positions))
 
 
+def test_float64_angles_at_far_positions_err_as_the_readme_says():
+    """README, Precision: the float64 angle is off by about position * 2^-53, within the float32 tolerance up to about
+    2^33, past it at 2^35, and 4e-5 to 1.7e-4 at 2^40 (it said 'up to about 2^35' and '4e-5 at 2^40', the least of
+    the errors there, against 50-digit cos/sin)."""
+    import mpmath  # torch's own dependency (through sympy)
+
+    mpmath.mp.dps = 50
+    atol, rtol = posenc.testing.TOLERANCES[torch.float32]
+
+    def worst(exponent: int, base: float) -> float:
+        rope = posenc.RoPE(128, base=base)
+        positions = [2**exponent - 1, 2**exponent + 12345, int(2**exponent * 1.37)]
+        cos, sin = rope.cos_sin(torch.tensor(positions), dtype=torch.float64)
+        errors = []
+        for row, position in enumerate(positions):
+            for i in range(64):
+                angle = position * mpmath.mpf(base) ** (-mpmath.mpf(2 * i) / 128)
+                errors.append(abs(cos[row, i].item() - mpmath.cos(angle)))
+                errors.append(abs(sin[row, i].item() - mpmath.sin(angle)))
+        return float(max(errors))
+
+    bases = (1e4, 5e8)
+    assert max(worst(33, base) for base in bases) <= atol + rtol
+    assert max(worst(35, base) for base in bases) > atol + rtol
+    at_40 = [worst(40, base) for base in bases]
+    assert min(at_40) >= 4e-5 and max(at_40) <= 1.7e-4
+
+
 def test_apply_rotary_half_sized_cos_sin_and_partial_channels_untouched():
     x = torch.randn(2, 3, 5, 10)
     angles = torch.randn(5, 3)
