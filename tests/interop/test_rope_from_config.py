@@ -489,6 +489,39 @@ def test_rotates_as_models_of_either_pair_layout(model_type: str) -> None:
         assert excess.max() <= 0, f"{model_type}: max excess {excess.max():.3g}"
 
 
+def test_llama4_scouts_equal_llama3_factors_rotate_as_the_model_does() -> None:
+    """Llama 4 Scout's config.json scales with llama3 at low_freq_factor = high_freq_factor = 1 (no band: a step at
+    wavelength 8192), which transformers takes with a warning. It was refused ("low_freq_factor must be <
+    high_freq_factor"), so posenc could not read or patch the model."""
+    from transformers.models.llama4 import modeling_llama4
+
+    scout = {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0}
+    cfg = {
+        "model_type": "llama4_text",
+        **dict(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=128),
+        "max_position_embeddings": 10485760,
+        "rope_theta": 500000.0,
+        "rope_scaling": {**scout, "original_max_position_embeddings": 8192},
+    }
+    config = transformers.AutoConfig.for_model(**cfg)
+    rope = rope_from_config(config)
+    assert (rope.rope_type, rope.interleaved, rope.rotary_dim) == ("llama3", True, 128)
+    inv, _ = rope.frequencies()
+    plain = 1.0 / 500000.0 ** (torch.arange(0, 128, 2, dtype=torch.float64) / 128)
+    step = 2 * math.pi / plain >= 8192
+    assert 0 < int(step.sum()) < 64  # the step falls inside the head
+    torch.testing.assert_close(inv, torch.where(step, plain / 16, plain), rtol=1e-15, atol=0.0)
+
+    gen = torch.Generator().manual_seed(0)
+    positions = torch.tensor([[0, 1, 7, 8191, 8192, 40000, 131071]])
+    q, k = torch.randn(2, 1, 2, 7, 128, generator=gen)
+    angles = modeling_llama4.Llama4TextRotaryEmbedding(config)(q, positions)
+    theirs = [x.transpose(1, 2) for x in modeling_llama4.apply_rotary_emb(q.transpose(1, 2), k.transpose(1, 2), angles)]
+    for ours, hf, x in zip(rope(q, k, positions=positions), theirs, (q, k), strict=True):
+        excess = (ours - hf).abs() - bound(rope, x, hf, positions)
+        assert excess.max() <= 0, f"max excess {excess.max():.3g}"
+
+
 @pytest.mark.parametrize(
     ("model_type", "match"),
     [

@@ -71,6 +71,8 @@ CASES: dict[str, list[dict[str, Any]]] = {
         {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 1024},
         {"factor": 32, "low_freq_factor": 2.0, "high_freq_factor": 8.0, "original_max_position_embeddings": 512},
         {"factor": 2.0, "low_freq_factor": 0.5, "high_freq_factor": 1.5, "original_max_position_embeddings": 2048},
+        # Llama 4 Scout's: equal factors, no band (a step), which transformers takes with a warning; was refused.
+        {"factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0, "original_max_position_embeddings": 1024},
     ],
     "proportional": [{}, {"factor": 2.0}],
 }

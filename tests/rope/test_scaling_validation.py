@@ -44,9 +44,9 @@ LONG = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0]
         ({"rope_type": "yarn", "factor": 4.0, "attention_factor": 0}, ValueError, "attention_factor'] must be > 0"),
         ({"rope_type": "yarn", "factor": 4.0, "mscale": -1.0}, ValueError, "rope_parameters['mscale'] must be >= 0"),
         (
-            {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 4.0},
+            {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 2.0},
             ValueError,
-            "rope_parameters['low_freq_factor'] must be < rope_parameters['high_freq_factor']",
+            "rope_parameters['low_freq_factor'] must be <= rope_parameters['high_freq_factor']",
         ),
         ({**LONG, "short_factor": [1.0] * 7}, ValueError, "short_factor'] must hold rotary_dim / 2 = 8 factors"),
         ({**LONG, "long_factor": [1.0] * 16}, ValueError, "factors (one per rotated pair), got 16"),

@@ -178,11 +178,17 @@ def llama3(
     **_: object,
 ) -> tuple[torch.Tensor, float]:
     """Llama 3.1: wavelengths below original/high_freq_factor are kept, those above original/low_freq_factor
-    are divided by ``factor``, and the band between is interpolated smoothly in 1/wavelength."""
+    are divided by ``factor``, and the band between is interpolated smoothly in 1/wavelength.
+
+    Equal factors (Llama 4: 1 and 1) leave no band: a step, the wavelengths from original/low_freq_factor on divided
+    by ``factor`` (as at the low edge of a band). transformers' smoothing weight there is 0/0 or x/0, which its
+    torch.where discards for every wavelength but the edge itself."""
     inv_freq = default_inv_freq(rotary_dim, base)
     wavelen = 2 * math.pi / inv_freq
     low_freq_wavelen = original_max_position_embeddings / low_freq_factor
     high_freq_wavelen = original_max_position_embeddings / high_freq_factor
+    if low_freq_factor == high_freq_factor:
+        return torch.where(wavelen >= low_freq_wavelen, inv_freq / factor, inv_freq), 1.0
     scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
     smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
@@ -200,11 +206,12 @@ def float32_blend_rtol(rope_type: str, params: Mapping[str, Any], base: float) -
     from the float32 inv_freq: it carries that inv_freq's own error, (ln(base) + 8) * 2^-24, plus 2 roundings, both
     scaled by up to high / (high - low). So (factor - 1) * gain * that. (Until 2026-12-03 Llama 3's bound left the
     wavelength's error out, and patch_model refused a factor-54 config with a narrow band that posenc computes
-    exactly.) YaRN's truncated ramp has integer ends, an exact weight, and 0 here. params: as ``RopeSpec.params``.
+    exactly.) YaRN's truncated ramp has integer ends, an exact weight, and 0 here; so has Llama 3 with equal factors
+    (Llama 4), a step with no weight. params: as ``RopeSpec.params``.
     """
     if rope_type == "yarn" and not params.get("truncate", True):
         gain, roundings = 1.0, 3.0
-    elif rope_type == "llama3":
+    elif rope_type == "llama3" and params["high_freq_factor"] > params["low_freq_factor"]:
         gain = params["high_freq_factor"] / (params["high_freq_factor"] - params["low_freq_factor"])
         roundings = 2.0 + math.log(base) + 8.0
     else:

@@ -200,10 +200,13 @@ def _resolve(rope_type: str, params: dict[str, Any], rotary_dim: int, max_pos: i
                 f"rope_parameters['beta_fast'] must be >= rope_parameters['beta_slow'] (defaults 32 and 1), got "
                 f"beta_fast={beta_fast} and beta_slow={beta_slow}"
             )
-    if rope_type == "llama3" and out["low_freq_factor"] >= out["high_freq_factor"]:
+    # Equal factors are an empty band, a step (Llama 4 Scout's config.json: 1 and 1, which transformers takes with a
+    # warning); a high below the low one has no band that means anything.
+    if rope_type == "llama3" and out["low_freq_factor"] > out["high_freq_factor"]:
         raise ValueError(
-            f"rope_parameters['low_freq_factor'] must be < rope_parameters['high_freq_factor'] (Llama 3.1 uses 1 "
-            f"and 4), got low_freq_factor={out['low_freq_factor']} and high_freq_factor={out['high_freq_factor']}"
+            f"rope_parameters['low_freq_factor'] must be <= rope_parameters['high_freq_factor'] (Llama 3.1 uses 1 "
+            f"and 4, Llama 4 1 and 1), got low_freq_factor={out['low_freq_factor']} and "
+            f"high_freq_factor={out['high_freq_factor']}"
         )
     return out
 
