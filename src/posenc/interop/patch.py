@@ -615,8 +615,8 @@ def patch_model(
     """Replace the RoPE computation (cos/sin and the rotation) of a loaded ``transformers`` model with posenc's.
 
     model: a model whose attention rotates with transformers' ``apply_rotary_pos_emb`` convention (Llama,
-    Mistral, Mixtral, Qwen2/3 and their MoE variants, Gemma 1-3, Phi, Phi-3 incl. LongRoPE, GPT-NeoX, StableLM,
-    Cohere, GLM, DeepSeek-V3, OLMo, Granite and ~80 more in transformers 5.25; docs/scaling.md lists them; a
+    Mistral, Mixtral, Qwen2/3 and their MoE variants, Gemma 1-4 and 3n, Phi, Phi-3 incl. LongRoPE, GPT-NeoX,
+    StableLM, Cohere, GLM, DeepSeek-V3, OLMo, Granite and ~85 more in transformers 5.25; docs/scaling.md lists them; a
     composite model through its text config, with the multimodal RoPE of Qwen2-VL, Qwen3-VL, GLM-4V and kin as a
     ``posenc.MRoPE``, the vision tower left as it is), e.g.
     ``AutoModelForCausalLM.from_pretrained(...)``. What is replaced is found in the model and checked before it is
@@ -1125,8 +1125,9 @@ def is_patched(model: nn.Module) -> bool:
 
 
 def unpatch_model(model: nn.Module) -> PatchReport:
-    """Undo ``patch_model``: the original rotary modules, the class's attention forward, and the config's rope
-    values as they were before patching. Returns the report of the patch that was undone.
+    """Undo ``patch_model``: the original rotary modules, each attention module's own class (and an instance
+    forward the patch bypassed), and the config's rope values as they were before patching. Returns the report of
+    the patch that was undone.
 
     A KV cache filled in ``mode="consistent"`` with ``dynamic`` / ``longrope`` holds unrotated keys, which the
     unpatched model, rotating keys when it caches them, would attend to as they are, with no error (posenc no
