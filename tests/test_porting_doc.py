@@ -17,6 +17,7 @@ SECTIONS = (
     "TransformerEngine",
     "Megatron-Core",
     "DeepSeek-V2/V3",
+    "DeepSeek-V3.2",
     "Meta's Llama reference",
     "xformers",
     "torchtune",
