@@ -50,6 +50,9 @@ SIZES: dict[str, Any] = dict(
     qk_nope_head_dim=8,
     v_head_dim=16,
     rotary_dim=8,  # GPT-J, CodeGen: in channels
+    # sparse-attention indexers (DeepSeek-V3.2, GLM-MoE-DSA, dots.llm3, ...) keep 4 of the 12 tokens, so that which
+    # ones, and so their own rotation, moves the logits (their default, 2048, keeps every token)
+    index_topk=4,
     pad_token_id=0,
     bos_token_id=1,
     eos_token_id=2,
@@ -113,12 +116,38 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     # its rotary embedding is head_dim wide (64 by default), its rotation qk_rope_head_dim: both 64 in LongCat's own
     "longcat_flash": dict(qk_rope_head_dim=64),
     "kolibri1_1": dict(index_num_heads=2),  # its validator: at most the query heads per key head
+    # attention layers alone: its cache reads the mask sizes from layer 0 (a mamba layer's it cannot), and its
+    # mamba layers take 20 s a test here on the CPU, where RoPE is the attention's alone
+    "bamba": dict(attn_layer_indices=[0, 1]),
+    # MLA with a key head per query head (its validator), an indexed layer and a sliding one; the sliding layer's
+    # sizes are its own (per_layer_config), 64 heads of 256 channels by default
+    "dots3_note_text": dict(
+        num_key_value_heads=4,
+        head_dim=16,  # qk_nope_head_dim + qk_rope_head_dim: partial_rotary_factor 0.5, 8 channels rotate
+        index_head_dim=16,
+        index_n_heads=2,
+        per_layer_config={
+            1: dict(
+                num_attention_heads=4,
+                num_key_value_heads=4,
+                q_lora_rank=16,
+                kv_lora_rank=16,
+                head_dim=16,
+                qk_nope_head_dim=8,
+                qk_rope_head_dim=8,
+                v_head_dim=16,
+            )
+        },
+    ),
     # one rotary embedding per rope_theta, each with a config of its own, and a layer without RoPE (theta 0)
     **{
         model_type: dict(num_hidden_layers=3, layer_rope_theta=[1e4, 500.0, 0.0])
         for model_type in ("granite_swa", "granitemoe_swa")
     },
 }
+# Model types whose model numbers the positions from 0 in every call unless given position_ids, cache or not
+# (BambaModel, transformers 5.25; generate passes them): their cached step is given its positions.
+POSITIONS_NOT_FROM_THE_CACHE = frozenset({"bamba"})
 # Patched with the same logits, but the rotation hardly moves a tiny model's logits, so that it matters is not shown.
 INSENSITIVE = {"zaya": "its CCA projections and q/k norms: without the rotation its logits move by 3e-5"}
 MAX_PARAMETERS = 8_000_000  # composite models whose vision tower keeps its full size are left out
@@ -169,8 +198,9 @@ def tiny(model_type: str, rope_type: str | None = None) -> Any:
             defaults = transformers.AutoConfig.for_model(model_type)
             sizes = {**SIZES, **OVERRIDES.get(model_type, {})}
             if hasattr(defaults, "qk_rope_head_dim"):  # MLA: head_dim follows qk_rope_head_dim, one kv head per head
-                sizes.pop("head_dim")
-                sizes.pop("num_key_value_heads")
+                for key in ("head_dim", "num_key_value_heads"):
+                    if key not in OVERRIDES.get(model_type, {}):
+                        sizes.pop(key)
             kwargs = {
                 key: value for key, value in sizes.items() if _has(defaults, key) and not _read_only(defaults, key)
             }
@@ -243,7 +273,10 @@ def logits(model: Any, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         full = model(ids).logits
         prefill = model(ids[:, :8], use_cache=True)
         if "cache" in prefill:
-            cached = model(ids[:, 8:], cache=prefill.cache).logits
+            given = {}
+            if model.config.model_type in POSITIONS_NOT_FROM_THE_CACHE:
+                given["position_ids"] = torch.arange(8, ids.shape[1]).expand(ids.shape[0], -1)
+            cached = model(ids[:, 8:], cache=prefill.cache, **given).logits
         else:  # RecurrentGemma returns no cache (its recurrent state is in its modules) and decodes a token a call
             cache = transformers.DynamicCache(config=model.config)
             model(ids[:, :8], use_cache=True, cache=cache)

@@ -24,9 +24,10 @@ _WHOLE_HEAD_ATTENTION = frozenset({"gemma", "llama", "mistral", "qwen2", "qwen3"
 # scripts/patch_coverage.py` lists the first). Others that pass patch_model's checks are patched with a warning.
 VERIFIED_ARCHITECTURES: frozenset[str] = frozenset(
     {
-        *("afmoe", "apertus", "apertus1p5_text", "arcee", "aria_text", "axk1", "axk2", "bailing_hybrid", "beam"),
+        *("afmoe", "apertus", "apertus1p5_text", "arcee", "aria_text", "axk1", "axk2", "bailing_hybrid", "bamba"),
         *("bitnet", "cohere", "cohere2", "cohere2_moe", "cwm", "deepseek_v3", "deepseek_v32", "diffllama", "doge"),
-        *("dory", "dots1", "ergo", "ernie4_5", "ernie4_5_moe", "exaone4", "exaone_moe", "falcon", "flex_olmo", "flint"),
+        *("beam", "dory", "dots1", "dots3_note_text", "ergo", "ernie4_5", "ernie4_5_moe", "exaone4", "exaone_moe"),
+        *("falcon", "flex_olmo", "flint"),
         *("gemma", "gemma2", "gemma3_text", "gemma3n_text", "gemma4_text", "gemma4_unified_text", "glm", "glm4"),
         *("glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "gpt_neox"),
         *("gpt_neox_japanese", "gpt_oss", "granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoeshared"),
