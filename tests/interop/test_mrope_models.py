@@ -14,7 +14,7 @@ import torch
 
 from posenc.interop import hf as hf_interop
 from posenc.interop.hf import rope_from_config, rope_kwargs_from_config
-from posenc.rope.mrope import MRoPE
+from posenc.rope.mrope import MRoPE, mrope_axis_of_pair
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.auto.configuration_auto import (  # noqa: E402
@@ -66,14 +66,14 @@ def test_every_mrope_model_of_the_installed_transformers_is_known():
     assert len(known) > 15  # the scan finds what it should
 
 
-def _text_config(model_type: str, section: tuple[int, ...], *, given: bool = True):
-    """The model's text config class with sizes its sections fit: the whole head rotated, 2 heads; without
-    ``given``, no mrope_section in it (the rotary class takes its fallback)."""
+def _text_config(model_type: str, section: tuple[int, ...], *, given: bool = True, head_dim: int | None = None):
+    """The model's text config class with sizes its sections fit (or ``head_dim``): the whole head rotated, 2 heads;
+    without ``given``, no mrope_section in it (the rotary class takes its fallback)."""
     config = transformers.AutoConfig.for_model(model_type)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         text = config.get_text_config() if not hasattr(config, "thinker_config") else config.thinker_config.text_config
-    head_dim = 2 * sum(section)
+    head_dim = head_dim or 2 * sum(section)
     rope_parameters = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}
     if given:
         rope_parameters["mrope_section"] = list(section)
@@ -122,6 +122,68 @@ def test_rotates_as_each_mrope_model(model_type: str, given: bool) -> None:
     for ours, hf in zip(rope(q, k, positions=positions), theirs, strict=True):
         # transformers takes the angles in float32: position ~240 times a float32 frequency, ~3e-5 rad at most.
         torch.testing.assert_close(ours, hf, rtol=0, atol=1e-4)
+
+
+_Q, _K = torch.randn(2, 1, 2, 7, 128, generator=torch.Generator().manual_seed(0))
+# Three axes of ids that differ (an image's t, h, w), large enough that a wrong axis or pair shows.
+_POSITIONS = torch.stack([torch.arange(7) + 3, 5 * torch.arange(7) % 11 + 40, 7 * torch.arange(7) + 200])[:, None]
+
+
+def _rotated_by_transformers(model_type: str, config) -> tuple[torch.Tensor, torch.Tensor]:
+    modeling = _modeling(model_type)
+    q, k = _Q[..., : config.head_dim], _K[..., : config.head_dim]
+    return modeling.apply_rotary_pos_emb(q, k, *_mrope_rotary(modeling)(config)(q, _POSITIONS))
+
+
+@pytest.mark.parametrize(
+    ("model_type", "head_dim", "section"),
+    [
+        ("qwen3_vl", 128, (16, 24, 24)),  # Qwen2-VL's sections, interleaved: t, h, w turn 22, 21, 21 pairs (as vLLM)
+        ("qwen3_5", 64, (5, 13, 14)),  # h's and w's sections outrun the cycle: 11, 11, 10
+        ("qwen3_vl_moe", 128, (10, 10, 10)),  # no sum check: h and w turn 10 pairs each, t the other 44
+        ("cosmos3_edge", 48, (0, 12, 12)),  # t's section is never read
+        ("qwen2_vl", 64, (16, 0, 16)),  # a zero-width section: h turns no pair
+        ("glm4v", 64, (0, 16, 16)),
+        ("ernie4_5_vl_moe", 64, (0, 0, 32)),  # h and w turn nothing, t all
+    ],
+)
+def test_unusual_sections_transformers_accepts_rotate_as_it_does(
+    model_type: str, head_dim: int, section: tuple[int, ...]
+) -> None:
+    """Sections that transformers lays out (without an error) are laid out as it does: posenc refused interleaved
+    ones the t, h, w cycle does not give each axis exactly (Qwen2-VL's [16, 24, 24] with Qwen3-VL's layout), ones
+    not summing to r/2 there, and any zero section."""
+    config = _text_config(model_type, section, head_dim=head_dim)
+    theirs = _rotated_by_transformers(model_type, config)
+    ours = rope_from_config(config)(_Q[..., :head_dim], _K[..., :head_dim], positions=_POSITIONS)
+    for got, want in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    if section == (16, 24, 24):
+        axis = mrope_axis_of_pair(section, layout="interleaved", pairs=64)
+        assert torch.bincount(axis, minlength=3).tolist() == [22, 21, 21]
+
+
+@pytest.mark.parametrize(
+    ("model_type", "head_dim", "section", "match"),
+    [
+        ("qwen2_vl", 128, (10, 10, 10), "must sum to rotary_dim / 2 = 64"),
+        ("glm4v", 64, (8, 12, 13), "must sum to rotary_dim / 2 = 32"),
+        ("ernie4_5_vl_moe", 128, (16, 24, 24), "so h and w need equal sections"),
+        ("ernie4_5_vl_moe", 128, (32, 32, 0), "gives t the rest \\(at least one pair\\)"),
+        ("ernie4_5_vl_moe", 128, (22, 22, 10), "must sum to rotary_dim / 2 = 64"),
+        ("qwen3_vl", 128, (32, 32), "interleaved M-RoPE takes 3 sections"),
+    ],
+)
+def test_sections_transformers_fails_on_are_refused_with_the_reason(
+    model_type: str, head_dim: int, section: tuple[int, ...], match: str
+) -> None:
+    """Where the model's own rotary embedding fails deep inside torch (a split, stack or slice of the wrong size),
+    posenc refuses the sections up front, naming what they must be."""
+    config = _text_config(model_type, section, head_dim=head_dim)
+    with pytest.raises((RuntimeError, IndexError)):
+        _rotated_by_transformers(model_type, config)
+    with pytest.raises(ValueError, match=match):
+        rope_from_config(config)
 
 
 @pytest.mark.parametrize(

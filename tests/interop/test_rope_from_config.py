@@ -318,9 +318,9 @@ def test_per_layer_rope_dicts_need_a_layer_type() -> None:
         ({"head_dim": 8, "rope_scaling": [1, 2]}, TypeError, "rope_parameters / rope_scaling must be a dict"),
         ({"head_dim": 8, "rope_scaling": {"type": "magic"}}, ValueError, "unknown rope_type 'magic'"),
         (
-            {"head_dim": 8, "rope_parameters": {"mrope_section": [1, 1, 2], "mrope_interleaved": True}},
+            {"head_dim": 8, "rope_parameters": {"mrope_section": [1, 1, 1, 1], "mrope_interleaved": True}},
             ValueError,
-            "mrope_section [1, 1, 2] would give the axes (t, h, w) [2, 1, 1] pairs",
+            "interleaved M-RoPE takes 3 sections (t, h, w), got mrope_section [1, 1, 1, 1]",
         ),
     ],
 )

@@ -94,9 +94,10 @@ def test_each_section_reads_its_axis() -> None:
     ("section", "error", "match"),
     [
         ([16, 24, 23], ValueError, "mrope_section [16, 24, 23] must sum to rotary_dim / 2 = 64"),
-        ([16, 0, 48], ValueError, "mrope_section[1] must be a positive integer"),
-        ("16,24,24", TypeError, "mrope_section must be a list of positive ints"),
-        ([], TypeError, "mrope_section must be a list of positive ints"),
+        ([16, -1, 49], ValueError, "mrope_section[1] must be an integer >= 0"),
+        ([16, 24.0, 24], ValueError, "mrope_section[1] must be an integer >= 0"),
+        ("16,24,24", TypeError, "mrope_section must be a list of non-negative ints"),
+        ([], TypeError, "mrope_section must be a list of non-negative ints"),
     ],
 )
 def test_bad_sections(section: Any, error: type, match: str) -> None:
@@ -121,8 +122,16 @@ def test_interleaved_axes_cycle_until_their_sections_run_out() -> None:
     assert mrope_axis_of_pair([4, 2, 2], layout="interleaved").tolist() == [0, 1, 2, 0, 1, 2, 0, 0]
     axis = mrope_axis_of_pair([24, 20, 20], layout="interleaved")
     assert torch.bincount(axis).tolist() == [24, 20, 20] and axis[:6].tolist() == [0, 1, 2, 0, 1, 2]
-    with pytest.raises(ValueError, match=re.escape("[1, 3, 4] would give the axes (t, h, w) [3, 3, 2] pairs")):
-        MRoPE(16, mrope_section=[1, 3, 4], mrope_layout="interleaved")
+    # Sections the cycle cannot give each axis exactly, or that do not sum to r/2, are laid out all the same, as
+    # transformers' Qwen3-VL does (h and w capped by theirs, t every other pair); posenc refused them.
+    rope = MRoPE(16, mrope_section=[1, 3, 4], mrope_layout="interleaved")
+    assert mrope_axis_of_pair(rope.mrope_section, layout="interleaved", pairs=8).tolist() == [0, 1, 2, 0, 1, 2, 0, 1]
+    assert mrope_axis_of_pair([9, 1, 1], layout="interleaved", pairs=8).tolist() == [0, 1, 2, 0, 0, 0, 0, 0]
+    positions = torch.tensor([5, 7, 11]).view(3, 1, 1)
+    cos, _ = rope.cos_sin(positions, dtype=torch.float64)
+    angles = torch.tensor([5, 7, 11, 5, 7, 11, 5, 7.0], dtype=torch.float64) * rope.frequencies()[0]
+    torch.testing.assert_close(cos[0, 0], angles.cos())
+    # A fourth section, which transformers drops without a word, names an axis that is not there.
     with pytest.raises(ValueError, match="interleaved M-RoPE takes 3 sections"):
         MRoPE(16, mrope_section=[2, 2, 2, 2], mrope_layout="interleaved")
     with pytest.raises(ValueError, match="mrope_layout must be one of 'sections', 'interleaved', 'alternating'"):
@@ -132,8 +141,10 @@ def test_interleaved_axes_cycle_until_their_sections_run_out() -> None:
 def test_alternating_axes_turn_h_and_w_in_turn_then_t() -> None:
     """ERNIE-4.5-VL's layout, sections in the order h, w, t: h, w, h, w, ..., then t."""
     assert mrope_axis_of_pair([2, 2, 3], layout="alternating").tolist() == [1, 2, 1, 2, 0, 0, 0]
-    with pytest.raises(ValueError, match=re.escape("mrope_section [3, 1, 4] would give the axes (h, w, t) [2, 2, 4]")):
+    with pytest.raises(ValueError, match=re.escape("(so h and w need equal sections)")):
         MRoPE(16, mrope_section=[3, 1, 4], mrope_layout="alternating")
+    with pytest.raises(ValueError, match=re.escape("gives t the rest (at least one pair)")):
+        MRoPE(16, mrope_section=[4, 4, 0], mrope_layout="alternating")
 
 
 @pytest.mark.parametrize("layout", ["sections", "interleaved", "alternating"])

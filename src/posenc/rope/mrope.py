@@ -20,11 +20,9 @@ import torch
 
 from posenc._checks import (
     float_dtype,
-    host_list,
     int64_int,
     int_tensor,
     integer_offset,
-    positive_int,
     refuse_jit_trace,
     sequence_length,
     size_in,
@@ -52,58 +50,67 @@ def check_mrope_layout(layout: Any) -> MRopeLayout:
 def check_mrope_section(
     mrope_section: Sequence[int], rotary_dim: int, *, layout: MRopeLayout = "sections"
 ) -> tuple[int, ...]:
-    """Validate that the sections are positive ints summing to r/2 that the layout can lay out exactly (three of
-    them for 'interleaved' and 'alternating'). Returns them as a tuple."""
+    """Validate the sections for the layout, accepting what transformers' rotary embeddings lay out and refusing
+    what they crash on. Returns them as a tuple.
+
+    Sections are ints >= 0 (a 0 section turns no pair by its axis, as a zero-width split does in transformers).
+    'sections' and 'alternating' need them to sum to r/2 (transformers' split by them fails otherwise);
+    'alternating' also needs equal h and w sections (it stacks them) and a t section (it slices ``[:-t]``).
+    'interleaved' takes any three: the t, h, w cycle gives h and w at most their sections and t every other pair,
+    whatever the sum (Qwen3-VL's ``recomposition_frequencies``; ``[16, 24, 24]`` at r = 128 turns 22, 21, 21)."""
     if isinstance(mrope_section, (str, bytes)) or not isinstance(mrope_section, Sequence) or not mrope_section:
-        raise TypeError(f"mrope_section must be a list of positive ints, e.g. [16, 24, 24], got {mrope_section!r}")
-    sections = tuple(positive_int(f"mrope_section[{i}]", n) for i, n in enumerate(mrope_section))
+        raise TypeError(f"mrope_section must be a list of non-negative ints, e.g. [16, 24, 24], got {mrope_section!r}")
+    sections = tuple(_non_negative_int(f"mrope_section[{i}]", n) for i, n in enumerate(mrope_section))
+    if layout != "sections" and len(sections) != AXES:
+        # transformers reads the first three and silently drops the rest: an axis the config asked for
+        raise ValueError(f"{layout} M-RoPE takes 3 sections ({_ORDER[layout]}), got mrope_section {list(sections)}")
+    if layout == "interleaved":
+        return sections
     if sum(sections) != rotary_dim // 2:
         raise ValueError(
             f"mrope_section {list(sections)} must sum to rotary_dim / 2 = {rotary_dim // 2} (it counts frequency "
             f"pairs), but sums to {sum(sections)}"
         )
-    if layout == "sections":
-        return sections
-    if len(sections) != AXES:
-        raise ValueError(f"{layout} M-RoPE takes 3 sections ({_ORDER[layout]}), got mrope_section {list(sections)}")
-    axis = mrope_axis_of_pair(sections, layout=layout)
-    counts = host_list(torch.bincount(axis, minlength=AXES))
-    if layout == "alternating":
-        counts = counts[1:] + counts[:1]  # h, w, t: the order of its sections
-    if tuple(counts) != sections:
-        how = {
-            "interleaved": "cycles t, h, w over the pairs until h's and w's sections run out (h takes pairs 1, 4, "
-            "7, ..., w pairs 2, 5, 8, ..., t the rest)",
-            "alternating": "alternates h and w over the first h + w pairs (so h and w need equal sections) and "
-            "gives t the rest",
-        }[layout]
+    if layout == "alternating" and (sections[0] != sections[1] or not sections[2]):
         raise ValueError(
-            f"{layout} M-RoPE {how}, which must give each axis exactly its section; mrope_section "
-            f"{list(sections)} would give the axes ({_ORDER[layout]}) {counts} pairs"
+            "alternating M-RoPE alternates h and w over the first h + w pairs (so h and w need equal sections) and "
+            f"gives t the rest (at least one pair), as ERNIE-4.5-VL's [22, 22, 20] of 64 pairs; mrope_section "
+            f"{list(sections)} (h, w, t) does not"
         )
     return sections
 
 
-def mrope_axis_of_pair(mrope_section: Sequence[int], *, layout: MRopeLayout = "sections") -> torch.Tensor:
+def _non_negative_int(name: str, value: Any) -> int:
+    value = integer_offset(value)  # numpy's integers too
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be an integer >= 0 (a count of frequency pairs), got {value!r}")
+    return value
+
+
+def mrope_axis_of_pair(
+    mrope_section: Sequence[int], *, layout: MRopeLayout = "sections", pairs: int | None = None
+) -> torch.Tensor:
     """(r/2,) int64: which position axis (0 temporal, 1 height, 2 width) turns each pair. Every pair keeps its own
-    frequency; only the position it turns by changes.
+    frequency; only the position it turns by changes. pairs: r/2, by default sum(mrope_section) (which an
+    'interleaved' section list need not match).
 
     'sections' (Qwen2-VL, GLM-4V): section i's pairs, in a run, read axis i % 3.
     'interleaved' (Qwen3-VL, Qwen3.5; ``mrope_interleaved`` in their configs): pair j reads h where j % 3 == 1 and
     j < 3 * sections[1], w where j % 3 == 2 and j < 3 * sections[2], t elsewhere, so that every axis turns at high
-    and low frequencies alike.
+    and low frequencies alike (sections[0] is not read: t takes what h and w leave, as in transformers and vLLM).
     'alternating' (ERNIE-4.5-VL; sections in the order h, w, t): the first h + w pairs alternate h, w; the last
     sections[2] pairs read t."""
     # Built from Python ints: traced by torch.compile, a repeat_interleave by section sizes (or a boolean index)
     # has a data-dependent shape, which broke the graph on every call of a sections / alternating M-RoPE (a patched
     # Qwen2-VL's or ERNIE-4.5-VL's forward, whose unpatched model compiles whole); a list is a constant of the graph.
     sections = list(mrope_section)
+    pairs = sum(sections) if pairs is None else pairs
     if layout == "sections":
         axes = [i % AXES for i, count in enumerate(sections) for _ in range(count)]
     elif layout == "interleaved":
-        axes = [j % AXES if j % AXES and j < AXES * sections[j % AXES] else 0 for j in range(sum(sections))]
+        axes = [j % AXES if j % AXES and j < AXES * sections[j % AXES] else 0 for j in range(pairs)]
     else:
-        axes = [1 + j % 2 if j < sections[0] + sections[1] else 0 for j in range(sum(sections))]
+        axes = [1 + j % 2 if j < sections[0] + sections[1] else 0 for j in range(pairs)]
     return torch.tensor(axes, dtype=torch.long, device="cpu")
 
 
@@ -120,7 +127,7 @@ def mrope_cos_sin(
 
     Angles are taken in float64, as in ``angles_to_cos_sin``; each pair reads its own axis' positions.
     """
-    axis = mrope_axis_of_pair(mrope_section, layout=layout).to(positions.device)  # (r/2,)
+    axis = mrope_axis_of_pair(mrope_section, layout=layout, pairs=inv_freq.numel()).to(positions.device)  # (r/2,)
     pos = positions.to(torch.float64).index_select(0, axis)  # (r/2, b, s): pair j's positions
     angles = pos.movedim(0, -1) * inv_freq.to(device=positions.device, dtype=torch.float64)
     cos, sin = angles.cos(), angles.sin()
@@ -133,10 +140,13 @@ class MRoPE(RoPE):
     """RoPE with three position axes (temporal, height, width), as vision-language models use them. Accepts every
     ``RoPE`` option (scaling types, ``interleaved`` pairs as in GLM-4V, partial rotation).
 
-    mrope_section: pairs per axis, summing to rotary_dim / 2 (Qwen2-VL: [16, 24, 24]; Qwen3-VL: [24, 20, 20]).
+    mrope_section: pairs per axis (ints >= 0), summing to rotary_dim / 2 but where interleaved (Qwen2-VL:
+    [16, 24, 24]; Qwen3-VL: [24, 20, 20]).
     mrope_layout: how the axes share the pairs: 'sections', contiguous (Qwen2-VL, Qwen2.5-VL, GLM-4V);
-    'interleaved', cycled t, h, w (Qwen3-VL, Qwen3.5; their configs' ``mrope_interleaved``); 'alternating', h and w
-    alternating, then t (ERNIE-4.5-VL, whose sections are in the order h, w, t); see ``mrope_axis_of_pair``.
+    'interleaved', cycled t, h, w (Qwen3-VL, Qwen3.5; their configs' ``mrope_interleaved``), where h's and w's
+    sections only cap their axes and t takes every other pair, so any three sections are taken, of any sum, as
+    transformers takes them ([16, 24, 24] at r = 128 turns 22, 21, 21 pairs); 'alternating', h and w alternating,
+    then t (ERNIE-4.5-VL, whose sections are in the order h, w, t; h and w equal). See ``mrope_axis_of_pair``.
     ``forward`` and ``cos_sin`` take positions of shape (3, b, s); (s,) or (b, s) ids (text only, the same id on
     every axis) behave like plain RoPE.
     """
