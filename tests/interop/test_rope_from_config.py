@@ -322,6 +322,17 @@ def test_per_layer_rope_dicts_need_a_layer_type() -> None:
             ValueError,
             "interleaved M-RoPE takes 3 sections (t, h, w), got mrope_section [1, 1, 1, 1]",
         ),
+        # transformers fails on these deep in its rotary class; the model type's default is not what they say.
+        (
+            {"model_type": "qwen3_vl_text", "head_dim": 128, "rope_parameters": {"mrope_section": []}},
+            ValueError,
+            "rope_parameters['mrope_section'] is []: give the pairs per axis (t, h, w), e.g. [24, 20, 20]",
+        ),
+        (
+            {"model_type": "qwen2_vl_text", "head_dim": 8, "rope_parameters": {"mrope_section": None}},
+            ValueError,
+            "rope_parameters['mrope_section'] is None: give the pairs per axis",
+        ),
     ],
 )
 def test_bad_configs(config: Any, error: type, match: str) -> None:

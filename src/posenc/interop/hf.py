@@ -489,7 +489,15 @@ def rope_kwargs_from_config(config: Any, *, layer_type: str | None = None) -> di
     # reads a config's mrope_interleaved key, and a config.json need not carry it); a model type posenc does not
     # know goes by the keys.
     mrope_layout, mrope_section = _MROPE_MODELS.get(model_type, (None, None))
-    mrope_section = rope.pop("mrope_section", None) or mrope_section
+    present, given = "mrope_section" in rope, rope.pop("mrope_section", None)
+    if mrope_section is not None and present and not given:
+        # This model type's rotary class fails on these (a TypeError / IndexError deep inside it); its default
+        # sections are not what the config says.
+        raise ValueError(
+            f"rope_parameters['mrope_section'] is {given!r}: give the pairs per axis (t, h, w), e.g. "
+            f"{list(mrope_section)}, or leave the key out for model_type {model_type!r}'s default"
+        )
+    mrope_section = given or mrope_section
     key = rope.pop("mrope_interleaved", None)
     if mrope_layout is None:
         mrope_layout = "interleaved" if key else "sections"
