@@ -682,6 +682,92 @@ def test_a_patched_attention_module_keeps_its_class_name_signature_and_calls_its
         assert torch.equal(model(tokens()).logits, before)
 
 
+class _Sharded:
+    """FSDP2's FSDPModule, emulated: ``_shard`` puts it first among a module's bases, as ``fully_shard`` does. A
+    sharded module pickles as the class it wraps (FSDP2's own are not found by name: pickle refuses them)."""
+
+    def unshard(self) -> str:
+        return "unshard"
+
+    def __reduce__(self) -> Any:
+        return _unsharded, (type(self).__mro__[2], self.__dict__)
+
+
+def _unsharded(cls: type, state: dict[str, Any]) -> Any:
+    module = cls.__new__(cls)
+    module.__dict__.update(state)
+    return module
+
+
+def _no_deepcopy(*args: Any) -> Any:
+    raise AssertionError("FSDP does not support deepcopy")
+
+
+_SHARDED: dict[type, type] = {}
+
+
+def _shard(module: torch.nn.Module) -> None:
+    """What FSDP2's fully_shard does to a module's class (torch.distributed.fsdp's _apply_to_module): one subclass
+    per class, the mixin first."""
+    cls = type(module)
+    if cls not in _SHARDED:
+        _SHARDED[cls] = type(f"FSDP{cls.__name__}", (_Sharded, cls), {"__deepcopy__": _no_deepcopy})
+    module.__class__ = _SHARDED[cls]
+
+
+def test_attention_sharded_as_fsdp2_does_unpatches_to_the_sharded_original_class_and_patches_again() -> None:
+    """FSDP2's fully_shard gives a module a subclass of its class (FSDP<name>, FSDPModule first). Made of posenc's
+    patched class, it stayed when the model was unpatched: the numbers were the original's, but pickling was refused
+    as patched, and patch_model again failed with "no module ... rotates by calling a module-level
+    apply_rotary_pos_emb* function". Now such a module is unpatched to the same subclass made of the original class
+    (one for all its modules, the wrapper's methods kept); a model sharded before patching unpatches to its sharded
+    class. A subclass whose method calls super() cannot be made again: it runs the original forward."""
+    import pickle
+
+    llama_attention = modeling("llama").LlamaAttention
+    model = build("llama")
+    attention = [layer.self_attn for layer in model.model.layers]
+    ids = tokens()
+    with torch.no_grad():
+        before = model(ids).logits
+        patch_model(model)
+        patched = model(ids).logits
+        for module in attention:
+            _shard(module)
+        unpatch_model(model)
+        assert torch.equal(model(ids).logits, before)
+        sharded = type(attention[0])
+        assert all(type(module) is sharded for module in attention)
+        assert sharded.__mro__[1:3] == (_Sharded, llama_attention) and sharded.__name__ == "FSDPLlamaAttention"
+        assert vars(sharded)["__deepcopy__"] is _no_deepcopy and attention[0].unshard() == "unshard"
+        assert torch.equal(pickle.loads(pickle.dumps(model))(ids).logits, before)
+        patch_model(model)
+        assert torch.equal(model(ids).logits, patched)
+        unpatch_model(model)
+        assert all(type(module) is sharded for module in attention)
+
+        other = build("llama")
+        for layer in other.model.layers:
+            _shard(layer.self_attn)
+        patch_model(other)
+        assert torch.equal(other(ids).logits, patched)
+        unpatch_model(other)
+        assert all(type(layer.self_attn) is _SHARDED[llama_attention] for layer in other.model.layers)
+        assert torch.equal(other(ids).logits, before)
+
+        patch_model(other)
+        first = other.model.layers[0].self_attn
+
+        class Wrapped(type(first)):  # type: ignore[misc]
+            def forward(self, *args: Any, **kwargs: Any) -> Any:
+                return super().forward(*args, **kwargs)
+
+        first.__class__ = Wrapped
+        unpatch_model(other)
+        assert type(first) is Wrapped and patch_module._unpatched_class(Wrapped, _SHARDED[llama_attention]) is None
+        assert torch.equal(other(ids).logits, before)
+
+
 def test_a_patched_base_model_dropped_frees_its_weights_and_its_copy_unpatches_itself() -> None:
     """A base model (``AutoModel``: LlamaModel, as embedding servers load it) holds its rotary module itself, and
     the patch's state, kept on the model, held that parent: model -> state -> model, a cycle that kept the whole

@@ -57,6 +57,7 @@ import textwrap
 import threading
 import types
 import warnings
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -248,6 +249,58 @@ def _patched_class(cls: type[nn.Module]) -> type[nn.Module]:
     return patched
 
 
+# A class made since patching as a subclass of a patched class (FSDP2's fully_shard makes FSDP<name>) -> {the
+# original class: the same subclass made of it}. Weak keys: the value is built on the original, not on the key.
+_UNPATCHED_SUBCLASSES: weakref.WeakKeyDictionary[type, dict[type, type]] = weakref.WeakKeyDictionary()
+
+
+def _unpatched_class(cls: type[nn.Module], original: type[nn.Module]) -> type[nn.Module] | None:
+    """The class a module of class ``cls`` is given back when unpatched, where ``original`` was its class when
+    patched: ``original`` for posenc's patched class, and for a subclass made of that since (FSDP2's ``fully_shard``
+    sets ``module.__class__ = type(f"FSDP{name}", (FSDPModule, cls), {...})``) the same subclass made of ``original``:
+    same name, qualname, module and attributes of its own, one per class (cached), leaving ``cls``, which other
+    modules may have, as it is. None where that cannot be remade alike: ``cls`` is no subclass of the patched class,
+    has ``__slots__``, or a function of its own calls ``super()`` (bound to ``cls``, which the remade class is not)."""
+    patched = _PATCHED_CLASSES.get(original)
+    if patched is None or not issubclass(cls, patched):
+        return None
+    if cls is patched:
+        return original
+    with _PATCHED_CLASSES_LOCK:
+        made = _UNPATCHED_SUBCLASSES.get(cls, {}).get(original)
+        if made is None:
+            made = _remade_on(cls, patched, original)
+            if made is not None:
+                _UNPATCHED_SUBCLASSES.setdefault(cls, {})[original] = made
+    return made
+
+
+def _remade_on(cls: type[nn.Module], patched: type[nn.Module], original: type[nn.Module]) -> type[nn.Module] | None:
+    """``cls`` (a subclass of ``patched``) made again with ``original`` in place of ``patched`` among its bases,
+    recursively; None where it cannot be (see ``_unpatched_class``)."""
+    if cls is patched:
+        return original
+    namespace = {key: value for key, value in vars(cls).items() if key not in ("__dict__", "__weakref__")}
+    if "__slots__" in namespace or any(_calls_super(value) for value in namespace.values()):
+        return None
+    bases = []
+    for base in cls.__bases__:
+        remade = _remade_on(base, patched, original) if issubclass(base, patched) else base
+        if remade is None:
+            return None
+        bases.append(remade)
+    namespace["__qualname__"] = cls.__qualname__
+    return type(cls)(cls.__name__, tuple(bases), namespace)
+
+
+def _calls_super(value: Any) -> bool:
+    """Whether ``value`` (a class attribute: a function, classmethod, staticmethod or property) reads ``__class__``,
+    the cell of zero-argument ``super()``."""
+    functions = [getattr(value, name, None) for name in ("fget", "fset", "fdel")] if isinstance(value, property) else []
+    functions.append(getattr(value, "__func__", value))
+    return any("__class__" in getattr(getattr(f, "__code__", None), "co_freevars", ()) for f in functions)
+
+
 def _is_patched_forward(forward: Any) -> bool:
     """True for a patched class's forward bound to a module (what accelerate's hook keeps of a patched module)."""
     with _PATCHED_CLASSES_LOCK:  # another thread may be adding a class
@@ -293,10 +346,11 @@ def _restore_forward(module: nn.Module, original_cls: type[nn.Module], replaced:
     one replaced (``replaced``; None: none) in the slot that holds the patched one now: ``forward``, or accelerate's
     ``_old_forward`` where a hook was added after patching (its wrapper in ``forward`` stays, and calls the
     original)."""
-    if _PATCHED_CLASSES.get(original_cls) is type(module):
-        module.__class__ = original_cls
+    restored = _unpatched_class(type(module), original_cls)
+    if restored is not None:
+        module.__class__ = restored
         module.__dict__.pop(_FORWARD_ATTR, None)
-    else:  # a subclass made of it since (FSDP2's fully_shard makes one): it calls the class's own forward instead
+    else:  # a class posenc cannot make again of the original: it calls the class's own forward instead
         object.__setattr__(module, _FORWARD_ATTR, original_cls.forward)
     for slot in ("forward", _OLD_FORWARD_ATTR):
         if _is_patched_forward(module.__dict__.get(slot)):
