@@ -768,6 +768,30 @@ def test_attention_sharded_as_fsdp2_does_unpatches_to_the_sharded_original_class
         assert torch.equal(other(ids).logits, before)
 
 
+@pytest.mark.parametrize(("mode", "rope_type"), [("hf", "default"), ("consistent", "dynamic")])
+def test_an_attention_class_made_again_is_freed_with_its_models(mode: str, rope_type: str) -> None:
+    """posenc kept what it made of each attention class it patched (the patched subclass, the patched forwards, whose
+    globals copy the modeling module's) in dicts of its own keyed by the class: a class made again and again (a
+    trust_remote_code model loaded again) stayed alive for good, with its modeling module. Now that lives on the
+    class, which is freed with the models that used it, patched or unpatched."""
+    import weakref
+
+    llama_attention = modeling("llama").LlamaAttention
+    classes = []
+    for unpatch in (False, True, False, True):
+        model = build("llama", rope_type)
+        cls = type("LlamaAttention", (llama_attention,), {})  # made again, as a reloaded module makes it
+        for attention in [layer.self_attn for layer in model.model.layers]:
+            attention.__class__ = cls
+        patch_model(model, mode=mode)
+        if unpatch:
+            unpatch_model(model)
+        classes.append(weakref.ref(cls))
+        del model, cls, attention
+    gc.collect()
+    assert [cls() for cls in classes] == [None] * 4
+
+
 def test_a_patched_base_model_dropped_frees_its_weights_and_its_copy_unpatches_itself() -> None:
     """A base model (``AutoModel``: LlamaModel, as embedding servers load it) holds its rotary module itself, and
     the patch's state, kept on the model, held that parent: model -> state -> model, a cycle that kept the whole

@@ -201,10 +201,38 @@ _FORWARD_ATTR = "_posenc_forward"
 _OLD_FORWARD_ATTR = "_old_forward"
 _HOOK_ATTR = "_hf_hook"
 
-_PATCHED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}  # attention class -> its patched subclass
+# What posenc made of an attention class (its patched subclass under "class", the patched forwards it shares by
+# (rotations, backend, ...) under their key, see _patched_forward) is kept on the class itself, under _REGISTRY_ATTR
+# (read with vars(): a subclass has its own), so that it lives as long as the class, and no longer. Kept in a dict of
+# posenc's, it kept every class ever patched alive, with its modeling module (the forwards' globals copy it): a class
+# made again and again (trust_remote_code reloads, FSDP2's classes) grew the process for good. Weak keys or values
+# cannot do it: the patched subclass and the forwards' globals hold the class, and whatever posenc made must outlive
+# the models patched with it, or torch.compile compiled each model patched after the last was dropped again (the
+# 9th of a 2-layer Llama an error with fullgraph=True). A private attribute that nothing else reads; setting it does
+# not make a model of that class compiled before recompile (measured).
+_REGISTRY_ATTR = "_posenc_patched"
 _PATCHED_CLASSES_LOCK = threading.Lock()
-# The patched forward of every patch alike, by (attention class, rotations, backend): see _patched_forward.
-_SHARED_FORWARDS: dict[tuple[Any, ...], types.FunctionType] = {}
+_UNSETTABLE: dict[type, dict[Any, Any]] = {}  # where a class refuses the attribute (its metaclass): kept for good
+_PATCHED_CLASS_FORWARDS: weakref.WeakSet[types.FunctionType] = weakref.WeakSet()  # each patched class's forward
+
+
+def _registry(cls: type) -> dict[Any, Any]:
+    """What posenc made of ``cls`` (see ``_REGISTRY_ATTR``), made empty where there is none. Call under
+    ``_PATCHED_CLASSES_LOCK``."""
+    registry = vars(cls).get(_REGISTRY_ATTR, _UNSETTABLE.get(cls))
+    if registry is None:
+        registry = {}
+        try:
+            type.__setattr__(cls, _REGISTRY_ATTR, registry)
+        except (TypeError, AttributeError):
+            _UNSETTABLE[cls] = registry
+    return registry
+
+
+def _patched_class_of(cls: type) -> type[nn.Module] | None:
+    """The patched subclass made of ``cls`` (``_patched_class``), or None."""
+    with _PATCHED_CLASSES_LOCK:
+        return vars(cls).get(_REGISTRY_ATTR, _UNSETTABLE.get(cls, {})).get("class")
 
 
 def _call_patched_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -229,7 +257,8 @@ def _patched_class(cls: type[nn.Module]) -> type[nn.Module]:
     its code, both shared, so patched models compile as often as unpatched ones; a copy of a module (deepcopy, a
     DataParallel replica) keeps its class and so calls itself."""
     with _PATCHED_CLASSES_LOCK:
-        patched = _PATCHED_CLASSES.get(cls)
+        registry = _registry(cls)
+        patched = registry.get("class")
         if patched is None:
             # Its own code object: Dynamo keeps the frames it compiles per code object, as for the class's forward.
             code = _call_patched_forward.__code__.replace(co_name="forward")
@@ -245,7 +274,8 @@ def _patched_class(cls: type[nn.Module]) -> type[nn.Module]:
                 "forward": forward,
                 "__reduce_ex__": _reduce_patched,
             }
-            patched = _PATCHED_CLASSES[cls] = type(cls)(cls.__name__, (cls,), namespace)
+            patched = registry["class"] = type(cls)(cls.__name__, (cls,), namespace)
+            _PATCHED_CLASS_FORWARDS.add(forward)
     return patched
 
 
@@ -261,7 +291,7 @@ def _unpatched_class(cls: type[nn.Module], original: type[nn.Module]) -> type[nn
     same name, qualname, module and attributes of its own, one per class (cached), leaving ``cls``, which other
     modules may have, as it is. None where that cannot be remade alike: ``cls`` is no subclass of the patched class,
     has ``__slots__``, or a function of its own calls ``super()`` (bound to ``cls``, which the remade class is not)."""
-    patched = _PATCHED_CLASSES.get(original)
+    patched = _patched_class_of(original)
     if patched is None or not issubclass(cls, patched):
         return None
     if cls is patched:
@@ -304,9 +334,8 @@ def _calls_super(value: Any) -> bool:
 def _is_patched_forward(forward: Any) -> bool:
     """True for a patched class's forward bound to a module (what accelerate's hook keeps of a patched module)."""
     with _PATCHED_CLASSES_LOCK:  # another thread may be adding a class
-        return isinstance(forward, types.MethodType) and any(
-            forward.__func__ is vars(patched)["forward"] for patched in _PATCHED_CLASSES.values()
-        )
+        func = getattr(forward, "__func__", None) if isinstance(forward, types.MethodType) else None
+        return isinstance(func, types.FunctionType) and func in _PATCHED_CLASS_FORWARDS
 
 
 def _is_own_class_forward(module: nn.Module, forward: Any) -> bool:
@@ -1073,11 +1102,12 @@ def _patched_forward(
                 "supported for it in this transformers version (use mode='hf')"
             )
         replacements[_ATTENTION_REGISTRY_NAME] = _KeysRotatedAtRead(namespace[_ATTENTION_REGISTRY_NAME])
-    key = (cls, rotations, rope.backend, keys_at_read, layer_types if keys_at_read else ())  # all replacements hold
+    key = (rotations, rope.backend, keys_at_read, layer_types if keys_at_read else ())  # all replacements hold
     with _PATCHED_CLASSES_LOCK:
-        shared = _SHARED_FORWARDS.get(key)
+        registry = _registry(cls)
+        shared = registry.get(key)
         if shared is None or not _holds_globals(innermost(shared), namespace, replacements):
-            shared = _SHARED_FORWARDS[key] = _wrapped_forward(func, replacements, keys_at_read, queries_then_keys)
+            shared = registry[key] = _wrapped_forward(func, replacements, keys_at_read, queries_then_keys)
     return shared
 
 
