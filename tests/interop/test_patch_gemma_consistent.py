@@ -206,10 +206,13 @@ def test_consistent_gemma_compiles_as_one_graph_and_keeps_one_scaling(model_type
     calls are counted in traced code (a host count broke the graph in every attention layer: 14-19 graphs for 10
     calls of a 4-layer model, past the recompile limit) and dynamic NTK's rotary embedding reads the length in an
     op: with fullgraph=True (one frame, so no per-layer frames), a graph per new shape Dynamo sees before it marks
-    the sizes dynamic, each step equal to a full forward over the text so far."""
+    the sizes dynamic, each step equal to a full forward over the text so far. A second model patched alike runs
+    those graphs: each patch held its RoPEs in its forward's globals until 2026-12-05, and compiled again."""
     torch._dynamo.reset()  # a compiled forward of another tiny Gemma: Dynamo's state of it broke this one's frames
     model = tiny(model_type, rope_type)
+    twin = copy.deepcopy(model)
     patch_model(model, mode="consistent")
+    patch_model(twin, mode="consistent")
     ids = torch.randint(3, 128, (1, 14), generator=torch.Generator().manual_seed(0))
     graphs = []
 
@@ -224,7 +227,14 @@ def test_consistent_gemma_compiles_as_one_graph_and_keeps_one_scaling(model_type
             for start, end in ((0, 5), (5, 6), (6, 7), (7, 8), (8, 9), (9, 14)):  # crosses TRAINED
                 step = forward(input_ids=ids[:, start:end], past_key_values=cache, use_cache=True).logits
                 torch.testing.assert_close(step, model(input_ids=ids[:, :end]).logits[:, start:], **FP32)
-        assert len(graphs) <= 4
+            compiled = len(graphs)
+            forward = torch.compile(twin.forward, backend=counting, fullgraph=True)
+            cache = transformers.DynamicCache(config=twin.config)
+            for start, end in ((0, 5), (5, 6), (6, 7), (7, 8), (8, 9), (9, 14)):
+                step = forward(input_ids=ids[:, start:end], past_key_values=cache, use_cache=True).logits
+            torch.testing.assert_close(step, model(input_ids=ids).logits[:, 9:], **FP32)
+        assert compiled <= 4
+        assert len(graphs) == compiled, f"{len(graphs) - compiled} graph(s) more for a second model patched alike"
     finally:
         torch._dynamo.reset()
 
