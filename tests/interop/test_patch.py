@@ -766,6 +766,22 @@ def test_attention_sharded_as_fsdp2_does_unpatches_to_the_sharded_original_class
         unpatch_model(other)
         assert type(first) is Wrapped and patch_module._unpatched_class(Wrapped, _SHARDED[llama_attention]) is None
         assert torch.equal(other(ids).logits, before)
+        # ... and patching it again says so, where it said no module rotates by a known function.
+        with pytest.raises(ValueError, match=r"is of class .*Wrapped, made from posenc's patched .*give the module a"):
+            patch_model(other)
+
+
+def test_a_patched_attention_module_put_into_another_model_is_refused() -> None:
+    """A copy of a patched model's attention module put into another model: patch_model patched that model's other
+    layers and left the copy running the first model's patch, reporting one attention module fewer."""
+    import copy
+
+    model = build("llama")
+    patch_model(model)
+    other = build("llama")
+    other.model.layers[0].self_attn = copy.deepcopy(model.model.layers[0].self_attn)
+    with pytest.raises(ValueError, match=r"model.model.layers.0.self_attn is an attention module of a model that"):
+        patch_model(other)
 
 
 @pytest.mark.parametrize(("mode", "rope_type"), [("hf", "default"), ("consistent", "dynamic")])

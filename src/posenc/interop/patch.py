@@ -331,6 +331,12 @@ def _calls_super(value: Any) -> bool:
     return any("__class__" in getattr(getattr(f, "__code__", None), "co_freevars", ()) for f in functions)
 
 
+def _patched_base(cls: type) -> type | None:
+    """The patched class (``_patched_class``) among ``cls``'s bases, ``cls`` itself included, or None."""
+    with _PATCHED_CLASSES_LOCK:
+        return next((c for c in cls.__mro__ if vars(c).get("forward") in _PATCHED_CLASS_FORWARDS), None)
+
+
 def _is_patched_forward(forward: Any) -> bool:
     """True for a patched class's forward bound to a module (what accelerate's hook keeps of a patched module)."""
     with _PATCHED_CLASSES_LOCK:  # another thread may be adding a class
@@ -875,6 +881,24 @@ def _require_no_patched_part(model: nn.Module) -> None:
             raise ValueError(
                 f"model.{name} is posenc's rotary embedding: model is part of a model that posenc has patched (it "
                 "shares that model's modules); call unpatch_model on the model that patch_model was called on first"
+            )
+    for name, module in model.named_modules():
+        made_of = _patched_base(type(module))
+        if made_of is type(module):
+            raise ValueError(
+                f"model.{name} is an attention module of a model that posenc has patched (or a copy of one taken out "
+                "of it); call unpatch_model on the model that patch_model was called on first, or build this "
+                "model's modules anew"
+            )
+        if made_of is not None:
+            # A class made of the patched one since patching that unpatch_model could not remake on the original
+            # (its own methods call super(), or it has __slots__): it still calls the patched forward, which reads
+            # what patch_model sets, so patching it again would be refused as rotating by nothing known.
+            raise ValueError(
+                f"model.{name} is of class {type(module).__qualname__}, made from posenc's patched "
+                f"{made_of.__qualname__} while the model was patched, which unpatch_model could not remake on the "
+                f"original class (a method of its own calls super(), or it has __slots__); give the module a class "
+                f"made of the original {made_of.__mro__[1].__qualname__} (or build the model again), then patch it"
             )
 
 
