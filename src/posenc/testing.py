@@ -34,7 +34,11 @@ __all__ = [
 
 # (atol, rtol) for comparing a result in `dtype` against the float64 reference, for elementwise ops (a rotation,
 # an embedding). rtol is one unit in the last place of the dtype: the best a result rounded once can do, plus
-# the float32 intermediate rounding. Reductions (attention) use REDUCTION_TOLERANCES.
+# the float32 intermediate rounding. atol is in units of the operands' size: an output of a rotation near zero
+# (x1 cos - x2 sin cancelling) carries the float32 rounding of products of size |x|, about |x| 2^-24, whatever its
+# own size. assert_close multiplies it by the largest |reference| of the row (or its `scale=`), so that correct
+# results pass and wrong ones fail at every activation scale; the plain absolute tolerance for unit-scale data
+# (randn), as torch.testing.assert_close takes it. Reductions (attention) use REDUCTION_TOLERANCES.
 TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     torch.float64: (1e-12, 1e-12),
     torch.float32: (1e-6, 2.0**-20),
@@ -62,9 +66,25 @@ TINY_HF_SIZES: dict[str, int | float] = dict(
 )
 
 
-def assert_close(actual: torch.Tensor, reference: torch.Tensor, *, reduction: bool = False, msg: str = "") -> None:
+def assert_close(
+    actual: torch.Tensor,
+    reference: torch.Tensor,
+    *,
+    reduction: bool = False,
+    msg: str = "",
+    scale: float | torch.Tensor | None = None,
+) -> None:
     """Compare ``actual`` with a float64 ``reference`` using the tolerance of ``actual.dtype`` (float64, float32,
-    bfloat16, float16); integer and bool tensors (positions, buckets, masks) have no rounding and compare exactly."""
+    bfloat16, float16); integer and bool tensors (positions, buckets, masks) have no rounding and compare exactly.
+
+    An element passes when ``|actual - reference| <= atol * scale + rtol * |reference|`` (plus one subnormal step of
+    the dtype, which float16 needs below 6e-5), with ``(atol, rtol)`` from ``TOLERANCES``, or ``REDUCTION_TOLERANCES``
+    with ``reduction=True``. ``scale`` is the size of the operands the element was computed from: by default the
+    largest finite ``|reference|`` in its row (the last dimension), which bounds a rotation's pairs, so a check
+    means the same at every activation scale. Give it (a float, or a tensor broadcastable to ``reference``) where the
+    operands are larger than the result, e.g. the largest ``|v|`` for an attention output that averages values of
+    both signs. Non-finite values must match exactly (nan never does).
+    """
     if not actual.is_floating_point() and not actual.is_complex():
         # In int64 where both are integers: float64 holds integers exactly only up to 2**53.
         wide = torch.int64 if not (reference.is_floating_point() or reference.is_complex()) else torch.float64
@@ -77,9 +97,55 @@ def assert_close(actual: torch.Tensor, reference: torch.Tensor, *, reduction: bo
             f"got actual of dtype {actual.dtype}"
         )
     atol, rtol = table[actual.dtype]
-    torch.testing.assert_close(
-        actual.to(torch.float64), reference.to(torch.float64), atol=atol, rtol=rtol, msg=msg or None
+    a, r = actual.to(torch.float64), reference.to(torch.float64)
+    if a.shape != r.shape or a.device != r.device or a.numel() == 0:
+        # torch's own message for a shape or device mismatch (and nothing to compare in an empty tensor).
+        torch.testing.assert_close(a, r, msg=msg or None)
+        return
+    floor = torch.finfo(actual.dtype).smallest_normal * torch.finfo(actual.dtype).eps
+    allowed = allowed_error(r, atol, rtol, row_scale(r) if scale is None else checked_scale(scale, r), floor)
+    diff = (a - r).abs()
+    ok = (a == r) | (torch.isfinite(a) & torch.isfinite(r) & (diff <= allowed))
+    if bool(ok.all()):
+        return
+    # The worst element: a non-finite mismatch first, else the largest error in units of what it was allowed.
+    badness = torch.where(ok, 0.0, (diff / allowed).nan_to_num(nan=float("inf")))
+    index = tuple(int(i) for i in torch.unravel_index(badness.argmax(), badness.shape))
+    detail = (
+        f"{int((~ok).sum())} of {ok.numel()} elements are off by more than atol {atol:g} x scale + rtol {rtol:g} x "
+        f"|reference| ({actual.dtype}); the worst, at index {index}, is {a[index].item():.9g} against "
+        f"{r[index].item():.9g}: off by {diff[index].item():.3g}, allowed {allowed[index].item():.3g}"
     )
+    raise AssertionError(f"{msg}: {detail}" if msg else detail)
+
+
+def row_scale(reference: torch.Tensor) -> torch.Tensor:
+    """The largest finite |reference| along the last dimension, kept for broadcasting (a 0-d tensor: itself)."""
+    size = torch.where(torch.isfinite(reference), reference.abs(), 0.0)
+    return size if size.dim() == 0 else size.amax(-1, keepdim=True)
+
+
+def checked_scale(scale: float | torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """``scale`` as a float64 tensor broadcastable to ``reference``; finite and non-negative."""
+    size = torch.as_tensor(scale, dtype=torch.float64, device=reference.device)
+    try:
+        fits = torch.broadcast_shapes(size.shape, reference.shape) == reference.shape
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(
+            f"scale must be a float or a tensor broadcastable to the reference's shape {tuple(reference.shape)}, "
+            f"got shape {tuple(size.shape)}"
+        )
+    if not bool((torch.isfinite(size) & (size >= 0)).all()):
+        raise ValueError("scale must be finite and >= 0 (the size of the operands, e.g. their largest |value|)")
+    return size
+
+
+def allowed_error(reference: torch.Tensor, atol: float, rtol: float, scale: torch.Tensor, floor: float) -> torch.Tensor:
+    """The error each element may carry: atol in units of the operands' size, rtol of its own, and a floor of one
+    subnormal step (the spacing float16 rounds to below its smallest normal, 6.1e-5)."""
+    return floor + atol * scale + rtol * torch.where(torch.isfinite(reference), reference.abs(), 0.0)
 
 
 def rope_inv_freq_reference(rotary_dim: int, base: float) -> list[float]:

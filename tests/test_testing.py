@@ -1,0 +1,108 @@
+"""posenc.testing.assert_close means the same at every activation scale: a correct rotation passes however large the
+activations, and a wrong one fails however small (the fixed atol=1e-6 failed correct float32 results at |x| ~ 32,
+where an output near zero carries the rounding of products of size |x|, and passed any rotation at |x| ~ 1e-7)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import posenc
+from posenc.testing import assert_close, rope_reference
+
+POSITIONS = torch.arange(128) + 1000
+
+
+def activations(scale: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0)
+    return (torch.randn(1, 4, 128, 128, generator=gen, dtype=torch.float64) * scale).to(dtype)
+
+
+def swapped_cos_sin(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Half-split RoPE with cos and sin exchanged, in float64."""
+    x = x.double()
+    half = x.shape[-1] // 2
+    angle = positions[:, None].double() * 10000.0 ** (-torch.arange(half, dtype=torch.float64) / half)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * angle.sin() - x2 * angle.cos(), x2 * angle.sin() + x1 * angle.cos()), dim=-1)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize(("dtype", "scale"), [(torch.float32, 32.0), (torch.float32, 1e3), (torch.float16, 1e3)])
+def test_correct_rotations_of_large_activations_pass(backend, dtype, scale):
+    x = activations(scale, dtype)
+    out, _ = posenc.RoPE(128, backend=backend)(x, x, offset=1000)
+    assert_close(out, rope_reference(x, POSITIONS))
+
+
+@pytest.mark.parametrize("scale", [1e-8, 1e-7, 1e-6, 1e-4, 1.0, 1e3])
+@pytest.mark.parametrize(
+    "wrong",
+    [
+        lambda x: rope_reference(x, -POSITIONS),  # sin's sign flipped
+        lambda x: rope_reference(x, POSITIONS, interleaved=True),  # the other pair layout
+        lambda x: rope_reference(x, POSITIONS + 1),  # off by one position
+        lambda x: swapped_cos_sin(x, POSITIONS),
+        lambda x: rope_reference(x, POSITIONS) * (1 + 2.0**-8),  # one bfloat16 unit of drift
+        lambda x: x,  # not rotated
+    ],
+    ids=["sin-sign", "layout", "off-by-one", "cos-sin-swapped", "bf16-drift", "unrotated"],
+)
+def test_wrong_float32_rotations_fail_at_every_scale(wrong, scale):
+    x = activations(scale)
+    reference = rope_reference(x, POSITIONS)
+    assert_close(rope_reference(x, POSITIONS).float(), reference)  # the correct result, rounded once, passes
+    with pytest.raises(AssertionError):
+        assert_close(wrong(x).float(), reference)
+
+
+def test_the_verdict_does_not_depend_on_the_scale():
+    """Scaling both tensors by a power of two scales every error and every allowance alike."""
+    x = activations(1.0)
+    reference = rope_reference(x, POSITIONS)
+    nearly = reference + 3e-7 * torch.sign(reference) * reference.abs().amax(-1, keepdim=True)
+    assert_close(nearly.float(), reference)
+    beyond = reference + 2e-6 * reference.abs().amax(-1, keepdim=True)
+    for power in (-30, -10, 0, 10, 30):
+        assert_close((nearly * 2.0**power).float(), reference * 2.0**power)
+        with pytest.raises(AssertionError):
+            assert_close((beyond * 2.0**power).float(), reference * 2.0**power)
+
+
+def test_scale_gives_the_operands_size_where_the_result_is_smaller():
+    """An attention output averages values of both signs; its rounding is that of the values, not of the output."""
+    reference = torch.tensor([[1e-3, -2e-3]], dtype=torch.float64)
+    actual = (reference + 1e-6).float()  # rounding of values of size 10
+    with pytest.raises(AssertionError, match="allowed"):
+        assert_close(actual, reference)
+    assert_close(actual, reference, scale=10.0)
+    assert_close(actual, reference, scale=torch.tensor([[10.0, 10.0]]))
+    with pytest.raises(ValueError, match="scale must be finite and >= 0"):
+        assert_close(actual, reference, scale=-1.0)
+    with pytest.raises(ValueError, match=r"scale must be .* broadcastable to the reference's shape \(1, 2\)"):
+        assert_close(actual, reference, scale=torch.ones(3))
+
+
+def test_non_finite_values_match_exactly_and_do_not_widen_their_row():
+    reference = torch.tensor([[math.inf, 1.0], [-math.inf, 0.5]], dtype=torch.float64)
+    assert_close(reference.float(), reference)
+    with pytest.raises(AssertionError, match=r"index \(0, 1\)"):
+        assert_close(torch.tensor([[math.inf, 1.5], [-math.inf, 0.5]]), reference)
+    with pytest.raises(AssertionError, match=r"index \(1, 0\)"):
+        assert_close(torch.tensor([[math.inf, 1.0], [math.nan, 0.5]]), reference)
+
+
+def test_float16_subnormal_results_pass():
+    """Below float16's smallest normal (6.1e-5) results are rounded to steps of 2^-24: the floor of the tolerance."""
+    x = activations(1e-6, torch.float16)
+    out, _ = posenc.RoPE(128, backend="torch")(x, x, offset=1000)
+    assert_close(out, rope_reference(x, POSITIONS))
+
+
+def test_msg_comes_first_and_shapes_still_must_match():
+    with pytest.raises(AssertionError, match=r"^q rows: 1 of 2 elements are off by more than atol 1e-06 x scale"):
+        assert_close(torch.tensor([1.0, 3.0]), torch.tensor([1.0, 2.0], dtype=torch.float64), msg="q rows")
+    with pytest.raises(AssertionError, match="shape"):
+        assert_close(torch.ones(2), torch.ones(3, dtype=torch.float64))
