@@ -333,6 +333,13 @@ def test_per_layer_rope_dicts_need_a_layer_type() -> None:
             ValueError,
             "rope_parameters['mrope_section'] is None: give the pairs per axis",
         ),
+        # ERNIE-4.5-VL's sections are in the order h, w, t: the example must not be read as t, h, w.
+        (
+            {"model_type": "ernie4_5_vl_moe_text", "head_dim": 128, "rope_parameters": {"mrope_section": []}},
+            ValueError,
+            "is []: give the pairs per axis (h, w, t), e.g. [22, 22, 20], or leave the key out for the default of "
+            "model_type 'ernie4_5_vl_moe_text'",
+        ),
     ],
 )
 def test_bad_configs(config: Any, error: type, match: str) -> None:

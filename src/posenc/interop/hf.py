@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 from posenc._checks import positive_int, user_stacklevel
 from posenc.rope.module import RoPE
+from posenc.rope.mrope import _ORDER as _MROPE_AXIS_ORDER
 from posenc.rope.mrope import MRoPE, MRopeLayout
 from posenc.rope.parameters import OPTIONAL_KEYS, REQUIRED_KEYS, pop_rope_type, rotary_fraction, unread_keys
 
@@ -494,8 +495,9 @@ def rope_kwargs_from_config(config: Any, *, layer_type: str | None = None) -> di
         # This model type's rotary class fails on these (a TypeError / IndexError deep inside it); its default
         # sections are not what the config says.
         raise ValueError(
-            f"rope_parameters['mrope_section'] is {given!r}: give the pairs per axis (t, h, w), e.g. "
-            f"{list(mrope_section)}, or leave the key out for model_type {model_type!r}'s default"
+            f"rope_parameters['mrope_section'] is {given!r}: give the pairs per axis "
+            f"({_MROPE_AXIS_ORDER[mrope_layout]}), e.g. {list(mrope_section)}, or leave the key out for the default "
+            f"of model_type {model_type!r}"
         )
     mrope_section = given or mrope_section
     key = rope.pop("mrope_interleaved", None)
