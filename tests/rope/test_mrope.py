@@ -147,6 +147,23 @@ def test_alternating_axes_turn_h_and_w_in_turn_then_t() -> None:
         MRoPE(16, mrope_section=[4, 4, 0], mrope_layout="alternating")
 
 
+def test_sections_of_another_sum_than_the_pairs_are_refused_where_they_count_every_pair() -> None:
+    """mrope_cos_sin with an inv_freq of other than sum(sections) pairs: 'sections' and 'alternating' sections count
+    every pair, so there is no layout of them to give (an 'alternating' [2, 2, 0] over 8 pairs gave t 4 pairs, and
+    'sections' ignored pairs=); 'interleaved' ones are laid out over any number of pairs."""
+    inv_freq = 10000.0 ** (-torch.arange(0, 16, 2, dtype=torch.float64) / 16)  # 8 pairs
+    positions = torch.tensor([5, 7, 11]).view(3, 1, 1)
+    for layout, section in (("alternating", [2, 2, 0]), ("alternating", [4, 4, 2]), ("sections", [1])):
+        with pytest.raises(ValueError, match=re.escape(f"{layout} mrope_section {section} lays out")):
+            mrope_cos_sin(positions, inv_freq, section, layout=layout)
+        with pytest.raises(ValueError, match=re.escape("but there are 8 (rotary_dim / 2)")):
+            mrope_axis_of_pair(section, layout=layout, pairs=8)
+    cos, _ = mrope_cos_sin(positions, inv_freq, [9, 1, 1], dtype=torch.float64, layout="interleaved")
+    torch.testing.assert_close(
+        cos[0, 0], (torch.tensor([5, 7, 11, 5, 5, 5, 5, 5.0], dtype=torch.float64) * inv_freq).cos()
+    )
+
+
 @pytest.mark.parametrize("layout", ["sections", "interleaved", "alternating"])
 def test_cos_sin_takes_three_axes(layout: str) -> None:
     """cos_sin of (3, b, s) ids is M-RoPE's, not plain RoPE's per axis."""

@@ -92,7 +92,7 @@ def mrope_axis_of_pair(
 ) -> torch.Tensor:
     """(r/2,) int64: which position axis (0 temporal, 1 height, 2 width) turns each pair. Every pair keeps its own
     frequency; only the position it turns by changes. pairs: r/2, by default sum(mrope_section) (which an
-    'interleaved' section list need not match).
+    'interleaved' section list need not match; the other layouts' must, or it is a ValueError).
 
     'sections' (Qwen2-VL, GLM-4V): section i's pairs, in a run, read axis i % 3.
     'interleaved' (Qwen3-VL, Qwen3.5; ``mrope_interleaved`` in their configs): pair j reads h where j % 3 == 1 and
@@ -105,6 +105,13 @@ def mrope_axis_of_pair(
     # Qwen2-VL's or ERNIE-4.5-VL's forward, whose unpatched model compiles whole); a list is a constant of the graph.
     sections = list(mrope_section)
     pairs = sum(sections) if pairs is None else pairs
+    if layout != "interleaved" and pairs != sum(sections):
+        # Their sections count every pair; laid out over another number they would give an axis pairs (or take
+        # them from it) that the sections do not say, with no error (mrope_cos_sin with another inv_freq).
+        raise ValueError(
+            f"{layout} mrope_section {sections} lays out {sum(sections)} pairs, but there are {pairs} (rotary_dim / "
+            "2); only 'interleaved' sections may sum to another number"
+        )
     if layout == "sections":
         axes = [i % AXES for i, count in enumerate(sections) for _ in range(count)]
     elif layout == "interleaved":
