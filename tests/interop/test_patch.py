@@ -457,6 +457,19 @@ def test_an_instance_forward_that_is_not_accelerates_is_named_when_patching_bypa
     assert calls == ["wrapper"] and attention.forward is logged
 
 
+def test_an_attention_module_running_another_layers_forward_is_warned_of_when_patching() -> None:
+    """An attention module whose instance forward is another layer's (its class's forward, bound to that layer) runs
+    that layer's weights. Unlike the module's own class forward that accelerate's remove_hook_from_module leaves, it
+    changes the numbers: patching bypasses it, so it warns, and unpatch_model puts it back."""
+    model = build("llama")
+    first, second = (layer.self_attn for layer in model.model.layers)
+    first.forward = second.forward
+    with pytest.warns(UserWarning, match=r"model\.model\.layers\.0\.self_attn\.forward is set on the instance"):
+        patch_model(model)
+    unpatch_model(model)
+    assert first.forward.__self__ is second
+
+
 def _offload_as_accelerate_does(model: torch.nn.Module) -> None:
     """accelerate's cpu_offload, in effect: every parameter on the meta device but while its module runs (buffers
     stay where they are)."""
@@ -1369,6 +1382,49 @@ def test_a_model_patched_after_its_modeling_module_changed_runs_the_module_as_it
     with torch.no_grad():
         second(tokens())
     assert len(calls) == second.config.num_hidden_layers
+
+
+def test_a_patched_forward_reads_a_global_of_a_lambda_as_its_module_has_it_now(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Classes patched alike share a copy of the class forward while the module globals it reads are unchanged,
+    those read inside a lambda or generator expression of the forward included: a patch made after such a global
+    changed runs the new value, and the copy made before keeps the old."""
+    import types
+
+    module = types.ModuleType("posenc_test_modeling")
+    exec(
+        "import torch\nSCALE = 2\n\n\nclass Attention(torch.nn.Module):\n"
+        "    def forward(self, values):\n        return list(map(lambda value: SCALE * value, values))\n",
+        module.__dict__,
+    )
+    rope = RoPE(16)
+    before = patch_module._patched_forward(module.Attention, (), rope, keys_at_read=False)
+    monkeypatch.setattr(module, "SCALE", 3)
+    after = patch_module._patched_forward(module.Attention, (), rope, keys_at_read=False)
+    attention = module.Attention()
+    assert before(attention, [1, 2]) == [2, 4] and after(attention, [1, 2]) == [3, 6]
+
+
+def test_a_patched_forward_reads_a_global_replaced_by_an_equal_object_as_the_module_has_it_now(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A module global replaced by an equal object (a new table of the same values) is another object, which the
+    module changes later: a patch made after the replacement reads the new one, not a copy sharing the old."""
+    import types
+
+    module = types.ModuleType("posenc_test_modeling")
+    exec(
+        "import torch\nTABLE = [2]\n\n\nclass Attention(torch.nn.Module):\n"
+        "    def forward(self, value):\n        return TABLE[0] * value\n",
+        module.__dict__,
+    )
+    rope = RoPE(16)
+    patch_module._patched_forward(module.Attention, (), rope, keys_at_read=False)
+    monkeypatch.setattr(module, "TABLE", [2])
+    after = patch_module._patched_forward(module.Attention, (), rope, keys_at_read=False)
+    module.TABLE[0] = 3
+    assert after(module.Attention(), 1) == 3
 
 
 @pytest.mark.parametrize("mode", ["hf", "consistent"])

@@ -240,6 +240,29 @@ def test_values_the_model_cannot_be_built_from_fail_before_anything_is_written(
     assert re.search(f"hf_config \\(--hf-config\\) .*cannot be built from it: .*{message}", capsys.readouterr().err)
 
 
+def test_the_hugging_face_models_seed_is_the_draw_its_lab_numbers_were_made_with(tmp_path, monkeypatch):
+    """HFByteLM seeds transformers' init with a draw from the caller's seeded CPU generator in [0, 2**31 - 1): the
+    draw (torch.randint(0, 2**31 - 1, ())) that the --hf-config lab numbers were made with. Another range draws
+    another seed, so the same --seed gave other weights and other published numbers."""
+    import posenc.interop.patch as patch_module
+    from posenc.lab.hf_model import HFByteLM
+
+    path = write_config(tmp_path, CONFIGS["llama"])
+    spec = ModelSpec(dim=16, layers=1, heads=2, max_positions=8)
+    real, seeds = patch_module.tiny_model_from_config, []
+
+    def recorded(*args, seed, **kwargs):
+        seeds.append(seed)
+        return real(*args, seed=seed, **kwargs)
+
+    monkeypatch.setattr(patch_module, "tiny_model_from_config", recorded)
+    for seed in (0, 1, 2):
+        torch.manual_seed(seed)
+        HFByteLM(spec, path)
+    expected = [int(torch.randint(0, 2**31 - 1, (), generator=torch.Generator().manual_seed(s))) for s in (0, 1, 2)]
+    assert seeds == expected
+
+
 @pytest.mark.parametrize("extension", [None, "yarn"])
 def test_the_hugging_face_model_builds_on_the_meta_device(extension, tmp_path):
     """Its seed was drawn in the ambient device context and read with .item(): on the meta device that raised torch's
