@@ -7,6 +7,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from posenc.rope.module import RoPE
 from posenc.rope.mrope import MRoPE, mrope_axis_of_pair, mrope_cos_sin
@@ -300,3 +302,45 @@ def test_fullgraph_longrope_with_three_axes_says_what_to_pass():
     # What it advises compiles, and rotates as eager does.
     given = torch.compile(lambda q: rope(q, q, positions=positions, seq_len=6)[0], backend="eager", fullgraph=True)
     torch.testing.assert_close(given(q), rope(q, q, positions=positions)[0])
+
+
+@st.composite
+def _layout_and_sections(draw: st.DrawFn) -> tuple[str, int, list[int]]:
+    """A layout, a number of pairs and sections that layout takes for them (transformers runs them all)."""
+    layout = draw(st.sampled_from(["sections", "interleaved", "alternating"]))
+    pairs = draw(st.integers(1, 12))
+    if layout == "interleaved":  # any three, of any sum
+        return layout, pairs, draw(st.lists(st.integers(0, pairs + 3), min_size=3, max_size=3))
+    if layout == "alternating":  # equal h and w, t the rest (at least one)
+        hw = draw(st.integers(0, (pairs - 1) // 2))
+        return layout, pairs, [hw, hw, pairs - 2 * hw]
+    cuts = sorted(draw(st.lists(st.integers(0, pairs), min_size=2, max_size=3)))
+    return layout, pairs, [b - a for a, b in zip([0, *cuts], [*cuts, pairs], strict=True)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(_layout_and_sections(), st.lists(st.integers(-40, 40), min_size=3, max_size=3), st.integers(0, 2**32 - 1))
+def test_every_layout_is_relative_per_axis_and_plain_rope_on_one_axis(
+    case: tuple[str, int, list[int]], shift: list[int], seed: int
+) -> None:
+    """For any sections a layout takes (zero sections, interleaved ones of any sum): rotation keeps norms, q . k
+    depends only on each axis' position difference (each axis shifted by its own amount leaves every score as it
+    was), and three equal axes rotate as plain RoPE."""
+    layout, pairs, sections = case
+    head_dim = 2 * pairs
+    rope = MRoPE(head_dim, mrope_section=sections, mrope_layout=layout, backend="torch")
+    gen = torch.Generator().manual_seed(seed)
+    b, s = 2, 5
+    q = torch.randn(b, 2, s, head_dim, generator=gen, dtype=torch.float64)
+    k = torch.randn(b, 2, s, head_dim, generator=gen, dtype=torch.float64)
+    positions = torch.randint(40, 200, (3, b, s), generator=gen)
+    rq, rk = rope(q, k, positions=positions)
+    torch.testing.assert_close(rq.norm(dim=-1), q.norm(dim=-1), rtol=1e-12, atol=1e-12)
+    moved = positions + torch.tensor(shift).view(3, 1, 1)
+    mq, mk = rope(q, k, positions=moved)
+    torch.testing.assert_close(mq @ mk.transpose(-1, -2), rq @ rk.transpose(-1, -2), rtol=1e-10, atol=1e-10)
+    plain = RoPE(head_dim, backend="torch")
+    for ours, theirs in zip(
+        rope(q, k, positions=positions[:1].expand(3, b, s)), plain(q, k, positions=positions[0]), strict=True
+    ):
+        torch.testing.assert_close(ours, theirs, rtol=0.0, atol=1e-12)
