@@ -241,6 +241,33 @@ def measure_interleaved(
     return times
 
 
+def measure_thread_time(
+    cases: dict[str, Callable[[], object]],
+    *,
+    reps: int,
+    around: dict[str, Callable[[], contextlib.AbstractContextManager]] | None = None,
+) -> dict[str, list[float]]:
+    """Milliseconds of this thread's CPU time per case, name -> fn, taking turns as ``measure_interleaved`` does.
+
+    For host-bound CPU work run on one torch thread (a decode step of a tiny model, Python and dispatch): on a
+    shared machine another process's load stretches the wall clock 2-4x there, and the thread's CPU time much less.
+    Work on other threads (torch's pool beyond one thread, a GPU) is not counted: use ``measure_interleaved``.
+
+    around: name -> a context manager each call of that case runs in, entered and left outside the clock (a case
+    that stands for older code by swapping a function: the swap is not the code's cost)."""
+    around = around or {}
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for rep, name in _turns(list(cases), reps):
+        with around.get(name, contextlib.nullcontext)():
+            start = time.thread_time()
+            result = cases[name]()
+            elapsed = (time.thread_time() - start) * 1e3
+        if rep >= 0:
+            times[name].append(elapsed)
+        del result
+    return times
+
+
 def _turns(names: list[str], reps: int):
     """(rep, name) in the order cases take turns: two warm-up rounds (rep -2 and -1, not recorded) and then reps
     rounds, each starting one case further along, so no case always runs right after the same one."""

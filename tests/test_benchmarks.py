@@ -208,6 +208,68 @@ def test_decode_and_lab_throughput_benchmarks_run_with_one_rep(tmp_path: Path) -
     assert all(r["device"].split(",")[0].endswith(" x3") for r in rows), rows[0]["device"]
 
 
+def test_consistent_model_decode_benchmark_times_both_providers_and_counts_graph_ops(tmp_path: Path) -> None:
+    """docs/scaling.md's decode-cost table and its Dynamo op counts come from this script: one timed step of a
+    1-layer model per provider, and the ops of a compiled 1-layer decode step (backend: a counter, no Inductor;
+    dynamic only, a compile being the slow part)."""
+    _run(
+        "consistent_model_decode.py",
+        *("--layers", "1", "--keys", "2", "20", "--steps", "1", "--out", str(tmp_path / "decode.csv")),
+    )
+    rows = _rows(tmp_path / "decode.csv")
+    assert [(r["provider"], r["mode"], r["shape"].split()[-1]) for r in rows] == [
+        (provider, f"consistent/{rope_type}", f"keys{keys}")
+        for rope_type in ("dynamic", "longrope")
+        for keys in (2, 20)
+        for provider in ("per-layer", "shared")
+    ]
+    assert all(r["min"] == r["p20"] == r["p50"] == r["p80"] for r in rows)
+    assert all(float(r["ratio_to_per_layer"]) == 1.0 for r in rows if r["provider"] == "per-layer")
+    nodes = ("--nodes", "--types", "dynamic", "--layers", "1", "--keys", "4", "--out", str(tmp_path / "nodes.csv"))
+    _run("consistent_model_decode.py", *nodes)
+    rows = _rows(tmp_path / "nodes.csv")
+    assert [(r["mode"], r["provider"]) for r in rows] == [("dynamic", "hf"), ("dynamic", "consistent")]
+    # consistent mode rotates the cached keys in the graph: more ops than hf's for the same layer.
+    assert 0 < int(rows[0]["ops_largest"]) < int(rows[1]["ops_largest"]), rows
+    assert all(int(r["graphs"]) >= 1 and int(r["ops_all"]) >= int(r["ops_largest"]) for r in rows)
+
+
+def test_rope_traced_path_benchmark_runs_both_cases(tmp_path: Path) -> None:
+    """README's "~6x the host time" and "6.6x ... 1.6x now" come from this script: each case at the smallest size
+    (the compiled case with Dynamo's eager backend: Inductor's first compile takes most of a minute here)."""
+    sizes = ("--heads", "2", "--kv-heads", "1", "--head-dim", "8", "--reps", "1")
+    _run("rope_traced_path.py", "--case", "eager-decode", *sizes, "--out", str(tmp_path / "eager.csv"))
+    rows = _rows(tmp_path / "eager.csv")
+    assert [(r["mode"], r["provider"]) for r in rows] == [
+        (t, p) for t in ("default", "linear", "yarn") for p in ("eager", "traced-path")
+    ]
+    assert all(r["ratio_to"] == "eager" and float(r["ratio"]) > 0 for r in rows)
+    _run(
+        "rope_traced_path.py", "--case", "compiled", "--compiler", "eager", "--seq", "5", *sizes,
+        "--out", str(tmp_path / "compiled.csv"),
+    )  # fmt: skip
+    rows = _rows(tmp_path / "compiled.csv")
+    assert [(r["mode"], r["provider"]) for r in rows] == [
+        (f"{b}/eager", p) for b in ("torch", "auto") for p in ("table", "angles-op", "angles-inline")
+    ]
+    assert all(r["ratio_to"] == "table" and float(r["ratio"]) > 0 for r in rows)
+
+
+def test_rope_traced_path_stands_in_for_the_older_code_only_inside_its_block() -> None:
+    """The providers that stand for older code swap posenc's functions for the block and put them back: the traced
+    path's check reads torch's process-wide flag there, and the angles are plain aten ops."""
+    from posenc import _checks
+    from posenc.rope import module
+
+    traced = _benchmark("rope_traced_path")
+    ours, op = _checks.compiling, module._angles_cos_sin
+    with traced.within("traced-path"):
+        assert _checks.compiling is torch.compiler.is_compiling and module.compiling is torch.compiler.is_compiling
+    with traced.within("angles-inline"):
+        assert module._angles_cos_sin is module._angles_cos_sin_impl
+    assert _checks.compiling is ours and module.compiling is ours and module._angles_cos_sin is op
+
+
 @pytest.mark.parametrize(
     ("prefill", "max_pos", "total"),
     [(80, 64, 120), (8, 64, 64), (8, 64, 65), (0, 64, 120)],
