@@ -36,8 +36,22 @@ import torch
 from common import commit, device_name, measure_thread_time, percentiles
 
 CASES = ("compiled", "eager-decode")
-FIELDS = ["op", "provider", "mode", "dtype", "shape", "p20", "p50", "p80", "ratio", "ratio_to", "device", "torch"]
-FIELDS.append("commit")
+# ratio: this provider's p50 over the p50 of the provider named in ratio_to (table or eager).
+FIELDS = [
+    "op",
+    "provider",
+    "mode",
+    "dtype",
+    "shape",
+    "p20",
+    "p50",
+    "p80",
+    "ratio",
+    "ratio_to",
+    "device",
+    "torch",
+    "commit",
+]
 
 
 @contextlib.contextmanager
@@ -191,9 +205,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=None, help="also write the CSV here")
     args = parser.parse_args(argv)
     decode = args.case == "eager-decode"
-    args.heads = args.heads or (32 if decode else 8)
-    args.kv_heads = args.kv_heads or (8 if decode else 2)
-    for flag, value in (("--seq", args.seq), ("--reps", args.reps), ("--threads", args.threads)):
+    args.heads = (32 if decode else 8) if args.heads is None else args.heads
+    args.kv_heads = (8 if decode else 2) if args.kv_heads is None else args.kv_heads
+    checked = {"--seq": args.seq, "--reps": args.reps, "--threads": args.threads, "--heads": args.heads}
+    for flag, value in (checked | {"--kv-heads": args.kv_heads}).items():
         if value < 1:
             parser.error(f"{flag} must be at least 1, got {value}")
     if args.head_dim < 2 or args.head_dim % 2:
