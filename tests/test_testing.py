@@ -106,3 +106,19 @@ def test_msg_comes_first_and_shapes_still_must_match():
         assert_close(torch.tensor([1.0, 3.0]), torch.tensor([1.0, 2.0], dtype=torch.float64), msg="q rows")
     with pytest.raises(AssertionError, match="shape"):
         assert_close(torch.ones(2), torch.ones(3, dtype=torch.float64))
+
+
+def test_a_bias_table_with_scale_of_its_own_entries_catches_drift_near_the_diagonal() -> None:
+    """The row's largest |value| would let entries near the diagonal of a bias table drift; the docstring's
+    scale=reference.abs() compares each entry by its own size."""
+    from posenc.testing import alibi_bias_reference
+
+    n = 256
+    reference = alibi_bias_reference(4, list(range(n)), list(range(n))).double()
+    reference = torch.where(torch.isfinite(reference), reference, 0.0)
+    distance = torch.arange(n)[:, None] - torch.arange(n)[None]
+    slopes = torch.tensor([1 / 4, 1 / 16, 1 / 64, 1 / 256])
+    drifted = reference.float() - slopes[:, None, None] * 1e-4 * (distance == 1)  # distance 1 read as 1.0001
+    assert_close(reference.float(), reference, scale=reference.abs())
+    with pytest.raises(AssertionError, match="elements are off"):
+        assert_close(drifted, reference, scale=reference.abs())

@@ -83,7 +83,10 @@ def assert_close(
     largest finite ``|reference|`` in its row (the last dimension), which bounds a rotation's pairs, so a check
     means the same at every activation scale. Give it (a float, or a tensor broadcastable to ``reference``) where the
     operands are larger than the result, e.g. the largest ``|v|`` for an attention output that averages values of
-    both signs. Non-finite values must match exactly (nan never does).
+    both signs, and where each element is computed on its own from operands of its own size (a bias table, whose
+    rows grow from 0 at the diagonal to slope * distance: ``scale=reference.abs()``, or ``scale=1.0`` for the plain
+    absolute tolerance), which the row's largest value would let drift. Non-finite values must match exactly (nan
+    never does).
     """
     if not actual.is_floating_point() and not actual.is_complex():
         # In int64 where both are integers: float64 holds integers exactly only up to 2**53.
