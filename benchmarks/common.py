@@ -318,11 +318,16 @@ def percentiles(times: list[float]) -> tuple[float, float, float]:
     return q[1], statistics.median(times), q[7]
 
 
-def write_rows(rows: list[dict], path: Path, columns: tuple[str, ...] = COLUMNS) -> None:
-    """The CSV, replaced atomically: a run interrupted mid-write leaves the previous file whole."""
+def write_rows(
+    rows: list[dict], path: Path, columns: tuple[str, ...] | list[str] = COLUMNS, *, command: str | None = None
+) -> None:
+    """The CSV, replaced atomically: a run interrupted mid-write leaves the previous file whole. command: written as
+    a first line "# <command>", the command that made it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
     with partial.open("w", newline="") as f:
+        if command is not None:
+            f.write(f"# {command}\n")
         writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
         writer.writerows(rows)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import functools
 import sys
 from collections.abc import Callable, Iterator
@@ -33,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from common import commit, device_name, measure_thread_time, percentiles
+from common import commit, device_name, measure_thread_time, percentiles, write_rows
 
 TYPES = ("dynamic", "longrope")
 PROVIDERS = ("per-layer", "shared")
@@ -265,13 +264,8 @@ def main(argv: list[str] | None = None) -> None:
     else:
         rows, fields = decode_rows(args, env), FIELDS + ENV_FIELDS
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
         command = " ".join(sys.argv[1:] if argv is None else argv)
-        with args.out.open("w", newline="") as f:
-            f.write(f"# python benchmarks/consistent_model_decode.py {command}\n")
-            writer = csv.DictWriter(f, fieldnames=fields)
-            writer.writeheader()
-            writer.writerows(rows)
+        write_rows(rows, args.out, fields, command=f"python benchmarks/consistent_model_decode.py {command}")
 
 
 if __name__ == "__main__":

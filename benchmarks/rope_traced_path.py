@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import functools
 import sys
 import threading
@@ -33,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from common import commit, device_name, measure_thread_time, percentiles
+from common import commit, device_name, measure_thread_time, percentiles, write_rows
 
 CASES = ("compiled", "eager-decode")
 # ratio: this provider's p50 over the p50 of the provider named in ratio_to (table or eager).
@@ -232,13 +231,8 @@ def main(argv: list[str] | None = None) -> None:
             common = {"op": "rope_compiled", "mode": f"{backend}/{args.compiler}", "dtype": "float32", "shape": shape}
             rows += rows_for(times, "table", common | env)
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
         command = " ".join(sys.argv[1:] if argv is None else argv)
-        with args.out.open("w", newline="") as f:
-            f.write(f"# python benchmarks/rope_traced_path.py {command}\n")
-            writer = csv.DictWriter(f, fieldnames=FIELDS)
-            writer.writeheader()
-            writer.writerows(rows)
+        write_rows(rows, args.out, FIELDS, command=f"python benchmarks/rope_traced_path.py {command}")
 
 
 if __name__ == "__main__":
