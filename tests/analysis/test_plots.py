@@ -351,3 +351,40 @@ def test_phase_figure_of_a_pair_turning_past_half_pi():
     phase, score = np.asarray(right.collections[0].get_offsets()).T
     curve = np.interp(phase, right.get_lines()[0].get_xdata(), right.get_lines()[0].get_ydata())
     assert np.abs(curve - score).max() < 1e-3  # the curve is drawn at 200 points: linear interpolation's error
+
+
+# Long parameter lists (DeepSeek-style YaRN; Phi-3's LongRoPE at its 32x length): the wrapped label came before the
+# prefix or the length note was added, so the line they ended on ran off both sides of the figure.
+@pytest.mark.parametrize(
+    "rope_parameters",
+    [
+        {
+            "rope_type": "yarn",
+            "factor": 40.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        {
+            "rope_type": "longrope",
+            "factor": 32.0,
+            "original_max_position_embeddings": 4096,
+            "short_factor": [1.0] * 48,
+            "long_factor": [1.0 + 0.05 * i for i in range(48)],
+        },
+    ],
+    ids=["yarn", "longrope"],
+)
+@pytest.mark.parametrize("name", ["phase_difference", "wavelengths"])
+def test_titles_with_every_parameter_stay_on_the_figure(rope_parameters, name):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    fig = render(name, FigureInputs(config=FigureConfig(head_dim=96, rope_parameters=rope_parameters)))
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    fig.draw(renderer)
+    titles = [fig._suptitle, *(ax.title for ax in fig.axes)]
+    for title in (t for t in titles if t is not None and t.get_text()):
+        box = title.get_window_extent(renderer)
+        assert box.x0 >= 0 and box.x1 <= fig.bbox.width, title.get_text()

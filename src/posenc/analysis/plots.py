@@ -81,7 +81,8 @@ def _rope(config: FigureConfig) -> RoPE:
 
 
 def _config_label(config: FigureConfig, *, full: bool = False) -> str:
-    """'yarn, d=64, base=10000, factor=4'; with ``full`` all the type's scalar parameters (lists left out)."""
+    """'yarn, d=64, base=10000, factor=4'; with ``full`` all the type's scalar parameters (lists left out), on one
+    line: a title that holds it wraps it with ``_fill``, together with the words around it."""
     label = f"{config.rope_type}, d={config.head_dim}, base={config.base:g}"
     if config.spec.rotary_dim != config.head_dim:
         label += f", r={config.spec.rotary_dim}"
@@ -92,8 +93,15 @@ def _config_label(config: FigureConfig, *, full: bool = False) -> str:
     own = {k: v for k, v in config.spec.params.items() if not isinstance(v, (list, tuple))}
     if not full or not own:
         return label
-    label += ", " + ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in own.items())
-    return textwrap.fill(label, 100)  # long parameter lists go on more lines rather than off the figure
+    return label + ", " + ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in own.items())
+
+
+def _fill(line: str) -> str:
+    """One title line wrapped to 100 characters, which the 10-11 inch figures hold at the title's font size.
+
+    Long parameter lists go on more lines rather than off the figure; the whole line is wrapped, not the label alone,
+    since words before or after it (a prefix, the length note) lengthen the line it ends up on."""
+    return textwrap.fill(line, 100)
 
 
 def _length_note(config: FigureConfig) -> str:
@@ -178,7 +186,7 @@ def phase_difference(inputs: FigureInputs) -> Figure:
     low, high = min(curve), max(curve)
     right.set_ylim(low - 0.08 * (high - low), high + 0.45 * (high - low))
     right.legend(loc="upper center", fontsize=8)
-    fig.suptitle(f"RoPE phase difference ({_config_label(config, full=True)})")
+    fig.suptitle(_fill(f"RoPE phase difference ({_config_label(config, full=True)})"))
     return fig
 
 
@@ -426,7 +434,7 @@ def wavelength_bars(inputs: FigureInputs) -> Figure:
     ax.set_xlabel("frequency pair i")
     ax.set_ylabel("wavelength 2π/θ_i  [positions]")
     label = _config_label(config, full=True) if result.rope_type != "default" else plain
-    ax.set_title(f"Wavelengths per frequency pair: {counts}\n({label}{_length_note(config)})")
+    ax.set_title(f"Wavelengths per frequency pair: {counts}\n" + _fill(f"({label}{_length_note(config)})"))
     ax.legend(fontsize=8)
     return fig
 
