@@ -273,7 +273,11 @@ def mrope_layouts(inputs: FigureInputs) -> Figure:
             spans.append(f"{name.split()[0]}: {mine.numel()} pairs, λ {mine.min():.3g}..{mine.max():.3g}")
         ax.set_yticks([])
         ax.set_title(f"mrope_layout='{layout}', mrope_section={list(section)}: {who}\n" + "; ".join(spans), fontsize=9)
-    axes[-1].set_xlabel("frequency pair i (θ_i = base^(-2i/r): fast on the left, slow on the right)")
+    # The titles' λ ranges need a definition and a unit: this label is the figure's only key to them.
+    axes[-1].set_xlabel(
+        "frequency pair i (θ_i = base^(-2i/r): fast on the left, slow on the right; λ = 2π/θ_i, the wavelength in "
+        "positions)"
+    )
     fig.legend(
         handles=[Patch(color=f"C{a}", label=name) for a, name in enumerate(_AXIS_NAMES)],
         loc="outside lower center",
