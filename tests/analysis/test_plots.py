@@ -388,3 +388,24 @@ def test_titles_with_every_parameter_stay_on_the_figure(rope_parameters, name):
     for title in (t for t in titles if t is not None and t.get_text()):
         box = title.get_window_extent(renderer)
         assert box.x0 >= 0 and box.x1 <= fig.bbox.width, title.get_text()
+
+
+@pytest.mark.parametrize(
+    "parameters",
+    [
+        {"rope_type": "dynamic", "factor": 2.0, "partial_rotary_factor": 0.5},  # q at 5 and k at 6 point alike
+        {"rope_type": "linear", "factor": 8.0, "rope_theta": 500000.0},  # a slow pair at a large factor
+    ],
+)
+def test_phase_difference_labels_do_not_overlap(parameters):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    fig = render("phase_difference", FigureInputs(config=FigureConfig(rope_parameters=parameters)))
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    left = fig.axes[0]
+    boxes = [text.get_window_extent(canvas.get_renderer()) for text in left.texts if text.get_text()]
+    assert len(boxes) == 4
+    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1 :])
+    frame = left.get_window_extent(canvas.get_renderer())
+    assert all(frame.x0 <= box.x0 and box.x1 <= frame.x1 and frame.y0 <= box.y0 and box.y1 <= frame.y1 for box in boxes)

@@ -115,6 +115,33 @@ def _factor(config: FigureConfig) -> float:
 
 
 # -- 1 ---------------------------------------------------------------------------------------------------------
+def _spread_angles(angles: Sequence[float], *, min_gap: float) -> list[float]:
+    """The angles (radians), each moved as little as needed so that neighbours on the circle are min_gap apart.
+
+    Needs len(angles) * min_gap < 2π. Returned in the given order, in [0, 2π) before moving.
+    """
+    tau = 2 * math.pi
+    order = sorted(range(len(angles)), key=lambda i: angles[i] % tau)
+    placed = [angles[i] % tau for i in order]
+    count = len(placed)
+    for _ in range(500):  # Pairwise pushes: a cluster of k angles settles in about k² rounds.
+        moved = False
+        for j in range(count if count > 1 else 0):
+            after = (j + 1) % count
+            gap = placed[after] - placed[j] + (0.0 if after else tau)  # the last pair wraps round
+            if gap < min_gap - 1e-9:
+                push = (min_gap - gap) / 2
+                placed[j] -= push
+                placed[after] += push
+                moved = True
+        if not moved:
+            break
+    result = [0.0] * count
+    for slot, index in enumerate(order):
+        result[index] = placed[slot]
+    return result
+
+
 def phase_difference(inputs: FigureInputs) -> Figure:
     """Two vectors rotated by m theta and n theta: their score depends only on (m - n) theta."""
     config = inputs.config
@@ -145,7 +172,9 @@ def phase_difference(inputs: FigureInputs) -> Figure:
     circle = torch.linspace(0, 2 * math.pi, 200)
     left.plot(circle.cos(), circle.sin(), color="0.85", lw=1)
     # YaRN and LongRoPE scale cos/sin by their attention factor: the vectors grow past the unit circle with it.
-    reach = 1.4 * max(1.0, float(torch.cat((rq, rk)).norm(dim=-1).max()))
+    longest = max(1.0, float(torch.cat((rq, rk)).norm(dim=-1).max()))
+    reach = 1.5 * longest  # room past the tips for the labels
+    arrows = []
     for (iq, ik), style, (mm, nn) in (((0, 1), "-", (5, 2)), ((2, 3), "--", (9, 6))):
         for row, color, name, pos in ((rq[iq], "C0", "q", mm), (rk[ik], "C3", "k", nn)):
             left.annotate(
@@ -154,7 +183,15 @@ def phase_difference(inputs: FigureInputs) -> Figure:
                 xytext=(0, 0),
                 arrowprops={"arrowstyle": "-|>", "color": color, "ls": style, "lw": 1.8},
             )
-            left.text(1.12 * float(row[0]), 1.12 * float(row[1]), f"{name} at {pos}", color=color, ha="center")
+            arrows.append((math.atan2(float(row[1]), float(row[0])), color, f"{name} at {pos}"))
+    # Arrows can point almost the same way (q at 5 and k at 6 do for some θ): each label sits on a ring outside every
+    # tip, in its arrow's direction moved just far enough from its neighbours', growing outward so none overlap.
+    spread = _spread_angles([angle for angle, _, _ in arrows], min_gap=math.radians(32))
+    for angle, (_, color, label) in zip(spread, arrows, strict=True):
+        cos, sin = math.cos(angle), math.sin(angle)
+        ha = "left" if cos > 0.3 else "right" if cos < -0.3 else "center"
+        va = "bottom" if sin > 0.3 else "top" if sin < -0.3 else "center"
+        left.text(1.08 * longest * cos, 1.08 * longest * sin, label, color=color, ha=ha, va=va)
     left.set_aspect("equal")
     left.set_xlim(-reach, reach)
     left.set_ylim(-reach, reach)
@@ -565,6 +602,8 @@ _MARKERS, _DASHES = ("o", "s", "^", "D", "v"), ("-", "--", "-.", ":")
 
 def entropy_curves(inputs: FigureInputs) -> Figure:
     """Mean attention entropy against length, per encoding (from a run, or a small random model)."""
+    from matplotlib import patheffects
+
     config = inputs.config
     if inputs.entropy is not None:
         results, source = inputs.entropy, inputs.entropy_source or "measured"
@@ -588,13 +627,16 @@ def entropy_curves(inputs: FigureInputs) -> Figure:
     if inputs.entropy is None:
         # What attention_entropy averages (every query row, row m over m + 1 keys) when attention is uniform.
         rows = torch.arange(1, longest + 1, dtype=torch.float64).log().cumsum(0) / torch.arange(1, longest + 1)
-        # On top, thick enough to show where the curves of encodings that attend about uniformly lie over it.
+        # On top, in black round dots with a white edge: the curves of encodings that attend about uniformly lie
+        # over it, and a grey dotted line vanished among their colours (and beside the grey log L line).
         ax.plot(
             grid,
             rows[shortest - 1 :],
-            color="0.5",
-            ls=":",
-            lw=2.5,
+            color="k",
+            ls=(0, (0.1, 2.2)),
+            lw=3,
+            dash_capstyle="round",
+            path_effects=[patheffects.Stroke(linewidth=4.5, foreground="w"), patheffects.Normal()],
             zorder=5,
             label="uniform causal attention, mean over rows",
         )
