@@ -7,7 +7,9 @@ DynamicCache step by step, including dynamic NTK's stateful growth and reset.
 
 from __future__ import annotations
 
+import inspect
 import pickle
+import sys
 from typing import Any
 
 import pytest
@@ -280,3 +282,41 @@ def test_a_new_length_dependent_type_is_scaled_for_every_length(monkeypatch) -> 
         torch.testing.assert_close(rope.frequencies(length)[0], expected, rtol=0.0, atol=0.0)
         cos, _ = rope.cos_sin(torch.arange(length), dtype=torch.float64)
         torch.testing.assert_close(cos[-1], torch.cos((length - 1) * expected), rtol=1e-15, atol=1e-15)
+
+
+class _ReadInterleaved(RoPE):
+    """A RoPE on which another request's call runs right after a call reads the 'hf' dynamic state it decides
+    from (``seen = self.hf_scaled_len`` in ``scaling_length``, the first such reading), before it writes, as a
+    thread sharing the module can (a switch interval of 1 us, four threads growing it at once, lost one update in
+    about 700 rounds)."""
+
+    other: torch.Tensor | None = None
+
+    @property  # type: ignore[override]
+    def hf_scaled_len(self) -> int:
+        value = self.__dict__["_state"]
+        other = self.__dict__.get("other")
+        caller = inspect.getframeinfo(sys._getframe(1))
+        if other is not None and caller.code_context and caller.code_context[0].strip().startswith("seen = "):
+            self.__dict__["other"] = None
+            self.scaling_length(other)
+        return value
+
+    @hf_scaled_len.setter
+    def hf_scaled_len(self, value: int) -> None:
+        self.__dict__["_state"] = value
+
+
+def test_hf_dynamic_state_keeps_the_longest_length_when_two_calls_grow_it_at_once() -> None:
+    """Two growing calls that both read the old state: the shorter one wrote last, so the state fell below the
+    longest length seen and a later call scaled for 30 where any one-at-a-time order of the calls scales for 40."""
+    rope = _ReadInterleaved(HEAD_DIM, rope_parameters=TYPES["dynamic"], max_position_embeddings=MAX_POS)
+    rope.other = torch.arange(40)
+    assert rope.scaling_length(torch.arange(30)) in (30, 40)  # either order of the two calls
+    assert rope.other is None  # the other call ran in between
+    assert rope.hf_scaled_len == 40
+    q = torch.randn(1, HEADS, 20, HEAD_DIM)
+    rotated, _ = rope(q, q)
+    plain = RoPE(HEAD_DIM, rope_parameters=TYPES["dynamic"], max_position_embeddings=MAX_POS)
+    expected, _ = plain(q, q, seq_len=40)
+    torch.testing.assert_close(rotated, expected, rtol=0.0, atol=0.0)

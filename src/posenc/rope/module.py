@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import operator
+import threading
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -242,6 +243,22 @@ def _length_unreadable(rope_type: str) -> ValueError:
     )
 
 
+# Serialises the changes to 'hf' dynamic NTK's state (RoPE.scaling_length) across threads. One for the module, not
+# one per RoPE, so that a RoPE still pickles and deep-copies; it is taken only by a call that grows or resets a
+# state, never by a decode step that keeps it. Reentrant, so that a subclass's __setattr__ may call back in.
+_HF_DYNAMIC_LOCK = threading.RLock()
+
+
+def _hf_dynamic_state(length: int, seen: int, max_position_embeddings: int) -> int:
+    """transformers' ``dynamic_rope_update`` rule: 'hf' dynamic NTK's state (the longest length seen, or
+    ``max_position_embeddings`` after a reset) after a call of ``length`` finds it at ``seen``."""
+    if length > seen:  # growth: scale for the new longest length
+        return length
+    if length < max_position_embeddings < seen:  # reset: back to the original frequencies
+        return max_position_embeddings
+    return seen
+
+
 # One marked function per length-dependent type, since a mark's reason is fixed: it is what fullgraph=True shows.
 @compile_marks.disable(
     reason="rope_type 'dynamic' (dynamic NTK) scales for max(positions) + 1, read on the host; for fullgraph=True "
@@ -443,17 +460,22 @@ class RoPE(nn.Module):
         if self.mode == "consistent" or self.spec.rope_type != "dynamic":
             return length
         assert self.hf_scaled_len is not None and self.max_position_embeddings is not None
-        # The length returned is decided from this one reading of the state, never read back after the write:
-        # threads sharing this RoPE change it in between, and a read-back let a long call take another call's reset
-        # (scaling for max_position_embeddings, short of its own positions: a ValueError) and a short call another's
-        # growth (scaled frequencies where plain ones are due, silently).
+        # The length returned is decided from one reading of the state, never read back after the write: threads
+        # sharing this RoPE change it in between, and a read-back let a long call take another call's reset (scaling
+        # for max_position_embeddings, short of its own positions: a ValueError) and a short call another's growth
+        # (scaled frequencies where plain ones are due, silently). A call that keeps the state (every decode step)
+        # takes no lock; one that changes it decides again under the lock, from a reading no other call can change
+        # before its write: two growing calls at once could otherwise both read the old length and the shorter one
+        # write last, leaving the state below the longest length seen (later calls then scaled too little).
         seen = self.hf_scaled_len
-        if length > seen:  # growth: scale for the new longest length
-            self.hf_scaled_len = scaled = length
-        elif length < self.max_position_embeddings < seen:  # reset: back to the original frequencies
-            self.hf_scaled_len = scaled = self.max_position_embeddings
-        else:
-            scaled = seen
+        scaled = _hf_dynamic_state(length, seen, self.max_position_embeddings)
+        if scaled == seen:
+            return seen
+        with _HF_DYNAMIC_LOCK:
+            seen = self.hf_scaled_len
+            scaled = _hf_dynamic_state(length, seen, self.max_position_embeddings)
+            if scaled != seen:
+                self.hf_scaled_len = scaled
         return scaled
 
     def call_scaling_length(self, positions: torch.Tensor) -> int | None:
