@@ -46,6 +46,8 @@ def build(rope_type: str, layers: int):
     """The tiny Llama of tests/interop/test_patch.py (hidden 64, 4 heads, 2 KV heads, trained length 16)."""
     import transformers
 
+    from posenc.testing import TINY_HF_SIZES
+
     pairs = 8  # head_dim 16
     params: dict = {"rope_type": rope_type, "rope_theta": 10000.0}
     sizes = {"max_position_embeddings": TRAINED}
@@ -60,16 +62,11 @@ def build(rope_type: str, layers: int):
         }
         sizes = {"max_position_embeddings": 4 * TRAINED}
     config = transformers.LlamaConfig(
-        hidden_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
+        **TINY_HF_SIZES | {"num_hidden_layers": layers},  # head_dim 16 = hidden_size / heads, as before
         vocab_size=128,
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=None,
-        initializer_range=0.3,
         rope_parameters=params,
         **sizes,
     )
