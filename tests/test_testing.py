@@ -122,3 +122,16 @@ def test_a_bias_table_with_scale_of_its_own_entries_catches_drift_near_the_diago
     assert_close(reference.float(), reference, scale=reference.abs())
     with pytest.raises(AssertionError, match="elements are off"):
         assert_close(drifted, reference, scale=reference.abs())
+
+
+def test_every_public_name_the_module_defines_is_in_its_all() -> None:
+    """A helper named as public but left out of ``__all__`` is neither documented nor private: each one the module
+    defines is one or the other."""
+    import posenc.testing
+
+    defined = {
+        name
+        for name, value in vars(posenc.testing).items()
+        if not name.startswith("_") and getattr(value, "__module__", None) == posenc.testing.__name__
+    }
+    assert defined <= set(posenc.testing.__all__), sorted(defined - set(posenc.testing.__all__))

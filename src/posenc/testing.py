@@ -106,7 +106,7 @@ def assert_close(
         torch.testing.assert_close(a, r, msg=msg or None)
         return
     floor = torch.finfo(actual.dtype).smallest_normal * torch.finfo(actual.dtype).eps
-    allowed = allowed_error(r, atol, rtol, row_scale(r) if scale is None else checked_scale(scale, r), floor)
+    allowed = _allowed_error(r, atol, rtol, _row_scale(r) if scale is None else _checked_scale(scale, r), floor)
     diff = (a - r).abs()
     ok = (a == r) | (torch.isfinite(a) & torch.isfinite(r) & (diff <= allowed))
     if bool(ok.all()):
@@ -122,13 +122,13 @@ def assert_close(
     raise AssertionError(f"{msg}: {detail}" if msg else detail)
 
 
-def row_scale(reference: torch.Tensor) -> torch.Tensor:
+def _row_scale(reference: torch.Tensor) -> torch.Tensor:
     """The largest finite |reference| along the last dimension, kept for broadcasting (a 0-d tensor: itself)."""
     size = torch.where(torch.isfinite(reference), reference.abs(), 0.0)
     return size if size.dim() == 0 else size.amax(-1, keepdim=True)
 
 
-def checked_scale(scale: float | torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+def _checked_scale(scale: float | torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
     """``scale`` as a float64 tensor broadcastable to ``reference``; finite and non-negative."""
     size = torch.as_tensor(scale, dtype=torch.float64, device=reference.device)
     try:
@@ -145,7 +145,9 @@ def checked_scale(scale: float | torch.Tensor, reference: torch.Tensor) -> torch
     return size
 
 
-def allowed_error(reference: torch.Tensor, atol: float, rtol: float, scale: torch.Tensor, floor: float) -> torch.Tensor:
+def _allowed_error(
+    reference: torch.Tensor, atol: float, rtol: float, scale: torch.Tensor, floor: float
+) -> torch.Tensor:
     """The error each element may carry: atol in units of the operands' size, rtol of its own, and a floor of one
     subnormal step (the spacing float16 rounds to below its smallest normal, 6.1e-5)."""
     return floor + atol * scale + rtol * torch.where(torch.isfinite(reference), reference.abs(), 0.0)
