@@ -7,9 +7,8 @@ DynamicCache step by step, including dynamic NTK's stateful growth and reset.
 
 from __future__ import annotations
 
-import inspect
 import pickle
-import sys
+import threading
 from typing import Any
 
 import pytest
@@ -284,22 +283,40 @@ def test_a_new_length_dependent_type_is_scaled_for_every_length(monkeypatch) -> 
         torch.testing.assert_close(cos[-1], torch.cos((length - 1) * expected), rtol=1e-15, atol=1e-15)
 
 
+class _TrackedLock:
+    """Stands in for the lock that guards the 'hf' dynamic state, counting how deep the calling thread holds it:
+    while it is held, no other thread's change of the state can run."""
+
+    def __init__(self) -> None:
+        self.lock, self.depth = threading.RLock(), 0
+
+    def __enter__(self) -> None:
+        self.lock.acquire()
+        self.depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self.depth -= 1
+        self.lock.release()
+
+
 class _ReadInterleaved(RoPE):
-    """A RoPE on which another request's call runs right after a call reads the 'hf' dynamic state it decides
-    from (``seen = self.hf_scaled_len`` in ``scaling_length``, the first such reading), before it writes, as a
-    thread sharing the module can (a switch interval of 1 us, four threads growing it at once, lost one update in
-    about 700 rounds)."""
+    """A RoPE on which another request's call runs right after a call's ``at``-th reading of the 'hf' dynamic state
+    made outside the lock, as a thread sharing the module can (a switch interval of 1 us, four threads growing it at
+    once, lost one update in about 700 rounds). The readings are counted, not recognised by their source text, so
+    the test holds whatever way ``scaling_length`` reads and writes the state."""
 
     other: torch.Tensor | None = None
+    at = 0
+    lock: _TrackedLock
 
     @property  # type: ignore[override]
     def hf_scaled_len(self) -> int:
         value = self.__dict__["_state"]
-        other = self.__dict__.get("other")
-        caller = inspect.getframeinfo(sys._getframe(1))
-        if other is not None and caller.code_context and caller.code_context[0].strip().startswith("seen = "):
-            self.__dict__["other"] = None
-            self.scaling_length(other)
+        if self.__dict__.get("other") is not None and not self.lock.depth:
+            self.__dict__["at"] -= 1
+            if self.__dict__["at"] == 0:
+                other, self.__dict__["other"] = self.__dict__["other"], None
+                self.scaling_length(other)
         return value
 
     @hf_scaled_len.setter
@@ -307,16 +324,25 @@ class _ReadInterleaved(RoPE):
         self.__dict__["_state"] = value
 
 
-def test_hf_dynamic_state_keeps_the_longest_length_when_two_calls_grow_it_at_once() -> None:
+def test_hf_dynamic_state_keeps_the_longest_length_when_two_calls_grow_it_at_once(monkeypatch) -> None:
     """Two growing calls that both read the old state: the shorter one wrote last, so the state fell below the
-    longest length seen and a later call scaled for 30 where any one-at-a-time order of the calls scales for 40."""
-    rope = _ReadInterleaved(HEAD_DIM, rope_parameters=TYPES["dynamic"], max_position_embeddings=MAX_POS)
-    rope.other = torch.arange(40)
-    assert rope.scaling_length(torch.arange(30)) in (30, 40)  # either order of the two calls
-    assert rope.other is None  # the other call ran in between
-    assert rope.hf_scaled_len == 40
+    longest length seen and a later call scaled for 30 where any one-at-a-time order of the calls scales for 40.
+    The other call runs after each unlocked reading in turn, until a call makes fewer readings than that."""
+    lock = _TrackedLock()
+    # raising=False: the code before the lock had no such name (and fails here for the lost update).
+    monkeypatch.setattr("posenc.rope.module._HF_DYNAMIC_LOCK", lock, raising=False)
     q = torch.randn(1, HEADS, 20, HEAD_DIM)
-    rotated, _ = rope(q, q)
     plain = RoPE(HEAD_DIM, rope_parameters=TYPES["dynamic"], max_position_embeddings=MAX_POS)
     expected, _ = plain(q, q, seq_len=40)
-    torch.testing.assert_close(rotated, expected, rtol=0.0, atol=0.0)
+    at = 0
+    while True:
+        at += 1
+        rope = _ReadInterleaved(HEAD_DIM, rope_parameters=TYPES["dynamic"], max_position_embeddings=MAX_POS)
+        rope.lock, rope.at, rope.other = lock, at, torch.arange(40)
+        assert rope.scaling_length(torch.arange(30)) in (30, 40), at  # either order of the two calls
+        if rope.other is not None:  # the call read the state fewer than `at` times: every reading has been tried
+            break
+        assert rope.hf_scaled_len == 40, f"state {rope.hf_scaled_len} after the other call ran at reading {at}"
+        rotated, _ = rope(q, q)
+        torch.testing.assert_close(rotated, expected, rtol=0.0, atol=0.0)
+    assert at > 1  # the other call did run, after at least one reading
