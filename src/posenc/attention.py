@@ -98,6 +98,7 @@ class KVCache:
 
     @property
     def length(self) -> int:
+        """The tokens cached so far: k's and v's sequence dimension, (b, g, length, d); 0 before the first call."""
         return 0 if self.k is None else self.k.shape[2]
 
     def __getstate__(self) -> dict[str, Any]:

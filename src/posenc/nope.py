@@ -16,4 +16,5 @@ class NoPE(nn.Module):
 
     @classmethod
     def from_model_dims(cls, *, dim: int, num_heads: int, head_dim: int, max_positions: int, **options: Any) -> NoPE:
+        """``NoPE()`` (``build_for_model``'s hook): the sizes are not read."""
         return cls(**options)

@@ -27,6 +27,8 @@ class LearnedAbsolute(nn.Module):
     def from_model_dims(
         cls, *, dim: int, num_heads: int, head_dim: int, max_positions: int, **options: Any
     ) -> LearnedAbsolute:
+        """``LearnedAbsolute(max_positions, dim)`` (``build_for_model``'s hook): a (max_positions, dim) table
+        added to the token embeddings; num_heads and head_dim are not read."""
         return cls(max_positions, dim, **options)
 
     def forward(self, positions: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:

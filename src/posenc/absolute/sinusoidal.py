@@ -55,6 +55,8 @@ class Sinusoidal(nn.Module):
     def from_model_dims(
         cls, *, dim: int, num_heads: int, head_dim: int, max_positions: int, **options: Any
     ) -> Sinusoidal:
+        """``Sinusoidal(dim, **options)`` (``build_for_model``'s hook): (..., dim) encodings added to the token
+        embeddings; num_heads, head_dim and max_positions are not read."""
         return cls(dim, **options)
 
     def forward(self, positions: torch.Tensor, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:

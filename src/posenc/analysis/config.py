@@ -114,10 +114,12 @@ class FigureConfig:
 
     @property
     def base(self) -> float:
+        """theta in theta_i = base^(-2i/r), read from rope_parameters (rope_theta)."""
         return self.spec.base
 
     @property
     def rope_type(self) -> str:
+        """The scaling type of rope_parameters, as transformers names it."""
         return self.spec.rope_type
 
     def rope_kwargs(self) -> dict[str, Any]:

@@ -36,18 +36,22 @@ class WavelengthResult:
 
     @property
     def pair(self) -> torch.Tensor:
+        """(r/2,) int64: the pair index i, 0 .. r/2 - 1."""
         return torch.arange(self.inv_freq.shape[0])
 
     @property
     def rotations(self) -> torch.Tensor:
+        """(r/2,) float64: L / lambda_i, the turns pair i makes within the training length."""
         return self.train_len / self.wavelength
 
     @property
     def partial(self) -> torch.Tensor:
+        """(r/2,) bool: True where pair i turns less than once within the training length (lambda_i > L)."""
         return self.wavelength > self.train_len
 
     @property
     def unchanged(self) -> torch.Tensor:
+        """(r/2,) bool: True where the scaling left theta_i as plain RoPE has it, to 4 ulp."""
         # Up to rounding: at factor 1, YaRN's ramp and Llama 3's band blend theta / 1 with theta and land an ulp off
         # theta, and a pair the type leaves alone must not look changed for that (a factor 1 + 1e-12 changes it).
         return (self.inv_freq - self.base_inv_freq).abs() <= 4 * torch.finfo(torch.float64).eps * self.base_inv_freq

@@ -85,6 +85,8 @@ class ALiBi(ScoreBias):
 
     @classmethod
     def from_model_dims(cls, *, dim: int, num_heads: int, head_dim: int, max_positions: int, **options: Any) -> ALiBi:
+        """``ALiBi(num_heads, **options)`` (``build_for_model``'s hook): one slope a head; dim, head_dim and
+        max_positions are not read (the bias is defined at any length)."""
         return cls(num_heads, **options)
 
     def _apply(self, fn, recurse: bool = True) -> ALiBi:  # type: ignore[no-untyped-def]

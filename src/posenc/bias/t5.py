@@ -135,6 +135,9 @@ class T5Bias(ScoreBias):
         return self.table(buckets).permute(0, 3, 1, 2)
 
     def get_extra_state(self) -> torch.Tensor:
+        """(3,) int64 on the CPU, saved in the state dict: num_buckets, max_distance, bidirectional (0 or 1), which
+        ``load_state_dict`` checks against this module's (the (num_buckets, h) table's shape shows neither of the
+        last two)."""
         # A tensor, which safetensors stores, and a new one on every call: a buffer would be one tensor under every
         # layer that shares the bias, which safetensors' save_model keeps once, and its load_model then refused the
         # files saved before (no such key under any name) for the names it had dropped.

@@ -292,6 +292,7 @@ class LabConfig:
 
     @property
     def seeds(self) -> tuple[int, ...]:
+        """The seeds each encoding trains with: seed .. seed + num_seeds - 1."""
         return tuple(range(self.seed, self.seed + self.num_seeds))
 
     def model_spec(self) -> ModelSpec:
@@ -307,6 +308,7 @@ class LabConfig:
 
     @property
     def resolved_finetune_lr(self) -> float:
+        """The fine-tunes' learning rate: finetune_lr where given, else lr / 10."""
         # A tenth of the peak rate: the PI and YaRN fine-tunes use a small fraction of the pretraining rate.
         return self.finetune_lr if self.finetune_lr is not None else self.lr / 10
 

@@ -375,6 +375,8 @@ class RoPE(nn.Module):
 
     @classmethod
     def from_model_dims(cls, *, dim: int, num_heads: int, head_dim: int, max_positions: int, **options: Any) -> RoPE:
+        """``RoPE(head_dim, max_position_embeddings=max_positions, **options)`` (``build_for_model``'s hook): a
+        rotation of each head's ``head_dim`` channels; dim and num_heads are not read."""
         # The training length is what the length-dependent scaling types extend from. Given twice it would have to be
         # one value silently chosen over the other.
         if "max_position_embeddings" in options:
@@ -386,18 +388,22 @@ class RoPE(nn.Module):
 
     @property
     def head_dim(self) -> int:
+        """d: the channels of a head, the last dimension of the q and k this RoPE takes."""
         return self.spec.head_dim
 
     @property
     def rotary_dim(self) -> int:
+        """r (even, <= d): the channels rotated, in r/2 pairs; the d - r after them pass through unchanged."""
         return self.spec.rotary_dim
 
     @property
     def base(self) -> float:
+        """theta in theta_i = base^(-2i/r): the base of the unscaled frequencies."""
         return self.spec.base
 
     @property
     def rope_type(self) -> str:
+        """The scaling type, as transformers names it ('default', 'linear', 'dynamic', 'yarn', ...)."""
         return self.spec.rope_type
 
     def frequencies(self, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
@@ -449,7 +455,9 @@ class RoPE(nn.Module):
         return self.mode == "consistent" and self.spec.rope_type in SEQ_LEN_DEPENDENT
 
     def scaling_length(self, positions: torch.Tensor) -> int | None:
-        """The seq_len a forward call scales for; advances the 'hf' dynamic NTK state as transformers does."""
+        """The seq_len a forward call with these positions (integer, any shape) scales for: max(positions) + 1, or
+        for 'hf' dynamic NTK the state it advances as transformers does; None for a type that does not depend on
+        the length, or no positions."""
         if self.spec.rope_type not in SEQ_LEN_DEPENDENT or positions.numel() == 0:
             return None
         if positions.device.type == "meta" or (fake_mode_active() and not recording()):  # shapes only, no state
