@@ -333,6 +333,16 @@ def test_per_layer_rope_dicts_need_a_layer_type() -> None:
             ValueError,
             "rope_parameters['mrope_section'] is None: give the pairs per axis",
         ),
+        # Not a list: a bare "'int' object is not iterable" from list() before; a string was split into characters.
+        *(
+            (
+                {"model_type": model_type, "head_dim": 16, "rope_parameters": {"mrope_section": section}},
+                TypeError,
+                f"rope_parameters['mrope_section'] must be a list of frequency pairs per axis, e.g. [16, 24, 24], got "
+                f"{section!r}",
+            )
+            for model_type, section in (("qwen2_vl_text", 8), ("qwen2_vl_text", "2,3,3"), ("llama", 8), ("llama", 0))
+        ),
         # ERNIE-4.5-VL's sections are in the order h, w, t: the example must not be read as t, h, w.
         (
             {"model_type": "ernie4_5_vl_moe_text", "head_dim": 128, "rope_parameters": {"mrope_section": []}},

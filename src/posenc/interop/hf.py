@@ -21,7 +21,7 @@ import inspect
 import json
 import os
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -498,6 +498,13 @@ def rope_kwargs_from_config(config: Any, *, layer_type: str | None = None) -> di
             f"rope_parameters['mrope_section'] is {given!r}: give the pairs per axis "
             f"({_MROPE_AXIS_ORDER[mrope_layout]}), e.g. {list(mrope_section)}, or leave the key out for the default "
             f"of model_type {model_type!r}"
+        )
+    if given is not None and (isinstance(given, (str, bytes)) or not isinstance(given, Sequence)):
+        # list() of it failed with "'int' object is not iterable" (rope_from_config, posenc plot --config), or, for a
+        # string, made one section of each character.
+        raise TypeError(
+            f"rope_parameters['mrope_section'] must be a list of frequency pairs per axis, e.g. [16, 24, 24], got "
+            f"{given!r}"
         )
     mrope_section = given or mrope_section
     key = rope.pop("mrope_interleaved", None)
