@@ -722,6 +722,77 @@ def test_errors_found_by_the_fourth_bad_input_audit(call, error, match):
         call()
 
 
+def _consistent_step(cache: posenc.KVCache) -> None:
+    rope = posenc.RoPE(
+        8, rope_parameters={"rope_type": "dynamic", "factor": 2.0}, max_position_embeddings=4, mode="consistent"
+    )
+    posenc.CausalSelfAttention(32, 4, num_kv_heads=2, encoding=rope)(torch.randn(2, 1, 32), cache=cache)
+
+
+_k5 = torch.randn(2, 2, 5, 8)
+_p5 = torch.arange(5)[None]
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        # An empty AssertionError from KVCache._check_new at the first step before.
+        (
+            lambda: _consistent_step(posenc.KVCache(unrotated_k=_k5)),
+            ValueError,
+            r"KVCache.unrotated_k belongs to the cached keys k .* give it with k, v and positions",
+        ),
+        (
+            lambda: posenc.KVCache(rotated_with=torch.ones(4, dtype=torch.float64)),
+            ValueError,
+            r"KVCache.rotated_with belongs to the cached keys k",
+        ),
+        # An error about the rotation's shapes ("x must be (b, h, t, d=8) and positions (b or 1, t)") before.
+        (
+            lambda: _consistent_step(posenc.KVCache(_k5, _k5, _p5, unrotated_k=_k5[:, :, :3])),
+            ValueError,
+            r"KVCache.unrotated_k must be the keys k before rotation, of k's shape \(2, 2, 5, 8\), dtype "
+            r"torch.float32 and device cpu; got \(2, 2, 3, 8\)",
+        ),
+        # Silent before: integer unrotated keys kept, a 2-D rotated_with kept.
+        (
+            lambda: posenc.KVCache(_k5, _k5, _p5, unrotated_k=_k5.long()),
+            TypeError,
+            "KVCache.unrotated_k must be a floating-point tensor",
+        ),
+        (
+            lambda: posenc.KVCache(_k5, _k5, _p5, unrotated_k=_k5, rotated_with=torch.ones(4, 1)),
+            ValueError,
+            r"KVCache.rotated_with must be the \(r/2,\) frequencies the keys were rotated with, got shape \(4, 1\)",
+        ),
+        # An AttributeError ("'list' object has no attribute 'dim'") before.
+        (
+            lambda: posenc.KVCache().next_positions(3, document_ids=[0, 0, 1]),
+            TypeError,
+            "document_ids must be an integer torch.Tensor, got list",
+        ),
+    ],
+)
+def test_errors_found_by_the_fifth_bad_input_audit(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_a_cache_built_with_its_unrotated_keys_decodes_as_one_filled_by_the_attention() -> None:
+    rope = posenc.RoPE(
+        8, rope_parameters={"rope_type": "dynamic", "factor": 2.0}, max_position_embeddings=4, mode="consistent"
+    )
+    torch.manual_seed(0)
+    layer = posenc.CausalSelfAttention(32, 4, num_kv_heads=2, encoding=rope)
+    x = torch.randn(2, 6, 32)
+    filled = posenc.KVCache()
+    layer(x[:, :5], cache=filled)
+    rebuilt = posenc.KVCache(
+        filled.k, filled.v, filled.positions, unrotated_k=filled.unrotated_k, rotated_with=filled.rotated_with
+    )
+    torch.testing.assert_close(layer(x[:, 5:], cache=rebuilt), layer(x[:, 5:], cache=filled), rtol=0, atol=0)
+
+
 def test_byte_ids_may_come_as_uint8():
     """A byte corpus read as uint8 (nn.Embedding takes int32/int64 only): the same logits as int64 ids."""
     model, ids = _byte_lm(), torch.tensor([[104, 105, 0, 255]])

@@ -89,12 +89,41 @@ class KVCache:
             raise ValueError(f"KVCache needs k, v and positions together (or none of them), got only {given}")
         if self.k is not None:
             self._check_new(self.k, self.v, None, self.positions)
+        self._check_rotation_state()
         if self.document_ids is not None:
             if self.k is None:
                 raise ValueError("KVCache.document_ids are the cached keys' ids: give them with k, v and positions")
             self.document_ids = resolve_document_ids(
                 self.document_ids, batch=self.k.shape[0], seq_len=self.k.shape[2], device=self.k.device
             )
+
+    def _check_rotation_state(self) -> None:
+        """Raise unless unrotated_k and rotated_with are what a 'consistent' RoPE's update_rotating keeps beside k:
+        the same keys before rotation (k's shape, dtype and device) and the (r/2,) frequencies they were rotated
+        with. A cache built otherwise failed at its first step with an empty AssertionError (unrotated_k without
+        k), an error about the rotation's shapes (fewer unrotated keys than keys), or kept integer keys."""
+        for name, value in (("unrotated_k", self.unrotated_k), ("rotated_with", self.rotated_with)):
+            if value is not None and self.k is None:
+                raise ValueError(
+                    f"KVCache.{name} belongs to the cached keys k (a 'consistent' RoPE keeps it beside them): give "
+                    "it with k, v and positions, or start with KVCache() and let the attention fill it"
+                )
+        if self.unrotated_k is not None:
+            assert self.k is not None
+            float_tensor("KVCache.unrotated_k", self.unrotated_k)
+            held = (self.unrotated_k.shape, self.unrotated_k.dtype, self.unrotated_k.device)
+            if held != (self.k.shape, self.k.dtype, self.k.device):
+                raise ValueError(
+                    f"KVCache.unrotated_k must be the keys k before rotation, of k's shape {tuple(self.k.shape)}, "
+                    f"dtype {self.k.dtype} and device {self.k.device}; got {tuple(held[0])}, {held[1]}, {held[2]}"
+                )
+        if self.rotated_with is not None:
+            float_tensor("KVCache.rotated_with", self.rotated_with)
+            if self.rotated_with.dim() != 1:
+                raise ValueError(
+                    "KVCache.rotated_with must be the (r/2,) frequencies the keys were rotated with, got shape "
+                    f"{tuple(self.rotated_with.shape)}"
+                )
 
     @property
     def length(self) -> int:
@@ -172,6 +201,7 @@ class KVCache:
         if isinstance(seq_len, bool) or not isinstance(seq_len, (int, torch.SymInt)) or seq_len < 0:
             raise ValueError(f"seq_len must be an int >= 0 (the number of new tokens), got {seq_len!r}")
         if document_ids is not None:
+            int_tensor("document_ids", document_ids, what="document ids")
             held = self.k.shape[0] if self.k is not None else None
             batch = held if held is not None else (document_ids.shape[0] if document_ids.dim() == 2 else 1)
             docs = resolve_document_ids(document_ids, batch=batch, seq_len=seq_len, device=device)
