@@ -85,6 +85,34 @@ def test_scale_gives_the_operands_size_where_the_result_is_smaller():
         assert_close(actual, reference, scale=torch.ones(3))
 
 
+@pytest.mark.parametrize(
+    ("actual", "reference"),
+    [
+        (torch.arange(3), torch.arange(3)),  # integers compare exactly, before the scale was looked at
+        (torch.ones(0, 2), torch.ones(0, 2, dtype=torch.float64)),  # nothing to compare, ditto
+        (torch.ones(2, 2), torch.ones(2, 2, dtype=torch.float64)),
+    ],
+)
+def test_a_bad_scale_is_refused_whatever_the_operands(actual, reference):
+    """A negative, misshapen or boolean scale passed silently where the operands were integers or empty, and failed
+    only once a test's operands became floats or non-empty."""
+    with pytest.raises(ValueError, match="scale must be finite and >= 0"):
+        assert_close(actual, reference, scale=-1.0)
+    with pytest.raises(ValueError, match=r"scale must be .* broadcastable to the reference's shape"):
+        assert_close(actual, reference, scale=torch.ones(7))
+    with pytest.raises(TypeError, match="scale must be a float or a float tensor"):
+        assert_close(actual, reference, scale=True)
+
+
+@pytest.mark.parametrize("name", ["actual", "reference"])
+def test_operands_that_are_not_tensors_are_named(name):
+    """An AttributeError ("'list' object has no attribute 'is_floating_point'") before."""
+    operands = {"actual": torch.ones(2), "reference": torch.ones(2, dtype=torch.float64)}
+    operands[name] = [1.0, 1.0]
+    with pytest.raises(TypeError, match=f"{name} must be a torch.Tensor, got list"):
+        assert_close(operands["actual"], operands["reference"])
+
+
 def test_non_finite_values_match_exactly_and_do_not_widen_their_row():
     reference = torch.tensor([[math.inf, 1.0], [-math.inf, 0.5]], dtype=torch.float64)
     assert_close(reference.float(), reference)

@@ -88,6 +88,14 @@ def assert_close(
     absolute tolerance), which the row's largest value would let drift. Non-finite values must match exactly (nan
     never does).
     """
+    for name, value in (("actual", actual), ("reference", reference)):
+        if not isinstance(value, torch.Tensor):
+            # An AttributeError from the first tensor method before (a list, a numpy array).
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}; wrap it with torch.as_tensor")
+    if scale is not None and actual.shape == reference.shape and actual.device == reference.device:
+        # Checked on every path: integer operands and empty ones returned before their scale was looked at, so a
+        # negative or misshapen scale passed there and failed only once the operands became floats or non-empty.
+        checked_scale(scale, reference)
     if not actual.is_floating_point() and not actual.is_complex():
         # In int64 where both are integers: float64 holds integers exactly only up to 2**53.
         wide = torch.int64 if not (reference.is_floating_point() or reference.is_complex()) else torch.float64
@@ -130,6 +138,9 @@ def _row_scale(reference: torch.Tensor) -> torch.Tensor:
 
 def _checked_scale(scale: float | torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
     """``scale`` as a float64 tensor broadcastable to ``reference``; finite and non-negative."""
+    if isinstance(scale, bool) or (isinstance(scale, torch.Tensor) and scale.dtype == torch.bool):
+        # True read as a scale of 1.0: a flag passed where the size of the operands goes.
+        raise TypeError(f"scale must be a float or a float tensor (the size of the operands), got {scale!r}")
     size = torch.as_tensor(scale, dtype=torch.float64, device=reference.device)
     try:
         fits = torch.broadcast_shapes(size.shape, reference.shape) == reference.shape
