@@ -765,6 +765,17 @@ _p5 = torch.arange(5)[None]
             ValueError,
             r"KVCache.rotated_with must be the \(r/2,\) frequencies the keys were rotated with, got shape \(4, 1\)",
         ),
+        # "len() of a 0-d tensor" from inside torch before.
+        *(
+            (
+                lambda factor=factor: posenc.rope_frequencies(
+                    8, {**_longrope, "long_factor": [1.0] * 4, "short_factor": factor}
+                ),
+                TypeError,
+                r"rope_parameters\['short_factor'\] must be a list of 4 positive numbers",
+            )
+            for factor in (torch.tensor(1.0), torch.tensor(1.0).numpy())
+        ),
         # An AttributeError ("'list' object has no attribute 'dim'") before.
         (
             lambda: posenc.KVCache().next_positions(3, document_ids=[0, 0, 1]),

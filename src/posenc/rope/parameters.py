@@ -106,7 +106,9 @@ def _real(key: str, value: Any, *, low: float, low_inclusive: bool, hint: str = 
 
 def _factor_list(key: str, value: Any, pairs: int) -> tuple[float, ...]:
     # A dict or set has a length too, but no order of pairs (a dict would be read by its keys).
-    if isinstance(value, (str, bytes, Mapping, set, frozenset)) or not hasattr(value, "__len__"):
+    # A 0-d tensor or array has __len__ too, which raises ("len() of a 0-d tensor", from inside torch).
+    zero_dim = getattr(value, "ndim", None) == 0
+    if isinstance(value, (str, bytes, Mapping, set, frozenset)) or not hasattr(value, "__len__") or zero_dim:
         raise TypeError(f"rope_parameters['{key}'] must be a list of {pairs} positive numbers, got {value!r}")
     if len(value) != pairs:
         raise ValueError(
