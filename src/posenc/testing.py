@@ -95,7 +95,7 @@ def assert_close(
     if scale is not None and actual.shape == reference.shape and actual.device == reference.device:
         # Checked on every path: integer operands and empty ones returned before their scale was looked at, so a
         # negative or misshapen scale passed there and failed only once the operands became floats or non-empty.
-        checked_scale(scale, reference)
+        _checked_scale(scale, reference)
     if not actual.is_floating_point() and not actual.is_complex():
         # In int64 where both are integers: float64 holds integers exactly only up to 2**53.
         wide = torch.int64 if not (reference.is_floating_point() or reference.is_complex()) else torch.float64
