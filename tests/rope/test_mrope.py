@@ -344,3 +344,17 @@ def test_every_layout_is_relative_per_axis_and_plain_rope_on_one_axis(
         rope(q, k, positions=positions[:1].expand(3, b, s)), plain(q, k, positions=positions[0]), strict=True
     ):
         torch.testing.assert_close(ours, theirs, rtol=0.0, atol=1e-12)
+
+
+def test_axis_of_pair_refuses_what_the_module_refuses() -> None:
+    """mrope_axis_of_pair (which the M-RoPE figure and mrope_cos_sin call) read an unknown layout as 'alternating' and
+    took negative or unequal alternating sections, giving axes with no error."""
+    with pytest.raises(ValueError, match="mrope_layout must be one of"):
+        mrope_axis_of_pair([2, 3, 3], layout="foo")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=re.escape("mrope_section[1] must be an integer >= 0")):
+        mrope_axis_of_pair([2, -1, 3])
+    with pytest.raises(ValueError, match="alternating M-RoPE alternates h and w"):
+        mrope_axis_of_pair([3, 1, 4], layout="alternating")
+    with pytest.raises(ValueError, match="interleaved M-RoPE takes 3 sections"):
+        mrope_axis_of_pair([4, 4], layout="interleaved")
+    assert mrope_axis_of_pair([2, 2, 4], layout="alternating").tolist() == [1, 2, 1, 2, 0, 0, 0, 0]

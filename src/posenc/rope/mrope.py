@@ -103,7 +103,8 @@ def mrope_axis_of_pair(
     # Built from Python ints: traced by torch.compile, a repeat_interleave by section sizes (or a boolean index)
     # has a data-dependent shape, which broke the graph on every call of a sections / alternating M-RoPE (a patched
     # Qwen2-VL's or ERNIE-4.5-VL's forward, whose unpatched model compiles whole); a list is a constant of the graph.
-    sections = list(mrope_section)
+    layout = check_mrope_layout(layout)
+    sections = [_non_negative_int(f"mrope_section[{i}]", n) for i, n in enumerate(mrope_section)]
     pairs = sum(sections) if pairs is None else pairs
     if layout != "interleaved" and pairs != sum(sections):
         # Their sections count every pair; laid out over another number they would give an axis pairs (or take
@@ -112,6 +113,8 @@ def mrope_axis_of_pair(
             f"{layout} mrope_section {sections} lays out {sum(sections)} pairs, but there are {pairs} (rotary_dim / "
             "2); only 'interleaved' sections may sum to another number"
         )
+    # An unknown layout read as 'alternating', or 2 sections read past their end, gave axes with no error.
+    check_mrope_section(sections, 2 * pairs, layout=layout)
     if layout == "sections":
         axes = [i % AXES for i, count in enumerate(sections) for _ in range(count)]
     elif layout == "interleaved":
