@@ -187,3 +187,30 @@ def test_bad_rope_parameters_are_named_not_the_example_arguments(rope_type, give
     checks, whose errors name the key the user gave."""
     with pytest.raises(ValueError, match=match):
         FigureConfig.from_flags(rope_type=rope_type, rope_parameters=given, head_dim=head_dim)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        # A vision-language model: its text model, heads and RoPE alike, is in text_config.
+        {
+            "model_type": "llava",
+            "text_config": {
+                "model_type": "qwen3",
+                "hidden_size": 512,
+                "num_attention_heads": 16,
+                "num_key_value_heads": 4,
+                "head_dim": 32,
+                "max_position_embeddings": 4096,
+            },
+            "vision_config": {"hidden_size": 64},
+        },
+        # DBRX spells the head count n_heads (its config class's attribute_map).
+        {"model_type": "dbrx", "d_model": 512, "n_heads": 16, "max_seq_len": 2048, "attn_config": {"rope_theta": 5e5}},
+    ],
+    ids=["text_config", "dbrx"],
+)
+def test_a_hugging_face_config_gives_its_text_models_head_count(config):
+    # Read from the top-level keys alone, both were drawn with the default 8 heads (the ALiBi panels' slopes too).
+    figure = FigureConfig.from_mapping(config)
+    assert (figure.head_dim, figure.num_heads) == (32, 16)

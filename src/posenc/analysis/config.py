@@ -15,7 +15,7 @@ from typing import Any
 
 from posenc._checks import positive_int
 from posenc.analysis.frequencies import EXAMPLE_ROPE_PARAMETERS, example_rope_parameters, is_extension_factor
-from posenc.interop.hf import rope_kwargs_from_config
+from posenc.interop.hf import num_heads_from_config, rope_kwargs_from_config
 from posenc.rope.parameters import REQUIRED_KEYS, RopeSpec, parse_rope_parameters, pop_rope_type, rotary_fraction
 
 # The training length the figures assume when nothing says otherwise.
@@ -170,7 +170,9 @@ class FigureConfig:
         train_len = rope.get("original_max_position_embeddings") or max_positions or DEFAULT_TRAIN_LEN
         # A config that extends past its training length says how far; otherwise look 4x past it.
         eval_len = max_positions if max_positions and max_positions > train_len else 4 * train_len
-        num_heads = data.get("num_attention_heads") or data.get("n_head")
+        # The text model's heads, found where the RoPE is: top-level keys alone drew a vision-language model (its
+        # heads in text_config) or DBRX (n_heads) with the default 8, and the ALiBi panels with 8 heads' slopes.
+        num_heads = num_heads_from_config(data)
         return cls(
             head_dim=head_dim,
             rope_parameters=rope,

@@ -349,6 +349,19 @@ def _first(cfg: Mapping[str, Any], *keys: str) -> Any:
     return None
 
 
+def _attention_heads(cfg: Mapping[str, Any]) -> Any:
+    """The query heads a text model's config gives (GPT-2-style configs spell it n_head), or None."""
+    return _first(cfg, "num_attention_heads", "n_head")
+
+
+def num_heads_from_config(config: Any) -> int | None:
+    """The query heads of the text model a config describes, or None where it gives none. config: as for
+    ``rope_kwargs_from_config``, and read as it reads the RoPE: a vision-language model's heads are its
+    text_config's, and a model's own spelling (DBRX's n_heads) is its config class's ``attribute_map``'s."""
+    cfg, _ = _load(config)
+    return _attention_heads(_with_aliases(_text_model(cfg)))
+
+
 def _rope_dict(cfg: Mapping[str, Any]) -> Any:
     """The config's rope dict as transformers takes it: a legacy ``rope_scaling`` that is not empty wins over
     ``rope_parameters`` (a model card's YaRN block added to a config.json saved with rope_parameters), theta
@@ -584,7 +597,7 @@ def rope_kwargs_from_config(config: Any, *, layer_type: str | None = None) -> di
             )
         rope["partial_rotary_factor"] = rotary_fraction(rotated, head_dim)
     if head_dim is None:
-        hidden, heads = _first(cfg, "hidden_size", "n_embd", "d_model"), _first(cfg, "num_attention_heads", "n_head")
+        hidden, heads = _first(cfg, "hidden_size", "n_embd", "d_model"), _attention_heads(cfg)
         if hidden is None or heads is None:
             raise ValueError("config needs head_dim, or hidden_size and num_attention_heads, to size the rotation")
         head_dim = positive_int("config hidden_size", hidden) // positive_int("config num_attention_heads", heads)
