@@ -28,7 +28,6 @@ from posenc._checks import (
     size_in,
     to_device,
 )
-from posenc.rope.apply import apply_rotary_qk
 from posenc.rope.frequencies import SEQ_LEN_DEPENDENT
 from posenc.rope.module import Layout, RoPE
 
@@ -244,14 +243,7 @@ class MRoPE(RoPE):
                 f"width ids), got {tuple(positions.shape)}"
             )
         pos = to_device("positions", positions, q.device).to(torch.long) + offset
-        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        if seq_len is None and q.device.type != "meta":  # advances 'hf' dynamic NTK's state, as RoPE.forward does
-            cos, sin = self.call_cos_sin(pos, dtype=dtype)  # (b or 1, s, r/2)
-        else:
-            cos, sin = self.cos_sin(pos, seq_len=seq_len, dtype=dtype)
-        head_axis = 1 if layout == "bhsd" else 2
-        cos, sin = cos.unsqueeze(head_axis), sin.unsqueeze(head_axis)
-        return apply_rotary_qk(q, k, cos, sin, interleaved=self.interleaved, backend=self.backend)
+        return self._rotate_at(q, k, pos, layout, seq_len)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, mrope_section={list(self.mrope_section)}, mrope_layout={self.mrope_layout!r}"
