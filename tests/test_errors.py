@@ -1132,6 +1132,29 @@ def test_a_table_on_another_device_than_x_is_refused_naming_both_devices():
             posenc.apply_rotary(x, cos, cos.to("meta"), offset=0, backend=backend)
 
 
+@pytest.mark.parametrize(
+    ("call", "name", "x_name"),
+    [
+        (lambda x, t: posenc.apply_rotary(x, t, t, positions=torch.arange(5)), "positions", "x"),
+        (lambda x, t: posenc.apply_rotary_qk(x, x, t, t, offset=torch.tensor([3])), "offset", "q"),
+        (
+            lambda x, t: posenc.apply_rotary(x[0].transpose(0, 1), t, t, cu_seqlens=torch.tensor([0, 2, 5])),
+            "cu_seqlens",
+            "x",
+        ),
+    ],
+    ids=["positions", "offset", "cu_seqlens"],
+)
+def test_index_tensors_on_another_device_than_x_are_refused_with_the_move(call, name, x_name):
+    """A table call's positions, offset or cu_seqlens elsewhere than x (meta stands in for a second device): the error
+    names the tensor as the caller calls it (q, not x) and the move that fixes it; it said "positions is on cpu but x
+    on meta" and no fix."""
+    x, table = torch.empty(1, 2, 5, 8, device="meta"), torch.empty(16, 4, device="meta")
+    expected = rf"^{name} is on cpu but {x_name} on meta; move it there: {name}\.to\({x_name}\.device\)$"
+    with pytest.raises(ValueError, match=expected):
+        call(x, table)
+
+
 @pytest.mark.parametrize("flat", [False, True], ids=["(n, h, d)", "(n, h * d)"])
 def test_the_token_major_hint_names_only_views_that_fit_the_call(flat):
     """x of too few dims: the hint names only views that fit the call. Not (h, s, d) for a 2-D x; not a decode

@@ -170,7 +170,7 @@ def check_table_call(
         if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
             raise ValueError(f"cu_seqlens must be 1-D (n_seq + 1,), got shape {tuple(cu_seqlens.shape)}")
         if cu_seqlens.device != first.device:
-            raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but x on {first.device}")
+            raise _elsewhere("cu_seqlens", cu_seqlens, xs)
         batch = cu_seqlens.shape[0] - 1
         if check_data:
             if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != seq:
@@ -201,7 +201,7 @@ def check_table_call(
         # One offset for every sequence, as a 0-d or (1,) tensor: the same as resolve_positions accepts.
         offset = offset.reshape(1).expand(batch) if offset.shape != (batch,) else offset
         if offset.device != first.device:
-            raise ValueError(f"offset is on {offset.device} but x on {first.device}")
+            raise _elsewhere("offset", offset, xs)
         # Whole, where offset is a DTensor: .any() of a shard read on the host is that rank's alone, so only the rank
         # holding a negative offset raised, and the others went on into the next collective (a hang on NCCL).
         if check_data and not rows_checked and not reads_offsets and bool((replicated_values(offset) < 0).any()):
@@ -245,7 +245,7 @@ def check_table_call(
             )
             raise ValueError(f"{expected}{given}{hint}")
         if positions.device != first.device:
-            raise ValueError(f"positions is on {positions.device} but x on {first.device}")
+            raise _elsewhere("positions", positions, xs)
     if seq > 0 and consecutive_rows(kind, positions, offsets):
         # offset..offset+s-1: the range is known without building it (a decode step's common case).
         if offset_int + seq > cos.shape[0]:
@@ -286,6 +286,13 @@ def check_table_call(
 
 
 _NEGATIVE_OFFSET = "offset must be >= 0, got a negative entry"
+
+
+def _elsewhere(name: str, t: torch.Tensor, xs: dict[str, torch.Tensor]) -> ValueError:
+    """The refusal of an index tensor (positions, offset, cu_seqlens) on another device than the activations xs
+    (name -> tensor, all on one device), naming both and the move that fixes it."""
+    x_name, x = next(iter(xs.items()))
+    return ValueError(f"{name} is on {t.device} but {x_name} on {x.device}; move it there: {name}.to({x_name}.device)")
 
 
 def _check_rows_in_table(low: int, high: int, rows: int) -> None:
