@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from posenc._checks import positive_int
+from posenc._checks import flag, positive_int
 from posenc.analysis.frequencies import EXAMPLE_ROPE_PARAMETERS, example_rope_parameters, is_extension_factor
 from posenc.interop.hf import num_heads_from_config, rope_kwargs_from_config
 from posenc.rope.parameters import REQUIRED_KEYS, RopeSpec, parse_rope_parameters, pop_rope_type, rotary_fraction
@@ -98,8 +98,7 @@ class FigureConfig:
                 "extension is evaluated at"
             )
         positive_int("num_heads", self.num_heads)
-        if not isinstance(self.interleaved, bool):
-            raise TypeError(f"interleaved must be True or False, got {self.interleaved!r}")
+        flag("interleaved", self.interleaved)
         # Raises on an unknown type, a missing or unused key, a bad base or rotary fraction.
         object.__setattr__(
             self,
