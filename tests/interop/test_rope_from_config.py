@@ -343,6 +343,14 @@ def test_per_layer_rope_dicts_need_a_layer_type() -> None:
             )
             for model_type, section in (("qwen2_vl_text", 8), ("qwen2_vl_text", "2,3,3"), ("llama", 8), ("llama", 0))
         ),
+        # float() read these, and bool() the string "false" as true (laying the axes out interleaved).
+        ({"head_dim": 8, "rope_theta": "10000"}, ValueError, "the config's rope_theta must be a number, got '10000'"),
+        ({"head_dim": 8, "rope_theta": True}, ValueError, "the config's rope_theta must be a number, got True"),
+        (
+            {"head_dim": 8, "rope_parameters": {"mrope_section": [1, 1, 2], "mrope_interleaved": "false"}},
+            TypeError,
+            "rope_parameters['mrope_interleaved'] must be true or false, got 'false'",
+        ),
         # ERNIE-4.5-VL's sections are in the order h, w, t: the example must not be read as t, h, w.
         (
             {"model_type": "ernie4_5_vl_moe_text", "head_dim": 128, "rope_parameters": {"mrope_section": []}},

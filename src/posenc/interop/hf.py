@@ -521,6 +521,9 @@ def rope_kwargs_from_config(config: Any, *, layer_type: str | None = None) -> di
         )
     mrope_section = given or mrope_section
     key = rope.pop("mrope_interleaved", None)
+    if key is not None and not isinstance(key, bool):
+        # Read as a truth value, the string "false" (a hand-written config) laid the axes out interleaved.
+        raise TypeError(f"rope_parameters['mrope_interleaved'] must be true or false, got {key!r}")
     if mrope_layout is None:
         mrope_layout = "interleaved" if key else "sections"
     elif key is not None and bool(key) != (mrope_layout == "interleaved"):
@@ -535,6 +538,8 @@ def rope_kwargs_from_config(config: Any, *, layer_type: str | None = None) -> di
     if theta is None:
         theta = _first(cfg, *_TOP_LEVEL_THETA.get(model_type, ("rope_theta", "rotary_emb_base")))
     try:
+        if isinstance(theta, (str, bytes, bool)):
+            raise TypeError  # float() reads "10000" and True: a config of the wrong type, not a base
         rope["rope_theta"] = float(default_theta if theta is None else theta)
     except (TypeError, ValueError):
         raise ValueError(f"the config's rope_theta must be a number, got {theta!r}") from None
