@@ -424,3 +424,34 @@ def test_decode_steps_stay_materialized_even_when_flex_is_forced(monkeypatch):
         layer(x[:, :1], cache=cache)
         for i in range(1, 8):
             layer(x[:, i : i + 1], cache=cache)
+
+
+class _LogALiBi(ALiBi):
+    """A user's variant: -slope * log(1 + |m - n|), ALiBi's slopes with its own score_bias."""
+
+    def score_bias(self, q_positions, k_positions):
+        slopes = self.head_slopes().float()[None, :, None, None]
+        return -slopes * torch.log1p(-super().score_bias(q_positions, k_positions) / slopes)
+
+
+class _ShiftedT5(T5Bias):
+    def score_bias(self, q_positions, k_positions):
+        return super().score_bias(q_positions, k_positions) + 1.0
+
+
+@pytest.mark.parametrize("encoding", [_LogALiBi(4), _ShiftedT5(4)], ids=["alibi-subclass", "t5-subclass"])
+def test_a_subclass_with_its_own_score_bias_is_attended_with_it(encoding, monkeypatch, flex_calls):
+    """FlexAttention's score_mods compute ALiBi's and T5's formulas: a subclass that overrides score_bias was
+    attended there with its parent's bias (a log-distance ALiBi came out as plain ALiBi, off by 0.23) once a call
+    was long enough for FlexAttention. It is materialized from its own score_bias at every length."""
+    torch.manual_seed(0)
+    layer = CausalSelfAttention(32, 4, encoding=encoding).eval()
+    x = torch.randn(1, 64, 32)
+    with torch.no_grad():
+        expected = _materialized(layer, monkeypatch, x)
+        monkeypatch.setattr(flex_bias, "CPU_MIN_SCORES", 0)
+        monkeypatch.setattr(flex_bias, "_GIVEN_UP", set())
+        got = layer(x)
+    assert flex_calls == []
+    assert flex_bias.score_mod_for(encoding, torch.arange(64)[None], 0) is None
+    assert_close(got, expected)

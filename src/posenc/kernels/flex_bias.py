@@ -10,6 +10,9 @@ the compiled attention kernel instead. Where it is used (``use_flex``), only whe
   mask's memory matters more than the compile (seconds on 2 cores); see docs/benchmarks.md for the measured
   peak memory.
 
+A subclass of either that defines its own ``score_bias`` is always materialized from it: the score_mods here
+compute ALiBi's and T5's own formulas.
+
 A KV-cache decode step (s = 1) stays on the materialized path on either device: its (b, h, 1, t) bias is smaller
 than the cache it attends over.
 
@@ -254,17 +257,28 @@ def t5_score_mod(encoding: T5Bias, positions: torch.Tensor, past: int) -> ScoreM
 def score_mod_for(encoding: nn.Module, positions: torch.Tensor, past: int) -> ScoreMod | None:
     """The score_mod of a known bias encoding, or None (then the caller materializes the bias).
     positions: (b or 1, t) of the keys; the queries are the keys from index ``past`` on."""
-    if isinstance(encoding, ALiBi):
+    family = _flex_family(encoding)
+    if family is ALiBi:
         return alibi_score_mod(encoding.head_slopes(), positions, past)
-    if isinstance(encoding, T5Bias):
+    if family is T5Bias:
         return t5_score_mod(encoding, positions, past)
+    return None
+
+
+def _flex_family(encoding: nn.Module) -> type[nn.Module] | None:
+    """ALiBi or T5Bias where the encoding's ``score_bias`` is that family's own, else None. The score_mods compute
+    the family's formula, not the module's ``score_bias``: a subclass with a ``score_bias`` of its own (a
+    log-distance ALiBi) was attended with plain ALiBi's bias on this path, without an error."""
+    for family in (ALiBi, T5Bias):
+        if isinstance(encoding, family):
+            return family if type(encoding).score_bias is family.score_bias else None
     return None
 
 
 def use_flex(encoding: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, need_probs: bool) -> bool:
     """Whether ``attend_flex`` should replace the materialized bias for this call (see the module docstring)."""
     # Cheap checks first: flex_available() imports dynamo, which costs seconds on a process's first call.
-    if need_probs or not isinstance(encoding, (ALiBi, T5Bias)) or q.shape[2] == 1 or q.device.type in _GIVEN_UP:
+    if need_probs or _flex_family(encoding) is None or q.shape[2] == 1 or q.device.type in _GIVEN_UP:
         return False
     if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False  # CPU flex compiles no float64 (CUDA's is unmeasured here); float64 callers want exactness
