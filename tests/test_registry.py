@@ -135,3 +135,79 @@ def test_an_unknown_option_error_lists_options_not_the_sizes(name):
         build_for_model(name, dim=8, num_heads=2, head_dim=4, max_positions=8, bogus=1)
     options = str(refused.value).split("its options: ")[1].split(" (its sizes")[0]
     assert not {"dim", "num_heads", "head_dim", "max_positions"} & set(options.split(", ")), options
+
+
+class _LogDistanceBias(torch.nn.Module):
+    """A user's family: -log(1 + |m - n|) on every head's scores."""
+
+    acts_on = ActsOn.SCORE_BIAS
+
+    def __init__(self, num_heads: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+
+    @classmethod
+    def from_model_dims(cls, *, dim, num_heads, head_dim, max_positions):
+        return cls(num_heads)
+
+    def score_bias(self, q_positions, k_positions):
+        distance = (q_positions[..., :, None] - k_positions[..., None, :]).abs().float()
+        return -torch.log1p(distance).expand(1, self.num_heads, *distance.shape[-2:])
+
+
+@pytest.fixture
+def registry():
+    """The registry itself (the lab holds it by reference), restored after the test."""
+    encodings = posenc.registry.ENCODINGS
+    before = dict(encodings)
+    yield encodings
+    encodings.clear()
+    encodings.update(before)
+
+
+def test_register_adds_a_family_that_the_lab_builds_by_name(registry):
+    from posenc.lab.config import make_config
+
+    posenc.register("logdist", _LogDistanceBias)
+    assert posenc.available()[-1] == "logdist"
+    built = posenc.build_for_model("logdist", dim=16, num_heads=2, head_dim=8, max_positions=32)
+    assert isinstance(built, _LogDistanceBias) and built.num_heads == 2
+    assert make_config("quick", encodings=("logdist", "alibi"), extensions=()).encodings == ("logdist", "alibi")
+
+
+def test_register_names_what_a_family_lacks(registry):
+    class NoDeclaration(torch.nn.Module):
+        pass
+
+    class NoSizes(torch.nn.Module):
+        acts_on = ActsOn.NONE
+
+    with pytest.raises(TypeError, match=r"acts_on = posenc\.ActsOn"):
+        posenc.register("x", NoDeclaration)
+    with pytest.raises(TypeError, match=r"classmethod from_model_dims"):
+        posenc.register("x", NoSizes)
+    with pytest.raises(TypeError, match="the class, not an instance"):
+        posenc.register("x", _LogDistanceBias(2))
+    with pytest.raises(ValueError, match="registered already"):
+        posenc.register("alibi", _LogDistanceBias)
+    for name in ("a,b", "rope+x", "runs/x", "", ".hidden"):
+        with pytest.raises(ValueError, match="encoding name must be"):
+            posenc.register(name, _LogDistanceBias)
+    assert "x" not in registry
+    posenc.register("alibi", _LogDistanceBias, replace=True)
+    assert registry["alibi"] is _LogDistanceBias
+
+
+def test_a_family_put_in_the_registry_without_from_model_dims_is_a_type_error_naming_it(registry):
+    """Put into ENCODINGS by hand, such a class failed with Python's AttributeError from inside build_for_model, and
+    `posenc lab` (whose config check catches ValueError and TypeError) with a traceback."""
+    from posenc.lab.config import make_config
+
+    class NoSizes(torch.nn.Module):
+        acts_on = ActsOn.NONE
+
+    registry["nosizes"] = NoSizes
+    with pytest.raises(TypeError, match=r"'nosizes' \(NoSizes\) cannot be built from a model's sizes"):
+        posenc.build_for_model("nosizes", dim=16, num_heads=2, head_dim=8, max_positions=32)
+    with pytest.raises(ValueError, match="encoding nosizes cannot be built for the lab's model"):
+        make_config("quick", encodings=("nosizes",), extensions=())

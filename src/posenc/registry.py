@@ -1,8 +1,10 @@
-"""One registry: encoding name -> class. Scaling types have theirs in ``posenc.rope.frequencies.SCALINGS``."""
+"""One registry: encoding name -> class (``register`` adds one of your own). Scaling types have theirs in
+``posenc.rope.frequencies.SCALINGS``."""
 
 from __future__ import annotations
 
 import inspect
+import re
 from typing import Any
 
 from torch import nn
@@ -10,6 +12,7 @@ from torch import nn
 from posenc._checks import positive_int
 from posenc.absolute import LearnedAbsolute, Sinusoidal
 from posenc.bias import ALiBi, T5Bias
+from posenc.encoding import ActsOn
 from posenc.nope import NoPE
 from posenc.rope import RoPE
 
@@ -26,6 +29,48 @@ ENCODINGS: dict[str, type[nn.Module]] = {
 def available() -> list[str]:
     """Names of the registered encodings."""
     return list(ENCODINGS)
+
+
+# A name is a lab unit's folder (runs/<name>/), one item of --encodings' comma list, and the part before "+" of a
+# report label ("rope+yarn"): "/", "," and "+" would break one of them.
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+
+
+def register(name: str, family: type[nn.Module], *, replace: bool = False) -> None:
+    """Add an encoding family of your own under ``name``, for ``build``, ``build_for_model``, the lab
+    (``--encodings name`` in a process that registered it) and ``posenc info``, without editing posenc.
+
+    family: an ``nn.Module`` class with a class attribute ``acts_on`` (a ``posenc.ActsOn``: what
+    ``CausalSelfAttention`` reads of it) and a classmethod ``from_model_dims(*, dim, num_heads, head_dim,
+    max_positions, **options)``. Checked here, so that a missing piece is named now and not at the first model
+    built. A name already registered (a built-in one too) is refused unless ``replace=True``.
+    """
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ValueError(
+            f"encoding name must be letters, digits, '_', '.' or '-' (not starting with '.' or '-'), got {name!r}: "
+            "it names the lab's run folders and is one item of --encodings' comma list"
+        )
+    if not (isinstance(family, type) and issubclass(family, nn.Module)):
+        raise TypeError(f"family must be an nn.Module subclass (the class, not an instance), got {family!r}")
+    if not isinstance(getattr(family, "acts_on", None), ActsOn):
+        raise TypeError(
+            f"{family.__name__} needs a class attribute acts_on = posenc.ActsOn.INPUT, QK, SCORE_BIAS or NONE "
+            f"(see posenc.encoding), got {getattr(family, 'acts_on', None)!r}"
+        )
+    if not callable(getattr(family, "from_model_dims", None)):
+        raise TypeError(f"{family.__name__} needs {_FROM_MODEL_DIMS}")
+    if name in ENCODINGS and not replace:
+        raise ValueError(
+            f"encoding {name!r} is registered already (as {ENCODINGS[name].__name__}); pick another name, or pass "
+            "replace=True"
+        )
+    ENCODINGS[name] = family
+
+
+_FROM_MODEL_DIMS = (
+    "a classmethod from_model_dims(cls, *, dim, num_heads, head_dim, max_positions, **options) that builds it from "
+    "a model's sizes (what build_for_model and the lab call; see ALiBi.from_model_dims)"
+)
 
 
 def _lookup(name: str) -> type[nn.Module]:
@@ -52,6 +97,10 @@ def build_for_model(
     not.)
     """
     family = _lookup(name)
+    if not callable(getattr(family, "from_model_dims", None)):  # put into ENCODINGS by hand, not by register()
+        raise TypeError(
+            f"encoding {name!r} ({family.__name__}) cannot be built from a model's sizes: it needs {_FROM_MODEL_DIMS}"
+        )
     for size, value in (
         ("dim", dim),
         ("num_heads", num_heads),

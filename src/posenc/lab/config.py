@@ -147,7 +147,13 @@ class LabConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")
-        self._check_names("encodings", self.encodings, tuple(ENCODINGS), allow_empty=False)
+        self._check_names(
+            "encodings",
+            self.encodings,
+            tuple(ENCODINGS),
+            allow_empty=False,
+            hint=" (a family of your own: posenc.register it in the process that runs the lab)",
+        )
         if self.dim % self.heads:
             # The example must pass the checks below too: dim=33 for 3 heads gives heads of 11 channels (RoPE: odd).
             step = 2 * self.heads if "rope" in self.encodings else self.heads
@@ -279,14 +285,16 @@ class LabConfig:
         return read_hf_config(self.hf_config)["model_type"]
 
     @staticmethod
-    def _check_names(field: str, names: tuple[str, ...], known: tuple[str, ...], *, allow_empty: bool) -> None:
+    def _check_names(
+        field: str, names: tuple[str, ...], known: tuple[str, ...], *, allow_empty: bool, hint: str = ""
+    ) -> None:
         if not isinstance(names, tuple) or not all(isinstance(n, str) for n in names):
             raise TypeError(f"{field} must be a tuple of names, got {names!r}")
         if not names and not allow_empty:
             raise ValueError(f"{_named(field)} must name at least one of: {', '.join(known)}")
         unknown = [n for n in names if n not in known]
         if unknown:
-            raise ValueError(f"unknown {field}: {', '.join(unknown)}; known {field}: {', '.join(known)}")
+            raise ValueError(f"unknown {field}: {', '.join(unknown)}; known {field}: {', '.join(known)}{hint}")
         if len(set(names)) != len(names):
             raise ValueError(f"{field} names something twice: {', '.join(names)}")
 
