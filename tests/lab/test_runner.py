@@ -9,6 +9,8 @@ import io
 import json
 import shutil
 import statistics
+import subprocess
+import sys
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -874,6 +876,32 @@ def test_cli_bad_input_exits_2_with_the_reason(corpus_dir, tmp_path, capsys, fla
     err = capsys.readouterr().err
     assert err.startswith("posenc lab: error:") and message in err
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_rope_type_without_example_parameters_is_refused_before_anything_trains(
+    corpus_dir, tmp_path, capsys, monkeypatch
+):
+    # The run's report.html draws every type in SCALINGS with its example parameters: a type of a user's own added to
+    # SCALINGS (and to the parameter tables) without them made `posenc lab` end in a traceback from the report, after
+    # every unit had trained. It is refused at prepare, with or without a rope model (the figure is drawn either way),
+    # and importing posenc.lab with such a type registered still works (its presets are built on import).
+    from posenc.rope import parameters
+    from posenc.rope.frequencies import SCALINGS
+
+    monkeypatch.setitem(SCALINGS, "halved", SCALINGS["linear"])
+    monkeypatch.setitem(parameters.REQUIRED_KEYS, "halved", parameters.REQUIRED_KEYS["linear"])
+    monkeypatch.setitem(parameters.OPTIONAL_KEYS, "halved", parameters.OPTIONAL_KEYS["linear"])
+    for encodings in ("rope", "alibi"):
+        flags = ["--corpus", str(corpus_dir), "--out", str(tmp_path / encodings), "--encodings", encodings]
+        assert main(["lab", "--preset", "quick", "--extensions", "none", *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("posenc lab: error: rope_type(s) halved ") and "EXAMPLE_ROPE_PARAMETERS" in err
+        assert not (tmp_path / encodings).exists()
+    code = (
+        "from posenc.rope import frequencies as f, parameters as p; f.SCALINGS['halved'] = f.SCALINGS['linear']; "
+        "p.REQUIRED_KEYS['halved'] = p.OPTIONAL_KEYS['halved'] = frozenset(); import posenc.lab"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_quick_preset_from_the_command_line(corpus_dir, tmp_path, capsys):

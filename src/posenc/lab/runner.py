@@ -268,6 +268,7 @@ class Lab:
         self.release()  # a second prepare() takes the lock again rather than meet its own
         start = time.perf_counter()
         check_world_size(config, ranks.world_size)
+        _check_report_rope_types()
         self.corpus = load_corpus(config.corpus, val_fraction=config.val_fraction, max_bytes=config.max_corpus_bytes)
         check_corpus(self.corpus, config)
         self.ends = eval_window_ends(self.corpus.val, longest=max(config.eval_lengths), count=config.eval_windows)
@@ -784,6 +785,21 @@ def _versions() -> dict[str, str]:
         "matplotlib": matplotlib.__version__,
         "executable": sys.executable,
     }
+
+
+def _check_report_rope_types() -> None:
+    # The run's report.html draws every rope_type in SCALINGS (its scaled_frequencies figure) with its example
+    # parameters: a type added to SCALINGS without them failed there, with a traceback after every unit had trained.
+    from posenc.analysis.frequencies import EXAMPLE_ROPE_PARAMETERS
+    from posenc.rope.frequencies import SCALINGS
+
+    missing = [name for name in SCALINGS if name not in EXAMPLE_ROPE_PARAMETERS]
+    if missing:
+        raise ValueError(
+            f"rope_type(s) {', '.join(missing)} are registered in SCALINGS without example parameters, which the run's "
+            "report.html draws every type with: add a line for each to "
+            "posenc.analysis.frequencies.EXAMPLE_ROPE_PARAMETERS"
+        )
 
 
 def run_command(
