@@ -40,13 +40,13 @@ def test_every_docs_python_example_is_run_by_a_test():
     # A block in another page would go untested; give it a test beside these and count it here (porting.md:
     # tests/test_porting_doc.py).
     counts = {path.name: len(python_blocks(path)) for path in sorted((ROOT / "docs").glob("*.md"))}
-    assert {name: n for name, n in counts.items() if n} == {"lab.md": 1, "porting.md": 12}
+    assert {name: n for name, n in counts.items() if n} == {"lab.md": 2, "porting.md": 12}
 
 
 def test_lab_doc_yarn_temperature_example_runs(tmp_path, capsys):
     """docs/lab.md's side measurement, on a rope model of the default preset with random weights in place of the
     trained one, and 2 windows instead of 256 (the arithmetic is the same; the numbers are not the doc's)."""
-    (block,) = python_blocks(LAB_DOC)
+    (block,) = [b for b in python_blocks(LAB_DOC) if "YaRN's own" in b]
     run_dir, windows = 'Path("/tmp/labdef")', "count=config.eval_windows"
     assert run_dir in block and windows in block, "the example no longer reads its run folder or window count so"
     weights = tmp_path / "runs" / "rope" / "seed0" / "model.safetensors"
@@ -61,6 +61,17 @@ def test_lab_doc_yarn_temperature_example_runs(tmp_path, capsys):
         length, given, bits_per_byte, entropy = line.split()
         assert (int(length), given) == (n, factor)
         assert 0 < float(bits_per_byte) < 16 and float(entropy) > 0
+
+
+def test_lab_doc_model_of_ones_own_example_runs(capsys):
+    """docs/lab.md's loss_by_length example, as written: a hand-written RoPE model scored at the default preset's
+    lengths on the lab's held-out text."""
+    (block,) = [b for b in python_blocks(LAB_DOC) if "loss_by_length" in b]
+    exec(compile(block, str(LAB_DOC), "exec"), {})
+    lines = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert [int(n) for n, _, _ in lines] == list(PRESETS["default"].eval_lengths)
+    for n, bits, positions in lines:
+        assert 7 < float(bits) < 10 and int(positions) == int(n)  # random weights: near log2(256) = 8
 
 
 def test_the_readme_counts_the_verified_architectures():

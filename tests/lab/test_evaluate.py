@@ -1,5 +1,5 @@
 """Sliding-window evaluation: the same scored bytes at every length, bits per byte, entropy, not-applicable
-learned tables, and the copy / passkey tasks."""
+learned tables, the copy / passkey tasks, and loss_by_length's same scoring of any tokens -> logits model."""
 
 from __future__ import annotations
 
@@ -7,10 +7,19 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from posenc import RoPE
 from posenc.lab.data import eval_window_ends, windows_ending
-from posenc.lab.evaluate import TaskScore, attention_entropy, evaluate_length, task_accuracy, task_samples
+from posenc.lab.evaluate import (
+    TaskScore,
+    attention_entropy,
+    evaluate_length,
+    loss_by_length,
+    task_accuracy,
+    task_samples,
+)
 from posenc.lab.model import ByteLM, ModelSpec, next_byte_loss
 
 SPEC = ModelSpec(dim=16, layers=2, heads=2, max_positions=8)
@@ -227,3 +236,129 @@ def test_evaluation_runs_the_model_in_eval_mode():
     ends = eval_window_ends(TEXT, longest=16, count=3)
     scores = {evaluate_length(model.train(), TEXT, ends, 16, score_len=4).bits_per_byte for _ in range(2)}
     assert len(scores) == 1 and not model.training
+
+
+# --- loss_by_length: the same scoring for a model the lab did not build ---
+
+
+class RopeLM(nn.Module):
+    """A model of one's own: one causal attention layer with posenc.RoPE over a vocabulary of ``vocab`` tokens.
+    tokens (b, s) -> logits (b, s, vocab), in the dtype of its weights."""
+
+    def __init__(self, vocab: int, dim: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.embed = nn.Embedding(vocab, dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.rope = RoPE(dim // heads)
+        self.out = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        b, s = tokens.shape
+        x = self.embed(tokens)
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        q, k = self.rope(q, k)
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(x + attended.transpose(1, 2).reshape(b, s, -1))
+
+
+TOKENS = torch.randint(0, 50, (400,), generator=torch.Generator().manual_seed(1))  # a tokenizer's ids, vocab 50
+
+
+def test_loss_by_length_gives_the_labs_numbers_on_a_bytelm():
+    # The lab's own forward (the attention that returns probabilities) gives its numbers bit for bit: one scoring.
+    torch.manual_seed(0)
+    model = ByteLM(SPEC, "rope")
+    lengths, ends = (8, 16, 32), eval_window_ends(TEXT, longest=32, count=9)
+    ours = loss_by_length(
+        lambda t: model(t, return_attention=True), TEXT, lengths, score_len=4, windows=9, batch_size=4
+    )
+    for n, result in zip(lengths, ours, strict=True):
+        lab = evaluate_length(model, TEXT, ends, n, score_len=4, batch_size=4)
+        assert (result.length, result.bits_per_token, result.scored_tokens) == (n, lab.bits_per_byte, 36)
+        assert [round(float(x), 5) for x in result.loss_by_position] == lab.loss_by_position  # one bin a position
+    # The model itself, called plainly (its fused attention), to float32's rounding.
+    plain = loss_by_length(model, TEXT, lengths, score_len=4, windows=9, batch_size=4)
+    for result, lab_result in zip(plain, ours, strict=True):
+        assert result.bits_per_token == pytest.approx(lab_result.bits_per_token, rel=1e-6)
+
+
+def test_loss_by_length_matches_a_float64_reference_on_one_window():
+    torch.manual_seed(0)
+    model = RopeLM(vocab=50)
+    (result,) = loss_by_length(model, TOKENS, [24], score_len=6, windows=1)
+    # One window ends where the longest fits first: it is TOKENS[0:25], inputs [0:24], targets [1:25].
+    with torch.no_grad():
+        logits = model.double()(TOKENS[None, :24])[0]
+    nats = torch.logsumexp(logits, -1) - logits[torch.arange(24), TOKENS[1:25]]
+    bits = nats / math.log(2)
+    assert result.scored_tokens == 6 and result.loss_by_position.dtype == torch.float64
+    assert result.bits_per_token == pytest.approx(float(bits[-6:].mean()), rel=1e-6)
+    torch.testing.assert_close(result.loss_by_position, bits, rtol=1e-6, atol=1e-6)
+
+
+def test_loss_by_length_scores_the_same_tokens_at_every_length():
+    # A model that reads only the current token scores the same at every length only if every length scores the
+    # same tokens: the lab's windows, ending at the same offsets.
+    table = torch.randn(50, 50, generator=torch.Generator().manual_seed(2))
+    results = loss_by_length(lambda t: table[t], TOKENS, [8, 16, 64], score_len=5, windows=20, batch_size=20)
+    assert len({r.bits_per_token for r in results}) == 1
+    ends = eval_window_ends(TOKENS, longest=64, count=20)
+    scored = TOKENS[ends[:, None] - 5 + torch.arange(5)]  # the final 5 targets of each window
+    inputs = TOKENS[ends[:, None] - 6 + torch.arange(5)]
+    expected = F.cross_entropy(table[inputs].flatten(0, 1), scored.flatten()).double() / math.log(2)
+    assert results[0].bits_per_token == pytest.approx(float(expected), rel=1e-6)
+
+
+def test_loss_by_length_takes_a_transformers_causal_lm():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=50,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        attention_dropout=0.5,  # must not act: the model runs in eval mode, and its mode is given back
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).train()
+    results = loss_by_length(model, TOKENS, [16, 32], score_len=8, windows=4)  # returns a ModelOutput: .logits
+    assert model.training and all(m.training for m in model.modules())
+    ends = eval_window_ends(TOKENS, longest=32, count=4)
+    model.eval()
+    for n, result in zip((16, 32), results, strict=True):
+        batch = windows_ending(TOKENS, ends, n)
+        with torch.no_grad():
+            losses = next_byte_loss(model(batch[:, :-1]).logits, batch[:, 1:]).double() / math.log(2)
+        assert result.bits_per_token == pytest.approx(float(losses[:, -8:].mean()), rel=1e-6)
+        torch.testing.assert_close(result.loss_by_position, losses.mean(0))
+    # return_dict=False: a tuple, logits first (and a cache).
+    as_tuple = loss_by_length(lambda t: model(t, return_dict=False), TOKENS, [16, 32], score_len=8, windows=4)
+    assert [r.bits_per_token for r in as_tuple] == [r.bits_per_token for r in results]
+
+
+def test_loss_by_length_says_what_is_wrong():
+    table = torch.randn(50, 50)
+    with pytest.raises(ValueError, match=r"must return float logits \(b, s, vocab\) = \(3, 8, vocab\) for tokens of "):
+        loss_by_length(lambda t: table[t][:, 1:], TOKENS, [8], score_len=4, windows=3)
+    with pytest.raises(ValueError, match=r"got torch.int64 logits of shape \(3, 8\)"):
+        loss_by_length(lambda t: t, TOKENS, [8], score_len=4, windows=3)
+    with pytest.raises(TypeError, match=r"logits_fn must return logits .* got dict"):
+        loss_by_length(lambda t: {"scores": table[t]}, TOKENS, [8], score_len=4, windows=3)
+    # cross_entropy's own: "IndexError: Target 47 is out of bounds." (an assert on CUDA).
+    with pytest.raises(ValueError, match=r"vocabulary of 40, but the tokens it is scored on hold id 4\d"):
+        loss_by_length(lambda t: table[t, :40], TOKENS, [8], score_len=4, windows=3)
+    with pytest.raises(ValueError, match="tokens hold 400 ids, fewer than one window of the longest length 512"):
+        loss_by_length(lambda t: table[t], TOKENS, [8, 512], score_len=4)
+    with pytest.raises(ValueError, match=r"256 windows .* need 1085: .* or windows <= 84"):
+        loss_by_length(lambda t: table[t], TOKENS, [64], score_len=4)
+    with pytest.raises(ValueError, match=r"tokens must be one \(n,\) stream of token ids .* got \(2, 200\)"):
+        loss_by_length(lambda t: table[t], TOKENS.view(2, 200), [8], score_len=4, windows=3)
+    with pytest.raises(TypeError, match="tokens must be an integer tensor"):
+        loss_by_length(lambda t: table[t], TOKENS.float(), [8], score_len=4, windows=3)
+    with pytest.raises(ValueError, match="score_len=9 must be <= every length, but lengths hold 8"):
+        loss_by_length(lambda t: table[t], TOKENS, [16, 8], score_len=9, windows=3)
+    with pytest.raises(ValueError, match="lengths must be a non-empty sequence"):
+        loss_by_length(lambda t: table[t], TOKENS, 8, score_len=4, windows=3)
