@@ -163,3 +163,37 @@ def test_every_public_name_the_module_defines_is_in_its_all() -> None:
         if not name.startswith("_") and getattr(value, "__module__", None) == posenc.testing.__name__
     }
     assert defined <= set(posenc.testing.__all__), sorted(defined - set(posenc.testing.__all__))
+
+
+def test_each_row_is_judged_by_its_own_size_not_the_largest_in_the_tensor():
+    """A row of small activations next to a row of large ones: its wrong value fails, as it would on its own."""
+    reference = torch.tensor([[1e3, 1.0], [1e-3, 2e-3]], dtype=torch.float64)
+    assert_close(reference.float(), reference)
+    wrong = reference.clone()
+    wrong[1, 1] += 1e-4  # 5% off in the small row; 1e-7 of the large row's size
+    with pytest.raises(AssertionError, match=r"index \(1, 1\)"):
+        assert_close(wrong.float(), reference)
+
+
+def test_a_scale_that_would_allow_anything_or_widen_the_comparison_is_refused():
+    reference = torch.tensor([[1.0, 2.0]], dtype=torch.float64)
+    actual = torch.tensor([[5.0, -7.0]])
+    for scale in (math.inf, math.nan, torch.tensor([[1.0, math.inf]])):
+        with pytest.raises(ValueError, match="scale must be finite and >= 0"):
+            assert_close(actual, reference, scale=scale)
+    # (2, 1, 2) broadcasts with (1, 2), but to a larger shape than the reference's
+    with pytest.raises(ValueError, match=r"broadcastable to the reference's shape \(1, 2\), got shape \(2, 1, 2\)"):
+        assert_close(reference.float(), reference, scale=torch.ones(2, 1, 2))
+
+
+@pytest.mark.parametrize("scale", [1e-6, 1e-5])
+def test_wrong_float16_rotations_of_subnormal_activations_fail(scale):
+    """The floor is one subnormal step of float16 (2^-24), not its smallest normal (6.1e-5), which would pass any
+    result of activations below it."""
+    x = activations(scale, torch.float16)
+    reference = rope_reference(x, POSITIONS)
+    assert_close(reference.half(), reference)
+    with pytest.raises(AssertionError):
+        assert_close(x, reference)  # not rotated
+    with pytest.raises(AssertionError):
+        assert_close(rope_reference(x, -POSITIONS).half(), reference)  # sin's sign flipped

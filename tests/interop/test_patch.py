@@ -13,8 +13,10 @@ import copy
 import functools
 import gc
 import importlib
+import inspect
 import json
 import sys
+import textwrap
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -784,6 +786,72 @@ def test_attention_sharded_as_fsdp2_does_unpatches_to_the_sharded_original_class
             patch_model(other)
 
 
+def _calls_super_through(kind: str, patched: type) -> type:
+    """A subclass of ``patched`` made after patching, one attribute of which (of ``kind``) calls super()."""
+    if kind == "property":
+
+        class Made(patched):  # type: ignore[misc,valid-type]
+            @property
+            def heads(self) -> bool:
+                return super().forward is not None
+
+    else:
+
+        class Made(patched):  # type: ignore[misc,valid-type,no-redef]
+            @classmethod
+            def heads(cls) -> bool:
+                return super().forward is not None
+
+    return Made
+
+
+@pytest.mark.parametrize("kind", ["property", "classmethod"])
+def test_a_class_made_of_a_patched_one_whose_property_or_classmethod_calls_super_keeps_its_class(kind: str) -> None:
+    """Made again on the original class, a property's or classmethod's super() (bound to the class made after
+    patching, which the remade class is not) would raise TypeError; such a class is kept, running the original
+    forward."""
+    model = build("llama")
+    ids = tokens()
+    with torch.no_grad():
+        before = model(ids).logits
+        patch_model(model)
+        first = model.model.layers[0].self_attn
+        made = _calls_super_through(kind, type(first))
+        first.__class__ = made
+        unpatch_model(model)
+        assert type(first) is made
+        assert (first.heads if kind == "property" else first.heads()) is True  # its super() finds its class
+        assert torch.equal(model(ids).logits, before)
+
+
+def test_classes_made_of_a_patched_one_are_made_again_on_the_original_under_their_own_names() -> None:
+    """A subclass of a subclass of the patched class: both are made again on the original (not the outer one on
+    the patched inner one, which kept the patched forward), each with its name, qualname, module and attributes."""
+    llama_attention = modeling("llama").LlamaAttention
+    model = build("llama")
+    ids = tokens()
+    with torch.no_grad():
+        before = model(ids).logits
+        patch_model(model)
+        first = model.model.layers[0].self_attn
+
+        class Tagged(type(first)):  # type: ignore[misc]
+            tag = "mine"
+
+        class Outer(Tagged):
+            pass
+
+        first.__class__ = Outer
+        unpatch_model(model)
+        assert torch.equal(model(ids).logits, before)
+    outer = type(first)
+    (inner,) = outer.__bases__
+    assert inner.__bases__ == (llama_attention,) and outer.tag == "mine"
+    for made, was in ((outer, Outer), (inner, Tagged)):
+        assert made is not was
+        assert (made.__name__, made.__qualname__, made.__module__) == (was.__name__, was.__qualname__, __name__)
+
+
 def test_a_patched_attention_module_put_into_another_model_is_refused() -> None:
     """A copy of a patched model's attention module put into another model: patch_model patched that model's other
     layers and left the copy running the first model's patch, reporting one attention module fewer."""
@@ -795,6 +863,28 @@ def test_a_patched_attention_module_put_into_another_model_is_refused() -> None:
     other.model.layers[0].self_attn = copy.deepcopy(model.model.layers[0].self_attn)
     with pytest.raises(ValueError, match=r"model.model.layers.0.self_attn is an attention module of a model that"):
         patch_model(other)
+
+
+def test_two_attention_classes_of_one_module_each_keep_their_own_patched_forward() -> None:
+    """The patched forwards are kept per attention class: a second class with a forward of its own in the same
+    modeling module (the same globals, the same rotations) gets a copy of its own forward, not the first class's."""
+    modeling_llama = modeling("llama")
+    llama_attention = modeling_llama.LlamaAttention
+    source = textwrap.dedent(inspect.getsource(llama_attention.forward))
+    source = "\n".join(line for line in source.splitlines() if not line.startswith("@"))
+    assert source.count("attn_output = self.o_proj(attn_output)") == 1
+    source = source.replace("attn_output = self.o_proj(attn_output)", "attn_output = 2 * self.o_proj(attn_output)")
+    made: dict[str, Any] = {}
+    exec(compile(source, modeling_llama.__file__, "exec"), modeling_llama.__dict__, made)  # its globals: the module's
+    doubled = type("LlamaAttention", (llama_attention,), {"forward": made["forward"]})
+    patch_model(build("llama"))  # LlamaAttention's patched forward made first
+    model = build("llama")
+    for layer in model.model.layers:
+        layer.self_attn.__class__ = doubled
+    with torch.no_grad():
+        expected = model(tokens()).logits
+        patch_model(model)
+        torch.testing.assert_close(model(tokens()).logits, expected, **FP32)
 
 
 @pytest.mark.parametrize(("mode", "rope_type"), [("hf", "default"), ("consistent", "dynamic")])

@@ -98,6 +98,7 @@ def test_each_section_reads_its_axis() -> None:
         ([16, 24, 23], ValueError, "mrope_section [16, 24, 23] must sum to rotary_dim / 2 = 64"),
         ([16, -1, 49], ValueError, "mrope_section[1] must be an integer >= 0"),
         ([16, 24.0, 24], ValueError, "mrope_section[1] must be an integer >= 0"),
+        ([16, True, 47], ValueError, "mrope_section[1] must be an integer >= 0"),  # a bool is no count of pairs
         ("16,24,24", TypeError, "mrope_section must be a list of non-negative ints"),
         ([], TypeError, "mrope_section must be a list of non-negative ints"),
     ],
@@ -129,6 +130,9 @@ def test_interleaved_axes_cycle_until_their_sections_run_out() -> None:
     rope = MRoPE(16, mrope_section=[1, 3, 4], mrope_layout="interleaved")
     assert mrope_axis_of_pair(rope.mrope_section, layout="interleaved", pairs=8).tolist() == [0, 1, 2, 0, 1, 2, 0, 1]
     assert mrope_axis_of_pair([9, 1, 1], layout="interleaved", pairs=8).tolist() == [0, 1, 2, 0, 0, 0, 0, 0]
+    # h's section caps h and w's caps w (transformers' slice(1, 3 * h, 3) and slice(2, 3 * w, 3)), not the other way
+    assert mrope_axis_of_pair([0, 1, 3], layout="interleaved", pairs=8).tolist() == [0, 1, 2, 0, 0, 2, 0, 0]
+    assert mrope_axis_of_pair([0, 3, 1], layout="interleaved", pairs=8).tolist() == [0, 1, 2, 0, 1, 0, 0, 1]
     positions = torch.tensor([5, 7, 11]).view(3, 1, 1)
     cos, _ = rope.cos_sin(positions, dtype=torch.float64)
     angles = torch.tensor([5, 7, 11, 5, 7, 11, 5, 7.0], dtype=torch.float64) * rope.frequencies()[0]

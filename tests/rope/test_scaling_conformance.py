@@ -159,6 +159,14 @@ def test_float32_blends_at_large_factors(head_dim: int, params: dict[str, Any], 
     torch.testing.assert_close(inv, hf_inv.double(), rtol=rtol, atol=0.0)
 
 
+def test_llama3_with_equal_factors_blends_nothing() -> None:
+    """Llama 4 Scout's factors (1 and 1) are a step: no blend weight, so no float32 blend error (the band's gain,
+    high / (high - low), would divide by zero in patch_model's frequency check)."""
+    scout = {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0}
+    assert float32_blend_rtol("llama3", scout, 500000.0) == 0.0
+    assert float32_blend_rtol("llama3", {**scout, "high_freq_factor": 4.0}, 500000.0) > 0.0
+
+
 def test_dynamic_with_a_tensor_seq_len_matches_transformers(hf_oracle) -> None:
     # transformers' dynamic_rope_update passes seq_len as a tensor, which moves the base computation to float32.
     params = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 500000.0}

@@ -346,3 +346,47 @@ def test_hf_dynamic_state_keeps_the_longest_length_when_two_calls_grow_it_at_onc
         rotated, _ = rope(q, q)
         torch.testing.assert_close(rotated, expected, rtol=0.0, atol=0.0)
     assert at > 1  # the other call did run, after at least one reading
+
+
+class _GrownWhileWriting(RoPE):
+    """A RoPE on which another thread's growing call starts right after a call's ``at``-th reading of the 'hf'
+    dynamic state, and is given half a second to finish: where this call holds the lock (its reading again before
+    it writes), the other call must wait for this one's write, not write first and be overwritten by it. The
+    readings are counted, not recognised by their source text."""
+
+    other: torch.Tensor | None = None
+    at = 0
+    thread: threading.Thread | None = None
+
+    @property  # type: ignore[override]
+    def hf_scaled_len(self) -> int:
+        value = self.__dict__["_state"]
+        if self.__dict__.get("other") is not None:
+            self.__dict__["at"] -= 1
+            if self.__dict__["at"] == 0:
+                other, self.__dict__["other"] = self.__dict__["other"], None
+                thread = self.__dict__["thread"] = threading.Thread(target=self.scaling_length, args=(other,))
+                thread.start()
+                thread.join(timeout=0.5)  # where this call holds the lock, the other waits for this call's write
+        return value
+
+    @hf_scaled_len.setter
+    def hf_scaled_len(self, value: int) -> None:
+        self.__dict__["_state"] = value
+
+
+def test_hf_dynamic_state_change_is_held_until_written() -> None:
+    """Without the lock, a call growing the state to 40 between this call's last reading (16) and its write (30)
+    was overwritten: the state fell to 30, below the longest length seen. The other call starts after each reading
+    in turn, until a call makes fewer readings than that."""
+    at = 0
+    while True:
+        at += 1
+        rope = _GrownWhileWriting(HEAD_DIM, rope_parameters=TYPES["dynamic"], max_position_embeddings=MAX_POS)
+        rope.at, rope.other = at, torch.arange(40)
+        assert rope.scaling_length(torch.arange(30)) in (30, 40), at
+        if rope.thread is None:  # the call read the state fewer than `at` times: every reading has been tried
+            break
+        rope.thread.join()
+        assert rope.hf_scaled_len == 40, f"state {rope.hf_scaled_len} after the other call started at reading {at}"
+    assert at > 2  # the other call started after a reading made again under the lock too

@@ -99,6 +99,17 @@ def test_llama3_is_continuous_at_both_band_edges(factor: float) -> None:
     assert at_high[0].item() == 1.0
 
 
+@pytest.mark.parametrize("factor", [2.0, 8.0])
+def test_llama3_with_equal_factors_divides_the_pair_at_the_step(factor: float) -> None:
+    """Equal factors (Llama 4's) are a step with no band: a pair whose wavelength is exactly the step's is divided
+    by factor, as at the low edge of a band, where transformers' 0 / 0 weight gives NaN; the pairs past it are too."""
+    original = 8
+    edge = original / (2 * math.pi)
+    params = {"rope_type": "llama3", "factor": factor, "rope_theta": 1e4, "original_max_position_embeddings": original}
+    inv = freqs(8, {**params, "low_freq_factor": edge, "high_freq_factor": edge})
+    assert inv.tolist() == (default_inv_freq(8, 1e4) / factor).tolist()
+
+
 @settings(max_examples=40, deadline=None)
 @given(rotary_dims.filter(lambda r: r >= 4), bases, factors)
 def test_ntk_keeps_highest_and_divides_lowest_by_factor(r: int, base: float, factor: float) -> None:
