@@ -343,6 +343,16 @@ def test_per_layer_rope_dicts_need_a_layer_type() -> None:
             )
             for model_type, section in (("qwen2_vl_text", 8), ("qwen2_vl_text", "2,3,3"), ("llama", 8), ("llama", 0))
         ),
+        # A model type posenc does not know, interleaving M-RoPE axes with no sections: plain RoPE before.
+        (
+            {
+                "model_type": "my_vl",
+                "head_dim": 16,
+                "rope_parameters": {"mrope_section": [], "mrope_interleaved": True},
+            },
+            ValueError,
+            "rope_parameters['mrope_section'] is []: give the pairs per axis (t, h, w), e.g. [16, 24, 24]",
+        ),
         # float() read these, and bool() the string "false" as true (laying the axes out interleaved).
         ({"head_dim": 8, "rope_theta": "10000"}, ValueError, "the config's rope_theta must be a number, got '10000'"),
         ({"head_dim": 8, "rope_theta": True}, ValueError, "the config's rope_theta must be a number, got True"),

@@ -504,13 +504,18 @@ def rope_kwargs_from_config(config: Any, *, layer_type: str | None = None) -> di
     # know goes by the keys.
     mrope_layout, mrope_section = _MROPE_MODELS.get(model_type, (None, None))
     present, given = "mrope_section" in rope, rope.pop("mrope_section", None)
-    if mrope_section is not None and present and not given:
+    if present and not given and (mrope_section is not None or rope.get("mrope_interleaved")):
         # This model type's rotary class fails on these (a TypeError / IndexError deep inside it); its default
-        # sections are not what the config says.
+        # sections are not what the config says. A type posenc does not know that says it interleaves M-RoPE axes
+        # came back as plain RoPE.
+        example, default = (
+            (list(mrope_section), f", or leave the key out for the default of model_type {model_type!r}")
+            if mrope_section is not None
+            else ([16, 24, 24], "")
+        )
         raise ValueError(
             f"rope_parameters['mrope_section'] is {given!r}: give the pairs per axis "
-            f"({_MROPE_AXIS_ORDER[mrope_layout]}), e.g. {list(mrope_section)}, or leave the key out for the default "
-            f"of model_type {model_type!r}"
+            f"({_MROPE_AXIS_ORDER[mrope_layout or 'interleaved']}), e.g. {example}{default}"
         )
     if given is not None and (isinstance(given, (str, bytes)) or not isinstance(given, Sequence)):
         # list() of it failed with "'int' object is not iterable" (rope_from_config, posenc plot --config), or, for a
