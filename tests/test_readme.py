@@ -38,9 +38,9 @@ def test_readme_python_examples_run_and_do_what_their_comments_say(capsys):
 
 def test_every_docs_python_example_is_run_by_a_test():
     # A block in another page would go untested; give it a test beside these and count it here (porting.md:
-    # tests/test_porting_doc.py).
+    # tests/test_porting_doc.py; scaling.md: tests/rope/test_register_scaling.py).
     counts = {path.name: len(python_blocks(path)) for path in sorted((ROOT / "docs").glob("*.md"))}
-    assert {name: n for name, n in counts.items() if n} == {"lab.md": 2, "porting.md": 12}
+    assert {name: n for name, n in counts.items() if n} == {"lab.md": 2, "porting.md": 12, "scaling.md": 1}
 
 
 def test_lab_doc_yarn_temperature_example_runs(tmp_path, capsys):
@@ -135,7 +135,7 @@ def test_the_readme_gives_the_public_signatures_as_the_code_has_them():
     functions = [
         (posenc, ["build", "build_for_model", "rope_frequencies", "apply_rotary", "t5_relative_bucket"]),
         (posenc, ["add_input_encoding", "positions_from_document_ids", "document_ids_from_positions"]),
-        (posenc, ["document_ids_from_cu_seqlens"]),
+        (posenc, ["document_ids_from_cu_seqlens", "register_scaling"]),
         (interop, ["patch_model", "rope_from_config"]),
         (distributed, ["shard_positions", "shard_packed_positions"]),
     ]

@@ -11,7 +11,15 @@ from posenc.kernels import cpu_available, triton_available
 from posenc.nope import NoPE
 from posenc.positions import document_ids_from_cu_seqlens, document_ids_from_positions, positions_from_document_ids
 from posenc.registry import available, build, build_for_model, register
-from posenc.rope import MRoPE, RoPE, apply_rotary, apply_rotary_, apply_rotary_qk, rope_frequencies
+from posenc.rope import (
+    MRoPE,
+    RoPE,
+    apply_rotary,
+    apply_rotary_,
+    apply_rotary_qk,
+    register_scaling,
+    rope_frequencies,
+)
 
 __version__ = "0.1.0"
 
@@ -70,6 +78,7 @@ __all__ = [
     "document_ids_from_positions",
     "positions_from_document_ids",
     "register",
+    "register_scaling",
     "rope_frequencies",
     "sinusoidal_table",
     "t5_relative_bucket",

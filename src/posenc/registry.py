@@ -1,5 +1,5 @@
 """One registry: encoding name -> class (``register`` adds one of your own). Scaling types have theirs in
-``posenc.rope.frequencies.SCALINGS``."""
+``posenc.rope.frequencies.SCALINGS`` (``posenc.rope.register_scaling`` adds one of your own)."""
 
 from __future__ import annotations
 

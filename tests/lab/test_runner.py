@@ -528,6 +528,49 @@ def test_missing_rope_weights_retrain_rope_for_the_extensions(tiny_config, tmp_p
     assert quiet(config, out).run()["timings"]["units_run"] == 0
 
 
+def test_a_registered_rope_type_is_an_extension_in_the_process_that_registered_it(tiny_config, tmp_path):
+    """posenc.rope.register_scaling adds the type to the lab's EXTENSIONS with its example parameters for the lab's
+    rotary dim (here the last r / 4 pairs divided by the factor), and the report draws it with them."""
+    import posenc.rope.frequencies as fr
+    import posenc.rope.parameters as pa
+    from posenc.analysis.frequencies import EXAMPLE_ROPE_PARAMETERS
+    from posenc.lab.config import EXTENSIONS
+    from posenc.rope import register_scaling
+    from posenc.rope.scaling import WITHOUT_EXAMPLE
+
+    def tail(*, rotary_dim: int, base: float, factor: float, pairs: int, **_: Any) -> tuple[torch.Tensor, float]:
+        inv_freq = fr.default_inv_freq(rotary_dim, base)
+        return torch.cat((inv_freq[:-pairs], inv_freq[-pairs:] / factor)), 1.0
+
+    tables = [fr.SCALINGS, pa.REQUIRED_KEYS, pa.OPTIONAL_KEYS, EXAMPLE_ROPE_PARAMETERS, EXTENSIONS]
+    saved = [dict(table) for table in tables], set(fr.SEQ_LEN_DEPENDENT), set(WITHOUT_EXAMPLE)
+    try:
+        register_scaling(
+            "tail",
+            tail,
+            required=("factor", "pairs"),
+            example=lambda r, length, factor: {"factor": factor, "pairs": r // 4},
+        )
+        out = tmp_path / "run"
+        quiet(tiny_config(encodings=("rope",), extensions=("tail",)), out).run()
+        units = json.loads((out / "results.json").read_text())["timings"]["units"]
+        # tiny_config: dim 16 over 2 heads, so a rotary dim of 8; one target per length past train_len 8.
+        assert units["rope+tail/seed0"]["rope_parameters"] == {
+            str(n): {"rope_type": "tail", "factor": n / 8, "pairs": 2} for n in (16, 32, 64)
+        }
+        by = {(r["extension"], r["eval_len"]): r["bits_per_byte"] for r in rows_of(out)}
+        assert by[("tail", "64")] != by[("none", "64")]
+        assert (out / "report.html").exists()  # whose scaled_frequencies figure drew every type, tail too
+    finally:
+        for table, before in zip(tables, saved[0], strict=True):
+            table.clear()
+            table.update(before)
+        fr.SEQ_LEN_DEPENDENT.clear()
+        fr.SEQ_LEN_DEPENDENT.update(saved[1])
+        WITHOUT_EXAMPLE.clear()
+        WITHOUT_EXAMPLE.update(saved[2])
+
+
 def test_sigterm_is_left_to_its_default_under_torchrun(tiny_config, tmp_path, monkeypatch):
     """A rank blocked in a collective runs no Python handler until the collective times out (30 min for gloo):
     SIGTERM's default, which ends it at once, stays under torchrun (WORLD_SIZE > 1)."""

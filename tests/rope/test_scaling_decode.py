@@ -266,7 +266,7 @@ def test_a_negative_offset_is_refused_even_where_the_positions_lift_every_row_ab
 def test_a_new_length_dependent_type_is_scaled_for_every_length(monkeypatch) -> None:
     """Every length-dependent type but dynamic got its seq_len=None frequencies up to max_position_embeddings (the
     cache key assumed dynamic's plain RoPE there), so a type added to SEQ_LEN_DEPENDENT rotated silently unscaled."""
-    from posenc.rope import frequencies, module, parameters
+    from posenc.rope import frequencies, parameters
 
     def shrinking(*, rotary_dim: int, base: float, seq_len: int | None = None, **_: object):
         return frequencies.default_inv_freq(rotary_dim, base) / (1 + (seq_len or 0) / 100), 1.0
@@ -274,7 +274,7 @@ def test_a_new_length_dependent_type_is_scaled_for_every_length(monkeypatch) -> 
     monkeypatch.setitem(frequencies.SCALINGS, "shrinking", shrinking)
     monkeypatch.setitem(parameters.REQUIRED_KEYS, "shrinking", frozenset())
     monkeypatch.setitem(parameters.OPTIONAL_KEYS, "shrinking", frozenset())
-    monkeypatch.setattr(module, "SEQ_LEN_DEPENDENT", module.SEQ_LEN_DEPENDENT | {"shrinking"})
+    monkeypatch.setattr(frequencies, "SEQ_LEN_DEPENDENT", frequencies.SEQ_LEN_DEPENDENT | {"shrinking"})
     rope = RoPE(HEAD_DIM, rope_parameters={"rope_type": "shrinking"}, max_position_embeddings=64)
     for length in (10, 64, 100):
         expected = shrinking(rotary_dim=HEAD_DIM, base=10000.0, seq_len=length)[0]

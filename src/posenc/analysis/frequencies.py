@@ -18,6 +18,7 @@ from posenc._checks import even_positive_int, positive_int
 from posenc.rope.frequencies import SCALINGS
 from posenc.rope.module import RoPE
 from posenc.rope.parameters import NEEDS_FOUR_CHANNELS, parse_rope_parameters
+from posenc.rope.scaling import WITHOUT_EXAMPLE
 
 # rope_type -> (rotary_dim, train_len, factor) -> the type's own rope_parameters (Hugging Face key names).
 # factor is the context extension ratio shown; train_len is the original (trained) context.
@@ -144,7 +145,8 @@ def frequency_table(
     the fraction is below 1); train_len: the trained context, RoPE's
     ``max_position_embeddings``; factor: the extension ratio each example uses; seq_len: the length the
     length-dependent types scale for (default ``factor * train_len``, the extended context);
-    rope_types: which types (default every type in ``SCALINGS`` now); parameters: per type, rope_parameters that
+    rope_types: which types (default every type in ``SCALINGS`` now, but one registered without example parameters
+    and not given them here); parameters: per type, rope_parameters that
     replace the example (e.g. ``{"yarn": {"factor": 8.0, "beta_fast": 16.0, ...}}``).
     """
     positive_int("train_len", train_len)
@@ -156,7 +158,11 @@ def frequency_table(
     rotary = parse_rope_parameters(head_dim, common).rotary_dim
     # 'proportional' reads partial_rotary_factor as the fraction of pairs that turn, over the whole head: beside
     # types that rotate part of the head its pairs are other frequencies, and no ratio to default means anything.
-    names = tuple(SCALINGS) if rope_types is None else tuple(rope_types)
+    if rope_types is None:
+        # A type registered without example parameters (register_scaling(example=None)) is drawn only with its own.
+        names = tuple(name for name in SCALINGS if name not in WITHOUT_EXAMPLE or name in (parameters or {}))
+    else:
+        names = tuple(rope_types)
     if rotary < head_dim and "proportional" in names:
         if rope_types is not None:
             raise ValueError(

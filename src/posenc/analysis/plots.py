@@ -30,7 +30,7 @@ from posenc.analysis.layout import rotary_pairs
 from posenc.analysis.run import run_entropy, run_figure_config
 from posenc.analysis.wavelengths import wavelengths
 from posenc.bias import ALiBi, T5Bias
-from posenc.rope.frequencies import SEQ_LEN_DEPENDENT
+from posenc.rope.frequencies import is_seq_len_dependent
 from posenc.rope.module import RoPE
 
 if TYPE_CHECKING:
@@ -106,7 +106,7 @@ def _fill(line: str) -> str:
 
 def _length_note(config: FigureConfig) -> str:
     """', frequencies at length 8192' for types whose frequencies depend on the length, else ''."""
-    return f", frequencies at length {config.eval_len}" if config.rope_type in SEQ_LEN_DEPENDENT else ""
+    return f", frequencies at length {config.eval_len}" if is_seq_len_dependent(config.rope_type) else ""
 
 
 def _factor(config: FigureConfig) -> float:

@@ -93,7 +93,7 @@ from posenc.interop.consistent import _UnrotatedKeys as _UnrotatedKeys  # caches
 from posenc.interop.hf import rope_kwargs_from_config, rope_layer_types
 from posenc.interop.rotary import PosencRotaryEmbedding, _QueriesThenKeys, _rotate_one, _rotate_qk
 from posenc.interop.tiny import tiny_model_from_config as tiny_model_from_config  # importable from here, as before
-from posenc.rope.frequencies import SEQ_LEN_DEPENDENT, float32_blend_rtol
+from posenc.rope.frequencies import float32_blend_rtol, is_seq_len_dependent
 from posenc.rope.module import RoPE
 from posenc.rope.mrope import MRoPE
 from posenc.rope.parameters import OPTIONAL_KEYS, REQUIRED_KEYS
@@ -495,7 +495,7 @@ def _hf_rope_parameters(intended: RoPE, given: Mapping[str, Any]) -> dict[str, A
 def _same_frequencies(a: RoPE, b: RoPE) -> bool:
     if (a.rotary_dim, a.interleaved) != (b.rotary_dim, b.interleaved):
         return False
-    if (a.rope_type in SEQ_LEN_DEPENDENT) != (b.rope_type in SEQ_LEN_DEPENDENT):
+    if is_seq_len_dependent(a.rope_type) != is_seq_len_dependent(b.rope_type):
         return False
     lengths = {a.max_position_embeddings, a.spec.params.get("original_max_position_embeddings")} - {None}
     for seq_len in [None, 1, *(n * k + extra for n in lengths for k, extra in ((1, 0), (1, 1), (2, 0), (8, 0)))]:

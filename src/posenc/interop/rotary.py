@@ -20,7 +20,7 @@ from posenc._checks import compiling
 from posenc.interop._discover import state_name
 from posenc.interop.consistent import forget_keys_cos_sin
 from posenc.rope.apply import apply_rotary, apply_rotary_qk
-from posenc.rope.frequencies import SEQ_LEN_DEPENDENT
+from posenc.rope.frequencies import is_seq_len_dependent
 from posenc.rope.module import RoPE, angles_to_cos_sin
 from posenc.rope.mrope import MRoPE, mrope_cos_sin
 
@@ -100,7 +100,7 @@ class PosencRotaryEmbedding(nn.Module):
         # forward are made anew in this one (an inference tensor changed in place shows no version change).
         forget_keys_cos_sin(position_ids)
         dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-        if rope.rope_type in SEQ_LEN_DEPENDENT:
+        if is_seq_len_dependent(rope.rope_type):
             return rope.call_cos_sin(position_ids, dtype=dtype)
         inv_freq = getattr(self, state_name(key, "inv_freq"))
         if position_ids.dim() == 3:  # (3, b, s): temporal, height, width ids

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from posenc.registry import ENCODINGS
@@ -58,16 +58,33 @@ def _llama3(factor: float, train_len: int) -> dict[str, Any]:
 
 
 # Training-free RoPE extensions: name -> rope_parameters for a target of ``factor`` times the training length.
-EXTENSIONS = {"pi": _pi, "ntk": _ntk, "dynamic": _dynamic, "yarn": _yarn, "llama3": _llama3}
+# posenc.rope.register_scaling adds a registered type's (which takes the rotary dim too: its example's first argument).
+EXTENSIONS: dict[str, Callable[..., dict[str, Any]]] = {
+    "pi": _pi,
+    "ntk": _ntk,
+    "dynamic": _dynamic,
+    "yarn": _yarn,
+    "llama3": _llama3,
+}
 # The extensions their papers fine-tune briefly at the target length (PI Table 3, YaRN §4).
 FINETUNABLE = ("pi", "yarn")
 
 
-def extension_rope_parameters(name: str, factor: float, train_len: int) -> dict[str, Any]:
-    """rope_parameters for extension ``name`` extending ``train_len`` by ``factor`` (> 1)."""
+def extension_rope_parameters(
+    name: str, factor: float, train_len: int, *, rotary_dim: int | None = None
+) -> dict[str, Any]:
+    """rope_parameters for extension ``name`` extending ``train_len`` by ``factor`` (> 1) for a RoPE of ``rotary_dim``
+    channels, which a type registered by ``posenc.rope.register_scaling`` needs (its example parameters take it)."""
+    from posenc.rope.scaling import _ExampleExtension
+
     if name not in EXTENSIONS:
         raise ValueError(f"unknown extension {name!r}; known: {', '.join(EXTENSIONS)}")
-    return EXTENSIONS[name](float(factor), train_len)
+    extension = EXTENSIONS[name]
+    if isinstance(extension, _ExampleExtension):
+        if rotary_dim is None:
+            raise ValueError(f"extension {name!r} is a registered rope_type: pass rotary_dim= (its example reads it)")
+        return extension(float(factor), train_len, rotary_dim=rotary_dim)
+    return extension(float(factor), train_len)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,7 +268,9 @@ class LabConfig:
         spec = self.model_spec()
         for name in self.extensions:
             for length in self.extension_lengths:
-                parameters = extension_rope_parameters(name, length / self.train_len, self.train_len)
+                parameters = extension_rope_parameters(
+                    name, length / self.train_len, self.train_len, rotary_dim=spec.head_dim
+                )
                 try:
                     encoding_for(spec, "rope", {"rope_parameters": parameters})
                 except ValueError as error:

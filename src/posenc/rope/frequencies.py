@@ -4,8 +4,8 @@ Every function here works in float64 and returns ``(inv_freq, attention_factor)`
 (r/2,), where r is the rotary dim. Positions times these frequencies give the rotation angles; keeping them in
 float64 until the cos/sin table is built is what makes position 2**20 as exact as position 20.
 
-A scaling type is one function plus one line in ``SCALINGS``, and its keys in ``posenc.rope.parameters``
-(docs/scaling.md, "Adding a scaling type", lists the rest). Kernels never change for it: they consume cos/sin.
+A scaling type of one's own is added with ``posenc.rope.register_scaling``, which writes every table that names the
+types (docs/scaling.md, "Adding a scaling type"). Kernels never change for it: they consume cos/sin.
 The functions take plain, already validated and resolved values (``posenc.rope.parameters`` owns the dict keys,
 the defaults and the fallbacks); each follows the formula of Hugging Face ``transformers``' function of the same
 name in ``modeling_rope_utils.py``, branch for branch, but in float64.
@@ -251,5 +251,12 @@ SCALINGS: dict[str, ScalingFn] = {
     "proportional": proportional,
 }
 
-# Types whose frequencies change with the current sequence length (they cannot be tabulated once).
-SEQ_LEN_DEPENDENT: frozenset[str] = frozenset({"dynamic", "longrope"})
+# Types whose frequencies change with the current sequence length (they cannot be tabulated once). A set that
+# ``posenc.rope.register_scaling`` adds to: read it through ``is_seq_len_dependent``, never a copy taken at import (a
+# frozenset imported by name left a registered type tabulated once, its function always called with seq_len=None).
+SEQ_LEN_DEPENDENT: set[str] = {"dynamic", "longrope"}
+
+
+def is_seq_len_dependent(rope_type: str) -> bool:
+    """Whether ``rope_type``'s frequencies change with the sequence length (registered types included)."""
+    return rope_type in SEQ_LEN_DEPENDENT

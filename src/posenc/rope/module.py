@@ -47,8 +47,8 @@ from posenc.encoding import ActsOn
 from posenc.kernels.ops import BACKENDS, transformed
 from posenc.positions import resolve_positions
 from posenc.rope.apply import Backend, apply_rotary, apply_rotary_qk, rotate_tensors
-from posenc.rope.frequencies import SEQ_LEN_DEPENDENT
 from posenc.rope.frequencies import dynamic as dynamic_frequencies
+from posenc.rope.frequencies import is_seq_len_dependent
 from posenc.rope.parameters import RopeSpec, compute_frequencies, parse_rope_parameters
 
 Layout = Literal["bhsd", "bshd"]
@@ -289,6 +289,17 @@ def _scaling_length_eagerly(rope: RoPE, positions: torch.Tensor) -> int | None:
     return rope.scaling_length(positions)
 
 
+@compile_marks.disable(
+    reason="a rope_type registered with seq_len_dependent=True (posenc.rope.register_scaling) is computed by its "
+    "function for max(positions) + 1, read on the host; for fullgraph=True pass seq_len= to RoPE.forward or cos_sin "
+    "(CausalSelfAttention and patched transformers models cannot: compile them without fullgraph)"
+)
+def _registered_cos_sin_eagerly(
+    rope: RoPE, positions: torch.Tensor, step_positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return rope.cos_sin(positions, seq_len=int(step_positions.max()) + 1, dtype=dtype)
+
+
 class RoPE(nn.Module):
     """Rotary position embedding (Su et al., 2021) for queries and keys.
 
@@ -299,7 +310,8 @@ class RoPE(nn.Module):
     max_position_embeddings: the model's trained length, used by the length-dependent scaling types;
     backend: "auto" | "torch" | "triton" | "cpu", passed to ``apply_rotary`` (auto: Triton on CUDA, the fused CPU
     kernel on CPU, else torch);
-    mode: how ``dynamic`` and ``longrope`` (whose frequencies change with the sequence length) behave:
+    mode: how ``dynamic``, ``longrope`` and a type registered with ``seq_len_dependent=True`` (whose frequencies
+    change with the sequence length) behave:
 
     * ``"hf"`` (default): what Hugging Face computes. Each call scales for max(positions) + 1; ``dynamic`` also
       keeps the largest length seen so far and falls back to plain RoPE only when a call is shorter than
@@ -434,12 +446,12 @@ class RoPE(nn.Module):
         any other length-dependent type gets seq_len itself. The comparisons keep a symbolic length symbolic, and a
         scaled length is returned as it is."""
         spec = self.spec
-        if seq_len is None or spec.rope_type not in SEQ_LEN_DEPENDENT:
+        if seq_len is None or not is_seq_len_dependent(spec.rope_type):
             return None
         if spec.rope_type == "longrope":
             original = int(spec.params["original_max_position_embeddings"])
             return original + 1 if seq_len > original else None
-        # Only dynamic is known to be plain RoPE up to the trained length: a type added to SEQ_LEN_DEPENDENT got
+        # Only dynamic is known to be plain RoPE up to the trained length: a registered length-dependent type got
         # its seq_len=None frequencies there, silently, whatever its function computes for that length.
         limit = spec.max_position_embeddings
         if spec.rope_type == "dynamic" and limit is not None and seq_len <= limit:
@@ -452,13 +464,13 @@ class RoPE(nn.Module):
     def rotates_cached_keys(self) -> bool:
         """True when the attention must keep keys unrotated and rotate them at read ('consistent' + a type whose
         frequencies change with the length)."""
-        return self.mode == "consistent" and self.spec.rope_type in SEQ_LEN_DEPENDENT
+        return self.mode == "consistent" and is_seq_len_dependent(self.spec.rope_type)
 
     def scaling_length(self, positions: torch.Tensor) -> int | None:
         """The seq_len a forward call with these positions (integer, any shape) scales for: max(positions) + 1, or
         for 'hf' dynamic NTK the state it advances as transformers does; None for a type that does not depend on
         the length, or no positions."""
-        if self.spec.rope_type not in SEQ_LEN_DEPENDENT or positions.numel() == 0:
+        if not is_seq_len_dependent(self.spec.rope_type) or positions.numel() == 0:
             return None
         if positions.device.type == "meta" or (fake_mode_active() and not recording()):  # shapes only, no state
             return 1
@@ -491,7 +503,7 @@ class RoPE(nn.Module):
         outside the graph, in a graph break (with ``fullgraph=True`` an error that says to compile without it), as
         ``call_cos_sin`` does for 'hf' dynamic NTK; 1 on the meta device; in a CUDA graph capture the error that asks
         for seq_len=. What a 'consistent' ``KVCache`` rotates its keys for."""
-        if self.spec.rope_type in SEQ_LEN_DEPENDENT and compiling():
+        if is_seq_len_dependent(self.spec.rope_type) and compiling():
             return _scaling_length_eagerly(self, positions)
         return self.scaling_length(positions)
 
@@ -518,13 +530,14 @@ class RoPE(nn.Module):
             return self.cos_sin(positions, dtype=dtype)
         # make_fx's graph too: there no value may be read (its example's length would be baked in).
         in_graph = (compiling() or recording()) and positions.dim() <= 2  # not M-RoPE's axes
-        # 'consistent' dynamic NTK scales for these positions alone (no state), which the graph reads in an op.
-        stateless = self.spec.rope_type == "longrope" or self.mode == "consistent"
-        if in_graph and stateless and self.spec.rope_type in SEQ_LEN_DEPENDENT:
+        # 'consistent' dynamic NTK scales for these positions alone (no state), which the graph reads in an op; only
+        # 'hf' dynamic NTK keeps a state (a registered type scales for each call's positions, in a graph break).
+        stateless = self.spec.rope_type != "dynamic" or self.mode == "consistent"
+        if in_graph and stateless and is_seq_len_dependent(self.spec.rope_type):
             return self.cos_sin(positions, dtype=dtype)  # which reads max(positions) + 1 in the graph
         if self.spec.rope_type == "longrope" and compiling():  # M-RoPE's axes
             return _call_longrope_cos_sin_eagerly(self, positions, dtype)
-        if self.spec.rope_type in SEQ_LEN_DEPENDENT and compiling():
+        if is_seq_len_dependent(self.spec.rope_type) and compiling():
             return _call_cos_sin_eagerly(self, positions, dtype)
         return self.cos_sin(positions, seq_len=self.scaling_length(positions), dtype=dtype)
 
@@ -536,7 +549,7 @@ class RoPE(nn.Module):
         on the device; dynamic NTK reads the length on the host in an op (``posenc::dynamic_inv_freq``); a type that
         does not scale with the length (Gemma 3n / 4's sliding layers beside scaled full-attention ones) ignores it.
         What 'consistent' mode rotates the cached keys with, in every layer."""
-        if self.spec.rope_type not in SEQ_LEN_DEPENDENT:
+        if not is_seq_len_dependent(self.spec.rope_type):
             return self.cos_sin(positions, dtype=dtype)
         if self.spec.rope_type == "longrope":
             original = int(self.spec.params["original_max_position_embeddings"])
@@ -556,7 +569,12 @@ class RoPE(nn.Module):
             )
             factor = 1.0  # dynamic NTK's, at every length
         else:
-            raise ValueError(f"rope_type {self.spec.rope_type!r} has no in-graph length rule in posenc")
+            # A registered type: its function runs on the host (float64, any Python), so the length is read there,
+            # in a graph break, as 'hf' dynamic NTK's is; it raised "has no in-graph length rule" before. make_fx's
+            # trace has no graph breaks: there the length must be given.
+            if not compiling():
+                raise _length_unreadable(self.spec.rope_type)
+            return _registered_cos_sin_eagerly(self, positions, step_positions, dtype)
         assert_without_sync(positions >= 0, "positions must be >= 0, got a negative entry")
         return angles_to_cos_sin(positions, inv_freq, factor, dtype)
 
@@ -590,7 +608,7 @@ class RoPE(nn.Module):
         if positions.numel() == 0:
             empty = torch.empty((*positions.shape, self.rotary_dim // 2), device=positions.device, dtype=dtype)
             return empty, empty.clone()
-        length_dependent = self.spec.rope_type in SEQ_LEN_DEPENDENT
+        length_dependent = is_seq_len_dependent(self.spec.rope_type)
         if length_dependent and seq_len is None and (compiling() or recording()) and positions.dim() <= 2:
             # max(positions) + 1, which no traced code may read on the host: the graph reads it itself (no state is
             # read here, in either mode). Not in a CUDA graph capture, which cannot read it at all.
@@ -627,7 +645,7 @@ class RoPE(nn.Module):
             assert_without_sync(positions >= 0, "positions must be >= 0, got a negative entry")
             if seq_len is not None:
                 assert_without_sync(positions < seq_len, too_short)
-            if self.spec.rope_type in SEQ_LEN_DEPENDENT and seq_len is None:
+            if is_seq_len_dependent(self.spec.rope_type) and seq_len is None:
                 raise _length_unreadable(self.spec.rope_type)
             return None
         low, high = host_min_max(positions)
@@ -724,7 +742,7 @@ class RoPE(nn.Module):
         # float32 tables for every activation dtype but float64, whose callers want float64 exactness.
         table_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         seq = q.shape[seq_axis]
-        if self.spec.rope_type not in SEQ_LEN_DEPENDENT and q.device.type != "meta":
+        if not is_seq_len_dependent(self.spec.rope_type) and q.device.type != "meta":
             # Position ids and offsets may come from the CPU for CUDA activations, as resolve_positions allows.
             if isinstance(positions, torch.Tensor):
                 positions = to_device("positions", positions, q.device, "q")

@@ -28,7 +28,7 @@ from posenc._checks import (
     size_in,
     to_device,
 )
-from posenc.rope.frequencies import SEQ_LEN_DEPENDENT
+from posenc.rope.frequencies import is_seq_len_dependent
 from posenc.rope.module import Layout, RoPE
 
 AXES = 3
@@ -189,7 +189,7 @@ class MRoPE(RoPE):
                 f"positions must be (3, b, s) (temporal, height, width ids) or text ids (s,) / (b, s), got shape "
                 f"{tuple(positions.shape)}"
             )
-        length_dependent = self.spec.rope_type in SEQ_LEN_DEPENDENT
+        length_dependent = is_seq_len_dependent(self.spec.rope_type)
         if positions.numel():  # checks them (>= 0), and gives the default length where values can be read
             extent = self._positions_extent(positions, seq_len)
             seq_len = extent if seq_len is None else seq_len

@@ -1,0 +1,272 @@
+"""posenc.rope.register_scaling: a scaling type of one's own, in RoPE (both modes), the KV cache, torch.compile,
+the figures and the lab, against float64 reference formulas; and the registrations it refuses."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import posenc
+import posenc.rope.frequencies as fr
+import posenc.rope.parameters as pa
+from posenc.analysis.frequencies import EXAMPLE_ROPE_PARAMETERS, frequency_table
+from posenc.lab.config import EXTENSIONS, extension_rope_parameters, make_config
+from posenc.rope import register_scaling
+from posenc.rope.scaling import WITHOUT_EXAMPLE
+
+HEAD_DIM, MAX_POS, BASE = 8, 16, 10000.0
+
+
+@pytest.fixture(autouse=True)
+def restore_tables():
+    """Every table register_scaling writes, as it was: the other tests hold SCALINGS to their own lists."""
+    dicts = [fr.SCALINGS, pa.REQUIRED_KEYS, pa.OPTIONAL_KEYS, EXAMPLE_ROPE_PARAMETERS, EXTENSIONS]
+    sets = [fr.SEQ_LEN_DEPENDENT, WITHOUT_EXAMPLE]
+    saved = [dict(d) for d in dicts], [set(s) for s in sets]
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+    for d, before in zip(dicts, saved[0], strict=True):
+        d.clear()
+        d.update(before)
+    for s, before_set in zip(sets, saved[1], strict=True):
+        s.clear()
+        s.update(before_set)
+
+
+def reference_inv_freq(rotary_dim: int, base: float) -> list[float]:
+    return [base ** (-2 * i / rotary_dim) for i in range(rotary_dim // 2)]
+
+
+def band(*, rotary_dim: int, base: float, factor: float, keep: int = 1, **_: Any) -> tuple[torch.Tensor, float]:
+    """A toy length-independent type: the first ``keep`` pairs kept, the rest divided by ``factor``; attention 1.1."""
+    inv_freq = fr.default_inv_freq(rotary_dim, base)
+    scale = torch.ones_like(inv_freq)
+    scale[keep:] = factor
+    return inv_freq / scale, 1.1
+
+
+def band_reference(length: int | None, factor: float, keep: int = 1) -> tuple[list[float], float]:
+    inv = reference_inv_freq(HEAD_DIM, BASE)
+    return [f if i < keep else f / factor for i, f in enumerate(inv)], 1.1
+
+
+def toy_dynamic(
+    *, rotary_dim: int, base: float, seq_len: int | None, max_position_embeddings: int, **_: Any
+) -> tuple[torch.Tensor, float]:
+    """A toy length-dependent type: every frequency times max / L, L = max(seq_len, max) (position interpolation
+    that stretches to whatever length it is called for)."""
+    length = max_position_embeddings if seq_len is None else max(seq_len, max_position_embeddings)
+    return fr.default_inv_freq(rotary_dim, base) * (max_position_embeddings / length), 1.0
+
+
+def toy_dynamic_reference(length: int | None, *_: Any) -> tuple[list[float], float]:
+    stretch = MAX_POS / max(length or MAX_POS, MAX_POS)
+    return [f * stretch for f in reference_inv_freq(HEAD_DIM, BASE)], 1.0
+
+
+def register_band() -> dict[str, Any]:
+    register_scaling(
+        "band",
+        band,
+        required=("factor",),
+        optional=("keep",),
+        example=lambda r, length, factor: {"factor": factor},
+    )
+    return {"rope_type": "band", "factor": 4.0, "rope_theta": BASE}
+
+
+def register_toy_dynamic() -> dict[str, Any]:
+    register_scaling("toy_dynamic", toy_dynamic, example=lambda r, length, factor: {}, seq_len_dependent=True)
+    return {"rope_type": "toy_dynamic", "rope_theta": BASE}
+
+
+def rotate_reference(x: torch.Tensor, positions: list[int], inv_freq: list[float], attention: float) -> torch.Tensor:
+    """Split-half rotation of x (b, h, s, d) in float64, one position per token, angles in Python floats."""
+    half = HEAD_DIM // 2
+    out = torch.empty_like(x)
+    for t, p in enumerate(positions):
+        cos = torch.tensor([math.cos(p * f) * attention for f in inv_freq], dtype=torch.float64)
+        sin = torch.tensor([math.sin(p * f) * attention for f in inv_freq], dtype=torch.float64)
+        x1, x2 = x[:, :, t, :half], x[:, :, t, half:]
+        out[:, :, t, :half] = x1 * cos - x2 * sin
+        out[:, :, t, half:] = x2 * cos + x1 * sin
+    return out
+
+
+CASES = {"band": (register_band, band_reference), "toy_dynamic": (register_toy_dynamic, toy_dynamic_reference)}
+
+
+@pytest.mark.parametrize("mode", ["hf", "consistent"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_registered_type_rotates_by_its_reference_formula(name, mode):
+    register, reference = CASES[name]
+    params = register()
+    rope = posenc.RoPE(HEAD_DIM, rope_parameters=params, max_position_embeddings=MAX_POS, mode=mode)
+    for length in (5, MAX_POS, 3 * MAX_POS):  # below, at and past the trained length
+        q = torch.randn(1, 2, length, HEAD_DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(length))
+        inv_freq, attention = reference(length, 4.0)
+        want = rotate_reference(q, list(range(length)), inv_freq, attention)
+        got_q, got_k = rope(q, q)
+        torch.testing.assert_close(got_q, want, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got_k, want, rtol=1e-12, atol=1e-12)
+        exact, factor = rope.frequencies(length)
+        torch.testing.assert_close(exact, torch.tensor(inv_freq, dtype=torch.float64), rtol=1e-15, atol=0)
+        assert factor == attention
+
+
+def test_the_function_of_a_length_dependent_type_is_called_with_each_calls_length():
+    """The brief's reproducer: SEQ_LEN_DEPENDENT was a frozenset that RoPE imported by name, so a type added by hand
+    was tabulated once and its function always called with seq_len=None (here a stretch it never applied)."""
+    seen = []
+
+    def grow(**kwargs: Any) -> tuple[torch.Tensor, float]:
+        seen.append(kwargs["seq_len"])
+        return toy_dynamic(**kwargs)
+
+    register_scaling("grow", grow, seq_len_dependent=True)
+    rope = posenc.RoPE(HEAD_DIM, rope_parameters={"rope_type": "grow"}, max_position_embeddings=MAX_POS)
+    q = torch.randn(1, 2, 2 * MAX_POS, HEAD_DIM, dtype=torch.float64)
+    seen.clear()
+    got, _ = rope(q, q)
+    assert seen == [2 * MAX_POS]
+    inv_freq, _ = toy_dynamic_reference(2 * MAX_POS)
+    torch.testing.assert_close(got, rotate_reference(q, list(range(2 * MAX_POS)), inv_freq, 1.0))
+    assert (
+        rope.rotates_cached_keys is False
+        and posenc.RoPE(
+            HEAD_DIM, rope_parameters={"rope_type": "grow"}, max_position_embeddings=MAX_POS, mode="consistent"
+        ).rotates_cached_keys
+    )
+
+
+def test_consistent_decoding_of_a_registered_length_dependent_type_equals_a_full_forward():
+    params = register_toy_dynamic()
+    torch.manual_seed(0)
+    rope = posenc.RoPE(HEAD_DIM, rope_parameters=params, max_position_embeddings=MAX_POS, mode="consistent")
+    attention = posenc.CausalSelfAttention(4 * HEAD_DIM, 4, num_kv_heads=2, encoding=rope).double()
+    x = torch.randn(2, 2 * MAX_POS + 3, 4 * HEAD_DIM, dtype=torch.float64)
+    cache = posenc.KVCache()
+    steps = [attention(x[:, :10], cache=cache)]
+    steps += [attention(x[:, t : t + 1], cache=cache) for t in range(10, x.shape[1])]
+    stepped = torch.cat(steps, dim=1)
+    for t in range(x.shape[1]):
+        torch.testing.assert_close(stepped[:, t], attention(x[:, : t + 1])[:, -1], rtol=1e-12, atol=1e-12)
+
+
+def test_a_registered_type_compiles_as_a_built_in_of_its_kind():
+    """A fixed type in one graph with fullgraph=True; a length-dependent one with seq_len= under fullgraph, and in
+    'consistent' mode's cache (which cannot pass seq_len=) through a graph break: before, the latter raised
+    "has no in-graph length rule"."""
+    fixed = posenc.RoPE(HEAD_DIM, rope_parameters=register_band(), max_position_embeddings=MAX_POS)
+    q = torch.randn(1, 2, 3 * MAX_POS, HEAD_DIM)
+    compiled = torch.compile(lambda q, k: fixed(q, k), fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(q, q), fixed(q, q), rtol=1e-6, atol=1e-6)
+
+    params = register_toy_dynamic()
+    rope = posenc.RoPE(HEAD_DIM, rope_parameters=params, max_position_embeddings=MAX_POS, mode="consistent")
+    with_length = torch.compile(lambda q, k, n: rope(q, k, seq_len=n), fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(with_length(q, q, 3 * MAX_POS), rope(q, q), rtol=1e-6, atol=1e-6)
+
+    from torch.fx.experimental.proxy_tensor import make_fx  # no graph breaks there: the length is asked for
+
+    with pytest.raises(ValueError, match="pass seq_len="):
+        make_fx(lambda q, k: rope(q, k))(q, q)
+    traced = make_fx(lambda q, k: rope(q, k, seq_len=3 * MAX_POS))(q, q)
+    torch.testing.assert_close(traced(q, q), rope(q, q), rtol=1e-6, atol=1e-6)
+
+    attention = posenc.CausalSelfAttention(4 * HEAD_DIM, 4, encoding=rope)
+    x = torch.randn(1, MAX_POS + 2, 4 * HEAD_DIM, generator=torch.Generator().manual_seed(0))
+    hf = posenc.CausalSelfAttention(
+        4 * HEAD_DIM, 4, encoding=posenc.RoPE(HEAD_DIM, rope_parameters=params, max_position_embeddings=MAX_POS)
+    )
+    hf.load_state_dict(attention.state_dict())
+    with pytest.raises(Exception, match="register_scaling"):  # its own reason, not dynamic NTK's
+        torch.compile(hf, fullgraph=True, backend="aot_eager")(x)
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(hf, backend="eager")(x), attention(x), rtol=1e-6, atol=1e-6)
+    with pytest.raises(Exception, match="register_scaling"):
+        torch.compile(lambda x, c: attention(x, cache=c), fullgraph=True, backend="aot_eager")(
+            x[:, :5], posenc.KVCache()
+        )
+    torch._dynamo.reset()
+    compiled_step = torch.compile(lambda x, c: attention(x, cache=c), backend="eager")
+    eager_cache, compiled_cache = posenc.KVCache(), posenc.KVCache()
+    for chunk in (slice(0, MAX_POS), slice(MAX_POS, MAX_POS + 1), slice(MAX_POS + 1, MAX_POS + 2)):
+        want = attention(x[:, chunk], cache=eager_cache)
+        torch.testing.assert_close(compiled_step(x[:, chunk], compiled_cache), want, rtol=1e-6, atol=1e-6)
+
+
+def test_the_figures_and_the_lab_take_a_registered_type():
+    register_band()
+    table = frequency_table(HEAD_DIM, train_len=MAX_POS, rope_types=["default", "band"])
+    ratio = table.ratio_to_default()[1]
+    torch.testing.assert_close(ratio, torch.tensor([1.0, 0.25, 0.25, 0.25], dtype=torch.float64))
+    assert "band" in frequency_table(HEAD_DIM, train_len=MAX_POS).rope_types
+
+    assert extension_rope_parameters("band", 4.0, MAX_POS, rotary_dim=HEAD_DIM) == {"rope_type": "band", "factor": 4.0}
+    # The config builds each extension's RoPE for the lab's model (its rotary dim passed to the example).
+    assert make_config("quick", extensions=["band"]).extensions == ("band",)
+
+    register_scaling("no_example", toy_dynamic, seq_len_dependent=True)  # drawn only where asked for, with parameters
+    assert "no_example" not in frequency_table(HEAD_DIM, train_len=MAX_POS).rope_types
+    assert "no_example" not in EXTENSIONS
+    with pytest.raises(ValueError, match="no example parameters"):
+        frequency_table(HEAD_DIM, train_len=MAX_POS, rope_types=["no_example"])
+
+
+def test_registering_refuses_what_would_fail_later():
+    def ok(*, rotary_dim: int, base: float, **_: Any) -> tuple[torch.Tensor, float]:
+        return fr.default_inv_freq(rotary_dim, base), 1.0
+
+    with pytest.raises(ValueError, match="rope_type name must be"):
+        register_scaling("my+type", ok)
+    with pytest.raises(ValueError, match="legacy name"):
+        register_scaling("su", ok)
+    with pytest.raises(TypeError, match="fn must be a function"):
+        register_scaling("mine", "ok")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="cannot take that"):
+        register_scaling("mine", lambda rotary_dim, base: (None, 1.0))  # no seq_len / max_position_embeddings
+    with pytest.raises(TypeError, match="cannot take that"):
+        register_scaling("mine", band)  # needs factor, which it does not list
+    with pytest.raises(ValueError, match="registered already"):
+        register_scaling("yarn", ok)
+    with pytest.raises(ValueError, match="cannot be replaced"):
+        register_scaling("dynamic", ok, replace=True)
+    with pytest.raises(ValueError, match="which every type has"):
+        register_scaling("mine", ok, required=("rope_theta",))
+    with pytest.raises(ValueError, match="both required and optional"):
+        register_scaling("mine", ok, required=("factor",), optional=("factor",))
+    with pytest.raises(ValueError, match=r"rope_parameters\['factor'\] must be >= 1"):
+        register_scaling("mine", band, required=("factor",), example=lambda r, length, factor: {"factor": 0.5})
+    with pytest.raises(ValueError, match=r"shape \(rotary_dim // 2,\)"):
+        register_scaling("mine", lambda **kw: (torch.ones(3, dtype=torch.float64), 1.0), example=lambda *a: {})
+    # None of the refused ones is left half registered.
+    assert "mine" not in fr.SCALINGS and "mine" not in pa.REQUIRED_KEYS and "mine" not in EXAMPLE_ROPE_PARAMETERS
+    assert "mine" not in EXTENSIONS
+
+    register_scaling("mine", ok)
+    with pytest.raises(ValueError, match="registered already"):
+        register_scaling("mine", ok)
+    register_scaling("mine", toy_dynamic, seq_len_dependent=True, replace=True)
+    assert fr.is_seq_len_dependent("mine")
+    register_scaling("mine", ok, replace=True)
+    assert not fr.is_seq_len_dependent("mine")
+
+
+def test_the_docs_example_registers_a_type_that_stretches_with_the_length():
+    """docs/scaling.md's "Adding a scaling type" block, run as written: the frequencies it gives at 4x the trained
+    length are the plain ones / 4 (factor 1), in float64."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "scaling.md").read_text()
+    (block,) = re.findall(r"```python\n(.*?)```", doc, flags=re.S)
+    namespace: dict[str, Any] = {}
+    exec(compile(block, "docs/scaling.md", "exec"), namespace)
+    rope = namespace["rope"]
+    plain = torch.tensor(reference_inv_freq(64, 10000.0), dtype=torch.float64)
+    torch.testing.assert_close(rope.frequencies(4 * 2048)[0], plain / 4, rtol=1e-15, atol=0)
+    torch.testing.assert_close(rope.frequencies(100)[0], plain, rtol=1e-15, atol=0)
