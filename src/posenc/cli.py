@@ -60,6 +60,12 @@ def _finite_float(text: str) -> float:
 def _add_figure_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("what to draw (give --config, or any of the others; defaults: d=64, base=10000)")
     g.add_argument("--config", metavar="JSON", help="figure config, or a Hugging Face model config.json")
+    g.add_argument(
+        "--layer-type",
+        metavar="TYPE",
+        help="for a --config with one rope dict per layer type (Gemma 3: sliding_attention, full_attention), the one "
+        "to draw",
+    )
     g.add_argument("--head-dim", type=int, help="d per attention head (default 64)")
     g.add_argument("--base", type=_finite_float, help="rope_theta (default 10000)")
     g.add_argument(
@@ -121,7 +127,9 @@ def _figure_config(args: argparse.Namespace, run_dir: str | None = None):  # -> 
         given += ["--factor"] * (args.factor is not None) + ["--rope-param"] * bool(args.rope_param)
         if given:
             raise ValueError(f"--config already says what to draw; drop {', '.join(sorted(set(given)))}")
-        return FigureConfig.from_json(args.config)
+        return FigureConfig.from_json(args.config, layer_type=args.layer_type)
+    if args.layer_type is not None:
+        raise ValueError("--layer-type picks a rope dict of a Hugging Face --config; give --config, or drop it")
     if not params and all(v is None for v in flags.values()):
         return None  # the default, or the run's own model for --run / report
     _check_type_reads_flags(args, params)

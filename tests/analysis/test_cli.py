@@ -273,3 +273,19 @@ def test_ctrl_c_is_one_line_and_status_130(tmp_path, capsys, make_run, monkeypat
         assert sorted(p.name for p in (tmp_path / "figures").iterdir()) == ["wavelengths.png"]
     else:
         assert not (run / "report.html").exists()
+
+
+def test_plot_draws_a_layer_type_of_a_config_with_one_rope_dict_per_layer_type(tmp_path, capsys):
+    config = tmp_path / "config.json"
+    layer_types = ["sliding_attention", "full_attention"]
+    thetas = {"sliding_attention": 1e4, "full_attention": 1e6}
+    rope = {kind: {"rope_type": "default", "rope_theta": theta} for kind, theta in thetas.items()}
+    gemma3 = {"model_type": "gemma3_text", "hidden_size": 64, "num_attention_heads": 2, "head_dim": 32}
+    config.write_text(json.dumps({**gemma3, "layer_types": layer_types, "rope_parameters": rope}))
+    words = ["plot", "wavelengths", "--out", str(tmp_path / "out"), "--config", str(config)]
+    assert main(words) == 2
+    assert "--layer-type full_attention" in capsys.readouterr().err
+    assert main([*words, "--layer-type", "full_attention"]) == 0
+    assert (tmp_path / "out" / "wavelengths.png").exists()
+    assert main(["plot", "wavelengths", "--out", str(tmp_path / "out"), "--layer-type", "full_attention"]) == 2
+    assert "give --config" in capsys.readouterr().err

@@ -214,3 +214,43 @@ def test_a_hugging_face_config_gives_its_text_models_head_count(config):
     # Read from the top-level keys alone, both were drawn with the default 8 heads (the ALiBi panels' slopes too).
     figure = FigureConfig.from_mapping(config)
     assert (figure.head_dim, figure.num_heads) == (32, 16)
+
+
+# Gemma 3's text model: one rope dict per layer type, the global layers' scaled.
+GEMMA3_TEXT = {
+    "model_type": "gemma3_text",
+    "hidden_size": 640,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 256,
+    "max_position_embeddings": 32768,
+    "layer_types": ["sliding_attention", "full_attention"],
+    "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+    },
+}
+
+
+@pytest.mark.parametrize(
+    ("layer_type", "base", "rope_type"), [("full_attention", 1e6, "linear"), ("sliding_attention", 1e4, "default")]
+)
+def test_a_config_with_a_rope_dict_per_layer_type_draws_the_one_asked_for(layer_type, base, rope_type):
+    figure = FigureConfig.from_mapping(GEMMA3_TEXT, layer_type=layer_type)
+    assert (figure.head_dim, figure.num_heads, figure.base, figure.rope_type) == (256, 4, base, rope_type)
+    model = rope_from_config(GEMMA3_TEXT, layer_type=layer_type)
+    drawn = RoPE(figure.head_dim, **figure.rope_kwargs())
+    for got, expected in zip(drawn.frequencies(figure.eval_len), model.frequencies(figure.eval_len), strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_a_config_with_a_rope_dict_per_layer_type_names_the_flag_that_picks_one(tmp_path):
+    # The figures had no way to take one: rope_kwargs_from_config's error asked for its keyword argument, which
+    # `posenc plot --config` could not give.
+    with pytest.raises(ValueError, match="--layer-type full_attention"):
+        FigureConfig.from_mapping(GEMMA3_TEXT)
+    with pytest.raises(ValueError, match="drop layer_type"):
+        FigureConfig.from_mapping({"head_dim": 32}, layer_type="full_attention")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(GEMMA3_TEXT))
+    assert FigureConfig.from_json(path, layer_type="full_attention").base == 1e6

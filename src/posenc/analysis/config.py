@@ -15,7 +15,7 @@ from typing import Any
 
 from posenc._checks import flag, positive_int
 from posenc.analysis.frequencies import EXAMPLE_ROPE_PARAMETERS, example_rope_parameters, is_extension_factor
-from posenc.interop.hf import num_heads_from_config, rope_kwargs_from_config
+from posenc.interop.hf import num_heads_from_config, rope_kwargs_from_config, rope_layer_types
 from posenc.rope.parameters import REQUIRED_KEYS, RopeSpec, parse_rope_parameters, pop_rope_type, rotary_fraction
 
 # The training length the figures assume when nothing says otherwise.
@@ -130,7 +130,7 @@ class FigureConfig:
         }
 
     @classmethod
-    def from_mapping(cls, data: Mapping[str, Any]) -> FigureConfig:
+    def from_mapping(cls, data: Mapping[str, Any], *, layer_type: str | None = None) -> FigureConfig:
         """Build from this class's fields, or from a Hugging Face model ``config.json`` dict.
 
         A Hugging Face config (one with ``hidden_size`` / ``num_attention_heads`` / ``model_type``) is read the way
@@ -138,11 +138,18 @@ class FigureConfig:
         GPT-NeoX's ``rotary_pct``, DeepSeek's ``qk_rope_head_dim``, Phi-3's top-level original length); train_len
         is the original (trained) length the scaling names, else ``max_position_embeddings``, and eval_len is
         ``max_position_embeddings`` when it is longer than train_len, else 4 * train_len.
+        layer_type: for a Hugging Face config with one rope dict per layer type (Gemma 3, ModernBERT:
+        'sliding_attention' / 'full_attention'), which one to draw; such a config needs it.
         """
         if not isinstance(data, Mapping):
             raise TypeError(f"a figure config must be a JSON object (a dict), got {type(data).__name__}")
         if _HF_MARKERS & data.keys():
-            return cls._from_hugging_face(data)
+            return cls._from_hugging_face(data, layer_type)
+        if layer_type is not None:
+            raise ValueError(
+                f"layer_type={layer_type!r} picks a rope dict of a Hugging Face config.json with one per layer type; "
+                "this is a figure config of its own, which has one RoPE: drop layer_type"
+            )
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(data.keys() - fields)
         if unknown:
@@ -153,11 +160,19 @@ class FigureConfig:
         return cls(**data)
 
     @classmethod
-    def _from_hugging_face(cls, data: Mapping[str, Any]) -> FigureConfig:
+    def _from_hugging_face(cls, data: Mapping[str, Any], layer_type: str | None) -> FigureConfig:
         # The RoPE a model does, read as posenc.interop.rope_from_config reads it (every per-model spelling), then
         # said in this class's terms: an absolute rotary dim as a fraction, and a factor the model leaves implicit
         # (max / original: Phi-3, DeepSeek) made explicit, because the figures scale from train_len = the original.
-        kwargs = rope_kwargs_from_config(data)
+        layer_types = rope_layer_types(data)
+        if layer_types and layer_type is None:
+            # rope_kwargs_from_config's own error asked for a keyword argument that `posenc plot --config` has no
+            # way to give.
+            raise ValueError(
+                f"this config has one rope dict per layer type ({', '.join(layer_types)}) and the figures draw one "
+                f"RoPE: pick it with layer_type= (posenc plot / report: --layer-type {layer_types[0]})"
+            )
+        kwargs = rope_kwargs_from_config(data, layer_type=layer_type)
         head_dim = kwargs["head_dim"]
         rope = dict(kwargs["rope_parameters"])
         if "rotary_dim" in kwargs:
@@ -237,8 +252,9 @@ class FigureConfig:
         return cls(rope_parameters=rope, **{k: v for k, v in given.items() if v is not None})
 
     @classmethod
-    def from_json(cls, path: str | Path) -> FigureConfig:
-        """Read a JSON file holding either this class's fields or a Hugging Face model config."""
+    def from_json(cls, path: str | Path, *, layer_type: str | None = None) -> FigureConfig:
+        """Read a JSON file holding either this class's fields or a Hugging Face model config (layer_type: as for
+        ``from_mapping``)."""
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"config file {str(path)!r} does not exist; give a JSON file with the figure config")
@@ -246,4 +262,4 @@ class FigureConfig:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as err:
             raise ValueError(f"config file {str(path)!r} is not valid JSON: {err}") from err
-        return cls.from_mapping(data)
+        return cls.from_mapping(data, layer_type=layer_type)
