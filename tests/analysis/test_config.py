@@ -254,3 +254,16 @@ def test_a_config_with_a_rope_dict_per_layer_type_names_the_flag_that_picks_one(
     path = tmp_path / "config.json"
     path.write_text(json.dumps(GEMMA3_TEXT))
     assert FigureConfig.from_json(path, layer_type="full_attention").base == 1e6
+
+
+@pytest.mark.parametrize("layer_type", ["sliding_attention", "indexed_attention"])
+def test_a_layer_type_is_drawn_with_its_own_head_count(layer_type):
+    """dots3's sliding layers override num_attention_heads in per_layer_config: 64 heads, the others 128. Read from
+    the top-level key, every layer type was drawn with 128 (the ALiBi panels' slopes too)."""
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.for_model("dots3_note_text")
+    layer = hf_config.layer_types.index(layer_type)
+    figure = FigureConfig.from_mapping(hf_config.to_dict(), layer_type=layer_type)
+    assert figure.num_heads == hf_config.per_layer_config[layer].num_attention_heads
+    assert figure.head_dim == hf_config.per_layer_config[layer].qk_rope_head_dim

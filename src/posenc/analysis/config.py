@@ -185,8 +185,9 @@ class FigureConfig:
         # A config that extends past its training length says how far; otherwise look 4x past it.
         eval_len = max_positions if max_positions and max_positions > train_len else 4 * train_len
         # The text model's heads, found where the RoPE is: top-level keys alone drew a vision-language model (its
-        # heads in text_config) or DBRX (n_heads) with the default 8, and the ALiBi panels with 8 heads' slopes.
-        num_heads = num_heads_from_config(data)
+        # heads in text_config) or DBRX (n_heads) with the default 8, and the ALiBi panels with 8 heads' slopes;
+        # those of the layer type drawn (its per_layer_config's).
+        num_heads = num_heads_from_config(data, layer_type=layer_type)
         return cls(
             head_dim=head_dim,
             rope_parameters=rope,

@@ -354,12 +354,13 @@ def _attention_heads(cfg: Mapping[str, Any]) -> Any:
     return _first(cfg, "num_attention_heads", "n_head")
 
 
-def num_heads_from_config(config: Any) -> int | None:
-    """The query heads of the text model a config describes, or None where it gives none. config: as for
-    ``rope_kwargs_from_config``, and read as it reads the RoPE: a vision-language model's heads are its
-    text_config's, and a model's own spelling (DBRX's n_heads) is its config class's ``attribute_map``'s."""
+def num_heads_from_config(config: Any, *, layer_type: str | None = None) -> int | None:
+    """The query heads of the text model a config describes, or None where it gives none. config and layer_type: as
+    for ``rope_kwargs_from_config``, and read as it reads the RoPE: a vision-language model's heads are its
+    text_config's, a model's own spelling (DBRX's n_heads) is its config class's ``attribute_map``'s, and a layer
+    type's are its ``per_layer_config`` overrides' (dots3's sliding layers have half the heads of the others)."""
     cfg, _ = _load(config)
-    return _attention_heads(_with_aliases(_text_model(cfg)))
+    return _attention_heads(_with_aliases(_layer_type_config(_text_model(cfg), layer_type)))
 
 
 def _rope_dict(cfg: Mapping[str, Any]) -> Any:
