@@ -59,7 +59,9 @@ def _finite_float(text: str) -> float:
 
 def _add_figure_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("what to draw (give --config, or any of the others; defaults: d=64, base=10000)")
-    g.add_argument("--config", metavar="JSON", help="figure config, or a Hugging Face model config.json")
+    g.add_argument(
+        "--config", metavar="JSON", help="figure config, or a Hugging Face model config.json (or its folder)"
+    )
     g.add_argument(
         "--layer-type",
         metavar="TYPE",

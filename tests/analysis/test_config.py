@@ -267,3 +267,13 @@ def test_a_layer_type_is_drawn_with_its_own_head_count(layer_type):
     figure = FigureConfig.from_mapping(hf_config.to_dict(), layer_type=layer_type)
     assert figure.num_heads == hf_config.per_layer_config[layer].num_attention_heads
     assert figure.head_dim == hf_config.per_layer_config[layer].qk_rope_head_dim
+
+
+def test_a_model_folder_is_read_as_its_config_json(tmp_path):
+    # As rope_from_config and the lab's --hf-config read it; the figures said the folder "does not exist".
+    llama = {"model_type": "llama", "hidden_size": 256, "num_attention_heads": 4, "rope_theta": 5e5}
+    (tmp_path / "config.json").write_text(json.dumps(llama))
+    figure = FigureConfig.from_json(tmp_path)
+    assert (figure.head_dim, figure.num_heads, figure.base) == (64, 4, 5e5)
+    with pytest.raises(ValueError, match="does not exist; give a JSON file"):
+        FigureConfig.from_json(tmp_path / "nothing")

@@ -7,7 +7,6 @@ so a config that RoPE itself would reject is rejected here with the same message
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
@@ -15,7 +14,7 @@ from typing import Any
 
 from posenc._checks import flag, positive_int
 from posenc.analysis.frequencies import EXAMPLE_ROPE_PARAMETERS, example_rope_parameters, is_extension_factor
-from posenc.interop.hf import num_heads_from_config, rope_kwargs_from_config, rope_layer_types
+from posenc.interop.hf import num_heads_from_config, read_config_json, rope_kwargs_from_config, rope_layer_types
 from posenc.rope.parameters import REQUIRED_KEYS, RopeSpec, parse_rope_parameters, pop_rope_type, rotary_fraction
 
 # The training length the figures assume when nothing says otherwise.
@@ -254,13 +253,15 @@ class FigureConfig:
 
     @classmethod
     def from_json(cls, path: str | Path, *, layer_type: str | None = None) -> FigureConfig:
-        """Read a JSON file holding either this class's fields or a Hugging Face model config (layer_type: as for
+        """Read a JSON file holding either this class's fields or a Hugging Face model config, given as the
+        config.json or its model folder, as ``posenc.interop.rope_from_config`` reads it (layer_type: as for
         ``from_mapping``)."""
-        path = Path(path)
-        if not path.is_file():
-            raise ValueError(f"config file {str(path)!r} does not exist; give a JSON file with the figure config")
         try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
-            raise ValueError(f"config file {str(path)!r} is not valid JSON: {err}") from err
+            data = read_config_json(path)
+        except FileNotFoundError:
+            # A model folder was refused here as a file that "does not exist", where rope_from_config takes it.
+            raise ValueError(
+                f"config file {str(path)!r} does not exist; give a JSON file with the figure config, or a Hugging "
+                "Face model's config.json or its folder"
+            ) from None
         return cls.from_mapping(data, layer_type=layer_type)

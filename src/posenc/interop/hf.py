@@ -212,7 +212,7 @@ def read_config_json(config: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         loaded = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{str(path)!r} is not readable JSON: {error}") from error
+        raise ValueError(f"{str(path)!r} is not valid JSON: {error}") from error
     if not isinstance(loaded, dict):
         raise ValueError(f"{str(path)!r} must hold a JSON object, got {type(loaded).__name__}")
     return loaded
