@@ -281,6 +281,7 @@ def test_plot_draws_a_layer_type_of_a_config_with_one_rope_dict_per_layer_type(t
     thetas = {"sliding_attention": 1e4, "full_attention": 1e6}
     rope = {kind: {"rope_type": "default", "rope_theta": theta} for kind, theta in thetas.items()}
     gemma3 = {"model_type": "gemma3_text", "hidden_size": 64, "num_attention_heads": 2, "head_dim": 32}
+    gemma3["num_hidden_layers"] = len(layer_types)
     config.write_text(json.dumps({**gemma3, "layer_types": layer_types, "rope_parameters": rope}))
     words = ["plot", "wavelengths", "--out", str(tmp_path / "out"), "--config", str(config)]
     assert main(words) == 2

@@ -203,7 +203,7 @@ def test_bad_rope_parameters_are_named_not_the_example_arguments(rope_type, give
                 "head_dim": 32,
                 "max_position_embeddings": 4096,
             },
-            "vision_config": {"hidden_size": 64},
+            "vision_config": {"hidden_size": 64, "num_attention_heads": 4},
         },
         # DBRX spells the head count n_heads (its config class's attribute_map).
         {"model_type": "dbrx", "d_model": 512, "n_heads": 16, "max_seq_len": 2048, "attn_config": {"rope_theta": 5e5}},
@@ -224,6 +224,7 @@ GEMMA3_TEXT = {
     "num_key_value_heads": 1,
     "head_dim": 256,
     "max_position_embeddings": 32768,
+    "num_hidden_layers": 2,
     "layer_types": ["sliding_attention", "full_attention"],
     "rope_parameters": {
         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},

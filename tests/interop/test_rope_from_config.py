@@ -982,6 +982,21 @@ def test_without_transformers_a_dict_with_a_model_type_says_it_misses_the_class_
         rope_from_config({"hidden_size": 64, "num_attention_heads": 4})
 
 
+def test_a_dict_its_config_class_refuses_says_it_misses_the_class_defaults() -> None:
+    """A key the config class checks strictly (a float vocab_size, which from_pretrained refuses too) dropped all of
+    the class's defaults, silently: this Qwen3 config rotated 64 channels, not Qwen3Config's head_dim of 128, and a
+    Phi config the whole head, not Phi's half."""
+    qwen3 = {"model_type": "qwen3", "hidden_size": 1024, "num_attention_heads": 16, "vocab_size": 151936.0}
+    with pytest.warns(
+        UserWarning, match=r"Qwen3Config refuses this config \(.*'vocab_size'.*posenc's generic defaults"
+    ):
+        assert rope_from_config(qwen3).head_dim == 64  # hidden / heads: read as written
+    assert rope_from_config({**qwen3, "vocab_size": 151936}).head_dim == 128
+    phi = {"model_type": "phi", "hidden_size": 1024, "num_attention_heads": 16, "intermediate_size": 4096.0}
+    with pytest.warns(UserWarning, match="PhiConfig refuses this config"):
+        assert rope_from_config(phi).rotary_dim == 64
+
+
 @pytest.mark.parametrize(
     ("model_type", "rotary_dim"),
     [("phi", 32), ("stablelm", 16), ("persimmon", 32), ("gemma", 256), ("ernie4_5", 128), ("llama", 64)],

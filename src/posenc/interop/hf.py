@@ -295,7 +295,7 @@ def _through_config_class(cfg: Mapping[str, Any]) -> Any:
     builds it: the class fills what the dict leaves out (Gemma's head_dim of 256, Phi's partial_rotary_factor of
     0.5, its default theta) and folds legacy keys in (Gemma 3's rope_scaling into its full-attention rope dict).
     None where transformers is missing, does not know the type, or refuses the dict: then the dict is read as it
-    is, and posenc's own checks say what is wrong with it."""
+    is, and posenc's own checks say what is wrong with it; a refused dict with a warning that says so."""
     try:
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING
         from transformers.utils import logging as hf_logging
@@ -310,10 +310,19 @@ def _through_config_class(cfg: Mapping[str, Any]) -> Any:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return cls.from_dict(dict(cfg))
-    except Exception:  # a dict the class refuses
-        return None
+    except Exception as error:  # a dict the class refuses
+        refusal = f"{type(error).__name__}: {' '.join(str(error).split())}"
     finally:
         hf_logging.set_verbosity(verbosity)
+    # Silently, a key the class checks strictly (a vocab_size of 151936.0) dropped all of its defaults: a Qwen3
+    # config without head_dim rotated 64 channels, not the class's 128, a Phi config the whole head, not half.
+    warnings.warn(
+        f"transformers' {cls.__name__} refuses this config ({refusal[:300]}), so from_pretrained would not load it "
+        "either; it is read as written: what it leaves out takes posenc's generic defaults (head_dim = hidden_size // "
+        "num_attention_heads, rope_theta 10000, the whole head rotated), not the defaults of the model's config class",
+        stacklevel=user_stacklevel(),
+    )
+    return None
 
 
 def _dict_default_theta(cfg: Mapping[str, Any]) -> Any:
