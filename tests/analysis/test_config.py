@@ -252,6 +252,8 @@ def test_a_config_with_a_rope_dict_per_layer_type_names_the_flag_that_picks_one(
         FigureConfig.from_mapping(GEMMA3_TEXT)
     with pytest.raises(ValueError, match="drop layer_type"):
         FigureConfig.from_mapping({"head_dim": 32}, layer_type="full_attention")
+    with pytest.raises(ValueError, match=r"layer_type='global' is none of them; .*--layer-type full_attention"):
+        FigureConfig.from_mapping(GEMMA3_TEXT, layer_type="global")
     path = tmp_path / "config.json"
     path.write_text(json.dumps(GEMMA3_TEXT))
     assert FigureConfig.from_json(path, layer_type="full_attention").base == 1e6

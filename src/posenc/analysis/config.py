@@ -164,12 +164,13 @@ class FigureConfig:
         # said in this class's terms: an absolute rotary dim as a fraction, and a factor the model leaves implicit
         # (max / original: Phi-3, DeepSeek) made explicit, because the figures scale from train_len = the original.
         layer_types = rope_layer_types(data)
-        if layer_types and layer_type is None:
+        if layer_types and layer_type not in layer_types:
             # rope_kwargs_from_config's own error asked for a keyword argument that `posenc plot --config` has no
             # way to give.
+            unknown = "" if layer_type is None else f"layer_type={layer_type!r} is none of them; "
             raise ValueError(
                 f"this config has one rope dict per layer type ({', '.join(layer_types)}) and the figures draw one "
-                f"RoPE: pick it with layer_type= (posenc plot / report: --layer-type {layer_types[0]})"
+                f"RoPE: {unknown}pick it with layer_type= (posenc plot / report: --layer-type {layer_types[0]})"
             )
         kwargs = rope_kwargs_from_config(data, layer_type=layer_type)
         head_dim = kwargs["head_dim"]
