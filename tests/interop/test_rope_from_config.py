@@ -1021,3 +1021,16 @@ def test_a_composite_whose_outer_rope_is_another_towers_reads_the_text_models() 
     for given in (cfg, config):
         rope = rope_from_config(given)
         assert (rope.base, rope.rotary_dim) == (expected, 16)
+
+
+@pytest.mark.parametrize(("model_type", "half"), [("t5gemma", "decoder"), ("dia", "decoder_config")])
+def test_an_encoder_decoder_config_names_the_half_to_read(model_type: str, half: str) -> None:
+    """Each half of T5Gemma / Dia has RoPE of its own: the whole config failed on its missing sizes ("config needs
+    head_dim ..."), which did not say what to pass."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type).to_dict()
+    with pytest.raises(ValueError, match=re.escape(f"pass the one to read, e.g. config[{half!r}]")):
+        rope_from_config(config)
+    rope = rope_from_config(config[half])
+    assert (rope.head_dim, rope.base) == (config[half]["head_dim"], config[half]["rope_parameters"]["rope_theta"])

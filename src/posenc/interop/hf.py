@@ -273,8 +273,19 @@ def _holds_rope(cfg: Mapping[str, Any]) -> bool:
     )
 
 
+# Encoder-decoder configs (T5Gemma, T5Gemma 2, Dia): each half is a model with RoPE of its own.
+_ENCODER_DECODER_CONFIGS = ("encoder", "decoder", "encoder_config", "decoder_config")
+
+
 def _text_model(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
     """The part of a config that holds the text model's RoPE, with its model type (``_nested_text_configs``)."""
+    halves = [key for key in _ENCODER_DECODER_CONFIGS if isinstance(cfg.get(key), Mapping)]
+    if halves and not _holds_rope(cfg):
+        # Neither half is "the" text model; reading the outer config failed on its missing sizes instead.
+        raise ValueError(
+            f"this {cfg.get('model_type') or 'encoder-decoder'} config keeps a model with RoPE of its own in each of "
+            f"{', '.join(map(repr, halves))}: pass the one to read, e.g. config[{halves[-1]!r}]"
+        )
     for _, inner in _nested_text_configs(cfg):
         outer = cfg.get("model_type")
         cfg = {**inner, "model_type": inner.get("model_type") or _TEXT_MODELS.get(outer, outer)}
