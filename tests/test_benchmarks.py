@@ -447,6 +447,35 @@ def test_kernel_ab_builds_a_revision_and_runs_it_beside_the_tree(tmp_path: Path)
     assert {r["provider"] for r in _rows(out)} == {"copy", "kernel@HEAD", "kernel@tree"}
 
 
+@pytest.mark.skipif(not _in_git(), reason="decode_host_ab.py unpacks the baseline's src from git")
+def test_decode_host_ab_times_both_trees_in_turns(tmp_path: Path) -> None:
+    """docs/benchmarks.md's decode host-cost numbers (2026-12-06 on) come from this script: each case, each pair's
+    two processes (HEAD's src unpacked, the working tree's), in alternating order."""
+    out = tmp_path / "ab.csv"
+    printed = _run(
+        "decode_host_ab.py",
+        *("--baseline", "HEAD", "--pairs", "2", "--calls", "2", "--rounds", "1", "--warmup", "1"),
+        *("--prefill-tokens", "4", "--prefill-calls", "1", "--prefill-rounds", "2", "--csv", str(out)),
+    )
+    rows = _rows(out)
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    old = f"old@{head.stdout.strip()}"
+    cases = _benchmark("decode_host_ab").CASES
+    assert [(r["mode"], r["pair"], r["provider"], r["order"]) for r in rows] == [
+        (case, str(pair), provider, str(order))
+        for case in cases
+        for pair in (1, 2)
+        for provider, order in ((old, 1 + (pair == 2)), ("new@tree", 2 - (pair == 2)))
+    ]
+    assert all(float(r["us"]) > 0 and "x1" in r["device"] for r in rows)
+    assert {r["commit"] for r in rows if r["provider"] == old} == {head.stdout.strip()}
+    prefill = {r["shape"] for r in rows if r["mode"] == "RoPE(offset=100) prefill"}
+    assert prefill == {"b=1,hq=32,hk=8,s=4,d=128,offset=100"}
+    assert printed.count("new - old: ") == len(cases)
+    with pytest.raises(SystemExit, match="'no-such-rev' is not a commit"):
+        _benchmark("decode_host_ab").main(["--baseline", "no-such-rev"])
+
+
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_triton_tune_checks_and_times_every_configuration(tmp_path: Path) -> None:
     out = tmp_path / "tune.csv"
