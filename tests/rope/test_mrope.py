@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from posenc.rope.apply import apply_rotary
 from posenc.rope.module import RoPE
 from posenc.rope.mrope import MRoPE, mrope_axis_of_pair, mrope_cos_sin
 
@@ -362,3 +363,46 @@ def test_axis_of_pair_refuses_what_the_module_refuses() -> None:
     with pytest.raises(ValueError, match="interleaved M-RoPE takes 3 sections"):
         mrope_axis_of_pair([4, 4], layout="interleaved")
     assert mrope_axis_of_pair([2, 2, 4], layout="alternating").tolist() == [1, 2, 1, 2, 0, 0, 0, 0]
+
+
+def test_module_lays_out_its_axes_once_and_again_where_its_sections_change(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode step built the (r/2,) axis tensor from a list and checked the sections on every call (~15 us of
+    ~150); now once per sections and layout, the same rotation, and new sections or layout are checked again."""
+    from posenc.rope import mrope
+
+    rope = MRoPE(16, mrope_section=[2, 3, 3], backend="torch")
+    q, k = torch.randn(1, 2, 1, 16, dtype=torch.float64), torch.randn(1, 1, 1, 16, dtype=torch.float64)
+    positions = torch.tensor([5, 2, 7])[:, None, None]
+    inv, factor = rope.frequencies()
+    expected = [
+        apply_rotary(q, cos[:, None], sin[:, None])
+        for cos, sin in (
+            mrope_cos_sin(positions, inv, [2, 3, 3], factor, torch.float64),
+            mrope_cos_sin(positions, inv, [2, 2, 4], factor, torch.float64, layout="alternating"),
+        )
+    ]
+    calls = []
+    checked = mrope.mrope_axis_of_pair
+    monkeypatch.setattr(mrope, "mrope_axis_of_pair", lambda *a, **kw: calls.append(a) or checked(*a, **kw))
+    first = rope(q, k, positions=positions)[0]
+    torch.testing.assert_close(first, expected[0])
+    for _ in range(2):
+        torch.testing.assert_close(rope(q, k, positions=positions)[0], first, rtol=0.0, atol=0.0)
+    assert len(calls) == 1
+    # Not read under a FakeTensorMode (it refuses real tensors), nor kept from there for a real call.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as fake:
+        shape = rope(fake.from_tensor(q), fake.from_tensor(k), positions=fake.from_tensor(positions))[0].shape
+    assert shape == q.shape
+    torch.testing.assert_close(rope(q, k, positions=positions)[0], first, rtol=0.0, atol=0.0)
+    rope.mrope_section = (2, 2, 4)  # unchecked assignments: the next call checks and lays them out
+    rope.mrope_layout = "alternating"
+    torch.testing.assert_close(rope(q, k, positions=positions)[0], expected[1])
+    assert len(calls) == 3
+    rope.mrope_layout = "foo"
+    with pytest.raises(ValueError, match="mrope_layout must be one of"):
+        rope(q, k, positions=positions)
+    rope.mrope_layout, rope.mrope_section = "sections", [2, -1, 5]
+    with pytest.raises(ValueError, match=re.escape("mrope_section[1] must be an integer >= 0")):
+        rope(q, k, positions=positions)

@@ -19,6 +19,8 @@ from typing import Any, Literal, get_args
 import torch
 
 from posenc._checks import (
+    compiling,
+    fake_mode_active,
     float_dtype,
     int64_int,
     int_tensor,
@@ -29,7 +31,7 @@ from posenc._checks import (
     to_device,
 )
 from posenc.rope.frequencies import is_seq_len_dependent
-from posenc.rope.module import Layout, RoPE
+from posenc.rope.module import Layout, RoPE, _keepable
 
 AXES = 3
 
@@ -136,8 +138,16 @@ def mrope_cos_sin(
 
     Angles are taken in float64, as in ``angles_to_cos_sin``; each pair reads its own axis' positions.
     """
-    axis = mrope_axis_of_pair(mrope_section, layout=layout, pairs=inv_freq.numel()).to(positions.device)  # (r/2,)
-    pos = positions.to(torch.float64).index_select(0, axis)  # (r/2, b, s): pair j's positions
+    axis = mrope_axis_of_pair(mrope_section, layout=layout, pairs=inv_freq.numel())
+    return _cos_sin_by_axis(positions, inv_freq, axis, attention_factor, dtype)
+
+
+def _cos_sin_by_axis(
+    positions: torch.Tensor, inv_freq: torch.Tensor, axis: torch.Tensor, attention_factor: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mrope_cos_sin`` with pair j turning by the positions of axis[j]; axis: (r/2,) int64 (``mrope_axis_of_pair``)
+    on any device."""
+    pos = positions.to(torch.float64).index_select(0, axis.to(positions.device))  # (r/2, b, s): pair j's positions
     angles = pos.movedim(0, -1) * inv_freq.to(device=positions.device, dtype=torch.float64)
     cos, sin = angles.cos(), angles.sin()
     if attention_factor != 1.0:
@@ -194,7 +204,27 @@ class MRoPE(RoPE):
             extent = self._positions_extent(positions, seq_len)
             seq_len = extent if seq_len is None else seq_len
         inv_freq, factor = self.frequencies(seq_len if length_dependent else None)
-        return mrope_cos_sin(positions, inv_freq, self.mrope_section, factor, dtype, layout=self.mrope_layout)
+        return _cos_sin_by_axis(positions, inv_freq, self._axis_of_pair(inv_freq.numel()), factor, dtype)
+
+    def _axis_of_pair(self, pairs: int) -> torch.Tensor:
+        """``mrope_axis_of_pair`` of this module's sections and layout, checked there, and kept for the next calls
+        while both are the same objects: building the (r/2,) tensor from a list (~11 us) and checking the sections
+        again (~4 us) took a tenth of a decode step's host time. Built anew while traced (a constant of the graph,
+        from Python ints) and under a FakeTensorMode; not kept where RoPE's tables are not (``_keepable``)."""
+        sections, layout = self.mrope_section, self.mrope_layout
+        if compiling():
+            return mrope_axis_of_pair(sections, layout=layout, pairs=pairs)
+        kept = getattr(self, "_axes_kept", None)
+        # `is`: a tuple of ints cannot change, while an equal value of another type (16.0) would skip its check. A
+        # FakeTensorMode refuses real tensors (RoPE's _kept).
+        same = kept is not None and kept[0] is sections and kept[1] == layout and kept[2] == pairs
+        if same and not fake_mode_active():
+            return kept[3]
+        axis = mrope_axis_of_pair(sections, layout=layout, pairs=pairs)
+        plain = type(sections) is tuple and all(type(n) is int for n in sections) and type(layout) is str
+        if plain and _keepable():
+            self._axes_kept = (sections, layout, pairs, axis)
+        return axis
 
     def forward(
         self,
