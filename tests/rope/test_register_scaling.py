@@ -270,3 +270,46 @@ def test_the_docs_example_registers_a_type_that_stretches_with_the_length():
     plain = torch.tensor(reference_inv_freq(64, 10000.0), dtype=torch.float64)
     torch.testing.assert_close(rope.frequencies(4 * 2048)[0], plain / 4, rtol=1e-15, atol=0)
     torch.testing.assert_close(rope.frequencies(100)[0], plain, rtol=1e-15, atol=0)
+
+
+@pytest.mark.parametrize("seq_len_dependent", [False, True])
+def test_a_replacement_reaches_the_ropes_built_before_it(seq_len_dependent):
+    """register_scaling(replace=True) left a RoPE built before it serving its kept table, windows and frequencies,
+    the old function's numbers, beside the new function's at lengths it had not kept: silently two functions in one
+    module. Now every RoPE of the type, a deep copy and an MRoPE too, rotates as one built after the replacement."""
+    import copy
+
+    def plain(*, rotary_dim: int, base: float, **_: Any) -> tuple[torch.Tensor, float]:
+        return fr.default_inv_freq(rotary_dim, base), 1.0
+
+    def quarter(*, rotary_dim: int, base: float, **_: Any) -> tuple[torch.Tensor, float]:
+        return fr.default_inv_freq(rotary_dim, base) / 4, 1.0
+
+    register_scaling("mine", plain, seq_len_dependent=seq_len_dependent)
+    params = {"rope_type": "mine", "rope_theta": BASE}
+    ropes = [
+        posenc.RoPE(HEAD_DIM, rope_parameters=params, max_position_embeddings=MAX_POS, mode=mode)
+        for mode in ("hf", "consistent")
+    ]
+    ropes.append(copy.deepcopy(ropes[0]))
+    ropes.append(
+        posenc.MRoPE(HEAD_DIM, mrope_section=[2, 1, 1], rope_parameters=params, max_position_embeddings=MAX_POS)
+    )
+    q = torch.randn(1, 2, 5, HEAD_DIM, generator=torch.Generator().manual_seed(0))
+    far = 100_000  # a decode step far out: a window, not the table
+    for rope in ropes:  # every cache filled with the old function's numbers
+        rope(q, q)
+        rope(q[:, :, :1], q[:, :, :1], offset=far)
+        rope.frequencies(5)
+    register_scaling("mine", quarter, seq_len_dependent=seq_len_dependent, replace=True)
+    for rope in ropes:
+        torch.testing.assert_close(rope.frequencies(5)[0], fr.default_inv_freq(HEAD_DIM, BASE) / 4, rtol=0, atol=0)
+        for offset in (0, far):
+            want = rotate_reference(
+                q.double(), list(range(offset, offset + 5)), [f / 4 for f in reference_inv_freq(HEAD_DIM, BASE)], 1.0
+            )
+            if isinstance(rope, posenc.MRoPE):  # text ids: every axis the same position, as plain RoPE
+                got, _ = rope(q, q, positions=torch.arange(offset, offset + 5))
+            else:
+                got, _ = rope(q, q, offset=offset)
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)

@@ -12,6 +12,7 @@ import contextlib
 import functools
 import operator
 import threading
+import weakref
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -249,6 +250,29 @@ def _length_unreadable(rope_type: str) -> ValueError:
 _HF_DYNAMIC_LOCK = threading.RLock()
 
 
+# Every RoPE alive (MRoPE too), for register_scaling(replace=True): a RoPE's tables, windows and frequencies hold the
+# numbers of the function registered when it made them, and one built before a replacement went on serving them
+# beside the new function's (at lengths it had not kept), silently. Weak: it keeps no RoPE alive.
+_LIVE: weakref.WeakSet[RoPE] = weakref.WeakSet()
+_LIVE_LOCK = threading.Lock()  # WeakSet iteration is Python code: a RoPE built in another thread meanwhile broke it
+
+
+def _track(rope: RoPE) -> None:
+    with _LIVE_LOCK:
+        _LIVE.add(rope)
+
+
+def forget_frequencies(rope_type: str) -> None:
+    """Drop what every live RoPE of ``rope_type`` keeps (tables, windows, frequencies): made anew by the function
+    registered now at its next call. Tables a CUDA graph captured stay held (the graph reads them by address)."""
+    with _LIVE_LOCK:
+        ropes = list(_LIVE)
+    for rope in ropes:
+        if rope.spec.rope_type == rope_type:
+            # New dicts, not clear(): a call in another thread iterating the old ones is not broken by it.
+            rope._tables, rope._windows, rope._frequencies = {}, {}, {}
+
+
 def _hf_dynamic_state(length: int, seen: int, max_position_embeddings: int) -> int:
     """transformers' ``dynamic_rope_update`` rule: 'hf' dynamic NTK's state (the longest length seen, or
     ``max_position_embeddings`` after a reset) after a call of ``length`` finds it at ``seen``."""
@@ -362,6 +386,7 @@ class RoPE(nn.Module):
         # Tables a CUDA graph capture has read: the graph reads them by address at every replay, so a later call
         # that grows the table must not free them (the allocator would hand their memory to other tensors).
         self._captured: list[tuple[torch.Tensor, torch.Tensor]] = []
+        _track(self)
 
     def __getstate__(self) -> dict[str, Any]:
         # The tables and frequencies are derived and rebuilt on demand: a pickle (torch.save(model), a spawned
@@ -369,6 +394,10 @@ class RoPE(nn.Module):
         state = self.__dict__.copy()
         state["_tables"], state["_windows"], state["_frequencies"], state["_captured"] = {}, {}, {}, []
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        _track(self)  # an unpickled or deep-copied RoPE follows register_scaling(replace=True) as the original does
 
     def _apply(self, fn: Any, recurse: bool = True) -> RoPE:  # type: ignore[override]
         # A move (model.cpu(), to_empty) leaves the tables of other devices unused: drop them, so that their memory

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from posenc.rope import frequencies, parameters
+from posenc.rope.module import forget_frequencies
 
 # (rotary_dim, train_len, factor) -> the type's own rope_parameters, as in EXAMPLE_ROPE_PARAMETERS.
 ExampleFn = Callable[[int, int, float], dict[str, Any]]
@@ -123,7 +124,8 @@ def register_scaling(
     ``factor`` times ``train_len``: what the figures draw it with and what the lab extends with; checked now against
     the type's own validation. seq_len_dependent: fn's frequencies change with ``seq_len`` (the current sequence
     length; None means the unscaled ones): RoPE then asks for them at every call's length, and ``mode="consistent"``
-    re-rotates cached keys. A name registered already (a built-in one too) is refused unless ``replace=True``;
+    re-rotates cached keys. A name registered already (a built-in one too) is refused unless ``replace=True``, which
+    reaches the RoPEs built before it too (what they kept is made anew by the new function at their next call);
     ``dynamic`` and ``longrope``, which RoPE computes by shortcuts of their own in places, cannot be replaced.
     """
     from posenc.registry import _NAME  # not at the top: posenc.registry imports posenc.rope
@@ -207,6 +209,9 @@ def register_scaling(
             live.clear()
             live.update(before_set)
         raise
+    # A replacement: RoPEs built before it kept numbers of the function it replaces (it had served them beside the
+    # new function's, at lengths not kept, silently).
+    forget_frequencies(name)
 
 
 class _ExampleExtension:
