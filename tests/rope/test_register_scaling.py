@@ -313,3 +313,18 @@ def test_a_replacement_reaches_the_ropes_built_before_it(seq_len_dependent):
             else:
                 got, _ = rope(q, q, offset=offset)
             torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_rope_unpickled_where_its_type_is_not_registered_says_to_register_it():
+    """A pickle carries the type's name, not its function: a RoPE loaded in a process that did not register the type
+    (torch.load, a spawned worker) failed at its first call with a bare KeyError from compute_frequencies."""
+    import pickle
+
+    params = register_band()
+    blob = pickle.dumps(posenc.RoPE(HEAD_DIM, rope_parameters=params, max_position_embeddings=MAX_POS))
+    for table in (fr.SCALINGS, pa.REQUIRED_KEYS, pa.OPTIONAL_KEYS):  # as in a process that never registered it
+        del table["band"]
+    rope = pickle.loads(blob)
+    q = torch.randn(1, 2, 3, HEAD_DIM)
+    with pytest.raises(ValueError, match=r"'band' is not registered in this process: call posenc.register_scaling"):
+        rope(q, q)

@@ -433,7 +433,16 @@ def compute_frequencies(spec: RopeSpec, *, seq_len: int | None = None) -> tuple[
     """(inv_freq (r/2,) float64, attention_factor) for a validated spec and the current sequence length."""
     if seq_len is not None and not compiling():
         sequence_length("seq_len", seq_len)
-    return SCALINGS[spec.rope_type](
+    scaling = SCALINGS.get(spec.rope_type)
+    if scaling is None:
+        # A RoPE of a registered type, unpickled (torch.load, a spawned DataLoader or multiprocessing worker) where
+        # the registration has not run: a bare KeyError from here before.
+        raise ValueError(
+            f"rope_type {spec.rope_type!r} is not registered in this process: call "
+            f"posenc.register_scaling({spec.rope_type!r}, ...) with the same function before using a RoPE of it "
+            "(one unpickled, or in a spawned worker, runs no registration of the process that built it)"
+        )
+    return scaling(
         rotary_dim=spec.rotary_dim,
         base=spec.base,
         seq_len=seq_len,
