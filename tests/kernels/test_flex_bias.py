@@ -439,7 +439,18 @@ class _ShiftedT5(T5Bias):
         return super().score_bias(q_positions, k_positions) + 1.0
 
 
-@pytest.mark.parametrize("encoding", [_LogALiBi(4), _ShiftedT5(4)], ids=["alibi-subclass", "t5-subclass"])
+class _ParityBucketT5(T5Bias):
+    """A user's own bucketing, through T5Bias.score_bias: t5_score_mod computes T5's buckets, not these."""
+
+    def buckets(self, q_positions, k_positions):
+        return super().buckets(q_positions, k_positions) % 2
+
+
+@pytest.mark.parametrize(
+    "encoding",
+    [_LogALiBi(4), _ShiftedT5(4), _ParityBucketT5(4)],
+    ids=["alibi-subclass", "t5-subclass", "t5-buckets-subclass"],
+)
 def test_a_subclass_with_its_own_score_bias_is_attended_with_it(encoding, monkeypatch, flex_calls):
     """FlexAttention's score_mods compute ALiBi's and T5's formulas: a subclass that overrides score_bias was
     attended there with its parent's bias (a log-distance ALiBi came out as plain ALiBi, off by 0.23) once a call
