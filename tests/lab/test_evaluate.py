@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -362,3 +363,18 @@ def test_loss_by_length_says_what_is_wrong():
         loss_by_length(lambda t: table[t], TOKENS, [16, 8], score_len=9, windows=3)
     with pytest.raises(ValueError, match="lengths must be a non-empty sequence"):
         loss_by_length(lambda t: table[t], TOKENS, 8, score_len=4, windows=3)
+    for empty in ([], torch.tensor([], dtype=torch.long), np.array([], dtype=np.int64), torch.tensor(8)):
+        with pytest.raises(ValueError, match="lengths must be a non-empty sequence"):
+            loss_by_length(lambda t: table[t], TOKENS, empty, score_len=4, windows=3)
+
+
+@pytest.mark.parametrize("kind", [torch.tensor, np.array, range], ids=["tensor", "array", "range"])
+def test_loss_by_length_takes_lengths_as_a_tensor_or_array(kind):
+    """bool() of a tensor or array of lengths raised "Boolean value of Tensor with more than one value is
+    ambiguous" (numpy's "truth value of an array ... is ambiguous") from loss_by_length's own emptiness check."""
+    table = torch.randn(50, 50)
+    given = kind(8, 17, 8) if kind is range else kind([8, 16])
+    results = loss_by_length(lambda t: table[t], TOKENS, given, score_len=4, windows=3)
+    assert [r.length for r in results] == [8, 16]
+    listed = loss_by_length(lambda t: table[t], TOKENS, [8, 16], score_len=4, windows=3)
+    assert [r.bits_per_token for r in results] == [r.bits_per_token for r in listed]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -232,7 +232,7 @@ def loss_by_length(
     logits_fn: tokens (b, s) int64 -> logits (b, s, vocab), or a tuple / Hugging Face ModelOutput holding them
     (first, or as ``.logits``): an ``nn.Module`` such as a transformers causal LM, or a function of one's own. The
     vocabulary is read from the logits. tokens: (n,) integer ids of held-out text, one stream (bytes for bits per
-    byte). lengths: context lengths L, each >= score_len.
+    byte). lengths: context lengths L (a list, or a 1-D tensor or array), each >= score_len.
 
     As ``posenc lab`` does: ``windows`` windows end at the same offsets at every length, spread evenly over
     ``tokens`` with room for the longest (``posenc.lab.data.eval_window_ends``), and only their final ``score_len``
@@ -250,9 +250,11 @@ def loss_by_length(
         raise ValueError(f"tokens must be one (n,) stream of token ids (join documents into one), got {shape}")
     if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
         raise TypeError(f"tokens must be an integer tensor of token ids, got {tokens.dtype}")
-    if isinstance(lengths, int) or not lengths:
+    # A tensor or array of lengths (np.geomspace(...).astype(int)) has no truth value: "ambiguous" from bool() before.
+    given = lengths.tolist() if hasattr(lengths, "tolist") else lengths  # a tensor's or array's, as Python ints
+    if isinstance(given, (int, str, bytes)) or not isinstance(given, Iterable) or not (given := list(given)):
         raise ValueError(f"lengths must be a non-empty sequence of context lengths, got {lengths!r}")
-    lengths = [positive_int("each of lengths", n) for n in lengths]
+    lengths = [positive_int("each of lengths", n) for n in given]
     score_len = positive_int("score_len", score_len)
     windows, batch_size = positive_int("windows", windows), positive_int("batch_size", batch_size)
     if score_len > min(lengths):
