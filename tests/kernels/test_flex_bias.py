@@ -446,10 +446,17 @@ class _ParityBucketT5(T5Bias):
         return super().buckets(q_positions, k_positions) % 2
 
 
+def _with_doubled_score_bias(encoding):
+    """The encoding with score_bias replaced on the instance (an experiment's patch), not in a subclass."""
+    plain = encoding.score_bias
+    encoding.score_bias = lambda q_positions, k_positions: 2 * plain(q_positions, k_positions)
+    return encoding
+
+
 @pytest.mark.parametrize(
     "encoding",
-    [_LogALiBi(4), _ShiftedT5(4), _ParityBucketT5(4)],
-    ids=["alibi-subclass", "t5-subclass", "t5-buckets-subclass"],
+    [_LogALiBi(4), _ShiftedT5(4), _ParityBucketT5(4), _with_doubled_score_bias(ALiBi(4))],
+    ids=["alibi-subclass", "t5-subclass", "t5-buckets-subclass", "alibi-instance-score-bias"],
 )
 def test_a_subclass_with_its_own_score_bias_is_attended_with_it(encoding, monkeypatch, flex_calls):
     """FlexAttention's score_mods compute ALiBi's and T5's formulas: a subclass that overrides score_bias was

@@ -10,8 +10,8 @@ the compiled attention kernel instead. Where it is used (``use_flex``), only whe
   mask's memory matters more than the compile (seconds on 2 cores); see docs/benchmarks.md for the measured
   peak memory.
 
-A subclass of either that defines its own ``score_bias`` (or, for T5, its own ``buckets``) is always materialized
-from it: the score_mods here compute ALiBi's and T5's own formulas.
+A subclass of either that defines its own ``score_bias`` (or, for T5, its own ``buckets``), or an instance given its
+own, is always materialized from it: the score_mods here compute ALiBi's and T5's own formulas.
 
 A KV-cache decode step (s = 1) stays on the materialized path on either device: its (b, h, 1, t) bias is smaller
 than the cache it attends over.
@@ -273,11 +273,12 @@ _FORMULA_METHODS = {ALiBi: ("score_bias",), T5Bias: ("score_bias", "buckets")}
 def _flex_family(encoding: nn.Module) -> type[nn.Module] | None:
     """ALiBi or T5Bias where the encoding's bias is that family's own formula, else None. The score_mods compute
     the family's formula, not the module's ``score_bias``: a subclass with a ``score_bias`` of its own (a
-    log-distance ALiBi) or, for T5, ``buckets`` of its own (another bucketing) was attended with the parent's bias
-    on this path, without an error."""
+    log-distance ALiBi) or, for T5, ``buckets`` of its own (another bucketing), in a subclass or assigned on the
+    instance, was attended with the parent's bias on this path, without an error."""
     for family, methods in _FORMULA_METHODS.items():
         if isinstance(encoding, family):
-            own = all(getattr(type(encoding), name) is getattr(family, name) for name in methods)
+            # vars(): a method assigned on the instance (encoding.score_bias = ...) shadows the class's too.
+            own = all(getattr(type(encoding), m) is getattr(family, m) and m not in vars(encoding) for m in methods)
             return family if own else None
     return None
 
