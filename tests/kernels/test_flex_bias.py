@@ -6,8 +6,10 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import nn
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from posenc import ALiBi, CausalSelfAttention, KVCache, T5Bias, attention
@@ -453,10 +455,39 @@ def _with_doubled_score_bias(encoding):
     return encoding
 
 
+class _LoraTable(nn.Module):
+    """What peft's LoRA does to an nn.Embedding: the base weight exposed as .weight, a low-rank delta in forward."""
+
+    def __init__(self, base: nn.Embedding, rank: int = 2) -> None:
+        super().__init__()
+        self.base_layer = base
+        # Deterministic, and different per bucket (a delta equal for every key would not change the softmax).
+        self.lora_a = nn.Parameter(torch.linspace(-1.0, 1.0, rank * base.num_embeddings).view(rank, -1))
+        self.lora_b = nn.Parameter(torch.full((base.embedding_dim, rank), 0.5))
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base_layer.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.base_layer(ids) + F.embedding(ids, (self.lora_b @ self.lora_a).T)
+
+
+def _with_lora_table(encoding: T5Bias) -> T5Bias:
+    encoding.table = _LoraTable(encoding.table)
+    return encoding
+
+
 @pytest.mark.parametrize(
     "encoding",
-    [_LogALiBi(4), _ShiftedT5(4), _ParityBucketT5(4), _with_doubled_score_bias(ALiBi(4))],
-    ids=["alibi-subclass", "t5-subclass", "t5-buckets-subclass", "alibi-instance-score-bias"],
+    [
+        _LogALiBi(4),
+        _ShiftedT5(4),
+        _ParityBucketT5(4),
+        _with_doubled_score_bias(ALiBi(4)),
+        _with_lora_table(T5Bias(4)),
+    ],
+    ids=["alibi-subclass", "t5-subclass", "t5-buckets-subclass", "alibi-instance-score-bias", "t5-lora-table"],
 )
 def test_a_subclass_with_its_own_score_bias_is_attended_with_it(encoding, monkeypatch, flex_calls):
     """FlexAttention's score_mods compute ALiBi's and T5's formulas: a subclass that overrides score_bias was

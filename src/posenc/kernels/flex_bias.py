@@ -10,8 +10,9 @@ the compiled attention kernel instead. Where it is used (``use_flex``), only whe
   mask's memory matters more than the compile (seconds on 2 cores); see docs/benchmarks.md for the measured
   peak memory.
 
-A subclass of either that defines its own ``score_bias`` (or, for T5, its own ``buckets``), or an instance given its
-own, is always materialized from it: the score_mods here compute ALiBi's and T5's own formulas.
+A subclass of either that defines its own ``score_bias`` (or, for T5, its own ``buckets``), an instance given its
+own, and a T5Bias whose ``table`` is not a plain ``nn.Embedding`` (a LoRA adapter's wrapper) are always materialized:
+the score_mods here compute ALiBi's and T5's own formulas from the slopes and the table's weight.
 
 A KV-cache decode step (s = 1) stays on the materialized path on either device: its (b, h, 1, t) bias is smaller
 than the cache it attends over.
@@ -279,6 +280,10 @@ def _flex_family(encoding: nn.Module) -> type[nn.Module] | None:
         if isinstance(encoding, family):
             # vars(): a method assigned on the instance (encoding.score_bias = ...) shadows the class's too.
             own = all(getattr(type(encoding), m) is getattr(family, m) and m not in vars(encoding) for m in methods)
+            if family is T5Bias:
+                # t5_score_mod reads table.weight; a wrapped table (a LoRA adapter's, whose forward adds its delta to
+                # the base weight it exposes as .weight) is read through its forward only when materialized.
+                own = own and type(encoding.table).forward is nn.Embedding.forward
             return family if own else None
     return None
 
