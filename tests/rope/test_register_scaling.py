@@ -328,3 +328,38 @@ def test_a_rope_unpickled_where_its_type_is_not_registered_says_to_register_it()
     q = torch.randn(1, 2, 3, HEAD_DIM)
     with pytest.raises(ValueError, match=r"'band' is not registered in this process: call posenc.register_scaling"):
         rope(q, q)
+
+
+class _NoClear(dict):
+    def clear(self) -> None:
+        raise AssertionError("a table was emptied: other threads calling a built-in type found it missing meanwhile")
+
+
+def test_a_refused_replacement_puts_back_only_its_own_entry_and_drops_what_it_served(monkeypatch):
+    """A replacement whose example fails is rolled back by its own entries (emptying each table to refill it left
+    the built-in types out of it meanwhile), and a RoPE called while the rejected function was in place (here by
+    the example) forgets what it kept of it."""
+
+    def ok(*, rotary_dim: int, base: float, **_: Any) -> tuple[torch.Tensor, float]:
+        return fr.default_inv_freq(rotary_dim, base), 1.0
+
+    def halved(*, rotary_dim: int, base: float, **_: Any) -> tuple[torch.Tensor, float]:
+        return fr.default_inv_freq(rotary_dim, base) / 2, 1.0
+
+    register_scaling("mine", ok)
+    rope = posenc.RoPE(8, rope_parameters={"rope_type": "mine"}, max_position_embeddings=16)  # nothing kept yet
+    expected = ok(rotary_dim=8, base=rope.base)[0]
+
+    def example(rotary_dim: int, train_len: int, factor: float) -> dict[str, Any]:
+        rope.frequencies()  # kept from the rejected function
+        raise RuntimeError("the example fails")
+
+    scalings = _NoClear(fr.SCALINGS)  # one object where register_scaling writes and where RoPE reads
+    monkeypatch.setattr(fr, "SCALINGS", scalings)
+    monkeypatch.setattr(pa, "SCALINGS", scalings)
+    for table in ("REQUIRED_KEYS", "OPTIONAL_KEYS"):
+        monkeypatch.setattr(pa, table, _NoClear(getattr(pa, table)))
+    with pytest.raises(RuntimeError, match="the example fails"):
+        register_scaling("mine", halved, example=example, replace=True)
+    assert fr.SCALINGS["mine"] is ok and "yarn" in fr.SCALINGS
+    torch.testing.assert_close(rope.frequencies()[0], expected, rtol=0, atol=0)

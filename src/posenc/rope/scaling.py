@@ -182,8 +182,10 @@ def register_scaling(
         EXAMPLE_ROPE_PARAMETERS,
         EXTENSIONS,
     ]
-    saved = [dict(table) for table in tables]
-    saved_sets = set(frequencies.SEQ_LEN_DEPENDENT), set(WITHOUT_EXAMPLE)
+    missing = object()
+    saved = [table.get(name, missing) for table in tables]
+    sets = (frequencies.SEQ_LEN_DEPENDENT, WITHOUT_EXAMPLE)
+    saved_sets = [name in live for live in sets]
     frequencies.SCALINGS[name] = fn
     parameters.REQUIRED_KEYS[name] = required_keys
     parameters.OPTIONAL_KEYS[name] = optional_keys
@@ -201,13 +203,17 @@ def register_scaling(
         if example is not None:
             _check_example(name, example)
     except BaseException:
-        # All or nothing: a type whose example fails is not left half registered.
+        # All or nothing: a type whose example fails is not left half registered. Only this name's entries are put
+        # back (emptying a table to refill it left other threads calling a built-in type without it meanwhile), and
+        # what a RoPE of it kept while the rejected function was in place is dropped.
         for table, before in zip(tables, saved, strict=True):
-            table.clear()
-            table.update(before)
-        for live, before_set in zip((frequencies.SEQ_LEN_DEPENDENT, WITHOUT_EXAMPLE), saved_sets, strict=True):
-            live.clear()
-            live.update(before_set)
+            if before is missing:
+                table.pop(name, None)
+            else:
+                table[name] = before
+        for live, was_in in zip(sets, saved_sets, strict=True):
+            (live.add if was_in else live.discard)(name)
+        forget_frequencies(name)
         raise
     # A replacement: RoPEs built before it kept numbers of the function it replaces (it had served them beside the
     # new function's, at lengths not kept, silently).
