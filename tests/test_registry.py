@@ -62,14 +62,16 @@ def test_cli_unknown_command_exits_with_usage():
 
 
 def test_subpackages_are_reachable_from_a_plain_import_and_load_on_first_use():
-    """`posenc.interop.patch_model` after `import posenc` alone, as the README writes it, without the import itself
-    paying for matplotlib or the lab."""
+    """`posenc.interop.patch_model` and `posenc.cli.main` after `import posenc` alone, as the README writes them,
+    without the import itself paying for matplotlib or the lab."""
     code = (
         "import sys, posenc\n"
         "assert not {'matplotlib', 'posenc.lab', 'posenc.analysis'} & set(sys.modules), sys.modules.keys()\n"
         "assert callable(posenc.interop.patch_model) and callable(posenc.testing.rope_reference)\n"
         "assert callable(posenc.analysis.bias_matrix) and callable(posenc.distributed.shard_positions)\n"
         "assert posenc.lab.__name__ == 'posenc.lab'\n"
+        # README and docs/lab.md run a registered family's lab as posenc.cli.main([...]): an AttributeError before.
+        "assert 'posenc.cli' not in sys.modules and callable(posenc.cli.main)\n"
         "try:\n    posenc.no_such_thing\nexcept AttributeError as e:\n    assert 'no_such_thing' in str(e)\n"
         "else:\n    raise SystemExit('no AttributeError')\n"
     )

@@ -31,11 +31,12 @@ def available_backends() -> list[str]:
 
 
 # Loaded on first use, so that `import posenc` stays light (no matplotlib, no lab) and `posenc.interop.patch_model`
-# still works after it alone.
-_SUBPACKAGES = ("analysis", "distributed", "interop", "lab", "testing")
+# still works after it alone; `posenc.cli.main([...])` too, which the docs give for a lab run of a registered family.
+_SUBPACKAGES = ("analysis", "cli", "distributed", "interop", "lab", "testing")
 
 if TYPE_CHECKING:  # what __getattr__ returns, for type checkers (which would see Any)
     from posenc import analysis as analysis
+    from posenc import cli as cli
     from posenc import distributed as distributed
     from posenc import interop as interop
     from posenc import lab as lab
