@@ -135,7 +135,7 @@ def test_the_readme_gives_the_public_signatures_as_the_code_has_them():
     functions = [
         (posenc, ["build", "build_for_model", "rope_frequencies", "apply_rotary", "t5_relative_bucket"]),
         (posenc, ["add_input_encoding", "positions_from_document_ids", "document_ids_from_positions"]),
-        (posenc, ["document_ids_from_cu_seqlens", "register_scaling"]),
+        (posenc, ["document_ids_from_cu_seqlens", "register", "register_scaling"]),
         (interop, ["patch_model", "rope_from_config"]),
         (distributed, ["shard_positions", "shard_packed_positions"]),
     ]
