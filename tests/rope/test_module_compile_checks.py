@@ -310,6 +310,33 @@ def test_a_length_dependent_rope_compiles_with_a_graph_break_where_the_length_is
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("three_axes", [False, True], ids=["RoPE", "MRoPE"])
+def test_hf_dynamic_ntk_breaks_the_graph_in_no_more_frames_than_forward_and_call_cos_sin(three_axes):
+    """Dynamo compiles every frame between the compiled function and call_cos_sin's eager step as a frame of its own,
+    each with a graph break and a guard check on every call. RoPE.forward and MRoPE.forward reached call_cos_sin
+    through their shared _rotate_at, one frame more than before it (4 breaks and 5 frames per compile, not 3 and 4;
+    measured ~10 us a call, ~0.15 s to compile 8 lengths on the CPU): they compute cos/sin themselves now."""
+    from torch._dynamo.utils import counters
+
+    params = PARAMS["dynamic"]
+    if three_axes:
+        rope: posenc.RoPE = posenc.MRoPE(
+            HEAD_DIM, mrope_section=[2, 3, 3], rope_parameters=params, max_position_embeddings=MAX_POS
+        )
+    else:
+        rope = make_rope("dynamic")
+    eager = copy.deepcopy(rope)  # its own 'hf' state, advanced by the same calls
+    q, k = random_qk(1, 2, 1, 2 * MAX_POS, HEAD_DIM)
+    axes = torch.stack((torch.arange(2 * MAX_POS), torch.arange(2 * MAX_POS) // 2, torch.arange(2 * MAX_POS) % 2))
+    positions = axes[:, None] if three_axes else None
+    counters.clear()
+    compiled = torch.compile(lambda q, k: rope(q, k, positions=positions), backend="eager")
+    for got, want in zip(compiled(q, k), eager(q, k, positions=positions), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    # the compiled lambda, forward and call_cos_sin break; forward's rest is the fourth frame
+    assert (sum(counters["graph_break"].values()), counters["frames"]["total"]) == (3, 4)
+
+
 @pytest.mark.parametrize("rope_type", sorted(SEQ_LEN_DEPENDENT))
 def test_a_consistent_cache_takes_the_shapes_on_the_meta_device(rope_type):
     """'consistent' mode's KVCache read max(positions) + 1 with int(): Tensor.item() failed on the meta device, where

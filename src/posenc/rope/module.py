@@ -841,19 +841,20 @@ class RoPE(nn.Module):
                 )
                 return q, k
         pos = resolve_positions(seq, batch=q.shape[0], positions=positions, offset=offset, device=q.device)
-        return self._rotate_at(q, k, pos, layout, seq_len)
+        # cos/sin here, not in _rotate_at: 'hf' dynamic NTK's call_cos_sin breaks the graph inside torch.compile, and
+        # Dynamo compiles every frame between the compiled function and that break as a frame of its own, one more
+        # break, frame and guard check per call for each method it is called through.
+        if seq_len is None:
+            cos, sin = self.call_cos_sin(pos, dtype=table_dtype)  # (b or 1, s, r/2); advances 'hf' dynamic's state
+        else:
+            cos, sin = self.cos_sin(pos, seq_len=seq_len, dtype=table_dtype)
+        return self._rotate_at(q, k, cos, sin, layout)
 
     def _rotate_at(
-        self, q: torch.Tensor, k: torch.Tensor, pos: torch.Tensor, layout: Layout, seq_len: int | None
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: Layout
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """forward's rotation of checked q and k by the cos/sin of ``pos``, int64 ids on q's device: (b or 1, s), or
-        M-RoPE's (3, b or 1, s). With no seq_len, at the length the call scales for, advancing 'hf' dynamic NTK's
-        state (``call_cos_sin``); float64 cos/sin for float64 q, else float32."""
-        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        if seq_len is None:
-            cos, sin = self.call_cos_sin(pos, dtype=dtype)  # (b or 1, s, r/2)
-        else:
-            cos, sin = self.cos_sin(pos, seq_len=seq_len, dtype=dtype)
+        """forward's rotation of checked q and k by cos, sin (b or 1, s, r/2) of their positions (the caller computes
+        them: see RoPE.forward)."""
         head_axis = 1 if layout == "bhsd" else 2
         cos, sin = cos.unsqueeze(head_axis), sin.unsqueeze(head_axis)
         return apply_rotary_qk(q, k, cos, sin, interleaved=self.interleaved, backend=self.backend)

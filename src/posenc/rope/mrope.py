@@ -273,7 +273,13 @@ class MRoPE(RoPE):
                 f"width ids), got {tuple(positions.shape)}"
             )
         pos = to_device("positions", positions, q.device).to(torch.long) + offset
-        return self._rotate_at(q, k, pos, layout, seq_len)
+        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        # Computed here, as RoPE.forward does, not in _rotate_at: one frame less for torch.compile (see there).
+        if seq_len is None:
+            cos, sin = self.call_cos_sin(pos, dtype=dtype)  # (b or 1, s, r/2); advances 'hf' dynamic's state
+        else:
+            cos, sin = self.cos_sin(pos, seq_len=seq_len, dtype=dtype)
+        return self._rotate_at(q, k, cos, sin, layout)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, mrope_section={list(self.mrope_section)}, mrope_layout={self.mrope_layout!r}"
