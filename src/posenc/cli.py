@@ -29,7 +29,96 @@ def _info(args: argparse.Namespace) -> int:
 
 def _add_info(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("info", help="list encodings, rope types, backends and versions")
+    _add_import_option(p)
     p.set_defaults(func=_info)
+
+
+def _add_import_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import MODULE first (a dotted name found on PYTHONPATH or in the current folder, or a path to a .py "
+        "file), so that its posenc.register / posenc.register_scaling calls add its encodings and rope types "
+        "(repeatable)",
+    )
+
+
+class ImportFailed(Exception):
+    """A --import module that could not be found, or raised while it was imported."""
+
+
+def import_modules(names: Sequence[str]) -> list[str]:
+    """Import each --import module in order, for the registrations it makes. Returns what the lab records of each:
+    a dotted name as given, a file as its absolute path (so that a report or resume from another folder finds it).
+    Raises ImportFailed with one line naming the module."""
+    return [_import_module(name) for name in names]
+
+
+def _import_module(text: str) -> str:
+    import importlib
+    import os
+    from pathlib import Path
+
+    is_path = text.endswith(".py") or os.sep in text or (os.altsep is not None and os.altsep in text)
+    try:
+        if is_path:
+            path = Path(text).expanduser().resolve()
+            if not path.is_file():
+                raise ImportFailed(f"--import {text}: no such file ({path}); pass the path to a .py file")
+            _import_file(path)
+            return str(path)
+        # A console script's sys.path holds its bin folder, not the current one: added as `python -m` would (at the
+        # end, so that a file of the current folder never shadows an installed module).
+        if os.getcwd() not in sys.path:
+            sys.path.append(os.getcwd())
+        try:
+            importlib.import_module(text)
+        except ModuleNotFoundError as error:
+            # Only the module itself (or its package) missing; a module it imports that is missing is its error.
+            if error.name is None or not (text == error.name or text.startswith(error.name + ".")):
+                raise
+            raise ImportFailed(
+                f"--import {text}: no module named {error.name!r} on the module search path; add the folder that "
+                f"holds it to PYTHONPATH, or pass the path to its .py file (--import path/to/{text.split('.')[-1]}.py)"
+            ) from None
+        return text
+    except ImportFailed:
+        raise
+    except (Exception, SystemExit) as error:  # the module's own code: its error in one line, with where it was raised
+        import traceback
+
+        frames = traceback.extract_tb(error.__traceback__)
+        ours = [f for f in frames if "importlib" not in f.filename and f.filename != __file__]
+        where = f" (at {ours[-1].filename}:{ours[-1].lineno})" if ours else ""
+        message = str(error).strip().splitlines()
+        detail = f": {message[0]}" if message else ""
+        raise ImportFailed(f"--import {text}: importing it raised {type(error).__name__}{detail}{where}") from error
+
+
+def _import_file(path) -> None:  # path: pathlib.Path
+    import importlib.util
+
+    # Under its file's name, as `python path.py` would not: so that its classes pickle and show a readable module.
+    # A name taken by another module (a file called json.py) gets a private one instead of replacing it.
+    name = path.stem
+    existing = sys.modules.get(name)
+    if existing is not None:
+        if getattr(existing, "__file__", None) == str(path):
+            return  # imported already (named twice)
+        name = f"_posenc_import_{abs(hash(str(path)))}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportFailed(f"--import {path}: not a Python module; pass a .py file or a dotted module name")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
 
 
 def _rope_param(text: str) -> tuple[str, object]:
@@ -228,6 +317,7 @@ def _add_plot(sub: argparse._SubParsersAction) -> None:
         "its model unless options say otherwise",
     )
     _add_figure_options(p)
+    _add_import_option(p)
     from posenc.analysis.plots import FIGURES
 
     p.epilog = "figures: " + ", ".join(FIGURES)
@@ -261,6 +351,7 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", help="where to write the page (default RUN_DIR/report.html)")
     p.add_argument("--no-figures", dest="figures", action="store_false", help="leave out the analysis figures")
     _add_figure_options(p)
+    _add_import_option(p)
     p.set_defaults(func=_report)
 
 
@@ -293,6 +384,7 @@ def _lab(args: argparse.Namespace) -> int:
         for flag in (*_LAB_OVERRIDES, "out", "threads", "device")
         if getattr(args, flag) is not None
     ]
+    given += [f"--import {shlex.quote(name)}" for name in args.imports]
     return run_command(
         preset=args.preset,
         out=args.out,
@@ -301,6 +393,7 @@ def _lab(args: argparse.Namespace) -> int:
         device="cpu" if args.device is None else args.device,
         progress=args.progress,
         command="posenc lab " + " ".join(given),
+        imports=args.imported,
     )
 
 
@@ -363,6 +456,7 @@ def _add_lab(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, help="torch.set_num_threads(N) for this run (default: torch's choice)")
     p.add_argument("--device", help="torch device (default cpu)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    _add_import_option(p)
     p.set_defaults(func=_lab)
 
 
@@ -387,6 +481,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.names = [*args.names, *extra]
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        # Before anything reads the registries: the configuration's checks, the figures, the listing.
+        args.imported = import_modules(args.imports)
+    except ImportFailed as error:
+        # Every torchrun rank imports for itself (each runs this command), and says which one failed.
+        import os
+
+        world = os.environ.get("WORLD_SIZE", "1") not in ("", "1")
+        where = f" (rank {os.environ.get('RANK', '0')})" if world else ""
+        print(f"posenc {args.command}: error{where}: {error}", file=sys.stderr)
+        return 2
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

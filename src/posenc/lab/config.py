@@ -169,7 +169,7 @@ class LabConfig:
             self.encodings,
             tuple(ENCODINGS),
             allow_empty=False,
-            hint=" (a family of your own: posenc.register it in the process that runs the lab)",
+            hint=" (a family of your own: posenc lab --import the module that posenc.registers it)",
         )
         if self.dim % self.heads:
             # The example must pass the checks below too: dim=33 for 3 heads gives heads of 11 channels (RoPE: odd).

@@ -167,6 +167,15 @@ def _count(n: int, noun: str, plural: str | None = None) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {plural or noun + 's'}"
 
 
+def _imports_lines(results: dict[str, Any]) -> list[str]:
+    """The --import modules the run needs, as a line of report.md; none for a run without (or made before them)."""
+    imports = results.get("imports") or []
+    if not imports:
+        return []
+    names = ", ".join(f"`{name}`" for name in imports)
+    return [f"Imported for their registrations: {names} (a resume passes each to `--import` again)", ""]
+
+
 def to_markdown(results: dict[str, Any]) -> str:
     """report.md: the run's provenance, every table, the not-applicable reasons and the plots."""
     rows, config = results["rows"], results["config"]
@@ -178,6 +187,7 @@ def to_markdown(results: dict[str, Any]) -> str:
         "",
         f"Command: `{results['command'] or 'posenc.lab.runner.Lab(...).run()'}`",
         "",
+        *_imports_lines(results),
         f"- corpus: {corpus['source']} ({_count(corpus['files'], 'file')}, {corpus['bytes']:,} bytes, sha256 "
         f"`{corpus['sha256'][:16]}…`; last {config['val_fraction']:.0%} held out)",
         f"- model: {_count(config['layers'], 'layer')}, width {config['dim']}, {_count(config['heads'], 'head')}, "

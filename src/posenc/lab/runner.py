@@ -27,7 +27,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -181,8 +181,9 @@ def _settings(results_key: dict[str, Any]) -> dict[str, Any]:
     return key
 
 
-def claim_folder(out: Path, config: LabConfig, corpus: Corpus, ident: str) -> None:
-    """Refuse a folder that holds results of another configuration or corpus (they would mix in one report)."""
+def claim_folder(out: Path, config: LabConfig, corpus: Corpus, ident: str, imports: Sequence[str] = ()) -> None:
+    """Refuse a folder that holds results of another configuration or corpus (they would mix in one report).
+    imports: the --import modules of the run, recorded in config.json (where there are any) for a resume to name."""
     path = out / "config.json"
     if path.exists():
         previous = store.read_json(path)
@@ -214,7 +215,19 @@ def claim_folder(out: Path, config: LabConfig, corpus: Corpus, ident: str) -> No
             f"{out} has no config.json but holds finished units of another configuration ({', '.join(others[:3])}"
             f"{', ...' if len(others) > 3 else ''}); pass another --out, or delete that folder to start over"
         )
-    store.write_json(path, {"config_id": ident, "results_key": config.results_key(), "corpus_sha256": corpus.sha256})
+    claim = {"config_id": ident, "results_key": config.results_key(), "corpus_sha256": corpus.sha256}
+    if imports:  # absent without: the folders of runs without --import stay as they were
+        claim["imports"] = list(imports)
+    store.write_json(path, claim)
+
+
+def recorded_imports(out: Path) -> list[str]:
+    """The --import modules the run in ``out`` was made with (its config.json), [] if none or unreadable."""
+    try:
+        imports = store.read_json(out / "config.json").get("imports", [])
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [name for name in imports if isinstance(name, str)] if isinstance(imports, list) else []
 
 
 def _holds_nothing_but_its_claim(out: Path) -> bool:
@@ -227,6 +240,8 @@ class Lab:
 
     progress: tqdm bars with tokens/s; device: where models run ("cpu", "cuda"); echo: where status lines go;
     command: the command line, recorded in results.json and report.md (and the folder's lock).
+    imports: the modules imported for their registrations (``posenc lab --import``), recorded in config.json and
+    results.json: the run's encodings or extensions may exist only once they are imported.
     ranks: this process among several (torchrun); None = the default process group if one is initialised, else
     one process. Only rank 0 shows progress, echoes and writes; every rank's ``run`` returns the same results.
     """
@@ -241,6 +256,7 @@ class Lab:
         command: str = "",
         echo: Callable[[str], None] = print,
         ranks: Ranks | None = None,
+        imports: Sequence[str] = (),
     ) -> None:
         self.config = config
         self.out = Path(out)
@@ -248,6 +264,7 @@ class Lab:
         self.progress = progress and self.ranks.is_main
         self.device = torch.device(device)
         self.command = command
+        self.imports = list(imports)
         self.echo = echo if self.ranks.is_main else _silent
         self.spec = config.model_spec()
         self.prepared = False
@@ -294,7 +311,7 @@ class Lab:
                 self.out.mkdir(parents=True, exist_ok=True)
                 # Before the folder is read: a run that claims it writes its config.json.
                 self._lock = FolderLock(self.out, self.command)
-                claim_folder(self.out, config, self.corpus, self.config_id)
+                claim_folder(self.out, config, self.corpus, self.config_id, self.imports)
             except OSError as error:  # a parent that is a file, a read-only or missing mount
                 why = error.strerror or error
                 # Which file, where it is one inside the folder (its .lock, of another user or a folder itself).
@@ -734,6 +751,7 @@ class Lab:
         }
         return {
             "command": self.command,
+            "imports": self.imports,
             "config": dataclasses.asdict(config),
             "config_id": self.config_id,
             "architecture": architecture,
@@ -815,6 +833,7 @@ def run_command(
     device: str = "cpu",
     progress: bool = True,
     command: str = "",
+    imports: Sequence[str] = (),
 ) -> int:
     """What ``posenc lab`` does once its flags are parsed. Returns the exit status: 0 done, 1 training diverged or the
     run folder could not be written (a full disk; finished units are kept), 2 bad input (said on stderr before anything
@@ -836,7 +855,7 @@ def run_command(
             previous = signal.signal(signal.SIGTERM, _interrupted_by_sigterm)
             group.callback(signal.signal, signal.SIGTERM, previous)
         try:
-            return _run_lab(group, preset, out, overrides, threads, device, progress, command, speaks)
+            return _run_lab(group, preset, out, overrides, threads, device, progress, command, speaks, imports)
         except KeyboardInterrupt:
             if speaks:
                 print(
@@ -861,6 +880,7 @@ def _run_lab(
     progress: bool,
     command: str,
     speaks: bool,
+    imports: Sequence[str],
 ) -> int:
     try:
         ranks, resolved = group.enter_context(process_group(device))
@@ -877,11 +897,11 @@ def _run_lab(
             if isinstance(threads, bool) or not isinstance(threads, int) or threads <= 0:
                 raise ValueError(f"--threads must be a positive integer, got {threads!r}")
             torch.set_num_threads(threads)
-        lab = Lab(config, out, progress=progress, device=str(resolved), command=command, ranks=ranks)
+        lab = Lab(config, out, progress=progress, device=str(resolved), command=command, ranks=ranks, imports=imports)
         lab.prepare()
     except (ValueError, TypeError) as error:
         if speaks:
-            print(f"posenc lab: error: {error}", file=sys.stderr)
+            print(f"posenc lab: error: {error}{_missing_imports(Path(out), imports)}", file=sys.stderr)
         return 2
     try:
         lab.run()
@@ -919,6 +939,15 @@ _WRITE_REFUSALS = frozenset(
     for name in ("ENOSPC", "EDQUOT", "EROFS", "EACCES", "EPERM", "EFBIG", "EIO")
     if hasattr(errno, name)
 )
+
+
+def _missing_imports(out: Path, imports: Sequence[str]) -> str:
+    """For a refused resume: the --import modules the run in ``out`` was made with that this command lacks (its
+    encodings or extensions may be theirs), as a note for the error; '' if none."""
+    missing = [name for name in recorded_imports(out) if name not in imports]
+    if not missing:
+        return ""
+    return f" (the run in {out} was made with {' '.join(f'--import {name}' for name in missing)}; pass it again)"
 
 
 def _write_failure(error: OSError | SafetensorError) -> str:
