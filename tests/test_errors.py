@@ -557,6 +557,18 @@ _i = torch.arange(5)
             TypeError,
             "positions must hold integer positions",
         ),
+        # Negative key positions were cached (next_positions continued from them); the attention refused them only
+        # at a forward call that resolved its own positions.
+        (
+            lambda: posenc.KVCache(torch.zeros(1, 2, 5, 8), torch.zeros(1, 2, 5, 8), (torch.arange(5) - 3)[None]),
+            ValueError,
+            r"positions must be >= 0 \(the cached keys' token positions\), got a negative entry",
+        ),
+        (
+            lambda: posenc.KVCache().update(torch.zeros(1, 2, 2, 8), torch.zeros(1, 2, 2, 8), torch.tensor([[0, -1]])),
+            ValueError,
+            r"positions must be >= 0 \(the cached keys' token positions\), got a negative entry",
+        ),
     ],
 )
 def test_errors_found_by_the_second_bad_input_audit(call, error, match):

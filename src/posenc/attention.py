@@ -31,7 +31,9 @@ from posenc._checks import (
     integer_offset,
     positive_int,
     refuse_jit_trace,
+    replicated_values,
     size_in,
+    values_readable,
 )
 from posenc.encoding import ActsOn
 from posenc.kernels.flex_bias import FlexFallback, attend_flex, use_flex
@@ -88,7 +90,7 @@ class KVCache:
             given = ", ".join(name for name, value in named.items() if value is not None)
             raise ValueError(f"KVCache needs k, v and positions together (or none of them), got only {given}")
         if self.k is not None:
-            self._check_new(self.k, self.v, None, self.positions)
+            self._check_new(self.k, self.v, None, self.positions, read_any_device=True)
         self._check_rotation_state()
         if self.document_ids is not None:
             if self.k is None:
@@ -322,9 +324,13 @@ class KVCache:
         held: torch.Tensor | None,
         positions: torch.Tensor,
         document_ids: torch.Tensor | None = None,
+        *,
+        read_any_device: bool = False,
     ) -> None:
         """Raise unless new keys k, values v, their positions and document ids (or None) belong together and
-        continue ``held``, the keys as cached (before any rotation)."""
+        continue ``held``, the keys as cached (before any rotation). Positions are checked >= 0 where reading them
+        costs no device sync (on the CPU), or on any device with ``read_any_device`` (a cache built with tensors,
+        once); on CUDA a step's positions are the attention's, which it checks itself."""
         float_tensor("k", k)
         float_tensor("v", v)
         int_tensor("positions", positions)
@@ -351,6 +357,14 @@ class KVCache:
         if positions.device != k.device or v.device != k.device:
             raise ValueError(
                 f"k, v and positions must be on one device, got {k.device}, {v.device} and {positions.device}"
+            )
+        # A negative position was cached and served as the keys' position (next_positions continued from it, score
+        # biases read it); the attention refused it only when a forward call resolved its own positions.
+        readable = (read_any_device or positions.device.type == "cpu") and values_readable(positions.device)
+        if readable and positions.numel() and _lowest(replicated_values(positions)) < 0:
+            raise ValueError(
+                "positions must be >= 0 (the cached keys' token positions), got a negative entry; number the tokens "
+                "from 0 (posenc.positions_from_document_ids for packed documents)"
             )
         self.check_batch(k.shape[0], what="k")
         if held is None:
@@ -404,6 +418,12 @@ def _check_encoding(encoding: object) -> None:
             "attribute acts_on = posenc.ActsOn.QK, SCORE_BIAS, INPUT or NONE (see posenc.encoding); for no "
             "encoding pass encoding=None or posenc.NoPE()"
         )
+
+
+def _lowest(positions: torch.Tensor) -> int:
+    """min(positions) of a non-empty integer tensor, read on the host: a decode step's one id as .item() (~0.2 us on
+    the CPU, where a comparison and .any() cost ~3 us of a ~100 us step)."""
+    return int(positions.item()) if positions.numel() == 1 else int(positions.min())
 
 
 def add_input_encoding(x: torch.Tensor, encoding: nn.Module | None, positions: torch.Tensor) -> torch.Tensor:
