@@ -569,6 +569,22 @@ _i = torch.arange(5)
             ValueError,
             r"positions must be >= 0 \(the cached keys' token positions\), got a negative entry",
         ),
+        # ids + offset past 2**63 - 1 wrapped negative: "positions must be >= 0, got a negative entry (-2**63)".
+        (
+            lambda: MRoPE(16, mrope_section=[2, 3, 3])(
+                torch.randn(1, 2, 4, 16),
+                torch.randn(1, 2, 4, 16),
+                positions=torch.arange(4).expand(3, 1, 4),
+                offset=2**63 - 1,
+            ),
+            ValueError,
+            r"offset \+ position ids must fit in int64 .*offset=9223372036854775807 with ids up to 3",
+        ),
+        (
+            lambda: posenc.RoPE(16)(q16 := torch.randn(1, 2, 4, 16), q16, offset=torch.tensor([2**63 - 1])),
+            ValueError,
+            r"the last position, offset \+ seq_len - 1, must fit in int64",
+        ),
     ],
 )
 def test_errors_found_by_the_second_bad_input_audit(call, error, match):

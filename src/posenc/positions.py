@@ -18,6 +18,7 @@ import torch
 from posenc._checks import (
     assert_without_sync,
     compiling,
+    host_min_max,
     int64_int,
     int_tensor,
     integer_offset,
@@ -65,8 +66,13 @@ def resolve_positions(
             )
         # Whole, where offset is a DTensor (and pos's test below): .any() of a shard read on the host is that rank's
         # alone, so only the rank holding a negative entry raised while the others went on into the next collective.
-        if check_data and bool((replicated_values(offset) < 0).any()):
-            raise ValueError("offset must be >= 0 (it counts tokens already in the cache), got a negative entry")
+        if check_data and offset.numel():
+            low, high = host_min_max(replicated_values(offset))  # one read, as the test for negatives alone was
+            if low < 0:
+                raise ValueError("offset must be >= 0 (it counts tokens already in the cache), got a negative entry")
+            if positions is None:  # with ids, a sum past int64 shows as a negative one below
+                # arange(s) + offset wrapped negative: "positions must be >= 0, got a negative entry (-2**63)".
+                int64_int("the last position, offset + seq_len - 1,", high + max(seq_len, 1) - 1)
         offset = offset.to(device=device, dtype=torch.long)[:, None]
     elif isinstance(offset, bool) or not isinstance(offset, int):
         raise TypeError(f"offset must be an int or an integer tensor, got {type(offset).__name__}")

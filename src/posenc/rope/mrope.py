@@ -22,6 +22,7 @@ from posenc._checks import (
     compiling,
     fake_mode_active,
     float_dtype,
+    host_min_max,
     int64_int,
     int_tensor,
     integer_offset,
@@ -29,6 +30,7 @@ from posenc._checks import (
     sequence_length,
     size_in,
     to_device,
+    values_readable,
 )
 from posenc.rope.frequencies import is_seq_len_dependent
 from posenc.rope.module import Layout, RoPE, _keepable
@@ -272,6 +274,15 @@ class MRoPE(RoPE):
                 f"positions must have shape (3, b, s) = (3, {q.shape[0]}, {q.shape[seq_axis]}) (temporal, height, "
                 f"width ids), got {tuple(positions.shape)}"
             )
+        if offset and values_readable(positions.device) and positions.numel():
+            # ids + offset past 2**63 - 1 wrap negative, which the rotation's check read as a negative id. Read only
+            # where an offset is added to given ids (rare beside 3-axis ids; not compiled, not a capture).
+            high = host_min_max(positions)[1]
+            if high > 2**63 - 1 - offset:
+                raise ValueError(
+                    f"offset + position ids must fit in int64 (below 2**63, a token position): offset={offset} "
+                    f"with ids up to {high} sums past 2**63 - 1; lower offset"
+                )
         pos = to_device("positions", positions, q.device).to(torch.long) + offset
         dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         # Computed here, as RoPE.forward does, not in _rotate_at: one frame less for torch.compile (see there).
