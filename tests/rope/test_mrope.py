@@ -195,10 +195,26 @@ def test_three_axis_positions_get_the_checks_of_plain_positions() -> None:
     q = torch.randn(1, 1, 5, 16)
     with pytest.raises(ValueError, match="offset must be >= 0"):
         rope(q, q, positions=positions, offset=-1)
-    with pytest.raises(TypeError, match="offset must be an int with"):
+    with pytest.raises(TypeError, match=r"offset must be an int or a 0-d integer tensor with .*shape \(1,\)"):
         rope(q, q, positions=positions, offset=torch.tensor([1]))
+    with pytest.raises(ValueError, match="offset must be >= 0"):
+        rope(q, q, positions=positions, offset=torch.tensor(-1))
     meta = q.to("meta")
     assert rope(meta, meta, positions=positions.to("meta"))[0].shape == q.shape  # shapes only, nothing read
+
+
+def test_three_axis_positions_take_a_0d_tensor_offset_as_rope_does() -> None:
+    """offset=torch.tensor(n) rotates as offset=n, eagerly and where its value cannot be read (torch.compile with
+    fullgraph=True, the meta device); it was refused ("must be an int, got Tensor") while RoPE takes it."""
+    rope = MRoPE(16, mrope_section=[2, 3, 3])
+    positions = torch.randint(0, 9, (3, 2, 5))
+    q, k = torch.randn(2, 2, 5, 16), torch.randn(2, 1, 5, 16)
+    expected = rope(q, k, positions=positions, offset=7)
+    torch.testing.assert_close(rope(q, k, positions=positions, offset=torch.tensor(7)), expected, rtol=0, atol=0)
+    compiled = torch.compile(lambda q, k, o: rope(q, k, positions=positions, offset=o), backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, torch.tensor(7)), expected, rtol=0, atol=0)
+    meta = q.to("meta")
+    assert rope(meta, meta, positions=positions.to("meta"), offset=torch.tensor(7, device="meta"))[0].shape == q.shape
 
 
 def test_three_axis_positions_compile_with_fullgraph() -> None:

@@ -19,14 +19,18 @@ from typing import Any, Literal, get_args
 import torch
 
 from posenc._checks import (
+    assert_without_sync,
     compiling,
     fake_mode_active,
     float_dtype,
+    host_list,
     host_min_max,
     int64_int,
     int_tensor,
     integer_offset,
+    movable,
     refuse_jit_trace,
+    replicated_values,
     sequence_length,
     size_in,
     to_device,
@@ -239,7 +243,8 @@ class MRoPE(RoPE):
         seq_len: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: (b, h_q, s, d), k: (b, h_k, s, d) for "bhsd" ((b, s, h, d) for "bshd"); positions: (3, b, s) or
-        (3, 1, s) integer ids, or anything ``RoPE.forward`` takes; offset: an int added to every axis (when
+        (3, 1, s) integer ids, or anything ``RoPE.forward`` takes; offset: an int (or a 0-d integer tensor) added to
+        every axis (when
         decoding text after a prompt with images: the largest id of the prompt + 1, which is the cache length plus
         the model's rope delta, not the cache length; a (b,) tensor only with text ids); seq_len: as for
         ``RoPE.forward``. Returns new (q, k) with the input dtypes.
@@ -257,10 +262,23 @@ class MRoPE(RoPE):
         seq_axis = self._check_qk(q, k, layout, seq_len)
         offset = integer_offset(offset)
         int_tensor("positions", positions, host_read=True)
+        kept = None  # a 0-d offset whose value cannot be read here: added on the device, checked with the graph
+        if isinstance(offset, torch.Tensor) and offset.dim() == 0:
+            # One offset as a 0-d tensor, as RoPE takes it (it was refused: "must be an int, got Tensor"). Read where
+            # it is, as RoPE reads tensor offsets; traced, captured or on the meta device, added as a tensor.
+            int_tensor("offset", offset, host_read=True)
+            offset = replicated_values(offset)
+            movable("offset", offset, q.device)
+            if values_readable(offset.device):
+                offset = int(host_list(offset))
+            else:
+                kept, offset = offset.to(device=q.device, dtype=torch.long), 0
+                assert_without_sync(kept >= 0, "offset must be >= 0 (it counts tokens already in the cache)")
         if isinstance(offset, bool) or not isinstance(offset, int):
+            shape = f" of shape {tuple(offset.shape)}" if isinstance(offset, torch.Tensor) else ""
             raise TypeError(
-                f"offset must be an int with (3, b, s) positions, got {type(offset).__name__}; add per-row offsets "
-                "to the positions themselves"
+                f"offset must be an int or a 0-d integer tensor with (3, b, s) positions, got "
+                f"{type(offset).__name__}{shape}; add per-row offsets to the positions themselves"
             )
         if offset < 0:
             raise ValueError(f"offset must be >= 0 (it counts tokens already in the cache), got {offset}")
@@ -284,6 +302,8 @@ class MRoPE(RoPE):
                     f"with ids up to {high} sums past 2**63 - 1; lower offset"
                 )
         pos = to_device("positions", positions, q.device).to(torch.long) + offset
+        if kept is not None:
+            pos = pos + kept
         dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         # Computed here, as RoPE.forward does, not in _rotate_at: one frame less for torch.compile (see there).
         if seq_len is None:
