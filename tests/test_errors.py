@@ -585,6 +585,22 @@ _i = torch.arange(5)
             ValueError,
             r"the last position, offset \+ seq_len - 1, must fit in int64",
         ),
+        # Meta values: torch's bare "Tensor.item() cannot be called on meta tensors" from deep inside before.
+        (
+            lambda: testing.assert_close(torch.randn(3, device="meta"), torch.randn(3, device="meta")),
+            ValueError,
+            "assert_close compares values, and actual is on the meta device",
+        ),
+        (
+            lambda: testing.assert_close(torch.ones(3), torch.ones(3), scale=torch.tensor(1.0, device="meta")),
+            ValueError,
+            "assert_close compares values, and scale is on the meta device",
+        ),
+        (
+            lambda: posenc.rope_frequencies(8, {"rope_type": "linear", "factor": torch.tensor(2.0, device="meta")}),
+            TypeError,
+            r"rope_parameters\['factor'\] is a meta tensor, which holds no value to read",
+        ),
     ],
 )
 def test_errors_found_by_the_second_bad_input_audit(call, error, match):

@@ -92,6 +92,13 @@ def assert_close(
         if not isinstance(value, torch.Tensor):
             # An AttributeError from the first tensor method before (a list, a numpy array).
             raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}; wrap it with torch.as_tensor")
+    for name, value in (("actual", actual), ("reference", reference), ("scale", scale)):
+        if isinstance(value, torch.Tensor) and value.device.type == "meta":
+            # torch's bare "Tensor.item() cannot be called on meta tensors" before (integers passed unread).
+            raise ValueError(
+                f"assert_close compares values, and {name} is on the meta device, which holds none (shapes only); "
+                "compare tensors computed on the CPU or a GPU"
+            )
     if scale is not None and actual.shape == reference.shape and actual.device == reference.device:
         # Checked on every path: integer operands and empty ones returned before their scale was looked at, so a
         # negative or misshapen scale passed there and failed only once the operands became floats or non-empty.

@@ -95,6 +95,10 @@ def _real(key: str, value: Any, *, low: float, low_inclusive: bool, hint: str = 
     are taken: Python's, numpy's, and one-element tensors (factor lists saved as tensors)."""
     name = f"rope_parameters['{key}']" + (f"[{index}]" if index is not None else "")
     if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_complex:
+        if value.device.type == "meta":  # torch's bare "Tensor.item() cannot be called on meta tensors" before
+            raise TypeError(
+                f"{name} is a meta tensor, which holds no value to read; pass a number, or a tensor on the CPU"
+            )
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
         raise TypeError(f"{name} must be a finite real number, got {value!r}{hint}")
