@@ -77,7 +77,11 @@ def wrapped_positions(ids: torch.Tensor | None) -> ValueError | None:
 
 
 def host_min_max(t: torch.Tensor) -> tuple[int, int]:
-    """(min, max) of a non-empty integer tensor, read on the host with one device sync, not two."""
+    """(min, max) of a non-empty integer tensor, read on the host with one device sync, not two. A decode step's
+    one id is read as it is (~0.2 us on the CPU, where aminmax, stack and tolist cost ~3 us of a ~100 us step)."""
+    if t.numel() == 1:
+        (value,) = host_list(replicated_values(t).reshape(1))
+        return value, value
     low, high = host_list(replicated_values(torch.stack(torch.aminmax(t))))
     return low, high
 

@@ -27,11 +27,11 @@ from posenc._checks import (
     fake_mode_active,
     flag,
     float_tensor,
+    host_min_max,
     int_tensor,
     integer_offset,
     positive_int,
     refuse_jit_trace,
-    replicated_values,
     size_in,
     values_readable,
 )
@@ -361,7 +361,7 @@ class KVCache:
         # A negative position was cached and served as the keys' position (next_positions continued from it, score
         # biases read it); the attention refused it only when a forward call resolved its own positions.
         readable = (read_any_device or positions.device.type == "cpu") and values_readable(positions.device)
-        if readable and positions.numel() and _lowest(replicated_values(positions)) < 0:
+        if readable and positions.numel() and host_min_max(positions)[0] < 0:
             raise ValueError(
                 "positions must be >= 0 (the cached keys' token positions), got a negative entry; number the tokens "
                 "from 0 (posenc.positions_from_document_ids for packed documents)"
@@ -418,12 +418,6 @@ def _check_encoding(encoding: object) -> None:
             "attribute acts_on = posenc.ActsOn.QK, SCORE_BIAS, INPUT or NONE (see posenc.encoding); for no "
             "encoding pass encoding=None or posenc.NoPE()"
         )
-
-
-def _lowest(positions: torch.Tensor) -> int:
-    """min(positions) of a non-empty integer tensor, read on the host: a decode step's one id as .item() (~0.2 us on
-    the CPU, where a comparison and .any() cost ~3 us of a ~100 us step)."""
-    return int(positions.item()) if positions.numel() == 1 else int(positions.min())
 
 
 def add_input_encoding(x: torch.Tensor, encoding: nn.Module | None, positions: torch.Tensor) -> torch.Tensor:
