@@ -79,7 +79,13 @@ def resolve_positions(
     elif offset < 0:
         raise ValueError(f"offset must be >= 0 (it counts tokens already in the cache), got {offset}")
     elif not compiling():  # max() of a symbolic length would add a guard
-        int64_int("the last position, offset + seq_len - 1,", offset + max(seq_len, 1) - 1)
+        if positions is None:
+            int64_int("the last position, offset + seq_len - 1,", offset + max(seq_len, 1) - 1)
+        else:
+            # With ids the last position is offset + max(ids), not offset + seq_len - 1 (until 2026-12-06 ids that
+            # restart at 0 near 2**63 were refused, and ids past seq_len passed here): their sums are checked once
+            # added, below, where one past 2**63 - 1 shows as a negative entry. Torch must only be able to add it.
+            int64_int("offset", offset)
 
     if positions is None:
         pos = torch.arange(seq_len, device=device, dtype=torch.long)[None, :]

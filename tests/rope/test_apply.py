@@ -697,6 +697,24 @@ def test_far_positions_that_do_not_fit_a_window_or_go_negative_take_the_general_
         rope(q, k, positions=torch.tensor([[FAR], [-1]]))
 
 
+def test_an_int_offset_with_position_ids_is_bounded_by_what_is_added():
+    """With ids, an int offset's last position is offset + max(ids): it was checked as offset + seq_len - 1, which
+    refused ids that restart at 0 near 2**63 (packed sequences) and let ids past seq_len through to the sum."""
+    rope = posenc.RoPE(8)
+    q, k = random_qk(1, 1, 1, 4, 8)
+    top = 2**63 - 1
+    # Four tokens at ids 0, 1, 0, 1: offset + 1 is the last position, at int64's maximum and one below it.
+    ids = torch.tensor([0, 1, 0, 1])
+    for offset in (top - 1, top - 2):
+        expected = rope_reference(q, offset + ids)
+        assert_close(rope(q, k, positions=ids, offset=offset)[0], expected)
+    # Ids past seq_len: offset + 3 would fit, offset + 9 does not.
+    with pytest.raises(ValueError, match=r"offset \+ position ids must fit in int64"):
+        rope(q, k, positions=torch.tensor([9, 0, 0, 0]), offset=top - 5)
+    with pytest.raises(ValueError, match=r"offset must fit in int64 \(below 2\*\*63, a token position\), got"):
+        rope(q, k, positions=torch.zeros(4, dtype=torch.long), offset=top + 1)
+
+
 def test_far_position_ids_with_per_sequence_offsets_take_the_general_path():
     # Position ids (b, s) and offsets (b,) would be moved back by broadcasting (b,) over s, rotating each token by
     # another sequence's offset (silently where s equals b): that pairing keeps the general path.
