@@ -259,6 +259,60 @@ def test_registering_refuses_what_would_fail_later():
     assert not fr.is_seq_len_dependent("mine")
 
 
+def test_a_replaced_builtin_is_validated_by_the_keys_registered_for_it():
+    """register_scaling(name, fn, replace=True) of a built-in type kept the built-in's own checks and fallbacks in
+    _resolve: a 'yarn' taking only 'scale' was refused without a trained length and was handed
+    original_max_position_embeddings, factor and the betas it never declared; a 'llama3' taking only 'factor' raised
+    a bare KeyError ('low_freq_factor'); a declared beta_fast below 1 was refused by yarn's beta order. Now the
+    replacement gets the keys registered for it, and the shared keys' range checks (factor >= 1)."""
+
+    def scaled(*, rotary_dim: int, base: float, scale: float, **_: Any) -> tuple[torch.Tensor, float]:
+        return fr.default_inv_freq(rotary_dim, base) / scale, 1.0
+
+    def betas(*, rotary_dim: int, base: float, beta_fast: float = 0.5, **_: Any) -> tuple[torch.Tensor, float]:
+        return fr.default_inv_freq(rotary_dim, base) * beta_fast, 1.0
+
+    def divided(*, rotary_dim: int, base: float, factor: float, **_: Any) -> tuple[torch.Tensor, float]:
+        return fr.default_inv_freq(rotary_dim, base) / factor, 1.0
+
+    builtin_yarn = (fr.SCALINGS["yarn"], pa.REQUIRED_KEYS["yarn"], pa.OPTIONAL_KEYS["yarn"])
+    plain = torch.tensor(reference_inv_freq(HEAD_DIM, BASE), dtype=torch.float64)
+    register_scaling("yarn", scaled, required=("scale",), replace=True)
+    assert not fr.is_builtin("yarn") and fr.is_builtin("linear")
+    for max_pos in (None, MAX_POS):
+        rope = posenc.RoPE(
+            HEAD_DIM, rope_parameters={"rope_type": "yarn", "scale": 2.0}, max_position_embeddings=max_pos
+        )
+        assert dict(rope.spec.params) == {"scale": 2.0}
+        torch.testing.assert_close(rope.frequencies()[0], plain / 2, rtol=1e-15, atol=0)
+    with pytest.raises(ValueError, match=r"rope_type 'yarn' needs the key\(s\) scale"):
+        posenc.RoPE(HEAD_DIM, rope_parameters={"rope_type": "yarn", "factor": 2.0}, max_position_embeddings=MAX_POS)
+
+    register_scaling("yarn", betas, optional=("beta_fast",), replace=True)
+    rope = posenc.RoPE(HEAD_DIM, rope_parameters={"rope_type": "yarn", "beta_fast": 0.5}, max_position_embeddings=16)
+    assert dict(rope.spec.params) == {"beta_fast": 0.5}
+    assert dict(posenc.RoPE(HEAD_DIM, rope_parameters={"rope_type": "yarn"}).spec.params) == {}
+    with pytest.raises(ValueError, match=r"rope_parameters\['beta_fast'\] must be > 0"):  # a shared key's range
+        posenc.RoPE(HEAD_DIM, rope_parameters={"rope_type": "yarn", "beta_fast": 0})
+
+    register_scaling("llama3", divided, required=("factor",), replace=True)
+    for max_pos in (None, MAX_POS):
+        rope = posenc.RoPE(
+            HEAD_DIM, rope_parameters={"rope_type": "llama3", "factor": 4.0}, max_position_embeddings=max_pos
+        )
+        assert dict(rope.spec.params) == {"factor": 4.0}
+        torch.testing.assert_close(rope.frequencies()[0], plain / 4, rtol=1e-15, atol=0)
+        assert fr.float32_blend_rtol("llama3", rope.spec.params, BASE) == 0.0  # a KeyError before
+    with pytest.raises(ValueError, match=r"rope_parameters\['factor'\] must be >= 1"):
+        posenc.RoPE(HEAD_DIM, rope_parameters={"rope_type": "llama3", "factor": 0.5})
+
+    # The built-in function registered again under its name brings its checks back.
+    register_scaling("yarn", builtin_yarn[0], required=builtin_yarn[1], optional=builtin_yarn[2], replace=True)
+    assert fr.is_builtin("yarn")
+    with pytest.raises(ValueError, match="rope_type 'yarn' needs the trained length"):
+        posenc.RoPE(HEAD_DIM, rope_parameters={"rope_type": "yarn", "factor": 2.0})
+
+
 def test_the_docs_example_registers_a_type_that_stretches_with_the_length():
     """docs/scaling.md's "Adding a scaling type" block, run as written: the frequencies it gives at 4x the trained
     length are the plain ones / 4 (factor 1), in float64."""

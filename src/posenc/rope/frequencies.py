@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -209,6 +210,8 @@ def float32_blend_rtol(rope_type: str, params: Mapping[str, Any], base: float) -
     exactly.) YaRN's truncated ramp has integer ends, an exact weight, and 0 here; so has Llama 3 with equal factors
     (Llama 4), a step with no weight. params: as ``RopeSpec.params``.
     """
+    if not is_builtin(rope_type):  # a registered type's parameters mean what its function makes of them
+        return 0.0
     if rope_type == "yarn" and not params.get("truncate", True):
         gain, roundings = 1.0, 3.0
     elif rope_type == "llama3" and params["high_freq_factor"] > params["low_freq_factor"]:
@@ -250,6 +253,18 @@ SCALINGS: dict[str, ScalingFn] = {
     "llama3": llama3,
     "proportional": proportional,
 }
+
+# The functions posenc ships, by name, as they were before any register_scaling(..., replace=True): the checks that
+# know a built-in's parameters (yarn's betas, llama3's band, the trained length yarn / llama3 extend from) apply
+# while its name holds this function, and a replacement is validated by what was registered for it instead.
+BUILTIN_SCALINGS: Mapping[str, ScalingFn] = MappingProxyType(dict(SCALINGS))
+
+
+def is_builtin(rope_type: str) -> bool:
+    """Whether ``rope_type`` names posenc's own function now (False for a registered type, or a replaced built-in)."""
+    builtin = BUILTIN_SCALINGS.get(rope_type)
+    return builtin is not None and SCALINGS.get(rope_type) is builtin
+
 
 # Types whose frequencies change with the current sequence length (they cannot be tabulated once). A set that
 # ``posenc.rope.register_scaling`` adds to: read it through ``is_seq_len_dependent``, never a copy taken at import (a

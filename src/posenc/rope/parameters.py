@@ -18,7 +18,7 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from posenc._checks import base_value, compiling, even_positive_int, positive_int, sequence_length, user_stacklevel
-from posenc.rope.frequencies import SCALINGS, proportional_pairs
+from posenc.rope.frequencies import SCALINGS, is_builtin, proportional_pairs
 
 # Per rope_type: keys that must be present and keys that may be present (beyond the common ones).
 REQUIRED_KEYS: dict[str, frozenset[str]] = {
@@ -124,7 +124,13 @@ def _factor_list(key: str, value: Any, pairs: int) -> tuple[float, ...]:
 
 
 def _resolve(rope_type: str, params: dict[str, Any], rotary_dim: int, max_pos: int | None) -> dict[str, Any]:
-    """Check every value's type and range, apply Hugging Face's defaults and fallbacks. Returns new params."""
+    """Check every value's type and range, apply Hugging Face's defaults and fallbacks. Returns new params.
+
+    A shared key is range-checked for every type that has it; what a built-in type's name implies (a trained length
+    for yarn / llama3, yarn's implicit factor and betas, llama3's band, ntk's four channels) only while the name
+    holds posenc's function: a replacement registered under it (register_scaling(..., replace=True)) is validated by
+    the keys registered for it, and gets no keys it did not declare."""
+    kind = rope_type if is_builtin(rope_type) else None  # None: a registered type, or a replaced built-in
     out = dict(params)
     for key in ("low_freq_factor", "high_freq_factor"):
         if key in out:
@@ -146,38 +152,38 @@ def _resolve(rope_type: str, params: dict[str, Any], rotary_dim: int, max_pos: i
         if key in out:
             out[key] = _factor_list(key, out[key], rotary_dim // 2)
 
-    if rope_type in _NEEDS_ORIGINAL:
-        if "original_max_position_embeddings" in out:
-            original = out["original_max_position_embeddings"]
-            # transformers computes with whatever number a config holds: 2048.0 is 2048 there, no error.
-            if isinstance(original, float) and original.is_integer():
-                out["original_max_position_embeddings"] = original = int(original)
-            sequence_length("rope_parameters['original_max_position_embeddings']", original)
-            if rope_type == "longrope" and out["original_max_position_embeddings"] < 2:
-                raise ValueError(
-                    "rope_parameters['original_max_position_embeddings'] must be >= 2 for longrope (its attention "
-                    f"factor divides by log(original)), got {out['original_max_position_embeddings']}"
-                )
-        elif max_pos is not None:
+    if "original_max_position_embeddings" in out:
+        original = out["original_max_position_embeddings"]
+        # transformers computes with whatever number a config holds: 2048.0 is 2048 there, no error.
+        if isinstance(original, float) and original.is_integer():
+            out["original_max_position_embeddings"] = original = int(original)
+        sequence_length("rope_parameters['original_max_position_embeddings']", original)
+        if kind == "longrope" and out["original_max_position_embeddings"] < 2:
+            raise ValueError(
+                "rope_parameters['original_max_position_embeddings'] must be >= 2 for longrope (its attention "
+                f"factor divides by log(original)), got {out['original_max_position_embeddings']}"
+            )
+    elif kind in _NEEDS_ORIGINAL:
+        if max_pos is not None:
             out["original_max_position_embeddings"] = max_pos
         else:
             raise ValueError(
                 f"rope_type {rope_type!r} needs the trained length: give rope_parameters"
                 "['original_max_position_embeddings'] or max_position_embeddings"
             )
-    if rope_type == "dynamic" and max_pos is None:
+    if kind == "dynamic" and max_pos is None:
         raise ValueError(
             "rope_type 'dynamic' needs max_position_embeddings (the trained length it scales from); pass "
             "max_position_embeddings=..."
         )
-    if rope_type in NEEDS_FOUR_CHANNELS and rotary_dim < 4:
+    if kind in NEEDS_FOUR_CHANNELS and rotary_dim < 4:
         raise ValueError(f"rope_type {rope_type!r} needs rotary_dim >= 4 (its exponent is r/(r-2)), got {rotary_dim}")
 
     if out.get("factor") is not None:
         out["factor"] = _real("factor", out["factor"], low=1.0, low_inclusive=True, hint=" (1 means no scaling)")
-    elif rope_type in _IMPLICIT_FACTOR and max_pos is not None:
+    elif kind in _IMPLICIT_FACTOR and max_pos is not None:
         implicit = max_pos / out["original_max_position_embeddings"]
-        if implicit < 1.0 and rope_type == "longrope":
+        if implicit < 1.0 and kind == "longrope":
             # A model configured below its original length (Phi3Config's default original is 4096): transformers
             # then takes attention factor 1, and LongRoPE uses the factor for nothing else.
             implicit = 1.0
@@ -187,9 +193,9 @@ def _resolve(rope_type: str, params: dict[str, Any], rotary_dim: int, max_pos: i
                 f" = {max_pos} / {out['original_max_position_embeddings']} = {implicit} < 1; give a factor >= 1"
             )
         out["factor"] = implicit
-    elif rope_type == "yarn":
+    elif kind == "yarn":
         raise ValueError("rope_parameters['factor'] is None: give a factor >= 1 or max_position_embeddings")
-    elif rope_type == "longrope" and "attention_factor" not in out:
+    elif kind == "longrope" and "attention_factor" not in out:
         raise ValueError(
             "rope_type 'longrope' needs rope_parameters['factor'] >= 1 (or 'attention_factor', or "
             "max_position_embeddings to infer factor = max / original)"
@@ -197,7 +203,7 @@ def _resolve(rope_type: str, params: dict[str, Any], rotary_dim: int, max_pos: i
     else:
         out.pop("factor", None)
 
-    if rope_type == "yarn":
+    if kind == "yarn":
         beta_fast, beta_slow = out.setdefault("beta_fast", 32.0), out.setdefault("beta_slow", 1.0)
         # Equal betas are a step from kept to divided frequencies (the ramp's zero width is widened by 0.001, as in
         # transformers, which takes them without a warning); a beta_fast below beta_slow turns the ramp around.
@@ -208,7 +214,7 @@ def _resolve(rope_type: str, params: dict[str, Any], rotary_dim: int, max_pos: i
             )
     # Equal factors are an empty band, a step (Llama 4 Scout's config.json: 1 and 1, which transformers takes with a
     # warning); a high below the low one has no band that means anything.
-    if rope_type == "llama3" and out["low_freq_factor"] > out["high_freq_factor"]:
+    if kind == "llama3" and out["low_freq_factor"] > out["high_freq_factor"]:
         raise ValueError(
             f"rope_parameters['low_freq_factor'] must be <= rope_parameters['high_freq_factor'] (Llama 3.1 uses 1 "
             f"and 4, Llama 4 1 and 1), got low_freq_factor={out['low_freq_factor']} and "
@@ -265,7 +271,7 @@ def _check_float32_range(spec: RopeSpec, lengths: tuple[int | None, ...]) -> Non
         # On the CPU, as every frequency is (posenc.rope.frequencies), also where the caller builds on meta.
         inv_freq, factor = compute_frequencies(spec, seq_len=length)
         factor_as_float32 = float(torch.tensor(float(factor), device="cpu").float())
-        if rope_type == "proportional":
+        if rope_type == "proportional" and is_builtin(rope_type):
             inv_freq = inv_freq[: proportional_pairs(params["partial_rotary_factor"], rotary_dim)]
         as_float32 = inv_freq.float()
         if not bool(((as_float32 > 0) & (as_float32 < math.inf)).all()):
@@ -317,10 +323,11 @@ def parse_rope_parameters(
         )
 
     required = REQUIRED_KEYS[rope_type]
+    builtin = is_builtin(rope_type)  # False for a replaced built-in: its registered keys alone say what it takes
     missing = sorted(required - params.keys())
     if missing:
         raise ValueError(f"rope_type {rope_type!r} needs the key(s) {', '.join(missing)} in rope_parameters")
-    nullable = {"factor"} if rope_type in _IMPLICIT_FACTOR else set()
+    nullable = {"factor"} if builtin and rope_type in _IMPLICIT_FACTOR else set()
     for key in sorted(required - nullable):
         if params[key] is None:
             raise ValueError(f"rope_parameters['{key}'] is None; rope_type {rope_type!r} needs a value")
@@ -348,7 +355,7 @@ def parse_rope_parameters(
     partial = params.pop("partial_rotary_factor", None)
     if partial is not None:
         partial = _partial_rotary_factor(partial)
-    if rope_type == "proportional":
+    if builtin and rope_type == "proportional":
         # Proportional RoPE rotates every channel and zeroes the frequencies of the tail pairs instead.
         if rotary_dim is not None and rotary_dim != head_dim:
             raise ValueError(f"rope_type 'proportional' rotates all head_dim={head_dim} channels; drop rotary_dim")
@@ -408,7 +415,8 @@ def parse_rope_parameters(
     # these are the config's, checked on the host (a DataDependentOutputException from torch, else).
     with unset_fake_temporarily():
         _check_float32_range(spec, lengths)
-    _warn_where_transformers_warns(rope_type, params, max_position_embeddings)
+    if builtin:  # a replacement's parameters are not transformers' type's
+        _warn_where_transformers_warns(rope_type, params, max_position_embeddings)
     return spec
 
 

@@ -126,7 +126,10 @@ def register_scaling(
     length; None means the unscaled ones): RoPE then asks for them at every call's length, and ``mode="consistent"``
     re-rotates cached keys. A name registered already (a built-in one too) is refused unless ``replace=True``, which
     reaches the RoPEs built before it too (what they kept is made anew by the new function at their next call);
-    ``dynamic`` and ``longrope``, which RoPE computes by shortcuts of their own in places, cannot be replaced.
+    ``dynamic`` and ``longrope``, which RoPE computes by shortcuts of their own in places, cannot be replaced. A
+    replaced built-in is validated as any registered type, by ``required`` / ``optional`` and the shared keys' range
+    checks, without the built-in's own (a trained length for yarn, its betas, llama3's band) or the keys they add;
+    registering posenc's function again (``posenc.rope.frequencies.BUILTIN_SCALINGS[name]``) puts those back.
     """
     from posenc.registry import _NAME  # not at the top: posenc.registry imports posenc.rope
 
@@ -171,7 +174,10 @@ def register_scaling(
         raise ValueError(
             f"{name!r} is a lab extension already (of another rope_type); pick another name, or pass replace=True"
         )
-    _check_signature(name, fn, required_keys, optional_keys)
+    if fn is not frequencies.BUILTIN_SCALINGS.get(name):
+        # posenc's own function put back under its name gets its keys from the built-in's fallbacks (yarn's
+        # original_max_position_embeddings): it takes what it took before any replacement.
+        _check_signature(name, fn, required_keys, optional_keys)
 
     from posenc.analysis.frequencies import EXAMPLE_ROPE_PARAMETERS  # imports RoPE: not at the top either
 
