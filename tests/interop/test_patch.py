@@ -15,6 +15,7 @@ import gc
 import importlib
 import inspect
 import json
+import pickle
 import sys
 import textwrap
 import warnings
@@ -25,6 +26,7 @@ from typing import Any
 import pytest
 import torch
 
+import posenc
 from posenc import RoPE
 from posenc.interop import consistent as consistent_module
 from posenc.interop import patch as patch_module
@@ -352,6 +354,64 @@ def test_unpatch_restores_the_original_bit_for_bit(backend: str) -> None:
     assert torch.equal(before, after)
     assert model.model.rotary_emb is original_rotary and model.config.rope_parameters is original_rope
     assert all("forward" not in layer.self_attn.__dict__ for layer in model.model.layers)
+
+
+def test_a_replaced_type_does_not_reach_a_patched_model_and_says_so() -> None:
+    """register_scaling(name, fn, replace=True) of the type a patched model uses: the model kept the frequencies it
+    was patched with, silently, until a cast or device move (model.float(), model.to(...)) remade them with the
+    replacement (logits up to 9 apart from the unpatched model's here), and a replacement registered as length
+    dependent switched it to the new function at once. Now it keeps what patch_model checked against transformers
+    (the model's config still names transformers' type), a deep copy too, and the replacement warns, naming them."""
+    import posenc.rope.frequencies as fr
+    import posenc.rope.parameters as pa
+    from posenc.analysis.frequencies import EXAMPLE_ROPE_PARAMETERS
+    from posenc.lab.config import EXTENSIONS
+    from posenc.rope.scaling import WITHOUT_EXAMPLE
+
+    def quarter(*, rotary_dim: int, base: float, factor: float, **_: Any) -> tuple[torch.Tensor, float]:
+        return fr.default_inv_freq(rotary_dim, base) / (2 * factor), 1.0
+
+    model = build("llama", "linear")
+    reference = copy.deepcopy(model)
+    ids = tokens(1, 12)
+    patch_model(model)
+    copied = copy.deepcopy(model)
+    # What register_scaling writes, put back after (as tests/rope/test_register_scaling.py's fixture does).
+    tables: list[Any] = [fr.SCALINGS, pa.REQUIRED_KEYS, pa.OPTIONAL_KEYS, EXAMPLE_ROPE_PARAMETERS, EXTENSIONS]
+    tables += [fr.SEQ_LEN_DEPENDENT, WITHOUT_EXAMPLE]
+    saved = [copy.copy(table) for table in tables]
+    try:
+        with torch.no_grad():
+            expected = reference(ids).logits
+            for seq_len_dependent in (False, True):
+                with pytest.warns(UserWarning, match=r"2 rotary embedding\(s\) .* rope_type 'linear': they keep"):
+                    posenc.register_scaling(
+                        "linear", quarter, required=("factor",), seq_len_dependent=seq_len_dependent, replace=True
+                    )
+                for patched in (model, copied, model.float(), copied.to("cpu")):
+                    torch.testing.assert_close(patched(ids).logits, expected, **FP32)
+        # The RoPE the rotary embedding holds gives the new function's, as every posenc RoPE does.
+        assert float(model.model.rotary_emb.rope.frequencies()[0][1]) == pytest.approx(10000.0 ** (-2 / 16) / 4)
+    finally:
+        for table, before in zip(tables, saved, strict=True):
+            table.clear()
+            table.update(before)
+
+
+def test_a_rotary_embedding_pickled_without_its_checked_frequencies_takes_its_buffers() -> None:
+    """One pickled by a posenc before 2026-12-06 has no _checked_inv_freq: unpickled, it takes its float64 buffers
+    as those (what it rotated with), counts among the live ones register_scaling warns of, and keeps them through a
+    cast."""
+    from posenc.interop.rotary import patched_with
+
+    module = PosencRotaryEmbedding(RoPE(16, rope_parameters={"rope_type": "linear", "factor": 2.0}))
+    ids = torch.arange(5)[None]
+    expected = module(torch.zeros(1), ids)
+    del module._checked_inv_freq, module._length_dependent  # as such a posenc pickled it
+    loaded = pickle.loads(pickle.dumps(module))
+    assert loaded in patched_with("linear") and loaded._checked_inv_freq[""].dtype == torch.float64
+    for got, want in zip(loaded.float()(torch.zeros(1), ids), expected, strict=True):
+        assert torch.equal(got, want)
 
 
 def _hook_as_accelerate_does(module: torch.nn.Module, calls: list[str]) -> None:

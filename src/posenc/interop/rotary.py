@@ -9,6 +9,7 @@ Shape key: b batch, h heads, s new tokens, d head dim, r rotary dim.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -38,6 +39,13 @@ class PosencRotaryEmbedding(nn.Module):
     follows device moves but never dtype casts, so the forward has no data-dependent step and ``torch.compile``
     traces it without a graph break. ``dynamic`` and ``longrope`` ask the ``RoPE`` for the frequencies of each
     call's length (``RoPE.scaling_length``: in 'hf' mode with transformers' dynamic NTK state).
+
+    Both are taken when it is built, from the RoPE patch_model checked against the model's own rotary embedding,
+    and kept: a ``register_scaling(name, fn, replace=True)`` of the type afterwards does not reach a patched model
+    (it warns, naming them), which goes on rotating as transformers' type does until it is unpatched. Until
+    2026-12-06 it kept the old frequencies only until a device move or dtype cast (``model.float()``,
+    ``model.to(...)``) remade them with the replacement, and took the length-dependent path if the replacement was
+    registered as one, silently either way.
     """
 
     def __init__(self, rope: RoPE | Mapping[str, RoPE]) -> None:
@@ -51,20 +59,44 @@ class PosencRotaryEmbedding(nn.Module):
             self.layer_types = tuple(rope)
             self.ropes = nn.ModuleDict(dict(rope))
         self.attention_factors: dict[str, float] = {}
+        # (r/2,) float64 on the CPU per layer type: what the buffers are made from on every device move or cast.
+        self._checked_inv_freq: dict[str, torch.Tensor] = {}
+        # The layer types whose cos/sin the RoPE makes for each call's length (dynamic, longrope).
+        self._length_dependent = frozenset(
+            layer_type for layer_type, each in self._ropes().items() if is_seq_len_dependent(each.rope_type)
+        )
         for layer_type, each in self._ropes().items():
             inv_freq, attention_factor = each.frequencies()
+            self._checked_inv_freq[layer_type] = inv_freq.to(device="cpu", dtype=torch.float64)
             self.register_buffer(state_name(layer_type, "inv_freq"), inv_freq.to(torch.float64), persistent=False)
             self.attention_factors[layer_type] = float(attention_factor)
+        with _LIVE_LOCK:
+            _LIVE.add(self)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Unpickled or deep-copied: counted among the live ones, and one pickled by a posenc before 2026-12-06 takes
+        # what it holds (its buffers, float64) as its checked frequencies.
+        super().__setstate__(state)
+        if "_checked_inv_freq" not in state:
+            ropes = self._ropes()
+            self._checked_inv_freq = {
+                key: self._buffers[state_name(key, "inv_freq")].to(device="cpu", dtype=torch.float64) for key in ropes
+            }
+            self._length_dependent = frozenset(
+                key for key, rope in ropes.items() if is_seq_len_dependent(rope.rope_type)
+            )
+        with _LIVE_LOCK:
+            _LIVE.add(self)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> PosencRotaryEmbedding:
         # model.half() / .to(bfloat16) cast every float buffer; the frequencies must stay float64 (a bf16 inv_freq
         # is off by 2**-9, i.e. whole turns at position 1e4), so only the device move is kept. They are made
-        # afresh from the RoPE: a model built on the meta device and moved with to_empty() has no values to keep.
+        # afresh from the ones checked at patch time: a model built on the meta device and moved with to_empty() has
+        # no values to keep.
         super()._apply(fn, recurse)
-        for layer_type, rope in self._ropes().items():
+        for layer_type, inv_freq in self._checked_inv_freq.items():
             name = state_name(layer_type, "inv_freq")
-            device = self._buffers[name].device
-            self._buffers[name] = rope.frequencies()[0].to(device=device, dtype=torch.float64)
+            self._buffers[name] = inv_freq.to(device=self._buffers[name].device)
         return self
 
     def _ropes(self) -> dict[str, RoPE]:
@@ -100,7 +132,7 @@ class PosencRotaryEmbedding(nn.Module):
         # forward are made anew in this one (an inference tensor changed in place shows no version change).
         forget_keys_cos_sin(position_ids)
         dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-        if is_seq_len_dependent(rope.rope_type):
+        if key in self._length_dependent:
             return rope.call_cos_sin(position_ids, dtype=dtype)
         inv_freq = getattr(self, state_name(key, "inv_freq"))
         if position_ids.dim() == 3:  # (3, b, s): temporal, height, width ids
@@ -121,6 +153,18 @@ class PosencRotaryEmbedding(nn.Module):
             f"{key + ': ' if key else ''}rope_type={rope.rope_type!r}, rotary_dim={rope.rotary_dim}, mode={rope.mode!r}"
             for key, rope in ropes.items()
         )
+
+
+# Every PosencRotaryEmbedding alive, for register_scaling's warning that a replacement does not reach them.
+_LIVE: weakref.WeakSet[PosencRotaryEmbedding] = weakref.WeakSet()
+_LIVE_LOCK = threading.Lock()
+
+
+def patched_with(rope_type: str) -> list[PosencRotaryEmbedding]:
+    """The live ``PosencRotaryEmbedding``s with a RoPE of ``rope_type``: patched models that keep its frequencies."""
+    with _LIVE_LOCK:
+        live = list(_LIVE)
+    return [module for module in live if any(rope.rope_type == rope_type for rope in module._ropes().values())]
 
 
 def _rotate_qk(

@@ -10,11 +10,14 @@ after the pieces are checked, or not at all.
 from __future__ import annotations
 
 import inspect
+import sys
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
+from posenc._checks import user_stacklevel
 from posenc.rope import frequencies, parameters
 from posenc.rope.module import forget_frequencies
 
@@ -224,6 +227,19 @@ def register_scaling(
     # A replacement: RoPEs built before it kept numbers of the function it replaces (it had served them beside the
     # new function's, at lengths not kept, silently).
     forget_frequencies(name)
+    # Patched transformers models keep the frequencies patch_model checked against transformers' own: said here, not
+    # left to be found. Asked only of an interop module already imported (rope imports nothing above it).
+    rotary = sys.modules.get("posenc.interop.rotary")
+    patched = rotary.patched_with(name) if replace and rotary is not None else []
+    if patched:
+        warnings.warn(
+            f"{len(patched)} rotary embedding(s) of transformers models patched by posenc.interop.patch_model use "
+            f"rope_type {name!r}: they keep the frequencies they were checked to share with transformers' {name!r} "
+            "when patched (the model's config still names that type), not the new function's, which reaches posenc's "
+            "own RoPE modules. patch_model installs only what transformers computes for a config: try the new "
+            "function in a posenc RoPE or a lab model",
+            stacklevel=user_stacklevel(),
+        )
 
 
 class _ExampleExtension:
