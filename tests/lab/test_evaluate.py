@@ -3,6 +3,8 @@ learned tables, the copy / passkey tasks, and loss_by_length's same scoring of a
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 
 import numpy as np
@@ -296,6 +298,22 @@ def test_loss_by_length_matches_a_float64_reference_on_one_window():
     assert result.scored_tokens == 6 and result.loss_by_position.dtype == torch.float64
     assert result.bits_per_token == pytest.approx(float(bits[-6:].mean()), rel=1e-6)
     torch.testing.assert_close(result.loss_by_position, bits, rtol=1e-6, atol=1e-6)
+
+
+def test_loss_by_length_results_turn_into_plain_data():
+    """LengthLoss had no way to plain data but dataclasses.asdict, whose loss_by_position stays a tensor that
+    json.dumps refuses; as_dict() gives every field as Python numbers, one row per length."""
+    table = torch.randn(50, 50, generator=torch.Generator().manual_seed(3))
+    results = loss_by_length(lambda t: table[t], TOKENS, [8, 16], score_len=4, windows=3)
+    rows = json.loads(json.dumps([result.as_dict() for result in results]))
+    for row, result in zip(rows, results, strict=True):
+        assert row == {
+            "length": result.length,
+            "bits_per_token": result.bits_per_token,
+            "scored_tokens": 12,
+            "loss_by_position": result.loss_by_position.tolist(),
+        }
+        assert len(row["loss_by_position"]) == result.length and set(row) == set(dataclasses.asdict(result))
 
 
 def test_loss_by_length_scores_the_same_tokens_at_every_length():

@@ -76,12 +76,19 @@ class LengthLoss:
     bits_per_token: mean next-token cross-entropy in bits over the k * S scored tokens, all distinct, and
     scored_tokens = k * S (bits per byte where the tokens are bytes); loss_by_position: (L,) float64, bits at each
     input position 0..L-1 of the window (position i predicts token i + 1), averaged over the k windows.
+    ``dataclasses.asdict`` gives these fields with the tensor; ``as_dict()`` gives plain Python values.
     """
 
     length: int
     bits_per_token: float
     scored_tokens: int
     loss_by_position: torch.Tensor
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every field as plain Python, for ``json.dumps`` or a ``csv.DictWriter`` (one row per length):
+        length int, bits_per_token float, scored_tokens int, loss_by_position a list of L floats (the tensor's)."""
+        fields = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        return {**fields, "loss_by_position": self.loss_by_position.tolist()}
 
 
 def _check_scoring(ends: torch.Tensor, length: int, score_len: int) -> None:
