@@ -42,7 +42,8 @@ def _add_import_option(p: argparse.ArgumentParser) -> None:
         metavar="MODULE",
         help="import MODULE first (a dotted name found on PYTHONPATH or in the current folder, or a path to a .py "
         "file), so that its posenc.register / posenc.register_scaling calls add its encodings and rope types "
-        "(repeatable)",
+        "(repeatable; default none; under torchrun every rank imports it, and posenc lab refuses ranks whose "
+        "imports registered different ones)",
     )
 
 

@@ -230,3 +230,30 @@ def test_a_decision_that_fails_on_rank_0_raises_its_own_type_there(monkeypatch):
     # run_command says it in one line only if it keeps its type (it became a plain ValueError under torchrun).
     with pytest.raises(RunFolderError, match="not the JSON"):
         Ranks(0, 2).decide(damaged)
+
+
+def test_a_rank_whose_imports_registered_other_types_is_named(tiny_config, tmp_path, monkeypatch):
+    """Every torchrun rank runs --import itself; the ranks compared only their corpora, so a rank whose module
+    registered other rope types or encodings (another file on its machine, or an import list of its own) trained
+    other models under the same names, unnoticed. Now what each rank registered is compared too (by name and the
+    function's or class's qualified name, not by the import's path, which may differ between machines)."""
+    lab = Lab(tiny_config(), tmp_path / "out", progress=False, ranks=Ranks(0, 2), imports=["mytypes.py"])
+    lab.corpus = type("Corpus", (), {"sha256": "ab" * 32})()
+
+    def gather_with(rank_1):
+        monkeypatch.setattr(
+            Ranks, "all_gather", lambda self, obj: [obj, rank_1(obj) if isinstance(obj, tuple) else obj]
+        )
+
+    gather_with(lambda seen: seen)
+    lab._check_ranks_agree()
+    gather_with(lambda seen: (seen[0], tuple(r for r in seen[1] if r[1] != "yarn"), []))
+    with pytest.raises(
+        ValueError,
+        match=r"rank\(s\) 1 registered other .* differ in rope_type 'yarn'; --import by rank: "
+        r"0: mytypes.py, 1: none\): every rank must import the same modules",
+    ):
+        lab._check_ranks_agree()
+    gather_with(lambda seen: (seen[0], tuple((*r[:2], "other") if r[1] == "alibi" else r for r in seen[1]), seen[2]))
+    with pytest.raises(ValueError, match=r"differ in encoding 'alibi';"):
+        lab._check_ranks_agree()

@@ -368,13 +368,25 @@ class Lab:
             ) from error
 
     def _check_ranks_agree(self) -> None:
-        # Every rank reads the corpus itself; on several machines they could read different files.
-        seen = self.ranks.all_gather(self.corpus.sha256)
-        if len(set(seen)) > 1:
+        # Every rank reads the corpus itself; on several machines they could read different files. And every rank
+        # imports the --import modules itself: one that registered other encodings or rope types (another file
+        # there, or none) would train other models under the same names, which rank 0's results would not show.
+        seen = self.ranks.all_gather((self.corpus.sha256, _registrations(), self.imports))
+        if len({sha for sha, _, _ in seen}) > 1:
             raise ValueError(
                 "the ranks read different corpora (sha256 by rank: "
-                + ", ".join(f"{r}: {h[:12]}" for r, h in enumerate(seen))
+                + ", ".join(f"{r}: {h[:12]}" for r, (h, _, _) in enumerate(seen))
                 + "); pass --corpus with a path that holds the same text on every machine"
+            )
+        first = seen[0][1]
+        odd = [rank for rank, (_, registered, _) in enumerate(seen) if registered != first]
+        if odd:
+            differ = sorted({(kind, name) for kind, name, _ in set(first) ^ set(seen[odd[0]][1])})
+            imports = ", ".join(f"{rank}: {' '.join(names) or 'none'}" for rank, (_, _, names) in enumerate(seen))
+            raise ValueError(
+                f"rank(s) {', '.join(map(str, odd))} registered other encodings or rope types than rank 0 (rank "
+                f"{odd[0]} and rank 0 differ in {', '.join(f'{kind} {name!r}' for kind, name in differ)}; --import by "
+                f"rank: {imports}): every rank must import the same modules, with the same content"
             )
 
     def _check_out_shared(self) -> None:
@@ -805,6 +817,20 @@ def _versions() -> dict[str, str]:
         "matplotlib": matplotlib.__version__,
         "executable": sys.executable,
     }
+
+
+def _registrations() -> tuple[tuple[str, str, str], ...]:
+    """What this process has registered, sorted: ("encoding" or "rope_type", name, the class's or function's
+    qualified name). Not its module's name, which for an --import of a file is made from its path, and the
+    path may differ from machine to machine."""
+    from posenc.registry import ENCODINGS
+    from posenc.rope.frequencies import SCALINGS
+
+    def qualname(registered: object) -> str:
+        return str(getattr(registered, "__qualname__", type(registered).__qualname__))
+
+    encodings = [("encoding", name, qualname(family)) for name, family in ENCODINGS.items()]
+    return tuple(sorted(encodings + [("rope_type", name, qualname(fn)) for name, fn in SCALINGS.items()]))
 
 
 def _check_report_rope_types() -> None:
