@@ -37,8 +37,8 @@ def compiling() -> bool:
 
 
 def integer_offset(value: Any) -> Any:
-    """numpy's integers (any ``numbers.Integral`` but bool and int) as a Python int, as ALiBi's ``bias`` takes them;
-    anything else unchanged, for the offset checks to judge."""
+    """numpy's integers (any ``numbers.Integral`` but bool and int) as a Python int, as ``integer`` takes them, for
+    the arguments that also take a tensor (offsets), whose checks judge the rest; anything else unchanged."""
     if type(value) is int or value is None:  # every call's case: a type test where the ABC's costs ~0.3 us
         return value
     if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int, torch.SymInt)):
@@ -272,28 +272,85 @@ def size_in(size: Any, allowed: tuple) -> bool:
     return any(size == value for value in allowed)
 
 
-def positive_int(name: str, value: Any) -> int:
-    value = integer_offset(value)  # numpy's integers too
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+def integer(
+    name: str,
+    value: Any,
+    *,
+    low: int | None = None,
+    high: int | None = None,
+    expected: str | None = None,
+    type_error: type[Exception] = ValueError,
+    symbolic: bool = False,
+    fix: bool = True,
+) -> Any:
+    """The one rule for an integer argument: any ``numbers.Integral`` but bool (numpy's integers too) is taken and
+    returned as a plain Python int (``operator.index``), so that what is stored, handed to torch or written to JSON
+    is an int; bool, float, str and tensors (a 0-d tensor is not read as an int here: arguments that take tensors,
+    such as offsets, take them before this check) are refused with ``type_error``, and values outside
+    [low, high) with ValueError: "{name} must be {expected}, got {value!r}", with the fix where there is one.
+
+    expected: the wording of the errors (default from low/high: "a positive integer" for low=1, "an integer >= 0",
+    "an integer in [low, high)"). symbolic: a ``torch.SymInt`` (what torch.export hands for a size taken from a
+    dynamic shape) passes as it is, checked against low/high (a guard), as Dynamo's symbolic ints, which are ints.
+    fix: say what to pass instead of a whole float, a bool or a one-element tensor (False: the message ends at the
+    value, where callers pin it whole).
+    """
+    if type(value) is not int:  # every call's case is a plain int: one type test (the ABC's costs ~0.3 us)
+        if isinstance(value, int) and not isinstance(value, bool):
+            pass  # an int's subclass, or a symbolic int as Dynamo shows it: read as it is (no guard on its value)
+        elif symbolic and isinstance(value, torch.SymInt):
+            if (low is not None and value < low) or (high is not None and value >= high):
+                # An int that varies between compiled calls cannot be formatted; its value (a guard) can.
+                raise ValueError(f"{name} must be {_expected(expected, low, high)}, got {operator.index(value)!r}")
+            return value
+        elif isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise type_error(
+                f"{name} must be {_expected(expected, low, high)}, got {value!r}{_int_fix(value) if fix else ''}"
+            )
+        else:
+            value = operator.index(value)  # numpy's integers
+    if (low is not None and value < low) or (high is not None and value >= high):
+        raise ValueError(f"{name} must be {_expected(expected, low, high)}, got {value!r}")
     return value
+
+
+def _expected(expected: str | None, low: int | None, high: int | None) -> str:
+    if expected is not None:
+        return expected
+    if high is not None:
+        return f"an integer in [{0 if low is None else low}, {high})"
+    if low is None:
+        return "an integer"
+    return "a positive integer" if low == 1 else f"an integer >= {low}"
+
+
+def _int_fix(value: Any) -> str:
+    """What to pass instead of a value that is no integer, where one is meant: a whole float or a one-element
+    integer tensor as int(...) (neither is read as an int silently: a float may have been rounded, and a tensor's
+    value lives on its device); a bool is no count."""
+    if isinstance(value, bool):
+        return " (a bool); pass an int"
+    if isinstance(value, float) and value.is_integer():
+        return f"; pass the int {int(value)}"
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
+        return "; pass a Python int (tensor.item())"
+    return ""
+
+
+def positive_int(name: str, value: Any) -> int:
+    """A count or size >= 1, as a plain int (numpy's integers too): ``integer`` with low=1."""
+    return integer(name, value, low=1)
 
 
 def sequence_length(name: str, value: Any) -> int | None:
     """None (a length derived from the positions) or a positive int, refused alike by encodings that ignore it, so
-    that a bad value shows before a config switches to one that reads it."""
+    that a bad value shows before a config switches to one that reads it. torch.export hands a length taken from a
+    dynamic size (positions.shape[-1]) as a torch.SymInt, which is no int: taken as it is (it was refused as "must be
+    a positive integer, got s80", and dynamic NTK could not be exported with any seq_len but a constant)."""
     if value is None:  # the common case, asked on every call
         return None
-    value = integer_offset(value)  # numpy's integers too
-    # torch.export hands a length taken from a dynamic size (positions.shape[-1]) as a torch.SymInt, which is no int:
-    # refused as "must be a positive integer, got s80", dynamic NTK could not be exported with any seq_len but a
-    # constant. (Dynamo gives its symbolic ints as ints.)
-    integral = isinstance(value, (int, torch.SymInt))
-    if value is not None and (isinstance(value, bool) or not integral or value <= 0):
-        # An int that varies between compiled calls is symbolic and cannot be formatted; its value (a guard) can.
-        shown = value if isinstance(value, bool) or not integral else operator.index(value)
-        raise ValueError(f"{name} must be a positive integer (a sequence length), got {shown!r}")
-    return value
+    # The message is pinned whole for every scaling type (tests/rope/test_module_compile_checks.py): no fix added.
+    return integer(name, value, low=1, expected="a positive integer (a sequence length)", symbolic=True, fix=False)
 
 
 def even_positive_int(name: str, value: Any) -> int:

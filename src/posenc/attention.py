@@ -29,7 +29,7 @@ from posenc._checks import (
     float_tensor,
     host_min_max,
     int_tensor,
-    integer_offset,
+    integer,
     positive_int,
     refuse_jit_trace,
     size_in,
@@ -199,9 +199,7 @@ class KVCache:
         positions, one of another document starts at 0 (as ``positions_from_document_ids`` counts a whole row). What
         ``CausalSelfAttention`` uses when given no positions, and what ``add_input_encoding`` needs in a decoding loop.
         """
-        seq_len = integer_offset(seq_len)  # numpy's integers too
-        if isinstance(seq_len, bool) or not isinstance(seq_len, (int, torch.SymInt)) or seq_len < 0:
-            raise ValueError(f"seq_len must be an int >= 0 (the number of new tokens), got {seq_len!r}")
+        seq_len = integer("seq_len", seq_len, low=0, expected="an int >= 0 (the number of new tokens)", symbolic=True)
         if document_ids is not None:
             int_tensor("document_ids", document_ids, what="document ids")
             held = self.k.shape[0] if self.k is not None else None
@@ -225,9 +223,9 @@ class KVCache:
         transformers' ``DynamicCache.crop``. Decoding then goes on after the last kept position (``next_positions``);
         a 'consistent' RoPE's kept keys stay rotated with the frequencies they had, and the next step rotates
         them again only if its length's frequencies differ."""
-        length = integer_offset(length)  # numpy's integers too
-        if isinstance(length, bool) or not isinstance(length, int):
-            raise TypeError(f"length must be an int (the number of cached tokens to keep), got {length!r}")
+        length = integer(
+            "length", length, expected="an int (the number of cached tokens to keep)", type_error=TypeError
+        )
         held = self.length
         keep = held + length if length < 0 else min(length, held)
         if keep < 0:
@@ -497,8 +495,7 @@ class CausalSelfAttention(nn.Module):
         bias: bool = False,
     ) -> None:
         super().__init__()
-        positive_int("dim", dim)
-        positive_int("num_heads", num_heads)
+        dim, num_heads = positive_int("dim", dim), positive_int("num_heads", num_heads)
         flag("bias", bias)
         num_kv_heads = num_heads if num_kv_heads is None else positive_int("num_kv_heads", num_kv_heads)
         if dim % num_heads:

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from posenc._checks import flag, integer_offset, is_dtensor, positive_int, prefix_sums, values_readable
+from posenc._checks import flag, integer, is_dtensor, positive_int, prefix_sums, values_readable
 from posenc.positions import sequence_lengths
 
 __all__ = ["PackedShard", "shard_packed_positions", "shard_positions"]
@@ -22,9 +22,9 @@ __all__ = ["PackedShard", "shard_packed_positions", "shard_positions"]
 def _split(world_size: int, rank: int, load_balance: bool) -> tuple[int, int, int]:
     """The checked world size and rank, and how many chunks each sequence is cut into."""
     world_size = positive_int("world_size", world_size)
-    rank = integer_offset(rank)  # numpy's integers too, as for the sizes
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"rank must be an int in [0, {world_size}) for world_size={world_size}, got {rank!r}")
+    rank = integer(
+        "rank", rank, low=0, high=world_size, expected=f"an int in [0, {world_size}) for world_size={world_size}"
+    )
     return world_size, rank, 2 * world_size if flag("load_balance", load_balance) and world_size > 1 else world_size
 
 

@@ -101,13 +101,14 @@ def build_for_model(
         raise TypeError(
             f"encoding {name!r} ({family.__name__}) cannot be built from a model's sizes: it needs {_FROM_MODEL_DIMS}"
         )
+    sizes = {}
     for size, value in (
         ("dim", dim),
         ("num_heads", num_heads),
         ("head_dim", head_dim),
         ("max_positions", max_positions),
     ):
-        positive_int(size, value)
+        sizes[size] = positive_int(size, value)
     options = _options(family)
     unknown = [key for key in kwargs if key not in options]
     if unknown:  # before the call: Python's own error would name the argument but not what the family takes
@@ -115,9 +116,7 @@ def build_for_model(
             f"encoding {name!r} takes no option {', '.join(map(repr, unknown))}; its options: "
             f"{', '.join(options) or 'none'} (its sizes come from dim, num_heads, head_dim and max_positions)"
         )
-    return family.from_model_dims(
-        dim=dim, num_heads=num_heads, head_dim=head_dim, max_positions=max_positions, **kwargs
-    )
+    return family.from_model_dims(**sizes, **kwargs)
 
 
 def _options(family: type[nn.Module]) -> list[str]:

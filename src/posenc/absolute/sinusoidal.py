@@ -27,7 +27,7 @@ def sinusoidal_table(
     formula itself is defined for negative positions too (sin is odd, cos even); ``Sinusoidal`` refuses them.
     """
     int_tensor("positions", positions)
-    even_positive_int("dim", dim)
+    dim = even_positive_int("dim", dim)
     base_value("base", base)
     float_dtype("dtype", dtype)
     return _table(positions, dim, base, dtype)

@@ -24,7 +24,7 @@ def bias_matrix(encoding: nn.Module, q_len: int, k_len: int | None = None) -> to
             f"bias_matrix needs a score-bias encoding such as posenc.ALiBi(num_heads) or posenc.T5Bias(num_heads); "
             f"{where}"
         )
-    positive_int("q_len", q_len)
+    q_len = positive_int("q_len", q_len)
     k_len = q_len if k_len is None else positive_int("k_len", k_len)
     if q_len > k_len:
         raise ValueError(f"q_len={q_len} must be <= k_len={k_len}: the queries are the last q_len of the keys")

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from posenc._checks import flag, positive_int
+from posenc._checks import flag, integer_offset, positive_int
 from posenc.analysis.frequencies import EXAMPLE_ROPE_PARAMETERS, example_rope_parameters, is_extension_factor
 from posenc.interop.hf import num_heads_from_config, read_config_json, rope_kwargs_from_config, rope_layer_types
 from posenc.rope.parameters import REQUIRED_KEYS, RopeSpec, parse_rope_parameters, pop_rope_type, rotary_fraction
@@ -63,7 +63,7 @@ class FigureConfig:
     interleaved: bool = False
 
     def __post_init__(self) -> None:
-        positive_int("head_dim", self.head_dim)
+        object.__setattr__(self, "head_dim", positive_int("head_dim", self.head_dim))
         if not isinstance(self.rope_parameters, Mapping):
             raise TypeError(
                 "rope_parameters must be a dict like {'rope_type': 'default', 'rope_theta': 10000.0}, "
@@ -73,9 +73,11 @@ class FigureConfig:
         _check_odd_head_dim(self.head_dim, self.rope_parameters)
         # The figures' L (the dashed line, the length the extensions scale from) is the scaling's own. A bad value
         # of the key is left to parse_rope_parameters below, whose message names it.
-        original = self.rope_parameters.get("original_max_position_embeddings")
+        original = integer_offset(self.rope_parameters.get("original_max_position_embeddings"))  # numpy's too
         if isinstance(original, bool) or not isinstance(original, int) or original <= 0:
             original = None
+        else:  # as a plain int, for the config's JSON
+            self.rope_parameters["original_max_position_embeddings"] = original
         if self.train_len is None:
             object.__setattr__(self, "train_len", DEFAULT_TRAIN_LEN if original is None else original)
         elif original is not None and original != self.train_len:
@@ -83,20 +85,20 @@ class FigureConfig:
                 f"train_len={self.train_len} but rope_parameters say original_max_position_embeddings={original}: "
                 "both are the length the model was trained at; give one (train_len follows it when left out)"
             )
-        positive_int("train_len", self.train_len)
+        object.__setattr__(self, "train_len", positive_int("train_len", self.train_len))
         if self.train_len < 2:
             raise ValueError("train_len must be >= 2: the extensions drawn scale from it (LongRoPE divides by its log)")
         if self.eval_len is None:  # the length the scaling extends to, else 4x
             factor = self.rope_parameters.get("factor")
             extends = isinstance(factor, (int, float)) and not isinstance(factor, bool) and 1 < factor < math.inf
             object.__setattr__(self, "eval_len", round(factor * self.train_len) if extends else 4 * self.train_len)
-        positive_int("eval_len", self.eval_len)
+        object.__setattr__(self, "eval_len", positive_int("eval_len", self.eval_len))
         if self.eval_len < self.train_len:
             raise ValueError(
                 f"eval_len={self.eval_len} must be >= train_len={self.train_len}: it is the longer context an "
                 "extension is evaluated at"
             )
-        positive_int("num_heads", self.num_heads)
+        object.__setattr__(self, "num_heads", positive_int("num_heads", self.num_heads))
         flag("interleaved", self.interleaved)
         # Raises on an unknown type, a missing or unused key, a bad base or rotary fraction.
         object.__setattr__(
@@ -236,6 +238,7 @@ class FigureConfig:
             # them, naming the key.
             if not is_extension_factor(factor):
                 factor = 4.0
+            length = integer_offset(length)  # numpy's integers too
             if isinstance(length, bool) or not isinstance(length, int) or length < 1:
                 length = DEFAULT_TRAIN_LEN
             example = example_rope_parameters(kind, rotary_dim=max(rotary // 2 * 2, 2), train_len=length, factor=factor)

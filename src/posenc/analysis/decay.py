@@ -76,8 +76,7 @@ def long_term_decay(
     distance + 1, the shortest sequence that holds it).
     """
     if distances is None:
-        positive_int("max_distance", max_distance)
-        distances = torch.arange(max_distance + 1)
+        distances = torch.arange(positive_int("max_distance", max_distance) + 1)
     else:
         int_tensor("distances", distances)
         if distances.dim() != 1 or distances.numel() == 0 or bool((distances < 0).any()):

@@ -75,8 +75,7 @@ def example_rope_parameters(rope_type: str, *, rotary_dim: int, train_len: int, 
     """The rope_parameters (without rope_type / rope_theta) used to show ``rope_type`` in tables and figures.
 
     rotary_dim: the channels rotated (even); train_len: the trained context; factor: the extension ratio (>= 1)."""
-    even_positive_int("rotary_dim", rotary_dim)
-    positive_int("train_len", train_len)
+    rotary_dim, train_len = even_positive_int("rotary_dim", rotary_dim), positive_int("train_len", train_len)
     _check_factor(factor)
     if rope_type not in SCALINGS:
         raise ValueError(f"unknown rope_type {rope_type!r}; known types: {', '.join(SCALINGS)}")
@@ -149,7 +148,7 @@ def frequency_table(
     and not given them here); parameters: per type, rope_parameters that
     replace the example (e.g. ``{"yarn": {"factor": 8.0, "beta_fast": 16.0, ...}}``).
     """
-    positive_int("train_len", train_len)
+    train_len = positive_int("train_len", train_len)
     if isinstance(rope_types, str):  # tuple("linear") would be its letters, and the error name the type 'l'
         raise TypeError(f"rope_types must be a list of type names, e.g. [{rope_types!r}], got a string")
     _check_factor(factor)

@@ -13,7 +13,7 @@ import math
 import torch
 from torch import nn
 
-from posenc._checks import positive_int
+from posenc._checks import integer, positive_int
 from posenc.encoding import ActsOn
 
 
@@ -57,7 +57,7 @@ def relative_invariance(
     head_dim: d, needed only where the encoding has no width of its own (score biases, NoPE). seed: q and k's.
     Computed in float64 wherever the encoding allows it (RoPE's cos/sin tables may be float32).
     """
-    positive_int("length", length)
+    length = positive_int("length", length)
     acts_on = getattr(encoding, "acts_on", None)
     if not isinstance(encoding, nn.Module) or not isinstance(acts_on, ActsOn):
         raise TypeError(
@@ -91,8 +91,7 @@ def relative_invariance(
         qs, ks = q.expand(length, d), k.expand(length, d)
         if acts_on is ActsOn.SCORE_BIAS:
             num_heads = getattr(encoding, "num_heads", 1)
-            if isinstance(head, bool) or not isinstance(head, int) or not 0 <= head < num_heads:
-                raise ValueError(f"head must be an int in [0, {num_heads}), got {head!r}")
+            head = integer("head", head, low=0, high=num_heads, expected=f"an int in [0, {num_heads})")
             bias = encoding.score_bias(positions[None], positions[None])[0, head].double()  # (L, L)
     scores = qs @ ks.T / math.sqrt(d)
     if bias is not None:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from posenc import _atomic
+from posenc._checks import integer
 from posenc.absolute import Sinusoidal
 from posenc.analysis.bias import bias_matrix
 from posenc.analysis.config import FigureConfig
@@ -698,8 +699,7 @@ def write_figures(
     names: figures of ``FIGURES`` (None: all); inputs: what they are drawn for (None: ``FigureInputs()``); dpi: the
     PNGs' resolution, 10 to 1200."""
     names = check_names(names)
-    if isinstance(dpi, bool) or not isinstance(dpi, int) or not 10 <= dpi <= 1200:
-        raise ValueError(f"dpi must be an integer in [10, 1200], got {dpi!r}")
+    dpi = integer("dpi", dpi, low=10, high=1201, expected="an integer in [10, 1200]")
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {str(out)!r} is a file; give a directory for the figures")

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from posenc._checks import positive_int
+from posenc._checks import integer_offset, positive_int
 from posenc.rope.module import RoPE
 from posenc.rope.parameters import compute_frequencies
 
@@ -70,7 +70,7 @@ def wavelengths(
     head_dim: d; train_len: the training context L (RoPE's ``max_position_embeddings``); base / rope_parameters:
     as for ``posenc.RoPE``; seq_len: the length that length-dependent types (dynamic) scale for.
     """
-    positive_int("train_len", train_len)
+    train_len = positive_int("train_len", train_len)
     if rope_parameters is not None and not isinstance(rope_parameters, Mapping):  # read with .get below
         raise TypeError(
             "rope_parameters must be a dict like {'rope_type': 'default', 'rope_theta': 10000.0}, "
@@ -78,7 +78,7 @@ def wavelengths(
         )
     # The counts against L (pairs that turn less than once) must use the length the scaling extends from: a model
     # config's max_position_embeddings (the extended length) beside YaRN's original one counted them at the wrong L.
-    original = (rope_parameters or {}).get("original_max_position_embeddings")
+    original = integer_offset((rope_parameters or {}).get("original_max_position_embeddings"))  # numpy's too
     if isinstance(original, int) and not isinstance(original, bool) and original != train_len:
         raise ValueError(
             f"train_len={train_len} but rope_parameters say original_max_position_embeddings={original}: both are "

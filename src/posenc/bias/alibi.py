@@ -23,7 +23,7 @@ def alibi_slopes(num_heads: int, *, dtype: torch.dtype = torch.float32) -> torch
     For h not a power of two, the published rule: the slopes of the closest lower power of two p, then every other
     slope of 2p (the odd powers) for the remaining h - p heads, as in the paper's code and BLOOM.
     """
-    positive_int("num_heads", num_heads)
+    num_heads = positive_int("num_heads", num_heads)
     closest = 2 ** math.floor(math.log2(num_heads))
     slopes = _geometric_slopes(closest)
     if closest != num_heads:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from posenc._checks import int64_int, int_tensor, integer_offset, positive_int, size_in, to_device
+from posenc._checks import int64_int, int_tensor, integer, positive_int, size_in, to_device
 from posenc.encoding import ActsOn
 
 
@@ -56,13 +56,10 @@ class ScoreBias(nn.Module):
 
     def bias(self, q_len: int, k_len: int, *, offset: int = 0) -> torch.Tensor:
         """Queries at offset..offset+q_len-1, keys at 0..k_len-1. Returns (h, q_len, k_len)."""
-        positive_int("q_len", q_len)
-        positive_int("k_len", k_len)
-        offset = integer_offset(offset)  # numpy's integers too
-        if isinstance(offset, bool) or not isinstance(offset, int):
-            raise TypeError(f"offset must be an int >= 0 (tokens already in the cache), got {offset!r}")
-        if offset < 0:
-            raise ValueError(f"offset must be an int >= 0 (tokens already in the cache), got {offset!r}")
+        q_len, k_len = positive_int("q_len", q_len), positive_int("k_len", k_len)
+        offset = integer(
+            "offset", offset, low=0, expected="an int >= 0 (tokens already in the cache)", type_error=TypeError
+        )
         int64_int("the last query's position, offset + q_len - 1,", offset + q_len - 1)
         device = self._device()
         q = torch.arange(offset, offset + q_len, device=device)

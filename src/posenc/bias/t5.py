@@ -13,10 +13,10 @@ from posenc._embedding import SmallInitEmbedding
 from posenc.bias.base import ScoreBias, score_positions
 
 
-def _check_buckets(num_buckets: int, max_distance: int, bidirectional: bool) -> None:
+def _check_buckets(num_buckets: int, max_distance: int, bidirectional: bool) -> tuple[int, int]:
+    """num_buckets and max_distance checked, as plain ints (numpy's integers too)."""
     flag("bidirectional", bidirectional)
-    positive_int("num_buckets", num_buckets)
-    positive_int("max_distance", max_distance)
+    num_buckets, max_distance = positive_int("num_buckets", num_buckets), positive_int("max_distance", max_distance)
     per_direction = num_buckets // 2 if bidirectional else num_buckets
     max_exact = per_direction // 2
     if max_exact < 1:
@@ -29,6 +29,7 @@ def _check_buckets(num_buckets: int, max_distance: int, bidirectional: bool) -> 
             f"max_distance={max_distance} is too small for num_buckets={num_buckets}: it must be > {max_exact} "
             f"(the exact buckets cover distances 0..{max_exact - 1}; logarithmic ones reach max_distance)"
         )
+    return num_buckets, max_distance
 
 
 def t5_relative_bucket(
@@ -40,7 +41,7 @@ def t5_relative_bucket(
     bucket edges are where two implementations can disagree.
     """
     int_tensor("relative_position", relative_position)
-    _check_buckets(num_buckets, max_distance, bidirectional)
+    num_buckets, max_distance = _check_buckets(num_buckets, max_distance, bidirectional)
     relative_position = relative_position.to(torch.long)
     buckets = torch.zeros_like(relative_position)
     if bidirectional:
@@ -89,11 +90,9 @@ class T5Bias(ScoreBias):
     ) -> None:
         super().__init__()
         self.num_heads = positive_int("num_heads", num_heads)
-        _check_buckets(num_buckets, max_distance, bidirectional)
-        self.num_buckets = num_buckets
-        self.max_distance = max_distance
+        self.num_buckets, self.max_distance = _check_buckets(num_buckets, max_distance, bidirectional)
         self.bidirectional = bidirectional
-        self.table = SmallInitEmbedding(num_buckets, num_heads)
+        self.table = SmallInitEmbedding(self.num_buckets, self.num_heads)
 
     @classmethod
     def from_model_dims(cls, *, dim: int, num_heads: int, head_dim: int, max_positions: int, **options: Any) -> T5Bias:

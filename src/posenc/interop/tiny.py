@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from posenc._checks import integer, positive_int
 from posenc.interop.architectures import SUPPORTED_ARCHITECTURES
 from posenc.interop.hf import read_config_json, rope_kwargs_from_config
 
@@ -63,17 +64,15 @@ def tiny_model_from_config(
             f"config's model_type {model_type!r} is not supported; supported architectures: "
             f"{', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    for name, value in (
-        ("hidden_size", hidden_size),
-        ("num_layers", num_layers),
-        ("num_heads", num_heads),
-        ("vocab_size", vocab_size),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-    if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads <= 0 or num_heads % kv_heads:
-        raise ValueError(f"num_kv_heads must be a positive divisor of num_heads={num_heads}, got {num_kv_heads!r}")
+    # Plain ints (numpy's integers too), as the transformers config that holds them is written to JSON.
+    hidden_size, num_layers = positive_int("hidden_size", hidden_size), positive_int("num_layers", num_layers)
+    num_heads, vocab_size = positive_int("num_heads", num_heads), positive_int("vocab_size", vocab_size)
+    divisor = f"a positive divisor of num_heads={num_heads}"
+    kv_heads = num_heads if num_kv_heads is None else integer("num_kv_heads", num_kv_heads, low=1, expected=divisor)
+    if num_heads % kv_heads:
+        raise ValueError(f"num_kv_heads must be {divisor}, got {num_kv_heads!r}")
+    if head_dim is not None:
+        head_dim = positive_int("head_dim", head_dim)
     if head_dim is None:
         if hidden_size % num_heads:
             raise ValueError(f"hidden_size={hidden_size} must be divisible by num_heads={num_heads}, or give head_dim")
@@ -84,12 +83,8 @@ def tiny_model_from_config(
         )
     if model_type == "gpt_neox" and kv_heads != num_heads:
         raise ValueError("GPT-NeoX has no grouped-query attention; leave num_kv_heads unset")
-    if max_position_embeddings is not None and (
-        isinstance(max_position_embeddings, bool)
-        or not isinstance(max_position_embeddings, int)
-        or max_position_embeddings <= 0
-    ):
-        raise ValueError(f"max_position_embeddings must be a positive integer, got {max_position_embeddings!r}")
+    if max_position_embeddings is not None:
+        max_position_embeddings = positive_int("max_position_embeddings", max_position_embeddings)
 
     rope = rope_kwargs_from_config(source)
     params = dict(rope["rope_parameters"])

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from posenc._checks import integer
+
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
@@ -362,28 +364,31 @@ def plan_launch(
     # 8 tokens did as well, within the runs' noise, but leave bf16 with 8-byte rather than 16-byte accesses.
     if block_s is None:
         block_s = max(1, min(_next_power_of_2(n2), 2048 // (2 * block_h)))
-    elif isinstance(block_s, bool) or not isinstance(block_s, int) or block_s < 1 or block_s & (block_s - 1):
-        raise ValueError(f"block_s must be a power of two (tokens per program), got {block_s!r}")
-    if num_warps is not None and (isinstance(num_warps, bool) or num_warps not in WARPS):
-        raise ValueError(f"num_warps must be one of {WARPS}, got {num_warps!r}")
+    else:
+        power_of_two = "a power of two (tokens per program)"
+        block_s = integer("block_s", block_s, low=1, expected=power_of_two)
+        if block_s & (block_s - 1):
+            raise ValueError(f"block_s must be {power_of_two}, got {block_s!r}")
+    if num_warps is not None:
+        num_warps = integer("num_warps", num_warps, expected=f"one of {WARPS}")
+        if num_warps not in WARPS:
+            raise ValueError(f"num_warps must be one of {WARPS}, got {num_warps!r}")
     per_head_cos = bool(q_cos_strides[1] or k_cos_strides[1])
     if heads_per_program is None:
         heads_per_program = 1 if per_head_cos else 2
-    elif (
-        isinstance(heads_per_program, bool)
-        or not isinstance(heads_per_program, int)
-        or not 1 <= heads_per_program <= 64
-    ):
-        raise ValueError(f"heads_per_program must be an int in 1..64, got {heads_per_program!r}")
-    elif heads_per_program > 1 and per_head_cos:
+    else:
+        heads_per_program = integer("heads_per_program", heads_per_program, low=1, high=65, expected="an int in 1..64")
+    if heads_per_program > 1 and per_head_cos:
         raise ValueError(
             f"heads_per_program={heads_per_program} shares one load of cos/sin between heads, but these cos/sin "
             "differ by head; pass heads_per_program=1"
         )
     if superblock is None:
         superblock = 1
-    elif isinstance(superblock, bool) or not isinstance(superblock, int) or not 1 <= superblock <= 2**20:
-        raise ValueError(f"superblock must be an int in 1..2**20 (token blocks a run), got {superblock!r}")
+    else:
+        superblock = integer(
+            "superblock", superblock, low=1, high=2**20 + 1, expected="an int in 1..2**20 (token blocks a run)"
+        )
     n_blocks = -(-n2 // block_s)
     groups_q, groups_k = -(-heads_q // heads_per_program), -(-heads_k // heads_per_program)
     dummy = q  # stands in for absent optional pointers; never read (the matching constexpr is False)

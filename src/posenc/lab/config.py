@@ -11,6 +11,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from posenc._checks import integer, integer_offset, positive_int
 from posenc.registry import ENCODINGS
 
 if TYPE_CHECKING:
@@ -137,16 +138,14 @@ class LabConfig:
             "dim", "layers", "heads", "train_len", "steps", "batch_size", "score_len",
             "eval_windows", "eval_batch_size", "task_samples", "num_seeds",
         ):  # fmt: skip
-            _positive_int(name, getattr(self, name))
+            object.__setattr__(self, name, _positive_int(name, getattr(self, name)))
         if self.train_len < 2:
             raise ValueError(
                 f"{_named('train_len')} must be >= 2 (a window of {self.train_len} byte has no earlier byte to predict "
                 "from, and the extensions and figures scale from it)"
             )
         for name in ("finetune_steps", "seed"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{_named(name)} must be an integer >= 0, got {value!r}")
+            object.__setattr__(self, name, integer(_named(name), getattr(self, name), low=0))
         _positive_float("lr", self.lr)
         if self.finetune_lr is not None:
             _positive_float("finetune_lr", self.finetune_lr)
@@ -204,8 +203,8 @@ class LabConfig:
             raise ValueError(
                 f"{_named('eval_lengths')} must be a non-empty tuple of lengths, got {self.eval_lengths!r}"
             )
+        object.__setattr__(self, "eval_lengths", tuple(_positive_int("eval_lengths", n) for n in self.eval_lengths))
         for length in self.eval_lengths:
-            _positive_int("eval_lengths", length)
             if length < self.train_len:
                 raise ValueError(
                     f"eval length {length} is shorter than train_len={self.train_len}: the lab measures "
@@ -228,7 +227,7 @@ class LabConfig:
                 f"--eval-windows {self.task_samples}"
             )
         if self.max_corpus_bytes is not None:
-            _positive_int("max_corpus_bytes", self.max_corpus_bytes)
+            object.__setattr__(self, "max_corpus_bytes", _positive_int("max_corpus_bytes", self.max_corpus_bytes))
         if self.seed + self.num_seeds - 1 > _MAX_SEED:
             raise ValueError(
                 f"seed={self.seed} with num_seeds={self.num_seeds} runs seeds up to {self.seed + self.num_seeds - 1}, "
@@ -394,9 +393,9 @@ def _given(field: str, value: Any) -> str:
     return f"{field}={value}" + (f" ({CLI_FLAGS[field]})" if field in CLI_FLAGS else "")
 
 
-def _positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{_named(name)} must be a positive integer, got {value!r}")
+def _positive_int(name: str, value: Any) -> int:
+    """The field's value as a plain int (numpy's integers too, which JSON could not write in the run's config)."""
+    return positive_int(_named(name), value)
 
 
 def _positive_float(name: str, value: Any) -> None:
@@ -471,7 +470,7 @@ def make_config(preset: str = "default", **overrides: Any) -> LabConfig:
         raise TypeError(f"unknown LabConfig field(s): {', '.join(unknown)}; fields: {', '.join(sorted(fields))}")
     changes = dict(changes)
     if "train_len" in changes:
-        train_len = changes["train_len"]
+        train_len = integer_offset(changes["train_len"])  # numpy's integers too
         if "eval_lengths" not in changes and isinstance(train_len, int):
             changes["eval_lengths"] = tuple(train_len * n // base.train_len for n in base.eval_lengths)
         if "score_len" not in changes and isinstance(train_len, int):

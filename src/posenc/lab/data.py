@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from posenc._checks import integer
+
 # Directories of installed packages (under the stdlib path on many installs, in a virtual environment inside a
 # project) and of bytecode: never a corpus's own text.
 _PACKAGE_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
@@ -105,8 +107,8 @@ def load_corpus(
     """
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction!r}")
-    if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0):
-        raise ValueError(f"max_bytes must be a positive integer or None, got {max_bytes!r}")
+    if max_bytes is not None:
+        max_bytes = integer("max_bytes", max_bytes, low=1, expected="a positive integer or None")
     if path is None:
         root, source, stdlib = stdlib_path(), "python-stdlib", True
         if not root.is_dir():

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from posenc._checks import integer
 from posenc.lab.store import RunFolderError
 
 # The errors a decision may raise, re-raised by name on every rank: the command tells them apart (a damaged run
@@ -40,9 +41,9 @@ class Ranks:
 
     def __post_init__(self) -> None:
         for name in ("rank", "world_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"Ranks.{name} must be an int, got {value!r}")
+            object.__setattr__(
+                self, name, integer(f"Ranks.{name}", getattr(self, name), expected="an int", type_error=TypeError)
+            )
         if self.world_size < 1:
             raise ValueError(f"Ranks.world_size must be >= 1, got {self.world_size}")
         if not 0 <= self.rank < self.world_size:

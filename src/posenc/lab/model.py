@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from posenc._checks import host_min_max, values_readable
+from posenc._checks import host_min_max, positive_int, values_readable
 from posenc.attention import CausalSelfAttention, add_input_encoding
 from posenc.encoding import ActsOn
 from posenc.positions import positions_from_document_ids, resolve_document_ids
@@ -41,9 +41,7 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         for name in ("dim", "layers", "heads", "max_positions", "mlp_ratio"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"ModelSpec.{name} must be a positive integer, got {value!r}")
+            object.__setattr__(self, name, positive_int(f"ModelSpec.{name}", getattr(self, name)))
         if self.dim % self.heads:
             raise ValueError(f"ModelSpec.dim={self.dim} must be divisible by heads={self.heads}")
 

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 from tqdm.auto import tqdm
 
+from posenc._checks import positive_int
 from posenc.lab import store
 from posenc.lab.checkpoint import checkpoint_saver, load_checkpoint, settings_trained_with
 from posenc.lab.config import FINETUNABLE, LabConfig, extension_rope_parameters, make_config
@@ -920,9 +921,7 @@ def _run_lab(
     try:
         config = make_config(preset, **overrides)
         if threads is not None:
-            if isinstance(threads, bool) or not isinstance(threads, int) or threads <= 0:
-                raise ValueError(f"--threads must be a positive integer, got {threads!r}")
-            torch.set_num_threads(threads)
+            torch.set_num_threads(positive_int("--threads", threads))
         lab = Lab(config, out, progress=progress, device=str(resolved), command=command, ranks=ranks, imports=imports)
         lab.prepare()
     except (ValueError, TypeError) as error:

@@ -27,6 +27,7 @@ from posenc._checks import (
     host_min_max,
     int64_int,
     int_tensor,
+    integer,
     integer_offset,
     movable,
     refuse_jit_trace,
@@ -88,10 +89,7 @@ def check_mrope_section(
 
 
 def _non_negative_int(name: str, value: Any) -> int:
-    value = integer_offset(value)  # numpy's integers too
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be an integer >= 0 (a count of frequency pairs), got {value!r}")
-    return value
+    return integer(name, value, low=0, expected="an integer >= 0 (a count of frequency pairs)")
 
 
 def mrope_axis_of_pair(

@@ -157,7 +157,9 @@ def _resolve(rope_type: str, params: dict[str, Any], rotary_dim: int, max_pos: i
         # transformers computes with whatever number a config holds: 2048.0 is 2048 there, no error.
         if isinstance(original, float) and original.is_integer():
             out["original_max_position_embeddings"] = original = int(original)
-        sequence_length("rope_parameters['original_max_position_embeddings']", original)
+        out["original_max_position_embeddings"] = sequence_length(
+            "rope_parameters['original_max_position_embeddings']", original
+        )
         if kind == "longrope" and out["original_max_position_embeddings"] < 2:
             raise ValueError(
                 "rope_parameters['original_max_position_embeddings'] must be >= 2 for longrope (its attention "
@@ -391,7 +393,7 @@ def parse_rope_parameters(
                 f"rotate {head_dim - 1} of the {head_dim} channels (the last passes through), or use an even head_dim"
             )
         rotary_dim = head_dim
-    even_positive_int("rotary_dim", rotary_dim)
+    rotary_dim = even_positive_int("rotary_dim", rotary_dim)
     if rotary_dim > head_dim:
         raise ValueError(f"rotary_dim={rotary_dim} must be <= head_dim={head_dim}")
 
