@@ -271,3 +271,14 @@ def test_triton_launch_settings_take_numpy_integers() -> None:
     assert _same(expected, got), (expected, got)
     with pytest.raises(ValueError, match=re.escape("num_warps must be one of (1, 2, 4, 8, 16, 32), got 2.0; pass the")):
         plan(num_warps=2.0)
+
+
+@pytest.mark.parametrize("name", sorted(TAKES_TENSORS))
+@pytest.mark.parametrize(
+    ("given", "said"), [(3.0, "got float 3.0; pass the int 3"), (True, "got bool True (a bool); pass an int")]
+)
+def test_offsets_refused_say_the_value_and_the_fix(name: str, given: Any, said: str) -> None:
+    """Offsets, which take tensors too, are checked by their own code (the hot path): it said only "got float"."""
+    _, call = ENTRY_POINTS[name]
+    with pytest.raises(TypeError, match=re.escape(said)):
+        call(given)

@@ -305,7 +305,7 @@ def integer(
             return value
         elif isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise type_error(
-                f"{name} must be {_expected(expected, low, high)}, got {value!r}{_int_fix(value) if fix else ''}"
+                f"{name} must be {_expected(expected, low, high)}, got {value!r}{int_fix(value) if fix else ''}"
             )
         else:
             value = operator.index(value)  # numpy's integers
@@ -324,7 +324,7 @@ def _expected(expected: str | None, low: int | None, high: int | None) -> str:
     return "a positive integer" if low == 1 else f"an integer >= {low}"
 
 
-def _int_fix(value: Any) -> str:
+def int_fix(value: Any) -> str:
     """What to pass instead of a value that is no integer, where one is meant: a whole float or a one-element
     integer tensor as int(...) (neither is read as an int silently: a float may have been rounded, and a tensor's
     value lives on its device); a bool is no count."""

@@ -20,6 +20,7 @@ from posenc._checks import (
     compiling,
     host_min_max,
     int64_int,
+    int_fix,
     int_tensor,
     integer_offset,
     is_dtensor,
@@ -75,7 +76,9 @@ def resolve_positions(
                 int64_int("the last position, offset + seq_len - 1,", high + max(seq_len, 1) - 1)
         offset = offset.to(device=device, dtype=torch.long)[:, None]
     elif isinstance(offset, bool) or not isinstance(offset, int):
-        raise TypeError(f"offset must be an int or an integer tensor, got {type(offset).__name__}")
+        raise TypeError(
+            f"offset must be an int or an integer tensor, got {type(offset).__name__} {offset!r}{int_fix(offset)}"
+        )
     elif offset < 0:
         raise ValueError(f"offset must be >= 0 (it counts tokens already in the cache), got {offset}")
     elif not compiling():  # max() of a symbolic length would add a guard

@@ -24,6 +24,7 @@ from posenc._checks import (
     first_dtensor,
     float_tensor,
     host_min_max,
+    int_fix,
     int_tensor,
     replicated_like,
     replicated_values,
@@ -209,7 +210,9 @@ def check_table_call(
         offsets = offset.to(torch.long)
     elif offset is not None:
         if isinstance(offset, bool) or not isinstance(offset, int):
-            raise TypeError(f"offset must be an int or an integer tensor, got {type(offset).__name__}")
+            raise TypeError(
+                f"offset must be an int or an integer tensor, got {type(offset).__name__} {offset!r}{int_fix(offset)}"
+            )
         if offset < 0:
             raise ValueError(f"offset must be >= 0, got {int(offset)}")  # int(): a symbolic int cannot be formatted
         if offset >= cos.shape[0] and seq > 0 and batch > 0:

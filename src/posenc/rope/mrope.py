@@ -26,6 +26,7 @@ from posenc._checks import (
     host_list,
     host_min_max,
     int64_int,
+    int_fix,
     int_tensor,
     integer,
     integer_offset,
@@ -273,11 +274,13 @@ class MRoPE(RoPE):
                 kept, offset = offset.to(device=q.device, dtype=torch.long), 0
                 assert_without_sync(kept >= 0, "offset must be >= 0 (it counts tokens already in the cache)")
         if isinstance(offset, bool) or not isinstance(offset, int):
-            shape = f" of shape {tuple(offset.shape)}" if isinstance(offset, torch.Tensor) else ""
-            raise TypeError(
-                f"offset must be an int or a 0-d integer tensor with (3, b, s) positions, got "
-                f"{type(offset).__name__}{shape}; add per-row offsets to the positions themselves"
+            got = (
+                f"{type(offset).__name__} of shape {tuple(offset.shape)}; add per-row offsets to the positions "
+                "themselves"
+                if isinstance(offset, torch.Tensor)
+                else f"{type(offset).__name__} {offset!r}{int_fix(offset)}"
             )
+            raise TypeError(f"offset must be an int or a 0-d integer tensor with (3, b, s) positions, got {got}")
         if offset < 0:
             raise ValueError(f"offset must be >= 0 (it counts tokens already in the cache), got {offset}")
         int64_int("offset", offset)
