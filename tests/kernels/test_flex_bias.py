@@ -167,16 +167,16 @@ def test_packed_documents_get_one_semantics_on_every_path(name, monkeypatch, com
     (0.47 apart); causality is by token order on every path, and every earlier key gets -slope * |m - n|."""
     torch.manual_seed(0)
     layer = CausalSelfAttention(32, 4, num_kv_heads=2, encoding=ENCODINGS[name]()).eval()
-    x = torch.randn(1, 40, 32)
-    packed = torch.cat((torch.arange(24), torch.arange(16)))
+    x = torch.randn(1, 140, 32)  # CPU flex takes 128 keys or more (flex_bias.CPU_MIN_KEYS)
+    packed = torch.cat((torch.arange(124), torch.arange(16)))
     with torch.no_grad():
         materialized = _materialized(layer, monkeypatch, x, positions=packed)
         _, probs = layer(x, positions=packed, return_attention=True)
         flexed = layer(x, positions=packed)
     assert flex_calls == [1]
     assert_close(flexed, materialized.double(), reduction=True)
-    # The second document's first token (id 0, token 24) still sees every key of the first document.
-    assert (probs[0, :, 24, :25] > 0).all()
+    # The second document's first token (id 0, token 124) still sees every key of the first document.
+    assert (probs[0, :, 124, :125] > 0).all()
 
 
 @pytest.mark.parametrize("name", ["alibi", "t5-causal"])
@@ -208,16 +208,16 @@ def test_a_left_padded_chunked_prefill_keeps_its_pads_out_on_every_path(name, mo
     alike, and each row's text attends as that row alone, unpadded, in one call."""
     torch.manual_seed(0)
     layer = CausalSelfAttention(32, 4, num_kv_heads=2, encoding=ENCODINGS[name]()).eval()
-    x = torch.randn(2, 40, 32)
-    ids = torch.tensor([[0] * 13 + [1] * 27, [1] * 40])
+    x = torch.randn(2, 140, 32)
+    ids = torch.tensor([[0] * 13 + [1] * 127, [1] * 140])
     outs = []
     for flex in (True, False):
         cache = KVCache()
         with torch.no_grad(), monkeypatch.context() as materialize:
             if not flex:
                 materialize.setattr(flex_bias, "CPU_MIN_SCORES", 2**62)
-            first = layer(x[:, :20], document_ids=ids[:, :20], cache=cache)
-            outs.append(torch.cat((first, layer(x[:, 20:], cache=cache)), dim=1))
+            first = layer(x[:, :130], document_ids=ids[:, :130], cache=cache)
+            outs.append(torch.cat((first, layer(x[:, 130:], cache=cache)), dim=1))
     assert flex_calls == [1, 1]
     assert_close(outs[0], outs[1].double(), reduction=True)
     with torch.no_grad():
@@ -274,9 +274,9 @@ def test_flex_serves_several_lengths_and_position_forms(monkeypatch, compiled_fl
     recompile that failed inside inductor, and static compiles once hit dynamo's limit and went unfused."""
     torch.manual_seed(0)
     layer = CausalSelfAttention(32, 4, num_kv_heads=2, encoding=ALiBi(4)).eval()
-    x = torch.randn(2, 64, 32)
-    per_sequence = torch.arange(64).repeat(2, 1) + torch.tensor([[0], [5]])
-    calls = [(x[:1, :41], None), (x[:1, :57], None), (x, None), (x, per_sequence), (x[:, :50], None)]
+    x = torch.randn(2, 192, 32)
+    per_sequence = torch.arange(192).repeat(2, 1) + torch.tensor([[0], [5]])
+    calls = [(x[:1, :141], None), (x[:1, :157], None), (x, None), (x, per_sequence), (x[:, :150], None)]
     with torch.no_grad():
         for routed, (inputs, positions) in enumerate(calls, start=1):
             flexed = layer(inputs, positions=positions)
@@ -303,7 +303,7 @@ def test_a_call_flex_cannot_serve_materializes_with_a_warning(monkeypatch):
     stops trying on that device type."""
     torch.manual_seed(0)
     layer = CausalSelfAttention(32, 4, encoding=T5Bias(4)).eval()
-    x = torch.randn(1, 40, 32)
+    x = torch.randn(1, 140, 32)
     with torch.no_grad():
         expected = layer(x)
         _flex_at_its_limit(monkeypatch)
@@ -322,7 +322,7 @@ def test_a_compiled_layer_runs_flex_in_a_graph_of_its_own_on_cpu(name, monkeypat
     materialized eager layer; the compiled kernel ran (a fallback would warn, which the fixture fails on)."""
     torch.manual_seed(0)
     layer = CausalSelfAttention(32, 4, num_kv_heads=2, encoding=ENCODINGS[name]()).eval()
-    x = torch.randn(2, 40, 32)
+    x = torch.randn(2, 140, 32)
     real_flex, calls = flex_bias._flex("cpu"), []
 
     def counted(*args, **kwargs):
@@ -336,7 +336,7 @@ def test_a_compiled_layer_runs_flex_in_a_graph_of_its_own_on_cpu(name, monkeypat
     assert calls == [1]
     assert_close(got, expected.double(), reduction=True)
     with torch.no_grad(), pytest.raises(Exception, match=r"raise posenc\.kernels\.flex_bias\.CPU_MIN_SCORES"):
-        torch.compile(layer, fullgraph=True)(x[:, :30])
+        torch.compile(layer, fullgraph=True)(x[:, :130])
 
 
 def test_a_layer_compiled_before_any_eager_call_warns_nothing_and_keeps_eager_calls_compiled(monkeypatch):
@@ -349,7 +349,7 @@ def test_a_layer_compiled_before_any_eager_call_warns_nothing_and_keeps_eager_ca
     monkeypatch.setattr(flex_bias, "_GIVEN_UP", set())
     monkeypatch.setattr(flex_bias, "_FLEX", {})
     layer = CausalSelfAttention(32, 4, encoding=ALiBi(4)).eval()
-    x = torch.randn(1, 40, 32)
+    x = torch.randn(1, 140, 32)
     with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         compiled = torch.compile(layer)(x)
@@ -367,7 +367,7 @@ def test_a_compiled_layer_falls_back_to_unfused_flex_with_a_warning(monkeypatch)
     torch.manual_seed(0)
     torch._dynamo.reset()
     layer = CausalSelfAttention(32, 4, encoding=ALiBi(4)).eval()
-    x = torch.randn(1, 40, 32)
+    x = torch.randn(1, 140, 32)
     with torch.no_grad():
         expected = layer(x)
         _flex_at_its_limit(monkeypatch)
@@ -381,7 +381,7 @@ def test_causal_self_attention_routes_long_cpu_inference_to_flex(monkeypatch, fl
     """The compiled path, end to end: same output with and without FlexAttention."""
     torch.manual_seed(0)
     layer = CausalSelfAttention(32, 4, num_kv_heads=2, encoding=ALiBi(4)).eval()
-    x = torch.randn(1, 40, 32)
+    x = torch.randn(1, 140, 32)
     with torch.no_grad():
         materialized = layer(x)
         monkeypatch.setattr(flex_bias, "CPU_MIN_SCORES", 0)
@@ -414,6 +414,18 @@ def test_use_flex_rules():
         flex_bias.attend_flex(short, short, short, alibi, torch.arange(64)[None], torch.arange(63)[None])
     with pytest.raises(ValueError, match="q_positions must be the last s columns of k_positions"):
         flex_bias.attend_flex(short, short, short, alibi, torch.arange(64)[None] + 1, torch.arange(64)[None])
+
+
+def test_cpu_flex_takes_128_keys_or_more(monkeypatch):
+    """Inductor's CPU FlexAttention gave wrong rows for fewer than 128 keys (t = 8 mod 16, in most fresh processes on
+    an AVX2 host): a lowered CPU_MIN_SCORES still materializes those calls."""
+    monkeypatch.setattr(flex_bias, "CPU_MIN_SCORES", 0)
+    alibi = ALiBi(2)
+    with torch.no_grad():
+        for t, routed in ((8, False), (40, False), (127, False), (128, True), (136, True)):
+            x = torch.randn(1, 2, t, 8)
+            assert flex_bias.use_flex(alibi, x, x, x, need_probs=False) == routed, t
+            assert flex_bias.use_flex(alibi, x[:, :, -5:], x, x, need_probs=False) == routed, t
 
 
 def test_decode_steps_stay_materialized_even_when_flex_is_forced(monkeypatch):

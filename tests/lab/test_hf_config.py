@@ -311,7 +311,10 @@ def test_the_hugging_face_model_packs_documents_as_byte_lm_does(model_type, tmp_
         packed, _ = model(tokens, document_ids=ids)
         for b, row in enumerate(rows):
             alone = torch.cat([model(part)[0] for part in tokens[b : b + 1].split(row, dim=1)], dim=1)
-            torch.testing.assert_close(packed[b : b + 1], alone, atol=1e-10, rtol=1e-10)
+            # transformers' eager attention takes its softmax in float32 even in a float64 model, and a packed row
+            # sums more (masked) keys than the part alone: where the vector width splits the row differently the
+            # float32 sum rounds differently (1.5e-7 on an AVX2 host, bit-identical on AVX-512 ones).
+            torch.testing.assert_close(packed[b : b + 1], alone, atol=1e-5, rtol=1e-5)
         unpacked, _ = model(tokens)
         assert (unpacked - packed).abs().max() > 1e-3  # the documents really were kept apart
         shared, _ = model(tokens[:1], document_ids=ids[0])  # (s,) ids, as ByteLM takes them

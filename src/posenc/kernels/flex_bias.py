@@ -65,6 +65,11 @@ CPU_MIN_SCORES = 4096 * 4096
 # On CUDA, where FlexAttention also serves training, the bar is lower; below it the mask (4 MiB per head in
 # float32) costs less than keeping one more compiled kernel per shape class.
 CUDA_MIN_SCORES = 1024 * 1024
+# Inductor's CPU FlexAttention (torch 2.13) splits the keys into blocks of min(128, t); with t < 128 and t = 8 mod 16
+# (8, 24, 40, ... 120) it returned wrong rows among the first 8 queries in most fresh processes on an AVX2 host
+# (plain causal, no score_mod: 0.1-2.6 off), at t >= 128 in none of 25 (tails of 8 included). The default
+# CPU_MIN_SCORES never routes fewer keys than this; the bound keeps a lowered threshold right too.
+CPU_MIN_KEYS = 128
 
 ScoreMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -303,7 +308,7 @@ def use_flex(encoding: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     needs_grad = torch.is_grad_enabled() and (
         any(t.requires_grad for t in (q, k, v)) or any(p.requires_grad for p in encoding.parameters())
     )
-    return not needs_grad and scores >= CPU_MIN_SCORES and flex_available()
+    return not needs_grad and scores >= CPU_MIN_SCORES and k.shape[2] >= CPU_MIN_KEYS and flex_available()
 
 
 def attend_flex(
