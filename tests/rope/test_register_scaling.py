@@ -313,6 +313,101 @@ def test_a_replaced_builtin_is_validated_by_the_keys_registered_for_it():
         posenc.RoPE(HEAD_DIM, rope_parameters={"rope_type": "yarn", "factor": 2.0})
 
 
+def test_registering_refuses_key_lists_signatures_and_examples_that_would_fail_later():
+    """Mutation pass 13's survivors: each of these was a check no test reached (a mutant dropping it passed)."""
+
+    def ok(*, rotary_dim: int, base: float, **_: Any) -> tuple[torch.Tensor, float]:
+        return fr.default_inv_freq(rotary_dim, base), 1.0
+
+    # A string of keys is not a list of them: tuple("factor") would register the keys f, a, c, t, o, r.
+    with pytest.raises(TypeError, match="required must be a list of rope_parameters key names, got 'factor'"):
+        register_scaling("mine", ok, required="factor")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"optional must hold key names that are Python identifiers.*'my-key'"):
+        register_scaling("mine", ok, optional=("my-key",))
+
+    def needs_keep(
+        *, rotary_dim: int, base: float, seq_len: Any, max_position_embeddings: Any, keep: int
+    ) -> tuple[torch.Tensor, float]:
+        return fr.default_inv_freq(rotary_dim, base), 1.0
+
+    # Called without an optional key where rope_parameters leave it out: it needs a default.
+    with pytest.raises(TypeError, match="cannot take that"):
+        register_scaling("mine", needs_keep, optional=("keep",))
+    # Called with an optional key where rope_parameters give it: it must take it.
+    with pytest.raises(TypeError, match="cannot take that"):
+        register_scaling("mine", needs_keep, required=("keep",), optional=("other",))
+
+    with pytest.raises(TypeError, match="example of rope_type 'mine' must return a dict of its rope_parameters, got"):
+        register_scaling("mine", ok, example=lambda r, length, factor: [("factor", factor)])
+
+    def short_past_the_trained_length(*, rotary_dim: int, base: float, seq_len: Any, **_: Any):
+        inv_freq = fr.default_inv_freq(rotary_dim, base)
+        return (inv_freq if seq_len is None else inv_freq[:-1]), 1.0
+
+    # Checked at the lengths the type is called for, not only at seq_len=None.
+    with pytest.raises(ValueError, match=r"shape \(rotary_dim // 2,\) .* got \(31,\) \(seq_len=2048\)"):
+        register_scaling("mine", short_past_the_trained_length, seq_len_dependent=True, example=lambda *a: {})
+    with pytest.raises(TypeError, match="with a float attention_factor"):
+        register_scaling("mine", lambda **kw: (fr.default_inv_freq(64, 10000.0), True), example=lambda *a: {})
+    assert "mine" not in fr.SCALINGS and "mine" not in fr.SEQ_LEN_DEPENDENT
+    # Flags and the example are checked before anything is written.
+    with pytest.raises(TypeError, match="seq_len_dependent must be True or False, got 'yes'"):
+        register_scaling("mine", ok, seq_len_dependent="yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="replace must be True or False, got 1"):
+        register_scaling("mine", ok, replace=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="example must be a function"):
+        register_scaling("mine", ok, example={"factor": 4.0})  # type: ignore[arg-type]
+    assert "mine" not in fr.SCALINGS and "mine" not in EXTENSIONS
+
+
+def test_a_replacement_without_an_example_leaves_the_figures_and_the_lab_and_pi_stays_the_labs():
+    """A type re-registered without example parameters is no longer drawn or extended with (its old example's
+    entries were left in EXAMPLE_ROPE_PARAMETERS and EXTENSIONS); given one again it is. The lab's extension
+    names that are not rope types ('pi') are refused with an example, and left alone without one."""
+    register_band()
+    register_scaling("band", band, required=("factor",), optional=("keep",), replace=True)
+    assert "band" not in EXTENSIONS and "band" not in EXAMPLE_ROPE_PARAMETERS and "band" in WITHOUT_EXAMPLE
+    assert "band" not in frequency_table(HEAD_DIM, train_len=MAX_POS).rope_types
+    register_scaling(
+        "band", band, required=("factor",), example=lambda r, length, factor: {"factor": factor}, replace=True
+    )
+    assert "band" in EXTENSIONS and "band" in EXAMPLE_ROPE_PARAMETERS and "band" not in WITHOUT_EXAMPLE
+
+    def ok(*, rotary_dim: int, base: float, **_: Any) -> tuple[torch.Tensor, float]:
+        return fr.default_inv_freq(rotary_dim, base), 1.0
+
+    labs_pi = EXTENSIONS["pi"]
+    with pytest.raises(ValueError, match="'pi' is a lab extension already"):
+        register_scaling("pi", ok, example=lambda *a: {})
+    assert EXTENSIONS["pi"] is labs_pi and "pi" not in fr.SCALINGS
+    register_scaling("pi", ok)  # a rope_type of that name, without example parameters: the lab's pi stays
+    assert EXTENSIONS["pi"] is labs_pi and fr.SCALINGS["pi"] is ok
+
+
+def test_a_refused_replacement_puts_back_whether_the_type_reads_the_length_and_has_an_example():
+    """The rollback covers the two sets too: a refused replacement left a length-dependent type tabulated once
+    (dropped from SEQ_LEN_DEPENDENT) and one without example parameters listed as having some."""
+
+    def failing(rotary_dim: int, train_len: int, factor: float) -> dict[str, Any]:
+        raise RuntimeError("the example fails")
+
+    register_scaling("mine", toy_dynamic, seq_len_dependent=True)  # no example
+    with pytest.raises(RuntimeError, match="the example fails"):
+        register_scaling("mine", band, required=("factor",), example=failing, replace=True)
+    assert fr.is_seq_len_dependent("mine") and "mine" in WITHOUT_EXAMPLE
+    assert fr.SCALINGS["mine"] is toy_dynamic and "mine" not in EXTENSIONS
+    with pytest.raises(RuntimeError, match="the example fails"):
+        register_scaling("new", toy_dynamic, seq_len_dependent=True, example=failing)
+    assert "new" not in fr.SEQ_LEN_DEPENDENT and "new" not in WITHOUT_EXAMPLE and "new" not in fr.SCALINGS
+
+    def interrupted(rotary_dim: int, train_len: int, factor: float) -> dict[str, Any]:
+        raise KeyboardInterrupt  # Ctrl-C while the example runs: not left half registered either
+
+    with pytest.raises(KeyboardInterrupt):
+        register_scaling("new", toy_dynamic, example=interrupted)
+    assert "new" not in fr.SCALINGS and "new" not in EXTENSIONS and "new" not in EXAMPLE_ROPE_PARAMETERS
+
+
 def test_the_docs_example_registers_a_type_that_stretches_with_the_length():
     """docs/scaling.md's "Adding a scaling type" block, run as written: the frequencies it gives at 4x the trained
     length are the plain ones / 4 (factor 1), in float64."""
