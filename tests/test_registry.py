@@ -200,6 +200,29 @@ def test_register_names_what_a_family_lacks(registry):
     assert registry["alibi"] is _LogDistanceBias
 
 
+def test_register_refuses_a_class_that_is_not_a_module_or_declares_acts_on_by_a_string(registry):
+    """Mutation pass 13's survivors: a class that is not an nn.Module (its instance has no parameters, no .to()) and
+    an acts_on spelled as a string (CausalSelfAttention compares it with ActsOn members) were accepted."""
+
+    class NotAModule:
+        acts_on = ActsOn.SCORE_BIAS
+
+        @classmethod
+        def from_model_dims(cls, *, dim, num_heads, head_dim, max_positions):
+            return cls()
+
+    class ActsOnAString(_LogDistanceBias):
+        acts_on = "score_bias"  # type: ignore[assignment]
+
+    with pytest.raises(TypeError, match=r"family must be an nn\.Module subclass"):
+        posenc.register("x", NotAModule)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"needs a class attribute acts_on = posenc\.ActsOn.*got 'score_bias'"):
+        posenc.register("x", ActsOnAString)
+    with pytest.raises(ValueError, match="encoding name must be"):
+        posenc.register("-x", _LogDistanceBias)  # a leading '-' reads as an option on the command line
+    assert "x" not in registry and "-x" not in registry
+
+
 def test_a_family_put_in_the_registry_without_from_model_dims_is_a_type_error_naming_it(registry):
     """Put into ENCODINGS by hand, such a class failed with Python's AttributeError from inside build_for_model, and
     `posenc lab` (whose config check catches ValueError and TypeError) with a traceback."""
