@@ -591,6 +591,11 @@ _i = torch.arange(5)
             ValueError,
             "assert_close compares values, and actual is on the meta device",
         ),
+        (  # a meta reference beside a real actual (mutation pass 13: only both on meta was tried)
+            lambda: testing.assert_close(torch.ones(3), torch.ones(3, device="meta")),
+            ValueError,
+            "assert_close compares values, and reference is on the meta device",
+        ),
         (
             lambda: testing.assert_close(torch.ones(3), torch.ones(3), scale=torch.tensor(1.0, device="meta")),
             ValueError,
@@ -808,6 +813,19 @@ _p5 = torch.arange(5)[None]
             lambda: posenc.KVCache(_k5, _k5, _p5, unrotated_k=_k5, rotated_with=torch.ones(4, 1)),
             ValueError,
             r"KVCache.rotated_with must be the \(r/2,\) frequencies the keys were rotated with, got shape \(4, 1\)",
+        ),
+        # Mutation pass 13: unrotated keys of k's shape in another dtype (re-rotated in float64, then cast into k's
+        # float32), and a 0-d rotated_with, passed the checks as long as the shape matched / was not 2-D.
+        (
+            lambda: posenc.KVCache(_k5, _k5, _p5, unrotated_k=_k5.double()),
+            ValueError,
+            r"KVCache.unrotated_k must be the keys k before rotation, of k's shape \(2, 2, 5, 8\), dtype "
+            r"torch.float32 .* got \(2, 2, 5, 8\), torch.float64",
+        ),
+        (
+            lambda: posenc.KVCache(_k5, _k5, _p5, unrotated_k=_k5, rotated_with=torch.tensor(1.0)),
+            ValueError,
+            r"KVCache.rotated_with must be the \(r/2,\) frequencies the keys were rotated with, got shape \(\)",
         ),
         # "len() of a 0-d tensor" from inside torch before.
         *(

@@ -102,6 +102,8 @@ def test_a_bad_scale_is_refused_whatever_the_operands(actual, reference):
         assert_close(actual, reference, scale=torch.ones(7))
     with pytest.raises(TypeError, match="scale must be a float or a float tensor"):
         assert_close(actual, reference, scale=True)
+    with pytest.raises(TypeError, match="scale must be a float or a float tensor"):
+        assert_close(actual, reference, scale=torch.tensor(True))  # read as 1.0 too
 
 
 @pytest.mark.parametrize("name", ["actual", "reference"])
