@@ -377,6 +377,11 @@ def test_loss_by_length_says_what_is_wrong():
         loss_by_length(lambda t: table[t], TOKENS.view(2, 200), [8], score_len=4, windows=3)
     with pytest.raises(TypeError, match="tokens must be an integer tensor"):
         loss_by_length(lambda t: table[t], TOKENS.float(), [8], score_len=4, windows=3)
+    with pytest.raises(TypeError, match=r"tokens must be an integer tensor of token ids, got torch\.bool"):
+        loss_by_length(lambda t: table[t], TOKENS > 25, [8], score_len=4, windows=3)
+    # A negative id indexes from the end (table[-1]); cross_entropy then fails on it naming neither tokens nor fix.
+    with pytest.raises(ValueError, match="tokens must be ids >= 0, got -1"):
+        loss_by_length(lambda t: table[t], torch.cat((TOKENS[:-1], torch.tensor([-1]))), [8], score_len=4, windows=3)
     with pytest.raises(ValueError, match="score_len=9 must be <= every length, but lengths hold 8"):
         loss_by_length(lambda t: table[t], TOKENS, [16, 8], score_len=9, windows=3)
     with pytest.raises(ValueError, match="lengths must be a non-empty sequence"):
