@@ -1034,3 +1034,14 @@ def test_an_encoder_decoder_config_names_the_half_to_read(model_type: str, half:
         rope_from_config(config)
     rope = rope_from_config(config[half])
     assert (rope.head_dim, rope.base) == (config[half]["head_dim"], config[half]["rope_parameters"]["rope_theta"])
+
+
+def test_a_config_with_rope_of_its_own_beside_an_encoder_half_is_read_at_the_top() -> None:
+    """The encoder-decoder refusal is for configs whose RoPE lives only in their halves: a model type posenc does
+    not know with its own RoPE keys and an 'encoder' sub-config (a speech encoder beside the decoder) is the
+    decoder's RoPE, read as written (mutation pass 13: refusing every config with an 'encoder' dict passed)."""
+    config = {"hidden_size": 64, "num_attention_heads": 4, "rope_theta": 5e5, "encoder": {"hidden_size": 32}}
+    rope = rope_from_config(config)
+    assert (rope.head_dim, rope.base) == (16, 5e5)
+    with pytest.raises(ValueError, match=re.escape("pass the one to read, e.g. config['decoder']")):
+        rope_from_config({"encoder": config, "decoder": config})
