@@ -422,3 +422,10 @@ def test_module_lays_out_its_axes_once_and_again_where_its_sections_change(monke
     rope.mrope_layout, rope.mrope_section = "sections", [2, -1, 5]
     with pytest.raises(ValueError, match=re.escape("mrope_section[1] must be an integer >= 0")):
         rope(q, k, positions=positions)
+    # A list is laid out at every call, not kept: changed in place it is the same object with other sections
+    # (mutation pass 13: keeping it served the first call's axes after the change).
+    rope.mrope_section = sections = [2, 3, 3]
+    torch.testing.assert_close(rope(q, k, positions=positions)[0], expected[0])
+    sections[1:] = [2, 4]
+    cos, sin = mrope_cos_sin(positions, inv, [2, 2, 4], factor, torch.float64)
+    torch.testing.assert_close(rope(q, k, positions=positions)[0], apply_rotary(q, cos[:, None], sin[:, None]))
