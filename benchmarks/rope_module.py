@@ -43,7 +43,7 @@ TABLE_ROWS = 131072  # a 128k-context model's table
 def launch_parts(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> dict:
     """A Triton call and its parts (see the module's docstring), for host time per call."""
     from posenc.kernels import triton_rope  # imports triton: only where asked
-    from posenc.kernels.ops import triton_plans
+    from posenc.kernels.launch import triton_plans
 
     def call_without_launch():
         launch, triton_rope.launch = triton_rope.launch, lambda plan: None

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from common import add_clock_argument, chosen_clock, environment, measure_interleaved, rows_against_copy, write_rows
-from posenc.kernels.ops import triton_plans
+from posenc.kernels.launch import triton_plans
 from posenc.testing import assert_close, random_qk, rope_reference
 from rope import DTYPES, HEAD_DIM, HEADS_K, HEADS_Q, tables
 

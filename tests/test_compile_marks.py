@@ -18,7 +18,7 @@ import torch
 import posenc
 import posenc.interop.consistent, posenc.kernels.flex_bias, posenc.rope.module
 from posenc import _compile_marks
-from posenc.kernels import ops
+from posenc.kernels import backend
 
 print("dynamo after import posenc:", "torch._dynamo" in sys.modules)
 sites = [(posenc.rope.module, "_call_cos_sin_eagerly"), (posenc.rope.module, "_call_longrope_cos_sin_eagerly"),
@@ -38,7 +38,7 @@ assert not _compile_marks._pending and not any(
 # What Dynamo reads (torch 2.13's attributes): the wrapper now stands under the name its module's callers look up.
 for module, name in sites:
     assert getattr(getattr(module, name), "_torchdynamo_disable", False), name
-for fn in (ops.triton_available, ops._triton_imports, ops._cpu_built):
+for fn in (backend.triton_available, backend._triton_imports, backend._cpu_built):
     assert getattr(fn, "_dynamo_marked_constant", False), fn.__name__
 # Without fullgraph the same call breaks the graph there and gives eager's result.
 torch.testing.assert_close(torch.compile(lambda q: rope(q, q)[0], backend="eager")(q), rope(q, q)[0])
@@ -62,7 +62,7 @@ def test_a_mark_that_fails_is_a_warning_and_the_others_still_apply():
 import sys, warnings
 import posenc
 from posenc import _compile_marks
-from posenc.kernels import ops
+from posenc.kernels import backend
 assert "torch._dynamo" not in sys.modules
 _compile_marks._when_dynamo_loads(lambda: 1 / 0)
 _compile_marks._pending.insert(0, _compile_marks._pending.pop())  # before posenc's own
@@ -70,7 +70,7 @@ with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     import torch._dynamo
 assert any("could not mark a function" in str(w.message) and "ZeroDivisionError" in str(w.message) for w in caught)
-assert getattr(ops.triton_available, "_dynamo_marked_constant", False)
+assert getattr(backend.triton_available, "_dynamo_marked_constant", False)
 assert getattr(posenc.rope.module._call_cos_sin_eagerly, "_torchdynamo_disable", False)
 print("ok")
 """

@@ -24,6 +24,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import posenc
+import posenc.kernels.backend
+import posenc.kernels.launch
 from posenc import apply_rotary, apply_rotary_, apply_rotary_qk
 from posenc.kernels import choose_backend, cpu_rope, ops
 from posenc.kernels.cpu_rope import rope_cpu
@@ -787,9 +789,9 @@ def test_a_table_the_kernels_cannot_read_as_is_is_copied_only_where_tokens_read_
     else:
         cos, sin = cos.float(), sin.float()
     copied = []
-    wide_cos_sin = ops._wide_cos_sin
+    wide_cos_sin = posenc.kernels.launch._wide_cos_sin
     monkeypatch.setattr(
-        ops,
+        posenc.kernels.launch,
         "_wide_cos_sin",
         lambda *a, **kw: copied.append(wide_cos_sin(*a, **kw)[0].shape[0]) or wide_cos_sin(*a, **kw),
     )
@@ -1500,7 +1502,7 @@ def test_triton_configurations_give_the_default_bits(kind, interleaved, d, r):
     head counts (5 and 3: head groups of 2 and 4 end part-filled)."""
     triton = pytest.importorskip("triton")
     from posenc.kernels import triton_rope
-    from posenc.kernels.ops import triton_plans
+    from posenc.kernels.launch import triton_plans
 
     q, k, kwargs, _, _ = make_case(kind, b=2, hq=5, hk=3, s=21, d=d, dtype=torch.bfloat16)
     cos, sin = table(r, 320)
@@ -1550,7 +1552,7 @@ def test_triton_head_groups_in_place_q_only_conjugate_and_rows_outside_the_table
     program)."""
     pytest.importorskip("triton")
     from posenc.kernels import triton_rope
-    from posenc.kernels.ops import triton_plans
+    from posenc.kernels.launch import triton_plans
 
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(2, 5, 9, 64, generator=gen).to(TRITON_DEVICE)
@@ -1583,7 +1585,7 @@ def test_host_side_power_of_two_matches_tritons():
 
 def test_triton_configurations_are_checked():
     pytest.importorskip("triton")
-    from posenc.kernels.ops import triton_plans
+    from posenc.kernels.launch import triton_plans
 
     x, cos = torch.zeros(1, 2, 8, 16), torch.zeros(8, 8)
 
@@ -1670,7 +1672,7 @@ def test_values_are_read_only_outside_tracing_and_capture(monkeypatch):
 
 def test_triton_not_installed_names_the_install_command(monkeypatch):
     """Without triton, backend='triton' said only "No module named 'triton'"."""
-    ops._triton_module_or_error.cache_clear()
+    posenc.kernels.backend.triton_module_or_error.cache_clear()
     monkeypatch.setitem(sys.modules, "triton", None)  # importing it raises ModuleNotFoundError, name "triton"
     monkeypatch.delitem(sys.modules, "posenc.kernels.triton_rope", raising=False)
     monkeypatch.delattr(posenc.kernels, "triton_rope", raising=False)  # else `from` finds the attribute
@@ -1680,7 +1682,7 @@ def test_triton_not_installed_names_the_install_command(monkeypatch):
             apply_rotary(x, cos, sin, backend="triton")
     finally:
         monkeypatch.undo()
-        ops._triton_module_or_error.cache_clear()
+        posenc.kernels.backend.triton_module_or_error.cache_clear()
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])

@@ -85,7 +85,7 @@ def test_rotation_is_compiled_with_fused_multiply_adds_whatever_triton_defaults_
         pytest.skip("this triton build has no NVIDIA backend to compile for")
     script = (
         "import torch\n"
-        "from posenc.kernels.ops import triton_plans\n"
+        "from posenc.kernels.launch import triton_plans\n"
         "from posenc.kernels.triton_targets import compile_launch\n"
         "xs = [torch.zeros(1, h, 64, 128) for h in (4, 2)]\n"
         "(plan,) = triton_plans(xs, [torch.empty_like(x) for x in xs], torch.zeros(64, 64), torch.zeros(64, 64),"

@@ -347,7 +347,7 @@ def plan_launch(
     two = len(xs) == 2
     if q.numel() == 0:
         if two and xs[1].numel():
-            raise ValueError("q is empty but k is not: plan k alone (posenc.kernels.ops.triton_plans does)")
+            raise ValueError("q is empty but k is not: plan k alone (posenc.kernels.launch.triton_plans does)")
         return None
     k, out_k = (xs[1], outs[1]) if two else (q, outs[0])
     heads_k = xs[1].shape[1] if two else 0

@@ -97,14 +97,14 @@ def compile_launch(launch: Launch, arch: int = 90) -> CompiledRope:
 
 
 def _case_plans() -> dict[str, Launch]:
-    """Representative launches, as ``posenc.kernels.ops.triton_plans`` lays them out for real calls.
+    """Representative launches, as ``posenc.kernels.launch.triton_plans`` lays them out for real calls.
 
     Shapes are small (the plan, not the data, is what gets compiled) but keep what the compiler specialises on:
     sizes and strides divisible by 16 where a real prefill's are, odd head dims where a model's are.
     """
     import torch
 
-    from posenc.kernels.ops import triton_plans
+    from posenc.kernels.launch import triton_plans
 
     def plan(
         dtype, *, d, r, s=512, hq=8, hk=2, layout="bhsd", interleaved=False, conjugate=False, how="offset", wide=False

@@ -30,8 +30,9 @@ from posenc._checks import (
     size_in,
     values_readable,
 )
+from posenc.kernels.backend import batched, choose_backend
 from posenc.kernels.layout import check_table_call, consecutive_rows, hf_cos_hint, rotary_kind, token_positions
-from posenc.kernels.ops import batched, choose_backend, rotary_copy, rotary_inplace
+from posenc.kernels.ops import rotary_copy, rotary_inplace
 
 Backend = Literal["auto", "torch", "triton", "cpu"]
 

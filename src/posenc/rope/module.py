@@ -45,7 +45,7 @@ from posenc._checks import (
     values_readable,
 )
 from posenc.encoding import ActsOn
-from posenc.kernels.ops import BACKENDS, transformed
+from posenc.kernels.backend import BACKENDS, transformed
 from posenc.positions import resolve_positions
 from posenc.rope.apply import Backend, apply_rotary, apply_rotary_qk, rotate_tensors
 from posenc.rope.frequencies import dynamic as dynamic_frequencies
