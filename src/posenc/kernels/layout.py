@@ -123,14 +123,62 @@ def check_table_call(
     CUDA graph capture (``posenc._checks.values_readable``); ``rows_checked`` (the caller knows every position is
     >= 0 and inside the table) skips the positions' and offsets' ones. ``vouched`` (the caller checked each x as
     ``float_tensor`` does and passes its own float32/float64 (n, r/2) table: RoPE) skips those checks.
+
+    The checks run in this order, each helper raising the first problem it meets: the table, each x against it,
+    cu_seqlens, offset, positions' shape, then the rows that tokens read. Every call on a decode step runs this: the
+    helpers take their arguments by position, and those for arguments not given are not called.
     """
     if not vouched:
-        angle_dtypes(cos, sin)
-    if not vouched and (cos.dim() != 2 or cos.shape != sin.shape):
+        _check_table(cos, sin)
+    batch, seq, device = _check_xs(xs, cos, sin, kind, vouched, offset is not None and positions is None)
+    # Values are read below for cu_seqlens and for rows the caller has not checked: a RoPE call (rows_checked) reads
+    # none and asks nothing (~0.5 us of a decode step).
+    check_data = (cu_seqlens is not None or not rows_checked) and values_readable(device)
+    if cu_seqlens is not None:
+        batch = _check_cu_seqlens(cu_seqlens, positions, seq, xs, device, check_data)
+    offsets, offset_int = None, 0
+    # Offsets alone (no position ids, not packed): token i of sequence b reads row offsets[b] + i, so the offsets'
+    # min and max give the rows' range, read once below, with no positions tensor built here for it.
+    reads_offsets = check_data and not rows_checked and positions is None and kind != "varlen" and seq > 0 and batch > 0
+    if offset is not None:
+        offsets, offset_int = _check_offset(
+            offset, batch, seq, cos.shape[0], xs, device, check_data and not rows_checked and not reads_offsets
+        )
+    if positions is not None:
+        _check_positions_shape(positions, kind, batch, seq, xs, device)
+    _check_rows_read(
+        kind,
+        batch,
+        seq,
+        cos.shape[0],
+        positions,
+        offsets,
+        offset_int,
+        cu_seqlens,
+        device,
+        reads_offsets,
+        check_data and not rows_checked,
+    )
+    return offsets, offset_int
+
+
+def _check_table(cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """cos and sin: float tables of one shape, (n_positions, r/2)."""
+    angle_dtypes(cos, sin)
+    if cos.dim() != 2 or cos.shape != sin.shape:
         raise ValueError(
             f"with positions/offset/cu_seqlens, cos and sin are tables of shape (n_positions, r/2); got "
             f"{tuple(cos.shape)} and {tuple(sin.shape)}"
         )
+
+
+def _check_xs(
+    xs: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, kind: Kind, vouched: bool, at_offset: bool
+) -> tuple[int, int, torch.device]:
+    """Each x (``check_table_call``'s xs) against the (n, r/2) table: a float tensor (unless vouched) on cos/sin's
+    device, of ``kind``'s rank, wide enough for r channels, of the first x's batch and token sizes. Returns (batch,
+    seq, device): (b, s), or (1, total_tokens) for varlen, and the device they all share. at_offset: as
+    ``_token_major_hint``'s."""
     half = cos.shape[1]
     rank = 3 if kind == "varlen" else 4
     axes = {"bhsd": "(b, h, s, d)", "bshd": "(b, s, h, d)", "varlen": "(total_tokens, h, d)"}[kind]
@@ -145,7 +193,7 @@ def check_table_call(
         if x.dim() != rank:
             raise ValueError(
                 f"{name} must be {rank}-D {axes} for this call, got shape {tuple(x.shape)}"
-                + _token_major_hint(name, x, kind, at_offset=offset is not None and positions is None)
+                + _token_major_hint(name, x, kind, at_offset=at_offset)
             )
         if half == 0 or 2 * half > x.shape[-1]:
             raise ValueError(
@@ -159,39 +207,58 @@ def check_table_call(
                 f"all inputs must share their batch and token sizes {axes}; got {tuple(first.shape)} and "
                 f"{tuple(x.shape)} for {name}"
             )
-    batch, seq = (1, first.shape[0]) if kind == "varlen" else (first.shape[0], first.shape[2 if kind == "bhsd" else 1])
-    # Values are read below for cu_seqlens and for rows the caller has not checked: a RoPE call (rows_checked) reads
-    # none and asks nothing (~0.5 us of a decode step).
-    check_data = (cu_seqlens is not None or not rows_checked) and values_readable(first.device)
+    if kind == "varlen":
+        return 1, first.shape[0], cos_device
+    return first.shape[0], first.shape[2 if kind == "bhsd" else 1], cos_device
 
-    if cu_seqlens is not None:
-        int_tensor("cu_seqlens", cu_seqlens, what="prefix sums", host_read=True)
-        if positions is not None:
-            raise ValueError("positions cannot be combined with cu_seqlens: packed sequences count from 0 (+ offset)")
-        if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
-            raise ValueError(f"cu_seqlens must be 1-D (n_seq + 1,), got shape {tuple(cu_seqlens.shape)}")
-        if cu_seqlens.device != first.device:
-            raise _elsewhere("cu_seqlens", cu_seqlens, xs)
-        batch = cu_seqlens.shape[0] - 1
-        if check_data:
-            if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != seq:
-                raise ValueError(
-                    f"cu_seqlens must start at 0 and end at total_tokens={seq}, got "
-                    f"{int(cu_seqlens[0])} .. {int(cu_seqlens[-1])}"
-                )
-            if bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
-                raise ValueError("cu_seqlens must be non-decreasing (prefix sums of sequence lengths)")
-        else:
-            # Unread, bad prefix sums would be read differently by each backend: checked with the graph instead.
-            assert_without_sync(
-                (cu_seqlens[0] == 0) & (cu_seqlens[-1] == seq) & (cu_seqlens[1:] >= cu_seqlens[:-1]).all(),
-                "cu_seqlens must start at 0, end at total_tokens and be non-decreasing (prefix sums of lengths)",
+
+def _check_cu_seqlens(
+    cu_seqlens: torch.Tensor,
+    positions: torch.Tensor | None,
+    seq: int,
+    xs: dict[str, torch.Tensor],
+    device: torch.device,
+    check_data: bool,
+) -> int:
+    """cu_seqlens: integer (n_seq + 1,) prefix sums on xs' ``device``, from 0 to the ``seq`` packed tokens and
+    non-decreasing (read on the host where ``check_data``, else asserted with the graph); no positions beside them.
+    Returns the number of sequences."""
+    int_tensor("cu_seqlens", cu_seqlens, what="prefix sums", host_read=True)
+    if positions is not None:
+        raise ValueError("positions cannot be combined with cu_seqlens: packed sequences count from 0 (+ offset)")
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+        raise ValueError(f"cu_seqlens must be 1-D (n_seq + 1,), got shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.device != device:
+        raise _elsewhere("cu_seqlens", cu_seqlens, xs)
+    if check_data:
+        if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != seq:
+            raise ValueError(
+                f"cu_seqlens must start at 0 and end at total_tokens={seq}, got "
+                f"{int(cu_seqlens[0])} .. {int(cu_seqlens[-1])}"
             )
+        if bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
+            raise ValueError("cu_seqlens must be non-decreasing (prefix sums of sequence lengths)")
+    else:
+        # Unread, bad prefix sums would be read differently by each backend: checked with the graph instead.
+        assert_without_sync(
+            (cu_seqlens[0] == 0) & (cu_seqlens[-1] == seq) & (cu_seqlens[1:] >= cu_seqlens[:-1]).all(),
+            "cu_seqlens must start at 0, end at total_tokens and be non-decreasing (prefix sums of lengths)",
+        )
+    return cu_seqlens.shape[0] - 1
 
-    offsets, offset_int = None, 0
-    # Offsets alone (no position ids, not packed): token i of sequence b reads row offsets[b] + i, so the offsets'
-    # min and max give the rows' range, read once below, with no positions tensor built here for it.
-    reads_offsets = check_data and not rows_checked and positions is None and kind != "varlen" and seq > 0 and batch > 0
+
+def _check_offset(
+    offset: int | torch.Tensor,
+    batch: int,
+    seq: int,
+    rows: int,
+    xs: dict[str, torch.Tensor],
+    device: torch.device,
+    check_sign: bool,
+) -> tuple[torch.Tensor | None, int]:
+    """offset: an int >= 0 that leaves a table of ``rows`` rows some row to read, or an integer tensor on xs'
+    ``device`` of one value per sequence or one for all (none negative, read on the host where ``check_sign``).
+    Returns (offsets, offset_int) as ``check_table_call`` does."""
     if isinstance(offset, torch.Tensor):
         int_tensor("offset", offset, host_read=True)
         if offset.dim() > 1 or not size_in(offset.numel(), (1, batch)):
@@ -201,60 +268,80 @@ def check_table_call(
             )
         # One offset for every sequence, as a 0-d or (1,) tensor: the same as resolve_positions accepts.
         offset = offset.reshape(1).expand(batch) if offset.shape != (batch,) else offset
-        if offset.device != first.device:
+        if offset.device != device:
             raise _elsewhere("offset", offset, xs)
         # Whole, where offset is a DTensor: .any() of a shard read on the host is that rank's alone, so only the rank
         # holding a negative offset raised, and the others went on into the next collective (a hang on NCCL).
-        if check_data and not rows_checked and not reads_offsets and bool((replicated_values(offset) < 0).any()):
+        if check_sign and bool((replicated_values(offset) < 0).any()):
             raise ValueError(_NEGATIVE_OFFSET)
-        offsets = offset.to(torch.long)
-    elif offset is not None:
-        if isinstance(offset, bool) or not isinstance(offset, int):
-            raise TypeError(
-                f"offset must be an int or an integer tensor, got {type(offset).__name__} {offset!r}{int_fix(offset)}"
-            )
-        if offset < 0:
-            raise ValueError(f"offset must be >= 0, got {int(offset)}")  # int(): a symbolic int cannot be formatted
-        if offset >= cos.shape[0] and seq > 0 and batch > 0:
-            # Every position is >= 0, so every row read is past the table; checked here, as the sum with position ids
-            # would wrap in int64 for offsets of 2**63 and more.
-            raise ValueError(
-                f"offset={int(offset)} is past the cos/sin table's {int(cos.shape[0])} rows; build the table for more "
-                "positions"
-            )
-        offset_int = offset
+        return offset.to(torch.long), 0
+    if isinstance(offset, bool) or not isinstance(offset, int):
+        raise TypeError(
+            f"offset must be an int or an integer tensor, got {type(offset).__name__} {offset!r}{int_fix(offset)}"
+        )
+    if offset < 0:
+        raise ValueError(f"offset must be >= 0, got {int(offset)}")  # int(): a symbolic int cannot be formatted
+    if offset >= rows and seq > 0 and batch > 0:
+        # Every position is >= 0, so every row read is past the table; checked here, as the sum with position ids
+        # would wrap in int64 for offsets of 2**63 and more.
+        raise ValueError(
+            f"offset={int(offset)} is past the cos/sin table's {int(rows)} rows; build the table for more positions"
+        )
+    return None, offset
 
-    if positions is not None:
-        int_tensor("positions", positions, host_read=True)
-        if (
-            positions.dim() not in (1, 2)
-            or positions.shape[-1] != seq
-            or (positions.dim() == 2 and not size_in(positions.shape[0], (1, batch)))
-        ):
-            name = next(iter(xs))
-            where = {
-                "bhsd": f"{name} read as (b, h, s, d) (layout 'bhsd', the default)",
-                "bshd": f"{name} read as (b, s, h, d) (layout 'bshd')",
-                "varlen": f"{name} packed as (total_tokens, h, d)",
-            }[kind]
-            # Sizes as ints: under torch.compile they may be symbolic, which Dynamo can format but not concatenate.
-            hint = f"; for {name} in (b, s, h, d) pass layout='bshd'" if kind == "bhsd" else ""
-            given = tuple(int(n) for n in positions.shape)
-            # The constant part built apart: Dynamo before torch 2.13 shows an f-string holding a symbolic size as
-            # its pieces (in a fullgraph error), and this keeps the expected shapes in one piece.
-            expected = (
-                f"positions must have shape ({int(seq)},) or ({int(batch)}, {int(seq)}) to match the sequence of "
-                f"{where}, got "
-            )
-            raise ValueError(f"{expected}{given}{hint}")
-        if positions.device != first.device:
-            raise _elsewhere("positions", positions, xs)
+
+def _check_positions_shape(
+    positions: torch.Tensor, kind: Kind, batch: int, seq: int, xs: dict[str, torch.Tensor], device: torch.device
+) -> None:
+    """positions: integer ids (s,) or (b or 1, s) matching the sequence of xs read as ``kind``, on xs' ``device``."""
+    int_tensor("positions", positions, host_read=True)
+    if (
+        positions.dim() not in (1, 2)
+        or positions.shape[-1] != seq
+        or (positions.dim() == 2 and not size_in(positions.shape[0], (1, batch)))
+    ):
+        name = next(iter(xs))
+        where = {
+            "bhsd": f"{name} read as (b, h, s, d) (layout 'bhsd', the default)",
+            "bshd": f"{name} read as (b, s, h, d) (layout 'bshd')",
+            "varlen": f"{name} packed as (total_tokens, h, d)",
+        }[kind]
+        # Sizes as ints: under torch.compile they may be symbolic, which Dynamo can format but not concatenate.
+        hint = f"; for {name} in (b, s, h, d) pass layout='bshd'" if kind == "bhsd" else ""
+        given = tuple(int(n) for n in positions.shape)
+        # The constant part built apart: Dynamo before torch 2.13 shows an f-string holding a symbolic size as
+        # its pieces (in a fullgraph error), and this keeps the expected shapes in one piece.
+        expected = (
+            f"positions must have shape ({int(seq)},) or ({int(batch)}, {int(seq)}) to match the sequence of "
+            f"{where}, got "
+        )
+        raise ValueError(f"{expected}{given}{hint}")
+    if positions.device != device:
+        raise _elsewhere("positions", positions, xs)
+
+
+def _check_rows_read(
+    kind: Kind,
+    batch: int,
+    seq: int,
+    rows: int,
+    positions: torch.Tensor | None,
+    offsets: torch.Tensor | None,
+    offset_int: int,
+    cu_seqlens: torch.Tensor | None,
+    device: torch.device,
+    reads_offsets: bool,
+    unchecked: bool,
+) -> None:
+    """The table rows that tokens read are >= 0 and inside a table of ``rows`` rows: known from the int offset for
+    consecutive rows; else, on the host, from the offsets' range (``reads_offsets``) or, where values are readable and
+    the caller has not checked the rows (``unchecked``), every token's position; else not at all."""
     if seq > 0 and consecutive_rows(kind, positions, offsets):
         # offset..offset+s-1: the range is known without building it (a decode step's common case).
-        if offset_int + seq > cos.shape[0]:
+        if offset_int + seq > rows:
             raise ValueError(
                 f"positions reach {int(offset_int)} .. {int(offset_int + seq - 1)} but the cos/sin table has "
-                f"{int(cos.shape[0])} rows; build the table for at least {int(offset_int + seq)} positions"
+                f"{int(rows)} rows; build the table for at least {int(offset_int + seq)} positions"
             )
     elif reads_offsets:
         assert offsets is not None  # consecutive_rows took an int offset
@@ -264,8 +351,8 @@ def check_table_call(
         high += seq - 1
         if high >= 2**63:  # offsets + 0..s-1 would wrap negative in int64
             raise wrapped_positions(None)  # type: ignore[misc]  # never None without position ids
-        _check_rows_in_table(low, high, cos.shape[0])
-    elif check_data and not rows_checked and seq > 0 and batch > 0:
+        _check_rows_in_table(low, high, rows)
+    elif unchecked and seq > 0 and batch > 0:
         pos = token_positions(
             kind,
             batch,
@@ -274,7 +361,7 @@ def check_table_call(
             offsets=offsets,
             offset=offset_int,
             cu_seqlens=cu_seqlens,
-            device=first.device,
+            device=device,
         )
         low, high = host_min_max(pos)
         if low < 0:
@@ -284,8 +371,7 @@ def check_table_call(
                 f"positions must be >= 0 (offset + position ids), got a negative entry ({low}); positions index the "
                 "table rows"
             )
-        _check_rows_in_table(low, high, cos.shape[0])
-    return offsets, offset_int
+        _check_rows_in_table(low, high, rows)
 
 
 _NEGATIVE_OFFSET = "offset must be >= 0, got a negative entry"
