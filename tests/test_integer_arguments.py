@@ -257,7 +257,7 @@ def test_integer_returns_plain_ints_and_checks_the_range() -> None:
 
 def test_triton_launch_settings_take_numpy_integers() -> None:
     pytest.importorskip("triton")
-    from posenc.kernels.ops import triton_plans
+    from posenc.kernels.launch import triton_plans
 
     x, out, cos = torch.zeros(1, 2, 8, 16), torch.zeros(1, 2, 8, 16), torch.zeros(8, 8)
 
