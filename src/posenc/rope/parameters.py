@@ -156,7 +156,7 @@ def _resolve(rope_type: str, params: dict[str, Any], rotary_dim: int, max_pos: i
         original = out["original_max_position_embeddings"]
         # transformers computes with whatever number a config holds: 2048.0 is 2048 there, no error.
         if isinstance(original, float) and original.is_integer():
-            out["original_max_position_embeddings"] = original = int(original)
+            original = int(original)
         out["original_max_position_embeddings"] = sequence_length(
             "rope_parameters['original_max_position_embeddings']", original
         )
