@@ -386,6 +386,7 @@ def _lab(args: argparse.Namespace) -> int:
         if getattr(args, flag) is not None
     ]
     given += [f"--import {shlex.quote(name)}" for name in args.imports]
+    given += [] if args.figures else ["--no-figures"]
     return run_command(
         preset=args.preset,
         out=args.out,
@@ -395,6 +396,7 @@ def _lab(args: argparse.Namespace) -> int:
         progress=args.progress,
         command="posenc lab " + " ".join(given),
         imports=args.imported,
+        figures=args.figures,
     )
 
 
@@ -457,6 +459,13 @@ def _add_lab(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, help="torch.set_num_threads(N) for this run (default: torch's choice)")
     p.add_argument("--device", help="torch device (default cpu)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    p.add_argument(
+        "--no-figures",
+        dest="figures",
+        action="store_false",
+        help="leave the analysis figures out of report.html (its tables and the lab's plots stay; "
+        "`posenc report RUN_DIR` draws them later)",
+    )
     _add_import_option(p)
     p.set_defaults(func=_lab)
 

@@ -51,7 +51,7 @@ TINY = {
 FLAGS = [
     "--preset", "quick", "--dim", "16", "--layers", "2", "--heads", "2", "--train-len", "8",
     "--eval-lengths", "8,16,32", "--steps", "6", "--batch-size", "8", "--eval-windows", "4",
-    "--encodings", "rope,t5", "--extensions", "yarn", "--finetune-steps", "2",
+    "--encodings", "rope,t5", "--extensions", "yarn", "--finetune-steps", "2", "--no-figures",
 ]  # fmt: skip
 TRAINED = ("rope", "t5", "rope+ft2-len16", "rope+ft2-len32", "rope+yarn+ft2-len16", "rope+yarn+ft2-len32")
 
@@ -197,7 +197,7 @@ def test_evaluation_split_across_ranks_equals_one_process(runs, corpus_dir, tmp_
     torch.set_num_threads(1)  # as the ranks ran, so that the same weights give the same bits
     try:
         config = make_config("quick", corpus=str(corpus_dir), **TINY)
-        Lab(config, copy, progress=False, echo=lambda line: None, ranks=Ranks()).run()
+        Lab(config, copy, progress=False, echo=lambda line: None, ranks=Ranks(), figures=False).run()
     finally:
         torch.set_num_threads(threads)
     for unit in (*TRAINED, "rope+yarn"):

@@ -58,7 +58,7 @@ def _tiny(corpus: Path, out: Path) -> list[str]:
     return [
         "lab", "--preset", "quick", "--corpus", str(corpus), "--dim", "16", "--layers", "1", "--heads", "2",
         "--train-len", "8", "--steps", "6", "--batch-size", "4", "--eval-windows", "4", "--extensions", "none",
-        "--no-progress", "--out", str(out),
+        "--no-progress", "--no-figures", "--out", str(out),
     ]  # fmt: skip
 
 

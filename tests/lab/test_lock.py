@@ -21,7 +21,8 @@ pytestmark = pytest.mark.skipif(lock.fcntl is None, reason="flock is POSIX; else
 
 
 def quiet(config, out):
-    return Lab(config, out, progress=False, echo=lambda line: None)
+    # figures=False: the report's analysis figures are most of a tiny run's time and nothing here looks at them.
+    return Lab(config, out, progress=False, echo=lambda line: None, figures=False)
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ import torch
 from matplotlib.container import ErrorbarContainer
 from safetensors import SafetensorError
 
+from posenc.analysis.plots import FIGURES as ANALYSIS_FIGURES
 from posenc.cli import main
 from posenc.lab import runner, store
 from posenc.lab import train as train_module
@@ -36,7 +37,9 @@ def rows_of(out):
 
 
 def quiet(config, out, **kwargs):
-    return Lab(config, out, progress=False, echo=lambda line: None, **kwargs)
+    """A Lab that prints nothing and, unless asked (figures=True), leaves the nine analysis figures out of its
+    report.html: most of a tiny run's time is drawing them, and only the tests of the page need them."""
+    return Lab(config, out, progress=False, echo=lambda line: None, **{"figures": False, **kwargs})
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +58,7 @@ def finished(tmp_path_factory, corpus_dir):
         finetune_steps=2,
     )
     out = tmp_path_factory.mktemp("run")
-    results = quiet(config, out, command="posenc lab --test").run()
+    results = quiet(config, out, command="posenc lab --test", figures=True).run()
     return config, out, results
 
 
@@ -93,7 +96,8 @@ def test_a_run_writes_csv_json_report_and_plots(finished):
         assert (out / name).read_bytes().startswith(b"\x89PNG\r\n\x1a\n"), name
         assert f"]({name})" in report
     page = (out / "report.html").read_text()  # the self-contained page of posenc.analysis, at every run's end
-    assert "rope+yarn" in page and page.count("data:image/png;base64,") >= len(PLOTS)
+    assert "rope+yarn" in page and page.count("data:image/png;base64,") == len(PLOTS) + len(ANALYSIS_FIGURES)
+    assert "How the encodings work" in page
     assert 'class="note"' not in page  # the run that holds the folder writes it: no "a run is writing it" note
     assert not list(out.rglob("*.tmp"))
 
@@ -321,7 +325,7 @@ def test_an_interrupt_mid_training_resumes_from_the_checkpoint_bit_for_bit(tiny_
     for folder_, resumed_at, trained in ((out, 21, 45 - 21), (other_folder, None, 45)):
         batches.clear()
         lines = []
-        Lab(config, folder_, progress=False, echo=lines.append).run()
+        Lab(config, folder_, progress=False, figures=False, echo=lines.append).run()
         assert len(batches) == trained, folder_
         said = [line for line in lines if "resumed at step" in line or "not resumed" in line]
         if resumed_at is None:
@@ -353,7 +357,7 @@ def test_a_unit_resumed_with_another_thread_count_records_both_in_train_json(tin
         monkeypatch.setattr(train_module, "windows_at", real_windows_at)
         torch.set_num_threads(2)
         lines = []
-        results = Lab(config, out, progress=False, echo=lines.append).run()
+        results = Lab(config, out, progress=False, figures=False, echo=lines.append).run()
     finally:
         torch.set_num_threads(threads)
     assert any("resumed at step 21 of 30" in line for line in lines)
@@ -384,7 +388,7 @@ def test_a_checkpoint_that_cannot_be_written_is_said_once_and_training_goes_on(t
 
     monkeypatch.setattr(store, "save_tensors", full)
     lines: list[str] = []
-    Lab(config, tmp_path / "full", echo=lines.append, progress=False).run()
+    Lab(config, tmp_path / "full", echo=lines.append, progress=False, figures=False).run()
     said = [line for line in lines if "could not write a checkpoint" in line]
     assert len(said) == 1 and "No space left" in said[0] and "training goes on without" in said[0]
     assert len(refused) == 3  # after steps 1, 21 and 41
@@ -398,7 +402,7 @@ def test_a_full_disk_is_one_error_line_and_the_rerun_resumes(target, tiny_config
     units are kept, and the same command, rerun once there is room, finishes as an uninterrupted run."""
     overrides = vars(tiny_config(encodings=("rope",), extensions=("pi",)))
     reference = tmp_path / "reference"
-    assert runner.run_command(preset="quick", out=reference, overrides=overrides, progress=False) == 0
+    assert runner.run_command(preset="quick", out=reference, overrides=overrides, progress=False, figures=False) == 0
     real_tensors, real_text = store.save_tensors, store.write_text
 
     def save_tensors(path, *args, **kwargs):
@@ -415,13 +419,13 @@ def test_a_full_disk_is_one_error_line_and_the_rerun_resumes(target, tiny_config
     monkeypatch.setattr(store, "write_text", write_text)
     out = tmp_path / "run"
     capsys.readouterr()
-    assert runner.run_command(preset="quick", out=out, overrides=overrides, progress=False) == 1
+    assert runner.run_command(preset="quick", out=out, overrides=overrides, progress=False, figures=False) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"posenc lab: error: {out}: ") and "No space left on device" in err[0]
     assert "run the same command again to continue" in err[0]
     monkeypatch.setattr(store, "save_tensors", real_tensors)
     monkeypatch.setattr(store, "write_text", real_text)
-    assert runner.run_command(preset="quick", out=out, overrides=overrides, progress=False) == 0
+    assert runner.run_command(preset="quick", out=out, overrides=overrides, progress=False, figures=False) == 0
     assert (out / "results.csv").read_text() == (reference / "results.csv").read_text()
 
 
@@ -459,7 +463,7 @@ def test_interrupted_evaluation_resumes_without_retraining(tiny_config, tmp_path
     monkeypatch.setattr(runner, "train", lambda *a, **k: pytest.fail("trained again"))
     # As a run killed between writing train.json and deleting its checkpoint leaves it: deleted when the unit resumes.
     (folder / "checkpoint.safetensors").write_bytes(b"left over")
-    results = quiet(config, out).run()
+    results = quiet(config, out, figures=True).run()
     assert len(results["rows"]) == 4 and (folder / "metrics.json").exists()
     assert not (folder / "checkpoint.safetensors").exists()
     # Without a rope model there is no extensions plot to draw, nor one named in the report.
@@ -519,7 +523,7 @@ def test_missing_rope_weights_retrain_rope_for_the_extensions(tiny_config, tmp_p
     (out / "runs" / "rope" / "seed0" / "model.safetensors").unlink()
     (out / "runs" / "rope+pi" / "seed0" / "metrics.json").unlink()
     lines = []
-    resumed = Lab(config, out, progress=False, echo=lines.append).run()
+    resumed = Lab(config, out, progress=False, figures=False, echo=lines.append).run()
     assert resumed["timings"]["units_run"] == 2
     assert any("model.safetensors is missing and rope+pi read it: rope is trained again" in x for x in lines)
     assert (out / "results.csv").read_text() == reference
@@ -552,7 +556,7 @@ def test_a_registered_rope_type_is_an_extension_in_the_process_that_registered_i
             example=lambda r, length, factor: {"factor": factor, "pairs": r // 4},
         )
         out = tmp_path / "run"
-        quiet(tiny_config(encodings=("rope",), extensions=("tail",)), out).run()
+        quiet(tiny_config(encodings=("rope",), extensions=("tail",)), out, figures=True).run()
         units = json.loads((out / "results.json").read_text())["timings"]["units"]
         # tiny_config: dim 16 over 2 heads, so a rotary dim of 8; one target per length past train_len 8.
         assert units["rope+tail/seed0"]["rope_parameters"] == {
@@ -715,20 +719,21 @@ def test_a_copied_unit_of_other_settings_is_refused_by_name(finished, tmp_path, 
 def test_a_fine_tune_asked_for_extensions_that_take_none_is_noted(tiny_config, tmp_path):
     lines = []
     config = tiny_config(encodings=("rope",), extensions=("ntk",), finetune_steps=2)
-    Lab(config, tmp_path / "r", progress=False, echo=lines.append).run()
+    Lab(config, tmp_path / "r", progress=False, figures=False, echo=lines.append).run()
     assert "note: --finetune-steps fine-tunes only pi and yarn, so ntk run without a fine-tune" in lines
     lines.clear()
     Lab(
         tiny_config(encodings=("rope",), extensions=("ntk", "pi"), finetune_steps=2),
         tmp_path / "s",
         progress=False,
+        figures=False,
         echo=lines.append,
     ).run()
     assert not [line for line in lines if "fine-tunes only" in line]
     lines.clear()
     # Silent until 2026-12-05: the steps were taken and nothing was tuned, not even the control.
     config = tiny_config(encodings=("rope",), extensions=(), finetune_steps=2)
-    Lab(config, tmp_path / "t", progress=False, echo=lines.append).run()
+    Lab(config, tmp_path / "t", progress=False, figures=False, echo=lines.append).run()
     expected = "with no extension asked for (--extensions none) nothing is fine-tuned"
     assert f"note: --finetune-steps fine-tunes only pi and yarn, so {expected}" in lines
 
@@ -949,13 +954,16 @@ def test_a_rope_type_without_example_parameters_is_refused_before_anything_train
 
 def test_quick_preset_from_the_command_line(corpus_dir, tmp_path, capsys):
     out = tmp_path / "quick"
-    status = main(["lab", "--preset", "quick", "--corpus", str(corpus_dir), "--out", str(out), "--no-progress"])
-    assert status == 0
+    flags = ["--preset", "quick", "--corpus", str(corpus_dir), "--out", str(out), "--no-progress", "--no-figures"]
+    assert main(["lab", *flags]) == 0
     printed = capsys.readouterr().out
     assert "Bits per byte, trained at 16" in printed and "| rope+yarn |" in printed
     stored = json.loads((out / "results.json").read_text())
-    assert stored["command"] == f"posenc lab --preset quick --corpus {corpus_dir} --out {out}"
+    assert stored["command"] == f"posenc lab --preset quick --corpus {corpus_dir} --out {out} --no-figures"
     assert stored["config"]["steps"] == 40
+    # --no-figures: report.html holds the tables and the lab's plots, not the analysis figures.
+    page = (out / "report.html").read_text()
+    assert page.count("data:image/png;base64,") == len(PLOTS) and "How the encodings work" not in page
 
 
 def test_a_diverging_run_stops_at_once_and_says_to_lower_the_lr(corpus_dir, tmp_path, capsys):
@@ -1067,7 +1075,7 @@ def test_a_narrower_rerun_says_which_finished_units_its_report_leaves_out(finish
     monkeypatch.setattr(runner, "train", lambda *a, **k: pytest.fail("a finished unit was trained again"))
     lines = []
     narrow = dataclasses.replace(config, encodings=("rope",), extensions=(), finetune_steps=0)
-    Lab(narrow, copy, progress=False, echo=lines.append).run()
+    Lab(narrow, copy, progress=False, figures=False, echo=lines.append).run()
     others = len(plan(config)) - len(plan(narrow))
     assert any(f"note: {others} finished unit(s) in {copy} are outside this selection" in line for line in lines)
     assert {r["encoding"] for r in rows_of(copy)} == {"rope"}

@@ -245,6 +245,8 @@ class Lab:
     results.json: the run's encodings or extensions may exist only once they are imported.
     ranks: this process among several (torchrun); None = the default process group if one is initialised, else
     one process. Only rank 0 shows progress, echoes and writes; every rank's ``run`` returns the same results.
+    figures: draw the analysis figures (how the encodings work, for the run's RoPE) into report.html; False leaves
+    them out (``posenc lab --no-figures``), the results, tables and the lab's plots being the same either way.
     """
 
     def __init__(
@@ -258,6 +260,7 @@ class Lab:
         echo: Callable[[str], None] = print,
         ranks: Ranks | None = None,
         imports: Sequence[str] = (),
+        figures: bool = True,
     ) -> None:
         self.config = config
         self.out = Path(out)
@@ -266,6 +269,7 @@ class Lab:
         self.device = torch.device(device)
         self.command = command
         self.imports = list(imports)
+        self.figures = figures
         self.echo = echo if self.ranks.is_main else _silent
         self.spec = config.model_spec()
         self.prepared = False
@@ -467,8 +471,9 @@ class Lab:
             from posenc.analysis import write_report
 
             report.write_all(self.out, results)
-            # The self-contained page: the tables and plots above plus the figures of this run's RoPE config.
-            html = write_report(self.out)
+            # The self-contained page: the tables and plots above plus the figures of this run's RoPE config (most of
+            # the page's drawing time at the quick sizes; `posenc report` draws them later for a run without them).
+            html = write_report(self.out, figures=None if self.figures else [])
         self.echo(report.summary_tables(results))
         if self.ranks.is_main:
             self.echo(f"report: {html}")
@@ -861,6 +866,7 @@ def run_command(
     progress: bool = True,
     command: str = "",
     imports: Sequence[str] = (),
+    figures: bool = True,
 ) -> int:
     """What ``posenc lab`` does once its flags are parsed. Returns the exit status: 0 done, 1 training diverged or the
     run folder could not be written (a full disk; finished units are kept), 2 bad input (said on stderr before anything
@@ -882,7 +888,7 @@ def run_command(
             previous = signal.signal(signal.SIGTERM, _interrupted_by_sigterm)
             group.callback(signal.signal, signal.SIGTERM, previous)
         try:
-            return _run_lab(group, preset, out, overrides, threads, device, progress, command, speaks, imports)
+            return _run_lab(group, preset, out, overrides, threads, device, progress, command, speaks, imports, figures)
         except KeyboardInterrupt:
             if speaks:
                 print(
@@ -908,6 +914,7 @@ def _run_lab(
     command: str,
     speaks: bool,
     imports: Sequence[str],
+    figures: bool,
 ) -> int:
     try:
         ranks, resolved = group.enter_context(process_group(device))
@@ -922,7 +929,16 @@ def _run_lab(
         config = make_config(preset, **overrides)
         if threads is not None:
             torch.set_num_threads(positive_int("--threads", threads))
-        lab = Lab(config, out, progress=progress, device=str(resolved), command=command, ranks=ranks, imports=imports)
+        lab = Lab(
+            config,
+            out,
+            progress=progress,
+            device=str(resolved),
+            command=command,
+            ranks=ranks,
+            imports=imports,
+            figures=figures,
+        )
         lab.prepare()
     except (ValueError, TypeError) as error:
         if speaks:
