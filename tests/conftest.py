@@ -16,6 +16,46 @@ import pytest
 if os.environ.get("POSENC_TRITON_NATIVE") != "1":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# pytest-xdist workers (the README's `-n 2`) share the machine's cores: each takes its share of threads, not torch's
+# default of one per core. Two workers of two OpenMP threads on 2 cores spin-wait for each other's cores: a tiny lab
+# training test took 38-186 s so against 15-17 s with one thread each (measured side by side under load). Set
+# before torch is imported, so that subprocesses (torchrun ranks, benchmark scripts) inherit it; tests that are about
+# thread counts set theirs. An OMP_NUM_THREADS given by the caller wins.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.environ:
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    os.environ["OMP_NUM_THREADS"] = str(max(1, _cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    if "torch" in sys.modules:  # imported by a plugin before this file: too late for the variable
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+# The files that take longest, slowest first (seconds of a run alone on the 2-core CI host, `--durations=0`,
+# 2026-12-06). The README's command runs whole files on two workers (`-n 2 --dist loadfile`): starting these first
+# lets the short files fill in at the end, where xdist's own order (most tests first) left one worker running a
+# one-test file of 100 s alone. The order changes when a file starts, never what runs.
+SLOWEST_FIRST = (
+    "tests/lab/test_runner.py",
+    "tests/kernels/test_rope_kernels.py",
+    "tests/kernels/test_flex_bias.py",
+    "tests/test_benchmarks.py",
+    "tests/interop/test_patch.py",
+    "tests/interop/test_patch_gemma_consistent.py",
+    "tests/interop/test_patch_architectures.py",
+    "tests/rope/test_module_compile_checks.py",
+    "tests/distributed/test_dtensor_compile.py",
+    "tests/rope/test_apply.py",
+    "tests/lab/test_ddp.py",
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order below
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {path: i for i, path in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep theirs
+
+
 HOLDER = textwrap.dedent(
     """
     import sys
