@@ -1,8 +1,9 @@
 """The Triton rotary kernel's configurations side by side: tokens (BLOCK_S) x warps x heads per program x the
 grid's order (superblock: token blocks every head group covers before the next ones; 1 runs head groups fastest).
 
-Every configuration rotates the same q (b, 32, s, 128) and k (b, 8, s, 128), out of place (the forward), in one
-launch planned as ``apply_rotary_qk`` plans it but with BLOCK_S, num_warps, heads_per_program and superblock given.
+Every configuration rotates the same q (b, 32, s, 128) and k (b, 8, s, 128) (heads: ``--q-heads``, ``--k-heads``),
+out of place (the forward), in one launch planned as ``apply_rotary_qk`` plans it but with BLOCK_S, num_warps,
+heads_per_program and superblock given.
 Before anything is timed, each configuration's output must equal the default's bit for bit (the tiling does not
 change the arithmetic) or, where the compiler rounds differently, be within the dtype's tolerance of the float64
 reference (reported). The cases take turns rep by rep with ``copy`` (clone() of q and k) and the default plan, which
@@ -105,6 +106,8 @@ def main() -> None:
         default=[1],
         help="token blocks every head group covers before the next ones (1: head groups fastest)",
     )
+    parser.add_argument("--q-heads", type=int, default=HEADS_Q, help=f"q heads ({HEADS_Q})")
+    parser.add_argument("--k-heads", type=int, default=HEADS_K, help=f"k heads ({HEADS_K})")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--csv", type=Path, default=None)
     add_clock_argument(parser)
@@ -116,7 +119,7 @@ def main() -> None:
     for dtype_name, layout, pairs in itertools.product(args.dtypes, args.layouts, args.pairs):
         dtype, interleaved = DTYPES[dtype_name], pairs == "adjacent"
         q, k = random_qk(
-            args.batch, HEADS_Q, HEADS_K, args.seq, HEAD_DIM, dtype=dtype, layout=layout, device=args.device
+            args.batch, args.q_heads, args.k_heads, args.seq, HEAD_DIM, dtype=dtype, layout=layout, device=args.device
         )
         cos, sin = tables(args.seq, dtype, args.device)["half"]  # (s, d/2) float32, as RoPE keeps it
         cases = {
@@ -131,7 +134,7 @@ def main() -> None:
         mode = f"fwd-{layout}" + ("-adjacent" if interleaved else "")
         check(cases, q, k, layout, interleaved, f"{dtype_name} {mode}")
         times = measure_interleaved(cases, reps=args.reps, device=args.device, clock=clock)
-        shape = f"b={args.batch},hq={HEADS_Q},hk={HEADS_K},s={args.seq},d={HEAD_DIM}"
+        shape = f"b={args.batch},hq={args.q_heads},hk={args.k_heads},s={args.seq},d={HEAD_DIM}"
         rows += rows_against_copy(
             times,
             op="rope",

@@ -483,16 +483,18 @@ def test_triton_tune_checks_and_times_every_configuration(tmp_path: Path) -> Non
         "triton_tune.py",
         *("--device", "cpu", "--seq", "8", "--dtypes", "bf16", "--layouts", "bhsd", "bshd", "--pairs", "half"),
         *("adjacent", "--block-s", "4", "--warps", "2", "--heads", "2", "4", "--superblocks", "1", "2"),
-        *("--reps", "2", "--csv", str(out)),
+        *("--q-heads", "8", "--k-heads", "4", "--reps", "1", "--csv", str(out)),
         interpret=True,
     )
     rows = _rows(out)
-    # Interpreted, each configuration takes about a second per mode: two of the four dimensions vary. 8 tokens
-    # make 2 blocks of 4, so superblock 2 is a run of both (the grid's other order).
+    # Interpreted, a call's time grows with its programs: two of the four dimensions vary, and 8 q and 4 k heads (not
+    # 32 and 8) still make several head groups of 2 or 4 per tensor, with k's fewer than q's. 8 tokens make 2 blocks
+    # of 4, so superblock 2 is a run of both (the grid's other order).
     configs = {f"BLOCK_S=4 warps=2 heads={h}" + (" super=2" if sb == 2 else "") for h in (2, 4) for sb in (1, 2)}
     modes = ("fwd-bhsd", "fwd-bshd", "fwd-bhsd-adjacent", "fwd-bshd-adjacent")
     assert {(r["provider"], r["mode"]) for r in rows} == {(p, m) for p in {"copy", "default"} | configs for m in modes}
     assert all("clock=host" in r["device"] and r["gb_per_s"] != "" for r in rows)
+    assert {r["shape"] for r in rows} == {"b=1,hq=8,hk=4,s=8,d=128"}
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
