@@ -215,13 +215,15 @@ def test_rope_table_path_equals_gathered_cos_sin_for_any_positions(batch, seq, h
 @pytest.mark.parametrize("rope_type", ["default", "yarn"])
 def test_rope_with_position_tensors_compiles_without_graph_breaks(rope_type):
     """Packed position ids and per-sequence offsets under torch.compile(fullgraph=True): no data-dependent step
-    (no table sized by the largest position, no range check), the same values as eager."""
+    (no table sized by the largest position, no range check), the same values as eager. A tracing check: AOT
+    Autograd's eager backend runs the graph Inductor would be given (Inductor's code for a positions gather and its
+    assert: test_negative_positions_are_refused_under_torch_compile_too)."""
     params = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32} if rope_type == "yarn" else {}
     rope = posenc.RoPE(16, rotary_dim=12, rope_parameters=params or None)
     q, k = random_qk(2, 4, 2, 7, 16)
     ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2], [0, 1, 2, 3, 0, 1, 2]])
     offsets = torch.tensor([5, 70])
-    compiled = torch.compile(lambda q, k, p, o: rope(q, k, positions=p, offset=o), fullgraph=True)
+    compiled = torch.compile(lambda q, k, p, o: rope(q, k, positions=p, offset=o), fullgraph=True, backend="aot_eager")
     for got, want in zip(compiled(q, k, ids, offsets), rope(q, k, positions=ids, offset=offsets), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
@@ -229,7 +231,9 @@ def test_rope_with_position_tensors_compiles_without_graph_breaks(rope_type):
 def test_negative_positions_are_refused_under_torch_compile_too():
     """Compiled code cannot read positions on the host, so an assert runs with the graph: without it the torch
     path's gather wrapped a negative position to the table's last rows, and RoPE, ALiBi and T5 rotated or biased by
-    negative positions, where eager raises."""
+    negative positions, where eager raises. Inductor compiles the table's gather and its assert (the assert must
+    survive Inductor's code generation); the other calls assert with the same op (posenc._checks.assert_without_sync)
+    and are traced by AOT Autograd's eager backend, which runs the graph Inductor would be given."""
     torch.manual_seed(0)
     ang = torch.arange(8.0)[:, None] * torch.tensor([1.0, 0.1])
     cos, sin = ang.cos(), ang.sin()
@@ -241,7 +245,7 @@ def test_negative_positions_are_refused_under_torch_compile_too():
         with pytest.raises(RuntimeError, match="positions must be rows of the cos/sin table"):
             table_call(q, kwargs)
     rope = posenc.RoPE(4)
-    compiled_rope = torch.compile(lambda q, k, kw: rope(q, k, **kw), fullgraph=True)
+    compiled_rope = torch.compile(lambda q, k, kw: rope(q, k, **kw), fullgraph=True, backend="aot_eager")
     for kwargs in ({"positions": bad_ids}, {"offset": bad_offset}, {"positions": ids + 5, "offset": bad_offset}):
         with pytest.raises(ValueError, match="must be >= 0"):
             rope(q, k, **kwargs)
@@ -251,7 +255,7 @@ def test_negative_positions_are_refused_under_torch_compile_too():
         layer = posenc.CausalSelfAttention(8, 2, encoding=encoding)
         x = torch.randn(1, 4, 8)
         with pytest.raises(RuntimeError, match="positions must be >= 0"):
-            torch.compile(layer)(x, positions=bad_ids)
+            torch.compile(layer, backend="aot_eager")(x, positions=bad_ids)
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])
