@@ -101,7 +101,9 @@ def main() -> None:
                       {"cu_seqlens": "t2", "offset": "t3"}, cos[with_offsets, None],
                       sin[with_offsets, None]))  # fmt: skip
     # Compiled in place and with a gradient too for the cases before the tensor offsets, and after them where x is
-    # sharded on its tokens (the rest compile a copy: each compile takes seconds).
+    # sharded on its tokens (the rest compile a copy: each compile takes seconds). Where x is sharded on its sequence
+    # both pair layouts compile a copy, and in place and with a gradient only one, alternating case by case (the
+    # layout only slices the last dimension, which no case shards): both layouts still meet every way.
     every_way = {"broadcast", "table offset=3", "positions", "broadcast sharded cos", "positions sharded",
                  "bshd offset=3"}  # fmt: skip
     failures = []
@@ -112,7 +114,7 @@ def main() -> None:
         tensors = [t if where is None else dt(t, where) for t, where in zip(extra, placements, strict=True)]
         for interleaved in (False, True) if placement == Shard(2) else (index % 2 == 1,):
             want = reference(xg, want_cos, want_sin, interleaved)
-            for how in ways:
+            for how in ways if interleaved == (index % 2 == 1) else ("copy", "eager"):
                 torch._dynamo.reset()
 
                 def f(a, c, s_, *rest, how=how, interleaved=interleaved, kwargs=kwargs):
