@@ -211,11 +211,18 @@ def test_decode_and_lab_throughput_benchmarks_run_with_one_rep(tmp_path: Path) -
 def test_consistent_model_decode_benchmark_times_both_providers_and_counts_graph_ops(tmp_path: Path) -> None:
     """docs/scaling.md's decode-cost table and its Dynamo op counts come from this script: one timed step of a
     1-layer model per provider, and the ops of a compiled 1-layer decode step (backend: a counter, no Inductor;
-    dynamic only, a compile being the slow part)."""
-    _run(
-        "consistent_model_decode.py",
-        *("--layers", "1", "--keys", "2", "20", "--steps", "1", "--out", str(tmp_path / "decode.csv")),
-    )
+    dynamic only, a compile being the slow part). Run here through its main(argv), not in two subprocesses that
+    import torch and transformers again (it pins no allocator; its torch thread count is restored)."""
+    decode = _benchmark("consistent_model_decode")
+    threads = torch.get_num_threads()
+    try:
+        decode.main(["--layers", "1", "--keys", "2", "20", "--steps", "1", "--out", str(tmp_path / "decode.csv")])
+        decode.main(
+            ["--nodes", "--types", "dynamic", "--layers", "1", "--keys", "4", "--out", str(tmp_path / "nodes.csv")]
+        )
+    finally:
+        torch.set_num_threads(threads)
+        torch._dynamo.reset()  # the --nodes run's compiled forwards
     rows = _rows(tmp_path / "decode.csv")
     assert [(r["provider"], r["mode"], r["shape"].split()[-1]) for r in rows] == [
         (provider, f"consistent/{rope_type}", f"keys{keys}")
@@ -225,8 +232,6 @@ def test_consistent_model_decode_benchmark_times_both_providers_and_counts_graph
     ]
     assert all(r["min"] == r["p20"] == r["p50"] == r["p80"] for r in rows)
     assert all(float(r["ratio_to_per_layer"]) == 1.0 for r in rows if r["provider"] == "per-layer")
-    nodes = ("--nodes", "--types", "dynamic", "--layers", "1", "--keys", "4", "--out", str(tmp_path / "nodes.csv"))
-    _run("consistent_model_decode.py", *nodes)
     rows = _rows(tmp_path / "nodes.csv")
     assert [(r["mode"], r["provider"]) for r in rows] == [("dynamic", "hf"), ("dynamic", "consistent")]
     # consistent mode rotates the cached keys in the graph: more ops than hf's for the same layer.
