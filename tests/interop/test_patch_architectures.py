@@ -92,7 +92,15 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "zamba": dict(num_hidden_layers=4),  # two hybrid layers, the second tied to the first
     "zamba2": dict(num_hidden_layers=4, use_mem_rope=True),  # its RoPE is off by default
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1),  # its second layer attends (without RoPE)
-    "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"], position_embedding_type="rope"),
+    # Mamba 2 layers at sizes of their own: the defaults (128 heads, a state of 256, chunks of 256 that the 12
+    # tokens are padded to) took 12 s a model on the CPU in transformers' reference scan; RoPE is the attention's
+    # alone, which these sizes leave as they were. Falcon H1 runs a mamba mixer beside the attention in every layer.
+    "falcon_h1": dict(mamba_d_ssm=64, mamba_n_heads=8, mamba_d_head=8, mamba_d_state=16, mamba_chunk_size=16),
+    "granitemoehybrid": dict(
+        layer_types=["linear_attention", "full_attention"],
+        position_embedding_type="rope",
+        **dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16),
+    ),
     # its attention layers need the QSA indexer (refused: see REFUSED), the fields of which default to None; with
     # Qwen 3.5's M-RoPE sizes above, so that the refusal is the indexer's, not a section that does not fit
     "qwen4_exp_text": dict(
