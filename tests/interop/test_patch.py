@@ -1384,9 +1384,10 @@ def test_patched_models_of_one_class_share_their_compiled_graphs(mode: str, rope
     reference = build("llama", rope_type)
     torch._dynamo.reset()
     try:
-        compiled_and_eager(build("llama"), ids)  # an unpatched model
-        unpatched = len(graphs)
-        graphs.clear()
+        if rope_type == "default":  # an unpatched model, whose graphs the unscaled ones are compared with below
+            compiled_and_eager(build("llama"), ids)
+            unpatched = len(graphs)
+            graphs.clear()
         counts = []
         for _ in range(4):
             model = copy.deepcopy(reference)
@@ -1733,20 +1734,21 @@ def test_consistent_mode_compiles_as_often_whatever_the_layer_count() -> None:
     """The cached keys are rotated at read in every attention layer, for the step's length, read on the host: in a
     graph break there, Dynamo compiled each layer's attention forward as a frame of its own, guarded on its layer_idx
     and cache layer, 3 x num_hidden_layers times (38 with 12 layers, past the recompile limit of 8: the layers past
-    it ran uncompiled). Now the length is read in an op inside the graph: as many compiles for 4 layers as for 2,
-    equal to eager across the trained length."""
+    it ran uncompiled). Now the length is read in an op inside the graph: as many compiles for 2 layers as for 1,
+    equal to eager across the trained length. One layer against two (4 against 2 before): a second layer's frames
+    showed as 3 compiles more, and Dynamo's trace of each model is what this test costs."""
     from torch._dynamo.testing import CompileCounter  # a submodule that `import torch` does not load
 
     ids = tokens(batch=1, length=TRAINED + 3)
     compiles = {}
-    for layers in (2, 4):
+    for layers in (1, 2):
         model = build("llama", "dynamic", num_hidden_layers=layers)
         patch_model(model, mode="consistent")
         counter = CompileCounter()
         torch._dynamo.reset()
         try:
-            # A limit no count reaches: at the default (8 per function) the per-layer compiles stopped at it, and
-            # 2 and 4 layers counted alike.
+            # A limit no count reaches: at the default (8 per function) the per-layer compiles of more layers
+            # stopped at it, and counted alike.
             with torch._dynamo.config.patch(recompile_limit=64):
                 ours = _decode(torch.compile(model, backend=counter), ids, TRAINED - 2)
         finally:
@@ -1754,7 +1756,7 @@ def test_consistent_mode_compiles_as_often_whatever_the_layer_count() -> None:
         for logits, reference in zip(ours, _decode(model, ids, TRAINED - 2), strict=True):
             torch.testing.assert_close(logits, reference, **FP32)
         compiles[layers] = counter.frame_count
-    assert compiles[4] == compiles[2], compiles
+    assert compiles[2] == compiles[1], compiles
 
 
 def test_consistent_longrope_compiles_into_one_graph() -> None:
