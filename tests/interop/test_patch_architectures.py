@@ -86,7 +86,9 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         for model_type in ("qwen3_5_text", "qwen3_5_moe_text")
     },
     # hybrids whose first layers are linear attention or state space: enough layers to reach an attention one
-    **{model_type: dict(num_hidden_layers=4) for model_type in ("bailing_hybrid", "lfm3", "qwen3_next", "nemotron_h")},
+    **{model_type: dict(num_hidden_layers=4) for model_type in ("bailing_hybrid", "lfm3", "qwen3_next")},
+    # with Mamba 2 mixers of 8 heads (128 of 64 channels by default: 2 s a model here)
+    "nemotron_h": dict(num_hidden_layers=4, mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, chunk_size=16),
     # an attention layer first: transformers' cache reads the decoded length from layer 0, a recurrent one's is 0
     "recurrent_gemma": dict(block_types=["attention", "recurrent"]),
     "zamba": dict(num_hidden_layers=4),  # two hybrid layers, the second tied to the first
