@@ -117,17 +117,25 @@ def check_forward_backward(backend, kind, *, b, hq, hk, s, d, r, dtype, interlea
 
 
 # The exhaustive grid on the compiled CPU kernel: every way of giving positions x dtypes x layouts x sizes.
+# The kernel walks s in blocks of 32 rows (cpu_rope.cpp's BLOCK): s = 217 (d = 64) is seven blocks with a ragged
+# last one, and d = 256 takes s = 73 (two whole blocks and a ragged one): the cost grows with s * d and the row
+# kernel does not depend on s, so the widest head at 217 rows (30 cases at about 1.4 s in CI) checked nothing more.
+ROWS_OF_BLOCKS = 73
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize(
-    ("d", "r", "s"), [(64, 64, 217), (80, 80, 7), (96, 48, 1), (72, 44, 3), (128, 96, 7), (256, 256, 217)]
+    ("d", "r", "s"), [(64, 64, 217), (80, 80, 7), (96, 48, 1), (72, 44, 3), (128, 96, 7), (256, 256, ROWS_OF_BLOCKS)]
 )
 def test_cpu_matches_reference(kind, dtype, interleaved, d, r, s):
     check_forward_backward("cpu", kind, b=2, hq=4, hk=2, s=s, d=d, r=r, dtype=dtype, interleaved=interleaved)
 
 
-# Interpreted Triton: each feature at least once, with the odd sizes, both layouts and every dtype.
+# Interpreted Triton: each feature at least once, with the odd sizes, both layouts and every dtype. The interpreter's
+# cost grows with the tokens: one case keeps s = 217 (seven 32-token programs a head group, the last ragged), the
+# other long ones take s = 73 (two to five programs of 64 to 16 tokens, the last ragged too).
 @pytest.mark.parametrize(
     ("kind", "dtype", "interleaved", "d", "r", "s"),
     [
@@ -135,12 +143,12 @@ def test_cpu_matches_reference(kind, dtype, interleaved, d, r, s):
         ("broadcast", torch.bfloat16, True, 80, 80, 7),
         ("offset", torch.float16, False, 96, 48, 7),
         ("offset", torch.float32, True, 128, 96, 1),
-        ("per_sequence", torch.bfloat16, False, 64, 32, 217),
+        ("per_sequence", torch.bfloat16, False, 64, 32, ROWS_OF_BLOCKS),
         ("per_sequence", torch.float32, True, 256, 256, 7),
         ("position_ids", torch.float16, True, 64, 64, 7),
-        ("position_ids", torch.float32, False, 80, 64, 217),
+        ("position_ids", torch.float32, False, 80, 64, ROWS_OF_BLOCKS),
         ("varlen", torch.bfloat16, False, 64, 64, 7),
-        ("varlen", torch.float32, True, 96, 96, 217),
+        ("varlen", torch.float32, True, 96, 96, ROWS_OF_BLOCKS),
     ],
 )
 def test_triton_matches_reference(kind, dtype, interleaved, d, r, s):
@@ -907,7 +915,7 @@ def streaming_isa_level(request, monkeypatch):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
 @pytest.mark.parametrize("interleaved", [False, True])
-@pytest.mark.parametrize(("d", "r", "s"), [(96, 48, 7), (72, 44, 3), (256, 256, 217)])
+@pytest.mark.parametrize(("d", "r", "s"), [(96, 48, 7), (72, 44, 3), (256, 256, ROWS_OF_BLOCKS)])
 def test_cpu_builds_for_older_x86_levels_match_reference(isa_level, kind, dtype, interleaved, d, r, s):
     check_forward_backward("cpu", kind, b=2, hq=4, hk=2, s=s, d=d, r=r, dtype=dtype, interleaved=interleaved)
 
@@ -943,7 +951,7 @@ def streaming_stores(request):
 @pytest.mark.parametrize("kind", ["offset", "position_ids", "varlen"])
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
 @pytest.mark.parametrize("interleaved", [False, True])
-@pytest.mark.parametrize(("d", "r", "s"), [(80, 80, 7), (128, 96, 33), (256, 256, 217)])
+@pytest.mark.parametrize(("d", "r", "s"), [(80, 80, 7), (128, 96, 33), (256, 256, ROWS_OF_BLOCKS)])
 def test_cpu_streaming_stores_match_reference(streaming_stores, kind, dtype, interleaved, d, r, s):
     """Non-temporal stores take aligned lines only (d = 80 mixes aligned and unaligned rows); the rest of each row is
     stored plainly."""
@@ -1504,7 +1512,9 @@ def test_triton_configurations_give_the_default_bits(kind, interleaved, d, r):
     from posenc.kernels import triton_rope
     from posenc.kernels.launch import triton_plans
 
-    q, k, kwargs, _, _ = make_case(kind, b=2, hq=5, hk=3, s=21, d=d, dtype=torch.bfloat16)
+    # 13 tokens a row: the interpreter's cost grows with the token blocks a configuration walks (BLOCK_S=1 walks
+    # every token), and 13 (varlen: 17) keeps what 21 showed: a ragged last block for every BLOCK_S but 1.
+    q, k, kwargs, _, _ = make_case(kind, b=2, hq=5, hk=3, s=13, d=d, dtype=torch.bfloat16)
     cos, sin = table(r, 320)
     q, k, cos, sin = (t.to(TRITON_DEVICE) for t in (q, k, cos, sin))
     if kind == "varlen":  # (total, h, d) tokens of several sequences, each with its offset
@@ -1531,7 +1541,8 @@ def test_triton_configurations_give_the_default_bits(kind, interleaved, d, r):
     assert not any(o.isnan().any() for o in expected)
     assert default.constants["SUPER_S"] == 1
     # superblock: runs of token blocks, each covered by every head group before the next; with BLOCK_S=4 there are
-    # 6 blocks a row (21 tokens) or 7 (varlen's 28), so runs of 4 leave a short last run, and 100 means one run.
+    # 4 blocks a row (13 tokens) or 5 (varlen's 17), so runs of 3 leave a short last run (and runs of 4 in varlen,
+    # one whole run a row), with BLOCK_S=2 runs of 7 in varlen's 9 blocks too, and 100 means one run.
     configs = [(1, 1, 1, 1), (4, 2, 2, 1), (16, 8, 1, 1), (64, 4, 4, 1), (8, 4, 8, 1)]
     configs += [(4, 1, 2, 3), (4, 2, 1, 4), (2, 1, 4, 7), (4, 4, 2, 100)]
     for block_s, num_warps, heads, superblock in configs:
