@@ -1037,13 +1037,19 @@ def test_cpu_builds_for_older_x86_levels_keep_fp16_nan_bits(isa_level, interleav
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_cpu_work_split_between_threads(n0, n1, interleaved):
     """Large enough for every thread: whole heads per thread where they split evenly (2 x 4, 3 x 17 on 2 threads),
-    blocks of tokens otherwise (one head, three heads)."""
+    blocks of tokens otherwise (one head, three heads). Two threads whatever the session runs (one per pytest-xdist
+    worker on 2 cores)."""
     d, s = 128, 1100
     x = torch.randn(n0, n1, s, d, dtype=torch.float64).to(torch.bfloat16)
     cos, sin = table(d, s)
-    out = apply_rotary(x, cos, sin, interleaved=interleaved, backend="cpu")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = apply_rotary(x, cos, sin, interleaved=interleaved, backend="cpu")
+    finally:
+        torch.set_num_threads(before)
     expected = rope_reference(x, torch.arange(s)[None, None], rotary_dim=d, interleaved=interleaved)
-    assert_close(out, expected, msg=f"{n0} x {n1} lanes on {torch.get_num_threads()} threads")
+    assert_close(out, expected, msg=f"{n0} x {n1} lanes on 2 threads")
 
 
 @pytest.mark.parametrize("table_dtype", [torch.float32, torch.float64], ids=["fp32-tables", "fp64-tables"])
