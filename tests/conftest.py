@@ -18,7 +18,7 @@ if os.environ.get("POSENC_TRITON_NATIVE") != "1":
 
 # pytest-xdist workers (the README's `-n 2`) share the machine's cores: each takes its share of threads, not torch's
 # default of one per core. Two workers of two OpenMP threads on 2 cores spin-wait for each other's cores: a tiny lab
-# training test took 38-186 s so against 15-17 s with one thread each (measured side by side under load). Set
+# training test took 38 and 186 s, against 15 and 17 s with one thread each (measured side by side under load). Set
 # before torch is imported, so that subprocesses (torchrun ranks, benchmark scripts) inherit it; tests that are about
 # thread counts set theirs. An OMP_NUM_THREADS given by the caller wins.
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.environ:
@@ -27,22 +27,22 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.env
     if "torch" in sys.modules:  # imported by a plugin before this file: too late for the variable
         sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
-# The files that take longest, slowest first (seconds of a run alone on the 2-core CI host, `--durations=0`,
-# 2026-12-06). The README's command runs whole files on two workers (`-n 2 --dist loadfile`): starting these first
-# lets the short files fill in at the end, where xdist's own order (most tests first) left one worker running a
-# one-test file of 100 s alone. The order changes when a file starts, never what runs.
+# The files that take longest, slowest first (seconds of a run alone on the 2-core CI host, `--durations=0`, after
+# the cuts of 2026-12-06). The README's command runs whole files on two workers (`-n 2 --dist loadfile`): starting
+# these first lets the short files fill in at the end, where xdist's own order (most tests first) could leave one
+# worker running a one-test file of 100 s alone. The order changes when a file starts, never what runs.
 SLOWEST_FIRST = (
-    "tests/lab/test_runner.py",
-    "tests/kernels/test_rope_kernels.py",
     "tests/kernels/test_flex_bias.py",
-    "tests/test_benchmarks.py",
+    "tests/kernels/test_rope_kernels.py",
     "tests/interop/test_patch.py",
-    "tests/interop/test_patch_gemma_consistent.py",
-    "tests/interop/test_patch_architectures.py",
-    "tests/rope/test_module_compile_checks.py",
+    "tests/test_benchmarks.py",
     "tests/distributed/test_dtensor_compile.py",
-    "tests/rope/test_apply.py",
+    "tests/lab/test_runner.py",
+    "tests/rope/test_module_compile_checks.py",
     "tests/lab/test_ddp.py",
+    "tests/interop/test_patch_gemma_consistent.py",
+    "tests/kernels/test_rope_fuzz.py",
+    "tests/interop/test_patch_architectures.py",
 )
 
 
