@@ -37,9 +37,10 @@ def rows_of(out):
 
 
 def quiet(config, out, **kwargs):
-    """A Lab that prints nothing and, unless asked (figures=True), leaves the nine analysis figures out of its
-    report.html: most of a tiny run's time is drawing them, and only the tests of the page need them."""
-    return Lab(config, out, progress=False, echo=lambda line: None, **{"figures": False, **kwargs})
+    """A Lab without progress bars that prints nothing (unless given an echo) and, unless asked (figures=True), leaves
+    the nine analysis figures out of its report.html: most of a tiny run's time is drawing them, and only the tests
+    of the page need them."""
+    return Lab(config, out, **{"progress": False, "echo": lambda line: None, "figures": False, **kwargs})
 
 
 @pytest.fixture(scope="module")
@@ -325,7 +326,7 @@ def test_an_interrupt_mid_training_resumes_from_the_checkpoint_bit_for_bit(tiny_
     for folder_, resumed_at, trained in ((out, 21, 45 - 21), (other_folder, None, 45)):
         batches.clear()
         lines = []
-        Lab(config, folder_, progress=False, figures=False, echo=lines.append).run()
+        quiet(config, folder_, echo=lines.append).run()
         assert len(batches) == trained, folder_
         said = [line for line in lines if "resumed at step" in line or "not resumed" in line]
         if resumed_at is None:
@@ -357,7 +358,7 @@ def test_a_unit_resumed_with_another_thread_count_records_both_in_train_json(tin
         monkeypatch.setattr(train_module, "windows_at", real_windows_at)
         torch.set_num_threads(2)
         lines = []
-        results = Lab(config, out, progress=False, figures=False, echo=lines.append).run()
+        results = quiet(config, out, echo=lines.append).run()
     finally:
         torch.set_num_threads(threads)
     assert any("resumed at step 21 of 30" in line for line in lines)
@@ -388,7 +389,7 @@ def test_a_checkpoint_that_cannot_be_written_is_said_once_and_training_goes_on(t
 
     monkeypatch.setattr(store, "save_tensors", full)
     lines: list[str] = []
-    Lab(config, tmp_path / "full", echo=lines.append, progress=False, figures=False).run()
+    quiet(config, tmp_path / "full", echo=lines.append).run()
     said = [line for line in lines if "could not write a checkpoint" in line]
     assert len(said) == 1 and "No space left" in said[0] and "training goes on without" in said[0]
     assert len(refused) == 3  # after steps 1, 21 and 41
@@ -523,7 +524,7 @@ def test_missing_rope_weights_retrain_rope_for_the_extensions(tiny_config, tmp_p
     (out / "runs" / "rope" / "seed0" / "model.safetensors").unlink()
     (out / "runs" / "rope+pi" / "seed0" / "metrics.json").unlink()
     lines = []
-    resumed = Lab(config, out, progress=False, figures=False, echo=lines.append).run()
+    resumed = quiet(config, out, echo=lines.append).run()
     assert resumed["timings"]["units_run"] == 2
     assert any("model.safetensors is missing and rope+pi read it: rope is trained again" in x for x in lines)
     assert (out / "results.csv").read_text() == reference
@@ -719,21 +720,17 @@ def test_a_copied_unit_of_other_settings_is_refused_by_name(finished, tmp_path, 
 def test_a_fine_tune_asked_for_extensions_that_take_none_is_noted(tiny_config, tmp_path):
     lines = []
     config = tiny_config(encodings=("rope",), extensions=("ntk",), finetune_steps=2)
-    Lab(config, tmp_path / "r", progress=False, figures=False, echo=lines.append).run()
+    quiet(config, tmp_path / "r", echo=lines.append).run()
     assert "note: --finetune-steps fine-tunes only pi and yarn, so ntk run without a fine-tune" in lines
     lines.clear()
-    Lab(
-        tiny_config(encodings=("rope",), extensions=("ntk", "pi"), finetune_steps=2),
-        tmp_path / "s",
-        progress=False,
-        figures=False,
-        echo=lines.append,
+    quiet(
+        tiny_config(encodings=("rope",), extensions=("ntk", "pi"), finetune_steps=2), tmp_path / "s", echo=lines.append
     ).run()
     assert not [line for line in lines if "fine-tunes only" in line]
     lines.clear()
     # Silent until 2026-12-05: the steps were taken and nothing was tuned, not even the control.
     config = tiny_config(encodings=("rope",), extensions=(), finetune_steps=2)
-    Lab(config, tmp_path / "t", progress=False, figures=False, echo=lines.append).run()
+    quiet(config, tmp_path / "t", echo=lines.append).run()
     expected = "with no extension asked for (--extensions none) nothing is fine-tuned"
     assert f"note: --finetune-steps fine-tunes only pi and yarn, so {expected}" in lines
 
@@ -1075,7 +1072,7 @@ def test_a_narrower_rerun_says_which_finished_units_its_report_leaves_out(finish
     monkeypatch.setattr(runner, "train", lambda *a, **k: pytest.fail("a finished unit was trained again"))
     lines = []
     narrow = dataclasses.replace(config, encodings=("rope",), extensions=(), finetune_steps=0)
-    Lab(narrow, copy, progress=False, figures=False, echo=lines.append).run()
+    quiet(narrow, copy, echo=lines.append).run()
     others = len(plan(config)) - len(plan(narrow))
     assert any(f"note: {others} finished unit(s) in {copy} are outside this selection" in line for line in lines)
     assert {r["encoding"] for r in rows_of(copy)} == {"rope"}
