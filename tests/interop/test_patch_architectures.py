@@ -101,7 +101,10 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "granitemoehybrid": dict(
         layer_types=["linear_attention", "full_attention"],
         position_embedding_type="rope",
-        **dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16),
+        mamba_n_heads=8,
+        mamba_d_head=16,
+        mamba_d_state=16,
+        mamba_chunk_size=16,
     ),
     # its attention layers need the QSA indexer (refused: see REFUSED), the fields of which default to None; with
     # Qwen 3.5's M-RoPE sizes above, so that the refusal is the indexer's, not a section that does not fit
