@@ -13,6 +13,7 @@ import copy
 import importlib
 import re
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -185,15 +186,22 @@ MUST_PATCH = (
 )
 
 
+# A module-level apply_rotary_pos_emb* function, defined or imported (one name in a parenthesised import list too).
+_ROTATION_SOURCE = re.compile(
+    rf"^(?:def {ROTATION_PREFIX}|{ROTATION_PREFIX}\w* =|from [\w.]+ import (?:\([^)]*?|[^\n]*?)\b{ROTATION_PREFIX})",
+    re.MULTILINE,
+)
+
+
 def _candidates() -> list[str]:
+    """The causal-LM types whose modeling source has a rotation function, read as text: importing the ~190 modules
+    took 6 s of every test worker's collection. test_the_source_scan_finds_what_importing_finds checks the two agree."""
+    models = Path(transformers.__file__).parent / "models"
     found = []
     for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
         name = model_type_to_module_name(model_type)
-        try:
-            modeling = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
-        except Exception:  # an optional package the modeling module needs is not installed
-            continue
-        if any(attr.startswith(ROTATION_PREFIX) and callable(value) for attr, value in vars(modeling).items()):
+        source = models / name / f"modeling_{name}.py"
+        if source.is_file() and _ROTATION_SOURCE.search(source.read_text(encoding="utf-8")):
             found.append(model_type)
     return found
 
@@ -308,6 +316,20 @@ def _quiet_and_one_thread():
     transformers.logging.set_verbosity(verbosity)
 
 
+def test_the_source_scan_finds_what_importing_finds() -> None:
+    imported, unimportable = [], []
+    for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        name = model_type_to_module_name(model_type)
+        try:
+            modeling = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+        except Exception:  # an optional package the modeling module needs is not installed: tiny() skips it, saying so
+            unimportable.append(model_type)
+            continue
+        if any(attr.startswith(ROTATION_PREFIX) and callable(value) for attr, value in vars(modeling).items()):
+            imported.append(model_type)
+    assert [model_type for model_type in CANDIDATES if model_type not in unimportable] == imported
+
+
 def test_the_scan_sees_the_architectures_it_must_patch() -> None:
     missing = [model_type for model_type in MUST_PATCH if model_type not in CANDIDATES]
     assert not missing, f"not found in the installed transformers: {missing}"
@@ -384,11 +406,22 @@ NO_DYNAMIC = {
     "phimoe": r"model_type 'phimoe' with rope_type 'dynamic' is not supported",  # posenc maps its longrope only
     "recurrent_gemma": r"does not support RoPE types other than `default`",  # its rotary embedding refuses it
 }
-DYNAMIC = sorted(
-    model_type
-    for model_type in VERIFIED_ARCHITECTURES & set(CANDIDATES)
-    if not rope_layer_types(transformers.AutoConfig.for_model(model_type)) and model_type not in NO_DYNAMIC
+# Verified types whose default config has a rope dict per layer type, which dynamic NTK is not tried on. Listed, not
+# read from ~120 configs while collecting (5 s in every test worker): test_the_layer_typed_list_is_the_configs checks.
+LAYER_TYPED = frozenset(
+    {"beam", "dory", "dots3_note_text", "ergo", "gemma3_text", "gemma3n_text", "gemma4_text", "gemma4_unified_text"}
+    | {"laguna", "lfm3", "mellum", "mimo_v2_flash", "modernbert-decoder", "olmo3", "zaya"}
 )
+DYNAMIC = sorted((VERIFIED_ARCHITECTURES & set(CANDIDATES)) - LAYER_TYPED - NO_DYNAMIC.keys())
+
+
+def test_the_layer_typed_list_is_the_configs() -> None:
+    layer_typed = {
+        model_type
+        for model_type in VERIFIED_ARCHITECTURES & set(CANDIDATES)
+        if rope_layer_types(transformers.AutoConfig.for_model(model_type))
+    }
+    assert layer_typed == LAYER_TYPED
 
 
 def test_the_types_left_out_of_dynamic_cannot_take_it() -> None:
