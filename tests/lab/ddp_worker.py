@@ -4,7 +4,8 @@ Runs ``posenc lab`` with the given arguments, exactly as the command line does, 
 did to LOG_DIR/rank<RANK>.json: the exit status, every file it wrote (every write, the lab's and the report's,
 goes through ``posenc._atomic.atomic_path``), everything it printed to stdout and stderr (progress bars
 included), what it trained on and what it evaluated (see ``spy_on_work``). With POSENC_TEST_INTERRUPT_AT_BATCH=N in
-its environment, training is interrupted at its N-th batch (see ``interrupt_training``).
+its environment, training is interrupted at its N-th batch (see ``interrupt_training``). The lab's plots are
+written empty (see ``blank_figures``).
 Usage: python ddp_worker.py LOG_DIR lab-arguments...
 """
 
@@ -21,7 +22,24 @@ import torch.distributed as dist
 
 from posenc import _atomic
 from posenc.cli import main
-from posenc.lab import runner, train
+from posenc.lab import report, runner, train
+
+
+class _BlankFigure:
+    """Stands in for a matplotlib figure: saves as no bytes."""
+
+    def savefig(self, buffer, **options) -> None:
+        pass
+
+
+def blank_figures(results: dict) -> dict[str, _BlankFigure]:
+    """Stands in for ``report.figures``: the lab's plots (report.plot_all, as a run calls it) are each written,
+    as empty PNGs, instead of drawn.
+
+    Drawing them (matplotlib's import and four figures, ~6 s a run here) is most of a tiny run's time and has no
+    bearing on the ranks: what they draw is tested in test_runner.py. Each PNG is still written, through the same
+    atomic path on the same rank, so a rank other than 0 writing one would show in its "written"."""
+    return {name: _BlankFigure() for name in report.plots_of(results["rows"])}
 
 
 def spy_on_work() -> dict[str, list]:
@@ -83,6 +101,7 @@ def run(log_dir: str, argv: list[str]) -> int:
             yield tmp
 
     _atomic.atomic_path = recording
+    report.figures = blank_figures
     work = spy_on_work()
     if "POSENC_TEST_INTERRUPT_AT_BATCH" in os.environ:
         interrupt_training(int(os.environ["POSENC_TEST_INTERRUPT_AT_BATCH"]))

@@ -11,6 +11,7 @@ relative; no gradient averaging (no DDP) leaves step 0 equal and puts the later 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from posenc.cli import main
+from posenc.lab import report
 from posenc.lab.config import make_config
 from posenc.lab.dist import Ranks
 from posenc.lab.lock import FolderLock
@@ -56,6 +58,21 @@ FLAGS = [
 TRAINED = ("rope", "t5", "rope+ft2-len16", "rope+ft2-len32", "rope+yarn+ft2-len16", "rope+yarn+ft2-len32")
 
 
+def _worker_module():
+    spec = importlib.util.spec_from_file_location("ddp_worker", WORKER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def blank_plots():
+    """The one-process runs here write the lab's plots empty, as the ranks do (see ddp_worker.blank_figures)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(report, "figures", _worker_module().blank_figures)
+        yield
+
+
 def torchrun_lab(logs: Path, *args: str, ok: bool = True) -> dict[int, dict]:
     """``posenc lab ARGS`` in 2 processes under torchrun; returns each rank's log (see ddp_worker.py).
     ok: whether torchrun must succeed (else it must fail)."""
@@ -87,7 +104,7 @@ def without_seconds(eval_results: list[dict]) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, corpus_dir):
+def runs(tmp_path_factory, corpus_dir, blank_plots):
     """A one-process run, a two-process run of the same command, and a two-process rerun of it after the
     rope+yarn unit's metrics were deleted (as if its evaluation had been interrupted)."""
     root = tmp_path_factory.mktemp("ddp")
@@ -137,7 +154,7 @@ def test_only_rank_0_writes_files_and_prints(runs):
     assert rank1["written"] == [] and rank1["stdout"] == "" and "tok" not in rank1["stderr"]
     out = runs["root"] / "two"
     written = {Path(p).relative_to(out).as_posix() for p in rank0["written"]}
-    assert {"config.json", "results.csv", "report.md"} <= written
+    assert {"config.json", "results.csv", "report.md", "bpb_by_length.png"} <= written
     assert {f"runs/{u}/seed0/model.safetensors" for u in TRAINED} <= written
     assert "Bits per byte, trained at 8" in rank0["stdout"] and "train rope seed 0" in rank0["stderr"]
     assert not list(out.rglob("*.tmp"))
@@ -186,7 +203,7 @@ def test_a_unit_interrupted_in_training_resumes_from_rank_0s_checkpoint_on_every
     assert (out / "results.csv").read_text() == (two / "results.csv").read_text()
 
 
-def test_evaluation_split_across_ranks_equals_one_process(runs, corpus_dir, tmp_path):
+def test_evaluation_split_across_ranks_equals_one_process(runs, corpus_dir, tmp_path, blank_plots):
     """The two-process run's saved weights, evaluated again by one process: identical numbers, every unit."""
     assert_each_rank_evaluated_its_share(runs["first"])  # else rank 0 alone evaluating would pass the comparison
     copy = tmp_path / "copy"
