@@ -241,18 +241,27 @@ def test_consistent_model_decode_benchmark_times_both_providers_and_counts_graph
 
 def test_rope_traced_path_benchmark_runs_both_cases(tmp_path: Path) -> None:
     """README's "~6x the host time" and "6.6x ... 1.6x now" come from this script: each case at the smallest size
-    (the compiled case with Dynamo's eager backend: Inductor's first compile takes most of a minute here)."""
-    sizes = ("--heads", "2", "--kv-heads", "1", "--head-dim", "8", "--reps", "1")
-    _run("rope_traced_path.py", "--case", "eager-decode", *sizes, "--out", str(tmp_path / "eager.csv"))
+    (the compiled case with Dynamo's eager backend: Inductor's first compile takes most of a minute here). Run here
+    through its main(argv), not in two subprocesses that import torch again: it pins no allocator, puts back what
+    its providers swap (test_rope_traced_path_stands_in_for_the_older_code_only_inside_its_block), joins its
+    compiling thread, and its thread count and compiled functions are undone after."""
+    traced = _benchmark("rope_traced_path")
+    sizes = ["--heads", "2", "--kv-heads", "1", "--head-dim", "8", "--reps", "1"]
+    threads = torch.get_num_threads()
+    torch._dynamo.reset()  # no RoPE forward another test compiled counts against the compiled case's fullgraph
+    try:
+        traced.main(["--case", "eager-decode", *sizes, "--out", str(tmp_path / "eager.csv")])
+        traced.main(
+            ["--case", "compiled", "--compiler", "eager", "--seq", "5", *sizes, "--out", str(tmp_path / "compiled.csv")]
+        )
+    finally:
+        torch.set_num_threads(threads)
+        torch._dynamo.reset()
     rows = _rows(tmp_path / "eager.csv")
     assert [(r["mode"], r["provider"]) for r in rows] == [
         (t, p) for t in ("default", "linear", "yarn") for p in ("eager", "traced-path")
     ]
     assert all(r["ratio_to"] == "eager" and float(r["ratio"]) > 0 for r in rows)
-    _run(
-        "rope_traced_path.py", "--case", "compiled", "--compiler", "eager", "--seq", "5", *sizes,
-        "--out", str(tmp_path / "compiled.csv"),
-    )  # fmt: skip
     rows = _rows(tmp_path / "compiled.csv")
     assert [(r["mode"], r["provider"]) for r in rows] == [
         (f"{b}/eager", p) for b in ("torch", "auto") for p in ("table", "angles-op", "angles-inline")
@@ -453,15 +462,17 @@ def test_kernel_ab_builds_a_revision_and_runs_it_beside_the_tree(tmp_path: Path)
 
 
 @pytest.mark.skipif(not _in_git(), reason="decode_host_ab.py unpacks the baseline's src from git")
-def test_decode_host_ab_times_both_trees_in_turns(tmp_path: Path) -> None:
+def test_decode_host_ab_times_both_trees_in_turns(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """docs/benchmarks.md's decode host-cost numbers (2026-12-06 on) come from this script: each case, each pair's
-    two processes (HEAD's src unpacked, the working tree's), in alternating order."""
+    two processes (HEAD's src unpacked, the working tree's), in alternating order. The script runs here through its
+    main(argv): it only starts the timing processes (they pin the allocator), so a process of its own would only
+    import torch once more."""
     out = tmp_path / "ab.csv"
-    printed = _run(
-        "decode_host_ab.py",
+    _benchmark("decode_host_ab").main([
         *("--baseline", "HEAD", "--pairs", "2", "--calls", "2", "--rounds", "1", "--warmup", "1"),
         *("--prefill-tokens", "4", "--prefill-calls", "1", "--prefill-rounds", "2", "--csv", str(out)),
-    )
+    ])  # fmt: skip
+    printed = capsys.readouterr().out
     rows = _rows(out)
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     old = f"old@{head.stdout.strip()}"
