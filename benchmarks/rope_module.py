@@ -67,8 +67,10 @@ def launch_parts(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     }
 
 
-def make_cases(rope: RoPE, dtype: torch.dtype, seq: int, offset: int, device: str, parts: bool = False) -> dict:
-    q, k = random_qk(1, 32, 8, seq, 128, dtype=dtype, device=device)
+def make_cases(
+    rope: RoPE, dtype: torch.dtype, seq: int, offset: int, device: str, parts: bool = False, heads: tuple = (32, 8)
+) -> dict:
+    q, k = random_qk(1, *heads, seq, 128, dtype=dtype, device=device)
     positions = torch.arange(offset, offset + seq, device=device)
     cos, sin = rope.cos_sin(positions, dtype=torch.float32)
     cases = {
@@ -109,6 +111,14 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=4096, help="tokens of the prefill case")
     parser.add_argument("--reps", type=int, nargs=2, default=[30, 2000], help="reps of the prefill and the decode")
     parser.add_argument(
+        "--heads",
+        type=int,
+        nargs=2,
+        default=[32, 8],
+        metavar=("Q", "K"),
+        help="q and k heads (32 8, Llama 3 8B's; fewer: the tests' interpreted Triton runs a program per head group)",
+    )
+    parser.add_argument(
         "--launch-parts",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -118,6 +128,9 @@ def main() -> None:
     add_allocation_argument(parser)
     args = parser.parse_args()
     parts = args.device == "cuda" if args.launch_parts is None else args.launch_parts
+    if min(args.heads) < 1:
+        parser.error(f"--heads must be at least 1, got {args.heads[0]} {args.heads[1]}")
+    hq, hk = args.heads
 
     env = environment(args.device, args.alloc)
     rope = RoPE(128)
@@ -126,9 +139,9 @@ def main() -> None:
         prefill, decode = ("prefill", args.prefill, 0, args.reps[0]), ("decode", 1, args.prefill - 1, args.reps[1])
         for mode, seq, offset, reps in (prefill, decode):
             for dtype_name in args.dtypes:
-                cases = make_cases(rope, DTYPES[dtype_name], seq, offset, args.device, parts)
+                cases = make_cases(rope, DTYPES[dtype_name], seq, offset, args.device, parts, heads=(hq, hk))
                 times = measure_interleaved(cases, reps=reps, device=args.device)
-                shape = f"b=1,hq=32,hk=8,s={seq},d=128,offset={offset}"
+                shape = f"b=1,hq={hq},hk={hk},s={seq},d=128,offset={offset}"
                 rows += rows_against_copy(times, op="rope-module", mode=mode, dtype=dtype_name, shape=shape, env=env)
     if args.csv is not None:
         write_rows(rows, args.csv)
