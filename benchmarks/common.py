@@ -207,7 +207,7 @@ SLEEP_CYCLES = 2_000_000  # ~1 ms of GPU clock, in which the host prepares the t
 
 
 def measure_interleaved(
-    cases: dict[str, Callable[[], object]], *, reps: int, device: str, clock: str = "host"
+    cases: dict[str, Callable[[], object]], *, reps: int, device: str, clock: str = "host", warmup: int = 2
 ) -> dict[str, list[float]]:
     """Milliseconds per case, name -> fn, taking turns rep by rep: on a shared machine a burst
     of load then slows every provider alike instead of whichever ran during it, which keeps ratios honest. The
@@ -221,16 +221,21 @@ def measure_interleaved(
 
     clock: "host" times each call from the host, synchronizing before and after (on CUDA that includes the host's
     work: Python, checks, launches); "device" (CUDA only) times what the GPU spends, with events (``_device_clock``).
+    warmup: untimed rounds of every case before the timed ones (the host clock; the device clock keeps its two).
     """
     if clock not in CLOCKS:
         raise ValueError(f"clock must be one of {CLOCKS}, got {clock!r}")
+    if warmup < 0:
+        raise ValueError(f"warmup must be >= 0, got {warmup}")
     if clock == "device":
+        if warmup != 2:
+            raise ValueError(f"warmup={warmup}: clock='device' always runs two warm-up rounds; leave warmup at 2")
         if device != "cuda":
             raise ValueError(f"clock='device' times CUDA work with events; device is {device!r}: use clock='host'")
         return _device_clock(cases, reps=reps, device=device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     times: dict[str, list[float]] = {name: [] for name in cases}
-    for rep, name in _turns(list(cases), reps):
+    for rep, name in _turns(list(cases), reps, warmup):
         sync()
         start = time.perf_counter()
         result = cases[name]()
@@ -268,11 +273,11 @@ def measure_thread_time(
     return times
 
 
-def _turns(names: list[str], reps: int):
-    """(rep, name) in the order cases take turns: two warm-up rounds (rep -2 and -1, not recorded) and then reps
-    rounds, each starting one case further along, so no case always runs right after the same one."""
-    for rep in range(-2, reps):
-        shift = (rep + 2) % len(names)
+def _turns(names: list[str], reps: int, warmup: int = 2):
+    """(rep, name) in the order cases take turns: ``warmup`` warm-up rounds (rep -warmup to -1, not recorded) and
+    then reps rounds, each starting one case further along, so no case always runs right after the same one."""
+    for rep in range(-warmup, reps):
+        shift = (rep + warmup) % len(names)
         for name in names[shift:] + names[:shift]:
             yield rep, name
 

@@ -109,10 +109,18 @@ def main() -> None:
     parser.add_argument("--q-heads", type=int, default=HEADS_Q, help=f"q heads ({HEADS_Q})")
     parser.add_argument("--k-heads", type=int, default=HEADS_K, help=f"k heads ({HEADS_K})")
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        help="untimed rounds of every case before the timed ones (2; host clock only, the device clock runs 2)",
+    )
     parser.add_argument("--csv", type=Path, default=None)
     add_clock_argument(parser)
     args = parser.parse_args()
     clock = chosen_clock(parser, args)
+    if args.warmup < 0 or (clock == "device" and args.warmup != 2):
+        parser.error(f"--warmup {args.warmup}: at least 0, and only with --clock host (the device clock runs 2)")
 
     env = environment(args.device, "system", clock)
     rows: list[dict] = []
@@ -133,7 +141,7 @@ def main() -> None:
             cases[name] = rotation(q, k, cos, sin, layout, interleaved, block_s, warps, heads, superblock)
         mode = f"fwd-{layout}" + ("-adjacent" if interleaved else "")
         check(cases, q, k, layout, interleaved, f"{dtype_name} {mode}")
-        times = measure_interleaved(cases, reps=args.reps, device=args.device, clock=clock)
+        times = measure_interleaved(cases, reps=args.reps, device=args.device, clock=clock, warmup=args.warmup)
         shape = f"b={args.batch},hq={args.q_heads},hk={args.k_heads},s={args.seq},d={HEAD_DIM}"
         rows += rows_against_copy(
             times,

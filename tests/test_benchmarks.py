@@ -499,9 +499,9 @@ def test_triton_tune_checks_and_times_every_configuration(tmp_path: Path) -> Non
         "triton_tune.py",
         *("--device", "cpu", "--seq", "8", "--dtypes", "bf16", "--layouts", "bhsd", "bshd", "--pairs", "half"),
         *("adjacent", "--block-s", "4", "--warps", "2", "--heads", "2", "4", "--superblocks", "1", "2"),
-        *("--q-heads", "8", "--k-heads", "4", "--reps", "1", "--csv", str(out)),
+        *("--q-heads", "8", "--k-heads", "4", "--reps", "1", "--warmup", "0", "--csv", str(out)),
         interpret=True,
-    )
+    )  # no warm-up rounds: the value check has run every case once, and interpreted times mean nothing
     rows = _rows(out)
     # Interpreted, a call's time grows with its programs: two of the four dimensions vary, and 8 q and 4 k heads (not
     # 32 and 8) still make several head groups of 2 or 4 per tensor, with k's fewer than q's. 8 tokens make 2 blocks
@@ -601,6 +601,26 @@ def test_device_clock_hides_host_work_behind_a_flush_and_a_sleep(monkeypatch: py
         common.measure_interleaved({"a": case("a")}, reps=1, device="cpu", clock="device")
     with pytest.raises(ValueError, match="clock must be one of"):
         common.measure_interleaved({"a": case("a")}, reps=1, device="cpu", clock="wall")
+
+
+def test_measure_interleaved_runs_its_warmup_rounds_untimed() -> None:
+    """Two warm-up rounds unless told (triton_tune.py --warmup): each case runs warmup + reps times and reps are
+    timed; the device clock refuses another count rather than ignore it."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import common
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    for warmup, calls in ((None, 5), (0, 3), (1, 4)):
+        ran: list[str] = []
+        cases = {name: (lambda name=name, ran=ran: ran.append(name)) for name in ("a", "b")}
+        options = {} if warmup is None else {"warmup": warmup}
+        times = common.measure_interleaved(cases, reps=3, device="cpu", **options)
+        assert [len(t) for t in times.values()] == [3, 3] and ran.count("a") == ran.count("b") == calls, warmup
+    with pytest.raises(ValueError, match="warmup must be >= 0, got -1"):
+        common.measure_interleaved({"a": lambda: None}, reps=1, device="cpu", warmup=-1)
+    with pytest.raises(ValueError, match="warmup=0: clock='device' always runs two warm-up rounds"):
+        common.measure_interleaved({"a": lambda: None}, reps=1, device="cuda", clock="device", warmup=0)
 
 
 def test_gpu_goal_verdicts_from_benchmark_rows() -> None:
