@@ -1,6 +1,8 @@
 """The benchmark scripts still run and write what docs/benchmarks.md says they write (tiny sizes, no timing asserted).
 
-Each runs in a subprocess: they pin glibc's allocation regime with mallopt, which would outlast them in this one.
+A script that pins glibc's allocation regime with mallopt runs in a subprocess (the pin would outlast it in this
+one), as does one that must import Triton interpreted; the others run through their main here, where a subprocess
+would only import torch again.
 """
 
 from __future__ import annotations
@@ -45,6 +47,18 @@ def _run(script: str, *args: str, interpret: bool = False) -> str:
 def _rows(path: Path) -> list[dict[str, str]]:
     with path.open() as f:  # a first line of "# command" where a script records the command that made it
         return list(csv.DictReader(line for line in f if not line.startswith("#")))
+
+
+def _main_in_process(monkeypatch: pytest.MonkeyPatch, script: str, *args: str) -> None:
+    """``script ARGS`` through its main() in this process (its sys.argv patched, torch's thread count put back): for
+    the scripts that pin no allocator here (run with glibc's defaults, "system"), where a subprocess would only
+    import torch again."""
+    monkeypatch.setattr(sys, "argv", [script, *args])
+    threads = torch.get_num_threads()
+    try:
+        _benchmark(script.removesuffix(".py")).main()
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _benchmark(name: str) -> ModuleType:
@@ -188,20 +202,24 @@ def _in_git() -> bool:
     return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True).returncode == 0
 
 
-def test_decode_and_lab_throughput_benchmarks_run_with_one_rep(tmp_path: Path) -> None:
-    """One timed sample is a row too (p20 = p50 = p80), not a StatisticsError."""
-    _run(
-        "rope_consistent_cache.py",
-        *("--head-dim", "16", "--heads", "2", "--kv-heads", "1", "--max-pos", "8", "--prefill", "4", "--total", "12"),
-        *("--repeats", "1", "--out", str(tmp_path / "cache.csv")),
-    )
+def test_decode_and_lab_throughput_benchmarks_run_with_one_rep(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One timed sample is a row too (p20 = p50 = p80), not a StatisticsError. Both in this process: neither pins the
+    allocator (lab_throughput.py's default is glibc's, "system")."""
+    threads = torch.get_num_threads()
+    try:
+        _benchmark("rope_consistent_cache").main([
+            *("--head-dim", "16", "--heads", "2", "--kv-heads", "1", "--max-pos", "8", "--prefill", "4"),
+            *("--total", "12", "--repeats", "1", "--out", str(tmp_path / "cache.csv")),
+        ])  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
     rows = _rows(tmp_path / "cache.csv")
     assert {(r["provider"], r["mode"]) for r in rows} == {
         (f"rope-{t}", f"{m}/{w}") for t in ("dynamic", "longrope") for m in ("hf", "consistent") for w in
         ("before", "switch", "after")
     }  # fmt: skip
-    _run("lab_throughput.py", *("--preset", "quick", "--encodings", "rope", "--steps", "1", "--reps", "1"),
-         "--threads", "3", "--no-progress", "--out", str(tmp_path / "lab.csv"))  # fmt: skip
+    _main_in_process(monkeypatch, "lab_throughput.py", *("--preset", "quick", "--encodings", "rope", "--steps", "1"),
+                     "--reps", "1", "--threads", "3", "--no-progress", "--out", str(tmp_path / "lab.csv"))  # fmt: skip
     rows = _rows(tmp_path / "lab.csv")
     assert [r["provider"] for r in rows] == ["lab", "plain"] and rows[0]["p20"] == rows[0]["p50"] == rows[0]["p80"]
     # The device column names the threads the run used (--threads 3), not torch's count before it applied them.
@@ -303,8 +321,11 @@ def test_decode_benchmark_refuses_lengths_without_its_three_phases(
     assert f"--prefill {prefill}, --max-pos {max_pos}, --total {total}" in error and "--prefill < --max-pos" in error
 
 
-def test_rope_memory_prints_a_row_per_case_with_its_floor() -> None:
-    out = _run("rope_memory.py", "--seq", "256", "--dtypes", "bf16", "--backends", "torch")
+def test_rope_memory_prints_a_row_per_case_with_its_floor(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _main_in_process(monkeypatch, "rope_memory.py", "--seq", "256", "--dtypes", "bf16", "--backends", "torch")
+    out = capsys.readouterr().out
     rows = [line.strip("|").split("|") for line in out.splitlines() if line.startswith("| torch")]
     assert len(rows) == 16  # pairs x rotary x copy/in place x fwd/fwd+bwd
     q_and_k = (32 + 8) * 256 * 128 * 2 / 2**20
@@ -314,12 +335,13 @@ def test_rope_memory_prints_a_row_per_case_with_its_floor() -> None:
         assert float(extra) == pytest.approx(float(peak) - float(floor), abs=0.15)
 
 
-def test_bias_memory_packs_documents(tmp_path: Path) -> None:
+def test_bias_memory_packs_documents(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The materialized path only (FlexAttention's first compile would take a minute here); the flex path with
-    document ids is tested against it in tests/kernels/test_flex_bias.py."""
+    document ids is tested against it in tests/kernels/test_flex_bias.py. The script's main runs here: it measures
+    each case in a process of its own, which it starts."""
     out = tmp_path / "bias.csv"
-    _run(
-        "bias_memory.py", "--seq", "64", "--heads", "2", "--head-dim", "8", "--paths", "materialized",
+    _main_in_process(
+        monkeypatch, "bias_memory.py", "--seq", "64", "--heads", "2", "--head-dim", "8", "--paths", "materialized",
         "--encodings", "alibi", "t5", "--documents", "4", "--batch", "2", "--csv", str(out),
     )  # fmt: skip
     rows = _rows(out)
