@@ -96,8 +96,9 @@ def tables(seq: int, dtype: torch.dtype, device: str) -> dict[str, tuple[torch.T
     }
 
 
-def providers(device: str, seq: int, dtype: torch.dtype) -> dict[str, Callable]:
-    """name -> f(q, k) returning the rotated (q, k) (or the copies)."""
+def providers(device: str, seq: int, dtype: torch.dtype, names: list[str] | None = None) -> dict[str, Callable]:
+    """name -> f(q, k) returning the rotated (q, k) (or the copies). names: where given, a torch.compile provider
+    not among them is not made (making it imports Dynamo and Inductor, seconds on a CPU host)."""
     table = tables(seq, dtype, device)
     (half_cos, half_sin), (hf_cos, hf_sin) = table["half"], table["full"]
     result: dict[str, Callable] = {"copy": lambda q, k: (q.clone(), k.clone()), "copy-one-launch": torch.clone}
@@ -109,9 +110,10 @@ def providers(device: str, seq: int, dtype: torch.dtype) -> dict[str, Callable]:
     # Dynamo keeps the compiled variants of hf_eager's code across torch.compile wrappers, 8 at most: past that it
     # runs the function eagerly without a word. Each (seq, dtype) has one or two (grad mode), so start afresh,
     # and compile for this shape only (after a second shape Dynamo would otherwise switch to dynamic shapes).
-    torch._dynamo.reset()
-    compiled = torch.compile(hf_eager, dynamic=False)
-    result["torch.compile(hf-eager)"] = lambda q, k: compiled(q, k, hf_cos, hf_sin)
+    if names is None or "torch.compile(hf-eager)" in names:
+        torch._dynamo.reset()
+        compiled = torch.compile(hf_eager, dynamic=False)
+        result["torch.compile(hf-eager)"] = lambda q, k: compiled(q, k, hf_cos, hf_sin)
     if device == "cuda":
         # The fused kernel again, on the memory Liger is given (HF_LAYOUT): the layouts time differently (on an
         # H200, 0.91 of a copy for (b, h, s, d) against 0.99 for (b, s, h, d), bf16 at 16k).
@@ -295,7 +297,7 @@ def main() -> None:
         for dtype_name in args.dtypes:
             dtype = DTYPES[dtype_name]
             q, k = random_qk(args.batch, HEADS_Q, HEADS_K, seq, HEAD_DIM, dtype=dtype, device=args.device)
-            chosen = providers(args.device, seq, dtype)
+            chosen = providers(args.device, seq, dtype, names)
             if names:
                 chosen = {n: f for n, f in chosen.items() if n in names or n in COPIES}
             for name, what in check_values(chosen, q, k, args.modes).items():

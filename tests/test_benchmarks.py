@@ -104,7 +104,7 @@ def test_rope_benchmark_leaves_out_a_provider_with_wrong_values(
     rope = _benchmark("rope")
     real_providers = rope.providers
 
-    def providers(device: str, seq: int, dtype: torch.dtype) -> dict:
+    def providers(device: str, seq: int, dtype: torch.dtype, names: list[str] | None = None) -> dict:
         cos, sin = rope.tables(seq, dtype, device)["full"]
 
         def rotated_forward_identity_backward(q, k):
@@ -113,7 +113,7 @@ def test_rope_benchmark_leaves_out_a_provider_with_wrong_values(
         def raises(q, k):
             raise RuntimeError("no kernel for this shape")
 
-        chosen = real_providers(device, seq, dtype)
+        chosen = real_providers(device, seq, dtype, names)
         chosen |= {"posenc-torch": lambda q, k: (q.clone(), k.clone()), "posenc-cpu": rotated_forward_identity_backward}
         return chosen | {"torch.compile(hf-eager)": raises}
 
@@ -196,6 +196,8 @@ def test_rope_benchmark_names_the_providers_it_knows(
     # Every provider a CPU run makes is a known name, measured on the CPU.
     made = set(rope.providers("cpu", 8, torch.float32))
     assert made == {name for name in rope.PROVIDERS if rope.ONLY_ON.get(name, "cpu") == "cpu"}
+    # A run that names its providers makes no torch.compile one it did not name (nor leaves out any other).
+    assert set(rope.providers("cpu", 8, torch.float32, ["hf-eager"])) == made - {"torch.compile(hf-eager)"}
 
 
 def _in_git() -> bool:
