@@ -110,6 +110,7 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
     parser.add_argument("--prefill", type=int, default=4096, help="tokens of the prefill case")
     parser.add_argument("--reps", type=int, nargs=2, default=[30, 2000], help="reps of the prefill and the decode")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds of every case before the timed ones (2)")
     parser.add_argument(
         "--heads",
         type=int,
@@ -130,6 +131,8 @@ def main() -> None:
     parts = args.device == "cuda" if args.launch_parts is None else args.launch_parts
     if min(args.heads) < 1:
         parser.error(f"--heads must be at least 1, got {args.heads[0]} {args.heads[1]}")
+    if args.warmup < 0:
+        parser.error(f"--warmup must be at least 0, got {args.warmup}")
     hq, hk = args.heads
 
     env = environment(args.device, args.alloc)
@@ -140,7 +143,7 @@ def main() -> None:
         for mode, seq, offset, reps in (prefill, decode):
             for dtype_name in args.dtypes:
                 cases = make_cases(rope, DTYPES[dtype_name], seq, offset, args.device, parts, heads=(hq, hk))
-                times = measure_interleaved(cases, reps=reps, device=args.device)
+                times = measure_interleaved(cases, reps=reps, device=args.device, warmup=args.warmup)
                 shape = f"b=1,hq={hq},hk={hk},s={seq},d=128,offset={offset}"
                 rows += rows_against_copy(times, op="rope-module", mode=mode, dtype=dtype_name, shape=shape, env=env)
     if args.csv is not None:
