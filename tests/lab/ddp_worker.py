@@ -6,7 +6,13 @@ goes through ``posenc._atomic.atomic_path``), everything it printed to stdout an
 included), what it trained on and what it evaluated (see ``spy_on_work``). With POSENC_TEST_INTERRUPT_AT_BATCH=N in
 its environment, training is interrupted at its N-th batch (see ``interrupt_training``). The lab's plots are
 written empty (see ``blank_figures``).
-Usage: python ddp_worker.py LOG_DIR lab-arguments...
+
+Usage: python ddp_worker.py LOG_DIR lab-arguments... [--then PORT LOG_DIR lab-arguments...]...
+
+Each ``--then`` runs one more ``posenc lab`` in the same processes when the one before it has returned (a process
+start and torch's import saved per run), its log in its own LOG_DIR. A later run's group meets on PORT, a store of
+its own that rank 0 serves (as ``init_process_group``'s env:// does outside torchrun): torchrun's store cannot be
+joined twice (a second ``init_process_group`` on it hung or failed here). The exit status is the largest of the runs'.
 """
 
 from __future__ import annotations
@@ -89,7 +95,17 @@ def interrupt_training(at: int) -> None:
     train.windows_at = windows_at
 
 
-def run(log_dir: str, argv: list[str]) -> int:
+def commands(argv: list[str]) -> list[tuple[str | None, str, list[str]]]:
+    """(port or None for torchrun's own, log dir, lab arguments) of each run, from the command line."""
+    runs, port = [], None
+    while "--then" in argv:
+        at = argv.index("--then")
+        runs.append((port, argv[0], argv[1:at]))
+        port, argv = argv[at + 1], argv[at + 2 :]
+    return [*runs, (port, argv[0], argv[1:])]
+
+
+def run(argv: list[str]) -> int:
     rank = int(os.environ.get("RANK", "0"))
     written: list[str] = []
     real_atomic_path = _atomic.atomic_path
@@ -105,14 +121,22 @@ def run(log_dir: str, argv: list[str]) -> int:
     work = spy_on_work()
     if "POSENC_TEST_INTERRUPT_AT_BATCH" in os.environ:
         interrupt_training(int(os.environ["POSENC_TEST_INTERRUPT_AT_BATCH"]))
-    stdout, stderr = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        status = main(["lab", *argv])
-    log = {"status": status, "written": written, "stdout": stdout.getvalue(), "stderr": stderr.getvalue(), **work}
-    log["left_the_group"] = not dist.is_initialized()  # the lab joins torchrun's group for the run, then leaves it
-    Path(log_dir, f"rank{rank}.json").write_text(json.dumps(log))
-    return status
+    statuses = []
+    for port, log_dir, lab_argv in commands(argv):
+        if port is not None:
+            os.environ |= {"MASTER_PORT": port, "TORCHELASTIC_USE_AGENT_STORE": "False"}
+        written.clear()
+        for records in work.values():
+            records.clear()
+        stdout, stderr = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            status = main(["lab", *lab_argv])
+        log = {"status": status, "written": written, "stdout": stdout.getvalue(), "stderr": stderr.getvalue(), **work}
+        log["left_the_group"] = not dist.is_initialized()  # the lab joins the group for the run, then leaves it
+        Path(log_dir, f"rank{rank}.json").write_text(json.dumps(log))
+        statuses.append(status)
+    return max(statuses)
 
 
 if __name__ == "__main__":
-    sys.exit(run(sys.argv[1], sys.argv[2:]))
+    sys.exit(run(sys.argv[1:]))

@@ -15,6 +15,7 @@ import importlib.util
 import json
 import os
 import shutil
+import socket
 from pathlib import Path
 
 import pytest
@@ -76,10 +77,24 @@ def blank_plots():
 def torchrun_lab(logs: Path, *args: str, ok: bool = True) -> dict[int, dict]:
     """``posenc lab ARGS`` in 2 processes under torchrun; returns each rank's log (see ddp_worker.py).
     ok: whether torchrun must succeed (else it must fail)."""
-    logs.mkdir(parents=True)
-    result = run_torchrun(WORKER, str(logs), *args, timeout=120)
+    (logs,) = torchrun_labs([(logs, list(args))], ok=ok)
+    return logs
+
+
+def torchrun_labs(runs: list[tuple[Path, list[str]]], ok: bool = True) -> list[dict[int, dict]]:
+    """Each ``posenc lab ARGS`` of ``runs`` in turn, in the same 2 processes under torchrun (ddp_worker.py's
+    ``--then``: one process start and torch import for them all); returns each run's logs, by rank."""
+    argv = []
+    for logs, args in runs:
+        logs.mkdir(parents=True)
+        if argv:
+            with socket.socket() as s:  # the later run's group meets here (see ddp_worker.py)
+                s.bind(("127.0.0.1", 0))
+                argv += ["--then", str(s.getsockname()[1])]
+        argv += [str(logs), *args]
+    result = run_torchrun(WORKER, *argv, timeout=120 * len(runs))
     assert (result.returncode == 0) == ok, result.stdout[-3000:] + result.stderr[-3000:]
-    return {rank: json.loads((logs / f"rank{rank}.json").read_text()) for rank in (0, 1)}
+    return [{rank: json.loads((logs / f"rank{rank}.json").read_text()) for rank in (0, 1)} for logs, _ in runs]
 
 
 def train_info(out: Path, unit: str) -> dict:
@@ -106,7 +121,8 @@ def without_seconds(eval_results: list[dict]) -> list[dict]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, corpus_dir, blank_plots):
     """A one-process run, a two-process run of the same command, and a two-process rerun of it after the
-    rope+yarn unit's metrics were deleted (as if its evaluation had been interrupted)."""
+    rope+yarn unit's metrics were deleted (as if its evaluation had been interrupted). In the rerun's processes,
+    after it, the two runs that must stop on every rank (see the refusal tests), each a torchrun of its own before."""
     root = tmp_path_factory.mktemp("ddp")
     flags = [*FLAGS, "--corpus", str(corpus_dir)]
     assert main(["lab", *flags, "--out", str(root / "one"), "--no-progress"]) == 0
@@ -115,8 +131,27 @@ def runs(tmp_path_factory, corpus_dir, blank_plots):
     yarn = root / "two" / "runs" / "rope+yarn" / "seed0" / "metrics.json"
     yarn_metrics = json.loads(yarn.read_text())
     yarn.unlink()
-    again = torchrun_lab(root / "logs-again", *flags, "--out", str(root / "two"))
-    return {"root": root, "first": first, "again": again, "before": before, "yarn_metrics": yarn_metrics}
+    refused = [*flags, "--steps", "7", "--out", str(root / "two"), "--no-progress"]  # two's config has 6 steps
+    # A finished run folder of the same configuration, locked by this process for the whole torchrun (the others'
+    # folder is two, which the rerun needs unlocked).
+    in_use = [*flags, "--out", str(root / "one"), "--no-progress"]
+    held = FolderLock(root / "one", "the test")
+    try:
+        again, refusal, lock = torchrun_labs(
+            [
+                (root / "logs-again", [*flags, "--out", str(root / "two")]),
+                (root / "logs-refused", refused),
+                (root / "logs-in-use", in_use),
+            ],
+            ok=False,  # the exit status is the refused runs' 2
+        )
+    finally:
+        held.release()
+    assert again[0]["status"] == again[1]["status"] == 0
+    return {"root": root, "first": first, "again": again, "before": before, "yarn_metrics": yarn_metrics} | {
+        "refused": refusal,
+        "in_use": lock,
+    }
 
 
 def test_two_ranks_give_the_one_process_losses(runs):
@@ -222,25 +257,19 @@ def test_evaluation_split_across_ranks_equals_one_process(runs, corpus_dir, tmp_
         assert without_seconds(metrics(copy, unit)["eval"]) == without_seconds(split), unit
 
 
-def test_a_refusal_seen_by_rank_0_stops_every_rank_once(runs, corpus_dir):
-    """Rank 0 reads the folder and refuses it; rank 1 must stop with it (not wait), and the reason is said once."""
-    out = runs["root"] / "two"
-    flags = [*FLAGS, "--corpus", str(corpus_dir), "--steps", "7", "--out", str(out), "--no-progress"]
-    logs = torchrun_lab(runs["root"] / "logs-refused", *flags, ok=False)
+def test_a_refusal_seen_by_rank_0_stops_every_rank_once(runs):
+    """Rank 0 reads the folder and refuses it; rank 1 must stop with it (not wait), and the reason is said once.
+    (Run by the fixture, --steps 7 against the 6 two was run with.)"""
+    logs = runs["refused"]
     assert logs[0]["status"] == logs[1]["status"] == 2
     assert "different configuration (differs in: steps)" in logs[0]["stderr"] and logs[1]["stderr"] == ""
     assert logs[0]["written"] == logs[1]["written"] == []
 
 
-def test_a_folder_in_use_stops_every_rank_once(runs, corpus_dir):
-    """Rank 0 takes the folder's lock; another run holding it (this test process) stops both ranks, said once."""
-    out = runs["root"] / "two"
-    held = FolderLock(out, "the test")
-    try:
-        flags = [*FLAGS, "--corpus", str(corpus_dir), "--out", str(out), "--no-progress"]
-        logs = torchrun_lab(runs["root"] / "logs-in-use", *flags, ok=False)
-    finally:
-        held.release()
+def test_a_folder_in_use_stops_every_rank_once(runs):
+    """Rank 0 takes the folder's lock; another run holding it (this test process) stops both ranks, said once.
+    (Run by the fixture, on the one-process run's folder.)"""
+    logs = runs["in_use"]
     assert logs[0]["status"] == logs[1]["status"] == 2
     assert f"is in use by another posenc lab run (pid {os.getpid()} on " in logs[0]["stderr"]
     assert logs[1]["stderr"] == "" and logs[0]["written"] == logs[1]["written"] == []
