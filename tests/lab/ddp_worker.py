@@ -3,8 +3,9 @@
 Runs ``posenc lab`` with the given arguments, exactly as the command line does, and records what this process
 did to LOG_DIR/rank<RANK>.json: the exit status, every file it wrote (every write, the lab's and the report's,
 goes through ``posenc._atomic.atomic_path``), everything it printed to stdout and stderr (progress bars
-included), what it trained on and what it evaluated (see ``spy_on_work``). With POSENC_TEST_INTERRUPT_AT_BATCH=N in
-its environment, training is interrupted at its N-th batch (see ``interrupt_training``). The lab's plots are
+included), what it trained on and what it evaluated (see ``spy_on_work``). A run whose arguments start with
+``--interrupt-at-batch N`` has its training interrupted at its N-th batch (see ``interrupt_training``); it must be
+the last run. The lab's plots are
 written empty (see ``blank_figures``).
 
 Usage: python ddp_worker.py LOG_DIR lab-arguments... [--then PORT LOG_DIR lab-arguments...]...
@@ -119,8 +120,6 @@ def run(argv: list[str]) -> int:
     _atomic.atomic_path = recording
     report.figures = blank_figures
     work = spy_on_work()
-    if "POSENC_TEST_INTERRUPT_AT_BATCH" in os.environ:
-        interrupt_training(int(os.environ["POSENC_TEST_INTERRUPT_AT_BATCH"]))
     statuses = []
     for port, log_dir, lab_argv in commands(argv):
         if port is not None:
@@ -128,6 +127,9 @@ def run(argv: list[str]) -> int:
         written.clear()
         for records in work.values():
             records.clear()
+        if lab_argv[:1] == ["--interrupt-at-batch"]:
+            interrupt_training(int(lab_argv[1]))  # from here on: the last run
+            lab_argv = lab_argv[2:]
         stdout, stderr = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
             status = main(["lab", *lab_argv])

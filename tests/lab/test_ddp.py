@@ -122,7 +122,8 @@ def without_seconds(eval_results: list[dict]) -> list[dict]:
 def runs(tmp_path_factory, corpus_dir, blank_plots):
     """A one-process run, a two-process run of the same command, and a two-process rerun of it after the
     rope+yarn unit's metrics were deleted (as if its evaluation had been interrupted). In the rerun's processes,
-    after it, the two runs that must stop on every rank (see the refusal tests), each a torchrun of its own before."""
+    after it, the two runs that must stop on every rank (see the refusal tests) and the first half of the
+    interrupted-and-resumed test (its resumed run starts processes of its own), each a torchrun of its own before."""
     root = tmp_path_factory.mktemp("ddp")
     flags = [*FLAGS, "--corpus", str(corpus_dir)]
     assert main(["lab", *flags, "--out", str(root / "one"), "--no-progress"]) == 0
@@ -135,15 +136,17 @@ def runs(tmp_path_factory, corpus_dir, blank_plots):
     # A finished run folder of the same configuration, locked by this process for the whole torchrun (the others'
     # folder is two, which the rerun needs unlocked).
     in_use = [*flags, "--out", str(root / "one"), "--no-progress"]
+    interrupted = ["--interrupt-at-batch", "4", *flags, "--out", str(root / "resumed"), "--no-progress"]
     held = FolderLock(root / "one", "the test")
     try:
-        again, refusal, lock = torchrun_labs(
+        again, refusal, lock, stopped = torchrun_labs(
             [
                 (root / "logs-again", [*flags, "--out", str(root / "two")]),
                 (root / "logs-refused", refused),
                 (root / "logs-in-use", in_use),
+                (root / "logs-interrupted", interrupted),
             ],
-            ok=False,  # the exit status is the refused runs' 2
+            ok=False,  # the exit status is the interrupted run's 130
         )
     finally:
         held.release()
@@ -151,6 +154,7 @@ def runs(tmp_path_factory, corpus_dir, blank_plots):
     return {"root": root, "first": first, "again": again, "before": before, "yarn_metrics": yarn_metrics} | {
         "refused": refusal,
         "in_use": lock,
+        "interrupted": stopped,
     }
 
 
@@ -213,16 +217,15 @@ def test_a_rerun_under_torchrun_resumes_what_is_missing_and_skips_the_rest(runs)
     assert json.loads((out / "results.json").read_text())["timings"]["units_skipped"] == len(TRAINED)
 
 
-def test_a_unit_interrupted_in_training_resumes_from_rank_0s_checkpoint_on_every_rank(runs, corpus_dir, monkeypatch):
+def test_a_unit_interrupted_in_training_resumes_from_rank_0s_checkpoint_on_every_rank(runs, corpus_dir):
     """Interrupted at rope's step 3 (checkpoint after step 1), the rerun resumes there on both ranks and ends with
-    the uninterrupted two-process run's files: with two ranks each gradient and loss is one a + b either way."""
+    the uninterrupted two-process run's files: with two ranks each gradient and loss is one a + b either way.
+    (The interrupted run is the fixture's; the rerun starts processes of its own, as after a real Ctrl-C.)"""
     root, out = runs["root"], runs["root"] / "resumed"
     flags = [*FLAGS, "--corpus", str(corpus_dir), "--out", str(out), "--no-progress"]
-    monkeypatch.setenv("POSENC_TEST_INTERRUPT_AT_BATCH", "4")
-    stopped = torchrun_lab(root / "logs-interrupted", *flags, ok=False)
+    stopped = runs["interrupted"]
     assert stopped[0]["status"] == stopped[1]["status"] == 130 and stopped[1]["written"] == []
     assert sorted(p.name for p in (out / "runs" / "rope" / "seed0").iterdir()) == ["checkpoint.safetensors"]
-    monkeypatch.delenv("POSENC_TEST_INTERRUPT_AT_BATCH")
     logs = torchrun_lab(root / "logs-resumed", *flags)
     assert "resumed at step 1 of 6 from a checkpoint" in logs[0]["stdout"] and logs[1]["stdout"] == ""
     assert [len(logs[rank]["batches"][0]["used"]) for rank in (0, 1)] == [5, 5]  # steps 1 to 5 of rope, on each
