@@ -1364,7 +1364,9 @@ def test_patched_models_of_one_class_share_their_compiled_graphs(mode: str, rope
     as an unpatched model has), each with its eager logits (the scaled ones through generate too); a fifth, patched
     with another scaling, gets its own numbers, not the shared graph's. 'consistent' with dynamic NTK / LongRoPE
     (keys rotated at read) compiled each model again until its copy of the forward read the RoPEs from the
-    attention module instead of its globals: the 8th model was an error."""
+    attention module instead of its globals: the 8th model was an error. generate's 10 + 12 tokens cross the trained
+    length: LongRoPE's cached keys rotated at read with the factors chosen on the device compile with fullgraph=True
+    and decode as uncompiled (an error asking to compile without it before; its own test until 2026-12-06)."""
     graphs = []
 
     def counting(gm: torch.fx.GraphModule, inputs: Any) -> Any:
@@ -1388,10 +1390,8 @@ def test_patched_models_of_one_class_share_their_compiled_graphs(mode: str, rope
             compiled_and_eager(build("llama"), ids)
             unpatched = len(graphs)
             graphs.clear()
-        counts = []
-        for _ in range(4):
-            model = copy.deepcopy(reference)
-            patch_model(model, mode=mode)
+
+        def compiled_as_eager(model: Any) -> None:
             compiled, eager = compiled_and_eager(model, ids)
             torch.testing.assert_close(compiled, eager, atol=0.0, rtol=0.0)
             if rope_type != "default":  # cached keys rotated at read past the trained length, in the graph
@@ -1400,6 +1400,12 @@ def test_patched_models_of_one_class_share_their_compiled_graphs(mode: str, rope
                 out = generated(model, prompt)
                 assert torch.equal(out.sequences, expected.sequences)
                 torch.testing.assert_close(torch.stack(out.logits), torch.stack(expected.logits), **FP32)
+
+        counts = []
+        for _ in range(4):
+            model = copy.deepcopy(reference)
+            patch_model(model, mode=mode)
+            compiled_as_eager(model)
             counts.append(len(graphs))
         assert counts[1:] == counts[:1] * 3, f"graphs after each of 4 patched models: {counts}"
         if rope_type == "default":  # as many as an unpatched model
@@ -1410,6 +1416,19 @@ def test_patched_models_of_one_class_share_their_compiled_graphs(mode: str, rope
         compiled, eager = compiled_and_eager(other, ids)
         torch.testing.assert_close(compiled, eager, atol=0.0, rtol=0.0)
         assert not torch.allclose(eager, model(ids).logits, **FP32)  # a scaling that changes the numbers
+        if rope_type == "dynamic":
+            # The cached keys are rotated at read in every attention layer for the step's length, read on the host
+            # until 2026-11: in a graph break there Dynamo compiled each layer's attention forward as a frame of its
+            # own, guarded on its layer_idx and cache layer, 3 x num_hidden_layers times (38 with 12 layers, past the
+            # recompile limit of 8). Now the length is read in an op: a 1-layer model, from the same fresh state,
+            # compiles as many graphs as the first 2-layer one (its own test until 2026-12-06, without fullgraph,
+            # where such a break showed as 3 compiles more a layer; here it is an error).
+            torch._dynamo.reset()
+            before = len(graphs)
+            one_layer = build("llama", "dynamic", num_hidden_layers=1)
+            patch_model(one_layer, mode=mode)
+            compiled_as_eager(one_layer)
+            assert len(graphs) - before == counts[0], f"{len(graphs) - before} graphs for 1 layer, {counts[0]} for 2"
     finally:
         torch._dynamo.reset()
 
@@ -1578,17 +1597,14 @@ def test_a_patched_forward_reads_a_global_replaced_by_an_equal_object_as_the_mod
     assert after(module.Attention(), 1) == 3
 
 
-@pytest.mark.parametrize("mode", ["hf", "consistent"])
-def test_length_dependent_types_compile_as_the_unpatched_model_does(mode: str) -> None:
+def test_length_dependent_types_compile_as_the_unpatched_model_does() -> None:
     """Dynamic NTK reads the call's length on the host: transformers breaks the graph there, and so does posenc now
     (a ValueError asking for seq_len=, which the model cannot pass, before). A prompt below the trained length, then a
-    cached step past it, compiled, against the unpatched model ('hf') or the patched one uncompiled ('consistent')."""
-    model = build("llama", "dynamic")
-    if mode == "consistent":  # against itself uncompiled: it equals no transformers decoding (see its tests)
-        patch_model(model, mode=mode)
+    cached step past it, compiled, against the unpatched model. 'consistent' mode, which keeps no such state, does
+    the same with fullgraph=True against itself uncompiled: test_dynamic_ntk_under_fullgraph."""
+    model = build("llama", "dynamic", num_hidden_layers=1)  # the breaks are in the rotary embedding, not per layer
     patched = copy.deepcopy(model)
-    if mode == "hf":
-        patch_model(patched, mode=mode)
+    patch_model(patched, mode="hf")
     ids = tokens(length=TRAINED + 4)
     prompt, step = ids[:, : TRAINED - 4], ids[:, TRAINED - 4 :]
     torch._dynamo.reset()
@@ -1728,51 +1744,6 @@ def _decode(model: Any, ids: torch.Tensor, prompt: int) -> list[torch.Tensor]:
             out = model(ids[:, i : i + 1], cache=out.cache)
             logits.append(out.logits)
     return logits
-
-
-def test_consistent_mode_compiles_as_often_whatever_the_layer_count() -> None:
-    """The cached keys are rotated at read in every attention layer, for the step's length, read on the host: in a
-    graph break there, Dynamo compiled each layer's attention forward as a frame of its own, guarded on its layer_idx
-    and cache layer, 3 x num_hidden_layers times (38 with 12 layers, past the recompile limit of 8: the layers past
-    it ran uncompiled). Now the length is read in an op inside the graph: as many compiles for 2 layers as for 1,
-    equal to eager across the trained length. One layer against two (4 against 2 before): a second layer's frames
-    showed as 3 compiles more, and Dynamo's trace of each model is what this test costs."""
-    from torch._dynamo.testing import CompileCounter  # a submodule that `import torch` does not load
-
-    ids = tokens(batch=1, length=TRAINED + 3)
-    compiles = {}
-    for layers in (1, 2):
-        model = build("llama", "dynamic", num_hidden_layers=layers)
-        patch_model(model, mode="consistent")
-        counter = CompileCounter()
-        torch._dynamo.reset()
-        try:
-            # A limit no count reaches: at the default (8 per function) the per-layer compiles of more layers
-            # stopped at it, and counted alike.
-            with torch._dynamo.config.patch(recompile_limit=64):
-                ours = _decode(torch.compile(model, backend=counter), ids, TRAINED - 2)
-        finally:
-            torch._dynamo.reset()
-        for logits, reference in zip(ours, _decode(model, ids, TRAINED - 2), strict=True):
-            torch.testing.assert_close(logits, reference, **FP32)
-        compiles[layers] = counter.frame_count
-    assert compiles[2] == compiles[1], compiles
-
-
-def test_consistent_longrope_compiles_into_one_graph() -> None:
-    """LongRoPE's cached keys are rotated at read with the factors chosen on the device, as its rotary embedding
-    chooses them: the patched model compiles with fullgraph=True (an error asking to compile without it before), and
-    decodes across original_max_position_embeddings as uncompiled."""
-    model = build("llama", "longrope")
-    patch_model(model, mode="consistent")
-    ids = tokens(batch=1, length=TRAINED + 3)
-    torch._dynamo.reset()
-    try:
-        ours = _decode(torch.compile(model, backend="eager", fullgraph=True), ids, TRAINED - 2)
-    finally:
-        torch._dynamo.reset()
-    for logits, reference in zip(ours, _decode(model, ids, TRAINED - 2), strict=True):
-        torch.testing.assert_close(logits, reference, **FP32)
 
 
 def test_a_longrope_model_patched_compiles_into_one_graph_as_unpatched() -> None:
