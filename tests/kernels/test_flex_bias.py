@@ -205,19 +205,21 @@ def test_document_ids_keep_documents_apart_on_every_path(name, monkeypatch, comp
 def test_a_left_padded_chunked_prefill_keeps_its_pads_out_on_every_path(name, monkeypatch, compiled_flex, flex_calls):
     """A left-padded batch prefilled into a KVCache in two chunks: the second chunk's queries follow cached keys,
     whose document ids (kept by the cache) the compiled FlexAttention's block mask and the materialized mask read
-    alike, and each row's text attends as that row alone, unpadded, in one call."""
+    alike, and each row's text attends as that row alone, unpadded, in one call. The first chunk's flex kernel is
+    test_document_ids_keep_documents_apart_on_every_path's (300 tokens, ids per row) and the second chunk's is
+    test_attend_flex_keeps_documents_apart_for_queries_after_cached_keys's: inductor's cache serves each once made."""
     torch.manual_seed(0)
     layer = CausalSelfAttention(32, 4, num_kv_heads=2, encoding=ENCODINGS[name]()).eval()
-    x = torch.randn(2, 140, 32)
-    ids = torch.tensor([[0] * 13 + [1] * 127, [1] * 140])
+    x = torch.randn(2, 350, 32)
+    ids = torch.tensor([[0] * 13 + [1] * 337, [1] * 350])
     outs = []
     for flex in (True, False):
         cache = KVCache()
         with torch.no_grad(), monkeypatch.context() as materialize:
             if not flex:
                 materialize.setattr(flex_bias, "CPU_MIN_SCORES", 2**62)
-            first = layer(x[:, :130], document_ids=ids[:, :130], cache=cache)
-            outs.append(torch.cat((first, layer(x[:, 130:], cache=cache)), dim=1))
+            first = layer(x[:, :300], document_ids=ids[:, :300], cache=cache)
+            outs.append(torch.cat((first, layer(x[:, 300:], cache=cache)), dim=1))
     assert flex_calls == [1, 1]
     assert_close(outs[0], outs[1].double(), reduction=True)
     with torch.no_grad():
@@ -227,12 +229,15 @@ def test_a_left_padded_chunked_prefill_keeps_its_pads_out_on_every_path(name, mo
 
 def test_attend_flex_keeps_documents_apart_for_queries_after_cached_keys(compiled_flex):
     """attend_flex with s < t and document ids (CausalSelfAttention refuses ids with a cache, so only a direct call
-    gets here): the block mask places query i at key index t - s + i, per row, as the materialized mask does."""
+    gets here): the block mask places query i at key index t - s + i, per row, as the materialized mask does.
+    Shapes and layout are those of test_a_left_padded_chunked_prefill_keeps_its_pads_out_on_every_path's second chunk
+    (q a view of (b, s, h, d) as CausalSelfAttention makes it; k, v repeated for GQA, contiguous), whose flex kernel
+    inductor's cache then serves; each row has a document boundary among the queries (320 and 343)."""
     torch.manual_seed(0)
     encoding = ALiBi(4)
-    b, s, t, d = 2, 50, 300, 16
-    q, k, v = torch.randn(b, 4, s, d), torch.randn(b, 4, t, d), torch.randn(b, 4, t, d)
-    lengths = ([100, 170, 30], [3, 290, 7])
+    b, s, t, d = 2, 50, 350, 8
+    q, k, v = torch.randn(b, s, 4, d).transpose(1, 2), torch.randn(b, 4, t, d), torch.randn(b, 4, t, d)
+    lengths = ([100, 220, 30], [3, 340, 7])
     docs = torch.stack([torch.repeat_interleave(torch.arange(3), torch.tensor(n)) for n in lengths])
     k_pos = positions_from_document_ids(docs)
     with torch.no_grad():
