@@ -260,13 +260,16 @@ def test_attend_flex_names_more_queries_than_keys():
 def test_attend_flex_is_float32_under_autocast_too(compiled_flex, flex_calls):
     """Autocast cast flex_attention's float32 q, k and v back to bf16, so a layer routed to FlexAttention (CUDA from
     1M scores, CPU inference from 16M) gave other numbers under autocast than outside it (max 0.016 at s = 128), and
-    than the materialized path, which is float32 under autocast. Now the same bits inside autocast as outside."""
+    than the materialized path, which is float32 under autocast. Now the same bits inside autocast as outside.
+    Every flex call here has test_packed_documents_get_one_semantics_on_every_path's shapes and layout (140 tokens,
+    two kv heads; q a view of (b, s, h, d) as the layer makes it), whose kernel inductor's cache serves."""
     torch.manual_seed(0)
-    layer = CausalSelfAttention(32, 4, encoding=ALiBi(4)).eval()
-    x = torch.randn(1, 128, 32)
+    layer = CausalSelfAttention(32, 4, num_kv_heads=2, encoding=ALiBi(4)).eval()
+    x = torch.randn(1, 140, 32)
     with torch.no_grad():
-        q, k, v = (torch.randn(1, 4, 128, 8, dtype=torch.bfloat16) for _ in range(3))
-        positions = torch.arange(128)[None]
+        q = torch.randn(1, 140, 4, 8, dtype=torch.bfloat16).transpose(1, 2)
+        k, v = (torch.randn(1, 4, 140, 8, dtype=torch.bfloat16) for _ in range(2))
+        positions = torch.arange(140)[None]
         outside = flex_bias.attend_flex(q, k, v, layer.encoding, positions, positions)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             inside = flex_bias.attend_flex(q, k, v, layer.encoding, positions, positions)
@@ -379,10 +382,12 @@ def test_a_layer_compiled_before_any_eager_call_warns_nothing_and_keeps_eager_ca
 
 def test_a_compiled_layer_falls_back_to_unfused_flex_with_a_warning(monkeypatch):
     """Inside a caller's compiled graph there is no materialized path to fall back to: where the compiled kernel
-    cannot serve, flex_attention's unfused math gives the same result, with a warning."""
+    cannot serve, flex_attention's unfused math gives the same result, with a warning. The layer is
+    test_a_compiled_layer_runs_flex_in_a_graph_of_its_own_on_cpu's (two kv heads), whose graphs around the flex call
+    inductor's cache serves."""
     torch.manual_seed(0)
     torch._dynamo.reset()
-    layer = CausalSelfAttention(32, 4, encoding=ALiBi(4)).eval()
+    layer = CausalSelfAttention(32, 4, num_kv_heads=2, encoding=ALiBi(4)).eval()
     x = torch.randn(1, 140, 32)
     with torch.no_grad():
         expected = layer(x)
