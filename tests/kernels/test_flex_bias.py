@@ -231,8 +231,9 @@ def test_a_left_padded_chunked_prefill_keeps_its_pads_out_on_every_path(name, mo
 
 
 def test_attend_flex_keeps_documents_apart_for_queries_after_cached_keys(compiled_flex):
-    """attend_flex with s < t and document ids (CausalSelfAttention refuses ids with a cache, so only a direct call
-    gets here): the block mask places query i at key index t - s + i, per row, as the materialized mask does.
+    """attend_flex called directly with s < t and document ids (a layer whose KVCache keeps the keys' ids gets here
+    too, as the left-padded prefill's second chunk does): the block mask places query i at key index t - s + i, per
+    row, as the materialized mask does.
     Shapes and layout are those of test_a_left_padded_chunked_prefill_keeps_its_pads_out_on_every_path's second chunk
     (q a view of (b, s, h, d) as CausalSelfAttention makes it; k, v repeated for GQA, contiguous), whose flex kernel
     inductor's cache then serves; each row has a document boundary among the queries (320 and 343)."""
