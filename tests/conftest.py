@@ -28,21 +28,22 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.env
         sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # The files that take longest, slowest first (seconds of a run alone on the 2-core CI host, `--durations=0`, after
-# the cuts of 2026-12-06). The README's command runs whole files on two workers (`-n 2 --dist loadfile`): starting
-# these first lets the short files fill in at the end, where xdist's own order (most tests first) could leave one
-# worker running a one-test file of 100 s alone. The order changes when a file starts, never what runs.
+# the second round of cuts of 2026-12-06). The README's command runs whole files on two workers (`-n 2 --dist
+# loadfile`): starting these first lets the short files fill in at the end, where xdist's own order (most tests
+# first) could leave one worker running a one-test file of 90 s alone. The order changes when a file starts, never
+# what runs.
 SLOWEST_FIRST = (
-    "tests/kernels/test_flex_bias.py",
     "tests/kernels/test_rope_kernels.py",
+    "tests/kernels/test_flex_bias.py",
     "tests/interop/test_patch.py",
-    "tests/test_benchmarks.py",
     "tests/distributed/test_dtensor_compile.py",
     "tests/lab/test_runner.py",
     "tests/rope/test_module_compile_checks.py",
-    "tests/lab/test_ddp.py",
+    "tests/test_benchmarks.py",
+    "tests/interop/test_patch_architectures.py",
     "tests/interop/test_patch_gemma_consistent.py",
     "tests/kernels/test_rope_fuzz.py",
-    "tests/interop/test_patch_architectures.py",
+    "tests/lab/test_ddp.py",
 )
 
 
