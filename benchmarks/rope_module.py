@@ -111,13 +111,12 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=4096, help="tokens of the prefill case")
     parser.add_argument("--reps", type=int, nargs=2, default=[30, 2000], help="reps of the prefill and the decode")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds of every case before the timed ones (2)")
+    parser.add_argument("--heads", type=int, default=32, help="q heads (32, Llama 3 8B's)")
     parser.add_argument(
-        "--heads",
+        "--kv-heads",
         type=int,
-        nargs=2,
-        default=[32, 8],
-        metavar=("Q", "K"),
-        help="q and k heads (32 8, Llama 3 8B's; fewer: the tests' interpreted Triton runs a program per head group)",
+        default=8,
+        help="k heads (8; fewer heads in all: the tests' interpreted Triton runs a program per head group)",
     )
     parser.add_argument(
         "--launch-parts",
@@ -129,11 +128,11 @@ def main() -> None:
     add_allocation_argument(parser)
     args = parser.parse_args()
     parts = args.device == "cuda" if args.launch_parts is None else args.launch_parts
-    if min(args.heads) < 1:
-        parser.error(f"--heads must be at least 1, got {args.heads[0]} {args.heads[1]}")
+    if min(args.heads, args.kv_heads) < 1:
+        parser.error(f"--heads and --kv-heads must be at least 1, got {args.heads} and {args.kv_heads}")
     if args.warmup < 0:
         parser.error(f"--warmup must be at least 0, got {args.warmup}")
-    hq, hk = args.heads
+    hq, hk = args.heads, args.kv_heads
 
     env = environment(args.device, args.alloc)
     rope = RoPE(128)

@@ -548,7 +548,8 @@ def test_rope_module_times_every_case_and_a_triton_calls_parts(tmp_path: Path) -
     out = tmp_path / "module.csv"
     _run(
         "rope_module.py",
-        *("--prefill", "8", "--reps", "1", "1", "--dtypes", "bf16", "--heads", "4", "2", "--launch-parts"),
+        *("--prefill", "8", "--reps", "1", "1", "--dtypes", "bf16", "--heads", "4", "--kv-heads", "2"),
+        "--launch-parts",
         *("--warmup", "0", "--csv", str(out)),  # one call of each case: interpreted times mean nothing
         interpret=True,
     )
