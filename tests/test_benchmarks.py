@@ -23,6 +23,8 @@ from typing import ClassVar
 import pytest
 import torch
 
+from posenc.testing import torch_threads
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -54,11 +56,8 @@ def _main_in_process(monkeypatch: pytest.MonkeyPatch, script: str, *args: str) -
     the scripts that pin no allocator here (run with glibc's defaults, "system"), where a subprocess would only
     import torch again."""
     monkeypatch.setattr(sys, "argv", [script, *args])
-    threads = torch.get_num_threads()
-    try:
+    with torch_threads():
         _benchmark(script.removesuffix(".py")).main()
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _benchmark(name: str) -> ModuleType:
@@ -209,14 +208,11 @@ def _in_git() -> bool:
 def test_decode_and_lab_throughput_benchmarks_run_with_one_rep(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """One timed sample is a row too (p20 = p50 = p80), not a StatisticsError. Both in this process: neither pins the
     allocator (lab_throughput.py's default is glibc's, "system")."""
-    threads = torch.get_num_threads()
-    try:
+    with torch_threads():
         _benchmark("rope_consistent_cache").main([
             *("--head-dim", "16", "--heads", "2", "--kv-heads", "1", "--max-pos", "8", "--prefill", "4"),
             *("--total", "12", "--repeats", "1", "--out", str(tmp_path / "cache.csv")),
         ])  # fmt: skip
-    finally:
-        torch.set_num_threads(threads)
     rows = _rows(tmp_path / "cache.csv")
     assert {(r["provider"], r["mode"]) for r in rows} == {
         (f"rope-{t}", f"{m}/{w}") for t in ("dynamic", "longrope") for m in ("hf", "consistent") for w in
@@ -236,14 +232,13 @@ def test_consistent_model_decode_benchmark_times_both_providers_and_counts_graph
     dynamic only, a compile being the slow part). Run here through its main(argv), not in two subprocesses that
     import torch and transformers again (it pins no allocator; its torch thread count is restored)."""
     decode = _benchmark("consistent_model_decode")
-    threads = torch.get_num_threads()
     try:
-        decode.main(["--layers", "1", "--keys", "2", "20", "--steps", "1", "--out", str(tmp_path / "decode.csv")])
-        decode.main(
-            ["--nodes", "--types", "dynamic", "--layers", "1", "--keys", "4", "--out", str(tmp_path / "nodes.csv")]
-        )
+        with torch_threads():
+            decode.main(["--layers", "1", "--keys", "2", "20", "--steps", "1", "--out", str(tmp_path / "decode.csv")])
+            decode.main(
+                ["--nodes", "--types", "dynamic", "--layers", "1", "--keys", "4", "--out", str(tmp_path / "nodes.csv")]
+            )
     finally:
-        torch.set_num_threads(threads)
         torch._dynamo.reset()  # the --nodes run's compiled forwards
     rows = _rows(tmp_path / "decode.csv")
     assert [(r["provider"], r["mode"], r["shape"].split()[-1]) for r in rows] == [
@@ -269,15 +264,13 @@ def test_rope_traced_path_benchmark_runs_both_cases(tmp_path: Path) -> None:
     compiling thread, and its thread count and compiled functions are undone after."""
     traced = _benchmark("rope_traced_path")
     sizes = ["--heads", "2", "--kv-heads", "1", "--head-dim", "8", "--reps", "1"]
-    threads = torch.get_num_threads()
     torch._dynamo.reset()  # no RoPE forward another test compiled counts against the compiled case's fullgraph
     try:
-        traced.main(["--case", "eager-decode", *sizes, "--out", str(tmp_path / "eager.csv")])
-        traced.main(
-            ["--case", "compiled", "--compiler", "eager", "--seq", "5", *sizes, "--out", str(tmp_path / "compiled.csv")]
-        )
+        with torch_threads():
+            traced.main(["--case", "eager-decode", *sizes, "--out", str(tmp_path / "eager.csv")])
+            compiled = ["--case", "compiled", "--compiler", "eager", "--seq", "5"]
+            traced.main([*compiled, *sizes, "--out", str(tmp_path / "compiled.csv")])
     finally:
-        torch.set_num_threads(threads)
         torch._dynamo.reset()
     rows = _rows(tmp_path / "eager.csv")
     assert [(r["mode"], r["provider"]) for r in rows] == [

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import posenc
-from posenc.testing import assert_close, rope_reference
+from posenc.testing import assert_close, rope_reference, torch_threads
 
 POSITIONS = torch.arange(128) + 1000
 
@@ -199,3 +199,18 @@ def test_wrong_float16_rotations_of_subnormal_activations_fail(scale):
         assert_close(x, reference)  # not rotated
     with pytest.raises(AssertionError):
         assert_close(rope_reference(x, -POSITIONS).half(), reference)  # sin's sign flipped
+
+
+def test_torch_threads_sets_the_count_inside_and_restores_it_after_an_error_too():
+    before = torch.get_num_threads()
+    other = 1 if before != 1 else 2
+    with pytest.raises(KeyError), torch_threads(other):
+        assert torch.get_num_threads() == other
+        raise KeyError("inside")
+    assert torch.get_num_threads() == before
+    with torch_threads():  # code inside that sets its own
+        assert torch.get_num_threads() == before
+        torch.set_num_threads(other)
+    assert torch.get_num_threads() == before
+    with pytest.raises(ValueError, match="count must be a positive int"), torch_threads(0):
+        pass

@@ -6,11 +6,13 @@ over pairs and positions the way the papers write the math, and compute everythi
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -30,6 +32,7 @@ __all__ = [
     "run_torchrun",
     "sinusoidal_reference",
     "t5_bucket_reference",
+    "torch_threads",
 ]
 
 # (atol, rtol) for comparing a result in `dtype` against the float64 reference, for elementwise ops (a rotation,
@@ -328,3 +331,19 @@ def run_torchrun(
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@contextlib.contextmanager
+def torch_threads(count: int | None = None) -> Iterator[None]:
+    """torch's intra-op thread count set to ``count`` inside the block (None: left as it is, for code that sets its
+    own, a benchmark's main), and the one before restored after it, also where the block raises: a test about thread
+    counts, or one that needs the bits of one count, leaves the rest of the process as it found it."""
+    if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
+        raise ValueError(f"count must be a positive int (torch threads) or None, got {count!r}")
+    before = torch.get_num_threads()
+    if count is not None:
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

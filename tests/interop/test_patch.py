@@ -41,6 +41,7 @@ from posenc.interop.patch import (
     tiny_model_from_config,
     unpatch_model,
 )
+from posenc.testing import torch_threads
 
 transformers = pytest.importorskip("transformers")
 
@@ -125,10 +126,8 @@ FP32 = dict(atol=1e-4, rtol=1e-4)  # float32 logits of magnitude ~10 after two l
 def _one_thread():
     # Matmuls of 64 x 64: a second thread only adds synchronisation, which on a loaded 2-core runner costs ~20 ms
     # per op. Restored for the rest of the suite.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with torch_threads(1):
+        yield
 
 
 # Every architecture with every rope_type its transformers config accepts (Phi-3: default and longrope only).

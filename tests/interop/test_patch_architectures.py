@@ -23,7 +23,7 @@ from posenc.interop import patch as patch_module
 from posenc.interop._discover import ROTATION_PREFIX, innermost, rotation_signature
 from posenc.interop.hf import rope_kwargs_from_config, rope_layer_types
 from posenc.interop.patch import VERIFIED_ARCHITECTURES, is_patched, patch_model
-from posenc.testing import TINY_HF_SIZES
+from posenc.testing import TINY_HF_SIZES, torch_threads
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.auto.configuration_auto import model_type_to_module_name  # noqa: E402
@@ -308,11 +308,10 @@ def logits(model: Any, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.fixture(autouse=True, scope="module")
 def _quiet_and_one_thread():
-    before, verbosity = torch.get_num_threads(), transformers.logging.get_verbosity()
-    torch.set_num_threads(1)
+    verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
-    yield
-    torch.set_num_threads(before)
+    with torch_threads(1):
+        yield
     transformers.logging.set_verbosity(verbosity)
 
 

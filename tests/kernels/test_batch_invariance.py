@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import posenc
+from posenc.testing import torch_threads
 
 TRITON_DEVICE = "cuda" if os.environ.get("POSENC_TRITON_NATIVE") == "1" else "cpu"
 DEVICE = {"cpu": "cpu", "torch": "cpu", "triton": TRITON_DEVICE}
@@ -76,15 +77,11 @@ def test_the_thread_count_changes_no_bit_of_a_rotation(backend):
     gen = torch.Generator().manual_seed(0)
     rope = posenc.RoPE(40, rotary_dim=32, backend=backend)
     q, k = torch.randn(3, 4, 700, 40, generator=gen), torch.randn(3, 1, 700, 40, generator=gen)
-    before = torch.get_num_threads()
     rows = []  # (q, k) of row 1, rotated in the batch and alone, at each thread count
-    try:
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
+    for threads in (1, 2, 3):
+        with torch_threads(threads):
             rows.append(tuple(t[1:2] for t in rope(q, k, offset=5)))
             rows.append(rope(q[1:2], k[1:2], offset=5))
-    finally:
-        torch.set_num_threads(before)
     for got in rows[1:]:
         assert torch.equal(got[0], rows[0][0]) and torch.equal(got[1], rows[0][1])
 

@@ -30,7 +30,7 @@ from posenc import apply_rotary, apply_rotary_, apply_rotary_qk
 from posenc.kernels import choose_backend, cpu_rope, ops
 from posenc.kernels.cpu_rope import rope_cpu
 from posenc.rope.apply import rotate_pairs
-from posenc.testing import TOLERANCES, assert_close, rope_inv_freq_reference, rope_reference
+from posenc.testing import TOLERANCES, assert_close, rope_inv_freq_reference, rope_reference, torch_threads
 
 TRITON_DEVICE = "cuda" if os.environ.get("POSENC_TRITON_NATIVE") == "1" else "cpu"
 DEVICE = {"cpu": "cpu", "torch": "cpu", "triton": TRITON_DEVICE}
@@ -1042,12 +1042,8 @@ def test_cpu_work_split_between_threads(n0, n1, interleaved):
     d, s = 128, 1100
     x = torch.randn(n0, n1, s, d, dtype=torch.float64).to(torch.bfloat16)
     cos, sin = table(d, s)
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with torch_threads(2):
         out = apply_rotary(x, cos, sin, interleaved=interleaved, backend="cpu")
-    finally:
-        torch.set_num_threads(before)
     expected = rope_reference(x, torch.arange(s)[None, None], rotary_dim=d, interleaved=interleaved)
     assert_close(out, expected, msg=f"{n0} x {n1} lanes on 2 threads")
 

@@ -28,7 +28,7 @@ from posenc.lab.config import make_config
 from posenc.lab.dist import Ranks
 from posenc.lab.lock import FolderLock
 from posenc.lab.runner import Lab, assign_lengths
-from posenc.testing import run_torchrun
+from posenc.testing import run_torchrun, torch_threads
 
 pytestmark = pytest.mark.skipif(
     not dist.is_available() or not dist.is_gloo_available(), reason="torch built without gloo"
@@ -248,13 +248,9 @@ def test_evaluation_split_across_ranks_equals_one_process(runs, corpus_dir, tmp_
     shutil.copytree(runs["root"] / "two", copy)
     for path in copy.rglob("metrics.json"):
         path.unlink()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the ranks ran, so that the same weights give the same bits
-    try:
+    with torch_threads(1):  # as the ranks ran, so that the same weights give the same bits
         config = make_config("quick", corpus=str(corpus_dir), **TINY)
         Lab(config, copy, progress=False, echo=lambda line: None, ranks=Ranks(), figures=False).run()
-    finally:
-        torch.set_num_threads(threads)
     for unit in (*TRAINED, "rope+yarn"):
         split = metrics(runs["root"] / "two", unit)["eval"]
         assert without_seconds(metrics(copy, unit)["eval"]) == without_seconds(split), unit

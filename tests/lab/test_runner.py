@@ -28,6 +28,7 @@ from posenc.lab.config import make_config
 from posenc.lab.data import eval_text_needed, eval_window_ends, load_corpus
 from posenc.lab.report import PLOTS, aggregate, figures, label, summary_tables, to_markdown
 from posenc.lab.runner import Lab, plan
+from posenc.testing import torch_threads
 
 REQUIRED = ("encoding", "extension", "train_len", "eval_len", "seed", "bits_per_byte")
 
@@ -347,20 +348,16 @@ def test_a_unit_resumed_with_another_thread_count_records_both_in_train_json(tin
     """The thread count changes float sums in their last bits and metrics.json records the last run's: a unit whose
     checkpoint's steps ran with 1 thread and the rest with 2 says so (its numbers are those of neither setting)."""
     config = tiny_config(encodings=("alibi",), extensions=(), steps=30)
-    out, threads = tmp_path / "run", torch.get_num_threads()
+    out = tmp_path / "run"
     monkeypatch.setattr(runner, "CHECKPOINT_SECONDS", 0.0)  # saves after steps 1 and 21
     real_windows_at = train_module.windows_at
     monkeypatch.setattr(train_module, "windows_at", _interrupted_at_call(25, real_windows_at))
-    try:
-        torch.set_num_threads(1)
-        with pytest.raises(KeyboardInterrupt):
-            quiet(config, out).run()
-        monkeypatch.setattr(train_module, "windows_at", real_windows_at)
-        torch.set_num_threads(2)
-        lines = []
+    with torch_threads(1), pytest.raises(KeyboardInterrupt):
+        quiet(config, out).run()
+    monkeypatch.setattr(train_module, "windows_at", real_windows_at)
+    lines = []
+    with torch_threads(2):
         results = quiet(config, out, echo=lines.append).run()
-    finally:
-        torch.set_num_threads(threads)
     assert any("resumed at step 21 of 30" in line for line in lines)
     said = [line for line in lines if "earlier steps ran with" in line]
     assert len(said) == 1 and "1 torch thread(s) on cpu in 1 process(es), these with 2 torch thread(s)" in said[0]
