@@ -575,11 +575,7 @@ class _FakeEvent:
 def test_device_clock_hides_host_work_behind_a_flush_and_a_sleep(monkeypatch: pytest.MonkeyPatch) -> None:
     """The order that makes events time the GPU alone: flush L2, sleep the GPU, start event, the call, end event;
     one synchronize per round, two warm-up rounds dropped, outputs freed after the end event."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import common
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    common = _benchmark("common")
     log = _FakeEvent.log = []
 
     class Flush:
@@ -626,11 +622,7 @@ def test_device_clock_hides_host_work_behind_a_flush_and_a_sleep(monkeypatch: py
 def test_measure_interleaved_runs_its_warmup_rounds_untimed() -> None:
     """Two warm-up rounds unless told (triton_tune.py --warmup): each case runs warmup + reps times and reps are
     timed; the device clock refuses another count rather than ignore it."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import common
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    common = _benchmark("common")
     for warmup, calls in ((None, 5), (0, 3), (1, 4)):
         ran: list[str] = []
         cases = {name: (lambda name=name, ran=ran: ran.append(name)) for name in ("a", "b")}
