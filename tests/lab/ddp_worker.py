@@ -5,8 +5,7 @@ did to LOG_DIR/rank<RANK>.json: the exit status, every file it wrote (every writ
 goes through ``posenc._atomic.atomic_path``), everything it printed to stdout and stderr (progress bars
 included), what it trained on and what it evaluated (see ``spy_on_work``). A run whose arguments start with
 ``--interrupt-at-batch N`` has its training interrupted at its N-th batch (see ``interrupt_training``); it must be
-the last run. The lab's plots are
-written empty (see ``blank_figures``).
+the last run. The lab's plots are written empty (see ``blank_figures``).
 
 Usage: python ddp_worker.py LOG_DIR lab-arguments... [--then PORT LOG_DIR lab-arguments...]...
 
