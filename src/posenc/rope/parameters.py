@@ -475,8 +475,9 @@ def rope_frequencies(
     """Inverse frequencies and attention factor for a Hugging Face-style config.
 
     Returns (inv_freq, attention_factor): inv_freq is (rotary_dim // 2,) float32, computed in float64 and rounded
-    once; attention_factor multiplies cos and sin (1.0 except for YaRN / LongRoPE). ``seq_len`` matters only to
-    ``dynamic`` and ``longrope``.
+    once; attention_factor multiplies cos and sin (1.0 for the built-in types except YaRN / LongRoPE; a type added by
+    ``register_scaling`` returns its own). ``seq_len`` matters only to the length-dependent types: ``dynamic``,
+    ``longrope`` and one registered with ``seq_len_dependent=True``.
     """
     spec = parse_rope_parameters(head_dim, rope_parameters, max_position_embeddings=max_position_embeddings)
     inv_freq, factor = compute_frequencies(spec, seq_len=seq_len)
