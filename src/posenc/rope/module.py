@@ -755,8 +755,11 @@ class RoPE(nn.Module):
         positions: (s,) or (b, s) integer ids (e.g. packed documents restarting at 0); default 0..s-1.
         offset: int or (b,) tensor added to the positions (tokens already in a KV cache).
         seq_len: the length ``dynamic`` / ``longrope`` scale for (default: max(positions) + 1; for ``dynamic`` in
-        'hf' mode, the largest length seen, see the class docstring). Required for them inside torch.compile or a
-        CUDA graph capture, where positions cannot be read; a positive int for every type.
+        'hf' mode, the largest length seen, see the class docstring), and a type registered with
+        ``seq_len_dependent=True``. Inside torch.compile the default is taken in the graph for ``longrope`` and
+        'consistent' ``dynamic``, and in a graph break for 'hf' ``dynamic`` and a registered type, which therefore
+        need it with ``fullgraph=True``; all of them need it in a CUDA graph capture, where positions cannot be
+        read. A positive int for every type.
         Returns new (q, k) with the input dtypes.
         """
         refuse_jit_trace(type(self).__name__)
