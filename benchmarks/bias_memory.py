@@ -11,7 +11,7 @@ UserWarning a path raised (FlexAttention giving up and materializing the bias, s
 (atomically) after every case, so a run cut short keeps the rows it measured; a case that fails (an OOM, say) has its
 stderr printed, the others still run, and the exit status is then 1.
 
-    python benchmarks/bias_memory.py                    # CPU, s = 8192, 8 heads: a few minutes on 2 cores
+    python benchmarks/bias_memory.py --csv docs/results/bias_memory_cpu.csv   # CPU, s = 8192, 8 heads: minutes
     python benchmarks/bias_memory.py --device cuda --seq 16384
     python benchmarks/bias_memory.py --documents 8      # 8 packed documents: the mask keeps each to itself
 
@@ -125,7 +125,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--csv", type=Path, default=Path("docs/results/bias_memory_cpu.csv"))
+    # Print-only unless asked, so that a trial run does not overwrite the committed docs/results/bias_memory_cpu.csv.
+    parser.add_argument("--csv", type=Path, default=None, help="CSV to write (default: print only)")
     parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
     parser.add_argument("--encodings", nargs="+", default=["alibi", "t5"], choices=["alibi", "t5"])
     parser.add_argument("--documents", type=int, default=1, help="equal documents packed into the row (default 1)")
@@ -152,11 +153,12 @@ def main() -> None:
         row = json.loads(done.stdout.strip().splitlines()[-1])
         rows.append(row)
         # After every case, so that a run cut short (gpu_check.sh's step limit) keeps the rows it measured.
-        write_rows(rows, args.csv, COLUMNS)
+        if args.csv is not None:
+            write_rows(rows, args.csv, COLUMNS)
         print(f"{encoding:>6} {path:>26}: peak +{row['peak_mib']:>9.1f} MiB, {row['seconds']:.2f} s", flush=True)
         if row["warnings"]:
             print(f"{'':>34} warned: {row['warnings']}", flush=True)
-    if rows:
+    if rows and args.csv is not None:
         print(f"wrote {len(rows)} rows to {args.csv}")
     if failed:
         sys.exit(f"{len(failed)} of {len(cases)} cases failed ({', '.join(failed)}); their stderr is above")

@@ -18,14 +18,15 @@ work hidden before each call; ``common.measure_interleaved``), or the host's aro
 where a backward mode is asked for, their gradients) are compared once per length and dtype with the float64
 reference (``check_values``): a provider off by more than rounding, or one that raises, is reported as WRONG VALUES
 and its rows are left out, the others are timed, and the exit status is then 1. The CSV is rewritten (atomically)
-after every mode: a run cut short leaves the rows it measured, in place of the file's earlier contents. ``--providers``
+after every mode: a run cut short leaves the rows it measured, in place of the file's earlier contents. Without
+``--csv`` the rows are printed only. ``--providers``
 takes names from PROVIDERS; one measured on the other device only (posenc-cpu on CUDA; posenc-triton, liger,
 flash-attn on CPU) is noted and left out. On CPU, ``--alloc`` pins where
 output buffers come from (``common.set_allocation``): fresh pages every call (default; the OS zero-filling them is
 most of a copy's time) or recycled heap memory (``--alloc reuse``).
 
-    python benchmarks/rope.py                       # CPU defaults, a few minutes on 2 cores
-    python benchmarks/rope.py --device cuda --seqs 1024 4096 16384 32768 --reps 50
+    python benchmarks/rope.py --csv docs/results/rope_cpu.csv     # CPU defaults, a few minutes on 2 cores
+    python benchmarks/rope.py --device cuda --seqs 1024 4096 16384 32768 --reps 50 --csv rope_gpu.csv
 """
 
 from __future__ import annotations
@@ -284,7 +285,9 @@ def main() -> None:
     parser.add_argument("--providers", nargs="*", default=None, help="subset of provider names (default: all)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--reps", type=int, default=10)
-    parser.add_argument("--csv", type=Path, default=Path("docs/results/rope_cpu.csv"))
+    # Print-only unless asked: a default path would overwrite the committed results (docs/results/rope_cpu.csv) with
+    # whatever a quick run measured, on a GPU machine too.
+    parser.add_argument("--csv", type=Path, default=None, help="CSV to write (default: print only)")
     add_clock_argument(parser)
     add_allocation_argument(parser)
     args = parser.parse_args()
@@ -314,8 +317,10 @@ def main() -> None:
                 rows += rows_against_copy(
                     times, op="rope", mode=mode, dtype=dtype_name, shape=shape, env=env, copy_bytes=copy_bytes
                 )
-                write_rows(rows, args.csv)
-    print(f"wrote {len(rows)} rows to {args.csv}")
+                if args.csv is not None:
+                    write_rows(rows, args.csv)
+    if args.csv is not None:
+        print(f"wrote {len(rows)} rows to {args.csv}")
     if failed:
         sys.exit(f"wrong values, rows left out: {', '.join(failed)}")
 

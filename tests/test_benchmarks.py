@@ -201,6 +201,31 @@ def test_rope_benchmark_names_the_providers_it_knows(
     assert set(rope.providers("cpu", 8, torch.float32, ["hf-eager"])) == made - {"torch.compile(hf-eager)"}
 
 
+def test_benchmarks_without_csv_print_and_write_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without ``--csv``, rope.py and bias_memory.py print their rows and write no file: they used to default to
+    docs/results/rope_cpu.csv and bias_memory_cpu.csv, so a trial run replaced the committed results (from the
+    repository's root, where the docs tell one to run them)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    argv = ["--seqs", "8", "--dtypes", "fp32", "--modes", "fwd", "--reps", "1", "--alloc", "system"]
+    _main_in_process(monkeypatch, "rope.py", *argv, "--providers", "hf-eager")
+    printed = capsys.readouterr().out
+    assert "hf-eager" in printed and "wrote" not in printed
+    bias_memory = _benchmark("bias_memory")
+
+    def run(command: list[str], *, capture_output: bool = False, text: bool = False, check: bool = False):
+        encoding, path = command[command.index("--one") + 1 : command.index("--one") + 3]
+        return subprocess.CompletedProcess(command, 0, json.dumps(_bias_row(encoding, path)), "")
+
+    monkeypatch.setattr(bias_memory.subprocess, "run", run)
+    _main_in_process(monkeypatch, "bias_memory.py", "--seq", "64", "--paths", "materialized", "--encodings", "t5")
+    printed = capsys.readouterr().out
+    assert "t5" in printed and "materialized" in printed and "wrote" not in printed
+    assert [p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file()] == []
+
+
 def _in_git() -> bool:
     return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True).returncode == 0
 
