@@ -7,6 +7,7 @@ would only import torch again.
 
 from __future__ import annotations
 
+import ast
 import csv
 import importlib
 import importlib.util
@@ -228,6 +229,21 @@ def test_benchmarks_without_csv_print_and_write_nothing(
 
 def _in_git() -> bool:
     return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True).returncode == 0
+
+
+def test_every_script_calls_its_main_when_run_as_one() -> None:
+    """Most scripts run here only through their main, in this process (since 2026-12-06; as `python benchmarks/X.py`
+    in a subprocess before), which leaves their `if __name__ == "__main__": main()` unrun: checked as written, as
+    the script's last statement (a script without it runs nothing and exits 0)."""
+    scripts = [
+        path
+        for path in sorted((ROOT / "benchmarks").glob("*.py"))
+        if re.search(r"^def main\(", path.read_text(encoding="utf-8"), re.MULTILINE)
+    ]
+    assert len(scripts) >= 10, [path.name for path in scripts]
+    for path in scripts:
+        last = ast.unparse(ast.parse(path.read_text(encoding="utf-8")).body[-1])
+        assert last == "if __name__ == '__main__':\n    main()", f"{path.name} ends with {last.splitlines()[0]!r}"
 
 
 def test_decode_and_lab_throughput_benchmarks_run_with_one_rep(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
