@@ -501,3 +501,24 @@ class Indexer(nn.Module):
     model.model.layers[0].self_attn.indexer = found["Indexer"]()
     with pytest.raises(ValueError, match=r"its Indexer\.select calls apply_rotary_pos_emb outside forward"):
         find_rope_modules(model, "llama")
+
+
+@pytest.mark.parametrize("tower", ["Vision", "Audio"])
+def test_a_towers_rotary_embedding_is_left_to_the_tower(tower: str) -> None:
+    """A multimodal model's vision or audio encoder (dots3_note's audio tower, Qwen2-VL's vision one) has a rotary
+    embedding class of its own beside the text model's: only the text model's is patched. A second class that is no
+    tower's is refused, naming both."""
+    from posenc.interop._discover import find_rope_modules
+
+    model = build("llama")
+    text_rotary = type(model.model.rotary_emb)
+    towered = type(f"Llama{tower}RotaryEmbedding", (text_rotary,), {})
+    model.add_module("tower", nn.Module())
+    model.tower.add_module("rotary_emb", towered(model.config))
+    found = find_rope_modules(model, "llama")
+    assert found.rotary_cls is text_rotary
+    assert [name for name, _ in found.rotary] == ["model.rotary_emb"]
+    other = type("LlamaSpeechRotaryEmbedding", (text_rotary,), {})
+    model.tower.rotary_emb = other(model.config)
+    with pytest.raises(ValueError, match=r"has 2 \(LlamaRotaryEmbedding, LlamaSpeechRotaryEmbedding\)"):
+        find_rope_modules(model, "llama")
