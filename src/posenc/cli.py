@@ -196,6 +196,7 @@ def _figure_config(args: argparse.Namespace, run_dir: str | None = None):  # -> 
     With ``run_dir``, sizes the options leave out (head dim, lengths, heads) are the run's, not the defaults."""
     from posenc.analysis import FigureConfig
     from posenc.analysis.run import run_figure_config
+    from posenc.rope.frequencies import turns_fraction_of_pairs
 
     flags = {
         "head_dim": args.head_dim,
@@ -235,7 +236,8 @@ def _figure_config(args: argparse.Namespace, run_dir: str | None = None):  # -> 
         if flags["base"] is None and "rope_theta" not in params:
             flags["base"] = run.base
         partial = run.rope_parameters.get("partial_rotary_factor")
-        if partial is not None and "partial_rotary_factor" not in params and flags["rope_type"] != "proportional":
+        whole_head = turns_fraction_of_pairs(flags["rope_type"])
+        if partial is not None and "partial_rotary_factor" not in params and not whole_head:
             params["partial_rotary_factor"] = partial
     return FigureConfig.from_flags(rope_parameters=params, **flags)
 

@@ -512,3 +512,30 @@ def test_a_refused_replacement_puts_back_only_its_own_entry_and_drops_what_it_se
         register_scaling("mine", halved, example=example, replace=True)
     assert fr.SCALINGS["mine"] is ok and "yarn" in fr.SCALINGS
     torch.testing.assert_close(rope.frequencies()[0], expected, rtol=0, atol=0)
+
+
+def test_a_replaced_proportional_reads_partial_rotary_factor_as_every_type_does() -> None:
+    """posenc's 'proportional' reads partial_rotary_factor as the fraction of a whole head's pairs that turn, and
+    the figures, the frequency table and the run's figure config treated that name so. A function registered in
+    its place reads the key as any type does (RoPE already did, by is_builtin): the analysis code, keyed on the
+    name, left it out of partial-rotation tables, refused it beside other types, and let an odd head through
+    without the hint to rotate part of it."""
+    from posenc.analysis.config import _check_odd_head_dim
+
+    register_scaling(
+        "proportional", band, required=("factor",), example=lambda r, length, factor: {"factor": factor}, replace=True
+    )
+    assert not fr.turns_fraction_of_pairs("proportional")
+    table = frequency_table(16, base=BASE, partial_rotary_factor=0.5, rope_types=["default", "proportional"])
+    expected, _ = band(rotary_dim=8, base=BASE, factor=4.0)
+    torch.testing.assert_close(table.inv_freq[1], expected, rtol=1e-12, atol=0)
+    assert table.parameters[1]["partial_rotary_factor"] == 0.5  # the table's channels, as for every other type
+    assert "proportional" in frequency_table(16, base=BASE, partial_rotary_factor=0.5).rope_types
+    with pytest.raises(ValueError, match=r"partial_rotary_factor=0\.992063"):
+        _check_odd_head_dim(63, {"rope_type": "proportional", "factor": 2.0})
+    # posenc's own again: a whole head's pairs, refused beside a table that rotates part of the head.
+    register_scaling("proportional", fr.BUILTIN_SCALINGS["proportional"], optional=("factor",), replace=True)
+    assert fr.turns_fraction_of_pairs("proportional")
+    with pytest.raises(ValueError, match="cannot share a table"):
+        frequency_table(16, base=BASE, partial_rotary_factor=0.5, rope_types=["default", "proportional"])
+    _check_odd_head_dim(63, {"rope_type": "proportional"})  # its own error (all channels in pairs) comes later

@@ -15,6 +15,7 @@ from typing import Any
 from posenc._checks import flag, integer_offset, positive_int
 from posenc.analysis.frequencies import EXAMPLE_ROPE_PARAMETERS, example_rope_parameters, is_extension_factor
 from posenc.interop.hf import num_heads_from_config, read_config_json, rope_kwargs_from_config, rope_layer_types
+from posenc.rope.frequencies import turns_fraction_of_pairs
 from posenc.rope.parameters import REQUIRED_KEYS, RopeSpec, parse_rope_parameters, pop_rope_type, rotary_fraction
 
 # The training length the figures assume when nothing says otherwise.
@@ -27,7 +28,7 @@ def _check_odd_head_dim(head_dim: int, rope_parameters: Mapping[str, Any]) -> No
     """RoPE's own error for an odd head_dim says to pass rotary_dim, which figures take as a rotary fraction."""
     if head_dim % 2 == 0 or head_dim == 1 or "partial_rotary_factor" in rope_parameters:
         return
-    if rope_parameters.get("rope_type", rope_parameters.get("type")) == "proportional":
+    if turns_fraction_of_pairs(rope_parameters.get("rope_type", rope_parameters.get("type"))):
         return  # its own error says all channels turn in pairs
     # A fraction whose product with head_dim truncates to head_dim - 1 with room to spare for float rounding.
     fraction = round((head_dim - 0.5) / head_dim, 6)
@@ -230,7 +231,7 @@ class FigureConfig:
             # own (`--rope-type proportional`, whose only one is optional), is drawn with the figures' example ones
             # for what is missing, the factor given or 4; a complete set is left as given.
             d = cls.head_dim if head_dim is None else head_dim
-            rotary = d if kind == "proportional" else int(d * rope.get("partial_rotary_factor", 1.0)) // 2 * 2
+            rotary = d if turns_fraction_of_pairs(kind) else int(d * rope.get("partial_rotary_factor", 1.0)) // 2 * 2
             length = rope.get("original_max_position_embeddings", DEFAULT_TRAIN_LEN) if train_len is None else train_len
             factor = rope.get("factor") or 4.0
             # The example is drawn with stand-ins for values it refuses (a factor below 1, a partial_rotary_factor

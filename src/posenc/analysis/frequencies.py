@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from posenc._checks import even_positive_int, positive_int
-from posenc.rope.frequencies import SCALINGS
+from posenc.rope.frequencies import SCALINGS, turns_fraction_of_pairs
 from posenc.rope.module import RoPE
 from posenc.rope.parameters import NEEDS_FOUR_CHANNELS, parse_rope_parameters
 from posenc.rope.scaling import WITHOUT_EXAMPLE
@@ -162,13 +162,13 @@ def frequency_table(
         names = tuple(name for name in SCALINGS if name not in WITHOUT_EXAMPLE or name in (parameters or {}))
     else:
         names = tuple(rope_types)
-    if rotary < head_dim and "proportional" in names:
+    if rotary < head_dim and any(turns_fraction_of_pairs(name) for name in names):
         if rope_types is not None:
             raise ValueError(
                 f"rope_type 'proportional' turns pairs of the whole head and cannot share a table whose types rotate "
                 f"{rotary} of {head_dim} channels (partial_rotary_factor={partial_rotary_factor}); leave one out"
             )
-        names = tuple(name for name in names if name != "proportional")
+        names = tuple(name for name in names if not turns_fraction_of_pairs(name))
     if rotary < 4 and rope_types is None:  # a head of one pair: the NTK types are undefined there
         names = tuple(name for name in names if name not in NEEDS_FOUR_CHANNELS)
     if not names:
@@ -193,7 +193,7 @@ def frequency_table(
                 raise ValueError(f"parameters[{name!r}] names a different rope_type; key it by its own type")
         else:
             own = example_rope_parameters(name, rotary_dim=rotary, train_len=train_len, factor=factor)
-            if name != "proportional":  # its own partial_rotary_factor means something else (above)
+            if not turns_fraction_of_pairs(name):  # its own partial_rotary_factor means something else (above)
                 own = {**own, **common}
         rope = RoPE(head_dim, base=base, rope_parameters={"rope_type": name, **own}, max_position_embeddings=train_len)
         inv_freq, attention_factor = rope.frequencies(seq_len)

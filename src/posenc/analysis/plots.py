@@ -31,7 +31,7 @@ from posenc.analysis.layout import rotary_pairs
 from posenc.analysis.run import run_entropy, run_figure_config
 from posenc.analysis.wavelengths import wavelengths
 from posenc.bias import ALiBi, T5Bias
-from posenc.rope.frequencies import is_seq_len_dependent
+from posenc.rope.frequencies import is_seq_len_dependent, turns_fraction_of_pairs
 from posenc.rope.module import RoPE
 
 if TYPE_CHECKING:
@@ -250,7 +250,7 @@ def pair_layouts(inputs: FigureInputs) -> Figure:
     ):
         # Which channels pair depends on the layout alone; proportional RoPE also stands some pairs still, which
         # the schematic head shows in the same proportion (drawn plain, every pair looked rotated).
-        proportional = config.spec.rope_type == "proportional"
+        proportional = turns_fraction_of_pairs(config.spec.rope_type)
         params = {"rope_type": "proportional", **config.spec.params} if proportional else None
         rope = RoPE(d, rotary_dim=rotary, base=config.base, interleaved=interleaved, rope_parameters=params)
         layout = rotary_pairs(rope)
@@ -401,7 +401,7 @@ def decay_curves(inputs: FigureInputs) -> Figure:
     # The comparison curves rotate the configured channels; 'proportional' reads partial_rotary_factor as the
     # fraction of pairs that turn, over the whole head, so beside it they rotate the whole head.
     partial = {}
-    if config.rope_type != "proportional" and "partial_rotary_factor" in config.rope_parameters:
+    if not turns_fraction_of_pairs(config.rope_type) and "partial_rotary_factor" in config.rope_parameters:
         partial = {"partial_rotary_factor": config.rope_parameters["partial_rotary_factor"]}
     for base in bases:
         result = long_term_decay(config.head_dim, rope_parameters={"rope_theta": base, **partial}, distances=distances)
@@ -488,7 +488,8 @@ def scaled_frequencies(inputs: FigureInputs) -> Figure:
     own = {k: v for k, v in config.rope_parameters.items() if k not in ("rope_type", "type", "rope_theta")}
     parameters = {config.rope_type: own} if config.rope_type != "default" else {}
     # 'proportional' reads partial_rotary_factor as its own (the fraction of pairs that turn): it stays in `own`.
-    channels = None if config.rope_type == "proportional" else config.rope_parameters.get("partial_rotary_factor")
+    whole_head = turns_fraction_of_pairs(config.rope_type)
+    channels = None if whole_head else config.rope_parameters.get("partial_rotary_factor")
     table = frequency_table(
         config.head_dim,
         base=config.base,

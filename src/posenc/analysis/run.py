@@ -25,6 +25,7 @@ from posenc import _atomic
 from posenc.analysis.config import FigureConfig
 from posenc.analysis.entropy import EntropyResult
 from posenc.lab.lock import holder
+from posenc.rope.frequencies import turns_fraction_of_pairs
 from posenc.rope.parameters import rotary_fraction
 
 REQUIRED_COLUMNS = ("encoding", "extension", "train_len", "eval_len", "seed", "bits_per_byte")
@@ -217,7 +218,7 @@ def run_figure_config(run_dir: str | Path) -> FigureConfig | None:
         # A run without rope may have heads of an odd size; RoPE's figures need pairs.
         return FigureConfig(head_dim=head_dim + head_dim % 2, **sizes)
     parameters = dict(rope["rope_parameters"])
-    if rope["rotary_dim"] != rope["head_dim"] and parameters.get("rope_type") != "proportional":
+    if rope["rotary_dim"] != rope["head_dim"] and not turns_fraction_of_pairs(parameters.get("rope_type")):
         parameters["partial_rotary_factor"] = rotary_fraction(rope["rotary_dim"], rope["head_dim"])
     # The scaling's original length is the figures' training length; the run's own trained length says it here.
     parameters.pop("original_max_position_embeddings", None)

@@ -266,6 +266,13 @@ def is_builtin(rope_type: str) -> bool:
     return builtin is not None and SCALINGS.get(rope_type) is builtin
 
 
+def turns_fraction_of_pairs(rope_type: str | None) -> bool:
+    """Whether ``rope_type`` reads ``partial_rotary_factor`` as the fraction of a whole head's pairs that turn (the
+    rest stand still) rather than of the channels rotated: posenc's own 'proportional' only. A function registered
+    in its place (``register_scaling("proportional", ..., replace=True)``) reads the key as every other type does."""
+    return rope_type == "proportional" and is_builtin(rope_type)
+
+
 # Types whose frequencies change with the current sequence length (they cannot be tabulated once). A set that
 # ``posenc.rope.register_scaling`` adds to: read it through ``is_seq_len_dependent``, never a copy taken at import (a
 # frozenset imported by name left a registered type tabulated once, its function always called with seq_len=None).

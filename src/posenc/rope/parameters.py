@@ -18,7 +18,7 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from posenc._checks import base_value, compiling, even_positive_int, positive_int, sequence_length, user_stacklevel
-from posenc.rope.frequencies import SCALINGS, is_builtin, proportional_pairs
+from posenc.rope.frequencies import SCALINGS, is_builtin, proportional_pairs, turns_fraction_of_pairs
 
 # Per rope_type: keys that must be present and keys that may be present (beyond the common ones).
 REQUIRED_KEYS: dict[str, frozenset[str]] = {
@@ -273,7 +273,7 @@ def _check_float32_range(spec: RopeSpec, lengths: tuple[int | None, ...]) -> Non
         # On the CPU, as every frequency is (posenc.rope.frequencies), also where the caller builds on meta.
         inv_freq, factor = compute_frequencies(spec, seq_len=length)
         factor_as_float32 = float(torch.tensor(float(factor), device="cpu").float())
-        if rope_type == "proportional" and is_builtin(rope_type):
+        if turns_fraction_of_pairs(rope_type):
             inv_freq = inv_freq[: proportional_pairs(params["partial_rotary_factor"], rotary_dim)]
         as_float32 = inv_freq.float()
         if not bool(((as_float32 > 0) & (as_float32 < math.inf)).all()):
@@ -357,7 +357,7 @@ def parse_rope_parameters(
     partial = params.pop("partial_rotary_factor", None)
     if partial is not None:
         partial = _partial_rotary_factor(partial)
-    if builtin and rope_type == "proportional":
+    if turns_fraction_of_pairs(rope_type):
         # Proportional RoPE rotates every channel and zeroes the frequencies of the tail pairs instead.
         if rotary_dim is not None and rotary_dim != head_dim:
             raise ValueError(f"rope_type 'proportional' rotates all head_dim={head_dim} channels; drop rotary_dim")
