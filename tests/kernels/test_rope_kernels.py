@@ -420,14 +420,15 @@ def test_in_place_refuses_memory_shared_by_an_expanded_view(backend):
 @pytest.mark.parametrize("backend", ["auto", "cpu", "triton"])
 def test_in_place_on_channels_of_stride_two(backend):
     """A view whose channels are every other element: the fused kernels write unit-stride channels, so an explicit
-    fused backend refuses it and "auto" rotates it on the torch path, equal to rotating a copy."""
+    fused backend refuses it, naming x and its stride (the refusal said neither), and "auto" rotates it on the
+    torch path, equal to rotating a copy."""
     device = DEVICE.get(backend, "cpu")
     cos, sin = (t.to(device) for t in table(8, 16))
     storage = torch.randn(1, 2, 5, 16, device=device)
     x = storage[..., ::2]
     expected = apply_rotary(x.contiguous(), cos[:5], sin[:5], backend="torch")
     if backend != "auto":
-        with pytest.raises(ValueError, match="in place needs unit stride in the last dim"):
+        with pytest.raises(ValueError, match=r"in place needs unit stride in the last dim, but x has stride 2 there"):
             apply_rotary_(x, cos[:5], sin[:5], backend=backend)
         return
     untouched = storage[..., 1::2].clone()

@@ -181,8 +181,14 @@ def _fused_problem(
         return f"the fused kernels take {list(DTYPE_CODES)}, got {xs[0].dtype}"
     if len(dtypes) > 1:
         return "q and k have different dtypes"
-    if inplace and any(x.shape[-1] > 1 and x.stride(-1) != 1 for x in xs):
-        return "in place needs unit stride in the last dim"
+    if inplace:
+        for i, x in enumerate(xs):
+            if x.shape[-1] > 1 and x.stride(-1) != 1:
+                name = _call_name(i, xs, names)
+                return (
+                    f"in place needs unit stride in the last dim, but {name} has stride {x.stride(-1)} there (a "
+                    "channels-last or transposed view, or a slice with a step), which the fused kernels do not write"
+                )
     return ""
 
 
