@@ -413,7 +413,7 @@ def test_causal_mask_takes_one_row_of_ids():
     [
         (torch.tensor([1, 3]), r"cu_seqlens must start at 0.*got 1"),
         (torch.tensor([0, 4, 2]), r"non-decreasing.*entry 2 \(2\) is below entry 1 \(4\)"),
-        (torch.tensor([0]), r"cu_seqlens must be 1-D \(n_seq \+ 1,\), got shape \(1,\)"),
+        (torch.tensor([0]), r"cu_seqlens must hold n_seq \+ 1 >= 2 prefix sums .*got shape \(1,\)"),
         (torch.tensor([0, 4], device="meta"), "cu_seqlens is on the meta device, which holds no values"),
     ],
 )

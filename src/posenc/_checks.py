@@ -500,8 +500,14 @@ def prefix_sums(cu_seqlens: Any) -> torch.Tensor:
     """cu_seqlens itself if it is flash-attention's (n_seq + 1,) integer prefix sums by type and shape (values are the
     caller's to check: ``posenc.positions.sequence_lengths``)."""
     int_tensor("cu_seqlens", cu_seqlens, what="prefix sums", host_read=True)
-    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+    if cu_seqlens.dim() != 1:
         raise ValueError(f"cu_seqlens must be 1-D (n_seq + 1,), got shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.shape[0] < 2:
+        # It is 1-D: "must be 1-D (n_seq + 1,)" alone left the reader to work out that one entry is too few.
+        raise ValueError(
+            f"cu_seqlens must hold n_seq + 1 >= 2 prefix sums (0, then the end of each sequence: [0, total_tokens] "
+            f"for one sequence), got shape {tuple(cu_seqlens.shape)}"
+        )
     return cu_seqlens
 
 

@@ -794,3 +794,12 @@ def test_in_place_rotation_by_angles_in_x_own_memory_reads_them_before_writing(b
     call = {} if layout == "broadcast" else {"offset": 0}
     posenc.apply_rotary_(buffer, cos, sin, backend=backend, **call)
     assert_close(buffer, expected)
+
+
+@pytest.mark.parametrize("cu_seqlens", [[0], [5]])
+def test_a_single_entry_cu_seqlens_is_refused_as_too_few_prefix_sums(cu_seqlens):
+    """cu_seqlens of one entry is 1-D, so the refusal "cu_seqlens must be 1-D (n_seq + 1,), got shape (1,)" contradicted
+    itself; it now says that n_seq + 1 >= 2 sums are needed and what they are."""
+    cos, sin = posenc.RoPE(8).cos_sin(torch.arange(16))
+    with pytest.raises(ValueError, match=r"cu_seqlens must hold n_seq \+ 1 >= 2 prefix sums .*got shape \(1,\)"):
+        posenc.apply_rotary(torch.randn(0, 2, 8), cos, sin, cu_seqlens=torch.tensor(cu_seqlens))
