@@ -803,3 +803,16 @@ def test_a_single_entry_cu_seqlens_is_refused_as_too_few_prefix_sums(cu_seqlens)
     cos, sin = posenc.RoPE(8).cos_sin(torch.arange(16))
     with pytest.raises(ValueError, match=r"cu_seqlens must hold n_seq \+ 1 >= 2 prefix sums .*got shape \(1,\)"):
         posenc.apply_rotary(torch.randn(0, 2, 8), cos, sin, cu_seqlens=torch.tensor(cu_seqlens))
+
+
+@pytest.mark.parametrize("shape", [(256,), (2, 128)])
+def test_rope_cos_sin_reads_uint8_positions_as_ids_not_as_a_mask(shape):
+    """torch reads a uint8 index as a boolean mask: RoPE.cos_sin of 256 uint8 ids 0..255 gave the 255 rows of the
+    nonzero ids without an error, and of (2, 128) such ids an IndexError about a mask's shape. They are ids, as
+    int_tensor accepts them: the rows equal those of the same ids in int64."""
+    rope = posenc.RoPE(8)
+    ids = torch.arange(256).view(shape)
+    cos, sin = rope.cos_sin(ids.to(torch.uint8))
+    expected_cos, expected_sin = rope.cos_sin(ids)
+    assert cos.shape == (*shape, 4)
+    assert torch.equal(cos, expected_cos) and torch.equal(sin, expected_sin)
