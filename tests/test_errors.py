@@ -31,6 +31,17 @@ q = torch.randn(1, 2, 4, 8)
         (lambda: posenc.RoPE(8, base=1.0), ValueError, r"base must be a finite number > 1"),
         (lambda: posenc.RoPE(8, base=math.inf), ValueError, r"base must be a finite number > 1"),
         (lambda: posenc.RoPE(8, base=math.nan), ValueError, r"base must be a finite number > 1"),
+        # A float of the wrong value (nan, inf) is a ValueError, as base's is; it was a TypeError.
+        (
+            lambda: posenc.RoPE(8, rope_parameters={"rope_type": "linear", "factor": math.nan}),
+            ValueError,
+            r"rope_parameters\['factor'\] must be a finite real number, got nan",
+        ),
+        (
+            lambda: posenc.RoPE(8, rope_parameters={"rope_type": "linear", "factor": torch.tensor(math.inf)}),
+            ValueError,
+            r"rope_parameters\['factor'\] must be a finite real number, got inf",
+        ),
         (lambda: posenc.RoPE(8, base="1e4"), TypeError, r"base must be a real number"),
         (
             lambda: posenc.RoPE(8, rope_parameters={"rope_type": "warp"}),

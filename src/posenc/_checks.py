@@ -487,7 +487,7 @@ def int_tensor(name: str, x: Any, *, what: str = "positions", host_read: bool = 
         )
     if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
         why = f"; float {what} lose integers above 256 in bf16/fp16" if x.is_floating_point() else ""
-        raise TypeError(f"{name} must hold integer {what} (torch.long or torch.int32), got dtype {x.dtype}{why}")
+        raise TypeError(f"{name} must hold integer {what} (torch.long, or any integer dtype), got dtype {x.dtype}{why}")
     if x.dtype not in INDEX_DTYPES:
         raise TypeError(
             f"{name} has dtype {x.dtype}, which torch cannot compare or add on most devices; pass it as torch.long "

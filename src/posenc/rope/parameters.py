@@ -100,8 +100,10 @@ def _real(key: str, value: Any, *, low: float, low_inclusive: bool, hint: str = 
                 f"{name} is a meta tensor, which holds no value to read; pass a number, or a tensor on the CPU"
             )
         value = value.item()
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a finite real number, got {value!r}{hint}")
+    if not math.isfinite(value):  # the right type, a value out of range (as one below `low` is)
+        raise ValueError(f"{name} must be a finite real number, got {value!r}{hint}")
     if value < low or (value == low and not low_inclusive):
         bound = f">= {low}" if low_inclusive else f"> {low}"
         raise ValueError(f"{name} must be {bound}, got {value!r}{hint}")
