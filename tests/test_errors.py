@@ -440,6 +440,19 @@ _pairs = torch.rand(4, 8)
         ),
         (lambda: alibi_bias([0.5, 0.25], torch.arange(3), torch.arange(3)), TypeError, "slopes must be a torch.Tensor"),
         (lambda: alibi_bias(torch.ones(2, 2), torch.arange(3), torch.arange(3)), ValueError, r"slopes must be \(h,\)"),
+        # Checks no test reached (found by a hand mutation pass: each could be dropped with every test passing).
+        (lambda: alibi_bias(torch.tensor(0.5), torch.arange(3), torch.arange(3)), ValueError, r"slopes must be \(h,\)"),
+        (
+            lambda: alibi_bias(torch.ones(2), torch.arange(3), torch.arange(3), causal="yes"),
+            TypeError,
+            "causal must be True or False",
+        ),
+        (lambda: posenc.alibi_slopes(4, dtype=torch.int64), TypeError, "dtype must be a floating-point torch.dtype"),
+        (
+            lambda: posenc.T5Bias(2, num_buckets=8, max_distance=16).set_extra_state(torch.tensor([8, 16])),
+            RuntimeError,
+            r"must be an integer tensor \[num_buckets, max_distance, bidirectional\]",
+        ),
         (
             lambda: posenc.apply_rotary(torch.randn(2, 0), torch.randn(2, 0), torch.randn(2, 0)),
             ValueError,

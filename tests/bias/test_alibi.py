@@ -201,3 +201,12 @@ def test_slopes_assigned_for_another_head_count_are_refused_on_every_path():
         score_mod_for(alibi, torch.arange(3)[None], 0)
     alibi.slopes = posenc.alibi_slopes(8)[4:]  # a tensor-parallel rank's heads 4..7
     assert torch.equal(alibi.bias(3, 3), posenc.ALiBi(8).bias(3, 3)[4:])
+
+
+def test_an_alibi_built_on_the_meta_device_gets_the_head_counts_slopes_from_to_empty():
+    """to_empty leaves memory uninitialised; the slopes, which have no values on meta to compare, are taken to be
+    the head count's and recomputed (a meta buffer read as learned slopes cannot be copied from)."""
+    with torch.device("meta"):
+        alibi = posenc.ALiBi(3)
+    alibi.to_empty(device="cpu")
+    assert torch.equal(alibi.slopes, posenc.alibi_slopes(3))

@@ -21,6 +21,10 @@ def test_one_dimensional_positions_are_a_batch_of_one(name):
         mixed = encoding.score_bias(q, torch.stack((k, k + 3)))
     assert flat.shape == (1, 4, 3, 5) and torch.equal(flat, rows)
     assert mixed.shape == (2, 4, 3, 5) and torch.equal(mixed[:1], flat)
+    # Either side may be the shared one: a batch of queries against one row of keys (a prefix) broadcasts too.
+    with torch.no_grad():
+        queries = encoding.score_bias(torch.stack((q, q + 1)), k)
+    assert queries.shape == (2, 4, 3, 5) and torch.equal(queries[:1], flat)
 
 
 @pytest.mark.parametrize("name", list(BIASES))

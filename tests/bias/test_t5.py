@@ -222,3 +222,13 @@ def test_the_settings_of_a_bias_built_on_the_meta_device_are_real():
     t5.load_state_dict(_for_model(512).state_dict())
     with pytest.raises(RuntimeError, match=r"max_distance=1024, .*max_distance=512"):
         t5.load_state_dict(_for_model(1024).state_dict())
+
+
+def test_a_state_dict_on_the_meta_device_loads_without_values_to_compare():
+    """Meta settings (a state dict moved to meta for shape inference, loaded with assign=True) have no values: they
+    are let through, as the meta table is, rather than read (which raises "Cannot copy out of meta tensor")."""
+    state = {name: value.to("meta") for name, value in _for_model(512).state_dict().items()}
+    with torch.device("meta"):
+        t5 = _for_model(512)
+    t5.load_state_dict(state, assign=True)
+    assert t5.table.weight.is_meta
