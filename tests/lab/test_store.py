@@ -115,15 +115,17 @@ def test_the_same_weights_give_the_same_bytes_with_a_table_shared_by_the_layers(
     )
 
 
-def test_files_take_the_umask_in_force_when_written(tmp_path):
-    before = os.umask(0o077)
+@pytest.mark.parametrize(("umask", "mode"), [(0o077, 0o600), (0o002, 0o664)])
+def test_files_take_the_umask_in_force_when_written(tmp_path, umask, mode):
+    # 0o002 (a shared group's umask) tells 0o666 less the umask from a fixed 0o644, which 0o077 and 0o022 cannot.
+    before = os.umask(umask)
     try:
         store.write_text(tmp_path / "private.md", "x")
         store.save_weights(nn.Linear(2, 2), tmp_path / "private.safetensors")
     finally:
         os.umask(before)
     for written in ("private.md", "private.safetensors"):
-        assert (tmp_path / written).stat().st_mode & 0o777 == 0o600
+        assert (tmp_path / written).stat().st_mode & 0o777 == mode
 
 
 @pytest.mark.parametrize("cut", [4, 60, -100])
@@ -223,7 +225,11 @@ def test_temporaries_of_killed_writers_are_removed_and_live_ones_kept(tmp_path):
         tmp_path / f".train.json.{host}-{os.getpid()}.0123456789ab.tmp",  # this id, not written now: a past run's
     ]
     other_host = "0" * 8 if host != "0" * 8 else "1" * 8
-    kept = [tmp_path / f".m.json.{other_host}-{dead}.0123456789ab.tmp", tmp_path / ".notes.tmp"]
+    kept = [
+        tmp_path / f".m.json.{other_host}-{dead}.0123456789ab.tmp",
+        tmp_path / ".notes.tmp",
+        tmp_path / f".m.json.{host}-{dead}.0123456789ab.tmp.bak",  # the whole name must be a temporary's
+    ]
     for path in (*stale, *kept):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("partial")
@@ -257,6 +263,50 @@ store.save_weights(torch.nn.Linear(2, 2), store.Path({str(tmp_path / "model.safe
     assert not list(tmp_path.iterdir())
     store.save_weights(torch.nn.Linear(2, 2), tmp_path / "model.safetensors")
     assert [p.name for p in tmp_path.iterdir()] == ["model.safetensors"]
+
+
+def test_the_cleanup_leaves_links_and_the_temporaries_of_other_users_live_processes(tmp_path, monkeypatch):
+    """atomic_path makes no links, so a link named like a dead writer's temporary is not one of its own: it and what
+    it points to stay. A process id that os.kill may not signal (EPERM: another user's process) is alive."""
+    import errno
+    import subprocess
+    import sys
+
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True).stdout)
+    host = _atomic._HOST
+    target = tmp_path / "kept"
+    target.mkdir()
+    (target / "data.json").write_text("{}")
+    link = tmp_path / f".link.json.{host}-{dead}.0123456789ab.tmp"
+    link.symlink_to(target, target_is_directory=True)
+    other_user = 2**22 + 1  # above any pid_max: no process has it, but os.kill below answers EPERM for it
+    others = tmp_path / f".m.json.{host}-{other_user}.abcdef012345.tmp"
+    others.write_text("partial")
+    real_kill = os.kill
+
+    def kill(pid, signal):
+        if pid == other_user:
+            raise PermissionError(errno.EPERM, "Operation not permitted")
+        return real_kill(pid, signal)
+
+    monkeypatch.setattr(os, "kill", kill)
+    assert store.remove_stale_temporaries(tmp_path) == []
+    assert link.is_symlink() and (target / "data.json").exists() and others.exists()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc/self/fd")
+def test_writes_leave_no_descriptor_open_and_no_name_marked_as_being_written(tmp_path):
+    """A write closes the descriptors it syncs with and forgets its temporary once done, failed or not (a long run
+    writes thousands of files)."""
+    store.write_text(tmp_path / "warm.txt", "x")  # whatever the first write opens for good (imports) is open now
+    before = sorted(os.listdir("/proc/self/fd"))
+    store.write_text(tmp_path / "a.txt", "x")
+    store.save_weights(nn.Linear(2, 2), tmp_path / "w.safetensors")
+    with pytest.raises(RuntimeError), _atomic.atomic_path(tmp_path / "b.txt") as tmp:
+        tmp.write_text("half")
+        raise RuntimeError
+    assert sorted(os.listdir("/proc/self/fd")) == before
+    assert not _atomic._WRITING
 
 
 def test_the_cleanup_does_not_look_inside_a_live_writers_temporary_folder(tmp_path):
@@ -311,15 +361,17 @@ def test_data_reaches_the_disk_before_the_rename_and_the_rename_after(tmp_path, 
     assert (tmp_path / "r.txt").read_text() == "done\n"
 
 
-def test_a_folder_that_cannot_be_synced_still_gets_the_file(tmp_path, monkeypatch):
-    """Some FUSE and network filesystems answer a folder's fsync with EINVAL after the rename has happened."""
+@pytest.mark.parametrize("code", ["EINVAL", "ENOTSUP", "EBADF"])
+def test_a_folder_that_cannot_be_synced_still_gets_the_file(tmp_path, monkeypatch, code):
+    """Some FUSE and network filesystems answer a folder's fsync with EINVAL (or ENOTSUP, or EBADF) after the rename
+    has happened."""
     import errno
 
     real_fsync = os.fsync
 
     def fsync(descriptor):
         if os.path.isdir(os.readlink(f"/proc/self/fd/{descriptor}")):
-            raise OSError(errno.EINVAL, "Invalid argument")
+            raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
         real_fsync(descriptor)
 
     monkeypatch.setattr(os, "fsync", fsync)
