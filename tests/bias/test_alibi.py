@@ -210,3 +210,17 @@ def test_an_alibi_built_on_the_meta_device_gets_the_head_counts_slopes_from_to_e
         alibi = posenc.ALiBi(3)
     alibi.to_empty(device="cpu")
     assert torch.equal(alibi.slopes, posenc.alibi_slopes(3))
+
+
+def test_a_parameter_holding_the_head_counts_slopes_is_recomputed_in_float64_by_double():
+    """Slopes equal to the head count's are compared before the cast: a Parameter's data is swapped by it, so
+    comparing after it saw float32's rounding of 2^-0.5 in float64, took the slopes for custom ones and kept it."""
+    alibi = posenc.ALiBi(16)
+    alibi.slopes = nn.Parameter(posenc.alibi_slopes(16))
+    alibi.double()
+    assert isinstance(alibi.slopes, nn.Parameter)
+    assert torch.equal(alibi.slopes.detach(), posenc.alibi_slopes(16, dtype=torch.float64))
+
+
+def test_repr_names_the_settings():
+    assert repr(posenc.ALiBi(4, causal=False)) == "ALiBi(num_heads=4, causal=False)"
