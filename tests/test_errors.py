@@ -1241,6 +1241,50 @@ def test_index_tensors_on_another_device_than_x_are_refused_with_the_move(call, 
         call(x, table)
 
 
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (
+            lambda x, t: posenc.apply_rotary(x, t[:, :0], t[:, :0], offset=0),
+            r"cos.shape\[-1\]=0 pairs needs 0 channels",
+        ),
+        (
+            lambda x, t: posenc.apply_rotary(x, t, t, offset=torch.zeros(2, 1, dtype=torch.long)),
+            r"offset must be an int, a \(2,\) tensor \(one per sequence\) or a 0-d tensor, got shape \(2, 1\)",
+        ),
+        (
+            lambda x, t: posenc.apply_rotary(torch.randn(0, 2, 8), t, t, cu_seqlens=torch.tensor([0])),
+            r"cu_seqlens must be 1-D \(n_seq \+ 1,\), got shape \(1,\)",
+        ),
+        (
+            lambda x, t: posenc.apply_rotary(torch.randn(6, 2, 8), t, t, cu_seqlens=torch.tensor([0, 3, 5])),
+            r"cu_seqlens must start at 0 and end at total_tokens=6, got 0 \.\. 5",
+        ),
+        (  # falling by one: the smallest fall
+            lambda x, t: posenc.apply_rotary(torch.randn(6, 2, 8), t, t, cu_seqlens=torch.tensor([0, 3, 2, 6])),
+            r"cu_seqlens must be non-decreasing",
+        ),
+    ],
+    ids=["no pairs", "(b, 1) offset", "no sequences", "ends early", "falls by one"],
+)
+def test_table_calls_refuse_tables_offsets_and_prefix_sums_at_their_edges(call, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        call(torch.randn(2, 1, 3, 8), torch.randn(16, 4))
+
+
+def test_hints_are_left_out_where_they_do_not_fit() -> None:
+    """An odd table width cannot be Hugging Face's cos/sin (each value twice): no hint to halve it. A 3-D x with
+    layout='bshd' is not an (h, s, d) sequence for the default layout: no hint to pass x[None] in it."""
+    x = torch.randn(1, 2, 3, 8)
+    exactly = r"x.shape\[-1\]=8; the table holds one value per pair, \(n_positions, rotary_dim // 2\)$"
+    with pytest.raises(ValueError, match=exactly):
+        posenc.apply_rotary(x, torch.ones(9, 5), torch.ones(9, 5), offset=0)
+    cos, sin = torch.randn(16, 4), torch.randn(16, 4)
+    with pytest.raises(ValueError, match=r"x must be 4-D \(b, s, h, d\)") as info:
+        posenc.apply_rotary(torch.randn(2, 3, 8), cos, sin, positions=torch.arange(2), layout="bshd")
+    assert "one sequence laid out (h, s, d)" not in str(info.value)
+
+
 @pytest.mark.parametrize("flat", [False, True], ids=["(n, h, d)", "(n, h * d)"])
 def test_the_token_major_hint_names_only_views_that_fit_the_call(flat):
     """x of too few dims: the hint names only views that fit the call. Not (h, s, d) for a 2-D x; not a decode

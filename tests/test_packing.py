@@ -337,6 +337,15 @@ def test_a_step_may_start_a_new_document_in_the_cache():
     assert torch.equal(cache.positions, torch.tensor([[0, 1, 2, 3, 4, 0, 1]]))
 
 
+def test_one_row_of_step_ids_continues_each_cached_row_by_its_own_last_document():
+    """Step ids (s,) for a cache of 2 rows apply to both: a row whose last cached token is of that document
+    continues its positions, the other starts the document at 0."""
+    attn = layer_for(make_encoding("rope"))
+    cache = KVCache()
+    attn(torch.randn(2, 3, DIM, dtype=torch.float64), document_ids=torch.tensor([[0, 0, 0], [0, 1, 1]]), cache=cache)
+    assert torch.equal(cache.next_positions(2, document_ids=torch.tensor([1, 1])), torch.tensor([[0, 1], [2, 3]]))
+
+
 # ---- errors
 
 
@@ -413,6 +422,7 @@ def test_causal_mask_takes_one_row_of_ids():
     [
         (torch.tensor([1, 3]), r"cu_seqlens must start at 0.*got 1"),
         (torch.tensor([0, 4, 2]), r"non-decreasing.*entry 2 \(2\) is below entry 1 \(4\)"),
+        (torch.tensor([0, 3, 2, 5]), r"non-decreasing.*entry 2 \(2\) is below entry 1 \(3\)"),
         (torch.tensor([0]), r"cu_seqlens must hold n_seq \+ 1 >= 2 prefix sums .*got shape \(1,\)"),
         (torch.tensor([0, 4], device="meta"), "cu_seqlens is on the meta device, which holds no values"),
     ],
@@ -445,3 +455,20 @@ def test_resolve_positions_refuses_negative_ids_inside_torch_compile() -> None:
     assert compiled(torch.tensor([4, 5, 6])).tolist() == [[4, 5, 6]]
     with pytest.raises(RuntimeError, match="positions must be >= 0"):
         compiled(torch.tensor([-5, 0, 1]))
+
+
+def test_resolve_positions_refuses_offsets_that_leave_no_valid_position() -> None:
+    """A negative per-sequence offset, and an offset whose last position (offset + seq_len - 1, or the offset itself
+    for an empty sequence) is past int64, are refused; the last position at 2**63 - 1 is accepted."""
+    from posenc.positions import resolve_positions
+
+    with pytest.raises(ValueError, match=r"offset must be >= 0 \(it counts tokens already in the cache\)"):
+        resolve_positions(3, batch=2, offset=torch.tensor([0, -1]))
+    assert resolve_positions(2, batch=1, offset=torch.tensor([2**63 - 2])).tolist() == [[2**63 - 2, 2**63 - 1]]
+    for offset in (torch.tensor([2**63 - 1]), 2**63 - 1):
+        with pytest.raises(ValueError, match=r"the last position, offset \+ seq_len - 1, must fit in int64"):
+            resolve_positions(2, batch=1, offset=offset)
+    with pytest.raises(
+        ValueError, match=r"the last position, offset \+ seq_len - 1, must fit in int64.*got 9223372036854775808"
+    ):
+        resolve_positions(0, batch=1, offset=2**63)

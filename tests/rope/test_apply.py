@@ -281,6 +281,9 @@ def test_empty_batch_with_per_sequence_offsets():
     for kwargs in ({"offset": torch.zeros(0, dtype=torch.long)}, {"positions": torch.arange(5), "offset": 3}):
         q_out, k_out = rope(q, k, **kwargs)
         assert q_out.shape == q.shape and k_out.shape == k.shape
+    # apply_rotary reads the offsets' range on the host (RoPE has checked them): an empty batch has none to read.
+    cos, sin = torch.randn(4, 4), torch.randn(4, 4)
+    assert posenc.apply_rotary(q, cos, sin, offset=torch.zeros(0, dtype=torch.long)).shape == q.shape
 
 
 def test_packed_positions_restart_per_document():
@@ -816,3 +819,18 @@ def test_rope_cos_sin_reads_uint8_positions_as_ids_not_as_a_mask(shape):
     expected_cos, expected_sin = rope.cos_sin(ids)
     assert cos.shape == (*shape, 4)
     assert torch.equal(cos, expected_cos) and torch.equal(sin, expected_sin)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_table_calls_read_no_row_for_no_token_and_take_one_row_of_ids_for_the_batch(backend):
+    """An empty sequence reads no row, so an offset past the table is no error (an int, or one per sequence); an
+    offset at the table's end with tokens to read is refused by name; (1, s) position ids apply to every row."""
+    x = torch.randn(2, 1, 3, 8)
+    cos, sin = torch.randn(8, 4), torch.randn(8, 4)
+    for offset in (100, torch.tensor([100, 100])):
+        assert posenc.apply_rotary(x[:, :, :0], cos, sin, offset=offset, backend=backend).shape == (2, 1, 0, 8)
+    with pytest.raises(ValueError, match=r"^offset=8 is past the cos/sin table's 8 rows"):
+        posenc.apply_rotary(x, cos, sin, offset=8, backend=backend)
+    ids = torch.tensor([4, 2, 0])
+    one_row = posenc.apply_rotary(x, cos, sin, positions=ids[None], backend=backend)
+    assert torch.equal(one_row, posenc.apply_rotary(x, cos, sin, positions=ids, backend=backend))
