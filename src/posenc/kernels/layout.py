@@ -180,6 +180,12 @@ def _check_xs(
     seq, device): (b, s), or (1, total_tokens) for varlen, and the device they all share. at_offset: as
     ``_token_major_hint``'s."""
     half = cos.shape[1]
+    if half == 0:
+        # As broadcast cos/sin are refused: read against x's width, a table of no pairs "needed 0 channels" and
+        # was told to pass cos[..., :0], Hugging Face's hint for a width that cannot be theirs.
+        raise ValueError(
+            f"cos must have a last dimension of r/2 >= 1 (one value per rotated pair), got shape {tuple(cos.shape)}"
+        )
     rank = 3 if kind == "varlen" else 4
     axes = {"bhsd": "(b, h, s, d)", "bshd": "(b, s, h, d)", "varlen": "(total_tokens, h, d)"}[kind]
     first = next(iter(xs.values()))
@@ -195,7 +201,7 @@ def _check_xs(
                 f"{name} must be {rank}-D {axes} for this call, got shape {tuple(x.shape)}"
                 + _token_major_hint(name, x, kind, at_offset=at_offset)
             )
-        if half == 0 or 2 * half > x.shape[-1]:
+        if 2 * half > x.shape[-1]:
             raise ValueError(
                 f"cos.shape[-1]={half} pairs needs {2 * half} channels but {name}.shape[-1]={x.shape[-1]}; "
                 "the table holds one value per pair, (n_positions, rotary_dim // 2)" + hf_cos_hint(half, x.shape[-1])
