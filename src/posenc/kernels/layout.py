@@ -26,6 +26,7 @@ from posenc._checks import (
     host_min_max,
     int_fix,
     int_tensor,
+    prefix_sums,
     replicated_like,
     replicated_values,
     size_in,
@@ -229,17 +230,9 @@ def _check_cu_seqlens(
     """cu_seqlens: integer (n_seq + 1,) prefix sums on xs' ``device``, from 0 to the ``seq`` packed tokens and
     non-decreasing (read on the host where ``check_data``, else asserted with the graph); no positions beside them.
     Returns the number of sequences."""
-    int_tensor("cu_seqlens", cu_seqlens, what="prefix sums", host_read=True)
+    prefix_sums(cu_seqlens)
     if positions is not None:
         raise ValueError("positions cannot be combined with cu_seqlens: packed sequences count from 0 (+ offset)")
-    if cu_seqlens.dim() != 1:
-        raise ValueError(f"cu_seqlens must be 1-D (n_seq + 1,), got shape {tuple(cu_seqlens.shape)}")
-    if cu_seqlens.shape[0] < 2:
-        # It is 1-D: "must be 1-D (n_seq + 1,)" alone left the reader to work out that one entry is too few.
-        raise ValueError(
-            f"cu_seqlens must hold n_seq + 1 >= 2 prefix sums (0, then the end of each sequence: [0, total_tokens] "
-            f"for one sequence), got shape {tuple(cu_seqlens.shape)}"
-        )
     if cu_seqlens.device != device:
         raise _elsewhere("cu_seqlens", cu_seqlens, xs)
     if check_data:
