@@ -151,9 +151,14 @@ def index_values(t: Any) -> Any:
     (max error 6.6 for apply_rotary's positions on the torch path). Where the bit is clear AOTAutograd drops it (no op
     in the compiled graph), as ``run_decompositions`` does (ONNX, AOTInductor); torch.export's own graph shows it.
     Inductor still reads a negative view's storage, whatever posenc does (pytorch/pytorch#145093); posenc's range
-    checks then fail on the negated ids."""
+    checks then fail on the negated ids.
+
+    A uint8 tensor comes back as int64: torch reads a uint8 index as a boolean mask (``table[ids]`` of the ids
+    0..255 gave the 255 rows of the nonzero ones, without an error)."""
     if not isinstance(t, torch.Tensor):
         return t
+    if t.dtype == torch.uint8:
+        return t.long()  # a copy, which holds the values whatever the negative bit said
     if compiling():
         return t.resolve_neg()
     return t.resolve_neg() if t.is_neg() else t

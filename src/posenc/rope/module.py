@@ -626,11 +626,8 @@ class RoPE(nn.Module):
         refuse_jit_trace(f"{type(self).__name__}.cos_sin")
         int_tensor("positions", positions, host_read=True)
         float_dtype("dtype", dtype)
-        positions = index_values(positions)  # a negative view's rows: torch's table[ids] reads its storage, -ids
-        if positions.dtype == torch.uint8:
-            # torch reads a uint8 index as a boolean mask: table[ids] of 256 uint8 ids 0..255 gave the 255 rows of the
-            # nonzero ids (no error), and (2, 128) ids an IndexError about a mask's shape. int64 ids index the rows.
-            positions = positions.long()
+        # A negative view's rows (torch's table[ids] reads its storage, -ids) and uint8 ids (read as a mask).
+        positions = index_values(positions)
         if is_dtensor(positions):
             # The table and frequencies are plain tensors, which DTensor refuses to index by a DTensor or multiply
             # ("got mixed torch.Tensor and DTensor"): the rows of the whole ids, laid out as the ids are (a shard of
