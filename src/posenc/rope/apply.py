@@ -300,11 +300,11 @@ def _apart_from(xs: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor) ->
     call on a shared 2-core CPU); only angles in an x's storage have their bytes compared, so a slice beside x in
     one buffer (columns of a fused tensor, an arena) is copied where its byte range meets x's, and not otherwise."""
     addresses = [_storage_address(x) for x in xs]
-    if _storage_address(cos) not in addresses and _storage_address(sin) not in addresses:
+    angle_addresses = (_storage_address(cos), _storage_address(sin))
+    if all(address not in addresses for address in angle_addresses):
         return cos, sin
     apart = []
-    for angles in (cos, sin):
-        address = _storage_address(angles)
+    for angles, address in zip((cos, sin), angle_addresses, strict=True):
         if address is not None and angles.numel():
             low, high = _byte_span(angles)
             spans = [_byte_span(x) for x, at in zip(xs, addresses, strict=True) if at == address and x.numel()]
