@@ -1,6 +1,6 @@
 """A PyTorch-only reproducer of the CPU FlexAttention bug behind ``posenc.kernels.flex_bias.CPU_MIN_KEYS``, to attach
 to an upstream report: ``torch.compile(flex_attention)`` on CPU, a plain causal block mask and no score_mod,
-against eager ``flex_attention`` (the same math unfused, float64 included for scale). On torch 2.13.0 on an AMD EPYC
+against eager ``flex_attention`` (the same math, unfused) in float32. On torch 2.13.0 on an AMD EPYC
 host with AVX2 and no AVX-512, keys t < 128 with t = 8 mod 16 gave wrong rows among the first 8 queries in most fresh
 processes (0.1-2.6 off), and t >= 128 none. Each trial runs in a fresh process: the failure came and went between
 processes of the same code.
