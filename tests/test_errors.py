@@ -908,6 +908,23 @@ def test_numpy_numbers_are_numbers() -> None:
     assert type(posenc.ALiBi(np.int64(4)).num_heads) is int
 
 
+def test_real_parameters_take_one_element_tensors_alike() -> None:
+    """Every real number of rope_parameters is read alike from a one-element tensor: a tensor factor was taken while
+    rope_theta, RoPE's base and partial_rotary_factor were refused ("must be a real number > 1, got Tensor")."""
+    plain = posenc.RoPE(16, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0})
+    as_tensors = {"rope_type": "linear", "factor": torch.tensor(2.0), "rope_theta": torch.tensor(500.0)}
+    assert posenc.RoPE(16, rope_parameters=as_tensors).spec == plain.spec
+    assert posenc.RoPE(16, rope_parameters={**as_tensors, "partial_rotary_factor": torch.tensor(0.5)}).rotary_dim == 8
+    assert posenc.RoPE(16, base=torch.tensor(500)).spec.base == 500.0
+    assert type(posenc.RoPE(16, base=torch.tensor(500.0)).spec.base) is float
+    with pytest.raises(TypeError, match="base is a meta tensor, which holds no value to read"):
+        posenc.RoPE(16, base=torch.tensor(500.0, device="meta"))
+    with pytest.raises(TypeError, match=r"base must be a real number > 1, got bool"):
+        posenc.RoPE(16, base=torch.tensor(True))
+    with pytest.raises(ValueError, match=r"partial_rotary_factor must be in \(0, 1\]"):
+        posenc.RoPE(16, rope_parameters={"partial_rotary_factor": torch.tensor(1.5)})
+
+
 def test_configs_transformers_warns_about_are_warned_about() -> None:
     llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
     with pytest.warns(UserWarning, match="original_max_position_embeddings..=8192 is above max_position_embeddings"):

@@ -413,7 +413,21 @@ def inplace_refused(names: str, error: RuntimeError) -> RuntimeError:
     )
 
 
+def real_scalar(name: str, value: Any) -> Any:
+    """A one-element real tensor as its Python number, anything else unchanged for the caller's checks: a real
+    parameter (rope_theta, a scaling factor, an entry of a factor list saved as a tensor) is taken as a number of any
+    kind, Python's, numpy's or torch's. Integer arguments (``integer``) stay refused as tensors, with the fix."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_complex:
+        if value.device.type == "meta":  # torch's bare "Tensor.item() cannot be called on meta tensors" before
+            raise TypeError(
+                f"{name} is a meta tensor, which holds no value to read; pass a number, or a tensor on the CPU"
+            )
+        return value.item()
+    return value
+
+
 def base_value(name: str, value: Any) -> float:
+    value = real_scalar(name, value)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number > 1, got {type(value).__name__}")
     value = float(value)

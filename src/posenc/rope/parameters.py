@@ -17,7 +17,15 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from posenc._checks import base_value, compiling, even_positive_int, positive_int, sequence_length, user_stacklevel
+from posenc._checks import (
+    base_value,
+    compiling,
+    even_positive_int,
+    positive_int,
+    real_scalar,
+    sequence_length,
+    user_stacklevel,
+)
 from posenc.rope.frequencies import SCALINGS, is_builtin, proportional_pairs, turns_fraction_of_pairs
 
 # Per rope_type: keys that must be present and keys that may be present (beyond the common ones).
@@ -92,14 +100,9 @@ def rotary_fraction(rotary_dim: int, head_dim: int) -> float:
 
 def _real(key: str, value: Any, *, low: float, low_inclusive: bool, hint: str = "", index: int | None = None) -> float:
     """value as a float in range; key (and index, for an entry of a list) name it in errors. Numbers of any kind
-    are taken: Python's, numpy's, and one-element tensors (factor lists saved as tensors)."""
+    are taken: Python's, numpy's, and one-element tensors (``real_scalar``)."""
     name = f"rope_parameters['{key}']" + (f"[{index}]" if index is not None else "")
-    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_complex:
-        if value.device.type == "meta":  # torch's bare "Tensor.item() cannot be called on meta tensors" before
-            raise TypeError(
-                f"{name} is a meta tensor, which holds no value to read; pass a number, or a tensor on the CPU"
-            )
-        value = value.item()
+    value = real_scalar(name, value)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a finite real number, got {value!r}{hint}")
     if not math.isfinite(value):  # the right type, a value out of range (as one below `low` is)
@@ -255,6 +258,7 @@ def pop_rope_type(params: dict[str, Any]) -> str:
 
 
 def _partial_rotary_factor(value: Any) -> float:
+    value = real_scalar("rope_parameters['partial_rotary_factor']", value)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(
             f"partial_rotary_factor must be a number in (0, 1] (rope_parameters['partial_rotary_factor'], the "
