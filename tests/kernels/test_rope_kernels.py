@@ -482,6 +482,26 @@ def test_in_place_refused_by_autograd_leaves_x_as_it_was(backend, case):
     assert re.search(r"\bx\b", message) and ("apply_rotary" in message or "clone()" in message)
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("case", ["leaf", "view_made_under_no_grad"])
+def test_in_place_on_a_leaf_is_refused_with_posencs_message_under_torch_compile_too(backend, case):
+    """Compiled, the leaf checks were skipped: the copy into x then failed in Dynamo's fake-tensor run, with torch's
+    message wrapped in Dynamo's ("RuntimeError when making fake tensor call"), with or without fullgraph=True.
+    Dynamo reads is_leaf and _base as it traces, so the refusal is eager's."""
+    torch._dynamo.reset()
+    cos, sin = table(8, 16)
+    if case == "leaf":
+        watched = x = torch.randn(2, 3, 4, 8, requires_grad=True)
+        pattern = "x is a leaf tensor that requires grad"
+    else:
+        watched, x, cos, sin, pattern = _refused_in_place(case, "cpu")
+    before = watched.detach().clone()
+    compiled = torch.compile(lambda x: apply_rotary_(x, cos, sin, offset=0, backend=backend), backend="eager")
+    with pytest.raises(RuntimeError, match=pattern):
+        compiled(x)
+    assert torch.equal(watched.detach(), before)
+
+
 @pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
 @pytest.mark.parametrize("inplace", [False, True])
 @pytest.mark.parametrize("kind", ["broadcast", "offset", "varlen"])

@@ -404,7 +404,9 @@ def rotate_tensors(
                     f"{name} was made under torch.inference_mode() and may be updated in place only inside it; "
                     f"call this inside torch.inference_mode(), or use apply_rotary for a rotated copy"
                 )
-            if not compiling() and torch.is_grad_enabled() and x.requires_grad:
+            # Under torch.compile too (Dynamo reads is_leaf and _base as it traces): there the in-place copy failed
+            # in Dynamo's fake-tensor run, with torch's message wrapped in Dynamo's, even without fullgraph=True.
+            if torch.is_grad_enabled() and x.requires_grad:
                 _refuse_untracked_change(name, x, cos, sin)
         if not compiling():
             cos, sin = _apart_from(tensors, cos, sin)
