@@ -258,6 +258,20 @@ def test_negative_positions_are_refused_under_torch_compile_too():
             torch.compile(layer, backend="aot_eager")(x, positions=bad_ids)
 
 
+def test_the_torch_paths_compiled_row_check_says_what_to_do():
+    """Eager and the CPU kernel under torch.compile say to build the table for more positions; the torch path's
+    check in the graph said only "positions must be rows of the cos/sin table"."""
+    cos, sin = torch.ones(8, 2), torch.zeros(8, 2)
+    q = torch.randn(1, 2, 2, 4)
+    with pytest.raises(ValueError, match="table has 8 rows; build the table for at least 9 positions"):
+        posenc.apply_rotary(q, cos, sin, positions=torch.tensor([7, 8]), backend="torch")
+    compiled = torch.compile(
+        lambda x, p: posenc.apply_rotary(x, cos, sin, positions=p, backend="torch"), fullgraph=True, backend="aot_eager"
+    )
+    with pytest.raises(RuntimeError, match=r"rows of the cos/sin table .*: build the table for more positions"):
+        compiled(q, torch.tensor([7, 8]))
+
+
 @pytest.mark.parametrize("backend", ["auto", "torch"])
 @pytest.mark.parametrize("with_ids", [False, True])
 def test_a_table_built_in_inference_mode_serves_training_later(backend, with_ids):

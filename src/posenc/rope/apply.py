@@ -447,7 +447,14 @@ def rotate_tensors(
             if not rows_checked and not values_readable(first.device):
                 # check_table_call could not read the positions; a gather would wrap a negative one to the table's
                 # last rows (on CUDA too), so check them with the graph.
-                assert_without_sync((pos >= 0) & (pos < cos.shape[0]), "positions must be rows of the cos/sin table")
+                # Saying what eager's check and the CPU kernel's say: the fix. Not the row count: formatting it
+                # specialized a table passed in under dynamic shapes to its size while tracing.
+                assert_without_sync(
+                    (pos >= 0) & (pos < cos.shape[0]),
+                    "positions must be rows of the cos/sin table (offset + position ids, each in 0 .. its rows - 1): "
+                    "build the table for more positions, or look for a negative id or offset (checked as the graph "
+                    "runs: under torch.compile nothing reads them before)",
+                )
             cos, sin = cos[pos], sin[pos]
         if kind == "varlen":
             cos, sin = cos[0, :, None], sin[0, :, None]
