@@ -140,6 +140,10 @@ def replicated_values(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if is_dtensor(t) else t
 
 
+# Index dtypes int_tensor takes that torch's indexing reads as something else (uint8: a mask) or refuses.
+_NARROW_INDEX_DTYPES = (torch.uint8, torch.int8, torch.int16)
+
+
 def index_values(t: Any) -> Any:
     """t, or where t is a tensor with the negative bit (``torch._neg_view``) a copy holding its values; anything else
     (None, an int) as it is. Such an index tensor's storage holds the negated values, which torch's own indexing
@@ -154,10 +158,12 @@ def index_values(t: Any) -> Any:
     checks then fail on the negated ids.
 
     A uint8 tensor comes back as int64: torch reads a uint8 index as a boolean mask (``table[ids]`` of the ids
-    0..255 gave the 255 rows of the nonzero ones, without an error)."""
+    0..255 gave the 255 rows of the nonzero ones, without an error). So do int8 and int16, which ``int_tensor``
+    takes but torch refuses as an index ("tensors used as indices must be long, int, byte or bool tensors", from
+    ``RoPE.cos_sin``'s table lookup)."""
     if not isinstance(t, torch.Tensor):
         return t
-    if t.dtype == torch.uint8:
+    if t.dtype in _NARROW_INDEX_DTYPES:
         return t.long()  # a copy, which holds the values whatever the negative bit said
     if compiling():
         return t.resolve_neg()

@@ -835,6 +835,18 @@ def test_rope_cos_sin_reads_uint8_positions_as_ids_not_as_a_mask(shape):
     assert torch.equal(cos, expected_cos) and torch.equal(sin, expected_sin)
 
 
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int16])
+@pytest.mark.parametrize("shape", [(4,), (2, 2)])
+def test_rope_cos_sin_takes_int8_and_int16_positions(dtype, shape):
+    """int_tensor takes them, as apply_rotary and RoPE's forward do; RoPE.cos_sin's table lookup raised torch's bare
+    "IndexError: tensors used as indices must be long, int, byte or bool tensors" (compiled, it worked)."""
+    rope = posenc.RoPE(8)
+    ids = torch.tensor([0, 5, 100, 3]).view(shape)
+    cos, sin = rope.cos_sin(ids.to(dtype))
+    expected_cos, expected_sin = rope.cos_sin(ids)
+    assert torch.equal(cos, expected_cos) and torch.equal(sin, expected_sin)
+
+
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 def test_table_calls_read_no_row_for_no_token_and_take_one_row_of_ids_for_the_batch(backend):
     """An empty sequence reads no row, so an offset past the table is no error (an int, or one per sequence); an
