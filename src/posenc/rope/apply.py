@@ -517,7 +517,8 @@ def _saveable_cos_sin(
 def _refuse_untracked_change(name: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Raise, before anything is written, where autograd cannot record rotating x (which requires grad, with grad
     mode on) in place, in the cases torch's own error would misname or whose fix is not apply_rotary. The other
-    refusals (a view of a leaf, one of unbind's views) are torch's own, raised before the write too."""
+    refusals (a view of a leaf, one of unbind's views) are torch's own, raised before the write too; a view of a leaf
+    is named here too while traced, as eager names it."""
     if x.is_leaf and x._base is not None and x._base.requires_grad:
         # No grad_fn, though a view of a tensor that requires grad: made under no_grad. torch's error for it differs
         # between the backends, one of them calling x a leaf.
@@ -526,6 +527,11 @@ def _refuse_untracked_change(name: str, x: torch.Tensor, cos: torch.Tensor, sin:
             f"such a view change in place with grad mode on (it cannot tell whether to record the change); make the "
             f"view outside torch.no_grad(), rotate it inside torch.no_grad() too, or rotate a copy with apply_rotary"
         )
+    if compiling() and x._base is not None and x._base.is_leaf and x._base.requires_grad:
+        # Eager, torch's own refusal is caught before the write and reworded (inplace_refused); traced, it came from
+        # Dynamo's fake-tensor run ("RuntimeError when making fake tensor call"), which no except clause here sees.
+        message = "a view of a leaf Variable that requires grad is being used in an in-place operation."
+        raise inplace_refused(name, RuntimeError(message))
     if x.is_leaf:
         # torch's own message comes from deep inside the rotation, and differs between the backends.
         raise RuntimeError(
