@@ -457,6 +457,21 @@ def test_resolve_positions_refuses_negative_ids_inside_torch_compile() -> None:
         compiled(torch.tensor([-5, 0, 1]))
 
 
+def test_resolve_positions_refuses_a_negative_tensor_offset_inside_torch_compile() -> None:
+    """Where values cannot be read, a negative per-sequence offset is refused by the assert that runs with the graph,
+    also where position ids lift every row above 0 (as eager refuses it); the positions' own assert cannot see it."""
+    from posenc.positions import resolve_positions
+
+    alone = torch.compile(lambda o: resolve_positions(3, batch=2, offset=o), backend="eager", fullgraph=True)
+    assert alone(torch.tensor([0, 5])).tolist() == [[0, 1, 2], [5, 6, 7]]
+    lifted = torch.compile(
+        lambda o: resolve_positions(3, batch=2, positions=torch.arange(1, 4), offset=o), backend="eager", fullgraph=True
+    )
+    for compiled in (alone, lifted):
+        with pytest.raises(RuntimeError, match=r"offset must be >= 0 \(it counts tokens already in the cache\)"):
+            compiled(torch.tensor([0, -1]))
+
+
 def test_resolve_positions_refuses_offsets_that_leave_no_valid_position() -> None:
     """A negative per-sequence offset, and an offset whose last position (offset + seq_len - 1, or the offset itself
     for an empty sequence) is past int64, are refused; the last position at 2**63 - 1 is accepted."""
