@@ -18,6 +18,7 @@ import torch
 from posenc._checks import (
     assert_without_sync,
     compiling,
+    first_dtensor,
     host_min_max,
     int64_int,
     int_fix,
@@ -104,6 +105,11 @@ def resolve_positions(
                 f"positions must have shape ({seq_len},) or ({batch}, {seq_len}) to match the sequence, got {as_given}"
             )
         pos = positions.to(device=device, dtype=torch.long)
+    if isinstance(offset, torch.Tensor) and (like := first_dtensor(pos, offset)) is not None:
+        # The plain one of the two (the arange, or plain ids or offsets beside DTensor ones) taken whole, replicated on
+        # the other's mesh, as token_positions takes them: DTensor refused the sum ("got mixed torch.Tensor and
+        # DTensor"), so a DTensor offset without position ids always failed.
+        pos, offset = replicated_like(pos, like), replicated_like(offset, like)
     pos = pos + offset
     if check_data and positions is not None and pos.numel() and bool((replicated_values(pos) < 0).any()):
         if (wrapped := wrapped_positions(positions)) is not None:

@@ -140,6 +140,20 @@ def _sharded_ids_checked_whole(dt, shard, gen: torch.Generator) -> None:
             assert message in str(error), error
         else:
             raise AssertionError(f"a negative entry on one rank's shard was not refused on this rank ({message})")
+    # A DTensor offset beside the arange (no ids) or beside plain ids, and plain offsets beside DTensor ids: the sum
+    # met a plain tensor ("got mixed torch.Tensor and DTensor"). Now the plain one is taken whole.
+    good_offset = torch.tensor([1, 2, 3, 4])
+    want = (
+        resolve_positions(5, batch=4, offset=good_offset),
+        resolve_positions(5, batch=4, positions=ids, offset=good_offset),
+    )
+    for offset, positions, whole in (
+        (dt(good_offset, shard), None, want[0]),
+        (dt(good_offset, shard), ids, want[1]),
+        (good_offset, dt(ids, shard), want[1]),
+    ):
+        got = resolve_positions(5, batch=4, positions=positions, offset=offset)
+        assert torch.equal(got.full_tensor(), whole), (positions is None, got.full_tensor())
 
 
 def main(out_dir: str, configs: list[dict]) -> None:
