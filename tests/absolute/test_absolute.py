@@ -63,6 +63,17 @@ def test_sinusoidal_refuses_negative_positions():
     torch.testing.assert_close(table[0, 1::2], table[1, 1::2])
 
 
+def test_sinusoidal_table_reads_a_one_element_tensor_base_as_its_number():
+    """base_value takes a one-element tensor (as Sinusoidal's base); sinusoidal_table checked it, then computed with
+    the tensor: a (1, 1) base gave a (1, s, dim) table, and one that requires grad a table that required grad."""
+    positions = torch.arange(5)
+    want = posenc.sinusoidal_table(positions, 8, base=500.0)
+    for base in (torch.tensor([[500.0]]), torch.tensor(500.0, requires_grad=True)):
+        table = posenc.sinusoidal_table(positions, 8, base=base)
+        assert table.shape == want.shape and not table.requires_grad
+        torch.testing.assert_close(table, want, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.int8, torch.int16, torch.uint8, torch.int32])
 def test_narrow_integer_positions_are_row_ids(dtype):
     """Every integer dtype the shared check accepts is looked up like int64 (embedding takes only int32/int64)."""

@@ -28,7 +28,9 @@ def sinusoidal_table(
     """
     int_tensor("positions", positions)
     dim = even_positive_int("dim", dim)
-    base_value("base", base)
+    # The number read: a one-element tensor base (base_value takes one) computed with gave a table that required
+    # grad, or that took the base's extra dims (a (1, 1) base: a (1, s, dim) table).
+    base = base_value("base", base)
     float_dtype("dtype", dtype)
     return _table(positions, dim, base, dtype)
 
