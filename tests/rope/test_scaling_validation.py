@@ -40,6 +40,8 @@ LONG = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0]
         # transformers reads a 0 beta as its default; the error says how to get that.
         ({"rope_type": "yarn", "factor": 4.0, "beta_fast": 0}, ValueError, "default 32: leave the key out"),
         ({"rope_type": "yarn", "factor": 4.0, "beta_slow": 0}, ValueError, "default 1: leave the key out"),
+        # A zero saved as a tensor, which _real reads as a number, likewise (the hint was left off).
+        ({"rope_type": "yarn", "factor": 4.0, "beta_fast": torch.tensor(0.0)}, ValueError, "default 32: leave the key"),
         ({"rope_type": "yarn", "factor": 4.0, "truncate": 1}, TypeError, "rope_parameters['truncate'] must be True"),
         ({"rope_type": "yarn", "factor": 4.0, "attention_factor": 0}, ValueError, "attention_factor'] must be > 0"),
         ({"rope_type": "yarn", "factor": 4.0, "mscale": -1.0}, ValueError, "rope_parameters['mscale'] must be >= 0"),

@@ -142,10 +142,12 @@ def _resolve(rope_type: str, params: dict[str, Any], rotary_dim: int, max_pos: i
             out[key] = _real(key, out[key], low=0.0, low_inclusive=False)
     for key, default in (("beta_fast", 32), ("beta_slow", 1)):
         if key in out:
-            # transformers reads `get(key) or default`, so a 0 there silently means the default.
-            zero = isinstance(out[key], numbers.Real) and out[key] == 0
+            # transformers reads `get(key) or default`, so a 0 there silently means the default. A zero saved as a
+            # tensor is that 0 too (_real reads it as one), so it gets the hint as well.
+            value = real_scalar(f"rope_parameters['{key}']", out[key])
+            zero = isinstance(value, numbers.Real) and value == 0
             hint = f" (transformers takes 0 for the default {default}: leave the key out for that)" if zero else ""
-            out[key] = _real(key, out[key], low=0.0, low_inclusive=False, hint=hint)
+            out[key] = _real(key, value, low=0.0, low_inclusive=False, hint=hint)
     if "attention_factor" in out:
         out["attention_factor"] = _real("attention_factor", out["attention_factor"], low=0.0, low_inclusive=False)
     for key in ("mscale", "mscale_all_dim"):
