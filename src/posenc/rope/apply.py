@@ -451,9 +451,10 @@ def rotate_tensors(
                 # specialized a table passed in under dynamic shapes to its size while tracing.
                 assert_without_sync(
                     (pos >= 0) & (pos < cos.shape[0]),
-                    "positions must be rows of the cos/sin table (offset + position ids, each in 0 .. its rows - 1): "
-                    "build the table for more positions, or look for a negative id or offset (checked as the graph "
-                    "runs: under torch.compile nothing reads them before)",
+                    "positions must be rows of the cos/sin table (every offset + position id >= 0 and below the "
+                    "table's row count): build the table for more positions, or look for a negative id or offset "
+                    "(checked as the graph runs, where nothing could read the positions before: torch.compile, "
+                    "make_fx, CUDA graph capture)",
                 )
             cos, sin = cos[pos], sin[pos]
         if kind == "varlen":
