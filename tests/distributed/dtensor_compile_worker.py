@@ -218,6 +218,28 @@ def main() -> None:
             except Exception as error:
                 failures.append(f"RoPE.cos_sin/rotate ids {p} compiled={compiled}: {type(error).__name__}: "
                                 f"{str(error).splitlines()[0][:300]}")  # fmt: skip
+    # CausalSelfAttention of plain x at DTensor ids, compiled: ALiBi's bias, and a KVCache whose next step has plain
+    # ids. The DTensor ids met the bias's plain slopes and, cached, the plain ids ("RuntimeError when making fake
+    # tensor call", eager: "got mixed torch.Tensor and DTensor").
+    xa, step = torch.randn(b, s, 32), torch.randn(b, 1, 32)
+    ids, next_ids = torch.tensor([[3, 1, 4, 1, 5], [0, 1, 2, 3, 9]]), torch.tensor([[6], [10]])
+    alibi = posenc.CausalSelfAttention(32, 2, encoding=posenc.ALiBi(2))
+    rotary = posenc.CausalSelfAttention(32, 2, encoding=posenc.RoPE(16))
+
+    def prefill_and_step(first):
+        cache = posenc.KVCache()
+        rotary(xa, positions=first, cache=cache)
+        return rotary(step, positions=next_ids, cache=cache)
+
+    for name, call in (("ALiBi", lambda first: alibi(xa, positions=first)), ("KVCache step", prefill_and_step)):
+        torch._dynamo.reset()
+        try:
+            got = torch.compile(call, backend="aot_eager", fullgraph=True)(dt(ids, Shard(1)))
+            err = (got - call(ids)).abs().max().item()
+            assert err < 1e-5, f"max error {err}"
+        except Exception as error:
+            failures.append(f"CausalSelfAttention {name}, DTensor ids, compiled: {type(error).__name__}: "
+                            f"{str(error).splitlines()[0][:300]}")  # fmt: skip
     dist.destroy_process_group()
     if failures:
         raise SystemExit("\n".join(failures))

@@ -64,6 +64,7 @@ def _sharded_dtensor_calls(world: int) -> None:
         raise AssertionError("a negative offset on one rank's shard was not refused on this rank")
     _sharded_ids_checked_whole(dt, Shard(0), gen)
     _sharded_document_ids(dt, Shard(0), gen)
+    _attention_with_sharded_positions(dt, Shard(1), gen)
     _document_ids_and_positions_sharded_along_the_sequence(dt, Shard)
 
 
@@ -84,6 +85,25 @@ def _document_ids_and_positions_sharded_along_the_sequence(dt, shard) -> None:
     cu = torch.tensor([0, 3, 3, 7, 9])
     got = posenc.positions_from_document_ids(posenc.document_ids_from_cu_seqlens(dt(cu, shard(0))))
     assert torch.equal(got.full_tensor(), torch.tensor([0, 1, 2, 0, 1, 2, 3, 0, 1])), got.full_tensor()
+
+
+def _attention_with_sharded_positions(dt, shard, gen: torch.Generator) -> None:
+    """CausalSelfAttention of plain x at position ids sharded along the sequence, equal to the call at the whole ids:
+    with ALiBi or T5's bias, and into a KVCache continued by plain ids or its own next positions. The DTensor ids met
+    the biases' plain tensors, and, cached, the next step's plain ids or arange ("got mixed torch.Tensor and DTensor",
+    eager and compiled): now taken whole, as document ids are."""
+    x, step = torch.randn(2, 5, 32, generator=gen), torch.randn(2, 2, 32, generator=gen)
+    ids, next_ids = torch.tensor([[3, 1, 4, 1, 5], [0, 1, 2, 3, 9]]), torch.tensor([[6, 7], [10, 11]])
+    for encoding in (posenc.ALiBi(2), posenc.T5Bias(2), posenc.RoPE(16)):
+        attention = posenc.CausalSelfAttention(32, 2, encoding=encoding)
+        assert torch.equal(attention(x, positions=dt(ids, shard)), attention(x, positions=ids)), encoding
+    for given in (next_ids, None):  # plain ids, or the cache's next positions
+        steps = []
+        for first in (dt(ids, shard), ids):
+            cache = posenc.KVCache()
+            attention(x, positions=first, cache=cache)
+            steps.append(attention(step, positions=given, cache=cache))
+        assert torch.equal(steps[0], steps[1]), given
 
 
 def _sharded_document_ids(dt, shard, gen: torch.Generator) -> None:
