@@ -55,6 +55,13 @@ def _sharded_dtensor_calls(world: int) -> None:
         tables = [t if ids_placement is None else dt(t) for t in (cos, sin)]
         got = posenc.apply_rotary(dt(whole, placement), *tables, **given).full_tensor()
         assert (got - want).abs().max() < 1e-6, (list(kwargs), placement)
+    # One of offsets and position ids a DTensor, the other plain: the plain one is taken onto the mesh (the rows met
+    # a plain tensor otherwise; before this case only the compile worker, ~90 s, reached that line).
+    ids = torch.tensor([4, 0, 2, 1, 3])
+    want = posenc.apply_rotary(x, cos, sin, offset=offsets, positions=ids)
+    for offset, positions in ((dt(offsets, Shard(0)), ids), (offsets, dt(ids, Shard(0)))):
+        got = posenc.apply_rotary(dt(x, Shard(2)), dt(cos), dt(sin), offset=offset, positions=positions)
+        assert (got.full_tensor() - want).abs().max() < 1e-6, (type(offset), type(positions))
     bad = torch.tensor([1, 2, 3, -4])  # the last rank's shard alone holds the negative offset
     try:
         posenc.apply_rotary(dt(x, Shard(0)), dt(cos), dt(sin), offset=dt(bad, Shard(0)), positions=torch.arange(5))
