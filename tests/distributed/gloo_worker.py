@@ -73,6 +73,20 @@ def _sharded_dtensor_calls(world: int) -> None:
     _sharded_document_ids(dt, Shard(0), gen)
     _attention_with_sharded_positions(dt, Shard(1), gen)
     _document_ids_and_positions_sharded_along_the_sequence(dt, Shard)
+    _mrope_ids_on_the_mesh(dt, Shard, gen)
+
+
+def _mrope_ids_on_the_mesh(dt, shard, gen: torch.Generator) -> None:
+    """MRoPE's (3, b, s) ids as a replicated DTensor beside q, k sharded on heads (tensor parallelism) or the batch
+    met its plain axis-of-pair table in index_select ("got mixed torch.Tensor and DTensor"); now rotated as the
+    whole."""
+    rope = posenc.MRoPE(16, mrope_section=[2, 3, 3])
+    q, k = torch.randn(2, 4, 5, 16, generator=gen), torch.randn(2, 2, 5, 16, generator=gen)
+    ids = torch.randint(0, 9, (3, 2, 5), generator=gen)
+    want = rope(q, k, positions=ids)
+    for placement in (shard(1), shard(0)):
+        got = rope(dt(q, placement), dt(k, placement), positions=dt(ids))
+        assert all((g.full_tensor() - w).abs().max() < 1e-6 for g, w in zip(got, want, strict=True)), placement
 
 
 def _document_ids_and_positions_sharded_along_the_sequence(dt, shard) -> None:

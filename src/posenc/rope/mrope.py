@@ -32,6 +32,7 @@ from posenc._checks import (
     integer_offset,
     movable,
     refuse_jit_trace,
+    replicated_like,
     replicated_values,
     sequence_length,
     size_in,
@@ -152,8 +153,11 @@ def _cos_sin_by_axis(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``mrope_cos_sin`` with pair j turning by the positions of axis[j]; axis: (r/2,) int64 (``mrope_axis_of_pair``)
     on any device."""
-    pos = positions.to(torch.float64).index_select(0, axis.to(positions.device))  # (r/2, b, s): pair j's positions
-    angles = pos.movedim(0, -1) * inv_freq.to(device=positions.device, dtype=torch.float64)
+    # DTensor ids (heads or batch sharded activations, the ids replicated or sharded): the module's plain axis and
+    # frequencies taken onto their mesh, whole ("got mixed torch.Tensor and DTensor" inside index_select).
+    axis = replicated_like(axis.to(positions.device), positions)
+    pos = positions.to(torch.float64).index_select(0, axis)  # (r/2, b, s): pair j's positions
+    angles = pos.movedim(0, -1) * replicated_like(inv_freq.to(device=positions.device, dtype=torch.float64), positions)
     cos, sin = angles.cos(), angles.sin()
     if attention_factor != 1.0:
         cos, sin = cos * attention_factor, sin * attention_factor
