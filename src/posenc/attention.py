@@ -13,6 +13,7 @@ import copy
 import dataclasses
 import itertools
 import math
+import sys
 import warnings
 import weakref
 from typing import Any, Literal, overload
@@ -659,9 +660,20 @@ class CausalSelfAttention(nn.Module):
             if step_docs is not None and positions is None:
                 positions = positions_from_document_ids(step_docs)
             pos = resolve_positions(s, batch=b, positions=positions, device=x.device)
-        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        for name, t, heads in (("q", q, self.num_heads), ("k", k, self.num_kv_heads), ("v", v, self.num_kv_heads)):
+            if t.shape[-1] != heads * self.head_dim:
+                # A projection parallelized by ColwiseParallel (use_local_output=True, its default) gives its rank's
+                # heads alone, which view() refused with "shape ... is invalid for input of size ...".
+                raise ValueError(
+                    f"{name}_proj gave {t.shape[-1]} features where the layer's {heads} heads of {self.head_dim} "
+                    f"take {heads * self.head_dim}: a projection sharded by tensor parallelism returns its rank's "
+                    "heads alone; parallelize it with ColwiseParallel(use_local_output=False), which keeps every "
+                    "head as a DTensor, or give the layer whole projections"
+                )
+        q = q.view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
 
         acts_on = self.encoding.acts_on if self.encoding is not None else ActsOn.NONE
         k_pos = pos
@@ -681,7 +693,12 @@ class CausalSelfAttention(nn.Module):
             v = v.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
 
         out = None
-        if acts_on is ActsOn.SCORE_BIAS and use_flex(self.encoding, q, k, v, need_probs=return_attention):
+        sharded = is_dtensor(q)
+        if (
+            acts_on is ActsOn.SCORE_BIAS
+            and not sharded
+            and use_flex(self.encoding, q, k, v, need_probs=return_attention)
+        ):
             # FlexAttention computes the bias inside the kernel: no (b, h, s, t) mask is built.
             try:
                 out, probs = attend_flex(q, k, v, self.encoding, pos, k_pos, document_ids=docs), None
@@ -689,9 +706,65 @@ class CausalSelfAttention(nn.Module):
                 warnings.warn(f"{error}; the bias is materialized instead (same result, more memory)", stacklevel=2)
         if out is None:
             bias = self.encoding.score_bias(pos, k_pos) if acts_on is ActsOn.SCORE_BIAS else None
-            out, probs = attend(q, k, v, causal_mask(s, t, x.device, docs), bias, need_probs=return_attention)
+            run = attend_sharded if sharded else attend
+            out, probs = run(q, k, v, causal_mask(s, t, x.device, docs), bias, need_probs=return_attention)
         out = self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
         return (out, probs) if return_attention else out
+
+
+def attend_sharded(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    need_probs: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``attend`` of a DTensor q (tensor parallelism: heads, or the batch, sharded across the ranks; k, v DTensors or
+    plain), on each rank's own heads and rows, returned laid out as q. Heads and sequences attend alone, so no rank
+    needs another's; k and v are laid out as q (no communication from replicated ones), the whole mask and bias are
+    cut as q is (rank r holds heads r * h / n.. of ALiBi's slopes and T5's table; a (b, h, s, t) bias of every head
+    met the shard with "got mixed torch.Tensor and DTensor"). DTensor has no sharding strategy for CPU's fused
+    attention (``aten._scaled_dot_product_flash_attention_for_cpu``). Refused for q sharded along the sequence or
+    channels, whose keys live on other ranks."""
+    module = sys.modules["torch.distributed.tensor"]
+    mesh, placements = q.device_mesh, q.placements
+    if any(not p.is_replicate() and not (p.is_shard() and p.dim in (0, 1)) for p in placements):
+        raise ValueError(
+            f"CausalSelfAttention takes DTensor queries sharded on heads or the batch (Shard(1) or Shard(0) of "
+            f"(b, h, s, d)), got placements {tuple(placements)}; redistribute them to one of those (tensor "
+            "parallelism shards q, k, v on heads: ColwiseParallel), or pass q.full_tensor()"
+        )
+    b, h, s, _ = q.shape
+    t = k.shape[2]
+
+    def local(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        """Rank's rows of x (whole, broadcast to shape), laid out as q."""
+        x = replicated_values(x).expand(shape)
+        return (
+            module.DTensor.from_local(x, mesh, [module.Replicate()] * mesh.ndim, run_check=False)
+            .redistribute(mesh, placements)
+            .to_local()
+        )
+
+    def laid_out(x: torch.Tensor) -> torch.Tensor:
+        if not is_dtensor(x):
+            return local(x, tuple(x.shape))
+        return x.redistribute(mesh, placements).to_local()
+
+    q_local, k_local, v_local = q.to_local(), laid_out(k), laid_out(v)
+    if allowed.dim() == 4:
+        allowed = local(allowed, (b, h, s, t))
+    bias = None if bias is None else local(bias, (b, h, s, t))
+    out, probs = attend(q_local, k_local, v_local, allowed, bias, need_probs=need_probs)
+
+    def back(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        """The rank's (contiguous) rows of a whole tensor of shape ``shape``, as a DTensor laid out as q."""
+        stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+        return module.DTensor.from_local(x, mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)
+
+    return back(out, (b, h, s, v.shape[-1])), None if probs is None else back(probs, (b, h, s, t))
 
 
 def attend(

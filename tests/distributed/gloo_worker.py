@@ -74,6 +74,43 @@ def _sharded_dtensor_calls(world: int) -> None:
     _attention_with_sharded_positions(dt, Shard(1), gen)
     _document_ids_and_positions_sharded_along_the_sequence(dt, Shard)
     _mrope_ids_on_the_mesh(dt, Shard, gen)
+    _heads_sharded(mesh, dt, Shard, gen)
+
+
+def _heads_sharded(mesh, dt, shard, gen: torch.Generator) -> None:
+    """Tensor parallelism: heads sharded across the ranks. CausalSelfAttention parallelized by parallelize_module
+    (ColwiseParallel q/k/v, RowwiseParallel output, DTensors kept) failed in attention: CPU's fused SDPA has no
+    DTensor sharding strategy, and ALiBi's and T5's biases of every head met the heads' shard ("got mixed
+    torch.Tensor and DTensor"); now each rank attends its own heads with its heads' slopes / table rows, prefill and
+    a KVCache decode step equal to the whole layer's. The projections' local shards (use_local_output=True, the
+    default) are refused by name, not by view()."""
+    import copy
+
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    x, step = torch.randn(2, 5, 64, generator=gen), torch.randn(2, 2, 64, generator=gen)
+    for kind, kv_heads in ((posenc.ALiBi, 4), (posenc.T5Bias, 2), (posenc.RoPE, 2)):
+        torch.manual_seed(0)  # the same T5 table and projections on every rank, as a real model's loaded weights
+        encoding = posenc.RoPE(16) if kind is posenc.RoPE else kind(4)
+        whole = posenc.CausalSelfAttention(64, 4, num_kv_heads=kv_heads, encoding=encoding)
+        for local in (False, True):
+            plan = {name: ColwiseParallel(use_local_output=local) for name in ("q_proj", "k_proj", "v_proj")}
+            layer = parallelize_module(
+                copy.deepcopy(whole), mesh, {**plan, "o_proj": RowwiseParallel(use_local_output=False)}
+            )
+            if local:
+                try:
+                    layer(x)
+                except ValueError as error:
+                    assert "use_local_output=False" in str(error), error
+                else:
+                    raise AssertionError("projections' local shards were not refused")
+                continue
+            mine, theirs = posenc.KVCache(), posenc.KVCache()
+            got = [layer(dt(x), cache=mine), layer(dt(step), cache=mine)]
+            want = [whole(x, cache=theirs), whole(step, cache=theirs)]
+            for g, w in zip(got, want, strict=True):
+                assert (g.full_tensor() - w).abs().max() < 1e-5, (kind.__name__, kv_heads)
 
 
 def _mrope_ids_on_the_mesh(dt, shard, gen: torch.Generator) -> None:
