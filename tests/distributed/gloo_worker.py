@@ -111,6 +111,13 @@ def _heads_sharded(mesh, dt, shard, gen: torch.Generator) -> None:
             want = [whole(x, cache=theirs), whole(step, cache=theirs)]
             for g, w in zip(got, want, strict=True):
                 assert (g.full_tensor() - w).abs().max() < 1e-5, (kind.__name__, kv_heads)
+            # Training: the weights' gradients through each rank's heads are the whole layer's (T5's plain table
+            # too, its bias' gradient gathered from every rank's heads by the redistribution's backward).
+            (layer(dt(x)).full_tensor() ** 2).sum().backward()
+            (whole(x) ** 2).sum().backward()
+            for (name, p), w in zip(layer.named_parameters(), whole.parameters(), strict=True):
+                grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                assert (grad - w.grad).abs().max() < 1e-5, (kind.__name__, name)
 
 
 def _mrope_ids_on_the_mesh(dt, shard, gen: torch.Generator) -> None:
