@@ -144,9 +144,8 @@ def resolve_document_ids(
         )
     docs = docs.to(device=device, dtype=torch.long)
     # Each id is one run exactly when a row changes id as often as its sorted ids do.
-    runs = (docs[:, 1:] != docs[:, :-1]).sum(dim=1)
-    ordered = docs.sort(dim=1).values
-    distinct = (ordered[:, 1:] != ordered[:, :-1]).sum(dim=1)
+    runs = _run_starts(docs).sum(dim=1)
+    distinct = _run_starts(docs.sort(dim=1).values).sum(dim=1)
     message = (
         "document_ids must give each document one run of tokens, but an id comes back after another; number the "
         "documents apart (posenc.document_ids_from_positions or posenc.document_ids_from_cu_seqlens build them)"
@@ -157,6 +156,19 @@ def resolve_document_ids(
     else:
         assert_without_sync(runs == distinct, message)
     return docs
+
+
+def _first_token(x: torch.Tensor) -> torch.Tensor:
+    """(s,) bool, True at index 0 only, for x (..., s)."""
+    return torch.arange(x.shape[-1], device=x.device) == 0
+
+
+def _run_starts(x: torch.Tensor) -> torch.Tensor:
+    """x: (..., s). Returns bool (..., s): True where a run of equal values begins (index 0, and where x differs from
+    the entry before). Compared with x rolled, not slices x[..., 1:] and x[..., :-1]: under torch.export with a
+    dynamic s, torch's metadata of those (..., s - 1) slices guarded s - 1 != 1, so that a program exported with
+    document ids refused a Dim reaching s = 1 or 2 (a decode step) with "satisfy the generated guard 3 <= s"."""
+    return (x != x.roll(1, dims=-1)) | _first_token(x)
 
 
 def _one_or_more_dims(name: str, x: torch.Tensor) -> None:
@@ -180,9 +192,7 @@ def positions_from_document_ids(document_ids: torch.Tensor) -> torch.Tensor:
         return _of_whole_values(positions_from_document_ids, document_ids)
     docs = document_ids.long()
     index = torch.arange(docs.shape[-1], device=docs.device).expand_as(docs)
-    starts = torch.ones_like(docs, dtype=torch.bool)
-    starts[..., 1:] = docs[..., 1:] != docs[..., :-1]
-    first = torch.where(starts, index, 0).cummax(dim=-1).values  # where the current run began
+    first = torch.where(_run_starts(docs), index, 0).cummax(dim=-1).values  # where the current run began
     return index - first
 
 
@@ -211,8 +221,7 @@ def document_ids_from_positions(positions: torch.Tensor) -> torch.Tensor:
         # Sharded along the sequence, DTensor's slices and in-place write below gave wrong ids without an error.
         return _of_whole_values(document_ids_from_positions, positions)
     pos = positions.long()
-    starts = torch.ones_like(pos, dtype=torch.bool)
-    starts[..., 1:] = pos[..., 1:] - pos[..., :-1] != 1
+    starts = (pos - pos.roll(1, dims=-1) != 1) | _first_token(pos)  # roll, not slices: see _run_starts
     return starts.long().cumsum(dim=-1) - 1
 
 
