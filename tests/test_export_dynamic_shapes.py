@@ -47,3 +47,30 @@ def test_positions_from_document_ids_unchanged_at_the_edges():
         got = posenc.positions_from_document_ids(torch.tensor(ids, dtype=torch.long))
         assert got.tolist() == want
     assert posenc.document_ids_from_positions(torch.tensor([0, 1, 0, 5, 6])).tolist() == [0, 0, 1, 2, 2]
+
+
+class _Varlen(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        cos, sin = posenc.RoPE(HEAD_DIM).cos_sin(torch.arange(512))
+        self.register_buffer("cos", cos)
+        self.register_buffer("sin", sin)
+
+    def forward(self, x, cu_seqlens):
+        return posenc.apply_rotary(x, self.cos, self.sin, cu_seqlens=cu_seqlens, backend="torch")
+
+
+def test_apply_rotary_with_cu_seqlens_exports_for_a_single_sequence():
+    """cu_seqlens was read as slices cu[1:] (searchsorted, and the non-decreasing check), whose (n_seq,) metadata
+    torch guarded away from 1: a Dim allowing one packed sequence (n_seq + 1 = 2) was refused with "3 <= n"."""
+    torch.manual_seed(0)
+    model = _Varlen()
+    tokens, boundaries = Dim("t", min=1, max=4096), Dim("n", min=2, max=64)
+    example = (torch.randn(10, 2, HEAD_DIM), torch.tensor([0, 3, 10]))
+    program = torch.export.export(model, example, dynamic_shapes=({0: tokens}, {0: boundaries})).module()
+    for cu in ([0, 1], [0, 7], [0, 50, 50, 51, 200]):
+        cu = torch.tensor(cu)
+        x = torch.randn(int(cu[-1]), 2, HEAD_DIM)
+        torch.testing.assert_close(program(x, cu), model(x, cu), rtol=2.5e-7, atol=2e-7)  # a float32 ulp or two
+    with pytest.raises(RuntimeError, match="cu_seqlens must start at 0, end at total_tokens and be non-decreasing"):
+        program(torch.randn(9, 2, HEAD_DIM), torch.tensor([0, 6, 3, 9]))

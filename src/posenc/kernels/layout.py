@@ -244,9 +244,11 @@ def _check_cu_seqlens(
         if bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
             raise ValueError("cu_seqlens must be non-decreasing (prefix sums of sequence lengths)")
     else:
-        # Unread, bad prefix sums would be read differently by each backend: checked with the graph instead.
+        # Unread, bad prefix sums would be read differently by each backend: checked with the graph instead. Non-
+        # decreasing as its running max, not as slices cu[1:] >= cu[:-1]: under torch.export, torch's metadata of
+        # those (n_seq,) slices guarded n_seq != 1, and a program refused a Dim that allowed one sequence.
         assert_without_sync(
-            (cu_seqlens[0] == 0) & (cu_seqlens[-1] == seq) & (cu_seqlens[1:] >= cu_seqlens[:-1]).all(),
+            (cu_seqlens[0] == 0) & (cu_seqlens[-1] == seq) & (cu_seqlens.cummax(0).values == cu_seqlens).all(),
             "cu_seqlens must start at 0, end at total_tokens and be non-decreasing (prefix sums of lengths)",
         )
     return cu_seqlens.shape[0] - 1
@@ -429,8 +431,10 @@ def token_positions(
         cu = replicated_values(cu_seqlens).to(torch.long).contiguous()
         offsets = None if offsets is None else replicated_values(offsets)
         token = torch.arange(seq, device=device)
-        # searchsorted finds each token's sequence without a Python loop over sequences.
-        sequence = torch.searchsorted(cu[1:], token, right=True)
+        # searchsorted finds each token's sequence without a Python loop over sequences. In the whole of cu, one past
+        # it (cu[0] = 0 precedes every token), not in the slice cu[1:]: under torch.export, torch's metadata of that
+        # (n_seq,) slice guarded n_seq != 1, and a program refused a Dim that allowed a single sequence.
+        sequence = torch.searchsorted(cu, token, right=True) - 1
         pos = (token - cu[sequence] + (offsets[sequence] if offsets is not None else 0) + offset)[None]
         return pos if like is None else replicated_like(pos, like)
     if like is not None:
