@@ -693,10 +693,10 @@ class CausalSelfAttention(nn.Module):
             v = v.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
 
         out = None
-        sharded = is_dtensor(q)
+        # Not for a DTensor q (tensor parallelism): attend cuts the bias to each rank's heads.
         if (
             acts_on is ActsOn.SCORE_BIAS
-            and not sharded
+            and not is_dtensor(q)
             and use_flex(self.encoding, q, k, v, need_probs=return_attention)
         ):
             # FlexAttention computes the bias inside the kernel: no (b, h, s, t) mask is built.
@@ -706,21 +706,12 @@ class CausalSelfAttention(nn.Module):
                 warnings.warn(f"{error}; the bias is materialized instead (same result, more memory)", stacklevel=2)
         if out is None:
             bias = self.encoding.score_bias(pos, k_pos) if acts_on is ActsOn.SCORE_BIAS else None
-            run = attend_sharded if sharded else attend
-            out, probs = run(q, k, v, causal_mask(s, t, x.device, docs), bias, need_probs=return_attention)
+            out, probs = attend(q, k, v, causal_mask(s, t, x.device, docs), bias, need_probs=return_attention)
         out = self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
         return (out, probs) if return_attention else out
 
 
-def attend_sharded(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    allowed: torch.Tensor,
-    bias: torch.Tensor | None,
-    *,
-    need_probs: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _attend_sharded(q, k, v, allowed: torch.Tensor, bias: torch.Tensor | None, need_probs: bool):
     """``attend`` of a DTensor q (tensor parallelism: heads, or the batch, sharded across the ranks; k, v DTensors or
     plain), on each rank's own heads and rows, returned laid out as q. Heads and sequences attend alone, so no rank
     needs another's; k and v are laid out as q (no communication from replicated ones), the whole mask and bias are
@@ -782,8 +773,11 @@ def attend(
     A score bias is added in float32 (ALiBi's slope * 8192 has no exact bf16 value), so low-precision inputs
     are attended in float32 when a bias is present; so are the probabilities of ``need_probs``, under autocast too
     (which is disabled for them). float64 stays float64 either way. Returns ((b, h, s, d) in q's dtype, probs
-    (b, h, s, t) in that wider dtype, or None).
+    (b, h, s, t) in that wider dtype, or None). A DTensor q (tensor parallelism) is attended on each rank's own heads
+    (``_attend_sharded``).
     """
+    if is_dtensor(q):
+        return _attend_sharded(q, k, v, allowed, bias, need_probs)
     s, t = allowed.shape[-2:]
     dtype = torch.promote_types(q.dtype, torch.float32)
     if bias is None and not need_probs:
