@@ -34,6 +34,7 @@ from posenc._checks import (
     is_dtensor,
     positive_int,
     refuse_jit_trace,
+    replicated_like,
     replicated_values,
     size_in,
     values_readable,
@@ -732,12 +733,7 @@ def _attend_sharded(q, k, v, allowed: torch.Tensor, bias: torch.Tensor | None, n
 
     def local(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         """Rank's rows of x (whole, broadcast to shape), laid out as q."""
-        x = replicated_values(x).expand(shape)
-        return (
-            module.DTensor.from_local(x, mesh, [module.Replicate()] * mesh.ndim, run_check=False)
-            .redistribute(mesh, placements)
-            .to_local()
-        )
+        return replicated_like(replicated_values(x).expand(shape), q).redistribute(mesh, placements).to_local()
 
     def laid_out(x: torch.Tensor) -> torch.Tensor:
         if not is_dtensor(x):
