@@ -158,17 +158,14 @@ def resolve_document_ids(
     return docs
 
 
-def _first_token(x: torch.Tensor) -> torch.Tensor:
-    """(s,) bool, True at index 0 only, for x (..., s)."""
-    return torch.arange(x.shape[-1], device=x.device) == 0
-
-
-def _run_starts(x: torch.Tensor) -> torch.Tensor:
-    """x: (..., s). Returns bool (..., s): True where a run of equal values begins (index 0, and where x differs from
-    the entry before). Compared with x rolled, not slices x[..., 1:] and x[..., :-1]: under torch.export with a
-    dynamic s, torch's metadata of those (..., s - 1) slices guarded s - 1 != 1, so that a program exported with
-    document ids refused a Dim reaching s = 1 or 2 (a decode step) with "satisfy the generated guard 3 <= s"."""
-    return (x != x.roll(1, dims=-1)) | _first_token(x)
+def _run_starts(x: torch.Tensor, step: int = 0) -> torch.Tensor:
+    """x: (..., s) int64. Returns bool (..., s): True where a run begins in which each entry is the one before plus
+    ``step`` (0: equal ids, 1: consecutive positions), at index 0 and wherever x breaks the run. Compared with x
+    rolled, not slices x[..., 1:] and x[..., :-1]: under torch.export with a dynamic s, torch's metadata of those
+    (..., s - 1) slices guarded s - 1 != 1, so that a program exported with document ids refused a Dim reaching s = 1
+    or 2 (a decode step) with "satisfy the generated guard 3 <= s"."""
+    first = torch.arange(x.shape[-1], device=x.device) == 0
+    return (x - x.roll(1, dims=-1) != step) | first
 
 
 def _one_or_more_dims(name: str, x: torch.Tensor) -> None:
@@ -221,7 +218,7 @@ def document_ids_from_positions(positions: torch.Tensor) -> torch.Tensor:
         # Sharded along the sequence, DTensor's slices and in-place write below gave wrong ids without an error.
         return _of_whole_values(document_ids_from_positions, positions)
     pos = positions.long()
-    starts = (pos - pos.roll(1, dims=-1) != 1) | _first_token(pos)  # roll, not slices: see _run_starts
+    starts = _run_starts(pos, step=1)
     return starts.long().cumsum(dim=-1) - 1
 
 
