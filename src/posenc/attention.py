@@ -640,10 +640,11 @@ class CausalSelfAttention(nn.Module):
                 f"positions must be (s,) or (b, s) ids, got shape {tuple(positions.shape)}; three-axis (3, b, s) "
                 "M-RoPE ids are taken by posenc.MRoPE called directly (text-only ids work here)"
             )
-        if isinstance(positions, torch.Tensor) and not is_dtensor(x):
-            # Plain activations, DTensor ids: their whole values, as the document ids are taken. Kept a DTensor, they
-            # met the plain tensors of ALiBi's and T5's biases and, cached, the next step's plain ids or arange
-            # ("got mixed torch.Tensor and DTensor", eager and compiled).
+        if isinstance(positions, torch.Tensor):
+            # DTensor ids: their whole values, as the document ids are taken, beside plain x and beside DTensor x (heads
+            # sharded) alike. Kept a DTensor, they met the plain tensors of ALiBi's and T5's biases and, cached, the
+            # next step's plain ids or arange ("got mixed torch.Tensor and DTensor", eager and compiled); beside
+            # DTensor x that was every encoding, RoPE too, until 2026-12-06.
             positions = replicated_values(positions)
         # docs: the ids of every key (b or 1, t), or None (with a cache, the cache's after the update); step_docs:
         # the new tokens' as given.
