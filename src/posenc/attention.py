@@ -591,7 +591,9 @@ class CausalSelfAttention(nn.Module):
         and 1 for the text (transformers' ``attention_mask``) at the prefill. A cache filled without ids takes none.
 
         Returns (b, s, dim); with ``return_attention`` also the probabilities (b, h, s, t) in float32 (float64
-        for float64 inputs).
+        for float64 inputs). Under tensor parallelism (projections parallelized so that q is a DTensor sharded on
+        heads, or the batch) both are DTensors: the probabilities laid out as q, each rank holding its own heads'
+        (b, h / n, s, t), or its own rows, with no communication (``.full_tensor()`` gathers them all).
         """
         refuse_jit_trace("CausalSelfAttention")
         float_tensor("x", x)
@@ -771,7 +773,7 @@ def attend(
     are attended in float32 when a bias is present; so are the probabilities of ``need_probs``, under autocast too
     (which is disabled for them). float64 stays float64 either way. Returns ((b, h, s, d) in q's dtype, probs
     (b, h, s, t) in that wider dtype, or None). A DTensor q (tensor parallelism) is attended on each rank's own heads
-    (``_attend_sharded``).
+    (``_attend_sharded``); the output and probabilities are then DTensors laid out as q.
     """
     if is_dtensor(q):
         return _attend_sharded(q, k, v, allowed, bias, need_probs)

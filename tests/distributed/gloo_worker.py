@@ -84,11 +84,12 @@ def _heads_sharded(mesh, dt, shard, gen: torch.Generator) -> None:
     DTensor sharding strategy, and ALiBi's and T5's biases of every head met the heads' shard ("got mixed
     torch.Tensor and DTensor"); now each rank attends its own heads with its heads' slopes / table rows, prefill and
     a KVCache decode step equal to the whole layer's. The projections' local shards (use_local_output=True, the
-    default) are refused by name, not by view(). DTensor position ids beside x are read whole, as beside plain x."""
+    default) are refused by name, not by view(). DTensor position ids beside x are read whole, as beside plain x;
+    packed documents (DTensor ids) and the probabilities of return_attention (laid out as q) equal the whole's."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     x, step = torch.randn(2, 5, 64, generator=gen), torch.randn(2, 2, 64, generator=gen)
-    ids = torch.tensor([[3, 1, 4, 1, 5], [0, 1, 2, 3, 9]])
+    ids, docs = torch.tensor([[3, 1, 4, 1, 5], [0, 1, 2, 3, 9]]), torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 2, 2]])
     for kind, kv_heads in ((posenc.ALiBi, 4), (posenc.T5Bias, 2), (posenc.RoPE, 2)):
         torch.manual_seed(0)  # the same T5 table and projections on every rank, as a real model's loaded weights
         encoding = posenc.RoPE(16) if kind is posenc.RoPE else kind(4)
@@ -118,6 +119,14 @@ def _heads_sharded(mesh, dt, shard, gen: torch.Generator) -> None:
             want = [whole(x, positions=ids, cache=theirs), whole(step, cache=theirs)]
             for g, w in zip(got, want, strict=True):
                 assert (g.full_tensor() - w).abs().max() < 1e-5, (kind.__name__, "positions")
+            # Packed documents (DTensor ids), and the probabilities: a DTensor laid out as q, each rank its heads'.
+            (out, probs), (w_out, w_probs) = (
+                layer(dt(x), document_ids=dt(docs), return_attention=True),
+                whole(x, document_ids=docs, return_attention=True),
+            )
+            assert probs.placements == (shard(1),), probs.placements
+            for g, w in ((out, w_out), (probs, w_probs)):
+                assert (g.full_tensor() - w).abs().max() < 1e-5, (kind.__name__, "document_ids")
             # Training: the weights' gradients through each rank's heads are the whole layer's (T5's plain table
             # too, its bias' gradient gathered from every rank's heads by the redistribution's backward).
             (layer(dt(x)).full_tensor() ** 2).sum().backward()
