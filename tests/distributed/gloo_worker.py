@@ -76,6 +76,7 @@ def _sharded_dtensor_calls(world: int) -> None:
     _document_ids_and_positions_sharded_along_the_sequence(dt, Shard)
     _mrope_ids_on_the_mesh(dt, Shard, gen)
     _heads_sharded(mesh, dt, Shard, gen)
+    _score_bias_of_dtensor_ids(dt, Shard, gen)
 
 
 def _heads_sharded(mesh, dt, shard, gen: torch.Generator) -> None:
@@ -134,6 +135,33 @@ def _heads_sharded(mesh, dt, shard, gen: torch.Generator) -> None:
             for (name, p), w in zip(layer.named_parameters(), whole.parameters(), strict=True):
                 grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
                 assert (grad - w.grad).abs().max() < 1e-5, (kind.__name__, name)
+
+
+def _score_bias_of_dtensor_ids(dt, shard, gen: torch.Generator) -> None:
+    """ALiBi's and T5's score_bias of DTensor position ids failed inside torch: their plain slopes and table met the
+    ids ("got mixed torch.Tensor and DTensor"). Now the bias of the whole ids, replicated on their mesh, which DTensor
+    adds to scores sharded on heads with no communication, equal to the whole sum (T5's table gradient too)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    q_ids, k_ids = torch.tensor([[3, 4], [5, 6]]), torch.arange(7)[None].expand(2, 7)
+    scores = torch.randn(2, 4, 2, 7, generator=gen)
+    for kind in (posenc.ALiBi, posenc.T5Bias):
+        torch.manual_seed(0)
+        whole = kind(4)
+        sharded = copy.deepcopy(whole)
+        want = scores + whole.score_bias(q_ids, k_ids)
+        bias = sharded.score_bias(dt(q_ids, shard(0)), dt(k_ids))
+        assert bias.placements == (Replicate(),), (kind.__name__, bias.placements)
+        heads = dt(scores, shard(1))
+        with CommDebugMode() as comm:
+            got = heads + bias
+        assert got.placements == (shard(1),) and comm.get_total_counts() == 0, (kind.__name__, got.placements)
+        assert (got.full_tensor() - want).abs().max() < 1e-6, kind.__name__
+        if kind is posenc.T5Bias:  # ALiBi learns nothing
+            (want**2).sum().backward()
+            (got.full_tensor() ** 2).sum().backward()
+            assert (sharded.table.weight.grad - whole.table.weight.grad).abs().max() < 1e-5
 
 
 def _mrope_ids_on_the_mesh(dt, shard, gen: torch.Generator) -> None:

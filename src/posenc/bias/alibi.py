@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from posenc._checks import flag, float_dtype, float_tensor, positive_int
-from posenc.bias.base import ScoreBias, score_positions
+from posenc.bias.base import ScoreBias, on_ids_mesh, score_positions
 
 
 def _geometric_slopes(n: int) -> list[float]:
@@ -112,8 +112,12 @@ class ALiBi(ScoreBias):
     def score_bias(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
         """q_positions: (b, sq) or (sq,), k_positions: (b, sk) or (sk,) integer, on any device (moved to the
         slopes'; meta ids cannot serve real slopes). Returns (b, h, sq, sk) float32 (float64 once the module is cast
-        to float64), finite everywhere (the caller's attention mask decides what is future)."""
-        return alibi_bias(self.head_slopes(), q_positions, k_positions, causal=False)
+        to float64), finite everywhere (the caller's attention mask decides what is future).
+
+        DTensor ids (either or both; tensor parallelism): the bias of their whole values, a DTensor replicated on
+        their mesh, which DTensor adds to scores sharded on heads without communication (each rank keeps its
+        heads)."""
+        return on_ids_mesh(lambda q, k: alibi_bias(self.head_slopes(), q, k, causal=False), q_positions, k_positions)
 
     def head_slopes(self) -> torch.Tensor:
         """``slopes``, (num_heads,), after checking that assigned ones still have one per head."""

@@ -3,10 +3,22 @@ convenience view of it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
-from posenc._checks import int64_int, int_tensor, integer, positive_int, size_in, to_device
+from posenc._checks import (
+    first_dtensor,
+    int64_int,
+    int_tensor,
+    integer,
+    positive_int,
+    replicated_like,
+    replicated_values,
+    size_in,
+    to_device,
+)
 from posenc.encoding import ActsOn
 
 
@@ -41,6 +53,21 @@ def score_positions(
             "or one of them a batch of 1 (or 1-D) to share it"
         )
     return q, k
+
+
+def on_ids_mesh(
+    score_bias: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    q_positions: torch.Tensor,
+    k_positions: torch.Tensor,
+) -> torch.Tensor:
+    """``score_bias(q_positions, k_positions)`` of plain ids; of DTensor ids (either or both), the bias of their whole
+    values as a DTensor replicated on the first one's mesh. Added to DTensor scores sharded on heads (tensor
+    parallelism), DTensor's own rules then keep each rank's heads of it without communication. The biases' plain
+    slopes and table met the ids' DTensor ("got mixed torch.Tensor and DTensor")."""
+    like = first_dtensor(q_positions, k_positions)
+    if like is None:
+        return score_bias(q_positions, k_positions)
+    return replicated_like(score_bias(replicated_values(q_positions), replicated_values(k_positions)), like)
 
 
 class ScoreBias(nn.Module):

@@ -10,7 +10,7 @@ import torch
 
 from posenc._checks import flag, int_tensor, positive_int
 from posenc._embedding import SmallInitEmbedding
-from posenc.bias.base import ScoreBias, score_positions
+from posenc.bias.base import ScoreBias, on_ids_mesh, score_positions
 
 
 def _check_buckets(num_buckets: int, max_distance: int, bidirectional: bool) -> tuple[int, int]:
@@ -129,9 +129,12 @@ class T5Bias(ScoreBias):
 
     def score_bias(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
         """q_positions: (b, sq) or (sq,), k_positions: (b, sk) or (sk,) integer. Returns (b, h, sq, sk) in the
-        table's dtype; a causal T5 puts keys after the query in bucket 0 (never -inf): the attention masks them."""
-        buckets = self.buckets(q_positions, k_positions)  # on the table's device
-        return self.table(buckets).permute(0, 3, 1, 2)
+        table's dtype; a causal T5 puts keys after the query in bucket 0 (never -inf): the attention masks them.
+
+        DTensor ids (either or both; tensor parallelism): the bias of their whole values, a DTensor replicated on
+        their mesh, which DTensor adds to scores sharded on heads without communication (each rank keeps its
+        heads; the table's gradient is gathered from every rank's heads)."""
+        return on_ids_mesh(lambda q, k: self.table(self.buckets(q, k)).permute(0, 3, 1, 2), q_positions, k_positions)
 
     def get_extra_state(self) -> torch.Tensor:
         """(3,) int64 on the CPU, saved in the state dict: num_buckets, max_distance, bidirectional (0 or 1), which
