@@ -140,9 +140,12 @@ def _heads_sharded(mesh, dt, shard, gen: torch.Generator) -> None:
 def _score_bias_of_dtensor_ids(dt, shard, gen: torch.Generator) -> None:
     """ALiBi's and T5's score_bias of DTensor position ids failed inside torch: their plain slopes and table met the
     ids ("got mixed torch.Tensor and DTensor"). Now the bias of the whole ids, replicated on their mesh, which DTensor
-    adds to scores sharded on heads with no communication, equal to the whole sum (T5's table gradient too)."""
+    adds to scores sharded on heads with no communication, equal to the whole sum (T5's table gradient too).
+    attend_flex of DTensors failed inside dynamo's fake run of the score_mod; now refused by name."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.debug import CommDebugMode
+
+    from posenc.kernels.flex_bias import attend_flex
 
     q_ids, k_ids = torch.tensor([[3, 4], [5, 6]]), torch.arange(7)[None].expand(2, 7)
     scores = torch.randn(2, 4, 2, 7, generator=gen)
@@ -162,6 +165,13 @@ def _score_bias_of_dtensor_ids(dt, shard, gen: torch.Generator) -> None:
             (want**2).sum().backward()
             (got.full_tensor() ** 2).sum().backward()
             assert (sharded.table.weight.grad - whole.table.weight.grad).abs().max() < 1e-5
+    q = dt(torch.randn(1, 4, 8, 16, generator=gen), shard(1))
+    try:
+        attend_flex(q, q, q, posenc.ALiBi(4), torch.arange(8)[None], torch.arange(8)[None])
+    except ValueError as error:
+        assert "not DTensors" in str(error), error
+    else:
+        raise AssertionError("attend_flex of DTensors was not refused")
 
 
 def _mrope_ids_on_the_mesh(dt, shard, gen: torch.Generator) -> None:
