@@ -208,10 +208,11 @@ def test_fixed_frequencies_compile_one_graph_for_every_int_offset_and_length(rop
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 4
 
 
-def test_longrope_compiles_one_graph_per_side_of_its_original_length_not_one_per_length():
+def test_longrope_compiles_one_graph_for_every_length_on_both_sides_of_its_original_length():
     """LongRoPE's frequencies change only where seq_len passes original_max_position_embeddings, but the length was
     specialized like dynamic's: a 'consistent' cache's decode steps (a new length each) recompiled every step until
-    Dynamo's limit."""
+    Dynamo's limit. Then the side was compared on the host, which guarded each graph on it: a graph per side (3 here).
+    The graph chooses the factors itself now, one symbolic graph for both sides."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     rope = make_rope("longrope", "consistent")
@@ -220,8 +221,8 @@ def test_longrope_compiles_one_graph_per_side_of_its_original_length_not_one_per
     for seq_len in range(MAX_POS - 10, MAX_POS + 11):
         for got, want in zip(compiled(q, k, seq_len), rope(q, k, offset=seq_len - 1, seq_len=seq_len), strict=True):
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-    # the first length, then a symbolic one on each side
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 3
+    # the first length, then a symbolic one for both sides
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2
 
 
 @pytest.mark.parametrize("rope_type", sorted(SCALINGS))
@@ -536,32 +537,95 @@ def test_an_exported_torch_path_rope_holds_no_posenc_op():
         torch.testing.assert_close(got, want, rtol=2.5e-7, atol=2e-7)  # a float32 ulp or two
 
 
-@pytest.mark.parametrize(("low", "high"), [(2, MAX_POS), (MAX_POS + 1, 4 * MAX_POS)])
-def test_dynamic_ntk_exports_with_a_symbolic_seq_len(low, high):
+# Lengths on both sides of the switch, in numbers that are not powers of two: dynamic NTK's scale, factor * L / max -
+# (factor - 1), is rounded at every step, so a graph that reordered the steps (0.0221 * L - 0.7) would show.
+SWITCH_PARAMS = {
+    "dynamic": ({"rope_type": "dynamic", "factor": 1.7, "rope_theta": 9999.5}, 77),
+    "longrope": (PARAMS["longrope"], 4 * MAX_POS),
+}
+
+
+class _SeqLenRotation(torch.nn.Module):
+    """A length-dependent RoPE given seq_len=positions.shape[-1], as an exported model passes it."""
+
+    def __init__(self, rope_type: str, mode: str):
+        super().__init__()
+        params, max_positions = SWITCH_PARAMS[rope_type]
+        self.rope = posenc.RoPE(
+            HEAD_DIM, rope_parameters=params, max_position_embeddings=max_positions, mode=mode, backend="torch"
+        )
+
+    def forward(self, q, k, positions):
+        return self.rope(q, k, positions=positions, seq_len=positions.shape[-1])
+
+
+class _SeqLenTables(_SeqLenRotation):
+    def forward(self, positions):
+        length = positions.shape[-1]
+        return (
+            *self.rope.cos_sin(positions, seq_len=length),
+            *self.rope.cos_sin(positions, seq_len=length, dtype=torch.float64),
+        )
+
+
+@pytest.mark.parametrize("mode", ["hf", "consistent"])
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_a_length_dependent_rope_exports_one_program_for_lengths_on_both_sides_of_its_switch(rope_type, mode):
     """torch.export hands positions.shape[-1] as a torch.SymInt, which was refused as "seq_len must be a positive
     integer (a sequence length), got s80": dynamic NTK exported only with a constant length, its frequencies baked.
-    Now one program per side of max_position_embeddings (the Dim's range) computes them for each call's length."""
-
-    class Attention(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.rope = posenc.RoPE(
-                HEAD_DIM, rope_parameters=PARAMS["dynamic"], max_position_embeddings=MAX_POS, backend="torch"
-            )
-
-        def forward(self, q, k, positions):
-            return self.rope(q, k, positions=positions, seq_len=positions.shape[-1])
-
-    seq = torch.export.Dim("s", min=low, max=high)
-    q, k = random_qk(1, 2, 1, high, HEAD_DIM)
-    program = torch.export.export(
-        Attention(), (q, k, torch.arange(high)), dynamic_shapes=({2: seq}, {2: seq}, {0: seq})
-    )
-    for length in (low, (low + high) // 2):
-        q, k = random_qk(1, 2, 1, length, HEAD_DIM)
+    Then the side of the switch (max_position_embeddings, LongRoPE's original_max_position_embeddings) was compared
+    on the host, which guarded the program on the example's side: a Dim spanning both was refused ("Constraints
+    violated ... satisfy the generated guard 78 <= s"), one program per side. Now one program chooses in the graph,
+    to the bits of eager's tables at every length from 1 to 3x the switch (float32 and float64 cos/sin); the rotation
+    by them is the traced formula's, an ulp from eager's fused one for every type."""
+    tables, rotation = _SeqLenTables(rope_type, mode), _SeqLenRotation(rope_type, mode)
+    switch = int(tables.rope.spec.params.get("original_max_position_embeddings", tables.rope.max_position_embeddings))
+    seq = torch.export.Dim("s", min=1, max=3 * switch)
+    example = torch.arange(switch + 5)  # past the switch: the program must still serve the lengths before it
+    table_program = torch.export.export(tables, (example,), dynamic_shapes=({0: seq},)).module()
+    q, k = random_qk(1, 2, 1, example.numel(), HEAD_DIM)
+    rotation_program = torch.export.export(
+        rotation, (q, k, example), dynamic_shapes=({2: seq}, {2: seq}, {0: seq})
+    ).module()
+    for length in range(1, 3 * switch + 1):
         positions = torch.arange(length)
-        for got, want in zip(program.module()(q, k, positions), Attention()(q, k, positions), strict=True):
+        for got, want in zip(table_program(positions), tables(positions), strict=True):
+            assert torch.equal(got, want), length
+    outputs = {}
+    for length in (1, switch - 1, switch, switch + 1, 3 * switch):
+        q, k = random_qk(1, 2, 1, length, HEAD_DIM, seed=0)
+        positions = torch.arange(length)
+        outputs[length] = rotation_program(q, k, positions)
+        for got, want in zip(outputs[length], rotation(q, k, positions), strict=True):
             torch.testing.assert_close(got, want, rtol=2.5e-7, atol=2e-7)  # a float32 ulp or two
+    # The sides differ: a program that kept the example's frequencies would have failed above.
+    assert not torch.equal(outputs[switch][0], outputs[switch + 1][0][:, :, :switch])
+
+
+@pytest.mark.parametrize("mode", ["hf", "consistent"])
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_a_length_dependent_rope_compiles_one_dynamic_graph_for_lengths_on_both_sides_of_its_switch(rope_type, mode):
+    """torch.compile(fullgraph=True, dynamic=True) with seq_len= compiled a graph per side of the switch (2 for the
+    lengths below: the host's comparison guarded each), one now, giving eager's tables to the bit at every length."""
+    tables, rotation = _SeqLenTables(rope_type, mode), _SeqLenRotation(rope_type, mode)
+    switch = int(tables.rope.spec.params.get("original_max_position_embeddings", tables.rope.max_position_embeddings))
+    compiled_tables = torch.compile(
+        lambda p, n: tables.rope.cos_sin(p, seq_len=n), fullgraph=True, dynamic=True, backend="eager"
+    )
+    compiled_rotation = torch.compile(
+        lambda q, k, n: rotation.rope(q, k, offset=n - 1, seq_len=n), fullgraph=True, dynamic=True, backend="eager"
+    )
+    q, k = random_qk(1, 2, 1, 1, HEAD_DIM)
+    torch._dynamo.utils.counters.clear()
+    for length in range(switch - 3, switch + 4):
+        positions = torch.tensor([0, length // 2, length - 1])
+        want = tables.rope.cos_sin(positions, seq_len=length)
+        for got, want_one in zip(compiled_tables(positions, length), want, strict=True):
+            assert torch.equal(got, want_one), length
+        got = compiled_rotation(q, k, length)
+        want = rotation.rope(q, k, offset=length - 1, seq_len=length)
+        torch.testing.assert_close(got, want, rtol=2.5e-7, atol=2e-7)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2  # one for each function
 
 
 def _fresh_add_one():

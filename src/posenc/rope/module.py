@@ -450,7 +450,7 @@ class RoPE(nn.Module):
     def frequencies(self, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
         """Returns (inv_freq (r/2,) float64 on the CPU, attention_factor) for a sequence of ``seq_len``."""
         if compiling():  # constants of the graph being traced: no state to mutate
-            return compute_frequencies(self.spec, seq_len=self._frequency_length(seq_len))
+            return self._traced_frequencies(seq_len, torch.device("cpu"))
         if seq_len is not None:
             sequence_length("seq_len", seq_len)
         # Every layer sharing this RoPE asks for the same length in one step, and a 'consistent' cache asks three
@@ -470,24 +470,26 @@ class RoPE(nn.Module):
 
     def _frequency_length(self, seq_len: int | None) -> int | None:
         """The one length that stands for every seq_len with the same frequencies (None: the unscaled ones), so that
-        the cache, and a graph traced under torch.compile, serve them all: LongRoPE reads only the side of its
-        original length, dynamic NTK scales only past max_position_embeddings, the fixed types ignore seq_len, and
-        any other length-dependent type gets seq_len itself. The comparisons keep a symbolic length symbolic, and a
-        scaled length is returned as it is."""
+        the cache serves them all: LongRoPE reads only the side of its original length, dynamic NTK scales only past
+        max_position_embeddings (traced, its length as it is: see ``_traced_frequencies``), the fixed types ignore
+        seq_len, and any other length-dependent type gets seq_len itself. A scaled length is returned as it is."""
         spec = self.spec
         if seq_len is None or not is_seq_len_dependent(spec.rope_type):
             return None
         if spec.rope_type == "longrope":
             original = int(spec.params["original_max_position_embeddings"])
             return original + 1 if seq_len > original else None
+        if compiling():
+            # Traced, a length that varies between calls (which Dynamo and torch.export make symbolic) stays
+            # symbolic: dynamic's frequencies are computed in the graph from it, with no comparison to the limit
+            # (which guarded the graph on the example's side): see _traced_frequencies.
+            return seq_len
         # Only dynamic is known to be plain RoPE up to the trained length: a registered length-dependent type got
         # its seq_len=None frequencies there, silently, whatever its function computes for that length.
         limit = spec.max_position_embeddings
         if spec.rope_type == "dynamic" and limit is not None and seq_len <= limit:
             return None
-        # Traced, a length that varies between calls (which Dynamo makes symbolic) stays symbolic: dynamic's
-        # frequencies are then computed in the graph from it, one graph for every length past the trained one.
-        return seq_len if compiling() else operator.index(seq_len)
+        return operator.index(seq_len)
 
     @property
     def rotates_cached_keys(self) -> bool:
@@ -581,11 +583,7 @@ class RoPE(nn.Module):
         if not is_seq_len_dependent(self.spec.rope_type):
             return self.cos_sin(positions, dtype=dtype)
         if self.spec.rope_type == "longrope":
-            original = int(self.spec.params["original_max_position_embeddings"])
-            short, factor = self.frequencies(None)
-            long, _ = self.frequencies(original + 1)
-            chosen = step_positions.max() + 1 > original
-            inv_freq = torch.where(chosen, long.to(positions.device), short.to(positions.device))
+            inv_freq, factor = self._longrope_chosen(step_positions.max() + 1)
         elif self.spec.rope_type == "dynamic":
             spec = self.spec
             assert spec.max_position_embeddings is not None  # parse_rope_parameters requires it for dynamic
@@ -606,6 +604,30 @@ class RoPE(nn.Module):
             return _registered_cos_sin_eagerly(self, positions, step_positions, dtype)
         assert_without_sync(positions >= 0, "positions must be >= 0, got a negative entry")
         return angles_to_cos_sin(positions, inv_freq, factor, dtype)
+
+    def _longrope_chosen(self, length: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """LongRoPE's (inv_freq (r/2,) float64 on ``length``'s device, attention_factor) for a length held in the
+        graph (an integer tensor): the long factors' row where it passes original_max_position_embeddings, else the
+        short ones', picked by torch.where from the two tables, each computed as the eager branch computes it
+        (torch.export runs the same ops: to the bit), in one graph for both sides. One attention factor serves both:
+        posenc's function computes it from ``factor`` alone, and register_scaling cannot replace longrope."""
+        original = int(self.spec.params["original_max_position_embeddings"])
+        short, factor = compute_frequencies(self.spec)
+        long, _ = compute_frequencies(self.spec, seq_len=original + 1)
+        return torch.where(length > original, long.to(length.device), short.to(length.device)), factor
+
+    def _traced_frequencies(self, seq_len: int | None, device: torch.device) -> tuple[torch.Tensor, float]:
+        """``frequencies(seq_len)`` while torch.compile or torch.export traces, with no comparison of the length on
+        the host, which guarded the program on the example's side of a length-dependent type's switch (one program
+        per side, and a constraint error for an exported Dim spanning both). LongRoPE picks the long or the short
+        factors' row of its two tables in the graph, on ``device`` (``_longrope_chosen``), for every traced length:
+        Dynamo answers isinstance(length, torch.SymInt) False for its symbolic ints. Dynamic NTK's function takes
+        max(seq_len, max_position_embeddings), a torch.sym_max, and computes its frequencies from it in the graph:
+        up to the limit, the same float64 steps on the same numbers as for seq_len None (eager's unscaled ones),
+        which torch.export runs as the host does, to the bit. inv_freq on the CPU but for LongRoPE's choice."""
+        if seq_len is not None and self.spec.rope_type == "longrope":
+            return self._longrope_chosen(torch.scalar_tensor(seq_len, dtype=torch.int64, device=device))
+        return compute_frequencies(self.spec, seq_len=self._frequency_length(seq_len))
 
     def cos_sin(
         self, positions: torch.Tensor, *, seq_len: int | None = None, dtype: torch.dtype = torch.float32
@@ -647,10 +669,11 @@ class RoPE(nn.Module):
         if needed is None:
             # Traced or captured: a table sized by max(positions) would be a data-dependent step that breaks the
             # graph. The angles give the values the table holds. The frequencies are constants of the graph,
-            # computed on the host in float64, one graph per set of frequencies (``_frequency_length``); but a scaled
-            # dynamic NTK length that varies between calls (which Dynamo makes symbolic) has its frequencies computed
-            # in the graph, from the symbolic length, one graph for all such lengths.
-            inv_freq, factor = self.frequencies(seq_len)
+            # computed on the host in float64; traced, a length-dependent type chooses between its sets in the graph
+            # (``_traced_frequencies``: one graph for every length, on both sides of its switch).
+            inv_freq, factor = (
+                self._traced_frequencies(seq_len, positions.device) if compiling() else self.frequencies(seq_len)
+            )
             return angles_to_cos_sin(positions, inv_freq, factor, dtype)
         if length_dependent or needed > _TABLE_LIMIT:
             inv_freq, factor = self.frequencies(seq_len if seq_len is not None else needed)
