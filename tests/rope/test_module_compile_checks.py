@@ -602,6 +602,30 @@ def test_a_length_dependent_rope_exports_one_program_for_lengths_on_both_sides_o
     assert not torch.equal(outputs[switch][0], outputs[switch + 1][0][:, :, :switch])
 
 
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_mrope_axes_export_one_program_for_lengths_on_both_sides_of_the_switch(rope_type):
+    """MRoPE's (3, b, s) axes take their frequencies from RoPE.frequencies(seq_len), which compared the length with
+    the switch on the host as cos_sin did: a Dim across it was refused. One program now, to eager's bits."""
+    params, max_positions = SWITCH_PARAMS[rope_type]
+    mrope = posenc.MRoPE(
+        HEAD_DIM, mrope_section=[2, 3, 3], rope_parameters=params, max_position_embeddings=max_positions
+    )
+    switch = int(params.get("original_max_position_embeddings", max_positions))
+
+    class Tables(torch.nn.Module):
+        def forward(self, axes):
+            return mrope.cos_sin(axes, seq_len=axes.shape[-1])
+
+    def axes(length):
+        return torch.stack((torch.arange(length), torch.arange(length) // 2, torch.arange(length) % 2))[:, None]
+
+    seq = torch.export.Dim("s", min=2, max=3 * switch)
+    program = torch.export.export(Tables(), (axes(switch + 5),), dynamic_shapes=({2: seq},)).module()
+    for length in range(2, 3 * switch + 1):
+        for got, want in zip(program(axes(length)), Tables()(axes(length)), strict=True):
+            assert torch.equal(got, want), length
+
+
 @pytest.mark.parametrize("mode", ["hf", "consistent"])
 @pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
 def test_a_length_dependent_rope_compiles_one_dynamic_graph_for_lengths_on_both_sides_of_its_switch(rope_type, mode):
