@@ -471,19 +471,14 @@ class RoPE(nn.Module):
     def _frequency_length(self, seq_len: int | None) -> int | None:
         """The one length that stands for every seq_len with the same frequencies (None: the unscaled ones), so that
         the cache serves them all: LongRoPE reads only the side of its original length, dynamic NTK scales only past
-        max_position_embeddings (traced, its length as it is: see ``_traced_frequencies``), the fixed types ignore
-        seq_len, and any other length-dependent type gets seq_len itself. A scaled length is returned as it is."""
+        max_position_embeddings, the fixed types ignore seq_len, and any other length-dependent type gets seq_len
+        itself. Eager only: traced, no length is compared on the host (``_traced_frequencies``)."""
         spec = self.spec
         if seq_len is None or not is_seq_len_dependent(spec.rope_type):
             return None
         if spec.rope_type == "longrope":
             original = int(spec.params["original_max_position_embeddings"])
             return original + 1 if seq_len > original else None
-        if compiling():
-            # Traced, a length that varies between calls (which Dynamo and torch.export make symbolic) stays
-            # symbolic: dynamic's frequencies are computed in the graph from it, with no comparison to the limit
-            # (which guarded the graph on the example's side): see _traced_frequencies.
-            return seq_len
         # Only dynamic is known to be plain RoPE up to the trained length: a registered length-dependent type got
         # its seq_len=None frequencies there, silently, whatever its function computes for that length.
         limit = spec.max_position_embeddings
@@ -625,9 +620,12 @@ class RoPE(nn.Module):
         max(seq_len, max_position_embeddings), a torch.sym_max, and computes its frequencies from it in the graph:
         up to the limit, the same float64 steps on the same numbers as for seq_len None (eager's unscaled ones),
         which torch.export runs as the host does, to the bit. inv_freq on the CPU but for LongRoPE's choice."""
-        if seq_len is not None and self.spec.rope_type == "longrope":
+        if seq_len is None or not is_seq_len_dependent(self.spec.rope_type):
+            return compute_frequencies(self.spec)
+        if self.spec.rope_type == "longrope":
             return self._longrope_chosen(torch.scalar_tensor(seq_len, dtype=torch.int64, device=device))
-        return compute_frequencies(self.spec, seq_len=self._frequency_length(seq_len))
+        # Dynamic NTK, and a registered type, from the length as it is (symbolic where it varies between calls).
+        return compute_frequencies(self.spec, seq_len=seq_len)
 
     def cos_sin(
         self, positions: torch.Tensor, *, seq_len: int | None = None, dtype: torch.dtype = torch.float32
