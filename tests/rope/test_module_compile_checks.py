@@ -652,6 +652,43 @@ def test_a_length_dependent_rope_compiles_one_dynamic_graph_for_lengths_on_both_
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2  # one for each function
 
 
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_a_length_dependent_rope_traced_by_make_fx_with_a_symbolic_seq_len_serves_both_sides_of_its_switch(rope_type):
+    """make_fx(tracing_mode="symbolic") hands positions.shape[-1] as a torch.SymInt, which RoPE.frequencies compared
+    with the switch on the host (and dynamic NTK's max(seq_len, max_position_embeddings) too): the graph kept the
+    example's side, and gave its frequencies at every length, silently (LongRoPE's long factors below the switch,
+    dynamic NTK the example's scale everywhere). Now the graph chooses, to eager's bits; MRoPE's axes too."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    tables, rotation = _SeqLenTables(rope_type, "consistent"), _SeqLenRotation(rope_type, "consistent")
+    switch = int(tables.rope.spec.params.get("original_max_position_embeddings", tables.rope.max_position_embeddings))
+    params, max_positions = SWITCH_PARAMS[rope_type]
+    mrope = posenc.MRoPE(
+        HEAD_DIM, mrope_section=[2, 3, 3], rope_parameters=params, max_position_embeddings=max_positions
+    )
+
+    def mrope_tables(axes):
+        return mrope.cos_sin(axes, seq_len=axes.shape[-1])
+
+    def axes(length):
+        return torch.stack((torch.arange(length), torch.arange(length) // 2, torch.arange(length) % 2))[:, None]
+
+    example = torch.arange(switch + 5)  # past the switch: the graph must still serve the lengths before it
+    table_graph = make_fx(tables, tracing_mode="symbolic")(example)
+    mrope_graph = make_fx(mrope_tables, tracing_mode="symbolic")(axes(switch + 5))
+    q, k = random_qk(1, 2, 1, example.numel(), HEAD_DIM)
+    rotation_graph = make_fx(rotation, tracing_mode="symbolic")(q, k, example)
+    for length in (2, switch - 1, switch, switch + 1, 3 * switch):
+        positions = torch.arange(length)
+        for got, want in zip(table_graph(positions), tables(positions), strict=True):
+            assert torch.equal(got, want), length
+        for got, want in zip(mrope_graph(axes(length)), mrope_tables(axes(length)), strict=True):
+            assert torch.equal(got, want), length
+        q, k = random_qk(1, 2, 1, length, HEAD_DIM, seed=0)
+        for got, want in zip(rotation_graph(q, k, positions), rotation(q, k, positions), strict=True):
+            torch.testing.assert_close(got, want, rtol=2.5e-7, atol=2e-7)  # a float32 ulp or two
+
+
 def _fresh_add_one():
     """x + 1 in a code object of its own: Dynamo keeps its compiles per code object, and each use must compile."""
     namespace: dict[str, Any] = {}

@@ -449,7 +449,10 @@ class RoPE(nn.Module):
 
     def frequencies(self, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
         """Returns (inv_freq (r/2,) float64 on the CPU, attention_factor) for a sequence of ``seq_len``."""
-        if compiling():  # constants of the graph being traced: no state to mutate
+        # Traced: constants of the graph, no state to mutate. A torch.SymInt length outside Dynamo is make_fx's
+        # symbolic trace (Dynamo's symbolic ints fold to ints in the type test): read on the host, its side of the
+        # switch was baked into the graph, which then gave the example's frequencies at every length, silently.
+        if compiling() or type(seq_len) is torch.SymInt:
             return self._traced_frequencies(seq_len, torch.device("cpu"))
         if seq_len is not None:
             sequence_length("seq_len", seq_len)
@@ -669,8 +672,9 @@ class RoPE(nn.Module):
             # graph. The angles give the values the table holds. The frequencies are constants of the graph,
             # computed on the host in float64; traced, a length-dependent type chooses between its sets in the graph
             # (``_traced_frequencies``: one graph for every length, on both sides of its switch).
+            traced = compiling() or type(seq_len) is torch.SymInt  # make_fx's symbolic length too (frequencies)
             inv_freq, factor = (
-                self._traced_frequencies(seq_len, positions.device) if compiling() else self.frequencies(seq_len)
+                self._traced_frequencies(seq_len, positions.device) if traced else self.frequencies(seq_len)
             )
             return angles_to_cos_sin(positions, inv_freq, factor, dtype)
         if length_dependent or needed > _TABLE_LIMIT:
