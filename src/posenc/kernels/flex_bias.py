@@ -57,7 +57,7 @@ import torch
 from torch import nn
 
 from posenc import _compile_marks as compile_marks
-from posenc._checks import autocast_off, compiling, first_dtensor, values_readable
+from posenc._checks import autocast_off, compiling, first_dtensor, replicated_values, values_readable
 from posenc.bias import ALiBi, T5Bias, t5_relative_bucket
 
 # Below this many scores per head the materialized mask is small (64 MiB in float32) and not worth a compile.
@@ -328,7 +328,8 @@ def attend_flex(
     block mask skips the blocks between documents.
 
     Computed in float32 for bf16/fp16 inputs, as the materialized path does. Returns (b, h, s, d) in q's dtype.
-    DTensor q, k or v (tensor parallelism) are refused: ``posenc.attention.attend`` takes them.
+    DTensor q, k or v (tensor parallelism) are refused: ``posenc.attention.attend`` takes them. DTensor ids beside
+    plain q, k, v are read whole.
     """
     if first_dtensor(q, k, v) is not None:
         # Dynamo failed inside the compiled call, in its fake tensors' run of the score_mod's plain slopes or table
@@ -338,6 +339,11 @@ def attend_flex(
             "every head. Under tensor parallelism use posenc.attention.attend (or CausalSelfAttention), which "
             "attends each rank's own heads with their bias"
         )
+    # DTensor ids beside plain q, k, v: their whole values, as posenc reads such ids elsewhere. Kept DTensors, they met
+    # plain tensors in the ids' check below ("got mixed torch.Tensor and DTensor") and in the score_mod.
+    q_positions, k_positions = replicated_values(q_positions), replicated_values(k_positions)
+    if document_ids is not None:
+        document_ids = replicated_values(document_ids)
     flex = _flex(q.device.type)
     if flex is None:
         raise RuntimeError("FlexAttention is unavailable in this PyTorch; use posenc.attention.attend")
