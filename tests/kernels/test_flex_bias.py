@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from safetensors.torch import save_file
 from torch import nn
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -233,6 +234,17 @@ def test_a_left_padded_chunked_prefill_keeps_its_pads_out_on_every_path(name, mo
     assert_close(outs[0][:1, 13:], alone.double(), reduction=True)
 
 
+def _packed_chunk() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q (2, 4, 50, 8), a view of (b, s, h, d); k, v (2, 4, 350, 8); document ids (2, 350) of three documents per row,
+    with a boundary among the last 50 keys of each (320 and 343)."""
+    torch.manual_seed(0)
+    b, s, t, d = 2, 50, 350, 8
+    q, k, v = torch.randn(b, s, 4, d).transpose(1, 2), torch.randn(b, 4, t, d), torch.randn(b, 4, t, d)
+    lengths = ([100, 220, 30], [3, 340, 7])
+    docs = torch.stack([torch.repeat_interleave(torch.arange(3), torch.tensor(n)) for n in lengths])
+    return q, k, v, docs
+
+
 def test_attend_flex_keeps_documents_apart_for_queries_after_cached_keys(compiled_flex):
     """attend_flex called directly with s < t and document ids (a layer whose KVCache keeps the keys' ids gets here
     too, as the left-padded prefill's second chunk does): the block mask places query i at key index t - s + i, per
@@ -240,12 +252,9 @@ def test_attend_flex_keeps_documents_apart_for_queries_after_cached_keys(compile
     Shapes and layout are those of test_a_left_padded_chunked_prefill_keeps_its_pads_out_on_every_path's second chunk
     (q a view of (b, s, h, d) as CausalSelfAttention makes it; k, v repeated for GQA, contiguous), whose flex kernel
     inductor's cache then serves; each row has a document boundary among the queries (320 and 343)."""
-    torch.manual_seed(0)
     encoding = ALiBi(4)
-    b, s, t, d = 2, 50, 350, 8
-    q, k, v = torch.randn(b, s, 4, d).transpose(1, 2), torch.randn(b, 4, t, d), torch.randn(b, 4, t, d)
-    lengths = ([100, 220, 30], [3, 340, 7])
-    docs = torch.stack([torch.repeat_interleave(torch.arange(3), torch.tensor(n)) for n in lengths])
+    q, k, v, docs = _packed_chunk()
+    s, t = q.shape[2], k.shape[2]
     k_pos = positions_from_document_ids(docs)
     with torch.no_grad():
         got = flex_bias.attend_flex(q, k, v, encoding, k_pos[:, t - s :], k_pos, document_ids=docs)
@@ -546,7 +555,8 @@ def test_a_subclass_with_its_own_score_bias_is_attended_with_it(encoding, monkey
 # In a process of its own: a one-rank gloo world (the process group is global to the process).
 DTENSOR_IDS = textwrap.dedent(
     """
-    import torch, torch.distributed as dist, posenc
+    import sys, torch, torch.distributed as dist, posenc
+    from safetensors.torch import load_file
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from posenc.kernels import flex_bias
@@ -554,11 +564,9 @@ DTENSOR_IDS = textwrap.dedent(
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     mesh = init_device_mesh("cpu", (1,))
-    torch.manual_seed(0)
-    b, s, t, d = 2, 50, 350, 8
-    q, k, v = torch.randn(b, s, 4, d).transpose(1, 2), torch.randn(b, 4, t, d), torch.randn(b, 4, t, d)
-    lengths = ([100, 220, 30], [3, 340, 7])
-    docs = torch.stack([torch.repeat_interleave(torch.arange(3), torch.tensor(n)) for n in lengths])
+    case = load_file(sys.argv[1])
+    q, k, v, docs = case["q"].transpose(1, 2), case["k"], case["v"], case["docs"]
+    s, t = q.shape[2], k.shape[2]
     k_pos = positions_from_document_ids(docs)
     with torch.no_grad():
         want = flex_bias.attend_flex(q, k, v, posenc.ALiBi(4), k_pos[:, t - s :], k_pos, document_ids=docs)
@@ -572,9 +580,12 @@ DTENSOR_IDS = textwrap.dedent(
 )
 
 
-def test_attend_flex_reads_dtensor_ids_beside_plain_qkv_whole():
+def test_attend_flex_reads_dtensor_ids_beside_plain_qkv_whole(tmp_path):
     """attend_flex refused DTensor q, k, v by name, but DTensor position and document ids beside plain q, k, v (read
     whole everywhere else in posenc) failed inside torch: "aten.bitwise_and.Tensor got mixed torch.Tensor and
     DTensor" in the ids' check, then Dynamo's fake run of the score_mod. Now read whole: the plain ids' output."""
-    done = subprocess.run([sys.executable, "-c", DTENSOR_IDS], capture_output=True, text=True, timeout=300)
+    q, k, v, docs = _packed_chunk()
+    case = tmp_path / "case.safetensors"
+    save_file({"q": q.transpose(1, 2).contiguous(), "k": k, "v": v, "docs": docs}, str(case))
+    done = subprocess.run([sys.executable, "-c", DTENSOR_IDS, str(case)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stderr[-2000:])
