@@ -169,6 +169,14 @@ def _keepable() -> bool:
     return not (transformed() or fake_mode_active() or _capturing())
 
 
+def _length_traced(seq_len: int | None) -> bool:
+    """Whether no length may be compared on the host: torch.compile or torch.export traces, or ``seq_len`` is
+    make_fx's symbolic length (a torch.SymInt outside Dynamo, whose own symbolic ints fold to ints in the type test).
+    Read on the host, a symbolic length's side of a switch was baked into the graph, which then gave the example's
+    frequencies at every length, silently."""
+    return compiling() or type(seq_len) is torch.SymInt
+
+
 def _capturing() -> bool:
     """Whether a CUDA graph is being captured on the current stream. None is before CUDA is initialized: asked
     first, that costs ~50 ns where torch.cuda.is_available() costs ~0.6 us, and does not initialize CUDA."""
@@ -449,10 +457,7 @@ class RoPE(nn.Module):
 
     def frequencies(self, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
         """Returns (inv_freq (r/2,) float64 on the CPU, attention_factor) for a sequence of ``seq_len``."""
-        # Traced: constants of the graph, no state to mutate. A torch.SymInt length outside Dynamo is make_fx's
-        # symbolic trace (Dynamo's symbolic ints fold to ints in the type test): read on the host, its side of the
-        # switch was baked into the graph, which then gave the example's frequencies at every length, silently.
-        if compiling() or type(seq_len) is torch.SymInt:
+        if _length_traced(seq_len):  # constants of the graph: no state to mutate
             return self._traced_frequencies(seq_len, torch.device("cpu"))
         if seq_len is not None:
             sequence_length("seq_len", seq_len)
@@ -672,9 +677,10 @@ class RoPE(nn.Module):
             # graph. The angles give the values the table holds. The frequencies are constants of the graph,
             # computed on the host in float64; traced, a length-dependent type chooses between its sets in the graph
             # (``_traced_frequencies``: one graph for every length, on both sides of its switch).
-            traced = compiling() or type(seq_len) is torch.SymInt  # make_fx's symbolic length too (frequencies)
             inv_freq, factor = (
-                self._traced_frequencies(seq_len, positions.device) if traced else self.frequencies(seq_len)
+                self._traced_frequencies(seq_len, positions.device)
+                if _length_traced(seq_len)
+                else self.frequencies(seq_len)
             )
             return angles_to_cos_sin(positions, inv_freq, factor, dtype)
         if length_dependent or needed > _TABLE_LIMIT:
