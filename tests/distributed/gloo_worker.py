@@ -11,7 +11,8 @@ for the positions backwards and in two pieces of odd sizes: a row must not depen
 the work was split, or on which rows came with it.
 
 Then DTensor calls sharded across the two ranks (``_sharded_dtensor_calls``): per-sequence offsets and cu_seqlens,
-and their refusal where only one rank holds a bad offset.
+and their refusal where only one rank holds a bad offset; CausalSelfAttention under tensor parallelism, on a 1-D mesh
+and on the "tp" dimension of a (1, 2) 2-D mesh.
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ def _sharded_dtensor_calls(world: int) -> None:
     _document_ids_and_positions_sharded_along_the_sequence(dt, Shard)
     _mrope_ids_on_the_mesh(dt, Shard, gen)
     _heads_sharded(mesh, dt, Shard, gen)
+    _heads_sharded_on_a_submesh(world, gen)
     _score_bias_of_dtensor_ids(dt, Shard, gen)
 
 
@@ -135,6 +137,49 @@ def _heads_sharded(mesh, dt, shard, gen: torch.Generator) -> None:
             for (name, p), w in zip(layer.named_parameters(), whole.parameters(), strict=True):
                 grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
                 assert (grad - w.grad).abs().max() < 1e-5, (kind.__name__, name)
+
+
+def _heads_sharded_on_a_submesh(world: int, gen: torch.Generator) -> None:
+    """Tensor parallelism over the "tp" dimension of a 2-D (dp, tp) mesh, as a model trained with both is laid out:
+    the layer's DTensors live on the submesh mesh["tp"] (its own mesh, not its root), while the position ids are
+    distributed over the whole 2-D mesh. Prefill and a KVCache decode step equal the whole layer's, every encoding the
+    layer takes (RoPE in both pair layouts and rotating cached keys, ALiBi, T5, NoPE). posenc takes its plain cos/sin,
+    masks and biases onto q's own mesh (``replicated_like``) and reads the ids whole: taken onto the root mesh instead,
+    or the ids kept as given, they met q's submesh ("Cannot run aten.mul.Tensor on inputs with different meshes"),
+    which no 1-D mesh, its own root, can show."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+    plan = {name: ColwiseParallel(use_local_output=False) for name in ("q_proj", "k_proj", "v_proj")}
+    plan["o_proj"] = RowwiseParallel(use_local_output=False)
+    x, step = torch.randn(2, 5, 64, generator=gen), torch.randn(2, 1, 64, generator=gen)
+    ids = torch.tensor([[3, 1, 4, 1, 5], [0, 1, 2, 3, 9]])
+    encodings = [  # built after the seed: T5's table the same on every rank, as a real model's loaded weights
+        lambda: posenc.RoPE(16),
+        lambda: posenc.RoPE(16, interleaved=True),
+        lambda: posenc.RoPE(
+            16, rope_parameters={"rope_type": "dynamic", "factor": 2.0}, max_position_embeddings=4, mode="consistent"
+        ),
+        lambda: posenc.ALiBi(4),
+        lambda: posenc.T5Bias(4),
+        posenc.NoPE,
+    ]
+    for make in encodings:
+        torch.manual_seed(0)
+        encoding = make()
+        whole = posenc.CausalSelfAttention(64, 4, num_kv_heads=2, encoding=encoding)
+        layer = parallelize_module(copy.deepcopy(whole), mesh["tp"], plan)
+        mine, theirs = posenc.KVCache(), posenc.KVCache()
+        # Plain x, taken onto mesh["tp"] by ColwiseParallel; ids split over dp (one rank there) and replicated on tp.
+        given = distribute_tensor(ids, mesh, [Shard(0), Replicate()])
+        got = [layer(x, positions=given, cache=mine), layer(step, cache=mine)]
+        want = [whole(x, positions=ids, cache=theirs), whole(step, cache=theirs)]
+        name = type(encoding).__name__
+        for g, w in zip(got, want, strict=True):
+            assert g.device_mesh == mesh["tp"], (name, g.device_mesh)
+            assert (g.full_tensor() - w).abs().max() < 1e-5, (name, (g.full_tensor() - w).abs().max())
 
 
 def _score_bias_of_dtensor_ids(dt, shard, gen: torch.Generator) -> None:

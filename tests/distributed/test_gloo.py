@@ -1,6 +1,7 @@
 """Two processes on gloo: cos/sin bitwise equal across ranks; sharded RoPE equals the unsharded rows; DTensor rotations
 sharded across the ranks at per-sequence offsets and packed by cu_seqlens, a bad offset or position id refused on every
-rank."""
+rank; CausalSelfAttention's heads sharded by tensor parallelism (a 1-D mesh, and a 2-D mesh's "tp" dimension) equal to
+the whole layer."""
 
 from __future__ import annotations
 
