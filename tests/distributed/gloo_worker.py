@@ -180,6 +180,52 @@ def _heads_sharded_on_a_submesh(world: int, gen: torch.Generator) -> None:
         for g, w in zip(got, want, strict=True):
             assert g.device_mesh == mesh["tp"], (name, g.device_mesh)
             assert (g.full_tensor() - w).abs().max() < 1e-5, (name, (g.full_tensor() - w).abs().max())
+    _flex_sized_calls_sharded(mesh["tp"], plan, gen)
+
+
+def _flex_sized_calls_sharded(mesh, plan: dict, gen: torch.Generator) -> None:
+    """Heads sharded, a call the whole layer routes to the compiled FlexAttention (ALiBi or T5, no grad, 128 keys or
+    more, the score threshold lowered as tests/kernels/test_flex_bias.py lowers it) is attended on the materialized
+    path, each rank its own heads, equal to the whole layer's, with no fallback warning: attend_flex refuses DTensors
+    ("not DTensors"). attend_flex is replaced here by one that records and raises, and flex_available answers True
+    without importing dynamo (3 s a rank), so that nothing compiles: the whole layer's real flex call costs each rank
+    13 s (inductor cache warm) to 39 s (cold) on 2 shared CPU cores, and flex against the materialized bias is
+    tests/kernels/test_flex_bias.py's."""
+    import contextlib
+    import warnings
+
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from posenc import attention
+    from posenc.kernels import flex_bias
+
+    calls = []
+
+    def routed(q, *args, **kwargs):
+        calls.append(type(q).__name__)
+        raise LookupError("routed to attend_flex")
+
+    x = torch.randn(1, 140, 64, generator=gen)  # CPU flex takes 128 keys or more (flex_bias.CPU_MIN_KEYS)
+    kept = attention.attend_flex, flex_bias.CPU_MIN_SCORES, flex_bias.flex_available
+    for make in (lambda: posenc.ALiBi(4), lambda: posenc.T5Bias(4)):
+        torch.manual_seed(0)
+        whole = posenc.CausalSelfAttention(64, 4, num_kv_heads=2, encoding=make()).eval()
+        layer = parallelize_module(copy.deepcopy(whole), mesh, plan)
+        name = type(whole.encoding).__name__
+        with torch.no_grad():
+            want = whole(x)  # materialized: the default threshold is 4096 x 4096 scores
+            attention.attend_flex, flex_bias.CPU_MIN_SCORES, flex_bias.flex_available = routed, 0, lambda: True
+            try:
+                with contextlib.suppress(LookupError):
+                    whole(x)  # the call is flex-sized: the whole layer goes there
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error", UserWarning)  # a FlexFallback warns
+                    got = layer(x)
+            finally:
+                attention.attend_flex, flex_bias.CPU_MIN_SCORES, flex_bias.flex_available = kept
+        assert calls == ["Tensor"], (name, calls)
+        calls.clear()
+        assert (got.full_tensor() - want).abs().max() < 1e-5, name
 
 
 def _score_bias_of_dtensor_ids(dt, shard, gen: torch.Generator) -> None:
