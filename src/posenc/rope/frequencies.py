@@ -203,19 +203,23 @@ def float32_blend_rtol(rope_type: str, params: Mapping[str, Any], base: float) -
     """How far, relative, a float32 computation of a type's frequencies (transformers') may stray from the exact
     ones on top of the roundings of base**e, which every type has (about (ln(base) + 8) * 2^-24).
 
-    YaRN without truncation and Llama 3 blend inv/factor with inv by a weight computed in float32, and an error in
-    the weight moves the result by up to factor - 1 times it. YaRN's ramp runs over pair indices: a few roundings,
-    3 * 2^-24 covers it. Llama 3's weight is (original / wavelength - low) / (high - low), with the wavelength taken
-    from the float32 inv_freq: it carries that inv_freq's own error, (ln(base) + 8) * 2^-24, plus 2 roundings, both
-    scaled by up to high / (high - low). So (factor - 1) * gain * that. (Until 2026-12-03 Llama 3's bound left the
+    YaRN and Llama 3 blend inv/factor with inv by a weight computed in float32, and an absolute error in the weight
+    moves the result by up to factor - 1 times it, relative. YaRN's ramp runs over pair indices: a few roundings,
+    3 * 2^-24 covers it. Truncated, its ends are integers and (i - low) / (high - low) rounds once (exactly only
+    where high - low is a power of two), then 1 - ramp once more: 1 * 2^-24 absolute covers both. (Until
+    2026-12-06 the truncated weight counted as exact; a fuzz found a factor-52.5 config, ramp 32 to 102, whose
+    pair 101, weight 1/70 from a 69/70 that rounded, was 15.3 * 2^-24 off against 14.4 allowed.) Llama 3's weight
+    is (original / wavelength - low) / (high - low), with the wavelength taken from the float32 inv_freq: it
+    carries that inv_freq's own error, (ln(base) + 8) * 2^-24, plus 2 roundings, both scaled by up to
+    high / (high - low). So (factor - 1) * gain * that. (Until 2026-12-03 Llama 3's bound left the
     wavelength's error out, and patch_model refused a factor-54 config with a narrow band that posenc computes
-    exactly.) YaRN's truncated ramp has integer ends, an exact weight, and 0 here; so has Llama 3 with equal factors
-    (Llama 4), a step with no weight. params: as ``RopeSpec.params``.
+    exactly.) Llama 3 with equal factors (Llama 4) is a step with no weight, and 0 here. params: as
+    ``RopeSpec.params``.
     """
     if not is_builtin(rope_type):  # a registered type's parameters mean what its function makes of them
         return 0.0
-    if rope_type == "yarn" and not params.get("truncate", True):
-        gain, roundings = 1.0, 3.0
+    if rope_type == "yarn":
+        gain, roundings = 1.0, (1.0 if params.get("truncate", True) else 3.0)
     elif rope_type == "llama3" and params["high_freq_factor"] > params["low_freq_factor"]:
         gain = params["high_freq_factor"] / (params["high_freq_factor"] - params["low_freq_factor"])
         roundings = 2.0 + math.log(base) + 8.0
