@@ -99,9 +99,9 @@ from posenc.rope.mrope import MRoPE
 from posenc.rope.parameters import OPTIONAL_KEYS, REQUIRED_KEYS
 
 # inv_freq agreement with a float32 frequency buffer: transformers' float32 pow is off by up to
-# (ln(base) + 8) * 2**-24 relative (~1.3e-6 at base 5e5), plus float32_blend_rtol for YaRN without truncation and
-# Llama 3 (4.6e-5 for YaRN at factor 256, 1.3e-5 for Llama 3.1's); a wrong rotary dim, base or scaling is off by far
-# more.
+# (ln(base) + 8) * 2**-24 relative (~1.3e-6 at base 5e5), plus float32_blend_rtol for YaRN's blend and Llama 3's
+# (4.6e-5 for untruncated YaRN at factor 256, 1.5e-5 truncated, 1.3e-5 for Llama 3.1's); a wrong rotary dim, base or
+# scaling is off by far more.
 _FREQUENCY_RTOL = 1e-5
 
 # The names a patched attention forward resolves differently from its modeling module.
