@@ -24,13 +24,14 @@ import pytest
 import torch
 
 from posenc import RoPE
-from posenc.rope.frequencies import float32_blend_rtol
+from posenc.rope.frequencies import float32_blend_rtol, yarn_ramp
 from posenc.rope.parameters import compute_frequencies, parse_rope_parameters
 
 SEED, CASES, ROTATED = 20261205, 140, 14
 # Cases longer runs of the generator found, kept beside the 140 drawn here. Dynamic NTK at a factor of 53, whose
 # float32 ulp is 64 * 2^-24: transformers' scale at or below the trained length (2,800 draws of SEED). YaRN
-# truncated at a factor of 52.5 whose ramp, 32 to 102, rounds (1,000 draws of seed 5): see float32_blend_rtol.
+# truncated at a factor of 52.5 whose ramp, 32 to 102, rounds (1,000 draws of seed 5): see float32_blend_rtol. YaRN
+# untruncated with equal betas, a ramp 0.001 wide from 9.0 (2,000 draws of seed 17): see _rtol.
 FOUND = [
     (
         256,
@@ -51,6 +52,19 @@ FOUND = [
             "factor": 52.505,
             "mscale": 0.707,
             "original_max_position_embeddings": 1024,
+        },
+    ),
+    (
+        40,
+        4096,
+        {
+            "rope_type": "yarn",
+            "rope_theta": 30044.279404922392,
+            "factor": 8.213,
+            "beta_fast": 8,
+            "beta_slow": 8,
+            "truncate": False,
+            "original_max_position_embeddings": 5203,
         },
     ),
 ]
@@ -123,6 +137,15 @@ def _rtol(spec: Any, hf_oracle: Any, seq_len: int | None) -> float:
     one float32 ulp of factor, 64 * 2^-24 relative at factor 53 (measured 65 * 2^-24 in inv_freq)."""
     params, max_pos = spec.params, spec.max_position_embeddings
     rtol = float32_blend_rtol(spec.rope_type, params, spec.base)
+    if spec.rope_type == "yarn" and not params.get("truncate", True):
+        # transformers rounds the ramp's start to float32 in (i - low) / (high - low): u * low / (high - low) absolute
+        # in the weight, past float32_blend_rtol's 3 roundings where the ramp is narrower than its start (equal
+        # betas: 0.001 wide, a weight off by 9000 u). patch_model refuses such a model, whose float32 frequencies
+        # rotate visibly off the exact ones at long positions; here they are checked against this model.
+        beta_fast, beta_slow = params.get("beta_fast", 32.0), params.get("beta_slow", 1.0)
+        original = params["original_max_position_embeddings"]
+        low, high = yarn_ramp(spec.rotary_dim, spec.base, original, beta_fast, beta_slow, truncate=False)
+        rtol += (params["factor"] - 1) * low / (high - low) * hf_oracle.EPS32
     if spec.rope_type == "dynamic" and seq_len is not None:
         factor, r, seq_len = params["factor"], spec.rotary_dim, max(seq_len, max_pos)
         scale = factor * seq_len / max_pos - (factor - 1)

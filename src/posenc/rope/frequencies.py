@@ -97,6 +97,32 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
+def yarn_ramp(
+    rotary_dim: int,
+    base: float,
+    original_max_position_embeddings: int,
+    beta_fast: float,
+    beta_slow: float,
+    truncate: bool,
+) -> tuple[float, float]:
+    """(low, high): the pair indices where YaRN's ramp from extrapolation to interpolation starts and ends."""
+
+    def correction_dim(rotations: float) -> float:
+        # The (fractional) dim index whose pair turns `rotations` times over the original length.
+        return (
+            rotary_dim * math.log(original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+        )
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    # Hugging Face clamps high to rotary_dim - 1 (not r/2 - 1); kept for bit-compatibility.
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # a zero-width ramp would divide by zero
+    return low, high
+
+
 def yarn(
     *,
     rotary_dim: int,
@@ -124,19 +150,7 @@ def yarn(
         else:
             attention_factor = yarn_mscale(factor)
 
-    def correction_dim(rotations: float) -> float:
-        # The (fractional) dim index whose pair turns `rotations` times over the original length.
-        return (
-            rotary_dim * math.log(original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
-        )
-
-    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if truncate:
-        low, high = math.floor(low), math.ceil(high)
-    # Hugging Face clamps high to rotary_dim - 1 (not r/2 - 1); kept for bit-compatibility.
-    low, high = max(low, 0), min(high, rotary_dim - 1)
-    if low == high:
-        high += 0.001  # a zero-width ramp would divide by zero
+    low, high = yarn_ramp(rotary_dim, base, original_max_position_embeddings, beta_fast, beta_slow, truncate)
     ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float64, device="cpu") - low) / (high - low)).clamp(0.0, 1.0)
     inv_freq = default_inv_freq(rotary_dim, base)
     return inv_freq / factor * ramp + inv_freq * (1.0 - ramp), float(attention_factor)
@@ -205,16 +219,18 @@ def float32_blend_rtol(rope_type: str, params: Mapping[str, Any], base: float) -
 
     YaRN and Llama 3 blend inv/factor with inv by a weight computed in float32, and an absolute error in the weight
     moves the result by up to factor - 1 times it, relative. YaRN's ramp runs over pair indices: a few roundings,
-    3 * 2^-24 covers it. Truncated, its ends are integers and (i - low) / (high - low) rounds once (exactly only
-    where high - low is a power of two), then 1 - ramp once more: 1 * 2^-24 absolute covers both. (Until
-    2026-12-06 the truncated weight counted as exact; a fuzz found a factor-52.5 config, ramp 32 to 102, whose
-    pair 101, weight 1/70 from a 69/70 that rounded, was 15.3 * 2^-24 off against 14.4 allowed.) Llama 3's weight
-    is (original / wavelength - low) / (high - low), with the wavelength taken from the float32 inv_freq: it
-    carries that inv_freq's own error, (ln(base) + 8) * 2^-24, plus 2 roundings, both scaled by up to
-    high / (high - low). So (factor - 1) * gain * that. (Until 2026-12-03 Llama 3's bound left the
-    wavelength's error out, and patch_model refused a factor-54 config with a narrow band that posenc computes
-    exactly.) Llama 3 with equal factors (Llama 4) is a step with no weight, and 0 here. params: as
-    ``RopeSpec.params``.
+    3 * 2^-24 covers it where the ramp is about as wide as its start; a narrower one adds low's own rounding to
+    float32, 2^-24 * low / (high - low), left out here (equal betas, 0.001 wide, put a frequency 3.3e-4 off: a
+    model whose float32 buffer rotates visibly off the exact angles at long positions, which patch_model refuses
+    to patch, rightly; yarn_ramp gives low and high). Truncated, its ends are integers and (i - low) / (high - low)
+    rounds once (exactly only where high - low is a power of two), then 1 - ramp once more: 1 * 2^-24 absolute
+    covers both. (Until 2026-12-06 the truncated weight counted as exact; a fuzz found a factor-52.5 config, ramp
+    32 to 102, whose pair 101, weight 1/70 from a 69/70 that rounded, was 15.3 * 2^-24 off against 14.4 allowed.)
+    Llama 3's weight is (original / wavelength - low) / (high - low), with the wavelength taken from the float32
+    inv_freq: it carries that inv_freq's own error, (ln(base) + 8) * 2^-24, plus 2 roundings, both scaled by up to
+    high / (high - low). So (factor - 1) * gain * that. (Until 2026-12-03 Llama 3's bound left the wavelength's
+    error out, and patch_model refused a factor-54 config with a narrow band that posenc computes exactly.) Llama 3
+    with equal factors (Llama 4) is a step with no weight, and 0 here. params: as ``RopeSpec.params``.
     """
     if not is_builtin(rope_type):  # a registered type's parameters mean what its function makes of them
         return 0.0
