@@ -700,7 +700,11 @@ def _fresh_add_one():
 def _another_thread_compiling(probe=None):
     """Another thread held inside a torch.compile (its backend waits) for the block: torch 2.13's
     ``torch.compiler.is_compiling()`` is one flag for the process, so it reads True here too. Yields what ``probe()``
-    answered in the compiling thread, inside that compile but outside Dynamo's trace (its backend)."""
+    answered in the compiling thread, inside that compile but outside Dynamo's trace (its backend).
+
+    Skipped where torch does not hold that flag across the compile: torch 2.12 sets it for Dynamo's trace and
+    export's trace only, so it reads False here and in the backend, and the bug these tests guard cannot happen.
+    The check is of the flag itself, not of a version number."""
     inside, done, seen = threading.Event(), threading.Event(), []
 
     def waiting_backend(gm, example_inputs):
@@ -714,7 +718,12 @@ def _another_thread_compiling(probe=None):
     thread.start()
     try:
         assert inside.wait(timeout=120), "the other thread never reached its backend"
-        assert torch.compiler.is_compiling()  # what fooled posenc: the other thread's flag
+        if not torch.compiler.is_compiling():  # what fooled posenc: the other thread's flag
+            pytest.skip(
+                f"torch {torch.__version__} does not hold torch.compiler.is_compiling() across a compile (it is False "
+                "in another thread and in the backend): the other thread's flag that this test guards against does "
+                "not exist"
+            )
         yield seen
     finally:
         done.set()
