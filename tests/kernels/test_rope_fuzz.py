@@ -40,33 +40,23 @@ MAX_SEQ = {"torch": 40, "cpu": 40, "triton": 9}
 MAX_HALF = {"torch": 40, "cpu": 70, "triton": 12}
 
 
-def reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool, conjugate: bool):
+def reference(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool, conjugate: bool, added: bool = False
+):
     """x rotated in float64: pair i is channels (2i, 2i+1) or (i, i + r/2), turned by the angle whose cos and sin
-    are given (by its negative when conjugate); channels past r are copied."""
+    are given (by its negative when conjugate); channels past r are copied. ``added``: every term added instead
+    (conjugate then means nothing): given |x|, |cos| and |sin| (and, through autograd, an |incoming gradient|),
+    each output and each gradient is the sum of the magnitudes of the terms the rotation or its backward adds up
+    for it, what the rounding of those terms and of their sums is relative to."""
     x = x.to(torch.float64)
     half = cos.shape[-1]
-    sin = -sin if conjugate else sin
+    sin = -sin if conjugate and not added else sin
     if interleaved:
         first, second = slice(0, 2 * half, 2), slice(1, 2 * half, 2)
     else:
         first, second = slice(0, half), slice(half, 2 * half)
     out = x.clone()
-    out[..., first] = x[..., first] * cos - x[..., second] * sin
-    out[..., second] = x[..., second] * cos + x[..., first] * sin
-    return out
-
-
-def magnitudes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool) -> torch.Tensor:
-    """The rotation with its terms added instead of subtracted. Given |x|, |cos| and |sin| (and, through autograd,
-    an |incoming gradient|), each output and each gradient is the sum of the magnitudes of the terms that the
-    rotation or its backward adds up for it: what the rounding of those terms and of their sums is relative to."""
-    half = cos.shape[-1]
-    if interleaved:
-        first, second = slice(0, 2 * half, 2), slice(1, 2 * half, 2)
-    else:
-        first, second = slice(0, half), slice(half, 2 * half)
-    out = x.clone()
-    out[..., first] = x[..., first] * cos + x[..., second] * sin
+    out[..., first] = x[..., first] * cos + (1 if added else -1) * x[..., second] * sin
     out[..., second] = x[..., second] * cos + x[..., first] * sin
     return out
 
@@ -642,7 +632,9 @@ def test_unusual_memory_matches_the_float64_reference(backend):
         # dtype, then round the sum: the error is a few units of that dtype relative to the sum of the terms'
         # magnitudes, which is far above |sum| where the terms cancel (two heads of an expanded fp16 x: 0.0773
         # from terms near 1, off by 0.0008 = 1.6 fp16 units of them; the row's largest |gradient| allowed 0.0003).
-        sizes = float64_gradients(torch.abs, lambda x, c, s: magnitudes(x, c, s, interleaved=call.interleaved))
+        sizes = float64_gradients(
+            torch.abs, lambda x, c, s: reference(x, c, s, interleaved=call.interleaved, conjugate=False, added=True)
+        )
         for got, want, size in zip(grads, expected, sizes, strict=True):
             got = torch.zeros_like(want) if got is None else got.cpu()
             want = torch.zeros_like(got, dtype=torch.float64) if want is None else want
