@@ -142,9 +142,8 @@ def _rtol(spec: Any, hf_oracle: Any, seq_len: int | None) -> float:
         # in the weight, past float32_blend_rtol's 3 roundings where the ramp is narrower than its start (equal
         # betas: 0.001 wide, a weight off by 9000 u). patch_model refuses such a model, whose float32 frequencies
         # rotate visibly off the exact ones at long positions; here they are checked against this model.
-        beta_fast, beta_slow = params.get("beta_fast", 32.0), params.get("beta_slow", 1.0)
-        original = params["original_max_position_embeddings"]
-        low, high = yarn_ramp(spec.rotary_dim, spec.base, original, beta_fast, beta_slow, truncate=False)
+        original = params["original_max_position_embeddings"]  # the parser fills the betas' defaults too
+        low, high = yarn_ramp(spec.rotary_dim, spec.base, original, params["beta_fast"], params["beta_slow"], False)
         rtol += (params["factor"] - 1) * low / (high - low) * hf_oracle.EPS32
     if spec.rope_type == "dynamic" and seq_len is not None:
         factor, r, seq_len = params["factor"], spec.rotary_dim, max(seq_len, max_pos)
