@@ -81,6 +81,15 @@ def _sharded_dtensor_calls(world: int) -> None:
     _score_bias_of_dtensor_ids(dt, Shard, gen)
 
 
+def _tp_plan(local_qkv: bool = False) -> dict:
+    """parallelize_module's plan for CausalSelfAttention's heads: q/k/v column-wise (their DTensors kept unless
+    ``local_qkv``), the output row-wise."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {name: ColwiseParallel(use_local_output=local_qkv) for name in ("q_proj", "k_proj", "v_proj")}
+    return {**plan, "o_proj": RowwiseParallel(use_local_output=False)}
+
+
 def _heads_sharded(mesh, dt, shard, gen: torch.Generator) -> None:
     """Tensor parallelism: heads sharded across the ranks. CausalSelfAttention parallelized by parallelize_module
     (ColwiseParallel q/k/v, RowwiseParallel output, DTensors kept) failed in attention: CPU's fused SDPA has no
@@ -89,7 +98,7 @@ def _heads_sharded(mesh, dt, shard, gen: torch.Generator) -> None:
     a KVCache decode step equal to the whole layer's. The projections' local shards (use_local_output=True, the
     default) are refused by name, not by view(). DTensor position ids beside x are read whole, as beside plain x;
     packed documents (DTensor ids) and the probabilities of return_attention (laid out as q) equal the whole's."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import parallelize_module
 
     x, step = torch.randn(2, 5, 64, generator=gen), torch.randn(2, 2, 64, generator=gen)
     ids, docs = torch.tensor([[3, 1, 4, 1, 5], [0, 1, 2, 3, 9]]), torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 2, 2]])
@@ -98,10 +107,7 @@ def _heads_sharded(mesh, dt, shard, gen: torch.Generator) -> None:
         encoding = posenc.RoPE(16) if kind is posenc.RoPE else kind(4)
         whole = posenc.CausalSelfAttention(64, 4, num_kv_heads=kv_heads, encoding=encoding)
         for local in (False, True):
-            plan = {name: ColwiseParallel(use_local_output=local) for name in ("q_proj", "k_proj", "v_proj")}
-            layer = parallelize_module(
-                copy.deepcopy(whole), mesh, {**plan, "o_proj": RowwiseParallel(use_local_output=False)}
-            )
+            layer = parallelize_module(copy.deepcopy(whole), mesh, _tp_plan(local_qkv=local))
             if local:
                 try:
                     layer(x)
@@ -149,11 +155,10 @@ def _heads_sharded_on_a_submesh(world: int, gen: torch.Generator) -> None:
     which no 1-D mesh, its own root, can show."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import parallelize_module
 
     mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
-    plan = {name: ColwiseParallel(use_local_output=False) for name in ("q_proj", "k_proj", "v_proj")}
-    plan["o_proj"] = RowwiseParallel(use_local_output=False)
+    plan = _tp_plan()
     x, step = torch.randn(2, 5, 64, generator=gen), torch.randn(2, 1, 64, generator=gen)
     ids = torch.tensor([[3, 1, 4, 1, 5], [0, 1, 2, 3, 9]])
     encodings = [  # built after the seed: T5's table the same on every rank, as a real model's loaded weights
