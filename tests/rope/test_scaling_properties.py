@@ -35,6 +35,24 @@ def test_linear_is_default_over_factor(r: int, base: float, factor: float) -> No
     torch.testing.assert_close(inv, default_inv_freq(r, base) / factor, rtol=1e-15, atol=0.0)
 
 
+def test_default_inv_freq_takes_a_tensor_base_differentiably() -> None:
+    """A 0-d tensor base gives the float base's bits, its gradient d/db sum(b^(-2i/r)) = sum(-2i/r * b^(-2i/r - 1)),
+    and vmap over bases: from 2026-12-06 the base went through torch.scalar_tensor, which reads a tensor with .item()
+    and refused one that requires grad (TypeError) and any under torch.func's vmap or grad."""
+    base = torch.tensor(5e5, dtype=torch.float64, requires_grad=True)
+    inv = default_inv_freq(16, base)
+    assert torch.equal(inv.detach(), default_inv_freq(16, 5e5))
+    (grad,) = torch.autograd.grad(inv.sum(), base)
+    exponents = torch.arange(0, 16, 2, dtype=torch.float64) / 16
+    torch.testing.assert_close(grad, (-exponents * 5e5 ** (-exponents - 1)).sum(), rtol=1e-12, atol=0.0)
+    assert torch.equal(torch.func.grad(lambda b: default_inv_freq(16, b).sum())(base.detach()), grad)
+    several = torch.tensor([1e4, 5e5, 1e6], dtype=torch.float64)
+    assert torch.equal(
+        torch.func.vmap(lambda b: default_inv_freq(16, b))(several),
+        torch.stack([default_inv_freq(16, float(b)) for b in several]),
+    )
+
+
 @settings(max_examples=40, deadline=None)
 @given(rotary_dims.filter(lambda r: r >= 4), bases, factors, lengths, st.integers(1, 1 << 17))
 def test_dynamic_is_default_up_to_max_length(r: int, base: float, factor: float, max_pos: int, seq_len: int) -> None:

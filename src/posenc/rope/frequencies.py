@@ -28,13 +28,20 @@ ScalingFn = Callable[..., tuple[torch.Tensor, float]]
 # was materialised with to_empty().
 
 
-def default_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
-    """theta_i = base^(-2i/r) for i in [0, r/2). Returns (r/2,) float64 on the CPU."""
+def default_inv_freq(rotary_dim: int, base: float | torch.Tensor) -> torch.Tensor:
+    """theta_i = base^(-2i/r) for i in [0, r/2). Returns (r/2,) float64 on the CPU. base: a number, or a 0-d tensor
+    (differentiable: its graph is kept)."""
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64, device="cpu") / rotary_dim
     # The base as a 0-d tensor, which eager's float ** tensor wraps it in anyway (same kernel, same bits): a traced
     # dynamic NTK base is a symbolic float, and torch 2.12's float ** tensor compared it with 1.0 and 2.0 on the host,
     # guards that refused a torch.export Dim across dynamic NTK's switch (2.13 asks only statically_known_true).
-    return 1.0 / torch.scalar_tensor(base, dtype=torch.float64, device="cpu") ** exponents
+    # A tensor base stays a tensor: scalar_tensor reads one with .item(), which refused a base that requires grad
+    # (TypeError), torch.func's vmap and grad over it, and a fake one under a FakeTensorMode.
+    if isinstance(base, torch.Tensor):
+        base = base.to(dtype=torch.float64, device="cpu")
+    else:
+        base = torch.scalar_tensor(base, dtype=torch.float64, device="cpu")
+    return 1.0 / base**exponents
 
 
 def default(*, rotary_dim: int, base: float, **_: object) -> tuple[torch.Tensor, float]:
