@@ -234,9 +234,11 @@ def float32_blend_rtol(rope_type: str, params: Mapping[str, Any], base: float) -
     float32, 2^-24 * low / (high - low), left out here (equal betas, 0.001 wide, put a frequency 3.3e-4 off: a
     model whose float32 buffer rotates visibly off the exact angles at long positions, which patch_model refuses
     to patch, rightly; yarn_ramp gives low and high). Truncated, its ends are integers and (i - low) / (high - low)
-    rounds once (exactly only where high - low is a power of two), then 1 - ramp once more: 1 * 2^-24 absolute
-    covers both. (Until 2026-12-06 the truncated weight counted as exact; a fuzz found a factor-52.5 config, ramp
-    32 to 102, whose pair 101, weight 1/70 from a 69/70 that rounded, was 15.3 * 2^-24 off against 14.4 allowed.)
+    rounds once (by up to 2^-25; every weight is exact only where high - low is a power of two), then 1 - ramp once
+    more (by up to 2^-25, and only for a weight under 1/2, whose own rounding is then under 2^-26): 3/4 of 2^-24 at
+    most (0.749 * 2^-24 measured over widths 1-399), and 1 * 2^-24 absolute covers both. (Until 2026-12-06 the
+    truncated weight counted as exact; a fuzz found a factor-52.5 config, ramp 32 to 102, whose pair 101, weight
+    1/70 from a 69/70 that rounded, was 15.3 * 2^-24 off against 14.4 allowed.)
     Llama 3's weight is (original / wavelength - low) / (high - low), with the wavelength taken from the float32
     inv_freq: it carries that inv_freq's own error, (ln(base) + 8) * 2^-24, plus 2 roundings, both scaled by up to
     high / (high - low). So (factor - 1) * gain * that. (Until 2026-12-03 Llama 3's bound left the wavelength's
