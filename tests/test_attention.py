@@ -327,6 +327,19 @@ def test_projections_that_are_not_plain_linears_are_not_held_to_a_weight_dtype()
         torch.testing.assert_close(quantized(x), layer(x), atol=0.05, rtol=0.0)
 
 
+@pytest.mark.parametrize("which", ["q_proj", "k_proj", "v_proj"])
+def test_a_projection_giving_fewer_features_than_the_heads_is_refused_by_name(which) -> None:
+    """A projection that returns only some heads' features (one rank's shard under tensor parallelism with
+    ColwiseParallel's default use_local_output=True; tests/distributed covers that case) is named, with the fix,
+    where view() said only "shape ... is invalid for input of size ..."."""
+    layer = CausalSelfAttention(DIM, HEADS, num_kv_heads=KV_HEADS)
+    setattr(layer, which, torch.nn.Linear(DIM, HEAD_DIM))  # one head's features
+    heads = HEADS if which == "q_proj" else KV_HEADS
+    match = rf"{which} gave {HEAD_DIM} features where the layer's {heads} heads of {HEAD_DIM} take {heads * HEAD_DIM}"
+    with pytest.raises(ValueError, match=match + r".*ColwiseParallel\(use_local_output=False\)"):
+        layer(torch.randn(1, 3, DIM))
+
+
 @pytest.mark.parametrize("name", ["learned", "sinusoidal"])
 def test_an_input_encoding_given_to_the_attention_is_refused(name):
     """The layer never adds it: it used to run as if it had no encoding, even past a learned table."""
