@@ -167,6 +167,15 @@ def test_llama3_with_equal_factors_blends_nothing() -> None:
     assert float32_blend_rtol("llama3", {**scout, "high_freq_factor": 4.0}, 500000.0) > 0.0
 
 
+def test_yarn_without_a_truncate_key_gets_the_truncated_ramps_blend_bound() -> None:
+    """YaRN truncates its ramp unless told not to (transformers' get("truncate", True)): params without the key are
+    bounded as the truncated ramp is, one rounding of the weight, (factor - 1) * 2^-24; untruncated, three."""
+    yarn = {"rope_type": "yarn", "factor": 4.0}
+    assert float32_blend_rtol("yarn", yarn, 10000.0) == float32_blend_rtol("yarn", {**yarn, "truncate": True}, 10000.0)
+    assert float32_blend_rtol("yarn", yarn, 10000.0) == 3.0 * 2.0**-24
+    assert float32_blend_rtol("yarn", {**yarn, "truncate": False}, 10000.0) == 9.0 * 2.0**-24
+
+
 def test_dynamic_with_a_tensor_seq_len_matches_transformers(hf_oracle) -> None:
     # transformers' dynamic_rope_update passes seq_len as a tensor, which moves the base computation to float32.
     params = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 500000.0}
