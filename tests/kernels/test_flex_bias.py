@@ -574,6 +574,16 @@ DTENSOR_IDS = textwrap.dedent(
         q_ids, k_ids, doc_ids = given
         got = flex_bias.attend_flex(q, k, v, posenc.ALiBi(4), q_ids, k_ids, document_ids=doc_ids)
     assert type(got) is torch.Tensor and torch.equal(got, want), (got - want).abs().max()
+    # A DTensor k or v beside a plain q is refused by name too, as a DTensor q is.
+    for i in (1, 2):
+        given = [q, k, v]
+        given[i] = distribute_tensor(given[i], mesh, [Replicate()])
+        try:
+            flex_bias.attend_flex(*given, posenc.ALiBi(4), k_pos[:, t - s :], k_pos)
+        except ValueError as error:
+            assert "not DTensors" in str(error), error
+        else:
+            raise AssertionError(f"a DTensor {'qkv'[i]} beside a plain q was not refused")
     dist.destroy_process_group()
     print("ok")
     """
@@ -583,7 +593,8 @@ DTENSOR_IDS = textwrap.dedent(
 def test_attend_flex_reads_dtensor_ids_beside_plain_qkv_whole(tmp_path):
     """attend_flex refused DTensor q, k, v by name, but DTensor position and document ids beside plain q, k, v (read
     whole everywhere else in posenc) failed inside torch: "aten.bitwise_and.Tensor got mixed torch.Tensor and
-    DTensor" in the ids' check, then Dynamo's fake run of the score_mod. Now read whole: the plain ids' output."""
+    DTensor" in the ids' check, then Dynamo's fake run of the score_mod. Now read whole: the plain ids' output. A
+    DTensor k or v beside a plain q is refused by name too."""
     q, k, v, docs = _packed_chunk()
     case = tmp_path / "case.safetensors"
     save_file({"q": q.transpose(1, 2).contiguous(), "k": k, "v": v, "docs": docs}, str(case))
