@@ -11,13 +11,14 @@ for the positions backwards and in two pieces of odd sizes: a row must not depen
 the work was split, or on which rows came with it.
 
 Then DTensor calls sharded across the two ranks (``_sharded_dtensor_calls``): per-sequence offsets and cu_seqlens,
-and their refusal where only one rank holds a bad offset; CausalSelfAttention under tensor parallelism, on a 1-D mesh
-and on the "tp" dimension of a (1, 2) 2-D mesh.
+and their refusal where only one rank holds a bad offset; attend of q sharded on the batch or the heads;
+CausalSelfAttention under tensor parallelism, on a 1-D mesh and on the "tp" dimension of a (1, 2) 2-D mesh.
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import os
 import sys
@@ -76,6 +77,7 @@ def _sharded_dtensor_calls(world: int) -> None:
     _attention_with_sharded_positions(dt, Shard(1), gen)
     _document_ids_and_positions_sharded_along_the_sequence(dt, Shard)
     _mrope_ids_on_the_mesh(dt, Shard, gen)
+    _attend_sharded_on_the_batch_or_heads(dt, Shard, gen)
     _heads_sharded(mesh, dt, Shard, gen)
     _heads_sharded_on_a_submesh(world, gen)
     _score_bias_of_dtensor_ids(dt, Shard, gen)
@@ -250,6 +252,11 @@ def _score_bias_of_dtensor_ids(dt, shard, gen: torch.Generator) -> None:
         whole = kind(4)
         sharded = copy.deepcopy(whole)
         want = scores + whole.score_bias(q_ids, k_ids)
+        # Either ids a DTensor, or both: the bias is replicated on their mesh.
+        for given in ((q_ids, dt(k_ids)), (dt(q_ids, shard(0)), k_ids)):
+            one = sharded.score_bias(*given)
+            assert one.placements == (Replicate(),), (kind.__name__, one.placements)
+            assert torch.equal(one.full_tensor(), whole.score_bias(q_ids, k_ids)), kind.__name__
         bias = sharded.score_bias(dt(q_ids, shard(0)), dt(k_ids))
         assert bias.placements == (Replicate(),), (kind.__name__, bias.placements)
         heads = dt(scores, shard(1))
@@ -268,6 +275,32 @@ def _score_bias_of_dtensor_ids(dt, shard, gen: torch.Generator) -> None:
         assert "not DTensors" in str(error), error
     else:
         raise AssertionError("attend_flex of DTensors was not refused")
+
+
+def _attend_sharded_on_the_batch_or_heads(dt, shard, gen: torch.Generator) -> None:
+    """posenc.attention.attend of q sharded on the batch or the heads (k and v DTensors laid out as q, or plain), with
+    a per-row document mask and ALiBi's bias: each rank attends its own rows or heads, the mask and bias cut as q is,
+    the output and probabilities laid out as q with the whole tensor's strides, equal to the whole call. q sharded
+    along the sequence is refused by name (its keys live on the other rank)."""
+    from posenc.attention import attend, causal_mask
+
+    q, k, v = (torch.randn(2, 4, 5, 8, generator=gen) for _ in range(3))
+    docs = torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 1, 2]])
+    allowed = causal_mask(5, 5, q.device, docs)  # (b, 1, s, t): rows differ
+    bias = posenc.ALiBi(4).score_bias(torch.arange(5), torch.arange(5))
+    want = attend(q, k, v, allowed, bias, need_probs=True)
+    for placement, kv_sharded in itertools.product((shard(0), shard(1)), (True, False)):
+        kv = (dt(k, placement), dt(v, placement)) if kv_sharded else (k, v)  # plain k, v: taken whole
+        got = attend(dt(q, placement), *kv, allowed, bias, need_probs=True)
+        for g, w in zip(got, want, strict=True):
+            assert g.placements == (placement,) and g.stride() == g.full_tensor().stride(), (placement, g.stride())
+            assert (g.full_tensor() - w).abs().max() < 1e-6, (placement, kv_sharded)
+    try:
+        attend(dt(q, shard(2)), dt(k, shard(2)), dt(v, shard(2)), allowed, bias, need_probs=False)
+    except ValueError as error:
+        assert "sharded on heads or the batch" in str(error), error
+    else:
+        raise AssertionError("q sharded along the sequence was not refused")
 
 
 def _mrope_ids_on_the_mesh(dt, shard, gen: torch.Generator) -> None:
