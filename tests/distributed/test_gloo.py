@@ -1,7 +1,8 @@
 """Two processes on gloo: cos/sin bitwise equal across ranks; sharded RoPE equals the unsharded rows; DTensor rotations
 sharded across the ranks at per-sequence offsets and packed by cu_seqlens, a bad offset or position id refused on every
 rank; CausalSelfAttention's heads sharded by tensor parallelism (a 1-D mesh, and a 2-D mesh's "tp" dimension) equal to
-the whole layer."""
+the whole layer; attend with q sharded on the batch or the heads equal to the whole call, q sharded on the sequence
+refused; score_bias of DTensor ids beside plain ones."""
 
 from __future__ import annotations
 
