@@ -98,8 +98,9 @@ def test_functionalize_reads_ids_updated_in_place_and_keeps_posenc_errors():
         functionalize(lambda q, p: posenc.RoPE(D)(q, q, positions=p))(q, -IDS)
 
 
-# jvp loads torch's jvp decompositions on first use, which script them (torch 2.13 warns inside torch).
-@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+# jvp loads torch's jvp decompositions on first use, which script them (torch warns inside torch: a
+# DeprecationWarning on 2.13, a FutureWarning on 2.15).
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
 def test_functionalize_around_grad_and_jvp_equals_eager_autograd():
     """Under functionalize(grad(f)) the values read are a grad wrapper around a functional one."""
     q, k, _, _ = _inputs()

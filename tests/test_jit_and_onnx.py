@@ -31,8 +31,9 @@ def _cos_sin(seq: int, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 def _trace(fn, *args):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
-        # torch.jit is deprecated, but the TorchScript ONNX exporter still traces with it.
-        warnings.simplefilter("ignore", DeprecationWarning)
+        # torch.jit is deprecated, but the TorchScript ONNX exporter still traces with it. The message, not the
+        # category: torch 2.13 says so in a DeprecationWarning, 2.15 in a FutureWarning.
+        warnings.filterwarnings("ignore", message=r"`torch\.jit\.\w+` is deprecated")
         return torch.jit.trace(fn, args, check_trace=False)
 
 
