@@ -1085,6 +1085,37 @@ def check_bf16_nan_bits(interleaved):
     assert torch.equal(out.view(torch.bfloat16).isnan(), both)
 
 
+def check_bf16_rounding_of_every_high_half(interleaved):
+    """Every float32 with a given top 16 bits rounds to bfloat16 the same way torch rounds (to nearest, ties to even,
+    a NaN truncated and quieted): for each of the 65536 top halves, the low halves 0, 1, 0x7FFF, 0x8000 (a tie),
+    0x8001 and 0xFFFF, put through the kernel as cos with x1 = 1, x2 = 0 and sin = 0, so x1's output is cos itself.
+    Ties at every exponent and sign, carries into the exponent (to infinity), subnormals, infinities and NaNs."""
+    lows = torch.tensor([0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF], dtype=torch.int64)
+    bits = ((torch.arange(1 << 16, dtype=torch.int64)[:, None] << 16) | lows).flatten()
+    half = 24  # three 8-pair AVX2 steps, or one 16-pair AVX-512 step and a masked one
+    c = bits.to(torch.int32).view(torch.float32).reshape(-1, half)
+    x1, x2 = torch.ones(half, dtype=torch.bfloat16), torch.zeros(half, dtype=torch.bfloat16)
+    x = torch.stack([x1, x2], -1).flatten() if interleaved else torch.cat([x1, x2])
+    out = apply_rotary(
+        x.expand(1, 1, c.shape[0], 2 * half), c, torch.zeros_like(c), interleaved=interleaved, backend="cpu"
+    ).view(torch.int16)[0, 0]
+    got = (out[:, 0::2] if interleaved else out[:, :half]).flatten().to(torch.int64) & 0xFFFF
+    high = bits >> 16
+    expected = torch.where(c.flatten().isnan(), high | 0x40, ((bits + 0x7FFF + (high & 1)) >> 16) & 0xFFFF)
+    wrong = (got != expected).nonzero().flatten()
+    assert wrong.numel() == 0, [(hex(int(bits[i])), hex(int(got[i])), hex(int(expected[i]))) for i in wrong[:8]]
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_cpu_bf16_rounding_of_every_high_half(interleaved):
+    check_bf16_rounding_of_every_high_half(interleaved)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_cpu_builds_for_older_x86_levels_round_every_high_half_to_bf16(isa_level, interleaved):
+    check_bf16_rounding_of_every_high_half(interleaved)
+
+
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_cpu_bf16_nan_bits_survive(interleaved):
     check_bf16_nan_bits(interleaved)

@@ -443,9 +443,9 @@ struct F16Lanes {
 };
 struct BF16Lanes {
   // On a core that runs 256-bit AVX2 as two 128-bit halves (Zen 1: one pipe for vector shifts) the widening shift,
-  // the two narrowing shifts and a NaN blend per vector made these rows compute-bound: a copy of this step's loop,
-  // in cache, took 0.52 ns a value against fp16's 0.21. Unpacking next to zeros, a compare for the parity, a byte
-  // shuffle for the high halves and one NaN test for both outputs: 0.38 ns (docs/benchmarks.md, Zen 1).
+  // the two narrowing shifts and a NaN blend per vector made these rows compute-bound: in cache a call took 0.45 ms
+  // against fp16's 0.24. Unpacking next to zeros, a compare for the parity, a byte shuffle for the high halves and
+  // one NaN test for both outputs: 0.355 ms (docs/benchmarks.md, "A fourth machine").
   static __m256 to_float(__m128i v) {
     const __m128i zero = _mm_setzero_si128();
     return _mm256_castsi256_ps(_mm256_set_m128i(_mm_unpackhi_epi16(zero, v), _mm_unpacklo_epi16(zero, v)));
