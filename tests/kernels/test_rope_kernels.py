@@ -1107,22 +1107,14 @@ def check_bf16_rounding_of_every_high_half(interleaved):
 
 
 @pytest.mark.parametrize("interleaved", [False, True])
-def test_cpu_bf16_rounding_of_every_high_half(interleaved):
+def test_cpu_bf16_rounding_and_nan_bits(interleaved):
     check_bf16_rounding_of_every_high_half(interleaved)
-
-
-@pytest.mark.parametrize("interleaved", [False, True])
-def test_cpu_builds_for_older_x86_levels_round_every_high_half_to_bf16(isa_level, interleaved):
-    check_bf16_rounding_of_every_high_half(interleaved)
-
-
-@pytest.mark.parametrize("interleaved", [False, True])
-def test_cpu_bf16_nan_bits_survive(interleaved):
     check_bf16_nan_bits(interleaved)
 
 
 @pytest.mark.parametrize("interleaved", [False, True])
-def test_cpu_builds_for_older_x86_levels_keep_bf16_nan_bits(isa_level, interleaved):
+def test_cpu_builds_for_older_x86_levels_round_to_bf16_and_keep_nan_bits(isa_level, interleaved):
+    check_bf16_rounding_of_every_high_half(interleaved)
     check_bf16_nan_bits(interleaved)
 
 
