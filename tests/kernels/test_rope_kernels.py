@@ -1086,10 +1086,11 @@ def check_bf16_nan_bits(interleaved):
 
 
 def check_bf16_rounding_of_every_high_half(interleaved):
-    """Every float32 with a given top 16 bits rounds to bfloat16 the same way torch rounds (to nearest, ties to even,
-    a NaN truncated and quieted): for each of the 65536 top halves, the low halves 0, 1, 0x7FFF, 0x8000 (a tie),
-    0x8001 and 0xFFFF, put through the kernel as cos with x1 = 1, x2 = 0 and sin = 0, so x1's output is cos itself.
-    Ties at every exponent and sign, carries into the exponent (to infinity), subnormals, infinities and NaNs."""
+    """Every float32 with a given top 16 bits rounds to bfloat16 as torch rounds a number (to nearest, ties to even)
+    and a NaN as vcvtneps2bf16 does (truncated and quieted; torch's NaN bits differ, see check_bf16_nan_bits): for
+    each of the 65536 top halves, the low halves 0, 1, 0x7FFF, 0x8000 (a tie), 0x8001 and 0xFFFF, put through the
+    kernel as cos with x1 = 1, x2 = 0 and sin = 0, so x1's output is cos itself. Ties at every exponent and sign,
+    carries into the exponent (to infinity), subnormals, infinities and NaNs."""
     lows = torch.tensor([0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF], dtype=torch.int64)
     bits = ((torch.arange(1 << 16, dtype=torch.int64)[:, None] << 16) | lows).flatten()
     half = 24  # three 8-pair AVX2 steps, or one 16-pair AVX-512 step and a masked one
