@@ -451,8 +451,8 @@ struct BF16Lanes {
     return _mm256_castsi256_ps(_mm256_set_m128i(_mm_unpackhi_epi16(zero, v), _mm_unpacklo_epi16(zero, v)));
   }
   // The portable store<bf16, float> on 8 lanes, before taking the high halves: round to nearest even
-  // (u + 0x7FFF + odd = u + 0x8000 - even), a NaN truncated with its quiet bit set. Checked against the portable
-  // rounding for all 2^32 floats.
+  // (u + 0x7FFF + odd = u + 0x8000 - even, and the compare's mask is -1 where bit 16, the kept half's last bit, is
+  // 0), a NaN truncated with its quiet bit set (quieted). Checked against the portable rounding for all 2^32 floats.
   static __m256i rounded(__m256i u) {
     const __m256i even = _mm256_cmpeq_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x10000)), _mm256_setzero_si256());
     return _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x8000)), even);
