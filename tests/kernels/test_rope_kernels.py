@@ -1030,6 +1030,17 @@ def test_cpu_streams_only_large_out_of_place_writes_into_resident_pages():
     assert torch.equal(fresh, plain), "streamed and plain stores must write the same bits"
 
 
+def join_pairs(x1, x2, interleaved):
+    """(..., half) first and second halves of the pairs -> (..., 2 * half) in the pair layout."""
+    return torch.stack([x1, x2], -1).flatten(-2) if interleaved else torch.cat([x1, x2], -1)
+
+
+def split_pairs(out, interleaved):
+    """(..., 2 * half) in the pair layout -> the pairs' first and second halves, (..., half) each."""
+    half = out.shape[-1] // 2
+    return (out[..., 0::2], out[..., 1::2]) if interleaved else (out[..., :half], out[..., half:])
+
+
 def check_fp16_nan_bits(interleaved):
     """A NaN keeps its sign and the top of its payload through the rotation, quieted, as vcvtps2ph (and so torch's
     conversion) keeps them, in every pair of a row: vector steps and the last pairs, which the AVX2 rows leave to the
@@ -1037,11 +1048,11 @@ def check_fp16_nan_bits(interleaved):
     half = 9
     bits = torch.tensor([0x7C01, 0xFD55, 0x7E00, 0xFFFF, 0x7C3F, 0xFC01, 0x7DAA, 0xFE01, 0x7FFF], dtype=torch.int32)
     x1, x2 = bits.to(torch.int16).view(torch.float16), torch.full((half,), 0.5, dtype=torch.float16)
-    x = (torch.stack([x1, x2], -1).flatten() if interleaved else torch.cat([x1, x2])).reshape(1, 1, 1, 2 * half)
+    x = join_pairs(x1, x2, interleaved).reshape(1, 1, 1, 2 * half)
     c = torch.ones(1, half)
     out = apply_rotary(x, c, torch.zeros_like(c), interleaved=interleaved, backend="cpu").view(torch.int16).flatten()
     quiet = (bits | 0x0200).to(torch.int16)
-    o1, o2 = (out[0::2], out[1::2]) if interleaved else (out[:half], out[half:])
+    o1, o2 = split_pairs(out, interleaved)
     assert torch.equal(o1, quiet) and torch.equal(o2, quiet), (o1, o2, quiet)
     # torch's own conversion of those floats agrees
     assert torch.equal(x1.float().to(torch.float16).view(torch.int16), quiet)
@@ -1070,18 +1081,18 @@ def check_bf16_nan_bits(interleaved):
     lone = torch.eye(half, dtype=torch.bool)
     c = torch.cat([nan[None], torch.where(lone, nan, 1.0)])  # (1 + half, half)
     x1, x2 = torch.ones(half, dtype=torch.bfloat16), torch.full((half,), 0.5, dtype=torch.bfloat16)
-    x = (torch.stack([x1, x2], -1).flatten() if interleaved else torch.cat([x1, x2])).expand(1, 1, 1 + half, 2 * half)
+    x = join_pairs(x1, x2, interleaved).expand(1, 1, 1 + half, 2 * half)
     out = apply_rotary(x, c, torch.zeros_like(c), interleaved=interleaved, backend="cpu").view(torch.int16)[0, 0]
     quiet = torch.tensor([(p >> 16) | 0x40 for p in payloads], dtype=torch.int32).to(torch.int16).expand(1 + half, half)
     is_nan = torch.cat([torch.ones(1, half, dtype=torch.bool), lone])
-    o1, o2 = (out[:, 0::2], out[:, 1::2]) if interleaved else (out[:, :half], out[:, half:])
+    o1, o2 = split_pairs(out, interleaved)
     for got, finite in ((o1, x1), (o2, x2)):
         expected = torch.where(is_nan, quiet, finite.view(torch.int16))
         assert torch.equal(got, expected), (got, expected)
     # torch reads them as NaN. Its own conversions give other bits, and disagree with each other: its vectorized
     # CPU loop 0xFFFF for every NaN, a 0-d tensor's 0x7FC0 (torch 2.13). The rule pinned here is that of
     # vcvtneps2bf16, which the AVX-512 BF16 rows use, so every build of the kernel gives one result.
-    both = is_nan.repeat_interleave(2, 1) if interleaved else torch.cat([is_nan, is_nan], 1)
+    both = join_pairs(is_nan, is_nan, interleaved)
     assert torch.equal(out.view(torch.bfloat16).isnan(), both)
 
 
@@ -1096,11 +1107,11 @@ def check_bf16_rounding_of_every_high_half(interleaved):
     half = 24  # three 8-pair AVX2 steps, or one 16-pair AVX-512 step and a masked one
     c = bits.to(torch.int32).view(torch.float32).reshape(-1, half)
     x1, x2 = torch.ones(half, dtype=torch.bfloat16), torch.zeros(half, dtype=torch.bfloat16)
-    x = torch.stack([x1, x2], -1).flatten() if interleaved else torch.cat([x1, x2])
+    x = join_pairs(x1, x2, interleaved)
     out = apply_rotary(
         x.expand(1, 1, c.shape[0], 2 * half), c, torch.zeros_like(c), interleaved=interleaved, backend="cpu"
     ).view(torch.int16)[0, 0]
-    got = (out[:, 0::2] if interleaved else out[:, :half]).flatten().to(torch.int64) & 0xFFFF
+    got = split_pairs(out, interleaved)[0].flatten().to(torch.int64) & 0xFFFF
     high = bits >> 16
     expected = torch.where(c.flatten().isnan(), high | 0x40, ((bits + 0x7FFF + (high & 1)) >> 16) & 0xFFFF)
     wrong = (got != expected).nonzero().flatten()
