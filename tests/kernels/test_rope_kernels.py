@@ -868,8 +868,9 @@ def test_a_copied_slice_of_no_row_or_one_gets_one_set_of_strides(backend, seq):
 def test_16_bit_conversions_are_exact(backend, dtype, interleaved, half, scale):
     """With sin = 0 every product is exact until the one rounding of x * c (or a NaN where the partner is
     infinite), so the kernel must give torch's float32 result bit for bit, for every 16-bit x: subnormals,
-    infinities and NaNs included. The pair counts reach every step kind of the CPU vector path: 32-pair and
-    16-pair steps and masked tails, in both layouts. Triton's bfloat16 only on a GPU: its interpreter truncates
+    infinities and NaNs included. The pair counts reach every step kind of the CPU vector path, in both layouts:
+    AVX-512's 32-pair and 16-pair steps and masked tails, AVX2's 16-pair and 8-pair steps and the portable last
+    pairs. Triton's bfloat16 only on a GPU: its interpreter truncates
     float32 to bfloat16 where the compiled kernel (cvt.rn) rounds to nearest even, as torch does."""
     if backend == "triton" and DEVICE["triton"] == "cpu" and dtype == torch.bfloat16:
         pytest.skip("the Triton interpreter truncates to bfloat16; run natively (scripts/gpu_check.sh)")
@@ -1073,10 +1074,12 @@ def check_bf16_nan_bits(interleaved):
     rounded: rounding carries a payload of ones into the sign (0x7FFFFFFF + 0x8000 is -0.0 in bfloat16's bits). A
     bfloat16 x has no low bits to round, so the NaNs come from the float32 table: cos = NaN, sin = 0, x = 1 (and 0.5)
     puts the table's payload in both outputs of a pair. Row 0 has a NaN in every pair (the vector steps and the last
-    pairs); row j + 1 in pair j alone, its other pairs finite, as the vector rows test a step for NaNs at once."""
-    half = 9
-    payloads = [0x7FFFFFFF, 0xFFFFFFFF, 0x7FC0FFFF, 0x7F80FFFF, 0xFFBF8000, 0x7FC08000, 0x7FFF7FFF, 0xFF800001]
-    payloads.append(0x7FA5A5A5)
+    pairs); row j + 1 in pair j alone, its other pairs finite, as the vector rows test a step for NaNs at once.
+    25 pairs: split halves take one 16-pair step (both of its vectors), an 8-pair one and a last pair on AVX2, one
+    16-pair step and a masked one on AVX-512; adjacent pairs three 8-pair steps and a last pair on AVX2."""
+    half = 25
+    kinds = [0x7FFFFFFF, 0xFFFFFFFF, 0x7FC0FFFF, 0x7F80FFFF, 0xFFBF8000, 0x7FC08000, 0x7FFF7FFF, 0xFF800001, 0x7FA5A5A5]
+    payloads = (kinds * 3)[:half]
     nan = torch.tensor(payloads, dtype=torch.int64).to(torch.int32).view(torch.float32)
     lone = torch.eye(half, dtype=torch.bool)
     c = torch.cat([nan[None], torch.where(lone, nan, 1.0)])  # (1 + half, half)
@@ -1104,7 +1107,7 @@ def check_bf16_rounding_of_every_high_half(interleaved):
     carries into the exponent (to infinity), subnormals, infinities and NaNs."""
     lows = torch.tensor([0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF], dtype=torch.int64)
     bits = ((torch.arange(1 << 16, dtype=torch.int64)[:, None] << 16) | lows).flatten()
-    half = 24  # three 8-pair AVX2 steps, or one 16-pair AVX-512 step and a masked one
+    half = 24  # AVX2: split, a 16-pair step and an 8-pair one; adjacent, three 8-pair steps. AVX-512: 16 + masked 8
     c = bits.to(torch.int32).view(torch.float32).reshape(-1, half)
     x1, x2 = torch.ones(half, dtype=torch.bfloat16), torch.zeros(half, dtype=torch.bfloat16)
     x = join_pairs(x1, x2, interleaved)

@@ -434,6 +434,7 @@ inline void rotate_row_16bit(const T* x, T* out, const float* c, const float* s,
 // A lanes policy converts 8 values <-> one float vector: to_float(8 values in a __m128i), and narrow_store(a, b,
 // pa, pb, store) a step's two outputs of 8 floats each, stored at pa and pb (bf16 tests both for NaNs at once).
 struct F16Lanes {
+  static constexpr bool kWholeVectors = false;  // vcvtph2ps widens 8 values from 16 bytes
   static __m256 to_float(__m128i v) { return _mm256_cvtph_ps(v); }
   template <typename Store>
   static void narrow_store(__m256 a, __m256 b, uint16_t* pa, uint16_t* pb, Store store) {
@@ -442,14 +443,58 @@ struct F16Lanes {
   }
 };
 struct BF16Lanes {
-  // On a core that runs 256-bit AVX2 as two 128-bit halves (Zen 1: one pipe for vector shifts) the widening shift,
-  // the two narrowing shifts and a NaN blend per vector made these rows compute-bound: in cache a call took 0.45 ms
-  // against fp16's 0.24. Unpacking next to zeros, a compare for the parity, a byte shuffle for the high halves and
-  // one NaN test for both outputs: 0.355 ms (docs/benchmarks.md, "A fourth machine").
+  // A bf16 is its float's high half, so whole 32-byte vectors of them widen and narrow within 128-bit lanes:
+  // split halves take 16 pairs a step instead of 8, and adjacent pairs (one 32-bit word each) are split and woven
+  // back by shifts and blends, where the 8-value steps that F16C's conversions shape spent about half their
+  // instructions moving values between 128-bit halves.
+  // On Zen 1 (one pipe for vector shifts) the widening shift, the two narrowing shifts and a NaN blend per vector
+  // made the 8-pair steps compute-bound: unpacking next to zeros, a compare for the parity, byte shuffles for the
+  // high halves and one NaN test for a step's outputs took an in-cache call from 0.45 to 0.355 ms (docs/benchmarks.md,
+  // "A fourth machine").
+  static constexpr bool kWholeVectors = true;
+  // Split halves: 16 values -> floats in the lane order (0-3, 8-11) and (4-7, 12-15); table() loads cos/sin in it.
+  static void widen(__m256i v, __m256& lo, __m256& hi) {
+    const __m256i zero = _mm256_setzero_si256();
+    lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v));
+    hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
+  }
+  static void table(const float* p, __m256& lo, __m256& hi) {
+    lo = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(p)), _mm_loadu_ps(p + 8), 1);
+    hi = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(p + 4)), _mm_loadu_ps(p + 12), 1);
+  }
+  // The inverse of widen: 16 bf16 in order.
+  static __m256i narrow(__m256 lo, __m256 hi) {
+    __m256i rl, rh;
+    round_both(lo, hi, rl, rh);
+    const __m256i upper = _mm256_setr_epi8(-1, -1, -1, -1, -1, -1, -1, -1, 2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1,
+                                           -1, -1, -1, -1, 2, 3, 6, 7, 10, 11, 14, 15);
+    return _mm256_or_si256(_mm256_shuffle_epi8(rl, lower_of_lanes()), _mm256_shuffle_epi8(rh, upper));
+  }
+  // Adjacent pairs: a pair's 32-bit word holds x1 in its low half and x2 in its high half (float position).
+  static void split_pairs(__m256i w, __m256& x1, __m256& x2) {
+    x1 = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+    x2 = _mm256_castsi256_ps(_mm256_blend_epi16(_mm256_setzero_si256(), w, 0xAA));
+  }
+  static __m256i weave(__m256 o1, __m256 o2) {
+    __m256i r1, r2;
+    round_both(o1, o2, r1, r2);
+    return _mm256_blend_epi16(_mm256_srli_epi32(r1, 16), r2, 0xAA);
+  }
+  // 8 values (the 8-pair steps of a split row's last pairs).
   static __m256 to_float(__m128i v) {
     const __m128i zero = _mm_setzero_si128();
-    return _mm256_castsi256_ps(_mm256_set_m128i(_mm_unpackhi_epi16(zero, v), _mm_unpacklo_epi16(zero, v)));
+    return _mm256_castsi256_ps(
+        _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi16(zero, v)), _mm_unpackhi_epi16(zero, v), 1));
   }
+  template <typename Store>
+  static void narrow_store(__m256 a, __m256 b, uint16_t* pa, uint16_t* pb, Store store) {
+    __m256i ra, rb;
+    round_both(a, b, ra, rb);
+    store(pa, high_halves(ra));
+    store(pb, high_halves(rb));
+  }
+
+ private:
   // The portable store<bf16, float> on 8 lanes, before taking the high halves: round to nearest even
   // (u + 0x7FFF + odd = u + 0x8000 - even, and the compare's mask is -1 where bit 16, the kept half's last bit, is
   // 0), a NaN truncated with its quiet bit set (quieted). Checked against the portable rounding for all 2^32 floats.
@@ -461,22 +506,23 @@ struct BF16Lanes {
     const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q));
     return _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_castps_si256(f), _mm256_set1_epi32(0x400000)), nan);
   }
-  static __m128i high_halves(__m256i r) {
-    const __m256i pick = _mm256_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1, 2, 3, 6, 7, 10,
-                                          11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1);
-    r = _mm256_shuffle_epi8(r, pick);
-    return _mm_unpacklo_epi64(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-  }
-  template <typename Store>
-  static void narrow_store(__m256 a, __m256 b, uint16_t* pa, uint16_t* pb, Store store) {
-    __m256i xa = rounded(_mm256_castps_si256(a)), xb = rounded(_mm256_castps_si256(b));
+  static void round_both(__m256 a, __m256 b, __m256i& ra, __m256i& rb) {
+    ra = rounded(_mm256_castps_si256(a));
+    rb = rounded(_mm256_castps_si256(b));
     // One unordered compare finds a NaN in either vector; the blends run only then.
     if (__builtin_expect(_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_UNORD_Q)) != 0, 0)) {
-      xa = quieted(xa, a);
-      xb = quieted(xb, b);
+      ra = quieted(ra, a);
+      rb = quieted(rb, b);
     }
-    store(pa, high_halves(xa));
-    store(pb, high_halves(xb));
+  }
+  // Each 128-bit lane's high halves into its low 8 bytes, zeros above.
+  static __m256i lower_of_lanes() {
+    return _mm256_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1, 2, 3, 6, 7, 10, 11, 14, 15, -1,
+                            -1, -1, -1, -1, -1, -1, -1);
+  }
+  static __m128i high_halves(__m256i r) {
+    r = _mm256_shuffle_epi8(r, lower_of_lanes());
+    return _mm_unpacklo_epi64(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
   }
 };
 template <typename Lanes, bool Interleaved, bool Conj, typename T>
@@ -487,6 +533,30 @@ inline void rotate_row_16bit(const T* x, T* out, const float* c, const float* s,
   auto store8 = [stream](uint16_t* p, __m128i v) { store_16_bytes(p, v, stream); };
   int64_t i = 0;
   __m256 o1, o2;
+  if constexpr (Lanes::kWholeVectors) {
+    auto load32 = [](const uint16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
+    auto store32 = [stream](uint16_t* p, __m256i v) { store_32_bytes(p, _mm256_castsi256_ps(v), stream); };
+    if constexpr (Interleaved) {
+      for (; i + 8 <= half; i += 8) {
+        __m256 x1, x2;
+        Lanes::split_pairs(load32(xr + 2 * i), x1, x2);
+        rotate_pair<Conj>(x1, x2, _mm256_loadu_ps(c + i), _mm256_loadu_ps(s + i), o1, o2);
+        store32(orow + 2 * i, Lanes::weave(o1, o2));
+      }
+    } else {
+      for (; i + 16 <= half; i += 16) {
+        __m256 x1a, x1b, x2a, x2b, ca, cb, sa, sb, o1b, o2b;
+        Lanes::widen(load32(xr + i), x1a, x1b);
+        Lanes::widen(load32(xr + i + half), x2a, x2b);
+        Lanes::table(c + i, ca, cb);
+        Lanes::table(s + i, sa, sb);
+        rotate_pair<Conj>(x1a, x2a, ca, sa, o1, o2);
+        rotate_pair<Conj>(x1b, x2b, cb, sb, o1b, o2b);
+        store32(orow + i, Lanes::narrow(o1, o1b));
+        store32(orow + i + half, Lanes::narrow(o2, o2b));
+      }
+    }
+  }
   for (; i + 8 <= half; i += 8) {
     if constexpr (Interleaved) {
       // Pairs 0..3 widen into f0 and 4..7 into f1; the in-lane shuffles leave x1 and x2 in pair order
