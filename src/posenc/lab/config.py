@@ -421,7 +421,7 @@ PRESETS: dict[str, LabConfig] = {
         task_samples=8,
         max_corpus_bytes=1 << 20,
     ),
-    # 3-7 minutes on 2 CPU cores for everything; the run in docs/lab.md.
+    # 3-10 minutes on 2 CPU cores for everything (README), 4.1 for the run in docs/lab.md.
     "default": LabConfig(
         dim=64,
         layers=2,
