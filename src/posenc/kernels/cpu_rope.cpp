@@ -430,9 +430,12 @@ inline void rotate_row_16bit(const T* x, T* out, const float* c, const float* s,
 #ifdef POSENC_AVX2
 // AVX2 + F16C rows for the 16-bit types (CPUs without AVX-512). gcc does not vectorize the portable fp16
 // conversions for AVX2 (fp16 ran at 0.07x of a copy, bf16 0.49x, recycled buffers), so these are written out:
-// 8 pairs per step, the same roundings as the AVX-512 rows, and the portable loop for a row's last pairs.
+// 8 pairs per step (bf16: 16 on split halves, 8 as whole 32-byte vectors on adjacent pairs), the same roundings as
+// the AVX-512 rows, and the portable loop for a row's last pairs.
 // A lanes policy converts 8 values <-> one float vector: to_float(8 values in a __m128i), and narrow_store(a, b,
 // pa, pb, store) a step's two outputs of 8 floats each, stored at pa and pb (bf16 tests both for NaNs at once).
+// kWholeVectors: it also converts whole 32-byte vectors (widen, table and narrow for split halves, split_pairs and
+// weave for adjacent pairs), and the rows take those steps first.
 struct F16Lanes {
   static constexpr bool kWholeVectors = false;  // vcvtph2ps widens 8 values from 16 bytes
   static __m256 to_float(__m128i v) { return _mm256_cvtph_ps(v); }
@@ -559,9 +562,9 @@ inline void rotate_row_16bit(const T* x, T* out, const float* c, const float* s,
   }
   for (; i + 8 <= half; i += 8) {
     if constexpr (Interleaved) {
-      // Pairs 0..3 widen into f0 and 4..7 into f1; the in-lane shuffles leave x1 and x2 in pair order
-      // 0 1 4 5 2 3 6 7, so cos/sin are loaded in that order too, and unpacking o1 with o2 lane by lane restores
-      // pairs 0..3 and 4..7 without a cross-lane step.
+      // fp16 only (bf16's adjacent pairs took whole vectors above). Pairs 0..3 widen into f0 and 4..7 into f1; the
+      // in-lane shuffles leave x1 and x2 in pair order 0 1 4 5 2 3 6 7, so cos/sin are loaded in that order too, and
+      // unpacking o1 with o2 lane by lane restores pairs 0..3 and 4..7 without a cross-lane step.
       const __m256 f0 = Lanes::to_float(load8(xr + 2 * i)), f1 = Lanes::to_float(load8(xr + 2 * i + 8));
       const __m256 x1 = _mm256_shuffle_ps(f0, f1, _MM_SHUFFLE(2, 0, 2, 0));
       const __m256 x2 = _mm256_shuffle_ps(f0, f1, _MM_SHUFFLE(3, 1, 3, 1));
