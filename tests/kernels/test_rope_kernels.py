@@ -870,8 +870,8 @@ def test_16_bit_conversions_are_exact(backend, dtype, interleaved, half, scale):
     infinite), so the kernel must give torch's float32 result bit for bit, for every 16-bit x: subnormals,
     infinities and NaNs included. The pair counts reach every step kind of the CPU vector path, in both layouts:
     AVX-512's 32-pair and 16-pair steps and masked tails, AVX2's 16-pair and 8-pair steps, and (one pair) the
-    portable loop. Triton's bfloat16 only on a GPU: its interpreter truncates
-    float32 to bfloat16 where the compiled kernel (cvt.rn) rounds to nearest even, as torch does."""
+    portable loop. Triton's bfloat16 only on a GPU: its interpreter truncates float32 to bfloat16 where the
+    compiled kernel (cvt.rn) rounds to nearest even, as torch does."""
     if backend == "triton" and DEVICE["triton"] == "cpu" and dtype == torch.bfloat16:
         pytest.skip("the Triton interpreter truncates to bfloat16; run natively (scripts/gpu_check.sh)")
     check_16_bit_exact(backend, dtype, interleaved, half, scale)

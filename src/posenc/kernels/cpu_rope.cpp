@@ -450,10 +450,9 @@ struct BF16Lanes {
   // split halves take 16 pairs a step instead of 8, and adjacent pairs (one 32-bit word each) are split and woven
   // back by shifts and blends, where the 8-value steps that F16C's conversions shape spent about half their
   // instructions moving values between 128-bit halves.
-  // On Zen 1 (one pipe for vector shifts) the widening shift, the two narrowing shifts and a NaN blend per vector
-  // made the 8-pair steps compute-bound: unpacking next to zeros, a compare for the parity, byte shuffles for the
-  // high halves and one NaN test for a step's outputs took an in-cache call from 0.45 to 0.355 ms (docs/benchmarks.md,
-  // "A fourth machine").
+  // On Zen 1 (one pipe for vector shifts) shifts made the 8-pair steps compute-bound; without them an in-cache call
+  // took 0.355 ms instead of 0.45 (docs/benchmarks.md, "A fourth machine"). These steps shift once per vector to
+  // round and twice more per adjacent-pair step: measured on Zen 3 only ("A fifth machine").
   static constexpr bool kWholeVectors = true;
   // Split halves: 16 values -> floats in the lane order (0-3, 8-11) and (4-7, 12-15); table() loads cos/sin in it.
   static void widen(__m256i v, __m256& lo, __m256& hi) {
