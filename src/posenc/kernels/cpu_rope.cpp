@@ -607,13 +607,15 @@ void rotate_rows(const Args& args, bool stream, Row row) {
   // while every head (dim 1) uses them, instead of being streamed once per head.
   constexpr int64_t BLOCK = 32;
   // Where a thread owns whole heads it walks them a chunk of positions at a time, each head's rows of a chunk in
-  // order: the chunk's cos/sin (at most CHUNK_TABLE_BYTES) stay in the last-level cache for all the heads, and the
-  // output is written in runs of up to a huge page. Block by block across the heads instead, a 2 MiB huge page of
-  // fresh output is faulted in (zeroed) long before most of its lines are written, which reads them back from
-  // memory: with huge pages, fresh output, s = 4096, that order ran at 0.72 (fp32) and 0.81 (bf16) of a copy,
-  // against 0.90 and 0.95 in chunks. Whole heads with no chunks lost at s = 32768 (bf16 fresh, 4 KiB pages:
-  // 0.78 against 0.96), where the tables (16 MiB) are read again for every head.
-  constexpr int64_t CHUNK_TABLE_BYTES = int64_t(4) << 20;
+  // order: the chunk's cos/sin (at most CHUNK_TABLE_BYTES) stay in the core's L2 for all the heads, and the output
+  // is written in runs of many rows. Block by block across the heads instead, a 2 MiB huge page of fresh output is
+  // faulted in (zeroed) long before most of its lines are written, which reads them back from memory: with huge
+  // pages, fresh output, s = 4096, that order ran at 0.72 (fp32) and 0.81 (bf16) of a copy, against 0.90 and 0.95
+  // in chunks of 4 MiB (Zen 4). Chunks that large miss L2 on every head: where q and k sit in a large L3 (an Intel
+  // Xeon with 260 MiB, s = 4096, reused buffers) the tables' reads then compete with x's and out's, and 256 KiB
+  // in place of 4 MiB measured fp32 0.79 -> 0.86, bf16 0.72 -> 0.89 of a copy (fresh pages 0.90 -> 0.94, huge
+  // pages 0.74 -> 0.80; docs/benchmarks.md). 256 KiB leaves half of the smallest L2 measured (Zen 1 and 3) free.
+  constexpr int64_t CHUNK_TABLE_BYTES = int64_t(256) << 10;
   const int64_t blocks = (args.n[2] + BLOCK - 1) / BLOCK;
   const int64_t block_table_bytes = std::max<int64_t>(2 * args.half * int64_t(sizeof(C)) * BLOCK, 1);
   const int64_t chunk = std::max<int64_t>(CHUNK_TABLE_BYTES / block_table_bytes, 1);  // blocks per chunk
