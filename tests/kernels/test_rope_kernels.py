@@ -1161,6 +1161,33 @@ def test_cpu_whole_heads_walked_in_chunks_of_positions(table_dtype, n0, n1):
     assert_close(out, expected, msg=f"{n0} x {n1} lanes, {table_dtype} tables")
 
 
+@pytest.mark.parametrize("positions", ["per_sequence_offset", "per_sequence_ids", "per_head_tables"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_heads_walked_in_groups_read_their_own_table_rows(positions, dtype):
+    """A thread owning whole heads walks up to four of one sequence together, position by position, reading one
+    cos/sin row for the group. 3 x 6 lanes on 2 threads: 0-8 and 9-17, so groups end at a sequence's last head
+    (lanes 4-5, 9-11, 16-17) as well as after four. The positions differ per sequence (an offset each, or ids
+    each), or the tables differ per head, where no two heads may share a row."""
+    n0, n1, s, d = 3, 6, 45, 64
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n0, n1, s, d, generator=gen, dtype=torch.float64).to(dtype)
+    cos, sin = table(d, 4 * s)
+    kwargs = {}
+    if positions == "per_sequence_offset":
+        kwargs["offset"] = torch.tensor([0, 37, 101])
+        ids = torch.arange(s)[None, :] + kwargs["offset"][:, None]
+    elif positions == "per_sequence_ids":
+        ids = torch.randint(0, 4 * s, (n0, s), generator=gen)
+        kwargs["positions"] = ids
+    else:
+        ids = torch.randint(0, 4 * s, (n0, n1, s), generator=gen)
+        cos, sin = cos[ids], sin[ids]  # (n0, n1, s, d/2): a table of its own for every head
+    with torch_threads(2):
+        out = apply_rotary(x, cos, sin, backend="cpu", **kwargs)
+    expected = rope_reference(x, ids if ids.dim() == 3 else ids[:, None], rotary_dim=d)
+    assert_close(out, expected, msg=positions)
+
+
 def test_loading_the_kernel_again_keeps_the_streaming_threshold():
     previous = cpu_rope.set_stream_threshold(12345)
     try:

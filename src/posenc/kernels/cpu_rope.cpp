@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 #if defined(__linux__)
 #include <sys/mman.h>
 #include <unistd.h>
@@ -616,6 +617,7 @@ void rotate_rows(const Args& args, bool stream, Row row) {
   // in place of 4 MiB measured fp32 0.79 -> 0.86, bf16 0.72 -> 0.89 of a copy (fresh pages 0.90 -> 0.94, huge
   // pages 0.74 -> 0.80; docs/benchmarks.md). 256 KiB leaves half of the smallest L2 measured (Zen 1 and 3) free.
   constexpr int64_t CHUNK_TABLE_BYTES = int64_t(256) << 10;
+  constexpr int64_t GROUP = 4;
   const int64_t blocks = (args.n[2] + BLOCK - 1) / BLOCK;
   const int64_t block_table_bytes = std::max<int64_t>(2 * args.half * int64_t(sizeof(C)) * BLOCK, 1);
   const int64_t chunk = std::max<int64_t>(CHUNK_TABLE_BYTES / block_table_bytes, 1);  // blocks per chunk
@@ -637,45 +639,67 @@ void rotate_rows(const Args& args, bool stream, Row row) {
     const int64_t lanes = a.n[0] * n1, nt = omp_get_num_threads(), t = omp_get_thread_num();
     const bool by_lane = lanes % nt == 0 || lanes >= 8 * nt;
     const int64_t total = by_lane ? lanes : items, lo = total * t / nt, hi = total * (t + 1) / nt;
-    const int64_t span = hi - lo, count = by_lane ? span * blocks : span;
-    auto locate = [&](int64_t k, int64_t& i0, int64_t& i1, int64_t& blk) {
+    // Owning whole lanes, a thread walks them in groups of up to GROUP heads of one i0, position by position, each
+    // head's row at that position in turn: where the heads share a table (cs[1] == 0) the group's rows read the
+    // same cos/sin row, which the first of them brings into L1. One head at a time, every row read its cos/sin
+    // from L2: for bf16 that is twice the row's own bytes, and on an Intel Xeon with q and k in its L3 (s = 4096,
+    // reused buffers) it cost about 0.15 of a copy (a diagnostic build with one table row for every position ran
+    // at 0.91 against 0.77). group_start holds each group's first lane, then hi.
+    std::vector<int64_t> group_start;
+    if (by_lane) {
+      for (int64_t lane = lo; lane < hi;) {
+        group_start.push_back(lane);
+        lane = a.cs[1] == 0 ? std::min({lane + GROUP, hi, (lane / n1 + 1) * n1}) : lane + 1;
+      }
+      group_start.push_back(hi);
+    }
+    const int64_t groups = by_lane ? int64_t(group_start.size()) - 1 : 0;
+    const int64_t count = by_lane ? groups * blocks : hi - lo;
+    // Item k: `width` lanes from (i0, i1) on (consecutive heads of one i0), the positions of block blk.
+    auto locate = [&](int64_t k, int64_t& i0, int64_t& i1, int64_t& width, int64_t& blk) {
       if (by_lane) {
-        // Chunk c holds blocks [first, first + nb) of every lane: span * nb items, lane-major.
-        const int64_t c = k / (span * chunk), r = k % (span * chunk), first = c * chunk;
-        const int64_t nb = std::min(chunk, blocks - first), lane = lo + r / nb;
-        blk = first + r % nb, i0 = lane / n1, i1 = lane % n1;
+        // Chunk c holds blocks [first, first + nb) of every group: groups * nb items, group-major.
+        const int64_t c = k / (groups * chunk), r = k % (groups * chunk), first = c * chunk;
+        const int64_t nb = std::min(chunk, blocks - first), g = r / nb, lane = group_start[g];
+        blk = first + r % nb, i0 = lane / n1, i1 = lane % n1, width = group_start[g + 1] - lane;
       } else {
         const int64_t item = lo + k;
-        i1 = item % n1, blk = (item / n1) % blocks, i0 = item / (n1 * blocks);
+        i1 = item % n1, blk = (item / n1) % blocks, i0 = item / (n1 * blocks), width = 1;
       }
     };
     for (int64_t k = 0; k < count; ++k) {
-      int64_t i0, i1, blk;
-      locate(k, i0, i1, blk);
+      int64_t i0, i1, width, blk;
+      locate(k, i0, i1, width, blk);
       const int64_t start = blk * BLOCK, end = (blk + 1) * BLOCK < n2 ? (blk + 1) * BLOCK : n2;
       const T* xr = x + i0 * a.xs[0] + i1 * a.xs[1] + start * a.xs[2];
       T* orow = out + i0 * a.os[0] + i1 * a.os[1] + start * a.os[2];
-      const int64_t ch = i0 * a.cs[0] + i1 * a.cs[1];
+      const int64_t ch = i0 * a.cs[0] + i1 * a.cs[1];  // the same for every lane of the item (cs[1] == 0)
       const int64_t* ph = a.pos ? a.pos + i0 * a.ps[0] : nullptr;
       // Each item fetches the next item's rows of x. The hardware prefetchers lose the stream where that is a jump
       // away (another head), and with fresh output at every page fault. Measured 0.84 -> 0.92 of a copy (bf16,
       // block order); in chunks, fresh output, 0.84 -> 0.92 (bf16) and 0.86 -> 0.95 (fp32), reused within 0.06.
       const char* next = nullptr;
-      int64_t next_rows = 0;
+      int64_t next_rows = 0, next_width = 0;
       if (k + 1 < count) {
         int64_t j0, j1, jblk;
-        locate(k + 1, j0, j1, jblk);
+        locate(k + 1, j0, j1, next_width, jblk);
         next = reinterpret_cast<const char*>(x + j0 * a.xs[0] + j1 * a.xs[1] + jblk * BLOCK * a.xs[2]);
         next_rows = ((jblk + 1) * BLOCK < n2 ? (jblk + 1) * BLOCK : n2) - jblk * BLOCK;
       }
+      const int64_t x_head = a.xs[1] * int64_t(sizeof(T));
       for (int64_t i2 = start; i2 < end; ++i2, xr += a.xs[2], orow += a.os[2]) {
         if (i2 - start < next_rows) {
           const char* ahead = next + (i2 - start) * a.xs[2] * int64_t(sizeof(T));
-          for (int64_t byte = 0; byte < row_bytes; byte += 64) __builtin_prefetch(ahead + byte, 0, 2);
+          for (int64_t j = 0; j < next_width; ++j, ahead += x_head)
+            for (int64_t byte = 0; byte < row_bytes; byte += 64) __builtin_prefetch(ahead + byte, 0, 2);
         }
         const int64_t co = ch + (ph ? ph[i2 * a.ps[1]] : i2) * a.cs[2];
-        row(xr, orow, cos_ + co, sin_ + co);
-        if (copy_tail) std::memcpy(orow + 2 * a.half, xr + 2 * a.half, tail * sizeof(T));
+        for (int64_t j = 0; j < width; ++j) {
+          const T* xj = xr + j * a.xs[1];
+          T* oj = orow + j * a.os[1];
+          row(xj, oj, cos_ + co, sin_ + co);
+          if (copy_tail) std::memcpy(oj + 2 * a.half, xj + 2 * a.half, tail * sizeof(T));
+        }
       }
     }
     // Streamed stores are weakly ordered: each thread drains its own before the region's closing barrier.
