@@ -174,14 +174,22 @@ struct BF16Lanes {
     x1 = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
     x2 = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
   }
-  static __m256i rounded(__m512 f) {
-    // The portable store<bf16, float> on 16 lanes: round to nearest even, NaN kept quiet.
+  // The portable store<bf16, float> on 16 lanes, up to the narrowing: each word's high half is its value rounded
+  // to nearest even (u + 0x7FFF, plus 1 where the kept half is odd), a NaN's is its own with the quiet bit set.
+  static __m512i biased(__m512 f) {
     const __m512i u = _mm512_castps_si512(f);
-    const __m512i high = _mm512_srli_epi32(u, 16);
-    const __m512i odd = _mm512_and_si512(high, _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16);
-    r = _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), high, _mm512_set1_epi32(0x40));
-    return _mm512_cvtepi32_epi16(r);
+    __m512i r = _mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF));
+    r = _mm512_mask_add_epi32(r, _mm512_test_epi32_mask(u, _mm512_set1_epi32(0x10000)), r, _mm512_set1_epi32(1));
+    return _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), u, _mm512_set1_epi32(0x00400000));
+  }
+  // a's 16 values then b's: one vpermt2w takes the high half of every word of both (index 2j + 1; bit 5 picks b),
+  // where shifting and narrowing each vector (vpmovdw) took five shuffles for the two; the rounding's parity is a
+  // masked add where it was a shift and an and. Built for x86-64-v4 on an Intel Xeon, bf16 in cache (s = 256) went
+  // from 0.243 to 0.206 ms, at s = 4096 with reused buffers from 1.90 to 1.74 ms (3.24 to 2.74 in another run).
+  static __m512i rounded(__m512 a, __m512 b) {
+    alignas(64) int16_t index[32];
+    for (int j = 0; j < 32; ++j) index[j] = static_cast<int16_t>(2 * j + 1);
+    return _mm512_permutex2var_epi16(biased(a), _mm512_load_si512(index), biased(b));
   }
   static __m512i pack(__m512 a, __m512 b) {
 #ifdef POSENC_AVX512_BF16
@@ -191,12 +199,12 @@ struct BF16Lanes {
     const __m512i r = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a));
     if (__builtin_expect(_mm512_testn_epi16_mask(r, _mm512_set1_epi16(0x7FFF)) != 0, 0) &&
         (_mm512_fpclass_ps_mask(a, 0x20) | _mm512_fpclass_ps_mask(b, 0x20)) != 0)
-      return _mm512_inserti64x4(_mm512_castsi256_si512(rounded(a)), rounded(b), 1);
+      return rounded(a, b);
     return r;
 #else
     // AVX-512 without BF16 (Skylake-X to Ice Lake servers): the integer rounding on every step, as the portable
     // loop does, but in these rows' whole-line steps (and with their streaming stores).
-    return _mm512_inserti64x4(_mm512_castsi256_si512(rounded(a)), rounded(b), 1);
+    return rounded(a, b);
 #endif
   }
 };
