@@ -1165,10 +1165,12 @@ def test_cpu_whole_heads_walked_in_chunks_of_positions(table_dtype, n0, n1):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_heads_walked_in_groups_read_their_own_table_rows(positions, dtype):
     """A thread owning whole heads walks up to four of one sequence together, position by position, reading one
-    cos/sin row for the group. 3 x 6 lanes on 2 threads: 0-8 and 9-17, so groups end at a sequence's last head
-    (lanes 4-5, 9-11, 16-17) as well as after four. The positions differ per sequence (an offset each, or ids
-    each), or the tables differ per head, where no two heads may share a row."""
-    n0, n1, s, d = 3, 6, 45, 64
+    cos/sin row for the group. 3 x 6 lanes on 2 threads (s = 77: 88704 elements, two grains): 0-8 and 9-17, so
+    groups end at a sequence's last head (lanes 4-5, 9-11, 16-17) and at a thread's last lane (lane 8: 6-8) as
+    well as after four. In place too, where a group running past its thread's lanes would rotate lane 9 twice.
+    The positions differ per sequence (an offset each, or ids each), or the tables differ per head, where no two
+    heads may share a row."""
+    n0, n1, s, d = 3, 6, 77, 64
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(n0, n1, s, d, generator=gen, dtype=torch.float64).to(dtype)
     cos, sin = table(d, 4 * s)
@@ -1184,8 +1186,10 @@ def test_cpu_heads_walked_in_groups_read_their_own_table_rows(positions, dtype):
         cos, sin = cos[ids], sin[ids]  # (n0, n1, s, d/2): a table of its own for every head
     with torch_threads(2):
         out = apply_rotary(x, cos, sin, backend="cpu", **kwargs)
+        in_place = apply_rotary_(x.clone(), cos, sin, backend="cpu", **kwargs)
     expected = rope_reference(x, ids if ids.dim() == 3 else ids[:, None], rotary_dim=d)
     assert_close(out, expected, msg=positions)
+    assert torch.equal(in_place, out), f"{positions}: in place"
 
 
 def test_loading_the_kernel_again_keeps_the_streaming_threshold():
