@@ -624,8 +624,8 @@ void rotate_rows(const Args& args, bool stream, Row row) {
   // L3 (an Intel Xeon with 260 MiB, s = 4096, reused buffers) the tables' reads then compete with x's and out's, and
   // 256 KiB in place of 4 MiB measured fp32 0.77 -> 0.86, bf16 0.54 -> 0.74, fp16 0.56 -> 0.70 of a copy (fresh pages
   // bf16 0.90 -> 0.92, fp16 0.92 -> 0.96; fresh huge pages bf16 0.77 -> 0.81; s = 32768 fresh bf16 0.90 -> 0.83 in
-  // that run, 0.89 in the next; docs/results/rope_cpu_intel_chunks_*). On Zen 4 (fresh, s = 4096) the two sizes
-  // measured alike (docs/benchmarks.md). 256 KiB leaves half of the smallest L2 measured (Zen 1 and 3) free.
+  // that run, 0.89 in the next; docs/results/rope_cpu_intel_chunks_*). On Zen 4 chunks of 1 to 4 MiB had measured
+  // alike; 256 KiB was not run there (docs/benchmarks.md). 256 KiB leaves half of the smallest L2 measured (Zen 1 and 3) free.
   constexpr int64_t CHUNK_TABLE_BYTES = int64_t(256) << 10;
   constexpr int64_t GROUP = 4;
   const int64_t blocks = (args.n[2] + BLOCK - 1) / BLOCK;
