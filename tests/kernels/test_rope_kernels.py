@@ -1151,9 +1151,9 @@ def test_cpu_work_split_between_threads(n0, n1, interleaved):
 @pytest.mark.parametrize("table_dtype", [torch.float32, torch.float64], ids=["fp32-tables", "fp64-tables"])
 @pytest.mark.parametrize(("n0", "n1"), [(1, 2), (2, 3)])
 def test_cpu_whole_heads_walked_in_chunks_of_positions(table_dtype, n0, n1):
-    """Threads owning whole heads walk them in chunks of positions whose cos/sin fill 256 KiB: 128 positions at
-    d = 512 with float32 tables, 64 with float64 ones, so s = 293 ends in a partial chunk and a partial block."""
-    d, s = 512, 293
+    """Threads owning whole heads walk them in chunks of positions whose cos/sin fill 4 MiB: 2048 positions at
+    d = 512 with float32 tables, 1024 with float64 ones, so s = 4133 ends in a partial chunk and a partial block."""
+    d, s = 512, 4133
     x = torch.randn(n0, n1, s, d, dtype=torch.float64).to(torch.bfloat16)
     cos, sin = table(d, s, dtype=table_dtype)
     out = apply_rotary(x, cos, sin, backend="cpu")

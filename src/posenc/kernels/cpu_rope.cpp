@@ -615,18 +615,18 @@ void rotate_rows(const Args& args, bool stream, Row row) {
   // Work items are (i0, block of BLOCK positions along dim 2, i1): the cos/sin rows of one block stay in cache
   // while every head (dim 1) uses them, instead of being streamed once per head.
   constexpr int64_t BLOCK = 32;
-  // Where a thread owns whole heads it walks them a chunk of positions at a time, each head's (or group of heads',
-  // below) rows of a chunk in order: the chunk's cos/sin (at most CHUNK_TABLE_BYTES) stay in the core's L2 for all
-  // the heads, and the output is written in runs of many rows. Block by block across the heads instead, a 2 MiB huge
-  // page of fresh output is faulted in (zeroed) long before most of its lines are written, which reads them back from
-  // memory: with huge pages, fresh output, s = 4096, that order ran at 0.72 (fp32) and 0.81 (bf16) of a copy, against
-  // 0.90 and 0.95 in chunks of 4 MiB (Zen 4). Chunks that large miss L2 on every head: where q and k sit in a large
-  // L3 (an Intel Xeon with 260 MiB, s = 4096, reused buffers) the tables' reads then compete with x's and out's, and
-  // 256 KiB in place of 4 MiB measured fp32 0.77 -> 0.86, bf16 0.54 -> 0.74, fp16 0.56 -> 0.70 of a copy (fresh pages
-  // bf16 0.90 -> 0.92, fp16 0.92 -> 0.96; fresh huge pages bf16 0.77 -> 0.81; s = 32768 fresh bf16 0.90 -> 0.83 in
-  // that run, 0.89 in the next; docs/results/rope_cpu_intel_chunks_*). On Zen 4 chunks of 1 to 4 MiB had measured
-  // alike; 256 KiB was not run there (docs/benchmarks.md). 256 KiB leaves half of the smallest L2 measured (Zen 1 and 3) free.
-  constexpr int64_t CHUNK_TABLE_BYTES = int64_t(256) << 10;
+  // Where a thread owns whole heads it walks them a chunk of positions at a time, each group of heads' rows of a
+  // chunk in order (groups: below): the chunk's cos/sin (at most CHUNK_TABLE_BYTES) stay in cache for all the
+  // heads, and the output is written in runs of up to a huge page. Block by block across the heads instead, a 2 MiB
+  // huge page of fresh output is faulted in (zeroed) long before most of its lines are written, which reads them
+  // back from memory: with huge pages, fresh output, s = 4096, that order ran at 0.72 (fp32) and 0.81 (bf16) of a
+  // copy, against 0.90 and 0.95 in chunks (Zen 4). Whole heads with no chunks lost at s = 32768 (bf16 fresh, 4 KiB
+  // pages: 0.78 against 0.96), where the tables (16 MiB) are read again for every head. Chunks of 256 KiB, which
+  // stay in L2, won on an Intel Xeon whose L3 holds q and k (reused buffers, s = 4096, bf16 0.54 -> 0.74 of a copy)
+  // while each head read its own tables; with heads in groups the size no longer mattered there (reused bf16
+  // 0.78-0.82 from 256 KiB to 16 MiB), and 4 MiB did better with huge pages (fresh bf16 0.84-0.92 against 0.75-0.88
+  // for 256 KiB, three runs; docs/benchmarks.md, "The Intel Xeon again").
+  constexpr int64_t CHUNK_TABLE_BYTES = int64_t(4) << 20;
   constexpr int64_t GROUP = 4;
   const int64_t blocks = (args.n[2] + BLOCK - 1) / BLOCK;
   const int64_t block_table_bytes = std::max<int64_t>(2 * args.half * int64_t(sizeof(C)) * BLOCK, 1);
