@@ -185,7 +185,7 @@ struct BF16Lanes {
   // a's 16 values then b's: one vpermt2w takes the high half of every word of both (index 2j + 1; bit 5 picks b),
   // where shifting and narrowing each vector (vpmovdw) took five shuffles for the two; the rounding's parity is a
   // masked add where it was a shift and an and. Built for x86-64-v4 on an Intel Xeon, bf16 in cache (s = 256) went
-  // from 0.243 to 0.206 ms, at s = 4096 with reused buffers from 1.90 to 1.74 ms (3.24 to 2.74 in another run).
+  // from 0.243 to 0.206 ms, at s = 4096 with reused buffers from 1.91 to 1.74 ms (3.24 to 2.74 in another run).
   static __m512i rounded(__m512 a, __m512 b) {
     alignas(64) int16_t index[32];
     for (int j = 0; j < 32; ++j) index[j] = static_cast<int16_t>(2 * j + 1);
