@@ -624,7 +624,7 @@ void rotate_rows(const Args& args, bool stream, Row row) {
   // pages: 0.78 against 0.96), where the tables (16 MiB) are read again for every head. Chunks of 256 KiB, which
   // stay in L2, won on an Intel Xeon whose L3 holds q and k (reused buffers, s = 4096, bf16 0.54 -> 0.74 of a copy)
   // while each head read its own tables; with heads in groups the size no longer mattered there (reused bf16
-  // 0.78-0.82 from 256 KiB to 16 MiB), and 4 MiB did better with huge pages (fresh bf16 0.84-0.92 against 0.75-0.88
+  // 0.78-0.82 from 64 KiB to 16 MiB), and 4 MiB did better with huge pages (fresh bf16 0.84-0.92 against 0.75-0.88
   // for 256 KiB, three runs; docs/benchmarks.md, "The Intel Xeon again").
   constexpr int64_t CHUNK_TABLE_BYTES = int64_t(4) << 20;
   constexpr int64_t GROUP = 4;
