@@ -642,6 +642,7 @@ void rotate_rows(const Args& args, bool stream, Row row) {
     const C* cos_ = static_cast<const C*>(a.cos);
     const C* sin_ = static_cast<const C*>(a.sin);
     const int64_t n1 = a.n[1], n2 = a.n[2], tail = a.d - 2 * a.half, row_bytes = a.d * int64_t(sizeof(T));
+    const int64_t x_head = a.xs[1] * int64_t(sizeof(T));  // bytes from one head's row to the next's
     const bool copy_tail = a.copy_tail && tail > 0;
     // This thread's items, in order. Where the (i0, i1) lanes split evenly enough between the threads, each thread
     // owns a contiguous run of lanes and walks it chunk by chunk, so the threads write memory far apart (bf16 at
@@ -696,7 +697,6 @@ void rotate_rows(const Args& args, bool stream, Row row) {
         next = reinterpret_cast<const char*>(x + j0 * a.xs[0] + j1 * a.xs[1] + jblk * BLOCK * a.xs[2]);
         next_rows = ((jblk + 1) * BLOCK < n2 ? (jblk + 1) * BLOCK : n2) - jblk * BLOCK;
       }
-      const int64_t x_head = a.xs[1] * int64_t(sizeof(T));
       for (int64_t i2 = start; i2 < end; ++i2, xr += a.xs[2], orow += a.os[2]) {
         if (i2 - start < next_rows) {
           const char* ahead = next + (i2 - start) * a.xs[2] * int64_t(sizeof(T));
