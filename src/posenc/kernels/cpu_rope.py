@@ -28,6 +28,8 @@ from typing import NamedTuple
 
 import torch
 
+from posenc.kernels.cpu_replay import note
+
 SOURCE = Path(__file__).with_name("cpu_rope.cpp")
 # -march=native by default: the build happens on the machine that runs it, and the cache key includes the CPU's
 # model and feature flags. -ffp-contract=fast lets the compiler fuse x1*cos - x2*sin into one rounding (closer to
@@ -290,6 +292,8 @@ def rope_cpu_jobs(
     if not packed:
         return
     code = DTYPE_CODES[dtype]
+    if library is _library()[0]:  # the package's own: a call that cpu_replay may repeat
+        note(tuple(packed), code, int(wide), library.posenc_rope_jobs)
     if len(packed) == 1:
         status = library.posenc_rope(packed[0], code, int(wide))
     else:

@@ -31,6 +31,7 @@ from posenc._checks import (
     values_readable,
 )
 from posenc.kernels.backend import batched, choose_backend
+from posenc.kernels.cpu_replay import Plans, plain_eager, plan_of, recording_launches, replay, tensor_key
 from posenc.kernels.layout import check_table_call, consecutive_rows, hf_cos_hint, rotary_kind, token_positions
 from posenc.kernels.ops import rotary_copy, rotary_inplace
 
@@ -319,6 +320,57 @@ def _dtensors_beside_plain(xs: dict[str, torch.Tensor], others: tuple) -> bool:
     return first_dtensor(*others) is not None and not any(is_dtensor(x) for x in xs.values())
 
 
+# Eager CPU calls that cpu_replay repeats, by key (``_replay_key``); _FULL_PATH for a key whose calls cannot be
+# replayed (a copy of x or of the angles on the way, another backend), which every such call's metadata decides.
+_PLANS = Plans(64)
+_FULL_PATH = object()
+
+
+def _replay_key(
+    xs: dict[str, torch.Tensor],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    options: tuple,
+    positions: torch.Tensor | None,
+    offset: object,
+    cu_seqlens: torch.Tensor | None,
+    backend: str,
+    inplace: bool,
+) -> tuple | None:
+    """The key under which a ``rotate_tensors`` call may be replayed (``posenc.kernels.cpu_replay``), or None for
+    a call that must take the full path: in place, packed sequences, positions beside an offset, a backend that is
+    not the CPU kernel's, a non-bool flag (refused there), anything but plain CPU tensors, a gradient to record, or
+    anything but plain eager. options: the rest of the call's arguments, (interleaved, conjugate, layout,
+    rows_checked, vouched)."""
+    if inplace or cu_seqlens is not None or backend not in ("auto", "cpu"):
+        return None
+    if type(options[0]) is not bool or type(options[1]) is not bool:
+        return None
+    if positions is None:
+        index = offset if isinstance(offset, torch.Tensor) else None
+        if index is None and not (offset is None or type(offset) is int):
+            return None
+    elif offset is None:
+        index = positions
+    else:
+        return None
+    if not plain_eager():
+        return None
+    grad = torch.is_grad_enabled()
+    keys = []
+    for t in (*xs.values(), cos, sin) if index is None else (*xs.values(), cos, sin, index):
+        key = tensor_key(t, grad)
+        if key is None:
+            return None
+        keys.append(key)
+    # How the rows are read: from an int offset, at the ids, at the offsets, or broadcast (None).
+    if positions is not None:
+        rows = "positions"
+    else:
+        rows = "offset" if type(offset) is int else "offsets" if index is not None else None
+    return (*keys, len(xs), rows, backend, *options, torch.get_num_threads())
+
+
 def rotate_tensors(
     xs: dict[str, torch.Tensor],
     cos: torch.Tensor,
@@ -342,7 +394,45 @@ def rotate_tensors(
     table calls): the caller has checked every x as ``float_tensor`` does, passes its own float32 or float64 (n, r/2)
     table as cos/sin, and nothing traces the call (neither ``compiling()`` nor torch.jit.trace), so those checks are
     not made again further down (~2 us of a decode step's ~45).
+
+    An eager call of the CPU kernel whose metadata has been through here before replays that call's launch
+    (``posenc.kernels.cpu_replay``: ~10 us of a decode step's ~55).
     """
+    options = (interleaved, conjugate, layout, rows_checked, vouched)
+    key = _replay_key(xs, cos, sin, options, positions, offset, cu_seqlens, backend, inplace)
+    plan = None if key is None else _PLANS.get(key)
+    if key is None or plan is _FULL_PATH:
+        return _rotate_tensors(xs, cos, sin, positions, offset, cu_seqlens, backend, inplace, *options)
+    tensors = list(xs.values())
+    # What the kernel reads each token's row from: the position ids, or a decode step's per-sequence offsets.
+    index = positions if positions is not None else offset if isinstance(offset, torch.Tensor) else None
+    first = offset if type(offset) is int else None
+    if plan is not None:
+        outs = replay(plan, tensors, cos, sin, first, index)
+        if outs is not None:
+            return outs
+    with recording_launches() as launches:
+        outs = _rotate_tensors(xs, cos, sin, positions, offset, cu_seqlens, backend, inplace, *options)
+    _PLANS.put(key, plan_of(launches, tensors, outs, cos, sin, first, index) or _FULL_PATH)
+    return outs
+
+
+def _rotate_tensors(
+    xs: dict[str, torch.Tensor],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor | None,
+    offset: int | torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+    backend: str,
+    inplace: bool,
+    interleaved: bool,
+    conjugate: bool,
+    layout: str | None,
+    rows_checked: bool,
+    vouched: bool,
+) -> list[torch.Tensor]:
+    """``rotate_tensors``' full path: every check, the backend's choice, the rotation."""
     flag("interleaved", interleaved)
     offset = integer_offset(offset)
     flag("conjugate", conjugate)

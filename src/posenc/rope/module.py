@@ -46,6 +46,7 @@ from posenc._checks import (
 )
 from posenc.encoding import ActsOn
 from posenc.kernels.backend import BACKENDS, transformed
+from posenc.kernels.cpu_replay import Plans, plain_eager, plan_of, recording_launches, replay, tensor_key
 from posenc.positions import resolve_positions
 from posenc.rope.apply import Backend, apply_rotary, apply_rotary_qk, rotate_tensors
 from posenc.rope.frequencies import dynamic as dynamic_frequencies
@@ -196,6 +197,16 @@ def _stays_on(fn: Any, device: torch.device) -> bool:
         return fn(torch.empty(0, device=device)).device == device
     except Exception:  # an fn that takes no empty tensor: the tables go, they are rebuilt on use
         return False
+
+
+def _rows_read(positions: torch.Tensor | None, offset: int | torch.Tensor) -> tuple[int | None, torch.Tensor | None]:
+    """(the table row of the first token, or None; the tensor the kernel reads each token's row from, or None) of
+    a forward call that ``RoPE._replay_key`` takes: an int offset, position ids, or per-sequence offsets."""
+    if positions is not None:
+        return None, positions
+    if isinstance(offset, torch.Tensor):
+        return None, offset
+    return offset, None
 
 
 def _position_bounds(
@@ -394,6 +405,8 @@ class RoPE(nn.Module):
         # Tables a CUDA graph capture has read: the graph reads them by address at every replay, so a later call
         # that grows the table must not free them (the allocator would hand their memory to other tensors).
         self._captured: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # Calls replayed (forward): key -> (a weak reference to the table read, its key in _tables, the plan).
+        self._plans = Plans(16)
         _track(self)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -401,10 +414,12 @@ class RoPE(nn.Module):
         # process, deepcopy) of a RoPE that has served 60k positions in two dtypes would carry ~100 MB of them.
         state = self.__dict__.copy()
         state["_tables"], state["_windows"], state["_frequencies"], state["_captured"] = {}, {}, {}, []
+        state["_plans"] = None  # a lock: made anew by __setstate__
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
+        self._plans = Plans(16)  # a RoPE pickled before 2026-12-07 has none
         _track(self)  # an unpickled or deep-copied RoPE follows register_scaling(replace=True) as the original does
 
     def _apply(self, fn: Any, recurse: bool = True) -> RoPE:  # type: ignore[override]
@@ -420,6 +435,7 @@ class RoPE(nn.Module):
         self._windows = {key: window for key, window in self._windows.items() if key[0] in staying}
         # A graph captured on the device left reads weights that moved too: it cannot replay correctly anyway.
         self._captured = [table for table in captured if table[0].device in staying]
+        self._plans.clear()
         return super()._apply(fn, recurse)
 
     @classmethod
@@ -794,6 +810,16 @@ class RoPE(nn.Module):
         read. A positive int for every type.
         Returns new (q, k) with the input dtypes.
         """
+        key = self._replay_key(q, k, positions, offset, layout, seq_len)
+        if key is not None:
+            first, index = _rows_read(positions, offset)
+            kept = self._kept_plan(key)
+            if kept is not None and kept[1] is None:
+                key = None  # this table cannot serve these calls replayed (a copy on the way): the full path
+            elif kept is not None:
+                outs = replay(kept[1], (q, k), *kept[0], first, index)
+                if outs is not None:
+                    return outs[0], outs[1]
         refuse_jit_trace(type(self).__name__)
         seq_axis = self._check_qk(q, k, layout, seq_len)
         offset = integer_offset(offset)
@@ -859,22 +885,12 @@ class RoPE(nn.Module):
                 if table is not None:
                     self._hold_for_graph(table)
             if table is not None:
-                q, k = rotate_tensors(
-                    {"q": q, "k": k},
-                    *table,
-                    interleaved=self.interleaved,
-                    conjugate=False,
-                    positions=positions,
-                    offset=offset,
-                    cu_seqlens=None,
-                    layout=layout,
-                    backend=self.backend,
-                    inplace=False,
-                    rows_checked=trusted,
-                    # _check_qk checked q and k, the tables are this module's, and a table is used only eagerly.
-                    vouched=True,
-                )
-                return q, k
+                if key is None:
+                    return self._rotate_by_table(q, k, table, positions, offset, layout, trusted)
+                with recording_launches() as launches:
+                    q_out, k_out = self._rotate_by_table(q, k, table, positions, offset, layout, trusted)
+                self._keep_plan(key, launches, (q, k), (q_out, k_out), table, first, index)
+                return q_out, k_out
         pos = resolve_positions(seq, batch=q.shape[0], positions=positions, offset=offset, device=q.device)
         # cos/sin here, not in _rotate_at: 'hf' dynamic NTK's call_cos_sin breaks the graph inside torch.compile, and
         # Dynamo compiles every frame between the compiled function and that break as a frame of its own, one more
@@ -884,6 +900,94 @@ class RoPE(nn.Module):
         else:
             cos, sin = self.cos_sin(pos, seq_len=seq_len, dtype=table_dtype)
         return self._rotate_at(q, k, cos, sin, layout)
+
+    def _replay_key(
+        self, q: torch.Tensor, k: torch.Tensor, positions: object, offset: object, layout: object, seq_len: object
+    ) -> tuple | None:
+        """The key under which a call may replay an earlier one's launch of the CPU kernel on this module's table
+        (``posenc.kernels.cpu_replay``), or None for a call that must take the full path: seq_len, positions beside
+        an offset, a type that scales for the length, anything but plain CPU tensors, a gradient to record,
+        anything but plain eager, a CUDA graph capture. The table a plan reads is checked at each replay to be the
+        one kept now (``forget_frequencies`` and ``_apply`` replace or drop tables)."""
+        if seq_len is not None or (positions is not None and (type(offset) is not int or offset != 0)):
+            return None
+        if positions is None and type(offset) is not int and not isinstance(offset, torch.Tensor):
+            return None
+        # First: Dynamo reads plain_eager() as False and traces nothing after it here. Under a CUDA graph capture a
+        # call holds the table it reads for the graph's life (_hold_for_graph).
+        if not plain_eager() or _capturing() or is_seq_len_dependent(self.spec.rope_type):
+            return None
+        grad = torch.is_grad_enabled()
+        q_key, k_key = tensor_key(q, grad), tensor_key(k, grad)
+        if q_key is None or k_key is None:
+            return None
+        index = positions if positions is not None else offset if isinstance(offset, torch.Tensor) else None
+        index_key = None if index is None else tensor_key(index, grad)
+        if index is not None and index_key is None:
+            return None
+        rows = "offset" if index is None else "positions" if positions is not None else "offsets"
+        return (q_key, k_key, index_key, rows, layout, self.interleaved, self.backend, torch.get_num_threads())
+
+    def _kept_plan(self, key: tuple) -> tuple | None:
+        """(the table, the plan or None for calls that are not replayable on it) kept under ``key`` for the table
+        kept now, or None where there is none or the table has been replaced since."""
+        kept = self._plans.get(key)
+        if kept is None:
+            return None
+        table_of, table_key, plan = kept
+        table = self._tables.get(table_key)
+        if table is None or table[0] is not table_of():
+            return None
+        return table, plan
+
+    def _keep_plan(
+        self,
+        key: tuple,
+        launches: list,
+        xs: tuple[torch.Tensor, torch.Tensor],
+        outs: tuple[torch.Tensor, torch.Tensor],
+        table: Any,
+        first: int | None,
+        index: torch.Tensor | None,
+    ) -> None:
+        """Keep the plan of a call (its ``launches``) that read ``table``, where that is the table kept now: the
+        plan where replaying it is what the full path would do (``posenc.kernels.cpu_replay.plan_of``), else None,
+        so that later calls of the key take the full path unrecorded. (A window read far out says nothing about
+        the calls that read the table.)"""
+        table_key = (xs[0].device, torch.float64 if xs[0].dtype == torch.float64 else torch.float32)
+        kept = self._tables.get(table_key)
+        if kept is None or kept[0] is not table[0]:
+            return
+        plan = plan_of(launches, xs, outs, *kept, first, index)
+        self._plans.put(key, (weakref.ref(kept[0]), table_key, plan))
+
+    def _rotate_by_table(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        table: tuple[torch.Tensor, torch.Tensor] | list[torch.Tensor],
+        positions: torch.Tensor | None,
+        offset: int | torch.Tensor,
+        layout: Layout,
+        trusted: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward's rotation of checked q and k by rows of this module's cos/sin ``table`` (or window)."""
+        q, k = rotate_tensors(
+            {"q": q, "k": k},
+            *table,
+            interleaved=self.interleaved,
+            conjugate=False,
+            positions=positions,
+            offset=offset,
+            cu_seqlens=None,
+            layout=layout,
+            backend=self.backend,
+            inplace=False,
+            rows_checked=trusted,
+            # _check_qk checked q and k, the tables are this module's, and a table is used only eagerly.
+            vouched=True,
+        )
+        return q, k
 
     def _rotate_at(
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: Layout

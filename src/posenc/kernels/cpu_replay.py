@@ -1,0 +1,201 @@
+"""Replaying a checked eager call of the CPU kernel: a decode step's rotation without its Python.
+
+At decode size (one token of 32 + 8 heads of 128 channels) the kernel takes ~2 us, and a call through
+``apply_rotary_qk`` or ``RoPE`` took 45-55 us, nearly all of it Python: checks, the choice of backend, the canonical
+views, ``struct Args``. All of that depends on the tensors' metadata (types, shapes, strides, dtypes, devices,
+dispatch keys), on the call's options and on global state (modes, tracing, transforms, grad), never on their
+values. So the first call with a given metadata goes the whole way, and the ``struct Args`` it handed the kernel
+is kept as a ``Plan``, keyed by that metadata; a later call with the same key puts its own pointers into a copy and
+calls the kernel, allocating the outputs as the full path does.
+
+A plan is kept only where replaying it is exactly what the full path would launch again (``plan_of``): the
+kernel read the caller's own x, cos and sin (no copy was made on the way) and wrote the outputs returned, and the
+angles' pointers moved with the offset alone. Replays run only in plain eager (``plain_eager``) and without
+gradients to record, so every path that needs the full machinery (autograd, torch.compile, modes, transforms,
+subclasses) never meets a plan; the callers build the key (``tensor_key``) and check the offset's range
+(``replay`` returns None outside it, and the full path then raises or grows its table as it would have).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import struct
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
+
+import torch
+import torch.autograd.forward_ad as fwAD
+
+from posenc._checks import compiling
+
+# struct Args (cpu_rope.cpp) begins with its five pointers (x, out, cos, sin, pos), which replays fill in, and
+# n[3], whose n[2] is the tokens a job reads rows for; the rest of a job is fixed by the key.
+_POINTERS = struct.Struct("=5Q")
+_HEAD = struct.Struct("=5Q3q")
+
+
+class Launch(NamedTuple):
+    """One call into the kernel library: the packed ``struct Args`` of each job and the call's other arguments."""
+
+    jobs: tuple[bytes, ...]
+    code: int
+    wide: int
+    run: Any  # the library's posenc_rope_jobs
+
+
+class Plan(NamedTuple):
+    """A launch with the pointers left out: what ``replay`` fills in for a call of the same key."""
+
+    tails: tuple[bytes, ...]  # each job's struct Args past its pointers
+    code: int
+    wide: int
+    run: Any
+    row_bytes: int  # how far cos/sin's pointers move per unit of offset (0 for broadcast angles)
+    last_offset: int  # the largest offset whose rows the angles hold (-1: none but offset 0 of broadcast angles)
+
+
+_STRIDED = torch.strided
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def recording_launches() -> Iterator[list[Launch]]:
+    """The launches of the CPU kernel made in this thread inside the block (nested blocks each see theirs)."""
+    outer = getattr(_local, "launches", None)
+    launches: list[Launch] = []
+    _local.launches = launches
+    try:
+        yield launches
+    finally:
+        _local.launches = outer
+        if outer is not None:
+            outer.extend(launches)
+
+
+def note(jobs: tuple[bytes, ...], code: int, wide: int, run: Any) -> None:
+    """Called by every launch of the CPU kernel: kept where a ``recording_launches`` block is open in this thread."""
+    launches = getattr(_local, "launches", None)
+    if launches is not None:
+        launches.append(Launch(jobs, code, wide, run))
+
+
+def plain_eager() -> bool:
+    """Whether nothing but eager execution sees this call: this thread neither compiles nor exports (another
+    thread's compile leaves it eager: ``posenc._checks.compiling``), no dispatch or function mode (FakeTensorMode,
+    make_fx, a logging mode, ``with torch.device(...)``), no torch.jit.trace, no torch.func transform and no
+    forward-AD level. ~0.5 us."""
+    return not (
+        compiling()
+        or torch._C._len_torch_dispatch_stack()
+        or torch._C._len_torch_function_stack()
+        or torch._C._get_tracing_state() is not None
+        or torch._C._are_functorch_transforms_active()
+        or fwAD._current_level >= 0
+    )
+
+
+def tensor_key(t: object, grad: bool) -> tuple | None:
+    """What of a tensor the full path's checks and decisions read: shape, strides, dtype and dispatch keys (a
+    negative view, an inference tensor, a wrapped or batched tensor each have their own); None for one that replays
+    do not take: anything but a plain strided CPU torch.Tensor (a subclass, another device, sparse, nested), or
+    one that requires grad while ``grad`` (grad mode) is on."""
+    if type(t) is not torch.Tensor or not t.is_cpu or t.layout is not _STRIDED or t.is_nested:
+        return None
+    if grad and t.requires_grad:
+        return None
+    return t.shape, t.stride(), t.dtype, torch._C._dispatch_keys(t).raw_repr()
+
+
+def plan_of(
+    launches: Sequence[Launch],
+    xs: Sequence[torch.Tensor],
+    outs: Sequence[torch.Tensor],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    offset: int | None,
+    index: torch.Tensor | None = None,
+) -> Plan | None:
+    """A plan of the one launch a full call made, or None when replaying it could differ from the full path.
+
+    xs, outs: the call's tensors to rotate and the outputs it returned, in order; cos, sin: the angles it was given,
+    broadcast or read at ``index`` (``offset`` None) or (rows, r/2) tables read from row ``offset``; index: the
+    tensor the kernel read each token's row from (position ids, or a decode step's per-sequence offsets), or None."""
+    if len(launches) != 1 or len(launches[0].jobs) != len(xs):
+        return None
+    launch = launches[0]
+    if offset is None:
+        row_bytes, last_offset = 0, 0
+    else:
+        rows = cos.shape[0]
+        row_bytes = cos.stride(0) * cos.element_size() if rows > 1 else 0
+        seq = max(_HEAD.unpack_from(job)[-1] for job in launch.jobs)
+        last_offset = rows - seq
+    skip = (offset or 0) * row_bytes
+    expected = (cos.data_ptr() + skip, sin.data_ptr() + skip, 0 if index is None else index.data_ptr())
+    for job, x, out in zip(launch.jobs, xs, outs, strict=True):
+        x_ptr, out_ptr, *read = _POINTERS.unpack_from(job)
+        if x_ptr != x.data_ptr() or out_ptr != out.data_ptr() or tuple(read) != expected:
+            return None  # a copy of x, of the angles or of the rows read, or another output: not replayable
+        if out.shape != x.shape or out.dtype != x.dtype or out.stride() != torch.empty_like(x).stride():
+            return None
+    tails = tuple(job[_POINTERS.size :] for job in launch.jobs)
+    return Plan(tails, launch.code, launch.wide, launch.run, row_bytes, last_offset)
+
+
+def replay(
+    plan: Plan,
+    xs: Sequence[torch.Tensor],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    offset: int | None,
+    index: torch.Tensor | None = None,
+) -> list[torch.Tensor] | None:
+    """Rotated copies of xs by ``plan`` (of a key that these tensors match), reading cos/sin from row ``offset`` or
+    at the rows in ``index``; None when the angles have no rows there (the full path says why, or grows its
+    table): an offset past them, or a row in ``index`` outside the table, which the kernel finds before it writes."""
+    first = offset or 0
+    if not 0 <= first <= plan.last_offset:
+        return None
+    skip = first * plan.row_bytes
+    cos_ptr, sin_ptr = cos.data_ptr() + skip, sin.data_ptr() + skip
+    index_ptr = 0 if index is None else index.data_ptr()
+    outs = [torch.empty_like(x) for x in xs]
+    pack = _POINTERS.pack
+    jobs = tuple(
+        pack(x.data_ptr(), out.data_ptr(), cos_ptr, sin_ptr, index_ptr) + tail
+        for x, out, tail in zip(xs, outs, plan.tails, strict=True)
+    )
+    status = plan.run(b"".join(jobs), len(jobs), plan.code, plan.wide)
+    if status == 2 and index is not None:
+        return None
+    if status != 0:  # the plan's launch returned 0 with these very arguments but the pointers
+        raise RuntimeError(f"the CPU kernel refused a replayed call (status {status}); please report this")
+    note(jobs, plan.code, plan.wide, plan.run)
+    return outs
+
+
+class Plans:
+    """Plans by key, the latest ``size`` kept (a prefill of each length makes one). Reads take no lock."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._plans: dict[Any, Any] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: Any) -> Any:
+        return self._plans.get(key)
+
+    def put(self, key: Any, plan: Any) -> None:
+        with self._lock:
+            self._plans.pop(key, None)
+            self._plans[key] = plan
+            while len(self._plans) > self.size:
+                del self._plans[next(iter(self._plans))]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._plans.clear()
+
+    def __len__(self) -> int:
+        return len(self._plans)

@@ -1,0 +1,405 @@
+"""Replayed eager calls of the CPU kernel (posenc.kernels.cpu_replay): a call whose metadata has been through the
+full path before repeats that launch with its own pointers. Each replay must equal the full path bit for bit, and
+every call that the full path would treat differently (errors, modes, gradients, transforms, other tables) must not
+be replayed."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import pickle
+import threading
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import posenc
+import posenc.rope.apply as apply_module
+import posenc.rope.module as module
+from posenc import RoPE, apply_rotary, apply_rotary_qk
+from posenc.kernels import cpu_rope
+from posenc.kernels.cpu_replay import plain_eager
+from posenc.testing import random_qk, torch_threads
+
+pytestmark = pytest.mark.skipif(not cpu_rope.cpu_available(), reason="the CPU kernel is not built here")
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+@contextlib.contextmanager
+def counting_full_paths():
+    """Counts of the calls that took the full path, by entry: "functions" (rotate_tensors') and "RoPE" (forward's
+    rotation through rotate_tensors)."""
+    counts = {"functions": 0, "RoPE": 0}
+    full, rotate = apply_module._rotate_tensors, module.rotate_tensors
+
+    def counted_full(*args, **kwargs):
+        counts["functions"] += 1
+        return full(*args, **kwargs)
+
+    def counted_rotate(*args, **kwargs):
+        counts["RoPE"] += 1
+        return rotate(*args, **kwargs)
+
+    with (
+        mock.patch.object(apply_module, "_rotate_tensors", counted_full),
+        mock.patch.object(module, "rotate_tensors", counted_rotate),
+    ):
+        yield counts
+
+
+def table(rows: int, half: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    angles = torch.arange(rows, dtype=torch.float64)[:, None] * torch.logspace(0, -4, half, dtype=torch.float64)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def like(t: torch.Tensor, seed: int) -> torch.Tensor:
+    """A tensor of t's shape, strides and dtype holding other values (another decode step's activations)."""
+    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
+    out.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64))
+    return out
+
+
+ENTRIES = ("apply_rotary", "apply_rotary_qk broadcast", "apply_rotary_qk table", "RoPE")
+
+
+@st.composite
+def calls(draw):
+    """A call of apply_rotary, apply_rotary_qk or RoPE as a decode step or a short prefill makes it (tables read
+    from an int offset, at position ids or from per-sequence offsets), with the
+    arguments of two steps: (entry, call(q, k, offset) -> outputs, (q, k, offset) twice, the RoPE or None, whether
+    the full path copies q and k)."""
+    dtype = draw(st.sampled_from(DTYPES))
+    b, hq, s = draw(st.integers(1, 2)), draw(st.integers(1, 5)), draw(st.integers(1, 9))
+    hk = draw(st.sampled_from([d for d in range(1, hq + 1) if hq % d == 0]))
+    d = draw(st.sampled_from([2, 6, 16, 34, 64]))
+    half = draw(st.integers(1, d // 2))
+    layout = draw(st.sampled_from(["bhsd", "bshd"]))
+    interleaved, conjugate = draw(st.booleans()), draw(st.booleans())
+    # q and k slices of one projection's output, as attention layers cut them, or views with a step in their last dim
+    # (channels strided 2 apart), which the full path copies before the kernel reads them.
+    memory = draw(st.sampled_from(["dense", "fused", "strided"]))
+    entry = draw(st.sampled_from(ENTRIES))
+    rows = draw(st.sampled_from(["offset", "positions", "offsets"]))  # how a table is read
+    if entry == "RoPE":
+        half = d // 2
+    one_dim_ids = draw(st.booleans())  # (s,) position ids, else (b, s)
+
+    def activations(seed):
+        if memory == "strided":
+            q, k = random_qk(b, hq, hk, s, 2 * d, dtype=dtype, layout=layout, seed=seed)
+            return q[..., ::2], k[..., ::2]
+        if memory == "fused":
+            width = (hq + 2 * hk) * d
+            qkv = torch.randn(b, s, width, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+            qkv = qkv.to(dtype)
+            q, k = qkv[..., : hq * d].view(b, s, hq, d), qkv[..., hq * d : (hq + hk) * d].view(b, s, hk, d)
+            return (q, k) if layout == "bshd" else (q.transpose(1, 2), k.transpose(1, 2))
+        return random_qk(b, hq, hk, s, d, dtype=dtype, layout=layout, seed=seed)
+
+    angle_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    cos, sin = table(64, half, angle_dtype)
+    offsets = (draw(st.integers(0, 64 - s)), draw(st.integers(0, 64 - s)))
+
+    def table_rows(offset):
+        """An int offset, or position ids or per-sequence offsets (each step's own tensor) from it."""
+        if rows == "positions":
+            ids = (torch.arange(s) * 5 + offset) % 64  # not consecutive
+            return {"positions": ids if one_dim_ids else torch.stack([ids.flip(0)] * b)}
+        if rows == "offsets":
+            return {"offset": (torch.arange(b) + offset) % (65 - s)}
+        return {"offset": offset}
+
+    rope = RoPE(d, interleaved=interleaved) if entry == "RoPE" else None
+    if rope is not None:
+
+        def call(q, k, offset):
+            return rope(q, k, layout=layout, **table_rows(offset))
+
+    elif entry == "apply_rotary_qk table":
+
+        def call(q, k, offset):
+            return apply_rotary_qk(
+                q, k, cos, sin, layout=layout, interleaved=interleaved, conjugate=conjugate, **table_rows(offset)
+            )
+
+    else:
+        # Broadcast angles: (b or 1, 1, s, r/2) for bhsd, (b or 1, s, 1, r/2) for bshd, from the offset's rows.
+        def call(q, k, offset):
+            c, n = cos[offset : offset + s], sin[offset : offset + s]
+            axis = 0 if layout == "bhsd" else 1
+            c, n = c.unsqueeze(axis)[None], n.unsqueeze(axis)[None]
+            if entry == "apply_rotary":
+                return (apply_rotary(q, c, n, interleaved=interleaved, conjugate=conjugate),)
+            return apply_rotary_qk(q, k, c, n, interleaved=interleaved, conjugate=conjugate)
+
+    steps = [(*activations(seed), offset) for seed, offset in enumerate(offsets)]
+    # The full path copies strided q and k, and builds each token's row where per-sequence offsets read more than one.
+    table_read = entry in ("RoPE", "apply_rotary_qk table")
+    copied = memory == "strided" or (table_read and rows == "offsets" and s > 1)
+    return entry, call, steps, rope, copied
+
+
+@settings(max_examples=80, deadline=None)
+@given(calls())
+def test_a_replayed_call_equals_the_full_path_bit_for_bit(case):
+    """Two steps of one call site: the second, other values at another offset, replays the first's launch (unless
+    the full path copied q and k); its outputs equal the full path's for the same arguments bit for bit, and its
+    inputs are left untouched."""
+    entry, call, ((q1, k1, o1), (q2, k2, o2)), rope, copied = case
+    apply_module._PLANS.clear()
+    with counting_full_paths() as full:
+        call(q1, k1, o1)
+        before = dict(full)
+        inputs = (q2.clone(), k2.clone())
+        replayed = call(q2, k2, o2)
+        # A plan is kept only where the kernel read the caller's q and k: a copy made on the way is not replayed.
+        assert (full == before) != copied, f"{entry}: the second step {'replayed' if copied else 'took the full path'}"
+    assert torch.equal(q2, inputs[0]) and torch.equal(k2, inputs[1])
+    apply_module._PLANS.clear()
+    # Stores that keep nothing: the full path each time.
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(apply_module, "_PLANS", apply_module.Plans(0)))
+        if rope is not None:
+            stack.enter_context(mock.patch.object(rope, "_plans", apply_module.Plans(0)))
+        wanted = call(q2, k2, o2)
+    for got, want in zip(replayed, wanted, strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape and got.stride() == want.stride()
+        assert torch.equal(got, want)
+
+
+def full_path(call):
+    """call() with stores that keep no plan: the full path each time."""
+    with mock.patch.object(apply_module, "_PLANS", apply_module.Plans(0)):
+        return call()
+
+
+def test_every_option_of_a_call_is_part_of_its_key():
+    """Calls that differ in one option only, one after another, each get their own plan: pair layout, direction,
+    layout of q and k (read from one buffer both ways), offset or none."""
+    cos, sin = table(32, 8)
+    q, k = random_qk(1, 4, 4, 4, 16)
+    apply_module._PLANS.clear()
+    variants = [
+        {"interleaved": interleaved, "conjugate": conjugate, "layout": layout, "offset": offset}
+        for interleaved in (False, True)
+        for conjugate in (False, True)
+        for layout, offset in (("bhsd", 3), ("bshd", 3), (None, None))
+    ]
+    for _ in range(2):  # the second round replays
+        for options in variants:
+            c, n = (cos[:4], sin[:4]) if options["offset"] is None else (cos, sin)
+            got = apply_rotary_qk(q, k, c, n, **options)
+            want = full_path(lambda c=c, n=n, options=options: apply_rotary_qk(q, k, c, n, **options))
+            assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), options
+    assert len(apply_module._PLANS) == len(variants)
+
+
+def test_ids_and_per_sequence_offsets_of_one_shape_are_told_apart():
+    """Position ids (s,) and per-sequence offsets (b,) of the same shape and dtype: two plans, each read its way
+    (for two sequences of two tokens, rows 5, 9 and 5, 9 against 5, 6 and 9, 10)."""
+    cos, sin = table(32, 8)
+    q, k = random_qk(2, 2, 2, 2, 16)
+    rope = RoPE(16)
+    ids = torch.tensor([5, 9])
+    for _ in range(2):
+        for kwargs in ({"positions": ids}, {"offset": ids}):
+            got = apply_rotary_qk(q, k, cos, sin, **kwargs)
+            want = full_path(lambda kwargs=kwargs: apply_rotary_qk(q, k, cos, sin, **kwargs))
+            assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), kwargs
+            assert torch.equal(rope(q, k, **kwargs)[0], copy.deepcopy(rope)(q, k, **kwargs)[0]), kwargs
+
+
+def test_a_call_that_cannot_be_replayed_is_not_recorded_again():
+    """Where the full path copies q and k (a step in their last dim), the key remembers it: later calls take the
+    full path without recording and planning again (~5 us each)."""
+    cos, sin = table(32, 8)
+    q, k = random_qk(1, 2, 2, 1, 32)
+    q, k = q[..., ::2], k[..., ::2]
+    apply_module._PLANS.clear()
+    with mock.patch.object(apply_module, "plan_of", wraps=apply_module.plan_of) as planned:
+        for _ in range(3):
+            apply_rotary_qk(q, k, cos, sin, offset=3)
+    assert planned.call_count == 1
+
+
+def decode_rope(dtype=torch.float32, **options):
+    rope = RoPE(16, **options)
+    q, k = random_qk(1, 4, 2, 1, 16, dtype=dtype)
+    rope(q, k, offset=3)  # the full path, which keeps a plan
+    assert len(rope._plans) == 1
+    return rope, q, k
+
+
+def test_calls_the_full_path_treats_otherwise_are_not_replayed():
+    """Each of these, made after a call of the same shapes has kept a plan, needs the full path: a dispatch mode
+    sees the op, a gradient is recorded, a negative view is read by value, vmap batches, Dynamo traces, a
+    FakeTensorMode gives fake outputs."""
+    rope, q, k = decode_rope()
+    want = rope(q, k, offset=5)
+
+    seen = []
+
+    class Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Seen():
+        got = rope(q, k, offset=5)
+    assert any("posenc.rotary" in op for op in seen)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+    grads = []
+    for module_ in (rope, RoPE(16, backend="torch")):
+        leaf = q.clone().requires_grad_()
+        out, _ = module_(leaf, k, offset=5)
+        out.backward(torch.arange(out.numel(), dtype=out.dtype).view_as(out))
+        grads.append(leaf.grad)
+    torch.testing.assert_close(grads[0], grads[1])
+
+    torch.testing.assert_close(rope(torch._neg_view(q), k, offset=5)[0], -want[0])
+
+    batched = torch.func.vmap(lambda x: rope(x[None], k, offset=5)[0][0])(q)
+    torch.testing.assert_close(batched, want[0])
+
+    compiled = torch.compile(lambda q, k: rope(q, k, offset=5), backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(q, k), want)
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as fake:
+        fq, fk = fake.from_tensor(q), fake.from_tensor(k)
+        assert rope(fq, fk, offset=5)[0].shape == q.shape
+
+
+def test_bad_calls_after_a_plan_still_get_their_errors():
+    """A plan for good arguments never answers bad ones: the full path's errors, with their messages."""
+    cos, sin = table(8, 8)
+    q, k = random_qk(1, 2, 2, 3, 16)
+    apply_rotary_qk(q, k, cos, sin, offset=2, interleaved=True)
+    with pytest.raises(ValueError, match="rows"):
+        apply_rotary_qk(q, k, cos, sin, offset=6, interleaved=True)  # rows 6..8 of 8
+    with pytest.raises(ValueError):
+        apply_rotary_qk(q, k, cos, sin, offset=-1, interleaved=True)
+    with pytest.raises(TypeError, match="interleaved must be True or False"):
+        apply_rotary_qk(q, k, cos, sin, offset=2, interleaved=1)
+    apply_rotary_qk(q, k, cos, sin, positions=torch.tensor([1, 0, 2]))
+    for ids in ([1, 8, 2], [1, -1, 2]):  # rows the kernel finds outside the table: the full path's error
+        with pytest.raises(ValueError, match="rows"):
+            apply_rotary_qk(q, k, cos, sin, positions=torch.tensor(ids))
+    rope, q, k = decode_rope()
+    with pytest.raises(TypeError, match="same dtype"):
+        rope(q, k.double(), offset=3)
+    with pytest.raises(ValueError, match="layout"):
+        rope(q, k, offset=3, layout="bsdh")
+
+
+def test_a_rope_replays_on_the_table_it_keeps_now():
+    """A step past the table grows it (the plan's table is replaced: the full path once, then a plan of the new
+    table); dropped tables (forget_frequencies, a move to another device and back) and a changed pair layout are
+    followed too. Every result equals a fresh module's."""
+    rope, q, k = decode_rope()
+    fresh = RoPE(16)
+    for offset in (300, 301, 5):  # 300 is past the 256-row table
+        assert all(
+            torch.equal(g, w) for g, w in zip(rope(q, k, offset=offset), fresh(q, k, offset=offset), strict=True)
+        )
+    assert next(iter(rope._tables.values()))[0].shape[0] == 512
+    with counting_full_paths() as full:
+        rope(q, k, offset=7)
+    assert full["RoPE"] == 0  # the plan of the grown table
+    far = 70_000  # past the largest table: a window of rows is read there, which is not the table plans are kept for
+    assert torch.equal(rope(q, k, offset=far)[0], fresh(q, k, offset=far)[0])
+    with counting_full_paths() as full:
+        rope(q, k, offset=7)
+    assert full["RoPE"] == 0  # the window's call left the table's plan as it was
+    for ids in ([[3]], [[700]], [[4]]):  # position ids past the table grow it as well
+        positions = torch.tensor(ids)
+        assert torch.equal(rope(q, k, positions=positions)[0], fresh(q, k, positions=positions)[0])
+    with pytest.raises(ValueError, match=">= 0"):
+        rope(q, k, positions=torch.tensor([[-1]]))
+    assert next(iter(rope._tables.values()))[0].shape[0] == 1024
+    posenc.rope.module.forget_frequencies("default")
+    assert rope._tables == {}
+    rope(*random_qk(1, 2, 2, 2, 16), offset=0)  # another shape builds the table anew: 256 rows, where 1024 were
+    assert next(iter(rope._tables.values()))[0].shape[0] == 256
+    for offset in (7, 400):  # the decode step's plan read the 1024-row table
+        assert torch.equal(rope(q, k, offset=offset)[0], fresh(q, k, offset=offset)[0])
+    rope.to("meta").to("cpu")
+    assert torch.equal(rope(q, k, offset=7)[0], fresh(q, k, offset=7)[0])
+    rope.interleaved = True
+    assert torch.equal(rope(q, k, offset=7)[0], RoPE(16, interleaved=True)(q, k, offset=7)[0])
+
+
+def test_plans_follow_the_thread_count_and_stay_bounded():
+    """The kernel's thread count is part of a plan (a count set since makes another: the values are the same, the
+    threads the kernel wakes are not); a prefill of each length
+    keeps one plan, the latest 16 of a RoPE and 64 of the functions."""
+    rope, _, _ = decode_rope()
+    big_q, big_k = random_qk(1, 8, 8, 600, 16)  # enough elements for two threads
+    want = RoPE(16)(big_q, big_k, offset=1)
+    for threads in (1, 2, 1):
+        with torch_threads(threads):
+            assert all(torch.equal(g, w) for g, w in zip(rope(big_q, big_k, offset=1), want, strict=True))
+    assert len(rope._plans) == 3  # the decode step's, and the prefill's at one thread and at two
+    for length in range(1, 40):
+        rope(*random_qk(1, 2, 2, length, 16), offset=0)
+        apply_rotary(torch.randn(1, 2, length, 16), *table(64, 8), offset=0)
+    assert len(rope._plans) == 16
+    assert len(apply_module._PLANS) <= 64
+
+
+def test_a_rope_with_plans_pickles_and_copies():
+    """A plan holds a lock and the table's weak reference: neither travels; the copy makes its own."""
+    rope, q, k = decode_rope()
+    want = rope(q, k, offset=9)
+    for other in (copy.deepcopy(rope), pickle.loads(pickle.dumps(rope))):
+        assert len(other._plans) == 0
+        assert all(torch.equal(g, w) for g, w in zip(other(q, k, offset=9), want, strict=True))
+        assert len(other._plans) == 1
+
+
+def test_threads_replaying_one_rope_each_get_their_own_steps():
+    """Decode loops in four threads share a RoPE (one model serving several requests): each step equals the same
+    step alone."""
+    rope, _, _ = decode_rope(torch.bfloat16)
+    steps = [(random_qk(1, 4, 2, 1, 16, dtype=torch.bfloat16, seed=seed), seed * 7 % 250) for seed in range(200)]
+    fresh = RoPE(16)
+    wanted = [fresh(q, k, offset=offset) for (q, k), offset in steps]
+    results: dict[int, list] = {}
+
+    def work(worker):
+        results[worker] = [rope(q, k, offset=offset) for (q, k), offset in steps[worker::4]]
+
+    threads = [threading.Thread(target=work, args=(worker,)) for worker in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for worker in range(4):
+        for got, want in zip(results[worker], wanted[worker::4], strict=True):
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_plain_eager_sees_every_mode_and_trace():
+    """What turns replays off: each of these makes plain_eager() False inside, and True after."""
+    from torch.overrides import TorchFunctionMode
+
+    assert plain_eager()
+    for context in (
+        TorchDispatchMode(),
+        TorchFunctionMode(),
+        torch.device("cpu"),  # a function mode too
+        torch.autograd.forward_ad.dual_level(),
+    ):
+        with context:
+            assert not plain_eager()
+        assert plain_eager()
+    assert torch.func.vmap(lambda x: torch.tensor(plain_eager()) + 0 * x)(torch.zeros(2)).tolist() == [0.0, 0.0]
+    traced = torch.jit.trace(lambda x: x + float(plain_eager()), torch.zeros(1))
+    assert traced(torch.zeros(1)).item() == 0.0
