@@ -10,7 +10,10 @@ both alike. Each process warms every case up, then takes the min over ``--rounds
 wall clock). Cases, fp32, one torch thread, the CPU backend:
 
 - ``RoPE(offset=100)``: ``posenc.RoPE(128)(q, k, offset=100)``, q (1, 32, 1, 128), k (1, 8, 1, 128);
+- ``RoPE(offset=100) bf16``: the same with q and k in bfloat16;
 - ``RoPE(offset=tensor([100]))``: the same with a (1,) tensor offset;
+- ``apply_rotary_qk(cos, sin)``: cos/sin (1, 1, 1, 64) of position 100 given (broadcast), as a transformers model
+  patched by ``posenc.interop`` calls it;
 - ``apply_rotary_qk(table, positions)``: a 4096-row cos/sin table and (1, 1) position ids;
 - ``MRoPE(3-axis positions)``: ``MRoPE(128, mrope_section=[16, 24, 24])``, q (1, 16, 1, 128), k (1, 8, 1, 128),
   (3, 1, 1) positions;
@@ -42,13 +45,17 @@ from common import add_allocation_argument, commit, device_name, set_allocation,
 ROOT = Path(__file__).resolve().parents[1]
 CASES = (
     "RoPE(offset=100)",
+    "RoPE(offset=100) bf16",
     "RoPE(offset=tensor([100]))",
+    "apply_rotary_qk(cos, sin)",
     "apply_rotary_qk(table, positions)",
     "MRoPE(3-axis positions)",
     "RoPE(offset=100) prefill",
 )
 SHAPES = {
     "RoPE(offset=100)": "b=1,hq=32,hk=8,s=1,d=128,offset=100",
+    "RoPE(offset=100) bf16": "b=1,hq=32,hk=8,s=1,d=128,offset=100,bf16",
+    "apply_rotary_qk(cos, sin)": "b=1,hq=32,hk=8,s=1,d=128,cos=(1,1,1,64)",
     "RoPE(offset=tensor([100]))": "b=1,hq=32,hk=8,s=1,d=128,offset=100",
     "apply_rotary_qk(table, positions)": "b=1,hq=32,hk=8,s=1,d=128,rows=4096",
     "MRoPE(3-axis positions)": "b=1,hq=16,hk=8,s=1,d=128,sections=16/24/24",
@@ -70,13 +77,17 @@ def make_cases(prefill_tokens: int) -> dict[str, Callable[[], object]]:
     offset = torch.tensor([100])
     cos, sin = rope.cos_sin(torch.arange(TABLE_ROWS))  # (rows, 64) each
     positions = torch.tensor([[100]])
+    q16, k16 = q.bfloat16(), k.bfloat16()
+    step_cos, step_sin = cos[100:101][None, None], sin[100:101][None, None]  # (1, 1, 1, 64)
     mrope = MRoPE(128, mrope_section=[16, 24, 24])
     mq, mk = torch.randn(1, 16, 1, 128), torch.randn(1, 8, 1, 128)
     axes = torch.tensor([100, 7, 9])[:, None, None]  # (3, 1, 1): temporal, height, width
     pq, pk = torch.randn(1, 32, prefill_tokens, 128), torch.randn(1, 8, prefill_tokens, 128)
     return {
         "RoPE(offset=100)": lambda: rope(q, k, offset=100),
+        "RoPE(offset=100) bf16": lambda: rope(q16, k16, offset=100),
         "RoPE(offset=tensor([100]))": lambda: rope(q, k, offset=offset),
+        "apply_rotary_qk(cos, sin)": lambda: apply_rotary_qk(q, k, step_cos, step_sin),
         "apply_rotary_qk(table, positions)": lambda: apply_rotary_qk(q, k, cos, sin, positions=positions),
         "MRoPE(3-axis positions)": lambda: mrope(mq, mk, positions=axes),
         PREFILL: lambda: rope(pq, pk, offset=100),
