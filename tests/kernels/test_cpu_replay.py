@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import posenc
 import posenc.rope.apply as apply_module
 import posenc.rope.module as module
-from posenc import RoPE, apply_rotary, apply_rotary_qk
+from posenc import RoPE, apply_rotary, apply_rotary_, apply_rotary_qk
 from posenc.kernels import cpu_rope
 from posenc.kernels.cpu_replay import plain_eager
 from posenc.testing import random_qk, torch_threads
@@ -57,14 +57,19 @@ def table(rows: int, half: int, dtype: torch.dtype = torch.float32) -> tuple[tor
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def like(t: torch.Tensor, seed: int) -> torch.Tensor:
-    """A tensor of t's shape, strides and dtype holding other values (another decode step's activations)."""
-    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
-    out.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64))
-    return out
+def strided_copy(t: torch.Tensor) -> torch.Tensor:
+    """t's values in a tensor of its shape, strides and dtype (the same key)."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype).copy_(t)
 
 
-ENTRIES = ("apply_rotary", "apply_rotary_qk broadcast", "apply_rotary_qk table", "RoPE")
+ENTRIES = (
+    "apply_rotary",
+    "apply_rotary_qk broadcast",
+    "apply_rotary_qk table",
+    "RoPE",
+    "apply_rotary_ broadcast",
+    "apply_rotary_ table",
+)
 
 
 @st.composite
@@ -127,6 +132,12 @@ def calls(draw):
                 q, k, cos, sin, layout=layout, interleaved=interleaved, conjugate=conjugate, **table_rows(offset)
             )
 
+    elif entry == "apply_rotary_ table":
+
+        def call(q, k, offset):
+            options = {"layout": layout, "interleaved": interleaved, "conjugate": conjugate, **table_rows(offset)}
+            return apply_rotary_(q, cos, sin, **options), apply_rotary_(k, cos, sin, **options)
+
     else:
         # Broadcast angles: (b or 1, 1, s, r/2) for bhsd, (b or 1, s, 1, r/2) for bshd, from the offset's rows.
         def call(q, k, offset):
@@ -135,11 +146,14 @@ def calls(draw):
             c, n = c.unsqueeze(axis)[None], n.unsqueeze(axis)[None]
             if entry == "apply_rotary":
                 return (apply_rotary(q, c, n, interleaved=interleaved, conjugate=conjugate),)
+            if entry == "apply_rotary_ broadcast":
+                options = {"interleaved": interleaved, "conjugate": conjugate}
+                return apply_rotary_(q, c, n, **options), apply_rotary_(k, c, n, **options)
             return apply_rotary_qk(q, k, c, n, interleaved=interleaved, conjugate=conjugate)
 
     steps = [(*activations(seed), offset) for seed, offset in enumerate(offsets)]
     # The full path copies strided q and k, and builds each token's row where per-sequence offsets read more than one.
-    table_read = entry in ("RoPE", "apply_rotary_qk table")
+    table_read = entry in ("RoPE", "apply_rotary_qk table", "apply_rotary_ table")
     copied = memory == "strided" or (table_read and rows == "offsets" and s > 1)
     return entry, call, steps, rope, copied
 
@@ -149,17 +163,22 @@ def calls(draw):
 def test_a_replayed_call_equals_the_full_path_bit_for_bit(case):
     """Two steps of one call site: the second, other values at another offset, replays the first's launch (unless
     the full path copied q and k); its outputs equal the full path's for the same arguments bit for bit, and its
-    inputs are left untouched."""
+    inputs are left untouched (or, in place, are the outputs)."""
     entry, call, ((q1, k1, o1), (q2, k2, o2)), rope, copied = case
+    inplace = entry.startswith("apply_rotary_ ")
     apply_module._PLANS.clear()
     with counting_full_paths() as full:
         call(q1, k1, o1)
         before = dict(full)
-        inputs = (q2.clone(), k2.clone())
+        inputs = (strided_copy(q2), strided_copy(k2))
         replayed = call(q2, k2, o2)
         # A plan is kept only where the kernel read the caller's q and k: a copy made on the way is not replayed.
         assert (full == before) != copied, f"{entry}: the second step {'replayed' if copied else 'took the full path'}"
-    assert torch.equal(q2, inputs[0]) and torch.equal(k2, inputs[1])
+    if inplace:
+        assert replayed[0] is q2 and replayed[1] is k2
+        q2, k2 = inputs
+    else:
+        assert torch.equal(q2, inputs[0]) and torch.equal(k2, inputs[1])
     apply_module._PLANS.clear()
     # Stores that keep nothing: the full path each time.
     with contextlib.ExitStack() as stack:
@@ -403,3 +422,49 @@ def test_plain_eager_sees_every_mode_and_trace():
     assert torch.func.vmap(lambda x: torch.tensor(plain_eager()) + 0 * x)(torch.zeros(2)).tolist() == [0.0, 0.0]
     traced = torch.jit.trace(lambda x: x + float(plain_eager()), torch.zeros(1))
     assert traced(torch.zeros(1)).item() == 0.0
+
+
+def test_in_place_calls_leave_angles_in_their_own_storage_to_the_full_path():
+    """In place, angles read from the storage being rotated (one buffer holding activations and angles) must be read
+    before they are overwritten: the full path copies them first. A plan kept from separate tensors of the same
+    shapes is not used for them."""
+    cos, sin = table(4, 8)
+    apply_module._PLANS.clear()
+    apply_rotary_(torch.randn(1, 1, 4, 16), cos, sin, offset=0)  # keeps the plan
+    buffer = torch.randn(64)
+    x, shared_cos, shared_sin = buffer.view(1, 1, 4, 16), buffer[:32].view(4, 8), buffer[32:].view(4, 8)
+    want_buffer = buffer.clone()
+    want = full_path(
+        lambda: apply_rotary_(
+            want_buffer.view(1, 1, 4, 16), want_buffer[:32].view(4, 8), want_buffer[32:].view(4, 8), offset=0
+        )
+    )
+    got = apply_rotary_(x, shared_cos, shared_sin, offset=0)
+    assert torch.equal(got, want)
+
+
+def test_an_inference_tensor_rotated_in_place_outside_inference_mode_is_refused_after_a_plan():
+    """A plan kept inside torch.inference_mode() for an inference tensor does not serve the same tensor outside it,
+    where torch (and the full path) refuse to change it in place."""
+    cos, sin = table(8, 8)
+    with torch.inference_mode():
+        x = torch.randn(1, 2, 3, 16)
+        apply_rotary_(x, cos, sin, offset=1)
+        apply_rotary_(x, cos, sin, offset=1)  # replayed
+    with pytest.raises(RuntimeError, match="inference_mode"):
+        apply_rotary_(x, cos, sin, offset=1)
+
+
+def test_copies_and_in_place_calls_of_one_shape_are_told_apart():
+    """apply_rotary and apply_rotary_ of tensors of one shape take turns: each keeps its own plan, the copy leaves x
+    as it was and the in-place call rotates it."""
+    cos, sin = table(8, 8)
+    x = torch.randn(1, 2, 3, 16)
+    apply_module._PLANS.clear()
+    for _ in range(2):
+        want = full_path(lambda: apply_rotary(x, cos, sin, offset=2))
+        before = x.clone()
+        assert torch.equal(apply_rotary(x, cos, sin, offset=2), want) and torch.equal(x, before)
+        y = x.clone()
+        assert apply_rotary_(y, cos, sin, offset=2) is y and torch.equal(y, want)
+    assert len(apply_module._PLANS) == 2

@@ -52,7 +52,8 @@ class Plan(NamedTuple):
     wide: int
     run: Any
     row_bytes: int  # how far cos/sin's pointers move per unit of offset (0 for broadcast angles)
-    last_offset: int  # the largest offset whose rows the angles hold (-1: none but offset 0 of broadcast angles)
+    last_offset: int  # the largest offset whose rows the angles hold (0 for broadcast angles)
+    inplace: bool  # the outputs are the xs themselves
 
 
 _STRIDED = torch.strided
@@ -118,7 +119,8 @@ def plan_of(
 ) -> Plan | None:
     """A plan of the one launch a full call made, or None when replaying it could differ from the full path.
 
-    xs, outs: the call's tensors to rotate and the outputs it returned, in order; cos, sin: the angles it was given,
+    xs, outs: the call's tensors to rotate and the outputs it returned, in order (the xs themselves in place); cos,
+    sin: the angles it was given,
     broadcast or read at ``index`` (``offset`` None) or (rows, r/2) tables read from row ``offset``; index: the
     tensor the kernel read each token's row from (position ids, or a decode step's per-sequence offsets), or None."""
     if len(launches) != 1 or len(launches[0].jobs) != len(xs):
@@ -133,14 +135,17 @@ def plan_of(
         last_offset = rows - seq
     skip = (offset or 0) * row_bytes
     expected = (cos.data_ptr() + skip, sin.data_ptr() + skip, 0 if index is None else index.data_ptr())
+    inplace = all(out is x for x, out in zip(xs, outs, strict=True))
     for job, x, out in zip(launch.jobs, xs, outs, strict=True):
         x_ptr, out_ptr, *read = _POINTERS.unpack_from(job)
         if x_ptr != x.data_ptr() or out_ptr != out.data_ptr() or tuple(read) != expected:
             return None  # a copy of x, of the angles or of the rows read, or another output: not replayable
+        if inplace:
+            continue
         if out.shape != x.shape or out.dtype != x.dtype or out.stride() != torch.empty_like(x).stride():
             return None
     tails = tuple(job[_POINTERS.size :] for job in launch.jobs)
-    return Plan(tails, launch.code, launch.wide, launch.run, row_bytes, last_offset)
+    return Plan(tails, launch.code, launch.wide, launch.run, row_bytes, last_offset, inplace)
 
 
 def replay(
@@ -151,16 +156,17 @@ def replay(
     offset: int | None,
     index: torch.Tensor | None = None,
 ) -> list[torch.Tensor] | None:
-    """Rotated copies of xs by ``plan`` (of a key that these tensors match), reading cos/sin from row ``offset`` or
-    at the rows in ``index``; None when the angles have no rows there (the full path says why, or grows its
-    table): an offset past them, or a row in ``index`` outside the table, which the kernel finds before it writes."""
+    """Rotated copies of xs by ``plan`` (of a key that these tensors match), or the xs rotated in place by an in-place
+    plan, reading cos/sin from row ``offset`` or at the rows in ``index``; None when the angles have no rows there
+    (the full path says why, or grows its table): an offset past them, or a row in ``index`` outside the table,
+    which the kernel finds before it writes."""
     first = offset or 0
     if not 0 <= first <= plan.last_offset:
         return None
     skip = first * plan.row_bytes
     cos_ptr, sin_ptr = cos.data_ptr() + skip, sin.data_ptr() + skip
     index_ptr = 0 if index is None else index.data_ptr()
-    outs = [torch.empty_like(x) for x in xs]
+    outs = list(xs) if plan.inplace else [torch.empty_like(x) for x in xs]
     pack = _POINTERS.pack
     jobs = tuple(
         pack(x.data_ptr(), out.data_ptr(), cos_ptr, sin_ptr, index_ptr) + tail

@@ -338,11 +338,12 @@ def _replay_key(
     inplace: bool,
 ) -> tuple | None:
     """The key under which a ``rotate_tensors`` call may be replayed (``posenc.kernels.cpu_replay``), or None for
-    a call that must take the full path: in place, packed sequences, positions beside an offset, a backend that is
-    not the CPU kernel's, a non-bool flag (refused there), anything but plain CPU tensors, a gradient to record, or
-    anything but plain eager. options: the rest of the call's arguments, (interleaved, conjugate, layout,
-    rows_checked, vouched)."""
-    if inplace or cu_seqlens is not None or backend not in ("auto", "cpu"):
+    a call that must take the full path: packed sequences, positions beside an offset, a backend that is not the
+    CPU kernel's, a non-bool flag (refused there), anything but plain CPU tensors, a gradient to record, or anything
+    but plain eager. options: the rest of the call's arguments, (interleaved, conjugate, layout, rows_checked,
+    vouched). In place, inference mode is part of the key (inference tensors may change in place only inside it);
+    angles that share storage with an x are left to the full path at each call (``_angles_apart``)."""
+    if cu_seqlens is not None or backend not in ("auto", "cpu"):
         return None
     if type(options[0]) is not bool or type(options[1]) is not bool:
         return None
@@ -368,7 +369,15 @@ def _replay_key(
         rows = "positions"
     else:
         rows = "offset" if type(offset) is int else "offsets" if index is not None else None
-    return (*keys, len(xs), rows, backend, *options, torch.get_num_threads())
+    inference = inplace and torch.is_inference_mode_enabled()
+    return (*keys, len(xs), rows, backend, *options, inplace, inference, torch.get_num_threads())
+
+
+def _angles_apart(xs: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether cos and sin lie in storages that none of the xs (rotated in place) is in: else the full path decides
+    whether their bytes meet and copies them first (``_apart_from``)."""
+    addresses = [x.untyped_storage().data_ptr() for x in xs]
+    return cos.untyped_storage().data_ptr() not in addresses and sin.untyped_storage().data_ptr() not in addresses
 
 
 def rotate_tensors(
@@ -407,7 +416,7 @@ def rotate_tensors(
     # What the kernel reads each token's row from: the position ids, or a decode step's per-sequence offsets.
     index = positions if positions is not None else offset if isinstance(offset, torch.Tensor) else None
     first = offset if type(offset) is int else None
-    if plan is not None:
+    if plan is not None and (not inplace or _angles_apart(tensors, cos, sin)):
         outs = replay(plan, tensors, cos, sin, first, index)
         if outs is not None:
             return outs
