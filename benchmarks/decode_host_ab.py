@@ -14,6 +14,8 @@ wall clock). Cases, fp32, one torch thread, the CPU backend:
 - ``RoPE(offset=tensor([100]))``: the same with a (1,) tensor offset;
 - ``apply_rotary_qk(cos, sin)``: cos/sin (1, 1, 1, 64) of position 100 given (broadcast), as a transformers model
   patched by ``posenc.interop`` calls it;
+- ``apply_rotary_(q, k, offset=100)``: q and k each rotated in place by ``apply_rotary_`` with the 4096-row table
+  (two calls: the in-place function takes one tensor);
 - ``apply_rotary_qk(table, positions)``: a 4096-row cos/sin table and (1, 1) position ids;
 - ``MRoPE(3-axis positions)``: ``MRoPE(128, mrope_section=[16, 24, 24])``, q (1, 16, 1, 128), k (1, 8, 1, 128),
   (3, 1, 1) positions;
@@ -48,6 +50,7 @@ CASES = (
     "RoPE(offset=100) bf16",
     "RoPE(offset=tensor([100]))",
     "apply_rotary_qk(cos, sin)",
+    "apply_rotary_(q, k, offset=100)",
     "apply_rotary_qk(table, positions)",
     "MRoPE(3-axis positions)",
     "RoPE(offset=100) prefill",
@@ -56,6 +59,7 @@ SHAPES = {
     "RoPE(offset=100)": "b=1,hq=32,hk=8,s=1,d=128,offset=100",
     "RoPE(offset=100) bf16": "b=1,hq=32,hk=8,s=1,d=128,offset=100,bf16",
     "apply_rotary_qk(cos, sin)": "b=1,hq=32,hk=8,s=1,d=128,cos=(1,1,1,64)",
+    "apply_rotary_(q, k, offset=100)": "b=1,hq=32,hk=8,s=1,d=128,rows=4096,in-place",
     "RoPE(offset=tensor([100]))": "b=1,hq=32,hk=8,s=1,d=128,offset=100",
     "apply_rotary_qk(table, positions)": "b=1,hq=32,hk=8,s=1,d=128,rows=4096",
     "MRoPE(3-axis positions)": "b=1,hq=16,hk=8,s=1,d=128,sections=16/24/24",
@@ -69,7 +73,7 @@ def make_cases(prefill_tokens: int) -> dict[str, Callable[[], object]]:
     """name -> one call, built from the posenc on sys.path (the tree this process times)."""
     import torch
 
-    from posenc import MRoPE, RoPE, apply_rotary_qk
+    from posenc import MRoPE, RoPE, apply_rotary_, apply_rotary_qk
 
     torch.manual_seed(0)
     rope = RoPE(128)
@@ -78,6 +82,7 @@ def make_cases(prefill_tokens: int) -> dict[str, Callable[[], object]]:
     cos, sin = rope.cos_sin(torch.arange(TABLE_ROWS))  # (rows, 64) each
     positions = torch.tensor([[100]])
     q16, k16 = q.bfloat16(), k.bfloat16()
+    q_inplace, k_inplace = q.clone(), k.clone()  # rotated again at every call: timed, never read
     step_cos, step_sin = cos[100:101][None, None], sin[100:101][None, None]  # (1, 1, 1, 64)
     mrope = MRoPE(128, mrope_section=[16, 24, 24])
     mq, mk = torch.randn(1, 16, 1, 128), torch.randn(1, 8, 1, 128)
@@ -88,6 +93,10 @@ def make_cases(prefill_tokens: int) -> dict[str, Callable[[], object]]:
         "RoPE(offset=100) bf16": lambda: rope(q16, k16, offset=100),
         "RoPE(offset=tensor([100]))": lambda: rope(q, k, offset=offset),
         "apply_rotary_qk(cos, sin)": lambda: apply_rotary_qk(q, k, step_cos, step_sin),
+        "apply_rotary_(q, k, offset=100)": lambda: (
+            apply_rotary_(q_inplace, cos, sin, offset=100),
+            apply_rotary_(k_inplace, cos, sin, offset=100),
+        ),
         "apply_rotary_qk(table, positions)": lambda: apply_rotary_qk(q, k, cos, sin, positions=positions),
         "MRoPE(3-axis positions)": lambda: mrope(mq, mk, positions=axes),
         PREFILL: lambda: rope(pq, pk, offset=100),
