@@ -468,3 +468,16 @@ def test_copies_and_in_place_calls_of_one_shape_are_told_apart():
         y = x.clone()
         assert apply_rotary_(y, cos, sin, offset=2) is y and torch.equal(y, want)
     assert len(apply_module._PLANS) == 2
+
+
+def test_a_replayed_in_place_call_is_seen_by_a_graph_that_saved_x():
+    """x saved by a graph (the other factor of a product with a weight that requires grad), then rotated in place by
+    a replayed call: the backward refuses, as torch's own in-place ops and the full path make it, rather than
+    compute the weight's gradient from the rotated values."""
+    cos, sin = table(8, 8)
+    apply_rotary_(torch.randn(1, 2, 3, 16), cos, sin, offset=1)  # keeps the plan
+    weight, x = torch.randn(1, 2, 3, 16, requires_grad=True), torch.randn(1, 2, 3, 16)
+    product = weight * x
+    apply_rotary_(x, cos, sin, offset=1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        product.sum().backward()

@@ -178,6 +178,12 @@ def replay(
     if status != 0:  # the plan's launch returned 0 with these very arguments but the pointers
         raise RuntimeError(f"the CPU kernel refused a replayed call (status {status}); please report this")
     note(jobs, plan.code, plan.wide, plan.run)
+    if plan.inplace:
+        # As the in-place op does (kernels.ops): autograd does not see writes through pointers, and a graph that saved
+        # x before them would compute its gradient from the rotated values instead of raising.
+        for x in xs:
+            if not x.is_inference():
+                torch.autograd.graph.increment_version(x)
     return outs
 
 
