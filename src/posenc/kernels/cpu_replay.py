@@ -57,13 +57,20 @@ class Plan(NamedTuple):
 
 
 _STRIDED = torch.strided
-_local = threading.local()
+class _Recording(threading.local):
+    """Per thread: the launches of the innermost open ``recording_launches`` block, or None. A class default, since
+    looking up an attribute a thread never set is slow (~1 us)."""
+
+    launches: list[Launch] | None = None
+
+
+_local = _Recording()
 
 
 @contextlib.contextmanager
 def recording_launches() -> Iterator[list[Launch]]:
     """The launches of the CPU kernel made in this thread inside the block (nested blocks each see theirs)."""
-    outer = getattr(_local, "launches", None)
+    outer = _local.launches
     launches: list[Launch] = []
     _local.launches = launches
     try:
@@ -76,7 +83,7 @@ def recording_launches() -> Iterator[list[Launch]]:
 
 def note(jobs: tuple[bytes, ...], code: int, wide: int, run: Any) -> None:
     """Called by every launch of the CPU kernel: kept where a ``recording_launches`` block is open in this thread."""
-    launches = getattr(_local, "launches", None)
+    launches = _local.launches
     if launches is not None:
         launches.append(Launch(jobs, code, wide, run))
 
