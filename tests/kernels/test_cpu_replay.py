@@ -481,3 +481,27 @@ def test_a_replayed_in_place_call_is_seen_by_a_graph_that_saved_x():
     apply_rotary_(x, cos, sin, offset=1)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         product.sum().backward()
+
+
+def test_arguments_a_key_cannot_hold_get_the_full_paths_errors():
+    """A layout, backend or pair layout that cannot be (or must not be read as) part of a key: the full path's
+    error, not the key's. A list layout raised "TypeError: unhashable type: 'list'" from the plans' lookup, where the
+    full path says which layouts there are; a RoPE whose interleaved was set to 1 (equal to True as a key) replayed
+    True's plan, where the full path refuses anything but a bool."""
+    cos, sin = table(32, 8)
+    q, k = random_qk(1, 4, 2, 1, 16)
+    apply_rotary_qk(q, k, cos, sin, offset=3)
+    with pytest.raises(ValueError, match="layout must be 'bhsd' or 'bshd'"):
+        apply_rotary_qk(q, k, cos, sin, offset=3, layout=["bhsd"])
+    with pytest.raises(ValueError, match="layout must be 'bhsd' or 'bshd'"):
+        apply_rotary(q, cos, sin, offset=3, layout={"bhsd": 1})
+    rope, q, k = decode_rope()
+    with pytest.raises(ValueError, match="layout must be 'bhsd' or 'bshd'"):
+        rope(q, k, offset=3, layout=["bhsd"])
+    rope.backend = ["cpu"]
+    with pytest.raises(ValueError, match="backend must be one of"):
+        rope(q, k, offset=3)
+    rope.backend = "auto"
+    rope.interleaved = 1
+    with pytest.raises(TypeError, match="interleaved must be True or False"):
+        rope(q, k, offset=3)

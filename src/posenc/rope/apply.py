@@ -339,13 +339,16 @@ def _replay_key(
 ) -> tuple | None:
     """The key under which a ``rotate_tensors`` call may be replayed (``posenc.kernels.cpu_replay``), or None for
     a call that must take the full path: packed sequences, positions beside an offset, a backend that is not the
-    CPU kernel's, a non-bool flag (refused there), anything but plain CPU tensors, a gradient to record, or anything
-    but plain eager. options: the rest of the call's arguments, (interleaved, conjugate, layout, rows_checked,
-    vouched). In place, inference mode is part of the key (inference tensors may change in place only inside it);
-    angles that share storage with an x are left to the full path at each call (``_angles_apart``)."""
+    CPU kernel's, a non-bool flag or a layout neither None nor a str (refused there; a list could not be part of
+    the key), anything but plain CPU tensors, a gradient to record, or anything but plain eager. options: the rest
+    of the call's arguments, (interleaved, conjugate, layout, rows_checked, vouched). In place, inference mode is
+    part of the key (inference tensors may change in place only inside it); angles that share storage with an x are
+    left to the full path at each call (``_angles_apart``)."""
     if cu_seqlens is not None or backend not in ("auto", "cpu"):
         return None
     if type(options[0]) is not bool or type(options[1]) is not bool:
+        return None
+    if options[2] is not None and type(options[2]) is not str:
         return None
     if positions is None:
         index = offset if isinstance(offset, torch.Tensor) else None

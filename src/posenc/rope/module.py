@@ -906,10 +906,14 @@ class RoPE(nn.Module):
     ) -> tuple | None:
         """The key under which a call may replay an earlier one's launch of the CPU kernel on this module's table
         (``posenc.kernels.cpu_replay``), or None for a call that must take the full path: seq_len, positions beside
-        an offset, a type that scales for the length, anything but plain CPU tensors, a gradient to record,
-        anything but plain eager, a CUDA graph capture. The table a plan reads is checked at each replay to be the
-        one kept now (``forget_frequencies`` and ``_apply`` replace or drop tables)."""
+        an offset, a layout or backend that is not a str or an interleaved that is not a bool (the full path's
+        errors: a list could not be part of the key, and 1 would find True's plans), a type that scales for the
+        length, anything but plain CPU tensors, a gradient to record, anything but plain eager, a CUDA graph
+        capture. The table a plan reads is checked at each replay to be the one kept now (``forget_frequencies``
+        and ``_apply`` replace or drop tables)."""
         if seq_len is not None or (positions is not None and (type(offset) is not int or offset != 0)):
+            return None
+        if type(layout) is not str or type(self.backend) is not str or type(self.interleaved) is not bool:
             return None
         if positions is None and type(offset) is not int and not isinstance(offset, torch.Tensor):
             return None
