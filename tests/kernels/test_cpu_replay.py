@@ -505,3 +505,44 @@ def test_arguments_a_key_cannot_hold_get_the_full_paths_errors():
     rope.interleaved = 1
     with pytest.raises(TypeError, match="interleaved must be True or False"):
         rope(q, k, offset=3)
+
+
+class CountingLibrary:
+    """A stand-in for the kernel library that counts the calls into it and hands them to ``library``."""
+
+    def __init__(self, library):
+        self.calls = 0
+        self._library = library
+
+    def __getattr__(self, name):
+        function = getattr(self._library, name)
+
+        def counted(*args):
+            self.calls += 1
+            return function(*args)
+
+        setattr(self, name, counted)
+        return counted
+
+
+def test_a_plan_runs_only_the_kernel_library_loaded_now(monkeypatch):
+    """A plan holds the library its launch called; where ``cpu_rope._library`` gives another since (the tests of
+    the builds for older x86 levels swap it in) or none (the kernel unavailable), a replay would still call the old
+    one: the older builds' tests replayed the native build's plans of the same shapes, and backend='cpu' went on
+    without a kernel. Those calls take the full path, with the library there is now."""
+    cos, sin = table(32, 8)
+    q, k = random_qk(1, 4, 2, 1, 16)
+    rope = RoPE(16)
+    calls = (lambda: apply_rotary_qk(q, k, cos, sin, offset=3, backend="cpu"), lambda: rope(q, k, offset=3))
+    wanted = [call() for call in calls]  # plans of the native library
+    counting = CountingLibrary(cpu_rope._library()[0])
+    monkeypatch.setattr(cpu_rope, "_library", lambda: (counting, ""))
+    for call, want in zip(calls, wanted, strict=True):
+        before = counting.calls
+        got = call()
+        assert counting.calls == before + 1
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    monkeypatch.setattr(cpu_rope, "_library", lambda: (None, "no C++ compiler found"))
+    with pytest.raises(RuntimeError, match="backend='cpu' is unavailable"):
+        calls[0]()
+    torch.testing.assert_close(calls[1](), wanted[1])  # "auto": the torch path

@@ -57,6 +57,8 @@ class Plan(NamedTuple):
 
 
 _STRIDED = torch.strided
+
+
 class _Recording(threading.local):
     """Per thread: the launches of the innermost open ``recording_launches`` block, or None. A class default, since
     looking up an attribute a thread never set is slow (~1 us)."""
@@ -166,9 +168,16 @@ def replay(
     """Rotated copies of xs by ``plan`` (of a key that these tensors match), or the xs rotated in place by an in-place
     plan, reading cos/sin from row ``offset`` or at the rows in ``index``; None when the angles have no rows there
     (the full path says why, or grows its table): an offset past them, or a row in ``index`` outside the table,
-    which the kernel finds before it writes."""
+    which the kernel finds before it writes; also where the package's kernel library is not the one the plan's
+    launch called (the tests swap in builds for older x86 levels, or none), so that a call runs the library, or the
+    fallback, that the full path would."""
     first = offset or 0
     if not 0 <= first <= plan.last_offset:
+        return None
+    from posenc.kernels import cpu_rope  # cpu_rope imports this module
+
+    library = cpu_rope._library()[0]
+    if library is None or library.posenc_rope_jobs is not plan.run:
         return None
     skip = first * plan.row_bytes
     cos_ptr, sin_ptr = cos.data_ptr() + skip, sin.data_ptr() + skip
