@@ -51,8 +51,8 @@ class Plan(NamedTuple):
     code: int
     wide: int
     run: Any
-    row_bytes: int  # how far cos/sin's pointers move per unit of offset (0 for broadcast angles)
-    last_offset: int  # the largest offset whose rows the angles hold (0 for broadcast angles)
+    row_bytes: int  # how far cos/sin's pointers move per unit of offset (0 without an int offset, or one row)
+    last_offset: int  # the largest int offset whose rows the angles hold (0 without an int offset: none but 0)
     inplace: bool  # the outputs are the xs themselves
 
 
