@@ -913,13 +913,13 @@ class RoPE(nn.Module):
         and ``_apply`` replace or drop tables)."""
         if seq_len is not None or (positions is not None and (type(offset) is not int or offset != 0)):
             return None
-        if type(layout) is not str or type(self.backend) is not str or type(self.interleaved) is not bool:
-            return None
         if positions is None and type(offset) is not int and not isinstance(offset, torch.Tensor):
             return None
         # First: Dynamo reads plain_eager() as False and traces nothing after it here. Under a CUDA graph capture a
         # call holds the table it reads for the graph's life (_hold_for_graph).
         if not plain_eager() or _capturing() or is_seq_len_dependent(self.spec.rope_type):
+            return None
+        if type(layout) is not str or type(self.backend) is not str or type(self.interleaved) is not bool:
             return None
         grad = torch.is_grad_enabled()
         q_key, k_key = tensor_key(q, grad), tensor_key(k, grad)
