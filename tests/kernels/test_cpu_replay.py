@@ -11,6 +11,7 @@ import pickle
 import threading
 from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -561,3 +562,77 @@ def test_a_plan_is_kept_only_where_its_outputs_are_laid_out_as_a_replay_allocate
         got = apply_rotary(x, cos, sin, offset=offset)
         want = full_path(lambda offset=offset: apply_rotary(x, cos, sin, offset=offset))
         assert got.stride() == want.stride() and torch.equal(got, want)
+
+
+def same(got, want) -> bool:
+    return all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+def test_what_a_key_leaves_out_is_never_replayed():
+    """Arguments that a key does not hold, each after a call of the same metadata has kept a plan: rotations in
+    place (which must write x and return it), position ids beside an offset (the full path adds them: a plan of
+    offset 0 would drop a later offset), a RoPE's seq_len (checked against the positions), numpy offsets (not read
+    as ints by the key), the kernel's thread count for the functions too."""
+    cos, sin = table(64, 8)
+    q, k = random_qk(1, 4, 2, 3, 16)
+    x = q.clone()
+    for offset in (2, 5):
+        want = full_path(lambda offset=offset: apply_rotary(x.clone(), cos, sin, offset=offset))
+        assert apply_rotary_(x, cos, sin, offset=offset) is x and torch.equal(x, want)
+        x.copy_(q)
+    ids = torch.tensor([4, 1, 7])
+    for offset in (0, 5):
+        got = apply_rotary_qk(q, k, cos, sin, positions=ids, offset=offset)
+        assert same(got, full_path(lambda offset=offset: apply_rotary_qk(q, k, cos, sin, positions=ids, offset=offset)))
+    # Rows past the table once the offset is added: the full path's error, where a replay of offset 0's plan with
+    # the angles' pointers moved by the offset read past the table's end.
+    with pytest.raises(ValueError, match="rows"):
+        apply_rotary_qk(q, k, cos, sin, positions=torch.tensor([60, 62, 63]), offset=1)
+    for offset in (np.int64(0), np.int64(3)):
+        got = apply_rotary(q, cos, sin, offset=offset)
+        assert torch.equal(got, full_path(lambda offset=offset: apply_rotary(q, cos, sin, offset=offset)))
+    apply_module._PLANS.clear()
+    big = torch.randn(1, 8, 600, 16)  # enough elements for two threads
+    for threads in (1, 2):
+        with torch_threads(threads):
+            apply_rotary(big, *table(600, 8), offset=0)
+    assert len(apply_module._PLANS) == 2
+
+    rope = RoPE(16)
+    for offset in (0, 5):  # each against a RoPE of its own, which keeps no plan before the call
+        assert same(rope(q, k, positions=ids, offset=offset), RoPE(16)(q, k, positions=ids, offset=offset))
+    rope(q, k, offset=3)
+    with pytest.raises(ValueError, match="seq_len is shorter"):
+        rope(q, k, offset=3, seq_len=4)
+
+
+def test_index_tensors_the_full_path_converts_are_not_replayed():
+    """Position ids or offsets of another integer dtype, and per-sequence offsets read for several tokens: the
+    kernel reads a tensor the full path made from them (each token's int64 row), not the caller's, so no plan is
+    kept. A replay of the caller's pointer would read other rows: here views of bigger buffers, where it reads rows
+    inside the table past the view (int32 ids read as int64, (b,) offsets read as (b, s) rows) and no error."""
+    cos, sin = table(64, 8)
+    q, k = random_qk(2, 4, 2, 3, 16)
+    rows = torch.tensor([4, 0, 1, 0, 7, 0, 2, 0, 9, 0, 3, 0])  # as int64 from int32 memory: 4, 1, 7, 2, 9, 3
+    index = (
+        {"positions": rows.to(torch.int32)[:6].view(2, 3)},
+        {"offset": rows.to(torch.int32)[:2]},
+        {"offset": rows[::2][:2]},
+        {"offset": rows[:2]},
+    )
+    rope = RoPE(16)
+    for kwargs in index:
+        for _ in range(2):  # the second call would replay the first's plan
+            got = apply_rotary_qk(q, k, cos, sin, **kwargs)
+            assert same(got, full_path(lambda kwargs=kwargs: apply_rotary_qk(q, k, cos, sin, **kwargs))), kwargs
+            assert same(rope(q, k, **kwargs), RoPE(16)(q, k, **kwargs)), kwargs
+
+
+def test_a_rope_holds_the_table_a_cuda_graph_capture_reads():
+    """Under a CUDA graph capture the full path holds the table it reads for the graph's life (``_hold_for_graph``):
+    a capture never replays, which would skip that. (Asked of ``_capturing``, mocked: a CPU machine captures
+    nothing.)"""
+    rope, q, k = decode_rope()
+    with mock.patch.object(module, "_capturing", return_value=True):
+        rope(q, k, offset=3)
+    assert len(rope._captured) == 1 and rope._captured[0] is next(iter(rope._tables.values()))
