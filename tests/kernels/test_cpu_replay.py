@@ -247,6 +247,12 @@ def test_a_call_that_cannot_be_replayed_is_not_recorded_again():
     assert planned.call_count == 1
 
 
+def fresh(q: torch.Tensor, k: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """A new ``RoPE(q.shape[-1])``'s call, through the full path only (no plan of its own or of the functions')."""
+    with mock.patch.object(apply_module, "_PLANS", apply_module.Plans(0)):
+        return RoPE(q.shape[-1])(q, k, **kwargs)
+
+
 def decode_rope(dtype=torch.float32, **options):
     rope = RoPE(16, **options)
     q, k = random_qk(1, 4, 2, 1, 16, dtype=dtype)
@@ -322,9 +328,8 @@ def test_bad_calls_after_a_plan_still_get_their_errors():
 def test_a_rope_replays_on_the_table_it_keeps_now():
     """A step past the table grows it (the plan's table is replaced: the full path once, then a plan of the new
     table); dropped tables (forget_frequencies, a move to another device and back) and a changed pair layout are
-    followed too. Every result equals a fresh module's."""
+    followed too. Every result equals a fresh module's (through the full path)."""
     rope, q, k = decode_rope()
-    fresh = RoPE(16)
     for offset in (300, 301, 5):  # 300 is past the 256-row table
         assert all(
             torch.equal(g, w) for g, w in zip(rope(q, k, offset=offset), fresh(q, k, offset=offset), strict=True)
@@ -389,7 +394,6 @@ def test_threads_replaying_one_rope_each_get_their_own_steps():
     step alone."""
     rope, _, _ = decode_rope(torch.bfloat16)
     steps = [(random_qk(1, 4, 2, 1, 16, dtype=torch.bfloat16, seed=seed), seed * 7 % 250) for seed in range(200)]
-    fresh = RoPE(16)
     wanted = [fresh(q, k, offset=offset) for (q, k), offset in steps]
     results: dict[int, list] = {}
 
