@@ -1,19 +1,20 @@
 """Replaying a checked eager call of the CPU kernel: a decode step's rotation without its Python.
 
 At decode size (one token of 32 + 8 heads of 128 channels) the kernel takes ~2 us, and a call through
-``apply_rotary_qk`` or ``RoPE`` took 45-55 us, nearly all of it Python: checks, the choice of backend, the canonical
-views, ``struct Args``. All of that depends on the tensors' metadata (types, shapes, strides, dtypes, devices,
-dispatch keys), on the call's options and on global state (modes, tracing, transforms, grad), never on their
-values. So the first call with a given metadata goes the whole way, and the ``struct Args`` it handed the kernel
-is kept as a ``Plan``, keyed by that metadata; a later call with the same key puts its own pointers into a copy and
-calls the kernel, allocating the outputs as the full path does.
+``apply_rotary_qk`` or ``RoPE`` took 51-66 us (an Intel VM, 2026-12-07), nearly all of it Python: checks, the choice
+of backend, the canonical views, ``struct Args``. All of that depends on the tensors' metadata (types, shapes,
+strides, dtypes, devices, dispatch keys), on the call's options and on global state (modes, tracing, transforms,
+grad), never on their values. So the first call with a given metadata goes the whole way, and the ``struct Args`` it
+handed the kernel is kept as a ``Plan``, keyed by that metadata; a later call with the same key puts its own
+pointers into a copy and calls the kernel, allocating the outputs as the full path does.
 
-A plan is kept only where replaying it is exactly what the full path would launch again (``plan_of``): the
-kernel read the caller's own x, cos and sin (no copy was made on the way) and wrote the outputs returned, and the
-angles' pointers moved with the offset alone. Replays run only in plain eager (``plain_eager``) and without
-gradients to record, so every path that needs the full machinery (autograd, torch.compile, modes, transforms,
-subclasses) never meets a plan; the callers build the key (``tensor_key``) and check the offset's range
-(``replay`` returns None outside it, and the full path then raises or grows its table as it would have).
+A plan is kept only where replaying it is exactly what the full path would launch again (``plan_of``): the kernel
+read the caller's own x, cos and sin, and ids or offsets (no copy was made on the way), and wrote the outputs
+returned (in place, the xs themselves), and the angles' pointers moved with the offset alone. Replays run only in
+plain eager (``plain_eager``) and without gradients to record, so every path that needs the full machinery
+(autograd, torch.compile, modes, transforms, subclasses) never meets a plan; the callers build the key
+(``tensor_key``) and check the offset's range (``replay`` returns None outside it, and the full path then raises or
+grows its table as it would have).
 """
 
 from __future__ import annotations
