@@ -446,6 +446,9 @@ def test_in_place_calls_leave_angles_in_their_own_storage_to_the_full_path():
     )
     got = apply_rotary_(x, shared_cos, shared_sin, offset=0)
     assert torch.equal(got, want)
+    with counting_full_paths() as full:  # the plan of separate tensors is still there for them
+        apply_rotary_(torch.randn(1, 1, 4, 16), cos, sin, offset=0)
+    assert full["functions"] == 0
 
 
 def test_an_inference_tensor_rotated_in_place_outside_inference_mode_is_refused_after_a_plan():

@@ -130,9 +130,9 @@ def plan_of(
     """A plan of the one launch a full call made, or None when replaying it could differ from the full path.
 
     xs, outs: the call's tensors to rotate and the outputs it returned, in order (the xs themselves in place); cos,
-    sin: the angles it was given,
-    broadcast or read at ``index`` (``offset`` None) or (rows, r/2) tables read from row ``offset``; index: the
-    tensor the kernel read each token's row from (position ids, or a decode step's per-sequence offsets), or None."""
+    sin: the angles it was given, broadcast or read at ``index`` (``offset`` None) or (rows, r/2) tables read from
+    row ``offset``; index: the tensor the kernel read each token's row from (position ids, or a decode step's
+    per-sequence offsets), or None."""
     if len(launches) != 1 or len(launches[0].jobs) != len(xs):
         return None
     launch = launches[0]

@@ -420,7 +420,10 @@ def rotate_tensors(
     # What the kernel reads each token's row from: the position ids, or a decode step's per-sequence offsets.
     index = positions if positions is not None else offset if isinstance(offset, torch.Tensor) else None
     first = offset if type(offset) is int else None
-    if plan is not None and (not inplace or _angles_apart(tensors, cos, sin)):
+    if inplace and not _angles_apart(tensors, cos, sin):
+        # Decided per call, not by the key: the full path, unrecorded (its copy of the angles would not replay).
+        return _rotate_tensors(xs, cos, sin, positions, offset, cu_seqlens, backend, inplace, *options)
+    if plan is not None:
         outs = replay(plan, tensors, cos, sin, first, index)
         if outs is not None:
             return outs
