@@ -19,30 +19,16 @@ grows its table as it would have).
 
 from __future__ import annotations
 
-import contextlib
-import struct
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
 import torch.autograd.forward_ad as fwAD
 
 from posenc._checks import compiling
-
-# struct Args (cpu_rope.cpp) begins with its five pointers (x, out, cos, sin, pos), which replays fill in, and
-# n[3], whose n[2] is the tokens a job reads rows for; the rest of a job is fixed by the key.
-_POINTERS = struct.Struct("=5Q")
-_HEAD = struct.Struct("=5Q3q")
-
-
-class Launch(NamedTuple):
-    """One call into the kernel library: the packed ``struct Args`` of each job and the call's other arguments."""
-
-    jobs: tuple[bytes, ...]
-    code: int
-    wide: int
-    run: Any  # the library's posenc_rope_jobs
+from posenc.kernels import cpu_rope
+from posenc.kernels.cpu_rope import _ARGS, _POINTERS, _SEQ_FIELD, Launch, note
 
 
 class Plan(NamedTuple):
@@ -58,37 +44,6 @@ class Plan(NamedTuple):
 
 
 _STRIDED = torch.strided
-
-
-class _Recording(threading.local):
-    """Per thread: the launches of the innermost open ``recording_launches`` block, or None. A class default, since
-    looking up an attribute a thread never set is slow (~1 us)."""
-
-    launches: list[Launch] | None = None
-
-
-_local = _Recording()
-
-
-@contextlib.contextmanager
-def recording_launches() -> Iterator[list[Launch]]:
-    """The launches of the CPU kernel made in this thread inside the block (nested blocks each see theirs)."""
-    outer = _local.launches
-    launches: list[Launch] = []
-    _local.launches = launches
-    try:
-        yield launches
-    finally:
-        _local.launches = outer
-        if outer is not None:
-            outer.extend(launches)
-
-
-def note(jobs: tuple[bytes, ...], code: int, wide: int, run: Any) -> None:
-    """Called by every launch of the CPU kernel: kept where a ``recording_launches`` block is open in this thread."""
-    launches = _local.launches
-    if launches is not None:
-        launches.append(Launch(jobs, code, wide, run))
 
 
 def plain_eager() -> bool:
@@ -141,7 +96,7 @@ def plan_of(
     else:
         rows = cos.shape[0]
         row_bytes = cos.stride(0) * cos.element_size() if rows > 1 else 0
-        seq = max(_HEAD.unpack_from(job)[-1] for job in launch.jobs)
+        seq = max(_ARGS.unpack(job)[_SEQ_FIELD] for job in launch.jobs)
         last_offset = rows - seq
     skip = (offset or 0) * row_bytes
     expected = (cos.data_ptr() + skip, sin.data_ptr() + skip, 0 if index is None else index.data_ptr())
@@ -175,9 +130,7 @@ def replay(
     first = offset or 0
     if not 0 <= first <= plan.last_offset:
         return None
-    from posenc.kernels import cpu_rope  # cpu_rope imports this module
-
-    library = cpu_rope._library()[0]
+    library = cpu_rope._library()[0]  # looked up on the module: what the tests swap in
     if library is None or library.posenc_rope_jobs is not plan.run:
         return None
     skip = first * plan.row_bytes

@@ -31,7 +31,8 @@ from posenc._checks import (
     values_readable,
 )
 from posenc.kernels.backend import batched, choose_backend
-from posenc.kernels.cpu_replay import Plans, plain_eager, plan_of, recording_launches, replay, tensor_key
+from posenc.kernels.cpu_replay import Plans, plain_eager, plan_of, replay, tensor_key
+from posenc.kernels.cpu_rope import recording_launches
 from posenc.kernels.layout import check_table_call, consecutive_rows, hf_cos_hint, rotary_kind, token_positions
 from posenc.kernels.ops import rotary_copy, rotary_inplace
 

@@ -46,7 +46,8 @@ from posenc._checks import (
 )
 from posenc.encoding import ActsOn
 from posenc.kernels.backend import BACKENDS, transformed
-from posenc.kernels.cpu_replay import Plans, plain_eager, plan_of, recording_launches, replay, tensor_key
+from posenc.kernels.cpu_replay import Plans, plain_eager, plan_of, replay, tensor_key
+from posenc.kernels.cpu_rope import recording_launches
 from posenc.positions import resolve_positions
 from posenc.rope.apply import Backend, apply_rotary, apply_rotary_qk, rotate_tensors
 from posenc.rope.frequencies import dynamic as dynamic_frequencies
