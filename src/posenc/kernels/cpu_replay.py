@@ -61,6 +61,16 @@ def plain_eager() -> bool:
     )
 
 
+def rows_read(positions: object, offset: object) -> tuple[Any, Any]:
+    """(the table row of the first token: an int offset, or None; the tensor the kernel reads each token's row from:
+    the position ids, or a decode step's per-sequence offsets, or None) of a call's ``positions`` and ``offset``."""
+    if positions is not None:
+        return None, positions
+    if isinstance(offset, torch.Tensor):
+        return None, offset
+    return offset, None
+
+
 def tensor_key(t: object, grad: bool) -> tuple | None:
     """What of a tensor the full path's checks and decisions read: shape, strides, dtype and dispatch keys (a
     negative view, an inference tensor, a wrapped or batched tensor each have their own); None for one that replays

@@ -31,7 +31,7 @@ from posenc._checks import (
     values_readable,
 )
 from posenc.kernels.backend import batched, choose_backend
-from posenc.kernels.cpu_replay import Plans, plain_eager, plan_of, replay, tensor_key
+from posenc.kernels.cpu_replay import Plans, plain_eager, plan_of, replay, rows_read, tensor_key
 from posenc.kernels.cpu_rope import recording_launches
 from posenc.kernels.layout import check_table_call, consecutive_rows, hf_cos_hint, rotary_kind, token_positions
 from posenc.kernels.ops import rotary_copy, rotary_inplace
@@ -295,16 +295,23 @@ def _byte_span(t: torch.Tensor) -> tuple[int, int]:
     return first, first + (last + 1) * t.element_size()
 
 
+def _angles_apart(xs: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether cos and sin lie in storages that none of the xs (rotated in place) is in, so that no byte of theirs
+    can be overwritten by the rotation (else ``_apart_from`` compares their bytes)."""
+    addresses = [_storage_address(x) for x in xs]
+    return _storage_address(cos) not in addresses and _storage_address(sin) not in addresses
+
+
 def _apart_from(xs: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin, each copied where its memory may overlap one of the xs rotated in place: a view of x itself (one
     buffer holding activations and angles) was read after the rotation had overwritten part of it, on every
     backend (max error 8-12 for a (2, 3, 5, 8) x), without an error. The storages are compared first (2.8 us a
     call on a shared 2-core CPU); only angles in an x's storage have their bytes compared, so a slice beside x in
     one buffer (columns of a fused tensor, an arena) is copied where its byte range meets x's, and not otherwise."""
+    if _angles_apart(xs, cos, sin):
+        return cos, sin
     addresses = [_storage_address(x) for x in xs]
     angle_addresses = (_storage_address(cos), _storage_address(sin))
-    if all(address not in addresses for address in angle_addresses):
-        return cos, sin
     apart = []
     for angles, address in zip((cos, sin), angle_addresses, strict=True):
         if address is not None and angles.numel():
@@ -334,6 +341,7 @@ def _replay_key(
     options: tuple,
     positions: torch.Tensor | None,
     offset: object,
+    index: torch.Tensor | None,
     cu_seqlens: torch.Tensor | None,
     backend: str,
     inplace: bool,
@@ -342,7 +350,8 @@ def _replay_key(
     a call that must take the full path: packed sequences, positions beside an offset, a backend that is not the
     CPU kernel's, a non-bool flag or a layout neither None nor a str (refused there; a list could not be part of
     the key), anything but plain CPU tensors, a gradient to record, or anything but plain eager. options: the rest
-    of the call's arguments, (interleaved, conjugate, layout, rows_checked, vouched). In place, inference mode is
+    of the call's arguments, (interleaved, conjugate, layout, rows_checked, vouched); index: ``rows_read``'s. In
+    place, inference mode is
     part of the key (inference tensors may change in place only inside it); angles that share storage with an x are
     left to the full path at each call (``_angles_apart``)."""
     if cu_seqlens is not None or backend not in ("auto", "cpu"):
@@ -351,13 +360,9 @@ def _replay_key(
         return None
     if options[2] is not None and type(options[2]) is not str:
         return None
-    if positions is None:
-        index = offset if isinstance(offset, torch.Tensor) else None
-        if index is None and not (offset is None or type(offset) is int):
-            return None
-    elif offset is None:
-        index = positions
-    else:
+    if positions is not None and offset is not None:
+        return None
+    if index is None and not (offset is None or type(offset) is int):
         return None
     if not plain_eager():
         return None
@@ -375,13 +380,6 @@ def _replay_key(
         rows = "offset" if type(offset) is int else "offsets" if index is not None else None
     inference = inplace and torch.is_inference_mode_enabled()
     return (*keys, len(xs), rows, backend, *options, inplace, inference, torch.get_num_threads())
-
-
-def _angles_apart(xs: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor) -> bool:
-    """Whether cos and sin lie in storages that none of the xs (rotated in place) is in: else the full path decides
-    whether their bytes meet and copies them first (``_apart_from``)."""
-    addresses = [x.untyped_storage().data_ptr() for x in xs]
-    return cos.untyped_storage().data_ptr() not in addresses and sin.untyped_storage().data_ptr() not in addresses
 
 
 def rotate_tensors(
@@ -413,14 +411,12 @@ def rotate_tensors(
     15-17 us replayed).
     """
     options = (interleaved, conjugate, layout, rows_checked, vouched)
-    key = _replay_key(xs, cos, sin, options, positions, offset, cu_seqlens, backend, inplace)
+    first, index = rows_read(positions, offset)
+    key = _replay_key(xs, cos, sin, options, positions, offset, index, cu_seqlens, backend, inplace)
     plan = None if key is None else _PLANS.get(key)
     if key is None or plan is _FULL_PATH:
         return _rotate_tensors(xs, cos, sin, positions, offset, cu_seqlens, backend, inplace, *options)
     tensors = list(xs.values())
-    # What the kernel reads each token's row from: the position ids, or a decode step's per-sequence offsets.
-    index = positions if positions is not None else offset if isinstance(offset, torch.Tensor) else None
-    first = offset if type(offset) is int else None
     if inplace and not _angles_apart(tensors, cos, sin):
         # Decided per call, not by the key: the full path, unrecorded (its copy of the angles would not replay).
         return _rotate_tensors(xs, cos, sin, positions, offset, cu_seqlens, backend, inplace, *options)

@@ -46,7 +46,7 @@ from posenc._checks import (
 )
 from posenc.encoding import ActsOn
 from posenc.kernels.backend import BACKENDS, transformed
-from posenc.kernels.cpu_replay import Plans, plain_eager, plan_of, replay, tensor_key
+from posenc.kernels.cpu_replay import Plans, plain_eager, plan_of, replay, rows_read, tensor_key
 from posenc.kernels.cpu_rope import recording_launches
 from posenc.positions import resolve_positions
 from posenc.rope.apply import Backend, apply_rotary, apply_rotary_qk, rotate_tensors
@@ -198,16 +198,6 @@ def _stays_on(fn: Any, device: torch.device) -> bool:
         return fn(torch.empty(0, device=device)).device == device
     except Exception:  # an fn that takes no empty tensor: the tables go, they are rebuilt on use
         return False
-
-
-def _rows_read(positions: torch.Tensor | None, offset: int | torch.Tensor) -> tuple[int | None, torch.Tensor | None]:
-    """(the table row of the first token, or None; the tensor the kernel reads each token's row from, or None) of
-    a forward call that ``RoPE._replay_key`` takes: an int offset, position ids, or per-sequence offsets."""
-    if positions is not None:
-        return None, positions
-    if isinstance(offset, torch.Tensor):
-        return None, offset
-    return offset, None
 
 
 def _position_bounds(
@@ -811,9 +801,9 @@ class RoPE(nn.Module):
         read. A positive int for every type.
         Returns new (q, k) with the input dtypes.
         """
-        key = self._replay_key(q, k, positions, offset, layout, seq_len)
+        first, index = rows_read(positions, offset)
+        key = self._replay_key(q, k, positions, offset, index, layout, seq_len)
         if key is not None:
-            first, index = _rows_read(positions, offset)
             kept = self._kept_plan(key)
             if kept is not None and kept[1] is None:
                 key = None  # this table cannot serve these calls replayed (a copy on the way): the full path
@@ -903,7 +893,14 @@ class RoPE(nn.Module):
         return self._rotate_at(q, k, cos, sin, layout)
 
     def _replay_key(
-        self, q: torch.Tensor, k: torch.Tensor, positions: object, offset: object, layout: object, seq_len: object
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        positions: object,
+        offset: object,
+        index: object,
+        layout: object,
+        seq_len: object,
     ) -> tuple | None:
         """The key under which a call may replay an earlier one's launch of the CPU kernel on this module's table
         (``posenc.kernels.cpu_replay``), or None for a call that must take the full path: seq_len, positions beside
@@ -926,7 +923,6 @@ class RoPE(nn.Module):
         q_key, k_key = tensor_key(q, grad), tensor_key(k, grad)
         if q_key is None or k_key is None:
             return None
-        index = positions if positions is not None else offset if isinstance(offset, torch.Tensor) else None
         index_key = None if index is None else tensor_key(index, grad)
         if index is not None and index_key is None:
             return None
