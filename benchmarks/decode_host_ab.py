@@ -22,10 +22,19 @@ wall clock). Cases, fp32, one torch thread, the CPU backend:
 - ``RoPE(offset=100) prefill``: the same call with q (1, 32, s, 128), k (1, 8, s, 128), s = ``--prefill-tokens``
   (512), ``--prefill-rounds`` rounds of ``--prefill-calls`` calls.
 
+With ``--triton``, two more cases time the host side of ``backend='triton'`` with Triton's launch replaced by a
+no-op (``posenc.kernels.triton_rope.launch``; Triton's own launcher and the GPU are not in them): the Python a
+decode step costs before the launch, the same on any machine. The processes run with ``TRITON_INTERPRET=1`` so that
+CPU tensors take the Triton path; q and k in bfloat16, as on a GPU:
+
+- ``RoPE(offset=100) triton host``: ``posenc.RoPE(128, backend='triton')(q, k, offset=100)``;
+- ``apply_rotary_qk(cos, sin) triton host``: float32 cos/sin (1, 1, 1, 64) given, as a patched model passes them.
+
 Printed per case: each pair's old / new and the pairwise difference (new - old) range. Rows, long format: one per
 case, pair and tree (provider ``old@<rev>`` or ``new@tree``; the commit column is that tree's).
 
     python benchmarks/decode_host_ab.py --baseline e00b500 --pairs 4 --csv docs/results/decode_host_ab.csv
+    python benchmarks/decode_host_ab.py --baseline 2f7685b --pairs 6 --triton
 """
 
 from __future__ import annotations
@@ -55,6 +64,7 @@ CASES = (
     "MRoPE(3-axis positions)",
     "RoPE(offset=100) prefill",
 )
+TRITON_CASES = ("RoPE(offset=100) triton host", "apply_rotary_qk(cos, sin) triton host")
 SHAPES = {
     "RoPE(offset=100)": "b=1,hq=32,hk=8,s=1,d=128,offset=100",
     "RoPE(offset=100) bf16": "b=1,hq=32,hk=8,s=1,d=128,offset=100,bf16",
@@ -63,14 +73,18 @@ SHAPES = {
     "RoPE(offset=tensor([100]))": "b=1,hq=32,hk=8,s=1,d=128,offset=100",
     "apply_rotary_qk(table, positions)": "b=1,hq=32,hk=8,s=1,d=128,rows=4096",
     "MRoPE(3-axis positions)": "b=1,hq=16,hk=8,s=1,d=128,sections=16/24/24",
+    "RoPE(offset=100) triton host": "b=1,hq=32,hk=8,s=1,d=128,offset=100,bf16,launch=no-op",
+    "apply_rotary_qk(cos, sin) triton host": "b=1,hq=32,hk=8,s=1,d=128,cos=(1,1,1,64),bf16,launch=no-op",
 }
+BF16_CASES = ("RoPE(offset=100) bf16", *TRITON_CASES)
 PREFILL = "RoPE(offset=100) prefill"
 TABLE_ROWS = 4096
 FIELDS = ["op", "provider", "mode", "dtype", "shape", "pair", "order", "us", "device", "torch", "commit"]
 
 
-def make_cases(prefill_tokens: int) -> dict[str, Callable[[], object]]:
-    """name -> one call, built from the posenc on sys.path (the tree this process times)."""
+def make_cases(prefill_tokens: int, triton: bool = False) -> dict[str, Callable[[], object]]:
+    """name -> one call, built from the posenc on sys.path (the tree this process times); with ``triton``, the
+    Triton cases too (this process must have TRITON_INTERPRET=1 and Triton's launch replaced by a no-op)."""
     import torch
 
     from posenc import MRoPE, RoPE, apply_rotary_, apply_rotary_qk
@@ -88,7 +102,16 @@ def make_cases(prefill_tokens: int) -> dict[str, Callable[[], object]]:
     mq, mk = torch.randn(1, 16, 1, 128), torch.randn(1, 8, 1, 128)
     axes = torch.tensor([100, 7, 9])[:, None, None]  # (3, 1, 1): temporal, height, width
     pq, pk = torch.randn(1, 32, prefill_tokens, 128), torch.randn(1, 8, prefill_tokens, 128)
-    return {
+    triton_cases = {}
+    if triton:
+        triton_rope = RoPE(128, backend="triton")
+        triton_cases = {
+            "RoPE(offset=100) triton host": lambda: triton_rope(q16, k16, offset=100),
+            "apply_rotary_qk(cos, sin) triton host": lambda: apply_rotary_qk(
+                q16, k16, step_cos, step_sin, backend="triton"
+            ),
+        }
+    return triton_cases | {
         "RoPE(offset=100)": lambda: rope(q, k, offset=100),
         "RoPE(offset=100) bf16": lambda: rope(q16, k16, offset=100),
         "RoPE(offset=tensor([100]))": lambda: rope(q, k, offset=offset),
@@ -135,7 +158,11 @@ def worker(args: argparse.Namespace) -> None:
     source = Path(posenc.__file__).resolve()
     if args.expect_src is not None and not source.is_relative_to(Path(args.expect_src).resolve()):
         raise SystemExit(f"posenc imported from {source}, not from {args.expect_src}: an install shadows PYTHONPATH")
-    cases = make_cases(args.prefill_tokens)
+    if args.triton:
+        from posenc.kernels import triton_rope
+
+        triton_rope.launch = lambda plan: None  # the host's Python alone: the kernel is not what is timed
+    cases = make_cases(args.prefill_tokens, args.triton)
     calls = {name: args.prefill_calls if name == PREFILL else args.calls for name in cases}
     rounds = {name: args.prefill_rounds if name == PREFILL else args.rounds for name in cases}
     with torch.no_grad():
@@ -169,11 +196,13 @@ def run_tree(src: Path, args: argparse.Namespace) -> dict:
     """One timing process of the tree whose package is in ``src``."""
     env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1"}
     env.pop("TRITON_INTERPRET", None)  # the CPU backend, as a CPU decode runs it
+    if args.triton:
+        env["TRITON_INTERPRET"] = "1"  # CPU tensors take the Triton path (its launch a no-op); the CPU cases do not
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--expect-src", str(src)]
     command += ["--calls", str(args.calls), "--rounds", str(args.rounds), "--warmup", str(args.warmup)]
     command += ["--prefill-tokens", str(args.prefill_tokens), "--prefill-calls", str(args.prefill_calls)]
     command += ["--prefill-rounds", str(args.prefill_rounds)]
-    command += ["--clock", args.clock, "--alloc", args.alloc]
+    command += ["--clock", args.clock, "--alloc", args.alloc] + (["--triton"] if args.triton else [])
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
         raise SystemExit(f"the timing process for {src} failed:\n{done.stderr[-3000:]}")
@@ -198,6 +227,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prefill-rounds", type=int, default=15, help="prefill rounds per process (15)")
     parser.add_argument("--clock", choices=["thread", "wall"], default="thread", help="the thread's CPU time or wall")
     parser.add_argument("--csv", type=Path, default=None)
+    parser.add_argument(
+        "--triton", action="store_true", help="also time backend='triton' calls' host side, the launch a no-op"
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--expect-src", default=None, help=argparse.SUPPRESS)
     add_allocation_argument(parser, default="reuse")
@@ -228,7 +260,7 @@ def main(argv: list[str] | None = None) -> None:
     first = times[new_name][0]
     shapes = SHAPES | {PREFILL: f"b=1,hq=32,hk=8,s={args.prefill_tokens},d=128,offset=100"}
     rows = []
-    for case in CASES:
+    for case in CASES + (TRITON_CASES if args.triton else ()):
         old = [t["times"][case] for t in times[old_name]]
         new = [t["times"][case] for t in times[new_name]]
         low, high = pairwise(old, new)
@@ -242,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
                     "op": "decode-host",
                     "provider": name,
                     "mode": case,
-                    "dtype": "fp32",
+                    "dtype": "bf16" if case in BF16_CASES else "fp32",
                     "shape": shapes[case],
                     "pair": pair + 1,
                     "order": 1 + ((name == new_name) != (pair % 2 == 1)),

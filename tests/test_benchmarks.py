@@ -526,17 +526,20 @@ def test_decode_host_ab_times_both_trees_in_turns(tmp_path: Path, capsys: pytest
     """docs/benchmarks.md's decode host-cost numbers (2026-12-06 on) come from this script: each case, each pair's
     two processes (HEAD's src unpacked, the working tree's), in alternating order. The script runs here through its
     main(argv): it only starts the timing processes (they pin the allocator), so a process of its own would only
-    import torch once more."""
+    import torch once more. With Triton installed, its host-side cases too (``--triton``)."""
     out = tmp_path / "ab.csv"
+    triton = importlib.util.find_spec("triton") is not None
     _benchmark("decode_host_ab").main([
         *("--baseline", "HEAD", "--pairs", "2", "--calls", "2", "--rounds", "1", "--warmup", "1"),
         *("--prefill-tokens", "4", "--prefill-calls", "1", "--prefill-rounds", "2", "--csv", str(out)),
+        *(["--triton"] if triton else []),
     ])  # fmt: skip
     printed = capsys.readouterr().out
     rows = _rows(out)
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     old = f"old@{head.stdout.strip()}"
-    cases = _benchmark("decode_host_ab").CASES
+    module = _benchmark("decode_host_ab")
+    cases = module.CASES + (module.TRITON_CASES if triton else ())
     assert [(r["mode"], r["pair"], r["provider"], r["order"]) for r in rows] == [
         (case, str(pair), provider, str(order))
         for case in cases
@@ -547,6 +550,8 @@ def test_decode_host_ab_times_both_trees_in_turns(tmp_path: Path, capsys: pytest
     assert {r["commit"] for r in rows if r["provider"] == old} == {head.stdout.strip()}
     prefill = {r["shape"] for r in rows if r["mode"] == "RoPE(offset=100) prefill"}
     assert prefill == {"b=1,hq=32,hk=8,s=4,d=128,offset=100"}
+    assert {r["dtype"] for r in rows if "bf16" in r["mode"] or "triton" in r["mode"]} == {"bf16"}
+    assert {r["dtype"] for r in rows if "bf16" not in r["mode"] and "triton" not in r["mode"]} == {"fp32"}
     assert printed.count("new - old: ") == len(cases)
     with pytest.raises(SystemExit, match="'no-such-rev' is not a commit"):
         _benchmark("decode_host_ab").main(["--baseline", "no-such-rev"])

@@ -785,19 +785,19 @@ def test_only_the_compiling_thread_counts_as_tracing():
 
 
 def test_replays_go_on_while_another_thread_compiles():
-    """A decode loop's replayed steps (``posenc.kernels.cpu_replay``) in one thread while another compiles: they
+    """A decode loop's replayed steps (``posenc.kernels.replay``) in one thread while another compiles: they
     still replay (``plain_eager`` asks posenc's ``compiling()``, not the process-wide flag), with the same values;
     inside the compile itself (its backend) nothing is replayed."""
     from unittest import mock
 
     import posenc.rope.module as module
-    from posenc.kernels import cpu_replay
+    from posenc.kernels import replay
 
     rope = make_rope("default")
     q, k = random_qk(1, 2, 2, 1, HEAD_DIM, seed=0)
     want = rope(q, k, offset=4)  # keeps the plan
-    with _another_thread_compiling(cpu_replay.plain_eager) as seen:
-        assert cpu_replay.plain_eager()
+    with _another_thread_compiling(replay.plain_eager) as seen:
+        assert replay.plain_eager()
         with mock.patch.object(module, "rotate_tensors", side_effect=AssertionError("took the full path")):
             got = rope(q, k, offset=4)
     assert seen == [False]

@@ -12,7 +12,6 @@ stride, cos/sin (c0, c1, rows, r/2) read at (i0, i1, pos), and optional per-toke
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import hashlib
@@ -23,12 +22,13 @@ import stat
 import struct
 import subprocess
 import tempfile
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+
+from posenc.kernels.recording import record
 
 SOURCE = Path(__file__).with_name("cpu_rope.cpp")
 # -march=native by default: the build happens on the machine that runs it, and the cache key includes the CPU's
@@ -43,7 +43,7 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.floa
 # xs[3], os[3], cs[3], ps[2]), four int32 (interleaved, conjugate, copy_tail, threads) and the table's rows (int64).
 # Packed with struct, which costs a microsecond where building a ctypes.Structure with its arrays cost about ten.
 _ARGS = struct.Struct("=5Q16q4iq")
-# The five pointers that begin it, which ``posenc.kernels.cpu_replay`` fills in, and the index of n[2] (the tokens a
+# The five pointers that begin it, which ``posenc.kernels.replay`` fills in, and the index of n[2] (the tokens a
 # job reads rows for) among its fields.
 _POINTERS = struct.Struct("=5Q")
 _SEQ_FIELD = 7
@@ -56,38 +56,6 @@ class Launch(NamedTuple):
     code: int
     wide: int
     run: Any  # the library's posenc_rope_jobs
-
-
-class _Recording(threading.local):
-    """Per thread: the launches of the innermost open ``recording_launches`` block, or None. A class default, since
-    looking up an attribute a thread never set is slow (~1 us)."""
-
-    launches: list[Launch] | None = None
-
-
-_local = _Recording()
-
-
-@contextlib.contextmanager
-def recording_launches() -> Iterator[list[Launch]]:
-    """The launches of the CPU kernel made in this thread inside the block (nested blocks each see theirs): what
-    ``posenc.kernels.cpu_replay`` makes its plans of."""
-    outer = _local.launches
-    launches: list[Launch] = []
-    _local.launches = launches
-    try:
-        yield launches
-    finally:
-        _local.launches = outer
-        if outer is not None:
-            outer.extend(launches)
-
-
-def note(jobs: tuple[bytes, ...], code: int, wide: int, run: Any) -> None:
-    """Called by every launch of the CPU kernel: kept where a ``recording_launches`` block is open in this thread."""
-    launches = _local.launches
-    if launches is not None:
-        launches.append(Launch(jobs, code, wide, run))
 
 
 def _cache_dir() -> Path:
@@ -337,8 +305,8 @@ def rope_cpu_jobs(
     if not packed:
         return
     code = DTYPE_CODES[dtype]
-    if library is _library()[0]:  # the package's own: a call that cpu_replay may repeat
-        note(tuple(packed), code, int(wide), library.posenc_rope_jobs)
+    if library is _library()[0]:  # the package's own: a call that posenc.kernels.replay may repeat
+        record(Launch(tuple(packed), code, int(wide), library.posenc_rope_jobs))
     if len(packed) == 1:
         status = library.posenc_rope(packed[0], code, int(wide))
     else:

@@ -14,6 +14,7 @@ import torch
 from posenc.kernels.backend import triton_module_or_error
 from posenc.kernels.cpu_rope import rope_cpu_jobs
 from posenc.kernels.layout import KINDS, Kind, canonical, canonical_cos, consecutive_rows, token_positions
+from posenc.kernels.recording import record
 
 
 def _kernel_table(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.dtype, bool, bool]:
@@ -175,6 +176,7 @@ def launch(
         )
         for plan in plans:
             triton_module_or_error()[0].launch(plan)  # type: ignore[union-attr]
+            record(plan)  # what posenc.kernels.replay may repeat
         return
     if backend != "cpu":
         raise ValueError(f"the rotary ops run backend 'cpu' or 'triton', got {backend!r}")

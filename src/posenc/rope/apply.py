@@ -31,10 +31,10 @@ from posenc._checks import (
     values_readable,
 )
 from posenc.kernels.backend import batched, choose_backend
-from posenc.kernels.cpu_replay import Plans, plain_eager, plan_of, replay, rows_read, tensor_key
-from posenc.kernels.cpu_rope import recording_launches
 from posenc.kernels.layout import check_table_call, consecutive_rows, hf_cos_hint, rotary_kind, token_positions
 from posenc.kernels.ops import rotary_copy, rotary_inplace
+from posenc.kernels.recording import recording_launches
+from posenc.kernels.replay import Plans, plain_eager, plan_of, replay, rows_read, tensor_key
 
 Backend = Literal["auto", "torch", "triton", "cpu"]
 
@@ -328,8 +328,9 @@ def _dtensors_beside_plain(xs: dict[str, torch.Tensor], others: tuple) -> bool:
     return first_dtensor(*others) is not None and not any(is_dtensor(x) for x in xs.values())
 
 
-# Eager CPU calls that cpu_replay repeats, by key (``_replay_key``); _FULL_PATH for a key whose calls cannot be
-# replayed (a copy of x or of the angles on the way, another backend), which every such call's metadata decides.
+# Eager calls of the fused kernels that posenc.kernels.replay repeats, by key (``_replay_key``); _FULL_PATH for a key
+# whose calls cannot be replayed (a copy of x or of the angles on the way, the torch backend, position ids on
+# Triton), which every such call's metadata decides.
 _PLANS = Plans(64)
 _FULL_PATH = object()
 
@@ -346,15 +347,14 @@ def _replay_key(
     backend: str,
     inplace: bool,
 ) -> tuple | None:
-    """The key under which a ``rotate_tensors`` call may be replayed (``posenc.kernels.cpu_replay``), or None for
-    a call that must take the full path: packed sequences, positions beside an offset, a backend that is not the
-    CPU kernel's, a non-bool flag or a layout neither None nor a str (refused there; a list could not be part of
-    the key), anything but plain CPU tensors, a gradient to record, or anything but plain eager. options: the rest
-    of the call's arguments, (interleaved, conjugate, layout, rows_checked, vouched); index: ``rows_read``'s. In
-    place, inference mode is
-    part of the key (inference tensors may change in place only inside it); angles that share storage with an x are
-    left to the full path at each call (``_angles_apart``)."""
-    if cu_seqlens is not None or backend not in ("auto", "cpu"):
+    """The key under which a ``rotate_tensors`` call may be replayed (``posenc.kernels.replay``), or None for
+    a call that must take the full path: packed sequences, positions beside an offset, the torch backend, a
+    non-bool flag or a layout neither None nor a str (refused there; a list could not be part of the key), anything
+    but plain CPU or CUDA tensors, a gradient to record, or anything but plain eager. options: the rest of the
+    call's arguments, (interleaved, conjugate, layout, rows_checked, vouched); index: ``rows_read``'s. In place,
+    inference mode is part of the key (inference tensors may change in place only inside it); angles that share
+    storage with an x are left to the full path at each call (``_angles_apart``)."""
+    if cu_seqlens is not None or backend not in ("auto", "cpu", "triton"):
         return None
     if type(options[0]) is not bool or type(options[1]) is not bool:
         return None
@@ -406,9 +406,9 @@ def rotate_tensors(
     table as cos/sin, and nothing traces the call (neither ``compiling()`` nor torch.jit.trace), so those checks are
     not made again further down (~2 us of a decode step's ~45).
 
-    An eager call of the CPU kernel whose metadata has been through here before replays that call's launch
-    (``posenc.kernels.cpu_replay``: on an Intel VM a decode step of q and k took 51-66 us through the full path and
-    15-17 us replayed).
+    An eager call of a fused kernel whose metadata has been through here before replays that call's launch
+    (``posenc.kernels.replay``: on an Intel VM a decode step of q and k on the CPU kernel took 51-66 us through the
+    full path and 15-17 us replayed).
     """
     options = (interleaved, conjugate, layout, rows_checked, vouched)
     first, index = rows_read(positions, offset)

@@ -46,8 +46,8 @@ from posenc._checks import (
 )
 from posenc.encoding import ActsOn
 from posenc.kernels.backend import BACKENDS, transformed
-from posenc.kernels.cpu_replay import Plans, plain_eager, plan_of, replay, rows_read, tensor_key
-from posenc.kernels.cpu_rope import recording_launches
+from posenc.kernels.recording import recording_launches
+from posenc.kernels.replay import Plans, plain_eager, plan_of, replay, rows_read, tensor_key
 from posenc.positions import resolve_positions
 from posenc.rope.apply import Backend, apply_rotary, apply_rotary_qk, rotate_tensors
 from posenc.rope.frequencies import dynamic as dynamic_frequencies
@@ -903,7 +903,7 @@ class RoPE(nn.Module):
         seq_len: object,
     ) -> tuple | None:
         """The key under which a call may replay an earlier one's launch of the CPU kernel on this module's table
-        (``posenc.kernels.cpu_replay``), or None for a call that must take the full path: seq_len, positions beside
+        (``posenc.kernels.replay``), or None for a call that must take the full path: seq_len, positions beside
         an offset, a layout or backend that is not a str or an interleaved that is not a bool (the full path's
         errors: a list could not be part of the key, and 1 would find True's plans), a type that scales for the
         length, anything but plain CPU tensors, a gradient to record, anything but plain eager, a CUDA graph
@@ -952,7 +952,7 @@ class RoPE(nn.Module):
         index: torch.Tensor | None,
     ) -> None:
         """Keep the plan of a call (its ``launches``) that read ``table``, where that is the table kept now: the
-        plan where replaying it is what the full path would do (``posenc.kernels.cpu_replay.plan_of``), else None,
+        plan where replaying it is what the full path would do (``posenc.kernels.replay.plan_of``), else None,
         so that later calls of the key take the full path unrecorded. (A window read far out says nothing about
         the calls that read the table.)"""
         table_key = (xs[0].device, torch.float64 if xs[0].dtype == torch.float64 else torch.float32)

@@ -1,7 +1,7 @@
-"""Replayed eager calls of the CPU kernel (posenc.kernels.cpu_replay): a call whose metadata has been through the
-full path before repeats that launch with its own pointers. Each replay must equal the full path bit for bit, and
-every call that the full path would treat differently (errors, modes, gradients, transforms, other tables) must not
-be replayed."""
+"""Replayed eager calls of the fused kernels (posenc.kernels.replay; Triton's in triton_replay): a call whose
+metadata has been through the full path before repeats that launch with its own pointers. Each replay must equal
+the full path bit for bit, and every call that the full path would treat differently (errors, modes, gradients,
+transforms, other tables) must not be replayed."""
 
 from __future__ import annotations
 
@@ -23,10 +23,12 @@ import posenc.rope.apply as apply_module
 import posenc.rope.module as module
 from posenc import RoPE, apply_rotary, apply_rotary_, apply_rotary_qk
 from posenc.kernels import cpu_rope
-from posenc.kernels.cpu_replay import plain_eager
+from posenc.kernels.backend import triton_module_or_error
+from posenc.kernels.replay import plain_eager
 from posenc.testing import random_qk, torch_threads
 
 pytestmark = pytest.mark.skipif(not cpu_rope.cpu_available(), reason="the CPU kernel is not built here")
+needs_triton = pytest.mark.skipif(triton_module_or_error()[0] is None, reason="Triton does not import here")
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -74,11 +76,11 @@ ENTRIES = (
 
 
 @st.composite
-def calls(draw):
+def calls(draw, backend: str = "auto"):
     """A call of apply_rotary, apply_rotary_qk or RoPE as a decode step or a short prefill makes it (tables read
-    from an int offset, at position ids or from per-sequence offsets), with the
+    from an int offset, at position ids or from per-sequence offsets) on ``backend``, with the
     arguments of two steps: (entry, call(q, k, offset) -> outputs, (q, k, offset) twice, the RoPE or None, whether
-    the full path copies q and k)."""
+    the full path is taken again: it copies q and k, or the Triton kernel reads ids or offsets)."""
     dtype = draw(st.sampled_from(DTYPES))
     b, hq, s = draw(st.integers(1, 2)), draw(st.integers(1, 5)), draw(st.integers(1, 9))
     hk = draw(st.sampled_from([d for d in range(1, hq + 1) if hq % d == 0]))
@@ -90,6 +92,8 @@ def calls(draw):
     # (channels strided 2 apart), which the full path copies before the kernel reads them.
     memory = draw(st.sampled_from(["dense", "fused", "strided"]))
     entry = draw(st.sampled_from(ENTRIES))
+    if backend != "auto" and entry.startswith("apply_rotary_ ") and memory == "strided":
+        memory = "fused"  # a fused backend named explicitly refuses to write a strided x in place ("auto": torch)
     rows = draw(st.sampled_from(["offset", "positions", "offsets"]))  # how a table is read
     if entry == "RoPE":
         half = d // 2
@@ -120,7 +124,7 @@ def calls(draw):
             return {"offset": (torch.arange(b) + offset) % (65 - s)}
         return {"offset": offset}
 
-    rope = RoPE(d, interleaved=interleaved) if entry == "RoPE" else None
+    rope = RoPE(d, interleaved=interleaved, backend=backend) if entry == "RoPE" else None
     if rope is not None:
 
         def call(q, k, offset):
@@ -129,14 +133,14 @@ def calls(draw):
     elif entry == "apply_rotary_qk table":
 
         def call(q, k, offset):
-            return apply_rotary_qk(
-                q, k, cos, sin, layout=layout, interleaved=interleaved, conjugate=conjugate, **table_rows(offset)
-            )
+            options = {"layout": layout, "interleaved": interleaved, "conjugate": conjugate, "backend": backend}
+            return apply_rotary_qk(q, k, cos, sin, **options, **table_rows(offset))
 
     elif entry == "apply_rotary_ table":
 
         def call(q, k, offset):
-            options = {"layout": layout, "interleaved": interleaved, "conjugate": conjugate, **table_rows(offset)}
+            options = {"layout": layout, "interleaved": interleaved, "conjugate": conjugate, "backend": backend}
+            options |= table_rows(offset)
             return apply_rotary_(q, cos, sin, **options), apply_rotary_(k, cos, sin, **options)
 
     else:
@@ -145,17 +149,19 @@ def calls(draw):
             c, n = cos[offset : offset + s], sin[offset : offset + s]
             axis = 0 if layout == "bhsd" else 1
             c, n = c.unsqueeze(axis)[None], n.unsqueeze(axis)[None]
+            options = {"interleaved": interleaved, "conjugate": conjugate, "backend": backend}
             if entry == "apply_rotary":
-                return (apply_rotary(q, c, n, interleaved=interleaved, conjugate=conjugate),)
+                return (apply_rotary(q, c, n, **options),)
             if entry == "apply_rotary_ broadcast":
-                options = {"interleaved": interleaved, "conjugate": conjugate}
                 return apply_rotary_(q, c, n, **options), apply_rotary_(k, c, n, **options)
-            return apply_rotary_qk(q, k, c, n, interleaved=interleaved, conjugate=conjugate)
+            return apply_rotary_qk(q, k, c, n, **options)
 
     steps = [(*activations(seed), offset) for seed, offset in enumerate(offsets)]
     # The full path copies strided q and k, and builds each token's row where per-sequence offsets read more than one.
+    # Triton calls that read ids or offsets are never replayed (triton_replay: the full path checks their rows).
     table_read = entry in ("RoPE", "apply_rotary_qk table", "apply_rotary_ table")
     copied = memory == "strided" or (table_read and rows == "offsets" and s > 1)
+    copied = copied or (backend == "triton" and table_read and rows != "offset")
     return entry, call, steps, rope, copied
 
 
@@ -165,6 +171,19 @@ def test_a_replayed_call_equals_the_full_path_bit_for_bit(case):
     """Two steps of one call site: the second, other values at another offset, replays the first's launch (unless
     the full path copied q and k); its outputs equal the full path's for the same arguments bit for bit, and its
     inputs are left untouched (or, in place, are the outputs)."""
+    check_replayed_call(case)
+
+
+@needs_triton
+@settings(max_examples=40, deadline=None)
+@given(calls(backend="triton"))
+def test_a_replayed_triton_launch_equals_the_full_path_bit_for_bit(case):
+    """The same for Triton's launches (interpreted here, as CI tests the kernel): a replay puts the call's tensors
+    and int offset into the planned launch, and calls reading ids or offsets take the full path each time."""
+    check_replayed_call(case)
+
+
+def check_replayed_call(case) -> None:
     entry, call, ((q1, k1, o1), (q2, k2, o2)), rope, copied = case
     inplace = entry.startswith("apply_rotary_ ")
     apply_module._PLANS.clear()
@@ -247,10 +266,10 @@ def test_a_call_that_cannot_be_replayed_is_not_recorded_again():
     assert planned.call_count == 1
 
 
-def fresh(q: torch.Tensor, k: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+def fresh(q: torch.Tensor, k: torch.Tensor, backend: str = "auto", **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """A new ``RoPE(q.shape[-1])``'s call, through the full path only (no plan of its own or of the functions')."""
     with mock.patch.object(apply_module, "_PLANS", apply_module.Plans(0)):
-        return RoPE(q.shape[-1])(q, k, **kwargs)
+        return RoPE(q.shape[-1], backend=backend)(q, k, **kwargs)
 
 
 def decode_rope(dtype=torch.float32, **options):
@@ -424,6 +443,15 @@ def test_plain_eager_sees_every_mode_and_trace():
         with context:
             assert not plain_eager()
         assert plain_eager()
+    # A CUDA graph capture on the current stream (mocked: a CPU machine captures nothing). is_initialized first, so
+    # that asking does not initialize CUDA.
+    with (
+        mock.patch.object(torch.cuda, "is_initialized", return_value=True),
+        mock.patch.object(torch.cuda, "is_current_stream_capturing", return_value=True),
+    ):
+        assert not plain_eager()
+    with mock.patch.object(torch.cuda, "is_current_stream_capturing", side_effect=AssertionError("asked")):
+        assert plain_eager() == (not torch.cuda.is_initialized() or not torch.cuda.is_current_stream_capturing())
     assert torch.func.vmap(lambda x: torch.tensor(plain_eager()) + 0 * x)(torch.zeros(2)).tolist() == [0.0, 0.0]
     traced = torch.jit.trace(lambda x: x + float(plain_eager()), torch.zeros(1))
     assert traced(torch.zeros(1)).item() == 0.0
@@ -478,15 +506,18 @@ def test_copies_and_in_place_calls_of_one_shape_are_told_apart():
     assert len(apply_module._PLANS) == 2
 
 
-def test_a_replayed_in_place_call_is_seen_by_a_graph_that_saved_x():
+@pytest.mark.parametrize("backend", ["auto", pytest.param("triton", marks=needs_triton)])
+def test_a_replayed_in_place_call_is_seen_by_a_graph_that_saved_x(backend):
     """x saved by a graph (the other factor of a product with a weight that requires grad), then rotated in place by
     a replayed call: the backward refuses, as torch's own in-place ops and the full path make it, rather than
     compute the weight's gradient from the rotated values."""
     cos, sin = table(8, 8)
-    apply_rotary_(torch.randn(1, 2, 3, 16), cos, sin, offset=1)  # keeps the plan
+    apply_rotary_(torch.randn(1, 2, 3, 16), cos, sin, offset=1, backend=backend)  # keeps the plan
     weight, x = torch.randn(1, 2, 3, 16, requires_grad=True), torch.randn(1, 2, 3, 16)
     product = weight * x
-    apply_rotary_(x, cos, sin, offset=1)
+    with counting_full_paths() as full:
+        apply_rotary_(x, cos, sin, offset=1, backend=backend)
+    assert full["functions"] == 0
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         product.sum().backward()
 
@@ -643,3 +674,118 @@ def test_a_rope_holds_the_table_a_cuda_graph_capture_reads():
     with mock.patch.object(module, "_capturing", return_value=True):
         rope(q, k, offset=3)
     assert len(rope._captured) == 1 and rope._captured[0] is next(iter(rope._tables.values()))
+
+
+@contextlib.contextmanager
+def counting_triton_launches():
+    """Counts of ``plan_launch`` calls (the full path's) and of launches (the full path's and the replays')."""
+    from posenc.kernels import triton_rope
+
+    counts = {"planned": 0, "launched": 0}
+    plan, run = triton_rope.plan_launch, triton_rope.launch
+
+    def counted_plan(*args, **kwargs):
+        counts["planned"] += 1
+        return plan(*args, **kwargs)
+
+    def counted_launch(*args, **kwargs):
+        counts["launched"] += 1
+        return run(*args, **kwargs)
+
+    with (
+        mock.patch.object(triton_rope, "plan_launch", counted_plan),
+        mock.patch.object(triton_rope, "launch", counted_launch),
+    ):
+        yield counts
+
+
+@needs_triton
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_a_triton_plan_is_made_once_and_launched_at_every_call(layout):
+    """A decode loop on Triton plans its launch once: later steps put their own tensors and offset into it (one
+    launch for q and k; two where their token counts differ, as GQA's broadcast cos/sin in (b, s, h, d) give them),
+    each step equal to the full path's, on RoPE's table and on cos/sin given."""
+    apply_module._PLANS.clear()
+    rope = RoPE(16, backend="triton")
+    cos, sin = table(64, 8)
+    axis = 1 if layout == "bhsd" else 2
+    for entry in ("RoPE", "apply_rotary_qk"):
+        with counting_triton_launches() as counts:
+            for step in range(4):
+                q, k = random_qk(1, 4, 2, 1, 16, layout=layout, seed=step)
+                if entry == "RoPE":
+                    got = rope(q, k, offset=3 + step, layout=layout)
+                    want = fresh(q, k, "triton", offset=3 + step, layout=layout)
+                else:
+                    c, n = (
+                        cos[3 + step : 4 + step][None].unsqueeze(axis),
+                        sin[3 + step : 4 + step][None].unsqueeze(axis),
+                    )
+                    got = apply_rotary_qk(q, k, c, n, backend="triton")
+                    want = full_path(lambda q=q, k=k, c=c, n=n: apply_rotary_qk(q, k, c, n, backend="triton"))
+                assert same(got, want), (entry, step)
+        launches = 2 if entry == "apply_rotary_qk" and layout == "bshd" else 1
+        # The full path's four (want) and the first step's plan; the replays plan nothing.
+        assert counts["planned"] == launches * 5, (entry, counts)
+        assert counts["launched"] == launches * 8, (entry, counts)
+
+
+@needs_triton
+def test_triton_calls_that_read_ids_or_leave_the_table_take_the_full_path():
+    """What only the full path checks on Triton, after a plan of the same metadata: ids and offsets tensors (rows
+    checked on the host there; the kernel alone would give a token outside the table NaN), an offset past a given
+    table (the full path's error) or past a RoPE's (its table grows)."""
+    apply_module._PLANS.clear()
+    cos, sin = table(64, 8)
+    q, k = random_qk(1, 4, 2, 1, 16)
+    for _ in range(2):
+        got = apply_rotary_qk(q, k, cos, sin, positions=torch.tensor([[5]]), backend="triton")
+        assert same(
+            got, full_path(lambda: apply_rotary_qk(q, k, cos, sin, positions=torch.tensor([[5]]), backend="triton"))
+        )
+    with pytest.raises(ValueError, match="rows"):
+        apply_rotary_qk(q, k, cos, sin, positions=torch.tensor([[70]]), backend="triton")
+    with pytest.raises(ValueError, match="rows"):
+        apply_rotary_qk(q, k, cos, sin, offset=torch.tensor([70]), backend="triton")
+    apply_rotary_qk(q, k, cos, sin, offset=60, backend="triton")
+    with pytest.raises(ValueError, match="rows"):
+        apply_rotary_qk(q, k, cos, sin, offset=64, backend="triton")
+    rope = RoPE(16, backend="triton")
+    rope(q, k, offset=3)
+    rows = next(iter(rope._tables.values()))[0].shape[0]
+    assert same(rope(q, k, offset=rows), fresh(q, k, "triton", offset=rows))
+    assert next(iter(rope._tables.values()))[0].shape[0] > rows
+
+
+@pytest.mark.parametrize("backend", ["auto", pytest.param("triton", marks=needs_triton)])
+def test_a_rope_keeps_a_plan_where_its_first_call_replays_the_functions(backend):
+    """A second RoPE's first call: its rotation replays the plan the first RoPE's call left in the functions' store,
+    and that replayed launch is what the second RoPE keeps its own plan of (its later calls replay too)."""
+    q, k = random_qk(1, 4, 2, 1, 16)
+    RoPE(16, backend=backend)(q, k, offset=3)
+    second = RoPE(16, backend=backend)
+    with counting_full_paths() as full:
+        for step in range(3):
+            second(q, k, offset=3 + step)
+    assert full == {"functions": 0, "RoPE": 1}
+
+
+@needs_triton
+def test_triton_calls_given_angles_the_full_path_converts_are_not_replayed():
+    """cos/sin the Triton kernel cannot read as they are (float32 beside float64 activations, which read float64;
+    cos and sin with different strides): the full path converts them, so no plan is kept. A replay of the caller's
+    pointers would read float32 bits as float64, or sin with cos's strides, with no error."""
+    cos, sin = table(8, 8)
+    given = (
+        (torch.float64, cos[3:4], sin[3:4]),
+        (torch.bfloat16, cos[3:4], sin.t().contiguous().t()[3:4]),
+    )
+    apply_module._PLANS.clear()
+    for dtype, c, n in given:
+        q, k = random_qk(1, 4, 2, 1, 16, dtype=dtype)
+        c, n = c[None, None], n[None, None]
+        for _ in range(2):
+            got = apply_rotary_qk(q, k, c, n, backend="triton")
+            assert same(got, full_path(lambda q=q, k=k, c=c, n=n: apply_rotary_qk(q, k, c, n, backend="triton")))
+    assert len(apply_module._PLANS) == 2
+    assert all(plan is apply_module._FULL_PATH for plan in apply_module._PLANS._plans.values())

@@ -1,12 +1,14 @@
-"""Replaying a checked eager call of the CPU kernel: a decode step's rotation without its Python.
+"""Replaying a checked eager call of the fused kernels: a decode step's rotation without its Python.
 
-At decode size (one token of 32 + 8 heads of 128 channels) the kernel takes ~2 us, and a call through
+At decode size (one token of 32 + 8 heads of 128 channels) the CPU kernel takes ~2 us, and a call through
 ``apply_rotary_qk`` or ``RoPE`` took 51-66 us (an Intel VM, 2026-12-07), nearly all of it Python: checks, the choice
 of backend, the canonical views, ``struct Args``. All of that depends on the tensors' metadata (types, shapes,
 strides, dtypes, devices, dispatch keys), on the call's options and on global state (modes, tracing, transforms,
-grad), never on their values. So the first call with a given metadata goes the whole way, and the ``struct Args`` it
-handed the kernel is kept as a ``Plan``, keyed by that metadata; a later call with the same key puts its own
-pointers into a copy and calls the kernel, allocating the outputs as the full path does.
+grad, a CUDA graph capture), never on their values. So the first call with a given metadata goes the whole way, and
+the launch it made is kept as a plan, keyed by that metadata; a later call with the same key puts its own tensors
+into a copy of it and launches the kernel, allocating the outputs as the full path does. The CPU kernel's plans
+(``Plan``, here) keep the ``struct Args`` it was handed and call the library; Triton's (``triton_replay``) keep the
+planned launch and go through Triton's launcher.
 
 A plan is kept only where replaying it is exactly what the full path would launch again (``plan_of``): the kernel
 read the caller's own x, cos and sin, and ids or offsets (no copy was made on the way), and wrote the outputs
@@ -27,12 +29,14 @@ import torch
 import torch.autograd.forward_ad as fwAD
 
 from posenc._checks import compiling
-from posenc.kernels import cpu_rope
-from posenc.kernels.cpu_rope import _ARGS, _POINTERS, _SEQ_FIELD, Launch, note
+from posenc.kernels import cpu_rope, triton_replay
+from posenc.kernels.cpu_rope import _ARGS, _POINTERS, _SEQ_FIELD, Launch
+from posenc.kernels.recording import record
+from posenc.kernels.triton_replay import TritonPlan
 
 
 class Plan(NamedTuple):
-    """A launch with the pointers left out: what ``replay`` fills in for a call of the same key."""
+    """A launch of the CPU kernel with the pointers left out: what ``replay`` fills in for a call of the same key."""
 
     tails: tuple[bytes, ...]  # each job's struct Args past its pointers
     code: int
@@ -49,8 +53,9 @@ _STRIDED = torch.strided
 def plain_eager() -> bool:
     """Whether nothing but eager execution sees this call: this thread neither compiles nor exports (another
     thread's compile leaves it eager: ``posenc._checks.compiling``), no dispatch or function mode (FakeTensorMode,
-    make_fx, a logging mode, ``with torch.device(...)``), no torch.jit.trace, no torch.func transform and no
-    forward-AD level. ~0.5 us."""
+    make_fx, a logging mode, ``with torch.device(...)``), no torch.jit.trace, no torch.func transform, no
+    forward-AD level and no CUDA graph being captured on the current stream (whose calls hold what they read for the
+    graph's life, and read no values). ~0.5 us."""
     return not (
         compiling()
         or torch._C._len_torch_dispatch_stack()
@@ -58,6 +63,8 @@ def plain_eager() -> bool:
         or torch._C._get_tracing_state() is not None
         or torch._C._are_functorch_transforms_active()
         or fwAD._current_level >= 0
+        # is_initialized first: ~50 ns, and it does not initialize CUDA
+        or (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())
     )
 
 
@@ -73,14 +80,18 @@ def rows_read(positions: object, offset: object) -> tuple[Any, Any]:
 
 def tensor_key(t: object, grad: bool) -> tuple | None:
     """What of a tensor the full path's checks and decisions read: shape, strides, dtype and dispatch keys (a
-    negative view, an inference tensor, a wrapped or batched tensor each have their own); None for one that replays
-    do not take: anything but a plain strided CPU torch.Tensor (a subclass, another device, sparse, nested), or
-    one that requires grad while ``grad`` (grad mode) is on."""
-    if type(t) is not torch.Tensor or not t.is_cpu or t.layout is not _STRIDED or t.is_nested:
+    negative view, an inference tensor, a wrapped or batched tensor each have their own), and a CUDA tensor's device
+    index; None for one that replays do not take: anything but a plain strided CPU or CUDA torch.Tensor (a
+    subclass, another device, sparse, nested), or one that requires grad while ``grad`` (grad mode) is on."""
+    if type(t) is not torch.Tensor or t.layout is not _STRIDED or t.is_nested:
         return None
     if grad and t.requires_grad:
         return None
-    return t.shape, t.stride(), t.dtype, torch._C._dispatch_keys(t).raw_repr()
+    if t.is_cpu:
+        return t.shape, t.stride(), t.dtype, torch._C._dispatch_keys(t).raw_repr()
+    if t.is_cuda:
+        return t.shape, t.stride(), t.dtype, torch._C._dispatch_keys(t).raw_repr(), t.get_device()
+    return None
 
 
 def plan_of(
@@ -91,16 +102,21 @@ def plan_of(
     sin: torch.Tensor,
     offset: int | None,
     index: torch.Tensor | None = None,
-) -> Plan | None:
-    """A plan of the one launch a full call made, or None when replaying it could differ from the full path.
+) -> Plan | TritonPlan | None:
+    """A plan of the launches a full call made (the CPU kernel's one, or Triton's: ``triton_replay``), or None when
+    replaying them could differ from the full path.
 
     xs, outs: the call's tensors to rotate and the outputs it returned, in order (the xs themselves in place); cos,
     sin: the angles it was given, broadcast or read at ``index`` (``offset`` None) or (rows, r/2) tables read from
     row ``offset``; index: the tensor the kernel read each token's row from (position ids, or a decode step's
     per-sequence offsets), or None."""
-    if len(launches) != 1 or len(launches[0].jobs) != len(xs):
+    if launches and triton_replay.is_launch(launches[0]):
+        return triton_replay.plan_of(launches, xs, outs, cos, sin, offset, index)
+    if len(launches) != 1:
         return None
     launch = launches[0]
+    if type(launch) is not Launch or len(launch.jobs) != len(xs):
+        return None
     if offset is None:
         row_bytes, last_offset = 0, 0
     else:
@@ -124,7 +140,7 @@ def plan_of(
 
 
 def replay(
-    plan: Plan,
+    plan: Plan | TritonPlan,
     xs: Sequence[torch.Tensor],
     cos: torch.Tensor,
     sin: torch.Tensor,
@@ -137,6 +153,8 @@ def replay(
     which the kernel finds before it writes; also where the package's kernel library is not the one the plan's
     launch called (the tests swap in builds for older x86 levels, or none), so that a call runs the library, or the
     fallback, that the full path would."""
+    if type(plan) is TritonPlan:
+        return triton_replay.replay(plan, xs, cos, sin, offset)  # never a plan of ids or offsets (plan_of)
     first = offset or 0
     if not 0 <= first <= plan.last_offset:
         return None
@@ -157,7 +175,7 @@ def replay(
         return None
     if status != 0:  # the plan's launch returned 0 with these very arguments but the pointers
         raise RuntimeError(f"the CPU kernel refused a replayed call (status {status}); please report this")
-    note(jobs, plan.code, plan.wide, plan.run)
+    record(Launch(jobs, plan.code, plan.wide, plan.run))
     if plan.inplace:
         # As the in-place op does (kernels.ops): autograd does not see writes through pointers, and a graph that saved
         # x before them would compute its gradient from the rotated values instead of raising.
