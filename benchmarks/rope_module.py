@@ -12,8 +12,9 @@ with a pair stride the kernels cannot read as is): the rows the tokens read are 
 Where the Triton kernel runs (CUDA, or the interpreter with ``--launch-parts``), four more cases take a Triton
 call's host time apart (a decode step took 0.31 ms on an H200's VM against 0.23 ms for Hugging Face's eager
 formula): ``apply_rotary_qk(backend='triton')``, the same with the launch replaced by a no-op (posenc's Python:
-checks and the plan), ``triton launch (planned once)`` (a plan made beforehand, launched: Triton's launcher and
-the device's context) and ``triton kernel[grid] (planned once)`` (the same without ``torch.cuda.device``).
+after the first call, a replay of its plan, ``posenc.kernels.replay``), ``triton launch (planned once)`` (a plan
+made beforehand, launched: Triton's launcher and the device's context) and ``triton kernel[grid] (planned once)``
+(the same without ``torch.cuda.device``).
 
     python benchmarks/rope_module.py --csv docs/results/rope_module_cpu.csv
 """
