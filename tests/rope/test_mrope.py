@@ -429,3 +429,96 @@ def test_module_lays_out_its_axes_once_and_again_where_its_sections_change(monke
     sections[1:] = [2, 4]
     cos, sin = mrope_cos_sin(positions, inv, [2, 2, 4], factor, torch.float64)
     torch.testing.assert_close(rope(q, k, positions=positions)[0], apply_rotary(q, cos[:, None], sin[:, None]))
+
+
+ROPE_TYPES = (
+    {},
+    {"rope_type": "linear", "factor": 2.0},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+    {"rope_type": "dynamic", "factor": 2.0},
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    layout_section=st.sampled_from([("sections", [2, 3, 3]), ("interleaved", [4, 2, 2]), ("alternating", [3, 3, 2])]),
+    rope_parameters=st.sampled_from(ROPE_TYPES),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float64]),
+    backend=st.sampled_from(["auto", "torch"]),
+    qk_layout=st.sampled_from(["bhsd", "bshd"]),
+    b=st.integers(1, 2),
+    s=st.integers(1, 6),
+    shared=st.booleans(),
+    ids_dtype=st.sampled_from([torch.int64, torch.int32]),
+    start=st.integers(0, 40),
+    interleaved=st.booleans(),
+)
+def test_text_ids_on_three_axes_rotate_as_ropes_ids_bit_for_bit(
+    layout_section, rope_parameters, dtype, backend, qk_layout, b, s, shared, ids_dtype, start, interleaved
+) -> None:
+    """(3, b, s) ids that are the same on every axis (text tokens: every decode step's) go through RoPE's path with
+    the first axis' ids (its table, its replayed calls): the same bits as the three axes' cos/sin per call, for every
+    axes layout, scaling type (YaRN's attention factor, dynamic NTK past its length), dtype, backend and layout."""
+    from unittest import mock
+
+    import posenc.rope.mrope as mrope_module
+
+    layout, section = layout_section
+    options = {"rope_parameters": rope_parameters or None, "max_position_embeddings": 16}
+    rope = MRoPE(16, mrope_section=section, mrope_layout=layout, backend=backend, interleaved=interleaved, **options)
+    other = MRoPE(16, mrope_section=section, mrope_layout=layout, backend=backend, interleaved=interleaved, **options)
+    generator = torch.Generator().manual_seed(start)
+    shape = (b, 2, s, 16) if qk_layout == "bhsd" else (b, s, 2, 16)
+    q, k = (torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype) for _ in range(2))
+    rows = (torch.randperm(s + start, generator=generator)[:s] if s > 1 else torch.tensor([start])).to(ids_dtype)
+    ids = rows.expand(1 if shared else b, s)
+    positions = ids.expand(3, *ids.shape)
+    taken, real = [], mrope_module._text_only
+    with mock.patch.object(mrope_module, "_text_only", lambda *args: taken.append(real(*args)) or taken[-1]):
+        got = rope(q, k, positions=positions, layout=qk_layout)
+    assert taken == [True]
+    with mock.patch.object(mrope_module, "_text_only", return_value=False):
+        want = other(q, k, positions=positions, layout=qk_layout)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype and torch.equal(g, w)
+
+
+def test_only_ids_the_same_on_every_axis_take_ropes_path() -> None:
+    """Ids that differ on one axis, an offset, ids on the meta device or a tracing compile take M-RoPE's own path;
+    a decode loop of text ids replays RoPE's call from its second step (no full path)."""
+    from unittest import mock
+
+    import posenc.rope.module as module
+    import posenc.rope.mrope as mrope_module
+
+    rope = MRoPE(16, mrope_section=[2, 3, 3])
+    q, k = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 1, 16)
+    taken = []
+    real = mrope_module._text_only
+
+    def spy(*args):
+        taken.append(real(*args))
+        return taken[-1]
+
+    with mock.patch.object(mrope_module, "_text_only", spy):
+        for axis in range(3):
+            positions = torch.full((3, 1, 1), 7)
+            positions[axis] += 1
+            rope(q, k, positions=positions)
+        rope(q, k, positions=torch.full((3, 1, 1), 7), offset=1)
+        rope(q.to("meta"), k.to("meta"), positions=torch.full((3, 1, 1), 7, device="meta"))
+        torch.compile(lambda q, k, p: rope(q, k, positions=p), backend="eager", fullgraph=True)(
+            q, k, torch.full((3, 1, 1), 7)
+        )
+        assert taken == [False] * 6
+        # Equal ids that do not fit q: M-RoPE's own message, which names the (3, b, s) form.
+        for wrong in (torch.full((3, 1, 2), 7), torch.full((3, 3, 1), 7)):
+            with pytest.raises(ValueError, match=re.escape("positions must have shape (3, b, s) = (3, 1, 1)")):
+                rope(q, k, positions=wrong)
+        with pytest.raises(TypeError, match="positions must hold integer positions"):
+            rope(q, k, positions=torch.ones(3, 1, 1, dtype=torch.bool))
+        taken.clear()
+        with mock.patch.object(module, "rotate_tensors", wraps=module.rotate_tensors) as full:
+            for step in range(4):
+                rope(q, k, positions=torch.full((3, 1, 1), 20 + step))
+        assert taken == [True] * 4 and full.call_count == 1
