@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from posenc import CausalSelfAttention, KVCache, RoPE, apply_rotary
 
@@ -390,3 +392,85 @@ def test_hf_dynamic_state_change_is_held_until_written() -> None:
         rope.thread.join()
         assert rope.hf_scaled_len == 40, f"state {rope.hf_scaled_len} after the other call started at reading {at}"
     assert at > 2  # the other call started after a reading made again under the lock too
+
+
+def _computed_per_call(rope: RoPE, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rope``'s call with LongRoPE's cos/sin computed for the call (the path every length-dependent type took
+    before its tables), no plan kept or replayed: a fresh copy of the module, and the functions' plans left out."""
+    from unittest import mock
+
+    import posenc.rope.apply as apply_module
+    import posenc.rope.module as module
+
+    fresh = pickle.loads(pickle.dumps(rope))  # no tables, no plans; 'hf' state as it stands
+    tabled = module._tabled
+    with (
+        mock.patch.object(module, "_tabled", lambda rope_type: rope_type != "longrope" and tabled(rope_type)),
+        mock.patch.object(apply_module, "_PLANS", apply_module.Plans(0)),
+    ):
+        return fresh(*args, **kwargs)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    rows=st.sampled_from(["offset", "offset tensor", "positions", "positions + offset", "positions + offset tensor"]),
+    start=st.integers(0, 40),
+    s=st.integers(1, 6),
+    b=st.integers(1, 2),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float64]),
+    backend=st.sampled_from(["auto", "torch"]),
+    layout=st.sampled_from(["bhsd", "bshd"]),
+    mode=st.sampled_from(["hf", "consistent"]),
+    seq_len=st.sampled_from([None, 0, 30]),  # 0: seq_len = the longest position + 1
+    interleaved=st.booleans(),
+)
+def test_longrope_reads_the_table_of_its_set_of_frequencies_bit_for_bit(
+    rows, start, s, b, dtype, backend, layout, mode, seq_len, interleaved
+) -> None:
+    """LongRoPE's two sets of frequencies (its short factors up to its original length, its long ones past it) each
+    have a kept table, read as the fixed types' are (a slice at an int offset, rows at ids, replayed decode steps):
+    every call gives the bits of cos/sin computed for it, on either side of the switch and across it, by ids, by
+    int or per-sequence offsets, with seq_len given or not."""
+    rope = RoPE(HEAD_DIM, rope_parameters=TYPES["longrope"], max_position_embeddings=64, mode=mode)
+    rope.backend, rope.interleaved = backend, interleaved
+    generator = torch.Generator().manual_seed(start)
+    shape = (b, HEADS, s, HEAD_DIM) if layout == "bhsd" else (b, s, HEADS, HEAD_DIM)
+    q, k = (torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype) for _ in range(2))
+    ids = (torch.arange(s) * 3 + start) % 40  # not consecutive, on either side of the original length (16)
+    per_sequence = torch.arange(b) * 7 + start
+    kwargs: dict[str, Any] = {
+        "offset": {"offset": start},
+        "offset tensor": {"offset": per_sequence},
+        "positions": {"positions": ids},
+        "positions + offset": {"positions": ids, "offset": start},
+        "positions + offset tensor": {"positions": ids.expand(b, s), "offset": per_sequence},
+    }[rows]
+    if seq_len is not None:
+        highest = {"offset": start + s - 1, "offset tensor": int(per_sequence.max()) + s - 1}.get(rows)
+        if highest is None:
+            highest = int(ids.max()) + (start if rows == "positions + offset" else 0)
+            highest += int(per_sequence.max()) if rows == "positions + offset tensor" else 0
+        kwargs["seq_len"] = max(seq_len, highest + 1)
+    for step in range(2):  # the second replays where the first kept a plan
+        want = _computed_per_call(rope, q, k, layout=layout, **kwargs)
+        got = rope(q, k, layout=layout, **kwargs)
+        for g, w in zip(got, want, strict=True):
+            assert g.dtype == w.dtype and torch.equal(g, w), (rows, step)
+
+
+def test_longrope_decode_steps_replay_on_each_side_of_the_switch() -> None:
+    """Decode steps with an int offset replay the table of their set of frequencies: across the original length
+    (16) one full call takes the long set's table, then the steps replay again; each equals cos/sin computed for it."""
+    from unittest import mock
+
+    import posenc.rope.module as module
+
+    rope = RoPE(HEAD_DIM, rope_parameters=TYPES["longrope"], max_position_embeddings=64)
+    q, k = torch.randn(1, HEADS, 1, HEAD_DIM), torch.randn(1, KV_HEADS, 1, HEAD_DIM)
+    with mock.patch.object(module, "rotate_tensors", wraps=module.rotate_tensors) as full:
+        got = [rope(q, k, offset=step) for step in range(10, 22)]
+    assert full.call_count == 2  # step 10 (short factors) and step 16, whose length 17 is past the original
+    assert len({key for key in rope._tables}) == 2
+    for step, pair in zip(range(10, 22), got, strict=True):
+        for g, w in zip(pair, _computed_per_call(rope, q, k, offset=step), strict=True):
+            assert torch.equal(g, w), step

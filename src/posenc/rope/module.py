@@ -240,6 +240,22 @@ def _position_bounds(
     return low, high
 
 
+def _table_key(device: torch.device, dtype: torch.dtype, length: int | None) -> tuple:
+    """A table's key in ``RoPE._tables``: (device, dtype), and the frequencies' length where they are scaled for one
+    (``RoPE._frequency_length``: LongRoPE past its original length)."""
+    return (device, dtype) if length is None else (device, dtype, length)
+
+
+_SEQ_AXES = {"bhsd": 2, "bshd": 1}
+
+
+def _tabled(rope_type: str) -> bool:
+    """Whether forward reads this type's cos/sin from kept tables: every type whose frequencies do not depend on the
+    length, and LongRoPE, whose two sets (its short and long factors, either side of its original length) each get
+    their table. Dynamic NTK and registered length-dependent types are computed per call."""
+    return rope_type == "longrope" or not is_seq_len_dependent(rope_type)
+
+
 def _length_unreadable(rope_type: str) -> ValueError:
     return ValueError(
         f"rope_type {rope_type!r} scales for max(positions) + 1 by default, which cannot be read inside torch.compile,"
@@ -723,12 +739,17 @@ class RoPE(nn.Module):
             raise ValueError(f"{too_short}; got seq_len={seq_len} for positions up to {high}")
         return high + 1
 
-    def _table(self, device: torch.device, needed: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        table = _kept(self._tables).get((device, dtype))
+    def _table(
+        self, device: torch.device, needed: int, dtype: torch.dtype, length: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kept table of at least ``needed`` rows (grown to the next power of two, at least 256) of the
+        frequencies for ``length`` (``_frequency_length``'s: None for the unscaled ones)."""
+        key = _table_key(device, dtype, length)
+        table = _kept(self._tables).get(key)
         if table is None or table[0].shape[0] < needed:
-            table = self._rows(device, 0, max(256, 1 << (needed - 1).bit_length()), dtype)
+            table = self._rows(device, 0, max(256, 1 << (needed - 1).bit_length()), dtype, length)
             if _keepable():
-                self._tables[(device, dtype)] = table
+                self._tables[key] = table
         else:
             self._hold_for_graph(table)
         return table
@@ -742,16 +763,18 @@ class RoPE(nn.Module):
             if not any(rows is kept for kept in captured):
                 captured.append(rows)
 
-    def _window(self, device: torch.device, low: int, dtype: torch.dtype) -> tuple[int, torch.Tensor, torch.Tensor]:
+    def _window(
+        self, device: torch.device, low: int, dtype: torch.dtype, length: int | None = None
+    ) -> tuple[int, torch.Tensor, torch.Tensor]:
         """The rows of positions first..first + _WINDOW - 1, first the multiple of _WINDOW / 2 at or below ``low``:
-        they cover low..low + _WINDOW / 2 - 1 at least. Kept as the table is, the latest _WINDOWS_KEPT used of
-        each device and dtype."""
+        they cover low..low + _WINDOW / 2 - 1 at least, of the frequencies for ``length`` (as ``_table``). Kept as
+        the table is, the latest _WINDOWS_KEPT used of each device and dtype."""
         first = low // (_WINDOW // 2) * (_WINDOW // 2)
-        key = (device, dtype, first)
+        key = (device, dtype, first) if length is None else (device, dtype, first, length)
         window = _kept(self._windows).pop(key, None)  # re-inserted below: the dict's order is the order of use
         built = window is None
         if built:
-            window = self._rows(device, first, _WINDOW, dtype)
+            window = self._rows(device, first, _WINDOW, dtype, length)
         else:
             self._hold_for_graph(window)
         if _keepable() or not built:
@@ -766,11 +789,11 @@ class RoPE(nn.Module):
         return (first, *window)
 
     def _rows(
-        self, device: torch.device, first: int, count: int, dtype: torch.dtype
+        self, device: torch.device, first: int, count: int, dtype: torch.dtype, length: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (count, r/2) of positions first..first + count - 1: each row the bits angles_to_cos_sin gives
-        that position alone."""
-        inv_freq, factor = self.frequencies()
+        """cos, sin (count, r/2) of positions first..first + count - 1 with the frequencies for ``length``: each
+        row the bits angles_to_cos_sin gives that position alone."""
+        inv_freq, factor = self.frequencies(length)
         # Not an inference tensor even inside inference_mode (a validation pass first): a later training call could
         # not save one for backward.
         with torch.inference_mode(False):
@@ -823,7 +846,8 @@ class RoPE(nn.Module):
         # float32 tables for every activation dtype but float64, whose callers want float64 exactness.
         table_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         seq = q.shape[seq_axis]
-        if not is_seq_len_dependent(self.spec.rope_type) and q.device.type != "meta":
+        length_dependent = is_seq_len_dependent(self.spec.rope_type)
+        if _tabled(self.spec.rope_type) and q.device.type != "meta":
             # Position ids and offsets may come from the CPU for CUDA activations, as resolve_positions allows.
             if isinstance(positions, torch.Tensor):
                 positions = to_device("positions", positions, q.device, "q")
@@ -832,6 +856,15 @@ class RoPE(nn.Module):
             bounds = _position_bounds(seq, q.shape[0], positions, offset)
             if seq_len is not None and bounds is not None and bounds[1] >= seq_len:
                 bounds = None  # the general path checks the positions against seq_len exactly (high may overshoot)
+            length = None  # the length whose frequencies the table holds (_frequency_length's; None: unscaled)
+            if length_dependent:
+                # LongRoPE: the table of the set of frequencies for the length this call scales for, seq_len or
+                # max(positions) + 1. The bounds give the latter exactly but for ids beside per-sequence offsets
+                # (whose sum of maxima may not be reached): those, and traced calls, take the general path.
+                if bounds is None or compiling() or (positions is not None and isinstance(offset, torch.Tensor)):
+                    bounds = None
+                else:
+                    length = self._frequency_length(seq_len if seq_len is not None else bounds[1] + 1)
             table = None
             # Not while torch.compile traces: a table grown to the next power of two inside the graph guarded each
             # graph on the table's size, one graph per size (a decode loop with an int offset hit the recompile
@@ -844,7 +877,7 @@ class RoPE(nn.Module):
                 # every row up to the bound, so when no position can be negative the rows need no second check
                 # (on CUDA a device sync each).
                 needed = max(bounds[1] + 1, 1)
-                table, trusted = self._table(q.device, needed, table_dtype), bounds[0] >= 0
+                table, trusted = self._table(q.device, needed, table_dtype, length), bounds[0] >= 0
                 if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
                     # The fused backward saves the table it is given: cut to this call's rows, so that an activation
                     # checkpoint's recompute saves one of the same shape after a longer call has grown the shared
@@ -861,14 +894,20 @@ class RoPE(nn.Module):
             ):
                 # Far out (decode steps past the table): the window's rows, read with every position moved back by
                 # its first one, all of them still >= 0 (the offset moves when it alone reaches that far).
-                first, *table = self._window(q.device, bounds[0], table_dtype)
+                first, *table = self._window(q.device, bounds[0], table_dtype, length)
                 trusted = True
                 if positions is None:
                     offset = offset - first
                 else:
                     # In int64: the shifted ids reach _WINDOW - 1, past what 8-bit ids hold (they wrapped).
                     positions, offset = positions.long() - (first - offset), 0
-            elif bounds is None and not compiling() and not recording() and not values_readable(q.device):
+            elif (
+                bounds is None
+                and not length_dependent
+                and not compiling()
+                and not recording()
+                and not values_readable(q.device)
+            ):
                 # Captured into a CUDA graph: nothing may read a value or copy from the host, so the table built
                 # while warming up is read as it stands; a position outside it reads no memory beyond it (the Triton
                 # kernel gives those tokens NaN, the torch path asserts on the device).
@@ -880,7 +919,8 @@ class RoPE(nn.Module):
                     return self._rotate_by_table(q, k, table, positions, offset, layout, trusted)
                 with recording_launches() as launches:
                     q_out, k_out = self._rotate_by_table(q, k, table, positions, offset, layout, trusted)
-                self._keep_plan(key, launches, (q, k), (q_out, k_out), table, first, index)
+                table_key = _table_key(q.device, table_dtype, length)
+                self._keep_plan(key, launches, (q, k), (q_out, k_out), table, first, index, table_key)
                 return q_out, k_out
         pos = resolve_positions(seq, batch=q.shape[0], positions=positions, offset=offset, device=q.device)
         # cos/sin here, not in _rotate_at: 'hf' dynamic NTK's call_cos_sin breaks the graph inside torch.compile, and
@@ -908,14 +948,15 @@ class RoPE(nn.Module):
         errors: a list could not be part of the key, and 1 would find True's plans), a type that scales for the
         length, anything but plain CPU tensors, a gradient to record, anything but plain eager, a CUDA graph
         capture. The table a plan reads is checked at each replay to be the one kept now (``forget_frequencies``
-        and ``_apply`` replace or drop tables)."""
+        and ``_apply`` replace or drop tables). LongRoPE's calls replay with an int offset only, keyed by the set of
+        frequencies that offset + s selects (each set has its table)."""
         if seq_len is not None or (positions is not None and (type(offset) is not int or offset != 0)):
             return None
         if positions is None and type(offset) is not int and not isinstance(offset, torch.Tensor):
             return None
         # First: Dynamo reads plain_eager() as False and traces nothing after it here. Under a CUDA graph capture a
         # call holds the table it reads for the graph's life (_hold_for_graph).
-        if not plain_eager() or _capturing() or is_seq_len_dependent(self.spec.rope_type):
+        if not plain_eager() or _capturing() or not _tabled(self.spec.rope_type):
             return None
         if type(layout) is not str or type(self.backend) is not str or type(self.interleaved) is not bool:
             return None
@@ -927,7 +968,14 @@ class RoPE(nn.Module):
         if index is not None and index_key is None:
             return None
         rows = "offset" if index is None else "positions" if positions is not None else "offsets"
-        return (q_key, k_key, index_key, rows, layout, self.interleaved, self.backend, torch.get_num_threads())
+        length = None
+        if is_seq_len_dependent(self.spec.rope_type):
+            # LongRoPE: the length the call scales for is offset + s, which picks the table (ids: the full path).
+            if index is not None or q.dim() != 4 or layout not in _SEQ_AXES:
+                return None
+            length = self._frequency_length(offset + q.shape[_SEQ_AXES[layout]])
+        key = (q_key, k_key, index_key, rows, layout, self.interleaved, self.backend, torch.get_num_threads())
+        return key if length is None else (*key, length)
 
     def _kept_plan(self, key: tuple) -> tuple | None:
         """(the table, the plan or None for calls that are not replayable on it) kept under ``key`` for the table
@@ -950,12 +998,12 @@ class RoPE(nn.Module):
         table: Any,
         first: int | None,
         index: torch.Tensor | None,
+        table_key: tuple,
     ) -> None:
-        """Keep the plan of a call (its ``launches``) that read ``table``, where that is the table kept now: the
-        plan where replaying it is what the full path would do (``posenc.kernels.replay.plan_of``), else None,
-        so that later calls of the key take the full path unrecorded. (A window read far out says nothing about
-        the calls that read the table.)"""
-        table_key = (xs[0].device, torch.float64 if xs[0].dtype == torch.float64 else torch.float32)
+        """Keep the plan of a call (its ``launches``) that read ``table``, where that is the table kept now under
+        ``table_key``: the plan where replaying it is what the full path would do
+        (``posenc.kernels.replay.plan_of``), else None, so that later calls of the key take the full path
+        unrecorded. (A window read far out says nothing about the calls that read the table.)"""
         kept = self._tables.get(table_key)
         if kept is None or kept[0] is not table[0]:
             return
