@@ -789,3 +789,45 @@ def test_triton_calls_given_angles_the_full_path_converts_are_not_replayed():
             assert same(got, full_path(lambda q=q, k=k, c=c, n=n: apply_rotary_qk(q, k, c, n, backend="triton")))
     assert len(apply_module._PLANS) == 2
     assert all(plan is apply_module._FULL_PATH for plan in apply_module._PLANS._plans.values())
+
+
+@pytest.mark.parametrize("backend", ["auto", pytest.param("triton", marks=needs_triton)])
+def test_offsets_whose_rows_leave_the_table_get_the_full_paths_answer_after_a_plan(backend):
+    """After a plan of several tokens read from an int offset: an offset whose last rows lie past the table, or a
+    negative one, gets the full path's error (a replay of Triton's launch would give the tokens past the table NaN,
+    and those before row 0 too), and a RoPE's table grows for the rows past it, as at a first call."""
+    apply_module._PLANS.clear()
+    cos, sin = table(64, 8)
+    q, k = random_qk(1, 4, 2, 4, 16)
+    for _ in range(2):  # the plan, then its replay: the last offset whose four rows the table holds
+        got = apply_rotary_qk(q, k, cos, sin, offset=60, backend=backend)
+        assert same(got, full_path(lambda: apply_rotary_qk(q, k, cos, sin, offset=60, backend=backend)))
+    with pytest.raises(ValueError, match=r"positions reach 61 \.\. 64 but the cos/sin table has 64 rows"):
+        apply_rotary_qk(q, k, cos, sin, offset=61, backend=backend)
+    with pytest.raises(ValueError, match="offset must be >= 0"):
+        apply_rotary_qk(q, k, cos, sin, offset=-1, backend=backend)
+    rope = RoPE(16, backend=backend)
+    rope(q, k, offset=0)
+    rows = next(iter(rope._tables.values()))[0].shape[0]
+    assert same(rope(q, k, offset=rows - 4), fresh(q, k, backend, offset=rows - 4))
+    assert next(iter(rope._tables.values()))[0].shape[0] == rows  # replayed: the table as it was
+    assert same(rope(q, k, offset=rows - 3), fresh(q, k, backend, offset=rows - 3))
+    assert next(iter(rope._tables.values()))[0].shape[0] > rows
+    with pytest.raises(ValueError, match="offset must be >= 0"):
+        rope(q, k, offset=-1)
+
+
+@pytest.mark.parametrize("backend", ["auto", pytest.param("triton", marks=needs_triton)])
+def test_q_given_as_k_too_is_rotated_into_both_outputs_at_every_call(backend):
+    """apply_rotary_qk(q, q) and rope(q, q): one tensor given twice, which one Triton launch rotates into two outputs.
+    A plan finds the call's tensors in a launch by their pointers, which cannot tell q from k here: one that took
+    the launch for q's alone would leave k's output unwritten at a replay."""
+    apply_module._PLANS.clear()
+    cos, sin = table(64, 8)
+    rope = RoPE(16, backend=backend)
+    for step in range(3):
+        q = random_qk(1, 4, 4, 1, 16, seed=step)[0]
+        got = apply_rotary_qk(q, q, cos, sin, offset=step, backend=backend)
+        want = full_path(lambda q=q, step=step: apply_rotary_qk(q, q, cos, sin, offset=step, backend=backend))
+        assert same(got, want) and same(got[::-1], want), step
+        assert same(rope(q, q, offset=step), fresh(q, q, backend, offset=step)), step
