@@ -2,10 +2,11 @@
 
 The host side of a Triton call is Python of the same kind as the CPU kernel's (checks, the choice of backend, the
 canonical views, ``triton_rope.plan_launch``): 73-84 us of a decode step on an Intel VM, before Triton's own
-launcher runs. A ``TritonPlan`` keeps the one launch a full call planned with its tensors left out; a later call
-of the same key (``replay.tensor_key``: shapes, strides, dtypes, device) puts its own q, k, outputs and cos/sin in
-their places, and its int offset where the table is read from one, and launches through ``triton_rope.launch`` as
-the full path does (Triton's launcher then specializes on the new pointers' alignment as on any call).
+launcher runs. A ``TritonPlan`` keeps the launches a full call planned (one, or one each for q and k) with their
+tensors left out; a later call of the same key (``replay.tensor_key``: shapes, strides, dtypes, device) puts its
+own q, k, outputs and cos/sin in their places, and its int offset where the table is read from one, and launches
+through ``triton_rope.launch`` as the full path does (Triton's launcher then specializes on the new pointers'
+alignment, and on the offset's value, as on any call).
 
 Replayed only where nothing the full path checks depends on values it would read: cos/sin given per token
 (broadcast) or a table read from an int offset, whose range is a host comparison. Calls with position ids, offset
@@ -44,8 +45,8 @@ class Part(NamedTuple):
 
 
 class TritonPlan(NamedTuple):
-    """The Triton launches of a call (one for q and k together, or one each where their token counts differ) with
-    the call's tensors left out: what ``replay`` fills in."""
+    """The Triton launches of a call (one for q and k together, or one each where their batch or token counts
+    differ) with the call's tensors left out: what ``replay`` fills in."""
 
     parts: tuple[Part, ...]
     last_offset: int  # the largest int offset whose rows the table holds (0 for cos/sin given per token)
