@@ -587,18 +587,19 @@ def test_a_plan_runs_only_the_kernel_library_loaded_now(monkeypatch):
     torch.testing.assert_close(calls[1](), wanted[1])  # "auto": the torch path
 
 
-def test_a_plan_is_kept_only_where_its_outputs_are_laid_out_as_a_replay_allocates_them():
+@pytest.mark.parametrize("backend", ["auto", pytest.param("triton", marks=needs_triton)])
+def test_a_plan_is_kept_only_where_its_outputs_are_laid_out_as_a_replay_allocates_them(backend):
     """x whose elements share memory (an as_strided view, sliding windows) has outputs that torch.empty_like would lay
     out with stride 1 on another dim: the full path allocates them row-major instead. A replay allocates with
     empty_like, so the launch of such an x is not kept (a replay wrote row-major rows into the other layout: wrong
-    values, not an error)."""
+    values, not an error), on either fused kernel."""
     cos, sin = table(32, 8)
     x = torch.randn(200).as_strided((1, 2, 3, 16), (0, 16, 1, 1))
     assert torch.empty_like(x).stride(-1) != 1
     apply_module._PLANS.clear()
     for offset in (1, 5):
-        got = apply_rotary(x, cos, sin, offset=offset)
-        want = full_path(lambda offset=offset: apply_rotary(x, cos, sin, offset=offset))
+        got = apply_rotary(x, cos, sin, offset=offset, backend=backend)
+        want = full_path(lambda offset=offset: apply_rotary(x, cos, sin, offset=offset, backend=backend))
         assert got.stride() == want.stride() and torch.equal(got, want)
 
 
