@@ -443,13 +443,15 @@ def test_longrope_reads_the_table_of_its_set_of_frequencies_bit_for_bit(
         "offset tensor": {"offset": per_sequence},
         "positions": {"positions": ids},
         "positions + offset": {"positions": ids, "offset": start},
-        "positions + offset tensor": {"positions": ids.expand(b, s), "offset": per_sequence},
+        # Rows of their own ids: the sum of the largest offset and the largest id need not be reached.
+        "positions + offset tensor": {"positions": torch.stack([ids, ids % 3])[:b], "offset": per_sequence},
     }[rows]
     if seq_len is not None:
         highest = {"offset": start + s - 1, "offset tensor": int(per_sequence.max()) + s - 1}.get(rows)
         if highest is None:
             highest = int(ids.max()) + (start if rows == "positions + offset" else 0)
-            highest += int(per_sequence.max()) if rows == "positions + offset tensor" else 0
+            if rows == "positions + offset tensor":
+                highest = int((kwargs["positions"] + per_sequence[:, None]).max())
         kwargs["seq_len"] = max(seq_len, highest + 1)
     for step in range(2):  # the second replays where the first kept a plan
         want = _computed_per_call(rope, q, k, layout=layout, **kwargs)
@@ -474,3 +476,41 @@ def test_longrope_decode_steps_replay_on_each_side_of_the_switch() -> None:
     for step, pair in zip(range(10, 22), got, strict=True):
         for g, w in zip(pair, _computed_per_call(rope, q, k, offset=step), strict=True):
             assert torch.equal(g, w), step
+
+
+def test_longrope_windows_far_out_hold_the_set_of_frequencies_of_their_call() -> None:
+    """Past the table's limit (2**16 rows) calls read windows of rows, kept per set of frequencies as the tables are:
+    with an original length past the limit, one window's positions serve the short factors (a call's own length)
+    and the long ones (seq_len past the original) in turn, each the bits computed for the call."""
+    params = dict(TYPES["longrope"], original_max_position_embeddings=100_000)
+    rope = RoPE(HEAD_DIM, rope_parameters=params, max_position_embeddings=400_000)
+    q, k = torch.randn(1, HEADS, 2, HEAD_DIM), torch.randn(1, KV_HEADS, 2, HEAD_DIM)
+    for kwargs in ({"offset": 70_000}, {"offset": 70_000, "seq_len": 200_000}, {"offset": 70_001}):
+        for g, w in zip(rope(q, k, **kwargs), _computed_per_call(rope, q, k, **kwargs), strict=True):
+            assert torch.equal(g, w), kwargs
+    assert {len(key) for key in rope._windows} == {3, 4}  # the short factors' window and the long ones'
+
+
+def test_a_captured_longrope_call_without_seq_len_is_refused_not_read_from_a_table() -> None:
+    """Where positions cannot be read (a CUDA graph capture, mocked here: a CPU machine captures nothing), the fixed
+    types read the table kept before the capture; LongRoPE cannot know which of its sets the call needs, so it
+    asks for seq_len as before, rather than read the short factors' table for positions past the original length."""
+    from unittest import mock
+
+    import posenc.rope.module as module
+
+    rope = RoPE(HEAD_DIM, rope_parameters=TYPES["longrope"], max_position_embeddings=64)
+    q, k = torch.randn(1, HEADS, 1, HEAD_DIM), torch.randn(1, KV_HEADS, 1, HEAD_DIM)
+    rope(q, k, offset=3)  # keeps the short factors' table
+    with mock.patch.object(module, "values_readable", return_value=False), pytest.raises(ValueError, match="seq_len"):
+        rope(q, k, positions=torch.tensor([[40]]))
+
+
+def test_longrope_ids_beside_per_sequence_offsets_scale_for_the_largest_position_reached() -> None:
+    """Ids (b, s) beside per-sequence offsets: the length is the largest id + offset of one row (here 10 + 0 and
+    2 + 7: 11, the short factors), not the largest offset plus the largest id (17, past the original 16)."""
+    rope = RoPE(HEAD_DIM, rope_parameters=TYPES["longrope"], max_position_embeddings=64)
+    q, k = torch.randn(2, HEADS, 2, HEAD_DIM), torch.randn(2, KV_HEADS, 2, HEAD_DIM)
+    kwargs = {"positions": torch.tensor([[4, 10], [1, 2]]), "offset": torch.tensor([0, 7])}
+    for g, w in zip(rope(q, k, **kwargs), _computed_per_call(rope, q, k, **kwargs), strict=True):
+        assert torch.equal(g, w)
