@@ -20,6 +20,8 @@ wall clock). Cases, fp32, one torch thread, the CPU backend:
 - ``MRoPE(3-axis positions)``: ``MRoPE(128, mrope_section=[16, 24, 24])``, q (1, 16, 1, 128), k (1, 8, 1, 128),
   (3, 1, 1) positions that differ by axis (100, 7, 9: a token of an image);
 - ``MRoPE(text on 3 axes)``: the same with 100 on every axis (a text token: every generated one);
+- ``RoPE(longrope, offset=5000)``: LongRoPE (Phi-3's kind: short and long factors, original length 4096) past its
+  original length, q (1, 32, 1, 128), k (1, 8, 1, 128);
 - ``RoPE(offset=100) prefill``: the same call with q (1, 32, s, 128), k (1, 8, s, 128), s = ``--prefill-tokens``
   (512), ``--prefill-rounds`` rounds of ``--prefill-calls`` calls.
 
@@ -64,6 +66,7 @@ CASES = (
     "apply_rotary_qk(table, positions)",
     "MRoPE(3-axis positions)",
     "MRoPE(text on 3 axes)",
+    "RoPE(longrope, offset=5000)",
     "RoPE(offset=100) prefill",
 )
 TRITON_CASES = ("RoPE(offset=100) triton host", "apply_rotary_qk(cos, sin) triton host")
@@ -76,6 +79,7 @@ SHAPES = {
     "apply_rotary_qk(table, positions)": "b=1,hq=32,hk=8,s=1,d=128,rows=4096",
     "MRoPE(3-axis positions)": "b=1,hq=16,hk=8,s=1,d=128,sections=16/24/24",
     "MRoPE(text on 3 axes)": "b=1,hq=16,hk=8,s=1,d=128,sections=16/24/24,text",
+    "RoPE(longrope, offset=5000)": "b=1,hq=32,hk=8,s=1,d=128,offset=5000,original=4096",
     "RoPE(offset=100) triton host": "b=1,hq=32,hk=8,s=1,d=128,offset=100,bf16,launch=no-op",
     "apply_rotary_qk(cos, sin) triton host": "b=1,hq=32,hk=8,s=1,d=128,cos=(1,1,1,64),bf16,launch=no-op",
 }
@@ -105,6 +109,12 @@ def make_cases(prefill_tokens: int, triton: bool = False) -> dict[str, Callable[
     mq, mk = torch.randn(1, 16, 1, 128), torch.randn(1, 8, 1, 128)
     axes = torch.tensor([100, 7, 9])[:, None, None]  # (3, 1, 1): temporal, height, width
     text = torch.tensor([100, 100, 100])[:, None, None]
+    factors = {"short_factor": [1.0 + 0.01 * i for i in range(64)], "long_factor": [1.0 + 0.5 * i for i in range(64)]}
+    longrope = RoPE(
+        128,
+        rope_parameters={"rope_type": "longrope", "original_max_position_embeddings": 4096, **factors},
+        max_position_embeddings=131072,
+    )
     pq, pk = torch.randn(1, 32, prefill_tokens, 128), torch.randn(1, 8, prefill_tokens, 128)
     triton_cases = {}
     if triton:
@@ -127,6 +137,7 @@ def make_cases(prefill_tokens: int, triton: bool = False) -> dict[str, Callable[
         "apply_rotary_qk(table, positions)": lambda: apply_rotary_qk(q, k, cos, sin, positions=positions),
         "MRoPE(3-axis positions)": lambda: mrope(mq, mk, positions=axes),
         "MRoPE(text on 3 axes)": lambda: mrope(mq, mk, positions=text),
+        "RoPE(longrope, offset=5000)": lambda: longrope(q, k, offset=5000),
         PREFILL: lambda: rope(pq, pk, offset=100),
     }
 
