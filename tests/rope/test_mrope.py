@@ -522,3 +522,18 @@ def test_only_ids_the_same_on_every_axis_take_ropes_path() -> None:
             for step in range(4):
                 rope(q, k, positions=torch.full((3, 1, 1), 20 + step))
         assert taken == [True] * 4 and full.call_count == 1
+        # A prefill's ids, past the few a decode step compares as Python ints: text, then one image token in them.
+        taken.clear()
+        long_q, long_k = torch.randn(1, 4, 100, 16), torch.randn(1, 2, 100, 16)
+        text = torch.arange(100).expand(3, 1, 100)
+        image = text.clone()
+        image[2, 0, 50] += 1
+        for positions in (text, image):
+            with mock.patch.object(mrope_module, "_text_only", return_value=False):
+                want = rope(long_q, long_k, positions=positions)
+            assert same_bits(rope(long_q, long_k, positions=positions), want)
+        assert taken == [True, False]
+
+
+def same_bits(got, want) -> bool:
+    return all(g.dtype == w.dtype and torch.equal(g, w) for g, w in zip(got, want, strict=True))

@@ -956,7 +956,8 @@ class RoPE(nn.Module):
             return None
         # First: Dynamo reads plain_eager() as False and traces nothing after it here. Under a CUDA graph capture a
         # call holds the table it reads for the graph's life (_hold_for_graph).
-        if not plain_eager() or _capturing() or not _tabled(self.spec.rope_type):
+        rope_type = self.spec.rope_type
+        if not plain_eager() or _capturing() or not _tabled(rope_type):
             return None
         if type(layout) is not str or type(self.backend) is not str or type(self.interleaved) is not bool:
             return None
@@ -969,8 +970,8 @@ class RoPE(nn.Module):
             return None
         rows = "offset" if index is None else "positions" if positions is not None else "offsets"
         length = None
-        if is_seq_len_dependent(self.spec.rope_type):
-            # LongRoPE: the length the call scales for is offset + s, which picks the table (ids: the full path).
+        if rope_type == "longrope":  # the one tabled type whose frequencies depend on the length (_tabled)
+            # The length the call scales for is offset + s, which picks the table (ids: the full path).
             if index is not None or q.dim() != 4 or layout not in _SEQ_AXES:
                 return None
             length = self._frequency_length(offset + q.shape[_SEQ_AXES[layout]])
