@@ -28,7 +28,16 @@ from posenc.kernels.replay import plain_eager
 from posenc.testing import random_qk, torch_threads
 
 pytestmark = pytest.mark.skipif(not cpu_rope.cpu_available(), reason="the CPU kernel is not built here")
-needs_triton = pytest.mark.skipif(triton_module_or_error()[0] is None, reason="Triton does not import here")
+
+
+def _triton_interpreted() -> bool:
+    module = triton_module_or_error()[0]
+    return module is not None and module.interpreted()
+
+
+# These tests rotate CPU tensors through Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1, as CI runs
+# the kernel); where Triton runs compiled (POSENC_TRITON_NATIVE=1 on a GPU machine) the CUDA test below runs instead.
+needs_triton = pytest.mark.skipif(not _triton_interpreted(), reason="Triton missing, or compiled for a GPU here")
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -443,15 +452,6 @@ def test_plain_eager_sees_every_mode_and_trace():
         with context:
             assert not plain_eager()
         assert plain_eager()
-    # A CUDA graph capture on the current stream (mocked: a CPU machine captures nothing). is_initialized first, so
-    # that asking does not initialize CUDA.
-    with (
-        mock.patch.object(torch.cuda, "is_initialized", return_value=True),
-        mock.patch.object(torch.cuda, "is_current_stream_capturing", return_value=True),
-    ):
-        assert not plain_eager()
-    with mock.patch.object(torch.cuda, "is_current_stream_capturing", side_effect=AssertionError("asked")):
-        assert plain_eager() == (not torch.cuda.is_initialized() or not torch.cuda.is_current_stream_capturing())
     assert torch.func.vmap(lambda x: torch.tensor(plain_eager()) + 0 * x)(torch.zeros(2)).tolist() == [0.0, 0.0]
     traced = torch.jit.trace(lambda x: x + float(plain_eager()), torch.zeros(1))
     assert traced(torch.zeros(1)).item() == 0.0
@@ -832,3 +832,61 @@ def test_q_given_as_k_too_is_rotated_into_both_outputs_at_every_call(backend):
         want = full_path(lambda q=q, step=step: apply_rotary_qk(q, q, cos, sin, offset=step, backend=backend))
         assert same(got, want) and same(got[::-1], want), step
         assert same(rope(q, q, offset=step), fresh(q, q, backend, offset=step)), step
+
+
+def test_cuda_tensors_are_keyed_by_device_and_never_during_a_graph_capture():
+    """A CUDA tensor's key holds its device index (a plan of cuda:0 must not serve cuda:1), and none is made while a
+    CUDA graph is captured on the current stream: a capture's calls take the full path, which holds what they read
+    for the graph's life. (Mocked: a CPU tensor made to read as a CUDA one; a CPU machine captures nothing.)"""
+    from posenc.kernels.replay import tensor_key
+
+    t = torch.zeros(2, 3)
+    assert tensor_key(t, False) == (t.shape, t.stride(), t.dtype, torch._C._dispatch_keys(t).raw_repr())
+    with (
+        mock.patch.object(torch.Tensor, "is_cpu", new_callable=mock.PropertyMock, return_value=False),
+        mock.patch.object(torch.Tensor, "is_cuda", new_callable=mock.PropertyMock, return_value=True),
+        mock.patch.object(torch.Tensor, "get_device", return_value=1),
+    ):
+        with mock.patch.object(torch.cuda, "is_current_stream_capturing", return_value=False):
+            assert tensor_key(t, False)[-1] == 1
+        with mock.patch.object(torch.cuda, "is_current_stream_capturing", return_value=True):
+            assert tensor_key(t, False) is None
+    assert tensor_key(t.to("meta"), False) is None
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or triton_module_or_error()[0] is None or _triton_interpreted(),
+    reason="needs a CUDA device and Triton compiled for it (scripts/gpu_check.sh runs it)",
+)
+def test_triton_replays_on_cuda_equal_the_full_path_and_stay_out_of_graph_captures():
+    """On a GPU: decode steps through RoPE and apply_rotary_qk (cos/sin given) plan their launch once and replay it
+    with the bits of the full path; a CUDA graph captured after a plan exists takes the full path (a capture holds
+    what it reads), and its replay rotates new values as an eager call does."""
+    device = torch.device("cuda")
+    apply_module._PLANS.clear()
+    rope = RoPE(64)
+    cos, sin = (t.to(device) for t in table(64, 32))
+    with counting_triton_launches() as counts:
+        for step in range(3):
+            q, k = (t.to(device) for t in random_qk(1, 4, 2, 1, 64, dtype=torch.bfloat16, seed=step))
+            assert same(rope(q, k, offset=3 + step), fresh(q, k, offset=3 + step))
+            c, n = cos[3 + step : 4 + step][None, None], sin[3 + step : 4 + step][None, None]
+            assert same(apply_rotary_qk(q, k, c, n), full_path(lambda q=q, k=k, c=c, n=n: apply_rotary_qk(q, k, c, n)))
+    # Each entry's first call, and the six full paths the comparisons took; every other call replayed.
+    assert counts == {"planned": 8, "launched": 12}, counts
+    q, k = (t.to(device) for t in random_qk(1, 4, 2, 1, 64, dtype=torch.bfloat16, seed=9))
+    c, n = cos[5:6][None, None], sin[5:6][None, None]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        apply_rotary_qk(q, k, c, n)  # warm-up, replayed
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with counting_triton_launches() as counts, torch.cuda.graph(graph):
+        captured = apply_rotary_qk(q, k, c, n)
+    assert counts["planned"] == 1, "a capture replayed a plan"
+    fresh_q = torch.randn_like(q)
+    q.copy_(fresh_q)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert same(captured, full_path(lambda: apply_rotary_qk(q, k, c, n)))

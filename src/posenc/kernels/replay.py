@@ -53,9 +53,8 @@ _STRIDED = torch.strided
 def plain_eager() -> bool:
     """Whether nothing but eager execution sees this call: this thread neither compiles nor exports (another
     thread's compile leaves it eager: ``posenc._checks.compiling``), no dispatch or function mode (FakeTensorMode,
-    make_fx, a logging mode, ``with torch.device(...)``), no torch.jit.trace, no torch.func transform, no
-    forward-AD level and no CUDA graph being captured on the current stream (whose calls hold what they read for the
-    graph's life, and read no values). ~0.5 us."""
+    make_fx, a logging mode, ``with torch.device(...)``), no torch.jit.trace, no torch.func transform and no
+    forward-AD level. ~0.5 us. (A CUDA graph capture: ``tensor_key`` refuses CUDA tensors during one.)"""
     return not (
         compiling()
         or torch._C._len_torch_dispatch_stack()
@@ -63,8 +62,6 @@ def plain_eager() -> bool:
         or torch._C._get_tracing_state() is not None
         or torch._C._are_functorch_transforms_active()
         or fwAD._current_level >= 0
-        # is_initialized first: ~50 ns, and it does not initialize CUDA
-        or (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())
     )
 
 
@@ -82,14 +79,16 @@ def tensor_key(t: object, grad: bool) -> tuple | None:
     """What of a tensor the full path's checks and decisions read: shape, strides, dtype and dispatch keys (a
     negative view, an inference tensor, a wrapped or batched tensor each have their own), and a CUDA tensor's device
     index; None for one that replays do not take: anything but a plain strided CPU or CUDA torch.Tensor (a
-    subclass, another device, sparse, nested), or one that requires grad while ``grad`` (grad mode) is on."""
+    subclass, another device, sparse, nested), one that requires grad while ``grad`` (grad mode) is on, and a CUDA
+    tensor while a CUDA graph is captured on the current stream (a capture's calls hold what they read for the
+    graph's life and read no values: the full path's business)."""
     if type(t) is not torch.Tensor or t.layout is not _STRIDED or t.is_nested:
         return None
     if grad and t.requires_grad:
         return None
     if t.is_cpu:
         return t.shape, t.stride(), t.dtype, torch._C._dispatch_keys(t).raw_repr()
-    if t.is_cuda:
+    if t.is_cuda and not torch.cuda.is_current_stream_capturing():
         return t.shape, t.stride(), t.dtype, torch._C._dispatch_keys(t).raw_repr(), t.get_device()
     return None
 

@@ -957,7 +957,8 @@ class RoPE(nn.Module):
         # First: Dynamo reads plain_eager() as False and traces nothing after it here. Under a CUDA graph capture a
         # call holds the table it reads for the graph's life (_hold_for_graph).
         rope_type = self.spec.rope_type
-        if not plain_eager() or _capturing() or not _tabled(rope_type):
+        # As _tabled, inline: the one type that depends on the length and reads tables is LongRoPE.
+        if not plain_eager() or _capturing() or (rope_type != "longrope" and is_seq_len_dependent(rope_type)):
             return None
         if type(layout) is not str or type(self.backend) is not str or type(self.interleaved) is not bool:
             return None
@@ -970,7 +971,7 @@ class RoPE(nn.Module):
             return None
         rows = "offset" if index is None else "positions" if positions is not None else "offsets"
         length = None
-        if rope_type == "longrope":  # the one tabled type whose frequencies depend on the length (_tabled)
+        if rope_type == "longrope":
             # The length the call scales for is offset + s, which picks the table (ids: the full path).
             if index is not None or q.dim() != 4 or layout not in _SEQ_AXES:
                 return None
