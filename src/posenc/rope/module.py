@@ -871,9 +871,10 @@ class RoPE(nn.Module):
             # limit at 16384, a hard error under fullgraph=True). The angles there are computed in the graph, to
             # the table's bits, one graph for every offset and length.
             if bounds is not None and bounds[1] < _TABLE_LIMIT and not compiling():
-                # Frequencies that do not depend on the length: the kernels read the cached table at the tokens'
-                # rows (a slice for an int offset), with no per-token cos/sin built here first (measured: 4-6% of a
-                # CPU prefill call; at decode size ~35 us of a ~100 us call with position ids). The table covers
+                # Frequencies that do not depend on the length (or LongRoPE's set for it): the kernels read the
+                # cached table at the tokens' rows (a slice for an int offset), with no per-token cos/sin built here
+                # first (measured: 4-6% of a CPU prefill call; at decode size ~35 us of a ~100 us call with position
+                # ids). The table covers
                 # every row up to the bound, so when no position can be negative the rows need no second check
                 # (on CUDA a device sync each).
                 needed = max(bounds[1] + 1, 1)
