@@ -874,9 +874,8 @@ class RoPE(nn.Module):
                 # Frequencies that do not depend on the length (or LongRoPE's set for it): the kernels read the
                 # cached table at the tokens' rows (a slice for an int offset), with no per-token cos/sin built here
                 # first (measured: 4-6% of a CPU prefill call; at decode size ~35 us of a ~100 us call with position
-                # ids). The table covers
-                # every row up to the bound, so when no position can be negative the rows need no second check
-                # (on CUDA a device sync each).
+                # ids). The table covers every row up to the bound, so when no position can be negative the rows
+                # need no second check (on CUDA a device sync each).
                 needed = max(bounds[1] + 1, 1)
                 table, trusted = self._table(q.device, needed, table_dtype, length), bounds[0] >= 0
                 if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
@@ -947,7 +946,7 @@ class RoPE(nn.Module):
         (``posenc.kernels.replay``), or None for a call that must take the full path: seq_len, positions beside
         an offset, a layout or backend that is not a str or an interleaved that is not a bool (the full path's
         errors: a list could not be part of the key, and 1 would find True's plans), a type that scales for the
-        length, anything but plain CPU or CUDA tensors, a gradient to record, anything but plain eager, a CUDA graph
+        length but LongRoPE, anything but plain CPU or CUDA tensors, a gradient to record, anything but plain eager, a CUDA graph
         capture. The table a plan reads is checked at each replay to be the one kept now (``forget_frequencies``
         and ``_apply`` replace or drop tables). LongRoPE's calls replay with an int offset only, keyed by the set of
         frequencies that offset + s selects (each set has its table)."""
