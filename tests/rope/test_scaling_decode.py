@@ -514,3 +514,23 @@ def test_longrope_ids_beside_per_sequence_offsets_scale_for_the_largest_position
     kwargs = {"positions": torch.tensor([[4, 10], [1, 2]]), "offset": torch.tensor([0, 7])}
     for g, w in zip(rope(q, k, **kwargs), _computed_per_call(rope, q, k, **kwargs), strict=True):
         assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize("seq_len", [None, "s + 3"])
+def test_longrope_traced_by_make_fx_with_a_symbolic_length_chooses_its_set_in_the_graph(seq_len) -> None:
+    """make_fx(tracing_mode="symbolic") with an int offset: the length (offset + s, or a seq_len made of s) is a
+    torch.SymInt, not a compile (compiling() is False). Compared with the original length on the host, the example's
+    set of frequencies was baked into the graph, which then gave the short factors past the switch, silently."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    rope = RoPE(HEAD_DIM, rope_parameters=TYPES["longrope"], max_position_embeddings=64)
+    original = int(TYPES["longrope"]["original_max_position_embeddings"])
+
+    def call(q, k):
+        return rope(q, k, offset=3, seq_len=None if seq_len is None else q.shape[2] + 3)
+
+    graph = make_fx(call, tracing_mode="symbolic")(*(torch.randn(1, HEADS, 4, HEAD_DIM) for _ in range(2)))
+    for s in (4, original - 3, original - 2, original + 5):  # offset 3 + s: either side of the switch
+        q, k = torch.randn(1, HEADS, s, HEAD_DIM), torch.randn(1, KV_HEADS, s, HEAD_DIM)
+        for got, want in zip(graph(q, k), call(q, k), strict=True):
+            torch.testing.assert_close(got, want, rtol=2.5e-7, atol=2e-7, msg=f"s={s}")

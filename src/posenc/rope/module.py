@@ -863,8 +863,12 @@ class RoPE(nn.Module):
                 # (whose sum of maxima may not be reached): those, and traced calls, take the general path.
                 if bounds is None or compiling() or (positions is not None and isinstance(offset, torch.Tensor)):
                     bounds = None
+                elif type(wanted := seq_len if seq_len is not None else bounds[1] + 1) is not int:
+                    # make_fx's symbolic trace (a torch.SymInt length, not a compile): compared with the original
+                    # length here, the example's set was baked into the graph; the general path chooses in it.
+                    bounds = None
                 else:
-                    length = self._frequency_length(seq_len if seq_len is not None else bounds[1] + 1)
+                    length = self._frequency_length(wanted)
             table = None
             # Not while torch.compile traces: a table grown to the next power of two inside the graph guarded each
             # graph on the table's size, one graph per size (a decode loop with an int offset hit the recompile
