@@ -537,3 +537,62 @@ def test_only_ids_the_same_on_every_axis_take_ropes_path() -> None:
 
 def same_bits(got, want) -> bool:
     return all(g.dtype == w.dtype and torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+def _m_ropes_error(rope, *args, **kwargs) -> BaseException:
+    """The error M-RoPE's own path (``_text_only`` False) raises for the call."""
+    from unittest import mock
+
+    import posenc.rope.mrope as mrope_module
+
+    with mock.patch.object(mrope_module, "_text_only", return_value=False), pytest.raises(Exception) as want:
+        rope(*args, **kwargs)
+    return want.value
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "layout a list",
+        "layout unknown",
+        "q 2-D",
+        "q a list",
+        "two axes",
+        "negative id",
+        "negative id, prefill",
+        "complex ids",
+        "complex ids, prefill",
+    ],
+)
+@pytest.mark.parametrize("rope_parameters", [None, {"rope_type": "dynamic", "factor": 2.0}])
+def test_text_ids_that_rope_would_refuse_get_m_ropes_own_error(case, rope_parameters) -> None:
+    """Ids the same on every axis beside arguments M-RoPE refuses get the error its own path gives, type and
+    message: the text check asks nothing it cannot ask of them (a list layout is unhashable, a 2-D q has no axis 2,
+    a list has no dim, two axes do not unpack into three, complex ids have no order), and negative ids keep
+    M-RoPE's message (RoPE's names its table rows)."""
+    rope = MRoPE(16, mrope_section=[2, 3, 3], rope_parameters=rope_parameters, max_position_embeddings=16)
+    q, k = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16)
+    positions, layout = torch.full((3, 1, 1), 7), "bhsd"
+    if case == "layout a list":
+        layout = ["bhsd"]
+    elif case == "layout unknown":
+        layout = "sbhd"
+    elif case == "q 2-D":
+        q = q[0, 0]
+    elif case == "q a list":
+        q = q.tolist()
+    elif case == "two axes":
+        positions = positions[:2]
+    elif case == "negative id":
+        positions = torch.full((3, 1, 1), -1)
+    elif case == "complex ids":
+        positions = positions.to(torch.complex64)
+    else:
+        q, k = torch.randn(1, 2, 100, 16), torch.randn(1, 2, 100, 16)
+        positions = (torch.arange(100) - 1).expand(3, 1, 100)
+        if case == "complex ids, prefill":
+            positions = positions.abs().to(torch.complex64)
+    want = _m_ropes_error(rope, q, k, positions=positions, layout=layout)
+    with pytest.raises(type(want)) as got:
+        rope(q, k, positions=positions, layout=layout)
+    assert str(got.value) == str(want)

@@ -168,22 +168,25 @@ def _cos_sin_by_axis(
 def _text_only(q: object, positions: torch.Tensor, offset: object, layout: object) -> bool:
     """Whether (3, b, s) ``positions`` that fit q are text ids, the same on all three axes, asked only where reading
     them costs no device sync and nothing traces the call: plain CPU ids in plain eager, and an int offset of 0 (the
-    rope deltas of a prompt with images go to every axis through forward's own path). Ids that do not fit q take
-    that path too, for its message; ids of a dtype RoPE refuses get the same error on either path."""
+    rope deltas of a prompt with images go to every axis through forward's own path). Ids that do not fit q, and
+    negative ids, take that path too, for its message; ids of a dtype RoPE refuses get the same error on either
+    path."""
     # plain_eager first: Dynamo reads it as False and traces no shape comparison after it (each would guard a graph).
     if not plain_eager() or type(offset) is not int or offset != 0 or type(layout) is not str:
         return False
-    if type(positions) is not torch.Tensor or not positions.is_cpu:
+    if type(positions) is not torch.Tensor or not positions.is_cpu or positions.is_complex():  # no order, no min
         return False
     if not isinstance(q, torch.Tensor) or q.dim() != 4 or layout not in _SEQ_AXIS or positions.shape[0] != AXES:
         return False
     if positions.shape[2] != q.shape[_SEQ_AXIS[layout]] or positions.shape[1] not in (1, q.shape[0]):
         return False
     if positions.numel() <= 3 * 64:
-        # A decode step's few ids compared as Python ints: ~0.6 us, where torch.equal takes ~2 us a pair of axes.
+        # A decode step's few ids compared as Python ints: ~0.6 us, where torch.equal takes ~2 us a pair of axes
+        # (measured before the >= 0 test over the same ints was added, not since).
         t, h, w = positions.tolist()
-        return t == h == w
-    return torch.equal(positions[1:], positions[:-1])  # axis 1 against axis 0, axis 2 against axis 1
+        return t == h == w and all(i >= 0 for row in t for i in row)
+    # Axis 1 against axis 0, axis 2 against axis 1.
+    return torch.equal(positions[1:], positions[:-1]) and bool(positions[0].min() >= 0)
 
 
 _SEQ_AXIS = {"bhsd": 2, "bshd": 1}
