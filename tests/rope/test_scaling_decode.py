@@ -534,3 +534,18 @@ def test_longrope_traced_by_make_fx_with_a_symbolic_length_chooses_its_set_in_th
         q, k = torch.randn(1, HEADS, s, HEAD_DIM), torch.randn(1, KV_HEADS, s, HEAD_DIM)
         for got, want in zip(graph(q, k), call(q, k), strict=True):
             torch.testing.assert_close(got, want, rtol=2.5e-7, atol=2e-7, msg=f"s={s}")
+
+
+@pytest.mark.parametrize("case", ["layout unknown", "q 2-D"])
+def test_longrope_int_offset_calls_with_arguments_refused_get_the_full_paths_error(case) -> None:
+    """LongRoPE's replay key reads q's sequence axis by the layout for the set offset + s selects: a layout it does
+    not know, or a q without that axis, leave the key to the full path, whose checks say what is wrong (a KeyError
+    or an IndexError came from reading the axis)."""
+    rope = RoPE(HEAD_DIM, rope_parameters=TYPES["longrope"], max_position_embeddings=64)
+    q, k = torch.randn(1, HEADS, 1, HEAD_DIM), torch.randn(1, KV_HEADS, 1, HEAD_DIM)
+    layout = "sbhd" if case == "layout unknown" else "bhsd"
+    if case == "q 2-D":
+        q, k = q[0, 0], k[0, 0]
+    message = "layout must be" if case == "layout unknown" else "q must be 4-D"
+    with pytest.raises(ValueError, match=message):
+        rope(q, k, offset=20, layout=layout)

@@ -821,7 +821,8 @@ class RoPE(nn.Module):
         ``seq_len_dependent=True``. Inside torch.compile the default is taken in the graph for ``longrope`` and
         'consistent' ``dynamic``, and in a graph break for 'hf' ``dynamic`` and a registered type, which therefore
         need it with ``fullgraph=True``; all of them need it in a CUDA graph capture, where positions cannot be
-        read. A positive int for every type.
+        read (but ``longrope`` with an int offset and no ids: its length, offset + s, is known on the host). A
+        positive int for every type.
         Returns new (q, k) with the input dtypes.
         """
         first, index = rows_read(positions, offset)
