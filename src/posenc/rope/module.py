@@ -951,10 +951,10 @@ class RoPE(nn.Module):
         (``posenc.kernels.replay``), or None for a call that must take the full path: seq_len, positions beside
         an offset, a layout or backend that is not a str or an interleaved that is not a bool (the full path's
         errors: a list could not be part of the key, and 1 would find True's plans), a type that scales for the
-        length but LongRoPE, anything but plain CPU or CUDA tensors, a gradient to record, anything but plain eager, a CUDA graph
-        capture. The table a plan reads is checked at each replay to be the one kept now (``forget_frequencies``
-        and ``_apply`` replace or drop tables). LongRoPE's calls replay with an int offset only, keyed by the set of
-        frequencies that offset + s selects (each set has its table)."""
+        length but LongRoPE, anything but plain CPU or CUDA tensors, a gradient to record, anything but plain
+        eager, a CUDA graph capture. The table a plan reads is checked at each replay to be the one kept now
+        (``forget_frequencies`` and ``_apply`` replace or drop tables). LongRoPE's calls replay with an int offset
+        only, keyed by the set of frequencies that offset + s selects (each set has its table)."""
         if seq_len is not None or (positions is not None and (type(offset) is not int or offset != 0)):
             return None
         if positions is None and type(offset) is not int and not isinstance(offset, torch.Tensor):
