@@ -43,25 +43,27 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 @contextlib.contextmanager
+def counting_calls(**targets: tuple[object, str]):
+    """Counts of the calls of each target (name -> (object, attribute)), each wrapped while the block runs."""
+    counts = dict.fromkeys(targets, 0)
+
+    def counted(name, function):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return function(*args, **kwargs)
+
+        return call
+
+    with contextlib.ExitStack() as stack:
+        for name, (owner, attribute) in targets.items():
+            stack.enter_context(mock.patch.object(owner, attribute, counted(name, getattr(owner, attribute))))
+        yield counts
+
+
 def counting_full_paths():
     """Counts of the calls that took the full path, by entry: "functions" (rotate_tensors') and "RoPE" (forward's
     rotation through rotate_tensors)."""
-    counts = {"functions": 0, "RoPE": 0}
-    full, rotate = apply_module._rotate_tensors, module.rotate_tensors
-
-    def counted_full(*args, **kwargs):
-        counts["functions"] += 1
-        return full(*args, **kwargs)
-
-    def counted_rotate(*args, **kwargs):
-        counts["RoPE"] += 1
-        return rotate(*args, **kwargs)
-
-    with (
-        mock.patch.object(apply_module, "_rotate_tensors", counted_full),
-        mock.patch.object(module, "rotate_tensors", counted_rotate),
-    ):
-        yield counts
+    return counting_calls(functions=(apply_module, "_rotate_tensors"), RoPE=(module, "rotate_tensors"))
 
 
 def table(rows: int, half: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -677,27 +679,11 @@ def test_a_rope_holds_the_table_a_cuda_graph_capture_reads():
     assert len(rope._captured) == 1 and rope._captured[0] is next(iter(rope._tables.values()))
 
 
-@contextlib.contextmanager
 def counting_triton_launches():
     """Counts of ``plan_launch`` calls (the full path's) and of launches (the full path's and the replays')."""
     from posenc.kernels import triton_rope
 
-    counts = {"planned": 0, "launched": 0}
-    plan, run = triton_rope.plan_launch, triton_rope.launch
-
-    def counted_plan(*args, **kwargs):
-        counts["planned"] += 1
-        return plan(*args, **kwargs)
-
-    def counted_launch(*args, **kwargs):
-        counts["launched"] += 1
-        return run(*args, **kwargs)
-
-    with (
-        mock.patch.object(triton_rope, "plan_launch", counted_plan),
-        mock.patch.object(triton_rope, "launch", counted_launch),
-    ):
-        yield counts
+    return counting_calls(planned=(triton_rope, "plan_launch"), launched=(triton_rope, "launch"))
 
 
 @needs_triton
