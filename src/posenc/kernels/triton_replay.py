@@ -1,7 +1,7 @@
 """Replaying a checked eager call's Triton launch: ``posenc.kernels.replay`` for ``backend='triton'``.
 
 The host side of a Triton call is Python of the same kind as the CPU kernel's (checks, the choice of backend, the
-canonical views, ``triton_rope.plan_launch``): 73-84 us of a decode step on an Intel VM, before Triton's own
+canonical views, ``triton_rope.plan_launch``): 72-92 us of a decode step on an Intel VM, before Triton's own
 launcher runs. A ``TritonPlan`` keeps the launches a full call planned (one, or one each for q and k) with their
 tensors left out; a later call of the same key (``replay.tensor_key``: shapes, strides, dtypes, device) puts its
 own q, k, outputs and cos/sin in their places, and its int offset where the table is read from one, and launches
@@ -29,7 +29,6 @@ from posenc.kernels.recording import record
 # offset the table is read from.
 _TENSOR_ARGS = 9
 _OFFSET_ARG = 9
-_X0, _XN, _OUT0, _OUTN, _COS, _SIN = range(6)
 
 
 class Part(NamedTuple):
