@@ -65,14 +65,17 @@ def plain_eager() -> bool:
     )
 
 
-def rows_read(positions: object, offset: object) -> tuple[Any, Any]:
+def rows_read(positions: object, offset: object) -> tuple[Any, Any, str | None]:
     """(the table row of the first token: an int offset, or None; the tensor the kernel reads each token's row from:
-    the position ids, or a decode step's per-sequence offsets, or None) of a call's ``positions`` and ``offset``."""
+    the position ids, or a decode step's per-sequence offsets, or None; how the rows are read, for the key:
+    "positions", "offsets", "offset", or None for cos/sin given per token) of a call's ``positions`` and
+    ``offset``. The last tells apart calls whose tensors look alike: ids from per-sequence offsets of one shape, a
+    (rows, r/2) table read from an offset from the same tensor given as per-token cos/sin."""
     if positions is not None:
-        return None, positions
+        return None, positions, "positions"
     if isinstance(offset, torch.Tensor):
-        return None, offset
-    return offset, None
+        return None, offset, "offsets"
+    return offset, None, None if offset is None else "offset"
 
 
 def tensor_key(t: object, grad: bool) -> tuple | None:

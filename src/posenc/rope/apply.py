@@ -343,6 +343,7 @@ def _replay_key(
     positions: torch.Tensor | None,
     offset: object,
     index: torch.Tensor | None,
+    rows: str | None,
     cu_seqlens: torch.Tensor | None,
     backend: str,
     inplace: bool,
@@ -351,7 +352,7 @@ def _replay_key(
     a call that must take the full path: packed sequences, positions beside an offset, the torch backend, a
     non-bool flag or a layout neither None nor a str (refused there; a list could not be part of the key), anything
     but plain CPU or CUDA tensors, a gradient to record, or anything but plain eager. options: the rest of the
-    call's arguments, (interleaved, conjugate, layout, rows_checked, vouched); index: ``rows_read``'s. In place,
+    call's arguments, (interleaved, conjugate, layout, rows_checked, vouched); index, rows: ``rows_read``'s. In place,
     inference mode is part of the key (inference tensors may change in place only inside it); angles that share
     storage with an x are left to the full path at each call (``_angles_apart``)."""
     if cu_seqlens is not None or backend not in ("auto", "cpu", "triton"):
@@ -373,11 +374,6 @@ def _replay_key(
         if key is None:
             return None
         keys.append(key)
-    # How the rows are read: from an int offset, at the ids, at the offsets, or broadcast (None).
-    if positions is not None:
-        rows = "positions"
-    else:
-        rows = "offset" if type(offset) is int else "offsets" if index is not None else None
     inference = inplace and torch.is_inference_mode_enabled()
     return (*keys, len(xs), rows, backend, *options, inplace, inference, torch.get_num_threads())
 
@@ -411,8 +407,8 @@ def rotate_tensors(
     full path and 15-17 us replayed).
     """
     options = (interleaved, conjugate, layout, rows_checked, vouched)
-    first, index = rows_read(positions, offset)
-    key = _replay_key(xs, cos, sin, options, positions, offset, index, cu_seqlens, backend, inplace)
+    first, index, rows = rows_read(positions, offset)
+    key = _replay_key(xs, cos, sin, options, positions, offset, index, rows, cu_seqlens, backend, inplace)
     plan = None if key is None else _PLANS.get(key)
     if key is None or plan is _FULL_PATH:
         return _rotate_tensors(xs, cos, sin, positions, offset, cu_seqlens, backend, inplace, *options)

@@ -406,8 +406,8 @@ class RoPE(nn.Module):
         # Plain attributes, not buffers: derived from the config, rebuilt per device on first use, so the
         # module is safe to create on the meta device and never goes stale after .to().
         self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
-        # (device, dtype, first row's position) -> cos, sin past the table, see _WINDOW; oldest use first.
-        self._windows: dict[tuple[torch.device, torch.dtype, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        # (*_table_key, first row's position) -> cos, sin past the table, see _WINDOW; oldest use first.
+        self._windows: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._frequencies: dict[int | None, tuple[torch.Tensor, float]] = {}
         # Tables a CUDA graph capture has read: the graph reads them by address at every replay, so a later call
         # that grows the table must not free them (the allocator would hand their memory to other tensors).
@@ -770,7 +770,7 @@ class RoPE(nn.Module):
         they cover low..low + _WINDOW / 2 - 1 at least, of the frequencies for ``length`` (as ``_table``). Kept as
         the table is, the latest _WINDOWS_KEPT used of each device and dtype."""
         first = low // (_WINDOW // 2) * (_WINDOW // 2)
-        key = (device, dtype, first) if length is None else (device, dtype, first, length)
+        key = (*_table_key(device, dtype, length), first)
         window = _kept(self._windows).pop(key, None)  # re-inserted below: the dict's order is the order of use
         built = window is None
         if built:
@@ -825,8 +825,8 @@ class RoPE(nn.Module):
         positive int for every type.
         Returns new (q, k) with the input dtypes.
         """
-        first, index = rows_read(positions, offset)
-        key = self._replay_key(q, k, positions, offset, index, layout, seq_len)
+        first, index, rows = rows_read(positions, offset)
+        key = self._replay_key(q, k, positions, offset, index, rows, layout, seq_len)
         if key is not None:
             kept = self._kept_plan(key)
             if kept is not None and kept[1] is None:
@@ -944,6 +944,7 @@ class RoPE(nn.Module):
         positions: object,
         offset: object,
         index: object,
+        rows: str | None,
         layout: object,
         seq_len: object,
     ) -> tuple | None:
@@ -974,7 +975,6 @@ class RoPE(nn.Module):
         index_key = None if index is None else tensor_key(index, grad)
         if index is not None and index_key is None:
             return None
-        rows = "offset" if index is None else "positions" if positions is not None else "offsets"
         length = None
         if rope_type == "longrope":
             # The length the call scales for is offset + s, which picks the table (ids: the full path).

@@ -41,7 +41,7 @@ from posenc._checks import (
 )
 from posenc.kernels.replay import plain_eager
 from posenc.rope.frequencies import is_seq_len_dependent
-from posenc.rope.module import Layout, RoPE, _keepable
+from posenc.rope.module import _SEQ_AXES, Layout, RoPE, _keepable
 
 AXES = 3
 
@@ -176,9 +176,9 @@ def _text_only(q: object, positions: torch.Tensor, offset: object, layout: objec
         return False
     if type(positions) is not torch.Tensor or not positions.is_cpu or positions.is_complex():  # no order, no min
         return False
-    if not isinstance(q, torch.Tensor) or q.dim() != 4 or layout not in _SEQ_AXIS or positions.shape[0] != AXES:
+    if not isinstance(q, torch.Tensor) or q.dim() != 4 or layout not in _SEQ_AXES or positions.shape[0] != AXES:
         return False
-    if positions.shape[2] != q.shape[_SEQ_AXIS[layout]] or positions.shape[1] not in (1, q.shape[0]):
+    if positions.shape[2] != q.shape[_SEQ_AXES[layout]] or positions.shape[1] not in (1, q.shape[0]):
         return False
     if positions.numel() <= 3 * 64:
         # A decode step's few ids compared as Python ints: ~0.6 us, where torch.equal takes ~2 us a pair of axes
@@ -187,9 +187,6 @@ def _text_only(q: object, positions: torch.Tensor, offset: object, layout: objec
         return t == h == w and all(i >= 0 for row in t for i in row)
     # Axis 1 against axis 0, axis 2 against axis 1.
     return torch.equal(positions[1:], positions[:-1]) and bool(positions[0].min() >= 0)
-
-
-_SEQ_AXIS = {"bhsd": 2, "bshd": 1}
 
 
 class MRoPE(RoPE):
