@@ -395,8 +395,9 @@ def test_hf_dynamic_state_change_is_held_until_written() -> None:
 
 
 def _computed_per_call(rope: RoPE, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rope``'s call with LongRoPE's cos/sin computed for the call (the path every length-dependent type took
-    before its tables), no plan kept or replayed: a fresh copy of the module, and the functions' plans left out."""
+    """``rope``'s call with LongRoPE's and dynamic NTK's cos/sin computed for the call (the path every
+    length-dependent type took before their tables), no plan kept or replayed: a fresh copy of the module, and the
+    functions' plans left out. The copy's 'hf' state after the call is left in ``rope.per_call_state``."""
     from unittest import mock
 
     import posenc.rope.apply as apply_module
@@ -405,14 +406,17 @@ def _computed_per_call(rope: RoPE, *args: Any, **kwargs: Any) -> tuple[torch.Ten
     fresh = pickle.loads(pickle.dumps(rope))  # no tables, no plans; 'hf' state as it stands
     tabled = module._tabled
     with (
-        mock.patch.object(module, "_tabled", lambda rope_type: rope_type != "longrope" and tabled(rope_type)),
+        mock.patch.object(module, "_tabled", lambda rope_type: rope_type not in TYPES and tabled(rope_type)),
         mock.patch.object(apply_module, "_PLANS", apply_module.Plans(0)),
     ):
-        return fresh(*args, **kwargs)
+        out = fresh(*args, **kwargs) if args else fresh.call_cos_sin(kwargs["positions"])
+    rope.__dict__["per_call_state"] = fresh.hf_scaled_len
+    return out
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(
+    rope_type=st.sampled_from(list(TYPES)),
     rows=st.sampled_from(["offset", "offset tensor", "positions", "positions + offset", "positions + offset tensor"]),
     start=st.integers(0, 40),
     s=st.integers(1, 6),
@@ -422,17 +426,23 @@ def _computed_per_call(rope: RoPE, *args: Any, **kwargs: Any) -> tuple[torch.Ten
     layout=st.sampled_from(["bhsd", "bshd"]),
     mode=st.sampled_from(["hf", "consistent"]),
     seq_len=st.sampled_from([None, 0, 30]),  # 0: seq_len = the longest position + 1
+    seen=st.sampled_from([0, 30]),  # a call of that length before ('hf' dynamic NTK's state grown to it)
     interleaved=st.booleans(),
 )
-def test_longrope_reads_the_table_of_its_set_of_frequencies_bit_for_bit(
-    rows, start, s, b, dtype, backend, layout, mode, seq_len, interleaved
+def test_length_dependent_types_read_the_table_of_their_frequencies_bit_for_bit(
+    rope_type, rows, start, s, b, dtype, backend, layout, mode, seq_len, seen, interleaved
 ) -> None:
     """LongRoPE's two sets of frequencies (its short factors up to its original length, its long ones past it) each
-    have a kept table, read as the fixed types' are (a slice at an int offset, rows at ids, replayed decode steps):
-    every call gives the bits of cos/sin computed for it, on either side of the switch and across it, by ids, by
-    int or per-sequence offsets, with seq_len given or not."""
-    rope = RoPE(HEAD_DIM, rope_parameters=TYPES["longrope"], max_position_embeddings=64, mode=mode)
+    have a kept table, and dynamic NTK's unscaled ones (up to max_position_embeddings, 16 here), read as the fixed
+    types' are (a slice at an int offset, rows at ids, replayed decode steps): every call gives the bits of cos/sin
+    computed for it, on either side of the switch and across it, by ids, by int or per-sequence offsets, with
+    seq_len given or not, and leaves 'hf' dynamic NTK's state where the call computed per call leaves it (grown,
+    kept, or reset after a longer call)."""
+    limit = 64 if rope_type == "longrope" else MAX_POS
+    rope = RoPE(HEAD_DIM, rope_parameters=TYPES[rope_type], max_position_embeddings=limit, mode=mode)
     rope.backend, rope.interleaved = backend, interleaved
+    if seen:
+        rope.scaling_length(torch.arange(seen))
     generator = torch.Generator().manual_seed(start)
     shape = (b, HEADS, s, HEAD_DIM) if layout == "bhsd" else (b, s, HEADS, HEAD_DIM)
     q, k = (torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype) for _ in range(2))
@@ -458,6 +468,7 @@ def test_longrope_reads_the_table_of_its_set_of_frequencies_bit_for_bit(
         got = rope(q, k, layout=layout, **kwargs)
         for g, w in zip(got, want, strict=True):
             assert g.dtype == w.dtype and torch.equal(g, w), (rows, step)
+        assert rope.hf_scaled_len == rope.per_call_state, step
 
 
 def test_longrope_decode_steps_replay_on_each_side_of_the_switch() -> None:
@@ -549,3 +560,95 @@ def test_longrope_int_offset_calls_with_arguments_refused_get_the_full_paths_err
     message = "layout must be" if case == "layout unknown" else "q must be 4-D"
     with pytest.raises(ValueError, match=message):
         rope(q, k, offset=20, layout=layout)
+
+
+def test_dynamic_ntk_decode_steps_replay_up_to_the_limit_and_follow_the_hf_state() -> None:
+    """Dynamic NTK is plain RoPE up to max_position_embeddings (16): decode steps with an int offset read the
+    unscaled table, and replay. In mode 'hf' a call that grows or resets the state, or that scales for a longer
+    length seen before (no reset at the limit itself), takes the full path, and a call of no tokens advances
+    nothing. Each call equals the call computed per call, and leaves the state where that one does."""
+    from unittest import mock
+
+    import posenc.rope.module as module
+
+    rope = RoPE(HEAD_DIM, rope_parameters=TYPES["dynamic"], max_position_embeddings=MAX_POS)
+    step = torch.randn(1, HEADS, 1, HEAD_DIM), torch.randn(1, KV_HEADS, 1, HEAD_DIM)
+    prefill = torch.randn(1, HEADS, 30, HEAD_DIM), torch.randn(1, KV_HEADS, 30, HEAD_DIM)
+    empty = torch.randn(1, HEADS, 0, HEAD_DIM), torch.randn(1, KV_HEADS, 0, HEAD_DIM)
+    calls = [  # (q, k, offset, the path taken, the state after it)
+        *[(*step, offset, "table" if offset == 5 else "replay", MAX_POS) for offset in range(5, 9)],
+        (*prefill, 0, "per call", 30),  # grows the state: scaled for 30
+        (*empty, 5, "per call", 30),  # no positions: no reset
+        (*step, 15, "per call", 30),  # length 16, the limit itself: no reset, scaled for 30
+        (*step, 9, "table", MAX_POS),  # length 10: reset, unscaled
+        (*step, 15, "replay", MAX_POS),
+        (*step, 14, "replay", MAX_POS),
+        (*step, 16, "per call", 17),  # length 17: grows the state, scaled
+    ]
+    for q, k, offset, path, state in calls:
+        with (
+            mock.patch.object(module, "rotate_tensors", wraps=module.rotate_tensors) as table,
+            mock.patch.object(module, "apply_rotary_qk", wraps=module.apply_rotary_qk) as per_call,
+        ):
+            got = rope(q, k, offset=offset)
+        taken = "table" if table.call_count else "per call" if per_call.call_count else "replay"
+        assert (taken, rope.hf_scaled_len) == (path, state), offset
+        want = _computed_per_call(pickle.loads(pickle.dumps(rope)), q, k, offset=offset)
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g, w), offset
+    assert list(rope._tables) == [(torch.device("cpu"), torch.float32)]  # no table of scaled frequencies
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rope_type=st.sampled_from(list(TYPES)),
+    ids=st.lists(st.integers(0, 40), min_size=1, max_size=8),
+    seq_len=st.sampled_from([None, 41, 60]),
+    seen=st.sampled_from([0, 30]),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+    step=st.booleans(),
+)
+def test_length_dependent_cos_sin_read_the_tables_of_their_frequencies_bit_for_bit(
+    rope_type, ids, seq_len, seen, dtype, step
+) -> None:
+    """``cos_sin`` (and ``call_cos_sin``, what a patched transformers model asks for each step) reads LongRoPE's and
+    dynamic NTK's tables as forward does: the bits of cos/sin computed for the call, and the same 'hf' state."""
+    limit = 64 if rope_type == "longrope" else MAX_POS
+    rope = RoPE(HEAD_DIM, rope_parameters=TYPES[rope_type], max_position_embeddings=limit)
+    if seen:
+        rope.scaling_length(torch.arange(seen))
+    positions = torch.tensor([ids])
+    if step:  # the per-step accessor, advancing 'hf' dynamic NTK's state
+        want = _computed_per_call(rope, positions=positions)
+        got = rope.call_cos_sin(positions)
+        assert rope.hf_scaled_len == rope.per_call_state
+    else:
+        from unittest import mock
+
+        import posenc.rope.module as module
+
+        tabled = module._tabled
+        with mock.patch.object(module, "_tabled", lambda rope_type: rope_type not in TYPES and tabled(rope_type)):
+            want = pickle.loads(pickle.dumps(rope)).cos_sin(positions, seq_len=seq_len, dtype=dtype)
+        got = rope.cos_sin(positions, seq_len=seq_len, dtype=dtype)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype and torch.equal(g, w)
+
+
+@pytest.mark.parametrize("tracing_mode", ["real", "fake"])
+def test_hf_dynamic_ntk_traced_by_make_fx_or_called_under_fake_tensors_advances_no_state(tracing_mode) -> None:
+    """A make_fx trace cannot advance 'hf' dynamic NTK's state at each call of its graph: without seq_len it is
+    refused (as before the unscaled table), not read from the table with the state advanced once, at trace time.
+    Under a FakeTensorMode there are shapes only: the state stays, as scaling_length leaves it there."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    rope = RoPE(HEAD_DIM, rope_parameters=TYPES["dynamic"], max_position_embeddings=MAX_POS)
+    q = torch.randn(1, HEADS, 2, HEAD_DIM)
+    with pytest.raises(ValueError, match="pass seq_len="):
+        make_fx(lambda q, k: rope(q, k, offset=3), tracing_mode=tracing_mode)(q, q)
+    with FakeTensorMode():
+        fake = torch.randn(1, HEADS, 2, HEAD_DIM)
+        rotated, _ = rope(fake, fake, offset=40)
+    assert isinstance(rotated, FakeTensor) and rotated.shape == fake.shape
+    assert rope.hf_scaled_len == MAX_POS

@@ -247,13 +247,15 @@ def _table_key(device: torch.device, dtype: torch.dtype, length: int | None) -> 
 
 
 _SEQ_AXES = {"bhsd": 2, "bshd": 1}
+_LENGTH_TABLED = ("longrope", "dynamic")  # the length-dependent types that _tabled reads from tables
 
 
 def _tabled(rope_type: str) -> bool:
     """Whether forward reads this type's cos/sin from kept tables: every type whose frequencies do not depend on the
-    length, and LongRoPE, whose two sets (its short and long factors, either side of its original length) each get
-    their table. Dynamic NTK and registered length-dependent types are computed per call."""
-    return rope_type == "longrope" or not is_seq_len_dependent(rope_type)
+    length; LongRoPE, whose two sets (its short and long factors, either side of its original length) each get
+    their table; and dynamic NTK up to max_position_embeddings, where it is plain RoPE (past it every length has
+    frequencies of its own: computed per call). Registered length-dependent types are computed per call."""
+    return rope_type in _LENGTH_TABLED or not is_seq_len_dependent(rope_type)
 
 
 def _length_unreadable(rope_type: str) -> ValueError:
@@ -536,6 +538,11 @@ class RoPE(nn.Module):
         length = int(positions.max()) + 1
         if self.mode == "consistent" or self.spec.rope_type != "dynamic":
             return length
+        return self._advance_hf_state(length)
+
+    def _advance_hf_state(self, length: int) -> int:
+        """'hf' dynamic NTK: advance the state (the longest length seen) for a call whose positions reach
+        ``length`` - 1, as transformers' ``dynamic_rope_update`` does; returns the length the call scales for."""
         assert self.hf_scaled_len is not None and self.max_position_embeddings is not None
         # The length returned is decided from one reading of the state, never read back after the write: threads
         # sharing this RoPE change it in between, and a read-back let a long call take another call's reset (scaling
@@ -706,10 +713,16 @@ class RoPE(nn.Module):
                 else self.frequencies(seq_len)
             )
             return angles_to_cos_sin(positions, inv_freq, factor, dtype)
-        if length_dependent or needed > _TABLE_LIMIT:
+        length = None  # the table's frequencies (_frequency_length's; None: unscaled)
+        if length_dependent:
+            length = self._frequency_length(seq_len if seq_len is not None else needed)
+            # LongRoPE's two sets and dynamic NTK's unscaled one have tables, as forward reads them; past its limit
+            # dynamic NTK (and a registered type) has frequencies for each length: computed for this call.
+            per_call = not _tabled(self.spec.rope_type) or (self.spec.rope_type == "dynamic" and length is not None)
+        if needed > _TABLE_LIMIT or (length_dependent and per_call):
             inv_freq, factor = self.frequencies(seq_len if seq_len is not None else needed)
             return angles_to_cos_sin(positions, inv_freq, factor, dtype)
-        cos, sin = self._table(positions.device, needed, dtype)
+        cos, sin = self._table(positions.device, needed, dtype, length)
         return cos[positions], sin[positions]
 
     def _positions_extent(self, positions: torch.Tensor, seq_len: int | None) -> int | None:
@@ -848,6 +861,7 @@ class RoPE(nn.Module):
         table_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         seq = q.shape[seq_axis]
         length_dependent = is_seq_len_dependent(self.spec.rope_type)
+        scaled_len = None  # 'hf' dynamic NTK's length, where the state has been advanced for this call already
         if _tabled(self.spec.rope_type) and q.device.type != "meta":
             # Position ids and offsets may come from the CPU for CUDA activations, as resolve_positions allows.
             if isinstance(positions, torch.Tensor):
@@ -859,17 +873,27 @@ class RoPE(nn.Module):
                 bounds = None  # the general path checks the positions against seq_len exactly (high may overshoot)
             length = None  # the length whose frequencies the table holds (_frequency_length's; None: unscaled)
             if length_dependent:
-                # LongRoPE: the table of the set of frequencies for the length this call scales for, seq_len or
-                # max(positions) + 1. The bounds give the latter exactly but for ids beside per-sequence offsets
-                # (whose sum of maxima may not be reached): those, and traced calls, take the general path.
+                # The table of the set of frequencies for the length this call scales for, seq_len or max(positions)
+                # + 1 (for 'hf' dynamic NTK, the state that length advances). The bounds give the latter exactly but
+                # for ids beside per-sequence offsets (whose sum of maxima may not be reached): those, and traced
+                # calls, take the general path.
                 if bounds is None or compiling() or (positions is not None and isinstance(offset, torch.Tensor)):
                     bounds = None
                 elif type(wanted := seq_len if seq_len is not None else bounds[1] + 1) is not int:
                     # make_fx's symbolic trace (a torch.SymInt length, not a compile): compared with the original
                     # length here, the example's set was baked into the graph; the general path chooses in it.
                     bounds = None
-                else:
+                elif self.spec.rope_type == "longrope":
                     length = self._frequency_length(wanted)
+                elif seq == 0 or recording() or fake_mode_active():
+                    bounds = None  # dynamic NTK: calls that advance no state (scaling_length's), or refuse to read it
+                else:
+                    if seq_len is None and self.mode == "hf":
+                        wanted = scaled_len = self._advance_hf_state(wanted)
+                    if self._frequency_length(wanted) is not None:
+                        # Past max_position_embeddings: frequencies of this length alone (a decode step's next length
+                        # has others), computed per call for the length decided here.
+                        bounds = None
             table = None
             # Not while torch.compile traces: a table grown to the next power of two inside the graph guarded each
             # graph on the table's size, one graph per size (a decode loop with an int offset hit the recompile
@@ -931,7 +955,9 @@ class RoPE(nn.Module):
         # cos/sin here, not in _rotate_at: 'hf' dynamic NTK's call_cos_sin breaks the graph inside torch.compile, and
         # Dynamo compiles every frame between the compiled function and that break as a frame of its own, one more
         # break, frame and guard check per call for each method it is called through.
-        if seq_len is None:
+        if scaled_len is not None:
+            cos, sin = self.cos_sin(pos, seq_len=scaled_len, dtype=table_dtype)  # call_cos_sin's, state advanced
+        elif seq_len is None:
             cos, sin = self.call_cos_sin(pos, dtype=table_dtype)  # (b or 1, s, r/2); advances 'hf' dynamic's state
         else:
             cos, sin = self.cos_sin(pos, seq_len=seq_len, dtype=table_dtype)
@@ -952,10 +978,11 @@ class RoPE(nn.Module):
         (``posenc.kernels.replay``), or None for a call that must take the full path: seq_len, positions beside
         an offset, a layout or backend that is not a str or an interleaved that is not a bool (the full path's
         errors: a list could not be part of the key, and 1 would find True's plans), a type that scales for the
-        length but LongRoPE, anything but plain CPU or CUDA tensors, a gradient to record, anything but plain
-        eager, a CUDA graph capture. The table a plan reads is checked at each replay to be the one kept now
-        (``forget_frequencies`` and ``_apply`` replace or drop tables). LongRoPE's calls replay with an int offset
-        only, keyed by the set of frequencies that offset + s selects (each set has its table)."""
+        length but LongRoPE and dynamic NTK, anything but plain CPU or CUDA tensors, a gradient to record, anything
+        but plain eager, a CUDA graph capture. The table a plan reads is checked at each replay to be the one kept
+        now (``forget_frequencies`` and ``_apply`` replace or drop tables). LongRoPE's calls replay with an int
+        offset only, keyed by the set of frequencies that offset + s selects (each set has its table); dynamic NTK's
+        likewise where offset + s keeps it unscaled (and, in mode 'hf', keeps the state)."""
         if seq_len is not None or (positions is not None and (type(offset) is not int or offset != 0)):
             return None
         if positions is None and type(offset) is not int and not isinstance(offset, torch.Tensor):
@@ -963,8 +990,8 @@ class RoPE(nn.Module):
         # First: Dynamo reads plain_eager() as False and traces nothing after it here. Under a CUDA graph capture a
         # call holds the table it reads for the graph's life (_hold_for_graph).
         rope_type = self.spec.rope_type
-        # As _tabled, inline: the one type that depends on the length and reads tables is LongRoPE.
-        if not plain_eager() or _capturing() or (rope_type != "longrope" and is_seq_len_dependent(rope_type)):
+        # As _tabled, inline: the types that depend on the length and read tables are LongRoPE and dynamic NTK.
+        if not plain_eager() or _capturing() or (rope_type not in _LENGTH_TABLED and is_seq_len_dependent(rope_type)):
             return None
         if type(layout) is not str or type(self.backend) is not str or type(self.interleaved) is not bool:
             return None
@@ -976,11 +1003,23 @@ class RoPE(nn.Module):
         if index is not None and index_key is None:
             return None
         length = None
-        if rope_type == "longrope":
+        if rope_type in _LENGTH_TABLED:
             # The length the call scales for is offset + s, which picks the table (ids: the full path).
             if index is not None or q.dim() != 4 or layout not in _SEQ_AXES:
                 return None
-            length = self._frequency_length(offset + q.shape[_SEQ_AXES[layout]])
+            wanted = offset + q.shape[_SEQ_AXES[layout]]
+            if rope_type == "dynamic":
+                # Replayed only where the call keeps the 'hf' state (a replay advances none) and its frequencies
+                # are the unscaled ones (past max_position_embeddings each length has its own: the full path).
+                if self.mode == "hf":
+                    seen = self.hf_scaled_len
+                    if wanted == offset or _hf_dynamic_state(wanted, seen, self.max_position_embeddings) != seen:
+                        return None
+                    wanted = seen
+                if self._frequency_length(wanted) is not None:
+                    return None
+            else:
+                length = self._frequency_length(wanted)
         key = (q_key, k_key, index_key, rows, layout, self.interleaved, self.backend, torch.get_num_threads())
         return key if length is None else (*key, length)
 
