@@ -22,6 +22,11 @@ wall clock). Cases, fp32, one torch thread, the CPU backend:
 - ``MRoPE(text on 3 axes)``: the same with 100 on every axis (a text token: every generated one);
 - ``RoPE(longrope, offset=5000)``: LongRoPE (Phi-3's kind: short and long factors, original length 4096) past its
   original length, q (1, 32, 1, 128), k (1, 8, 1, 128);
+- ``RoPE(dynamic, offset=100)``: dynamic NTK (factor 4, max_position_embeddings 4096, mode 'hf') below its limit,
+  where it is plain RoPE; ``RoPE(dynamic, offset=5000)``: past it (every call the same length, so the state and
+  the frequencies stay: a decode loop's steps each scale for a new length, on top of this);
+- ``call_cos_sin(dynamic, [[100]])``: the per-step accessor a patched transformers model's rotary embedding
+  calls, (1, 1) ids below the limit;
 - ``RoPE(offset=100) prefill``: the same call with q (1, 32, s, 128), k (1, 8, s, 128), s = ``--prefill-tokens``
   (512), ``--prefill-rounds`` rounds of ``--prefill-calls`` calls.
 
@@ -67,6 +72,9 @@ CASES = (
     "MRoPE(3-axis positions)",
     "MRoPE(text on 3 axes)",
     "RoPE(longrope, offset=5000)",
+    "RoPE(dynamic, offset=100)",
+    "RoPE(dynamic, offset=5000)",
+    "call_cos_sin(dynamic, [[100]])",
     "RoPE(offset=100) prefill",
 )
 TRITON_CASES = ("RoPE(offset=100) triton host", "apply_rotary_qk(cos, sin) triton host")
@@ -80,6 +88,9 @@ SHAPES = {
     "MRoPE(3-axis positions)": "b=1,hq=16,hk=8,s=1,d=128,sections=16/24/24",
     "MRoPE(text on 3 axes)": "b=1,hq=16,hk=8,s=1,d=128,sections=16/24/24,text",
     "RoPE(longrope, offset=5000)": "b=1,hq=32,hk=8,s=1,d=128,offset=5000,original=4096",
+    "RoPE(dynamic, offset=100)": "b=1,hq=32,hk=8,s=1,d=128,offset=100,max_positions=4096",
+    "RoPE(dynamic, offset=5000)": "b=1,hq=32,hk=8,s=1,d=128,offset=5000,max_positions=4096",
+    "call_cos_sin(dynamic, [[100]])": "positions=(1,1),r=128,max_positions=4096",
     "RoPE(offset=100) triton host": "b=1,hq=32,hk=8,s=1,d=128,offset=100,bf16,launch=no-op",
     "apply_rotary_qk(cos, sin) triton host": "b=1,hq=32,hk=8,s=1,d=128,cos=(1,1,1,64),bf16,launch=no-op",
 }
@@ -115,6 +126,8 @@ def make_cases(prefill_tokens: int, triton: bool = False) -> dict[str, Callable[
         rope_parameters={"rope_type": "longrope", "original_max_position_embeddings": 4096, **factors},
         max_position_embeddings=131072,
     )
+    dynamic = RoPE(128, rope_parameters={"rope_type": "dynamic", "factor": 4.0}, max_position_embeddings=4096)
+    past = RoPE(128, rope_parameters={"rope_type": "dynamic", "factor": 4.0}, max_position_embeddings=4096)
     pq, pk = torch.randn(1, 32, prefill_tokens, 128), torch.randn(1, 8, prefill_tokens, 128)
     triton_cases = {}
     if triton:
@@ -138,6 +151,9 @@ def make_cases(prefill_tokens: int, triton: bool = False) -> dict[str, Callable[
         "MRoPE(3-axis positions)": lambda: mrope(mq, mk, positions=axes),
         "MRoPE(text on 3 axes)": lambda: mrope(mq, mk, positions=text),
         "RoPE(longrope, offset=5000)": lambda: longrope(q, k, offset=5000),
+        "RoPE(dynamic, offset=100)": lambda: dynamic(q, k, offset=100),
+        "RoPE(dynamic, offset=5000)": lambda: past(q, k, offset=5000),
+        "call_cos_sin(dynamic, [[100]])": lambda: dynamic.call_cos_sin(positions),
         PREFILL: lambda: rope(pq, pk, offset=100),
     }
 
