@@ -28,7 +28,8 @@ wall clock). Cases, fp32, one torch thread, the CPU backend:
 - ``call_cos_sin(dynamic, [[100]])``: the per-step accessor a patched transformers model's rotary embedding
   calls, (1, 1) ids below the limit;
 - ``RoPE(offset=100) prefill``: the same call with q (1, 32, s, 128), k (1, 8, s, 128), s = ``--prefill-tokens``
-  (512), ``--prefill-rounds`` rounds of ``--prefill-calls`` calls.
+  (512), ``--prefill-rounds`` rounds of ``--prefill-calls`` calls; ``RoPE(dynamic, offset=100) prefill`` the same
+  with dynamic NTK below its limit.
 
 With ``--triton``, two more cases time the host side of ``backend='triton'`` with Triton's launch replaced by a
 no-op (``posenc.kernels.triton_rope.launch``; Triton's own launcher and the GPU are not in them): the Python a
@@ -76,6 +77,7 @@ CASES = (
     "RoPE(dynamic, offset=5000)",
     "call_cos_sin(dynamic, [[100]])",
     "RoPE(offset=100) prefill",
+    "RoPE(dynamic, offset=100) prefill",
 )
 TRITON_CASES = ("RoPE(offset=100) triton host", "apply_rotary_qk(cos, sin) triton host")
 SHAPES = {
@@ -96,6 +98,7 @@ SHAPES = {
 }
 BF16_CASES = ("RoPE(offset=100) bf16", *TRITON_CASES)
 PREFILL = "RoPE(offset=100) prefill"
+PREFILLS = (PREFILL, "RoPE(dynamic, offset=100) prefill")
 TABLE_ROWS = 4096
 FIELDS = ["op", "provider", "mode", "dtype", "shape", "pair", "order", "us", "device", "torch", "commit"]
 
@@ -155,6 +158,7 @@ def make_cases(prefill_tokens: int, triton: bool = False) -> dict[str, Callable[
         "RoPE(dynamic, offset=5000)": lambda: past(q, k, offset=5000),
         "call_cos_sin(dynamic, [[100]])": lambda: dynamic.call_cos_sin(positions),
         PREFILL: lambda: rope(pq, pk, offset=100),
+        "RoPE(dynamic, offset=100) prefill": lambda: dynamic(pq, pk, offset=100),
     }
 
 
@@ -195,8 +199,8 @@ def worker(args: argparse.Namespace) -> None:
 
         triton_rope.launch = lambda plan: None  # the host's Python alone: the kernel is not what is timed
     cases = make_cases(args.prefill_tokens, args.triton)
-    calls = {name: args.prefill_calls if name == PREFILL else args.calls for name in cases}
-    rounds = {name: args.prefill_rounds if name == PREFILL else args.rounds for name in cases}
+    calls = {name: args.prefill_calls if name in PREFILLS else args.calls for name in cases}
+    rounds = {name: args.prefill_rounds if name in PREFILLS else args.rounds for name in cases}
     with torch.no_grad():
         times = time_cases(cases, calls=calls, rounds=rounds, warmup=args.warmup, clock=args.clock)
     device = f"{device_name('cpu')}, {alloc}, clock={args.clock}"
@@ -290,7 +294,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"pair {pair + 1}/{args.pairs} done", flush=True)
 
     first = times[new_name][0]
-    shapes = SHAPES | {PREFILL: f"b=1,hq=32,hk=8,s={args.prefill_tokens},d=128,offset=100"}
+    prefill = f"b=1,hq=32,hk=8,s={args.prefill_tokens},d=128,offset=100"
+    shapes = SHAPES | {PREFILL: prefill, PREFILLS[1]: f"{prefill},max_positions=4096"}
     rows = []
     for case in CASES + (TRITON_CASES if args.triton else ()):
         old = [t["times"][case] for t in times[old_name]]
