@@ -652,3 +652,48 @@ def test_hf_dynamic_ntk_traced_by_make_fx_or_called_under_fake_tensors_advances_
         rotated, _ = rope(fake, fake, offset=40)
     assert isinstance(rotated, FakeTensor) and rotated.shape == fake.shape
     assert rope.hf_scaled_len == MAX_POS
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "negative id",
+        "negative id, no batch",
+        "ids of another length",
+        "ids of another batch",
+        "ids of 3 dims",
+        "offset past int64",
+        "ids + offset past int64",
+        "no batch, per-sequence offsets",
+    ],
+)
+@pytest.mark.parametrize("mode", ["hf", "consistent"])
+def test_dynamic_ntk_arguments_refused_raise_the_full_paths_error_and_leave_the_hf_state(case, mode) -> None:
+    """A call the full path refuses (resolve_positions' errors) raises its error, and advances no 'hf' state before
+    raising: reading the unscaled table, the state was advanced from the bounds first (a reset after a longer call,
+    or a growth past the ids' own length), then another check raised, with another message (or none, for no batch).
+    A call of no positions (a batch of none with per-sequence offsets) advances nothing, as before."""
+    rope = RoPE(HEAD_DIM, rope_parameters=TYPES["dynamic"], max_position_embeddings=MAX_POS, mode=mode)
+    rope.scaling_length(torch.arange(40))  # 'hf': the state at 40, which a call of length < 16 resets
+    state = rope.hf_scaled_len
+
+    def qk(b: int, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(b, HEADS, s, HEAD_DIM), torch.randn(b, KV_HEADS, s, HEAD_DIM)
+
+    calls = {  # (q, k, kwargs, the full path's message; None: no error)
+        "negative id": (*qk(1, 2), {"positions": torch.tensor([-1, 0])}, r"got a negative entry$"),
+        "negative id, no batch": (*qk(0, 2), {"positions": torch.tensor([-1, 0])}, r"got a negative entry$"),
+        "ids of another length": (*qk(1, 4), {"positions": torch.arange(2)}, r"to match the sequence, got \(2,\)$"),
+        "ids of another batch": (*qk(2, 2), {"positions": torch.zeros(3, 2, dtype=torch.long)}, "got \\(3, 2\\)$"),
+        "ids of 3 dims": (*qk(1, 2), {"positions": torch.zeros(1, 1, 2, dtype=torch.long)}, "got \\(1, 1, 2\\)$"),
+        "offset past int64": (*qk(1, 2), {"offset": 2**63 - 1}, "must fit in int64"),
+        "ids + offset past int64": (*qk(1, 2), {"positions": torch.tensor([2**62, 0]), "offset": 2**62}, "int64"),
+        "no batch, per-sequence offsets": (*qk(0, 50), {"offset": torch.zeros(0, dtype=torch.long)}, None),
+    }
+    q, k, kwargs, message = calls[case]
+    if message is None:
+        rope(q, k, **kwargs)
+    else:
+        with pytest.raises(ValueError, match=message):
+            rope(q, k, **kwargs)
+    assert rope.hf_scaled_len == state

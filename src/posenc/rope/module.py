@@ -246,6 +246,16 @@ def _table_key(device: torch.device, dtype: torch.dtype, length: int | None) -> 
     return (device, dtype) if length is None else (device, dtype, length)
 
 
+def _ids_fit(positions: torch.Tensor, seq: int, batch: int) -> bool:
+    """Whether position ids have a shape resolve_positions takes for a sequence of ``seq`` tokens: (s,) or
+    (1 or b, s)."""
+    return (
+        positions.dim() in (1, 2)
+        and positions.shape[-1] == seq
+        and (positions.dim() == 1 or size_in(positions.shape[0], (1, batch)))
+    )
+
+
 _SEQ_AXES = {"bhsd": 2, "bshd": 1}
 _LENGTH_TABLED = ("longrope", "dynamic")  # the length-dependent types that _tabled reads from tables
 
@@ -887,6 +897,16 @@ class RoPE(nn.Module):
                     length = self._frequency_length(wanted)
                 elif seq == 0 or recording() or fake_mode_active():
                     bounds = None  # dynamic NTK: calls that advance no state (scaling_length's), or refuse to read it
+                elif (
+                    bounds[0] < 0
+                    or bounds[1] > 2**63 - 1
+                    or (isinstance(offset, torch.Tensor) and offset.numel() == 0)
+                    or (positions is not None and not _ids_fit(positions, seq, q.shape[0]))
+                ):
+                    # Dynamic NTK: what resolve_positions refuses (a negative or int64-overflowing position, ids of
+                    # another shape) raises its error there before any 'hf' state is advanced, as before the table;
+                    # and a batch of none with per-sequence offsets has no positions, so advances no state.
+                    bounds = None
                 else:
                     if seq_len is None and self.mode == "hf":
                         wanted = scaled_len = self._advance_hf_state(wanted)
