@@ -697,3 +697,17 @@ def test_dynamic_ntk_arguments_refused_raise_the_full_paths_error_and_leave_the_
         with pytest.raises(ValueError, match=message):
             rope(q, k, **kwargs)
     assert rope.hf_scaled_len == state
+
+
+def test_hf_dynamic_forward_past_the_limit_advances_the_state_once() -> None:
+    """A forward call past max_position_embeddings advances the 'hf' state once, where it decides its length (from
+    the bounds), and rotates by that length: its cos/sin are not asked of call_cos_sin, which advanced the state a
+    second time, undoing the reset another call (a thread) had written in between."""
+    rope = _Interleaved(HEAD_DIM, rope_parameters=TYPES["dynamic"], max_position_embeddings=MAX_POS)
+    rope.scaling_length(torch.arange(30))
+    rope.other = torch.arange(10)  # resets the state right after this call's growth to 40
+    q = torch.randn(1, HEADS, 40, HEAD_DIM)
+    rotated, _ = rope(q, q)
+    plain = RoPE(HEAD_DIM, rope_parameters=TYPES["dynamic"], max_position_embeddings=MAX_POS)
+    torch.testing.assert_close(rotated, plain(q, q, seq_len=40)[0], rtol=0.0, atol=0.0)
+    assert rope.hf_scaled_len == MAX_POS  # the other call's reset, written last
