@@ -711,3 +711,28 @@ def test_hf_dynamic_forward_past_the_limit_advances_the_state_once() -> None:
     plain = RoPE(HEAD_DIM, rope_parameters=TYPES["dynamic"], max_position_embeddings=MAX_POS)
     torch.testing.assert_close(rotated, plain(q, q, seq_len=40)[0], rtol=0.0, atol=0.0)
     assert rope.hf_scaled_len == MAX_POS  # the other call's reset, written last
+
+
+@pytest.mark.parametrize("mode", ["hf", "consistent"])
+@pytest.mark.parametrize("offset", [3, 30])
+def test_a_captured_dynamic_ntk_call_without_seq_len_is_refused_and_advances_no_state(mode, offset) -> None:
+    """In a CUDA graph capture (mocked: a stream that captures, no value to read) a call with an int offset knows its
+    length on the host, but its graph replays with no state advanced: 'hf' dynamic NTK advanced the state once, at
+    capture, and the graph kept the frequencies (unscaled, or scaled for that state) of that moment. As before the
+    unscaled table (and as make_fx's trace), the call asks for seq_len and leaves the state."""
+    from unittest import mock
+
+    import posenc.rope.module as module
+
+    rope = RoPE(HEAD_DIM, rope_parameters=TYPES["dynamic"], max_position_embeddings=MAX_POS, mode=mode)
+    q, k = torch.randn(1, HEADS, 1, HEAD_DIM), torch.randn(1, KV_HEADS, 1, HEAD_DIM)
+    rope(q, k, offset=2)  # the warm-up: the unscaled table
+    rope.scaling_length(torch.arange(40))
+    state = rope.hf_scaled_len
+    with (
+        mock.patch.object(module, "_capturing", return_value=True),
+        mock.patch.object(module, "values_readable", return_value=False),
+        pytest.raises(ValueError, match="pass seq_len="),
+    ):
+        rope(q, k, offset=offset)
+    assert rope.hf_scaled_len == state

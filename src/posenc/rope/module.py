@@ -895,8 +895,10 @@ class RoPE(nn.Module):
                     bounds = None
                 elif self.spec.rope_type == "longrope":
                     length = self._frequency_length(wanted)
-                elif seq == 0 or recording() or fake_mode_active():
-                    bounds = None  # dynamic NTK: calls that advance no state (scaling_length's), or refuse to read it
+                elif seq == 0 or recording() or fake_mode_active() or _capturing():
+                    # Dynamic NTK: calls that advance no state (scaling_length's), or refuse to read it (a CUDA graph
+                    # capture too: its replays could advance none, so it asks for seq_len, as make_fx's trace does).
+                    bounds = None
                 elif (
                     bounds[0] < 0
                     or bounds[1] > 2**63 - 1
