@@ -871,7 +871,7 @@ class RoPE(nn.Module):
         table_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         seq = q.shape[seq_axis]
         length_dependent = is_seq_len_dependent(self.spec.rope_type)
-        scaled_len = None  # 'hf' dynamic NTK's length, where the state has been advanced for this call already
+        scaled_len = None  # dynamic NTK's length, where decided for this call already (and 'hf' state advanced)
         if _tabled(self.spec.rope_type) and q.device.type != "meta":
             # Position ids and offsets may come from the CPU for CUDA activations, as resolve_positions allows.
             if isinstance(positions, torch.Tensor):
@@ -910,8 +910,10 @@ class RoPE(nn.Module):
                     # and a batch of none with per-sequence offsets has no positions, so advances no state.
                     bounds = None
                 else:
-                    if seq_len is None and self.mode == "hf":
-                        wanted = scaled_len = self._advance_hf_state(wanted)
+                    if seq_len is None:
+                        # The length this call scales for, decided once (in mode 'hf', the state advanced for it):
+                        # the general path below reads no positions for it again.
+                        wanted = scaled_len = self._advance_hf_state(wanted) if self.mode == "hf" else wanted
                     if self._frequency_length(wanted) is not None:
                         # Past max_position_embeddings: frequencies of this length alone (a decode step's next length
                         # has others), computed per call for the length decided here.
@@ -978,7 +980,7 @@ class RoPE(nn.Module):
         # Dynamo compiles every frame between the compiled function and that break as a frame of its own, one more
         # break, frame and guard check per call for each method it is called through.
         if scaled_len is not None:
-            cos, sin = self.cos_sin(pos, seq_len=scaled_len, dtype=table_dtype)  # call_cos_sin's, state advanced
+            cos, sin = self.cos_sin(pos, seq_len=scaled_len, dtype=table_dtype)  # call_cos_sin's, length decided
         elif seq_len is None:
             cos, sin = self.call_cos_sin(pos, dtype=table_dtype)  # (b or 1, s, r/2); advances 'hf' dynamic's state
         else:
@@ -1017,17 +1019,11 @@ class RoPE(nn.Module):
             return None
         if type(layout) is not str or type(self.backend) is not str or type(self.interleaved) is not bool:
             return None
-        grad = torch.is_grad_enabled()
-        q_key, k_key = tensor_key(q, grad), tensor_key(k, grad)
-        if q_key is None or k_key is None:
-            return None
-        index_key = None if index is None else tensor_key(index, grad)
-        if index is not None and index_key is None:
-            return None
         length = None
         if rope_type in _LENGTH_TABLED:
-            # The length the call scales for is offset + s, which picks the table (ids: the full path).
-            if index is not None or q.dim() != 4 or layout not in _SEQ_AXES:
+            # The length the call scales for is offset + s, which picks the table (ids: the full path). Before the
+            # tensors' keys: dynamic NTK's calls past its limit (each length its own frequencies) stop here.
+            if index is not None or not isinstance(q, torch.Tensor) or q.dim() != 4 or layout not in _SEQ_AXES:
                 return None
             wanted = offset + q.shape[_SEQ_AXES[layout]]
             if rope_type == "dynamic":
@@ -1042,6 +1038,13 @@ class RoPE(nn.Module):
                     return None
             else:
                 length = self._frequency_length(wanted)
+        grad = torch.is_grad_enabled()
+        q_key, k_key = tensor_key(q, grad), tensor_key(k, grad)
+        if q_key is None or k_key is None:
+            return None
+        index_key = None if index is None else tensor_key(index, grad)
+        if index is not None and index_key is None:
+            return None
         key = (q_key, k_key, index_key, rows, layout, self.interleaved, self.backend, torch.get_num_threads())
         return key if length is None else (*key, length)
 
