@@ -668,13 +668,17 @@ def test_hf_dynamic_ntk_traced_by_make_fx_or_called_under_fake_tensors_advances_
     ],
 )
 @pytest.mark.parametrize("mode", ["hf", "consistent"])
-def test_dynamic_ntk_arguments_refused_raise_the_full_paths_error_and_leave_the_hf_state(case, mode) -> None:
+@pytest.mark.parametrize("rope_type", list(TYPES))
+def test_length_dependent_arguments_refused_raise_the_full_paths_error_and_leave_the_hf_state(
+    case, mode, rope_type
+) -> None:
     """A call the full path refuses (resolve_positions' errors) raises its error, and advances no 'hf' state before
     raising: reading the unscaled table, the state was advanced from the bounds first (a reset after a longer call,
     or a growth past the ids' own length), then another check raised, with another message (or none, for no batch).
-    A call of no positions (a batch of none with per-sequence offsets) advances nothing, as before."""
-    rope = RoPE(HEAD_DIM, rope_parameters=TYPES["dynamic"], max_position_embeddings=MAX_POS, mode=mode)
-    rope.scaling_length(torch.arange(40))  # 'hf': the state at 40, which a call of length < 16 resets
+    A call of no positions (a batch of none with per-sequence offsets) advances nothing, as before. LongRoPE's
+    tables (stop 60) had given the fixed types' table messages for such ids; it gives the per-call path's again."""
+    rope = RoPE(HEAD_DIM, rope_parameters=TYPES[rope_type], max_position_embeddings=MAX_POS, mode=mode)
+    rope.scaling_length(torch.arange(40))  # 'hf' dynamic NTK: the state at 40, which a call of length < 16 resets
     state = rope.hf_scaled_len
 
     def qk(b: int, s: int) -> tuple[torch.Tensor, torch.Tensor]:

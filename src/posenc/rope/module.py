@@ -893,21 +893,21 @@ class RoPE(nn.Module):
                     # make_fx's symbolic trace (a torch.SymInt length, not a compile): compared with the original
                     # length here, the example's set was baked into the graph; the general path chooses in it.
                     bounds = None
-                elif self.spec.rope_type == "longrope":
-                    length = self._frequency_length(wanted)
-                elif seq == 0 or recording() or fake_mode_active() or _capturing():
-                    # Dynamic NTK: calls that advance no state (scaling_length's), or refuse to read it (a CUDA graph
-                    # capture too: its replays could advance none, so it asks for seq_len, as make_fx's trace does).
-                    bounds = None
                 elif (
                     bounds[0] < 0
                     or bounds[1] > 2**63 - 1
                     or (isinstance(offset, torch.Tensor) and offset.numel() == 0)
                     or (positions is not None and not _ids_fit(positions, seq, q.shape[0]))
                 ):
-                    # Dynamic NTK: what resolve_positions refuses (a negative or int64-overflowing position, ids of
-                    # another shape) raises its error there before any 'hf' state is advanced, as before the table;
-                    # and a batch of none with per-sequence offsets has no positions, so advances no state.
+                    # What resolve_positions refuses (a negative or int64-overflowing position, ids of another shape)
+                    # raises its error there, as before these types' tables, before any 'hf' state is advanced; and a
+                    # batch of none with per-sequence offsets has no positions, so advances no state.
+                    bounds = None
+                elif self.spec.rope_type == "longrope":
+                    length = self._frequency_length(wanted)
+                elif seq == 0 or recording() or fake_mode_active() or _capturing():
+                    # Dynamic NTK: calls that advance no state (scaling_length's), or refuse to read it (a CUDA graph
+                    # capture too: its replays could advance none, so it asks for seq_len, as make_fx's trace does).
                     bounds = None
                 else:
                     if seq_len is None:
