@@ -718,6 +718,33 @@ def test_a_triton_plan_is_made_once_and_launched_at_every_call(layout):
 
 
 @needs_triton
+def test_dynamic_ntk_on_triton_replays_up_to_its_limit_and_plans_every_step_past_it():
+    """Dynamic NTK is plain RoPE up to max_position_embeddings (8 here): its Triton decode steps read the unscaled
+    table, plan once and replay, giving plain RoPE's bits; past the limit every step has frequencies of its own, and
+    its cos/sin computed for it, rotated with those frequencies' bits."""
+    dynamic = {"rope_type": "dynamic", "factor": 4.0}
+    rope = RoPE(16, rope_parameters=dynamic, max_position_embeddings=8, backend="triton")
+    with counting_triton_launches() as counts:
+        for step in range(3, 7):  # lengths 4..7
+            q, k = random_qk(1, 4, 2, 1, 16, seed=step)
+            assert same(rope(q, k, offset=step), fresh(q, k, "triton", offset=step)), step
+    assert counts["planned"] == 4 + 1 and counts["launched"] == 8  # the fresh calls' four and one plan
+    assert len(rope._plans) == 1 and list(rope._tables) == [(torch.device("cpu"), torch.float32)]  # RoPE's own
+    with counting_triton_launches() as counts:
+        for step in range(8, 11):  # lengths 9..11: the 'hf' state grows each step
+            q, k = random_qk(1, 4, 2, 1, 16, seed=step)
+            with mock.patch.object(apply_module, "_PLANS", apply_module.Plans(0)):
+                want = RoPE(16, rope_parameters=dynamic, max_position_embeddings=8, backend="triton")(
+                    q, k, offset=step, seq_len=step + 1
+                )
+            assert same(rope(q, k, offset=step), want), step
+            assert rope.hf_scaled_len == step + 1
+    # The fresh calls' three plans; this RoPE's steps compute their cos/sin, whose rotation (cos/sin given) plans
+    # once and replays apply_rotary_qk's plan after.
+    assert counts["planned"] == 3 + 1 and counts["launched"] == 6
+
+
+@needs_triton
 def test_triton_calls_that_read_ids_or_leave_the_table_take_the_full_path():
     """What only the full path checks on Triton, after a plan of the same metadata: ids and offsets tensors (rows
     checked on the host there; the kernel alone would give a token outside the table NaN), an offset past a given
