@@ -36,6 +36,15 @@ from posenc._checks import (
 )
 
 
+def ids_fit(positions: torch.Tensor, seq_len: int, batch: int) -> bool:
+    """Whether position ids have a shape ``resolve_positions`` takes for ``seq_len`` tokens: (s,) or (1 or b, s)."""
+    return (
+        positions.dim() in (1, 2)
+        and positions.shape[-1] == seq_len
+        and (positions.dim() == 1 or size_in(positions.shape[0], (1, batch)))
+    )
+
+
 def resolve_positions(
     seq_len: int,
     *,
@@ -97,14 +106,13 @@ def resolve_positions(
         int_tensor("positions", positions, host_read=True)
         if device is not None:
             movable("positions", positions, device)
-        as_given = tuple(positions.shape)
-        if positions.dim() == 1:
-            positions = positions[None, :]
-        if positions.dim() != 2 or positions.shape[-1] != seq_len or not size_in(positions.shape[0], (1, batch)):
+        if not ids_fit(positions, seq_len, batch):
             raise ValueError(
-                f"positions must have shape ({seq_len},) or ({batch}, {seq_len}) to match the sequence, got {as_given}"
+                f"positions must have shape ({seq_len},) or ({batch}, {seq_len}) to match the sequence, got "
+                f"{tuple(positions.shape)}"
             )
-        pos = positions.to(device=device, dtype=torch.long)
+        pos = positions[None, :] if positions.dim() == 1 else positions
+        pos = pos.to(device=device, dtype=torch.long)
     if isinstance(offset, torch.Tensor) and (like := first_dtensor(pos, offset)) is not None:
         # The plain one of the two (the arange, or plain ids or offsets beside DTensor ones) taken whole, replicated on
         # the other's mesh, as token_positions takes them: DTensor refused the sum ("got mixed torch.Tensor and

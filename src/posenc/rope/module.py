@@ -48,7 +48,7 @@ from posenc.encoding import ActsOn
 from posenc.kernels.backend import BACKENDS, transformed
 from posenc.kernels.recording import recording_launches
 from posenc.kernels.replay import Plans, plain_eager, plan_of, replay, rows_read, tensor_key
-from posenc.positions import resolve_positions
+from posenc.positions import ids_fit, resolve_positions
 from posenc.rope.apply import Backend, apply_rotary, apply_rotary_qk, rotate_tensors
 from posenc.rope.frequencies import dynamic as dynamic_frequencies
 from posenc.rope.frequencies import is_seq_len_dependent
@@ -244,16 +244,6 @@ def _table_key(device: torch.device, dtype: torch.dtype, length: int | None) -> 
     """A table's key in ``RoPE._tables``: (device, dtype), and the frequencies' length where they are scaled for one
     (``RoPE._frequency_length``: LongRoPE past its original length)."""
     return (device, dtype) if length is None else (device, dtype, length)
-
-
-def _ids_fit(positions: torch.Tensor, seq: int, batch: int) -> bool:
-    """Whether position ids have a shape resolve_positions takes for a sequence of ``seq`` tokens: (s,) or
-    (1 or b, s)."""
-    return (
-        positions.dim() in (1, 2)
-        and positions.shape[-1] == seq
-        and (positions.dim() == 1 or size_in(positions.shape[0], (1, batch)))
-    )
 
 
 _SEQ_AXES = {"bhsd": 2, "bshd": 1}
@@ -897,7 +887,7 @@ class RoPE(nn.Module):
                     bounds[0] < 0
                     or bounds[1] > 2**63 - 1
                     or (isinstance(offset, torch.Tensor) and offset.numel() == 0)
-                    or (positions is not None and not _ids_fit(positions, seq, q.shape[0]))
+                    or (positions is not None and not ids_fit(positions, seq, q.shape[0]))
                 ):
                     # What resolve_positions refuses (a negative or int64-overflowing position, ids of another shape)
                     # raises its error there, as before these types' tables, before any 'hf' state is advanced; and a
