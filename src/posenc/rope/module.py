@@ -519,6 +519,15 @@ class RoPE(nn.Module):
             return None
         return operator.index(seq_len)
 
+    def _table_length(self, seq_len: int) -> tuple[bool, int | None]:
+        """(whether cos/sin for a call scaling for ``seq_len`` are read from a kept table, the table's length key:
+        ``_frequency_length``'s). Every type whose frequencies do not depend on the length, LongRoPE's two sets, and
+        dynamic NTK's unscaled one: past its limit every length has frequencies of its own (computed per call), as a
+        registered length-dependent type has."""
+        length = self._frequency_length(seq_len)
+        rope_type = self.spec.rope_type
+        return _tabled(rope_type) and not (rope_type == "dynamic" and length is not None), length
+
     @property
     def rotates_cached_keys(self) -> bool:
         """True when the attention must keep keys unrotated and rotate them at read ('consistent' + a type whose
@@ -713,13 +722,8 @@ class RoPE(nn.Module):
                 else self.frequencies(seq_len)
             )
             return angles_to_cos_sin(positions, inv_freq, factor, dtype)
-        length = None  # the table's frequencies (_frequency_length's; None: unscaled)
-        if length_dependent:
-            length = self._frequency_length(seq_len if seq_len is not None else needed)
-            # LongRoPE's two sets and dynamic NTK's unscaled one have tables, as forward reads them; past its limit
-            # dynamic NTK (and a registered type) has frequencies for each length: computed for this call.
-            per_call = not _tabled(self.spec.rope_type) or (self.spec.rope_type == "dynamic" and length is not None)
-        if needed > _TABLE_LIMIT or (length_dependent and per_call):
+        tabled, length = self._table_length(seq_len if seq_len is not None else needed)  # as forward reads them
+        if needed > _TABLE_LIMIT or not tabled:
             inv_freq, factor = self.frequencies(seq_len if seq_len is not None else needed)
             return angles_to_cos_sin(positions, inv_freq, factor, dtype)
         cos, sin = self._table(positions.device, needed, dtype, length)
@@ -893,20 +897,21 @@ class RoPE(nn.Module):
                     # raises its error there, as before these types' tables, before any 'hf' state is advanced; and a
                     # batch of none with per-sequence offsets has no positions, so advances no state.
                     bounds = None
-                elif self.spec.rope_type == "longrope":
-                    length = self._frequency_length(wanted)
-                elif seq == 0 or recording() or fake_mode_active() or _capturing():
+                elif self.spec.rope_type == "dynamic" and (
+                    seq == 0 or recording() or fake_mode_active() or _capturing()
+                ):
                     # Dynamic NTK: calls that advance no state (scaling_length's), or refuse to read it (a CUDA graph
                     # capture too: its replays could advance none, so it asks for seq_len, as make_fx's trace does).
                     bounds = None
                 else:
-                    if seq_len is None:
+                    if seq_len is None and self.spec.rope_type == "dynamic":
                         # The length this call scales for, decided once (in mode 'hf', the state advanced for it):
                         # the general path below reads no positions for it again.
                         wanted = scaled_len = self._advance_hf_state(wanted) if self.mode == "hf" else wanted
-                    if self._frequency_length(wanted) is not None:
-                        # Past max_position_embeddings: frequencies of this length alone (a decode step's next length
-                        # has others), computed per call for the length decided here.
+                    tabled, length = self._table_length(wanted)
+                    if not tabled:
+                        # Dynamic NTK past max_position_embeddings: frequencies of this length alone (a decode step's
+                        # next length has others), computed per call for the length decided here.
                         bounds = None
             table = None
             # Not while torch.compile traces: a table grown to the next power of two inside the graph guarded each
@@ -1016,18 +1021,15 @@ class RoPE(nn.Module):
             if index is not None or not isinstance(q, torch.Tensor) or q.dim() != 4 or layout not in _SEQ_AXES:
                 return None
             wanted = offset + q.shape[_SEQ_AXES[layout]]
-            if rope_type == "dynamic":
-                # Replayed only where the call keeps the 'hf' state (a replay advances none) and its frequencies
-                # are the unscaled ones (past max_position_embeddings each length has its own: the full path).
-                if self.mode == "hf":
-                    seen = self.hf_scaled_len
-                    if wanted == offset or _hf_dynamic_state(wanted, seen, self.max_position_embeddings) != seen:
-                        return None
-                    wanted = seen
-                if self._frequency_length(wanted) is not None:
+            if rope_type == "dynamic" and self.mode == "hf":
+                # Replayed only where the call keeps the 'hf' state (a replay advances none).
+                seen = self.hf_scaled_len
+                if wanted == offset or _hf_dynamic_state(wanted, seen, self.max_position_embeddings) != seen:
                     return None
-            else:
-                length = self._frequency_length(wanted)
+                wanted = seen
+            tabled, length = self._table_length(wanted)
+            if not tabled:  # dynamic NTK past its limit: each length its own frequencies, the full path
+                return None
         grad = torch.is_grad_enabled()
         q_key, k_key = tensor_key(q, grad), tensor_key(k, grad)
         if q_key is None or k_key is None:
