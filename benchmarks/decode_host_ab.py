@@ -129,8 +129,9 @@ def make_cases(prefill_tokens: int, triton: bool = False) -> dict[str, Callable[
         rope_parameters={"rope_type": "longrope", "original_max_position_embeddings": 4096, **factors},
         max_position_embeddings=131072,
     )
-    dynamic = RoPE(128, rope_parameters={"rope_type": "dynamic", "factor": 4.0}, max_position_embeddings=4096)
-    past = RoPE(128, rope_parameters={"rope_type": "dynamic", "factor": 4.0}, max_position_embeddings=4096)
+    # Two of them: the one past the limit keeps its 'hf' state there, the other below it.
+    ntk = {"rope_type": "dynamic", "factor": 4.0}
+    dynamic, past = (RoPE(128, rope_parameters=ntk, max_position_embeddings=4096) for _ in range(2))
     pq, pk = torch.randn(1, 32, prefill_tokens, 128), torch.randn(1, 8, prefill_tokens, 128)
     triton_cases = {}
     if triton:
