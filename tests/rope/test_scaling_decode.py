@@ -7,9 +7,12 @@ DynamicCache step by step, including dynamic NTK's stateful growth and reset.
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import threading
+from collections.abc import Iterator
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -394,22 +397,27 @@ def test_hf_dynamic_state_change_is_held_until_written() -> None:
     assert at > 2  # the other call started after a reading made again under the lock too
 
 
-def _computed_per_call(rope: RoPE, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rope``'s call with LongRoPE's and dynamic NTK's cos/sin computed for the call (the path every
-    length-dependent type took before their tables), no plan kept or replayed: a fresh copy of the module, and the
-    functions' plans left out. The copy's 'hf' state after the call is left in ``rope.per_call_state``."""
-    from unittest import mock
-
+@contextlib.contextmanager
+def _per_call_paths() -> Iterator[None]:
+    """Inside: LongRoPE's and dynamic NTK's cos/sin computed for each call (the path every length-dependent type took
+    before their tables), and the functions' plans left out."""
     import posenc.rope.apply as apply_module
     import posenc.rope.module as module
 
-    fresh = pickle.loads(pickle.dumps(rope))  # no tables, no plans; 'hf' state as it stands
     tabled = module._tabled
     with (
         mock.patch.object(module, "_tabled", lambda rope_type: rope_type not in TYPES and tabled(rope_type)),
         mock.patch.object(apply_module, "_PLANS", apply_module.Plans(0)),
     ):
-        out = fresh(*args, **kwargs) if args else fresh.call_cos_sin(kwargs["positions"])
+        yield
+
+
+def _computed_per_call(rope: RoPE, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rope``'s call with its cos/sin computed for the call (``_per_call_paths``), no plan kept or replayed: a fresh
+    copy of the module. The copy's 'hf' state after the call is left in ``rope.per_call_state``."""
+    fresh = pickle.loads(pickle.dumps(rope))  # no tables, no plans; 'hf' state as it stands
+    with _per_call_paths():
+        out = fresh(*args, **kwargs)
     rope.__dict__["per_call_state"] = fresh.hf_scaled_len
     return out
 
@@ -474,8 +482,6 @@ def test_length_dependent_types_read_the_table_of_their_frequencies_bit_for_bit(
 def test_longrope_decode_steps_replay_on_each_side_of_the_switch() -> None:
     """Decode steps with an int offset replay the table of their set of frequencies: across the original length
     (16) one full call takes the long set's table, then the steps replay again; each equals cos/sin computed for it."""
-    from unittest import mock
-
     import posenc.rope.module as module
 
     rope = RoPE(HEAD_DIM, rope_parameters=TYPES["longrope"], max_position_embeddings=64)
@@ -506,8 +512,6 @@ def test_a_captured_longrope_call_without_seq_len_is_refused_not_read_from_a_tab
     """Where positions cannot be read (a CUDA graph capture, mocked here: a CPU machine captures nothing), the fixed
     types read the table kept before the capture; LongRoPE cannot know which of its sets the call needs, so it
     asks for seq_len as before, rather than read the short factors' table for positions past the original length."""
-    from unittest import mock
-
     import posenc.rope.module as module
 
     rope = RoPE(HEAD_DIM, rope_parameters=TYPES["longrope"], max_position_embeddings=64)
@@ -567,8 +571,6 @@ def test_dynamic_ntk_decode_steps_replay_up_to_the_limit_and_follow_the_hf_state
     unscaled table, and replay. In mode 'hf' a call that grows or resets the state, or that scales for a longer
     length seen before (no reset at the limit itself), takes the full path, and a call of no tokens advances
     nothing. Each call equals the call computed per call, and leaves the state where that one does."""
-    from unittest import mock
-
     import posenc.rope.module as module
 
     rope = RoPE(HEAD_DIM, rope_parameters=TYPES["dynamic"], max_position_embeddings=MAX_POS)
@@ -618,18 +620,15 @@ def test_length_dependent_cos_sin_read_the_tables_of_their_frequencies_bit_for_b
     if seen:
         rope.scaling_length(torch.arange(seen))
     positions = torch.tensor([ids])
+    fresh = pickle.loads(pickle.dumps(rope))
     if step:  # the per-step accessor, advancing 'hf' dynamic NTK's state
-        want = _computed_per_call(rope, positions=positions)
+        with _per_call_paths():
+            want = fresh.call_cos_sin(positions)
         got = rope.call_cos_sin(positions)
-        assert rope.hf_scaled_len == rope.per_call_state
+        assert rope.hf_scaled_len == fresh.hf_scaled_len
     else:
-        from unittest import mock
-
-        import posenc.rope.module as module
-
-        tabled = module._tabled
-        with mock.patch.object(module, "_tabled", lambda rope_type: rope_type not in TYPES and tabled(rope_type)):
-            want = pickle.loads(pickle.dumps(rope)).cos_sin(positions, seq_len=seq_len, dtype=dtype)
+        with _per_call_paths():
+            want = fresh.cos_sin(positions, seq_len=seq_len, dtype=dtype)
         got = rope.cos_sin(positions, seq_len=seq_len, dtype=dtype)
     for g, w in zip(got, want, strict=True):
         assert g.dtype == w.dtype and torch.equal(g, w)
@@ -724,8 +723,6 @@ def test_a_captured_dynamic_ntk_call_without_seq_len_is_refused_and_advances_no_
     length on the host, but its graph replays with no state advanced: 'hf' dynamic NTK advanced the state once, at
     capture, and the graph kept the frequencies (unscaled, or scaled for that state) of that moment. As before the
     unscaled table (and as make_fx's trace), the call asks for seq_len and leaves the state."""
-    from unittest import mock
-
     import posenc.rope.module as module
 
     rope = RoPE(HEAD_DIM, rope_parameters=TYPES["dynamic"], max_position_embeddings=MAX_POS, mode=mode)
