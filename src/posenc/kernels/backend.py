@@ -20,6 +20,7 @@ from posenc.kernels.cpu_rope import DTYPE_CODES, cpu_available, cpu_unavailable_
 from posenc.kernels.layout import KINDS
 
 BACKENDS = ("auto", "torch", "triton", "cpu")
+_FUSED_DTYPES = frozenset(DTYPE_CODES)
 
 
 @functools.cache
@@ -177,7 +178,9 @@ def _fused_problem(
     if kind == "broadcast" and any(x.dim() > 4 or x.dim() == 0 for x in xs):
         return "with broadcast cos/sin the fused kernels take x of 1 to 4 dims; reshape x or pass a table"
     dtypes = {x.dtype for x in xs}  # gathered once for both tests (each a generator cost ~0.3 us a call)
-    if not dtypes <= DTYPE_CODES.keys():
+    # issubset, not <=: Dynamo before torch 2.12 cannot trace a set's comparison operators (an "Observed exception"
+    # under torch.compile of any fused call), and the GPU machines lent to this project run torch 2.11.
+    if not dtypes.issubset(_FUSED_DTYPES):
         return f"the fused kernels take {list(DTYPE_CODES)}, got {xs[0].dtype}"
     if len(dtypes) > 1:
         return "q and k have different dtypes"
