@@ -150,6 +150,41 @@ def test_negative_views_of_ids_are_read_by_value_under_torch_compile(negated):
     torch.testing.assert_close(rotate(torch.ops.aten._neg_view(-values)), want)
 
 
+@pytest.mark.parametrize("zero", ["q", "k", "cos", "sin"])
+def test_zero_tensors_take_the_torch_path(zero):
+    """A ZeroTensor (torch's zeros with no storage, made by some derivative formulas and forward-mode AD) has a data
+    pointer of 0, which the CPU kernel read: the process died (SIGSEGV), with "auto" as with "cpu"."""
+    q, k = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8)
+    cos, sin = _cos_sin(5, 8)
+    given = {"q": q, "k": k, "cos": cos, "sin": sin}
+    want = posenc.apply_rotary_qk(
+        *(torch.zeros_like(t) if name == zero else t for name, t in given.items()), backend="torch"
+    )
+    given[zero] = torch._efficientzerotensor(given[zero].shape, dtype=given[zero].dtype)
+    assert given[zero]._is_zerotensor()
+    for out, expected in zip(posenc.apply_rotary_qk(*given.values()), want, strict=True):
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    if zero in ("cos", "sin"):
+        # In place (a ZeroTensor cannot be written: only the angles can be one).
+        x = q.clone()
+        posenc.apply_rotary_(x, given["cos"], given["sin"])
+        torch.testing.assert_close(x, want[0], rtol=0, atol=0)
+    if zero in ("q", "k"):
+        # RoPE's own table read from an int offset, twice (the second call may replay a plain call's plan); the
+        # whole call takes the torch path, whose rounding the expected values have.
+        rope, reference = posenc.RoPE(8), posenc.RoPE(8, backend="torch")
+        zeros = {name: torch.zeros_like(given[name]) if name == zero else given[name] for name in "qk"}
+        for _ in range(2):
+            rope(q, k, offset=3)  # a plain call's plan first
+            expected = reference(zeros["q"], zeros["k"], offset=3)
+            for out, plain in zip(rope(given["q"], given["k"], offset=3), expected, strict=True):
+                torch.testing.assert_close(out, plain, rtol=0, atol=0)
+    with pytest.raises(
+        ValueError, match=rf": {zero} is a ZeroTensor \(torch's zeros with no storage\), which {zero}\.clone"
+    ):
+        posenc.apply_rotary_qk(*given.values(), backend="cpu")
+
+
 def test_a_refused_negative_view_is_named_as_the_caller_named_it():
     """apply_rotary_qk's refusal named k "xs[1]" (and its fix "xs[1].resolve_neg()"), a name the caller never used."""
     q, k = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8)

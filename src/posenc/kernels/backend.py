@@ -114,17 +114,21 @@ def _storage_problem(
     # microsecond or more of a decode-size call's ~70), torch.Tensor looked up once.
     plain = torch.Tensor
     for t in tensors:
-        if type(t) is not plain or t.is_neg():
+        if type(t) is not plain or t.is_neg() or t._is_zerotensor():
             break
     else:
         return ""
     for i, t in enumerate(tensors):
         # The negative bit (torch._neg_view, z.conj().imag) marks a view whose storage holds the negated values:
         # the kernels read the storage, so a copy came out with the wrong sign.
-        if runs_own_ops(t) or t.is_neg():
+        if runs_own_ops(t) or t.is_neg() or t._is_zerotensor():
             name = _call_name(i, xs, names)
             if t.is_neg():
                 return f"{name} is a negative view (its storage holds -{name}), which {name}.resolve_neg() materializes"
+            if t._is_zerotensor():
+                # torch's efficient zeros (some derivative formulas, forward-mode AD) have no storage: the kernels
+                # read address 0, and the process died (SIGSEGV) where the torch path's operations take them.
+                return f"{name} is a ZeroTensor (torch's zeros with no storage), which {name}.clone() materializes"
             return (
                 f"{name} is a {type(t).__name__}, a tensor subclass that runs torch's operations itself "
                 "(__torch_dispatch__), and the fused kernels read raw storage"
