@@ -94,9 +94,16 @@ def dynamic(
     base' = base * (factor * L / max_position_embeddings - (factor - 1))^(r/(r-2)), L = max(seq_len, max_pos).
     Equals ``default`` for every seq_len <= max_position_embeddings (and for seq_len None).
     """
-    # torch.sym_max: the builtin max of a symbolic length asks which is larger on the host, and make_fx's symbolic
-    # trace then kept the example's answer for every length (Dynamo rewrites max itself). Plain ints: the builtin's.
-    length = max_position_embeddings if seq_len is None else torch.sym_max(seq_len, max_position_embeddings)
+    # torch.sym_max for a symbolic length: the builtin max of one asks which is larger on the host, and make_fx's
+    # symbolic trace then kept the example's answer for every length (Dynamo rewrites max itself). Plain ints take the
+    # builtin (sym_max's answer for them), which Dynamo before torch 2.12 (the GPU image's 2.11) could trace, where
+    # sym_max of two ints stopped it: "torch.* op returned non-Tensor".
+    if seq_len is None:
+        length = max_position_embeddings
+    elif type(seq_len) is int:
+        length = max(seq_len, max_position_embeddings)
+    else:
+        length = torch.sym_max(seq_len, max_position_embeddings)
     scale = factor * length / max_position_embeddings - (factor - 1)
     return default_inv_freq(
         rotary_dim, _ntk_base(base, scale, rotary_dim, "(factor * seq_len / max - (factor - 1))")
