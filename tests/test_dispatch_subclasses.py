@@ -185,6 +185,61 @@ def test_zero_tensors_take_the_torch_path(zero):
         posenc.apply_rotary_qk(*given.values(), backend="cpu")
 
 
+@pytest.mark.parametrize("backend", ["auto", "cpu", "triton"])
+@pytest.mark.parametrize("entry", ["apply_rotary", "apply_rotary_", "RoPE"])
+@pytest.mark.parametrize("kind", ["ZeroTensor", "TwoTensor", "negative view"])
+def test_unusual_incoming_gradients_are_rotated_by_value(kind, entry, backend):
+    """The backward's incoming gradients never passed the forward's checks: a ZeroTensor or a __torch_dispatch__
+    wrapper as the gradient killed the process in the CPU kernel (SIGSEGV), and a negative view came back with its
+    sign flipped (max error 8). They get the torch path's formula, as batched gradients do."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    cos, sin = _cos_sin(16, 8)
+    x0, w = torch.randn(1, 4, 5, 8), torch.randn(1, 4, 5, 8)
+
+    def grad_of_x(backend, grad_output):
+        x = x0.clone().requires_grad_()
+        if entry == "apply_rotary":
+            y = posenc.apply_rotary(x, cos, sin, offset=2, backend=backend)
+        elif entry == "apply_rotary_":
+            y = posenc.apply_rotary_(x * 1, cos, sin, offset=2, backend=backend)
+        else:
+            y, _ = posenc.RoPE(8, backend=backend)(x, torch.randn(1, 2, 5, 8), offset=2)
+        (got,) = torch.autograd.grad(y, x, grad_output)
+        return got
+
+    given = {
+        "ZeroTensor": torch._efficientzerotensor(w.shape, dtype=w.dtype),
+        "TwoTensor": TwoTensor(w, w.clone()),
+        "negative view": torch._neg_view(-w),
+    }[kind]
+    want = grad_of_x("torch", torch.zeros_like(w) if kind == "ZeroTensor" else w)
+    got = grad_of_x(backend, given)
+    for part in (got.a, got.b) if kind == "TwoTensor" else (got,):
+        torch.testing.assert_close(part, want)
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto", "cpu"])
+@pytest.mark.parametrize("given", ["positions", "offsets", "RoPE positions", "RoPE offsets"])
+def test_zero_tensor_ids_are_read_as_zeros(given, backend):
+    """int64 position ids or offsets as a ZeroTensor (no storage, data pointer 0): the CPU kernel read no ids and
+    rotated by rows 0, 1, 2, ... (max error 5.2), and torch's own table[ids] on the torch path crashed (SIGSEGV)."""
+    q, k = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8)
+    cos, sin = _cos_sin(16, 8)
+    shape = (1, 5) if given.endswith("positions") else (1,)
+    name = "positions" if given.endswith("positions") else "offset"
+
+    def rotate(ids):
+        if given.startswith("RoPE"):
+            return posenc.RoPE(8, backend=backend)(q, k, **{name: ids})
+        return posenc.apply_rotary_qk(q, k, cos, sin, backend=backend, **{name: ids})
+
+    zero = torch._efficientzerotensor(shape, dtype=torch.long)
+    assert zero._is_zerotensor()
+    for got, want in zip(rotate(zero), rotate(torch.zeros(shape, dtype=torch.long)), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_a_refused_negative_view_is_named_as_the_caller_named_it():
     """apply_rotary_qk's refusal named k "xs[1]" (and its fix "xs[1].resolve_neg()"), a name the caller never used."""
     q, k = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8)

@@ -157,6 +157,8 @@ def index_values(t: Any) -> Any:
     Inductor still reads a negative view's storage, whatever posenc does (pytorch/pytorch#145093); posenc's range
     checks then fail on the negated ids.
 
+    A ZeroTensor (torch's zeros without storage) comes back as a tensor of zeros.
+
     A uint8 tensor comes back as int64: torch reads a uint8 index as a boolean mask (``table[ids]`` of the ids
     0..255 gave the 255 rows of the nonzero ones, without an error). So do int8 and int16, which ``int_tensor``
     takes but torch refuses as an index ("tensors used as indices must be long, int, byte or bool tensors", from
@@ -167,6 +169,10 @@ def index_values(t: Any) -> Any:
         return t.long()  # a copy, which holds the values whatever the negative bit said
     if compiling():
         return t.resolve_neg()
+    if t._is_zerotensor():
+        # torch's storage-less zeros (data pointer 0): the fused kernels read no ids there and rotated by rows
+        # 0, 1, 2, ... (max error 5.2), and torch's own table[ids] crashed (torch 2.13). clone() materializes them.
+        return t.clone()
     return t.resolve_neg() if t.is_neg() else t
 
 

@@ -104,7 +104,7 @@ def _call_name(i: int, xs: Sequence[torch.Tensor], names: Sequence[str] | None) 
     return names[i] if names is not None else f"xs[{i}]" if len(xs) > 1 else "x"
 
 
-def _storage_problem(
+def storage_problem(
     xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, names: Sequence[str] | None = None
 ) -> str:
     """Why the fused kernels cannot read these tensors' values from their storage, or "" when they can (names: as
@@ -145,7 +145,7 @@ def _traced_dtensor_problem(
     ``posenc::rotary`` returns a list): compiled, a DTensor call failed with "Operator posenc.rotary.default does not
     have a sharding strategy registered". Nor would running the kernels on each rank's shard be right in general: a
     shard of the sequence reads table rows from its local token index (offset, offsets, cu_seqlens), not its global
-    one. The torch path's ops each have DTensor's own sharding rules, as in eager (``_storage_problem``)."""
+    one. The torch path's ops each have DTensor's own sharding rules, as in eager (``storage_problem``)."""
     tensors = (*xs, cos, sin)
     for i, t in enumerate(tensors):
         if is_dtensor(t):
@@ -172,7 +172,7 @@ def _fused_problem(
     recorded = "" if eager else _recorded_without_fused_kernels(traced)
     if recorded:
         return recorded
-    problem = _traced_dtensor_problem(xs, cos, sin, names) if traced else _storage_problem(xs, cos, sin, names)
+    problem = _traced_dtensor_problem(xs, cos, sin, names) if traced else storage_problem(xs, cos, sin, names)
     if problem:
         return problem
     if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):

@@ -18,7 +18,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from posenc._checks import compiling, inplace_refused, pre_dispatch_recording
-from posenc.kernels.backend import batched
+from posenc.kernels.backend import batched, storage_problem
 from posenc.kernels.launch import launch
 
 
@@ -77,9 +77,12 @@ def _rotate_grads(ctx, grads: Sequence[torch.Tensor | None], rotate, saved: Sequ
     offset, kind, interleaved, conjugate, backend = ctx.options
     present = [i for i, g in enumerate(grads) if g is not None]
     result: list[torch.Tensor | None] = [None] * len(grads)
-    if present and batched(*(grads[i] for i in present)):  # type: ignore[misc]
+    given = [grads[i] for i in present]
+    if present and (batched(*given) or (not compiling() and storage_problem(given, cos, sin))):  # type: ignore[arg-type]
         # Batched gradients (jacobian(vectorize=True), grad(is_grads_batched=True)) have no storage for a kernel
-        # to read ("Cannot access data pointer"): the torch path's formula, which vmap batches.
+        # to read ("Cannot access data pointer"): the torch path's formula, which vmap batches. So for gradients the
+        # forward's checks never saw: a ZeroTensor or a __torch_dispatch__ subclass (the CPU kernel crashed, SIGSEGV)
+        # and a negative view (its storage read: the gradient's sign flipped).
         from posenc.rope.apply import rotate_tensors  # that module imports this one
 
         rotated = rotate_tensors(
@@ -98,7 +101,7 @@ def _rotate_grads(ctx, grads: Sequence[torch.Tensor | None], rotate, saved: Sequ
         )
     elif present:
         rotated = rotate(
-            [grads[i] for i in present],
+            given,
             cos,
             sin,
             positions,
