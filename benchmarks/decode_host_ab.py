@@ -12,6 +12,7 @@ wall clock). Cases, fp32, one torch thread, the CPU backend:
 - ``RoPE(offset=100)``: ``posenc.RoPE(128)(q, k, offset=100)``, q (1, 32, 1, 128), k (1, 8, 1, 128);
 - ``RoPE(offset=100) bf16``: the same with q and k in bfloat16;
 - ``RoPE(offset=tensor([100]))``: the same with a (1,) tensor offset;
+- ``RoPE(offset=100000)``: the same past the largest table (2**16 rows), where the rows are read from a window;
 - ``apply_rotary_qk(cos, sin)``: cos/sin (1, 1, 1, 64) of position 100 given (broadcast), as a transformers model
   patched by ``posenc.interop`` calls it;
 - ``apply_rotary_(q, k, offset=100)``: q and k each rotated in place by ``apply_rotary_`` with the 4096-row table
@@ -27,6 +28,9 @@ wall clock). Cases, fp32, one torch thread, the CPU backend:
   the frequencies stay: a decode loop's steps each scale for a new length, on top of this);
 - ``call_cos_sin(dynamic, [[100]])``: the per-step accessor a patched transformers model's rotary embedding
   calls, (1, 1) ids below the limit;
+- ``RoPE(dynamic) step past the limit, 4 layers``: a decode step past the limit as a model of four layers
+  sharing the RoPE makes it: a new length each step (offsets 5000, 5001, ...: new frequencies, computed on the
+  host), then four calls at it; the time is per step;
 - ``RoPE(offset=100) prefill``: the same call with q (1, 32, s, 128), k (1, 8, s, 128), s = ``--prefill-tokens``
   (512), ``--prefill-rounds`` rounds of ``--prefill-calls`` calls; ``RoPE(dynamic, offset=100) prefill`` the same
   with dynamic NTK below its limit.
@@ -49,6 +53,7 @@ case, pair and tree (provider ``old@<rev>`` or ``new@tree``; the commit column i
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shlex
@@ -67,6 +72,7 @@ CASES = (
     "RoPE(offset=100)",
     "RoPE(offset=100) bf16",
     "RoPE(offset=tensor([100]))",
+    "RoPE(offset=100000)",
     "apply_rotary_qk(cos, sin)",
     "apply_rotary_(q, k, offset=100)",
     "apply_rotary_qk(table, positions)",
@@ -76,6 +82,7 @@ CASES = (
     "RoPE(dynamic, offset=100)",
     "RoPE(dynamic, offset=5000)",
     "call_cos_sin(dynamic, [[100]])",
+    "RoPE(dynamic) step past the limit, 4 layers",
     "RoPE(offset=100) prefill",
     "RoPE(dynamic, offset=100) prefill",
 )
@@ -86,6 +93,7 @@ SHAPES = {
     "apply_rotary_qk(cos, sin)": "b=1,hq=32,hk=8,s=1,d=128,cos=(1,1,1,64)",
     "apply_rotary_(q, k, offset=100)": "b=1,hq=32,hk=8,s=1,d=128,rows=4096,in-place",
     "RoPE(offset=tensor([100]))": "b=1,hq=32,hk=8,s=1,d=128,offset=100",
+    "RoPE(offset=100000)": "b=1,hq=32,hk=8,s=1,d=128,offset=100000,window",
     "apply_rotary_qk(table, positions)": "b=1,hq=32,hk=8,s=1,d=128,rows=4096",
     "MRoPE(3-axis positions)": "b=1,hq=16,hk=8,s=1,d=128,sections=16/24/24",
     "MRoPE(text on 3 axes)": "b=1,hq=16,hk=8,s=1,d=128,sections=16/24/24,text",
@@ -93,6 +101,7 @@ SHAPES = {
     "RoPE(dynamic, offset=100)": "b=1,hq=32,hk=8,s=1,d=128,offset=100,max_positions=4096",
     "RoPE(dynamic, offset=5000)": "b=1,hq=32,hk=8,s=1,d=128,offset=5000,max_positions=4096",
     "call_cos_sin(dynamic, [[100]])": "positions=(1,1),r=128,max_positions=4096",
+    "RoPE(dynamic) step past the limit, 4 layers": "b=1,hq=32,hk=8,s=1,d=128,offset=5000+,max_positions=4096,layers=4",
     "RoPE(offset=100) triton host": "b=1,hq=32,hk=8,s=1,d=128,offset=100,bf16,launch=no-op",
     "apply_rotary_qk(cos, sin) triton host": "b=1,hq=32,hk=8,s=1,d=128,cos=(1,1,1,64),bf16,launch=no-op",
 }
@@ -131,7 +140,15 @@ def make_cases(prefill_tokens: int, triton: bool = False) -> dict[str, Callable[
     )
     # Two of them: the one past the limit keeps its 'hf' state there, the other below it.
     ntk = {"rope_type": "dynamic", "factor": 4.0}
-    dynamic, past = (RoPE(128, rope_parameters=ntk, max_position_embeddings=4096) for _ in range(2))
+    dynamic, past, stepping = (RoPE(128, rope_parameters=ntk, max_position_embeddings=4096) for _ in range(3))
+    steps = itertools.count(5000)
+
+    def step_past_the_limit() -> None:
+        # One decode step of a 4-layer model sharing the RoPE: a new length (new frequencies), the same rows per layer.
+        offset = next(steps)
+        for _ in range(4):
+            stepping(q, k, offset=offset)
+
     pq, pk = torch.randn(1, 32, prefill_tokens, 128), torch.randn(1, 8, prefill_tokens, 128)
     triton_cases = {}
     if triton:
@@ -146,6 +163,7 @@ def make_cases(prefill_tokens: int, triton: bool = False) -> dict[str, Callable[
         "RoPE(offset=100)": lambda: rope(q, k, offset=100),
         "RoPE(offset=100) bf16": lambda: rope(q16, k16, offset=100),
         "RoPE(offset=tensor([100]))": lambda: rope(q, k, offset=offset),
+        "RoPE(offset=100000)": lambda: rope(q, k, offset=100_000),
         "apply_rotary_qk(cos, sin)": lambda: apply_rotary_qk(q, k, step_cos, step_sin),
         "apply_rotary_(q, k, offset=100)": lambda: (
             apply_rotary_(q_inplace, cos, sin, offset=100),
@@ -158,6 +176,7 @@ def make_cases(prefill_tokens: int, triton: bool = False) -> dict[str, Callable[
         "RoPE(dynamic, offset=100)": lambda: dynamic(q, k, offset=100),
         "RoPE(dynamic, offset=5000)": lambda: past(q, k, offset=5000),
         "call_cos_sin(dynamic, [[100]])": lambda: dynamic.call_cos_sin(positions),
+        "RoPE(dynamic) step past the limit, 4 layers": step_past_the_limit,
         PREFILL: lambda: rope(pq, pk, offset=100),
         "RoPE(dynamic, offset=100) prefill": lambda: dynamic(pq, pk, offset=100),
     }

@@ -391,6 +391,51 @@ def test_a_rope_replays_on_the_table_it_keeps_now():
     assert torch.equal(rope(q, k, offset=7)[0], RoPE(16, interleaved=True)(q, k, offset=7)[0])
 
 
+@pytest.mark.parametrize("backend", ["auto", pytest.param("triton", marks=needs_triton)])
+def test_decode_steps_past_the_table_replay_the_window_they_read(backend):
+    """Past the largest table (2**16 rows) a RoPE reads windows of 4096 rows; a decode loop there replays the plan of
+    its window while its offset lies in it (25.7 -> 10.5 us a step on 2026-12-07, where every step took the full
+    path), and the step that leaves it takes the full path once, which reads the next window. A request near the
+    start, sharing the RoPE and taking turns with it, keeps the plan of the table: each side replays its own. Every
+    result equals a fresh module's, through the full path."""
+    rope = RoPE(16, backend=backend)
+    q, k = random_qk(1, 4, 2, 1, 16)
+    # The window of rows 69632..73727 (its first a multiple of 2048 at or below the first offset), then 73728..
+    far = (71_670, 71_671, 71_672, 73_726, 73_727, 73_728, 73_729)
+    steps = [(offset, near) for i, offset in enumerate(far) for near in (3 + i, None)]
+    wants = [fresh(q, k, backend, offset=offset if near is None else near) for offset, near in steps]
+    with counting_full_paths() as full:
+        for (offset, near), want in zip(steps, wants, strict=True):
+            assert same(rope(q, k, offset=offset if near is None else near), want), (offset, near)
+    # The first far call, the first near one, and the far one that left the first window (offset 73728).
+    assert full["RoPE"] == 3
+    cpu = (torch.device("cpu"), torch.float32)
+    assert list(rope._windows) == [(*cpu, 69632), (*cpu, 73728)]
+
+
+def test_a_windows_plan_is_replayed_only_while_that_window_is_kept():
+    """A window's plan reads the window it was made on: once other windows have taken its place (the latest 8 of a
+    device and dtype are kept), or a move or ``forget_frequencies`` dropped them, the next call takes the full path,
+    which reads a window of its own, and equals a fresh module's."""
+    rope = RoPE(16)
+    q, k = random_qk(1, 4, 2, 1, 16)
+    far = 100_000
+    rope(q, k, offset=far)  # keeps the plan of the window of rows 98304..102399
+    others = [random_qk(b, 4, 2, 1, 16) for b in range(2, 10)]  # other keys, each far from the rest
+    for i, (q2, k2) in enumerate(others):
+        rope(q2, k2, offset=far + 4096 * (i + 1))
+    assert (
+        len(rope._windows) == module._WINDOWS_KEPT and (torch.device("cpu"), torch.float32, 98304) not in rope._windows
+    )
+    for drop in (None, lambda: rope.to("meta").to("cpu"), lambda: module.forget_frequencies("default")):
+        if drop is not None:
+            rope(q, k, offset=far + 1)  # a plan again, then its window dropped
+            drop()
+        with counting_full_paths() as full:
+            assert same(rope(q, k, offset=far + 2), fresh(q, k, offset=far + 2))
+        assert full["RoPE"] == 2, drop  # this RoPE's call and the fresh one's
+
+
 def test_plans_follow_the_thread_count_and_stay_bounded():
     """The kernel's thread count is part of a plan (a count set since makes another: the values are the same, the
     threads the kernel wakes are not); a prefill of each length
@@ -723,7 +768,7 @@ def test_a_triton_plan_is_made_once_and_launched_at_every_call(layout):
 def test_dynamic_ntk_on_triton_replays_up_to_its_limit_and_plans_every_step_past_it():
     """Dynamic NTK is plain RoPE up to max_position_embeddings (8 here): its Triton decode steps read the unscaled
     table, plan once and replay, giving plain RoPE's bits; past the limit every step has frequencies of its own, and
-    its cos/sin computed for it, rotated with those frequencies' bits."""
+    the rows of its positions computed for it (a window of its own), rotated with those frequencies' bits."""
     dynamic = {"rope_type": "dynamic", "factor": 4.0}
     rope = RoPE(16, rope_parameters=dynamic, max_position_embeddings=8, backend="triton")
     with counting_triton_launches() as counts:

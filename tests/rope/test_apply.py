@@ -636,17 +636,25 @@ def test_a_table_call_checks_each_tensor_once(monkeypatch, offset):
         assert_close(g, e)
 
 
-def test_a_decode_loop_far_out_reuses_its_window_and_moves_it_by_halves():
+@pytest.mark.parametrize("replayed", [True, False])
+def test_a_decode_loop_far_out_reuses_its_window_and_moves_it(replayed):
+    """The full path reads a window while the call's rows lie in its first half, and moves it by halves; replayed
+    calls (posenc.kernels.replay: no gradient to record) read it to its last row. The same values either way."""
     rope = posenc.RoPE(8)
     q, k = random_qk(1, 1, 1, 1, 8)
+    if not replayed:
+        q.requires_grad_()
     cpu = (torch.device("cpu"), torch.float32)
     rope(q, k, offset=FAR + 10)
     window = rope._windows[(*cpu, FAR)]
-    for step in range(FAR + 11, FAR + 2048):
+    last = FAR + (4095 if replayed else 2047)
+    for step in range(FAR + 11, last + 1):
         rope(q, k, offset=step)
         assert rope._windows[(*cpu, FAR)] is window
-    rope(q, k, offset=FAR + 2048)
-    assert list(rope._windows) == [(*cpu, FAR), (*cpu, FAR + 2048)]
+    rope(q, k, offset=last + 1)
+    assert list(rope._windows) == [(*cpu, FAR), (*cpu, last + 1)]
+    for step in (FAR + 5, last + 1, last + 100):
+        assert torch.equal(rope(q, k, offset=step)[0], posenc.RoPE(8)(q, k, offset=step)[0])
 
 
 def test_streams_far_apart_keep_their_own_windows_up_to_the_limit():

@@ -569,8 +569,9 @@ def test_longrope_int_offset_calls_with_arguments_refused_get_the_full_paths_err
 def test_dynamic_ntk_decode_steps_replay_up_to_the_limit_and_follow_the_hf_state() -> None:
     """Dynamic NTK is plain RoPE up to max_position_embeddings (16): decode steps with an int offset read the
     unscaled table, and replay. In mode 'hf' a call that grows or resets the state, or that scales for a longer
-    length seen before (no reset at the limit itself), takes the full path, and a call of no tokens advances
-    nothing. Each call equals the call computed per call, and leaves the state where that one does."""
+    length seen before (no reset at the limit itself), takes the full path, past the limit reading a window of its
+    own rows at the frequencies of its length, and a call of no tokens advances nothing. Each call equals the call
+    computed per call, and leaves the state where that one does."""
     import posenc.rope.module as module
 
     rope = RoPE(HEAD_DIM, rope_parameters=TYPES["dynamic"], max_position_embeddings=MAX_POS)
@@ -579,26 +580,71 @@ def test_dynamic_ntk_decode_steps_replay_up_to_the_limit_and_follow_the_hf_state
     empty = torch.randn(1, HEADS, 0, HEAD_DIM), torch.randn(1, KV_HEADS, 0, HEAD_DIM)
     calls = [  # (q, k, offset, the path taken, the state after it)
         *[(*step, offset, "table" if offset == 5 else "replay", MAX_POS) for offset in range(5, 9)],
-        (*prefill, 0, "per call", 30),  # grows the state: scaled for 30
+        (*prefill, 0, "window", 30),  # grows the state: scaled for 30
         (*empty, 5, "per call", 30),  # no positions: no reset
-        (*step, 15, "per call", 30),  # length 16, the limit itself: no reset, scaled for 30
+        (*step, 15, "window", 30),  # length 16, the limit itself: no reset, scaled for 30
         (*step, 9, "table", MAX_POS),  # length 10: reset, unscaled
         (*step, 15, "replay", MAX_POS),
         (*step, 14, "replay", MAX_POS),
-        (*step, 16, "per call", 17),  # length 17: grows the state, scaled
+        (*step, 16, "window", 17),  # length 17: grows the state, scaled
     ]
     for q, k, offset, path, state in calls:
         with (
             mock.patch.object(module, "rotate_tensors", wraps=module.rotate_tensors) as table,
             mock.patch.object(module, "apply_rotary_qk", wraps=module.apply_rotary_qk) as per_call,
+            mock.patch.object(RoPE, "_window", autospec=True, side_effect=RoPE._window) as window,
         ):
             got = rope(q, k, offset=offset)
-        taken = "table" if table.call_count else "per call" if per_call.call_count else "replay"
+        called = {"window": window, "table": table, "per call": per_call}
+        taken = next((path for path, spy in called.items() if spy.call_count), "replay")
         assert (taken, rope.hf_scaled_len) == (path, state), offset
         want = _computed_per_call(pickle.loads(pickle.dumps(rope)), q, k, offset=offset)
         for g, w in zip(got, want, strict=True):
             assert torch.equal(g, w), offset
     assert list(rope._tables) == [(torch.device("cpu"), torch.float32)]  # no table of scaled frequencies
+
+
+@pytest.mark.parametrize("mode", ["hf", "consistent"])
+@pytest.mark.parametrize("rows", ["offset", "offset tensor", "positions"])
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_dynamic_ntk_past_its_limit_computes_a_steps_rows_once_for_all_layers(mode, rows, backend) -> None:
+    """Past max_position_embeddings every length has frequencies of its own, so no table from row 0 serves a decode
+    step: its first layer computes the cos/sin of the step's positions at the step's length, kept as a window of
+    exactly those rows, and the step's other layers read them, replayed where they can be (until 2026-12-07 each
+    layer computed them again: ~48 against ~11 us a layer, one token of 32 + 8 heads). Every call equals the call
+    computed per call, bit for bit, with the same 'hf' state; a decode loop keeps the latest few windows."""
+    import posenc.rope.module as module
+
+    rope = RoPE(HEAD_DIM, rope_parameters=TYPES["dynamic"], max_position_embeddings=MAX_POS, mode=mode, backend=backend)
+    b, layers = 2, 4
+    for t in range(MAX_POS, MAX_POS + 12):  # a decode loop: every step a new length past the limit
+        kwargs: dict[str, Any] = {
+            "offset": {"offset": t},
+            "offset tensor": {"offset": torch.tensor([t, t - 3])},
+            "positions": {"positions": torch.tensor([[t], [t - 3]])},
+        }[rows]
+        qks = [(torch.randn(b, HEADS, 1, HEAD_DIM), torch.randn(b, KV_HEADS, 1, HEAD_DIM)) for _ in range(layers)]
+        wants = [_computed_per_call(rope, q, k, **kwargs) for q, k in qks]  # from the state before the step
+        with (
+            mock.patch.object(module, "angles_to_cos_sin", wraps=module.angles_to_cos_sin) as computed,
+            mock.patch.object(module, "rotate_tensors", wraps=module.rotate_tensors) as full,
+        ):
+            for (q, k), want in zip(qks, wants, strict=True):
+                got = rope(q, k, **kwargs)
+                assert rope.hf_scaled_len == rope.per_call_state, t
+                for g, w in zip(got, want, strict=True):
+                    assert torch.equal(g, w), t
+        assert computed.call_count == 1, t  # once a step, not once a layer
+        # The fused kernel's int-offset calls replay the plan of the step's window (posenc.kernels.replay) from the
+        # call after the one that advances the 'hf' state (a replay advances none); ids and offset tensors, and the
+        # torch backend (no launch to replay), take the full path at every layer, reading the window.
+        replayed = backend == "auto" and rows == "offset"
+        assert full.call_count == ((2 if mode == "hf" else 1) if replayed else layers), t
+        spread = 1 if rows == "offset" else 4  # per-sequence positions t - 3 and t: the rows between them too
+        window = rope._windows[next(reversed(rope._windows))]
+        assert window[0].shape == (spread, HEAD_DIM // 2), t
+    assert len(rope._windows) == module._WINDOWS_KEPT
+    assert list(rope._tables) == []  # no table of scaled frequencies
 
 
 @settings(max_examples=60, deadline=None)

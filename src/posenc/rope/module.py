@@ -246,6 +246,12 @@ def _table_key(device: torch.device, dtype: torch.dtype, length: int | None) -> 
     return (device, dtype) if length is None else (device, dtype, length)
 
 
+def _window_key(device: torch.device, dtype: torch.dtype, length: int | None, first: int, count: int | None) -> tuple:
+    """A window's key in ``RoPE._windows``: its table's key, its first row's position, and its row count where it is
+    not _WINDOW (``RoPE._window``)."""
+    return (*_table_key(device, dtype, length), first) + (() if count is None else (count,))
+
+
 _SEQ_AXES = {"bhsd": 2, "bshd": 1}
 _LENGTH_TABLED = ("longrope", "dynamic")  # the length-dependent types that _tabled reads from tables
 
@@ -781,17 +787,19 @@ class RoPE(nn.Module):
                 captured.append(rows)
 
     def _window(
-        self, device: torch.device, low: int, dtype: torch.dtype, length: int | None = None
+        self, device: torch.device, low: int, dtype: torch.dtype, length: int | None = None, count: int | None = None
     ) -> tuple[int, torch.Tensor, torch.Tensor]:
         """The rows of positions first..first + _WINDOW - 1, first the multiple of _WINDOW / 2 at or below ``low``:
-        they cover low..low + _WINDOW / 2 - 1 at least, of the frequencies for ``length`` (as ``_table``). Kept as
-        the table is, the latest _WINDOWS_KEPT used of each device and dtype."""
-        first = low // (_WINDOW // 2) * (_WINDOW // 2)
-        key = (*_table_key(device, dtype, length), first)
+        they cover low..low + _WINDOW / 2 - 1 at least, of the frequencies for ``length`` (as ``_table``); with
+        ``count``, the rows of low..low + count - 1 exactly, for frequencies that serve one length alone (dynamic
+        NTK past its limit: a wider window would be computed for one decode step). Kept as the table is, the latest
+        _WINDOWS_KEPT used of each device and dtype."""
+        first = low if count is not None else low // (_WINDOW // 2) * (_WINDOW // 2)
+        key = _window_key(device, dtype, length, first, count)
         window = _kept(self._windows).pop(key, None)  # re-inserted below: the dict's order is the order of use
         built = window is None
         if built:
-            window = self._rows(device, first, _WINDOW, dtype, length)
+            window = self._rows(device, first, _WINDOW if count is None else count, dtype, length)
         else:
             self._hold_for_graph(window)
         if _keepable() or not built:
@@ -844,12 +852,18 @@ class RoPE(nn.Module):
         """
         first, index, rows = rows_read(positions, offset)
         key = self._replay_key(q, k, positions, offset, index, rows, layout, seq_len)
+        if key is not None and first is not None and first >= _TABLE_LIMIT:
+            # Past the table, a window's plan, kept apart from the table's: requests far out and near sharing a RoPE
+            # would otherwise replace each other's plan at every turn.
+            key = (*key, "far")
         if key is not None:
             kept = self._kept_plan(key)
             if kept is not None and kept[1] is None:
                 key = None  # this table cannot serve these calls replayed (a copy on the way): the full path
             elif kept is not None:
-                outs = replay(kept[1], (q, k), *kept[0], first, index)
+                table, plan, base = kept
+                # A window's plan reads it from the offset's distance to its first row (int offsets only: _keep_plan).
+                outs = replay(plan, (q, k), *table, first if base is None else first - base, index)
                 if outs is not None:
                     return outs[0], outs[1]
         refuse_jit_trace(type(self).__name__)
@@ -876,6 +890,7 @@ class RoPE(nn.Module):
             if seq_len is not None and bounds is not None and bounds[1] >= seq_len:
                 bounds = None  # the general path checks the positions against seq_len exactly (high may overshoot)
             length = None  # the length whose frequencies the table holds (_frequency_length's; None: unscaled)
+            exact = False  # frequencies for this call's length alone: a window of exactly its rows (see below)
             if length_dependent:
                 # The table of the set of frequencies for the length this call scales for, seq_len or max(positions)
                 # + 1 (for 'hf' dynamic NTK, the state that length advances). The bounds give the latter exactly but
@@ -909,16 +924,19 @@ class RoPE(nn.Module):
                         # the general path below reads no positions for it again.
                         wanted = scaled_len = self._advance_hf_state(wanted) if self.mode == "hf" else wanted
                     tabled, length = self._table_length(wanted)
-                    if not tabled:
-                        # Dynamic NTK past max_position_embeddings: frequencies of this length alone (a decode step's
-                        # next length has others), computed per call for the length decided here.
-                        bounds = None
+                    # Dynamic NTK past max_position_embeddings: frequencies of this length alone (a decode step's next
+                    # length has others), so no table from row 0: the rows of this call's positions are kept as a
+                    # window of their own, which the step's other layers (the same length, the same rows) read.
+                    exact = not tabled
             table = None
+            # Where a call's plan may be kept: (the key of the table or window it reads, in _tables or _windows; the
+            # window's first row's position, None for a table; the int offset the kernel reads it from, or None).
+            source: tuple | None = None
             # Not while torch.compile traces: a table grown to the next power of two inside the graph guarded each
             # graph on the table's size, one graph per size (a decode loop with an int offset hit the recompile
             # limit at 16384, a hard error under fullgraph=True). The angles there are computed in the graph, to
             # the table's bits, one graph for every offset and length.
-            if bounds is not None and bounds[1] < _TABLE_LIMIT and not compiling():
+            if bounds is not None and bounds[1] < _TABLE_LIMIT and not exact and not compiling():
                 # Frequencies that do not depend on the length (or LongRoPE's set for it): the kernels read the
                 # cached table at the tokens' rows (a slice for an int offset), with no per-token cos/sin built here
                 # first (measured: 4-6% of a CPU prefill call; at decode size ~35 us of a ~100 us call with position
@@ -926,6 +944,7 @@ class RoPE(nn.Module):
                 # need no second check (on CUDA a device sync each).
                 needed = max(bounds[1] + 1, 1)
                 table, trusted = self._table(q.device, needed, table_dtype, length), bounds[0] >= 0
+                source = (_table_key(q.device, table_dtype, length), None, first)
                 if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
                     # The fused backward saves the table it is given: cut to this call's rows, so that an activation
                     # checkpoint's recompute saves one of the same shape after a longer call has grown the shared
@@ -940,15 +959,21 @@ class RoPE(nn.Module):
                 and bounds[1] < 2**63 - _WINDOW  # the window's rows fit in int64 (the general path says what does not)
                 and (positions is None or not isinstance(offset, torch.Tensor))
             ):
-                # Far out (decode steps past the table): the window's rows, read with every position moved back by
-                # its first one, all of them still >= 0 (the offset moves when it alone reaches that far).
-                first, *table = self._window(q.device, bounds[0], table_dtype, length)
+                # Far out (decode steps past the table), or dynamic NTK past its limit (exactly the call's rows): the
+                # window's rows, read with every position moved back by its first one, all of them still >= 0 (the
+                # offset moves when it alone reaches that far).
+                count = bounds[1] - bounds[0] + 1 if exact else None
+                start, *table = self._window(q.device, bounds[0], table_dtype, length, count)
                 trusted = True
+                if positions is None and type(offset) is int:
+                    # Replayable, from the offset's distance to the window's first row (ids and offset tensors are
+                    # read moved back: a copy, which no replay could read).
+                    source = (_window_key(q.device, table_dtype, length, start, count), start, offset - start)
                 if positions is None:
-                    offset = offset - first
+                    offset = offset - start
                 else:
                     # In int64: the shifted ids reach _WINDOW - 1, past what 8-bit ids hold (they wrapped).
-                    positions, offset = positions.long() - (first - offset), 0
+                    positions, offset = positions.long() - (start - offset), 0
             elif (
                 bounds is None
                 and not length_dependent
@@ -967,8 +992,9 @@ class RoPE(nn.Module):
                     return self._rotate_by_table(q, k, table, positions, offset, layout, trusted)
                 with recording_launches() as launches:
                     q_out, k_out = self._rotate_by_table(q, k, table, positions, offset, layout, trusted)
-                table_key = _table_key(q.device, table_dtype, length)
-                self._keep_plan(key, launches, (q, k), (q_out, k_out), table, first, index, table_key)
+                if source is not None:
+                    table_key, base, read_from = source
+                    self._keep_plan(key, launches, (q, k), (q_out, k_out), table, read_from, index, table_key, base)
                 return q_out, k_out
         pos = resolve_positions(seq, batch=q.shape[0], positions=positions, offset=offset, device=q.device)
         # cos/sin here, not in _rotate_at: 'hf' dynamic NTK's call_cos_sin breaks the graph inside torch.compile, and
@@ -1001,7 +1027,8 @@ class RoPE(nn.Module):
         but plain eager, a CUDA graph capture. The table a plan reads is checked at each replay to be the one kept
         now (``forget_frequencies`` and ``_apply`` replace or drop tables). LongRoPE's calls replay with an int
         offset only, keyed by the set of frequencies that offset + s selects (each set has its table); dynamic NTK's
-        likewise where offset + s keeps it unscaled (and, in mode 'hf', keeps the state)."""
+        likewise, keyed by the length they scale for (past the limit each length's rows are a window of their own),
+        where, in mode 'hf', the call keeps the state."""
         if seq_len is not None or (positions is not None and (type(offset) is not int or offset != 0)):
             return None
         if positions is None and type(offset) is not int and not isinstance(offset, torch.Tensor):
@@ -1016,8 +1043,7 @@ class RoPE(nn.Module):
             return None
         length = None
         if rope_type in _LENGTH_TABLED:
-            # The length the call scales for is offset + s, which picks the table (ids: the full path). Before the
-            # tensors' keys: dynamic NTK's calls past its limit (each length its own frequencies) stop here.
+            # The length the call scales for is offset + s, which picks the table (ids: the full path).
             if index is not None or not isinstance(q, torch.Tensor) or q.dim() != 4 or layout not in _SEQ_AXES:
                 return None
             wanted = offset + q.shape[_SEQ_AXES[layout]]
@@ -1027,9 +1053,8 @@ class RoPE(nn.Module):
                 if wanted == offset or _hf_dynamic_state(wanted, seen, self.max_position_embeddings) != seen:
                     return None
                 wanted = seen
-            tabled, length = self._table_length(wanted)
-            if not tabled:  # dynamic NTK past its limit: each length its own frequencies, the full path
-                return None
+            # Past its limit dynamic NTK's length has frequencies of its own, read from windows keyed by it.
+            length = self._frequency_length(wanted)
         grad = torch.is_grad_enabled()
         q_key, k_key = tensor_key(q, grad), tensor_key(k, grad)
         if q_key is None or k_key is None:
@@ -1041,16 +1066,17 @@ class RoPE(nn.Module):
         return key if length is None else (*key, length)
 
     def _kept_plan(self, key: tuple) -> tuple | None:
-        """(the table, the plan or None for calls that are not replayable on it) kept under ``key`` for the table
-        kept now, or None where there is none or the table has been replaced since."""
+        """(the table or window, the plan or None for calls that are not replayable on it, the window's first row's
+        position or None for a table) kept under ``key`` for the table or window kept now, or None where there is
+        none or it has been replaced or dropped since."""
         kept = self._plans.get(key)
         if kept is None:
             return None
-        table_of, table_key, plan = kept
-        table = self._tables.get(table_key)
+        table_of, table_key, plan, base = kept
+        table = (self._tables if base is None else self._windows).get(table_key)
         if table is None or table[0] is not table_of():
             return None
-        return table, plan
+        return table, plan, base
 
     def _keep_plan(
         self,
@@ -1062,16 +1088,19 @@ class RoPE(nn.Module):
         first: int | None,
         index: torch.Tensor | None,
         table_key: tuple,
+        base: int | None = None,
     ) -> None:
-        """Keep the plan of a call (its ``launches``) that read ``table``, where that is the table kept now under
-        ``table_key``: the plan where replaying it is what the full path would do
+        """Keep the plan of a call (its ``launches``) that read ``table`` from row ``first``, where that is the table
+        kept now under ``table_key`` (with ``base``, the window kept under that key in ``_windows``, whose first row
+        is position ``base``): the plan where replaying it is what the full path would do
         (``posenc.kernels.replay.plan_of``), else None, so that later calls of the key take the full path
-        unrecorded. (A window read far out says nothing about the calls that read the table.)"""
-        kept = self._tables.get(table_key)
+        unrecorded. A window's plan replays calls whose offset lies in it (``replay`` refuses the others, which take
+        the full path and keep the plan of the table or window they read in its place)."""
+        kept = (self._tables if base is None else self._windows).get(table_key)
         if kept is None or kept[0] is not table[0]:
             return
         plan = plan_of(launches, xs, outs, *kept, first, index)
-        self._plans.put(key, (weakref.ref(kept[0]), table_key, plan))
+        self._plans.put(key, (weakref.ref(kept[0]), table_key, plan, base))
 
     def _rotate_by_table(
         self,
