@@ -528,6 +528,27 @@ def test_in_place_calls_leave_angles_in_their_own_storage_to_the_full_path():
     assert full["functions"] == 0
 
 
+def test_in_place_calls_leave_ids_in_their_own_storage_to_the_full_path():
+    """The same for position ids stored in x's own bytes (they killed the process in the CPU kernel, which read them
+    again after the rotation had overwritten them): a plan kept from separate ids of the same key is not replayed
+    for them; the full path copies them first."""
+    cos, sin = table(8, 8)
+    ids = [3, 2, 1, 0]
+    apply_module._PLANS.clear()
+    apply_rotary_(torch.randn(1, 1, 4, 16), cos, sin, positions=torch.tensor(ids))  # keeps the plan
+    buffer = torch.randn(1, 1, 4, 16)
+    shared_ids = buffer.view(-1).view(torch.int64)[:4]
+    shared_ids.copy_(torch.tensor(ids))
+    want_buffer = buffer.clone()
+    want = full_path(lambda: apply_rotary_(want_buffer, cos, sin, positions=torch.tensor(ids)))
+    with counting_full_paths() as full:
+        got = apply_rotary_(buffer, cos, sin, positions=shared_ids)
+    assert full["functions"] == 1 and torch.equal(got, want)
+    with counting_full_paths() as full:  # the plan of separate tensors is still there for them
+        apply_rotary_(torch.randn(1, 1, 4, 16), cos, sin, positions=torch.tensor(ids))
+    assert full["functions"] == 0
+
+
 def test_an_inference_tensor_rotated_in_place_outside_inference_mode_is_refused_after_a_plan():
     """A plan kept inside torch.inference_mode() for an inference tensor does not serve the same tensor outside it,
     where torch (and the full path) refuse to change it in place."""

@@ -821,6 +821,29 @@ def test_in_place_rotation_by_angles_in_x_own_memory_reads_them_before_writing(b
     assert_close(buffer, expected)
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+@pytest.mark.parametrize("kind", ["positions", "offset", "cu_seqlens"])
+def test_in_place_rotation_by_ids_in_x_own_memory_reads_them_before_writing(backend, kind):
+    """Position ids, per-sequence offsets or cu_seqlens stored in x's own bytes (an int64 view of its first
+    elements): rotated in place, the CPU kernel checked them, then read them again after the rotation had
+    overwritten them, and killed the process (SIGSEGV). They are copied first where their bytes meet x's, as angles
+    are, and the result is the rotation by the values they had."""
+    cos, sin = posenc.RoPE(8).cos_sin(torch.arange(64))
+    shape, values = {
+        "positions": ((1, 2, 4, 8), [3, 2, 1, 0]),  # (b, h, s, d), ids (s,)
+        "offset": ((2, 2, 3, 8), [5, 1]),  # per-sequence offsets (b,)
+        "cu_seqlens": ((6, 2, 8), [0, 2, 6]),  # packed (total, h, d)
+    }[kind]
+    buffer = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    ints = buffer.view(-1).view(torch.int64)[: len(values)]
+    ints.copy_(torch.tensor(values))
+    expected = posenc.apply_rotary(
+        buffer.double(), cos.double(), sin.double(), backend="torch", **{kind: torch.tensor(values)}
+    )
+    posenc.apply_rotary_(buffer, cos, sin, backend=backend, **{kind: ints})
+    assert_close(buffer, expected)
+
+
 @pytest.mark.parametrize("cu_seqlens", [[0], [5]])
 def test_a_single_entry_cu_seqlens_is_refused_as_too_few_prefix_sums(cu_seqlens):
     """cu_seqlens of one entry is 1-D, so the refusal "cu_seqlens must be 1-D (n_seq + 1,), got shape (1,)" contradicted

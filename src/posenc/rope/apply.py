@@ -295,32 +295,39 @@ def _byte_span(t: torch.Tensor) -> tuple[int, int]:
     return first, first + (last + 1) * t.element_size()
 
 
-def _angles_apart(xs: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor) -> bool:
-    """Whether cos and sin lie in storages that none of the xs (rotated in place) is in, so that no byte of theirs
-    can be overwritten by the rotation (else ``_apart_from`` compares their bytes)."""
+def _inputs_apart(
+    xs: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, index: torch.Tensor | None = None
+) -> bool:
+    """Whether cos, sin and the ids or offsets read (``index``, if any) lie in storages that none of the xs (rotated
+    in place) is in, so that no byte of theirs can be overwritten by the rotation (else ``_apart_from`` compares
+    their bytes)."""
     addresses = [_storage_address(x) for x in xs]
-    return _storage_address(cos) not in addresses and _storage_address(sin) not in addresses
+    return (
+        _storage_address(cos) not in addresses
+        and _storage_address(sin) not in addresses
+        and (index is None or _storage_address(index) not in addresses)
+    )
 
 
-def _apart_from(xs: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin, each copied where its memory may overlap one of the xs rotated in place: a view of x itself (one
-    buffer holding activations and angles) was read after the rotation had overwritten part of it, on every
-    backend (max error 8-12 for a (2, 3, 5, 8) x), without an error. The storages are compared first (2.8 us a
-    call on a shared 2-core CPU); only angles in an x's storage have their bytes compared, so a slice beside x in
-    one buffer (columns of a fused tensor, an arena) is copied where its byte range meets x's, and not otherwise."""
-    if _angles_apart(xs, cos, sin):
-        return cos, sin
+def _apart_from(xs: list[torch.Tensor], *reads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """``reads`` (cos, sin, and the ids, offsets and cu_seqlens: None where absent), each copied where its memory may
+    overlap one of the xs rotated in place. Angles in a view of x itself (one buffer holding activations and
+    angles) were read after the rotation had overwritten part of them, on every backend (max error 8-12 for a (2,
+    3, 5, 8) x), without an error; ids there killed the process in the CPU kernel (SIGSEGV), which checks them
+    before it rotates and reads them again as it does. The storages are compared first (2.8 us a call on a shared
+    2-core CPU); only those in an x's storage have their bytes compared, so a slice beside x in one buffer (columns
+    of a fused tensor, an arena) is copied where its byte range meets x's, and not otherwise."""
     addresses = [_storage_address(x) for x in xs]
-    angle_addresses = (_storage_address(cos), _storage_address(sin))
     apart = []
-    for angles, address in zip((cos, sin), angle_addresses, strict=True):
-        if address is not None and angles.numel():
-            low, high = _byte_span(angles)
+    for t in reads:
+        address = None if t is None else _storage_address(t)
+        if address is not None and address in addresses and t.numel():
+            low, high = _byte_span(t)
             spans = [_byte_span(x) for x, at in zip(xs, addresses, strict=True) if at == address and x.numel()]
             if any(low < end and first < high for first, end in spans):
-                angles = angles.clone()
-        apart.append(angles)
-    return apart[0], apart[1]
+                t = t.clone()
+        apart.append(t)
+    return tuple(apart)
 
 
 def _dtensors_beside_plain(xs: dict[str, torch.Tensor], others: tuple) -> bool:
@@ -354,7 +361,7 @@ def _replay_key(
     but plain CPU or CUDA tensors, a gradient to record, or anything but plain eager. options: the rest of the
     call's arguments, (interleaved, conjugate, layout, rows_checked, vouched); index, rows: ``rows_read``'s. In place,
     inference mode is part of the key (inference tensors may change in place only inside it); angles that share
-    storage with an x are left to the full path at each call (``_angles_apart``)."""
+    storage with an x are left to the full path at each call (``_inputs_apart``), as are ids and offsets there."""
     if cu_seqlens is not None or backend not in ("auto", "cpu", "triton"):
         return None
     if type(options[0]) is not bool or type(options[1]) is not bool:
@@ -413,7 +420,7 @@ def rotate_tensors(
     if key is None or plan is _FULL_PATH:
         return _rotate_tensors(xs, cos, sin, positions, offset, cu_seqlens, backend, inplace, *options)
     tensors = list(xs.values())
-    if inplace and not _angles_apart(tensors, cos, sin):
+    if inplace and not _inputs_apart(tensors, cos, sin, index):
         # Decided per call, not by the key: the full path, unrecorded (its copy of the angles would not replay).
         return _rotate_tensors(xs, cos, sin, positions, offset, cu_seqlens, backend, inplace, *options)
     if plan is not None:
@@ -508,7 +515,7 @@ def _rotate_tensors(
             if torch.is_grad_enabled() and x.requires_grad:
                 _refuse_untracked_change(name, x, cos, sin)
         if not compiling():
-            cos, sin = _apart_from(tensors, cos, sin)
+            cos, sin, positions, offsets, cu_seqlens = _apart_from(tensors, cos, sin, positions, offsets, cu_seqlens)
     chosen = choose_backend(backend, tensors, cos, sin, kind, inplace=inplace, names=list(xs), eager=vouched)
     if chosen != "torch":
         args = (cos, sin, positions, offsets, offset_int, cu_seqlens, kind, interleaved, conjugate, chosen)
