@@ -635,11 +635,12 @@ def test_dynamic_ntk_past_its_limit_computes_a_steps_rows_once_for_all_layers(mo
                 for g, w in zip(got, want, strict=True):
                     assert torch.equal(g, w), t
         assert computed.call_count == 1, t  # once a step, not once a layer
-        # The fused kernel's int-offset calls replay the plan of the step's window (posenc.kernels.replay) from the
-        # call after the one that advances the 'hf' state (a replay advances none); ids and offset tensors, and the
-        # torch backend (no launch to replay), take the full path at every layer, reading the window.
+        # The fused kernel's int-offset calls replay the plan of the step's window (posenc.kernels.replay) that the
+        # first layer's full path kept (in mode 'hf' the call that advances the state, which a replay would not);
+        # ids and offset tensors, and the torch backend (no launch to replay), take the full path at every layer,
+        # reading the window.
         replayed = backend == "auto" and rows == "offset"
-        assert full.call_count == ((2 if mode == "hf" else 1) if replayed else layers), t
+        assert full.call_count == (1 if replayed else layers), t
         spread = 1 if rows == "offset" else 4  # per-sequence positions t - 3 and t: the rows between them too
         window = rope._windows[next(reversed(rope._windows))]
         assert window[0].shape == (spread, HEAD_DIM // 2), t

@@ -252,6 +252,13 @@ def _window_key(device: torch.device, dtype: torch.dtype, length: int | None, fi
     return (*_table_key(device, dtype, length), first) + (() if count is None else (count,))
 
 
+def _far(key: tuple | None, first: int | None) -> tuple | None:
+    """A replay key (``RoPE._replay_key``'s) for a call read from int offset ``first``: past the table, a window's
+    plan, kept apart from the table's, so that requests far out and near that share a RoPE do not replace each
+    other's plan at every turn."""
+    return (*key, "far") if key is not None and first is not None and first >= _TABLE_LIMIT else key
+
+
 _SEQ_AXES = {"bhsd": 2, "bshd": 1}
 _LENGTH_TABLED = ("longrope", "dynamic")  # the length-dependent types that _tabled reads from tables
 
@@ -851,11 +858,7 @@ class RoPE(nn.Module):
         Returns new (q, k) with the input dtypes.
         """
         first, index, rows = rows_read(positions, offset)
-        key = self._replay_key(q, k, positions, offset, index, rows, layout, seq_len)
-        if key is not None and first is not None and first >= _TABLE_LIMIT:
-            # Past the table, a window's plan, kept apart from the table's: requests far out and near sharing a RoPE
-            # would otherwise replace each other's plan at every turn.
-            key = (*key, "far")
+        key = _far(self._replay_key(q, k, positions, offset, index, rows, layout, seq_len), first)
         if key is not None:
             kept = self._kept_plan(key)
             if kept is not None and kept[1] is None:
@@ -988,6 +991,10 @@ class RoPE(nn.Module):
                 if table is not None:
                     self._hold_for_graph(table)
             if table is not None:
+                if key is None and scaled_len is not None and self.mode == "hf" and rows == "offset" and source:
+                    # The call that advanced 'hf' dynamic NTK's state takes the full path (a replay would advance
+                    # none), but keeps the plan for the calls after it at that state: a decode step's other layers.
+                    key = _far(self._replay_key(q, k, None, first, None, rows, layout, seq_len), first)
                 if key is None:
                     return self._rotate_by_table(q, k, table, positions, offset, layout, trusted)
                 with recording_launches() as launches:
