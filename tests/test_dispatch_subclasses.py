@@ -187,11 +187,13 @@ def test_zero_tensors_take_the_torch_path(zero):
 
 @pytest.mark.parametrize("backend", ["auto", "cpu", "triton"])
 @pytest.mark.parametrize("entry", ["apply_rotary", "apply_rotary_", "RoPE"])
-@pytest.mark.parametrize("kind", ["ZeroTensor", "TwoTensor", "negative view"])
+@pytest.mark.parametrize("kind", ["ZeroTensor", "TwoTensor", "negative view", "sparse"])
 def test_unusual_incoming_gradients_are_rotated_by_value(kind, entry, backend):
     """The backward's incoming gradients never passed the forward's checks: a ZeroTensor or a __torch_dispatch__
     wrapper as the gradient killed the process in the CPU kernel (SIGSEGV), and a negative view came back with its
-    sign flipped (max error 8). They get the torch path's formula, as batched gradients do."""
+    sign flipped (max error 8). They get the torch path's formula, as batched gradients do. A sparse one (which
+    torch's own ops take) stopped every backward with torch's bare "unsupported memory format option" or "Cannot
+    access storage of SparseTensorImpl": its dense values are rotated."""
     from torch.testing._internal.two_tensor import TwoTensor
 
     cos, sin = _cos_sin(16, 8)
@@ -212,11 +214,33 @@ def test_unusual_incoming_gradients_are_rotated_by_value(kind, entry, backend):
         "ZeroTensor": torch._efficientzerotensor(w.shape, dtype=w.dtype),
         "TwoTensor": TwoTensor(w, w.clone()),
         "negative view": torch._neg_view(-w),
+        "sparse": w.to_sparse(),
     }[kind]
     want = grad_of_x("torch", torch.zeros_like(w) if kind == "ZeroTensor" else w)
     got = grad_of_x(backend, given)
     for part in (got.a, got.b) if kind == "TwoTensor" else (got,):
         torch.testing.assert_close(part, want)
+
+
+@pytest.mark.parametrize("entry", ["apply_rotary", "RoPE"])
+def test_a_sparse_incoming_gradient_on_the_torch_path_is_rotated_by_value(entry):
+    """The torch path's backward (its autograd.Function) stopped on a sparse gradient with torch's bare "Cannot
+    access storage of SparseTensorImpl"; it rotates the dense values. (In place, the torch path's slice copy_ is
+    torch's own CopySlices, whose backward refuses a sparse gradient as it does for any x[..., :r].copy_().)"""
+    cos, sin = _cos_sin(16, 8)
+    x0, w = torch.randn(1, 4, 5, 8, dtype=torch.float64), torch.randn(1, 4, 5, 8, dtype=torch.float64)
+    w[:, :, 1:3] = 0  # some rows of zeros, as a sparse gradient has
+
+    def grad_of_x(grad_output):
+        x = x0.clone().requires_grad_()
+        if entry == "apply_rotary":
+            y = posenc.apply_rotary(x, cos.double(), sin.double(), offset=2, backend="torch")
+        else:
+            y, _ = posenc.RoPE(8, backend="torch")(x, torch.randn(1, 2, 5, 8, dtype=torch.float64), offset=2)
+        (got,) = torch.autograd.grad(y, x, grad_output)
+        return got
+
+    torch.testing.assert_close(grad_of_x(w.to_sparse()), grad_of_x(w), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("backend", ["torch", "auto", "cpu"])

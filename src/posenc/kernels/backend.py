@@ -104,6 +104,14 @@ def _call_name(i: int, xs: Sequence[torch.Tensor], names: Sequence[str] | None) 
     return names[i] if names is not None else f"xs[{i}]" if len(xs) > 1 else "x"
 
 
+def dense_gradient(grad: torch.Tensor | None) -> torch.Tensor | None:
+    """An incoming gradient as a strided tensor: a sparse one (``y.backward(g.to_sparse())``, which torch's own ops
+    take) stopped every path's backward with torch's bare "Cannot access storage of SparseTensorImpl" or
+    "unsupported memory format option". Its dense values; the rotation mixes each pair's two channels, so x's
+    gradient is no sparser."""
+    return grad if grad is None or grad.layout is torch.strided else grad.to_dense()
+
+
 def storage_problem(
     xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, names: Sequence[str] | None = None
 ) -> str:

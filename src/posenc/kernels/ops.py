@@ -18,7 +18,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from posenc._checks import compiling, inplace_refused, pre_dispatch_recording
-from posenc.kernels.backend import batched, storage_problem
+from posenc.kernels.backend import batched, dense_gradient, storage_problem
 from posenc.kernels.launch import launch
 
 
@@ -75,6 +75,7 @@ def _rotate_grads(ctx, grads: Sequence[torch.Tensor | None], rotate, saved: Sequ
     ``saved`` = (cos, sin, positions, offsets, cu_seqlens)."""
     cos, sin, positions, offsets, cu_seqlens = saved
     offset, kind, interleaved, conjugate, backend = ctx.options
+    grads = [dense_gradient(g) for g in grads]
     present = [i for i, g in enumerate(grads) if g is not None]
     result: list[torch.Tensor | None] = [None] * len(grads)
     given = [grads[i] for i in present]

@@ -30,7 +30,7 @@ from posenc._checks import (
     size_in,
     values_readable,
 )
-from posenc.kernels.backend import batched, choose_backend
+from posenc.kernels.backend import batched, choose_backend, dense_gradient
 from posenc.kernels.layout import check_table_call, consecutive_rows, hf_cos_hint, rotary_kind, token_positions
 from posenc.kernels.ops import rotary_copy, rotary_inplace
 from posenc.kernels.recording import recording_launches
@@ -218,6 +218,7 @@ class _RotateCopy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         cos, sin = ctx.saved_tensors
+        grad = dense_gradient(grad)
         # Through apply again (apply_rotary_torch takes it), so that a double backward (create_graph=True) is a
         # rotation too; batched gradients (jacobian(vectorize=True)) take the plain formula, which vmap batches.
         grad = apply_rotary_torch(grad, cos, sin, interleaved=ctx.interleaved, conjugate=not ctx.conjugate)
