@@ -648,6 +648,28 @@ def test_dynamic_ntk_past_its_limit_computes_a_steps_rows_once_for_all_layers(mo
     assert list(rope._tables) == []  # no table of scaled frequencies
 
 
+def test_dynamic_ntk_steps_past_its_limit_leave_the_windows_far_out_in_their_place() -> None:
+    """A limit past the largest table (2**16 rows): a request below it reads a 4096-row window of unscaled rows far
+    out, and decode steps past the limit each keep a window of their own rows. The two kinds are kept apart, the
+    latest 8 of each: the steps' windows took the far window's place (found by a helper's review)."""
+    import posenc.rope.module as module
+
+    limit = 70_000
+    rope = RoPE(HEAD_DIM, rope_parameters=TYPES["dynamic"], max_position_embeddings=limit, mode="consistent")
+    q, k = torch.randn(1, HEADS, 1, HEAD_DIM), torch.randn(1, KV_HEADS, 1, HEAD_DIM)
+    rope(q, k, offset=66_000)  # unscaled, past the table: the window of rows 65536..69631
+    far = (torch.device("cpu"), torch.float32, 65_536)
+    for t in range(limit, limit + 12):  # steps past the limit
+        rope(q, k, offset=t)
+    assert far in rope._windows
+    assert sum(module._exact(key) for key in rope._windows) == module._WINDOWS_KEPT
+    want = _computed_per_call(rope, q, k, offset=66_001)
+    with mock.patch.object(module.RoPE, "_rows", autospec=True, side_effect=module.RoPE._rows) as built:
+        got = rope(q, k, offset=66_001)
+    assert built.call_count == 0  # read from the kept window
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     rope_type=st.sampled_from(list(TYPES)),

@@ -252,6 +252,11 @@ def _window_key(device: torch.device, dtype: torch.dtype, length: int | None, fi
     return (*_table_key(device, dtype, length), first) + (() if count is None else (count,))
 
 
+def _exact(window_key: tuple) -> bool:
+    """Whether a ``_window_key`` is of a window of exactly a call's rows (one with a count: a length's, scaled)."""
+    return len(window_key) == 5
+
+
 def _far(key: tuple | None, first: int | None) -> tuple | None:
     """A replay key (``RoPE._replay_key``'s) for a call read from int offset ``first``: past the table, a window's
     plan, kept apart from the table's, so that requests far out and near that share a RoPE do not replace each
@@ -421,13 +426,15 @@ class RoPE(nn.Module):
         # Plain attributes, not buffers: derived from the config, rebuilt per device on first use, so the
         # module is safe to create on the meta device and never goes stale after .to().
         self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
-        # (*_table_key, first row's position) -> cos, sin past the table, see _WINDOW; oldest use first.
+        # _window_key -> cos, sin past the table, or of a call's rows at dynamic NTK's length past its limit (see
+        # _WINDOW, RoPE._window); oldest use first.
         self._windows: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._frequencies: dict[int | None, tuple[torch.Tensor, float]] = {}
         # Tables a CUDA graph capture has read: the graph reads them by address at every replay, so a later call
         # that grows the table must not free them (the allocator would hand their memory to other tensors).
         self._captured: list[tuple[torch.Tensor, torch.Tensor]] = []
-        # Calls replayed (forward): key -> (a weak reference to the table read, its key in _tables, the plan).
+        # Calls replayed (forward): key -> (a weak reference to the table or window read, its key in _tables or
+        # _windows, the plan, the window's first row's position or None for a table).
         self._plans = Plans(16)
         _track(self)
 
@@ -800,7 +807,7 @@ class RoPE(nn.Module):
         they cover low..low + _WINDOW / 2 - 1 at least, of the frequencies for ``length`` (as ``_table``); with
         ``count``, the rows of low..low + count - 1 exactly, for frequencies that serve one length alone (dynamic
         NTK past its limit: a wider window would be computed for one decode step). Kept as the table is, the latest
-        _WINDOWS_KEPT used of each device and dtype."""
+        _WINDOWS_KEPT used of each device and dtype, of each of the two kinds."""
         first = low if count is not None else low // (_WINDOW // 2) * (_WINDOW // 2)
         key = _window_key(device, dtype, length, first, count)
         window = _kept(self._windows).pop(key, None)  # re-inserted below: the dict's order is the order of use
@@ -815,7 +822,10 @@ class RoPE(nn.Module):
                 # Over a copy of the keys, which tuple() takes without running Python code in between: another
                 # thread adding or dropping a window while the keys were compared stopped this call with
                 # "RuntimeError: dictionary changed size during iteration".
-                same = [other for other in tuple(self._windows) if other[:2] == key[:2]]
+                # Windows of one length's rows apart from the others: a decode step's, each new, took the places of
+                # the wide windows that requests far out read.
+                exact = count is not None
+                same = [other for other in tuple(self._windows) if other[:2] == key[:2] and _exact(other) == exact]
                 for other in same[:-_WINDOWS_KEPT]:
                     self._windows.pop(other, None)  # another thread may have dropped it first
         return (first, *window)
