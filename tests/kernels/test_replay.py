@@ -939,6 +939,36 @@ def test_cuda_tensors_are_keyed_by_device_and_never_during_a_graph_capture():
     not torch.cuda.is_available() or triton_module_or_error()[0] is None or _triton_interpreted(),
     reason="needs a CUDA device and Triton compiled for it (scripts/gpu_check.sh runs it)",
 )
+def test_triton_replays_windows_on_cuda():
+    """On a GPU: decode steps past the largest table replay the plan of the window they read, and a decode step of
+    dynamic NTK past its limit the plan of its own rows' window, with the bits of the full path (cos/sin computed
+    for the call's length: ``cos_sin(..., seq_len=)``, rotated as given)."""
+    device = torch.device("cuda")
+    apply_module._PLANS.clear()
+    rope = RoPE(64)
+    offsets = (70_000, 70_001, 73_727, 73_728)  # the window of rows 69632..73727, then the next
+    qks = [tuple(t.to(device) for t in random_qk(1, 4, 2, 1, 64, dtype=torch.bfloat16, seed=o)) for o in offsets]
+    wants = [fresh(q, k, offset=offset) for (q, k), offset in zip(qks, offsets, strict=True)]
+    with counting_triton_launches() as counts:
+        for (q, k), offset, want in zip(qks, offsets, wants, strict=True):
+            assert same(rope(q, k, offset=offset), want), offset
+    # One plan: the first call's full path. The next window's full path replays the functions' plan of that call
+    # (posenc.rope.apply: the same shapes, a window given as the table), the other two calls this RoPE's plan.
+    assert counts == {"planned": 1, "launched": 4}, counts
+    dynamic = RoPE(64, rope_parameters={"rope_type": "dynamic", "factor": 4.0}, max_position_embeddings=16)
+    for step in range(16, 20):  # each a new length: the 'hf' state grows
+        for layer in range(3):
+            q, k = (t.to(device) for t in random_qk(1, 4, 2, 1, 64, dtype=torch.bfloat16, seed=10 * step + layer))
+            cos, sin = dynamic.cos_sin(torch.tensor([[step]], device=device), seq_len=step + 1)
+            want = full_path(lambda q=q, k=k, c=cos, n=sin: apply_rotary_qk(q, k, c[:, None], n[:, None]))
+            assert same(dynamic(q, k, offset=step), want), (step, layer)
+        assert dynamic.hf_scaled_len == step + 1
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or triton_module_or_error()[0] is None or _triton_interpreted(),
+    reason="needs a CUDA device and Triton compiled for it (scripts/gpu_check.sh runs it)",
+)
 def test_triton_replays_on_cuda_equal_the_full_path_and_stay_out_of_graph_captures():
     """On a GPU: decode steps through RoPE and apply_rotary_qk (cos/sin given) plan their launch once and replay it
     with the bits of the full path; a CUDA graph captured after a plan exists takes the full path (a capture holds
