@@ -436,6 +436,28 @@ def test_a_windows_plan_is_replayed_only_while_that_window_is_kept():
         assert full["RoPE"] == 2, drop  # this RoPE's call and the fresh one's
 
 
+def test_replayed_windows_count_as_used_when_one_is_dropped():
+    """Seven requests far out share a RoPE, each decoding in its own window and replaying its plan. When two of them
+    move to their next windows, the window dropped for the ninth is the least recently used, one that a request
+    has left; a replay that did not count as a use dropped the oldest built instead, a window still read, which
+    then took the full path to be built again."""
+    rope = RoPE(16)
+    far = 100_000
+    streams = [(random_qk(b, 4, 2, 1, 16), far + 8192 * b) for b in range(1, 8)]  # other keys, other windows
+    for _ in range(3):
+        for (q, k), offset in streams:
+            rope(q, k, offset=offset)
+    for moving in (6, 5):  # to the next window: the 8th, then the 9th (one dropped)
+        (q, k), offset = streams[moving]
+        streams[moving] = ((q, k), offset + 4096)
+        rope(q, k, offset=offset + 4096)
+        wants = [fresh(q, k, offset=offset) for (q, k), offset in streams]
+        with counting_full_paths() as full:
+            for ((q, k), offset), want in zip(streams, wants, strict=True):
+                assert same(rope(q, k, offset=offset), want)
+        assert full["RoPE"] == 0, moving  # every request's window still kept (5 built again on the old code)
+
+
 def test_plans_follow_the_thread_count_and_stay_bounded():
     """The kernel's thread count is part of a plan (a count set since makes another: the values are the same, the
     threads the kernel wakes are not); a prefill of each length

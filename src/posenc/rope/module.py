@@ -1093,6 +1093,12 @@ class RoPE(nn.Module):
         table = (self._tables if base is None else self._windows).get(table_key)
         if table is None or table[0] is not table_of():
             return None
+        if base is not None:
+            # A replay uses the window: to the end of the order of use, as the full path's _window puts it, so that
+            # the one dropped for a new window is the least recently used (a stream's old window), not the oldest
+            # built (another stream's current one, which then took the full path and was built again).
+            with contextlib.suppress(KeyError):
+                self._windows[table_key] = self._windows.pop(table_key)
         return table, plan, base
 
     def _keep_plan(
