@@ -22,7 +22,8 @@ wall clock). Cases, fp32, one torch thread, the CPU backend:
   (3, 1, 1) positions that differ by axis (100, 7, 9: a token of an image);
 - ``MRoPE(text on 3 axes)``: the same with 100 on every axis (a text token: every generated one);
 - ``RoPE(longrope, offset=5000)``: LongRoPE (Phi-3's kind: short and long factors, original length 4096) past its
-  original length, q (1, 32, 1, 128), k (1, 8, 1, 128);
+  original length, q (1, 32, 1, 128), k (1, 8, 1, 128); ``RoPE(longrope, positions=[[5000]])`` the same given
+  (1, 1) position ids, as posenc's own attention gives them;
 - ``RoPE(dynamic, offset=100)``: dynamic NTK (factor 4, max_position_embeddings 4096, mode 'hf') below its limit,
   where it is plain RoPE; ``RoPE(dynamic, offset=5000)``: past it (every call the same length, so the state and
   the frequencies stay: a decode loop's steps each scale for a new length, on top of this);
@@ -79,6 +80,7 @@ CASES = (
     "MRoPE(3-axis positions)",
     "MRoPE(text on 3 axes)",
     "RoPE(longrope, offset=5000)",
+    "RoPE(longrope, positions=[[5000]])",
     "RoPE(dynamic, offset=100)",
     "RoPE(dynamic, offset=5000)",
     "call_cos_sin(dynamic, [[100]])",
@@ -98,6 +100,7 @@ SHAPES = {
     "MRoPE(3-axis positions)": "b=1,hq=16,hk=8,s=1,d=128,sections=16/24/24",
     "MRoPE(text on 3 axes)": "b=1,hq=16,hk=8,s=1,d=128,sections=16/24/24,text",
     "RoPE(longrope, offset=5000)": "b=1,hq=32,hk=8,s=1,d=128,offset=5000,original=4096",
+    "RoPE(longrope, positions=[[5000]])": "b=1,hq=32,hk=8,s=1,d=128,positions=(1,1),original=4096",
     "RoPE(dynamic, offset=100)": "b=1,hq=32,hk=8,s=1,d=128,offset=100,max_positions=4096",
     "RoPE(dynamic, offset=5000)": "b=1,hq=32,hk=8,s=1,d=128,offset=5000,max_positions=4096",
     "call_cos_sin(dynamic, [[100]])": "positions=(1,1),r=128,max_positions=4096",
@@ -125,6 +128,7 @@ def make_cases(prefill_tokens: int, triton: bool = False) -> dict[str, Callable[
     offset = torch.tensor([100])
     cos, sin = rope.cos_sin(torch.arange(TABLE_ROWS))  # (rows, 64) each
     positions = torch.tensor([[100]])
+    far_ids = torch.tensor([[5000]])
     q16, k16 = q.bfloat16(), k.bfloat16()
     q_inplace, k_inplace = q.clone(), k.clone()  # rotated again at every call: timed, never read
     step_cos, step_sin = cos[100:101][None, None], sin[100:101][None, None]  # (1, 1, 1, 64)
@@ -173,6 +177,7 @@ def make_cases(prefill_tokens: int, triton: bool = False) -> dict[str, Callable[
         "MRoPE(3-axis positions)": lambda: mrope(mq, mk, positions=axes),
         "MRoPE(text on 3 axes)": lambda: mrope(mq, mk, positions=text),
         "RoPE(longrope, offset=5000)": lambda: longrope(q, k, offset=5000),
+        "RoPE(longrope, positions=[[5000]])": lambda: longrope(q, k, positions=far_ids),
         "RoPE(dynamic, offset=100)": lambda: dynamic(q, k, offset=100),
         "RoPE(dynamic, offset=5000)": lambda: past(q, k, offset=5000),
         "call_cos_sin(dynamic, [[100]])": lambda: dynamic.call_cos_sin(positions),

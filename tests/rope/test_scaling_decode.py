@@ -648,6 +648,37 @@ def test_dynamic_ntk_past_its_limit_computes_a_steps_rows_once_for_all_layers(mo
     assert list(rope._tables) == []  # no table of scaled frequencies
 
 
+@pytest.mark.parametrize("rope_type", ["longrope", "dynamic"])
+@pytest.mark.parametrize("rows", ["positions", "offsets"])
+@pytest.mark.parametrize("mode", ["hf", "consistent"])
+def test_decode_steps_given_ids_or_offset_tensors_replay_on_their_lengths_table(rope_type, rows, mode) -> None:
+    """Decode steps given position ids (as posenc's attention gives them) or per-sequence offsets: the length they
+    scale for, max(ids) + 1 or max(offsets) + s, read on the host, picks the table, and later calls of that table
+    replay the plan of the first (each layer of a step took the full path before, ~62 against ~14 us a call with one
+    token of 32 + 8 heads on 2026-12-07). Past dynamic NTK's limit a window is read through ids moved back (a copy):
+    the full path at every call. Every call equals the call computed per call, with the same 'hf' state."""
+    import posenc.rope.module as module
+
+    rope = RoPE(HEAD_DIM, rope_parameters=TYPES[rope_type], max_position_embeddings=MAX_POS, mode=mode)
+    full_paths = 0
+    for t in range(MAX_POS - 6, MAX_POS + 4):  # lengths MAX_POS - 5 .. MAX_POS + 4: across the switch
+        kwargs = (
+            {"positions": torch.tensor([[t], [t - 2]])} if rows == "positions" else {"offset": torch.tensor([t, t - 2])}
+        )
+        for layer in range(3):
+            q, k = torch.randn(2, HEADS, 1, HEAD_DIM), torch.randn(2, KV_HEADS, 1, HEAD_DIM)
+            want = _computed_per_call(rope, q, k, **kwargs)
+            with mock.patch.object(module, "rotate_tensors", wraps=module.rotate_tensors) as full:
+                got = rope(q, k, **kwargs)
+            full_paths += full.call_count
+            assert rope.hf_scaled_len == rope.per_call_state, (t, layer)
+            for g, w in zip(got, want, strict=True):
+                assert torch.equal(g, w), (t, layer)
+    # LongRoPE: the first call of each set of factors. Dynamic NTK: the first call up to the limit, and every call of
+    # the four steps past it.
+    assert full_paths == (2 if rope_type == "longrope" else 1 + 4 * 3)
+
+
 def test_dynamic_ntk_steps_past_its_limit_leave_the_windows_far_out_in_their_place() -> None:
     """A limit past the largest table (2**16 rows): a request below it reads a 4096-row window of unscaled rows far
     out, and decode steps past the limit each keep a window of their own rows. The two kinds are kept apart, the

@@ -1058,26 +1058,40 @@ class RoPE(nn.Module):
             return None
         if type(layout) is not str or type(self.backend) is not str or type(self.interleaved) is not bool:
             return None
+        grad = torch.is_grad_enabled()
+        index_key = None if index is None else tensor_key(index, grad)
+        if index is not None and index_key is None:
+            return None
         length = None
         if rope_type in _LENGTH_TABLED:
-            # The length the call scales for is offset + s, which picks the table (ids: the full path).
-            if index is not None or not isinstance(q, torch.Tensor) or q.dim() != 4 or layout not in _SEQ_AXES:
+            # The length the call scales for picks the table: offset + s, or max(ids) + 1 (max(offsets) + s),
+            # read on the host as the full path's bounds are (on CUDA a sync, which that path makes too).
+            if not isinstance(q, torch.Tensor) or q.dim() != 4 or layout not in _SEQ_AXES:
                 return None
-            wanted = offset + q.shape[_SEQ_AXES[layout]]
+            seq = q.shape[_SEQ_AXES[layout]]
+            if seq == 0:  # no positions: nothing to scale for, nor any 'hf' state to keep
+                return None
+            if index is None:
+                wanted = offset + seq
+            elif index.numel() == 0 or index.dtype not in INDEX_DTYPES:
+                return None  # no ids, or ids the full path converts (no plan would replay them)
+            else:
+                wanted = host_min_max(index)[1] + (seq if rows == "offsets" else 1)
+                if wanted <= 0:
+                    return None  # negative ids: the full path's error
             if rope_type == "dynamic" and self.mode == "hf":
                 # Replayed only where the call keeps the 'hf' state (a replay advances none).
                 seen = self.hf_scaled_len
-                if wanted == offset or _hf_dynamic_state(wanted, seen, self.max_position_embeddings) != seen:
+                if _hf_dynamic_state(wanted, seen, self.max_position_embeddings) != seen:
                     return None
                 wanted = seen
-            # Past its limit dynamic NTK's length has frequencies of its own, read from windows keyed by it.
+            # Past its limit dynamic NTK's length has frequencies of its own, read from windows keyed by it (with
+            # int offsets: ids and offsets tensors read a window through a copy of them, moved back).
             length = self._frequency_length(wanted)
-        grad = torch.is_grad_enabled()
+            if index is not None and rope_type == "dynamic" and length is not None:
+                return None
         q_key, k_key = tensor_key(q, grad), tensor_key(k, grad)
         if q_key is None or k_key is None:
-            return None
-        index_key = None if index is None else tensor_key(index, grad)
-        if index is not None and index_key is None:
             return None
         key = (q_key, k_key, index_key, rows, layout, self.interleaved, self.backend, torch.get_num_threads())
         return key if length is None else (*key, length)
