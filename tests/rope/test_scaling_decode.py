@@ -679,6 +679,42 @@ def test_decode_steps_given_ids_or_offset_tensors_replay_on_their_lengths_table(
     assert full_paths == (2 if rope_type == "longrope" else 1 + 4 * 3)
 
 
+@pytest.mark.parametrize("race", ["after the state advanced", "before the call read it"])
+def test_a_plan_is_kept_only_under_the_length_its_call_read(race) -> None:
+    """Another thread's call moves 'hf' dynamic NTK's state while this one runs (simulated: the state set from inside
+    ``_advance_hf_state``). A plan was kept under the key of the state as read at the key's making, not of the
+    length whose window the call read: the call that advanced the state to 21 kept its window under 30's key, and
+    a call keyed at 16 that scaled for 30 kept that window under the unscaled key; later calls at those states
+    replayed the other length's frequencies (max error 0.49 and 1.6; found by a helper's hunt). Every call equals
+    the call computed per call."""
+    import posenc.rope.module as module
+
+    rope = RoPE(HEAD_DIM, rope_parameters=TYPES["dynamic"], max_position_embeddings=MAX_POS)
+    q, k = torch.randn(1, HEADS, 1, HEAD_DIM), torch.randn(1, KV_HEADS, 1, HEAD_DIM)
+    advance = module.RoPE._advance_hf_state
+    offset = 20 if race == "after the state advanced" else MAX_POS - 1
+
+    def racing(self, length):
+        if race == "before the call read it":
+            self.hf_scaled_len = 30  # another call of length 30, just before this one reads the state
+        scaled = advance(self, length)
+        if race == "after the state advanced":
+            self.hf_scaled_len = 30  # another call of length 30, just after this one's advance
+        return scaled
+
+    with mock.patch.object(module.RoPE, "_advance_hf_state", racing):
+        rope(q, k, offset=offset)
+    if race == "before the call read it":
+        q2, k2 = torch.randn(2, HEADS, 1, HEAD_DIM), torch.randn(2, KV_HEADS, 1, HEAD_DIM)
+        rope(q2, k2, offset=0)  # another request resets the state to the limit
+    for _ in range(2):
+        want = _computed_per_call(rope, q, k, offset=offset)
+        got = rope(q, k, offset=offset)
+        assert rope.hf_scaled_len == rope.per_call_state
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g, w)
+
+
 def test_dynamic_ntk_steps_past_its_limit_leave_the_windows_far_out_in_their_place() -> None:
     """A limit past the largest table (2**16 rows): a request below it reads a 4096-row window of unscaled rows far
     out, and decode steps past the limit each keep a window of their own rows. The two kinds are kept apart, the

@@ -257,6 +257,12 @@ def _exact(window_key: tuple) -> bool:
     return len(window_key) == 5
 
 
+def _key_length(key: tuple) -> int | None:
+    """The length a LongRoPE or dynamic NTK replay key (``_far``'s) was made for: its last item, or the one before
+    "far"."""
+    return key[-2] if key[-1] == "far" else key[-1]
+
+
 def _far(key: tuple | None, first: int | None) -> tuple | None:
     """A replay key (``RoPE._replay_key``'s) for a call read from int offset ``first``: past the table, a window's
     plan, kept apart from the table's, so that requests far out and near that share a RoPE do not replace each
@@ -1004,12 +1010,16 @@ class RoPE(nn.Module):
                 if key is None and scaled_len is not None and self.mode == "hf" and rows == "offset" and source:
                     # The call that advanced 'hf' dynamic NTK's state takes the full path (a replay would advance
                     # none), but keeps the plan for the calls after it at that state: a decode step's other layers.
-                    key = _far(self._replay_key(q, k, None, first, None, rows, layout, seq_len), first)
+                    # Keyed by the length it decided, not the state read again (another thread may have moved it).
+                    key = _far(self._replay_key(q, k, None, first, None, rows, layout, seq_len, scaled_len), first)
                 if key is None:
                     return self._rotate_by_table(q, k, table, positions, offset, layout, trusted)
                 with recording_launches() as launches:
                     q_out, k_out = self._rotate_by_table(q, k, table, positions, offset, layout, trusted)
-                if source is not None:
+                # Kept only under a key of the length whose table or window the call read: the key was made from the
+                # 'hf' state as it stood when the call began, which another thread's call may have moved since (a
+                # plan of one length's window kept under another's, replayed with the wrong frequencies after).
+                if source is not None and (self.spec.rope_type not in _LENGTH_TABLED or _key_length(key) == length):
                     table_key, base, read_from = source
                     self._keep_plan(key, launches, (q, k), (q_out, k_out), table, read_from, index, table_key, base)
                 return q_out, k_out
@@ -1035,6 +1045,7 @@ class RoPE(nn.Module):
         rows: str | None,
         layout: object,
         seq_len: object,
+        scaled: int | None = None,
     ) -> tuple | None:
         """The key under which a call may replay an earlier one's launch of a fused kernel on this module's table
         (``posenc.kernels.replay``), or None for a call that must take the full path: seq_len, positions beside
@@ -1045,7 +1056,8 @@ class RoPE(nn.Module):
         now (``forget_frequencies`` and ``_apply`` replace or drop tables). LongRoPE's calls replay with an int
         offset only, keyed by the set of frequencies that offset + s selects (each set has its table); dynamic NTK's
         likewise, keyed by the length they scale for (past the limit each length's rows are a window of their own),
-        where, in mode 'hf', the call keeps the state."""
+        where, in mode 'hf', the call keeps the state (or, with ``scaled``, for the state the call has set: the length
+        it decided). The length is the key's last item for these types (``_key_length``)."""
         if seq_len is not None or (positions is not None and (type(offset) is not int or offset != 0)):
             return None
         if positions is None and type(offset) is not int and not isinstance(offset, torch.Tensor):
@@ -1080,11 +1092,14 @@ class RoPE(nn.Module):
                 if wanted <= 0:
                     return None  # negative ids: the full path's error
             if rope_type == "dynamic" and self.mode == "hf":
-                # Replayed only where the call keeps the 'hf' state (a replay advances none).
-                seen = self.hf_scaled_len
-                if _hf_dynamic_state(wanted, seen, self.max_position_embeddings) != seen:
-                    return None
-                wanted = seen
+                if scaled is not None:
+                    wanted = scaled
+                else:
+                    # Replayed only where the call keeps the 'hf' state (a replay advances none).
+                    seen = self.hf_scaled_len
+                    if _hf_dynamic_state(wanted, seen, self.max_position_embeddings) != seen:
+                        return None
+                    wanted = seen
             # Past its limit dynamic NTK's length has frequencies of its own, read from windows keyed by it (with
             # int offsets: ids and offsets tensors read a window through a copy of them, moved back).
             length = self._frequency_length(wanted)
@@ -1094,7 +1109,7 @@ class RoPE(nn.Module):
         if q_key is None or k_key is None:
             return None
         key = (q_key, k_key, index_key, rows, layout, self.interleaved, self.backend, torch.get_num_threads())
-        return key if length is None else (*key, length)
+        return (*key, length) if rope_type in _LENGTH_TABLED else key
 
     def _kept_plan(self, key: tuple) -> tuple | None:
         """(the table or window, the plan or None for calls that are not replayable on it, the window's first row's
