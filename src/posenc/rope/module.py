@@ -548,8 +548,9 @@ class RoPE(nn.Module):
     def _table_length(self, seq_len: int) -> tuple[bool, int | None]:
         """(whether cos/sin for a call scaling for ``seq_len`` are read from a kept table, the table's length key:
         ``_frequency_length``'s). Every type whose frequencies do not depend on the length, LongRoPE's two sets, and
-        dynamic NTK's unscaled one: past its limit every length has frequencies of its own (computed per call), as a
-        registered length-dependent type has."""
+        dynamic NTK's unscaled one: past its limit every length has frequencies of its own (``cos_sin`` computes them
+        per call, ``forward`` reads a window of exactly the call's rows), as a registered length-dependent type has
+        (computed per call)."""
         length = self._frequency_length(seq_len)
         rope_type = self.spec.rope_type
         return _tabled(rope_type) and not (rope_type == "dynamic" and length is not None), length
@@ -984,12 +985,12 @@ class RoPE(nn.Module):
                 count = bounds[1] - bounds[0] + 1 if exact else None
                 start, *table = self._window(q.device, bounds[0], table_dtype, length, count)
                 trusted = True
-                if positions is None and type(offset) is int:
-                    # Replayable, from the offset's distance to the window's first row (ids and offset tensors are
-                    # read moved back: a copy, which no replay could read).
-                    source = (_window_key(q.device, table_dtype, length, start, count), start, offset - start)
                 if positions is None:
                     offset = offset - start
+                    if type(offset) is int:
+                        # Replayable, from the offset's distance to the window's first row (ids and offset tensors
+                        # are read moved back: a copy, which no replay could read).
+                        source = (_window_key(q.device, table_dtype, length, start, count), start, offset)
                 else:
                     # In int64: the shifted ids reach _WINDOW - 1, past what 8-bit ids hold (they wrapped).
                     positions, offset = positions.long() - (start - offset), 0
@@ -1083,15 +1084,20 @@ class RoPE(nn.Module):
             seq = q.shape[_SEQ_AXES[layout]]
             if seq == 0:  # no positions: nothing to scale for, nor any 'hf' state to keep
                 return None
+            hf = rope_type == "dynamic" and self.mode == "hf"
             if index is None:
                 wanted = offset + seq
             elif index.numel() == 0 or index.dtype not in INDEX_DTYPES:
                 return None  # no ids, or ids the full path converts (no plan would replay them)
+            elif hf and scaled is None and self.hf_scaled_len > self.max_position_embeddings:
+                # With the state past the limit every call either changes it or scales past the limit, where ids are
+                # read moved back (below): no key whatever the ids, so they are not read twice (on CUDA, two syncs).
+                return None
             else:
                 wanted = host_min_max(index)[1] + (seq if rows == "offsets" else 1)
                 if wanted <= 0:
                     return None  # negative ids: the full path's error
-            if rope_type == "dynamic" and self.mode == "hf":
+            if hf:
                 if scaled is not None:
                     wanted = scaled
                 else:
