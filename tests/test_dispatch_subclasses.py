@@ -185,6 +185,20 @@ def test_zero_tensors_take_the_torch_path(zero):
         posenc.apply_rotary_qk(*given.values(), backend="cpu")
 
 
+def _grad_of_x(entry, backend, x0, cos, sin, grad_output):
+    """The gradient of x0 (1, 4, 5, 8) through ``entry`` (rotated from offset 2 by the table cos/sin, or by RoPE(8)
+    beside a k of x0's dtype) on ``backend``, given ``grad_output``."""
+    x = x0.clone().requires_grad_()
+    if entry == "apply_rotary":
+        y = posenc.apply_rotary(x, cos, sin, offset=2, backend=backend)
+    elif entry == "apply_rotary_":
+        y = posenc.apply_rotary_(x * 1, cos, sin, offset=2, backend=backend)
+    else:
+        y, _ = posenc.RoPE(8, backend=backend)(x, torch.randn(1, 2, 5, 8, dtype=x0.dtype), offset=2)
+    (got,) = torch.autograd.grad(y, x, grad_output)
+    return got
+
+
 @pytest.mark.parametrize("backend", ["auto", "cpu", "triton"])
 @pytest.mark.parametrize("entry", ["apply_rotary", "apply_rotary_", "RoPE"])
 @pytest.mark.parametrize("kind", ["ZeroTensor", "TwoTensor", "negative view", "sparse"])
@@ -198,26 +212,14 @@ def test_unusual_incoming_gradients_are_rotated_by_value(kind, entry, backend):
 
     cos, sin = _cos_sin(16, 8)
     x0, w = torch.randn(1, 4, 5, 8), torch.randn(1, 4, 5, 8)
-
-    def grad_of_x(backend, grad_output):
-        x = x0.clone().requires_grad_()
-        if entry == "apply_rotary":
-            y = posenc.apply_rotary(x, cos, sin, offset=2, backend=backend)
-        elif entry == "apply_rotary_":
-            y = posenc.apply_rotary_(x * 1, cos, sin, offset=2, backend=backend)
-        else:
-            y, _ = posenc.RoPE(8, backend=backend)(x, torch.randn(1, 2, 5, 8), offset=2)
-        (got,) = torch.autograd.grad(y, x, grad_output)
-        return got
-
     given = {
         "ZeroTensor": torch._efficientzerotensor(w.shape, dtype=w.dtype),
         "TwoTensor": TwoTensor(w, w.clone()),
         "negative view": torch._neg_view(-w),
         "sparse": w.to_sparse(),
     }[kind]
-    want = grad_of_x("torch", torch.zeros_like(w) if kind == "ZeroTensor" else w)
-    got = grad_of_x(backend, given)
+    want = _grad_of_x(entry, "torch", x0, cos, sin, torch.zeros_like(w) if kind == "ZeroTensor" else w)
+    got = _grad_of_x(entry, backend, x0, cos, sin, given)
     for part in (got.a, got.b) if kind == "TwoTensor" else (got,):
         torch.testing.assert_close(part, want)
 
@@ -227,20 +229,11 @@ def test_a_sparse_incoming_gradient_on_the_torch_path_is_rotated_by_value(entry)
     """The torch path's backward (its autograd.Function) stopped on a sparse gradient with torch's bare "Cannot
     access storage of SparseTensorImpl"; it rotates the dense values. (In place, the torch path's slice copy_ is
     torch's own CopySlices, whose backward refuses a sparse gradient as it does for any x[..., :r].copy_().)"""
-    cos, sin = _cos_sin(16, 8)
+    cos, sin = (t.double() for t in _cos_sin(16, 8))
     x0, w = torch.randn(1, 4, 5, 8, dtype=torch.float64), torch.randn(1, 4, 5, 8, dtype=torch.float64)
     w[:, :, 1:3] = 0  # some rows of zeros, as a sparse gradient has
-
-    def grad_of_x(grad_output):
-        x = x0.clone().requires_grad_()
-        if entry == "apply_rotary":
-            y = posenc.apply_rotary(x, cos.double(), sin.double(), offset=2, backend="torch")
-        else:
-            y, _ = posenc.RoPE(8, backend="torch")(x, torch.randn(1, 2, 5, 8, dtype=torch.float64), offset=2)
-        (got,) = torch.autograd.grad(y, x, grad_output)
-        return got
-
-    torch.testing.assert_close(grad_of_x(w.to_sparse()), grad_of_x(w), rtol=0, atol=0)
+    got = _grad_of_x(entry, "torch", x0, cos, sin, w.to_sparse())
+    torch.testing.assert_close(got, _grad_of_x(entry, "torch", x0, cos, sin, w), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("backend", ["torch", "auto", "cpu"])
