@@ -19,6 +19,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import posenc.rope.apply as apply_module
+import posenc.rope.module as module
 from posenc import CausalSelfAttention, KVCache, RoPE, apply_rotary
 
 HEAD_DIM, HEADS, KV_HEADS, MAX_POS, PREFILL, TOTAL = 16, 4, 2, 16, 10, 40
@@ -185,8 +187,6 @@ def test_call_cos_sin_of_batched_positions_rotates_as_forward_with_the_head_axis
 def test_frequencies_are_computed_once_per_recent_length_and_handed_out_as_copies(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import posenc.rope.module as module
-
     rope = RoPE(HEAD_DIM, rope_parameters=TYPES["dynamic"], max_position_embeddings=MAX_POS)
     computed: list[int | None] = []
     compute = module.compute_frequencies
@@ -401,9 +401,6 @@ def test_hf_dynamic_state_change_is_held_until_written() -> None:
 def _per_call_paths() -> Iterator[None]:
     """Inside: LongRoPE's and dynamic NTK's cos/sin computed for each call (the path every length-dependent type took
     before their tables), and the functions' plans left out."""
-    import posenc.rope.apply as apply_module
-    import posenc.rope.module as module
-
     tabled = module._tabled
     with (
         mock.patch.object(module, "_tabled", lambda rope_type: rope_type not in TYPES and tabled(rope_type)),
@@ -482,8 +479,6 @@ def test_length_dependent_types_read_the_table_of_their_frequencies_bit_for_bit(
 def test_longrope_decode_steps_replay_on_each_side_of_the_switch() -> None:
     """Decode steps with an int offset replay the table of their set of frequencies: across the original length
     (16) one full call takes the long set's table, then the steps replay again; each equals cos/sin computed for it."""
-    import posenc.rope.module as module
-
     rope = RoPE(HEAD_DIM, rope_parameters=TYPES["longrope"], max_position_embeddings=64)
     q, k = torch.randn(1, HEADS, 1, HEAD_DIM), torch.randn(1, KV_HEADS, 1, HEAD_DIM)
     with mock.patch.object(module, "rotate_tensors", wraps=module.rotate_tensors) as full:
@@ -512,8 +507,6 @@ def test_a_captured_longrope_call_without_seq_len_is_refused_not_read_from_a_tab
     """Where positions cannot be read (a CUDA graph capture, mocked here: a CPU machine captures nothing), the fixed
     types read the table kept before the capture; LongRoPE cannot know which of its sets the call needs, so it
     asks for seq_len as before, rather than read the short factors' table for positions past the original length."""
-    import posenc.rope.module as module
-
     rope = RoPE(HEAD_DIM, rope_parameters=TYPES["longrope"], max_position_embeddings=64)
     q, k = torch.randn(1, HEADS, 1, HEAD_DIM), torch.randn(1, KV_HEADS, 1, HEAD_DIM)
     rope(q, k, offset=3)  # keeps the short factors' table
@@ -572,8 +565,6 @@ def test_dynamic_ntk_decode_steps_replay_up_to_the_limit_and_follow_the_hf_state
     length seen before (no reset at the limit itself), takes the full path, past the limit reading a window of its
     own rows at the frequencies of its length, and a call of no tokens advances nothing. Each call equals the call
     computed per call, and leaves the state where that one does."""
-    import posenc.rope.module as module
-
     rope = RoPE(HEAD_DIM, rope_parameters=TYPES["dynamic"], max_position_embeddings=MAX_POS)
     step = torch.randn(1, HEADS, 1, HEAD_DIM), torch.randn(1, KV_HEADS, 1, HEAD_DIM)
     prefill = torch.randn(1, HEADS, 30, HEAD_DIM), torch.randn(1, KV_HEADS, 30, HEAD_DIM)
@@ -613,8 +604,6 @@ def test_dynamic_ntk_past_its_limit_computes_a_steps_rows_once_for_all_layers(mo
     exactly those rows, and the step's other layers read them, replayed where they can be (until 2026-12-07 each
     layer computed them again: ~48 against ~11 us a layer, one token of 32 + 8 heads). Every call equals the call
     computed per call, bit for bit, with the same 'hf' state; a decode loop keeps the latest few windows."""
-    import posenc.rope.module as module
-
     rope = RoPE(HEAD_DIM, rope_parameters=TYPES["dynamic"], max_position_embeddings=MAX_POS, mode=mode, backend=backend)
     b, layers = 2, 4
     for t in range(MAX_POS, MAX_POS + 12):  # a decode loop: every step a new length past the limit
@@ -657,8 +646,6 @@ def test_decode_steps_given_ids_or_offset_tensors_replay_on_their_lengths_table(
     replay the plan of the first (each layer of a step took the full path before, ~62 against ~14 us a call with one
     token of 32 + 8 heads on 2026-12-07). Past dynamic NTK's limit a window is read through ids moved back (a copy):
     the full path at every call. Every call equals the call computed per call, with the same 'hf' state."""
-    import posenc.rope.module as module
-
     rope = RoPE(HEAD_DIM, rope_parameters=TYPES[rope_type], max_position_embeddings=MAX_POS, mode=mode)
     full_paths = 0
     for t in range(MAX_POS - 6, MAX_POS + 4):  # lengths MAX_POS - 5 .. MAX_POS + 4: across the switch
@@ -687,8 +674,6 @@ def test_a_plan_is_kept_only_under_the_length_its_call_read(race) -> None:
     a call keyed at 16 that scaled for 30 kept that window under the unscaled key; later calls at those states
     replayed the other length's frequencies (max error 0.49 and 1.6; found by a helper's hunt). Every call equals
     the call computed per call."""
-    import posenc.rope.module as module
-
     rope = RoPE(HEAD_DIM, rope_parameters=TYPES["dynamic"], max_position_embeddings=MAX_POS)
     q, k = torch.randn(1, HEADS, 1, HEAD_DIM), torch.randn(1, KV_HEADS, 1, HEAD_DIM)
     advance = module.RoPE._advance_hf_state
@@ -719,8 +704,6 @@ def test_dynamic_ntk_steps_past_its_limit_leave_the_windows_far_out_in_their_pla
     """A limit past the largest table (2**16 rows): a request below it reads a 4096-row window of unscaled rows far
     out, and decode steps past the limit each keep a window of their own rows. The two kinds are kept apart, the
     latest 8 of each: the steps' windows took the far window's place (found by a helper's review)."""
-    import posenc.rope.module as module
-
     limit = 70_000
     rope = RoPE(HEAD_DIM, rope_parameters=TYPES["dynamic"], max_position_embeddings=limit, mode="consistent")
     q, k = torch.randn(1, HEADS, 1, HEAD_DIM), torch.randn(1, KV_HEADS, 1, HEAD_DIM)
@@ -859,8 +842,6 @@ def test_a_captured_dynamic_ntk_call_without_seq_len_is_refused_and_advances_no_
     length on the host, but its graph replays with no state advanced: 'hf' dynamic NTK advanced the state once, at
     capture, and the graph kept the frequencies (unscaled, or scaled for that state) of that moment. As before the
     unscaled table (and as make_fx's trace), the call asks for seq_len and leaves the state."""
-    import posenc.rope.module as module
-
     rope = RoPE(HEAD_DIM, rope_parameters=TYPES["dynamic"], max_position_embeddings=MAX_POS, mode=mode)
     q, k = torch.randn(1, HEADS, 1, HEAD_DIM), torch.randn(1, KV_HEADS, 1, HEAD_DIM)
     rope(q, k, offset=2)  # the warm-up: the unscaled table
