@@ -142,7 +142,7 @@ def make_cases(prefill_tokens: int, triton: bool = False) -> dict[str, Callable[
         rope_parameters={"rope_type": "longrope", "original_max_position_embeddings": 4096, **factors},
         max_position_embeddings=131072,
     )
-    # Two of them: the one past the limit keeps its 'hf' state there, the other below it.
+    # Three: one below the limit, one past it keeping its 'hf' state there, one stepping to a new length each call.
     ntk = {"rope_type": "dynamic", "factor": 4.0}
     dynamic, past, stepping = (RoPE(128, rope_parameters=ntk, max_position_embeddings=4096) for _ in range(3))
     steps = itertools.count(5000)
