@@ -68,6 +68,37 @@ def set_allocation(mode: str) -> str:
     return f"alloc={mode}" if ok else "alloc=system (mallopt refused)"
 
 
+def huge_pages_label() -> str:
+    """Whether posenc's CPU kernel asks for huge pages under its new outputs in this run (cpu_rope.cpp, "Huge
+    pages"): "huge pages asked" where it does, else why not."""
+    from posenc.kernels import cpu_rope
+
+    if not cpu_rope.cpu_available():
+        return "no posenc-cpu"
+    if cpu_rope.huge_page_bytes() == 0:
+        return f"THP {cpu_rope.thp_mode()}"
+    return "huge pages asked" if cpu_rope.huge_pages() else "huge pages not asked (POSENC_HUGE_PAGES=0)"
+
+
+_MADV_HUGEPAGE = 14
+
+
+def huge_page_clone(x: torch.Tensor) -> torch.Tensor:
+    """``x.clone()`` into a new buffer whose whole huge pages are asked for first, as posenc's CPU kernel asks for
+    them under its outputs: the floor of an out-of-place op that writes the same pages (copy-huge in rope.py)."""
+    from posenc.kernels import cpu_rope
+
+    out = torch.empty_like(x)
+    page = cpu_rope.huge_page_bytes()
+    start = out.data_ptr()
+    first, last = -(-start // page) * page, (start + out.nbytes) // page * page
+    if last > first:
+        madvise = ctypes.CDLL(None).madvise
+        madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        madvise(first, last - first, _MADV_HUGEPAGE)
+    return out.copy_(x)
+
+
 def add_allocation_argument(parser, default: str = "fresh") -> None:
     """``--alloc`` for the CPU benchmarks (see ``set_allocation``)."""
     parser.add_argument(
@@ -107,6 +138,7 @@ def environment(device: str, alloc: str, clock: str | None = None) -> dict:
         # its first allocation, so it can only come from the environment the script starts in.
         if os.environ.get("THP_MEM_ALLOC_ENABLE") == "1":
             name += ", THP_MEM_ALLOC_ENABLE=1"
+        name += f", {huge_pages_label()}"
     if clock is not None:
         name += f", clock={clock}"
     return {"device": name, "torch": torch.__version__, "commit": commit()}

@@ -3,9 +3,11 @@
 Providers: posenc-cpu / posenc-triton (fused, one call for q and k; on a GPU also posenc-triton-bshd, the same call
 on q and k stored (b, s, h, d), the memory Liger is given), posenc-torch (the pure-torch path), hf-eager
 (Hugging Face's ``q * cos + rotate_half(q) * sin`` with full-width cos/sin in x's dtype), torch.compile(hf-eager),
-copy (``clone()`` of q and k: the memory-bandwidth floor), copy-one-launch (the same bytes held in one buffer and
-cloned by one launch: two clones pay a launch and a drain between them, which a rotation of q and k in one launch
-does not, so on a GPU this is the stricter floor), and on a GPU liger (Liger-Kernel's rope) and flash-attn
+copy (``clone()`` of q and k: the memory-bandwidth floor), copy-huge (on CPU where posenc's kernel asks for
+transparent huge pages under its new outputs: q and k cloned into buffers given huge pages the same way, the floor
+for the pages the kernel writes; ``ratio_to_copy`` stays against ``copy``), copy-one-launch (the same bytes held in
+one buffer and cloned by one launch: two clones pay a launch and a drain between them, which a rotation of q and k in
+one launch does not, so on a GPU this is the stricter floor), and on a GPU liger (Liger-Kernel's rope) and flash-attn
 (``apply_rotary_emb``) when installed, each given the inputs it is built for: Liger rotates q and k in place and
 wants them as Hugging Face's attention leaves them, (b, s, h, d) in memory seen as (b, h, s, d) (from contiguous (b,
 h, s, d) it first makes a transposed copy of each); flash-attn takes (b, s, h, d) views and cos/sin (s, d/2) in x's
@@ -44,23 +46,26 @@ from common import (
     add_clock_argument,
     chosen_clock,
     environment,
+    huge_page_clone,
     measure_interleaved,
     rows_against_copy,
     write_rows,
 )
 from posenc import apply_rotary_qk
+from posenc.kernels import cpu_rope
 from posenc.testing import TOLERANCES, random_qk, rope_reference
 
 HEADS_Q, HEADS_K, HEAD_DIM = 32, 8, 128
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PROVIDERS = (
-    "copy", "copy-one-launch", "posenc-cpu", "posenc-triton", "posenc-triton-bshd", "posenc-torch", "hf-eager",
-    "torch.compile(hf-eager)", "liger", "flash-attn",
+    "copy", "copy-huge", "copy-one-launch", "posenc-cpu", "posenc-triton", "posenc-triton-bshd", "posenc-torch",
+    "hf-eager", "torch.compile(hf-eager)", "liger", "flash-attn",
 )  # fmt: skip
 # The floors: copies of the bytes a rotation moves, not rotations (no values to check; kept whatever --providers says).
-COPIES = frozenset({"copy", "copy-one-launch"})
+COPIES = frozenset({"copy", "copy-huge", "copy-one-launch"})
 # The providers measured on one device only (the rest run on both).
 ONLY_ON = {
+    "copy-huge": "cpu",
     "posenc-cpu": "cpu",
     "posenc-triton": "cuda",
     "posenc-triton-bshd": "cuda",
@@ -84,6 +89,11 @@ def hf_eager(q, k, cos, sin):
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
+def huge_pages_asked() -> bool:
+    """Whether posenc's CPU kernel asks for huge pages under its new outputs in this run (copy-huge is made then)."""
+    return cpu_rope.cpu_available() and cpu_rope.huge_page_bytes() > 0 and cpu_rope.huge_pages()
+
+
 def tables(seq: int, dtype: torch.dtype, device: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """cos/sin in each provider's form: "half" (s, d/2) float32 (posenc), "half_x" (s, d/2) in x's dtype
     (flash-attn), "full" (1, 1, s, d) in x's dtype (Hugging Face, Liger)."""
@@ -102,7 +112,10 @@ def providers(device: str, seq: int, dtype: torch.dtype, names: list[str] | None
     not among them is not made (making it imports Dynamo and Inductor, seconds on a CPU host)."""
     table = tables(seq, dtype, device)
     (half_cos, half_sin), (hf_cos, hf_sin) = table["half"], table["full"]
-    result: dict[str, Callable] = {"copy": lambda q, k: (q.clone(), k.clone()), "copy-one-launch": torch.clone}
+    result: dict[str, Callable] = {"copy": lambda q, k: (q.clone(), k.clone())}
+    if device == "cpu" and huge_pages_asked():
+        result["copy-huge"] = lambda q, k: (huge_page_clone(q), huge_page_clone(k))
+    result["copy-one-launch"] = torch.clone
     fused = "posenc-cpu" if device == "cpu" else "posenc-triton"
     backend = "cpu" if device == "cpu" else "triton"
     result[fused] = lambda q, k: apply_rotary_qk(q, k, half_cos, half_sin, backend=backend)
@@ -163,7 +176,7 @@ def make_case(name: str, fn: Callable, mode: str, q: torch.Tensor, k: torch.Tens
     """The timed function of one provider and mode; it returns what it made (freed after the clock)."""
     if name in HF_LAYOUT:
         q, k = hf_layout(q), hf_layout(k)
-    if name == "copy":
+    if name in ("copy", "copy-huge"):
         # The floor for each mode: the bytes a rotation must read and write once (twice for fwd+bwd). Like the
         # op's, fwd+bwd's first outputs (the forward's) are freed inside the clock and the second (the gradients)
         # after it. The second half clones tensors of its own, as the op's backward reads the output gradients and

@@ -71,6 +71,15 @@ def _benchmark(name: str) -> ModuleType:
         sys.path.remove(str(ROOT / "benchmarks"))
 
 
+def cpu_copies() -> tuple[str, ...]:
+    """rope.py's floors on this CPU, in its order: copy-huge where posenc's kernel asks for huge pages."""
+    return (
+        ("copy", "copy-huge", "copy-one-launch")
+        if _benchmark("rope").huge_pages_asked()
+        else ("copy", "copy-one-launch")
+    )
+
+
 @pytest.mark.parametrize("alloc", ["fresh", "reuse"])
 def test_rope_benchmark_writes_every_provider_mode_and_dtype(tmp_path: Path, alloc: str) -> None:
     out = tmp_path / "rope.csv"
@@ -82,7 +91,7 @@ def test_rope_benchmark_writes_every_provider_mode_and_dtype(tmp_path: Path, all
     rows = _rows(out)
     assert {(r["provider"], r["mode"], r["dtype"]) for r in rows} == {
         (provider, mode, dtype)
-        for provider in ("copy", "copy-one-launch", "posenc-cpu", "posenc-torch", "hf-eager")
+        for provider in (*cpu_copies(), "posenc-cpu", "posenc-torch", "hf-eager")
         for mode in ("fwd", "bwd", "fwd+bwd")
         for dtype in ("fp32", "bf16")
     }
@@ -133,7 +142,7 @@ def test_rope_benchmark_leaves_out_a_provider_with_wrong_values(
     assert "WRONG VALUES: posenc-torch at s=7 bf16, fwd: q is off by up to" in printed
     assert "torch.compile(hf-eager) at s=7 bf16, fwd raised RuntimeError: no kernel for this shape" in printed
     assert {(r["provider"], r["mode"]) for r in _rows(out)} == {
-        (p, m) for p in ("copy", "copy-one-launch", "hf-eager") for m in ("fwd", "bwd")
+        (p, m) for p in (*cpu_copies(), "hf-eager") for m in ("fwd", "bwd")
     }
 
 
@@ -194,10 +203,12 @@ def test_rope_benchmark_names_the_providers_it_knows(
     monkeypatch.setattr(sys, "argv", [*argv, "--providers", "liger", "hf-eager", "--csv", str(tmp_path / "b.csv")])
     rope.main()
     assert "note: liger runs on --device cuda only; not measured on this --device cpu run" in capsys.readouterr().out
-    assert [r["provider"] for r in _rows(tmp_path / "b.csv")] == ["copy", "copy-one-launch", "hf-eager"]
-    # Every provider a CPU run makes is a known name, measured on the CPU.
+    assert [r["provider"] for r in _rows(tmp_path / "b.csv")] == [*cpu_copies(), "hf-eager"]
+    # Every provider a CPU run makes is a known name, measured on the CPU (copy-huge where the kernel asks for huge
+    # pages).
     made = set(rope.providers("cpu", 8, torch.float32))
-    assert made == {name for name in rope.PROVIDERS if rope.ONLY_ON.get(name, "cpu") == "cpu"}
+    known = {name for name in rope.PROVIDERS if rope.ONLY_ON.get(name, "cpu") == "cpu"}
+    assert made == known - ({"copy-huge"} - set(cpu_copies()))
     # A run that names its providers makes no torch.compile one it did not name (nor leaves out any other).
     assert set(rope.providers("cpu", 8, torch.float32, ["hf-eager"])) == made - {"torch.compile(hf-eager)"}
 

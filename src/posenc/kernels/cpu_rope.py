@@ -95,7 +95,8 @@ def _cpu_model() -> str:
     return "\n".join(found.values()) or platform.processor()
 
 
-_THRESHOLD_SET: set[str] = set()  # paths of the libraries whose streaming threshold has been given its default
+_DEFAULTS_SET: set[str] = set()  # paths of the libraries given their default streaming threshold and huge pages
+_THP = Path("/sys/kernel/mm/transparent_hugepage")
 
 
 def build_library(source: bytes, *, arch: str = "native") -> tuple[ctypes.CDLL | None, str]:
@@ -154,12 +155,46 @@ def build_library(source: bytes, *, arch: str = "native") -> tuple[ctypes.CDLL |
         library.posenc_set_stream_threshold.argtypes = (ctypes.c_int64,)
         library.posenc_set_stream_threshold.restype = ctypes.c_int64
         library.posenc_can_stream.restype = ctypes.c_int
-        # Loading a library again returns the same handle: only its first load sets the default, so a threshold set
-        # since (by a test or a benchmark) stays.
-        if str(target) not in _THRESHOLD_SET:
+    if hasattr(library, "posenc_set_huge_pages"):
+        library.posenc_set_huge_pages.argtypes = (ctypes.c_int64,)
+        library.posenc_set_huge_pages.restype = ctypes.c_int64
+        library.posenc_huge_page_jobs.argtypes = (ctypes.c_char_p, ctypes.c_int32, ctypes.c_int32)
+        library.posenc_huge_page_jobs.restype = ctypes.c_uint64
+        library.posenc_huge_pages.restype = ctypes.c_int64
+    # Loading a library again returns the same handle: only its first load sets the defaults, so a setting made
+    # since (by a test or a benchmark) stays.
+    if str(target) not in _DEFAULTS_SET:
+        if hasattr(library, "posenc_set_stream_threshold"):
             library.posenc_set_stream_threshold(last_level_cache_bytes())
-            _THRESHOLD_SET.add(str(target))
+        if hasattr(library, "posenc_set_huge_pages"):
+            library.posenc_set_huge_pages(huge_page_bytes() if os.environ.get("POSENC_HUGE_PAGES") != "0" else 0)
+        _DEFAULTS_SET.add(str(target))
     return library, ""
+
+
+@functools.cache
+def thp_mode() -> str:
+    """The OS's transparent huge page mode: 'always', 'madvise' or 'never'; 'unsupported' where there is none
+    (not Linux, or a kernel without them)."""
+    try:
+        text = (_THP / "enabled").read_text()
+    except OSError:
+        return "unsupported"
+    start, end = text.find("["), text.find("]")
+    return text[start + 1 : end] if 0 <= start < end else "unsupported"
+
+
+@functools.cache
+def huge_page_bytes() -> int:
+    """The size of the huge pages the kernel asks for under its new outputs where the OS gives them only to memory
+    that asks (mode 'madvise'); 0 in every other mode: 'always' gives them unasked, 'never' not at all."""
+    if thp_mode() != "madvise":
+        return 0
+    try:
+        size = int((_THP / "hpage_pmd_size").read_text())
+    except (OSError, ValueError):
+        return 0
+    return size if size > 0 and size & (size - 1) == 0 else 0
 
 
 @functools.cache
@@ -218,6 +253,35 @@ def can_stream(library: ctypes.CDLL | None = None) -> bool:
     AVX-512) do, on Linux; the portable loop does not."""
     library = library or _library()[0]
     return library is not None and bool(library.posenc_can_stream())
+
+
+def set_huge_pages(enabled: bool | None, *, library: ctypes.CDLL | None = None) -> bool:
+    """Whether the kernel asks for huge pages under the new outputs it writes out of place (cpu_rope.cpp says when
+    and why: a call writing fresh output faults one page per 2 MiB instead of per 4 KiB); None restores the default,
+    on unless ``POSENC_HUGE_PAGES=0`` is in the environment. Only where the OS's mode is 'madvise' does asking do
+    anything (``huge_page_bytes``). Returns whether it was on before."""
+    library = _loaded(library)
+    if not hasattr(library, "posenc_set_huge_pages"):
+        raise RuntimeError("this build of the CPU kernel has no huge pages (an older revision)")
+    on = os.environ.get("POSENC_HUGE_PAGES") != "0" if enabled is None else enabled
+    return bool(library.posenc_set_huge_pages(huge_page_bytes() if on else 0))
+
+
+def huge_pages(library: ctypes.CDLL | None = None) -> bool:
+    """Whether the kernel asks for huge pages under its new outputs now (``set_huge_pages``): turned on, and the OS's
+    mode 'madvise'."""
+    library = _loaded(library)
+    return hasattr(library, "posenc_huge_pages") and library.posenc_huge_pages() > 0
+
+
+def asks_huge_pages(
+    x: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, copy_tail: bool = True
+) -> bool:
+    """Whether ``rope_cpu(x, out, cos, sin, None, copy_tail=copy_tail, ...)`` would ask for huge pages under ``out``
+    now (see ``set_huge_pages``), asking nothing: the kernel's own decision, for tests and benchmarks."""
+    library = _loaded()
+    job = _pack_job(x, out, cos, sin, 0, (0, 0), 0, (0, 0, int(copy_tail)), 1)[0]
+    return job is not None and bool(library.posenc_huge_page_jobs(job, 1, DTYPE_CODES[x.dtype]) & 1)
 
 
 def streams(x: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
