@@ -5,7 +5,8 @@ rep by rep with ``copy`` (``clone()`` of q and k, the floor of an out-of-place o
 hits them alike. Forward, out-of-place, q (1, 32, s, 128) and k (1, 8, s, 128), split-half (``--interleaved``: adjacent
 pairs); ``--inplace`` times the in-place variant against ``copy_`` into preallocated tensors instead. ``--arch`` builds
 both for an older x86 level than this CPU's (``x86-64-v3``: the AVX2 machines without AVX-512), which this CPU must be
-able to execute.
+able to execute. Outputs are allocated as the package allocates them (``torch.empty_like``): since 94d6c93 the
+kernel asks for huge pages under fresh ones (cpu_rope.cpp, "Huge pages"), which a baseline before it never does.
 
     python benchmarks/cpu_kernel_ab.py --baseline 2978b28
     python benchmarks/cpu_kernel_ab.py --baseline 00a9cf7 --arch x86-64-v3 --dtypes bf16 fp16
