@@ -84,18 +84,22 @@ _MADV_HUGEPAGE = 14
 
 
 def huge_page_clone(x: torch.Tensor) -> torch.Tensor:
-    """``x.clone()`` into a new buffer whose whole huge pages are asked for first, as posenc's CPU kernel asks for
-    them under its outputs: the floor of an out-of-place op that writes the same pages (copy-huge in rope.py)."""
+    """``x.clone()`` into a new buffer whose whole huge pages are asked for first where posenc's CPU kernel would ask
+    for them under an output there (cpu_rope.cpp, "Huge pages": 32 MiB or more, above the program break, not yet in
+    memory): the floor of an out-of-place op that writes the same pages (copy-huge in rope.py)."""
     from posenc.kernels import cpu_rope
 
     out = torch.empty_like(x)
-    page = cpu_rope.huge_page_bytes()
-    start = out.data_ptr()
+    page, start = cpu_rope.huge_page_bytes(), out.data_ptr()
     first, last = -(-start // page) * page, (start + out.nbytes) // page * page
-    if last > first:
-        madvise = ctypes.CDLL(None).madvise
-        madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-        madvise(first, last - first, _MADV_HUGEPAGE)
+    libc = ctypes.CDLL(None)
+    libc.sbrk.restype = ctypes.c_void_p
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    resident = ctypes.c_ubyte(0)
+    asks = out.nbytes >= 32 << 20 and start >= libc.sbrk(0) and last > first
+    if asks and libc.mincore(ctypes.c_void_p(first), 1, ctypes.byref(resident)) == 0 and not resident.value & 1:
+        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        libc.madvise(first, last - first, _MADV_HUGEPAGE)
     return out.copy_(x)
 
 

@@ -13,14 +13,12 @@ import posenc
 from posenc.kernels import cpu_rope
 from posenc.kernels.cpu_rope import asks_huge_pages, rope_cpu
 
-pytestmark = [
-    pytest.mark.skipif(not cpu_rope.cpu_available(), reason="the CPU kernel is not built here"),
-    pytest.mark.skipif(
-        cpu_rope.huge_page_bytes() == 0,
-        reason=f"transparent huge pages are {cpu_rope.thp_mode()!r} here: the kernel asks only in mode 'madvise'",
-    ),
-]
+asking = pytest.mark.skipif(
+    not cpu_rope.cpu_available() or cpu_rope.huge_page_bytes() == 0,
+    reason=f"no CPU kernel, or transparent huge pages are {cpu_rope.thp_mode()!r} here: it asks only in 'madvise'",
+)
 D = 128
+SMALLEST = 32 << 20  # the smallest output the kernel asks for (HUGE_OUTPUT_BYTES): glibc maps it on its own
 
 
 @pytest.fixture
@@ -49,10 +47,10 @@ def advised(address: int) -> bool:
 
 
 def fresh_output(rows: int, page: int, *, dtype: torch.dtype = torch.float32) -> tuple[mmap.mmap, torch.Tensor]:
-    """A new anonymous mapping (no page of it in memory, as glibc maps a big block) and an (1, 1, rows, D) tensor on
-    it that starts half a huge page and 64 bytes in: unaligned at both ends."""
+    """A new private anonymous mapping (no page of it in memory, as glibc maps a big block) and an (1, 1, rows, D)
+    tensor on it that starts half a huge page and 64 bytes in: unaligned at both ends."""
     size = torch.empty(0, dtype=dtype).element_size()
-    region = mmap.mmap(-1, rows * D * size + 2 * page)
+    region = mmap.mmap(-1, rows * D * size + 2 * page, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     start = page // 2 + 64
     return region, torch.frombuffer(region, dtype=dtype, offset=start, count=rows * D).view(1, 1, rows, D)
 
@@ -63,9 +61,10 @@ def whole_pages(out: torch.Tensor, page: int) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@asking
 def test_the_kernel_asks_for_exactly_the_whole_huge_pages_inside_a_fresh_output(huge_pages, dtype):
     page = huge_pages
-    rows = 3 * page // (D * torch.empty(0, dtype=dtype).element_size())
+    rows = (SMALLEST + 3 * page) // (D * torch.empty(0, dtype=dtype).element_size())
     x = torch.randn(1, 1, rows, D).to(dtype)
     cos, sin = (t.float() for t in posenc.RoPE(D, max_position_embeddings=rows).cos_sin(torch.arange(rows)))
     region, out = fresh_output(rows, page, dtype=dtype)
@@ -75,7 +74,7 @@ def test_the_kernel_asks_for_exactly_the_whole_huge_pages_inside_a_fresh_output(
     rope_cpu(x, out, cos, sin, None, interleaved=False, conjugate=False, copy_tail=True)
     begin, end, _, flags = mapping_of(first)
     assert "hg" in flags and (begin, end) == (first, last), "the whole huge pages inside the output, and no more"
-    assert last - first >= 2 * page
+    assert last - first >= SMALLEST
     assert not advised(out.data_ptr()), "not the partial page before them"
     assert not asks_huge_pages(x, out, cos, sin), "its pages are in memory now"
     cpu_rope.set_huge_pages(False)
@@ -87,16 +86,17 @@ def test_the_kernel_asks_for_exactly_the_whole_huge_pages_inside_a_fresh_output(
     region.close()
 
 
+@asking
 def test_the_kernel_leaves_alone_the_outputs_it_cannot_help(huge_pages, monkeypatch):
     page = huge_pages
-    rows = 5 * page // (D * 4)  # half of it, read as one block, still holds a whole huge page
+    rows = 2 * (SMALLEST + 2 * page) // (D * 4)  # read as one block, half of it is still past SMALLEST
     x = torch.randn(1, 1, rows, D)
     cos, sin = posenc.RoPE(D, max_position_embeddings=rows).cos_sin(torch.arange(rows))
     region, out = fresh_output(rows, page)
     assert asks_huge_pages(x, out, cos, sin)
     assert not asks_huge_pages(out, out, cos, sin), "in place: x's own pages"
-    few = page // (D * 4) - 1
-    assert not asks_huge_pages(x[:, :, :few], out[:, :, :few], cos, sin), "smaller than a huge page"
+    few = SMALLEST // (D * 4) - 1
+    assert not asks_huge_pages(x[:, :, :few], out[:, :, :few], cos, sin), "smaller than glibc's own mappings"
     gapped = out.view(1, 1, rows // 2, 2 * D)[..., :D]
     assert not asks_huge_pages(x[:, :, : rows // 2], gapped, cos, sin), "every other row: bytes it does not write"
     quarter = (cos[:, : D // 4], sin[:, : D // 4])  # rotary_dim D / 2
@@ -141,6 +141,7 @@ def test_only_mode_madvise_has_huge_pages_to_ask_for(tmp_path, monkeypatch, text
 
 
 @pytest.mark.parametrize("grad", [False, True])
+@asking
 def test_public_calls_and_their_replays_write_big_outputs_into_huge_pages(huge_pages, grad):
     """q and k of 36 MiB and 9 MiB (float32): glibc maps blocks past 32 MiB fresh whatever its adaptive threshold
     says, so q's output is a new mapping; k's may be recycled heap memory, which is left alone. Without grad the second

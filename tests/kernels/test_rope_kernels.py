@@ -1022,7 +1022,7 @@ def test_cpu_streams_only_large_out_of_place_writes_into_resident_pages():
         cpu_rope.set_huge_pages(True)
         # Unless the kernel asks for huge pages there (test_cpu_huge_pages.py): 2 MiB zeroed at once do not stay in
         # cache.
-        assert cpu_rope.streams(big, fresh, cos, sin) == (cpu_rope.huge_page_bytes() > 0)
+        assert cpu_rope.streams(big, fresh, cos, sin) == cpu_rope.asks_huge_pages(big, fresh, cos, sin)
         cpu_rope.set_huge_pages(False)
         assert not cpu_rope.streams(big, big, cos, sin), "in place, each line is read before it is written"
         fresh.zero_()

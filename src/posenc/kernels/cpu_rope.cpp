@@ -807,11 +807,16 @@ Args job_args(const char* packed, int32_t job) {
 // go only to memory that asks for them (mode 'madvise', as on Debian and Ubuntu), a call asks, with
 // madvise(MADV_HUGEPAGE), for the whole huge pages inside each output that it writes whole and that has none of them
 // in memory yet: one fault per 2 MiB. Forward at s = 4096, fresh output, Zen 5 VM: bf16 9.3 -> 4.5 ms, fp32 17.7 ->
-// 7.1 ms. No memory is added (every byte of those pages is written), and recycled heap memory, faulted in already,
-// is left alone (advising it would only split the heap's mapping). The cost: where the OS has no free huge page, a
-// fault may first compact memory (its `defrag` setting). PyTorch's THP_MEM_ALLOC_ENABLE=1 advises every buffer of
-// 2 MiB or more instead. In bytes; 0: off. cpu_rope.py sets it when it loads the library.
+// 7.1 ms. No memory is added (every byte of those pages is written). The advice stays on the address range after
+// the tensor is freed, so only outputs of at least HUGE_OUTPUT_BYTES are advised: glibc maps every block that large
+// on its own (its adaptive mmap threshold stops at 32 MiB) and unmaps it when freed, advice and all. Below that
+// size glibc hands out heap memory, which other allocations reuse. Memory below the program break (the brk heap,
+// where a block lands when mallopt or MALLOC_MMAP_THRESHOLD_ moved the threshold) and memory already in use (a
+// recycled block) are left alone too. The cost: where the OS has no free huge page, a fault may first compact memory
+// (its `defrag` setting). PyTorch's THP_MEM_ALLOC_ENABLE=1 advises every buffer of 2 MiB or more instead. In bytes;
+// 0: off. cpu_rope.py sets it when it loads the library.
 std::atomic<int64_t> huge_page_bytes{0};
+constexpr uintptr_t HUGE_OUTPUT_BYTES = uintptr_t(32) << 20;
 
 // The bytes [first, end) of job a's output when the call writes all of them: out of place, every channel written
 // (rotated or copied), and no gaps between the elements, whatever the order of the dims.
@@ -843,6 +848,7 @@ uint64_t huge_page_jobs(const char* packed, int32_t count, int32_t dtype, bool a
   for (int32_t job = 0; job < count && job < 64; ++job) {
     uintptr_t start = 0, end = 0;
     if (!written_whole(job_args(packed, job), element_bytes(dtype), start, end)) continue;
+    if (end - start < HUGE_OUTPUT_BYTES || start < reinterpret_cast<uintptr_t>(sbrk(0))) continue;
     const uintptr_t first = (start + page - 1) / page * page, last = end / page * page;
     if (last <= first || resident(reinterpret_cast<const void*>(first))) continue;
     if (advise && madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE) != 0) continue;

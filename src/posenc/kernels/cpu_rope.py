@@ -256,8 +256,9 @@ def can_stream(library: ctypes.CDLL | None = None) -> bool:
 
 
 def set_huge_pages(enabled: bool | None, *, library: ctypes.CDLL | None = None) -> bool:
-    """Whether the kernel asks for huge pages under the new outputs it writes out of place (cpu_rope.cpp says when
-    and why: a call writing fresh output faults one page per 2 MiB instead of per 4 KiB); None restores the default,
+    """Whether the kernel asks for huge pages under the new outputs of 32 MiB or more that it writes out of place
+    (cpu_rope.cpp says when and why: a call writing fresh output faults one page per 2 MiB instead of per 4 KiB, and
+    glibc maps blocks that large on their own); None restores the default,
     on unless ``POSENC_HUGE_PAGES=0`` is in the environment. Only where the OS's mode is 'madvise' does asking do
     anything (``huge_page_bytes``). Returns whether it was on before."""
     library = _loaded(library)
