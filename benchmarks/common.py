@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -92,15 +93,20 @@ def huge_page_clone(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(x)
     page, start = cpu_rope.huge_page_bytes(), out.data_ptr()
     first, last = -(-start // page) * page, (start + out.nbytes) // page * page
-    libc = ctypes.CDLL(None)
-    libc.sbrk.restype = ctypes.c_void_p
-    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
-    resident = ctypes.c_ubyte(0)
+    libc, resident = _libc(), ctypes.c_ubyte(0)
     asks = out.nbytes >= 32 << 20 and start >= libc.sbrk(0) and last > first
-    if asks and libc.mincore(ctypes.c_void_p(first), 1, ctypes.byref(resident)) == 0 and not resident.value & 1:
-        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    if asks and libc.mincore(first, 1, ctypes.byref(resident)) == 0 and not resident.value & 1:
         libc.madvise(first, last - first, _MADV_HUGEPAGE)
     return out.copy_(x)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None)  # loaded once: a load per call cost the copy ~0.1 ms at s = 1024
+    libc.sbrk.restype = ctypes.c_void_p
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return libc
 
 
 def add_allocation_argument(parser, default: str = "fresh") -> None:
