@@ -78,7 +78,7 @@ def huge_pages_label() -> str:
         return "no posenc-cpu"
     if cpu_rope.huge_page_bytes() == 0:
         return f"THP {cpu_rope.thp_mode()}"
-    return "huge pages asked" if cpu_rope.huge_pages() else "huge pages not asked (POSENC_HUGE_PAGES=0)"
+    return "huge pages asked" if cpu_rope.huge_pages() else "huge pages not asked (POSENC_HUGE_PAGES unset)"
 
 
 _MADV_HUGEPAGE = 14

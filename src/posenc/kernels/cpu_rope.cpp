@@ -802,19 +802,23 @@ Args job_args(const char* packed, int32_t job) {
   return a;
 }
 
-// Huge pages. glibc maps a big output fresh, and the OS zero-fills each 4 KiB page at its first write: for q (1, 32,
-// 4096, 128) in bf16 that is 8192 faults, most of an out-of-place call's time. Where transparent huge pages go only to
-// memory that asks for them (mode 'madvise', as on Debian and Ubuntu), a call asks, with madvise(MADV_HUGEPAGE), for
-// the whole huge pages inside each output that it writes whole and that has none of them in memory yet: one fault per
-// 2 MiB. q and k at s = 4096 into fresh pages, q's output advised and k's not (below), Zen 5 VM: bf16 9.5 -> 5.3 ms,
-// fp32 18.2 -> 9.7 ms. No memory is added (every byte of those pages is written). The advice stays on the address range
-// after the tensor is freed, so only outputs of at least HUGE_OUTPUT_BYTES are advised: glibc maps every block that
-// large on its own (its adaptive mmap threshold stops at 32 MiB) and unmaps it when freed, advice and all. Below that
-// size glibc hands out heap memory, which other allocations reuse. Memory below the program break (the brk heap, where
-// a block lands when mallopt or MALLOC_MMAP_THRESHOLD_ moved the threshold) and memory already in use (a recycled
-// block) are left alone too. The cost: where the OS has no free huge page, a fault may first compact memory (its
-// `defrag` setting). PyTorch's THP_MEM_ALLOC_ENABLE=1 advises every buffer of 2 MiB or more instead. In bytes; 0: off.
-// cpu_rope.py sets it when it loads the library.
+// Huge pages, when asked for (cpu_rope.py: POSENC_HUGE_PAGES=1 or set_huge_pages(True)). glibc maps a big output
+// fresh, and the OS zero-fills each 4 KiB page at its first write: for q (1, 32, 4096, 128) in bf16 that is 8192
+// faults, most of an out-of-place call's time. Where transparent huge pages go only to memory that asks for them
+// (mode 'madvise', as on Debian and Ubuntu), a call then asks, with madvise(MADV_HUGEPAGE), for the whole huge pages
+// inside each output that it writes whole and that has none of them in memory yet: one fault per 2 MiB. q and k at
+// s = 4096 into fresh pages, q's output advised and k's not (below), Zen 5 VM: bf16 9.5 -> 5.3 ms, fp32 18.2 ->
+// 9.7 ms. No memory is added (every byte of those pages is written). But the advice stays on the address range after
+// the tensor is freed, so only outputs of at least HUGE_OUTPUT_BYTES are advised: with glibc's defaults every block
+// that large is a mapping of its own (the adaptive mmap threshold stops at 32 MiB), unmapped, advice and all, when
+// freed. Memory below the program break (the brk heap) and memory already in use (a recycled block) are left alone
+// too. It stays off by default because an allocator may keep the range for later, unrelated allocations, which then
+// fault 2 MiB at a time: jemalloc and tcmalloc (often preloaded for CPU serving) release big extents with
+// MADV_DONTNEED and hand them out again, and so do glibc's thread arenas once MALLOC_MMAP_THRESHOLD_ is raised past
+// the output (both found by review, with the advised range reused by later tensors). Also: where the OS has no free
+// huge page, a fault may first compact memory (its `defrag` setting). PyTorch's THP_MEM_ALLOC_ENABLE=1, opt-in for
+// the same reasons, advises every buffer of 2 MiB or more. In bytes; 0: off. cpu_rope.py sets it when it loads the
+// library.
 std::atomic<int64_t> huge_page_bytes{0};
 constexpr uintptr_t HUGE_OUTPUT_BYTES = uintptr_t(32) << 20;
 

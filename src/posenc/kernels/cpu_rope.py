@@ -167,7 +167,7 @@ def build_library(source: bytes, *, arch: str = "native") -> tuple[ctypes.CDLL |
         if hasattr(library, "posenc_set_stream_threshold"):
             library.posenc_set_stream_threshold(last_level_cache_bytes())
         if hasattr(library, "posenc_set_huge_pages"):
-            library.posenc_set_huge_pages(huge_page_bytes() if os.environ.get("POSENC_HUGE_PAGES") != "0" else 0)
+            library.posenc_set_huge_pages(huge_page_bytes() if _huge_pages_asked_for() else 0)
         _DEFAULTS_SET.add(str(target))
     return library, ""
 
@@ -255,16 +255,22 @@ def can_stream(library: ctypes.CDLL | None = None) -> bool:
     return library is not None and bool(library.posenc_can_stream())
 
 
+def _huge_pages_asked_for() -> bool:
+    return os.environ.get("POSENC_HUGE_PAGES") == "1"
+
+
 def set_huge_pages(enabled: bool | None, *, library: ctypes.CDLL | None = None) -> bool:
-    """Whether the kernel asks for huge pages under the new outputs of 32 MiB or more that it writes out of place
-    (cpu_rope.cpp says when and why: a call writing fresh output faults one page per 2 MiB instead of per 4 KiB, and
-    glibc maps blocks that large on their own); None restores the default,
-    on unless ``POSENC_HUGE_PAGES=0`` is in the environment. Only where the OS's mode is 'madvise' does asking do
-    anything (``huge_page_bytes``). Returns whether it was on before."""
+    """Whether the kernel asks for huge pages under the new outputs of 32 MiB or more that it writes out of place:
+    a call writing fresh output then faults one page per 2 MiB instead of per 4 KiB (about twice as fast). None
+    restores the default: off, unless ``POSENC_HUGE_PAGES=1`` is in the environment. Off by default because the
+    advice stays on the address range after the tensor is freed: harmless where the output is a mapping of its own
+    (glibc's defaults), not where the allocator keeps the range for other allocations (jemalloc or tcmalloc
+    preloaded, glibc thread arenas with a raised mmap threshold); cpu_rope.cpp, "Huge pages". Only where the OS's
+    mode is 'madvise' does asking do anything (``huge_page_bytes``). Returns whether it was on before."""
     library = _loaded(library)
     if not hasattr(library, "posenc_set_huge_pages"):
         raise RuntimeError("this build of the CPU kernel has no huge pages (an older revision)")
-    on = os.environ.get("POSENC_HUGE_PAGES") != "0" if enabled is None else enabled
+    on = _huge_pages_asked_for() if enabled is None else enabled
     return bool(library.posenc_set_huge_pages(huge_page_bytes() if on else 0))
 
 
