@@ -122,7 +122,12 @@ def test_the_kernel_leaves_alone_the_outputs_it_cannot_help(huge_pages, monkeypa
     monkeypatch.setenv("POSENC_HUGE_PAGES", "1")
     cpu_rope.set_huge_pages(None)
     assert asks_huge_pages(x, out, cos, sin), "on by the environment"
-    for off in ("0", ""):
+    with pytest.raises(
+        ValueError, match=r"POSENC_HUGE_PAGES must be 1 \(ask for huge pages\) or 0 \(do not\), got 'maybe'"
+    ):
+        monkeypatch.setenv("POSENC_HUGE_PAGES", "maybe")
+        cpu_rope.set_huge_pages(None)
+    for off in ("0", "", "off"):
         monkeypatch.setenv("POSENC_HUGE_PAGES", off)
         cpu_rope.set_huge_pages(None)
         assert not asks_huge_pages(x, out, cos, sin), f"off with POSENC_HUGE_PAGES={off!r}"

@@ -256,7 +256,10 @@ def can_stream(library: ctypes.CDLL | None = None) -> bool:
 
 
 def _huge_pages_asked_for() -> bool:
-    return os.environ.get("POSENC_HUGE_PAGES") == "1"
+    value = os.environ.get("POSENC_HUGE_PAGES", "").strip().lower()
+    if value not in ("", "0", "1", "false", "true", "no", "yes", "off", "on"):
+        raise ValueError(f"POSENC_HUGE_PAGES must be 1 (ask for huge pages) or 0 (do not), got {value!r}")
+    return value in ("1", "true", "yes", "on")
 
 
 def set_huge_pages(enabled: bool | None, *, library: ctypes.CDLL | None = None) -> bool:
