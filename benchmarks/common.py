@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import csv
 import ctypes
-import functools
 import hashlib
 import os
 import platform
@@ -69,44 +68,35 @@ def set_allocation(mode: str) -> str:
     return f"alloc={mode}" if ok else "alloc=system (mallopt refused)"
 
 
-def huge_pages_label() -> str:
+def huge_pages_asked() -> bool:
     """Whether posenc's CPU kernel asks for huge pages under its new outputs in this run (cpu_rope.cpp, "Huge
-    pages"): "huge pages asked" where it does, else why not."""
+    pages": ``POSENC_HUGE_PAGES=1``, where the OS's THP mode is 'madvise')."""
+    from posenc.kernels import cpu_rope
+
+    return cpu_rope.cpu_available() and cpu_rope.huge_pages()
+
+
+def huge_pages_label() -> str:
+    """The device column's word on huge pages (``huge_pages_asked``): "huge pages asked" where they are, else why
+    not."""
     from posenc.kernels import cpu_rope
 
     if not cpu_rope.cpu_available():
         return "no posenc-cpu"
     if cpu_rope.huge_page_bytes() == 0:
         return f"THP {cpu_rope.thp_mode()}"
-    return "huge pages asked" if cpu_rope.huge_pages() else "huge pages not asked (POSENC_HUGE_PAGES unset)"
-
-
-_MADV_HUGEPAGE = 14
+    return "huge pages asked" if huge_pages_asked() else "huge pages not asked (POSENC_HUGE_PAGES unset)"
 
 
 def huge_page_clone(x: torch.Tensor) -> torch.Tensor:
-    """``x.clone()`` into a new buffer whose whole huge pages are asked for first where posenc's CPU kernel would ask
-    for them under an output there (cpu_rope.cpp, "Huge pages": 32 MiB or more, above the program break, not yet in
-    memory): the floor of an out-of-place op that writes the same pages (copy-huge in rope.py)."""
+    """``x.clone()`` into a new buffer given huge pages by the rule posenc's CPU kernel applies to its own outputs
+    (``cpu_rope.advise_huge_pages``): the floor of an out-of-place op that writes the same pages (copy-huge in
+    rope.py)."""
     from posenc.kernels import cpu_rope
 
-    out = torch.empty_like(x)
-    page, start = cpu_rope.huge_page_bytes(), out.data_ptr()
-    first, last = -(-start // page) * page, (start + out.nbytes) // page * page
-    libc, resident = _libc(), ctypes.c_ubyte(0)
-    asks = out.nbytes >= 32 << 20 and start >= libc.sbrk(0) and last > first
-    if asks and libc.mincore(first, 1, ctypes.byref(resident)) == 0 and not resident.value & 1:
-        libc.madvise(first, last - first, _MADV_HUGEPAGE)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    cpu_rope.advise_huge_pages(out)
     return out.copy_(x)
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL(None)  # loaded once: a load per call cost the copy ~0.1 ms at s = 1024
-    libc.sbrk.restype = ctypes.c_void_p
-    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
-    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return libc
 
 
 def add_allocation_argument(parser, default: str = "fresh") -> None:

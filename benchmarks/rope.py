@@ -47,12 +47,12 @@ from common import (
     chosen_clock,
     environment,
     huge_page_clone,
+    huge_pages_asked,
     measure_interleaved,
     rows_against_copy,
     write_rows,
 )
 from posenc import apply_rotary_qk
-from posenc.kernels import cpu_rope
 from posenc.testing import TOLERANCES, random_qk, rope_reference
 
 HEADS_Q, HEADS_K, HEAD_DIM = 32, 8, 128
@@ -87,11 +87,6 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def hf_eager(q, k, cos, sin):
     """transformers' apply_rotary_pos_emb, as Llama calls it (cos/sin (1, 1, s, d) in x's dtype)."""
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-
-
-def huge_pages_asked() -> bool:
-    """Whether posenc's CPU kernel asks for huge pages under its new outputs in this run (copy-huge is made then)."""
-    return cpu_rope.cpu_available() and cpu_rope.huge_page_bytes() > 0 and cpu_rope.huge_pages()
 
 
 def tables(seq: int, dtype: torch.dtype, device: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

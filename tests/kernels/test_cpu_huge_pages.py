@@ -141,6 +141,25 @@ def test_the_kernel_leaves_alone_the_outputs_it_cannot_help(huge_pages, monkeypa
     region.close()
 
 
+@asking
+def test_a_buffer_advised_by_hand_follows_the_kernels_rule(huge_pages):
+    """``advise_huge_pages`` (benchmarks/rope.py's copy-huge) asks for the pages the kernel would ask for."""
+    page = huge_pages
+    rows = (SMALLEST + 3 * page) // (D * 4)
+    x = torch.randn(1, 1, rows, D)
+    cos, sin = posenc.RoPE(D, max_position_embeddings=rows).cos_sin(torch.arange(rows))
+    region, out = fresh_output(rows, page)
+    assert not cpu_rope.advise_huge_pages(out[:, :, : SMALLEST // (D * 4) - 1]), "below 32 MiB, as the kernel"
+    assert asks_huge_pages(x, out, cos, sin) and cpu_rope.advise_huge_pages(out)
+    first, last = whole_pages(out, page)
+    begin, end, _, flags = mapping_of(first)
+    assert "hg" in flags and (begin, end) == (first, last)
+    with pytest.raises(ValueError, match="out must be a contiguous CPU tensor"):
+        cpu_rope.advise_huge_pages(out.transpose(2, 3))
+    del out
+    region.close()
+
+
 @pytest.mark.parametrize(
     ("text", "mode"),
     [

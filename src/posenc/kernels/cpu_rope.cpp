@@ -843,26 +843,31 @@ bool written_whole(const Args& a, int64_t size, uintptr_t& first, uintptr_t& end
   return true;
 }
 
-// Bit j set: job j's output is to get huge pages (above); with `advise`, they are asked for now.
-uint64_t huge_page_jobs(const char* packed, int32_t count, int32_t dtype, bool advise) {
+// Whether the bytes [start, end), all of which the caller writes next, are to get huge pages (above); with
+// `advise`, they are asked for now.
+bool huge_pages_for(uintptr_t start, uintptr_t end, bool advise) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   const auto page = static_cast<uintptr_t>(huge_page_bytes.load(std::memory_order_relaxed));
-  if (page == 0) return 0;
+  if (page == 0 || end - start < HUGE_OUTPUT_BYTES || start < reinterpret_cast<uintptr_t>(sbrk(0))) return false;
+  const uintptr_t first = (start + page - 1) / page * page, last = end / page * page;
+  if (last <= first || resident(reinterpret_cast<const void*>(first))) return false;
+  return !advise || madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE) == 0;
+#else
+  (void)start, (void)end, (void)advise;
+  return false;
+#endif
+}
+
+// Bit j set: job j's output is to get huge pages (above); with `advise`, they are asked for now.
+uint64_t huge_page_jobs(const char* packed, int32_t count, int32_t dtype, bool advise) {
+  if (huge_page_bytes.load(std::memory_order_relaxed) == 0) return 0;
   uint64_t mask = 0;
   for (int32_t job = 0; job < count && job < 64; ++job) {
     uintptr_t start = 0, end = 0;
-    if (!written_whole(job_args(packed, job), element_bytes(dtype), start, end)) continue;
-    if (end - start < HUGE_OUTPUT_BYTES || start < reinterpret_cast<uintptr_t>(sbrk(0))) continue;
-    const uintptr_t first = (start + page - 1) / page * page, last = end / page * page;
-    if (last <= first || resident(reinterpret_cast<const void*>(first))) continue;
-    if (advise && madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE) != 0) continue;
-    mask |= uint64_t(1) << job;
+    if (written_whole(job_args(packed, job), element_bytes(dtype), start, end) && huge_pages_for(start, end, advise))
+      mask |= uint64_t(1) << job;
   }
   return mask;
-#else
-  (void)packed, (void)count, (void)dtype, (void)advise;
-  return 0;
-#endif
 }
 
 // Bit j set: job j streams its stores. The page of an output's last element stands for all of it: the first pages
@@ -936,6 +941,13 @@ extern "C" uint64_t posenc_stream_jobs(const char* packed, int32_t count, int32_
 // Which of the packed jobs' outputs posenc_rope_jobs would ask huge pages for (bit j for job j), asking nothing.
 extern "C" uint64_t posenc_huge_page_jobs(const char* packed, int32_t count, int32_t dtype) {
   return huge_page_jobs(packed, count, dtype, false);
+}
+
+// Asks for huge pages under [p, p + bytes) by the rule the kernel's outputs follow (above), for a buffer the caller
+// writes whole next (benchmarks/rope.py's copy-huge); returns whether it asked.
+extern "C" int posenc_advise_huge_pages(void* p, int64_t bytes) {
+  const auto start = reinterpret_cast<uintptr_t>(p);
+  return bytes > 0 && huge_pages_for(start, start + static_cast<uintptr_t>(bytes), true);
 }
 
 // Sets the huge page size to advise outputs with, 0 for none (above); returns the previous setting.

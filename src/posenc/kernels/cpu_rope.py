@@ -161,6 +161,9 @@ def build_library(source: bytes, *, arch: str = "native") -> tuple[ctypes.CDLL |
         library.posenc_huge_page_jobs.argtypes = (ctypes.c_char_p, ctypes.c_int32, ctypes.c_int32)
         library.posenc_huge_page_jobs.restype = ctypes.c_uint64
         library.posenc_huge_pages.restype = ctypes.c_int64
+    if hasattr(library, "posenc_advise_huge_pages"):  # builds of 94d6c93..14cca01 have huge pages without it
+        library.posenc_advise_huge_pages.argtypes = (ctypes.c_void_p, ctypes.c_int64)
+        library.posenc_advise_huge_pages.restype = ctypes.c_int
     # Loading a library again returns the same handle: only its first load sets the defaults, so a setting made
     # since (by a test or a benchmark) stays.
     if str(target) not in _DEFAULTS_SET:
@@ -282,6 +285,15 @@ def huge_pages(library: ctypes.CDLL | None = None) -> bool:
     mode 'madvise'."""
     library = _loaded(library)
     return hasattr(library, "posenc_huge_pages") and library.posenc_huge_pages() > 0
+
+
+def advise_huge_pages(out: torch.Tensor) -> bool:
+    """Ask for huge pages under ``out``, a new contiguous CPU tensor that the caller writes whole next, by the rule the
+    kernel's own outputs follow (``set_huge_pages``; cpu_rope.cpp, "Huge pages"); returns whether it asked. For
+    benchmarks: the floor of an op that writes the pages the kernel writes."""
+    if not (out.is_cpu and out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous CPU tensor, got {out.device} with strides {out.stride()}")
+    return bool(_loaded().posenc_advise_huge_pages(out.data_ptr(), out.nbytes))
 
 
 def asks_huge_pages(
