@@ -69,34 +69,32 @@ def set_allocation(mode: str) -> str:
 
 
 def huge_pages_asked() -> bool:
-    """Whether posenc's CPU kernel asks for huge pages under its new outputs in this run (cpu_rope.cpp, "Huge
-    pages": ``POSENC_HUGE_PAGES=1``, where the OS's THP mode is 'madvise')."""
-    from posenc.kernels import cpu_rope
+    """Whether posenc asks for huge pages under the big new outputs of its CPU rotations in this run
+    (``posenc.kernels.huge_pages.asks``: on unless ``POSENC_HUGE_PAGES=0``, THP mode 'madvise', glibc's allocator)."""
+    from posenc.kernels import huge_pages
 
-    return cpu_rope.cpu_available() and cpu_rope.huge_pages()
+    return huge_pages.asks()
 
 
 def huge_pages_label() -> str:
     """The device column's word on huge pages (``huge_pages_asked``): "huge pages asked" where they are, else why
     not."""
-    from posenc.kernels import cpu_rope
+    from posenc.kernels import huge_pages
 
-    if not cpu_rope.cpu_available():
-        return "no posenc-cpu"
-    if cpu_rope.huge_page_bytes() == 0:
-        return f"THP {cpu_rope.thp_mode()}"
-    return "huge pages asked" if huge_pages_asked() else "huge pages not asked (POSENC_HUGE_PAGES unset)"
+    if huge_pages.thp_mode() != "madvise":
+        return f"THP {huge_pages.thp_mode()}"
+    if not huge_pages.enabled():
+        return "huge pages not asked (POSENC_HUGE_PAGES=0)"
+    return "huge pages asked" if huge_pages_asked() else "huge pages not asked (the allocator is not glibc's)"
 
 
 def huge_page_clone(x: torch.Tensor) -> torch.Tensor:
-    """``x.clone()`` into a new buffer given huge pages by the rule posenc's CPU kernel applies to its own outputs
-    (``cpu_rope.advise_huge_pages``): the floor of an out-of-place op that writes the same pages (copy-huge in
-    rope.py)."""
-    from posenc.kernels import cpu_rope
+    """``x.clone()`` into a new buffer given huge pages as posenc gives its rotations' outputs
+    (``posenc.kernels.huge_pages.advised``): the floor of an out-of-place op that writes the same pages (copy-huge
+    in rope.py)."""
+    from posenc.kernels import huge_pages
 
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    cpu_rope.advise_huge_pages(out)
-    return out.copy_(x)
+    return huge_pages.advised(torch.empty_like(x, memory_format=torch.contiguous_format)).copy_(x)
 
 
 def add_allocation_argument(parser, default: str = "fresh") -> None:

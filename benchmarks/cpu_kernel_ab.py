@@ -5,8 +5,9 @@ rep by rep with ``copy`` (``clone()`` of q and k, the floor of an out-of-place o
 hits them alike. Forward, out-of-place, q (1, 32, s, 128) and k (1, 8, s, 128), split-half (``--interleaved``: adjacent
 pairs); ``--inplace`` times the in-place variant against ``copy_`` into preallocated tensors instead. ``--arch`` builds
 both for an older x86 level than this CPU's (``x86-64-v3``: the AVX2 machines without AVX-512), which this CPU must be
-able to execute. Outputs are allocated as the package allocates them (``torch.empty_like``): since 94d6c93 the
-kernel asks for huge pages under fresh ones (cpu_rope.cpp, "Huge pages"), which a baseline before it never does.
+able to execute. Outputs are allocated as the package allocates them (``torch.empty_like``, given huge pages by
+``posenc.kernels.huge_pages.advised`` where it would), for every kernel alike; builds of 94d6c93..61b791c, which asked
+for huge pages themselves, are told not to.
 
     python benchmarks/cpu_kernel_ab.py --baseline 2978b28
     python benchmarks/cpu_kernel_ab.py --baseline 00a9cf7 --arch x86-64-v3 --dtypes bf16 fp16
@@ -28,6 +29,7 @@ from common import (
     write_rows,
 )
 from posenc.kernels.cpu_rope import SOURCE, build_library, rope_cpu
+from posenc.kernels.huge_pages import advised
 from posenc.testing import random_qk
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -55,7 +57,7 @@ def make_cases(libraries: dict, dtype: torch.dtype, seq: int, *, inplace: bool, 
         outs = []  # returned, so that measure_interleaved frees them after the clock, as it does the copy's
         for x, target in zip((q, k), targets, strict=True):
             # In place the targets are rotated again each rep (norms are kept, so the values stay tame).
-            source, out = (target, target) if inplace else (x, torch.empty_like(x))
+            source, out = (target, target) if inplace else (x, advised(torch.empty_like(x)))
             rope_cpu(
                 source,
                 out,

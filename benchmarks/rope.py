@@ -3,9 +3,9 @@
 Providers: posenc-cpu / posenc-triton (fused, one call for q and k; on a GPU also posenc-triton-bshd, the same call
 on q and k stored (b, s, h, d), the memory Liger is given), posenc-torch (the pure-torch path), hf-eager
 (Hugging Face's ``q * cos + rotate_half(q) * sin`` with full-width cos/sin in x's dtype), torch.compile(hf-eager),
-copy (``clone()`` of q and k: the memory-bandwidth floor), copy-huge (on CPU where posenc's kernel asks for
-transparent huge pages under its new outputs: q and k cloned into buffers given huge pages the same way, the floor
-for the pages the kernel writes; ``ratio_to_copy`` stays against ``copy``), copy-one-launch (the same bytes held in
+copy (``clone()`` of q and k: the memory-bandwidth floor), copy-huge (on CPU where posenc asks for
+transparent huge pages under its rotations' big new outputs: q and k cloned into buffers given huge pages the same
+way, the floor for the pages the kernel writes; ``ratio_to_copy`` stays against ``copy``), copy-one-launch (the same bytes held in
 one buffer and cloned by one launch: two clones pay a launch and a drain between them, which a rotation of q and k in
 one launch does not, so on a GPU this is the stricter floor), and on a GPU liger (Liger-Kernel's rope) and flash-attn
 (``apply_rotary_emb``) when installed, each given the inputs it is built for: Liger rotates q and k in place and

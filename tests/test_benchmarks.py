@@ -72,7 +72,7 @@ def _benchmark(name: str) -> ModuleType:
 
 
 def cpu_copies() -> tuple[str, ...]:
-    """rope.py's floors on this CPU, in its order: copy-huge where posenc's kernel asks for huge pages."""
+    """rope.py's floors on this CPU, in its order: copy-huge where posenc asks for huge pages."""
     return (
         ("copy", "copy-huge", "copy-one-launch")
         if _benchmark("rope").huge_pages_asked()

@@ -1,37 +1,44 @@
-"""Huge pages under the CPU kernel's new outputs (cpu_rope.cpp, "Huge pages"): which pages it asks for, which outputs
-it leaves alone, that the public calls and their replays get them, and that the bits do not change."""
+"""Huge pages under the big new outputs of the CPU rotations (posenc.kernels.huge_pages; cpu_rope.cpp, "Huge pages"):
+which pages are asked for, that the advice dies with the tensor, which outputs are left alone (and why), that the
+public calls, their replays, the backward and the torch path get them, that the kernel streams into them, and that
+the bits do not change."""
 
 from __future__ import annotations
 
-import ctypes
 import mmap
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
 import posenc
-from posenc.kernels import cpu_rope
-from posenc.kernels.cpu_rope import asks_huge_pages, rope_cpu
+from posenc.kernels import cpu_rope, huge_pages
+from posenc.kernels.cpu_rope import rope_cpu
+from posenc.kernels.huge_pages import MIN_BYTES, advised
 
 asking = pytest.mark.skipif(
-    not cpu_rope.cpu_available() or cpu_rope.huge_page_bytes() == 0,
-    reason=f"no CPU kernel, or transparent huge pages are {cpu_rope.thp_mode()!r} here: it asks only in 'madvise'",
+    not huge_pages.asks(),
+    reason=f"huge pages are not asked for here (THP mode {huge_pages.thp_mode()!r}, glibc's allocator: "
+    f"{huge_pages._glibc() is not None}, POSENC_HUGE_PAGES={os.environ.get('POSENC_HUGE_PAGES')!r})",
 )
 D = 128
-SMALLEST = 32 << 20  # the smallest output the kernel asks for (HUGE_OUTPUT_BYTES): glibc maps it on its own
 
 
 @pytest.fixture
-def huge_pages():
-    """Asking on (it is off unless POSENC_HUGE_PAGES=1 was set when the kernel loaded); the setting restored after."""
-    before = cpu_rope.set_huge_pages(True)
-    yield cpu_rope.huge_page_bytes()
-    cpu_rope.set_huge_pages(before)
+def enabled():
+    """Asking on (the default, unless POSENC_HUGE_PAGES=0 was set); the setting restored after."""
+    before = huge_pages.set_enabled(True)
+    yield huge_pages.huge_page_bytes()
+    huge_pages.set_enabled(before)
 
 
-def mapping_of(address: int) -> tuple[int, int, str, list[str]]:
-    """(start, end, path, VmFlags) of this process's mapping that holds ``address`` (/proc/self/smaps)."""
+def mapping_of(address: int) -> tuple[int, int, str, list[str]] | None:
+    """(start, end, path, VmFlags) of this process's mapping that holds ``address`` (/proc/self/smaps), or None."""
     found = None
     for line in Path("/proc/self/smaps").read_text().splitlines():
         fields = line.split()
@@ -40,157 +47,232 @@ def mapping_of(address: int) -> tuple[int, int, str, list[str]]:
             found = (start, end, fields[5] if len(fields) > 5 else "") if start <= address < end else None
         elif found and fields[0] == "VmFlags:":
             return (*found, fields[1:])
-    raise AssertionError(f"no mapping holds {address:#x}")
+    return None
 
 
-def below_the_break(address: int) -> bool:
-    """Whether ``address`` lies below the program break, where the kernel never asks (the brk heap; with the legacy
-    bottom-up layout that an unlimited stack gives, every mapping)."""
-    sbrk = ctypes.CDLL(None).sbrk
-    sbrk.restype = ctypes.c_void_p
-    return address < sbrk(0)
-
-
-LEGACY_LAYOUT = "mappings lie below the program break here (the legacy layout of an unlimited stack): never asked"
-
-
-def advised(address: int) -> bool:
-    return "hg" in mapping_of(address)[3]
-
-
-def fresh_output(rows: int, page: int, *, dtype: torch.dtype = torch.float32) -> tuple[mmap.mmap, torch.Tensor]:
-    """A new private anonymous mapping (no page of it in memory, as glibc maps a big block) and an (1, 1, rows, D)
-    tensor on it that starts half a huge page and 64 bytes in: unaligned at both ends."""
-    size = torch.empty(0, dtype=dtype).element_size()
-    region = mmap.mmap(-1, rows * D * size + 2 * page, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if below_the_break(ctypes.addressof(ctypes.c_char.from_buffer(region))):
-        region.close()
-        pytest.skip(LEGACY_LAYOUT)
-    start = page // 2 + 64
-    return region, torch.frombuffer(region, dtype=dtype, offset=start, count=rows * D).view(1, 1, rows, D)
+def advised_at(address: int) -> bool:
+    mapping = mapping_of(address)
+    return mapping is not None and "hg" in mapping[3]
 
 
 def whole_pages(out: torch.Tensor, page: int) -> tuple[int, int]:
     start = out.data_ptr()
-    return -(-start // page) * page, (start + out.numel() * out.element_size()) // page * page
+    return -(-start // page) * page, (start + out.nbytes) // page * page
+
+
+def big(dtype: torch.dtype = torch.float32, extra_pages: int = 3) -> torch.Tensor:
+    """A (1, 1, rows, D) tensor just past MIN_BYTES: glibc maps blocks of that size on their own."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    return torch.randn(1, 1, (MIN_BYTES + extra_pages * (2 << 20)) // (D * size), D).to(dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @asking
-def test_the_kernel_asks_for_exactly_the_whole_huge_pages_inside_a_fresh_output(huge_pages, dtype):
-    page = huge_pages
-    rows = (SMALLEST + 3 * page) // (D * torch.empty(0, dtype=dtype).element_size())
-    x = torch.randn(1, 1, rows, D).to(dtype)
-    cos, sin = (t.float() for t in posenc.RoPE(D, max_position_embeddings=rows).cos_sin(torch.arange(rows)))
-    region, out = fresh_output(rows, page, dtype=dtype)
-    assert asks_huge_pages(x, out, cos, sin)
+def test_a_big_new_output_gets_exactly_its_whole_huge_pages_and_they_die_with_it(enabled, dtype):
+    page = enabled
+    x = big(dtype)
+    out = torch.empty_like(x)
     first, last = whole_pages(out, page)
-    assert not advised(first), "asks_huge_pages only answers"
-    rope_cpu(x, out, cos, sin, None, interleaved=False, conjugate=False, copy_tail=True)
+    assert not advised_at(first)
+    assert advised(out) is out
     begin, end, _, flags = mapping_of(first)
     assert "hg" in flags and (begin, end) == (first, last), "the whole huge pages inside the output, and no more"
-    assert last - first >= SMALLEST
-    assert not advised(out.data_ptr()), "not the partial page before them"
-    assert not asks_huge_pages(x, out, cos, sin), "its pages are in memory now"
-    cpu_rope.set_huge_pages(False)
-    plain = torch.empty_like(x)
-    rope_cpu(x, plain, cos, sin, None, interleaved=False, conjugate=False, copy_tail=True)
-    # Into huge pages the kernel also streams its stores (cpu_rope.cpp): another store path, the same bits.
-    assert torch.equal(out, plain)
+    assert not advised_at(out.data_ptr()), "not the partial page before them (glibc's header is there)"
+    assert not advised_at(out.data_ptr() + out.nbytes - 1) or last == out.data_ptr() + out.nbytes
     del out
-    region.close()
+    # glibc unmaps the block when the tensor is freed, and the advice goes with it: the next tensor there (or none)
+    # is not advised.
+    assert not advised_at(first)
+    again = torch.empty_like(x)
+    assert not advised_at(again.data_ptr() + page), "a later block is advised only when it is an output too"
 
 
 @asking
-def test_the_kernel_leaves_alone_the_outputs_it_cannot_help(huge_pages, monkeypatch):
-    page = huge_pages
-    rows = 2 * (SMALLEST + 2 * page) // (D * 4)  # read as one block, half of it is still past SMALLEST
-    x = torch.randn(1, 1, rows, D)
-    cos, sin = posenc.RoPE(D, max_position_embeddings=rows).cos_sin(torch.arange(rows))
-    region, out = fresh_output(rows, page)
-    assert asks_huge_pages(x, out, cos, sin)
-    assert not asks_huge_pages(out, out, cos, sin), "in place: x's own pages"
-    few = SMALLEST // (D * 4) - 1
-    assert not asks_huge_pages(x[:, :, :few], out[:, :, :few], cos, sin), "smaller than glibc's own mappings"
-    gapped = out.view(1, 1, rows // 2, 2 * D)[..., :D]
-    assert not asks_huge_pages(x[:, :, : rows // 2], gapped, cos, sin), "every other row: bytes it does not write"
-    quarter = (cos[:, : D // 4], sin[:, : D // 4])  # rotary_dim D / 2
-    assert asks_huge_pages(x, out, *quarter, copy_tail=True)
-    assert not asks_huge_pages(x, out, *quarter, copy_tail=False), "the channels past r are left unwritten"
-    cpu_rope.set_huge_pages(False)
-    assert not asks_huge_pages(x, out, cos, sin), "turned off"
-    monkeypatch.setenv("POSENC_HUGE_PAGES", "1")
-    cpu_rope.set_huge_pages(None)
-    assert asks_huge_pages(x, out, cos, sin), "on by the environment"
-    with pytest.raises(
-        ValueError, match=r"POSENC_HUGE_PAGES must be 1 \(ask for huge pages\) or 0 \(do not\), got 'maybe'"
-    ):
+def test_outputs_that_would_not_take_the_advice_with_them_are_left_alone(enabled, monkeypatch):
+    page = enabled
+    x = big()
+    small = torch.empty(MIN_BYTES // 4 - 1)  # below MIN_BYTES: glibc may keep such blocks for later
+    advised(small)
+    assert not advised_at(-(-small.data_ptr() // page) * page + page)
+    shared = torch.empty(2 * x.numel())
+    view = shared[x.numel() :]  # not its block's first byte: no glibc header before it
+    assert advised(view) is view and not advised_at(whole_pages(view, page)[0])
+    half = shared[: x.numel()]  # the first byte, but half of the block: the rest is not this caller's to write
+    advised(half)
+    assert not advised_at(whole_pages(half, page)[0])
+    huge_pages.set_enabled(False)
+    out = advised(torch.empty_like(x))
+    assert not advised_at(whole_pages(out, page)[0]), "turned off"
+    monkeypatch.setattr(huge_pages, "_glibc", lambda: None)  # what a preloaded allocator gives (tested below)
+    huge_pages.set_enabled(True)
+    assert not huge_pages.asks()
+    out = advised(torch.empty_like(x))
+    assert not advised_at(whole_pages(out, page)[0]), "not glibc's block"
+
+
+def test_the_environment_turns_it_off_and_anything_else_is_a_clear_error(monkeypatch):
+    before = huge_pages.enabled()
+    try:
+        for value, on in [("", True), ("1", True), ("on", True), ("yes", True), ("0", False), ("off", False)]:
+            monkeypatch.setenv("POSENC_HUGE_PAGES", value)
+            huge_pages.set_enabled(None)
+            assert huge_pages.enabled() is on, f"POSENC_HUGE_PAGES={value!r}"
+        monkeypatch.delenv("POSENC_HUGE_PAGES")
+        huge_pages.set_enabled(None)
+        assert huge_pages.enabled(), "on by default"
         monkeypatch.setenv("POSENC_HUGE_PAGES", "maybe")
-        cpu_rope.set_huge_pages(None)
-    for off in ("0", "", "off"):
-        monkeypatch.setenv("POSENC_HUGE_PAGES", off)
-        cpu_rope.set_huge_pages(None)
-        assert not asks_huge_pages(x, out, cos, sin), f"off with POSENC_HUGE_PAGES={off!r}"
-    monkeypatch.delenv("POSENC_HUGE_PAGES")
-    cpu_rope.set_huge_pages(None)
-    assert not asks_huge_pages(x, out, cos, sin), "off by default"
-    cpu_rope.set_huge_pages(True)
-    out.zero_()  # faulted in, as recycled heap memory is
-    assert not asks_huge_pages(x, out, cos, sin), "its pages are in memory already"
-    del out, gapped
-    region.close()
+        with pytest.raises(ValueError, match=r"POSENC_HUGE_PAGES must be 1 .* or 0 \(do not\), got 'maybe'"):
+            huge_pages.set_enabled(None)
+    finally:
+        huge_pages.set_enabled(before)
+
+
+CHILD = textwrap.dedent(
+    """
+    import torch
+    from pathlib import Path
+    from posenc.kernels import huge_pages
+    x = torch.ones(1, 1, (huge_pages.MIN_BYTES + (6 << 20)) // 512, 128)
+    warm = torch.empty_like(x).fill_(0)  # a block that a recycling allocator hands out again, in memory
+    del warm
+    out = huge_pages.advised(torch.empty_like(x))
+    page = huge_pages.huge_page_bytes()
+    first = -(-out.data_ptr() // page) * page
+    flags = ""
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and not fields[0].endswith(":"):
+            start, end = (int(part, 16) for part in fields[0].split("-"))
+            inside = start <= first < end
+        elif inside and fields[0] == "VmFlags:":
+            flags = " ".join(fields[1:])
+    print(huge_pages.asks(), "hg" in flags.split())
+    """
+)
+
+
+def child(env: dict[str, str]) -> str:
+    result = subprocess.run(
+        [sys.executable, "-c", CHILD], env={**os.environ, **env}, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout.strip()
 
 
 @asking
-def test_a_buffer_advised_by_hand_follows_the_kernels_rule(huge_pages):
-    """``advise_huge_pages`` (benchmarks/rope.py's copy-huge) asks for the pages the kernel would ask for."""
-    page = huge_pages
-    rows = (SMALLEST + 3 * page) // (D * 4)
-    x = torch.randn(1, 1, rows, D)
-    cos, sin = posenc.RoPE(D, max_position_embeddings=rows).cos_sin(torch.arange(rows))
-    region, out = fresh_output(rows, page)
-    assert not cpu_rope.advise_huge_pages(out[:, :, : SMALLEST // (D * 4) - 1]), "below 32 MiB, as the kernel"
-    assert asks_huge_pages(x, out, cos, sin) and cpu_rope.advise_huge_pages(out)
-    first, last = whole_pages(out, page)
-    begin, end, _, flags = mapping_of(first)
-    assert "hg" in flags and (begin, end) == (first, last)
-    with pytest.raises(ValueError, match="out must be a contiguous CPU tensor"):
-        cpu_rope.advise_huge_pages(out.transpose(2, 3))
-    del out
-    region.close()
+def test_a_glibc_that_keeps_big_blocks_or_another_allocator_gets_no_advice(tmp_path):
+    assert child({}) == "True True", "glibc's defaults: a mapping of its own, advised"
+    # glibc told to keep every block in its heap (as benchmarks' --alloc reuse does): the chunk is not a mapping of
+    # its own, so the advice would outlive the tensor.
+    assert child({"MALLOC_MMAP_MAX_": "0", "MALLOC_TOP_PAD_": str(1 << 30)}) == "True False"
+    # An allocator preloaded in glibc's place (as jemalloc or tcmalloc are): a shim forwarding to glibc, so the
+    # blocks are the same, but malloc is no longer glibc's.
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        pytest.skip("no C++ compiler for the preloaded allocator")
+    source = tmp_path / "shim.cpp"
+    source.write_text(
+        textwrap.dedent(
+            """
+            #include <cstddef>
+            extern "C" {
+            void* __libc_malloc(size_t);
+            void __libc_free(void*);
+            void* __libc_memalign(size_t, size_t);
+            void* malloc(size_t n) { return __libc_malloc(n); }
+            void free(void* p) { __libc_free(p); }
+            int posix_memalign(void** p, size_t a, size_t n) { *p = __libc_memalign(a, n); return *p ? 0 : 12; }
+            }
+            """
+        )
+    )
+    shim = tmp_path / "shim.so"
+    subprocess.run([compiler, "-O2", "-shared", "-fPIC", str(source), "-o", str(shim)], check=True, timeout=120)
+    assert child({"LD_PRELOAD": str(shim)}) == "False False"
 
 
 @pytest.mark.parametrize(
-    ("text", "mode"),
+    ("text", "mode", "size"),
     [
-        ("always [madvise] never\n", "madvise"),
-        ("[always] madvise never\n", "always"),
-        ("always madvise [never]", "never"),
+        ("always [madvise] never\n", "madvise", 2097152),
+        ("[always] madvise never\n", "always", 2097152),  # the kernel looks for them; nothing to ask
+        ("always madvise [never]", "never", 0),
     ],
 )
-def test_only_mode_madvise_has_huge_pages_to_ask_for(tmp_path, monkeypatch, text, mode):
+def test_the_thp_mode_says_what_to_ask_for_and_look_for(tmp_path, monkeypatch, text, mode, size):
     (tmp_path / "enabled").write_text(text)
     (tmp_path / "hpage_pmd_size").write_text("2097152\n")
-    monkeypatch.setattr(cpu_rope, "_THP", tmp_path)
+    monkeypatch.setattr(huge_pages, "_THP", tmp_path)
     try:
-        cpu_rope.thp_mode.cache_clear(), cpu_rope.huge_page_bytes.cache_clear()
-        assert cpu_rope.thp_mode() == mode
-        # 'always' gives huge pages unasked, 'never' refuses them.
-        assert cpu_rope.huge_page_bytes() == (2097152 if mode == "madvise" else 0)
+        huge_pages.thp_mode.cache_clear(), huge_pages.huge_page_bytes.cache_clear()
+        assert huge_pages.thp_mode() == mode and huge_pages.huge_page_bytes() == size
+        assert huge_pages.asks() == (mode == "madvise" and huge_pages.enabled() and huge_pages._glibc() is not None)
         (tmp_path / "enabled").unlink()
-        cpu_rope.thp_mode.cache_clear(), cpu_rope.huge_page_bytes.cache_clear()
-        assert cpu_rope.thp_mode() == "unsupported" and cpu_rope.huge_page_bytes() == 0
+        huge_pages.thp_mode.cache_clear(), huge_pages.huge_page_bytes.cache_clear()
+        assert huge_pages.thp_mode() == "unsupported" and huge_pages.huge_page_bytes() == 0
     finally:
-        cpu_rope.thp_mode.cache_clear(), cpu_rope.huge_page_bytes.cache_clear()
+        huge_pages.thp_mode.cache_clear(), huge_pages.huge_page_bytes.cache_clear()
 
 
-@pytest.mark.parametrize("grad", [False, True])
+def smaps_kib(address: int, field: str = "AnonHugePages") -> int:
+    """A field (in KiB) of the mapping that holds ``address``: AnonHugePages, Rss."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and not fields[0].endswith(":"):
+            start, end = (int(part, 16) for part in fields[0].split("-"))
+            inside = start <= address < end
+        elif inside and fields[0] == f"{field}:":
+            return int(fields[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.parametrize("advise", [True, False])
+def test_the_kernel_streams_into_fresh_output_only_where_it_finds_huge_pages(advise):
+    """cpu_rope.cpp: into a fresh output the kernel streams its stores only where the first whole huge page inside
+    it comes in as a huge page (2 MiB zeroed at once do not stay in cache); 4 KiB pages it writes plainly."""
+    if not (cpu_rope.cpu_available() and cpu_rope.can_stream()) or huge_pages.huge_page_bytes() == 0:
+        pytest.skip("no streaming stores or no transparent huge pages here")
+    page = huge_pages.huge_page_bytes()
+    x = torch.randn(1, 4, 4096, D, dtype=torch.bfloat16)  # 4 MiB: two whole huge pages in any 4 MiB + 2 MiB window
+    cos, sin = posenc.RoPE(D, max_position_embeddings=4096).cos_sin(torch.arange(4096))
+    region = mmap.mmap(-1, x.nbytes + page, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    base = torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr()
+    offset = -base % page + 64  # 64 bytes past a huge page boundary, as glibc's blocks start
+    if advise:
+        region.madvise(mmap.MADV_HUGEPAGE)
+    elif huge_pages.thp_mode() == "always":
+        region.madvise(mmap.MADV_NOHUGEPAGE)
+    out = torch.frombuffer(region, dtype=torch.bfloat16, offset=offset, count=x.numel()).view(x.shape)
+    default = cpu_rope.set_stream_threshold(1 << 20)
+    try:
+        first = whole_pages(out, page)[0]
+        assert smaps_kib(first, "Rss") == 0
+        streams = cpu_rope.streams(x, out, cos, sin)
+        assert smaps_kib(first, "Rss") > 0, "the kernel looks by faulting in the first whole huge page"
+        # The fault decides, not the advice: with no free huge page the OS falls back to 4 KiB ones.
+        assert streams == (smaps_kib(first) > 0)
+        assert not cpu_rope.streams(x, x, cos, sin), "in place"
+        rope_cpu(x, out, cos, sin, None, interleaved=False, conjugate=False, copy_tail=True)
+        plain = torch.empty_like(x)
+        cpu_rope.set_stream_threshold(2**62)
+        rope_cpu(x, plain, cos, sin, None, interleaved=False, conjugate=False, copy_tail=True)
+        assert torch.equal(out, plain), "streamed and plain stores, the same bits"
+    finally:
+        cpu_rope.set_stream_threshold(default)
+        del out
+        region.close()
+
+
+@pytest.mark.parametrize(("backend", "grad"), [("cpu", False), ("cpu", True), ("torch", False)])
 @asking
-def test_public_calls_and_their_replays_write_big_outputs_into_huge_pages(huge_pages, grad):
-    """q and k of 36 MiB and 9 MiB (float32): glibc maps blocks past 32 MiB fresh whatever its adaptive threshold
-    says, so q's output is a new mapping; k's may be recycled heap memory, which is left alone. Without grad the second
-    call replays the first one's launch; with grad the backward writes the gradients the same way."""
-    rope = posenc.RoPE(D, max_position_embeddings=8192, backend="cpu")
+def test_public_calls_their_replays_and_the_backward_write_big_outputs_into_huge_pages(enabled, backend, grad):
+    """q of 36 MiB and k of 9 MiB (float32): q's output is a mapping of glibc's own, advised; k's may be recycled
+    heap memory, which is left alone. Without grad the second call replays the first one's launch; with grad the
+    backward writes the gradients the same way. The values match those written with asking off, bit for bit."""
+    if backend == "cpu" and not cpu_rope.cpu_available():
+        pytest.skip("no CPU kernel")
+    rope = posenc.RoPE(D, max_position_embeddings=8192, backend=backend)
     q = torch.randn(1, 9, 8192, D, requires_grad=grad)
     k = torch.randn(1, 2, 8192, D)
     kept = []
@@ -201,9 +283,22 @@ def test_public_calls_and_their_replays_write_big_outputs_into_huge_pages(huge_p
             if grad:
                 kept.append(torch.autograd.grad(outs[0], q, torch.ones_like(outs[0]))[0])
     for tensor in kept:
-        first, last = whole_pages(tensor, huge_pages)
-        begin, end, path, flags = mapping_of(first)
-        if path == "[heap]" or below_the_break(first):
-            pytest.skip(f"the output lies below the program break ({path or LEGACY_LAYOUT})")
+        first, last = whole_pages(tensor, enabled)
+        begin, end, _, flags = mapping_of(first)
         assert "hg" in flags and begin <= first and last <= end
-    assert torch.equal(kept[0], kept[-2 if grad else 1])
+    huge_pages.set_enabled(False)
+    with torch.set_grad_enabled(grad):
+        plain = rope(q, k)[0]
+        assert not advised_at(whole_pages(plain, enabled)[0])
+        assert torch.equal(kept[0], plain)
+        if grad:
+            assert torch.equal(kept[1], torch.autograd.grad(plain, q, torch.ones_like(plain))[0])
+
+
+@asking
+def test_traced_code_asks_for_nothing(enabled):
+    """Under torch.compile there is no memory to advise yet (the torch path's Python is traced): ``advised`` steps
+    aside, and fullgraph compiles."""
+    x = big()
+    compiled = torch.compile(lambda t: advised(torch.empty_like(t)).copy_(t) * 2, fullgraph=True, backend="eager")
+    assert torch.equal(compiled(x), x * 2)

@@ -1012,18 +1012,14 @@ def test_cpu_streams_only_large_out_of_place_writes_into_resident_pages():
     # The default threshold is the last-level cache; past 64 MiB a lower one keeps this test's tensors small.
     limit = min(cpu_rope.last_level_cache_bytes(), 64 << 20)
     default = cpu_rope.set_stream_threshold(limit)
-    huge = cpu_rope.set_huge_pages(False)
     try:
         big = torch.randn(1, limit // (1024 * 128 * 2) + 1, 1024, 128, dtype=torch.bfloat16)
         # A new anonymous mapping, as glibc gives a big block: no page of it is in memory until it is written.
         region = mmap.mmap(-1, big.numel() * 2)
         fresh = torch.frombuffer(region, dtype=torch.bfloat16).view(big.shape)
+        # (A shared mapping, which takes 4 KiB pages unless the OS's shmem_enabled says otherwise; into huge pages
+        # the kernel does stream: test_cpu_huge_pages.py.)
         assert not cpu_rope.streams(big, fresh, cos, sin), "a fresh mapping faults in cached zero pages: store plainly"
-        cpu_rope.set_huge_pages(True)
-        # Unless the kernel asks for huge pages there (test_cpu_huge_pages.py): 2 MiB zeroed at once do not stay in
-        # cache.
-        assert cpu_rope.streams(big, fresh, cos, sin) == cpu_rope.asks_huge_pages(big, fresh, cos, sin)
-        cpu_rope.set_huge_pages(False)
         assert not cpu_rope.streams(big, big, cos, sin), "in place, each line is read before it is written"
         fresh.zero_()
         assert cpu_rope.streams(big, fresh, cos, sin)
@@ -1034,7 +1030,6 @@ def test_cpu_streams_only_large_out_of_place_writes_into_resident_pages():
         rope_cpu(big, plain, cos, sin, None, interleaved=False, conjugate=False, copy_tail=True)
     finally:
         cpu_rope.set_stream_threshold(default)
-        cpu_rope.set_huge_pages(huge)
     assert torch.equal(fresh, plain), "streamed and plain stores must write the same bits"
 
 

@@ -777,7 +777,7 @@ bool positions_in_table(const Args& a) {
 // measured 0.74 -> 1.16 of a copy on a Zen 4 VM. It is a loss where the output is not in memory yet: glibc maps a
 // big block anew, and each first write faults in a zeroed page that is then in cache (0.88 -> 0.83), and where the
 // output fits in the cache that the caller reads next. So a call streams only what it writes out of place, when
-// that totals more than the last-level cache, into pages that are already resident.
+// that totals more than the last-level cache, into pages that are already resident, or into huge pages (below).
 // In bytes; cpu_rope.py sets it to the last-level cache's size when it loads the library.
 std::atomic<int64_t> stream_threshold{int64_t(32) << 20};
 
@@ -802,25 +802,16 @@ Args job_args(const char* packed, int32_t job) {
   return a;
 }
 
-// Huge pages, when asked for (cpu_rope.py: POSENC_HUGE_PAGES=1 or set_huge_pages(True)). glibc maps a big output
-// fresh, and the OS zero-fills each 4 KiB page at its first write: for q (1, 32, 4096, 128) in bf16 that is 8192
-// faults, most of an out-of-place call's time. Where transparent huge pages go only to memory that asks for them
-// (mode 'madvise', as on Debian and Ubuntu), a call then asks, with madvise(MADV_HUGEPAGE), for the whole huge pages
-// inside each output that it writes whole and that has none of them in memory yet: one fault per 2 MiB. q and k at
-// s = 4096 into fresh pages, q's output advised and k's not (below), Zen 5 VM: bf16 9.5 -> 5.3 ms, fp32 18.2 ->
-// 9.7 ms. No memory is added (every byte of those pages is written). But the advice stays on the address range after
-// the tensor is freed, so only outputs of at least HUGE_OUTPUT_BYTES are advised: with glibc's defaults every block
-// that large is a mapping of its own (the adaptive mmap threshold stops at 32 MiB), unmapped, advice and all, when
-// freed. Memory below the program break (the brk heap) and memory already in use (a recycled block) are left alone
-// too. It stays off by default because an allocator may keep the range for later, unrelated allocations, which then
-// fault 2 MiB at a time: jemalloc and tcmalloc (often preloaded for CPU serving) release big extents with
-// MADV_DONTNEED and hand them out again, and so do glibc's thread arenas once MALLOC_MMAP_THRESHOLD_ is raised past
-// the output (both found by review, with the advised range reused by later tensors). Also: where the OS has no free
-// huge page, a fault may first compact memory (its `defrag` setting). PyTorch's THP_MEM_ALLOC_ENABLE=1, opt-in for
-// the same reasons, advises every buffer of 2 MiB or more. In bytes; 0: off. cpu_rope.py sets it when it loads the
-// library.
+// Huge pages. An output that the OS backs with transparent huge pages faults 2 MiB at a time, zeroed at once: more
+// than stays in the core's cache until the kernel writes it, so streaming those stores skips reading the lines back
+// (fresh output, s = 4096, Zen 5: bf16 0.76 -> 0.83 of a copy into huge pages, fp32 0.81 -> 0.89-0.92), where with
+// 4 KiB pages it loses (below). The kernel asks for none (posenc.kernels.huge_pages advises the outputs it allocates,
+// where that is safe); it looks: a call writes one byte at the start of the first whole huge page inside an output
+// that it is about to write whole and that is not in memory yet, and that page's last 4 KiB are then in memory only
+// if the fault brought a huge page (a 4 KiB fault brings in nothing around it for anonymous memory). Whoever gave
+// the range huge pages (our advice, THP mode 'always', an allocator), they are found.
+// The huge page size to look for, in bytes; 0: none (cpu_rope.py sets it when it loads the library).
 std::atomic<int64_t> huge_page_bytes{0};
-constexpr uintptr_t HUGE_OUTPUT_BYTES = uintptr_t(32) << 20;
 
 // The bytes [first, end) of job a's output when the call writes all of them: out of place, every channel written
 // (rotated or copied), and no gaps between the elements, whatever the order of the dims.
@@ -843,43 +834,31 @@ bool written_whole(const Args& a, int64_t size, uintptr_t& first, uintptr_t& end
   return true;
 }
 
-// Whether the bytes [start, end), all of which the caller writes next, are to get huge pages (above); with
-// `advise`, they are asked for now.
-bool huge_pages_for(uintptr_t start, uintptr_t end, bool advise) {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
+// Whether job a's output, not in memory yet, is backed by huge pages (above). Faults in the first whole huge page
+// inside it, which the call then overwrites.
+bool in_huge_pages(const Args& a, int64_t size) {
+#if defined(__linux__)
   const auto page = static_cast<uintptr_t>(huge_page_bytes.load(std::memory_order_relaxed));
-  if (page == 0 || end - start < HUGE_OUTPUT_BYTES || start < reinterpret_cast<uintptr_t>(sbrk(0))) return false;
-  const uintptr_t first = (start + page - 1) / page * page, last = end / page * page;
-  if (last <= first || resident(reinterpret_cast<const void*>(first))) return false;
-  return !advise || madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE) == 0;
+  uintptr_t start = 0, end = 0;
+  if (page == 0 || !written_whole(a, size, start, end)) return false;
+  const uintptr_t first = (start + page - 1) / page * page;
+  if (first + page > end || resident(reinterpret_cast<const void*>(first))) return false;
+  *reinterpret_cast<volatile char*>(first) = 0;
+  return resident(reinterpret_cast<const void*>(first + page - static_cast<uintptr_t>(sysconf(_SC_PAGESIZE))));
 #else
-  (void)start, (void)end, (void)advise;
+  (void)a, (void)size;
   return false;
 #endif
 }
 
-// Bit j set: job j's output is to get huge pages (above); with `advise`, they are asked for now.
-uint64_t huge_page_jobs(const char* packed, int32_t count, int32_t dtype, bool advise) {
-  if (huge_page_bytes.load(std::memory_order_relaxed) == 0) return 0;
-  uint64_t mask = 0;
-  for (int32_t job = 0; job < count && job < 64; ++job) {
-    uintptr_t start = 0, end = 0;
-    if (written_whole(job_args(packed, job), element_bytes(dtype), start, end) && huge_pages_for(start, end, advise))
-      mask |= uint64_t(1) << job;
-  }
-  return mask;
-}
-
-// Bit j set: job j streams its stores. The page of an output's last element stands for all of it: the first pages
-// of a fresh block are already touched by malloc's header. An output given huge pages (bit j of `huge`) streams
-// too: the fault zeroes 2 MiB at once, more than stays in the core's cache until the kernel writes it, and streaming
-// skips reading those lines back (fresh output, s = 4096, Zen 5: bf16 0.76 -> 0.83 of a copy into huge pages, fp32
-// 0.81 -> 0.89-0.92, where with 4 KiB pages streaming loses, above).
-uint64_t stream_jobs(const char* packed, int32_t count, int32_t dtype, uint64_t huge) {
+// Bit j set: job j streams its stores: the call writes more than the last-level cache out of place, into pages
+// already in memory (recycled) or into huge pages (above). The page of an output's last element stands for all of
+// it: the first pages of a fresh block are already touched by malloc's header. Looking for huge pages faults one in.
+uint64_t stream_jobs(const char* packed, int32_t count, int32_t dtype) {
 #if !defined(POSENC_AVX512) && !defined(POSENC_AVX2)
-  (void)huge;
+  (void)packed, (void)count, (void)dtype;
   return 0;  // the portable loop has no streaming stores
-#endif
+#else
   const int64_t size = element_bytes(dtype);
   int64_t bytes = 0;
   for (int32_t job = 0; job < count; ++job) {
@@ -892,9 +871,10 @@ uint64_t stream_jobs(const char* packed, int32_t count, int32_t dtype, uint64_t 
     const Args a = job_args(packed, job);
     if (a.out == a.x || a.n[0] * a.n[1] * a.n[2] * a.d == 0) continue;
     const int64_t last = (a.n[0] - 1) * a.os[0] + (a.n[1] - 1) * a.os[1] + (a.n[2] - 1) * a.os[2] + a.d - 1;
-    if (((huge >> job) & 1) || resident(static_cast<const char*>(a.out) + last * size)) mask |= uint64_t(1) << job;
+    if (resident(static_cast<const char*>(a.out) + last * size) || in_huge_pages(a, size)) mask |= uint64_t(1) << job;
   }
   return mask;
+#endif
 }
 
 }  // namespace
@@ -906,7 +886,7 @@ extern "C" int posenc_rope_jobs(const char* packed, int32_t count, int32_t dtype
   for (int32_t job = 0; job < count; ++job) {
     if (!positions_in_table(job_args(packed, job))) return 2;
   }
-  const uint64_t streams = stream_jobs(packed, count, dtype, huge_page_jobs(packed, count, dtype, true));
+  const uint64_t streams = stream_jobs(packed, count, dtype);
   for (int32_t job = 0; job < count; ++job) {
     const Args a = job_args(packed, job);
     const bool stream = job < 64 && ((streams >> job) & 1);
@@ -933,28 +913,14 @@ extern "C" int posenc_can_stream() {
 #endif
 }
 
-// Which of the packed jobs posenc_rope_jobs would stream (bit j for job j), for tests and benchmarks.
+// Which of the packed jobs posenc_rope_jobs would stream (bit j for job j), for tests and benchmarks; looking for
+// huge pages faults in the first one inside each fresh output it would write whole.
 extern "C" uint64_t posenc_stream_jobs(const char* packed, int32_t count, int32_t dtype) {
-  return stream_jobs(packed, count, dtype, huge_page_jobs(packed, count, dtype, false));
+  return stream_jobs(packed, count, dtype);
 }
 
-// Which of the packed jobs' outputs posenc_rope_jobs would ask huge pages for (bit j for job j), asking nothing.
-extern "C" uint64_t posenc_huge_page_jobs(const char* packed, int32_t count, int32_t dtype) {
-  return huge_page_jobs(packed, count, dtype, false);
-}
-
-// Asks for huge pages under [p, p + bytes) by the rule the kernel's outputs follow (above), for a buffer the caller
-// writes whole next (benchmarks/rope.py's copy-huge); returns whether it asked.
-extern "C" int posenc_advise_huge_pages(void* p, int64_t bytes) {
-  const auto start = reinterpret_cast<uintptr_t>(p);
-  return bytes > 0 && huge_pages_for(start, start + static_cast<uintptr_t>(bytes), true);
-}
-
-// Sets the huge page size to advise outputs with, 0 for none (above); returns the previous setting.
-extern "C" int64_t posenc_set_huge_pages(int64_t bytes) { return huge_page_bytes.exchange(bytes); }
-
-// The huge page size outputs are advised with now, 0 for none.
-extern "C" int64_t posenc_huge_pages() { return huge_page_bytes.load(); }
+// Sets the huge page size to look for under fresh outputs, 0 for none (above); returns the previous setting.
+extern "C" int64_t posenc_set_huge_page_size(int64_t bytes) { return huge_page_bytes.exchange(bytes); }
 
 // Sets the bytes a call must write out of place before it streams; returns the previous setting.
 extern "C" int64_t posenc_set_stream_threshold(int64_t bytes) { return stream_threshold.exchange(bytes); }

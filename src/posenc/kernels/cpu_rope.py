@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from posenc.kernels import huge_pages
 from posenc.kernels.recording import record
 
 SOURCE = Path(__file__).with_name("cpu_rope.cpp")
@@ -95,8 +96,7 @@ def _cpu_model() -> str:
     return "\n".join(found.values()) or platform.processor()
 
 
-_DEFAULTS_SET: set[str] = set()  # paths of the libraries given their default streaming threshold and huge pages
-_THP = Path("/sys/kernel/mm/transparent_hugepage")
+_DEFAULTS_SET: set[str] = set()  # paths of the libraries given their default streaming threshold and huge page size
 
 
 def build_library(source: bytes, *, arch: str = "native") -> tuple[ctypes.CDLL | None, str]:
@@ -155,49 +155,23 @@ def build_library(source: bytes, *, arch: str = "native") -> tuple[ctypes.CDLL |
         library.posenc_set_stream_threshold.argtypes = (ctypes.c_int64,)
         library.posenc_set_stream_threshold.restype = ctypes.c_int64
         library.posenc_can_stream.restype = ctypes.c_int
-    if hasattr(library, "posenc_set_huge_pages"):
-        library.posenc_set_huge_pages.argtypes = (ctypes.c_int64,)
-        library.posenc_set_huge_pages.restype = ctypes.c_int64
-        library.posenc_huge_page_jobs.argtypes = (ctypes.c_char_p, ctypes.c_int32, ctypes.c_int32)
-        library.posenc_huge_page_jobs.restype = ctypes.c_uint64
-        library.posenc_huge_pages.restype = ctypes.c_int64
-    if hasattr(library, "posenc_advise_huge_pages"):  # builds of 94d6c93..14cca01 have huge pages without it
-        library.posenc_advise_huge_pages.argtypes = (ctypes.c_void_p, ctypes.c_int64)
-        library.posenc_advise_huge_pages.restype = ctypes.c_int
+    if hasattr(library, "posenc_set_huge_page_size"):
+        library.posenc_set_huge_page_size.argtypes = (ctypes.c_int64,)
+        library.posenc_set_huge_page_size.restype = ctypes.c_int64
     # Loading a library again returns the same handle: only its first load sets the defaults, so a setting made
     # since (by a test or a benchmark) stays.
     if str(target) not in _DEFAULTS_SET:
         if hasattr(library, "posenc_set_stream_threshold"):
             library.posenc_set_stream_threshold(last_level_cache_bytes())
-        if hasattr(library, "posenc_set_huge_pages"):
-            library.posenc_set_huge_pages(huge_page_bytes() if _huge_pages_asked_for() else 0)
+        if hasattr(library, "posenc_set_huge_page_size"):
+            library.posenc_set_huge_page_size(huge_pages.huge_page_bytes())
+        elif hasattr(library, "posenc_set_huge_pages"):
+            # Builds of 94d6c93..61b791c advise their outputs themselves when given a size: leave the pages to
+            # posenc.kernels.huge_pages, as this revision's kernel does (benchmarks/cpu_kernel_ab.py).
+            library.posenc_set_huge_pages.argtypes = (ctypes.c_int64,)
+            library.posenc_set_huge_pages(0)
         _DEFAULTS_SET.add(str(target))
     return library, ""
-
-
-@functools.cache
-def thp_mode() -> str:
-    """The OS's transparent huge page mode: 'always', 'madvise' or 'never'; 'unsupported' where there is none
-    (not Linux, or a kernel without them)."""
-    try:
-        text = (_THP / "enabled").read_text()
-    except OSError:
-        return "unsupported"
-    start, end = text.find("["), text.find("]")
-    return text[start + 1 : end] if 0 <= start < end else "unsupported"
-
-
-@functools.cache
-def huge_page_bytes() -> int:
-    """The size of the huge pages the kernel asks for under its new outputs where the OS gives them only to memory
-    that asks (mode 'madvise'); 0 in every other mode: 'always' gives them unasked, 'never' not at all."""
-    if thp_mode() != "madvise":
-        return 0
-    try:
-        size = int((_THP / "hpage_pmd_size").read_text())
-    except (OSError, ValueError):
-        return 0
-    return size if size > 0 and size & (size - 1) == 0 else 0
 
 
 @functools.cache
@@ -258,57 +232,10 @@ def can_stream(library: ctypes.CDLL | None = None) -> bool:
     return library is not None and bool(library.posenc_can_stream())
 
 
-def _huge_pages_asked_for() -> bool:
-    value = os.environ.get("POSENC_HUGE_PAGES", "").strip().lower()
-    if value not in ("", "0", "1", "false", "true", "no", "yes", "off", "on"):
-        raise ValueError(f"POSENC_HUGE_PAGES must be 1 (ask for huge pages) or 0 (do not), got {value!r}")
-    return value in ("1", "true", "yes", "on")
-
-
-def set_huge_pages(enabled: bool | None, *, library: ctypes.CDLL | None = None) -> bool:
-    """Whether the kernel asks for huge pages under the new outputs of 32 MiB or more that it writes out of place:
-    a call writing fresh output then faults one page per 2 MiB instead of per 4 KiB (about twice as fast). None
-    restores the default: off, unless ``POSENC_HUGE_PAGES=1`` is in the environment. Off by default because the
-    advice stays on the address range after the tensor is freed: harmless where the output is a mapping of its own
-    (glibc's defaults), not where the allocator keeps the range for other allocations (jemalloc or tcmalloc
-    preloaded, glibc thread arenas with a raised mmap threshold); cpu_rope.cpp, "Huge pages". Only where the OS's
-    mode is 'madvise' does asking do anything (``huge_page_bytes``). Returns whether it was on before."""
-    library = _loaded(library)
-    if not hasattr(library, "posenc_set_huge_pages"):
-        raise RuntimeError("this build of the CPU kernel has no huge pages (an older revision)")
-    on = _huge_pages_asked_for() if enabled is None else enabled
-    return bool(library.posenc_set_huge_pages(huge_page_bytes() if on else 0))
-
-
-def huge_pages(library: ctypes.CDLL | None = None) -> bool:
-    """Whether the kernel asks for huge pages under its new outputs now (``set_huge_pages``): turned on, and the OS's
-    mode 'madvise'."""
-    library = _loaded(library)
-    return hasattr(library, "posenc_huge_pages") and library.posenc_huge_pages() > 0
-
-
-def advise_huge_pages(out: torch.Tensor) -> bool:
-    """Ask for huge pages under ``out``, a new contiguous CPU tensor that the caller writes whole next, by the rule the
-    kernel's own outputs follow (``set_huge_pages``; cpu_rope.cpp, "Huge pages"); returns whether it asked. For
-    benchmarks: the floor of an op that writes the pages the kernel writes."""
-    if not (out.is_cpu and out.is_contiguous()):
-        raise ValueError(f"out must be a contiguous CPU tensor, got {out.device} with strides {out.stride()}")
-    return bool(_loaded().posenc_advise_huge_pages(out.data_ptr(), out.nbytes))
-
-
-def asks_huge_pages(
-    x: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, copy_tail: bool = True
-) -> bool:
-    """Whether ``rope_cpu(x, out, cos, sin, None, copy_tail=copy_tail, ...)`` would ask for huge pages under ``out``
-    now (see ``set_huge_pages``), asking nothing: the kernel's own decision, for tests and benchmarks."""
-    library = _loaded()
-    job = _pack_job(x, out, cos, sin, 0, (0, 0), 0, (0, 0, int(copy_tail)), 1)[0]
-    return job is not None and bool(library.posenc_huge_page_jobs(job, 1, DTYPE_CODES[x.dtype]) & 1)
-
-
 def streams(x: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Whether ``rope_cpu(x, out, cos, sin, None, ...)`` would use streaming stores now (see
-    ``set_stream_threshold``): the kernel's own decision, for tests and benchmarks."""
+    ``set_stream_threshold``): the kernel's own decision, for tests and benchmarks. To see whether a fresh ``out``
+    is in huge pages, the kernel faults in the first whole one inside it (writing a zero byte)."""
     library = _loaded()
     job = _pack_job(x, out, cos, sin, 0, (0, 0), 0, (0, 0, 1), 1)[0]
     return job is not None and bool(library.posenc_stream_jobs(job, 1, DTYPE_CODES[x.dtype]) & 1)

@@ -19,6 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from posenc._checks import compiling, inplace_refused, pre_dispatch_recording
 from posenc.kernels.backend import batched, dense_gradient, storage_problem
+from posenc.kernels.huge_pages import advised
 from posenc.kernels.launch import launch
 
 
@@ -51,7 +52,7 @@ def _rotary_impl(
 ) -> list[torch.Tensor]:
     """Rotated copies of xs (see ``posenc.apply_rotary``'s arguments); channels past r are copied."""
     xs = [_unit_last_stride(x) for x in xs]
-    outs = [_output_like(x) for x in xs]
+    outs = [advised(_output_like(x)) for x in xs]
     launch(xs, outs, cos, sin, positions, offsets, offset, cu_seqlens, kind, interleaved, conjugate, backend, True)  # type: ignore[arg-type]
     return outs
 

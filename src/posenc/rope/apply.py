@@ -31,6 +31,7 @@ from posenc._checks import (
     values_readable,
 )
 from posenc.kernels.backend import batched, choose_backend, dense_gradient
+from posenc.kernels.huge_pages import advised
 from posenc.kernels.layout import check_table_call, consecutive_rows, hf_cos_hint, rotary_kind, token_positions
 from posenc.kernels.ops import rotary_copy, rotary_inplace
 from posenc.kernels.recording import recording_launches
@@ -190,7 +191,7 @@ def _rotate_blocks(
 def _rotate_copy(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, conjugate: bool):
     """x (..., d) rotated on its first r channels into a new tensor of x's dtype; cos/sin already in the wide dtype."""
     rotary = 2 * cos.shape[-1]
-    out = torch.empty_like(x)
+    out = advised(torch.empty_like(x))  # written whole below
     dim, rows = _block_rows(x, rotary, cos.dtype)
     if rows:
         _rotate_blocks(out, x, cos, sin, interleaved, conjugate, dim, rows, in_place=False)
