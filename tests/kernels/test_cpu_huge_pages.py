@@ -24,9 +24,16 @@ from posenc.kernels.huge_pages import MIN_BYTES, advised
 asking = pytest.mark.skipif(
     not huge_pages.asks(),
     reason=f"huge pages are not asked for here (THP mode {huge_pages.thp_mode()!r}, glibc's allocator: "
-    f"{huge_pages._glibc() is not None}, POSENC_HUGE_PAGES={os.environ.get('POSENC_HUGE_PAGES')!r})",
+    f"{huge_pages._glibc() is not None}, POSENC_HUGE_PAGES={os.environ.get('POSENC_HUGE_PAGES')!r}, "
+    f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE')!r})",
 )
 D = 128
+# glibc maps a big block on its own only where no free chunk of its heap holds it, which in a process that has run
+# many tests (a pytest worker) one may: the tests that need such blocks run in a fresh process of their own
+# (test_tests_that_need_glibcs_own_mappings_in_a_fresh_process), and skip elsewhere.
+FRESH = os.environ.get("POSENC_TEST_FRESH_PROCESS") == "1"
+fresh_process = pytest.mark.skipif(not FRESH, reason="run in a fresh process by the test below them")
+FRESH_TESTS = ("big_new_output", "does_not_start_and_fill", "public_calls")
 
 
 @pytest.fixture
@@ -68,6 +75,7 @@ def big(dtype: torch.dtype = torch.float32, extra_pages: int = 3) -> torch.Tenso
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @asking
+@fresh_process
 def test_a_big_new_output_gets_exactly_its_whole_huge_pages_and_they_die_with_it(enabled, dtype):
     page = enabled
     x = big(dtype)
@@ -108,6 +116,69 @@ def test_outputs_that_would_not_take_the_advice_with_them_are_left_alone(enabled
     assert not huge_pages.asks()
     out = advised(torch.empty_like(x))
     assert not advised_at(whole_pages(out, page)[0]), "not glibc's block"
+
+
+@asking
+@fresh_process
+def test_a_tensor_that_does_not_start_and_fill_its_block_is_left_alone(enabled):
+    """``advised`` reads glibc's header just before the tensor's storage: a tensor that is not the whole of its
+    storage, from its first byte, is not the block the header describes (here one that would pass its checks)."""
+    page = enabled
+    block = torch.empty(MIN_BYTES // 4 + 1024)  # glibc's mapping of its own, 4 KiB more than its first part
+    first = block[: MIN_BYTES // 4]
+    assert huge_pages._own_mapping(block.data_ptr(), first.nbytes), "the header alone would let it through"
+    assert advised(first) is first and not advised_at(whole_pages(first, page)[0]), "not the whole storage"
+    # The whole storage's bytes, but not from its first one: a header forged inside the data just before it.
+    offset = 1024
+    words = block.view(torch.int64)
+    header = block.data_ptr() + offset * 4 - 16
+    words[offset // 2 - 2] = header % mmap.PAGESIZE  # the offset of the "chunk" from a page
+    chunk = -(-(header + block.nbytes) // mmap.PAGESIZE) * mmap.PAGESIZE - header
+    words[offset // 2 - 1] = chunk | 0x2
+    shifted = block.as_strided((block.numel(),), (0,), offset)  # every element the same float: nbytes as the block's
+    assert huge_pages._own_mapping(shifted.data_ptr(), shifted.nbytes), "the forged header would let it through"
+    assert advised(shifted) is shifted and not advised_at(whole_pages(block, page)[0]), "not from the first byte"
+    assert advised(block) is block and advised_at(whole_pages(block, page)[0]), "the block itself is advised"
+
+
+def test_only_a_header_that_describes_a_whole_mapping_passes():
+    """``_own_mapping`` reads glibc's header (offset from the mapping's start, then size | IS_MMAPPED) as glibc's
+    munmap checks it: both ends on pages, and a size that holds the block. Headers written into a buffer here."""
+    page = mmap.PAGESIZE
+    words = torch.zeros(2 * page // 8, dtype=torch.int64)
+    ptr = -(-words.data_ptr() // page) * page + 64  # 64 bytes into a page of the buffer, as torch's blocks start
+    if ptr + 8 > words.data_ptr() + words.nbytes:
+        ptr -= page
+    index = (ptr - words.data_ptr()) // 8
+    nbytes = MIN_BYTES + 100
+
+    def reads(lead: int, size: int, *, at: int = ptr) -> bool:
+        words[index - 2], words[index - 1] = lead, size
+        return huge_pages._own_mapping(at, nbytes)
+
+    header = ptr - 16
+    lead, chunk = header % page, -(-(header + nbytes) // page) * page - header
+    assert reads(lead, chunk | 0x2)
+    assert not reads(lead, chunk), "not mapped on its own: from a heap"
+    assert not reads(lead + 16, chunk | 0x2), "the mapping would not start on a page"
+    assert not reads(lead, (chunk + 16) | 0x2), "the mapping would not end on a page"
+    assert not reads(lead, (chunk - page) | 0x2), "too small for the block"
+    assert not reads(lead, (chunk + 2 * page) | 0x2), "far larger than the block"
+    assert not reads(lead + page, (chunk + page) | 0x2), "a lead that torch's alignment never makes"
+    # A tensor that starts a page: its header would lie on the page before, which may be a gap or a guard page.
+    start = -(-(words.data_ptr() + 16) // page) * page
+    words[(start - words.data_ptr()) // 8 - 2] = (start - 16) % page
+    words[(start - words.data_ptr()) // 8 - 1] = (-(-(start - 16 + nbytes) // page) * page - (start - 16)) | 0x2
+    assert not huge_pages._own_mapping(start, nbytes), "never read across a page"
+
+
+def test_torchs_mobile_allocator_is_not_asked_under():
+    """It puts guard bytes between glibc's header and the tensor."""
+    torch._C._set_default_mobile_cpu_allocator()
+    try:
+        assert not huge_pages.asks()
+    finally:
+        torch._C._unset_default_mobile_cpu_allocator()
 
 
 def test_the_environment_turns_it_off_and_anything_else_is_a_clear_error(monkeypatch):
@@ -206,7 +277,9 @@ def test_the_thp_mode_says_what_to_ask_for_and_look_for(tmp_path, monkeypatch, t
     try:
         huge_pages.thp_mode.cache_clear(), huge_pages.huge_page_bytes.cache_clear()
         assert huge_pages.thp_mode() == mode and huge_pages.huge_page_bytes() == size
-        assert huge_pages.asks() == (mode == "madvise" and huge_pages.enabled() and huge_pages._glibc() is not None)
+        torch_asks = os.environ.get("THP_MEM_ALLOC_ENABLE") == "1"
+        expected = mode == "madvise" and huge_pages.enabled() and huge_pages._glibc() is not None and not torch_asks
+        assert huge_pages.asks() == expected
         (tmp_path / "enabled").unlink()
         huge_pages.thp_mode.cache_clear(), huge_pages.huge_page_bytes.cache_clear()
         assert huge_pages.thp_mode() == "unsupported" and huge_pages.huge_page_bytes() == 0
@@ -230,33 +303,36 @@ def smaps_kib(address: int, field: str = "AnonHugePages") -> int:
 @pytest.mark.parametrize("advise", [True, False])
 def test_the_kernel_streams_into_fresh_output_only_where_it_finds_huge_pages(advise):
     """cpu_rope.cpp: into a fresh output the kernel streams its stores only where the first whole huge page inside
-    it comes in as a huge page (2 MiB zeroed at once do not stay in cache); 4 KiB pages it writes plainly."""
+    it comes in as a huge page (2 MiB zeroed at once do not stay in cache); 4 KiB pages it writes plainly. Asking
+    beforehand (``streams``) writes nothing, so it cannot tell yet."""
     if not (cpu_rope.cpu_available() and cpu_rope.can_stream()) or huge_pages.huge_page_bytes() == 0:
         pytest.skip("no streaming stores or no transparent huge pages here")
     page = huge_pages.huge_page_bytes()
-    x = torch.randn(1, 4, 4096, D, dtype=torch.bfloat16)  # 4 MiB: two whole huge pages in any 4 MiB + 2 MiB window
+    x = torch.randn(1, 4, 4096, D, dtype=torch.bfloat16)  # 4 MiB: a whole huge page in any 4 MiB + 2 MiB window
     cos, sin = posenc.RoPE(D, max_position_embeddings=4096).cos_sin(torch.arange(4096))
     region = mmap.mmap(-1, x.nbytes + page, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # Advised for huge pages or refused them, the region is a mapping of its own in /proc/self/smaps (no neighbour
+    # merges into it), whatever the OS's mode.
+    region.madvise(mmap.MADV_HUGEPAGE if advise else mmap.MADV_NOHUGEPAGE)
     base = torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr()
+    assert mapping_of(base)[:2] == (base, base + len(region))
     offset = -base % page + 64  # 64 bytes past a huge page boundary, as glibc's blocks start
-    if advise:
-        region.madvise(mmap.MADV_HUGEPAGE)
-    elif huge_pages.thp_mode() == "always":
-        region.madvise(mmap.MADV_NOHUGEPAGE)
     out = torch.frombuffer(region, dtype=torch.bfloat16, offset=offset, count=x.numel()).view(x.shape)
     default = cpu_rope.set_stream_threshold(1 << 20)
     try:
-        first = whole_pages(out, page)[0]
-        assert smaps_kib(first, "Rss") == 0
-        streams = cpu_rope.streams(x, out, cos, sin)
-        assert smaps_kib(first, "Rss") > 0, "the kernel looks by faulting in the first whole huge page"
-        # The fault decides, not the advice: with no free huge page the OS falls back to 4 KiB ones.
-        assert streams == (smaps_kib(first) > 0)
-        assert not cpu_rope.streams(x, x, cos, sin), "in place"
+        assert not cpu_rope.streams(x, out, cos, sin), "not in memory yet: asking cannot tell, and writes nothing"
+        assert smaps_kib(base, "Rss") == 0
         rope_cpu(x, out, cos, sin, None, interleaved=False, conjugate=False, copy_tail=True)
+        huge = smaps_kib(base) > 0
+        # The fault decides, not the advice: with no free huge page the OS falls back to 4 KiB ones.
+        assert bool(cpu_rope.last_streams() & 1) == huge
+        if advise and not huge:
+            pytest.skip("the OS had no free huge page for the advised output: streaming into one is untested here")
+        assert cpu_rope.streams(x, out, cos, sin), "in memory now"
         plain = torch.empty_like(x)
         cpu_rope.set_stream_threshold(2**62)
         rope_cpu(x, plain, cos, sin, None, interleaved=False, conjugate=False, copy_tail=True)
+        assert not cpu_rope.last_streams()
         assert torch.equal(out, plain), "streamed and plain stores, the same bits"
     finally:
         cpu_rope.set_stream_threshold(default)
@@ -266,6 +342,7 @@ def test_the_kernel_streams_into_fresh_output_only_where_it_finds_huge_pages(adv
 
 @pytest.mark.parametrize(("backend", "grad"), [("cpu", False), ("cpu", True), ("torch", False)])
 @asking
+@fresh_process
 def test_public_calls_their_replays_and_the_backward_write_big_outputs_into_huge_pages(enabled, backend, grad):
     """q of 36 MiB and k of 9 MiB (float32): q's output is a mapping of glibc's own, advised; k's may be recycled
     heap memory, which is left alone. Without grad the second call replays the first one's launch; with grad the
@@ -296,9 +373,30 @@ def test_public_calls_their_replays_and_the_backward_write_big_outputs_into_huge
 
 
 @asking
-def test_traced_code_asks_for_nothing(enabled):
+def test_traced_code_asks_for_nothing(enabled, monkeypatch):
     """Under torch.compile there is no memory to advise yet (the torch path's Python is traced): ``advised`` steps
     aside, and fullgraph compiles."""
     x = big()
+    looked = []
+    own_mapping = huge_pages._own_mapping
+    monkeypatch.setattr(huge_pages, "_own_mapping", lambda *args: looked.append(args) or own_mapping(*args))
     compiled = torch.compile(lambda t: advised(torch.empty_like(t)).copy_(t) * 2, fullgraph=True, backend="eager")
     assert torch.equal(compiled(x), x * 2)
+    assert not looked
+    advised(torch.empty_like(x))
+    assert len(looked) == 1, "eager, it looks"
+
+
+@asking
+def test_tests_that_need_glibcs_own_mappings_in_a_fresh_process():
+    if FRESH:
+        pytest.skip("this is the fresh process")
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", " or ".join(FRESH_TESTS)],
+        env={**os.environ, "POSENC_TEST_FRESH_PROCESS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+    assert "6 passed" in result.stdout, result.stdout[-2000:]

@@ -812,6 +812,8 @@ Args job_args(const char* packed, int32_t job) {
 // the range huge pages (our advice, THP mode 'always', an allocator), they are found.
 // The huge page size to look for, in bytes; 0: none (cpu_rope.py sets it when it loads the library).
 std::atomic<int64_t> huge_page_bytes{0};
+// What the last call streamed (posenc_last_streams).
+std::atomic<uint64_t> last_streams{0};
 
 // The bytes [first, end) of job a's output when the call writes all of them: out of place, every channel written
 // (rotated or copied), and no gaps between the elements, whatever the order of the dims.
@@ -834,29 +836,34 @@ bool written_whole(const Args& a, int64_t size, uintptr_t& first, uintptr_t& end
   return true;
 }
 
-// Whether job a's output, not in memory yet, is backed by huge pages (above). Faults in the first whole huge page
-// inside it, which the call then overwrites.
-bool in_huge_pages(const Args& a, int64_t size) {
+// Whether job a's output, not in memory yet, is backed by huge pages (above). With `fault`, the call that is about
+// to overwrite the output faults in its first whole huge page to find out; a query (posenc_stream_jobs) writes
+// nothing, and says so only of a huge page already in memory.
+bool in_huge_pages(const Args& a, int64_t size, bool fault) {
 #if defined(__linux__)
   const auto page = static_cast<uintptr_t>(huge_page_bytes.load(std::memory_order_relaxed));
   uintptr_t start = 0, end = 0;
   if (page == 0 || !written_whole(a, size, start, end)) return false;
   const uintptr_t first = (start + page - 1) / page * page;
-  if (first + page > end || resident(reinterpret_cast<const void*>(first))) return false;
-  *reinterpret_cast<volatile char*>(first) = 0;
+  if (first + page > end) return false;
+  if (!resident(reinterpret_cast<const void*>(first))) {
+    if (!fault) return false;
+    *reinterpret_cast<volatile char*>(first) = 0;
+  }
   return resident(reinterpret_cast<const void*>(first + page - static_cast<uintptr_t>(sysconf(_SC_PAGESIZE))));
 #else
-  (void)a, (void)size;
+  (void)a, (void)size, (void)fault;
   return false;
 #endif
 }
 
 // Bit j set: job j streams its stores: the call writes more than the last-level cache out of place, into pages
 // already in memory (recycled) or into huge pages (above). The page of an output's last element stands for all of
-// it: the first pages of a fresh block are already touched by malloc's header. Looking for huge pages faults one in.
-uint64_t stream_jobs(const char* packed, int32_t count, int32_t dtype) {
+// it: the first pages of a fresh block are already touched by malloc's header. With `fault`, looking for huge pages
+// faults one in (in_huge_pages).
+uint64_t stream_jobs(const char* packed, int32_t count, int32_t dtype, bool fault) {
 #if !defined(POSENC_AVX512) && !defined(POSENC_AVX2)
-  (void)packed, (void)count, (void)dtype;
+  (void)packed, (void)count, (void)dtype, (void)fault;
   return 0;  // the portable loop has no streaming stores
 #else
   const int64_t size = element_bytes(dtype);
@@ -871,7 +878,8 @@ uint64_t stream_jobs(const char* packed, int32_t count, int32_t dtype) {
     const Args a = job_args(packed, job);
     if (a.out == a.x || a.n[0] * a.n[1] * a.n[2] * a.d == 0) continue;
     const int64_t last = (a.n[0] - 1) * a.os[0] + (a.n[1] - 1) * a.os[1] + (a.n[2] - 1) * a.os[2] + a.d - 1;
-    if (resident(static_cast<const char*>(a.out) + last * size) || in_huge_pages(a, size)) mask |= uint64_t(1) << job;
+    if (resident(static_cast<const char*>(a.out) + last * size) || in_huge_pages(a, size, fault))
+      mask |= uint64_t(1) << job;
   }
   return mask;
 #endif
@@ -886,7 +894,8 @@ extern "C" int posenc_rope_jobs(const char* packed, int32_t count, int32_t dtype
   for (int32_t job = 0; job < count; ++job) {
     if (!positions_in_table(job_args(packed, job))) return 2;
   }
-  const uint64_t streams = stream_jobs(packed, count, dtype);
+  const uint64_t streams = stream_jobs(packed, count, dtype, true);
+  last_streams.store(streams, std::memory_order_relaxed);
   for (int32_t job = 0; job < count; ++job) {
     const Args a = job_args(packed, job);
     const bool stream = job < 64 && ((streams >> job) & 1);
@@ -913,11 +922,14 @@ extern "C" int posenc_can_stream() {
 #endif
 }
 
-// Which of the packed jobs posenc_rope_jobs would stream (bit j for job j), for tests and benchmarks; looking for
-// huge pages faults in the first one inside each fresh output it would write whole.
+// Which of the packed jobs posenc_rope_jobs would stream (bit j for job j), for tests and benchmarks, writing
+// nothing: an output whose pages are not in memory yet counts as in huge pages only once they are.
 extern "C" uint64_t posenc_stream_jobs(const char* packed, int32_t count, int32_t dtype) {
-  return stream_jobs(packed, count, dtype);
+  return stream_jobs(packed, count, dtype, false);
 }
+
+// Which jobs the last posenc_rope_jobs call in this process streamed (bit j for job j), for tests.
+extern "C" uint64_t posenc_last_streams() { return last_streams.load(std::memory_order_relaxed); }
 
 // Sets the huge page size to look for under fresh outputs, 0 for none (above); returns the previous setting.
 extern "C" int64_t posenc_set_huge_page_size(int64_t bytes) { return huge_page_bytes.exchange(bytes); }

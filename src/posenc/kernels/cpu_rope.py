@@ -158,6 +158,8 @@ def build_library(source: bytes, *, arch: str = "native") -> tuple[ctypes.CDLL |
     if hasattr(library, "posenc_set_huge_page_size"):
         library.posenc_set_huge_page_size.argtypes = (ctypes.c_int64,)
         library.posenc_set_huge_page_size.restype = ctypes.c_int64
+    if hasattr(library, "posenc_last_streams"):  # a build of 3248472 has the size without it
+        library.posenc_last_streams.restype = ctypes.c_uint64
     # Loading a library again returns the same handle: only its first load sets the defaults, so a setting made
     # since (by a test or a benchmark) stays.
     if str(target) not in _DEFAULTS_SET:
@@ -234,11 +236,18 @@ def can_stream(library: ctypes.CDLL | None = None) -> bool:
 
 def streams(x: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Whether ``rope_cpu(x, out, cos, sin, None, ...)`` would use streaming stores now (see
-    ``set_stream_threshold``): the kernel's own decision, for tests and benchmarks. To see whether a fresh ``out``
-    is in huge pages, the kernel faults in the first whole one inside it (writing a zero byte)."""
+    ``set_stream_threshold``): the kernel's own decision, for tests and benchmarks, asking writes nothing. Where
+    ``out``'s pages are not in memory yet, the call itself faults in the first whole huge page inside it to see
+    whether it is one (cpu_rope.cpp, "Huge pages"), which this cannot: see ``last_streams``."""
     library = _loaded()
     job = _pack_job(x, out, cos, sin, 0, (0, 0), 0, (0, 0, 1), 1)[0]
     return job is not None and bool(library.posenc_stream_jobs(job, 1, DTYPE_CODES[x.dtype]) & 1)
+
+
+def last_streams(library: ctypes.CDLL | None = None) -> int:
+    """Which jobs (bit j for job j) the last call into the kernel library in this process streamed its stores
+    for: what tests check where ``streams`` cannot tell before the call."""
+    return int(_loaded(library).posenc_last_streams())
 
 
 def rope_cpu(

@@ -1,8 +1,9 @@
 """Transparent huge pages under the big new outputs that the kernels write on CPU.
 
-A big output is fresh memory: glibc maps every block of 32 MiB or more on its own and unmaps it when freed, so each
-call faults the output in again, and the OS zero-fills it 4 KiB at a time (8192 faults for q (1, 32, 4096, 128) in
-bf16): most of an out-of-place rotation's time. Where the OS gives huge pages only to memory that asks for them
+A big output is fresh memory: with its defaults glibc maps a block of 32 MiB or more on its own (a thread's arena may
+still serve one from memory it holds) and unmaps it when freed, so each call faults the output in again, and the OS
+zero-fills it 4 KiB at a time (8192 faults for q (1, 32, 4096, 128) in bf16): most of an out-of-place rotation's
+time. Where the OS gives huge pages only to memory that asks for them
 (THP mode 'madvise', Debian's and Ubuntu's default), ``advised`` asks, with madvise(MADV_HUGEPAGE), for the whole
 2 MiB pages inside such an output before the kernel writes it: one fault per 2 MiB, and the kernel then streams its
 stores (cpu_rope.cpp, "Huge pages"). Every byte of those pages is written, so no memory is added.
@@ -27,7 +28,9 @@ from pathlib import Path
 
 import torch
 
-MIN_BYTES = 32 << 20  # glibc's largest adaptive mmap threshold: blocks this large are always mappings of their own
+from posenc._checks import compiling
+
+MIN_BYTES = 32 << 20  # glibc's largest adaptive mmap threshold: blocks this large are mostly mappings of their own
 _THP = Path("/sys/kernel/mm/transparent_hugepage")
 _IS_MMAPPED = 0x2  # glibc's chunk header: the bit of the size field that says the chunk is a mapping of its own
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
@@ -109,28 +112,51 @@ def _glibc() -> ctypes.CDLL | None:
 
 
 def asks() -> bool:
-    """Whether ``advised`` asks for huge pages in this process: turned on, THP mode 'madvise', and glibc's
-    allocator under torch's CPU tensors."""
-    return enabled() and thp_mode() == "madvise" and _MADV_HUGEPAGE is not None and _glibc() is not None
+    """Whether ``advised`` asks for huge pages in this process: turned on, THP mode 'madvise', glibc's allocator
+    under torch's CPU tensors (not torch's mobile allocator either, which puts guard bytes before them), and torch
+    not asking for every buffer itself (``THP_MEM_ALLOC_ENABLE=1``)."""
+    return (
+        enabled()
+        and thp_mode() == "madvise"
+        and _MADV_HUGEPAGE is not None
+        and _glibc() is not None
+        and os.environ.get("THP_MEM_ALLOC_ENABLE") != "1"
+        and not torch._C._is_default_mobile_cpu_allocator_set()
+    )
 
 
 def _own_mapping(ptr: int, nbytes: int) -> bool:
     """Whether the block at ``ptr``, which torch's CPU allocator returned for ``nbytes``, is a mapping of its own
-    that glibc unmaps when it is freed: the IS_MMAPPED bit of the chunk's size field, just before ``ptr``."""
-    size = ctypes.c_size_t.from_address(ptr - ctypes.sizeof(ctypes.c_size_t)).value
+    that glibc unmaps when it is freed: the chunk header just before ``ptr`` (its offset from the mapping's start,
+    then its size with the IS_MMAPPED bit) says so, and both ends of the mapping it describes fall on pages."""
+    word = ctypes.sizeof(ctypes.c_size_t)
+    page = mmap.PAGESIZE
+    header = ptr - 2 * word
+    # Torch's allocator aligns to 64 bytes, so glibc's header shares ptr's page, which is mapped. Where ptr starts a
+    # page, the page before may be a gap or a guard page (a tensor over a mapping of its own); torch aligns so only
+    # with THP_MEM_ALLOC_ENABLE=1, and then it asks for huge pages itself.
+    if header // page != ptr // page:
+        return False
+    lead, size = (ctypes.c_size_t.from_address(header + i * word).value for i in range(2))
     chunk = size & ~0x7
-    # Read as a chunk of glibc's only if it could hold the block: the bytes plus at most an alignment's lead (2 MiB
-    # where torch itself aligns for huge pages, THP_MEM_ALLOC_ENABLE) and two pages of header and rounding.
-    return bool(size & _IS_MMAPPED) and nbytes <= chunk <= nbytes + (4 << 20)
+    # A chunk of glibc's could hold the block: the bytes plus at most two pages of header, alignment and rounding.
+    return (
+        bool(size & _IS_MMAPPED)
+        and nbytes <= chunk <= nbytes + 2 * page
+        and lead < page
+        and (header - lead) % page == 0
+        and (header + chunk) % page == 0
+    )
 
 
 def advised(out: torch.Tensor) -> torch.Tensor:
-    """``out``, a tensor just allocated on CPU that the caller writes whole next, given huge pages where that is
-    safe and saves faults (module docstring): at least ``MIN_BYTES``, its own block from its first byte, which glibc
-    mapped on its own; only the whole huge pages inside it are asked for. Every other tensor is returned as is."""
+    """``out``, a tensor just allocated by torch's CPU allocator (``torch.empty_like``) that the caller writes whole
+    next, given huge pages where that is safe and saves faults (module docstring): at least ``MIN_BYTES``, its own
+    block from its first byte, which glibc mapped on its own; only the whole huge pages inside it are asked for.
+    Every other tensor is returned as is."""
     # Plain tensors only: not traced (torch.compile, FakeTensor, symbolic sizes) or wrapped ones (torch.func), which
-    # have no memory to advise.
-    if type(out) is not torch.Tensor or not out.is_cpu or torch.compiler.is_compiling() or out.nbytes < MIN_BYTES:
+    # have no memory to advise. (compiling(): torch's own query is True in every thread while one compiles.)
+    if type(out) is not torch.Tensor or not out.is_cpu or compiling() or out.nbytes < MIN_BYTES:
         return out
     if torch._C._functorch.is_functorch_wrapped_tensor(out) or not asks():
         return out
