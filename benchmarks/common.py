@@ -81,11 +81,8 @@ def huge_pages_label() -> str:
     not."""
     from posenc.kernels import huge_pages
 
-    if huge_pages.thp_mode() != "madvise":
-        return f"THP {huge_pages.thp_mode()}"
-    if not huge_pages.enabled():
-        return "huge pages not asked (POSENC_HUGE_PAGES=0)"
-    return "huge pages asked" if huge_pages_asked() else "huge pages not asked (the allocator is not glibc's)"
+    reason = huge_pages.why_not()
+    return f"huge pages not asked ({reason})" if reason else "huge pages asked"
 
 
 def huge_page_clone(x: torch.Tensor) -> torch.Tensor:

@@ -1,31 +1,30 @@
 """RoPE on q (b, 32, s, 128) and k (b, 8, s, 128): every provider against a plain copy of the same bytes.
 
 Providers: posenc-cpu / posenc-triton (fused, one call for q and k; on a GPU also posenc-triton-bshd, the same call
-on q and k stored (b, s, h, d), the memory Liger is given), posenc-torch (the pure-torch path), hf-eager
-(Hugging Face's ``q * cos + rotate_half(q) * sin`` with full-width cos/sin in x's dtype), torch.compile(hf-eager),
-copy (``clone()`` of q and k: the memory-bandwidth floor), copy-huge (on CPU where posenc asks for
-transparent huge pages under its rotations' big new outputs: q and k cloned into buffers given huge pages the same
-way, the floor for the pages the kernel writes; ``ratio_to_copy`` stays against ``copy``), copy-one-launch (the same bytes held in
-one buffer and cloned by one launch: two clones pay a launch and a drain between them, which a rotation of q and k in
-one launch does not, so on a GPU this is the stricter floor), and on a GPU liger (Liger-Kernel's rope) and flash-attn
-(``apply_rotary_emb``) when installed, each given the inputs it is built for: Liger rotates q and k in place and
-wants them as Hugging Face's attention leaves them, (b, s, h, d) in memory seen as (b, h, s, d) (from contiguous (b,
-h, s, d) it first makes a transposed copy of each); flash-attn takes (b, s, h, d) views and cos/sin (s, d/2) in x's
-dtype, as its ``RotaryEmbedding`` caches them. Modes: fwd, bwd (the backward alone, on a retained graph), fwd+bwd;
-the backward modes take ``torch.autograd.grad`` of q and k. The copy of each mode moves the same bytes as the op
-(for fwd+bwd, clones of q and k and then of two tensors shaped like them, as the backward reads its gradients).
-On CUDA the times are the GPU's (``--clock device``: events, L2 flushed and the host's
-work hidden before each call; ``common.measure_interleaved``), or the host's around each synchronized call
-(``--clock host``: Python and launch overhead included). Before any timing, each provider's rotated q and k (and,
-where a backward mode is asked for, their gradients) are compared once per length and dtype with the float64
-reference (``check_values``): a provider off by more than rounding, or one that raises, is reported as WRONG VALUES
-and its rows are left out, the others are timed, and the exit status is then 1. The CSV is rewritten (atomically)
-after every mode: a run cut short leaves the rows it measured, in place of the file's earlier contents. Without
-``--csv`` the rows are printed only. ``--providers``
-takes names from PROVIDERS; one measured on the other device only (posenc-cpu on CUDA; posenc-triton, liger,
-flash-attn on CPU) is noted and left out. On CPU, ``--alloc`` pins where
-output buffers come from (``common.set_allocation``): fresh pages every call (default; the OS zero-filling them is
-most of a copy's time) or recycled heap memory (``--alloc reuse``).
+on q and k stored (b, s, h, d), the memory Liger is given), posenc-torch (the pure-torch path), hf-eager (Hugging
+Face's ``q * cos + rotate_half(q) * sin`` with full-width cos/sin in x's dtype), torch.compile(hf-eager), copy
+(``clone()`` of q and k: the memory-bandwidth floor), copy-huge (on CPU where posenc asks for transparent huge pages
+under its rotations' big new outputs: q and k cloned into buffers given huge pages the same way, the floor for the
+pages the kernel writes; ``ratio_to_copy`` stays against ``copy``), copy-one-launch (the same bytes held in one
+buffer and cloned by one launch: two clones pay a launch and a drain between them, which a rotation of q and k in
+one launch does not, so on a GPU this is the stricter floor), and on a GPU liger (Liger-Kernel's rope) and
+flash-attn (``apply_rotary_emb``) when installed, each given the inputs it is built for: Liger rotates q and k in
+place and wants them as Hugging Face's attention leaves them, (b, s, h, d) in memory seen as (b, h, s, d) (from
+contiguous (b, h, s, d) it first makes a transposed copy of each); flash-attn takes (b, s, h, d) views and cos/sin
+(s, d/2) in x's dtype, as its ``RotaryEmbedding`` caches them. Modes: fwd, bwd (the backward alone, on a retained
+graph), fwd+bwd; the backward modes take ``torch.autograd.grad`` of q and k. The copy of each mode moves the same
+bytes as the op (for fwd+bwd, clones of q and k and then of two tensors shaped like them, as the backward reads its
+gradients). On CUDA the times are the GPU's (``--clock device``: events, L2 flushed and the host's work hidden
+before each call; ``common.measure_interleaved``), or the host's around each synchronized call (``--clock host``:
+Python and launch overhead included). Before any timing, each provider's rotated q and k (and, where a backward mode
+is asked for, their gradients) are compared once per length and dtype with the float64 reference (``check_values``):
+a provider off by more than rounding, or one that raises, is reported as WRONG VALUES and its rows are left out, the
+others are timed, and the exit status is then 1. The CSV is rewritten (atomically) after every mode: a run cut short
+leaves the rows it measured, in place of the file's earlier contents. Without ``--csv`` the rows are printed only.
+``--providers`` takes names from PROVIDERS; one measured on the other device only (posenc-cpu on CUDA;
+posenc-triton, liger, flash-attn on CPU) is noted and left out. On CPU, ``--alloc`` pins where output buffers come
+from (``common.set_allocation``): fresh pages every call (default; the OS zero-filling them is most of a copy's
+time) or recycled heap memory (``--alloc reuse``).
 
     python benchmarks/rope.py --csv docs/results/rope_cpu.csv     # CPU defaults, a few minutes on 2 cores
     python benchmarks/rope.py --device cuda --seqs 1024 4096 16384 32768 --reps 50 --csv rope_gpu.csv

@@ -891,6 +891,7 @@ uint64_t stream_jobs(const char* packed, int32_t count, int32_t dtype, bool faul
 // 1 bfloat16, 2 float16, 3 float64; wide: cos/sin (and the math) in double. Returns 0; 1 for a combination that
 // was not compiled; 2 when a position is outside the table (nothing is written then).
 extern "C" int posenc_rope_jobs(const char* packed, int32_t count, int32_t dtype, int32_t wide) {
+  last_streams.store(0, std::memory_order_relaxed);
   for (int32_t job = 0; job < count; ++job) {
     if (!positions_in_table(job_args(packed, job))) return 2;
   }
@@ -928,7 +929,8 @@ extern "C" uint64_t posenc_stream_jobs(const char* packed, int32_t count, int32_
   return stream_jobs(packed, count, dtype, false);
 }
 
-// Which jobs the last posenc_rope_jobs call in this process streamed (bit j for job j), for tests.
+// Which jobs the last posenc_rope_jobs call in this process streamed (bit j for job j; 0 after a refused call),
+// for tests.
 extern "C" uint64_t posenc_last_streams() { return last_streams.load(std::memory_order_relaxed); }
 
 // Sets the huge page size to look for under fresh outputs, 0 for none (above); returns the previous setting.

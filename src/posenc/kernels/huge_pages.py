@@ -3,10 +3,10 @@
 A big output is fresh memory: with its defaults glibc maps a block of 32 MiB or more on its own (a thread's arena may
 still serve one from memory it holds) and unmaps it when freed, so each call faults the output in again, and the OS
 zero-fills it 4 KiB at a time (8192 faults for q (1, 32, 4096, 128) in bf16): most of an out-of-place rotation's
-time. Where the OS gives huge pages only to memory that asks for them
-(THP mode 'madvise', Debian's and Ubuntu's default), ``advised`` asks, with madvise(MADV_HUGEPAGE), for the whole
-2 MiB pages inside such an output before the kernel writes it: one fault per 2 MiB, and the kernel then streams its
-stores (cpu_rope.cpp, "Huge pages"). Every byte of those pages is written, so no memory is added.
+time. Where the OS gives huge pages only to memory that asks for them (THP mode 'madvise', Debian's and Ubuntu's
+default), ``advised`` asks, with madvise(MADV_HUGEPAGE), for the whole 2 MiB pages inside such an output before the
+kernel writes it: one fault per 2 MiB, and the kernel then streams its stores (cpu_rope.cpp, "Huge pages"). Every
+byte of those pages is written, so no memory is added.
 
 Only where the advice dies with the tensor: the block must be one that glibc's allocator mapped on its own (its chunk
 header says so), which it unmaps, advice and all, when the tensor is freed. An allocator that keeps big blocks for
@@ -111,18 +111,26 @@ def _glibc() -> ctypes.CDLL | None:
     return libc
 
 
+def why_not() -> str:
+    """Why ``advised`` asks for no huge pages in this process, or "" where it asks: it must be turned on, the THP
+    mode 'madvise', glibc's allocator under torch's CPU tensors (not torch's mobile allocator either, which puts
+    guard bytes before them), and torch not asking for every buffer itself (``THP_MEM_ALLOC_ENABLE=1``)."""
+    if not enabled():
+        return "POSENC_HUGE_PAGES=0"
+    if thp_mode() != "madvise" or _MADV_HUGEPAGE is None:
+        return f"THP {thp_mode()}"
+    if _glibc() is None:
+        return "the allocator is not glibc's"
+    if os.environ.get("THP_MEM_ALLOC_ENABLE") == "1":
+        return "THP_MEM_ALLOC_ENABLE=1: torch asks itself"
+    if torch._C._is_default_mobile_cpu_allocator_set():
+        return "torch's mobile allocator"
+    return ""
+
+
 def asks() -> bool:
-    """Whether ``advised`` asks for huge pages in this process: turned on, THP mode 'madvise', glibc's allocator
-    under torch's CPU tensors (not torch's mobile allocator either, which puts guard bytes before them), and torch
-    not asking for every buffer itself (``THP_MEM_ALLOC_ENABLE=1``)."""
-    return (
-        enabled()
-        and thp_mode() == "madvise"
-        and _MADV_HUGEPAGE is not None
-        and _glibc() is not None
-        and os.environ.get("THP_MEM_ALLOC_ENABLE") != "1"
-        and not torch._C._is_default_mobile_cpu_allocator_set()
-    )
+    """Whether ``advised`` asks for huge pages in this process (``why_not``)."""
+    return not why_not()
 
 
 def _own_mapping(ptr: int, nbytes: int) -> bool:
