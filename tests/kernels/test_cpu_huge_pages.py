@@ -45,22 +45,29 @@ def enabled():
     huge_pages.set_enabled(before)
 
 
-def mapping_of(address: int) -> tuple[int, int, str, list[str]] | None:
-    """(start, end, path, VmFlags) of this process's mapping that holds ``address`` (/proc/self/smaps), or None."""
+def mapping_of(address: int, smaps: str | None = None) -> dict | None:
+    """The entry of /proc/self/smaps (or of ``smaps``, another process's text of it) for the mapping that holds
+    ``address``: start, end, path, VmFlags (a list) and its sizes in KiB (Rss, AnonHugePages, ...); None where no
+    mapping holds it."""
     found = None
-    for line in Path("/proc/self/smaps").read_text().splitlines():
+    for line in (Path("/proc/self/smaps").read_text() if smaps is None else smaps).splitlines():
         fields = line.split()
         if "-" in fields[0] and not fields[0].endswith(":"):
+            if found is not None:
+                return found
             start, end = (int(part, 16) for part in fields[0].split("-"))
-            found = (start, end, fields[5] if len(fields) > 5 else "") if start <= address < end else None
-        elif found and fields[0] == "VmFlags:":
-            return (*found, fields[1:])
-    return None
+            if start <= address < end:
+                found = {"start": start, "end": end, "path": fields[5] if len(fields) > 5 else ""}
+        elif found is not None and fields[0] == "VmFlags:":
+            found["VmFlags"] = fields[1:]
+        elif found is not None and fields[1:2] and fields[1].isdigit():
+            found[fields[0].rstrip(":")] = int(fields[1])
+    return found
 
 
-def advised_at(address: int) -> bool:
-    mapping = mapping_of(address)
-    return mapping is not None and "hg" in mapping[3]
+def advised_at(address: int, smaps: str | None = None) -> bool:
+    mapping = mapping_of(address, smaps)
+    return mapping is not None and "hg" in mapping["VmFlags"]
 
 
 def whole_pages(out: torch.Tensor, page: int) -> tuple[int, int]:
@@ -84,8 +91,10 @@ def test_a_big_new_output_gets_exactly_its_whole_huge_pages_and_they_die_with_it
     first, last = whole_pages(out, page)
     assert not advised_at(first)
     assert advised(out) is out
-    begin, end, _, flags = mapping_of(first)
-    assert "hg" in flags and (begin, end) == (first, last), "the whole huge pages inside the output, and no more"
+    mapping = mapping_of(first)
+    assert "hg" in mapping["VmFlags"] and (mapping["start"], mapping["end"]) == (first, last), (
+        "the whole huge pages inside the output, and no more"
+    )
     assert not advised_at(out.data_ptr()), "not the partial page before them (glibc's header is there)"
     assert not advised_at(out.data_ptr() + out.nbytes - 1) or last == out.data_ptr() + out.nbytes
     del out
@@ -209,26 +218,21 @@ CHILD = textwrap.dedent(
     del warm
     out = huge_pages.advised(torch.empty_like(x))
     page = huge_pages.huge_page_bytes()
-    first = -(-out.data_ptr() // page) * page
-    flags = ""
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        fields = line.split()
-        if "-" in fields[0] and not fields[0].endswith(":"):
-            start, end = (int(part, 16) for part in fields[0].split("-"))
-            inside = start <= first < end
-        elif inside and fields[0] == "VmFlags:":
-            flags = " ".join(fields[1:])
-    print(huge_pages.asks(), "hg" in flags.split())
+    print(huge_pages.asks(), -(-out.data_ptr() // page) * page)
+    print(Path("/proc/self/smaps").read_text())
     """
 )
 
 
 def child(env: dict[str, str]) -> str:
+    """'asks advised' of the CHILD process: whether it asks, and whether its big new output was advised."""
     result = subprocess.run(
         [sys.executable, "-c", CHILD], env={**os.environ, **env}, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout.strip()
+    first_line, smaps = result.stdout.split("\n", 1)
+    asks, first = first_line.split()
+    return f"{asks} {advised_at(int(first), smaps)}"
 
 
 @asking
@@ -288,19 +292,6 @@ def test_the_thp_mode_says_what_to_ask_for_and_look_for(tmp_path, monkeypatch, t
         huge_pages.thp_mode.cache_clear(), huge_pages.huge_page_bytes.cache_clear()
 
 
-def smaps_kib(address: int, field: str = "AnonHugePages") -> int:
-    """A field (in KiB) of the mapping that holds ``address``: AnonHugePages, Rss."""
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        fields = line.split()
-        if "-" in fields[0] and not fields[0].endswith(":"):
-            start, end = (int(part, 16) for part in fields[0].split("-"))
-            inside = start <= address < end
-        elif inside and fields[0] == f"{field}:":
-            return int(fields[1])
-    raise AssertionError(f"no mapping holds {address:#x}")
-
-
 @pytest.mark.parametrize("advise", [True, False])
 def test_the_kernel_streams_into_fresh_output_only_where_it_finds_huge_pages(advise):
     """cpu_rope.cpp: into a fresh output the kernel streams its stores only where the first whole huge page inside
@@ -316,15 +307,15 @@ def test_the_kernel_streams_into_fresh_output_only_where_it_finds_huge_pages(adv
     # merges into it), whatever the OS's mode.
     region.madvise(mmap.MADV_HUGEPAGE if advise else mmap.MADV_NOHUGEPAGE)
     base = torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr()
-    assert mapping_of(base)[:2] == (base, base + len(region))
+    assert (mapping_of(base)["start"], mapping_of(base)["end"]) == (base, base + len(region))
     offset = -base % page + 64  # 64 bytes past a huge page boundary, as glibc's blocks start
     out = torch.frombuffer(region, dtype=torch.bfloat16, offset=offset, count=x.numel()).view(x.shape)
     default = cpu_rope.set_stream_threshold(1 << 20)
     try:
         assert not cpu_rope.streams(x, out, cos, sin), "not in memory yet: asking cannot tell, and writes nothing"
-        assert smaps_kib(base, "Rss") == 0
+        assert mapping_of(base)["Rss"] == 0
         rope_cpu(x, out, cos, sin, None, interleaved=False, conjugate=False, copy_tail=True)
-        huge = smaps_kib(base) > 0
+        huge = mapping_of(base)["AnonHugePages"] > 0
         # The fault decides, not the advice: with no free huge page the OS falls back to 4 KiB ones.
         assert bool(cpu_rope.last_streams() & 1) == huge
         with pytest.raises(ValueError):  # a position past the table: refused before anything is written
@@ -365,8 +356,8 @@ def test_public_calls_their_replays_and_the_backward_write_big_outputs_into_huge
                 kept.append(torch.autograd.grad(outs[0], q, torch.ones_like(outs[0]))[0])
     for tensor in kept:
         first, last = whole_pages(tensor, enabled)
-        begin, end, _, flags = mapping_of(first)
-        assert "hg" in flags and begin <= first and last <= end
+        mapping = mapping_of(first)
+        assert "hg" in mapping["VmFlags"] and mapping["start"] <= first and last <= mapping["end"]
     huge_pages.set_enabled(False)
     with torch.set_grad_enabled(grad):
         plain = rope(q, k)[0]
