@@ -68,17 +68,9 @@ def set_allocation(mode: str) -> str:
     return f"alloc={mode}" if ok else "alloc=system (mallopt refused)"
 
 
-def huge_pages_asked() -> bool:
-    """Whether posenc asks for huge pages under the big new outputs of its CPU rotations in this run
-    (``posenc.kernels.huge_pages.asks``: on unless ``POSENC_HUGE_PAGES=0``, THP mode 'madvise', glibc's allocator)."""
-    from posenc.kernels import huge_pages
-
-    return huge_pages.asks()
-
-
 def huge_pages_label() -> str:
-    """The device column's word on huge pages (``huge_pages_asked``): "huge pages asked" where they are, else why
-    not."""
+    """The device column's word on huge pages (``posenc.kernels.huge_pages.asks``): "huge pages asked" where posenc
+    asks for them under its rotations' big new outputs, else why not."""
     from posenc.kernels import huge_pages
 
     reason = huge_pages.why_not()

@@ -46,12 +46,12 @@ from common import (
     chosen_clock,
     environment,
     huge_page_clone,
-    huge_pages_asked,
     measure_interleaved,
     rows_against_copy,
     write_rows,
 )
 from posenc import apply_rotary_qk
+from posenc.kernels import huge_pages
 from posenc.testing import TOLERANCES, random_qk, rope_reference
 
 HEADS_Q, HEADS_K, HEAD_DIM = 32, 8, 128
@@ -107,7 +107,7 @@ def providers(device: str, seq: int, dtype: torch.dtype, names: list[str] | None
     table = tables(seq, dtype, device)
     (half_cos, half_sin), (hf_cos, hf_sin) = table["half"], table["full"]
     result: dict[str, Callable] = {"copy": lambda q, k: (q.clone(), k.clone())}
-    if device == "cpu" and huge_pages_asked():
+    if device == "cpu" and huge_pages.asks():
         result["copy-huge"] = lambda q, k: (huge_page_clone(q), huge_page_clone(k))
     result["copy-one-launch"] = torch.clone
     fused = "posenc-cpu" if device == "cpu" else "posenc-triton"

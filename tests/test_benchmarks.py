@@ -24,6 +24,7 @@ from typing import ClassVar
 import pytest
 import torch
 
+from posenc.kernels import huge_pages
 from posenc.testing import torch_threads
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,11 +74,7 @@ def _benchmark(name: str) -> ModuleType:
 
 def cpu_copies() -> tuple[str, ...]:
     """rope.py's floors on this CPU, in its order: copy-huge where posenc asks for huge pages."""
-    return (
-        ("copy", "copy-huge", "copy-one-launch")
-        if _benchmark("rope").huge_pages_asked()
-        else ("copy", "copy-one-launch")
-    )
+    return ("copy", "copy-huge", "copy-one-launch") if huge_pages.asks() else ("copy", "copy-one-launch")
 
 
 @pytest.mark.parametrize("alloc", ["fresh", "reuse"])
@@ -204,7 +201,7 @@ def test_rope_benchmark_names_the_providers_it_knows(
     rope.main()
     assert "note: liger runs on --device cuda only; not measured on this --device cpu run" in capsys.readouterr().out
     assert [r["provider"] for r in _rows(tmp_path / "b.csv")] == [*cpu_copies(), "hf-eager"]
-    # Every provider a CPU run makes is a known name, measured on the CPU (copy-huge where the kernel asks for huge
+    # Every provider a CPU run makes is a known name, measured on the CPU (copy-huge where posenc asks for huge
     # pages).
     made = set(rope.providers("cpu", 8, torch.float32))
     known = {name for name in rope.PROVIDERS if rope.ONLY_ON.get(name, "cpu") == "cpu"}
