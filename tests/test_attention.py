@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import posenc
-from posenc.attention import CausalSelfAttention, KVCache, add_input_encoding, attend
+from posenc.attention import CausalSelfAttention, KVCache, add_input_encoding, attend, causal_mask
 from posenc.testing import assert_close, attention_reference, sinusoidal_reference, t5_bucket_reference
 
 DIM, HEADS, KV_HEADS, HEAD_DIM = 32, 4, 2, 8
@@ -381,6 +381,38 @@ def test_next_positions_after_an_empty_update_starts_at_zero() -> None:
     cache = KVCache()
     cache.update(torch.randn(1, 1, 0, 8), torch.randn(1, 1, 0, 8), torch.zeros(1, 0, dtype=torch.long))
     assert cache.next_positions(3).tolist() == [[0, 1, 2]]
+
+
+def test_attend_refuses_by_name_what_torch_would_fail_on_deep_inside_or_take_silently() -> None:
+    torch.manual_seed(0)
+    b, h, s, t, d = 2, 3, 5, 7, 4
+    q, k, v = torch.randn(b, h, s, d), torch.randn(b, h, t, d), torch.randn(b, h, t, d)
+    allowed, bias = causal_mask(s, t, q.device), torch.randn(b, h, s, t)
+    cases = [
+        ((q, k, v, allowed, bias[:, :2]), ValueError, r"bias must have shape \(b or 1, h or 1, s, t\) with b, h, s, t"),
+        ((q, k, v, allowed, bias[0]), ValueError, r"bias must have shape .* got \(3, 5, 7\)"),
+        ((q, k, v, allowed, bias.long()), TypeError, r"bias must be a floating-point tensor"),
+        ((q, k, v, allowed.float(), bias), TypeError, r"allowed must be a bool tensor.* got torch\.float32"),
+        ((q, k, v, allowed.long(), None), TypeError, r"allowed must be a bool tensor.* got torch\.int64"),
+        ((q, k, v, None, None), TypeError, r"allowed must be a bool tensor.* got NoneType"),
+        ((q, k, v, allowed[:, :6], None), ValueError, r"allowed of 2 dims must have shape \(s, t\) = \(5, 7\)"),
+        ((q, k, v, allowed[None, None].expand(b, 2, s, t), None), ValueError, r"allowed must have shape \(s, t\) or"),
+        ((q, k[:, :1], v[:, :1], allowed, None), ValueError, r"k and v must have q's batch and heads \(2, 3\)"),
+        ((q, k, v[:, :, :6], allowed, None), ValueError, r"k and v must hold the same keys, got 7 and 6"),
+        ((q, k[..., :3], v, allowed, None), ValueError, r"k's head_dim must be q's, got 3 and 4"),
+        ((q[0], k, v, allowed, None), ValueError, r"q must have shape \(b, h, s, head_dim\), got \(3, 5, 4\)"),
+        ((q, k.long(), v, allowed, None), TypeError, r"k must be a floating-point tensor"),
+        ((q, k.to("meta"), v, allowed, None), ValueError, r"q is on cpu but k is on meta"),
+    ]
+    for args, error, message in cases:
+        with pytest.raises(error, match=message):
+            attend(*args)
+    # The broadcast shapes the docstring names give what their full shapes give.
+    full, _ = attend(q, k, v, allowed[None, None].expand(b, h, s, t), bias[:1].expand(b, h, s, t))
+    assert torch.equal(attend(q, k, v, allowed, bias[:1])[0], full)
+    assert torch.equal(attend(q, k, v, allowed[None, None], bias[:1])[0], full)
+    one_head = bias[:1, :1]
+    assert torch.equal(attend(q, k, v, allowed, one_head)[0], attend(q, k, v, allowed, one_head.expand(b, h, s, t))[0])
 
 
 def test_a_cache_left_empty_by_a_refused_step_serves_another_layer() -> None:

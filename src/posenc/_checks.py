@@ -573,6 +573,28 @@ def same_device(names: tuple[str, str], a: torch.Tensor, b: torch.Tensor) -> Non
         raise ValueError(f"{names[0]} is on {a.device} but {names[1]} is on {b.device}; move both to one device")
 
 
+def attention_inputs(q: Any, k: Any, v: Any) -> None:
+    """q (b, h, s, d), k (b, h, t, d), v (b, h, t, e): floating tensors on one device, k and v with q's batch and
+    heads (grouped-query heads repeated), as posenc.attention.attend and attend_flex take them. Shapes only: no values
+    are read, so it costs the same eager, compiled or on DTensors."""
+    for name, x, rows in (("q", q, "s"), ("k", k, "t"), ("v", v, "t")):
+        float_tensor(name, x)
+        if x.dim() != 4:
+            raise ValueError(f"{name} must have shape (b, h, {rows}, head_dim), got {tuple(x.shape)}")
+    same_device(("q", "k"), q, k)
+    same_device(("q", "v"), q, v)
+    if k.shape[:2] != q.shape[:2] or v.shape[:2] != q.shape[:2]:
+        raise ValueError(
+            f"k and v must have q's batch and heads {tuple(q.shape[:2])}, got k {tuple(k.shape)} and v "
+            f"{tuple(v.shape)}; with fewer key/value heads (grouped-query attention) repeat them to q's first: "
+            "k.repeat_interleave(h // g, dim=1)"
+        )
+    if v.shape[2] != k.shape[2]:
+        raise ValueError(f"k and v must hold the same keys, got {k.shape[2]} and {v.shape[2]} (dim 2)")
+    if k.shape[3] != q.shape[3]:
+        raise ValueError(f"k's head_dim must be q's, got {k.shape[3]} and {q.shape[3]} (dim 3)")
+
+
 def movable(name: str, x: torch.Tensor, device: torch.device | str, what: str = "the activations") -> None:
     """Index tensors (positions, offsets, document ids) may come from another device than the activations, as CPU
     ids for CUDA activations do, and real ids may serve meta activations (shape inference), but meta ids, which

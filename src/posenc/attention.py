@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from posenc._checks import (
+    attention_inputs,
     autocast_off,
     autocast_on,
     fake_mode_active,
@@ -757,6 +758,38 @@ def _attend_sharded(q, k, v, allowed: torch.Tensor, bias: torch.Tensor | None, n
     return back(out, (b, h, s, v.shape[-1])), None if probs is None else back(probs, (b, h, s, t))
 
 
+def _check_attend(q: Any, k: Any, v: Any, allowed: Any, bias: Any) -> None:
+    """attend's arguments, by shape and dtype (no values read). Unchecked, a wrong one met torch deep inside: "The
+    size of tensor a (5) must match the size of tensor b (3)" for a bias of other heads, "~ (operator.invert) is
+    only implemented on integer and Boolean-type tensors" for a float mask, or an integer bias added silently."""
+    attention_inputs(q, k, v)
+    b, h, s, _ = q.shape
+    t = k.shape[2]
+    if not isinstance(allowed, torch.Tensor) or allowed.dtype != torch.bool:
+        got = allowed.dtype if isinstance(allowed, torch.Tensor) else type(allowed).__name__
+        raise TypeError(
+            f"allowed must be a bool tensor, True where a query may attend a key (causal_mask(s, t, device) gives "
+            f"it), got {got}"
+        )
+    if allowed.dim() == 2:
+        if allowed.shape != (s, t):
+            raise ValueError(f"allowed of 2 dims must have shape (s, t) = {(s, t)}, got {tuple(allowed.shape)}")
+    elif allowed.dim() != 4 or not (
+        size_in(allowed.shape[0], (1, b)) and size_in(allowed.shape[1], (1, h)) and allowed.shape[2:] == (s, t)
+    ):
+        raise ValueError(f"allowed must have shape (s, t) or (b or 1, 1 or h, s, t), got {tuple(allowed.shape)}")
+    if bias is None:
+        return
+    float_tensor("bias", bias)
+    if bias.dim() != 4 or not (
+        size_in(bias.shape[0], (1, b)) and size_in(bias.shape[1], (1, h)) and bias.shape[2:] == (s, t)
+    ):
+        raise ValueError(
+            f"bias must have shape (b or 1, h or 1, s, t) with b, h, s, t = {(b, h, s, t)}, got {tuple(bias.shape)}; "
+            "an encoding's score_bias(q_positions, k_positions) gives it"
+        )
+
+
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -766,8 +799,9 @@ def attend(
     *,
     need_probs: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """q: (b, h, s, d); k, v: (b, h, t, d); allowed: (s, t) bool (causal), or (b or 1, 1, s, t) (any mask with
-    at least one key per query, such as causal_mask's with document ids); bias: (b or 1, h, s, t) or None.
+    """q: (b, h, s, d); k, v: (b, h, t, d) (grouped-query heads repeated to h); allowed: (s, t) bool (causal), or
+    (b or 1, 1 or h, s, t) (any mask with at least one key per query, such as causal_mask's with document ids);
+    bias: (b or 1, h or 1, s, t) floating, or None. Other shapes or dtypes are errors that name the argument.
 
     A score bias is added in float32 (ALiBi's slope * 8192 has no exact bf16 value), so low-precision inputs
     are attended in float32 when a bias is present; so are the probabilities of ``need_probs``, under autocast too
@@ -775,6 +809,7 @@ def attend(
     (b, h, s, t) in that wider dtype, or None). A DTensor q (tensor parallelism) is attended on each rank's own heads
     (``_attend_sharded``); the output and probabilities are then DTensors laid out as q.
     """
+    _check_attend(q, k, v, allowed, bias)
     if is_dtensor(q):
         return _attend_sharded(q, k, v, allowed, bias, need_probs)
     s, t = allowed.shape[-2:]

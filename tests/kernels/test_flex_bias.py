@@ -444,10 +444,34 @@ def test_use_flex_rules():
     assert not flex_bias.use_flex(T5Bias(2), long, long, long, need_probs=False), "the T5 table needs grad"
     with pytest.raises(ValueError, match="only ALiBi and T5Bias"):
         flex_bias.attend_flex(short, short, short, torch.nn.Identity(), torch.arange(64)[None], torch.arange(64)[None])
-    with pytest.raises(ValueError, match=r"k_positions must have shape \(b or 1, 64\), got \(1, 63\)"):
+    with pytest.raises(ValueError, match=r"k_positions must have shape \(b or 1, 64\) with b = 1, got \(1, 63\)"):
         flex_bias.attend_flex(short, short, short, alibi, torch.arange(64)[None], torch.arange(63)[None])
     with pytest.raises(ValueError, match="q_positions must be the last s columns of k_positions"):
         flex_bias.attend_flex(short, short, short, alibi, torch.arange(64)[None] + 1, torch.arange(64)[None])
+
+
+@pytest.mark.parametrize("make", [ALiBi, T5Bias], ids=["alibi", "t5"])
+def test_attend_flex_refuses_by_name_what_its_score_mod_would_misread(make):
+    """The score_mod reads slopes[h] / table[bucket, h] and the key positions by index: an encoding of other heads
+    gave q the first heads' bias silently (or indexed past the slopes in the compiled kernel), float positions gave
+    ALiBi fractional distances, and ids of another batch met torch's expand."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 64, 8)
+    ids = torch.arange(64)[None]
+    with torch.no_grad():
+        for heads in (8, 3):
+            with pytest.raises(ValueError, match=rf"has num_heads={heads} but q has 4 heads \(dim 1\)"):
+                flex_bias.attend_flex(q, q, q, make(heads), ids, ids)
+        with pytest.raises(TypeError, match=r"q_positions must hold integer positions .* got dtype torch\.float32"):
+            flex_bias.attend_flex(q, q, q, make(4), ids * 0.5, ids)
+        with pytest.raises(ValueError, match=r"k_positions must have shape \(b or 1, 64\) with b = 2, got \(3, 64\)"):
+            flex_bias.attend_flex(q, q, q, make(4), ids, ids.expand(3, 64))
+        with pytest.raises(TypeError, match=r"document_ids must hold integer document ids"):
+            flex_bias.attend_flex(q, q, q, make(4), ids, ids, document_ids=torch.zeros(1, 64))
+        with pytest.raises(ValueError, match=r"document_ids must have shape \(b or 1, 64\) with b = 2"):
+            flex_bias.attend_flex(q, q, q, make(4), ids, ids, document_ids=torch.zeros(3, 64, dtype=torch.long))
+        with pytest.raises(ValueError, match=r"k and v must have q's batch and heads \(2, 4\).*repeat_interleave"):
+            flex_bias.attend_flex(q, q[:, :2], q[:, :2], make(4), ids, ids)
 
 
 def test_cpu_flex_takes_128_keys_or_more(monkeypatch):

@@ -57,7 +57,16 @@ import torch
 from torch import nn
 
 from posenc import _compile_marks as compile_marks
-from posenc._checks import autocast_off, compiling, first_dtensor, replicated_values, values_readable
+from posenc._checks import (
+    attention_inputs,
+    autocast_off,
+    compiling,
+    first_dtensor,
+    int_tensor,
+    replicated_values,
+    size_in,
+    values_readable,
+)
 from posenc.bias import ALiBi, T5Bias, t5_relative_bucket
 
 # Below this many scores per head the materialized mask is small (64 MiB in float32) and not worth a compile.
@@ -347,6 +356,7 @@ def attend_flex(
     flex = _flex(q.device.type)
     if flex is None:
         raise RuntimeError("FlexAttention is unavailable in this PyTorch; use posenc.attention.attend")
+    attention_inputs(q, k, v)
     s, t = q.shape[2], k.shape[2]
     if s > t:
         # The queries are the last s keys; with fewer keys the check below compared shapes that cannot broadcast and
@@ -355,9 +365,20 @@ def attend_flex(
             f"q has {s} queries but k has {t} keys: the queries must be the last s of the t keys (s <= t), as in "
             "causal attention with a KV cache; pass the cached keys and values with the new ones"
         )
+    heads = getattr(encoding, "num_heads", None)
+    if heads is not None and heads != q.shape[1]:
+        # The score_mod reads slopes[h] or table[bucket, h]: an encoding of more heads gave q the first heads' bias
+        # without an error, one of fewer indexed past its slopes inside the compiled kernel.
+        raise ValueError(
+            f"{type(encoding).__name__} has num_heads={heads} but q has {q.shape[1]} heads (dim 1); build the "
+            f"encoding for q's heads ({type(encoding).__name__}({q.shape[1]}, ...))"
+        )
     for name, positions, n in (("q_positions", q_positions, s), ("k_positions", k_positions, t)):
-        if positions.dim() != 2 or positions.shape[1] != n:
-            raise ValueError(f"{name} must have shape (b or 1, {n}), got {tuple(positions.shape)}")
+        int_tensor(name, positions)
+        if positions.dim() != 2 or positions.shape[1] != n or not size_in(positions.shape[0], (1, q.shape[0])):
+            raise ValueError(
+                f"{name} must have shape (b or 1, {n}) with b = {q.shape[0]}, got {tuple(positions.shape)}"
+            )
     if values_readable(q.device) and bool((q_positions != k_positions[:, t - s :]).any()):
         raise ValueError(
             "q_positions must be the last s columns of k_positions: the queries are the last s of the t keys, "
@@ -379,8 +400,11 @@ def attend_flex(
             return kv_idx <= q_idx + shift
 
     else:
-        if document_ids.dim() != 2 or document_ids.shape[1] != t:
-            raise ValueError(f"document_ids must have shape (b or 1, {t}), got {tuple(document_ids.shape)}")
+        int_tensor("document_ids", document_ids, what="document ids")
+        if document_ids.dim() != 2 or document_ids.shape[1] != t or not size_in(document_ids.shape[0], (1, q.shape[0])):
+            raise ValueError(
+                f"document_ids must have shape (b or 1, {t}) with b = {q.shape[0]}, got {tuple(document_ids.shape)}"
+            )
         document_ids = document_ids.contiguous()
         doc = _per_batch(document_ids)
 
