@@ -347,6 +347,27 @@ def test_an_input_encoding_given_to_the_attention_is_refused(name):
         CausalSelfAttention(DIM, HEADS, encoding=make_encoding(name))
 
 
+def test_an_encoding_assigned_after_construction_is_checked_as_the_constructor_checks_it():
+    """forward attends unchecked: an ALiBi of 8 heads assigned to a 4-head layer gave FlexAttention's score_mod the
+    first 4 heads' slopes without an error."""
+    layer = CausalSelfAttention(32, 4, encoding=posenc.ALiBi(4))
+    refused = [
+        (posenc.ALiBi(8), ValueError, r"encoding ALiBi has num_heads=8 but the attention has num_heads=4"),
+        (posenc.T5Bias(1), ValueError, r"encoding T5Bias has num_heads=1 but the attention has num_heads=4"),
+        (posenc.RoPE(16), ValueError, r"encoding RoPE has head_dim=16 but the attention's heads"),
+        (posenc.Sinusoidal(32), ValueError, r"acts on the input, not in attention"),
+        ("alibi", TypeError, r"encoding must be an nn.Module or None, got str; build one by name"),
+    ]
+    for encoding, error, message in refused:
+        with pytest.raises(error, match=message):
+            layer.encoding = encoding
+        assert isinstance(layer.encoding, posenc.ALiBi) and layer.encoding.num_heads == 4, "a refused one is not kept"
+    for encoding in (posenc.T5Bias(4), None, posenc.RoPE(8)):
+        layer.encoding = encoding
+        assert layer.encoding is encoding
+        layer(torch.randn(1, 5, 32))
+
+
 def test_next_positions_starts_at_zero_on_an_empty_cache_and_feeds_input_encodings():
     """A decoding loop of a learned-table model: add_input_encoding takes cache.next_positions(s) at every step,
     the first included, and matches the full forward pass."""

@@ -512,6 +512,17 @@ class CausalSelfAttention(nn.Module):
         self.k_proj = nn.Linear(dim, num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(dim, num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(num_heads * self.head_dim, dim, bias=bias)
+        self.encoding = encoding  # checked by __setattr__, as an encoding assigned later is
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "encoding":
+            self._check_layer_encoding(value)
+        super().__setattr__(name, value)
+
+    def _check_layer_encoding(self, encoding: object) -> None:
+        """Refuses an encoding this layer cannot use, at construction and when one is assigned later
+        (``layer.encoding = ...``): forward attends unchecked (``_attend``), its q, k, v, mask and bias being its
+        own."""
         _check_encoding(encoding)
         if encoding is not None and getattr(encoding, "acts_on", None) is ActsOn.INPUT:
             # The layer cannot add it (it goes into the residual stream once, before the first layer) and would
@@ -522,22 +533,21 @@ class CausalSelfAttention(nn.Module):
                 "CausalSelfAttention with encoding=None"
             )
         # A per-head bias with one head broadcasts over every head without a word; any other count fails deep in
-        # attention. Both are the wrong model.
+        # attention (or, in FlexAttention's score_mod, reads the first heads' bias). All are the wrong model.
         heads = getattr(encoding, "num_heads", None)
-        if heads is not None and heads != num_heads:
+        if heads is not None and heads != self.num_heads:
             raise ValueError(
                 f"encoding {type(encoding).__name__} has num_heads={heads} but the attention has num_heads="
-                f"{num_heads}; build the encoding with {num_heads} heads"
+                f"{self.num_heads}; build the encoding with {self.num_heads} heads"
             )
         # Likewise a rotary encoding of another head size: refused here, not at the first forward.
         rotated = getattr(encoding, "head_dim", None) if getattr(encoding, "acts_on", None) is ActsOn.QK else None
         if rotated is not None and rotated != self.head_dim:
             raise ValueError(
                 f"encoding {type(encoding).__name__} has head_dim={rotated} but the attention's heads have "
-                f"dim / num_heads = {dim} / {num_heads} = {self.head_dim} channels; build the encoding with "
-                f"head_dim={self.head_dim}"
+                f"dim / num_heads = {self.num_heads * self.head_dim} / {self.num_heads} = {self.head_dim} channels; "
+                f"build the encoding with head_dim={self.head_dim}"
             )
-        self.encoding = encoding
 
     @overload
     def forward(
@@ -711,7 +721,7 @@ class CausalSelfAttention(nn.Module):
                 warnings.warn(f"{error}; the bias is materialized instead (same result, more memory)", stacklevel=2)
         if out is None:
             bias = self.encoding.score_bias(pos, k_pos) if acts_on is ActsOn.SCORE_BIAS else None
-            out, probs = attend(q, k, v, causal_mask(s, t, x.device, docs), bias, need_probs=return_attention)
+            out, probs = _attend(q, k, v, causal_mask(s, t, x.device, docs), bias, need_probs=return_attention)
         out = self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
         return (out, probs) if return_attention else out
 
@@ -748,7 +758,7 @@ def _attend_sharded(q, k, v, allowed: torch.Tensor, bias: torch.Tensor | None, n
     if allowed.dim() == 4:
         allowed = local(allowed, (b, h, s, t))
     bias = None if bias is None else local(bias, (b, h, s, t))
-    out, probs = attend(q_local, k_local, v_local, allowed, bias, need_probs=need_probs)
+    out, probs = _attend(q_local, k_local, v_local, allowed, bias, need_probs=need_probs)
 
     def back(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         """The rank's (contiguous) rows of a whole tensor of shape ``shape``, as a DTensor laid out as q."""
@@ -810,6 +820,20 @@ def attend(
     (``_attend_sharded``); the output and probabilities are then DTensors laid out as q.
     """
     _check_attend(q, k, v, allowed, bias)
+    return _attend(q, k, v, allowed, bias, need_probs=need_probs)
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    need_probs: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``attend`` without its checks (~3 us a call): for CausalSelfAttention, whose q, k, v, mask and bias are its
+    own, with an encoding checked when it was assigned."""
     if is_dtensor(q):
         return _attend_sharded(q, k, v, allowed, bias, need_probs)
     s, t = allowed.shape[-2:]
