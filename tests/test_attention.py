@@ -361,7 +361,11 @@ def test_an_encoding_assigned_after_construction_is_checked_as_the_constructor_c
     for encoding, error, message in refused:
         with pytest.raises(error, match=message):
             layer.encoding = encoding
-        assert isinstance(layer.encoding, posenc.ALiBi) and layer.encoding.num_heads == 4, "a refused one is not kept"
+        with pytest.raises(error, match=message):
+            layer.add_module("encoding", encoding)
+        with pytest.raises(error, match=message):
+            layer.register_module("encoding", encoding)
+        assert isinstance(layer.encoding, posenc.ALiBi) and layer.encoding.num_heads == 4, "a refused one is kept"
     for encoding in (posenc.T5Bias(4), None, posenc.RoPE(8)):
         layer.encoding = encoding
         assert layer.encoding is encoding
@@ -409,31 +413,71 @@ def test_attend_refuses_by_name_what_torch_would_fail_on_deep_inside_or_take_sil
     b, h, s, t, d = 2, 3, 5, 7, 4
     q, k, v = torch.randn(b, h, s, d), torch.randn(b, h, t, d), torch.randn(b, h, t, d)
     allowed, bias = causal_mask(s, t, q.device), torch.randn(b, h, s, t)
+    to = r"broadcast to \(b, h, s, t\) = \(2, 3, 5, 7\)"
     cases = [
-        ((q, k, v, allowed, bias[:, :2]), ValueError, r"bias must have shape \(b or 1, h or 1, s, t\) with b, h, s, t"),
-        ((q, k, v, allowed, bias[0]), ValueError, r"bias must have shape .* got \(3, 5, 7\)"),
+        ((q, k, v, allowed, bias[:, :2]), ValueError, rf"bias must {to}.* got \(2, 2, 5, 7\)"),
+        ((q, k, v, allowed, torch.randn(3, h, s, t)), ValueError, rf"bias must {to}.* got \(3, 3, 5, 7\)"),
+        ((q, k, v, allowed, bias[..., :6]), ValueError, rf"bias must {to}.* got \(2, 3, 5, 6\)"),
+        ((q, k, v, allowed, bias[:, :, :4]), ValueError, rf"bias must {to}.* got \(2, 3, 4, 7\)"),
+        ((q, k, v, allowed, bias[None]), ValueError, rf"bias must {to}.* got \(1, 2, 3, 5, 7\)"),
         ((q, k, v, allowed, bias.long()), TypeError, r"bias must be a floating-point tensor"),
+        ((q, k, v, allowed, bias.to("meta")), ValueError, r"q is on cpu but bias is on meta"),
         ((q, k, v, allowed.float(), bias), TypeError, r"allowed must be a bool tensor.* got torch\.float32"),
         ((q, k, v, allowed.long(), None), TypeError, r"allowed must be a bool tensor.* got torch\.int64"),
         ((q, k, v, None, None), TypeError, r"allowed must be a bool tensor.* got NoneType"),
-        ((q, k, v, allowed[:, :6], None), ValueError, r"allowed of 2 dims must have shape \(s, t\) = \(5, 7\)"),
-        ((q, k, v, allowed[None, None].expand(b, 2, s, t), None), ValueError, r"allowed must have shape \(s, t\) or"),
+        ((q, k, v, allowed.to("meta"), None), ValueError, r"q is on cpu but allowed is on meta"),
+        ((q, k, v, allowed[:, :6], None), ValueError, rf"allowed must {to}.* got \(5, 6\)"),
+        ((q, k, v, allowed[:4], None), ValueError, rf"allowed must {to}.* got \(4, 7\)"),
+        ((q, k, v, allowed.expand(3, 1, s, t), None), ValueError, rf"allowed must {to}.* got \(3, 1, 5, 7\)"),
+        ((q, k, v, allowed.expand(b, 2, s, t), None), ValueError, rf"allowed must {to}.* got \(2, 2, 5, 7\)"),
         ((q, k[:, :1], v[:, :1], allowed, None), ValueError, r"k and v must have q's batch and heads \(2, 3\)"),
         ((q, k, v[:, :, :6], allowed, None), ValueError, r"k and v must hold the same keys, got 7 and 6"),
         ((q, k[..., :3], v, allowed, None), ValueError, r"k's head_dim must be q's, got 3 and 4"),
         ((q[0], k, v, allowed, None), ValueError, r"q must have shape \(b, h, s, head_dim\), got \(3, 5, 4\)"),
         ((q, k.long(), v, allowed, None), TypeError, r"k must be a floating-point tensor"),
         ((q, k.to("meta"), v, allowed, None), ValueError, r"q is on cpu but k is on meta"),
+        ((q, k, v.to("meta"), allowed, None), ValueError, r"q is on cpu but v is on meta"),
     ]
     for args, error, message in cases:
         with pytest.raises(error, match=message):
             attend(*args)
-    # The broadcast shapes the docstring names give what their full shapes give.
-    full, _ = attend(q, k, v, allowed[None, None].expand(b, h, s, t), bias[:1].expand(b, h, s, t))
-    assert torch.equal(attend(q, k, v, allowed, bias[:1])[0], full)
-    assert torch.equal(attend(q, k, v, allowed[None, None], bias[:1])[0], full)
-    one_head = bias[:1, :1]
-    assert torch.equal(attend(q, k, v, allowed, one_head)[0], attend(q, k, v, allowed, one_head.expand(b, h, s, t))[0])
+
+
+def test_attend_takes_every_mask_and_bias_that_broadcasts_as_its_whole_shape() -> None:
+    """torch's broadcasting, as before the checks: an encoding's bias(s, t, offset) is (h, s, t), a padding mask
+    (b, 1, 1, t)."""
+    torch.manual_seed(0)
+    b, h, s, t, d = 2, 3, 5, 7, 4
+    q, k, v = torch.randn(b, h, s, d), torch.randn(b, h, t, d), torch.randn(b, h, t, d)
+    allowed = causal_mask(s, t, q.device) & (torch.rand(b, 1, 1, t) > 0.2)
+    allowed[..., 0] = True  # a key for every query
+    whole = allowed.expand(b, h, s, t)
+    alibi = posenc.ALiBi(h)
+    shared = alibi.bias(s, t, offset=t - s)  # (h, s, t)
+    assert shared.shape == (h, s, t)
+    for bias in (shared, shared[None], torch.randn(b, 1, s, t), torch.randn(1, h, 1, t), torch.randn(b, h, s, 1), None):
+        want = None if bias is None else bias.expand(b, h, s, t)
+        for need_probs in (False, True):
+            got = attend(q, k, v, allowed, bias, need_probs=need_probs)
+            full = attend(q, k, v, whole, want, need_probs=need_probs)
+            assert torch.equal(got[0], full[0])
+    # The layer's bias from the same ALiBi, for positions t - s .. t - 1 of t keys: equal to the shared one.
+    score = alibi.score_bias(torch.arange(t - s, t)[None], torch.arange(t)[None])
+    assert torch.equal(attend(q, k, v, allowed, shared)[0], attend(q, k, v, allowed, score)[0])
+
+
+def test_attend_honours_a_square_mask_that_is_not_causal() -> None:
+    """SDPA's is_causal (the layer's own causal_mask, s == t) ignored a caller's (s, s) mask: an all-True one
+    attended causally without an error."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 1, 2, 5, 4).unbind()
+    every = torch.ones(5, 5, dtype=torch.bool)
+    causal = causal_mask(5, 5, q.device)
+    for mask in (every, causal):
+        scores = (q.double() @ k.double().transpose(-1, -2) / 2).masked_fill(~mask, float("-inf"))
+        want = scores.softmax(-1) @ v.double()
+        assert_close(attend(q, k, v, mask, None)[0], want)
+        assert_close(attend(q, k, v, mask, None, need_probs=True)[0], want)
 
 
 def test_a_cache_left_empty_by_a_refused_step_serves_another_layer() -> None:

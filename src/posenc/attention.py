@@ -37,6 +37,7 @@ from posenc._checks import (
     refuse_jit_trace,
     replicated_like,
     replicated_values,
+    same_device,
     size_in,
     values_readable,
 )
@@ -512,12 +513,17 @@ class CausalSelfAttention(nn.Module):
         self.k_proj = nn.Linear(dim, num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(dim, num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(num_heads * self.head_dim, dim, bias=bias)
-        self.encoding = encoding  # checked by __setattr__, as an encoding assigned later is
+        self.encoding = encoding  # checked by __setattr__ (and add_module), as an encoding assigned later is
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "encoding":
             self._check_layer_encoding(value)
         super().__setattr__(name, value)
+
+    def add_module(self, name: str, module: nn.Module | None) -> None:  # register_module's way in too
+        if name == "encoding":
+            self._check_layer_encoding(module)
+        super().add_module(name, module)
 
     def _check_layer_encoding(self, encoding: object) -> None:
         """Refuses an encoding this layer cannot use, at construction and when one is assigned later
@@ -721,12 +727,13 @@ class CausalSelfAttention(nn.Module):
                 warnings.warn(f"{error}; the bias is materialized instead (same result, more memory)", stacklevel=2)
         if out is None:
             bias = self.encoding.score_bias(pos, k_pos) if acts_on is ActsOn.SCORE_BIAS else None
-            out, probs = _attend(q, k, v, causal_mask(s, t, x.device, docs), bias, need_probs=return_attention)
+            allowed = causal_mask(s, t, x.device, docs)
+            out, probs = _attend(q, k, v, allowed, bias, need_probs=return_attention, causal=docs is None)
         out = self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
         return (out, probs) if return_attention else out
 
 
-def _attend_sharded(q, k, v, allowed: torch.Tensor, bias: torch.Tensor | None, need_probs: bool):
+def _attend_sharded(q, k, v, allowed: torch.Tensor, bias: torch.Tensor | None, need_probs: bool, causal: bool):
     """``attend`` of a DTensor q (tensor parallelism: heads, or the batch, sharded across the ranks; k, v DTensors or
     plain), on each rank's own heads and rows, returned laid out as q. Heads and sequences attend alone, so no rank
     needs another's; k and v are laid out as q (no communication from replicated ones), the whole mask and bias are
@@ -755,10 +762,10 @@ def _attend_sharded(q, k, v, allowed: torch.Tensor, bias: torch.Tensor | None, n
         return x.redistribute(mesh, placements).to_local()
 
     q_local, k_local, v_local = q.to_local(), laid_out(k), laid_out(v)
-    if allowed.dim() == 4:
+    if allowed.dim() > 2:  # one of the batch or heads: cut as q is (an (s, t) mask serves every rank whole)
         allowed = local(allowed, (b, h, s, t))
     bias = None if bias is None else local(bias, (b, h, s, t))
-    out, probs = _attend(q_local, k_local, v_local, allowed, bias, need_probs=need_probs)
+    out, probs = _attend(q_local, k_local, v_local, allowed, bias, need_probs=need_probs, causal=causal)
 
     def back(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         """The rank's (contiguous) rows of a whole tensor of shape ``shape``, as a DTensor laid out as q."""
@@ -768,35 +775,40 @@ def _attend_sharded(q, k, v, allowed: torch.Tensor, bias: torch.Tensor | None, n
     return back(out, (b, h, s, v.shape[-1])), None if probs is None else back(probs, (b, h, s, t))
 
 
+def _broadcasts(shape: torch.Size, target: tuple) -> bool:
+    """Whether a tensor of ``shape`` broadcasts to ``target`` (each of its last dims 1 or the target's)."""
+    lead = len(target) - len(shape)
+    return lead >= 0 and all(size_in(n, (1, target[lead + i])) for i, n in enumerate(shape))
+
+
 def _check_attend(q: Any, k: Any, v: Any, allowed: Any, bias: Any) -> None:
-    """attend's arguments, by shape and dtype (no values read). Unchecked, a wrong one met torch deep inside: "The
-    size of tensor a (5) must match the size of tensor b (3)" for a bias of other heads, "~ (operator.invert) is
-    only implemented on integer and Boolean-type tensors" for a float mask, or an integer bias added silently."""
+    """attend's arguments, by shape, dtype and device (no values read). Unchecked, a wrong one met torch deep
+    inside: "The size of tensor a (5) must match the size of tensor b (3)" for a bias of other heads, "~
+    (operator.invert) is only implemented on integer and Boolean-type tensors" for a float mask, or an integer bias
+    added silently."""
     attention_inputs(q, k, v)
     b, h, s, _ = q.shape
-    t = k.shape[2]
+    target = (b, h, s, k.shape[2])
     if not isinstance(allowed, torch.Tensor) or allowed.dtype != torch.bool:
         got = allowed.dtype if isinstance(allowed, torch.Tensor) else type(allowed).__name__
         raise TypeError(
             f"allowed must be a bool tensor, True where a query may attend a key (causal_mask(s, t, device) gives "
             f"it), got {got}"
         )
-    if allowed.dim() == 2:
-        if allowed.shape != (s, t):
-            raise ValueError(f"allowed of 2 dims must have shape (s, t) = {(s, t)}, got {tuple(allowed.shape)}")
-    elif allowed.dim() != 4 or not (
-        size_in(allowed.shape[0], (1, b)) and size_in(allowed.shape[1], (1, h)) and allowed.shape[2:] == (s, t)
-    ):
-        raise ValueError(f"allowed must have shape (s, t) or (b or 1, 1 or h, s, t), got {tuple(allowed.shape)}")
+    same_device(("q", "allowed"), q, allowed)
+    if not _broadcasts(allowed.shape, target):
+        raise ValueError(
+            f"allowed must broadcast to (b, h, s, t) = {target}, as (s, t) or (b or 1, 1 or h, s, t) do, got "
+            f"{tuple(allowed.shape)}"
+        )
     if bias is None:
         return
     float_tensor("bias", bias)
-    if bias.dim() != 4 or not (
-        size_in(bias.shape[0], (1, b)) and size_in(bias.shape[1], (1, h)) and bias.shape[2:] == (s, t)
-    ):
+    same_device(("q", "bias"), q, bias)
+    if not _broadcasts(bias.shape, target):
         raise ValueError(
-            f"bias must have shape (b or 1, h or 1, s, t) with b, h, s, t = {(b, h, s, t)}, got {tuple(bias.shape)}; "
-            "an encoding's score_bias(q_positions, k_positions) gives it"
+            f"bias must broadcast to (b, h, s, t) = {target}, as an encoding's score_bias(q_positions, "
+            f"k_positions) (b or 1, h, s, t) and bias(s, t, offset) (h, s, t) do, got {tuple(bias.shape)}"
         )
 
 
@@ -809,9 +821,10 @@ def attend(
     *,
     need_probs: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """q: (b, h, s, d); k, v: (b, h, t, d) (grouped-query heads repeated to h); allowed: (s, t) bool (causal), or
-    (b or 1, 1 or h, s, t) (any mask with at least one key per query, such as causal_mask's with document ids);
-    bias: (b or 1, h or 1, s, t) floating, or None. Other shapes or dtypes are errors that name the argument.
+    """q: (b, h, s, d); k, v: (b, h, t, d) (grouped-query heads repeated to h); allowed: bool, True where a query
+    may attend a key, of any shape that broadcasts to (b, h, s, t) with at least one key per query: causal_mask's
+    (s, t), or its (b or 1, 1, s, t) with document ids; bias: floating, broadcasting to (b, h, s, t) (an encoding's
+    score_bias (b or 1, h, s, t), or its bias (h, s, t)), or None. Others are errors that name the argument.
 
     A score bias is added in float32 (ALiBi's slope * 8192 has no exact bf16 value), so low-precision inputs
     are attended in float32 when a bias is present; so are the probabilities of ``need_probs``, under autocast too
@@ -820,6 +833,7 @@ def attend(
     (``_attend_sharded``); the output and probabilities are then DTensors laid out as q.
     """
     _check_attend(q, k, v, allowed, bias)
+    # Not causal=True: SDPA's is_causal would ignore a caller's (s, t) mask that is not causal_mask's.
     return _attend(q, k, v, allowed, bias, need_probs=need_probs)
 
 
@@ -831,15 +845,16 @@ def _attend(
     bias: torch.Tensor | None,
     *,
     need_probs: bool = False,
+    causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``attend`` without its checks (~3 us a call): for CausalSelfAttention, whose q, k, v, mask and bias are its
-    own, with an encoding checked when it was assigned."""
+    """``attend`` without its checks (~5 us a call): for CausalSelfAttention, whose q, k, v, mask and bias are its
+    own, with an encoding checked when it was assigned. causal: ``allowed`` is causal_mask(s, t) (no document ids),
+    which SDPA's is_causal computes itself where s == t."""
     if is_dtensor(q):
-        return _attend_sharded(q, k, v, allowed, bias, need_probs)
-    s, t = allowed.shape[-2:]
+        return _attend_sharded(q, k, v, allowed, bias, need_probs, causal)
     dtype = torch.promote_types(q.dtype, torch.float32)
     if bias is None and not need_probs:
-        if s == t and allowed.dim() == 2:
+        if causal and q.shape[2] == k.shape[2]:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True), None
         return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed), None
     # Autocast would cast these float32 matmuls and SDPA, its attn_mask (the bias) included, back to bf16/fp16:
