@@ -456,6 +456,28 @@ def test_an_accelerate_hook_added_before_patching_keeps_running_and_can_be_remov
         assert torch.equal(model(ids).logits, before)
 
 
+@pytest.mark.parametrize("arch", ["gpt_neox", "phi3", "llama"])
+def test_a_patched_layer_refuses_transformers_cos_sin_by_their_width(arch: str) -> None:
+    """A layer given transformers' position_embeddings (one cos per channel, made before patching or by the model's
+    own rotary class) rotated 2 * rotary_dim channels at the wrong angles where they fit the head (GPT-NeoX and
+    Phi-3 at a partial rotary factor of 1/2), without an error; posenc's own (one per pair) are taken as before."""
+    overrides = {"partial_rotary_factor": 0.5} if arch == "phi3" else {}
+    model = build(arch, **overrides)
+    theirs = copy.deepcopy(model.base_model.rotary_emb)
+    patch_model(model)
+    layer, rotary = model.base_model.layers[0], model.base_model.rotary_emb
+    h, ids = torch.randn(1, 6, 64), torch.arange(6)[None]
+    pairs = rotary(h, ids)[0].shape[-1]
+    with torch.no_grad(), pytest.raises(ValueError, match=rf"width {2 * pairs}, but posenc's rotation takes one value"):
+        layer(h, position_embeddings=theirs(h, ids), position_ids=ids)
+    with torch.no_grad():
+        layer(h, position_embeddings=rotary(h, ids), position_ids=ids)
+    unpatch_model(model)
+    assert not hasattr(layer.self_attn if hasattr(layer, "self_attn") else layer.attention, patch_module.PAIRS_ATTR)
+    with torch.no_grad():
+        layer(h, position_embeddings=theirs(h, ids), position_ids=ids)
+
+
 def test_an_accelerate_hook_added_after_patching_outlives_unpatch() -> None:
     """unpatch_model removed the hook's wrapper from ``forward``, so the hook stopped running; removing it afterwards
     put back posenc's forward on the unpatched model, which refused transformers' cos/sin."""

@@ -855,6 +855,9 @@ def patch_model(
             swapped.append((parent_name, attr, module))
     classes = [type(module) for module in found.attention]
     replaced_forwards = [_install_forward(module, forwards[type(module)]) for module in found.attention]
+    pairs = tuple(sorted({rope.rotary_dim // 2 for _, _, ropes in installs for rope in ropes.values()}))
+    for module in found.attention:
+        object.__setattr__(module, PAIRS_ATTR, pairs)
     if keys_at_read:  # one rope dict (_require_keys_at_read): the RoPEs the rotary module holds, by layer type
         for module in found.attention:
             object.__setattr__(module, ROPES_ATTR, dict(first_ropes))
@@ -1142,12 +1145,47 @@ def _wrapped_forward(
     queries_then_keys: _QueriesThenKeys | None,
 ) -> types.FunctionType:
     """``func`` with ``replacements`` for its globals, and the checks of the cache its patch needs around it."""
+    copied = _checking_cos_width(_with_globals(func, replacements), func)
     if not keys_at_read:
-        return _refusing_unrotated_keys(_with_globals(func, replacements))
-    checked = _checking_the_cache(_with_globals(func, replacements))
+        return _refusing_unrotated_keys(copied)
+    checked = _checking_the_cache(copied)
     if _SHARED_KV_STATES in inspect.signature(innermost(func)).parameters:
         checked = _handing_out_rotated_shared_keys(checked)
     return checked if queries_then_keys is None else _counting_rotations(checked, queries_then_keys)
+
+
+# The pair counts (rotary_dim // 2) of the RoPEs a patched model's rotary modules hold, on each attention module.
+PAIRS_ATTR = "_posenc_rotary_pairs"
+
+
+def _checking_cos_width(forward: types.FunctionType, original: types.FunctionType) -> types.FunctionType:
+    """``forward`` preceded by a check of the cos/sin it is given as ``position_embeddings``: one value per rotated
+    pair (posenc's rotary module), where transformers' repeat each for both channels of a pair. The rotation reads
+    its width from cos, so transformers' cos/sin (made before patching, or by the model's own rotary class) rotated
+    2 * rotary_dim channels at the wrong angles where they fit in the head (GPT-NeoX, Phi-3 and GLM at a partial
+    rotary factor of 1/2: logits off by 18 to 350) without an error."""
+    names = list(inspect.signature(innermost(original)).parameters)
+    at = names.index("position_embeddings") - 1 if "position_embeddings" in names else None  # after self
+    if at is None:
+        return forward
+
+    @functools.wraps(forward)
+    def checked(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        given = args[at] if 0 <= at < len(args) else kwargs.get("position_embeddings")
+        pairs = getattr(self, PAIRS_ATTR, None)
+        if pairs and isinstance(given, tuple) and len(given) == 2 and isinstance(given[0], torch.Tensor):
+            width = given[0].shape[-1]
+            if not any(width == n for n in pairs):
+                raise ValueError(
+                    f"{type(self).__name__} was given position_embeddings (cos, sin) of width {width}, but posenc's "
+                    f"rotation takes one value per rotated pair ({' or '.join(map(str, pairs))} here): transformers' "
+                    "cos/sin (made before patch_model, or by the model's own rotary class) repeat each value for "
+                    "both channels of a pair. Take them from the patched model's rotary module (e.g. "
+                    "model.model.rotary_emb(hidden_states, position_ids)), or call unpatch_model first"
+                )
+        return forward(self, *args, **kwargs)
+
+    return checked
 
 
 def _holds_globals(copied: types.FunctionType, namespace: Mapping[str, Any], replacements: Mapping[str, Any]) -> bool:
@@ -1263,6 +1301,7 @@ def unpatch_model(model: nn.Module) -> PatchReport:
     for module, cls, replaced in zip(state.attention, state.classes, state.replaced_forwards, strict=True):
         _restore_forward(module, cls, replaced)
         module.__dict__.pop(ROPES_ATTR, None)
+        module.__dict__.pop(PAIRS_ATTR, None)
     state.undone = True
     object.__delattr__(model, _STATE_ATTR)
     return state.report
