@@ -461,10 +461,9 @@ def test_a_patched_layer_refuses_transformers_cos_sin_by_their_width(arch: str) 
     """A layer given transformers' position_embeddings (one cos per channel, made before patching or by the model's
     own rotary class) rotated 2 * rotary_dim channels at the wrong angles where they fit the head (GPT-NeoX and
     Phi-3 at a partial rotary factor of 1/2), without an error; posenc's own (one per pair) are taken as before."""
-    overrides = {"partial_rotary_factor": 0.5} if arch == "phi3" else {}
-    model = build(arch, **overrides)
+    model = build(arch) if arch == "llama" else build_partial(arch)
     theirs = copy.deepcopy(model.base_model.rotary_emb)
-    patch_model(model)
+    assert patch_model(model).rotary_dim == (16 if arch == "llama" else 8)
     layer, rotary = model.base_model.layers[0], model.base_model.rotary_emb
     h, ids = torch.randn(1, 6, 64), torch.arange(6)[None]
     pairs = rotary(h, ids)[0].shape[-1]
