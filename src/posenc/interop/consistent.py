@@ -195,6 +195,21 @@ class _KeysRotatedAtRead:
 _SHARED_KV_STATES = "shared_kv_states"
 
 
+def argument_position(forward: Callable[..., Any], name: str) -> int | None:
+    """Where a call of the method ``forward`` passes its parameter ``name`` positionally: the index in its args
+    after self, or None if it has no such parameter."""
+    parameters = list(inspect.signature(forward).parameters)
+    return parameters.index(name) - 1 if name in parameters else None
+
+
+def argument(args: tuple, kwargs: Mapping[str, Any], name: str, position: int | None) -> Any:
+    """The value a call (args after self, kwargs) gives the parameter ``name`` at ``position``
+    (``argument_position``), by keyword or positionally; None where it gives none."""
+    if name in kwargs:
+        return kwargs[name]
+    return args[position] if position is not None and 0 <= position < len(args) else None
+
+
 def _handing_out_rotated_shared_keys(forward: types.FunctionType) -> types.FunctionType:
     """Gemma 4: ``forward`` (an attention whose class takes ``shared_kv_states``) that, in the model's last layer and
     when the forward was asked to ``return_shared_kv_states``, replaces each layer type's keys in that dict by the
@@ -205,17 +220,14 @@ def _handing_out_rotated_shared_keys(forward: types.FunctionType) -> types.Funct
     unrotated keys they were rotated from (``_unrotated``), and the caller (``generate(assistant_model=...)``'s
     Gemma 4 assistant) reads them as rotated keys, as transformers' target hands them out. New tensors: the cache's
     own are kept."""
-    parameters = list(inspect.signature(forward).parameters)
-    position = parameters.index(_SHARED_KV_STATES) - 1 if _SHARED_KV_STATES in parameters else None  # past self
+    position = argument_position(forward, _SHARED_KV_STATES)
 
     @functools.wraps(forward)
     def handing_out(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         out = forward(self, *args, **kwargs)
         if not kwargs.get("return_shared_kv_states") or not _is_last_layer(self):
             return out
-        shared = kwargs.get(_SHARED_KV_STATES)
-        if shared is None and position is not None and position < len(args):
-            shared = args[position]
+        shared = argument(args, kwargs, _SHARED_KV_STATES, position)
         if shared is None:  # no dict, so none is returned
             return out
         position_ids = kwargs["position_ids"]  # there: the attention has rotated its keys with them

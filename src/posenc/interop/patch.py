@@ -88,6 +88,8 @@ from posenc.interop.consistent import (
     _handing_out_rotated_shared_keys,
     _KeysRotatedAtRead,
     _refusing_unrotated_keys,
+    argument,
+    argument_position,
 )
 from posenc.interop.consistent import _UnrotatedKeys as _UnrotatedKeys  # caches pickled by older posenc name it here
 from posenc.interop.hf import rope_kwargs_from_config, rope_layer_types
@@ -1164,14 +1166,13 @@ def _checking_cos_width(forward: types.FunctionType, original: types.FunctionTyp
     its width from cos, so transformers' cos/sin (made before patching, or by the model's own rotary class) rotated
     2 * rotary_dim channels at the wrong angles where they fit in the head (GPT-NeoX, Phi-3 and GLM at a partial
     rotary factor of 1/2: logits off by 18 to 350) without an error."""
-    names = list(inspect.signature(innermost(original)).parameters)
-    at = names.index("position_embeddings") - 1 if "position_embeddings" in names else None  # after self
+    at = argument_position(innermost(original), "position_embeddings")
     if at is None:
         return forward
 
     @functools.wraps(forward)
     def checked(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        given = args[at] if 0 <= at < len(args) else kwargs.get("position_embeddings")
+        given = argument(args, kwargs, "position_embeddings", at)
         pairs = getattr(self, PAIRS_ATTR, None)
         if pairs and isinstance(given, tuple) and len(given) == 2 and isinstance(given[0], torch.Tensor):
             width = given[0].shape[-1]
