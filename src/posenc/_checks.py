@@ -595,6 +595,19 @@ def attention_inputs(q: Any, k: Any, v: Any) -> None:
         raise ValueError(f"k's head_dim must be q's, got {k.shape[3]} and {q.shape[3]} (dim 3)")
 
 
+def encoding_heads(encoding: object, heads: int, holder: str) -> None:
+    """Refuses a per-head encoding (one with ``num_heads``: ALiBi's slopes, T5's table) of another head count than
+    the attention's ``heads``; holder: what has them, for the error. A bias of one head broadcasts over every head
+    without a word, any other count fails deep in attention, and FlexAttention's score_mod read the first heads'
+    bias (or indexed past the slopes inside the compiled kernel): all are the wrong model."""
+    own = getattr(encoding, "num_heads", None)
+    if own is not None and own != heads:
+        raise ValueError(
+            f"encoding {type(encoding).__name__} has num_heads={own} but {holder}; build the encoding with "
+            f"{heads} heads"
+        )
+
+
 def movable(name: str, x: torch.Tensor, device: torch.device | str, what: str = "the activations") -> None:
     """Index tensors (positions, offsets, document ids) may come from another device than the activations, as CPU
     ids for CUDA activations do, and real ids may serve meta activations (shape inference), but meta ids, which

@@ -26,6 +26,7 @@ from posenc._checks import (
     attention_inputs,
     autocast_off,
     autocast_on,
+    encoding_heads,
     fake_mode_active,
     flag,
     float_tensor,
@@ -538,14 +539,7 @@ class CausalSelfAttention(nn.Module):
                 "once with posenc.add_input_encoding(x, encoding, positions) before the layers, and build "
                 "CausalSelfAttention with encoding=None"
             )
-        # A per-head bias with one head broadcasts over every head without a word; any other count fails deep in
-        # attention (or, in FlexAttention's score_mod, reads the first heads' bias). All are the wrong model.
-        heads = getattr(encoding, "num_heads", None)
-        if heads is not None and heads != self.num_heads:
-            raise ValueError(
-                f"encoding {type(encoding).__name__} has num_heads={heads} but the attention has num_heads="
-                f"{self.num_heads}; build the encoding with {self.num_heads} heads"
-            )
+        encoding_heads(encoding, self.num_heads, f"the attention has num_heads={self.num_heads}")
         # Likewise a rotary encoding of another head size: refused here, not at the first forward.
         rotated = getattr(encoding, "head_dim", None) if getattr(encoding, "acts_on", None) is ActsOn.QK else None
         if rotated is not None and rotated != self.head_dim:

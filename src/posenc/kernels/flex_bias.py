@@ -61,6 +61,7 @@ from posenc._checks import (
     attention_inputs,
     autocast_off,
     compiling,
+    encoding_heads,
     first_dtensor,
     int_tensor,
     replicated_values,
@@ -365,14 +366,7 @@ def attend_flex(
             f"q has {s} queries but k has {t} keys: the queries must be the last s of the t keys (s <= t), as in "
             "causal attention with a KV cache; pass the cached keys and values with the new ones"
         )
-    heads = getattr(encoding, "num_heads", None)
-    if heads is not None and heads != q.shape[1]:
-        # The score_mod reads slopes[h] or table[bucket, h]: an encoding of more heads gave q the first heads' bias
-        # without an error, one of fewer indexed past its slopes inside the compiled kernel.
-        raise ValueError(
-            f"{type(encoding).__name__} has num_heads={heads} but q has {q.shape[1]} heads (dim 1); build the "
-            f"encoding for q's heads ({type(encoding).__name__}({q.shape[1]}, ...))"
-        )
+    encoding_heads(encoding, q.shape[1], f"q has {q.shape[1]} heads (dim 1)")  # the score_mod reads slopes[h]
     for name, positions, n in (("q_positions", q_positions, s), ("k_positions", k_positions, t)):
         int_tensor(name, positions)
         if positions.dim() != 2 or positions.shape[1] != n or not size_in(positions.shape[0], (1, q.shape[0])):
