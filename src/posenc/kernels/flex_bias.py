@@ -367,12 +367,13 @@ def attend_flex(
             "causal attention with a KV cache; pass the cached keys and values with the new ones"
         )
     encoding_heads(encoding, q.shape[1], f"q has {q.shape[1]} heads (dim 1)")  # the score_mod reads slopes[h]
-    for name, positions, n in (("q_positions", q_positions, s), ("k_positions", k_positions, t)):
-        int_tensor(name, positions)
-        if positions.dim() != 2 or positions.shape[1] != n or not size_in(positions.shape[0], (1, q.shape[0])):
-            raise ValueError(
-                f"{name} must have shape (b or 1, {n}) with b = {q.shape[0]}, got {tuple(positions.shape)}"
-            )
+    ids = [("q_positions", q_positions, s, "positions"), ("k_positions", k_positions, t, "positions")]
+    if document_ids is not None:
+        ids.append(("document_ids", document_ids, t, "document ids"))
+    for name, values, n, what in ids:
+        int_tensor(name, values, what=what)
+        if values.dim() != 2 or values.shape[1] != n or not size_in(values.shape[0], (1, q.shape[0])):
+            raise ValueError(f"{name} must have shape (b or 1, {n}) with b = {q.shape[0]}, got {tuple(values.shape)}")
     if values_readable(q.device) and bool((q_positions != k_positions[:, t - s :]).any()):
         raise ValueError(
             "q_positions must be the last s columns of k_positions: the queries are the last s of the t keys, "
@@ -394,11 +395,6 @@ def attend_flex(
             return kv_idx <= q_idx + shift
 
     else:
-        int_tensor("document_ids", document_ids, what="document ids")
-        if document_ids.dim() != 2 or document_ids.shape[1] != t or not size_in(document_ids.shape[0], (1, q.shape[0])):
-            raise ValueError(
-                f"document_ids must have shape (b or 1, {t}) with b = {q.shape[0]}, got {tuple(document_ids.shape)}"
-            )
         document_ids = document_ids.contiguous()
         doc = _per_batch(document_ids)
 
