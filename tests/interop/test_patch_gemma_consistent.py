@@ -392,3 +392,22 @@ def test_rotated_shared_keys_are_not_rotated_again_when_gradient_checkpointing_r
         out.loss.backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
     torch.testing.assert_close(grads[1], grads[0], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["hf", "consistent"])
+def test_each_layer_type_refuses_transformers_cos_sin_of_its_own_width(mode: str) -> None:
+    """The check of a patched layer's cos/sin width held the pair counts of every layer type: a sliding layer given
+    transformers' sliding cos/sin (16 wide here, 256 in the real Gemma 4) matched the full layers' 16 pairs and went
+    on to fail inside the rotation, with a message that did not say why. Each layer now checks its own type's."""
+    model = tiny("gemma4_text", "dynamic")
+    theirs = copy.deepcopy(model.model.rotary_emb)
+    patch_model(model, mode=mode)
+    h, ids = torch.randn(1, 6, 64), torch.arange(6)[None]
+    for layer in model.model.layers[:2]:
+        attention, layer_type = layer.self_attn, layer.self_attn.layer_type
+        ours, given = model.model.rotary_emb(h, ids, layer_type), theirs(h, ids, layer_type)
+        assert given[0].shape[-1] == 2 * ours[0].shape[-1] == (16 if layer_type == "sliding_attention" else 32)
+        with torch.no_grad():
+            with pytest.raises(ValueError, match=rf"width {given[0].shape[-1]}, but posenc's rotation takes one value"):
+                attention(h, given, None, {}, position_ids=ids)
+            attention(h, ours, None, {}, position_ids=ids)

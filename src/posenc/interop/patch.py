@@ -857,9 +857,8 @@ def patch_model(
             swapped.append((parent_name, attr, module))
     classes = [type(module) for module in found.attention]
     replaced_forwards = [_install_forward(module, forwards[type(module)]) for module in found.attention]
-    pairs = tuple(sorted({rope.rotary_dim // 2 for _, _, ropes in installs for rope in ropes.values()}))
     for module in found.attention:
-        object.__setattr__(module, PAIRS_ATTR, pairs)
+        object.__setattr__(module, PAIRS_ATTR, _pair_counts(module, installs))
     if keys_at_read:  # one rope dict (_require_keys_at_read): the RoPEs the rotary module holds, by layer type
         for module in found.attention:
             object.__setattr__(module, ROPES_ATTR, dict(first_ropes))
@@ -1158,6 +1157,17 @@ def _wrapped_forward(
 
 # The pair counts (rotary_dim // 2) of the RoPEs a patched model's rotary modules hold, on each attention module.
 PAIRS_ATTR = "_posenc_rotary_pairs"
+
+
+def _pair_counts(attention: nn.Module, installs: Sequence[tuple[Any, Any, Mapping[str, RoPE]]]) -> tuple[int, ...]:
+    """The pair counts ``attention`` may be given cos/sin of: its layer type's RoPEs' where the rotary modules hold
+    one per layer type (Gemma 3n / 4), else every RoPE's. Per layer type, since Gemma 4's sliding layers given
+    transformers' cos/sin (256 wide at its real sizes) passed a check against the full layers' 256 pairs, and then
+    failed inside the rotation with a message that did not say why."""
+    layer_type = getattr(attention, "layer_type", None)
+    ropes = [rope for _, _, by_type in installs for rope in by_type.values()]
+    own = [rope for _, _, by_type in installs for key, rope in by_type.items() if key and key == layer_type]
+    return tuple(sorted({rope.rotary_dim // 2 for rope in own or ropes}))
 
 
 def _checking_cos_width(forward: types.FunctionType, original: types.FunctionType) -> types.FunctionType:
