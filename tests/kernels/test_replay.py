@@ -571,6 +571,33 @@ def test_in_place_calls_leave_ids_in_their_own_storage_to_the_full_path():
     assert full["functions"] == 0
 
 
+@pytest.mark.parametrize("read", ["angles", "ids"])
+def test_in_place_calls_leave_reads_in_another_storage_over_x_bytes_to_the_full_path(read):
+    """Two storages may cover one buffer (torch.from_numpy of two views of one array, frombuffer): the replay
+    compared where storages start, so angles or ids in x's bytes by way of another storage were replayed from a plan
+    of separate tensors, read after the rotation had overwritten them (the ids: SIGSEGV)."""
+    cos, sin = table(8, 8)
+    ids = [3, 2, 1, 0]
+    raw = bytearray(66 * 4)  # x's storage starts 8 bytes in, the twin's at the start: two storages, one set of bytes
+    x = torch.frombuffer(raw, dtype=torch.float32, offset=8).view(1, 1, 4, 16)
+    twin = torch.frombuffer(raw, dtype=torch.float32)[2:].view(1, 1, 4, 16)
+    x.copy_(torch.randn(1, 1, 4, 16))
+    if read == "angles":
+        call = dict(cos=twin.view(-1)[:32].view(4, 8), sin=twin.view(-1)[32:].view(4, 8), offset=0)
+        separate = dict(cos=cos[:4].clone(), sin=sin[:4].clone(), offset=0)
+    else:
+        twin.view(-1).view(torch.int64)[:4].copy_(torch.tensor(ids))
+        call = dict(cos=cos, sin=sin, positions=twin.view(-1).view(torch.int64)[:4])
+        separate = dict(cos=cos, sin=sin, positions=torch.tensor(ids))
+    want = x.clone()
+    want = full_path(lambda: apply_rotary_(want, **{k: v.clone() if k != "offset" else v for k, v in call.items()}))
+    apply_module._PLANS.clear()
+    apply_rotary_(torch.randn(1, 1, 4, 16), **separate)  # keeps the plan
+    with counting_full_paths() as full:
+        got = apply_rotary_(x, **call)
+    assert full["functions"] == 1 and torch.equal(got, want)
+
+
 def test_an_inference_tensor_rotated_in_place_outside_inference_mode_is_refused_after_a_plan():
     """A plan kept inside torch.inference_mode() for an inference tensor does not serve the same tensor outside it,
     where torch (and the full path) refuse to change it in place."""

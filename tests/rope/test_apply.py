@@ -806,24 +806,48 @@ def test_a_table_call_whose_rows_are_checked_still_checks_cu_seqlens():
         )
 
 
+def _held(values: torch.Tensor, holder: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, twin): x holding ``values``, to be rotated in place, and a plain tensor over the same bytes, to cut the
+    angles or ids from: x itself ("view"), an nn.Parameter x beside a plain tensor of its storage ("parameter"), or
+    two storages over one buffer ("frombuffer", as torch.from_numpy of two views of one array makes)."""
+    if holder == "view":
+        return values, values
+    if holder == "parameter":
+        return torch.nn.Parameter(values, requires_grad=False), values
+    # x's storage starts 8 bytes into the buffer (int64 views stay aligned), the twin's at its start: two storages,
+    # one set of bytes.
+    pad = 8 // values.element_size()
+    raw = bytearray((values.numel() + pad) * values.element_size())
+    x = torch.frombuffer(raw, dtype=values.dtype, offset=8).view(values.shape)
+    x.copy_(values)
+    return x, torch.frombuffer(raw, dtype=values.dtype)[pad:].view(values.shape)
+
+
+HOLDERS = ["view", "parameter", "frombuffer"]
+
+
+@pytest.mark.parametrize("holder", HOLDERS)
 @pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
 @pytest.mark.parametrize("layout", ["broadcast", "table"])
-def test_in_place_rotation_by_angles_in_x_own_memory_reads_them_before_writing(backend, layout):
+def test_in_place_rotation_by_angles_in_x_own_memory_reads_them_before_writing(backend, layout, holder):
     """cos/sin that are views of x itself (one buffer holding activations and angles): rotated in place, x was
     overwritten before the angles were read, on every backend (max error 8-12), without an error. The angles are
-    now copied first where their bytes meet x's, and the result is the rotation by the angles as they were."""
-    buffer = torch.randn(2, 3, 5, 8, generator=torch.Generator().manual_seed(0))
-    cos, sin = buffer[0, 0, :, :4], buffer[0, 1, :, :4]  # rows of x's own first heads
+    now copied first where their bytes meet x's, and the result is the rotation by the angles as they were. Until
+    2026-12-07 an x that is an nn.Parameter, or a storage of its own over the angles' bytes, was not compared."""
+    buffer, twin = _held(torch.randn(2, 3, 5, 8, generator=torch.Generator().manual_seed(0)), holder)
+    cos, sin = twin[0, 0, :, :4], twin[0, 1, :, :4]  # rows of x's own first heads
     expected_cos, expected_sin = cos.clone(), sin.clone()
     expected = posenc.apply_rotary(buffer.double(), expected_cos.double(), expected_sin.double(), backend="torch")
     call = {} if layout == "broadcast" else {"offset": 0}
-    posenc.apply_rotary_(buffer, cos, sin, backend=backend, **call)
+    with torch.no_grad():
+        posenc.apply_rotary_(buffer, cos, sin, backend=backend, **call)
     assert_close(buffer, expected)
 
 
+@pytest.mark.parametrize("holder", HOLDERS)
 @pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
 @pytest.mark.parametrize("kind", ["positions", "offset", "cu_seqlens"])
-def test_in_place_rotation_by_ids_in_x_own_memory_reads_them_before_writing(backend, kind):
+def test_in_place_rotation_by_ids_in_x_own_memory_reads_them_before_writing(backend, kind, holder):
     """Position ids, per-sequence offsets or cu_seqlens stored in x's own bytes (an int64 view of its first
     elements): rotated in place, the CPU kernel checked them, then read them again after the rotation had
     overwritten them, and killed the process (SIGSEGV). They are copied first where their bytes meet x's, as angles
@@ -834,13 +858,14 @@ def test_in_place_rotation_by_ids_in_x_own_memory_reads_them_before_writing(back
         "offset": ((2, 2, 3, 8), [5, 1]),  # per-sequence offsets (b,)
         "cu_seqlens": ((6, 2, 8), [0, 2, 6]),  # packed (total, h, d)
     }[kind]
-    buffer = torch.randn(shape, generator=torch.Generator().manual_seed(0))
-    ints = buffer.view(-1).view(torch.int64)[: len(values)]
+    buffer, twin = _held(torch.randn(shape, generator=torch.Generator().manual_seed(0)), holder)
+    ints = twin.view(-1).view(torch.int64)[: len(values)]
     ints.copy_(torch.tensor(values))
     expected = posenc.apply_rotary(
         buffer.double(), cos.double(), sin.double(), backend="torch", **{kind: torch.tensor(values)}
     )
-    posenc.apply_rotary_(buffer, cos, sin, backend=backend, **{kind: ints})
+    with torch.no_grad():
+        posenc.apply_rotary_(buffer, cos, sin, backend=backend, **{kind: ints})
     assert_close(buffer, expected)
 
 

@@ -273,21 +273,30 @@ def _refuse_shared_memory(name: str, x: torch.Tensor) -> None:
     # Dynamo cannot sort symbolic strides: traced calls go without this test (the expanded one above stays).
     if not compiling() and may_overlap(x):
         raise ValueError(
-            f"{name} has shape {tuple(x.shape)} and strides {x.stride()}, so some of its elements share memory (an "
-            f"unfold or as_strided view) and rotating it in place would mix them; rotate a copy ({name}.clone()) or "
-            "use apply_rotary"
+            f"{name} has shape {tuple(x.shape)} and strides {x.stride()}, so some of its elements may share memory (an "
+            f"unfold or as_strided view; posenc's test cannot rule it out for these strides) and rotating it in place "
+            f"would mix them; rotate a copy ({name}.clone()) or use apply_rotary"
         )
 
 
-def _storage_address(t: torch.Tensor) -> int | None:
-    """Where t's storage starts, or None where it has none of its own (a tensor subclass, or a functorch-batched or
-    functional tensor)."""
-    if type(t) is not torch.Tensor:
+def _storage_span(t: torch.Tensor) -> tuple[int, int] | None:
+    """The bytes [start, end) of t's storage, or None where it has none of its own (a tensor subclass that dispatches
+    in Python, a functorch-batched or functional tensor) or none at all (empty, meta). By the bytes, not the storage:
+    two storages may cover one buffer (``torch.from_numpy`` of two views of one array, ``frombuffer``,
+    ``from_dlpack``), and an ``nn.Parameter`` (a subclass) has a storage like any tensor's."""
+    if type(t) is not torch.Tensor and torch._C._dispatch_keys(t).has(torch._C.DispatchKey.Python):
         return None
     try:
-        return t.untyped_storage().data_ptr()
+        storage = t.untyped_storage()
+        start, size = storage.data_ptr(), storage.nbytes()
     except (RuntimeError, NotImplementedError):
         return None
+    return (start, start + size) if start and size else None
+
+
+def _meet(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    """Whether the byte ranges [start, end) a and b share a byte."""
+    return a[0] < b[1] and b[0] < a[1]
 
 
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:
@@ -300,15 +309,15 @@ def _byte_span(t: torch.Tensor) -> tuple[int, int]:
 def _inputs_apart(
     xs: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, index: torch.Tensor | None = None
 ) -> bool:
-    """Whether cos, sin and the ids or offsets read (``index``, if any) lie in storages that none of the xs (rotated
-    in place) is in, so that no byte of theirs can be overwritten by the rotation (else ``_apart_from`` compares
-    their bytes)."""
-    addresses = [_storage_address(x) for x in xs]
-    return (
-        _storage_address(cos) not in addresses
-        and _storage_address(sin) not in addresses
-        and (index is None or _storage_address(index) not in addresses)
-    )
+    """Whether cos, sin and the ids or offsets read (``index``, if any) lie in memory that none of the xs' storages
+    (rotated in place) covers, so that no byte of theirs can be overwritten by the rotation (else ``_apart_from``
+    compares their bytes). False where a storage is unknown (``_storage_span``)."""
+    spans = [_storage_span(x) for x in xs]
+    for t in (cos, sin) if index is None else (cos, sin, index):
+        span = _storage_span(t)
+        if span is None or any(x is None or _meet(span, x) for x in spans):
+            return False
+    return True
 
 
 def _apart_from(xs: list[torch.Tensor], *reads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
@@ -316,17 +325,22 @@ def _apart_from(xs: list[torch.Tensor], *reads: torch.Tensor | None) -> tuple[to
     overlap one of the xs rotated in place. Angles in a view of x itself (one buffer holding activations and
     angles) were read after the rotation had overwritten part of them, on every backend (max error 8-12 for a (2,
     3, 5, 8) x), without an error; ids there killed the process in the CPU kernel (SIGSEGV), which checks them
-    before it rotates and reads them again as it does. The storages are compared first (2.8 us a call on a shared
-    2-core CPU); only those in an x's storage have their bytes compared, so a slice beside x in one buffer (columns
-    of a fused tensor, an arena) is copied where its byte range meets x's, and not otherwise."""
-    addresses = [_storage_address(x) for x in xs]
+    before it rotates and reads them again as it does. The storages' bytes are compared first (2.8 us a call on a
+    shared 2-core CPU); only a read in memory an x's storage covers has its bytes compared with that x's, so a
+    slice beside x in one buffer (columns of a fused tensor, an arena) is copied where its byte range meets x's, and
+    not otherwise. Until 2026-12-07 the storages were compared by where they start, which missed an x that is an
+    ``nn.Parameter`` and two storages over one buffer (``from_numpy``): the same SIGSEGV, and angles read after
+    they were overwritten (max error 1.4-2.8)."""
+    spans = [_storage_span(x) for x in xs]
     apart = []
     for t in reads:
-        address = None if t is None else _storage_address(t)
-        if address is not None and address in addresses and t.numel():
+        span = None if t is None or not t.numel() else _storage_span(t)
+        if span is not None:
             low, high = _byte_span(t)
-            spans = [_byte_span(x) for x, at in zip(xs, addresses, strict=True) if at == address and x.numel()]
-            if any(low < end and first < high for first, end in spans):
+            if any(
+                at is not None and x.numel() and _meet(span, at) and _meet((low, high), _byte_span(x))
+                for x, at in zip(xs, spans, strict=True)
+            ):
                 t = t.clone()
         apart.append(t)
     return tuple(apart)
