@@ -322,6 +322,52 @@ def test_a_left_padded_consistent_rope_scales_for_the_batch_and_keeps_its_pads_o
     torch.testing.assert_close(torch.cat(steps, dim=1)[1:], alone, atol=1e-12, rtol=1e-12)
 
 
+LENGTH_SCALED = {
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+    "longrope": {
+        "rope_type": "longrope",
+        "short_factor": [1.0, 1.2, 1.5, 2.0],
+        "long_factor": [2.0, 3.0, 6.0, 9.0],
+        "original_max_position_embeddings": 8,
+    },
+}
+
+
+@pytest.mark.parametrize("mode", ["hf", "consistent"])
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_a_left_padded_batch_scales_for_its_longest_text_with_its_pads_at_position_0(rope_type, mode):
+    """The pads are a document of their own, at positions 0..p-1 by default, so a pad run longer than every row's
+    text scaled the batch for it: rows whose text fits the trained length (8) got other frequencies than alone
+    (dynamic NTK, and LongRoPE's long factors). transformers puts pads at one position (1); positions with the pads
+    at 0, (ids.cumsum(-1) - 1).clamp(min=0) as README.md says, scale for the longest text, and decoding goes on
+    from each row's last position, the longest row as alone."""
+
+    def layer() -> CausalSelfAttention:
+        torch.manual_seed(0)
+        rope = posenc.RoPE(HEAD_DIM, rope_parameters=LENGTH_SCALED[rope_type], max_position_embeddings=8, mode=mode)
+        return CausalSelfAttention(DIM, HEADS, num_kv_heads=KV_HEADS, encoding=rope).double()
+
+    pads = (11, 7)  # of 14 tokens: texts of 3 and 7
+    x = torch.randn(2, 14, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    ids = (torch.arange(14)[None] >= torch.tensor(pads)[:, None]).long()
+    positions = (ids.cumsum(-1) - 1).clamp(min=0)
+    assert positions[0].tolist() == [0] * 12 + [1, 2] and positions[1].tolist() == [0] * 8 + [1, 2, 3, 4, 5, 6]
+    alone = [layer()(x[row : row + 1, pad:]) for row, pad in enumerate(pads)]
+    padded = layer()(x, document_ids=ids)  # the pads' 11 positions count: past 8
+    assert (padded[:1, pads[0] :] - alone[0]).abs().max() > 1e-5
+    attn, cache = layer(), KVCache()
+    prefill = attn(x, document_ids=ids, positions=positions, cache=cache)
+    for row, pad in enumerate(pads):
+        torch.testing.assert_close(prefill[row : row + 1, pad:], alone[row], atol=1e-12, rtol=1e-12)
+    more = torch.randn(2, 3, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    for i in range(3):  # the longest row to 8, 9, 10 tokens: past 8 from the second step on
+        step = attn(more[:, i : i + 1], cache=cache)
+        if mode == "consistent" or i == 0:  # 'hf' keeps cached keys at the frequencies they were rotated with
+            full = layer()(torch.cat((x[1:, pads[1] :], more[1:, : i + 1]), dim=1))[:, -1:]
+            torch.testing.assert_close(step[1:], full, atol=1e-12, rtol=1e-12)
+    assert torch.equal(cache.positions[:, -1], torch.tensor([5, 9]))
+
+
 def test_a_step_may_start_a_new_document_in_the_cache():
     """Ids given at a step that differ from the row's last cached id start a document there: its tokens restart
     at position 0 and see only each other, as the same document run alone."""

@@ -58,7 +58,8 @@ class KVCache:
 
     For a RoPE in 'consistent' mode whose frequencies change with the length (dynamic NTK, LongRoPE) it also keeps
     ``unrotated_k`` and the ``inv_freq`` that ``k`` was rotated with: ``k`` is extended while the frequencies stay
-    the same and rebuilt from ``unrotated_k`` (never re-rotated, so no rounding accumulates) when they change.
+    the same and rebuilt from ``unrotated_k`` (never re-rotated, so no rounding accumulates) when they (or the
+    attention factor) change.
 
     Filled with ``document_ids`` it keeps the keys' ids too, (b or 1, t), as it keeps their positions: a step that
     gives none continues each row's last document, so a left-padded batch (pads one id, each row's text another:
@@ -75,6 +76,9 @@ class KVCache:
     unrotated_k: torch.Tensor | None = None
     rotated_with: torch.Tensor | None = None
     document_ids: torch.Tensor | None = None
+    # The attention factor k was rotated with, beside rotated_with's frequencies (None: unknown, re-rotate): a
+    # registered length-dependent type may change it while its frequencies stay.
+    _rotated_factor: float | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
     # A weak reference, so that a cache kept around does not keep its layer's weights alive.
     _owner: weakref.ref[nn.Module] | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
@@ -242,6 +246,7 @@ class KVCache:
             )
         if keep == 0:
             self.k = self.v = self.positions = self.unrotated_k = self.rotated_with = self.document_ids = None
+            self._rotated_factor = None
             return
         assert self.k is not None and self.v is not None and self.positions is not None
         self.k, self.v, self.positions = self.k[:, :, :keep], self.v[:, :, :keep], self.positions[:, :keep]
@@ -272,7 +277,8 @@ class KVCache:
         document_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """Append unrotated keys k: (b, g, s, d) and rotate every cached key with the frequencies of the whole
-        sequence, max(positions) + 1, re-rotating the old keys only when those frequencies changed.
+        sequence, max(positions) + 1, re-rotating the old keys only when those frequencies (or the attention
+        factor) changed.
 
         Returns (rotated keys (b, g, t, d), values, key positions (b or 1, t), the seq_len used). The cache changes
         only once everything is computed. document_ids: as for ``update``.
@@ -285,14 +291,15 @@ class KVCache:
         # Read as a forward call without a cache reads it: in a graph break under torch.compile, 1 on the meta
         # device (shapes only), posenc's error where no value may be read (a CUDA graph capture).
         seq_len = encoding.call_scaling_length(k_pos)
-        inv_freq = encoding.frequencies(seq_len)[0]
+        inv_freq, factor = encoding.frequencies(seq_len)
         # Under a FakeTensorMode the frequencies have no values to compare: every key is rotated (the same shapes).
         same = self.k is not None and self.rotated_with is not None and not fake_mode_active()
-        if same and torch.equal(inv_freq, self.rotated_with):
+        if same and torch.equal(inv_freq, self.rotated_with) and factor == self._rotated_factor:
             rotated = torch.cat((self.k, encoding.rotate(k, positions, seq_len=seq_len)), dim=2)
         else:
             rotated = encoding.rotate(unrotated, k_pos, seq_len=seq_len)
         self.k, self.v, self.positions, self.unrotated_k, self.rotated_with = rotated, all_v, k_pos, unrotated, inv_freq
+        self._rotated_factor = factor
         self.document_ids = ids
         return self.k, all_v, k_pos, seq_len
 
@@ -599,7 +606,9 @@ class CausalSelfAttention(nn.Module):
         ``posenc.document_ids_from_cu_seqlens`` build them. With a cache they are the new tokens' ids, kept for
         later steps, which continue each row's last document where they give none (positions then continue it
         too, or restart at 0 for a new id): a left-padded batch decodes as each row alone with ids 0 for the pads
-        and 1 for the text (transformers' ``attention_mask``) at the prefill. A cache filled without ids takes none.
+        and 1 for the text (transformers' ``attention_mask``) at the prefill. RoPE types that scale by length
+        (``dynamic``, ``longrope``) scale for the largest position, the pads' too: give them positions with the pads
+        at 0, ``(ids.cumsum(-1) - 1).clamp(min=0)``. A cache filled without ids takes none.
 
         Returns (b, s, dim); with ``return_attention`` also the probabilities (b, h, s, t) in float32 (float64
         for float64 inputs). Under tensor parallelism (projections parallelized so that q is a DTensor sharded on

@@ -159,6 +159,29 @@ def test_consistent_decoding_of_a_registered_length_dependent_type_equals_a_full
         torch.testing.assert_close(stepped[:, t], attention(x[:, : t + 1])[:, -1], rtol=1e-12, atol=1e-12)
 
 
+def test_consistent_decoding_follows_a_temperature_that_changes_with_the_length_alone():
+    """A length-dependent type whose frequencies stay fixed while its attention factor grows with the length (a
+    temperature): the cache re-rotated its keys only when the frequencies changed, so the keys cached before the
+    trained length kept the old factor (6.9e-3 off once past it). docs/scaling.md promises a full forward's."""
+
+    def warm(*, rotary_dim: int, base: float, seq_len: int | None, max_position_embeddings: int, **_: Any):
+        length = max_position_embeddings if seq_len is None else max(seq_len, max_position_embeddings)
+        return fr.default_inv_freq(rotary_dim, base), 1 + 0.1 * math.log(length / max_position_embeddings)
+
+    register_scaling("warm", warm, seq_len_dependent=True)
+    torch.manual_seed(0)
+    rope = posenc.RoPE(
+        HEAD_DIM, rope_parameters={"rope_type": "warm"}, max_position_embeddings=MAX_POS, mode="consistent"
+    )
+    attention = posenc.CausalSelfAttention(4 * HEAD_DIM, 4, encoding=rope).double()
+    x = torch.randn(1, MAX_POS + 6, 4 * HEAD_DIM, dtype=torch.float64)
+    cache = posenc.KVCache()
+    attention(x[:, :6], cache=cache)
+    for t in range(6, x.shape[1]):
+        step = attention(x[:, t : t + 1], cache=cache)
+        torch.testing.assert_close(step, attention(x[:, : t + 1])[:, -1:], rtol=1e-12, atol=1e-12)
+
+
 def test_a_registered_type_compiles_as_a_built_in_of_its_kind():
     """A fixed type in one graph with fullgraph=True; a length-dependent one with seq_len= under fullgraph, and in
     'consistent' mode's cache (which cannot pass seq_len=) through a graph break: before, the latter raised
