@@ -975,7 +975,11 @@ def test_the_command_line_refuses_what_its_types_cannot_hold(capsys) -> None:
         with pytest.raises(SystemExit):
             build_parser().parse_args(argv)
     assert _comma_names("none") == ()
-    capsys.readouterr()
+    # An empty item was dropped without a word, and --extensions '' read as none.
+    for argv in (["lab", "--encodings", "rope,,alibi"], ["lab", "--extensions", ""], ["lab", "--eval-lengths", "64,"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(argv)
+        assert "with no empty item" in capsys.readouterr().err
 
 
 def test_a_cache_filled_with_grad_enabled_deep_copies() -> None:

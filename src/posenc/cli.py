@@ -358,15 +358,24 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_report)
 
 
+def _comma_items(text: str, example: str) -> list[str]:
+    """The items of a comma list, each stripped; an empty one (``rope,,alibi``, a trailing comma, '') is refused,
+    where it was dropped without a word (and '' read as no extensions)."""
+    items = [item.strip() for item in text.split(",")]
+    if not all(items):
+        raise argparse.ArgumentTypeError(f"expected a comma list like {example} with no empty item, got {text!r}")
+    return items
+
+
 def _comma_names(text: str) -> tuple[str, ...]:
     """'rope,alibi' -> ('rope', 'alibi'); 'none' -> () (for --extensions none)."""
-    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    names = tuple(_comma_items(text, "rope,alibi"))
     return () if names == ("none",) else names
 
 
 def _comma_ints(text: str) -> tuple[int, ...]:
     try:
-        return tuple(int(n) for n in text.split(",") if n.strip())
+        return tuple(int(n) for n in _comma_items(text, "64,128,256"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers like 64,128,256, got {text!r}") from None
 

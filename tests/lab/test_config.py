@@ -62,6 +62,10 @@ def test_none_overrides_pass_through():
         ({"steps": 0}, "steps (--steps) must be a positive integer"),
         ({"lr": -1.0}, "lr (--lr) must be a finite number > 0"),
         ({"lr": float("nan")}, "lr (--lr) must be a finite number > 0"),
+        # A NaN grad_clip turned clipping off without a word; a NaN weight decay ended in "training diverged".
+        ({"grad_clip": float("nan")}, "grad_clip must be a finite number >= 0, got nan"),
+        ({"weight_decay": float("inf")}, "weight_decay must be a finite number >= 0, got inf"),
+        ({"weight_decay": -0.1}, "weight_decay must be a finite number >= 0"),
         ({"dim": 30, "heads": 4}, "dim=30 (--dim) must be a multiple of heads=4 (--heads)"),
         ({"dim": 36, "heads": 4}, "even head_dim"),
         ({"dim": 9, "heads": 3, "encodings": ("sinusoidal",), "extensions": ()}, "dim=9 (--dim) must be even"),

@@ -690,15 +690,18 @@ def test_a_folder_of_another_format_is_refused_and_left_as_it_was(finished, tmp_
     assert files() == {p: b for p, b in before.items() if p.name != "config.json"}
 
 
-def test_a_damaged_file_found_during_the_run_is_one_line_naming_it(finished, tmp_path, capsys):
+@pytest.mark.parametrize("damage", ["cut short", "a list"])
+@pytest.mark.parametrize("name", ["runs/nope/seed0/metrics.json", "config.json"])
+def test_a_damaged_file_found_during_the_run_is_one_line_naming_it(finished, tmp_path, capsys, damage, name):
+    """A file cut short, or valid JSON that is no object (which met a .get() as a bare AttributeError)."""
     config, out, _ = finished
     copy = tmp_path / "copy"
     shutil.copytree(out, copy)
-    metrics = copy / "runs" / "nope" / "seed0" / "metrics.json"
-    metrics.write_text(metrics.read_text()[:20])  # a copy cut short
+    damaged = copy / name
+    damaged.write_text(damaged.read_text()[:20] if damage == "cut short" else "[1, 2]")
     status = runner.run_command(preset="quick", out=copy, overrides=vars(config), progress=False)
     assert status == 2
-    assert capsys.readouterr().err.startswith(f"posenc lab: error: {metrics} is not the JSON the lab writes")
+    assert capsys.readouterr().err.startswith(f"posenc lab: error: {damaged} is not the JSON the lab writes")
 
 
 def test_a_copied_unit_of_other_settings_is_refused_by_name(finished, tmp_path, capsys):

@@ -137,7 +137,9 @@ def test_a_weights_file_cut_short_is_named_with_the_fix(tmp_path, cut):
         store.load_weights(nn.Linear(64, 64), path)
 
 
-@pytest.mark.parametrize("text", ['{"config_id": "ab', "\udcff"], ids=["cut", "not-utf8"])
+@pytest.mark.parametrize(
+    "text", ['{"config_id": "ab', "\udcff", "[1, 2]", "null"], ids=["cut", "not-utf8", "a list", "null"]
+)
 def test_a_json_file_cut_short_is_named_with_the_fix(tmp_path, text):
     path = tmp_path / "metrics.json"
     path.write_bytes(text.encode("utf-8", "surrogateescape"))

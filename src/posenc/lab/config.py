@@ -161,8 +161,10 @@ class LabConfig:
             raise ValueError("val_fraction must be > 0: evaluation needs held-out text")
         for name in ("weight_decay", "grad_clip"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+            # Not NaN: a NaN grad_clip turned clipping off without a word (train clips where grad_clip > 0), and a
+            # NaN weight decay ended in "training diverged ... lower the learning rate".
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         self._check_names(
             "encodings",
             self.encodings,
@@ -342,7 +344,9 @@ class LabConfig:
         """The fields that change a unit's numbers. The others (encodings, extensions, seed, num_seeds) only choose
         which units run (a unit's seed is in its folder's name), and fine-tunes carry their step count in their own
         name. Paths are replaced by what they hold: the corpus by nothing (config_id hashes its bytes), hf_config by
-        the file's content."""
+        the file's content. Two fields are in it that may leave the numbers as they are: eval_batch_size (batching
+        can change float sums) and task_samples where no task runs; they stay, since a folder's config_id is fixed
+        once written, and changing either is refused rather than risked."""
         selecting = {"encodings", "extensions", "num_seeds", "seed", "finetune_steps", "hf_config"}
         key = {k: v for k, v in dataclasses.asdict(self).items() if k not in selecting}
         if self.corpus is not None:

@@ -43,14 +43,23 @@ def write_json(path: Path, obj: Any) -> None:
     write_text(path, json.dumps(obj, indent=1, sort_keys=True) + "\n")
 
 
-def read_json(path: Path) -> Any:
+def read_json(path: Path) -> dict[str, Any]:
+    """The JSON object (every file the lab writes holds one) in ``path``; RunFolderError for anything else."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        value = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise RunFolderError(
-            f"{path} is not the JSON the lab writes ({error}); it was cut short or changed since: delete it (a "
-            "unit's files are remade by the next run) or pass another --out"
-        ) from error
+        raise _not_the_labs(path, str(error)) from error
+    if not isinstance(value, dict):
+        # Valid JSON of another kind ([1, 2]) met the callers' .get() as a bare AttributeError.
+        raise _not_the_labs(path, f"it holds a JSON {type(value).__name__}, not an object")
+    return value
+
+
+def _not_the_labs(path: Path, problem: str) -> RunFolderError:
+    return RunFolderError(
+        f"{path} is not the JSON the lab writes ({problem}); it was cut short or changed since: delete it (a "
+        "unit's files are remade by the next run) or pass another --out"
+    )
 
 
 def save_weights(model: nn.Module, path: Path, metadata: dict[str, str] | None = None) -> None:
