@@ -338,9 +338,9 @@ LENGTH_SCALED = {
 def test_a_left_padded_batch_scales_for_its_longest_text_with_its_pads_at_position_0(rope_type, mode):
     """The pads are a document of their own, at positions 0..p-1 by default, so a pad run longer than every row's
     text scaled the batch for it: rows whose text fits the trained length (8) got other frequencies than alone
-    (dynamic NTK, and LongRoPE's long factors). transformers puts pads at one position (1); positions with the pads
-    at 0, (ids.cumsum(-1) - 1).clamp(min=0) as README.md says, scale for the longest text, and decoding goes on
-    from each row's last position, the longest row as alone."""
+    (dynamic NTK, and LongRoPE's long factors). transformers' generate puts every pad at 0; positions so, (ids.
+    cumsum(-1) - 1).clamp(min=0) as README.md says, scale for the longest text, in one call or chunk by chunk, and
+    decoding goes on from each row's last position, the longest row as alone."""
 
     def layer() -> CausalSelfAttention:
         torch.manual_seed(0)
@@ -355,10 +355,17 @@ def test_a_left_padded_batch_scales_for_its_longest_text_with_its_pads_at_positi
     alone = [layer()(x[row : row + 1, pad:]) for row, pad in enumerate(pads)]
     padded = layer()(x, document_ids=ids)  # the pads' 11 positions count: past 8
     assert (padded[:1, pads[0] :] - alone[0]).abs().max() > 1e-5
-    attn, cache = layer(), KVCache()
-    prefill = attn(x, document_ids=ids, positions=positions, cache=cache)
-    for row, pad in enumerate(pads):
-        torch.testing.assert_close(prefill[row : row + 1, pad:], alone[row], atol=1e-12, rtol=1e-12)
+    for cut in ([14], [5, 6, 3]):  # the whole prompt in one call, and in chunks
+        attn, cache, start, chunks = layer(), KVCache(), 0, []
+        for size in cut:
+            end = start + size
+            chunks.append(
+                attn(x[:, start:end], document_ids=ids[:, start:end], positions=positions[:, start:end], cache=cache)
+            )
+            start = end
+        prefill = torch.cat(chunks, dim=1)
+        for row, pad in enumerate(pads):
+            torch.testing.assert_close(prefill[row : row + 1, pad:], alone[row], atol=1e-12, rtol=1e-12)
     more = torch.randn(2, 3, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     for i in range(3):  # the longest row to 8, 9, 10 tokens: past 8 from the second step on
         step = attn(more[:, i : i + 1], cache=cache)

@@ -233,7 +233,7 @@ class KVCache:
         A negative length drops that many from the end, and one at or past ``self.length`` changes nothing, as in
         transformers' ``DynamicCache.crop``. Decoding then goes on after the last kept position (``next_positions``);
         a 'consistent' RoPE's kept keys stay rotated with the frequencies they had, and the next step rotates
-        them again only if its length's frequencies differ."""
+        them again only if its length's frequencies (or attention factor) differ."""
         length = integer(
             "length", length, expected="an int (the number of cached tokens to keep)", type_error=TypeError
         )

@@ -844,6 +844,39 @@ def test_in_place_rotation_by_angles_in_x_own_memory_reads_them_before_writing(b
     assert_close(buffer, expected)
 
 
+class _Unwrapping(torch.Tensor):
+    """A subclass made by _make_subclass (the plain tensor's storage) that runs torch's ops on the plain tensor."""
+
+    @staticmethod
+    def __new__(cls, plain: torch.Tensor) -> _Unwrapping:
+        made = torch.Tensor._make_subclass(cls, plain)
+        made.plain = plain
+        return made
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        def plain(a):
+            return a.plain if isinstance(a, _Unwrapping) else a
+
+        return func(*map(plain, args), **{key: plain(value) for key, value in (kwargs or {}).items()})
+
+
+@pytest.mark.parametrize("which", ["angles", "x"])
+def test_in_place_rotation_compares_the_memory_of_a_subclass_that_dispatches_in_python(which):
+    """A subclass with a storage of its own and __torch_dispatch__ (which "auto" sends to the torch formula) was not
+    compared: angles in x's memory were read after the rotation had overwritten them (max error 5.7-9.1)."""
+    buffer = torch.randn(2, 3, 5, 8, generator=torch.Generator().manual_seed(0))
+    cos, sin = buffer[0, 0, :, :4], buffer[0, 1, :, :4]
+    expected = posenc.apply_rotary(buffer.double(), cos.double(), sin.double(), backend="torch")
+    if which == "angles":
+        cos, sin = _Unwrapping(cos), _Unwrapping(sin)
+        x = buffer
+    else:
+        x = _Unwrapping(buffer)
+    posenc.apply_rotary_(x, cos, sin)
+    assert_close(buffer, expected)
+
+
 @pytest.mark.parametrize("holder", HOLDERS)
 @pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
 @pytest.mark.parametrize("kind", ["positions", "offset", "cu_seqlens"])
