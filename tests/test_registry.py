@@ -236,3 +236,58 @@ def test_a_family_put_in_the_registry_without_from_model_dims_is_a_type_error_na
         posenc.build_for_model("nosizes", dim=16, num_heads=2, head_dim=8, max_positions=32)
     with pytest.raises(ValueError, match="encoding nosizes cannot be built for the lab's model"):
         make_config("quick", encodings=("nosizes",), extensions=())
+
+
+class _Scaled(_LogDistanceBias):
+    """A family whose option is positional-or-keyword with a default, passed on by from_model_dims' **options."""
+
+    def __init__(self, num_heads: int, scale: float = 1.0) -> None:
+        super().__init__(num_heads)
+        self.scale = scale
+
+    @classmethod
+    def from_model_dims(cls, *, dim, num_heads, head_dim, max_positions, per_head=False, **options):
+        return cls(num_heads, **options)
+
+
+class _AnyOption(_LogDistanceBias):
+    def __init__(self, num_heads: int, **options) -> None:
+        super().__init__(num_heads)
+        self.options = options
+
+    @classmethod
+    def from_model_dims(cls, *, dim, num_heads, head_dim, max_positions, **options):
+        return cls(num_heads, **options)
+
+
+def test_build_for_model_takes_the_options_a_registered_family_takes(registry):
+    """Only keyword-only constructor arguments counted as options, so build_for_model refused what build took: an
+    `__init__(self, num_heads, scale=1.0)`, one taking **options, and from_model_dims' own keyword."""
+    sizes = dict(dim=16, num_heads=2, head_dim=8, max_positions=32)
+    posenc.register("scaled", _Scaled)
+    posenc.register("any", _AnyOption)
+    assert posenc.build_for_model("scaled", **sizes, scale=2.0).scale == 2.0
+    assert posenc.build_for_model("scaled", **sizes, per_head=True).scale == 1.0
+    with pytest.raises(TypeError, match=r"takes no option 'num_head'; its options: per_head, scale \("):
+        posenc.build_for_model("scaled", **sizes, num_head=3)
+    assert posenc.build_for_model("any", **sizes, anything=1).options == {"anything": 1}
+
+
+def test_register_refuses_a_from_model_dims_that_build_for_model_cannot_call(registry):
+    """A from_model_dims without @classmethod was accepted and failed at the first build_for_model with Python's
+    "missing 1 required positional argument: 'self'"; so did one missing a size."""
+
+    class Method(_LogDistanceBias):
+        def from_model_dims(self, *, dim, num_heads, head_dim, max_positions):
+            return self
+
+    class FewerSizes(_LogDistanceBias):
+        @classmethod
+        def from_model_dims(cls, *, dim, num_heads):
+            return cls(num_heads)
+
+    with pytest.raises(TypeError, match=r"Method\.from_model_dims requires self: .*without @classmethod"):
+        posenc.register("method", Method)
+    with pytest.raises(TypeError, match=r"FewerSizes\.from_model_dims does not take head_dim, max_positions"):
+        posenc.register("fewer", FewerSizes)
+    assert "method" not in registry and "fewer" not in registry

@@ -59,12 +59,40 @@ def register(name: str, family: type[nn.Module], *, replace: bool = False) -> No
         )
     if not callable(getattr(family, "from_model_dims", None)):
         raise TypeError(f"{family.__name__} needs {_FROM_MODEL_DIMS}")
+    _check_from_model_dims(family)
     if name in ENCODINGS and not replace:
         raise ValueError(
             f"encoding {name!r} is registered already (as {ENCODINGS[name].__name__}); pick another name, or pass "
             "replace=True"
         )
     ENCODINGS[name] = family
+
+
+def _check_from_model_dims(family: type[nn.Module]) -> None:
+    """Raise TypeError unless ``family.from_model_dims`` can be called as build_for_model calls it: the four sizes
+    by keyword, nothing else required. An instance method (no @classmethod) failed only at the first
+    build_for_model, with Python's "missing 1 required positional argument: 'self'"."""
+    try:
+        parameters = inspect.signature(family.from_model_dims).parameters.values()
+    except (TypeError, ValueError):  # a callable whose signature Python cannot read: taken on trust
+        return
+    required = [
+        p.name
+        for p in parameters
+        if p.default is p.empty
+        and (
+            p.kind is p.POSITIONAL_ONLY
+            or (p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in _SIZES)
+        )
+    ]
+    named = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    missing = [] if any(p.kind is p.VAR_KEYWORD for p in parameters) else [n for n in _SIZES if n not in named]
+    if required or missing:
+        problem = f"requires {', '.join(required)}" if required else f"does not take {', '.join(missing)}"
+        raise TypeError(
+            f"{family.__name__}.from_model_dims {problem}: it must be {_FROM_MODEL_DIMS}"
+            + (" (a method without @classmethod requires self)" if "self" in required else "")
+        )
 
 
 _FROM_MODEL_DIMS = (
@@ -110,7 +138,7 @@ def build_for_model(
     ):
         sizes[size] = positive_int(size, value)
     options = _options(family)
-    unknown = [key for key in kwargs if key not in options]
+    unknown = [] if options is None else [key for key in kwargs if key not in options]
     if unknown:  # before the call: Python's own error would name the argument but not what the family takes
         raise TypeError(
             f"encoding {name!r} takes no option {', '.join(map(repr, unknown))}; its options: "
@@ -119,8 +147,23 @@ def build_for_model(
     return family.from_model_dims(**sizes, **kwargs)
 
 
-def _options(family: type[nn.Module]) -> list[str]:
-    """The keyword-only arguments of the family's constructor: what build_for_model passes on beside the sizes."""
-    if family.__init__ is nn.Module.__init__:  # takes nothing (its *args, **kwargs only raise)
-        return []
-    return [p.name for p in inspect.signature(family).parameters.values() if p.kind is p.KEYWORD_ONLY]
+_SIZES = ("dim", "num_heads", "head_dim", "max_positions")
+
+
+def _options(family: type[nn.Module]) -> list[str] | None:
+    """What build_for_model passes on beside the sizes: the keyword arguments of ``from_model_dims`` of its own and,
+    where it passes the rest on (``**options``), the constructor's optional ones (keyword-only, or with a default;
+    those without one are what it fills from the sizes: RoPE's head_dim, ALiBi's num_heads). None where the
+    constructor takes any (``**kwargs``): the family decides. Only keyword-only ones were counted, so a registered
+    family's ``__init__(self, scale=1.0)`` took ``scale`` from build but not from build_for_model."""
+    own = inspect.signature(family.from_model_dims).parameters.values()
+    names = [p.name for p in own if p.kind is p.KEYWORD_ONLY and p.name not in _SIZES]
+    if not any(p.kind is p.VAR_KEYWORD for p in own) or family.__init__ is nn.Module.__init__:
+        return names  # (nn.Module's own __init__ takes nothing: its *args, **kwargs only raise)
+    taken = inspect.signature(family).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in taken):
+        return None
+    optional = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return names + [
+        p.name for p in taken if p.kind is p.KEYWORD_ONLY or (p.kind in optional and p.default is not p.empty)
+    ]
