@@ -12,6 +12,7 @@ import torch
 from posenc import RoPE
 from posenc.analysis import FigureConfig, example_rope_parameters
 from posenc.analysis.run import run_figure_config
+from posenc.analysis.wavelengths import wavelengths
 from posenc.interop import rope_from_config
 
 
@@ -142,6 +143,35 @@ def test_train_len_is_the_length_the_scaling_extends_from():
         FigureConfig(rope_parameters={"rope_theta": 1e4, **rope}, train_len=4096)
 
 
+def test_a_whole_float_original_length_is_the_figures_length_as_it_is_ropes(tmp_path):
+    """RoPE scales from original_max_position_embeddings=4096.0 (transformers computes with it); the figures took
+    only ints, so their L (the dashed line, eval_len, the pairs counted against it) stayed 2048, and a Hugging Face
+    config holding 8192.0 failed with "train_len must be a positive integer", an argument nobody gave."""
+    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096.0}
+    config = FigureConfig.from_flags(rope_parameters=rope)
+    assert (config.train_len, config.eval_len) == (4096, 4 * 4096)
+    assert config.rope_parameters["original_max_position_embeddings"] == 4096
+    with pytest.raises(ValueError, match="train_len=2048 but rope_parameters say original_max_position_embeddings"):
+        wavelengths(32, 2048, rope_parameters=rope)
+    assert wavelengths(32, 4096, rope_parameters=rope).train_len == 4096
+    hf = {
+        "model_type": "llama",
+        "hidden_size": 256,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 32768,
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192.0},
+    }
+    assert FigureConfig.from_mapping(hf).train_len == 8192
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), "abc", [1], 1e400])
+def test_a_bad_partial_rotary_factor_is_named_when_the_example_is_drawn(value):
+    """The example's rotary width was int(head_dim * value) before any check: inf an OverflowError traceback, NaN
+    "cannot convert float NaN to integer", 'abc' a string of 192 letters in int()'s message."""
+    with pytest.raises((ValueError, TypeError), match=r"partial_rotary_factor must be (a number )?in \(0, 1\]"):
+        FigureConfig.from_flags(rope_type="yarn", rope_parameters={"partial_rotary_factor": value})
+
+
 def test_a_bad_original_length_is_blamed_on_its_key_and_a_run_keeps_it():
     rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": "abc"}
     with pytest.raises(ValueError, match="original_max_position_embeddings"):
@@ -171,6 +201,14 @@ def test_an_absolute_rotary_dim_keeps_its_channels(head_dim, rotary_dim, tmp_pat
     rope = {"head_dim": head_dim, "rotary_dim": rotary_dim, "interleaved": True, "rope_parameters": {}}
     (tmp_path / "results.json").write_text(json.dumps({"config": sizes, "rope": rope}))
     assert run_figure_config(tmp_path).spec.rotary_dim == rotary_dim
+
+
+def test_a_run_whose_rope_lacks_a_key_is_named_not_a_key_error(tmp_path):
+    sizes = {"dim": 64, "heads": 4, "train_len": 64, "eval_lengths": [64, 128]}
+    for rope in ({"head_dim": 16, "rotary_dim": 16, "interleaved": False}, {"head_dim": 16, "rope_parameters": 3}):
+        (tmp_path / "results.json").write_text(json.dumps({"config": sizes, "rope": rope}))
+        with pytest.raises(ValueError, match=r"results\.json's rope (lacks|has).*not the results\.json the lab writes"):
+            run_figure_config(tmp_path)
 
 
 @pytest.mark.parametrize(

@@ -134,3 +134,13 @@ def test_sinusoidal_scores_are_content_plus_position_dot_products():
             pe[p, 2 * i] = math.sin(p / 10000 ** (2 * i / d))
             pe[p, 2 * i + 1] = math.cos(p / 10000 ** (2 * i / d))
     torch.testing.assert_close(result.scores, (q + pe) @ (k + pe).T / math.sqrt(d), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("seed", "error"), [(1.5, TypeError), (True, TypeError), (2**70, ValueError), (-1, ValueError)]
+)
+def test_a_bad_seed_is_named(seed, error):
+    """torch's "manual_seed expected a long" and "Overflow when unpacking long long" named no argument."""
+    with pytest.raises(error, match=r"^seed must be an integer in \[0, 18446744073709551616\)"):
+        relative_invariance(posenc.RoPE(8), 4, seed=seed)
+    assert relative_invariance(posenc.RoPE(8), 4, seed=2**64 - 1) is not None

@@ -12,11 +12,18 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from posenc._checks import flag, integer_offset, positive_int
+from posenc._checks import flag, positive_int
 from posenc.analysis.frequencies import EXAMPLE_ROPE_PARAMETERS, example_rope_parameters, is_extension_factor
 from posenc.interop.hf import num_heads_from_config, read_config_json, rope_kwargs_from_config, rope_layer_types
 from posenc.rope.frequencies import turns_fraction_of_pairs
-from posenc.rope.parameters import REQUIRED_KEYS, RopeSpec, parse_rope_parameters, pop_rope_type, rotary_fraction
+from posenc.rope.parameters import (
+    REQUIRED_KEYS,
+    RopeSpec,
+    parse_rope_parameters,
+    pop_rope_type,
+    rotary_fraction,
+    trained_length,
+)
 
 # The training length the figures assume when nothing says otherwise.
 DEFAULT_TRAIN_LEN = 2048
@@ -74,7 +81,7 @@ class FigureConfig:
         _check_odd_head_dim(self.head_dim, self.rope_parameters)
         # The figures' L (the dashed line, the length the extensions scale from) is the scaling's own. A bad value
         # of the key is left to parse_rope_parameters below, whose message names it.
-        original = integer_offset(self.rope_parameters.get("original_max_position_embeddings"))  # numpy's too
+        original = trained_length(self.rope_parameters.get("original_max_position_embeddings"))  # 4096.0, numpy's
         if isinstance(original, bool) or not isinstance(original, int) or original <= 0:
             original = None
         else:  # as a plain int, for the config's JSON
@@ -184,7 +191,7 @@ class FigureConfig:
         spec = parse_rope_parameters(head_dim, rope, max_position_embeddings=max_positions)
         if rope.get("factor") is None and "factor" in spec.params:
             rope["factor"] = spec.params["factor"]
-        train_len = rope.get("original_max_position_embeddings") or max_positions or DEFAULT_TRAIN_LEN
+        train_len = trained_length(rope.get("original_max_position_embeddings")) or max_positions or DEFAULT_TRAIN_LEN
         # A config that extends past its training length says how far; otherwise look 4x past it.
         eval_len = max_positions if max_positions and max_positions > train_len else 4 * train_len
         # The text model's heads, found where the RoPE is: top-level keys alone drew a vision-language model (its
@@ -231,7 +238,12 @@ class FigureConfig:
             # own (`--rope-type proportional`, whose only one is optional), is drawn with the figures' example ones
             # for what is missing, the factor given or 4; a complete set is left as given.
             d = cls.head_dim if head_dim is None else head_dim
-            rotary = d if turns_fraction_of_pairs(kind) else int(d * rope.get("partial_rotary_factor", 1.0)) // 2 * 2
+            partial = rope.get("partial_rotary_factor", 1.0)
+            if isinstance(partial, bool) or not isinstance(partial, (int, float)) or not 0 < partial <= 1:
+                # A stand-in: parse_rope_parameters refuses the value, naming it ('abc' * 64 was a string of 192
+                # letters, inf an OverflowError traceback, NaN "cannot convert float NaN to integer").
+                partial = 1.0
+            rotary = d if turns_fraction_of_pairs(kind) else int(d * partial) // 2 * 2
             length = rope.get("original_max_position_embeddings", DEFAULT_TRAIN_LEN) if train_len is None else train_len
             factor = rope.get("factor") or 4.0
             # The example is drawn with stand-ins for values it refuses (a factor below 1, a partial_rotary_factor
@@ -239,7 +251,7 @@ class FigureConfig:
             # them, naming the key.
             if not is_extension_factor(factor):
                 factor = 4.0
-            length = integer_offset(length)  # numpy's integers too
+            length = trained_length(length)  # numpy's integers and whole floats too
             if isinstance(length, bool) or not isinstance(length, int) or length < 1:
                 length = DEFAULT_TRAIN_LEN
             example = example_rope_parameters(kind, rotary_dim=max(rotary // 2 * 2, 2), train_len=length, factor=factor)

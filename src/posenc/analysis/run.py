@@ -217,6 +217,11 @@ def run_figure_config(run_dir: str | Path) -> FigureConfig | None:
         head_dim = config["dim"] // config["heads"]
         # A run without rope may have heads of an odd size; RoPE's figures need pairs.
         return FigureConfig(head_dim=head_dim + head_dim % 2, **sizes)
+    missing = [key for key in ("head_dim", "rotary_dim", "interleaved", "rope_parameters") if key not in rope]
+    if missing or not isinstance(rope["rope_parameters"], Mapping):
+        # A bare KeyError traceback (posenc plot --run, posenc report) before.
+        what = f"lacks {', '.join(missing)}" if missing else "has rope_parameters that are not a JSON object"
+        raise ValueError(f"{path}'s rope {what}: it is not the results.json the lab writes; run the lab again")
     parameters = dict(rope["rope_parameters"])
     if rope["rotary_dim"] != rope["head_dim"] and not turns_fraction_of_pairs(parameters.get("rope_type")):
         parameters["partial_rotary_factor"] = rotary_fraction(rope["rotary_dim"], rope["head_dim"])

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from posenc._checks import integer_offset, positive_int
+from posenc._checks import positive_int
 from posenc.rope.module import RoPE
-from posenc.rope.parameters import compute_frequencies
+from posenc.rope.parameters import compute_frequencies, trained_length
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +78,7 @@ def wavelengths(
         )
     # The counts against L (pairs that turn less than once) must use the length the scaling extends from: a model
     # config's max_position_embeddings (the extended length) beside YaRN's original one counted them at the wrong L.
-    original = integer_offset((rope_parameters or {}).get("original_max_position_embeddings"))  # numpy's too
+    original = trained_length((rope_parameters or {}).get("original_max_position_embeddings"))  # 4096.0, numpy's
     if isinstance(original, int) and not isinstance(original, bool) and original != train_len:
         raise ValueError(
             f"train_len={train_len} but rope_parameters say original_max_position_embeddings={original}: both are "

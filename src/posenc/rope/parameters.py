@@ -21,6 +21,7 @@ from posenc._checks import (
     base_value,
     compiling,
     even_positive_int,
+    integer_offset,
     positive_int,
     real_scalar,
     sequence_length,
@@ -160,12 +161,9 @@ def _resolve(rope_type: str, params: dict[str, Any], rotary_dim: int, max_pos: i
             out[key] = _factor_list(key, out[key], rotary_dim // 2)
 
     if "original_max_position_embeddings" in out:
-        original = out["original_max_position_embeddings"]
-        # transformers computes with whatever number a config holds: 2048.0 is 2048 there, no error.
-        if isinstance(original, float) and original.is_integer():
-            original = int(original)
         out["original_max_position_embeddings"] = sequence_length(
-            "rope_parameters['original_max_position_embeddings']", original
+            "rope_parameters['original_max_position_embeddings']",
+            trained_length(out["original_max_position_embeddings"]),
         )
         if kind == "longrope" and out["original_max_position_embeddings"] < 2:
             raise ValueError(
@@ -296,6 +294,15 @@ def _check_float32_range(spec: RopeSpec, lengths: tuple[int | None, ...]) -> Non
                 "cos and sin cannot carry in float32 (they would be 0 or infinite); use an attention_factor that "
                 "float32 holds (about 1e-38 to 3e38)"
             )
+
+
+def trained_length(value: Any) -> Any:
+    """An ``original_max_position_embeddings`` as the parser reads it: a whole float as an int (transformers computes
+    with whatever number a config holds: 2048.0 is 2048 there, no error), numpy's integers as ints; anything else as
+    it is, for the parser to judge. The figures read the key through this too: they took only ints, so 4096.0 was
+    scaled from by RoPE and ignored by the figures' L."""
+    value = integer_offset(value)
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
 def parse_rope_parameters(
