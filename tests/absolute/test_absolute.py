@@ -105,6 +105,17 @@ def test_input_encodings_compile_with_fullgraph_and_run_on_meta(make, past_the_e
     assert enc.to("meta")(torch.arange(5, device="meta")).shape == (5, 8)
 
 
+def test_a_learned_table_on_meta_checks_host_ids_it_is_given():
+    """Shape inference with a table built on the meta device: CPU ids past the table were moved to meta, where no
+    value is read, and the lookup came back with their shape instead of the error (the README: never a clamp)."""
+    with torch.device("meta"):
+        table = posenc.LearnedAbsolute(8, 4)
+    assert table(torch.arange(8, dtype=torch.int8)).shape == (8, 4)
+    with pytest.raises(ValueError, match="position 8 is outside the learned table of max_positions=8 rows"):
+        table(torch.arange(9))
+    assert table(torch.arange(9, device="meta")).shape == (9, 4)  # meta ids have no values to check
+
+
 def test_a_learned_table_overrun_under_inductor_says_posencs_message():
     """Inductor checks an embedding lookup's bounds itself; in a training step its check fired before posenc's
     assert, with 'index out of bounds: tmp6 < 16L' instead of the message the README promises."""

@@ -99,6 +99,12 @@ def test_bad_input_is_a_clear_error(tmp_path):
     bad.write_text("encoding,length\nrope,4\n")
     with pytest.raises(ValueError, match="lacks the column"):
         read_entropy_csv(bad)
+    # A layer of -1 wrote over the last layer's value; a length of 'abc' was int()'s message, naming no file.
+    header = "encoding,extension,length,layer,head,entropy\n"
+    for row, column in (("rope,,16,-1,0,5.0", "layer"), ("rope,,abc,0,0,1.0", "length"), ("rope,,0,0,0,1.0", "length")):
+        bad.write_text(header + "rope,,16,0,0,1.0\n" + row + "\n")
+        with pytest.raises(ValueError, match=rf"entropy\.csv: {column} '.*' is not an integer >= [01]"):
+            read_entropy_csv(bad)
 
 
 @pytest.mark.parametrize("training", [True, False])

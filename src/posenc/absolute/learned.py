@@ -34,10 +34,13 @@ class LearnedAbsolute(nn.Module):
     def forward(self, positions: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
         """positions: (...) integer in [0, max_positions). Returns (..., dim), in ``dtype`` (None: the table's)."""
         int_tensor("positions", positions, host_read=True)
+        given = positions
         # Ids on another device are moved, as for RoPE; a meta table would read CPU ids as zeros.
         positions = to_device("positions", positions, self.table.weight.device, "the learned table")
         if dtype is not None:
             float_dtype("dtype", dtype)
+        if positions.device.type == "meta" and values_readable(given.device):
+            positions = given  # checked by value below (a meta table looks up nothing: only the ids have values)
         if positions.dtype not in (torch.int64, torch.int32):
             positions = positions.long()  # what embedding lookups take; int8/int16/uint8 ids are still row ids
         if positions.numel() and not values_readable(positions.device):
@@ -59,7 +62,7 @@ class LearnedAbsolute(nn.Module):
                     f"max_positions={self.max_positions} rows (valid: 0..{self.max_positions - 1}); a learned "
                     "absolute encoding has nothing to say past its table: build it with a larger max_positions"
                 )
-        out = self.table(positions)
+        out = self.table(positions.to(self.table.weight.device))
         return out if dtype is None else out.to(dtype)
 
     def extra_repr(self) -> str:

@@ -56,7 +56,7 @@ class FigureConfig:
     eval_len: the longer context an extension is evaluated at (default: rope_parameters' ``factor`` times train_len
     when it is above 1, the length the scaling extends to, else 4 * train_len; length-dependent types
     scale for it);
-    num_heads: h, for the ALiBi / T5 bias matrices and the random model;
+    num_heads: h, for the ALiBi / T5 bias matrices (the random model of attention_entropy has 2 heads of head_dim);
     interleaved: adjacent pairs (RoFormer, GPT-J, DeepSeek) rather than split halves, which decides the channels
     figure 1 draws (frequencies do not depend on it).
     """

@@ -159,11 +159,24 @@ def read_entropy_csv(path: str | Path) -> dict[str, EntropyResult]:
             value = finite_number(row["entropy"])
             if value is None:
                 raise ValueError(f"{path}: entropy {row['entropy']!r} is not a finite number")
-            key = (int(row["length"]), int(row["layer"]), int(row["head"]))
+            key = tuple(_index(path, row, column, low) for column, low in (("length", 1), ("layer", 0), ("head", 0)))
             values[run_label(row)][key].append(value)
     if not values:
         raise ValueError(f"{path} has a header but no rows")
     return {label: _grid(measured, f"{path}: {label}") for label, measured in values.items()}
+
+
+def _index(path: Path, row: Mapping[str, str], column: str, low: int) -> int:
+    """An integer cell of entropy.csv, >= low. A layer of -1 wrote over the last layer's value (Python's negative
+    index) and a length of 'abc' was int()'s message, naming neither the file nor the column."""
+    cell = row[column]
+    try:
+        value = int(cell)
+    except (TypeError, ValueError):
+        value = None
+    if value is None or value < low:
+        raise ValueError(f"{path}: {column} {cell!r} is not an integer >= {low}")
+    return value
 
 
 def _layer_list(cell: str, where: str) -> list[float] | None:
