@@ -273,6 +273,26 @@ def test_build_for_model_takes_the_options_a_registered_family_takes(registry):
     assert posenc.build_for_model("any", **sizes, anything=1).options == {"anything": 1}
 
 
+class _OwnOptions(_LogDistanceBias):
+    """from_model_dims with its options positional-or-keyword (no *) and one required, the constructor's
+    keyword-only: what build_for_model took before 2026-12-07 must still be taken."""
+
+    def __init__(self, num_heads: int, *, scale: float = 1.0, kernel: str = "log") -> None:
+        super().__init__(num_heads)
+        self.scale, self.kernel = scale, kernel
+
+    @classmethod
+    def from_model_dims(cls, dim, num_heads, head_dim, max_positions, kernel, scale=1.0):
+        return cls(num_heads, scale=scale, kernel=kernel)
+
+
+def test_build_for_model_takes_options_from_model_dims_names_and_those_it_requires(registry):
+    sizes = dict(dim=16, num_heads=2, head_dim=8, max_positions=32)
+    posenc.register("own", _OwnOptions)
+    built = posenc.build_for_model("own", **sizes, kernel="power", scale=2.0)
+    assert (built.scale, built.kernel) == (2.0, "power")
+
+
 def test_register_refuses_a_from_model_dims_that_build_for_model_cannot_call(registry):
     """A from_model_dims without @classmethod was accepted and failed at the first build_for_model with Python's
     "missing 1 required positional argument: 'self'"; so did one missing a size."""
@@ -286,7 +306,7 @@ def test_register_refuses_a_from_model_dims_that_build_for_model_cannot_call(reg
         def from_model_dims(cls, *, dim, num_heads):
             return cls(num_heads)
 
-    with pytest.raises(TypeError, match=r"Method\.from_model_dims requires self: .*without @classmethod"):
+    with pytest.raises(TypeError, match=r"Method\.from_model_dims is a method of instances .*add @classmethod"):
         posenc.register("method", Method)
     with pytest.raises(TypeError, match=r"FewerSizes\.from_model_dims does not take head_dim, max_positions"):
         posenc.register("fewer", FewerSizes)

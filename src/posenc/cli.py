@@ -369,7 +369,7 @@ def _comma_items(text: str, example: str) -> list[str]:
 
 def _comma_names(text: str) -> tuple[str, ...]:
     """'rope,alibi' -> ('rope', 'alibi'); 'none' -> () (for --extensions none)."""
-    names = tuple(_comma_items(text, "rope,alibi"))
+    names = tuple(_comma_items(text, "rope,alibi (--encodings) or pi,yarn (--extensions)"))
     return () if names == ("none",) else names
 
 

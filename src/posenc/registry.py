@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import types
 from typing import Any
 
 from torch import nn
@@ -69,30 +70,26 @@ def register(name: str, family: type[nn.Module], *, replace: bool = False) -> No
 
 
 def _check_from_model_dims(family: type[nn.Module]) -> None:
-    """Raise TypeError unless ``family.from_model_dims`` can be called as build_for_model calls it: the four sizes
-    by keyword, nothing else required. An instance method (no @classmethod) failed only at the first
-    build_for_model, with Python's "missing 1 required positional argument: 'self'"."""
+    """Raise TypeError unless ``family.from_model_dims`` can be called as build_for_model calls it: on the class,
+    with the four sizes by keyword. An instance method (no @classmethod) failed only at the first build_for_model,
+    with Python's "missing 1 required positional argument: 'self'"; a size it does not take, likewise."""
+    if isinstance(inspect.getattr_static(family, "from_model_dims", None), types.FunctionType):
+        raise TypeError(
+            f"{family.__name__}.from_model_dims is a method of instances (it takes self): it must be "
+            f"{_FROM_MODEL_DIMS}; add @classmethod"
+        )
     try:
         parameters = inspect.signature(family.from_model_dims).parameters.values()
     except (TypeError, ValueError):  # a callable whose signature Python cannot read: taken on trust
         return
-    required = [
-        p.name
-        for p in parameters
-        if p.default is p.empty
-        and (
-            p.kind is p.POSITIONAL_ONLY
-            or (p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in _SIZES)
-        )
-    ]
-    named = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    positional = [p.name for p in parameters if p.kind is p.POSITIONAL_ONLY and p.default is p.empty]
+    named = {p.name for p in parameters if p.kind in _BY_KEYWORD}
     missing = [] if any(p.kind is p.VAR_KEYWORD for p in parameters) else [n for n in _SIZES if n not in named]
-    if required or missing:
-        problem = f"requires {', '.join(required)}" if required else f"does not take {', '.join(missing)}"
-        raise TypeError(
-            f"{family.__name__}.from_model_dims {problem}: it must be {_FROM_MODEL_DIMS}"
-            + (" (a method without @classmethod requires self)" if "self" in required else "")
+    if positional or missing:
+        problem = (
+            f"requires {', '.join(positional)} by position" if positional else f"does not take {', '.join(missing)}"
         )
+        raise TypeError(f"{family.__name__}.from_model_dims {problem}: it must be {_FROM_MODEL_DIMS}")
 
 
 _FROM_MODEL_DIMS = (
@@ -148,22 +145,26 @@ def build_for_model(
 
 
 _SIZES = ("dim", "num_heads", "head_dim", "max_positions")
+_BY_KEYWORD = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
 
 
 def _options(family: type[nn.Module]) -> list[str] | None:
-    """What build_for_model passes on beside the sizes: the keyword arguments of ``from_model_dims`` of its own and,
-    where it passes the rest on (``**options``), the constructor's optional ones (keyword-only, or with a default;
-    those without one are what it fills from the sizes: RoPE's head_dim, ALiBi's num_heads). None where the
-    constructor takes any (``**kwargs``): the family decides. Only keyword-only ones were counted, so a registered
-    family's ``__init__(self, scale=1.0)`` took ``scale`` from build but not from build_for_model."""
-    own = inspect.signature(family.from_model_dims).parameters.values()
-    names = [p.name for p in own if p.kind is p.KEYWORD_ONLY and p.name not in _SIZES]
-    if not any(p.kind is p.VAR_KEYWORD for p in own) or family.__init__ is nn.Module.__init__:
-        return names  # (nn.Module's own __init__ takes nothing: its *args, **kwargs only raise)
-    taken = inspect.signature(family).parameters.values()
-    if any(p.kind is p.VAR_KEYWORD for p in taken):
+    """What build_for_model passes on beside the sizes: what ``from_model_dims`` takes by keyword but the sizes, the
+    constructor's keyword-only arguments and, where ``from_model_dims`` passes the rest on (``**options``), the
+    constructor's positional-or-keyword ones with a default (those without one are what it fills from the sizes:
+    RoPE's head_dim, ALiBi's num_heads). None where the family takes any (a constructor with ``**kwargs`` behind
+    ``**options``; a signature Python cannot read): the family decides. Only the constructor's keyword-only ones
+    were counted, so a registered family's ``__init__(self, scale=1.0)`` took ``scale`` from build but not from
+    build_for_model."""
+    try:
+        own = inspect.signature(family.from_model_dims).parameters.values()
+        taken = [] if family.__init__ is nn.Module.__init__ else inspect.signature(family).parameters.values()
+    except (TypeError, ValueError):
         return None
-    optional = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return names + [
-        p.name for p in taken if p.kind is p.KEYWORD_ONLY or (p.kind in optional and p.default is not p.empty)
-    ]
+    names = [p.name for p in own if p.kind in _BY_KEYWORD and p.name not in _SIZES]
+    names += [p.name for p in taken if p.kind is p.KEYWORD_ONLY]
+    if any(p.kind is p.VAR_KEYWORD for p in own):
+        if any(p.kind is p.VAR_KEYWORD for p in taken):
+            return None
+        names += [p.name for p in taken if p.kind is p.POSITIONAL_OR_KEYWORD and p.default is not p.empty]
+    return list(dict.fromkeys(names))

@@ -39,7 +39,8 @@ class LearnedAbsolute(nn.Module):
         positions = to_device("positions", positions, self.table.weight.device, "the learned table")
         if dtype is not None:
             float_dtype("dtype", dtype)
-        if positions.device.type == "meta" and values_readable(given.device):
+        on_meta = positions.device.type == "meta" and values_readable(given.device)
+        if on_meta:
             positions = given  # checked by value below (a meta table looks up nothing: only the ids have values)
         if positions.dtype not in (torch.int64, torch.int32):
             positions = positions.long()  # what embedding lookups take; int8/int16/uint8 ids are still row ids
@@ -62,7 +63,7 @@ class LearnedAbsolute(nn.Module):
                     f"max_positions={self.max_positions} rows (valid: 0..{self.max_positions - 1}); a learned "
                     "absolute encoding has nothing to say past its table: build it with a larger max_positions"
                 )
-        out = self.table(positions.to(self.table.weight.device))
+        out = self.table(positions.to("meta") if on_meta else positions)
         return out if dtype is None else out.to(dtype)
 
     def extra_repr(self) -> str:

@@ -46,6 +46,21 @@ def _check_odd_head_dim(head_dim: int, rope_parameters: Mapping[str, Any]) -> No
     )
 
 
+def _fraction(rope: Mapping[str, Any]) -> float:
+    """The rope dict's partial_rotary_factor as a float in (0, 1], or 1.0 standing in for a value that is not one,
+    which parse_rope_parameters then refuses, naming it ('abc' * 64 was a string of 192 letters in int()'s message,
+    inf an OverflowError traceback, NaN "cannot convert float NaN to integer"). Any real number the parser takes
+    (numpy's, Fraction, a 0-d tensor) is read as itself."""
+    value = rope.get("partial_rotary_factor", 1.0)
+    if isinstance(value, (str, bytes, bool)):
+        return 1.0
+    try:
+        fraction = float(value)
+    except (TypeError, ValueError, OverflowError):
+        return 1.0
+    return fraction if 0 < fraction <= 1 else 1.0
+
+
 @dataclasses.dataclass(frozen=True)
 class FigureConfig:
     """What the figures are drawn for.
@@ -238,12 +253,7 @@ class FigureConfig:
             # own (`--rope-type proportional`, whose only one is optional), is drawn with the figures' example ones
             # for what is missing, the factor given or 4; a complete set is left as given.
             d = cls.head_dim if head_dim is None else head_dim
-            partial = rope.get("partial_rotary_factor", 1.0)
-            if isinstance(partial, bool) or not isinstance(partial, (int, float)) or not 0 < partial <= 1:
-                # A stand-in: parse_rope_parameters refuses the value, naming it ('abc' * 64 was a string of 192
-                # letters, inf an OverflowError traceback, NaN "cannot convert float NaN to integer").
-                partial = 1.0
-            rotary = d if turns_fraction_of_pairs(kind) else int(d * partial) // 2 * 2
+            rotary = d if turns_fraction_of_pairs(kind) else int(d * _fraction(rope)) // 2 * 2
             length = rope.get("original_max_position_embeddings", DEFAULT_TRAIN_LEN) if train_len is None else train_len
             factor = rope.get("factor") or 4.0
             # The example is drawn with stand-ins for values it refuses (a factor below 1, a partial_rotary_factor

@@ -65,7 +65,7 @@ def relative_invariance(
         )
     d = _encoding_dim(encoding, head_dim)
     # torch's "manual_seed expected a long" (1.5, True) or "Overflow when unpacking long long" named no argument.
-    seed = integer("seed", seed, low=0, high=2**64, type_error=TypeError)
+    seed = integer("seed", seed, low=-(2**63), high=2**64, type_error=TypeError)  # what manual_seed takes
     generator = torch.Generator().manual_seed(seed)
     q, k = torch.randn(2, d, generator=generator, dtype=torch.float64)
     # Norm sqrt(d/2), the norm of a sinusoidal position vector: content and position weigh the same.
