@@ -695,6 +695,8 @@ class CausalSelfAttention(nn.Module):
                     "heads alone; parallelize it with ColwiseParallel(use_local_output=False), which keeps every "
                     "head as a DTensor, or give the layer whole projections"
                 )
+        for name, t, heads in (("q", q, self.num_heads), ("k", k, self.num_kv_heads), ("v", v, self.num_kv_heads)):
+            _check_heads_split(name, t, heads, self.head_dim)
         q = q.view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
         k = k.view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -734,6 +736,26 @@ class CausalSelfAttention(nn.Module):
             out, probs = _attend(q, k, v, allowed, bias, need_probs=return_attention, causal=docs is None)
         out = self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
         return (out, probs) if return_attention else out
+
+
+def _check_heads_split(name: str, t: torch.Tensor, heads: int, head_dim: int) -> None:
+    """Raise ValueError where t, a projection's (b, s, heads * head_dim) output, is a DTensor whose features are
+    sharded across n ranks in a way that DTensor's view(b, s, heads, head_dim) cannot keep: it takes whole heads
+    per rank (heads divisible by n) or, for one head, equal parts of its channels (head_dim divisible by n). Its own
+    error said only "Cannot unflatten unevenly sharded tensor"."""
+    if not is_dtensor(t):
+        return
+    for mesh_dim, placement in enumerate(t.placements):
+        if placement.is_shard() and placement.dim in (-1, t.dim() - 1):
+            n = t.device_mesh.size(mesh_dim)
+            if heads % n and (heads > 1 or head_dim % n):
+                role = "num_heads" if name == "q" else "num_kv_heads"
+                raise ValueError(
+                    f"{name}_proj's output is sharded across {n} ranks, but {role}={heads} heads of {head_dim} "
+                    f"channels do not split evenly among them: tensor parallelism needs {role} divisible by the "
+                    f"{n} ranks (or a single head whose head_dim is); use another mesh size, or leave {name}_proj "
+                    "unsharded (replicated)"
+                )
 
 
 def _attend_sharded(q, k, v, allowed: torch.Tensor, bias: torch.Tensor | None, need_probs: bool, causal: bool):

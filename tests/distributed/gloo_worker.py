@@ -81,6 +81,49 @@ def _sharded_dtensor_calls(world: int) -> None:
     _heads_sharded(mesh, dt, Shard, gen)
     _heads_sharded_on_a_submesh(world, gen)
     _score_bias_of_dtensor_ids(dt, Shard, gen)
+    _channels_and_empty_shards(mesh, dt, Shard, world, gen)
+
+
+def _channels_and_empty_shards(mesh, dt, shard, world: int, gen: torch.Generator) -> None:
+    """A DTensor sharded on its channels (k of tensor parallelism with fewer key heads than ranks: ColwiseParallel
+    splits a head) was rotated by writes into slices of an empty output, which such a DTensor lost: uninitialised
+    memory came back (max error 5e35; in place 4.4; the layer 1.2), without an error. And a shard that holds
+    nothing (batch 1 on 2 ranks) failed in DTensor's out= rules ("min() arg is an empty sequence"). A layer whose
+    heads do not split among the ranks is refused naming them (DTensor's "Cannot unflatten unevenly sharded")."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    x = torch.randn(1, 2, 5, 16, generator=gen)
+    rope, mrope = posenc.RoPE(16, rotary_dim=12), posenc.MRoPE(16, mrope_section=[2, 3, 3])
+    cos, sin = posenc.RoPE(16).cos_sin(torch.arange(5))
+    for interleaved in (False, True):
+        want = posenc.apply_rotary(x, cos, sin, interleaved=interleaved)
+        got = posenc.apply_rotary(dt(x, shard(3)), cos, sin, interleaved=interleaved)
+        assert (got.full_tensor() - want).abs().max() < 1e-6, ("channels", interleaved)
+        in_place = dt(x.clone(), shard(3))
+        posenc.apply_rotary_(in_place, cos, sin, interleaved=interleaved)
+        assert (in_place.full_tensor() - want).abs().max() < 1e-6, ("channels in place", interleaved)
+    for placement in (shard(0), shard(1), shard(3)):  # batch 1 and 2 heads: a rank holds nothing on 3+ ranks
+        for got, want in zip(rope(dt(x, placement), dt(x, placement), offset=3), rope(x, x, offset=3), strict=True):
+            assert (got.full_tensor() - want).abs().max() < 1e-6, ("rope", placement)
+        ids = torch.randint(0, 9, (3, 1, 5), generator=gen)
+        got, want = mrope(dt(x, placement), dt(x, placement), positions=ids)[0], mrope(x, x, positions=ids)[0]
+        assert (got.full_tensor() - want).abs().max() < 1e-6, ("mrope", placement)
+    torch.manual_seed(0)
+    whole = posenc.CausalSelfAttention(16 * world, world, num_kv_heads=1, encoding=posenc.RoPE(16))
+    layer = parallelize_module(copy.deepcopy(whole), mesh, _tp_plan())
+    mine, theirs = posenc.KVCache(), posenc.KVCache()
+    x = torch.randn(1, 5, 16 * world, generator=gen)
+    step = torch.randn(1, 2, 16 * world, generator=gen)
+    got = [layer(dt(x), cache=mine), layer(dt(step), cache=mine)]
+    for g, w in zip(got, [whole(x, cache=theirs), whole(step, cache=theirs)], strict=True):
+        assert (g.full_tensor() - w).abs().max() < 1e-5, "one key head split across the ranks"
+    uneven = parallelize_module(posenc.CausalSelfAttention(16 * (world + 1), world + 1), mesh, _tp_plan())
+    try:
+        uneven(dt(torch.randn(1, 3, 16 * (world + 1), generator=gen)))
+    except ValueError as error:
+        assert f"num_heads={world + 1} heads of 16 channels do not split evenly" in str(error), error
+    else:
+        raise AssertionError("heads that do not split among the ranks were not refused")
 
 
 def _tp_plan(local_qkv: bool = False) -> dict:

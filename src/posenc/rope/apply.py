@@ -250,10 +250,12 @@ def apply_rotary_torch(
     rotary = 2 * cos.shape[-1]
     wide = compute_dtype(x, cos)
     cos, sin = cos.to(wide), sin.to(wide)
-    if not (cos.requires_grad or sin.requires_grad or _recorded() or batched(x, cos, sin)):
+    if not (cos.requires_grad or sin.requires_grad or _recorded() or batched(x, cos, sin) or is_dtensor(x)):
         # out= writes can be differentiated by no autograd mode, batched by no vmap, nor fused by Inductor: the
         # rotation's own backward serves x; the plain formula below serves learned angles, compiled graphs,
-        # torch.func transforms and forward-mode AD.
+        # torch.func transforms and forward-mode AD. And DTensors: writes into slices of a DTensor sharded on its
+        # channels (k of tensor parallelism with fewer key heads than ranks) were lost (max error 5e35, from
+        # uninitialised memory), and DTensor's out= rules failed on a shard that holds nothing.
         return _RotateCopy.apply(x, cos, sin, interleaved, conjugate)
     if rotary == x.shape[-1]:
         # No slice of the whole: autograd's own vmap (jacobian(vectorize=True)) has no batching rule for the alias.
@@ -616,7 +618,7 @@ def _rotate_in_place(
     x.shape[:-1] + (r/2,)."""
     rotary_dim = 2 * cos.shape[-1]
     if not (torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad or sin.requires_grad)) and not (
-        _recorded() or batched(x, cos, sin)
+        _recorded() or batched(x, cos, sin) or is_dtensor(x)  # a DTensor: as apply_rotary_torch says
     ):
         # Nothing to record: straight into x, a block of rows at a time, with no rotated copy of the whole.
         wide = compute_dtype(x, cos)
