@@ -172,6 +172,23 @@ def test_a_bad_partial_rotary_factor_is_named_when_the_example_is_drawn(value):
         FigureConfig.from_flags(rope_type="yarn", rope_parameters={"partial_rotary_factor": value})
 
 
+@pytest.mark.parametrize("half", [0.5, "numpy", "fraction", "tensor"])
+def test_a_partial_rotary_factor_of_any_real_type_draws_the_example_for_its_pairs(half):
+    """The example's stand-in took only int and float: numpy's, a Fraction or a 0-d tensor (which the parser takes)
+    gave longrope's example factors for the whole head ("short_factor must hold ... 16 factors, got 32")."""
+    import fractions
+
+    import numpy as np
+
+    value = {"numpy": np.float32(0.5), "fraction": fractions.Fraction(1, 2), "tensor": torch.tensor(0.5)}.get(
+        half, half
+    )
+    config = FigureConfig.from_flags(
+        head_dim=64, rope_type="longrope", rope_parameters={"partial_rotary_factor": value}
+    )
+    assert config.spec.rotary_dim == 32
+
+
 def test_a_bad_original_length_is_blamed_on_its_key_and_a_run_keeps_it():
     rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": "abc"}
     with pytest.raises(ValueError, match="original_max_position_embeddings"):

@@ -137,10 +137,11 @@ def test_sinusoidal_scores_are_content_plus_position_dot_products():
 
 
 @pytest.mark.parametrize(
-    ("seed", "error"), [(1.5, TypeError), (True, TypeError), (2**70, ValueError), (-1, ValueError)]
+    ("seed", "error"), [(1.5, TypeError), (True, TypeError), (2**70, ValueError), (-(2**63) - 1, ValueError)]
 )
 def test_a_bad_seed_is_named(seed, error):
     """torch's "manual_seed expected a long" and "Overflow when unpacking long long" named no argument."""
     with pytest.raises(error, match=r"^seed must be an integer in \[-9223372036854775808, 18446744073709551616\)"):
         relative_invariance(posenc.RoPE(8), 4, seed=seed)
-    assert relative_invariance(posenc.RoPE(8), 4, seed=2**64 - 1) is not None
+    for taken in (2**64 - 1, -1, -(2**63)):  # what torch's manual_seed takes
+        assert relative_invariance(posenc.RoPE(8), 4, seed=taken) is not None
