@@ -306,8 +306,19 @@ def test_register_refuses_a_from_model_dims_that_build_for_model_cannot_call(reg
         def from_model_dims(cls, *, dim, num_heads):
             return cls(num_heads)
 
-    with pytest.raises(TypeError, match=r"Method\.from_model_dims is a method of instances .*add @classmethod"):
+    with pytest.raises(TypeError, match=r"Method\.from_model_dims is a method of instances \(it takes self first\)"):
         posenc.register("method", Method)
+
+    class PlainFunction(_LogDistanceBias):  # no decorator and no self: called on the class as it is
+        def from_model_dims(*, dim, num_heads, head_dim, max_positions):
+            return PlainFunction(num_heads)
+
+    class Lambda(_LogDistanceBias):
+        from_model_dims = lambda **sizes: Lambda(sizes["num_heads"])  # noqa: E731
+
+    posenc.register("plain", PlainFunction)
+    posenc.register("lambda", Lambda)
+    assert posenc.build_for_model("plain", dim=8, num_heads=2, head_dim=4, max_positions=8).num_heads == 2
     with pytest.raises(TypeError, match=r"FewerSizes\.from_model_dims does not take head_dim, max_positions"):
         posenc.register("fewer", FewerSizes)
     assert "method" not in registry and "fewer" not in registry

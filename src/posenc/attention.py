@@ -740,22 +740,24 @@ class CausalSelfAttention(nn.Module):
 
 def _check_heads_split(name: str, t: torch.Tensor, heads: int, head_dim: int) -> None:
     """Raise ValueError where t, a projection's (b, s, heads * head_dim) output, is a DTensor whose features are
-    sharded across n ranks in a way that DTensor's view(b, s, heads, head_dim) cannot keep: it takes whole heads
-    per rank (heads divisible by n) or, for one head, equal parts of its channels (head_dim divisible by n). Its own
-    error said only "Cannot unflatten unevenly sharded tensor"."""
+    sharded across n ranks (every mesh dim that shards them, together) in a way that DTensor's view(b, s, heads,
+    head_dim) cannot keep: it takes whole heads per rank (heads divisible by n), or one head's channels split (the
+    rotation then takes them whole). Its own errors said only "Cannot unflatten unevenly sharded tensor", or named
+    a shape."""
     if not is_dtensor(t):
         return
-    for mesh_dim, placement in enumerate(t.placements):
-        if placement.is_shard() and placement.dim in (-1, t.dim() - 1):
-            n = t.device_mesh.size(mesh_dim)
-            if heads % n and (heads > 1 or head_dim % n):
-                role = "num_heads" if name == "q" else "num_kv_heads"
-                raise ValueError(
-                    f"{name}_proj's output is sharded across {n} ranks, but {role}={heads} heads of {head_dim} "
-                    f"channels do not split evenly among them: tensor parallelism needs {role} divisible by the "
-                    f"{n} ranks (or a single head whose head_dim is); use another mesh size, or leave {name}_proj "
-                    "unsharded (replicated)"
-                )
+    n = math.prod(
+        t.device_mesh.size(mesh_dim)
+        for mesh_dim, placement in enumerate(t.placements)
+        if placement.is_shard() and placement.dim in (-1, t.dim() - 1)
+    )
+    if heads % n and heads > 1:
+        role = "num_heads" if name == "q" else "num_kv_heads"
+        raise ValueError(
+            f"{name}_proj's output is sharded across {n} ranks, but {role}={heads} heads of {head_dim} channels do "
+            f"not split evenly among them: tensor parallelism needs {role} divisible by the {n} ranks (or a single "
+            f"head); use another mesh size, or leave {name}_proj unsharded (replicated)"
+        )
 
 
 def _attend_sharded(q, k, v, allowed: torch.Tensor, bias: torch.Tensor | None, need_probs: bool, causal: bool):

@@ -73,11 +73,15 @@ def _check_from_model_dims(family: type[nn.Module]) -> None:
     """Raise TypeError unless ``family.from_model_dims`` can be called as build_for_model calls it: on the class,
     with the four sizes by keyword. An instance method (no @classmethod) failed only at the first build_for_model,
     with Python's "missing 1 required positional argument: 'self'"; a size it does not take, likewise."""
-    if isinstance(inspect.getattr_static(family, "from_model_dims", None), types.FunctionType):
-        raise TypeError(
-            f"{family.__name__}.from_model_dims is a method of instances (it takes self): it must be "
-            f"{_FROM_MODEL_DIMS}; add @classmethod"
-        )
+    own = next((vars(klass)["from_model_dims"] for klass in family.__mro__ if "from_model_dims" in vars(klass)), None)
+    if isinstance(own, types.FunctionType):  # a plain function in the class body: called on the class as it is
+        first = next(iter(inspect.signature(own).parameters.values()), None)
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        if first is not None and first.kind in positional and first.default is first.empty and first.name not in _SIZES:
+            raise TypeError(
+                f"{family.__name__}.from_model_dims is a method of instances (it takes {first.name} first): it must "
+                f"be {_FROM_MODEL_DIMS}; add @classmethod"
+            )
     try:
         parameters = inspect.signature(family.from_model_dims).parameters.values()
     except (TypeError, ValueError):  # a callable whose signature Python cannot read: taken on trust

@@ -95,13 +95,15 @@ def _channels_and_empty_shards(mesh, dt, shard, world: int, gen: torch.Generator
     x = torch.randn(1, 2, 5, 16, generator=gen)
     rope, mrope = posenc.RoPE(16, rotary_dim=12), posenc.MRoPE(16, mrope_section=[2, 3, 3])
     cos, sin = posenc.RoPE(16).cos_sin(torch.arange(5))
-    for interleaved in (False, True):
-        want = posenc.apply_rotary(x, cos, sin, interleaved=interleaved)
-        got = posenc.apply_rotary(dt(x, shard(3)), cos, sin, interleaved=interleaved)
-        assert (got.full_tensor() - want).abs().max() < 1e-6, ("channels", interleaved)
+    # Partial rotation too: in place, a copy_ into a slice of x (a new DTensor, no view) left x unrotated.
+    for interleaved, pairs in itertools.product((False, True), (8, 6, 4)):
+        angles = cos[:, :pairs], sin[:, :pairs]
+        want = posenc.apply_rotary(x, *angles, interleaved=interleaved)
+        got = posenc.apply_rotary(dt(x, shard(3)), *angles, interleaved=interleaved)
+        assert (got.full_tensor() - want).abs().max() < 1e-6, ("channels", interleaved, pairs)
         in_place = dt(x.clone(), shard(3))
-        posenc.apply_rotary_(in_place, cos, sin, interleaved=interleaved)
-        assert (in_place.full_tensor() - want).abs().max() < 1e-6, ("channels in place", interleaved)
+        posenc.apply_rotary_(in_place, *angles, interleaved=interleaved)
+        assert (in_place.full_tensor() - want).abs().max() < 1e-6, ("channels in place", interleaved, pairs)
     for placement in (shard(0), shard(1), shard(3)):  # batch 1 and 2 heads: a rank holds nothing on 3+ ranks
         for got, want in zip(rope(dt(x, placement), dt(x, placement), offset=3), rope(x, x, offset=3), strict=True):
             assert (got.full_tensor() - want).abs().max() < 1e-6, ("rope", placement)
