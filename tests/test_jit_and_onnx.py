@@ -50,6 +50,23 @@ def test_a_traced_apply_rotary_equals_eager_at_other_lengths(backend):
         torch.testing.assert_close(traced(x, cos, sin), rotate(x, cos, sin), rtol=2.5e-7, atol=2e-7)
 
 
+@pytest.mark.parametrize("kind", ["offset", "positions"])
+def test_a_traced_table_call_reads_its_rows_at_the_values_it_is_given(kind):
+    """A tensor offset failed while tracing with torch's "Unsupported value kind: UInt" (the host check of the
+    offsets' range compared a traced value with 2**63). Traced, the rows are read at each call's values; a trace
+    records no check of them (README.md says so)."""
+    cos, sin = posenc.RoPE(HEAD_DIM).cos_sin(torch.arange(64))
+
+    def rotate(x, index):
+        return posenc.apply_rotary(x, cos, sin, **{kind: index})
+
+    example = torch.tensor([3]) if kind == "offset" else torch.arange(8)
+    traced = _trace(rotate, torch.randn(1, 2, 8, HEAD_DIM), example)
+    x = torch.randn(1, 2, 8, HEAD_DIM)
+    for index in (torch.tensor([20]), torch.tensor([0])) if kind == "offset" else (torch.arange(8).flip(0) + 9,):
+        torch.testing.assert_close(traced(x, index), rotate(x, index), rtol=2.5e-7, atol=2e-7)
+
+
 def test_a_traced_apply_rotary_qk_equals_eager():
     """Its check that q and k share a head dim compared the tracer's size tensors by identity: refused as
     "got tensor(16), tensor(16)" (a patched transformers model failed there too)."""
