@@ -214,3 +214,10 @@ def test_torch_threads_sets_the_count_inside_and_restores_it_after_an_error_too(
     assert torch.get_num_threads() == before
     with pytest.raises(ValueError, match="count must be a positive int"), torch_threads(0):
         pass
+
+
+@pytest.mark.parametrize("actual", [torch.tensor([1.0, 2.0]), torch.tensor([1, 2])])
+def test_a_complex_reference_is_refused_not_cast_to_its_real_part(actual):
+    """Cast to float64, a complex reference lost its imaginary part: [1, 2] passed against [1+5j, 2]."""
+    with pytest.raises(TypeError, match=r"reference is complex; compare torch\.view_as_real of both"):
+        assert_close(actual, torch.tensor([1 + 5j, 2]))

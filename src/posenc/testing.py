@@ -102,6 +102,11 @@ def assert_close(
                 f"assert_close compares values, and {name} is on the meta device, which holds none (shapes only); "
                 "compare tensors computed on the CPU or a GPU"
             )
+    if reference.is_complex():
+        # Cast to float64 below, it lost its imaginary part: [1, 2] passed against [1+5j, 2].
+        raise TypeError(
+            "assert_close compares real tensors, and reference is complex; compare torch.view_as_real of both"
+        )
     if scale is not None and actual.shape == reference.shape and actual.device == reference.device:
         # Checked on every path: integer operands and empty ones returned before their scale was looked at, so a
         # negative or misshapen scale passed there and failed only once the operands became floats or non-empty.
