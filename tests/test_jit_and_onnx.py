@@ -12,6 +12,7 @@ ONNX exporter's flag is emulated by ``torch.onnx.is_in_onnx_export``, which it s
 
 from __future__ import annotations
 
+import io
 import warnings
 
 import pytest
@@ -195,3 +196,32 @@ def _mutates(node: torch._C.Node) -> bool:
         return "(a!)" in node.schema()
     except RuntimeError:  # prim:: nodes have no schema
         return False
+
+
+@pytest.mark.parametrize("rotary_dim", [16, 8])
+def test_the_torchscript_onnx_export_of_apply_rotary_inplace_keeps_its_write(monkeypatch, rotary_dim):
+    """Written through a slice bound to a name first, apply_rotary_'s copy_ was dropped by the TorchScript ONNX
+    exporter: its model held one Identity (x unrotated). onnx is not installed here: the exporter's last step, which
+    needs it, is skipped; the model's proto is built before it."""
+    proto_utils = pytest.importorskip("torch.onnx._internal.torchscript_exporter.onnx_proto_utils")
+    exporter_utils = pytest.importorskip("torch.onnx._internal.torchscript_exporter.utils")
+    for module in (proto_utils, exporter_utils):
+        if hasattr(module, "_add_onnxscript_fn"):
+            monkeypatch.setattr(module, "_add_onnxscript_fn", lambda model_bytes, custom_opsets: model_bytes)
+
+    class Rotate(torch.nn.Module):
+        def forward(self, x, cos, sin):
+            return posenc.apply_rotary_(x * 1.0, cos, sin)
+
+    cos, sin = _cos_sin(8)
+    written = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            Rotate(),
+            (torch.randn(1, 2, 8, HEAD_DIM), cos[..., : rotary_dim // 2], sin[..., : rotary_dim // 2]),
+            written,
+            dynamo=False,
+            opset_version=17,
+        )
+    assert b"ScatterND" in written.getvalue() and b"Identity" not in written.getvalue()

@@ -246,8 +246,7 @@ def values_readable(device: torch.device | str | None) -> bool:
     graph would break), while make_fx records (``recording``: the graph would hold the example's values) nor while a
     CUDA graph captures on the current stream (the capture would fail). Checks of values are skipped there (or run
     with the graph), and on the meta device and under a FakeTensorMode, which have none (shape inference: a read
-    raised torch's DataDependentOutputException), nor while torch.jit.trace records; shapes, dtypes and devices are
-    still checked."""
+    raised torch's DataDependentOutputException); shapes, dtypes and devices are still checked."""
     # torch's process-wide flag asked once (~0.1 us a query): when it is off, compiling() is False and
     # fake_mode_active() is the dispatch mode's query alone.
     if torch.compiler.is_compiling():
@@ -256,10 +255,6 @@ def values_readable(device: torch.device | str | None) -> bool:
     elif _dispatch_modes_on() and (_dispatch_mode(_FAKE_MODE) is not None or _dispatch_mode(_PROXY_MODE) is not None):
         return False  # the count first: with no mode on (every eager call) one query, ~2x faster than one by key
     elif pre_dispatch_recording():
-        return False
-    elif torch._C._is_tracing():
-        # torch.jit.trace records the ops, not a check read on the host: run on the example's values once, it was
-        # not in the trace, which then read negative position ids as the table's last rows (max error 4.6).
         return False
     # A torch.device as it is: torch.device(device) costs ~0.4 us of a decode-size call.
     if isinstance(device, torch.device):

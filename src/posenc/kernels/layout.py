@@ -356,7 +356,7 @@ def _check_rows_read(
         if low < 0:
             raise ValueError(_NEGATIVE_OFFSET)
         high += seq - 1
-        if high >= 2**63:  # offsets + 0..s-1 would wrap negative in int64
+        if high > 2**63 - 1:  # offsets + 0..s-1 would wrap negative (2**63 itself: no int64 constant to trace)
             raise wrapped_positions(None)  # type: ignore[misc]  # never None without position ids
         _check_rows_in_table(low, high, rows)
     elif unchecked and seq > 0 and batch > 0:

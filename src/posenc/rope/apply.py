@@ -630,26 +630,22 @@ def _rotate_in_place(
             source = x[..., :rotary_dim].to(wide, copy=True)
             rotate_pairs_into(x[..., :rotary_dim], source, cos, sin, interleaved=interleaved, conjugate=conjugate)
         return
-    if is_dtensor(x) and rotary_dim < x.shape[-1]:
-        # A slice of a DTensor sharded on its channels is a new DTensor, not a view of x: a copy_ into it was lost,
-        # and x came back unrotated without an error. The whole rotated copy goes into x instead.
-        _copy_into(name, x, apply_rotary_torch(x, cos, sin, interleaved=interleaved, conjugate=conjugate))
-        return
-    part = x[..., :rotary_dim]
+    # A slice of a DTensor sharded on its channels is a new DTensor, not a view of x: a copy_ into it was lost, and
+    # x came back unrotated without an error. The whole rotated copy goes into x instead.
+    whole = is_dtensor(x) and rotary_dim < x.shape[-1]
+    part = x if whole else x[..., :rotary_dim]
     if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
         # cos's gradient needs x as it was: autograd saves it, and the copy_ below would overwrite it.
         part = part.clone()
     rotated = apply_rotary_torch(part, cos, sin, interleaved=interleaved, conjugate=conjugate)
-    # A slice, not narrow(): the TorchScript ONNX exporter drops a copy_ into a narrow() view of x.
-    _copy_into(name, x[..., :rotary_dim], rotated)
-
-
-def _copy_into(name: str, target: torch.Tensor, rotated: torch.Tensor) -> None:
-    """target.copy_(rotated), with autograd's refusals (made before the copy writes: x is as it was) said as
-    posenc's."""
     try:
-        target.copy_(rotated)
-    except RuntimeError as error:
+        if whole:
+            x.copy_(rotated)
+        else:
+            # A slice, not narrow(), and written where it is made: the TorchScript ONNX exporter drops a copy_ into
+            # a narrow() view of x, or into the slice bound to a name first (its model came back as one Identity).
+            x[..., :rotary_dim].copy_(rotated)
+    except RuntimeError as error:  # autograd's in-place checks, made before the copy writes: x is as it was
         raise inplace_refused(name, error) from error
 
 
