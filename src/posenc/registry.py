@@ -76,8 +76,13 @@ def _check_from_model_dims(family: type[nn.Module]) -> None:
     own = next((vars(klass)["from_model_dims"] for klass in family.__mro__ if "from_model_dims" in vars(klass)), None)
     if isinstance(own, types.FunctionType):  # a plain function in the class body: called on the class as it is
         first = next(iter(inspect.signature(own).parameters.values()), None)
-        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-        if first is not None and first.kind in positional and first.default is first.empty and first.name not in _SIZES:
+        by_position = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        if (
+            first is not None
+            and first.kind in by_position
+            and first.default is first.empty
+            and first.name not in _SIZES
+        ):
             raise TypeError(
                 f"{family.__name__}.from_model_dims is a method of instances (it takes {first.name} first): it must "
                 f"be {_FROM_MODEL_DIMS}; add @classmethod"
