@@ -695,7 +695,6 @@ class CausalSelfAttention(nn.Module):
                     "heads alone; parallelize it with ColwiseParallel(use_local_output=False), which keeps every "
                     "head as a DTensor, or give the layer whole projections"
                 )
-        for name, t, heads in (("q", q, self.num_heads), ("k", k, self.num_kv_heads), ("v", v, self.num_kv_heads)):
             _check_heads_split(name, t, heads, self.head_dim)
         q = q.view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
         k = k.view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
