@@ -185,9 +185,10 @@ def _add_figure_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-heads", type=int, help="heads for the bias matrices (default 8)")
     g.add_argument(
         "--interleaved",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
         default=None,
-        help="adjacent pairs (x0, x1), (x2, x3) as in RoFormer, GPT-J, DeepSeek, rather than split halves",
+        help="adjacent pairs (x0, x1), (x2, x3) as in RoFormer, GPT-J, DeepSeek, rather than split halves "
+        "(--no-interleaved: split halves, where a --run's model had adjacent pairs)",
     )
 
 
@@ -332,7 +333,9 @@ def _report(args: argparse.Namespace) -> int:
     from posenc.analysis.run import in_progress
 
     try:
-        config = _figure_config(args, args.run_dir)
+        if not args.figures:
+            _check_no_figure_options(args)
+        config = _figure_config(args, args.run_dir) if args.figures else None
         running = in_progress(args.run_dir)  # looked at once: the page and stderr say the same
         path = write_report(
             args.run_dir, out=args.out, config=config, figures=None if args.figures else [], running=running
@@ -346,6 +349,19 @@ def _report(args: argparse.Namespace) -> int:
         return 2
     print(path)
     return 0
+
+
+def _check_no_figure_options(args: argparse.Namespace) -> None:
+    """With --no-figures, an option that says what the figures draw would do nothing: refused, not ignored."""
+    names = ("config", "layer_type", "head_dim", "base", "rope_type", "factor", "train_len", "eval_len", "num_heads")
+    given = [f"--{name.replace('_', '-')}" for name in names if getattr(args, name) is not None]
+    given += ["--rope-param"] * bool(args.rope_param)
+    given += [] if args.interleaved is None else ["--interleaved" if args.interleaved else "--no-interleaved"]
+    if given:
+        raise ValueError(
+            f"--no-figures leaves out the figures that {', '.join(given)} describe{'s' * (len(given) == 1)}; "
+            "drop one or the other"
+        )
 
 
 def _add_report(sub: argparse._SubParsersAction) -> None:

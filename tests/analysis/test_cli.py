@@ -144,6 +144,23 @@ def test_an_unwritable_out_is_one_error_line(tmp_path, capsys, make_run, command
     assert err.startswith(f"posenc {command}: error: {blocker}") and "Traceback" not in err
 
 
+def test_report_refuses_figure_options_with_no_figures(tmp_path, capsys, make_run):
+    run = make_run(tmp_path / "run", entropy=False, lab_png=False)
+    assert main(["report", str(run), "--no-figures", "--head-dim", "0", "--no-interleaved"]) == 2
+    assert capsys.readouterr().err == (
+        "posenc report: error: --no-figures leaves out the figures that --head-dim, --no-interleaved describe; drop "
+        "one or the other\n"
+    )
+    assert main(["report", str(run), "--no-figures", "--rope-param", "factor=2"]) == 2
+    assert "figures that --rope-param describes;" in capsys.readouterr().err
+    assert not (run / "report.html").exists()
+    # The figures' reading of results.json is not needed for the tables.
+    config = {"dim": 32, "heads": 2, "train_len": 64, "eval_lengths": [64, 128]}
+    (run / "results.json").write_text(json.dumps({"config": config, "rope": {"head_dim": 16}}))
+    assert main(["report", str(run)]) == 2 and "results.json" in capsys.readouterr().err
+    assert main(["report", str(run), "--no-figures"]) == 0
+
+
 def test_report(tmp_path, capsys, make_run):
     run = make_run(tmp_path / "run", entropy=False, lab_png=False)
     assert main(["report", str(run), "--no-figures"]) == 0
@@ -252,6 +269,8 @@ def test_figure_options_name_each_value_once_and_keep_the_runs_sizes(tmp_path, c
     scaled = config("--rope-type", "linear", "--factor", "2", run=str(run))
     assert (scaled.base, scaled.spec.rotary_dim, scaled.interleaved, scaled.rope_type) == (500000.0, 4, True, "linear")
     assert config("--base", "1e4", run=str(run)).base == 1e4  # what is given wins
+    assert config("--no-interleaved", run=str(run)).interleaved is False  # split halves for an adjacent-pairs run
+    assert config("--no-interleaved").interleaved is False and config("--interleaved").interleaved is True
 
 
 @pytest.mark.parametrize("command", ["plot", "report"])

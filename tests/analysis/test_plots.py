@@ -148,6 +148,14 @@ def test_bias_figure_shows_the_extreme_alibi_heads_and_is_reproducible():
     assert png_bytes(fig, dpi=40) == png_bytes(render("bias_matrices", inputs), dpi=40)
 
 
+def test_bias_figure_draws_a_single_alibi_head_once():
+    """With one head the steepest head is the flattest: one ALiBi panel beside T5's, not the same one twice."""
+    fig = render("bias_matrices", FigureInputs(config=FigureConfig(num_heads=1)))
+    titles = [ax.get_title() for ax in fig.axes if ax.images]
+    assert len(titles) == 2
+    assert titles[0].startswith("ALiBi's one head (slope 0.00391)") and titles[1].startswith("T5 head 0")
+
+
 def test_figures_leave_the_global_generator_alone():
     torch.manual_seed(123)
     expected = torch.rand(3)

@@ -550,18 +550,21 @@ def bias_heatmaps(inputs: FigureInputs) -> Figure:
     t5 = t5.masked_fill(future, float("-inf"))
     # For a head count that is not a power of two the slopes are not sorted: find the extremes.
     steep, flat = int(slopes.argmax()), int(slopes.argmin())
-    panels = [
-        (alibi[steep], f"ALiBi head {steep}, the steepest (slope {float(slopes[steep]):.3g})"),
-        (alibi[flat], f"ALiBi head {flat}, the flattest (slope {float(slopes[flat]):.3g})"),
-        (t5[0], "T5 head 0 (random init, seed 0;\nequal values share a bucket)"),
-    ]
-    fig = _new_figure(14, 4.6)
-    axes = fig.subplots(1, 3)
+    if h == 1:  # one head is both the steepest and the flattest: drawn once
+        alibi_panels = [(alibi[0], f"ALiBi's one head (slope {float(slopes[0]):.3g})")]
+    else:
+        alibi_panels = [
+            (alibi[steep], f"ALiBi head {steep}, the steepest (slope {float(slopes[steep]):.3g})"),
+            (alibi[flat], f"ALiBi head {flat}, the flattest (slope {float(slopes[flat]):.3g})"),
+        ]
+    panels = [*alibi_panels, (t5[0], "T5 head 0 (random init, seed 0;\nequal values share a bucket)")]
+    fig = _new_figure(14 * len(panels) / 3, 4.6)
+    axes = fig.subplots(1, len(panels))
     # The two ALiBi heads share one colour scale: each on its own range, a slope 128x flatter drew the same picture.
     alibi_low = float(alibi[steep][torch.isfinite(alibi[steep])].min())
     for index, (ax, (matrix, title)) in enumerate(zip(axes, panels, strict=True)):
         shown = matrix.masked_fill(~torch.isfinite(matrix), float("nan"))
-        limits = {"vmin": alibi_low, "vmax": 0.0} if index < 2 else {}
+        limits = {"vmin": alibi_low, "vmax": 0.0} if index < len(alibi_panels) else {}
         image = ax.imshow(shown.numpy(), origin="upper", cmap="magma", **limits)
         ax.set_xlabel("key position n")
         ax.set_ylabel("query position m")

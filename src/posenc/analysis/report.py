@@ -124,7 +124,6 @@ def render_html(
     rows = read_results(run)
     if running is _Probe.LOCK:
         running = in_progress(run)
-    config = config or run_figure_config(run) or FigureConfig()
     names = list(FIGURES) if figures is None else list(figures)
     unknown = [n for n in names if n not in FIGURES]
     if unknown:
@@ -167,6 +166,8 @@ def render_html(
         parts.extend(_figure(p.read_bytes(), p.stem, p.name) for p in lab_images)
 
     if names:
+        # Read only for figures: a run whose results.json the figures cannot read still gets its tables.
+        config = config or run_figure_config(run) or FigureConfig()
         # Figure 9 draws the run's own entropy when it measured some, else a random model's (and says so).
         measured = run_entropy(run)
         if measured is None:
