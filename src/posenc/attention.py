@@ -478,10 +478,28 @@ def _encoding_device(encoding: nn.Module) -> torch.device | None:
 
 
 def causal_mask(q_len: int, k_len: int, device: torch.device, document_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """(q_len, k_len) bool, True where attention is allowed: the last q_len of k_len tokens are the queries.
+    """(q_len, k_len) bool, True where attention is allowed: the last q_len of k_len tokens are the queries
+    (q_len <= k_len, so that every query has a key: itself).
 
-    With document_ids (k_len,) or (b or 1, k_len) of the keys, (b or 1, 1, q_len, k_len): also False between
-    documents."""
+    With document_ids (k_len,) or (b or 1, k_len) integer, of the keys, (b or 1, 1, q_len, k_len): also False
+    between documents."""
+    q_len = integer("q_len", q_len, low=0, symbolic=True)
+    k_len = integer("k_len", k_len, low=0, symbolic=True)
+    if q_len > k_len:
+        # Unchecked, the first queries had no key: attend gave them zeros, or NaN with need_probs.
+        raise ValueError(f"q_len={q_len} must be <= k_len={k_len}: the queries are the last q_len of the keys")
+    if document_ids is not None:
+        int_tensor("document_ids", document_ids, what="document ids")
+        if document_ids.dim() not in (1, 2) or document_ids.shape[-1] != k_len:
+            raise ValueError(
+                f"document_ids must be (k_len,) or (b or 1, k_len) with k_len={k_len}, one id per key, got "
+                f"{tuple(document_ids.shape)}"
+            )
+    return _causal_mask(q_len, k_len, device, document_ids)
+
+
+def _causal_mask(q_len: int, k_len: int, device: torch.device, document_ids: torch.Tensor | None) -> torch.Tensor:
+    """``causal_mask`` without its checks, for CausalSelfAttention's own resolved ids."""
     allowed = torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(diagonal=k_len - q_len)
     if document_ids is None:
         return allowed
@@ -731,7 +749,7 @@ class CausalSelfAttention(nn.Module):
                 warnings.warn(f"{error}; the bias is materialized instead (same result, more memory)", stacklevel=2)
         if out is None:
             bias = self.encoding.score_bias(pos, k_pos) if acts_on is ActsOn.SCORE_BIAS else None
-            allowed = causal_mask(s, t, x.device, docs)
+            allowed = _causal_mask(s, t, x.device, docs)
             out, probs = _attend(q, k, v, allowed, bias, need_probs=return_attention, causal=docs is None)
         out = self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
         return (out, probs) if return_attention else out
