@@ -2147,6 +2147,15 @@ def test_tiny_model_keeps_partial_rotary_and_optionally_the_scaling() -> None:
     llama = tiny_model_from_config(CONFIGS / "llama-3.1-8b.json", keep_scaling=True)
     assert llama.config.rope_parameters["rope_type"] == "llama3"
     assert llama.config.rope_parameters["original_max_position_embeddings"] == 8192
+    # A kept LongRoPE whose factor lists fit the real head, not the tiny one: posenc's message, not transformers'
+    # "size of tensor a (48) must match" from inside its rotary class.
+    longrope = {"rope_type": "longrope", "short_factor": [1.0] * 48, "long_factor": [2.0] * 48}
+    source = {"model_type": "llama", "hidden_size": 3072, "num_attention_heads": 32, "max_position_embeddings": 8192}
+    source["rope_scaling"] = {**longrope, "original_max_position_embeddings": 4096}
+    with pytest.raises(ValueError, match=r"does not fit this tiny model \(head_dim=16\): .*short_factor'\] must hold"):
+        tiny_model_from_config(source, keep_scaling=True)
+    fits = tiny_model_from_config(source, keep_scaling=True, hidden_size=384, head_dim=96)
+    assert fits.config.rope_parameters["short_factor"] == [1.0] * 48
 
 
 def test_tiny_model_is_reproducible_and_seeded() -> None:

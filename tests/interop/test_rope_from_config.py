@@ -309,10 +309,39 @@ def test_per_layer_rope_dicts_need_a_layer_type() -> None:
         rope_from_config(load("llama-3.1-8b.json"), layer_type="full_attention")
 
 
+def test_rope_dicts_per_layer_type_whose_layers_are_not_named_are_refused() -> None:
+    """Read as one dict, the layer types' dicts were dropped as unread keys: a default RoPE at theta 10000."""
+    per_type = {
+        "full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+    }
+    cfg = {"hidden_size": 64, "num_attention_heads": 4, "max_position_embeddings": 32, "rope_parameters": per_type}
+    with pytest.raises(ValueError, match="holds dicts under 'full_attention', 'sliding_attention', rope dicts per"):
+        rope_from_config(cfg)
+    # A string's letters named no layer type either.
+    with pytest.raises(TypeError, match=r"layer_types must be a list with one layer type per layer .* got 'full_"):
+        rope_from_config({**cfg, "layer_types": "full_attention"}, layer_type="full_attention")
+    named = {**cfg, "layer_types": ["sliding_attention", "full_attention"]}
+    assert rope_from_config(named, layer_type="full_attention").rope_type == "yarn"
+    bad = {**named, "rope_parameters": {**per_type, "full_attention": "default"}}
+    with pytest.raises(TypeError, match="rope dict for layer type 'full_attention' must be a dict like .* got 'def"):
+        rope_from_config(bad, layer_type="full_attention")
+
+
 @pytest.mark.parametrize(
     ("config", "error", "match"),
     [
         (42, TypeError, "config must be a transformers config object, a dict, or a path"),
+        (
+            {"head_dim": 8, "rope_scaling": {"type": "dynamic", "factor": 2.0}},
+            ValueError,
+            "this config has no max_position_embeddings; add it to the config",
+        ),
+        (
+            {"model_type": "llama", "head_dim": 8, "rope_parameters": {"rope_type": None, "type": "linear"}},
+            ValueError,
+            "rope_type null, which transformers' model fails on (KeyError: None); set rope_type to 'linear'",
+        ),
         ("/nonexistent/config.json", FileNotFoundError, "is neither"),
         ({"num_attention_heads": 2}, ValueError, "config needs head_dim, or hidden_size and num_attention_heads"),
         ({"head_dim": 8, "rope_scaling": [1, 2]}, TypeError, "rope_parameters / rope_scaling must be a dict"),

@@ -383,13 +383,27 @@ def num_heads_from_config(config: Any, *, layer_type: str | None = None) -> int 
     return _attention_heads(_with_aliases(_layer_type_config(_text_model(cfg), layer_type)))
 
 
+def _layer_types(cfg: Mapping[str, Any]) -> tuple[str, ...]:
+    """The config's ``layer_types``, one name per layer (() where it has none). A string was read as its letters:
+    a rope dict per layer type then matched none of them, and the config was read as one default RoPE."""
+    value = cfg.get("layer_types")
+    if value is None:
+        return ()
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
+        raise TypeError(
+            f"the config's layer_types must be a list with one layer type per layer (e.g. ['sliding_attention', "
+            f"'full_attention']), got {value!r}"
+        )
+    return tuple(value)
+
+
 def _rope_dict(cfg: Mapping[str, Any]) -> Any:
     """The config's rope dict as transformers takes it: a legacy ``rope_scaling`` that is not empty wins over
     ``rope_parameters`` (a model card's YaRN block added to a config.json saved with rope_parameters), theta
     included: the rope_parameters' own rope_theta is not read then. Where rope_scaling would be folded into rope
     dicts per layer type, a ValueError: the config classes that do it each do it their own way."""
     scaling, params = cfg.get("rope_scaling"), cfg.get("rope_parameters")
-    layer_types = set(cfg.get("layer_types") or ())
+    layer_types = set(_layer_types(cfg))
     per_layer = isinstance(params, Mapping) and any(key in layer_types for key in params)
     model_type = cfg.get("model_type")
     if scaling and (per_layer or model_type in _LAYERED_ROPE_SCALING):
@@ -409,7 +423,7 @@ def _layer_type_config(cfg: Mapping[str, Any], layer_type: str | None) -> Mappin
     the same for every layer of the type, as transformers requires where it reads a layer type's config. cfg itself
     where it has no overrides or no layer type is asked for."""
     overrides = cfg.get("per_layer_config")
-    layer_types = list(cfg.get("layer_types") or ())
+    layer_types = list(_layer_types(cfg))
     if not isinstance(overrides, Mapping) or not overrides or layer_type not in layer_types:
         return cfg
     by_layer = {int(index): dict(values or {}) for index, values in overrides.items()}
@@ -433,7 +447,7 @@ def rope_layer_types(config: Any) -> tuple[str, ...]:
     rope = _rope_dict(cfg)
     if not isinstance(rope, Mapping):
         return ()
-    layer_types = set(cfg.get("layer_types") or ())
+    layer_types = set(_layer_types(cfg))
     return tuple(sorted(key for key, value in rope.items() if key in layer_types and value is not None))
 
 
@@ -491,11 +505,27 @@ def rope_kwargs_from_config(config: Any, *, layer_type: str | None = None) -> di
     if not isinstance(rope, Mapping):
         raise TypeError(f"config's rope_parameters / rope_scaling must be a dict, got {type(rope).__name__}")
     rope = dict(rope)
-    nested = [key for key in rope if key in set(cfg.get("layer_types") or ())]
+    nested = [key for key in rope if key in set(_layer_types(cfg))]
+    if not nested and any(isinstance(value, Mapping) for value in rope.values()):
+        # No rope key holds a dict: these are rope dicts per layer type whose layers the config does not name, and
+        # read as one dict they were dropped as unread keys, leaving a default RoPE at theta 10000.
+        keys = [key for key, value in rope.items() if isinstance(value, Mapping)]
+        raise ValueError(
+            f"the config's rope dict holds dicts under {', '.join(map(repr, keys))}, rope dicts per layer type, but "
+            "its layer_types does not name those types, so posenc cannot tell which layer takes which; add "
+            "layer_types (one type per layer), or load the config with transformers "
+            "(transformers.AutoConfig.from_pretrained) and pass the config object"
+        )
     if nested:
         if layer_type not in nested:
             raise ValueError(f"this config has one rope dict per layer type; pass layer_type= one of {nested}")
-        outer, rope = rope, dict(rope[layer_type] or {})
+        own = rope[layer_type]
+        if own is not None and not isinstance(own, Mapping):
+            raise TypeError(
+                f"the config's rope dict for layer type {layer_type!r} must be a dict like {{'rope_type': "
+                f"'default', 'rope_theta': 10000.0}}, got {own!r}"
+            )
+        outer, rope = rope, dict(own or {})
         if rope.get("rope_type", rope.get("type")) == "yarn" and ("truncate" in rope or "truncate" in outer):
             # transformers' YaRN reads truncate from the outer dict (config.rope_parameters.get("truncate", True)),
             # never from a layer type's own: the model truncates unless the outer dict says otherwise.
@@ -510,6 +540,12 @@ def rope_kwargs_from_config(config: Any, *, layer_type: str | None = None) -> di
     elif layer_type is not None:
         raise ValueError(f"layer_type={layer_type!r} given but the config has a single rope dict; drop layer_type")
 
+    if "rope_type" in rope and rope["rope_type"] is None:
+        # transformers keeps a null rope_type (beside a legacy 'type' too) and its model fails on it (KeyError: None).
+        raise ValueError(
+            "the config's rope dict has rope_type null, which transformers' model fails on (KeyError: None); set "
+            f"rope_type to {rope.get('type') or 'default'!r}"
+        )
     if rope.get("rope_type") is not None:
         # transformers reads rope_type where both are given (Phi3Config maps a legacy 'yarn' to rope_type 'longrope'
         # and keeps the old key beside it).
@@ -633,6 +669,12 @@ def rope_kwargs_from_config(config: Any, *, layer_type: str | None = None) -> di
             raise ValueError("config needs head_dim, or hidden_size and num_attention_heads, to size the rotation")
         head_dim = positive_int("config hidden_size", hidden) // positive_int("config num_attention_heads", heads)
 
+    if max_pos is None and rope_type == "dynamic":
+        # RoPE's own message says to pass max_position_embeddings=, an argument rope_from_config does not take.
+        raise ValueError(
+            "rope_type 'dynamic' scales from the trained length, and this config has no max_position_embeddings; "
+            "add it to the config"
+        )
     kwargs: dict[str, Any] = {
         "head_dim": head_dim,
         "rope_parameters": {"rope_type": rope_type, **rope},

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -13,6 +14,7 @@ from torch import nn
 from posenc._checks import integer, positive_int
 from posenc.interop.architectures import SUPPORTED_ARCHITECTURES
 from posenc.interop.hf import read_config_json, rope_kwargs_from_config
+from posenc.rope.module import RoPE
 
 
 def tiny_model_from_config(
@@ -34,9 +36,11 @@ def tiny_model_from_config(
     config: a path to a config.json (or its folder) or the dict it holds; its ``model_type`` must be in
     ``SUPPORTED_ARCHITECTURES``. The architecture's code, ``rope_theta``, rotary fraction and pair layout come from
     it; the sizes from the arguments (head_dim defaults to hidden_size // num_heads; num_kv_heads to num_heads).
-    max_position_embeddings: the trained length the scaling types extend from (default: the config's).
-    keep_scaling: keep the config's rope scaling (LongRoPE factor lists must then fit the head dim); by default the
-    model gets plain RoPE, to which ``patch_model(model, rope_parameters=...)`` applies an extension later.
+    max_position_embeddings: the model's (default: the config's), the trained length the scaling types extend from
+    unless a kept scaling gives ``original_max_position_embeddings``, which then wins, as in transformers.
+    keep_scaling: keep the config's rope scaling (LongRoPE factor lists must then fit the head dim: a ValueError
+    says so); by default the model gets plain RoPE, to which ``patch_model(model, rope_parameters=...)`` applies
+    an extension later.
     seed: the initial weights' (the global generator is left as it was); attn_implementation: transformers'
     ("sdpa", "eager", ...).
     Returns an unpatched ``transformers`` ``*ForCausalLM`` in float32, eval mode; ``model(input_ids).logits`` is
@@ -111,6 +115,19 @@ def tiny_model_from_config(
     kept = {key: value for key, value in source.items() if key in _KEPT_KEYS}
     if not keep_scaling:
         kept.pop("original_max_position_embeddings", None)
+    if keep_scaling:
+        # The kept scaling on the tiny head, checked by posenc, naming the key: transformers failed deep in its
+        # rotary class ("size of tensor a (48) must match ... (8)") or in its config validator.
+        try:
+            with warnings.catch_warnings():  # the source's were given above; the tiny copy's would repeat them
+                warnings.simplefilter("ignore")
+                tiny = rope_kwargs_from_config({**source, **kept, **sizes, "model_type": model_type})
+                RoPE(tiny.pop("head_dim"), **tiny)
+        except ValueError as error:
+            raise ValueError(
+                f"keep_scaling=True keeps the config's rope scaling, which does not fit this tiny model (head_dim="
+                f"{head_dim}): {error}; give the config's head_dim, or leave keep_scaling False"
+            ) from None
     hf_config = AutoConfig.for_model(model_type, **kept, **sizes)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
