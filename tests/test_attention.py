@@ -438,7 +438,7 @@ def test_attend_refuses_by_name_what_torch_would_fail_on_deep_inside_or_take_sil
         ((q, k.to("meta"), v, allowed, None), ValueError, r"q is on cpu but k is on meta"),
         ((q, k, v.to("meta"), allowed, None), ValueError, r"q is on cpu but v is on meta"),
         # Without a bias SDPA refused the mix in its own words; with one, k was cast to q's dtype silently.
-        ((q, k.double(), v, allowed, None), TypeError, r"q, k and v must have one dtype, got q torch\.float32, k torch"),
+        ((q, k.double(), v, allowed, None), TypeError, r"must have one dtype, got q torch\.float32, k torch\.float64"),
         ((q, k.double(), v, allowed, bias), TypeError, r"q, k and v must have one dtype"),
         ((q, k, v.bfloat16(), allowed, bias), TypeError, r"v torch\.bfloat16; cast k and v with k\.to\(q\.dtype\)"),
     ]
@@ -455,7 +455,7 @@ def test_causal_mask_refuses_by_name_what_would_give_queries_no_key_or_fail_in_t
         ((5, 3, "cpu"), ValueError, r"q_len=5 must be <= k_len=3: the queries are the last q_len of the keys"),
         ((-1, 3, "cpu"), ValueError, r"q_len must be an integer >= 0, got -1"),
         ((2.0, 3, "cpu"), ValueError, r"q_len must be an integer >= 0, got 2\.0; pass the int 2"),
-        ((3, 5, "cpu", ids[:4]), ValueError, r"document_ids must be \(k_len,\) or \(b or 1, k_len\) with k_len=5.* got \(4,\)"),
+        ((3, 5, "cpu", ids[:4]), ValueError, r"document_ids must be \(k_len,\) or \(b or 1, k_len\) with k_len=5.* \(4,\)"),
         ((3, 5, "cpu", ids[None, None]), ValueError, r"got \(1, 1, 5\)"),
         ((3, 5, "cpu", ids.float()), TypeError, r"document_ids"),
     ]

@@ -324,7 +324,7 @@ def test_rope_dicts_per_layer_type_whose_layers_are_not_named_are_refused() -> N
     named = {**cfg, "layer_types": ["sliding_attention", "full_attention"]}
     assert rope_from_config(named, layer_type="full_attention").rope_type == "yarn"
     bad = {**named, "rope_parameters": {**per_type, "full_attention": "default"}}
-    with pytest.raises(TypeError, match="rope dict for layer type 'full_attention' must be a dict like .* got 'def"):
+    with pytest.raises(TypeError, match=r"rope dict for layer type 'full_attention' must be a dict like .* got 'def"):
         rope_from_config(bad, layer_type="full_attention")
 
 
