@@ -455,7 +455,7 @@ def test_causal_mask_refuses_by_name_what_would_give_queries_no_key_or_fail_in_t
         ((5, 3, "cpu"), ValueError, r"q_len=5 must be <= k_len=3: the queries are the last q_len of the keys"),
         ((-1, 3, "cpu"), ValueError, r"q_len must be an integer >= 0, got -1"),
         ((2.0, 3, "cpu"), ValueError, r"q_len must be an integer >= 0, got 2\.0; pass the int 2"),
-        ((3, 5, "cpu", ids[:4]), ValueError, r"document_ids must be \(k_len,\) or \(b or 1, k_len\) with k_len=5.* \(4,\)"),
+        ((3, 5, "cpu", ids[:4]), ValueError, r"must be \(k_len,\) or \(b or 1, k_len\) with k_len=5.* got \(4,\)"),
         ((3, 5, "cpu", ids[None, None]), ValueError, r"got \(1, 1, 5\)"),
         ((3, 5, "cpu", ids.float()), TypeError, r"document_ids"),
     ]
