@@ -715,7 +715,8 @@ def patch_model(
     attention's rotation functions, each run on random q and k and required to equal posenc's rotation in one pair
     layout. Configs with a rope dict per layer type (Gemma 3) get one RoPE per type.
     backend: the rotation backend, as for ``posenc.apply_rotary`` ("auto", "torch", "triton", "cpu").
-    rope_parameters: None keeps the model's RoPE (logits equal the unpatched model's within the dtype's tolerance);
+    rope_parameters: None keeps the model's RoPE (logits equal the unpatched model's within the dtype's tolerance
+    and transformers' float32 angles, whose error grows with the position: docs/scaling.md; a float64 model too);
     a dict such as ``{"rope_type": "yarn", "factor": 4.0}`` changes the scaling in place and rewrites
     ``model.config.rope_parameters`` to match, so ``save_pretrained`` + plain ``from_pretrained`` reproduce it.
     ``rope_theta`` and ``partial_rotary_factor`` default to the model's, and ``original_max_position_embeddings`` to
