@@ -67,6 +67,8 @@ def _import_module(text: str) -> str:
     try:
         if is_path:
             path = Path(text).expanduser().resolve()
+            if path.is_dir():
+                raise ImportFailed(f"--import {text}: {path} is a folder; pass the path to a .py file in it")
             if not path.is_file():
                 raise ImportFailed(f"--import {text}: no such file ({path}); pass the path to a .py file")
             _import_file(path)
@@ -76,7 +78,7 @@ def _import_module(text: str) -> str:
         if os.getcwd() not in sys.path:
             sys.path.append(os.getcwd())
         try:
-            importlib.import_module(text)
+            module = importlib.import_module(text)
         except ModuleNotFoundError as error:
             # Only the module itself (or its package) missing; a module it imports that is missing is its error.
             if error.name is None or not (text == error.name or text.startswith(error.name + ".")):
@@ -85,6 +87,12 @@ def _import_module(text: str) -> str:
                 f"--import {text}: no module named {error.name!r} on the module search path; add the folder that "
                 f"holds it to PYTHONPATH, or pass the path to its .py file (--import path/to/{text.split('.')[-1]}.py)"
             ) from None
+        if getattr(module, "__file__", None) is None and hasattr(module, "__path__"):
+            # A folder without __init__.py imports as a namespace package: nothing runs, nothing is registered.
+            raise ImportFailed(
+                f"--import {text}: a folder without __init__.py, whose import runs no code; pass the .py file that "
+                "registers, or a module in that folder (folder.module)"
+            )
         return text
     except ImportFailed:
         raise
@@ -208,7 +216,14 @@ def _figure_config(args: argparse.Namespace, run_dir: str | None = None):  # -> 
         "num_heads": args.num_heads,
         "interleaved": args.interleaved,
     }
-    params = dict(args.rope_param)
+    params: dict[str, object] = {}
+    for key, value in args.rope_param:
+        if key in params and params[key] != value:
+            # Kept the last one without a word, where --factor beside factor= is refused.
+            raise ValueError(
+                f"--rope-param {key} is given twice with different values, {params[key]!r} and {value!r}; keep one"
+            )
+        params[key] = value
     if args.factor is not None:
         if params.get("factor", args.factor) != args.factor:
             raise ValueError(
@@ -374,6 +389,13 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_report)
 
 
+def _folder(text: str) -> str:
+    """A folder argument: '' is refused, where the lab took it as no --out and wrote to its default folder."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a folder, got ''; leave --out out for lab-runs/PRESET")
+    return text
+
+
 def _comma_items(text: str, example: str) -> list[str]:
     """The items of a comma list, each stripped; an empty one (``rope,,alibi``, a trailing comma, '') is refused,
     where it was dropped without a word (and '' read as no extensions)."""
@@ -406,6 +428,15 @@ def _lab(args: argparse.Namespace) -> int:
     from posenc.lab.runner import run_command
 
     overrides = {field: getattr(args, flag) for flag, field in _LAB_OVERRIDES.items()}
+    if args.task_samples is not None and args.task is None:  # no preset has a task
+        # Taken without a word before, and then part of the folder's configuration, so that a rerun without it was
+        # refused as another configuration.
+        print(
+            "posenc lab: error: --task-samples sets how many samples --task scores, and no task runs here; add "
+            "--task, or drop --task-samples",
+            file=sys.stderr,
+        )
+        return 2
     # The command as given (flags in a fixed order), recorded in results.json and report.md.
     given = [f"--preset {args.preset}"] + [
         f"--{flag.replace('_', '-')} {shlex.quote(_flag_text(getattr(args, flag)))}"
@@ -446,7 +477,7 @@ def _add_lab(sub: argparse._SubParsersAction) -> None:
         "and write results.csv, results.json, report.md, report.html and plots to --out. Rerunning resumes.",
     )
     p.add_argument("--preset", choices=tuple(PRESETS), default="default", help="sizes and budget")
-    p.add_argument("--out", help="run folder (default lab-runs/PRESET); rerun the same command to resume")
+    p.add_argument("--out", type=_folder, help="run folder (default lab-runs/PRESET); rerun the same command to resume")
     p.add_argument("--encodings", type=_comma_names, help=f"comma list (default all: {','.join(ENCODINGS)})")
     p.add_argument(
         "--extensions", type=_comma_names, help=f"comma list of {','.join(EXTENSIONS)}, or none (default all)"

@@ -101,6 +101,9 @@ def test_a_scaling_flag_the_rope_type_does_not_read_is_named_as_the_flag(tmp_pat
         f"no parameters of its own); drop it, or use a --rope-type that reads it: {readers_of_factor}",
         ("--rope-param", "type=linear", "--rope-param", "fator=2"): "--rope-param fator: no rope type reads 'fator'; "
         "check its spelling (rope type 'linear' takes factor)",
+        # The last one was kept without a word.
+        ("--rope-type", "yarn", "--rope-param", "beta_fast=16", "--rope-param", "beta_fast=64"): "--rope-param "
+        "beta_fast is given twice with different values, 16 and 64; keep one",
     }
     for flags, message in cases.items():
         assert main([*words, *flags]) == 2
@@ -159,6 +162,23 @@ def test_report_refuses_figure_options_with_no_figures(tmp_path, capsys, make_ru
     (run / "results.json").write_text(json.dumps({"config": config, "rope": {"head_dim": 16}}))
     assert main(["report", str(run)]) == 2 and "results.json" in capsys.readouterr().err
     assert main(["report", str(run), "--no-figures"]) == 0
+
+
+def test_report_refuses_a_results_csv_changed_by_hand_naming_the_line(tmp_path, capsys, make_run):
+    run = make_run(tmp_path / "run", entropy=False, lab_png=False)
+    lines = (run / "results.csv").read_text().splitlines()
+    # A row twice was counted as two seeds ("6.7424 ± 0.0000").
+    (run / "results.csv").write_text("\n".join([*lines, lines[1]]) + "\n")
+    assert main(["report", str(run), "--no-figures"]) == 2
+    err = capsys.readouterr().err
+    assert f"lines 2 and {len(lines) + 1}, measure the same model at the same length and seed" in err
+    # A length that is no number: float's "could not convert string to float: 'xx'" named no file or line.
+    header = lines[0].split(",")
+    cells = lines[1].split(",")
+    cells[header.index("eval_len")] = "xx"
+    (run / "results.csv").write_text("\n".join([lines[0], ",".join(cells), *lines[2:]]) + "\n")
+    assert main(["report", str(run), "--no-figures"]) == 2
+    assert "results.csv, line 2: eval_len is 'xx', not a whole number" in capsys.readouterr().err
 
 
 def test_report(tmp_path, capsys, make_run):

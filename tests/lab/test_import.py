@@ -101,7 +101,7 @@ def test_a_dotted_name_is_imported_from_the_module_path(clean, tmp_path, monkeyp
 
 
 @pytest.mark.parametrize("command", [["info"], ["plot", "--out", "figs"], ["report", "run"], ["lab"]])
-def test_a_module_that_is_not_found_or_raises_is_one_line_naming_it(command, clean, tmp_path, capsys):
+def test_a_module_that_is_not_found_or_raises_is_one_line_naming_it(command, clean, tmp_path, capsys, monkeypatch):
     assert main([*command, "--import", "no_such_module_here"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == (
@@ -119,3 +119,10 @@ def test_a_module_that_is_not_found_or_raises_is_one_line_naming_it(command, cle
     )
     assert main([*command, "--import", str(tmp_path / "missing.py")]) == 2
     assert "no such file" in capsys.readouterr().err
+    # A folder: "no such file" by path before, and by name an import that ran nothing (a namespace package).
+    (tmp_path / "plainfolder").mkdir()
+    assert main([*command, "--import", str(tmp_path / "plainfolder")]) == 2
+    assert f"{tmp_path / 'plainfolder'} is a folder; pass the path to a .py file in it" in capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)
+    assert main([*command, "--import", "plainfolder"]) == 2
+    assert "--import plainfolder: a folder without __init__.py, whose import runs no code" in capsys.readouterr().err

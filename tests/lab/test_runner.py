@@ -911,6 +911,10 @@ def _small_file(tmp):
         (["--eval-lengths", "4,8"], "eval length 4 is shorter than train_len=16"),
         (["--extensions", "pi", "--encodings", "alibi"], "add rope to encodings"),
         (["--threads", "0"], "--threads must be a positive integer"),
+        # torch could not start them, and the process died with SIGSEGV.
+        (["--threads", "100000"], "--threads must be a positive integer up to 4096 (this machine has"),
+        # Taken and ignored, then part of the folder's configuration: a rerun without it was refused.
+        (["--task-samples", "5"], "--task-samples sets how many samples --task scores, and no task runs here"),
         (["--train-len", "1"], "train_len (--train-len) must be >= 2"),
         (["--device", "meta"], "--device meta holds no values"),
     ],
@@ -921,6 +925,44 @@ def test_cli_bad_input_exits_2_with_the_reason(corpus_dir, tmp_path, capsys, fla
     err = capsys.readouterr().err
     assert err.startswith("posenc lab: error:") and message in err
     assert not (tmp_path / "runs").exists()
+
+
+def test_an_empty_out_is_refused_not_read_as_the_default_folder(capsys):
+    with pytest.raises(SystemExit):
+        main(["lab", "--preset", "quick", "--out", ""])
+    assert "argument --out: expected a folder, got ''; leave --out out for lab-runs/PRESET" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("stage", ["prepare", "run"])
+@pytest.mark.parametrize(
+    "error",
+    [
+        MemoryError(),
+        RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you "
+            "tried to allocate 4000000000000 bytes. Error code 12 (Cannot allocate memory)"
+        ),
+    ],
+)
+def test_running_out_of_memory_is_one_line_naming_the_sizes(corpus_dir, tmp_path, capsys, monkeypatch, stage, error):
+    """--dim 1000000 ended in a traceback from nn.Linear, --seeds 10**11 in one from building the seeds."""
+    from posenc.lab.runner import Lab
+
+    def fails(self):
+        raise error
+
+    monkeypatch.setattr(Lab, stage, fails)
+    words = ["lab", "--preset", "quick", "--corpus", str(corpus_dir), "--no-progress", "--out"]
+    assert main([*words, str(tmp_path / "a")]) == (2 if stage == "prepare" else 1)
+    err = capsys.readouterr().err
+    assert err.startswith("posenc lab: error: out of memory (") and "Traceback" not in err
+    assert "smaller (--dim, --layers, --batch-size, --train-len, --eval-lengths) or run fewer seeds (--seeds)" in err
+    if isinstance(error, RuntimeError):
+        assert "(can't allocate memory: you tried to allocate 4000000000000 bytes" in err
+    # Any other RuntimeError is a bug: its traceback stays.
+    monkeypatch.setattr(Lab, stage, lambda self: (_ for _ in ()).throw(RuntimeError("a bug")))
+    with pytest.raises(RuntimeError, match="a bug"):
+        main([*words, str(tmp_path / "b")])
 
 
 def test_a_rope_type_without_example_parameters_is_refused_before_anything_trains(

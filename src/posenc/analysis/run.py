@@ -29,6 +29,8 @@ from posenc.rope.frequencies import turns_fraction_of_pairs
 from posenc.rope.parameters import rotary_fraction
 
 REQUIRED_COLUMNS = ("encoding", "extension", "train_len", "eval_len", "seed", "bits_per_byte")
+# What tells one row of results.csv from another (architecture, finetune_steps and task where the file has them).
+_ROW_KEY = ("encoding", "architecture", "extension", "finetune_steps", "train_len", "eval_len", "seed", "task")
 ENTROPY_COLUMNS = ("encoding", "extension", "length", "layer", "head", "entropy")
 # Extension values that mean "the model as trained".
 _NO_EXTENSION = frozenset({"", "none", "-", "default"})
@@ -79,6 +81,7 @@ def read_results(run_dir: str | Path) -> list[dict[str, str]]:
                 f"{', '.join(REQUIRED_COLUMNS)}"
             )
         rows = []
+        seen: dict[tuple[str | None, ...], int] = {}
         for row in reader:
             # A row of fewer cells than the header (a copy cut short mid-row: "3.7945" of 3.79453...) or of more
             # would be read as values it does not hold; the lab writes every row whole.
@@ -88,6 +91,21 @@ def read_results(run_dir: str | Path) -> list[dict[str, str]]:
                     f"{len(reader.fieldnames or [])}: it was cut short or changed since `posenc lab` wrote it; rerun "
                     "that command (it skips the finished units and writes results.csv again)"
                 )
+            for column in ("train_len", "eval_len", "seed"):
+                # float's own "could not convert string to float: 'xx'" named no file, line or column.
+                if finite_number(row[column]) is None or not finite_number(row[column]).is_integer():
+                    raise ValueError(
+                        f"{path}, line {reader.line_num}: {column} is {row[column]!r}, not a whole number; it was "
+                        "changed since `posenc lab` wrote it"
+                    )
+            # One row per measurement: a second one was counted as another seed of the same model.
+            key = tuple(row.get(column) for column in _ROW_KEY)
+            if key in seen:
+                raise ValueError(
+                    f"{path}, lines {seen[key]} and {reader.line_num}, measure the same model at the same length and "
+                    "seed: the lab writes one row each; it was changed since `posenc lab` wrote it"
+                )
+            seen[key] = reader.line_num
             rows.append(row)
     if not rows:
         raise ValueError(f"{path} has a header but no rows; the run finished no measurement yet")

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 from tqdm.auto import tqdm
 
-from posenc._checks import positive_int
+from posenc._checks import integer
 from posenc.lab import store
 from posenc.lab.checkpoint import checkpoint_saver, load_checkpoint, settings_trained_with
 from posenc.lab.config import FINETUNABLE, LabConfig, extension_rope_parameters, make_config
@@ -928,7 +928,9 @@ def _run_lab(
     try:
         config = make_config(preset, **overrides)
         if threads is not None:
-            torch.set_num_threads(positive_int("--threads", threads))
+            # 100,000 threads crashed the process (SIGSEGV) when torch could not start them.
+            high = f"a positive integer up to {_MAX_THREADS} (this machine has {os.cpu_count()} cores)"
+            torch.set_num_threads(integer("--threads", threads, low=1, high=_MAX_THREADS + 1, expected=high))
         lab = Lab(
             config,
             out,
@@ -944,8 +946,23 @@ def _run_lab(
         if speaks:
             print(f"posenc lab: error: {error}{_missing_imports(Path(out), imports)}", file=sys.stderr)
         return 2
+    except (MemoryError, RuntimeError) as error:
+        if not _out_of_memory(error):
+            raise
+        if speaks:
+            print(f"posenc lab: error: {_memory_advice(error)}", file=sys.stderr)
+        return 2
     try:
         lab.run()
+    except (MemoryError, RuntimeError) as error:
+        if not _out_of_memory(error):
+            raise
+        if speaks:
+            print(
+                f"posenc lab: error: {_memory_advice(error)}; the units finished before it are saved in {out}",
+                file=sys.stderr,
+            )
+        return 1
     except store.RunFolderError as error:
         if speaks:
             print(f"posenc lab: error: {error}", file=sys.stderr)
@@ -974,6 +991,25 @@ def _run_lab(
     return 0
 
 
+def _out_of_memory(error: BaseException) -> bool:
+    """Whether an error is an allocation that failed: Python's MemoryError, torch's CPU allocator ("can't allocate
+    memory") or a GPU's OutOfMemoryError. Anything else is a bug, whose traceback is kept."""
+    if isinstance(error, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    return "can't allocate memory" in str(error)
+
+
+def _memory_advice(error: BaseException) -> str:
+    """One line for an allocation that failed, naming what sizes it (a traceback from nn.Linear before)."""
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    first = first.split("DefaultCPUAllocator: ")[-1]  # torch's "[enforce fail at alloc_cpu.cpp:127] err == 0." first
+    return (
+        f"out of memory ({first}); the run as configured does not fit this machine: make the model or the batches "
+        "smaller (--dim, --layers, --batch-size, --train-len, --eval-lengths) or run fewer seeds (--seeds)"
+    )
+
+
+_MAX_THREADS = 4096
 # What a file system that stops taking writes raises: full, over quota, read-only, refused, too big, failing.
 _WRITE_REFUSALS = frozenset(
     getattr(errno, name)
