@@ -32,13 +32,17 @@ def atomic_path(path: Path, *, own_folder: bool = False) -> Iterator[Path]:
     # one's.
     name = path.parent / f".{path.name}.{_HOST}-{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp"
     _WRITING.add(name.resolve())
+    made = False  # a name that is another writer's (exclusive creation failed) is left to it
     try:
         if own_folder:
             name.mkdir()
+            made = True
         tmp = name / path.name if own_folder else name
         # Made here as open() makes a file (0666 less the umask), so that its mode can be given back to it after a
         # writer that creates its files 0600 (safetensors does, as mkstemp would): the rename keeps the mode.
+        # Exclusive: two writers handed one name must not write one file.
         os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+        made = True
         mode = os.stat(tmp).st_mode & 0o777
         yield Path(tmp)
         os.chmod(tmp, mode)
@@ -47,7 +51,8 @@ def atomic_path(path: Path, *, own_folder: bool = False) -> Iterator[Path]:
         _flush(path.parent, folder=True)
     except BaseException:
         # BaseException: a Ctrl-C in the middle of a write must not leave the temporary file behind either.
-        _remove(name)
+        if made:
+            _remove(name)
         raise
     else:
         _remove(name)

@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 from torch import nn
@@ -90,6 +90,10 @@ def _block_mask_cases(draw):
 
 @settings(max_examples=80, deadline=None)
 @given(_block_mask_cases())
+# Packed documents whose last block is cut (10 = 2 * 4 + 2) and holds the last document only: padded with another
+# column than the last, its id range would reach back to document 0, and block 0 would be computed, not skipped.
+@example((10, 10, 4, torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1, 2, 2]])))
+@example((6, 10, 4, torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1, 2, 2]])))
 def test_causal_block_mask_skips_only_empty_blocks_and_marks_only_whole_ones_full(case):
     """Built from index and id ranges, never from the mask: every allowed (query, key) pair lies in a block that is
     computed, a full block (mask_mod not applied) holds only allowed pairs, and for non-decreasing ids (packed

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import uuid
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,22 @@ def test_a_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path, err
         tmp.write_text('{"done": ')  # half written
         raise error()
     assert store.read_json(path) == {"done": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.json"]
+
+
+@pytest.mark.parametrize("own_folder", [False, True])
+def test_a_temporary_name_that_exists_is_refused_and_left_to_its_writer(tmp_path, monkeypatch, own_folder):
+    """Two writers handed one temporary name must not share one file: the second is refused, and the first's file
+    is not removed under it."""
+    fixed = uuid.UUID(int=7)
+    monkeypatch.setattr(_atomic.uuid, "uuid4", lambda: fixed)
+    path = tmp_path / "metrics.json"
+    with _atomic.atomic_path(path, own_folder=own_folder) as first:
+        first.write_text("first")
+        with pytest.raises(FileExistsError), _atomic.atomic_path(path, own_folder=own_folder) as second:
+            second.write_text("second")
+        assert first.read_text() == "first"
+    assert path.read_text() == "first"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.json"]
 
 

@@ -50,6 +50,11 @@ LONG = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0]
             ValueError,
             "rope_parameters['low_freq_factor'] must be <= rope_parameters['high_freq_factor']",
         ),
+        (  # inverted by a little: a check that allowed some slack took it as a step at the low wavelength
+            {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.2, "high_freq_factor": 1.0},
+            ValueError,
+            "got low_freq_factor=1.2 and high_freq_factor=1.0",
+        ),
         ({**LONG, "short_factor": [1.0] * 7}, ValueError, "short_factor'] must hold rotary_dim / 2 = 8 factors"),
         ({**LONG, "long_factor": [1.0] * 16}, ValueError, "factors (one per rotated pair), got 16"),
         ({**LONG, "long_factor": [1.0] * 7 + [0.0]}, ValueError, "every entry of long_factor must be > 0"),
