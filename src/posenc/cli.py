@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import platform
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 
 from posenc.lab.config import CLI_FLAGS
@@ -543,26 +544,45 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    # Figure names after an option (`posenc plot --out d wavelengths`): argparse gives a positional list only the
-    # words before the first option, and its intermixed parsing does not take subcommands.
-    if extra and getattr(args, "command", None) == "plot" and not any(word.startswith("-") for word in extra):
-        args.names = [*args.names, *extra]
+    command = getattr(args, "command", None)
+    # Figure names after an option (`posenc plot --out d wavelengths`, or after `--`): argparse gives a positional
+    # list only the words before the first option, and its intermixed parsing does not take subcommands.
+    names = extra[1:] if extra[:1] == ["--"] else extra
+    if extra and command == "plot" and not any(word.startswith("-") for word in names):
+        args.names = [*args.names, *names]
     elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    try:
-        # Before anything reads the registries: the configuration's checks, the figures, the listing.
-        args.imported = import_modules(args.imports)
-    except ImportFailed as error:
-        # Every torchrun rank imports for itself (each runs this command), and says which one failed.
-        import os
+        # The subcommand's usage and name (`posenc info: error:`), not the top level's.
+        subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+        subcommands.get(command, parser).error(f"unrecognized arguments: {' '.join(extra)}")
+    with warnings.catch_warnings():
+        # A warning as one line naming the command, not Python's two with a source file and line of posenc's.
+        warnings.showwarning = _one_line_warning(command)
+        return _run(args)
 
-        world = os.environ.get("WORLD_SIZE", "1") not in ("", "1")
-        where = f" (rank {os.environ.get('RANK', '0')})" if world else ""
-        print(f"posenc {args.command}: error{where}: {error}", file=sys.stderr)
-        return 2
+
+def _one_line_warning(command: str | None) -> Callable[..., None]:
+    def show(message, category, filename, lineno, file=None, line=None) -> None:  # type: ignore[no-untyped-def]
+        text = " ".join(str(message).split("\n"))
+        print(f"posenc {command}: warning: {text}", file=sys.stderr if file is None else file)
+
+    return show
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
+        try:
+            # Before anything reads the registries: the configuration's checks, the figures, the listing.
+            args.imported = import_modules(args.imports)
+        except ImportFailed as error:
+            # Every torchrun rank imports for itself (each runs this command), and says which one failed.
+            import os
+
+            world = os.environ.get("WORLD_SIZE", "1") not in ("", "1")
+            where = f" (rank {os.environ.get('RANK', '0')})" if world else ""
+            print(f"posenc {args.command}: error{where}: {error}", file=sys.stderr)
+            return 2
         return int(args.func(args) or 0)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # a slow --import's too
         # `posenc lab` says this itself, naming where its results are. The figures and the report are written whole
         # or not at all, so nothing they leave is half a file.
         print(f"\nposenc {args.command}: interrupted; the files written before it are complete", file=sys.stderr)

@@ -41,12 +41,39 @@ def test_plot_takes_figure_names_after_options(tmp_path, capsys):
     # argparse stopped the name list at the first option: "unrecognized arguments: long_term_decay".
     assert main(["plot", "wavelengths", "--out", str(tmp_path), "--dpi", "30", "long_term_decay"]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["long_term_decay.png", "wavelengths.png"]
+    # And after `--`, the usual end of options.
+    assert main(["plot", "--out", str(tmp_path / "dash"), "--dpi", "30", "--", "pair_layouts"]) == 0
+    assert sorted(p.name for p in (tmp_path / "dash").iterdir()) == ["pair_layouts.png"]
+    # The subcommand's usage and name, not the top level's.
     with pytest.raises(SystemExit):
         main(["plot", "--out", str(tmp_path), "--no-such-flag"])
-    assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
+    assert "posenc plot: error: unrecognized arguments: --no-such-flag" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["info", "extra"])
-    assert "unrecognized arguments: extra" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("usage: posenc info") and "posenc info: error: unrecognized arguments: extra" in err
+
+
+def test_a_warning_is_one_line_naming_the_command(tmp_path, capsys, monkeypatch):
+    import warnings
+
+    from posenc.analysis import plots
+
+    def warns(inputs):
+        warnings.warn("first line\nsecond line", UserWarning, stacklevel=2)
+        return real(inputs)
+
+    real = plots.FIGURES["wavelengths"]
+    monkeypatch.setitem(plots.FIGURES, "wavelengths", warns)
+    assert main(["plot", "wavelengths", "--out", str(tmp_path), "--dpi", "30"]) == 0
+    assert capsys.readouterr().err == "posenc plot: warning: first line second line\n"
+
+
+def test_ctrl_c_in_an_import_is_one_line_and_status_130(tmp_path, capsys):
+    slow = tmp_path / "slow_import.py"
+    slow.write_text("raise KeyboardInterrupt\n")
+    assert main(["info", "--import", str(slow)]) == 130
+    assert capsys.readouterr().err == "\nposenc info: interrupted; the files written before it are complete\n"
 
 
 def test_plot_with_a_config_file(tmp_path):

@@ -335,3 +335,6 @@ def test_a_model_folder_is_read_as_its_config_json(tmp_path):
     assert (figure.head_dim, figure.num_heads, figure.base) == (64, 4, 5e5)
     with pytest.raises(ValueError, match="does not exist; give a JSON file"):
         FigureConfig.from_json(tmp_path / "nothing")
+    (tmp_path / "empty").mkdir()  # "does not exist" before, for a folder that does
+    with pytest.raises(ValueError, match=r"config folder '.*empty' holds no config\.json; give a JSON file"):
+        FigureConfig.from_json(tmp_path / "empty")

@@ -286,6 +286,11 @@ class FigureConfig:
         try:
             data = read_config_json(path)
         except FileNotFoundError:
+            if Path(path).is_dir():
+                raise ValueError(
+                    f"config folder {str(path)!r} holds no config.json; give a JSON file with the figure config, or "
+                    "a Hugging Face model's config.json or its folder"
+                ) from None
             # A model folder was refused here as a file that "does not exist", where rope_from_config takes it.
             raise ValueError(
                 f"config file {str(path)!r} does not exist; give a JSON file with the figure config, or a Hugging "
