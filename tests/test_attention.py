@@ -438,13 +438,18 @@ def test_attend_refuses_by_name_what_torch_would_fail_on_deep_inside_or_take_sil
         ((q, k.to("meta"), v, allowed, None), ValueError, r"q is on cpu but k is on meta"),
         ((q, k, v.to("meta"), allowed, None), ValueError, r"q is on cpu but v is on meta"),
         # Without a bias SDPA refused the mix in its own words; with one, k was cast to q's dtype silently.
-        ((q, k.double(), v, allowed, None), TypeError, r"must have one dtype, got q torch\.float32, k torch\.float64"),
+        ((q, k.double(), v, allowed, None), TypeError, r"one dtype outside autocast, got q torch\.float32, k torch"),
         ((q, k.double(), v, allowed, bias), TypeError, r"q, k and v must have one dtype"),
         ((q, k, v.bfloat16(), allowed, bias), TypeError, r"v torch\.bfloat16; cast k and v with k\.to\(q\.dtype\)"),
     ]
     for args, error, message in cases:
         with pytest.raises(error, match=message):
             attend(*args)
+    # Under autocast the mix is autocast's to cast, as for SDPA (bf16 queries beside a float32 cache).
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for extra in (None, bias):
+            out, _ = attend(q.bfloat16(), k, v, allowed, extra)
+            assert out.dtype == torch.bfloat16 and out.shape == q.shape
 
 
 def test_causal_mask_refuses_by_name_what_would_give_queries_no_key_or_fail_in_torch() -> None:
@@ -462,6 +467,10 @@ def test_causal_mask_refuses_by_name_what_would_give_queries_no_key_or_fail_in_t
     for args, error, message in cases:
         with pytest.raises(error, match=message):
             causal_mask(*args)
+    # Traced, sizes are 0-d tensors: taken as they were.
+    rows = ids[None]
+    traced = torch.jit.trace(lambda x, d: causal_mask(x.shape[1], d.shape[1], x.device, d), (torch.zeros(1, 3), rows))
+    assert torch.equal(traced(torch.zeros(1, 3), rows), causal_mask(3, 5, "cpu", rows))
 
 
 def test_attend_takes_every_mask_and_bias_that_broadcasts_as_its_whole_shape() -> None:

@@ -57,7 +57,8 @@ def atomic_path(path: Path, *, own_folder: bool = False) -> Iterator[Path]:
     else:
         _remove(name)
     finally:
-        _WRITING.discard(name.resolve())
+        if made:  # else the name is another writer's, still writing
+            _WRITING.discard(name.resolve())
 
 
 def _remove(path: Path) -> None:

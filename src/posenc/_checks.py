@@ -583,12 +583,6 @@ def attention_inputs(q: Any, k: Any, v: Any) -> None:
             raise ValueError(f"{name} must have shape (b, h, {rows}, head_dim), got {tuple(x.shape)}")
     same_device(("q", "k"), q, k)
     same_device(("q", "v"), q, v)
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        # Unchecked, SDPA refused the mix without a bias and the bias path cast k and v to q's silently.
-        raise TypeError(
-            f"q, k and v must have one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}; cast k and v with "
-            f"k.to(q.dtype), v.to(q.dtype)"
-        )
     if k.shape[:2] != q.shape[:2] or v.shape[:2] != q.shape[:2]:
         raise ValueError(
             f"k and v must have q's batch and heads {tuple(q.shape[:2])}, got k {tuple(k.shape)} and v "

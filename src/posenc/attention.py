@@ -483,6 +483,8 @@ def causal_mask(q_len: int, k_len: int, device: torch.device, document_ids: torc
 
     With document_ids (k_len,) or (b or 1, k_len) integer, of the keys, (b or 1, 1, q_len, k_len): also False
     between documents."""
+    if torch.jit.is_tracing():  # sizes are 0-d tensors there, which the checks below would refuse
+        return _causal_mask(q_len, k_len, device, document_ids)
     q_len = integer("q_len", q_len, low=0, symbolic=True)
     k_len = integer("k_len", k_len, low=0, symbolic=True)
     if q_len > k_len:
@@ -831,6 +833,13 @@ def _check_attend(q: Any, k: Any, v: Any, allowed: Any, bias: Any) -> None:
     (operator.invert) is only implemented on integer and Boolean-type tensors" for a float mask, or an integer bias
     added silently."""
     attention_inputs(q, k, v)
+    if (k.dtype != q.dtype or v.dtype != q.dtype) and not autocast_on(q.device):
+        # Outside autocast SDPA refused the mix in its own words without a bias, and the bias path cast k and v to
+        # q's silently; autocast casts them (a float32 cache beside bf16 queries), as SDPA's does.
+        raise TypeError(
+            f"q, k and v must have one dtype outside autocast, got q {q.dtype}, k {k.dtype}, v {v.dtype}; cast k "
+            "and v with k.to(q.dtype), v.to(q.dtype)"
+        )
     b, h, s, _ = q.shape
     target = (b, h, s, k.shape[2])
     if not isinstance(allowed, torch.Tensor) or allowed.dtype != torch.bool:

@@ -68,6 +68,11 @@ def _import_module(text: str) -> str:
     try:
         if is_path:
             path = Path(text).expanduser().resolve()
+            if path.is_dir() and (path / "__init__.py").is_file():
+                raise ImportFailed(
+                    f"--import {text}: {path} is a package; import it by name, --import {path.name}, from its parent "
+                    f"folder ({path.parent}) or with that folder on PYTHONPATH"
+                )
             if path.is_dir():
                 raise ImportFailed(f"--import {text}: {path} is a folder; pass the path to a .py file in it")
             if not path.is_file():
@@ -219,7 +224,7 @@ def _figure_config(args: argparse.Namespace, run_dir: str | None = None):  # -> 
     }
     params: dict[str, object] = {}
     for key, value in args.rope_param:
-        if key in params and params[key] != value:
+        if key in params and (params[key] != value or type(params[key]) is not type(value)):  # 1 == True
             # Kept the last one without a word, where --factor beside factor= is refused.
             raise ValueError(
                 f"--rope-param {key} is given twice with different values, {params[key]!r} and {value!r}; keep one"
@@ -233,7 +238,7 @@ def _figure_config(args: argparse.Namespace, run_dir: str | None = None):  # -> 
             )
         params["factor"] = args.factor
     if args.config is not None:
-        given = [f"--{k.replace('_', '-')}" for k, v in flags.items() if v is not None]
+        given = [f"--{'no-' * (v is False)}{k.replace('_', '-')}" for k, v in flags.items() if v is not None]
         given += ["--factor"] * (args.factor is not None) + ["--rope-param"] * bool(args.rope_param)
         if given:
             raise ValueError(f"--config already says what to draw; drop {', '.join(sorted(set(given)))}")
@@ -430,14 +435,14 @@ def _lab(args: argparse.Namespace) -> int:
 
     overrides = {field: getattr(args, flag) for flag, field in _LAB_OVERRIDES.items()}
     if args.task_samples is not None and args.task is None:  # no preset has a task
-        # Taken without a word before, and then part of the folder's configuration, so that a rerun without it was
-        # refused as another configuration.
+        # Taken without a word before. Not refused: it is part of the folder's configuration, and folders made
+        # with it resume only with it.
         print(
-            "posenc lab: error: --task-samples sets how many samples --task scores, and no task runs here; add "
-            "--task, or drop --task-samples",
+            "posenc lab: note: --task-samples sets how many samples --task scores, and no task runs here, so it "
+            "changes no number; it is still part of this run folder's configuration (a rerun resumes it only with "
+            "the same --task-samples)",
             file=sys.stderr,
         )
-        return 2
     # The command as given (flags in a fixed order), recorded in results.json and report.md.
     given = [f"--preset {args.preset}"] + [
         f"--{flag.replace('_', '-')} {shlex.quote(_flag_text(getattr(args, flag)))}"

@@ -131,6 +131,8 @@ def test_a_scaling_flag_the_rope_type_does_not_read_is_named_as_the_flag(tmp_pat
         # The last one was kept without a word.
         ("--rope-type", "yarn", "--rope-param", "beta_fast=16", "--rope-param", "beta_fast=64"): "--rope-param "
         "beta_fast is given twice with different values, 16 and 64; keep one",
+        ("--rope-type", "yarn", "--rope-param", "beta_slow=1", "--rope-param", "beta_slow=true"): "--rope-param "
+        "beta_slow is given twice with different values, 1 and True; keep one",  # 1 == True
     }
     for flags, message in cases.items():
         assert main([*words, *flags]) == 2
@@ -273,6 +275,17 @@ def test_the_reports_plot_command_reproduces_its_config(tmp_path):
     # Adjacent pairs (a DeepSeek-style config) survive the round trip: figure 1 draws channels 2 and 3 for them.
     adjacent = FigureConfig(head_dim=16, train_len=128, num_heads=2, interleaved=True)
     assert _figure_config(build_parser().parse_args(shlex.split(plot_command(adjacent))[1:])) == adjacent
+    # Split halves for a run whose model had adjacent pairs: --run alone would fill those in again.
+    run = tmp_path / "adjacent run"
+    run.mkdir()
+    sizes = {"dim": 32, "heads": 2, "train_len": 128, "eval_lengths": [128, 512]}
+    rope = {"head_dim": 16, "rotary_dim": 16, "interleaved": True, "rope_parameters": {"rope_type": "default"}}
+    (run / "results.json").write_text(json.dumps({"config": sizes, "rope": rope}))
+    halves = FigureConfig(head_dim=16, train_len=128, num_heads=2)
+    command = plot_command(halves, run)
+    assert "--no-interleaved" in command and "--no-interleaved" not in plot_command(halves, tmp_path / "my run")
+    args = build_parser().parse_args(shlex.split(command)[1:])
+    assert _figure_config(args, args.run).interleaved is False
 
 
 def test_figure_options_name_each_value_once_and_keep_the_runs_sizes(tmp_path, capsys, make_run):

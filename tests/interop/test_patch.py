@@ -2156,6 +2156,9 @@ def test_tiny_model_keeps_partial_rotary_and_optionally_the_scaling() -> None:
         tiny_model_from_config(source, keep_scaling=True)
     fits = tiny_model_from_config(source, keep_scaling=True, hidden_size=384, head_dim=96)
     assert fits.config.rope_parameters["short_factor"] == [1.0] * 48
+    # A config with no scaling to keep builds as it does without keep_scaling (an odd rotary size included).
+    odd = tiny_model_from_config(CONFIGS / "gpt-neox-20b.json", keep_scaling=True, hidden_size=48, num_heads=4)
+    assert odd.config.rope_parameters["rope_type"] == "default"
 
 
 def test_tiny_model_is_reproducible_and_seeded() -> None:

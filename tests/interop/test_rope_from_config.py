@@ -309,6 +309,13 @@ def test_per_layer_rope_dicts_need_a_layer_type() -> None:
         rope_from_config(load("llama-3.1-8b.json"), layer_type="full_attention")
 
 
+def test_a_null_rope_type_is_read_where_the_model_reads_no_rope_dict() -> None:
+    """GPT-J and CodeGen build a fixed table whatever the dict says, and their models run with a null rope_type."""
+    gptj = {"model_type": "gptj", "n_embd": 64, "n_head": 4, "rotary_dim": 8, "n_positions": 64}
+    rope = rope_from_config({**gptj, "rope_parameters": {"rope_type": None, "rope_theta": 1e4}})
+    assert (rope.rope_type, rope.spec.rotary_dim, rope.interleaved) == ("default", 8, True)
+
+
 def test_rope_dicts_per_layer_type_whose_layers_are_not_named_are_refused() -> None:
     """Read as one dict, the layer types' dicts were dropped as unread keys: a default RoPE at theta 10000."""
     per_type = {

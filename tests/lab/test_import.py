@@ -123,6 +123,10 @@ def test_a_module_that_is_not_found_or_raises_is_one_line_naming_it(command, cle
     (tmp_path / "plainfolder").mkdir()
     assert main([*command, "--import", str(tmp_path / "plainfolder")]) == 2
     assert f"{tmp_path / 'plainfolder'} is a folder; pass the path to a .py file in it" in capsys.readouterr().err
+    (tmp_path / "realpackage").mkdir()
+    (tmp_path / "realpackage" / "__init__.py").write_text("")
+    assert main([*command, "--import", str(tmp_path / "realpackage")]) == 2
+    assert "is a package; import it by name, --import realpackage, from its parent folder" in capsys.readouterr().err
     monkeypatch.chdir(tmp_path)
     assert main([*command, "--import", "plainfolder"]) == 2
     assert "--import plainfolder: a folder without __init__.py, whose import runs no code" in capsys.readouterr().err

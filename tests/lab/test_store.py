@@ -39,6 +39,8 @@ def test_a_temporary_name_that_exists_is_refused_and_left_to_its_writer(tmp_path
         with pytest.raises(FileExistsError), _atomic.atomic_path(path, own_folder=own_folder) as second:
             second.write_text("second")
         assert first.read_text() == "first"
+        _atomic.remove_stale_temporaries(tmp_path)  # still the first writer's: kept
+        assert first.read_text() == "first"
     assert path.read_text() == "first"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.json"]
 

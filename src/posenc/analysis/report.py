@@ -201,8 +201,11 @@ def plot_command(config: FigureConfig, run: Path | None = None) -> str:
         words += ["--rope-param", shlex.quote(f"{key}={json.dumps(value, separators=(',', ':'))}")]
     words += ["--train-len", str(config.train_len), "--eval-len", str(config.eval_len)]
     words += ["--num-heads", str(config.num_heads)]
+    own = run_figure_config(run) if run is not None else None
     if config.interleaved:
         words += ["--interleaved"]
+    elif own is not None and own.interleaved:  # --run would otherwise fill in its model's adjacent pairs
+        words += ["--no-interleaved"]
     if run is not None:
         words += ["--run", shlex.quote(str(run))]
     return " ".join(words)

@@ -540,8 +540,9 @@ def rope_kwargs_from_config(config: Any, *, layer_type: str | None = None) -> di
     elif layer_type is not None:
         raise ValueError(f"layer_type={layer_type!r} given but the config has a single rope dict; drop layer_type")
 
-    if "rope_type" in rope and rope["rope_type"] is None:
-        # transformers keeps a null rope_type (beside a legacy 'type' too) and its model fails on it (KeyError: None).
+    if "rope_type" in rope and rope["rope_type"] is None and model_type not in _ABSOLUTE_ROTARY_DIM:
+        # transformers keeps a null rope_type (beside a legacy 'type' too) and its model fails on it (KeyError: None);
+        # GPT-J and CodeGen read no rope dict (below).
         raise ValueError(
             "the config's rope dict has rope_type null, which transformers' model fails on (KeyError: None); set "
             f"rope_type to {rope.get('type') or 'default'!r}"

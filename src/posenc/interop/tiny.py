@@ -115,7 +115,7 @@ def tiny_model_from_config(
     kept = {key: value for key, value in source.items() if key in _KEPT_KEYS}
     if not keep_scaling:
         kept.pop("original_max_position_embeddings", None)
-    if keep_scaling:
+    if keep_scaling and params.get("rope_type", "default") != "default":
         # The kept scaling on the tiny head, checked by posenc, naming the key: transformers failed deep in its
         # rotary class ("size of tensor a (48) must match ... (8)") or in its config validator.
         try:

@@ -921,9 +921,7 @@ def _run_lab(
     except (ValueError, TypeError) as error:
         # Said by every rank that meets it: before the group exists a rank's own device (its GPU) may be the one
         # that fails, and rank 0, waiting for the group, would say nothing before torchrun ends it.
-        rank = os.environ.get("RANK", "0")
-        where = "" if os.environ.get("WORLD_SIZE", "1") in ("", "1") else f" (rank {rank})"
-        print(f"posenc lab: error{where}: {error}", file=sys.stderr)
+        print(f"posenc lab: error{_rank_label()}: {error}", file=sys.stderr)
         return 2
     try:
         config = make_config(preset, **overrides)
@@ -949,19 +947,19 @@ def _run_lab(
     except (MemoryError, RuntimeError) as error:
         if not _out_of_memory(error):
             raise
-        if speaks:
-            print(f"posenc lab: error: {_memory_advice(error)}", file=sys.stderr)
+        print(f"posenc lab: error{_rank_label()}: {_memory_advice(error)}", file=sys.stderr)  # maybe one rank's own
         return 2
     try:
         lab.run()
     except (MemoryError, RuntimeError) as error:
         if not _out_of_memory(error):
             raise
-        if speaks:
-            print(
-                f"posenc lab: error: {_memory_advice(error)}; the units finished before it are saved in {out}",
-                file=sys.stderr,
-            )
+        # Said by the rank that met it: it may be the only one (a rank's own GPU), and rank 0 would say nothing.
+        print(
+            f"posenc lab: error{_rank_label()}: {_memory_advice(error)}; the units finished before it are saved in "
+            f"{out}",
+            file=sys.stderr,
+        )
         return 1
     except store.RunFolderError as error:
         if speaks:
@@ -991,12 +989,18 @@ def _run_lab(
     return 0
 
 
+def _rank_label() -> str:
+    """' (rank N)' under torchrun, for a message every rank may print; '' alone."""
+    return "" if os.environ.get("WORLD_SIZE", "1") in ("", "1") else f" (rank {os.environ.get('RANK', '0')})"
+
+
 def _out_of_memory(error: BaseException) -> bool:
     """Whether an error is an allocation that failed: Python's MemoryError, torch's CPU allocator ("can't allocate
     memory") or a GPU's OutOfMemoryError. Anything else is a bug, whose traceback is kept."""
     if isinstance(error, (MemoryError, torch.OutOfMemoryError)):
         return True
-    return "can't allocate memory" in str(error)
+    # Linux's and macOS's allocator, and Windows' ("DefaultCPUAllocator: not enough memory").
+    return any(words in str(error) for words in ("can't allocate memory", "DefaultCPUAllocator: not enough memory"))
 
 
 def _memory_advice(error: BaseException) -> str:
