@@ -612,6 +612,29 @@ def test_a_consistent_cache_cropped_back_below_the_switch_rotates_for_the_kept_l
     torch.testing.assert_close(step, full[:, 3:], atol=1e-12, rtol=1e-12)
 
 
+def test_a_cache_keeps_its_own_document_ids_checks_them_and_is_hashed_by_identity():
+    torch.manual_seed(0)
+    layer = CausalSelfAttention(32, 4, encoding=posenc.RoPE(8))
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    cache = KVCache()
+    layer(torch.randn(2, 5, 32), cache=cache, document_ids=mask)
+    mask.fill_(1)  # the caller's buffer, refilled: the cache had kept it, and row 0 then attended its pads
+    assert cache.document_ids.tolist() == [[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]
+    # update() itself refuses an id that comes back, as a forward call does.
+    direct, k = KVCache(), torch.randn(1, 2, 3, 8)
+    direct.update(k, k, torch.tensor([[0, 1, 2]]), document_ids=torch.tensor([[0, 0, 1]]))
+    with pytest.raises(ValueError, match="each document one run of tokens"):
+        direct.update(k, k, torch.tensor([[3, 4, 5]]), document_ids=torch.tensor([[0, 0, 0]]))
+    assert direct.length == 3 and direct.document_ids.tolist() == [[0, 0, 1]]
+    with pytest.raises(ValueError, match="document_ids must be on the keys' device cpu, got meta"):
+        meta_ids = torch.zeros(1, 3, dtype=torch.long, device="meta")
+        KVCache().update(k, k, torch.tensor([[0, 1, 2]]), document_ids=meta_ids)
+    # Identity, not dataclass field equality: hashable, and == never compares tensors.
+    assert len({cache, direct}) == 2 and cache != direct and cache == cache
+    with pytest.raises(ValueError, match="drops tokens from an empty KVCache, which holds none to drop"):
+        KVCache().crop(-1)
+
+
 def test_a_deep_copy_of_a_cropped_cache_holds_only_the_kept_tokens():
     """crop keeps views of the cached tensors (as DynamicCache.crop does), and a deep copy (a beam, a branch from a
     shared prefix) copied the views' whole storage: a cache of 4096 tokens cropped to 16 gave every copy the keys

@@ -52,7 +52,7 @@ from posenc.positions import (
 )
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # compared and hashed by identity: a set of caches, a WeakKeyDictionary
 class KVCache:
     """Keys (b, g, t, d) as they enter attention (rotated, for RoPE), values, and key positions (b or 1, t).
 
@@ -239,6 +239,8 @@ class KVCache:
         )
         held = self.length
         keep = held + length if length < 0 else min(length, held)
+        if keep < 0 and held == 0:
+            raise ValueError(f"length={length} drops tokens from an empty KVCache, which holds none to drop")
         if keep < 0:
             raise ValueError(
                 f"length={length} drops more tokens than this KVCache holds ({held}); pass 0..{held} to keep that "
@@ -262,7 +264,7 @@ class KVCache:
         new tokens; returns everything cached so far (the ids of every key are then ``self.document_ids``). New
         tokens that cannot continue the cache (batch, dtype, device, heads, head dim) raise and change nothing."""
         self._check_new(k, v, self.k, positions, document_ids)
-        ids = self.key_document_ids(document_ids, k.shape[2])
+        ids = self._checked_key_document_ids(document_ids, k.shape[2])
         self.k, self.v, self.positions = self._appended(self.k, k, v, positions)
         self.document_ids = ids
         return self.k, self.v, self.positions
@@ -286,7 +288,7 @@ class KVCache:
         if self.unrotated_k is None and self.k is not None:
             raise ValueError("this KVCache holds keys rotated by another encoding; start a new KVCache()")
         self._check_new(k, v, self.unrotated_k, positions, document_ids)
-        ids = self.key_document_ids(document_ids, k.shape[2])
+        ids = self._checked_key_document_ids(document_ids, k.shape[2])
         unrotated, all_v, k_pos = self._appended(self.unrotated_k, k, v, positions)
         # Read as a forward call without a cache reads it: in a graph break under torch.compile, 1 on the meta
         # device (shapes only), posenc's error where no value may be read (a CUDA graph capture).
@@ -303,6 +305,14 @@ class KVCache:
         self.document_ids = ids
         return self.k, all_v, k_pos, seq_len
 
+    def _checked_key_document_ids(self, document_ids: torch.Tensor | None, seq_len: int) -> torch.Tensor | None:
+        """``key_document_ids``, checked to give each document one run of tokens across the cache (an id that came
+        back would rejoin a document left behind), before the cache changes."""
+        ids = self.key_document_ids(document_ids, seq_len)
+        if document_ids is not None and ids is not None:
+            resolve_document_ids(ids, batch=ids.shape[0], seq_len=ids.shape[1], device=ids.device)
+        return ids
+
     def key_document_ids(self, document_ids: torch.Tensor | None, seq_len: int) -> torch.Tensor | None:
         """The document ids of the cached keys and ``seq_len`` new ones, (b or 1, t), computed without changing the
         cache: the new ones as given, document_ids (b or 1, s), or else each row's last cached id; None where
@@ -312,9 +322,10 @@ class KVCache:
                 return None
             return torch.cat((self.document_ids, self.document_ids[:, -1:].expand(-1, seq_len)), dim=1)
         self._check_ids_kept(document_ids)
-        document_ids = document_ids.long()
         if self.document_ids is None:
-            return document_ids
+            # A copy: the caller's own tensor, kept, changed with its buffer (a mask refilled in place).
+            return document_ids.to(torch.long, copy=True)
+        document_ids = document_ids.long()
         batch = max(self.document_ids.shape[0], document_ids.shape[0])
         held = self.document_ids.expand(batch, -1)
         return torch.cat((held, document_ids.to(held.device).expand(batch, -1)), dim=1)
@@ -370,6 +381,9 @@ class KVCache:
             raise ValueError(
                 f"k, v and positions must be on one device, got {k.device}, {v.device} and {positions.device}"
             )
+        if document_ids is not None and document_ids.device != k.device:
+            # Stored as given, they failed at the next step (meta: "Cannot copy out of meta tensor").
+            raise ValueError(f"document_ids must be on the keys' device {k.device}, got {document_ids.device}")
         # A negative position was cached and served as the keys' position (next_positions continued from it, score
         # biases read it); the attention refused it only when a forward call resolved its own positions.
         readable = (read_any_device or positions.device.type == "cpu") and values_readable(positions.device)
@@ -693,11 +707,6 @@ class CausalSelfAttention(nn.Module):
         docs = step_docs = None
         if document_ids is not None:
             docs = step_docs = resolve_document_ids(document_ids, batch=b, seq_len=s, device=x.device)
-        if cache is not None and step_docs is not None and cache.length:
-            # One run per id across the cache too (an id that came back would rejoin a document left behind),
-            # checked before the cache changes.
-            held_and_new = cache.key_document_ids(step_docs, s)
-            resolve_document_ids(held_and_new, batch=b, seq_len=held_and_new.shape[1], device=x.device)
         if cache is not None and positions is None:
             pos = cache.next_positions(s, device=x.device, document_ids=step_docs)
         else:
