@@ -438,7 +438,7 @@ def test_attend_refuses_by_name_what_torch_would_fail_on_deep_inside_or_take_sil
         ((q, k.to("meta"), v, allowed, None), ValueError, r"q is on cpu but k is on meta"),
         ((q, k, v.to("meta"), allowed, None), ValueError, r"q is on cpu but v is on meta"),
         # Without a bias SDPA refused the mix in its own words; with one, k was cast to q's dtype silently.
-        ((q, k.double(), v, allowed, None), TypeError, r"one dtype outside autocast, got q torch\.float32, k torch"),
+        ((q, k.double(), v, allowed, None), TypeError, r"one dtype \(outside autocast.*got q torch\.float32, k torch"),
         ((q, k.double(), v, allowed, bias), TypeError, r"q, k and v must have one dtype"),
         ((q, k, v.bfloat16(), allowed, bias), TypeError, r"v torch\.bfloat16; cast k and v with k\.to\(q\.dtype\)"),
     ]
@@ -450,6 +450,8 @@ def test_attend_refuses_by_name_what_torch_would_fail_on_deep_inside_or_take_sil
         for extra in (None, bias):
             out, _ = attend(q.bfloat16(), k, v, allowed, extra)
             assert out.dtype == torch.bfloat16 and out.shape == q.shape
+            with pytest.raises(TypeError, match="float64 beside others under it too"):  # autocast never casts it
+                attend(q, k.double(), v, allowed, extra)
 
 
 def test_causal_mask_refuses_by_name_what_would_give_queries_no_key_or_fail_in_torch() -> None:

@@ -583,6 +583,15 @@ def attention_inputs(q: Any, k: Any, v: Any) -> None:
             raise ValueError(f"{name} must have shape (b, h, {rows}, head_dim), got {tuple(x.shape)}")
     same_device(("q", "k"), q, k)
     same_device(("q", "v"), q, v)
+    dtypes = {q.dtype, k.dtype, v.dtype}
+    if len(dtypes) > 1 and (torch.float64 in dtypes or not autocast_on(q.device)):
+        # Unchecked, SDPA refused the mix in its own words without a bias, and the bias and flex paths cast k and
+        # v to q's silently. Under autocast, a float32 cache beside bf16 queries is autocast's to cast (as SDPA's),
+        # float64 never.
+        raise TypeError(
+            f"q, k and v must have one dtype (outside autocast; float64 beside others under it too), got q "
+            f"{q.dtype}, k {k.dtype}, v {v.dtype}; cast k and v with k.to(q.dtype), v.to(q.dtype)"
+        )
     if k.shape[:2] != q.shape[:2] or v.shape[:2] != q.shape[:2]:
         raise ValueError(
             f"k and v must have q's batch and heads {tuple(q.shape[:2])}, got k {tuple(k.shape)} and v "

@@ -842,13 +842,6 @@ def _check_attend(q: Any, k: Any, v: Any, allowed: Any, bias: Any) -> None:
     (operator.invert) is only implemented on integer and Boolean-type tensors" for a float mask, or an integer bias
     added silently."""
     attention_inputs(q, k, v)
-    if (k.dtype != q.dtype or v.dtype != q.dtype) and not autocast_on(q.device):
-        # Outside autocast SDPA refused the mix in its own words without a bias, and the bias path cast k and v to
-        # q's silently; autocast casts them (a float32 cache beside bf16 queries), as SDPA's does.
-        raise TypeError(
-            f"q, k and v must have one dtype outside autocast, got q {q.dtype}, k {k.dtype}, v {v.dtype}; cast k "
-            "and v with k.to(q.dtype), v.to(q.dtype)"
-        )
     b, h, s, _ = q.shape
     target = (b, h, s, k.shape[2])
     if not isinstance(allowed, torch.Tensor) or allowed.dtype != torch.bool:

@@ -224,8 +224,9 @@ def _figure_config(args: argparse.Namespace, run_dir: str | None = None):  # -> 
     }
     params: dict[str, object] = {}
     for key, value in args.rope_param:
-        if key in params and (params[key] != value or type(params[key]) is not type(value)):  # 1 == True
-            # Kept the last one without a word, where --factor beside factor= is refused.
+        if key in params and (params[key] != value or isinstance(params[key], bool) != isinstance(value, bool)):
+            # Kept the last one without a word, where --factor beside factor= is refused. 2 and 2.0 agree; 1 and
+            # true (1 == True) do not.
             raise ValueError(
                 f"--rope-param {key} is given twice with different values, {params[key]!r} and {value!r}; keep one"
             )
@@ -429,12 +430,13 @@ _LAB_OVERRIDES = {flag[2:].replace("-", "_"): field for field, flag in CLI_FLAGS
 
 
 def _lab(args: argparse.Namespace) -> int:
+    import os
     import shlex
 
     from posenc.lab.runner import run_command
 
     overrides = {field: getattr(args, flag) for flag, field in _LAB_OVERRIDES.items()}
-    if args.task_samples is not None and args.task is None:  # no preset has a task
+    if args.task_samples is not None and args.task is None and os.environ.get("RANK", "0") == "0":  # no preset has one
         # Taken without a word before. Not refused: it is part of the folder's configuration, and folders made
         # with it resume only with it.
         print(
@@ -559,18 +561,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The subcommand's usage and name (`posenc info: error:`), not the top level's.
         subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
         subcommands.get(command, parser).error(f"unrecognized arguments: {' '.join(extra)}")
-    with warnings.catch_warnings():
-        # A warning as one line naming the command, not Python's two with a source file and line of posenc's.
-        warnings.showwarning = _one_line_warning(command)
+    # A warning printed as one line naming the command, not Python's two with a source file and line of posenc's.
+    # The format, not showwarning: recorders (pytest.warns, logging.captureWarnings) replace showwarning and still
+    # get every warning.
+    previous, warnings.formatwarning = warnings.formatwarning, _one_line_warning(command)
+    try:
         return _run(args)
+    finally:
+        warnings.formatwarning = previous
 
 
-def _one_line_warning(command: str | None) -> Callable[..., None]:
-    def show(message, category, filename, lineno, file=None, line=None) -> None:  # type: ignore[no-untyped-def]
-        text = " ".join(str(message).split("\n"))
-        print(f"posenc {command}: warning: {text}", file=sys.stderr if file is None else file)
+def _one_line_warning(command: str | None) -> Callable[..., str]:
+    def format(message, category, filename, lineno, line=None) -> str:  # type: ignore[no-untyped-def]
+        return f"posenc {command}: warning: {' '.join(str(message).splitlines())}\n"
 
-    return show
+    return format
 
 
 def _run(args: argparse.Namespace) -> int:

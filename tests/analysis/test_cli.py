@@ -42,8 +42,8 @@ def test_plot_takes_figure_names_after_options(tmp_path, capsys):
     assert main(["plot", "wavelengths", "--out", str(tmp_path), "--dpi", "30", "long_term_decay"]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["long_term_decay.png", "wavelengths.png"]
     # And after `--`, the usual end of options.
-    assert main(["plot", "--out", str(tmp_path / "dash"), "--dpi", "30", "--", "pair_layouts"]) == 0
-    assert sorted(p.name for p in (tmp_path / "dash").iterdir()) == ["pair_layouts.png"]
+    assert main(["plot", "wavelengths", "--out", str(tmp_path / "dash"), "--dpi", "30", "--", "pair_layouts"]) == 0
+    assert sorted(p.name for p in (tmp_path / "dash").iterdir()) == ["pair_layouts.png", "wavelengths.png"]
     # The subcommand's usage and name, not the top level's.
     with pytest.raises(SystemExit):
         main(["plot", "--out", str(tmp_path), "--no-such-flag"])
@@ -54,19 +54,35 @@ def test_plot_takes_figure_names_after_options(tmp_path, capsys):
     assert err.startswith("usage: posenc info") and "posenc info: error: unrecognized arguments: extra" in err
 
 
-def test_a_warning_is_one_line_naming_the_command(tmp_path, capsys, monkeypatch):
-    import warnings
+def test_a_warning_is_one_line_naming_the_command(tmp_path):
+    """Printed as one line (not Python's two, with a file and line of posenc's), in a process of its own: pytest
+    records warnings instead of printing them. Recorders still get every warning, and the format is given back."""
+    import subprocess
+    import sys
 
-    from posenc.analysis import plots
+    script = f"""
+import warnings
+import pytest
+from posenc.analysis import plots
+from posenc.cli import main
 
-    def warns(inputs):
-        warnings.warn("first line\nsecond line", UserWarning, stacklevel=2)
-        return real(inputs)
+real = plots.FIGURES["wavelengths"]
 
-    real = plots.FIGURES["wavelengths"]
-    monkeypatch.setitem(plots.FIGURES, "wavelengths", warns)
-    assert main(["plot", "wavelengths", "--out", str(tmp_path), "--dpi", "30"]) == 0
-    assert capsys.readouterr().err == "posenc plot: warning: first line second line\n"
+def warns(inputs):
+    warnings.warn("first line\\nsecond line", UserWarning, stacklevel=2)
+    return real(inputs)
+
+plots.FIGURES["wavelengths"] = warns
+before = warnings.formatwarning
+words = ["plot", "wavelengths", "--out", {str(tmp_path)!r}, "--dpi", "30"]
+assert main(words) == 0
+with pytest.warns(UserWarning, match="first line"):
+    assert main(words) == 0
+assert warnings.formatwarning is before
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == "posenc plot: warning: first line second line\n"
 
 
 def test_ctrl_c_in_an_import_is_one_line_and_status_130(tmp_path, capsys):
@@ -132,7 +148,7 @@ def test_a_scaling_flag_the_rope_type_does_not_read_is_named_as_the_flag(tmp_pat
         ("--rope-type", "yarn", "--rope-param", "beta_fast=16", "--rope-param", "beta_fast=64"): "--rope-param "
         "beta_fast is given twice with different values, 16 and 64; keep one",
         ("--rope-type", "yarn", "--rope-param", "beta_slow=1", "--rope-param", "beta_slow=true"): "--rope-param "
-        "beta_slow is given twice with different values, 1 and True; keep one",  # 1 == True
+        "beta_slow is given twice with different values, 1 and True; keep one",  # 1 == True, yet not the same
     }
     for flags, message in cases.items():
         assert main([*words, *flags]) == 2
@@ -144,6 +160,7 @@ def test_a_scaling_flag_the_rope_type_does_not_read_is_named_as_the_flag(tmp_pat
     assert "rope_type is given twice with different values" in capsys.readouterr().err
     if command == "plot":
         assert main([*words, "--rope-param", "rope_type=linear", "--factor", "2"]) == 0
+        assert main([*words, "--rope-type", "linear", "--rope-param", "factor=2", "--rope-param", "factor=2.0"]) == 0
 
 
 def test_a_type_registered_without_its_keys_leaves_the_flag_check_working(tmp_path, capsys, monkeypatch):

@@ -274,6 +274,14 @@ def test_attend_flex_names_more_queries_than_keys():
         flex_bias.attend_flex(q, k, k, ALiBi(4), torch.arange(7)[None], torch.arange(5)[None])
 
 
+def test_attend_flex_names_q_k_v_of_different_dtypes():
+    """A float64 k was cast to q's float32 without a word."""
+    q, k, pos = torch.randn(1, 4, 5, 8), torch.randn(1, 4, 5, 8), torch.arange(5)[None]
+    for other in (k.double(), k.bfloat16()):
+        with pytest.raises(TypeError, match=r"q, k and v must have one dtype .* got q torch\.float32, k torch"):
+            flex_bias.attend_flex(q, other, other, ALiBi(4), pos, pos)
+
+
 def test_attend_flex_is_float32_under_autocast_too(compiled_flex, flex_calls):
     """Autocast cast flex_attention's float32 q, k and v back to bf16, so a layer routed to FlexAttention (CUDA from
     1M scores, CPU inference from 16M) gave other numbers under autocast than outside it (max 0.016 at s = 128), and

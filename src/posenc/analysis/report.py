@@ -195,13 +195,17 @@ def plot_command(config: FigureConfig, run: Path | None = None) -> str:
     params = dict(config.rope_parameters)
     words = ["posenc", "plot", "--out", "figures", "--head-dim", str(config.head_dim)]
     words += ["--rope-type", str(params.pop("rope_type", params.pop("type", "default")))]
-    if "rope_theta" in params:
-        words += ["--base", repr(float(params.pop("rope_theta")))]  # repr: exact, where :g rounds to 6 digits
+    # Always: left out, --run would fill in the run's own base. repr: exact, where :g rounds to 6 digits.
+    words += ["--base", repr(float(config.base))]
+    params.pop("rope_theta", None)
     for key, value in params.items():
         words += ["--rope-param", shlex.quote(f"{key}={json.dumps(value, separators=(',', ':'))}")]
     words += ["--train-len", str(config.train_len), "--eval-len", str(config.eval_len)]
     words += ["--num-heads", str(config.num_heads)]
-    own = run_figure_config(run) if run is not None else None
+    try:
+        own = run_figure_config(run) if run is not None else None
+    except ValueError:  # a results.json the figures did not need (an explicit config): nothing for --run to fill in
+        own = None
     if config.interleaved:
         words += ["--interleaved"]
     elif own is not None and own.interleaved:  # --run would otherwise fill in its model's adjacent pairs
