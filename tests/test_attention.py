@@ -631,6 +631,20 @@ def test_a_cache_keeps_its_own_document_ids_checks_them_and_is_hashed_by_identit
     with pytest.raises(ValueError, match="document_ids must be on the keys' device cpu, got meta"):
         meta_ids = torch.zeros(1, 3, dtype=torch.long, device="meta")
         KVCache().update(k, k, torch.tensor([[0, 1, 2]]), document_ids=meta_ids)
+    # Refused before the encoding ran: a dynamic 'hf' RoPE's scaled length had advanced to 7, and the next valid step
+    # scaled for it.
+    rope = posenc.RoPE(8, rope_parameters={"rope_type": "dynamic", "factor": 2.0}, max_position_embeddings=4)
+    dynamic, held = CausalSelfAttention(32, 4, encoding=rope), KVCache()
+    dynamic(torch.randn(1, 5, 32), cache=held, document_ids=torch.tensor([[0, 1, 1, 1, 1]]))
+    state = rope.hf_scaled_len
+    with pytest.raises(ValueError, match="each document one run of tokens"):
+        dynamic(torch.randn(1, 4, 32), cache=held, document_ids=torch.tensor([[1, 1, 1, 0]]))
+    assert rope.hf_scaled_len == state and held.length == 5
+    # The constructor keeps a copy too.
+    ids = torch.tensor([[0, 0, 1]])
+    built = KVCache(k=k, v=k, positions=torch.tensor([[0, 1, 2]]), document_ids=ids)
+    ids.fill_(1)
+    assert built.document_ids.tolist() == [[0, 0, 1]]
     # Identity, not dataclass field equality: hashable, and == never compares tensors.
     assert len({cache, direct}) == 2 and cache != direct and cache == cache
     with pytest.raises(ValueError, match="drops tokens from an empty KVCache, which holds none to drop"):

@@ -106,9 +106,10 @@ class KVCache:
         if self.document_ids is not None:
             if self.k is None:
                 raise ValueError("KVCache.document_ids are the cached keys' ids: give them with k, v and positions")
+            # A copy, as update keeps: the caller's tensor, refilled in place, changed the cached ids.
             self.document_ids = resolve_document_ids(
                 self.document_ids, batch=self.k.shape[0], seq_len=self.k.shape[2], device=self.k.device
-            )
+            ).clone()
 
     def _check_rotation_state(self) -> None:
         """Raise unless unrotated_k and rotated_with are what a 'consistent' RoPE's update_rotating keeps beside k:
@@ -263,8 +264,25 @@ class KVCache:
         """k, v: (b, g, s, d); positions: (b or 1, s); document_ids: (b or 1, s) or None (see the class). Append the
         new tokens; returns everything cached so far (the ids of every key are then ``self.document_ids``). New
         tokens that cannot continue the cache (batch, dtype, device, heads, head dim) raise and change nothing."""
+        return self._update(k, v, positions, document_ids, ids_checked=False)
+
+    def _update(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        document_ids: torch.Tensor | None,
+        *,
+        ids_checked: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``update``; ids_checked: the caller ran ``_checked_key_document_ids`` on these ids already, before any
+        state changed (CausalSelfAttention, before its encoding call, whose dynamic 'hf' state a refusal after it
+        had advanced)."""
         self._check_new(k, v, self.k, positions, document_ids)
-        ids = self._checked_key_document_ids(document_ids, k.shape[2])
+        if ids_checked:
+            ids = self.key_document_ids(document_ids, k.shape[2])
+        else:
+            ids = self._checked_key_document_ids(document_ids, k.shape[2])
         self.k, self.v, self.positions = self._appended(self.k, k, v, positions)
         self.document_ids = ids
         return self.k, self.v, self.positions
@@ -707,6 +725,12 @@ class CausalSelfAttention(nn.Module):
         docs = step_docs = None
         if document_ids is not None:
             docs = step_docs = resolve_document_ids(document_ids, batch=b, seq_len=s, device=x.device)
+        acts_on = self.encoding.acts_on if self.encoding is not None else ActsOn.NONE
+        rotating = acts_on is ActsOn.QK and cache is not None and getattr(self.encoding, "rotates_cached_keys", False)
+        if cache is not None and step_docs is not None and cache.length and not rotating:
+            # One run per id across the cache too, checked before anything changes: the encoding call below
+            # advances a dynamic 'hf' RoPE's state. update_rotating checks before it changes anything.
+            cache._checked_key_document_ids(step_docs, s)
         if cache is not None and positions is None:
             pos = cache.next_positions(s, device=x.device, document_ids=step_docs)
         else:
@@ -729,16 +753,16 @@ class CausalSelfAttention(nn.Module):
         k = k.view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
 
-        acts_on = self.encoding.acts_on if self.encoding is not None else ActsOn.NONE
         k_pos = pos
-        if acts_on is ActsOn.QK and cache is not None and getattr(self.encoding, "rotates_cached_keys", False):
+        if rotating:
+            assert cache is not None
             k, v, k_pos, seq_len = cache.update_rotating(k, v, pos, self.encoding, document_ids=step_docs)
             q = self.encoding.rotate(q, pos, seq_len=seq_len)
         else:
             if acts_on is ActsOn.QK:
                 q, k = self.encoding(q, k, positions=pos)
             if cache is not None:
-                k, v, k_pos = cache.update(k, v, pos, document_ids=step_docs)
+                k, v, k_pos = cache._update(k, v, pos, step_docs, ids_checked=True)  # checked above
         if cache is not None:
             docs = cache.document_ids
         t = k.shape[2]
