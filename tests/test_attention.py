@@ -640,6 +640,9 @@ def test_a_cache_keeps_its_own_document_ids_checks_them_and_is_hashed_by_identit
     with pytest.raises(ValueError, match="each document one run of tokens"):
         dynamic(torch.randn(1, 4, 32), cache=held, document_ids=torch.tensor([[1, 1, 1, 0]]))
     assert rope.hf_scaled_len == state and held.length == 5
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(TypeError, match=r"holds torch\.float32 keys"):
+        dynamic(torch.randn(1, 3, 32), cache=held, document_ids=torch.ones(1, 3, dtype=torch.long))  # another dtype
+    assert rope.hf_scaled_len == state and held.length == 5
     # The constructor keeps a copy too.
     ids = torch.tensor([[0, 0, 1]])
     built = KVCache(k=k, v=k, positions=torch.tensor([[0, 1, 2]]), document_ids=ids)

@@ -264,7 +264,7 @@ class KVCache:
         """k, v: (b, g, s, d); positions: (b or 1, s); document_ids: (b or 1, s) or None (see the class). Append the
         new tokens; returns everything cached so far (the ids of every key are then ``self.document_ids``). New
         tokens that cannot continue the cache (batch, dtype, device, heads, head dim) raise and change nothing."""
-        return self._update(k, v, positions, document_ids, ids_checked=False)
+        return self._update(k, v, positions, document_ids, checked=False)
 
     def _update(
         self,
@@ -273,15 +273,15 @@ class KVCache:
         positions: torch.Tensor,
         document_ids: torch.Tensor | None,
         *,
-        ids_checked: bool,
+        checked: bool,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``update``; ids_checked: the caller ran ``_checked_key_document_ids`` on these ids already, before any
-        state changed (CausalSelfAttention, before its encoding call, whose dynamic 'hf' state a refusal after it
-        had advanced)."""
-        self._check_new(k, v, self.k, positions, document_ids)
-        if ids_checked:
+        """``update``; checked: the caller ran ``_check_new`` and ``_checked_key_document_ids`` on these already,
+        before any state changed (CausalSelfAttention, before its encoding call, whose dynamic 'hf' state a refusal
+        after it had advanced)."""
+        if checked:
             ids = self.key_document_ids(document_ids, k.shape[2])
         else:
+            self._check_new(k, v, self.k, positions, document_ids)
             ids = self._checked_key_document_ids(document_ids, k.shape[2])
         self.k, self.v, self.positions = self._appended(self.k, k, v, positions)
         self.document_ids = ids
@@ -759,10 +759,13 @@ class CausalSelfAttention(nn.Module):
             k, v, k_pos, seq_len = cache.update_rotating(k, v, pos, self.encoding, document_ids=step_docs)
             q = self.encoding.rotate(q, pos, seq_len=seq_len)
         else:
+            if cache is not None:
+                # Before the encoding call, whose dynamic 'hf' state a refusal after it (another dtype) advanced.
+                cache._check_new(k, v, cache.k, pos, step_docs)
             if acts_on is ActsOn.QK:
                 q, k = self.encoding(q, k, positions=pos)
             if cache is not None:
-                k, v, k_pos = cache._update(k, v, pos, step_docs, ids_checked=True)  # checked above
+                k, v, k_pos = cache._update(k, v, pos, step_docs, checked=True)  # the ids' runs checked above
         if cache is not None:
             docs = cache.document_ids
         t = k.shape[2]
