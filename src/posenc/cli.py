@@ -148,6 +148,17 @@ def _rope_param(text: str) -> tuple[str, object]:
         return key, value
 
 
+def _positive_int(text: str) -> int:
+    """A size of the figures: refused here, naming the flag, where FigureConfig named its field (head_dim)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def _finite_float(text: str) -> float:
     """A float option: nan and inf are refused here (nan != nan broke later comparisons, inf any arithmetic)."""
     import math
@@ -172,7 +183,7 @@ def _add_figure_options(p: argparse.ArgumentParser) -> None:
         help="for a --config with one rope dict per layer type (Gemma 3: sliding_attention, full_attention), the one "
         "to draw",
     )
-    g.add_argument("--head-dim", type=int, help="d per attention head (default 64)")
+    g.add_argument("--head-dim", type=_positive_int, help="d per attention head (default 64)")
     g.add_argument("--base", type=_finite_float, help="rope_theta (default 10000)")
     g.add_argument(
         "--rope-type",
@@ -190,13 +201,13 @@ def _add_figure_options(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--train-len",
-        type=int,
+        type=_positive_int,
         help="training context L (default: the scaling's original_max_position_embeddings when given, else 2048)",
     )
     g.add_argument(
-        "--eval-len", type=int, help="extended context (default: the scaling factor times train-len, else 4x)"
+        "--eval-len", type=_positive_int, help="extended context (default: the scaling factor times train-len, else 4x)"
     )
-    g.add_argument("--num-heads", type=int, help="heads for the bias matrices (default 8)")
+    g.add_argument("--num-heads", type=_positive_int, help="heads for the bias matrices (default 8)")
     g.add_argument(
         "--interleaved",
         action=argparse.BooleanOptionalAction,

@@ -54,6 +54,14 @@ def test_plot_takes_figure_names_after_options(tmp_path, capsys):
     assert err.startswith("usage: posenc info") and "posenc info: error: unrecognized arguments: extra" in err
 
 
+@pytest.mark.parametrize("flag", ["--head-dim", "--train-len", "--eval-len", "--num-heads"])
+def test_a_figure_size_below_one_is_refused_naming_the_flag(tmp_path, capsys, flag):
+    """FigureConfig's message named its field ("head_dim must be a positive integer"), not the flag given."""
+    with pytest.raises(SystemExit):
+        main(["plot", "wavelengths", "--out", str(tmp_path), flag, "0"])
+    assert f"posenc plot: error: argument {flag}: expected a positive integer, got '0'" in capsys.readouterr().err
+
+
 def test_a_warning_is_one_line_naming_the_command(tmp_path):
     """Printed as one line (not Python's two, with a file and line of posenc's), in a process of its own: pytest
     records warnings instead of printing them. Recorders still get every warning, and the format is given back."""
@@ -195,7 +203,7 @@ def test_an_unwritable_out_is_one_error_line(tmp_path, capsys, make_run, command
 
 def test_report_refuses_figure_options_with_no_figures(tmp_path, capsys, make_run):
     run = make_run(tmp_path / "run", entropy=False, lab_png=False)
-    assert main(["report", str(run), "--no-figures", "--head-dim", "0", "--no-interleaved"]) == 2
+    assert main(["report", str(run), "--no-figures", "--head-dim", "16", "--no-interleaved"]) == 2
     assert capsys.readouterr().err == (
         "posenc report: error: --no-figures leaves out the figures that --head-dim, --no-interleaved describe; drop "
         "one or the other\n"

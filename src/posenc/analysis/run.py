@@ -93,7 +93,8 @@ def read_results(run_dir: str | Path) -> list[dict[str, str]]:
                 )
             for column in ("train_len", "eval_len", "seed"):
                 # float's own "could not convert string to float: 'xx'" named no file, line or column.
-                if finite_number(row[column]) is None or not finite_number(row[column]).is_integer():
+                number = finite_number(row[column])
+                if number is None or not number.is_integer():
                     raise ValueError(
                         f"{path}, line {reader.line_num}: {column} is {row[column]!r}, not a whole number; it was "
                         "changed since `posenc lab` wrote it"
