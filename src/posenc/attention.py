@@ -264,25 +264,15 @@ class KVCache:
         """k, v: (b, g, s, d); positions: (b or 1, s); document_ids: (b or 1, s) or None (see the class). Append the
         new tokens; returns everything cached so far (the ids of every key are then ``self.document_ids``). New
         tokens that cannot continue the cache (batch, dtype, device, heads, head dim) raise and change nothing."""
-        return self._update(k, v, positions, document_ids, checked=False)
+        self._check_new(k, v, self.k, positions, document_ids)
+        return self._update(k, v, positions, self._checked_key_document_ids(document_ids, k.shape[2]))
 
     def _update(
-        self,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        positions: torch.Tensor,
-        document_ids: torch.Tensor | None,
-        *,
-        checked: bool,
+        self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``update``; checked: the caller ran ``_check_new`` and ``_checked_key_document_ids`` on these already,
-        before any state changed (CausalSelfAttention, before its encoding call, whose dynamic 'hf' state a refusal
-        after it had advanced)."""
-        if checked:
-            ids = self.key_document_ids(document_ids, k.shape[2])
-        else:
-            self._check_new(k, v, self.k, positions, document_ids)
-            ids = self._checked_key_document_ids(document_ids, k.shape[2])
+        """``update`` of checked new tokens, with ``ids`` the document ids of every key after it (from
+        ``_checked_key_document_ids``): CausalSelfAttention checks before its encoding call, whose dynamic 'hf'
+        state a refusal after it had advanced."""
         self.k, self.v, self.positions = self._appended(self.k, k, v, positions)
         self.document_ids = ids
         return self.k, self.v, self.positions
@@ -727,10 +717,12 @@ class CausalSelfAttention(nn.Module):
             docs = step_docs = resolve_document_ids(document_ids, batch=b, seq_len=s, device=x.device)
         acts_on = self.encoding.acts_on if self.encoding is not None else ActsOn.NONE
         rotating = acts_on is ActsOn.QK and cache is not None and getattr(self.encoding, "rotates_cached_keys", False)
-        if cache is not None and step_docs is not None and cache.length and not rotating:
-            # One run per id across the cache too, checked before anything changes: the encoding call below
-            # advances a dynamic 'hf' RoPE's state. update_rotating checks before it changes anything.
-            cache._checked_key_document_ids(step_docs, s)
+        key_ids = None
+        if cache is not None and not rotating:
+            # The ids of every key after this step, with one run per id across the cache (the step's alone were
+            # checked above), checked before anything changes: the encoding call below advances a dynamic 'hf'
+            # RoPE's state. update_rotating checks before it changes anything.
+            key_ids = (cache._checked_key_document_ids if cache.length else cache.key_document_ids)(step_docs, s)
         if cache is not None and positions is None:
             pos = cache.next_positions(s, device=x.device, document_ids=step_docs)
         else:
@@ -765,7 +757,7 @@ class CausalSelfAttention(nn.Module):
             if acts_on is ActsOn.QK:
                 q, k = self.encoding(q, k, positions=pos)
             if cache is not None:
-                k, v, k_pos = cache._update(k, v, pos, step_docs, checked=True)  # the ids' runs checked above
+                k, v, k_pos = cache._update(k, v, pos, key_ids)
         if cache is not None:
             docs = cache.document_ids
         t = k.shape[2]
