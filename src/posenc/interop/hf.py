@@ -505,7 +505,8 @@ def rope_kwargs_from_config(config: Any, *, layer_type: str | None = None) -> di
     if not isinstance(rope, Mapping):
         raise TypeError(f"config's rope_parameters / rope_scaling must be a dict, got {type(rope).__name__}")
     rope = dict(rope)
-    nested = [key for key in rope if key in set(_layer_types(cfg))]
+    layer_types = set(_layer_types(cfg))
+    nested = [key for key in rope if key in layer_types]
     if not nested and any(isinstance(value, Mapping) for value in rope.values()):
         # No rope key holds a dict: these are rope dicts per layer type whose layers the config does not name, and
         # read as one dict they were dropped as unread keys, leaving a default RoPE at theta 10000.

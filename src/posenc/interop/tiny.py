@@ -13,8 +13,7 @@ from torch import nn
 
 from posenc._checks import integer, positive_int
 from posenc.interop.architectures import SUPPORTED_ARCHITECTURES
-from posenc.interop.hf import read_config_json, rope_kwargs_from_config
-from posenc.rope.module import RoPE
+from posenc.interop.hf import read_config_json, rope_from_config, rope_kwargs_from_config
 
 
 def tiny_model_from_config(
@@ -121,8 +120,7 @@ def tiny_model_from_config(
         try:
             with warnings.catch_warnings():  # the source's were given above; the tiny copy's would repeat them
                 warnings.simplefilter("ignore")
-                tiny = rope_kwargs_from_config({**source, **kept, **sizes, "model_type": model_type})
-                RoPE(tiny.pop("head_dim"), **tiny)
+                rope_from_config({**source, **kept, **sizes, "model_type": model_type})
         except ValueError as error:
             raise ValueError(
                 f"keep_scaling=True keeps the config's rope scaling, which does not fit this tiny model (head_dim="
