@@ -34,14 +34,14 @@ class LearnedAbsolute(nn.Module):
     def forward(self, positions: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
         """positions: (...) integer in [0, max_positions). Returns (..., dim), in ``dtype`` (None: the table's)."""
         int_tensor("positions", positions, host_read=True)
-        given = positions
-        # Ids on another device are moved, as for RoPE; a meta table would read CPU ids as zeros.
-        positions = to_device("positions", positions, self.table.weight.device, "the learned table")
+        # A meta table given ids with values: they are checked by value below, and only the lookup is on meta (a
+        # meta table looks up nothing).
+        on_meta = self.table.weight.device.type == "meta" and values_readable(positions.device)
+        if not on_meta:
+            # Ids on another device are moved, as for RoPE; a meta table would read CPU ids as zeros.
+            positions = to_device("positions", positions, self.table.weight.device, "the learned table")
         if dtype is not None:
             float_dtype("dtype", dtype)
-        on_meta = positions.device.type == "meta" and values_readable(given.device)
-        if on_meta:
-            positions = given  # checked by value below (a meta table looks up nothing: only the ids have values)
         if positions.dtype not in (torch.int64, torch.int32):
             positions = positions.long()  # what embedding lookups take; int8/int16/uint8 ids are still row ids
         if positions.numel() and not values_readable(positions.device):
