@@ -596,11 +596,9 @@ def _run(args: argparse.Namespace) -> int:
             args.imported = import_modules(args.imports)
         except ImportFailed as error:
             # Every torchrun rank imports for itself (each runs this command), and says which one failed.
-            import os
+            from posenc.lab.dist import rank_label
 
-            world = os.environ.get("WORLD_SIZE", "1") not in ("", "1")
-            where = f" (rank {os.environ.get('RANK', '0')})" if world else ""
-            print(f"posenc {args.command}: error{where}: {error}", file=sys.stderr)
+            print(f"posenc {args.command}: error{rank_label()}: {error}", file=sys.stderr)
             return 2
         return int(args.func(args) or 0)
     except KeyboardInterrupt:  # a slow --import's too

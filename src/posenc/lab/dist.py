@@ -125,6 +125,11 @@ class Ranks:
         return total / self.world_size
 
 
+def rank_label() -> str:
+    """' (rank N)' under torchrun, for a message every rank may print (its own error); '' alone."""
+    return "" if os.environ.get("WORLD_SIZE", "1") in ("", "1") else f" (rank {os.environ.get('RANK', '0')})"
+
+
 def resolve_device(device: str, *, world_size: int, local_rank: int) -> tuple[torch.device, str | None]:
     """The device this process uses and the backend of its process group (None: no group, one process).
 

@@ -41,7 +41,7 @@ from posenc.lab import store
 from posenc.lab.checkpoint import checkpoint_saver, load_checkpoint, settings_trained_with
 from posenc.lab.config import FINETUNABLE, LabConfig, extension_rope_parameters, make_config
 from posenc.lab.data import Corpus, eval_text_needed, eval_window_ends, load_corpus, windows_ending
-from posenc.lab.dist import Ranks, process_group
+from posenc.lab.dist import Ranks, process_group, rank_label
 from posenc.lab.evaluate import LengthResult, evaluate_length, task_accuracy, task_samples
 from posenc.lab.lock import FolderLock
 from posenc.lab.model import ByteLM, encoding_for
@@ -921,7 +921,7 @@ def _run_lab(
     except (ValueError, TypeError) as error:
         # Said by every rank that meets it: before the group exists a rank's own device (its GPU) may be the one
         # that fails, and rank 0, waiting for the group, would say nothing before torchrun ends it.
-        print(f"posenc lab: error{_rank_label()}: {error}", file=sys.stderr)
+        print(f"posenc lab: error{rank_label()}: {error}", file=sys.stderr)
         return 2
     try:
         config = make_config(preset, **overrides)
@@ -947,7 +947,7 @@ def _run_lab(
     except (MemoryError, RuntimeError) as error:
         if not _out_of_memory(error):
             raise
-        print(f"posenc lab: error{_rank_label()}: {_memory_advice(error)}", file=sys.stderr)  # maybe one rank's own
+        print(f"posenc lab: error{rank_label()}: {_memory_advice(error)}", file=sys.stderr)  # maybe one rank's own
         return 2
     try:
         lab.run()
@@ -956,7 +956,7 @@ def _run_lab(
             raise
         # Said by the rank that met it: it may be the only one (a rank's own GPU), and rank 0 would say nothing.
         print(
-            f"posenc lab: error{_rank_label()}: {_memory_advice(error)}; the units finished before it are saved in "
+            f"posenc lab: error{rank_label()}: {_memory_advice(error)}; the units finished before it are saved in "
             f"{out}",
             file=sys.stderr,
         )
@@ -987,11 +987,6 @@ def _run_lab(
             )
         return 1
     return 0
-
-
-def _rank_label() -> str:
-    """' (rank N)' under torchrun, for a message every rank may print; '' alone."""
-    return "" if os.environ.get("WORLD_SIZE", "1") in ("", "1") else f" (rank {os.environ.get('RANK', '0')})"
 
 
 def _out_of_memory(error: BaseException) -> bool:
