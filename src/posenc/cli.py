@@ -250,8 +250,7 @@ def _figure_config(args: argparse.Namespace, run_dir: str | None = None):  # -> 
             )
         params["factor"] = args.factor
     if args.config is not None:
-        given = [f"--{'no-' * (v is False)}{k.replace('_', '-')}" for k, v in flags.items() if v is not None]
-        given += ["--factor"] * (args.factor is not None) + ["--rope-param"] * bool(args.rope_param)
+        given = _flags_given(args)
         if given:
             raise ValueError(f"--config already says what to draw; drop {', '.join(sorted(set(given)))}")
         return FigureConfig.from_json(args.config, layer_type=args.layer_type)
@@ -384,12 +383,18 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_no_figure_options(args: argparse.Namespace) -> None:
-    """With --no-figures, an option that says what the figures draw would do nothing: refused, not ignored."""
-    names = ("config", "layer_type", "head_dim", "base", "rope_type", "factor", "train_len", "eval_len", "num_heads")
+def _flags_given(args: argparse.Namespace) -> list[str]:
+    """The figure options given that say what to draw beside --config (and --layer-type), as typed."""
+    names = ("head_dim", "base", "rope_type", "factor", "train_len", "eval_len", "num_heads")
     given = [f"--{name.replace('_', '-')}" for name in names if getattr(args, name) is not None]
     given += ["--rope-param"] * bool(args.rope_param)
-    given += [] if args.interleaved is None else ["--interleaved" if args.interleaved else "--no-interleaved"]
+    return given + ([] if args.interleaved is None else ["--interleaved" if args.interleaved else "--no-interleaved"])
+
+
+def _check_no_figure_options(args: argparse.Namespace) -> None:
+    """With --no-figures, an option that says what the figures draw would do nothing: refused, not ignored."""
+    given = [f"--{name.replace('_', '-')}" for name in ("config", "layer_type") if getattr(args, name) is not None]
+    given += _flags_given(args)
     if given:
         raise ValueError(
             f"--no-figures leaves out the figures that {', '.join(given)} describe{'s' * (len(given) == 1)}; "
