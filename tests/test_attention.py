@@ -512,6 +512,30 @@ def test_attend_honours_a_square_mask_that_is_not_causal() -> None:
         assert_close(attend(q, k, v, mask, None, need_probs=True)[0], want)
 
 
+def test_attend_refuses_a_query_that_may_attend_no_key() -> None:
+    """A row of False had no softmax: SDPA gave it zeros and need_probs NaN, with nothing said, so the answer hung
+    on an option. Refused eagerly, and in a compiled graph by an assert that runs with it."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 2, 1, 3, 4).unbind()
+    blind = causal_mask(3, 3, q.device).clone()
+    blind[1] = False
+    bias = posenc.build("alibi", 1).bias(3, 3)
+    for extra in ({}, {"need_probs": True}):
+        for mask in (blind, blind.expand(2, 1, 3, 3)):
+            with pytest.raises(ValueError, match="allowed leaves a query with no key"):
+                attend(q, k, v, mask, None, **extra)
+            with pytest.raises(ValueError, match="allowed leaves a query with no key"):
+                attend(q, k, v, mask, bias, **extra)
+    with pytest.raises(ValueError, match="allowed leaves a query with no key"):
+        attend(q, k[:, :, :0], v[:, :, :0], torch.ones(3, 1, dtype=torch.bool), None)
+    compiled = torch.compile(lambda m: attend(q, k, v, m, None)[0], backend="eager", fullgraph=True)
+    with pytest.raises(RuntimeError, match="allowed leaves a query with no key"):
+        compiled(blind)
+    assert_close(compiled(causal_mask(3, 3, q.device)), attend(q, k, v, causal_mask(3, 3, q.device), None)[0])
+    # No queries: nothing to refuse.
+    assert attend(q[:, :, :0], k, v, causal_mask(0, 3, q.device), None)[0].shape == (2, 1, 0, 4)
+
+
 def test_a_cache_left_empty_by_a_refused_step_serves_another_layer() -> None:
     """Layer a is refused before it adds anything: the cache stays empty, and layer b may fill it and continue."""
     a, b = (CausalSelfAttention(16, 2, encoding=posenc.build("rope", 8)) for _ in range(2))

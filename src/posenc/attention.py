@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from posenc._checks import (
+    assert_without_sync,
     attention_inputs,
     autocast_off,
     autocast_on,
@@ -875,15 +876,34 @@ def _check_attend(q: Any, k: Any, v: Any, allowed: Any, bias: Any) -> None:
             f"allowed must broadcast to (b, h, s, t) = {target}, as (s, t) or (b or 1, 1 or h, s, t) do, got "
             f"{tuple(allowed.shape)}"
         )
-    if bias is None:
+    if bias is not None:
+        float_tensor("bias", bias)
+        same_device(("q", "bias"), q, bias)
+        if not _broadcasts(bias.shape, target):
+            raise ValueError(
+                f"bias must broadcast to (b, h, s, t) = {target}, as an encoding's score_bias(q_positions, "
+                f"k_positions) (b or 1, h, s, t) and bias(s, t, offset) (h, s, t) do, got {tuple(bias.shape)}"
+            )
+    _check_keys_per_query(allowed, s, k.shape[2])
+
+
+def _check_keys_per_query(allowed: torch.Tensor, s: int, t: int) -> None:
+    """Every query may attend at least one key. A row of ``allowed`` with none has no softmax: SDPA gave it zeros,
+    need_probs (and a bias) NaN, so the answer hung on an option; refused instead. Read on the host in eager (one
+    sync); checked with the computation where values may not be read."""
+    message = (
+        "allowed leaves a query with no key to attend (a row that is False for every key), whose attention is "
+        "undefined (zeros or NaN); let every query see at least one key, as causal_mask(s, t) with s <= t does"
+    )
+    if s == 0:
         return
-    float_tensor("bias", bias)
-    same_device(("q", "bias"), q, bias)
-    if not _broadcasts(bias.shape, target):
-        raise ValueError(
-            f"bias must broadcast to (b, h, s, t) = {target}, as an encoding's score_bias(q_positions, "
-            f"k_positions) (b or 1, h, s, t) and bias(s, t, offset) (h, s, t) do, got {tuple(bias.shape)}"
-        )
+    if t == 0:
+        raise ValueError(message)
+    if values_readable(allowed.device):
+        if not bool(replicated_values(allowed).any(-1).all()):
+            raise ValueError(message)
+    else:
+        assert_without_sync(allowed.any(-1), message)
 
 
 def attend(
@@ -898,7 +918,8 @@ def attend(
     """q: (b, h, s, d); k, v: (b, h, t, d) (grouped-query heads repeated to h); allowed: bool, True where a query
     may attend a key, of any shape that broadcasts to (b, h, s, t) with at least one key per query: causal_mask's
     (s, t), or its (b or 1, 1, s, t) with document ids; bias: floating, broadcasting to (b, h, s, t) (an encoding's
-    score_bias (b or 1, h, s, t), or its bias (h, s, t)), or None. Others are errors that name the argument.
+    score_bias (b or 1, h, s, t), or its bias (h, s, t)), or None. Others are errors that name the argument, and so is
+    a query that ``allowed`` lets see no key (read on the host: one device sync).
 
     A score bias is added in float32 (ALiBi's slope * 8192 has no exact bf16 value), so low-precision inputs
     are attended in float32 when a bias is present; so are the probabilities of ``need_probs``, under autocast too
