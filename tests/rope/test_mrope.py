@@ -120,6 +120,28 @@ def test_bad_positions() -> None:
         rope(q, q, positions=-torch.ones(3, 2, 5, dtype=torch.long))
 
 
+def test_cos_sin_function_checks_its_positions_as_the_module_does() -> None:
+    """mrope_cos_sin read the first three rows of transformers 5's (4, b, s) ids (text first) as t, h, w: wrong
+    angles, no error. Negative and float ids passed; text ids (n, 1) came back (1, r/2) and failed later."""
+    inv = MRoPE(16, mrope_section=[2, 3, 3]).frequencies(None)[0]
+    ids = torch.randint(0, 30, (3, 1, 10))
+    with_text = torch.cat([torch.arange(10)[None, None], ids])
+    for bad in (with_text, ids[:2], torch.arange(10)[:, None], ids[0]):
+        with pytest.raises(ValueError, match=re.escape("positions must be (3, b, s)")):
+            mrope_cos_sin(bad, inv, [2, 3, 3])
+    assert torch.equal(mrope_cos_sin(with_text[1:], inv, [2, 3, 3])[0], mrope_cos_sin(ids, inv, [2, 3, 3])[0])
+    with pytest.raises(ValueError, match="positions must be >= 0"):
+        mrope_cos_sin(ids - 100, inv, [2, 3, 3])
+    with pytest.raises(TypeError, match="positions must hold integer positions"):
+        mrope_cos_sin(ids + 0.5, inv, [2, 3, 3])
+    with pytest.raises(ValueError, match=re.escape("inv_freq must be (r/2,)")):
+        mrope_cos_sin(ids, inv[None], [2, 3, 3])
+    compiled = torch.compile(lambda p: mrope_cos_sin(p, inv, [2, 3, 3])[0], backend="eager", fullgraph=True)
+    with pytest.raises(RuntimeError, match="positions must be >= 0"):
+        compiled(ids - 100)
+    assert torch.equal(compiled(ids), mrope_cos_sin(ids, inv, [2, 3, 3])[0])
+
+
 def test_interleaved_axes_cycle_until_their_sections_run_out() -> None:
     """Qwen3-VL's layout: t, h, w, t, h, w, ... until h's and w's pairs are spent, t for the rest."""
     assert mrope_axis_of_pair([2, 1, 1], layout="interleaved").tolist() == [0, 1, 2, 0]

@@ -23,6 +23,7 @@ from posenc._checks import (
     compiling,
     fake_mode_active,
     float_dtype,
+    float_tensor,
     host_list,
     host_min_max,
     int64_int,
@@ -141,10 +142,29 @@ def mrope_cos_sin(
     *,
     layout: MRopeLayout = "sections",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions: (3, b, s) integer; inv_freq: (r/2,) float64. Returns cos, sin: (b, s, r/2) in ``dtype``.
+    """positions: (3, b, s) integer, >= 0 (temporal, height, width: transformers 5's (4, b, s) ids without their
+    first, text row); inv_freq: (r/2,) float64. Returns cos, sin: (b, s, r/2) in ``dtype``.
 
     Angles are taken in float64, as in ``angles_to_cos_sin``; each pair reads its own axis' positions.
     """
+    int_tensor("positions", positions, host_read=True)
+    if positions.dim() != 3 or positions.shape[0] != AXES:
+        # Unchecked, (4, b, s) ids were read as t, h, w from their first three rows (wrong angles, no error), and
+        # text ids (n, 1) came back as cos (1, r/2) that failed later in a broadcast.
+        raise ValueError(
+            f"positions must be (3, b, s) (temporal, height, width ids), got shape {tuple(positions.shape)}; from "
+            "transformers' (4, b, s) ids pass positions[1:], and text ids (b, s) as ids.expand(3, b, s)"
+        )
+    float_tensor("inv_freq", inv_freq)
+    if inv_freq.dim() != 1:
+        raise ValueError(f"inv_freq must be (r/2,), one frequency per pair, got shape {tuple(inv_freq.shape)}")
+    if positions.numel():
+        negative = "positions must be >= 0 (token positions), got a negative entry"
+        if values_readable(positions.device):
+            if host_min_max(positions)[0] < 0:
+                raise ValueError(negative)
+        else:
+            assert_without_sync(positions >= 0, negative)
     axis = mrope_axis_of_pair(mrope_section, layout=layout, pairs=inv_freq.numel())
     return _cos_sin_by_axis(positions, inv_freq, axis, attention_factor, dtype)
 
