@@ -33,7 +33,7 @@ def test_buckets_match_hugging_face_t5_and_reference(bidirectional, num_buckets,
             for r in relative.tolist()
         ]
     )
-    # The float64 reference and T5's float32 logarithm agree everywhere on this range (no edge falls between).
+    # The exact reference and T5's float32 logarithm agree everywhere on this range (no edge falls between).
     assert torch.equal(ours, reference)
 
 
@@ -42,9 +42,9 @@ def test_buckets_match_hugging_face_t5_and_reference(bidirectional, num_buckets,
     [(32, 939, False, -728), (64, 939, True, 728), (64, 1878, False, -1456)],
 )
 def test_buckets_take_t5s_float32_logarithm_where_float64_differs(num_buckets, max_distance, bidirectional, relative):
-    """CONFIGS have no bucket edge between the float32 and the float64 logarithm; these do (a model built for 939
-    or 1878 tokens gets them as max_distance): there T5's float32 logarithm puts ``relative`` one bucket above the
-    float64 reference, and posenc must follow T5."""
+    """CONFIGS have no bucket edge between T5's float32 logarithm and exact arithmetic; these do (a model built for
+    939 or 1878 tokens gets them as max_distance): there T5's float32 logarithm puts ``relative`` one bucket above
+    the exact reference, and posenc must follow T5."""
     from transformers.models.t5.modeling_t5 import T5Attention
 
     kwargs = dict(bidirectional=bidirectional, num_buckets=num_buckets, max_distance=max_distance)
@@ -55,6 +55,25 @@ def test_buckets_take_t5s_float32_logarithm_where_float64_differs(num_buckets, m
     relatives = torch.arange(-3000, 3001)
     ours = posenc.t5_relative_bucket(relatives, **kwargs)
     assert torch.equal(ours, T5Attention._relative_position_bucket(relatives, **kwargs))
+
+
+@pytest.mark.parametrize(
+    ("relative", "num_buckets", "max_distance", "bucket"),
+    [(-8, 9, 128, 5), (-16, 9, 128, 6), (-64, 9, 128, 8), (-16, 9, 4096, 5), (-1024, 9, 4096, 8), (-18, 17, 27, 14)],
+)
+def test_reference_is_exact_at_edges_where_a_logarithm_lands_on_a_whole_number(
+    relative, num_buckets, max_distance, bucket
+):
+    """log(8 / 4) / log(128 / 4) * 5 is exactly 1, but 0.999... in float64: the reference, which took it in floats,
+    put -8 a bucket low, where T5 and posenc (and exact arithmetic) put it. (17, 27, 18): T5's float32 logarithm
+    is the one a bucket low, log(18 / 8) / log(27 / 8) * 9 being exactly 6."""
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    kwargs = dict(bidirectional=False, num_buckets=num_buckets, max_distance=max_distance)
+    assert t5_bucket_reference(relative, **kwargs) == bucket
+    hf = T5Attention._relative_position_bucket(torch.tensor([relative]), **kwargs).item()
+    assert posenc.t5_relative_bucket(torch.tensor([relative]), **kwargs).item() == hf
+    assert hf == bucket - (num_buckets == 17)
 
 
 @settings(max_examples=50, deadline=None)
