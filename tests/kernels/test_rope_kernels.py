@@ -691,6 +691,17 @@ def test_table_calls_infer_shapes_on_meta_tensors():
         apply_rotary(x, cos, cos, offset=0, backend="triton")
 
 
+def test_triton_refuses_a_device_before_an_in_place_call_records_its_gradient():
+    """The device was refused at the launch, after an in-place call with grad had recorded its autograd node: x
+    kept its values under a graph that said they were rotated, and backward raised the same error from inside
+    the engine. Meta stands in for a device the kernel cannot run on (the CPU, uninterpreted)."""
+    leaf = torch.empty(1, 2, 3, 8, device="meta", requires_grad=True)
+    x, cos = leaf * 1, torch.empty(3, 4, device="meta")
+    with pytest.raises(ValueError, match="backend='triton' needs CUDA tensors, got meta"):
+        apply_rotary_(x, cos, cos, backend="triton")
+    assert type(x.grad_fn).__name__ == "MulBackward0" and x._version == 0
+
+
 @pytest.mark.parametrize("backend", ["cpu", "triton"])
 def test_strided_views_and_single_tensor(backend):
     """Non-contiguous inputs (a slice of a fused qkv projection) rotate like contiguous ones."""

@@ -262,4 +262,14 @@ def choose_backend(
     if not _triton_imports():
         reason = triton_module_or_error()[1]
         raise RuntimeError(f"backend='triton' is unavailable: {reason}; use backend='torch' or 'cpu'")
+    refusal = _triton_device_refusal(device)
+    if refusal:
+        # Here, not at the launch: an in-place call with grad had recorded its autograd node by then, so x kept
+        # its values under a graph that said they were rotated, and backward raised the same error again.
+        raise ValueError(refusal)
     return "triton"
+
+
+@assume_constant_result
+def _triton_device_refusal(device: str) -> str:
+    return triton_module_or_error()[0].device_refusal(device)  # type: ignore[union-attr]

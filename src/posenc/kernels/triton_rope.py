@@ -225,6 +225,17 @@ def interpreted() -> bool:
     return isinstance(_rope_kernel, InterpretedFunction)
 
 
+def device_refusal(device: str) -> str:
+    """Why the kernel cannot run on tensors of this device type, or '' where it can: CUDA, or the CPU when
+    interpreted."""
+    if device == "cuda" or (device == "cpu" and interpreted()):
+        return ""
+    return (
+        f"backend='triton' needs CUDA tensors, got {device}; on CPU use backend='cpu' (Triton runs on CPU "
+        "tensors only when TRITON_INTERPRET=1 was set before posenc.kernels.triton_rope was imported)"
+    )
+
+
 def _check(name: str, t: torch.Tensor, device: torch.device, shape: torch.Size, strides: tuple[int, ...]) -> None:
     """t (whose shape and strides the caller has read) is on x's device with unit stride in its last dim."""
     if t.device != device:
@@ -453,11 +464,9 @@ def plan_launch(
 def launch(plan: Launch) -> None:
     """Run a planned launch. The tensors must be on CUDA, or on the CPU when interpreted."""
     device = plan.args[0].device  # type: ignore[attr-defined]
-    if device.type not in ("cuda", "cpu") or (device.type == "cpu" and not interpreted()):
-        raise ValueError(
-            f"backend='triton' needs CUDA tensors, got {device}; on CPU use backend='cpu' (Triton runs on CPU "
-            "tensors only when TRITON_INTERPRET=1 was set before posenc.kernels.triton_rope was imported)"
-        )
+    refusal = device_refusal(device.type)
+    if refusal:
+        raise ValueError(refusal)
     if device.type != "cuda":
         _rope_kernel[plan.grid](*plan.args, **plan.constants, **plan.options)
         return
