@@ -7,6 +7,7 @@ over this provider's p50, where the script gives them), device, torch, commit.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import csv
 import ctypes
@@ -84,6 +85,22 @@ def huge_page_clone(x: torch.Tensor) -> torch.Tensor:
     from posenc.kernels import huge_pages
 
     return huge_pages.advised(torch.empty_like(x, memory_format=torch.contiguous_format)).copy_(x)
+
+
+def at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an int >= ``low``. A count of 0 (``--reps 0``) passed the parser and failed after the setup,
+    in statistics ("must have at least two data points") or a negative offset."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    return parse
 
 
 def add_allocation_argument(parser, default: str = "fresh") -> None:
@@ -362,6 +379,6 @@ def print_row(row: dict) -> None:
     print(
         f"{row['op']:>6} {row['provider']:>24} {row['mode']:>7} {row['dtype']:>8} {row['shape']:>32} "
         f"p50 {row['p50']:9.3f} ms  ratio_to_copy {row['ratio_to_copy']:.2f}"
-        + (f"  {row['gb_per_s']:7.1f} GB/s" if row.get("gb_per_s") else ""),
+        + (f"  {row['gb_per_s']:7.1f} GB/s" if row.get("gb_per_s") not in (None, "") else ""),  # 0.0 too
         flush=True,
     )

@@ -23,6 +23,7 @@ import torch
 
 from common import (
     add_allocation_argument,
+    at_least,
     environment,
     measure_interleaved,
     rows_against_copy,
@@ -35,13 +36,21 @@ from posenc.testing import random_qk
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def source_at(revision: str) -> bytes:
-    """cpu_rope.cpp as committed at ``revision``."""
+def source_at(revision: str) -> tuple[str, bytes]:
+    """(the revision's short hash, cpu_rope.cpp as committed there). The hash labels the rows, as decode_host_ab.py
+    labels its: "kernel@HEAD" named no kernel once HEAD moved."""
     root = Path(__file__).resolve().parents[1]
     path = SOURCE.resolve().relative_to(root).as_posix()
-    return subprocess.run(
-        ["git", "show", f"{revision}:{path}"], cwd=root, capture_output=True, check=True, timeout=30
+    done = subprocess.run(
+        ["git", "rev-parse", "--short", "--verify", f"{revision}^{{commit}}"], cwd=root, capture_output=True, timeout=30
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"--baseline {revision!r} is not a commit of {root}: {done.stderr.decode().strip()}")
+    commit_hash = done.stdout.decode().strip()
+    source = subprocess.run(
+        ["git", "show", f"{commit_hash}:{path}"], cwd=root, capture_output=True, check=True, timeout=30
     ).stdout
+    return commit_hash, source
 
 
 def make_cases(libraries: dict, dtype: torch.dtype, seq: int, *, inplace: bool, interleaved: bool) -> dict:
@@ -85,7 +94,7 @@ def main() -> None:
     parser.add_argument("--baseline", required=True, help="git revision whose cpu_rope.cpp is the baseline")
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16", "fp16"], choices=list(DTYPES))
-    parser.add_argument("--reps", type=int, default=40)
+    parser.add_argument("--reps", type=at_least(1), default=40)
     parser.add_argument("--inplace", action="store_true")
     parser.add_argument("--interleaved", action="store_true", help="adjacent pairs instead of split halves")
     parser.add_argument("--arch", default="native", help="the compiler's -march for both kernels (default native)")
@@ -94,7 +103,8 @@ def main() -> None:
     args = parser.parse_args()
 
     libraries = {}
-    for name, source in ((f"kernel@{args.baseline}", source_at(args.baseline)), ("kernel@tree", SOURCE.read_bytes())):
+    baseline, baseline_source = source_at(args.baseline)
+    for name, source in ((f"kernel@{baseline}", baseline_source), ("kernel@tree", SOURCE.read_bytes())):
         library, reason = build_library(source, arch=args.arch)
         if library is None:
             raise SystemExit(f"{name}: {reason}")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from common import add_allocation_argument, environment, measure_interleaved, percentiles, write_rows
+from common import add_allocation_argument, at_least, environment, measure_interleaved, percentiles, write_rows
 from posenc.lab.config import PRESETS
 from posenc.lab.data import load_corpus, train_starts, windows_at
 from posenc.lab.model import ByteLM, next_byte_loss
@@ -43,7 +43,7 @@ def main() -> None:
     parser.add_argument("--preset", default="default", choices=list(PRESETS), help="model and batch sizes")
     parser.add_argument("--encodings", nargs="+", default=None, help="default: every encoding of the preset")
     parser.add_argument("--steps", type=int, default=20, help="training steps per timed chunk")
-    parser.add_argument("--reps", type=int, default=5, help="timed chunks per loop (after two warm-up chunks)")
+    parser.add_argument("--reps", type=at_least(1), default=5, help="timed chunks per loop (after two warm-up chunks)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="lab loop without its bar")
     parser.add_argument("--out", type=Path, default=None, help="CSV to write (default: print only)")

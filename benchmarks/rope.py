@@ -43,6 +43,7 @@ import torch
 from common import (
     add_allocation_argument,
     add_clock_argument,
+    at_least,
     chosen_clock,
     environment,
     huge_page_clone,
@@ -286,12 +287,12 @@ def chosen_providers(parser: argparse.ArgumentParser, names: list[str] | None, d
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--seqs", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--seqs", type=at_least(1), nargs="+", default=[1024, 4096])
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
     parser.add_argument("--modes", nargs="+", default=["fwd", "bwd", "fwd+bwd"], choices=["fwd", "bwd", "fwd+bwd"])
     parser.add_argument("--providers", nargs="*", default=None, help="subset of provider names (default: all)")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--batch", type=at_least(1), default=1)
+    parser.add_argument("--reps", type=at_least(1), default=10)
     # Print-only unless asked: a default path would overwrite the committed results (docs/results/rope_cpu.csv) with
     # whatever a quick run measured, on a GPU machine too.
     parser.add_argument("--csv", type=Path, default=None, help="CSV to write (default: print only)")

@@ -29,6 +29,7 @@ import torch
 
 from common import (
     add_allocation_argument,
+    at_least,
     environment,
     measure_interleaved,
     rows_against_copy,
@@ -109,8 +110,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
-    parser.add_argument("--prefill", type=int, default=4096, help="tokens of the prefill case")
-    parser.add_argument("--reps", type=int, nargs=2, default=[30, 2000], help="reps of the prefill and the decode")
+    parser.add_argument("--prefill", type=at_least(1), default=4096, help="tokens of the prefill case")
+    parser.add_argument(
+        "--reps", type=at_least(1), nargs=2, default=[30, 2000], help="reps of the prefill and the decode"
+    )
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds of every case before the timed ones (2)")
     parser.add_argument("--heads", type=int, default=32, help="q heads (32, Llama 3 8B's)")
     parser.add_argument(

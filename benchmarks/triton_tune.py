@@ -2,8 +2,10 @@
 grid's order (superblock: token blocks every head group covers before the next ones; 1 runs head groups fastest).
 
 Every configuration rotates the same q (b, 32, s, 128) and k (b, 8, s, 128) (heads: ``--q-heads``, ``--k-heads``),
-out of place (the forward), in one launch planned as ``apply_rotary_qk`` plans it but with BLOCK_S, num_warps,
-heads_per_program and superblock given.
+out of place (the forward), in one launch planned as ``apply_rotary_qk(q, k, cos, sin)`` plans it (cos, sin (s, d/2)
+broadcast, as ``rope.py``'s posenc-triton gives them, so the kernel specialization that ``rope.py`` and
+``scripts/gpu_goal.py`` judge) but with BLOCK_S, num_warps, heads_per_program and superblock given. q and k are
+(b, h, s, d) tensors; with ``--layouts bshd`` views of (b, s, h, d) memory, as ``rope.py``'s posenc-triton-bshd.
 Before anything is timed, each configuration's output must equal the default's bit for bit (the tiling does not
 change the arithmetic) or, where the compiler rounds differently, be within the dtype's tolerance of the float64
 reference (reported). The cases take turns rep by rep with ``copy`` (clone() of q and k) and the default plan, which
@@ -14,8 +16,9 @@ must move over the p50. On CUDA the GPU's clock by default (``common.measure_int
 
     python benchmarks/triton_tune.py --device cuda --seq 16384 --csv docs/results/rope_gpu_tune.csv
 
-On a machine without a GPU it runs under the Triton interpreter (TRITON_INTERPRET=1, set before posenc is
-imported) on CPU tensors: that checks the configurations and the script, and its times mean nothing.
+On a machine without a GPU, ``TRITON_INTERPRET=1 python benchmarks/triton_tune.py --device cpu ...`` (the variable
+set by the caller, before posenc is imported) runs it under the Triton interpreter on CPU tensors: that checks the
+configurations and the script, and its times mean nothing.
 """
 
 from __future__ import annotations
@@ -26,7 +29,15 @@ from pathlib import Path
 
 import torch
 
-from common import add_clock_argument, chosen_clock, environment, measure_interleaved, rows_against_copy, write_rows
+from common import (
+    add_clock_argument,
+    at_least,
+    chosen_clock,
+    environment,
+    measure_interleaved,
+    rows_against_copy,
+    write_rows,
+)
 from posenc.kernels.launch import triton_plans
 from posenc.testing import assert_close, random_qk, rope_reference
 from rope import DTYPES, HEAD_DIM, HEADS_K, HEADS_Q, tables
@@ -37,7 +48,6 @@ def rotation(
     k,
     cos,
     sin,
-    layout: str,
     interleaved: bool,
     block_s: int | None,
     num_warps: int | None,
@@ -50,7 +60,7 @@ def rotation(
     def run() -> list[torch.Tensor]:
         outs = [torch.empty_like(q), torch.empty_like(k)]
         plans = triton_plans(
-            [q, k], outs, cos, sin, None, None, 0, None, layout, interleaved, False, True,
+            [q, k], outs, cos, sin, None, None, 0, None, "broadcast", interleaved, False, True,
             block_s=block_s, num_warps=num_warps, heads_per_program=heads, superblock=superblock,
         )  # fmt: skip
         for plan in plans:
@@ -60,28 +70,25 @@ def rotation(
     return run
 
 
-def check(cases: dict, q: torch.Tensor, k: torch.Tensor, layout: str, interleaved: bool, label: str) -> None:
+def check(cases: dict, q: torch.Tensor, k: torch.Tensor, interleaved: bool, label: str) -> None:
     """The default's output against the float64 reference (the dtype's tolerance), and every configuration's
-    against the default's, bit for bit; one off by more than rounding stops the run before anything is timed."""
-
-    def heads_first(x: torch.Tensor) -> torch.Tensor:
-        return x.transpose(1, 2) if layout == "bshd" else x
-
+    against the default's, bit for bit; one off by more than rounding stops the run before anything is timed.
+    q, k: (b, h, s, d)."""
     expected = cases["default"]()
-    positions = torch.arange(q.shape[1 if layout == "bshd" else 2], device=q.device)
+    positions = torch.arange(q.shape[2], device=q.device)
 
     def reference(x: torch.Tensor) -> torch.Tensor:
-        return rope_reference(heads_first(x), positions, interleaved=interleaved)
+        return rope_reference(x, positions, interleaved=interleaved)
 
     for x, out in zip((q, k), expected, strict=True):
-        assert_close(heads_first(out), reference(x), msg=f"default, {label}")
+        assert_close(out, reference(x), msg=f"default, {label}")
     for name, case in cases.items():
         if name in ("copy", "default"):
             continue
         outs = case()
         if not all(map(torch.equal, outs, expected)):
             for x, out in zip((q, k), outs, strict=True):
-                assert_close(heads_first(out), reference(x), msg=f"{name}, {label}")
+                assert_close(out, reference(x), msg=f"{name}, {label}")
             differ = sum(int((a != b).sum()) for a, b in zip(outs, expected, strict=True))
             print(f"{name} ({label}): {differ} values differ from the default's in rounding, within tolerance")
 
@@ -108,7 +115,7 @@ def main() -> None:
     )
     parser.add_argument("--q-heads", type=int, default=HEADS_Q, help=f"q heads ({HEADS_Q})")
     parser.add_argument("--k-heads", type=int, default=HEADS_K, help=f"k heads ({HEADS_K})")
-    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--reps", type=at_least(1), default=30)
     parser.add_argument(
         "--warmup",
         type=int,
@@ -129,18 +136,20 @@ def main() -> None:
         q, k = random_qk(
             args.batch, args.q_heads, args.k_heads, args.seq, HEAD_DIM, dtype=dtype, layout=layout, device=args.device
         )
+        if layout == "bshd":
+            q, k = q.transpose(1, 2), k.transpose(1, 2)  # (b, h, s, d) views, as Hugging Face's attention makes
         cos, sin = tables(args.seq, dtype, args.device)["half"]  # (s, d/2) float32, as RoPE keeps it
         cases = {
             "copy": lambda q=q, k=k: (q.clone(), k.clone()),
-            "default": rotation(q, k, cos, sin, layout, interleaved, None, None, None, None),
+            "default": rotation(q, k, cos, sin, interleaved, None, None, None, None),
         }
         for block_s, warps, heads, superblock in itertools.product(
             args.block_s, args.warps, args.heads, args.superblocks
         ):
             name = f"BLOCK_S={block_s} warps={warps} heads={heads}" + (f" super={superblock}" if superblock > 1 else "")
-            cases[name] = rotation(q, k, cos, sin, layout, interleaved, block_s, warps, heads, superblock)
+            cases[name] = rotation(q, k, cos, sin, interleaved, block_s, warps, heads, superblock)
         mode = f"fwd-{layout}" + ("-adjacent" if interleaved else "")
-        check(cases, q, k, layout, interleaved, f"{dtype_name} {mode}")
+        check(cases, q, k, interleaved, f"{dtype_name} {mode}")
         times = measure_interleaved(cases, reps=args.reps, device=args.device, clock=clock, warmup=args.warmup)
         shape = f"b={args.batch},hq={args.q_heads},hk={args.k_heads},s={args.seq},d={HEAD_DIM}"
         rows += rows_against_copy(

@@ -2,9 +2,11 @@
 # On a machine with a CUDA GPU: the issue's goal (RoPE forward at s = 16k, bf16 and fp32) first, then the kernel
 # tests with Triton compiled for the GPU (not interpreted), the kernel's configurations at 16k, the other GPU
 # benchmarks and the fuzz. Each step runs under its own time limit and a failing step is logged without stopping the
-# next, so one slow or broken step cannot cost the measurements; the limits add up to 560 s (a step that ignores
-# SIGINT is killed 10 s after its limit), inside one call of the device tool with room for the machine's start in a
-# 15-minute lease (6 min 17 s on the H200, 2026-12-04). It writes six files under $RESULTS: five CSVs and
+# next, so one slow or broken step cannot cost the measurements; the limits add up to 560 s, inside one call of the
+# device tool with room for the machine's start in a 15-minute lease (6 min 17 s on the H200, 2026-12-04). A step
+# that ignores SIGINT is killed 10 s after its limit, so every limit is also cut to what is left of the script's
+# GPU_CHECK_SECONDS (575; 30 s of it kept for the verdict, the last step): nine such kills no longer overrun the
+# call's timeout_s=595. It writes six files under $RESULTS: five CSVs and
 # gpu_check.log. The exit status is 1 where any step failed (every step still runs, and its files stay).
 # Needs torch with CUDA, triton, pytest, hypothesis and transformers; posenc itself is read from src/.
 # Liger and flash-attention join the comparison when importable: scripts/gpu_prepare.sh puts them in .gpu/site.
@@ -23,9 +25,20 @@ $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA
   exit 1
 
 failed=0
+deadline=$(($(date +%s) + ${GPU_CHECK_SECONDS:-575}))
+reserve=30 # seconds kept for the verdict; 0 for the verdict itself
 step() { # step SECONDS NAME COMMAND...
-  local limit=$1 name=$2 status
+  local limit=$1 name=$2 status left
   shift 2
+  left=$((deadline - reserve - 10 - $(date +%s))) # 10: the kill's grace after SIGINT
+  if [ "$left" -lt "$limit" ]; then
+    limit=$left
+  fi
+  if [ "$limit" -le 0 ]; then
+    echo "=== $name SKIPPED: the script's ${GPU_CHECK_SECONDS:-575} s are spent"
+    failed=1
+    return
+  fi
   echo "=== $name (limit ${limit} s) $(date -u +%H:%M:%S)"
   timeout -s INT -k 10 "$limit" "$@"
   status=$?
@@ -76,6 +89,7 @@ step() { # step SECONDS NAME COMMAND...
   step 40 "fuzz, Triton compiled for the GPU" env POSENC_TRITON_NATIVE=1 TRITON_INTERPRET=0 \
     $PY -m pytest -q tests/kernels/test_rope_fuzz.py -p no:cacheprovider -k triton -rf
   # The verdict last, so that it is in the tail the device tool returns.
+  reserve=0
   step 20 "the goal's verdict" $PY scripts/gpu_goal.py "$RESULTS/rope_gpu_16k.csv"
   echo "=== done $(date -u +%H:%M:%S); a step failed: $failed"
   exit "$failed" # the block's status, and with pipefail the script's: tee's would be 0

@@ -9,6 +9,7 @@ model's logits are compared with the unpatched model's as the test does, and a m
 
 from __future__ import annotations
 
+import argparse
 import copy
 import importlib.util
 import sys
@@ -23,6 +24,8 @@ from posenc.interop.patch import patch_model
 
 
 def main() -> None:
+    # No options: parsed so that --help (or a typo) prints this and stops, where it ran the whole script.
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     path = Path(__file__).parents[1] / "tests" / "interop" / "test_patch_architectures.py"
     spec = importlib.util.spec_from_file_location("patch_scan", path)
     scan = importlib.util.module_from_spec(spec)

@@ -8,6 +8,7 @@ installed, transformers' float32 vector beside it, so a reviewer can see both. R
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -62,6 +63,8 @@ def transformers_inv_freq(case: dict) -> list[float] | None:
 
 
 def main() -> None:
+    # No options: parsed so that --help (or a typo) prints this and stops, where it ran the whole script.
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     out = []
     for case in CASES:
         spec = parse_rope_parameters(

@@ -24,6 +24,7 @@ from typing import ClassVar
 import pytest
 import torch
 
+from posenc import apply_rotary_qk
 from posenc.kernels import huge_pages
 from posenc.testing import torch_threads
 
@@ -526,7 +527,18 @@ def test_commit_stamp_marks_a_tree_that_differs_from_head(tmp_path: Path, monkey
 def test_kernel_ab_builds_a_revision_and_runs_it_beside_the_tree(tmp_path: Path) -> None:
     out = tmp_path / "ab.csv"
     _run("cpu_kernel_ab.py", "--baseline", "HEAD", "--seq", "16", "--dtypes", "bf16", "--reps", "2", "--csv", str(out))
-    assert {r["provider"] for r in _rows(out)} == {"copy", "kernel@HEAD", "kernel@tree"}
+    # Labelled by hash, as decode_host_ab.py labels its rows: "kernel@HEAD" named no kernel once HEAD moved.
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    assert {r["provider"] for r in _rows(out)} == {"copy", f"kernel@{head.strip()}", "kernel@tree"}
+    refused = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "cpu_kernel_ab.py"), "--baseline", "no-such-revision"],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert refused.returncode != 0 and "--baseline 'no-such-revision' is not a commit" in refused.stderr
 
 
 @pytest.mark.skipif(not _in_git(), reason="decode_host_ab.py unpacks the baseline's src from git")
@@ -584,6 +596,50 @@ def test_triton_tune_checks_and_times_every_configuration(tmp_path: Path) -> Non
     assert {(r["provider"], r["mode"]) for r in rows} == {(p, m) for p in {"copy", "default"} | configs for m in modes}
     assert all("clock=host" in r["device"] and r["gb_per_s"] != "" for r in rows)
     assert {r["shape"] for r in rows} == {"b=1,hq=8,hk=4,s=8,d=128"}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_triton_tune_times_the_launch_that_rope_py_times(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tuner planned its launches for a table read at offset 0 (the kernel specialized with CHECK_ROWS, a bound
+    on every cos/sin row), where rope.py's posenc-triton, which the goal judges, calls apply_rotary_qk(q, k, cos,
+    sin) with broadcast cos/sin: its default row was another kernel than the one it is the baseline of."""
+    from posenc.kernels import triton_rope
+    from posenc.testing import random_qk
+
+    tune, rope = _benchmark("triton_tune"), _benchmark("rope")
+    plans: list = []
+    monkeypatch.setattr(triton_rope, "launch", plans.append)
+    for layout in ("bhsd", "bshd"):
+        q, k = random_qk(1, 2, 1, 8, 128, dtype=torch.bfloat16, layout=layout)
+        if layout == "bshd":
+            q, k = q.transpose(1, 2), k.transpose(1, 2)  # as triton_tune.py and rope.py's posenc-triton-bshd
+        cos, sin = rope.tables(8, torch.bfloat16, "cpu")["half"]
+        plans.clear()
+        apply_rotary_qk(q, k, cos, sin, backend="triton")
+        tune.rotation(q, k, cos, sin, False, None, None, None, None)()
+        (ours, tuned) = plans
+        assert (ours.grid, ours.constants, ours.options) == (tuned.grid, tuned.constants, tuned.options)
+        assert not tuned.constants["CHECK_ROWS"]
+
+
+def test_counts_of_zero_are_refused_by_the_parser() -> None:
+    """--reps 0 passed the parser and failed in statistics after the setup; rope_module.py's --prefill 0 decoded at
+    offset -1."""
+    for script, args in (
+        ("rope.py", ["--reps", "0"]),
+        ("rope_module.py", ["--prefill", "0"]),
+        ("rope_module.py", ["--reps", "30", "0"]),
+        ("lab_throughput.py", ["--reps", "0"]),
+    ):
+        done = subprocess.run(
+            [sys.executable, str(ROOT / "benchmarks" / script), *args],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 2 and "must be at least 1, got 0" in done.stderr, (script, done.stderr[-500:])
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
