@@ -536,6 +536,14 @@ def test_attend_refuses_a_query_that_may_attend_no_key() -> None:
     assert attend(q[:, :, :0], k, v, causal_mask(0, 3, q.device), None)[0].shape == (2, 1, 0, 4)
 
 
+def test_a_step_past_the_int64_limit_says_the_position_wrapped() -> None:
+    """The step after a cached position 2**63 - 1 wraps negative; the error said only "got a negative entry"."""
+    attention, cache = CausalSelfAttention(16, 2, encoding=posenc.build("rope", 8)), KVCache()
+    attention(torch.randn(1, 2, 16), cache=cache, positions=torch.tensor([2**63 - 2, 2**63 - 1]))
+    with pytest.raises(ValueError, match=r"A position past 2\*\*63 - 1 wraps negative in int64"):
+        attention(torch.randn(1, 1, 16), cache=cache)
+
+
 def test_a_cache_left_empty_by_a_refused_step_serves_another_layer() -> None:
     """Layer a is refused before it adds anything: the cache stays empty, and layer b may fill it and continue."""
     a, b = (CausalSelfAttention(16, 2, encoding=posenc.build("rope", 8)) for _ in range(2))

@@ -399,7 +399,8 @@ class KVCache:
         if readable and positions.numel() and host_min_max(positions)[0] < 0:
             raise ValueError(
                 "positions must be >= 0 (the cached keys' token positions), got a negative entry; number the tokens "
-                "from 0 (posenc.positions_from_document_ids for packed documents)"
+                "from 0 (posenc.positions_from_document_ids for packed documents). A position past 2**63 - 1 wraps "
+                "negative in int64: one after a cached position at the int64 limit does"
             )
         self.check_batch(k.shape[0], what="k")
         if held is None:

@@ -67,3 +67,15 @@ def test_positions_move_to_the_encoding_like_ropes_do(name):
         bias = encoding.score_bias(*pair)
         assert bias.device.type == "meta" and bias.shape == (1, 4, 3, 5)
     assert encoding.bias(3, 5, offset=2).device.type == "meta"
+
+
+@pytest.mark.parametrize("name", list(BIASES))
+def test_bias_takes_queries_up_to_the_int64_limit(name):
+    """The last query at 2**63 - 1 passed the offset's check, then arange(offset, offset + q_len) failed inside torch
+    ("value cannot be converted to type int64_t without overflow"): its end is one past the last query."""
+    enc = BIASES[name]()
+    last = 2**63 - 1
+    want = enc.score_bias(torch.tensor([last - 1, last]), torch.arange(3))[0]
+    assert torch.equal(enc.bias(2, 3, offset=last - 1), want)
+    with pytest.raises(ValueError, match="must fit in int64"):
+        enc.bias(2, 3, offset=last)

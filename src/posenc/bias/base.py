@@ -89,6 +89,7 @@ class ScoreBias(nn.Module):
         )
         int64_int("the last query's position, offset + q_len - 1,", offset + q_len - 1)
         device = self._device()
-        q = torch.arange(offset, offset + q_len, device=device)
+        # arange(offset, offset + q_len): its end, one past the last query, overflowed int64 where the last fits.
+        q = torch.arange(q_len, device=device) + offset
         k = torch.arange(k_len, device=device)
         return self.score_bias(q[None], k[None])[0]
