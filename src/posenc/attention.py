@@ -894,7 +894,8 @@ def _check_keys_per_query(allowed: torch.Tensor, s: int, t: int) -> None:
     sync); checked with the computation where values may not be read."""
     message = (
         "allowed leaves a query with no key to attend (a row that is False for every key), whose attention is "
-        "undefined (zeros or NaN); let every query see at least one key, as causal_mask(s, t) with s <= t does"
+        "undefined (zeros or NaN); let every query see at least one key, a padding query too (itself: "
+        "causal_mask(s, t, device, document_ids) with s <= t does, padding given its own document id)"
     )
     if s == 0:
         return
