@@ -92,7 +92,7 @@ def make_cases(libraries: dict, dtype: torch.dtype, seq: int, *, inplace: bool, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline", required=True, help="git revision whose cpu_rope.cpp is the baseline")
-    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--seq", type=at_least(1), default=4096)
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16", "fp16"], choices=list(DTYPES))
     parser.add_argument("--reps", type=at_least(1), default=40)
     parser.add_argument("--inplace", action="store_true")

@@ -96,25 +96,29 @@ def check(cases: dict, q: torch.Tensor, k: torch.Tensor, interleaved: bool, labe
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
-    parser.add_argument("--seq", type=int, default=16384)
-    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--seq", type=at_least(1), default=16384)
+    parser.add_argument("--batch", type=at_least(1), default=1)
     parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=list(DTYPES))
     parser.add_argument("--layouts", nargs="+", default=["bhsd", "bshd"], choices=["bhsd", "bshd"])
     parser.add_argument(
         "--pairs", nargs="+", default=["half"], choices=["half", "adjacent"], help="split-half or adjacent pairs"
     )
-    parser.add_argument("--block-s", type=int, nargs="+", default=[8, 16, 32, 64, 128], help="tokens per program")
-    parser.add_argument("--warps", type=int, nargs="+", default=[1, 2, 4, 8], help="warps per program")
-    parser.add_argument("--heads", type=int, nargs="+", default=[1], help="heads per program (sharing cos/sin loads)")
+    parser.add_argument(
+        "--block-s", type=at_least(1), nargs="+", default=[8, 16, 32, 64, 128], help="tokens per program"
+    )
+    parser.add_argument("--warps", type=at_least(1), nargs="+", default=[1, 2, 4, 8], help="warps per program")
+    parser.add_argument(
+        "--heads", type=at_least(1), nargs="+", default=[1], help="heads per program (sharing cos/sin loads)"
+    )
     parser.add_argument(
         "--superblocks",
-        type=int,
+        type=at_least(1),
         nargs="+",
         default=[1],
         help="token blocks every head group covers before the next ones (1: head groups fastest)",
     )
-    parser.add_argument("--q-heads", type=int, default=HEADS_Q, help=f"q heads ({HEADS_Q})")
-    parser.add_argument("--k-heads", type=int, default=HEADS_K, help=f"k heads ({HEADS_K})")
+    parser.add_argument("--q-heads", type=at_least(1), default=HEADS_Q, help=f"q heads ({HEADS_Q})")
+    parser.add_argument("--k-heads", type=at_least(1), default=HEADS_K, help=f"k heads ({HEADS_K})")
     parser.add_argument("--reps", type=at_least(1), default=30)
     parser.add_argument(
         "--warmup",

@@ -534,14 +534,28 @@ def test_attend_refuses_a_query_that_may_attend_no_key() -> None:
     assert_close(compiled(causal_mask(3, 3, q.device)), attend(q, k, v, causal_mask(3, 3, q.device), None)[0])
     # No queries: nothing to refuse.
     assert attend(q[:, :, :0], k, v, causal_mask(0, 3, q.device), None)[0].shape == (2, 1, 0, 4)
+    # A mask batched by vmap has no values to read there: attended as before, not refused by torch's "data-dependent
+    # control flow" error; a plain mask beside vmapped q is still checked.
+    masks = causal_mask(3, 3, q.device).expand(5, 3, 3)
+    batched = torch.func.vmap(lambda m: attend(q, k, v, m, None)[0])(masks)
+    assert torch.equal(batched[2], attend(q, k, v, causal_mask(3, 3, q.device), None)[0])
+    with pytest.raises(ValueError, match="allowed leaves a query with no key"):
+        torch.func.vmap(lambda x: attend(x, k, v, blind, None)[0])(q.expand(5, *q.shape))
 
 
 def test_a_step_past_the_int64_limit_says_the_position_wrapped() -> None:
-    """The step after a cached position 2**63 - 1 wraps negative; the error said only "got a negative entry"."""
+    """The step after a cached position 2**63 - 1 wraps negative, and the layer said only "got a negative entry"."""
     attention, cache = CausalSelfAttention(16, 2, encoding=posenc.build("rope", 8)), KVCache()
-    attention(torch.randn(1, 2, 16), cache=cache, positions=torch.tensor([2**63 - 2, 2**63 - 1]))
-    with pytest.raises(ValueError, match=r"A position past 2\*\*63 - 1 wraps negative in int64"):
-        attention(torch.randn(1, 1, 16), cache=cache)
+    attention(torch.randn(1, 2, 16), cache=cache, positions=torch.tensor([2**63 - 3, 2**63 - 2]))
+    assert cache.next_positions(1).tolist() == [[2**63 - 1]]
+    with pytest.raises(ValueError, match=r"wrap negative past 2\*\*63 - 1"):
+        attention(torch.randn(1, 2, 16), cache=cache)
+    with pytest.raises(ValueError, match=r"wrap negative past 2\*\*63 - 1"):
+        cache.update(torch.randn(1, 2, 2, 4), torch.randn(1, 2, 2, 4), torch.tensor([[-(2**63), -(2**63) + 1]]))
+    # A negative position of the caller's own, far from the limit: no word of wrapping.
+    own = r"got a negative entry; number the tokens from 0 \(posenc\.[a-z_]+ for [a-z ]+\)$"
+    with pytest.raises(ValueError, match=own):
+        KVCache().update(torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4), torch.tensor([[-1]]))
 
 
 def test_a_cache_left_empty_by_a_refused_step_serves_another_layer() -> None:

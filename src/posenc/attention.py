@@ -27,6 +27,7 @@ from posenc._checks import (
     attention_inputs,
     autocast_off,
     autocast_on,
+    compiling,
     encoding_heads,
     fake_mode_active,
     flag,
@@ -211,6 +212,8 @@ class KVCache:
         token's index within its document instead: a token of the row's last cached document continues its
         positions, one of another document starts at 0 (as ``positions_from_document_ids`` counts a whole row). What
         ``CausalSelfAttention`` uses when given no positions, and what ``add_input_encoding`` needs in a decoding loop.
+        Not read on the host (a decode step's cost): past 2**63 - 1 they wrap negative, which every posenc consumer
+        refuses (the attention's error then says they wrapped).
         """
         seq_len = integer("seq_len", seq_len, low=0, expected="an int >= 0 (the number of new tokens)", symbolic=True)
         if document_ids is not None:
@@ -229,6 +232,16 @@ class KVCache:
             return torch.arange(seq_len, device=device)[None]
         steps = torch.arange(1, seq_len + 1, dtype=torch.long, device=self.positions.device)
         return self.positions[:, -1:] + steps
+
+    def _wrap_hint(self, positions: torch.Tensor) -> str:
+        """For the error on negative positions: where the cache's last position is within their count of 2**63 - 1,
+        that they may have wrapped past it (an error path: the read's cost does not matter)."""
+        held = self.positions
+        if held is None or not held.numel() or held.device.type == "meta":
+            return ""
+        if host_min_max(held[:, -1:])[1] <= 2**63 - 1 - positions.shape[1]:
+            return ""
+        return "; positions after the last cached one, at the int64 limit, wrap negative past 2**63 - 1"
 
     def crop(self, length: int) -> None:
         """Keep the first ``length`` cached tokens and drop the rest: a rejected speculative draft, a beam cut back.
@@ -399,8 +412,7 @@ class KVCache:
         if readable and positions.numel() and host_min_max(positions)[0] < 0:
             raise ValueError(
                 "positions must be >= 0 (the cached keys' token positions), got a negative entry; number the tokens "
-                "from 0 (posenc.positions_from_document_ids for packed documents). A position past 2**63 - 1 wraps "
-                "negative in int64: one after a cached position at the int64 limit does"
+                "from 0 (posenc.positions_from_document_ids for packed documents)" + self._wrap_hint(positions)
             )
         self.check_batch(k.shape[0], what="k")
         if held is None:
@@ -901,6 +913,10 @@ def _check_keys_per_query(allowed: torch.Tensor, s: int, t: int) -> None:
         return
     if t == 0:
         raise ValueError(message)
+    if not compiling() and torch._C._functorch.is_functorch_wrapped_tensor(allowed):
+        # A mask batched by torch.func.vmap (or wrapped inside its grad) has no values to read, nor a batching rule
+        # for the assert: unchecked, as it was before, rather than torch's "data-dependent control flow" error.
+        return
     if values_readable(allowed.device):
         if not bool(replicated_values(allowed).any(-1).all()):
             raise ValueError(message)

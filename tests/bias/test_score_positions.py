@@ -73,9 +73,10 @@ def test_positions_move_to_the_encoding_like_ropes_do(name):
 def test_bias_takes_queries_up_to_the_int64_limit(name):
     """The last query at 2**63 - 1 passed the offset's check, then arange(offset, offset + q_len) failed inside torch
     ("value cannot be converted to type int64_t without overflow"): its end is one past the last query."""
-    enc = BIASES[name]()
     last = 2**63 - 1
-    want = enc.score_bias(torch.tensor([last - 1, last]), torch.arange(3))[0]
-    assert torch.equal(enc.bias(2, 3, offset=last - 1), want)
-    with pytest.raises(ValueError, match="must fit in int64"):
-        enc.bias(2, 3, offset=last)
+    for enc in (BIASES[name](), *([posenc.ALiBi(4, causal=True)] if name == "alibi" else [])):
+        want = enc.score_bias(torch.tensor([last - 1, last]), torch.arange(3))[0]
+        assert torch.equal(enc.bias(2, 3, offset=last - 1), want)  # every key before the queries: nothing masked
+        assert torch.equal(enc.bias(1, 3, offset=last), want[:, 1:])
+        with pytest.raises(ValueError, match="must fit in int64"):
+            enc.bias(2, 3, offset=last)

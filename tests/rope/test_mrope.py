@@ -126,10 +126,12 @@ def test_cos_sin_function_checks_its_positions_as_the_module_does() -> None:
     inv = MRoPE(16, mrope_section=[2, 3, 3]).frequencies(None)[0]
     ids = torch.randint(0, 30, (3, 1, 10))
     with_text = torch.cat([torch.arange(10)[None, None], ids])
-    for bad in (with_text, ids[:2], torch.arange(10)[:, None], ids[0]):
-        with pytest.raises(ValueError, match=re.escape("positions must be (3, b, s)")):
+    for bad in (with_text, ids[:2], torch.arange(10)[:, None], ids[0], ids[None]):
+        with pytest.raises(ValueError, match=re.escape("positions must be (3, b, s) or (3, s)")):
             mrope_cos_sin(bad, inv, [2, 3, 3])
     assert torch.equal(mrope_cos_sin(with_text[1:], inv, [2, 3, 3])[0], mrope_cos_sin(ids, inv, [2, 3, 3])[0])
+    # vLLM's (3, n) ids, as docs/porting.md passes them: (n, r/2).
+    assert torch.equal(mrope_cos_sin(ids[:, 0], inv, [2, 3, 3])[0], mrope_cos_sin(ids, inv, [2, 3, 3])[0][0])
     with pytest.raises(ValueError, match="positions must be >= 0"):
         mrope_cos_sin(ids - 100, inv, [2, 3, 3])
     with pytest.raises(TypeError, match="positions must hold integer positions"):

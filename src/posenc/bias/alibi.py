@@ -136,8 +136,9 @@ class ALiBi(ScoreBias):
         bias = super().bias(q_len, k_len, offset=offset)
         if not self.causal:
             return bias
-        # Key n is after query m = offset + i exactly where n - i > offset.
-        future = torch.ones(q_len, k_len, dtype=torch.bool, device=bias.device).triu(diagonal=offset + 1)
+        # Key n is after query m = offset + i exactly where n - i > offset; none is past k_len - 1 (and offset + 1
+        # overflowed triu's int64 at the last position).
+        future = torch.ones(q_len, k_len, dtype=torch.bool, device=bias.device).triu(diagonal=min(offset + 1, k_len))
         return bias.masked_fill(future, float("-inf"))
 
     def extra_repr(self) -> str:

@@ -142,26 +142,30 @@ def mrope_cos_sin(
     *,
     layout: MRopeLayout = "sections",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions: (3, b, s) integer, >= 0 (temporal, height, width: transformers 5's (4, b, s) ids without their
-    first, text row); inv_freq: (r/2,) float64. Returns cos, sin: (b, s, r/2) in ``dtype``.
+    """positions: (3, b, s) or (3, s) integer, >= 0 (temporal, height, width: transformers 5's (4, b, s) ids without
+    their first, text row; vLLM's (3, n)); inv_freq: (r/2,) float64. Returns cos, sin: (b, s, r/2) (or (s, r/2)) in
+    ``dtype``. Negative ids are refused where that costs no device sync (CPU ids), as the Hugging Face path this
+    serves on every forward reads no values on a GPU.
 
     Angles are taken in float64, as in ``angles_to_cos_sin``; each pair reads its own axis' positions.
     """
-    int_tensor("positions", positions, host_read=True)
-    if positions.dim() != 3 or positions.shape[0] != AXES:
+    int_tensor("positions", positions)
+    if positions.dim() not in (2, 3) or positions.shape[0] != AXES:
         # Unchecked, (4, b, s) ids were read as t, h, w from their first three rows (wrong angles, no error), and
         # text ids (n, 1) came back as cos (1, r/2) that failed later in a broadcast.
         raise ValueError(
-            f"positions must be (3, b, s) (temporal, height, width ids), got shape {tuple(positions.shape)}; from "
-            "transformers' (4, b, s) ids pass positions[1:], and text ids (b, s) as ids.expand(3, b, s)"
+            f"positions must be (3, b, s) or (3, s) (temporal, height, width ids), got shape "
+            f"{tuple(positions.shape)}; from transformers' (4, b, s) ids pass positions[1:], and text ids (b, s) as "
+            "ids.expand(3, b, s)"
         )
     float_tensor("inv_freq", inv_freq)
     if inv_freq.dim() != 1:
         raise ValueError(f"inv_freq must be (r/2,), one frequency per pair, got shape {tuple(inv_freq.shape)}")
-    if positions.numel():
+    # Plain CPU ids only, outside torch.func's transforms (a vmapped tensor has no values to read).
+    if positions.numel() and type(positions) is torch.Tensor and positions.is_cpu:
         negative = "positions must be >= 0 (token positions), got a negative entry"
         if values_readable(positions.device):
-            if host_min_max(positions)[0] < 0:
+            if not torch._C._are_functorch_transforms_active() and host_min_max(positions)[0] < 0:
                 raise ValueError(negative)
         else:
             assert_without_sync(positions >= 0, negative)
