@@ -224,3 +224,38 @@ def test_a_parameter_holding_the_head_counts_slopes_is_recomputed_in_float64_by_
 
 def test_repr_names_the_settings():
     assert repr(posenc.ALiBi(4, causal=False)) == "ALiBi(num_heads=4, causal=False)"
+
+
+def test_assigned_slopes_are_saved_and_loaded_the_head_counts_are_not():
+    """A tensor-parallel rank's slopes (README: ALiBi(j - i) with alibi_slopes(h)[i:j]) were a non-persistent buffer:
+    a model reloaded from its state dict attended with the slopes of a model of j - i heads, without a word."""
+    torch.manual_seed(0)
+    rank = posenc.ALiBi(2)
+    rank.slopes = posenc.alibi_slopes(8)[2:4]
+    saved = posenc.CausalSelfAttention(16, 2, encoding=rank)
+    x = torch.randn(1, 6, 16)
+    for state in (saved.state_dict(), {k: v.clone() for k, v in saved.state_dict().items()}):
+        loaded = posenc.CausalSelfAttention(16, 2, encoding=posenc.ALiBi(2))
+        loaded.load_state_dict(state)
+        assert torch.equal(loaded.encoding.slopes, rank.slopes) and torch.equal(loaded(x), saved(x))
+    assert torch.equal(saved.state_dict()["encoding.slopes"], posenc.alibi_slopes(8)[2:4])
+    # The head count's own stay out of the state, as before: states saved before this load, and none changes.
+    assert "slopes" not in posenc.ALiBi(4).state_dict() and "slopes" not in posenc.ALiBi(4).double().state_dict()
+    kept = posenc.ALiBi(2)
+    kept.slopes = posenc.alibi_slopes(8)[2:4].clone()
+    kept.load_state_dict(posenc.ALiBi(2).state_dict())
+    assert torch.equal(kept.slopes, posenc.alibi_slopes(8)[2:4])  # nothing saved: assigned slopes stay
+    # Into a float64 module: the saved float32 values, in float64; another head count is refused by name.
+    wide = posenc.ALiBi(2).double()
+    wide.load_state_dict(rank.state_dict())
+    assert wide.slopes.dtype == torch.float64 and torch.equal(wide.slopes, rank.slopes.double())
+    with pytest.raises(RuntimeError, match="ALiBi slopes saved with shape \\(2,\\), but this ALiBi has num_heads=3"):
+        posenc.ALiBi(3).load_state_dict(rank.state_dict())
+    # A learned Parameter's state loads into assigned-slope buffers and back.
+    learned = posenc.ALiBi(2)
+    learned.slopes = torch.nn.Parameter(torch.tensor([0.5, 0.25]))
+    plain = posenc.ALiBi(2)
+    plain.load_state_dict(learned.state_dict())
+    assert torch.equal(plain.slopes, torch.tensor([0.5, 0.25]))
+    learned.load_state_dict(rank.state_dict())
+    assert torch.equal(learned.slopes.detach(), rank.slopes)

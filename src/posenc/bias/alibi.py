@@ -75,7 +75,9 @@ class ALiBi(ScoreBias):
     To keep packed documents apart, give the attention ``document_ids``.
     """
 
-    slopes: torch.Tensor  # (h,) float32, a buffer (not saved: recomputed from num_heads)
+    # (h,) float32, a buffer: the head count's own are not saved (recomputed from num_heads); assigned ones are, as
+    # "slopes" (_save_to_state_dict).
+    slopes: torch.Tensor
 
     def __init__(self, num_heads: int, *, causal: bool = True) -> None:
         super().__init__()
@@ -108,6 +110,47 @@ class ALiBi(ScoreBias):
         elif "slopes" in self._buffers:  # a Parameter stays the tensor its optimizer holds, cast as any other
             self._buffers["slopes"] = target.to(device=slopes.device, dtype=torch.float32)
         return self
+
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        # Assigned slopes (a tensor-parallel rank's heads of the whole model) are saved under "slopes", the key a
+        # learned Parameter has: unsaved, a model reloaded from its state dict attended with the slopes of a model
+        # of num_heads heads, without a word. The head count's own stay out, as they always were (recomputed).
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        slopes = self._buffers.get("slopes")
+        if slopes is not None and not _standard(slopes.detach(), self.num_heads):
+            destination[prefix + "slopes"] = slopes if keep_vars else slopes.detach()
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        key, slopes = prefix + "slopes", self._buffers.get("slopes")
+        if key not in state_dict or slopes is None:
+            return  # none saved: the head count's (or a Parameter's, loaded above); assigned ones stay as they are
+        if key in unexpected_keys:
+            unexpected_keys.remove(key)
+        saved = state_dict[key]
+        if not isinstance(saved, torch.Tensor) or saved.shape != (self.num_heads,):
+            got = tuple(saved.shape) if isinstance(saved, torch.Tensor) else type(saved).__name__
+            error_msgs.append(
+                f"size mismatch for {key}: ALiBi slopes saved with shape {got}, but this ALiBi has "
+                f"num_heads={self.num_heads}; build it with the saved model's head count"
+            )
+            return
+        with torch.no_grad():
+            if slopes.shape == saved.shape:
+                slopes.copy_(saved)  # in the buffer's dtype and device, as a cast would keep them
+            else:  # assigned slopes of another count, which head_slopes refuses: replaced
+                self._buffers["slopes"] = saved.detach().to(device=slopes.device, dtype=slopes.dtype)
 
     def score_bias(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
         """q_positions: (b, sq) or (sq,), k_positions: (b, sk) or (sk,) integer, on any device (moved to the
