@@ -573,6 +573,34 @@ def test_a_registered_rope_type_is_an_extension_in_the_process_that_registered_i
         WITHOUT_EXAMPLE.update(saved[2])
 
 
+def test_ctrl_c_a_library_turns_into_another_error_is_still_an_interrupt(tiny_config, tmp_path, monkeypatch, capsys):
+    """Ctrl-C inside safetensors' read came out as torch's "ValueError: could not determine the shape of object type
+    'torch.storage.UntypedStorage'" (a third of tries): a traceback and exit 1, where the interrupt's message and 130
+    belong. The same error with no Ctrl-C stays an error."""
+    import os
+    import signal
+
+    def turned(*args, **kwargs):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            pytest.fail("SIGINT did not reach the run")
+        except KeyboardInterrupt:
+            raise ValueError("could not determine the shape of object type 'torch.storage.UntypedStorage'") from None
+
+    def plain(*args, **kwargs):
+        raise ValueError("a bug")
+
+    before = signal.getsignal(signal.SIGINT)
+    overrides = {k: v for k, v in vars(tiny_config(encodings=("nope",), extensions=())).items()}
+    monkeypatch.setattr(runner, "train", turned)
+    assert runner.run_command(preset="quick", out=tmp_path / "r", overrides=overrides, progress=False) == 130
+    assert "interrupted; every finished run is saved" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGINT) is before  # given back
+    monkeypatch.setattr(runner, "train", plain)
+    with pytest.raises(ValueError, match="a bug"):
+        runner.run_command(preset="quick", out=tmp_path / "r", overrides=overrides, progress=False)
+
+
 def test_sigterm_is_left_to_its_default_under_torchrun(tiny_config, tmp_path, monkeypatch):
     """A rank blocked in a collective runs no Python handler until the collective times out (30 min for gloo):
     SIGTERM's default, which ends it at once, stays under torchrun (WORLD_SIZE > 1)."""
@@ -594,7 +622,7 @@ def test_sigterm_is_left_to_its_default_under_torchrun(tiny_config, tmp_path, mo
     monkeypatch.setattr(runner, "train", interrupt)
     overrides = {k: v for k, v in vars(tiny_config(encodings=("nope",), extensions=())).items()}
     assert runner.run_command(preset="quick", out=tmp_path / "r", overrides=overrides, progress=False) == 130
-    assert seen == [signal.getsignal(signal.SIGTERM)] and seen[0] is not runner._interrupted_by_sigterm
+    assert seen == [signal.getsignal(signal.SIGTERM)] and getattr(seen[0], "__qualname__", "").find("run_command") < 0
 
 
 def test_a_folder_of_another_configuration_is_refused(finished):
@@ -715,6 +743,24 @@ def test_a_copied_unit_of_other_settings_is_refused_by_name(finished, tmp_path, 
     status = runner.run_command(preset="quick", out=copy, overrides=vars(config), progress=False)
     assert status == 2
     assert f"posenc lab: error: {metrics} belongs to another configuration" in capsys.readouterr().err
+
+
+def test_another_units_metrics_or_a_file_without_results_is_refused_by_name(finished, tmp_path, capsys):
+    """alibi's metrics.json copied into nope's folder put alibi's rows in the tables where nope's belong (the rows
+    are built from the unit the file names); a file without "eval" met a bare KeyError."""
+    config, out, _ = finished
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    metrics = copy / "runs" / "nope" / "seed0" / "metrics.json"
+    shutil.copyfile(copy / "runs" / "alibi" / "seed0" / "metrics.json", metrics)
+    assert runner.run_command(preset="quick", out=copy, overrides=vars(config), progress=False) == 2
+    said = capsys.readouterr().err
+    assert f"posenc lab: error: {metrics} holds the metrics of 'alibi', not of 'nope'" in said
+    fine = store.read_json(out / "runs" / "nope" / "seed0" / "metrics.json")
+    for broken in ({k: v for k, v in fine.items() if k != "eval"}, {**fine, "eval": {"64": 1}}):
+        store.write_json(metrics, broken)
+        assert runner.run_command(preset="quick", out=copy, overrides=vars(config), progress=False) == 2
+        assert f'{metrics} has no list of results by length under "eval"' in capsys.readouterr().err
 
 
 def test_a_fine_tune_asked_for_extensions_that_take_none_is_noted(tiny_config, tmp_path):

@@ -489,6 +489,19 @@ class Lab:
         unit_metrics = store.read_json(done)
         if unit_metrics.get("config_id") != self.config_id:
             raise store.RunFolderError(f"{done} belongs to another configuration; delete it or use another --out")
+        # The unit it describes: the rows are built from it, so another unit's file (copied by hand) put its
+        # rows where this unit's belong, under its own name. And its results, which met a bare KeyError.
+        if unit_metrics.get("unit") != dataclasses.asdict(unit):
+            raise store.RunFolderError(
+                f"{done} holds the metrics of {unit_metrics.get('name', 'another unit')!r}, not of {unit.name!r} "
+                "whose folder it is in; delete it and the unit is evaluated again"
+            )
+        evals = unit_metrics.get("eval")
+        if not isinstance(evals, list) or not all(isinstance(r, dict) for r in evals):
+            raise store.RunFolderError(
+                f"{done} has no list of results by length under \"eval\", which the lab writes; it was cut short or "
+                "changed since: delete it and the unit is evaluated again"
+            )
         weights = done.parent / "model.safetensors"
         if unit.encoding == "rope" and not unit.reads_trained_rope and not weights.exists():
             # Unfinished extensions of this seed rebuild this model from its weights: it is trained again for them
@@ -884,23 +897,38 @@ def run_command(
         # One process only: a rank waiting in a collective would run no Python handler until the collective timed
         # out, where SIGTERM's default ends it at once (torchrun sends it to every worker when one fails).
         alone = os.environ.get("WORLD_SIZE", "1") in ("", "1")
-        if alone and threading.current_thread() is threading.main_thread():
-            previous = signal.signal(signal.SIGTERM, _interrupted_by_sigterm)
-            group.callback(signal.signal, signal.SIGTERM, previous)
+        main_thread = threading.current_thread() is threading.main_thread()
+        interrupted = threading.Event()
+
+        def interrupt(signum: int, frame: Any) -> None:
+            interrupted.set()
+            raise KeyboardInterrupt
+
+        if main_thread:
+            # SIGINT as Python's own handler takes it, remembered: raised inside safetensors' read, the interrupt
+            # came out as torch's "ValueError: could not determine the shape of object type
+            # 'torch.storage.UntypedStorage'" (a third of tries), a traceback where Ctrl-C's message belongs.
+            group.callback(signal.signal, signal.SIGINT, signal.signal(signal.SIGINT, interrupt))
+        if alone and main_thread:
+            group.callback(signal.signal, signal.SIGTERM, signal.signal(signal.SIGTERM, interrupt))
         try:
             return _run_lab(group, preset, out, overrides, threads, device, progress, command, speaks, imports, figures)
+        except Exception:
+            if not interrupted.is_set():
+                raise
+            return _said_interrupted(out, speaks)
         except KeyboardInterrupt:
-            if speaks:
-                print(
-                    f"\nposenc lab: interrupted; every finished run is saved in {out}. "
-                    "Run the same command again to continue where it stopped.",
-                    file=sys.stderr,
-                )
-            return 130
+            return _said_interrupted(out, speaks)
 
 
-def _interrupted_by_sigterm(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
+def _said_interrupted(out: Path, speaks: bool) -> int:
+    if speaks:
+        print(
+            f"\nposenc lab: interrupted; every finished run is saved in {out}. "
+            "Run the same command again to continue where it stopped.",
+            file=sys.stderr,
+        )
+    return 130
 
 
 def _run_lab(
