@@ -541,6 +541,9 @@ def test_attend_refuses_a_query_that_may_attend_no_key() -> None:
     assert torch.equal(batched[2], attend(q, k, v, causal_mask(3, 3, q.device), None)[0])
     with pytest.raises(ValueError, match="allowed leaves a query with no key"):
         torch.func.vmap(lambda x: attend(x, k, v, blind, None)[0])(q.expand(5, *q.shape))
+    # Under grad alone the mask's values are readable: still refused.
+    with pytest.raises(ValueError, match="allowed leaves a query with no key"):
+        torch.func.grad(lambda x: attend(x, x, x, (x[0, 0, :, :1] > 1e9).expand(3, 3), None)[0].sum())(q)
 
 
 def test_a_step_past_the_int64_limit_says_the_position_wrapped() -> None:

@@ -542,6 +542,14 @@ def prefix_sums(cu_seqlens: Any) -> torch.Tensor:
     return cu_seqlens
 
 
+def vmapped(x: torch.Tensor) -> bool:
+    """Whether torch.func.vmap batches x, itself or inside its functional or grad wrappers: no values to read on
+    the host, nor a batching rule for an assert. Plain and grad-wrapped tensors are readable."""
+    if torch._C._functorch.is_batchedtensor(x):
+        return True
+    return torch._C._are_functorch_transforms_active() and not compiling() and _batched_inside(x)
+
+
 def _batched_inside(x: torch.Tensor) -> bool:
     """Whether vmap batches the tensor inside x's functional (or grad) wrappers."""
     return torch._C._functorch.is_batchedtensor(_value_holder(x))

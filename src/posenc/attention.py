@@ -27,7 +27,6 @@ from posenc._checks import (
     attention_inputs,
     autocast_off,
     autocast_on,
-    compiling,
     encoding_heads,
     fake_mode_active,
     flag,
@@ -43,6 +42,7 @@ from posenc._checks import (
     same_device,
     size_in,
     values_readable,
+    vmapped,
 )
 from posenc.encoding import ActsOn
 from posenc.kernels.flex_bias import FlexFallback, attend_flex, use_flex
@@ -213,7 +213,7 @@ class KVCache:
         positions, one of another document starts at 0 (as ``positions_from_document_ids`` counts a whole row). What
         ``CausalSelfAttention`` uses when given no positions, and what ``add_input_encoding`` needs in a decoding loop.
         Not read on the host (a decode step's cost): past 2**63 - 1 they wrap negative, which every posenc consumer
-        refuses (the attention's error then says they wrapped).
+        refuses (with CPU positions the attention's error says they wrapped).
         """
         seq_len = integer("seq_len", seq_len, low=0, expected="an int >= 0 (the number of new tokens)", symbolic=True)
         if document_ids is not None:
@@ -692,8 +692,8 @@ class CausalSelfAttention(nn.Module):
                     "(layer.to(x.dtype) or x.to(...))"
                 )
         if isinstance(self.encoding, nn.Module):
-            # A buffer that load_state_dict(assign=True) does not fill (ALiBi's slopes are not saved) stays where the
-            # layer was built: the meta device.
+            # A buffer that load_state_dict(assign=True) does not fill (ALiBi's own slopes are not saved) stays
+            # where the layer was built: the meta device.
             held = _encoding_device(self.encoding)
             if held is not None and held != x.device:
                 raise ValueError(
@@ -913,9 +913,9 @@ def _check_keys_per_query(allowed: torch.Tensor, s: int, t: int) -> None:
         return
     if t == 0:
         raise ValueError(message)
-    if not compiling() and torch._C._functorch.is_functorch_wrapped_tensor(allowed):
-        # A mask batched by torch.func.vmap (or wrapped inside its grad) has no values to read, nor a batching rule
-        # for the assert: unchecked, as it was before, rather than torch's "data-dependent control flow" error.
+    if vmapped(allowed):
+        # A mask batched by torch.func.vmap has no values to read, nor a batching rule for the assert: unchecked, as
+        # it was before, rather than torch's "data-dependent control flow" error. (Under grad alone it is read.)
         return
     if values_readable(allowed.device):
         if not bool(replicated_values(allowed).any(-1).all()):

@@ -259,3 +259,34 @@ def test_assigned_slopes_are_saved_and_loaded_the_head_counts_are_not():
     assert torch.equal(plain.slopes, torch.tensor([0.5, 0.25]))
     learned.load_state_dict(rank.state_dict())
     assert torch.equal(learned.slopes.detach(), rank.slopes)
+
+
+def test_assigned_slopes_save_through_safetensors_and_load_into_tensors_of_their_own(tmp_path):
+    """Saved as they were assigned, a view of part of alibi_slopes(8), safetensors' save_model refused them; loaded
+    into the assigned tensor in place, the caller's whole alibi_slopes(8) changed, and a module built under
+    inference_mode could not load them."""
+    from safetensors.torch import load_model, save_model
+
+    whole = posenc.alibi_slopes(8)
+    rank = posenc.ALiBi(2)
+    rank.slopes = whole[2:4]
+    layers = torch.nn.ModuleList(posenc.CausalSelfAttention(16, 2, encoding=rank) for _ in range(2))  # shared
+    save_model(layers, str(tmp_path / "m.safetensors"))
+    loaded = torch.nn.ModuleList(posenc.CausalSelfAttention(16, 2, encoding=posenc.ALiBi(2)) for _ in range(2))
+    load_model(loaded, str(tmp_path / "m.safetensors"))
+    assert all(torch.equal(layer.encoding.slopes, whole[2:4]) for layer in loaded)
+    other = posenc.ALiBi(2)
+    other.slopes = whole[4:6]
+    other.load_state_dict({"slopes": torch.tensor([0.5, 0.25])})
+    assert torch.equal(whole, posenc.alibi_slopes(8)) and torch.equal(other.slopes, torch.tensor([0.5, 0.25]))
+    source = rank.state_dict()["slopes"]
+    assert other.slopes.data_ptr() != source.data_ptr()
+    with torch.inference_mode():
+        built = posenc.ALiBi(2)
+    built.load_state_dict(rank.state_dict())
+    assert torch.equal(built.slopes, whole[2:4])
+    # assign=True onto a meta-built module: the saved slopes themselves, so to_empty has them.
+    with torch.device("meta"):
+        meta = posenc.ALiBi(2)
+    meta.load_state_dict(rank.state_dict(), assign=True)
+    assert torch.equal(meta.slopes, whole[2:4])

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 import posenc
 from posenc.distributed import shard_positions
+from posenc.rope.mrope import mrope_cos_sin
 
 
 def _sharded_dtensor_calls(world: int) -> None:
@@ -76,7 +77,7 @@ def _sharded_dtensor_calls(world: int) -> None:
     _sharded_document_ids(dt, Shard(0), gen)
     _attention_with_sharded_positions(dt, Shard(1), gen)
     _document_ids_and_positions_sharded_along_the_sequence(dt, Shard)
-    _mrope_ids_on_the_mesh(dt, Shard, gen)
+    _mrope_ids_on_the_mesh(mesh, dt, Shard, gen)
     _attend_sharded_on_the_batch_or_heads(dt, Shard, gen)
     _heads_sharded(mesh, dt, Shard, gen)
     _heads_sharded_on_a_submesh(world, gen)
@@ -348,7 +349,7 @@ def _attend_sharded_on_the_batch_or_heads(dt, shard, gen: torch.Generator) -> No
         raise AssertionError("q sharded along the sequence was not refused")
 
 
-def _mrope_ids_on_the_mesh(dt, shard, gen: torch.Generator) -> None:
+def _mrope_ids_on_the_mesh(mesh, dt, shard, gen: torch.Generator) -> None:
     """MRoPE's (3, b, s) ids as a replicated DTensor beside q, k sharded on heads (tensor parallelism) or the batch
     met its plain axis-of-pair table in index_select ("got mixed torch.Tensor and DTensor"); now rotated as the
     whole."""
@@ -359,6 +360,23 @@ def _mrope_ids_on_the_mesh(dt, shard, gen: torch.Generator) -> None:
     for placement in (shard(1), shard(0)):
         got = rope(dt(q, placement), dt(k, placement), positions=dt(ids))
         assert all((g.full_tensor() - w).abs().max() < 1e-6 for g, w in zip(got, want, strict=True)), placement
+    # mrope_cos_sin reads DTensor ids whole, as plain ones: negative ones refused (after it began reading only CPU
+    # ids, a DTensor's were passed unchecked).
+    inv_freq, section = rope.frequencies(None)[0], [2, 3, 3]
+    whole = mrope_cos_sin(ids, inv_freq, section)[0]
+    assert torch.equal(mrope_cos_sin(dt(ids), inv_freq, section)[0].full_tensor(), whole)
+    try:
+        mrope_cos_sin(dt(ids - 100), inv_freq, section)
+    except ValueError as error:
+        assert "positions must be >= 0" in str(error)
+    else:
+        raise AssertionError("negative DTensor ids were taken")
+    # ALiBi's state of DTensor slopes (a module distributed whole): the head count's own compared by their values
+    # ("aten.equal.default got mixed torch.Tensor and DTensor" before), and left out as plain ones are.
+    from torch.distributed.tensor import distribute_module
+
+    layer = distribute_module(posenc.CausalSelfAttention(16, 2, encoding=posenc.ALiBi(2)), mesh)
+    assert "encoding.slopes" not in layer.state_dict()
 
 
 def _document_ids_and_positions_sharded_along_the_sequence(dt, shard) -> None:

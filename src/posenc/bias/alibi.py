@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from posenc._checks import flag, float_dtype, float_tensor, positive_int
+from posenc._checks import flag, float_dtype, float_tensor, positive_int, replicated_values
 from posenc.bias.base import ScoreBias, on_ids_mesh, score_positions
 
 
@@ -62,6 +62,7 @@ def _standard(slopes: torch.Tensor, num_heads: int) -> bool:
     to read: assumed so, as ``ALiBi`` builds them)."""
     if slopes.is_meta:
         return True
+    slopes = replicated_values(slopes)  # a DTensor's whole values: torch.equal refused it beside a plain tensor
     return torch.equal(slopes, alibi_slopes(num_heads, dtype=slopes.dtype).to(slopes.device))
 
 
@@ -118,7 +119,9 @@ class ALiBi(ScoreBias):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         slopes = self._buffers.get("slopes")
         if slopes is not None and not _standard(slopes.detach(), self.num_heads):
-            destination[prefix + "slopes"] = slopes if keep_vars else slopes.detach()
+            # A copy of their own: assigned as alibi_slopes(h)[i:j] they are a view of part of a storage, which
+            # safetensors' save_model refuses to write.
+            destination[prefix + "slopes"] = slopes if keep_vars else slopes.detach().clone()
 
     def _load_from_state_dict(
         self,
@@ -146,11 +149,13 @@ class ALiBi(ScoreBias):
                 f"num_heads={self.num_heads}; build it with the saved model's head count"
             )
             return
-        with torch.no_grad():
-            if slopes.shape == saved.shape:
-                slopes.copy_(saved)  # in the buffer's dtype and device, as a cast would keep them
-            else:  # assigned slopes of another count, which head_slopes refuses: replaced
-                self._buffers["slopes"] = saved.detach().to(device=slopes.device, dtype=slopes.dtype)
+        # A tensor of the module's own, in the buffer's dtype and device (as a cast keeps them): written into, the
+        # assigned tensor was the caller's (the whole alibi_slopes(h) of the README's recipe), and a replacement
+        # taken as it came shared the source model's. With assign=True, the saved tensor itself, as torch assigns.
+        if local_metadata.get("assign_to_params_buffers", False):
+            self._buffers["slopes"] = saved
+        else:
+            self._buffers["slopes"] = saved.detach().to(device=slopes.device, dtype=slopes.dtype, copy=True)
 
     def score_bias(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
         """q_positions: (b, sq) or (sq,), k_positions: (b, sk) or (sk,) integer, on any device (moved to the

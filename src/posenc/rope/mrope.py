@@ -31,6 +31,7 @@ from posenc._checks import (
     int_tensor,
     integer,
     integer_offset,
+    is_dtensor,
     movable,
     refuse_jit_trace,
     replicated_like,
@@ -162,7 +163,7 @@ def mrope_cos_sin(
     if inv_freq.dim() != 1:
         raise ValueError(f"inv_freq must be (r/2,), one frequency per pair, got shape {tuple(inv_freq.shape)}")
     # Plain CPU ids only, outside torch.func's transforms (a vmapped tensor has no values to read).
-    if positions.numel() and type(positions) is torch.Tensor and positions.is_cpu:
+    if positions.numel() and (type(positions) is torch.Tensor or is_dtensor(positions)) and positions.is_cpu:
         negative = "positions must be >= 0 (token positions), got a negative entry"
         if values_readable(positions.device):
             if not torch._C._are_functorch_transforms_active() and host_min_max(positions)[0] < 0:
