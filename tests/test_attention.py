@@ -561,6 +561,13 @@ def test_a_step_past_the_int64_limit_says_the_position_wrapped() -> None:
         KVCache().update(torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4), torch.tensor([[-1]]))
 
 
+def test_update_rotating_names_an_encoding_that_is_not_a_rope() -> None:
+    # AttributeError: 'ALiBi' object has no attribute 'call_scaling_length' before.
+    for encoding in (posenc.ALiBi(2), "rope"):
+        with pytest.raises(TypeError, match="update_rotating rotates keys with a RoPE in 'consistent' mode"):
+            KVCache().update_rotating(torch.randn(1, 1, 2, 4), torch.randn(1, 1, 2, 4), torch.arange(2)[None], encoding)
+
+
 def test_a_cache_left_empty_by_a_refused_step_serves_another_layer() -> None:
     """Layer a is refused before it adds anything: the cache stays empty, and layer b may fill it and continue."""
     a, b = (CausalSelfAttention(16, 2, encoding=posenc.build("rope", 8)) for _ in range(2))

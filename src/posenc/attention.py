@@ -307,6 +307,12 @@ class KVCache:
         Returns (rotated keys (b, g, t, d), values, key positions (b or 1, t), the seq_len used). The cache changes
         only once everything is computed. document_ids: as for ``update``.
         """
+        if not callable(getattr(encoding, "call_scaling_length", None)):
+            # AttributeError: 'ALiBi' object has no attribute 'call_scaling_length', from below.
+            raise TypeError(
+                f"update_rotating rotates keys with a RoPE in 'consistent' mode, got encoding of type "
+                f"{type(encoding).__name__}; use update for other encodings"
+            )
         if self.unrotated_k is None and self.k is not None:
             raise ValueError("this KVCache holds keys rotated by another encoding; start a new KVCache()")
         self._check_new(k, v, self.unrotated_k, positions, document_ids)

@@ -290,3 +290,11 @@ def test_assigned_slopes_save_through_safetensors_and_load_into_tensors_of_their
         meta = posenc.ALiBi(2)
     meta.load_state_dict(rank.state_dict(), assign=True)
     assert torch.equal(meta.slopes, whole[2:4])
+
+
+def test_a_head_count_past_any_model_is_refused_not_computed_without_end():
+    # The slopes are built in a Python list: ALiBi(2**62) ran without end.
+    for n in (2**24 + 1, 2**62):
+        with pytest.raises(ValueError, match=r"num_heads must be at most 2\*\*24"):
+            posenc.ALiBi(n)
+    assert posenc.alibi_slopes(2**12).shape == (4096,)

@@ -251,3 +251,20 @@ def test_a_state_dict_on_the_meta_device_loads_without_values_to_compare():
         t5 = _for_model(512)
     t5.load_state_dict(state, assign=True)
     assert t5.table.weight.is_meta
+
+
+def test_the_farthest_int64_relative_position_is_the_far_bucket():
+    """-2**63 has no int64 negation nor abs: causal T5 put it in bucket 0 (the query itself), bidirectional in bucket
+    -2**63, which the table's lookup met as a bare IndexError."""
+    far = torch.tensor([-(2**63), -(2**63) + 1, 2**63 - 1])
+    assert posenc.t5_relative_bucket(far, bidirectional=False).tolist() == [31, 31, 0]
+    assert posenc.t5_relative_bucket(far, bidirectional=True).tolist() == [15, 15, 31]
+    bias = posenc.T5Bias(2, bidirectional=True).score_bias(torch.tensor([2**63 - 1]), torch.tensor([-1]))
+    assert bias.shape == (1, 2, 1, 1)
+
+
+@pytest.mark.parametrize("max_positions", [-1, 0, True, "x", None])
+def test_from_model_dims_checks_max_positions_as_build_for_model_does(max_positions):
+    # -1, 0 and True built 2 buckets reaching 2 without a word; 'x' and None met a bare TypeError of '<'.
+    with pytest.raises(ValueError, match="max_positions must be a positive integer"):
+        posenc.T5Bias.from_model_dims(dim=8, num_heads=2, head_dim=4, max_positions=max_positions)

@@ -10,6 +10,8 @@ import torch
 from posenc._checks import flag, float_dtype, float_tensor, positive_int, replicated_values
 from posenc.bias.base import ScoreBias, on_ids_mesh, score_positions
 
+_MAX_HEADS = 2**24
+
 
 def _geometric_slopes(n: int) -> list[float]:
     # For a power of two n the slopes are 2^(-8/n), 2^(-16/n), ..., 2^(-8).
@@ -24,6 +26,9 @@ def alibi_slopes(num_heads: int, *, dtype: torch.dtype = torch.float32) -> torch
     slope of 2p (the odd powers) for the remaining h - p heads, as in the paper's code and BLOOM.
     """
     num_heads = positive_int("num_heads", num_heads)
+    if num_heads > _MAX_HEADS:
+        # The slopes are built in a Python list: 2**62 heads ran without end instead of failing.
+        raise ValueError(f"num_heads must be at most 2**24 (one slope a head), got {num_heads}")
     closest = 2 ** math.floor(math.log2(num_heads))
     slopes = _geometric_slopes(closest)
     if closest != num_heads:

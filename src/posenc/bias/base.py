@@ -35,6 +35,8 @@ def score_positions(
     ``CausalSelfAttention``. Raises TypeError for non-integer positions (ALiBi and T5 alike: a float position is
     a bug upstream, not a distance), ValueError for other ranks or batch sizes that do not broadcast. int64,
     because the encodings subtract them: in uint8 0 - 5 is 251, and int8/int16 wrap past their range likewise.
+    Their differences must fit in int64 too, which ids >= 0 (every posenc layer's) always do; negative ids are taken
+    (a bias reads only distances), and a pair 2**63 or more apart wraps, unread (reading ids costs a device sync).
     """
     checked = []
     for name, positions in (("q_positions", q_positions), ("k_positions", k_positions)):

@@ -42,7 +42,9 @@ def t5_relative_bucket(
     """
     int_tensor("relative_position", relative_position)
     num_buckets, max_distance = _check_buckets(num_buckets, max_distance, bidirectional)
-    relative_position = relative_position.to(torch.long)
+    # -2**63 has no int64 negation nor abs (both gave -2**63: bucket 0, or a negative bucket); one step nearer is
+    # as far past max_distance.
+    relative_position = relative_position.to(torch.long).clamp(min=-(2**63 - 1))
     buckets = torch.zeros_like(relative_position)
     if bidirectional:
         num_buckets //= 2
@@ -102,6 +104,8 @@ class T5Bias(ScoreBias):
         max_distance of 128 came with 512-token training; at a training length of 113 or less, 32 causal buckets
         reaching 128 have buckets that training never reaches and longer sequences read. (Until 2026-12-04 this
         built T5's 32 and 128 at every length.)"""
+        # Checked as build_for_model checks it: -1, 0 and True built 2 buckets reaching 2 without a word.
+        max_positions = positive_int("max_positions", max_positions)
         bidirectional = flag("bidirectional", options.get("bidirectional", False))
         directions = 2 if bidirectional else 1
         if "num_buckets" in options:
