@@ -564,7 +564,7 @@ def test_a_step_past_the_int64_limit_says_the_position_wrapped() -> None:
 def test_update_rotating_names_an_encoding_that_is_not_a_rope() -> None:
     # AttributeError: 'ALiBi' object has no attribute 'call_scaling_length' before.
     for encoding in (posenc.ALiBi(2), "rope"):
-        with pytest.raises(TypeError, match="update_rotating rotates keys with a RoPE in 'consistent' mode"):
+        with pytest.raises(TypeError, match="update_rotating rotates keys with a RoPE"):
             KVCache().update_rotating(torch.randn(1, 1, 2, 4), torch.randn(1, 1, 2, 4), torch.arange(2)[None], encoding)
 
 

@@ -310,8 +310,8 @@ class KVCache:
         if not callable(getattr(encoding, "call_scaling_length", None)):
             # AttributeError: 'ALiBi' object has no attribute 'call_scaling_length', from below.
             raise TypeError(
-                f"update_rotating rotates keys with a RoPE in 'consistent' mode, got encoding of type "
-                f"{type(encoding).__name__}; use update for other encodings"
+                f"update_rotating rotates keys with a RoPE (what a 'consistent' RoPE's layer calls), got encoding of "
+                f"type {type(encoding).__name__}; use update for other encodings"
             )
         if self.unrotated_k is None and self.k is not None:
             raise ValueError("this KVCache holds keys rotated by another encoding; start a new KVCache()")

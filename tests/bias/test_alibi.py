@@ -277,10 +277,16 @@ def test_assigned_slopes_save_through_safetensors_and_load_into_tensors_of_their
     assert all(torch.equal(layer.encoding.slopes, whole[2:4]) for layer in loaded)
     other = posenc.ALiBi(2)
     other.slopes = whole[4:6]
-    other.load_state_dict({"slopes": torch.tensor([0.5, 0.25])})
+    state = {"slopes": torch.tensor([0.5, 0.25])}
+    other.load_state_dict(state)
     assert torch.equal(whole, posenc.alibi_slopes(8)) and torch.equal(other.slopes, torch.tensor([0.5, 0.25]))
-    source = rank.state_dict()["slopes"]
-    assert other.slopes.data_ptr() != source.data_ptr()
+    assert other.slopes.data_ptr() != state["slopes"].data_ptr()  # not the source's tensor either
+    # Shared memory (share_memory() before the load): written in place, so other processes see the loaded slopes.
+    shared = posenc.ALiBi(2)
+    shared.slopes = whole[2:4].clone()
+    shared.share_memory()
+    shared.load_state_dict(state)
+    assert shared.slopes.is_shared() and torch.equal(shared.slopes, state["slopes"])
     with torch.inference_mode():
         built = posenc.ALiBi(2)
     built.load_state_dict(rank.state_dict())

@@ -259,8 +259,9 @@ def test_the_farthest_int64_relative_position_is_the_far_bucket():
     far = torch.tensor([-(2**63), -(2**63) + 1, 2**63 - 1])
     assert posenc.t5_relative_bucket(far, bidirectional=False).tolist() == [31, 31, 0]
     assert posenc.t5_relative_bucket(far, bidirectional=True).tolist() == [15, 15, 31]
-    bias = posenc.T5Bias(2, bidirectional=True).score_bias(torch.tensor([2**63 - 1]), torch.tensor([-1]))
-    assert bias.shape == (1, 2, 1, 1)
+    t5 = posenc.T5Bias(2, bidirectional=True)
+    bias = t5.score_bias(torch.tensor([2**63 - 1]), torch.tensor([-1]))  # key - query = -2**63
+    assert torch.equal(bias[0, :, 0, 0], t5.table.weight[15])
 
 
 @pytest.mark.parametrize("max_positions", [-1, 0, True, "x", None])

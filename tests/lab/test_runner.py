@@ -596,9 +596,35 @@ def test_ctrl_c_a_library_turns_into_another_error_is_still_an_interrupt(tiny_co
     assert runner.run_command(preset="quick", out=tmp_path / "r", overrides=overrides, progress=False) == 130
     assert "interrupted; every finished run is saved" in capsys.readouterr().err
     assert signal.getsignal(signal.SIGINT) is before  # given back
+    # Errors the lab itself explains are an interrupt too when they follow one: a read cut short by Ctrl-C is not a
+    # damaged file to delete ("not a whole safetensors file; delete it") nor a full disk ("make room").
+    from safetensors import SafetensorError
+
+    for error in (store.RunFolderError("model.safetensors is not a whole safetensors file"), SafetensorError("x")):
+
+        def explained(*args, error=error, **kwargs):
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                pytest.fail("SIGINT did not reach the run")
+            except KeyboardInterrupt:
+                raise error from None
+
+        monkeypatch.setattr(runner, "train", explained)
+        assert runner.run_command(preset="quick", out=tmp_path / "r", overrides=overrides, progress=False) == 130
+        assert "interrupted; every finished run is saved" in capsys.readouterr().err
     monkeypatch.setattr(runner, "train", plain)
     with pytest.raises(ValueError, match="a bug"):
         runner.run_command(preset="quick", out=tmp_path / "r", overrides=overrides, progress=False)
+    # SIGINT ignored by the parent (a job started in the background) stays ignored.
+    seen = []
+    monkeypatch.setattr(runner, "train", lambda *a, **k: seen.append(signal.getsignal(signal.SIGINT)) or plain())
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with pytest.raises(ValueError, match="a bug"):
+            runner.run_command(preset="quick", out=tmp_path / "r", overrides=overrides, progress=False)
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert seen == [signal.SIG_IGN]
 
 
 def test_sigterm_is_left_to_its_default_under_torchrun(tiny_config, tmp_path, monkeypatch):
@@ -622,7 +648,7 @@ def test_sigterm_is_left_to_its_default_under_torchrun(tiny_config, tmp_path, mo
     monkeypatch.setattr(runner, "train", interrupt)
     overrides = {k: v for k, v in vars(tiny_config(encodings=("nope",), extensions=())).items()}
     assert runner.run_command(preset="quick", out=tmp_path / "r", overrides=overrides, progress=False) == 130
-    assert seen == [signal.getsignal(signal.SIGTERM)] and getattr(seen[0], "__qualname__", "").find("run_command") < 0
+    assert seen == [signal.getsignal(signal.SIGTERM)] and seen[0] is not runner._interrupt
 
 
 def test_a_folder_of_another_configuration_is_refused(finished):
@@ -755,12 +781,22 @@ def test_another_units_metrics_or_a_file_without_results_is_refused_by_name(fini
     shutil.copyfile(copy / "runs" / "alibi" / "seed0" / "metrics.json", metrics)
     assert runner.run_command(preset="quick", out=copy, overrides=vars(config), progress=False) == 2
     said = capsys.readouterr().err
-    assert f"posenc lab: error: {metrics} holds the metrics of 'alibi', not of 'nope'" in said
+    assert f"error: {metrics} holds the metrics of alibi none seed 0 ('alibi'), not of 'nope' seed 0" in said
     fine = store.read_json(out / "runs" / "nope" / "seed0" / "metrics.json")
-    for broken in ({k: v for k, v in fine.items() if k != "eval"}, {**fine, "eval": {"64": 1}}):
+    # Another seed's, of the same name: named by its seed.
+    store.write_json(metrics, {**fine, "unit": {**fine["unit"], "seed": 1}})
+    assert runner.run_command(preset="quick", out=copy, overrides=vars(config), progress=False) == 2
+    assert "holds the metrics of nope none seed 1 ('nope'), not of 'nope' seed 0" in capsys.readouterr().err
+    row = fine["eval"][0]
+    for broken in (
+        {k: v for k, v in fine.items() if k != "eval"},
+        {**fine, "eval": {"64": 1}},
+        {**fine, "eval": [{}]},
+        {**fine, "eval": [{k: v for k, v in row.items() if k != "entropy_by_layer"}]},
+    ):
         store.write_json(metrics, broken)
         assert runner.run_command(preset="quick", out=copy, overrides=vars(config), progress=False) == 2
-        assert f'{metrics} has no list of results by length under "eval"' in capsys.readouterr().err
+        assert f'{metrics} has no list of whole results by length under "eval"' in capsys.readouterr().err
 
 
 def test_a_fine_tune_asked_for_extensions_that_take_none_is_noted(tiny_config, tmp_path):

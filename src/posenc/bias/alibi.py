@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from posenc._checks import flag, float_dtype, float_tensor, positive_int, replicated_values
+from posenc._checks import flag, float_dtype, float_tensor, is_dtensor, laid_out_as, positive_int, replicated_values
 from posenc.bias.base import ScoreBias, on_ids_mesh, score_positions
 
 _MAX_HEADS = 2**24
@@ -156,11 +156,22 @@ class ALiBi(ScoreBias):
             return
         # A tensor of the module's own, in the buffer's dtype and device (as a cast keeps them): written into, the
         # assigned tensor was the caller's (the whole alibi_slopes(h) of the README's recipe), and a replacement
-        # taken as it came shared the source model's. With assign=True, the saved tensor itself, as torch assigns.
+        # taken as it came shared the source model's. Written in place where the buffer is shared memory (other
+        # processes read it: share_memory() stays done) or a DTensor (its layout stays). With assign=True, the
+        # saved tensor itself, as torch assigns.
         if local_metadata.get("assign_to_params_buffers", False):
             self._buffers["slopes"] = saved
+            return
+        if is_dtensor(slopes):
+            # distribute_module's slopes: the saved values laid out as they are.
+            self._buffers["slopes"] = laid_out_as(saved.detach().to(slopes.dtype), slopes)
+            return
+        own = saved.detach().to(device=slopes.device, dtype=slopes.dtype, copy=True)
+        if slopes.is_shared() and slopes.shape == own.shape:
+            with torch.inference_mode(slopes.is_inference()), torch.no_grad():
+                slopes.copy_(own)
         else:
-            self._buffers["slopes"] = saved.detach().to(device=slopes.device, dtype=slopes.dtype, copy=True)
+            self._buffers["slopes"] = own
 
     def score_bias(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
         """q_positions: (b, sq) or (sq,), k_positions: (b, sk) or (sk,) integer, on any device (moved to the

@@ -492,15 +492,22 @@ class Lab:
         # The unit it describes: the rows are built from it, so another unit's file (copied by hand) put its
         # rows where this unit's belong, under its own name. And its results, which met a bare KeyError.
         if unit_metrics.get("unit") != dataclasses.asdict(unit):
+            held = unit_metrics.get("unit")
+            other = (
+                f"{held.get('encoding')} {held.get('extension')} seed {held.get('seed')}"
+                if isinstance(held, dict)
+                else "another unit"
+            )
             raise store.RunFolderError(
-                f"{done} holds the metrics of {unit_metrics.get('name', 'another unit')!r}, not of {unit.name!r} "
-                "whose folder it is in; delete it and the unit is evaluated again"
+                f"{done} holds the metrics of {other} ({unit_metrics.get('name')!r}), not of {unit.name!r} seed "
+                f"{unit.seed}, whose folder it is in; delete it and the unit is evaluated again"
             )
         evals = unit_metrics.get("eval")
-        if not isinstance(evals, list) or not all(isinstance(r, dict) for r in evals):
+        rows_whole = isinstance(evals, list) and all(isinstance(r, dict) and r.keys() >= _EVAL_KEYS for r in evals)
+        if not rows_whole:
             raise store.RunFolderError(
-                f"{done} has no list of results by length under \"eval\", which the lab writes; it was cut short or "
-                "changed since: delete it and the unit is evaluated again"
+                f"{done} has no list of whole results by length under \"eval\", which the lab writes; it was cut "
+                "short or changed since: delete it and the unit is evaluated again"
             )
         weights = done.parent / "model.safetensors"
         if unit.encoding == "rope" and not unit.reads_trained_rope and not weights.exists():
@@ -898,27 +905,56 @@ def run_command(
         # out, where SIGTERM's default ends it at once (torchrun sends it to every worker when one fails).
         alone = os.environ.get("WORLD_SIZE", "1") in ("", "1")
         main_thread = threading.current_thread() is threading.main_thread()
-        interrupted = threading.Event()
-
-        def interrupt(signum: int, frame: Any) -> None:
-            interrupted.set()
-            raise KeyboardInterrupt
-
-        if main_thread:
-            # SIGINT as Python's own handler takes it, remembered: raised inside safetensors' read, the interrupt
-            # came out as torch's "ValueError: could not determine the shape of object type
-            # 'torch.storage.UntypedStorage'" (a third of tries), a traceback where Ctrl-C's message belongs.
-            group.callback(signal.signal, signal.SIGINT, signal.signal(signal.SIGINT, interrupt))
+        _interrupted.clear()
+        # SIGINT as Python's own handler takes it, remembered (where that handler is the one in place: one the
+        # parent set to ignored, a job started in the background, stays so): raised inside safetensors' read, the
+        # interrupt came out as torch's "ValueError: could not determine the shape of object type
+        # 'torch.storage.UntypedStorage'" (a third of tries), a traceback or another error's advice where Ctrl-C's
+        # message belongs (_interrupt_first).
+        if main_thread and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            group.callback(signal.signal, signal.SIGINT, signal.signal(signal.SIGINT, _interrupt))
         if alone and main_thread:
-            group.callback(signal.signal, signal.SIGTERM, signal.signal(signal.SIGTERM, interrupt))
+            group.callback(signal.signal, signal.SIGTERM, signal.signal(signal.SIGTERM, _interrupt))
         try:
             return _run_lab(group, preset, out, overrides, threads, device, progress, command, speaks, imports, figures)
         except Exception:
-            if not interrupted.is_set():
+            if not _interrupted.is_set():
                 raise
             return _said_interrupted(out, speaks)
         except KeyboardInterrupt:
             return _said_interrupted(out, speaks)
+
+
+# What _results reads of each length's results in a unit's metrics.json (a bare KeyError from there before).
+_EVAL_KEYS = frozenset(
+    {
+        "applicable",
+        "bits_per_byte",
+        "entropy_by_layer",
+        "eval_len",
+        "loss_by_position",
+        "position_bin",
+        "reason",
+        "scored_bytes",
+        "seconds",
+        "task_accuracy",
+    }
+)
+
+# Set by _interrupt, the lab's SIGINT and SIGTERM handler, for the errors an interrupt may come out as.
+_interrupted = threading.Event()
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    _interrupted.set()
+    raise KeyboardInterrupt
+
+
+def _interrupt_first(error: BaseException) -> None:
+    """Raise KeyboardInterrupt where ``error`` came after the run was interrupted: a read cut by Ctrl-C is not a
+    damaged file to delete, nor a full disk."""
+    if _interrupted.is_set():
+        raise KeyboardInterrupt from error
 
 
 def _said_interrupted(out: Path, speaks: bool) -> int:
@@ -947,6 +983,7 @@ def _run_lab(
     try:
         ranks, resolved = group.enter_context(process_group(device))
     except (ValueError, TypeError) as error:
+        _interrupt_first(error)
         # Said by every rank that meets it: before the group exists a rank's own device (its GPU) may be the one
         # that fails, and rank 0, waiting for the group, would say nothing before torchrun ends it.
         print(f"posenc lab: error{rank_label()}: {error}", file=sys.stderr)
@@ -969,10 +1006,12 @@ def _run_lab(
         )
         lab.prepare()
     except (ValueError, TypeError) as error:
+        _interrupt_first(error)
         if speaks:
             print(f"posenc lab: error: {error}{_missing_imports(Path(out), imports)}", file=sys.stderr)
         return 2
     except (MemoryError, RuntimeError) as error:
+        _interrupt_first(error)
         if not _out_of_memory(error):
             raise
         print(f"posenc lab: error{rank_label()}: {_memory_advice(error)}", file=sys.stderr)  # maybe one rank's own
@@ -980,6 +1019,7 @@ def _run_lab(
     try:
         lab.run()
     except (MemoryError, RuntimeError) as error:
+        _interrupt_first(error)
         if not _out_of_memory(error):
             raise
         # Said by the rank that met it: it may be the only one (a rank's own GPU), and rank 0 would say nothing.
@@ -990,10 +1030,12 @@ def _run_lab(
         )
         return 1
     except store.RunFolderError as error:
+        _interrupt_first(error)
         if speaks:
             print(f"posenc lab: error: {error}", file=sys.stderr)
         return 2
     except TrainingDiverged as error:
+        _interrupt_first(error)
         if speaks:
             print(
                 f"posenc lab: error: {error}; the units finished before it are saved in {out}, which holds this "
@@ -1002,6 +1044,7 @@ def _run_lab(
             )
         return 1
     except (OSError, SafetensorError) as error:
+        _interrupt_first(error)
         if isinstance(error, OSError) and error.errno not in _WRITE_REFUSALS:
             raise  # a closed stdout (`posenc lab ... | head`), a file gone: no room or permission would help
         # A full disk or quota, or a folder made read-only since prepare(): every write is atomic, so what was written
