@@ -270,6 +270,13 @@ def choose_backend(
     return "triton"
 
 
+# device type -> device_refusal's answer, which cannot change once Triton is imported (interpreted or not).
+_DEVICE_REFUSALS: dict[str, str] = {}
+
+
 @assume_constant_result
 def _triton_device_refusal(device: str) -> str:
-    return triton_module_or_error()[0].device_refusal(device)  # type: ignore[union-attr]
+    refusal = _DEVICE_REFUSALS.get(device)
+    if refusal is None:
+        refusal = _DEVICE_REFUSALS[device] = triton_module_or_error()[0].device_refusal(device)  # type: ignore[union-attr]
+    return refusal
