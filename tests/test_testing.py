@@ -10,7 +10,17 @@ import pytest
 import torch
 
 import posenc
-from posenc.testing import assert_close, rope_reference, torch_threads
+from posenc.testing import (
+    alibi_bias_reference,
+    alibi_slopes_reference,
+    assert_close,
+    attention_reference,
+    random_qk,
+    rope_inv_freq_reference,
+    rope_reference,
+    sinusoidal_reference,
+    torch_threads,
+)
 
 POSITIONS = torch.arange(128) + 1000
 
@@ -221,3 +231,34 @@ def test_a_complex_reference_is_refused_not_cast_to_its_real_part(actual):
     """Cast to float64, a complex reference lost its imaginary part: [1, 2] passed against [1+5j, 2]."""
     with pytest.raises(TypeError, match=r"reference is complex; compare torch\.view_as_real of both"):
         assert_close(actual, torch.tensor([1 + 5j, 2]))
+
+
+ONES, META = torch.ones(1, 1, 2, 4), torch.ones(1, 1, 2, 4, device="meta")
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda: rope_inv_freq_reference(8, -1.0), ValueError, "base must be a finite number > 1"),
+        (lambda: rope_inv_freq_reference(0, 10000.0), ValueError, "rotary_dim"),
+        (lambda: rope_inv_freq_reference(-4, 10000.0), ValueError, "rotary_dim"),
+        (lambda: rope_reference(torch.ones(2, 4, dtype=torch.complex64), torch.arange(2)), TypeError, "x"),
+        (lambda: rope_reference(torch.ones(2, 4), torch.arange(2), base=-1.0), ValueError, "base"),
+        (lambda: rope_reference(torch.ones(2, 4), [0, 1]), TypeError, "positions must be a torch.Tensor"),
+        (lambda: sinusoidal_reference(torch.arange(3), 4, base=0.0), ValueError, "base"),
+        (lambda: alibi_slopes_reference(0), ValueError, "num_heads must be a positive integer"),
+        (lambda: alibi_slopes_reference(2**62), ValueError, r"num_heads must be at most 2\*\*24"),
+        (lambda: alibi_bias_reference(2, [0.5, 1], [0, 1]), TypeError, "q_positions must be a list of int"),
+        (lambda: attention_reference(META, ONES, ONES), ValueError, "q is on meta but k is on cpu"),
+        (lambda: attention_reference(ONES[0], ONES[0], ONES[0]), ValueError, "q must"),
+        (lambda: random_qk(True, 1, 1, 2, 4), ValueError, "batch must be a positive integer"),
+        (lambda: random_qk(1, 1, 1, -1, 4), ValueError, "seq must be"),
+        (lambda: random_qk(1, 1, 1, 2, 4, seed=2**32), ValueError, r"seed must be an int in \[0, 2\*\*32\)"),
+    ],
+)
+def test_references_refuse_what_would_make_them_a_wrong_oracle(call, error, match):
+    """The float64 references took anything: complex frequencies from a negative base, none from rotary_dim 0, a
+    complex x cast to its real part, float ALiBi positions, meta q beside CPU k (a CPU result of no values), and
+    random_qk seeds past 32 bits that drew what seed 0 draws."""
+    with pytest.raises(error, match=match):
+        call()

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from posenc._checks import base_value, even_positive_int, float_tensor, integer, positive_int, same_device
+
 __all__ = [
     "DTYPES",
     "REDUCTION_TOLERANCES",
@@ -180,7 +182,9 @@ def _allowed_error(
 
 
 def rope_inv_freq_reference(rotary_dim: int, base: float) -> list[float]:
-    """theta_i = base^(-2i/r), i = 0..r/2-1 (Su et al., Eq. 15)."""
+    """theta_i = base^(-2i/r), i = 0..r/2-1 (Su et al., Eq. 15). rotary_dim: even and positive; base: finite, > 1."""
+    # Checked, as an oracle must be: base -1 gave complex "frequencies", rotary_dim 0 or -4 none at all.
+    rotary_dim, base = even_positive_int("rotary_dim", rotary_dim), base_value("base", base)
     return [base ** (-2.0 * i / rotary_dim) for i in range(rotary_dim // 2)]
 
 
@@ -200,6 +204,9 @@ def rope_reference(
     The channels past rotary_dim are copied. ``attention_factor`` scales the rotated channels (YaRN's mscale).
     rotary_dim: r (even, <= d); default 2 * len(inv_freq) when inv_freq is given, as ``apply_rotary`` reads it, else d.
     """
+    float_tensor("x", x)  # a complex x lost its imaginary part in the float64 cast
+    if not isinstance(positions, torch.Tensor):
+        raise TypeError(f"positions must be a torch.Tensor, got {type(positions).__name__}")
     x = x.to(torch.float64)
     d = x.shape[-1]
     thetas = None if inv_freq is None else [float(t) for t in inv_freq]
@@ -230,9 +237,12 @@ def rope_reference(
 
 def sinusoidal_reference(positions: torch.Tensor, dim: int, *, base: float = 10000.0) -> torch.Tensor:
     """PE(p, 2i) = sin(p / base^(2i/d)), PE(p, 2i+1) = cos(p / base^(2i/d)) (Vaswani et al., §3.5). dim: even."""
-    if dim <= 0 or dim % 2:
+    if isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0 or dim % 2:
         # The loop fills pairs: an odd dim left the last column of torch.empty unwritten (whatever memory held).
-        raise ValueError(f"dim must be even and positive (sin/cos pairs), got {dim}")
+        raise ValueError(f"dim must be even and positive (sin/cos pairs), got {dim!r}")
+    base = base_value("base", base)  # base 0 gave NaN
+    if not isinstance(positions, torch.Tensor):
+        raise TypeError(f"positions must be a torch.Tensor, got {type(positions).__name__}")
     pos = positions.to(torch.float64)
     out = torch.empty((*positions.shape, dim), dtype=torch.float64)
     for i in range(dim // 2):
@@ -250,6 +260,9 @@ def alibi_slopes_reference(num_heads: int) -> list[float]:
         start = 2 ** (-(2 ** -(math.log2(n) - 3)))
         return [start * start**i for i in range(n)]
 
+    num_heads = positive_int("num_heads", num_heads)  # 0: "math domain error"; 2**62 heads: a list without end
+    if num_heads > 2**24:
+        raise ValueError(f"num_heads must be at most 2**24 (one slope a head), got {num_heads}")
     if math.log2(num_heads).is_integer():
         return power_of_two(num_heads)
     closest = 2 ** math.floor(math.log2(num_heads))
@@ -257,7 +270,10 @@ def alibi_slopes_reference(num_heads: int) -> list[float]:
 
 
 def alibi_bias_reference(num_heads: int, q_positions: list[int], k_positions: list[int]) -> torch.Tensor:
-    """(h, sq, sk): -slope_h * |m - n|; no causal mask."""
+    """(h, sq, sk): -slope_h * |m - n|; no causal mask. Positions: lists of ints."""
+    for name, positions in (("q_positions", q_positions), ("k_positions", k_positions)):
+        if any(isinstance(p, bool) or not isinstance(p, int) for p in positions):  # [0.5, 1] was taken
+            raise TypeError(f"{name} must be a list of int positions, got {positions!r}")
     slopes = alibi_slopes_reference(num_heads)
     return torch.tensor(
         [[[-s * abs(m - n) for n in k_positions] for m in q_positions] for s in slopes], dtype=torch.float64
@@ -298,6 +314,13 @@ def attention_reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Causal softmax(q k^T / sqrt(d) + bias) v in float64. q: (b, h, s, d); k, v: (b, g, s, d), g | h."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        float_tensor(name, t)
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have shape (b, heads, s, d), got {tuple(t.shape)}")
+    for name, t in (("k", k), ("v", v), *((("bias", bias),) if bias is not None else ())):
+        # meta q beside CPU k gave a CPU result of no values (meta @ cpu is computed as cpu in torch).
+        same_device(("q", name), q, t)
     if q.shape[1] % k.shape[1] or v.shape[1] != k.shape[1]:
         raise ValueError(
             f"q's heads must be a multiple of k's and v's (grouped-query attention), got h={q.shape[1]} q heads, "
@@ -329,6 +352,11 @@ def random_qk(
     """Random q (b, h_q, s, d) and k (b, h_k, s, d) (or bshd), drawn in float64 and cast to ``dtype``."""
     if layout not in ("bhsd", "bshd"):  # any other string was read as "bshd"
         raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
+    for name, size in (("batch", batch), ("q_heads", q_heads), ("k_heads", k_heads), ("head_dim", head_dim)):
+        positive_int(name, size)  # torch.randn's "invalid combination of arguments" before; True was 1 head
+    integer("seq", seq, low=0)
+    # torch's CPU generator keeps 32 bits of the seed: 2**32 drew what 0 draws.
+    integer("seed", seed, low=0, high=2**32, expected="an int in [0, 2**32) (torch's generator keeps 32 bits)")
     gen = torch.Generator().manual_seed(seed)
     shapes = [(batch, h, seq, head_dim) if layout == "bhsd" else (batch, seq, h, head_dim) for h in (q_heads, k_heads)]
     q, k = (torch.randn(shape, generator=gen, dtype=torch.float64).to(device=device, dtype=dtype) for shape in shapes)
