@@ -248,7 +248,8 @@ ONES, META = torch.ones(1, 1, 2, 4), torch.ones(1, 1, 2, 4, device="meta")
         (lambda: sinusoidal_reference(torch.arange(3), 4, base=0.0), ValueError, "base"),
         (lambda: alibi_slopes_reference(0), ValueError, "num_heads must be a positive integer"),
         (lambda: alibi_slopes_reference(2**62), ValueError, r"num_heads must be at most 2\*\*24"),
-        (lambda: alibi_bias_reference(2, [0.5, 1], [0, 1]), TypeError, "q_positions must be a list of int"),
+        (lambda: alibi_bias_reference(2, [0.5, 1], [0, 1]), TypeError, "q_positions must be a sequence of integer"),
+        (lambda: sinusoidal_reference(torch.arange(3), 5), ValueError, "dim must be"),
         (lambda: attention_reference(META, ONES, ONES), ValueError, "q is on meta but k is on cpu"),
         (lambda: attention_reference(ONES[0], ONES[0], ONES[0]), ValueError, "q must"),
         (lambda: random_qk(True, 1, 1, 2, 4), ValueError, "batch must be a positive integer"),
@@ -262,3 +263,15 @@ def test_references_refuse_what_would_make_them_a_wrong_oracle(call, error, matc
     random_qk seeds past 32 bits that drew what seed 0 draws."""
     with pytest.raises(error, match=match):
         call()
+
+
+def test_references_take_numpy_integers_and_read_iterables_once():
+    """The checks read a generator of positions before the reference did (an empty bias, no error), and refused
+    numpy's integers, which every other integer argument takes."""
+    import numpy as np
+
+    want = alibi_bias_reference(4, [0, 1, 2], [0, 1, 2])
+    assert torch.equal(alibi_bias_reference(4, (i for i in range(3)), map(int, [0, 1, 2])), want)
+    assert torch.equal(alibi_bias_reference(4, list(np.arange(3)), list(np.arange(3))), want)
+    assert torch.equal(sinusoidal_reference(torch.arange(3), np.int64(4)), sinusoidal_reference(torch.arange(3), 4))
+    assert all(map(torch.equal, random_qk(np.int64(1), 1, 1, 2, 4, seed=np.int64(3)), random_qk(1, 1, 1, 2, 4, seed=3)))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import os
 import socket
 import subprocess
@@ -237,9 +238,8 @@ def rope_reference(
 
 def sinusoidal_reference(positions: torch.Tensor, dim: int, *, base: float = 10000.0) -> torch.Tensor:
     """PE(p, 2i) = sin(p / base^(2i/d)), PE(p, 2i+1) = cos(p / base^(2i/d)) (Vaswani et al., §3.5). dim: even."""
-    if isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0 or dim % 2:
-        # The loop fills pairs: an odd dim left the last column of torch.empty unwritten (whatever memory held).
-        raise ValueError(f"dim must be even and positive (sin/cos pairs), got {dim!r}")
+    # The loop fills pairs: an odd dim left the last column of torch.empty unwritten (whatever memory held).
+    dim = even_positive_int("dim", dim)
     base = base_value("base", base)  # base 0 gave NaN
     if not isinstance(positions, torch.Tensor):
         raise TypeError(f"positions must be a torch.Tensor, got {type(positions).__name__}")
@@ -270,10 +270,12 @@ def alibi_slopes_reference(num_heads: int) -> list[float]:
 
 
 def alibi_bias_reference(num_heads: int, q_positions: list[int], k_positions: list[int]) -> torch.Tensor:
-    """(h, sq, sk): -slope_h * |m - n|; no causal mask. Positions: lists of ints."""
+    """(h, sq, sk): -slope_h * |m - n|; no causal mask. Positions: sequences of integers (numpy's too)."""
+    q_positions, k_positions = list(q_positions), list(k_positions)  # once: a generator is read by the check
     for name, positions in (("q_positions", q_positions), ("k_positions", k_positions)):
-        if any(isinstance(p, bool) or not isinstance(p, int) for p in positions):  # [0.5, 1] was taken
-            raise TypeError(f"{name} must be a list of int positions, got {positions!r}")
+        if any(isinstance(p, bool) or not isinstance(p, numbers.Integral) for p in positions):  # [0.5, 1] was taken
+            raise TypeError(f"{name} must be a sequence of integer positions, got {positions!r}")
+    q_positions, k_positions = [int(p) for p in q_positions], [int(p) for p in k_positions]
     slopes = alibi_slopes_reference(num_heads)
     return torch.tensor(
         [[[-s * abs(m - n) for n in k_positions] for m in q_positions] for s in slopes], dtype=torch.float64
@@ -352,11 +354,14 @@ def random_qk(
     """Random q (b, h_q, s, d) and k (b, h_k, s, d) (or bshd), drawn in float64 and cast to ``dtype``."""
     if layout not in ("bhsd", "bshd"):  # any other string was read as "bshd"
         raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
-    for name, size in (("batch", batch), ("q_heads", q_heads), ("k_heads", k_heads), ("head_dim", head_dim)):
-        positive_int(name, size)  # torch.randn's "invalid combination of arguments" before; True was 1 head
-    integer("seq", seq, low=0)
+    # torch.randn's "invalid combination of arguments" before; True was 1 head. Plain ints (numpy's converted).
+    batch, q_heads, k_heads, head_dim = (
+        positive_int(name, size)
+        for name, size in (("batch", batch), ("q_heads", q_heads), ("k_heads", k_heads), ("head_dim", head_dim))
+    )
+    seq = integer("seq", seq, low=0)
     # torch's CPU generator keeps 32 bits of the seed: 2**32 drew what 0 draws.
-    integer("seed", seed, low=0, high=2**32, expected="an int in [0, 2**32) (torch's generator keeps 32 bits)")
+    seed = integer("seed", seed, low=0, high=2**32, expected="an int in [0, 2**32) (torch's generator keeps 32 bits)")
     gen = torch.Generator().manual_seed(seed)
     shapes = [(batch, h, seq, head_dim) if layout == "bhsd" else (batch, seq, h, head_dim) for h in (q_heads, k_heads)]
     q, k = (torch.randn(shape, generator=gen, dtype=torch.float64).to(device=device, dtype=dtype) for shape in shapes)
