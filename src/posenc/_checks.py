@@ -505,12 +505,7 @@ def int_tensor(name: str, x: Any, *, what: str = "positions", host_read: bool = 
             f"{name} is a {type(x).__name__}, a tensor subclass that runs torch's operations itself, whose values "
             f"posenc cannot read on the host to check them; pass {name} as a plain integer tensor (a DTensor is taken)"
         )
-    if host_read and (
-        torch._C._functorch.is_batchedtensor(x)
-        # Or inside functionalize's wrapper (vmap(functionalize(f)) batches the tensor it wraps), asked only where a
-        # transform runs (~35 ns where none does) and not while Dynamo traces, which cannot trace the unwrapping.
-        or (torch._C._are_functorch_transforms_active() and not compiling() and _batched_inside(x))
-    ):
+    if host_read and vmapped(x):
         # Its values are checked on the host (rows of a table, >= 0), which a vmapped tensor cannot give.
         raise ValueError(
             f"{name} cannot be batched by torch.func.vmap: posenc reads its values to check them; vmap over the "
@@ -547,6 +542,8 @@ def vmapped(x: torch.Tensor) -> bool:
     the host, nor a batching rule for an assert. Plain and grad-wrapped tensors are readable."""
     if torch._C._functorch.is_batchedtensor(x):
         return True
+    # Or inside functionalize's wrapper (vmap(functionalize(f)) batches the tensor it wraps), asked only where a
+    # transform runs (~35 ns where none does) and not while Dynamo traces, which cannot trace the unwrapping.
     return torch._C._are_functorch_transforms_active() and not compiling() and _batched_inside(x)
 
 
