@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from posenc._checks import base_value, even_positive_int, float_tensor, integer, positive_int, same_device
+from posenc.bias.alibi import alibi_head_count
 
 __all__ = [
     "DTYPES",
@@ -260,9 +261,7 @@ def alibi_slopes_reference(num_heads: int) -> list[float]:
         start = 2 ** (-(2 ** -(math.log2(n) - 3)))
         return [start * start**i for i in range(n)]
 
-    num_heads = positive_int("num_heads", num_heads)  # 0: "math domain error"; 2**62 heads: a list without end
-    if num_heads > 2**24:
-        raise ValueError(f"num_heads must be at most 2**24 (one slope a head), got {num_heads}")
+    num_heads = alibi_head_count(num_heads)  # 0: "math domain error"; 2**62 heads: a list without end
     if math.log2(num_heads).is_integer():
         return power_of_two(num_heads)
     closest = 2 ** math.floor(math.log2(num_heads))

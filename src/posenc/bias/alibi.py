@@ -10,7 +10,14 @@ import torch
 from posenc._checks import flag, float_dtype, float_tensor, is_dtensor, laid_out_as, positive_int, replicated_values
 from posenc.bias.base import ScoreBias, on_ids_mesh, score_positions
 
-_MAX_HEADS = 2**24
+
+def alibi_head_count(num_heads: int) -> int:
+    """``num_heads`` checked as ALiBi's slopes take it: a positive int, at most 2**24. The slopes are built in a
+    Python list (here and in ``posenc.testing``'s reference): 2**62 heads ran without end instead of failing."""
+    num_heads = positive_int("num_heads", num_heads)
+    if num_heads > 2**24:
+        raise ValueError(f"num_heads must be at most 2**24 (one slope a head), got {num_heads}")
+    return num_heads
 
 
 def _geometric_slopes(n: int) -> list[float]:
@@ -25,10 +32,7 @@ def alibi_slopes(num_heads: int, *, dtype: torch.dtype = torch.float32) -> torch
     For h not a power of two, the published rule: the slopes of the closest lower power of two p, then every other
     slope of 2p (the odd powers) for the remaining h - p heads, as in the paper's code and BLOOM.
     """
-    num_heads = positive_int("num_heads", num_heads)
-    if num_heads > _MAX_HEADS:
-        # The slopes are built in a Python list: 2**62 heads ran without end instead of failing.
-        raise ValueError(f"num_heads must be at most 2**24 (one slope a head), got {num_heads}")
+    num_heads = alibi_head_count(num_heads)
     closest = 2 ** math.floor(math.log2(num_heads))
     slopes = _geometric_slopes(closest)
     if closest != num_heads:
